@@ -1,0 +1,157 @@
+"""ep nox sessions. `nox -l` is the catalogue; `nox -s tests` is what CI runs.
+
+The package graph lives in PACKAGES (one dict, leaf first). Every session derives what it installs from it, so
+`tests-<package>` installs exactly that package, its internal closure and its declared dependencies: if a
+package imports something it does not declare, its session fails. That is how the layering is proven.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2025.2.9"
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+ROOT = Path(__file__).parent.resolve()
+DIST = ROOT / "dist"
+
+# The CPU build of torch that the development machines and CI carry on disk. A bare `torch` requirement would pull
+# a multi-GB CUDA build from PyPI, so every session that needs torch installs this pin first.
+TORCH_CPU = "torch==2.13.0"
+
+
+@dataclass(frozen=True)
+class Package:
+    path: str  # directory, relative to the repository root
+    deps: tuple[str, ...] = ()  # internal dependencies (names of PACKAGES)
+    extras: tuple[str, ...] = ()  # extras to install when this package is under test
+    needs_torch: bool = False
+
+
+# Arrows of DESIGN.md §1, leaf first. ep-core's optional arrow to ep-nccl-gin (its `nccl` extra) is exercised by
+# the `tests` session, where every package is installed together.
+PACKAGES: dict[str, Package] = {
+    "ep-layout": Package("ep-layout"),
+    "ep-jit": Package("ep-jit"),
+    "ep-symmem": Package("packages/ep-symmem"),
+    "ep-nccl-gin": Package("packages/ep-nccl-gin", extras=("cu13",)),
+    "ep-core": Package("ep-core", deps=("ep-layout", "ep-jit", "ep-symmem")),
+    "ep-torch": Package("ep-torch", deps=("ep-core",), needs_torch=True),
+}
+
+
+# Everything installed together: each package's test extras plus ep-core's optional NCCL arrow.
+ALL_EXTRAS = {name: pkg.extras for name, pkg in PACKAGES.items()} | {"ep-core": ("nccl",)}
+
+
+def _closure(name: str) -> list[str]:
+    """`name` and its internal dependencies, leaf first, each once."""
+    seen: list[str] = []
+
+    def visit(n: str) -> None:
+        for dep in PACKAGES[n].deps:
+            visit(dep)
+        if n not in seen:
+            seen.append(n)
+
+    visit(name)
+    return seen
+
+
+def _requirement(name: str, extras: tuple[str, ...]) -> str:
+    spec = str(ROOT / PACKAGES[name].path)
+    return f"{spec}[{','.join(extras)}]" if extras else spec
+
+
+def _test_group(name: str) -> list[str]:
+    pyproject = nox.project.load_toml(ROOT / PACKAGES[name].path / "pyproject.toml")
+    if "test" not in pyproject.get("dependency-groups", {}):
+        return ["pytest"]
+    return list(nox.project.dependency_groups(pyproject, "test"))
+
+
+def _install(session: nox.Session, names: list[str], *, extras: dict[str, tuple[str, ...]]) -> None:
+    """Install the internal packages `names` from the local tree (one pip call, so siblings resolve locally)."""
+    if any(PACKAGES[n].needs_torch for n in names):
+        session.install(TORCH_CPU)
+    reqs = [_requirement(n, extras.get(n, ())) for n in names]
+    groups = sorted({r for n in names for r in _test_group(n)})
+    session.install(*reqs, *groups)
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    session.run("pytest", *paths, "-m", "not gpu", *session.posargs)
+
+
+def _make_package_session(name: str) -> None:
+    def session_fn(session: nox.Session) -> None:
+        _install(session, _closure(name), extras={name: PACKAGES[name].extras})
+        _pytest(session, f"{PACKAGES[name].path}/tests")
+
+    session_fn.__doc__ = f"CPU tests of {name} installed alone with only its declared dependencies."
+    nox.session(name=f"tests-{name}", default=False)(session_fn)
+
+
+for _name in PACKAGES:
+    _make_package_session(_name)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """All CPU tests of every package plus the cross-package tests/, in one venv (the README's test command)."""
+    names = list(PACKAGES)
+    _install(session, names, extras=ALL_EXTRAS)
+    _pytest(session, *(f"{PACKAGES[n].path}/tests" for n in names), "tests")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """Build every wheel (and sdist) into dist/, then check them with twine and the wheel-content tests."""
+    session.install("build", "twine")
+    shutil.rmtree(DIST, ignore_errors=True)
+    for pkg in PACKAGES.values():
+        session.run("python", "-m", "build", "--outdir", str(DIST), str(ROOT / pkg.path))
+    session.run("twine", "check", "--strict", *(str(p) for p in sorted(DIST.iterdir())))
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """The main job: `ep-demo` trains a small MoE layer over N ranks through dispatch/combine and checks it."""
+    _install(session, _closure("ep-torch"), extras={})
+    session.run("ep-demo", *session.posargs)
+
+
+def _has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+@nox.session(default=False, tags=["gpu"])
+def bench(session: nox.Session) -> None:
+    """GPU benchmarks (benchmarks/bench_ep.py, ep-jit launch overhead); skips cleanly without a GPU."""
+    if not _has_gpu():
+        session.skip("no NVIDIA GPU on this machine (benchmarks need one; see scripts/gpu-suite.sh)")
+    _install(session, list(PACKAGES), extras=ALL_EXTRAS)
+    session.run("python", "benchmarks/bench_ep.py", *session.posargs)
+
+
+@nox.session(default=False, tags=["gpu"])
+def gpu(session: nox.Session) -> None:
+    """GPU tests (pytest -m gpu) of every package; skips cleanly without a GPU."""
+    if not _has_gpu():
+        session.skip("no NVIDIA GPU on this machine")
+    _install(session, list(PACKAGES), extras=ALL_EXTRAS)
+    paths = [f"{PACKAGES[n].path}/tests" for n in PACKAGES]
+    session.run("pytest", *paths, "tests", "-m", "gpu", *session.posargs)
