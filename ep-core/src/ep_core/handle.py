@@ -71,6 +71,4 @@ class EPHandle:
     @property
     def did_cpu_sync(self) -> bool:
         """Whether the dispatch had exact sizes (False: worst-case shapes, true count on the device)."""
-        return bool(self.num_recv_tokens_per_expert_list) or self.num_recv_tokens != (
-            self.num_ranks * self.num_max_tokens_per_rank
-        )
+        return len(self.num_recv_tokens_per_expert_list) > 0

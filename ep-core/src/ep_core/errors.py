@@ -1,0 +1,87 @@
+"""ep_core's exception hierarchy.
+
+Every message says what was expected, what was got, and what to do. Input validation raises `EPValueError` /
+`EPTypeError`, which are also the builtin `ValueError` / `TypeError`, so callers that catch the builtins keep working.
+
+    EPError
+    ├── EPValueError (ValueError)          bad argument value or shape; the message names the argument
+    │   └── EPConfigError                  bad configuration: topology, sizes, planner inputs, undetectable bandwidth
+    │       └── EPPlanMismatchError        ranks of one domain planned different symmetric tensors
+    ├── EPTypeError (TypeError)            bad argument type or dtype
+    ├── EPStateError (RuntimeError)        call on a destroyed buffer, or out of order
+    ├── EPDeviceError (RuntimeError)       an error word set by a kernel (bad expert id, duplicate expert, ...)
+    └── EPTimeoutError (TimeoutError)      a wait on peers expired (GPU record or CPU-side wait)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EPConfigError",
+    "EPDeviceError",
+    "EPError",
+    "EPPlanMismatchError",
+    "EPStateError",
+    "EPTimeoutError",
+    "EPTypeError",
+    "EPValueError",
+]
+
+
+class EPError(Exception):
+    """Base class of every ep_core error."""
+
+
+class EPValueError(EPError, ValueError):
+    """An argument has a bad value or shape; the message names the argument and the rule."""
+
+
+class EPTypeError(EPError, TypeError):
+    """An argument has a bad type or dtype; the message names the argument."""
+
+
+class EPConfigError(EPValueError):
+    """A configuration cannot work: topology, buffer sizes, planner inputs, undetectable bandwidths."""
+
+
+class EPPlanMismatchError(EPConfigError):
+    """Ranks of one domain planned different symmetric tensors (peers address tensors by offset)."""
+
+
+class EPStateError(EPError, RuntimeError):
+    """The object is in the wrong state for the call (e.g. used after `destroy()`)."""
+
+
+class EPDeviceError(EPError, RuntimeError):
+    """A kernel reported an error through the workspace error word."""
+
+    def __init__(self, message: str, *, code: int = 0, rank: int = -1, detail: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.rank = rank
+        self.detail = detail
+
+
+class EPTimeoutError(EPError, TimeoutError):
+    """A wait on peers timed out.
+
+    `rank`: the rank that waited; `tag`: what it waited for (a kernel tag such as "dispatch.notify", or
+    "cpu.dispatch_wait"); `counter`: which counter / peer it waited on; `value`: the last value it saw (or the
+    counts seen, for the CPU-side wait).
+    """
+
+    def __init__(
+        self, rank: int, tag: str, counter: int | str, value: object, message: str | None = None
+    ) -> None:
+        self.rank = rank
+        self.tag = tag
+        self.counter = counter
+        self.value = value
+        text = message or (
+            f"rank {rank} timed out waiting on {tag} (counter {counter}, last value {value}); a peer rank did not "
+            "arrive: check that every rank calls the same operations, or raise num_gpu_timeout_secs / "
+            "num_cpu_timeout_secs"
+        )
+        super().__init__(text)
+
+    def __reduce__(self):  # keep picklable across processes
+        return (type(self), (self.rank, self.tag, self.counter, self.value, str(self)))

@@ -1,0 +1,410 @@
+"""Analytic planner: buffer size hint, SM count, QP counts, bandwidth detection (SPEC §4-5, behaviour doc §2-3).
+
+SM model (`explain` returns every intermediate):
+
+1. `expected(g) = g * (1 - C(E - E/g, K) / C(E, K))`: expected distinct groups a token touches when the E experts
+   are split into g equal groups; `ekt = expected(N)`, `est = expected(S_o)` (0 in direct mode).
+2. Traffic per received token copy, starting from `read = 1/ekt`:
+   hybrid: `write = 1/ekt + est/(ekt*S_o) + 1`, `rdma = est*(1 - 1/S_o)/ekt`, `read += est/ekt`,
+   `nvl = 1 - 1/S_u`; direct: `write = [num_rdma_ranks > 1]/ekt + nvl_ranks/N`,
+   `nvl = (nvl_ranks/N)(1 - 1/nvl_ranks)`, `rdma = (N - nvl_ranks)/N` (never the bound in direct mode).
+3. Bound link: RDMA if hybrid and `rdma/rdma_gbs > nvl/nvlink_gbs`, else NVLink.
+4. `raw = max(B/T * read / sm_read_gbs, B/T * write / sm_write_gbs)` (B, T: bound bandwidth and traffic);
+   device SMs when the bound traffic is 0.
+5. `n = align(max(4, ceil(margin * raw)), a)`; at least 64 unless `prefer_overlap_with_compute`; at most the cap.
+   `PlannerPolicy.V2`: margin 1.25, a = 2, cap = device SMs. `PlannerPolicy.V2_5`: margin 1.3, a = 4,
+   cap = device SMs rounded down to even.
+
+Bandwidths: an explicit argument wins, then `EPKIT_NVLINK_GBS` / `EPKIT_RDMA_GBS`, then detection (NVLink: sum of
+the link speeds that `nvidia-smi nvlink -s` reports for the first GPU x 0.9; RDMA: the NIC rate / 8, from sysfs or
+`ibstat`). A bandwidth is only looked up when the model needs it; failure is an `EPConfigError` naming the variable.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ep_core._env import knobs
+from ep_core.errors import EPConfigError
+from ep_core.topology import MAX_TOPK, Topology
+
+__all__ = [
+    "DIRECT_NUM_ALLOCATED_QPS",
+    "HYBRID_NUM_ALLOCATED_QPS",
+    "HYBRID_NUM_ALLOCATED_QPS_FAST_ATOMICS",
+    "PlannerPolicy",
+    "SMPlan",
+    "default_num_allocated_qps",
+    "detect_fast_rdma_atomics",
+    "detect_nvlink_gbs",
+    "detect_rdma_gbs",
+    "expected_num_groups",
+    "explain",
+    "get_buffer_size_hint",
+    "get_theoretical_num_qps",
+    "get_theoretical_num_sms",
+    "parse_ibstat",
+    "parse_nvidia_smi_nvlink",
+]
+
+DIRECT_NUM_ALLOCATED_QPS = 17
+HYBRID_NUM_ALLOCATED_QPS = 129
+HYBRID_NUM_ALLOCATED_QPS_FAST_ATOMICS = 65
+NVLINK_EFFICIENCY = 0.9
+FAST_ATOMICS_CA_TYPE = "MT4131"
+
+
+class PlannerPolicy(enum.Enum):
+    """Margin and rounding of the SM count: the two designs of the seeds."""
+
+    V2 = (1.25, 2, False)  # DeepEP V2 (ElasticBuffer): margin 1.25, even, cap = device SMs
+    V2_5 = (1.3, 4, True)  # ep's EPBuffer: margin 1.3, multiple of 4, cap = device SMs rounded down to even
+
+    @property
+    def margin(self) -> float:
+        return self.value[0]
+
+    @property
+    def sm_alignment(self) -> int:
+        return self.value[1]
+
+    def cap(self, num_device_sms: int) -> int:
+        return num_device_sms // 2 * 2 if self.value[2] else num_device_sms
+
+
+@dataclass(frozen=True)
+class SMPlan:
+    """Every intermediate of the SM model (see the module doc)."""
+
+    policy: str
+    num_experts: int
+    num_topk: int
+    num_scaleout_ranks: int
+    num_scaleup_ranks: int
+    num_rdma_ranks: int
+    num_nvlink_ranks: int
+    expected_scaleout_groups: float  # est
+    expected_rank_groups: float  # ekt
+    read_traffic: float
+    write_traffic: float
+    nvlink_traffic: float
+    rdma_traffic: float
+    nvlink_gbs: float
+    rdma_gbs: float
+    bound: str  # "nvlink", "rdma" or "none" (no inter-rank traffic)
+    bound_traffic: float
+    bound_gbs: float
+    raw_num_sms: float
+    num_device_sms: int
+    num_sms: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def expected_num_groups(num_experts: int, num_topk: int, num_groups: int) -> float:
+    """Expected number of distinct groups among K distinct experts drawn from E split into `num_groups` groups."""
+    if num_groups < 1 or num_experts % num_groups:
+        raise EPConfigError(f"num_experts: expected a multiple of {num_groups} groups, got {num_experts}")
+    if not 0 < num_topk <= num_experts:
+        raise EPConfigError(f"num_topk: expected 1 <= num_topk <= num_experts={num_experts}, got {num_topk}")
+    miss = math.comb(num_experts - num_experts // num_groups, num_topk) / math.comb(num_experts, num_topk)
+    return num_groups * (1 - miss)
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EPConfigError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def explain(
+    topology: Topology,
+    num_experts: int,
+    num_topk: int,
+    *,
+    num_device_sms: int,
+    nvlink_gbs: float | None = None,
+    rdma_gbs: float | None = None,
+    sm_read_gbs: float = 200,
+    sm_write_gbs: float = 50,
+    prefer_overlap_with_compute: bool = True,
+    num_scaleout_topk: int = 0,
+    policy: PlannerPolicy = PlannerPolicy.V2_5,
+) -> SMPlan:
+    """Run the SM model and return all intermediates; `get_theoretical_num_sms` returns `.num_sms`."""
+    if num_scaleout_topk != 0:
+        raise EPConfigError(f"num_scaleout_topk: only 0 is supported, got {num_scaleout_topk}")
+    if not isinstance(policy, PlannerPolicy):
+        raise EPConfigError(f"policy: expected a PlannerPolicy (V2 or V2_5), got {policy!r}")
+    _check_positive_int("num_device_sms", num_device_sms)
+    _check_positive_int("num_topk", num_topk)
+    if num_topk > MAX_TOPK:
+        raise EPConfigError(f"num_topk: expected at most {MAX_TOPK}, got {num_topk}")
+    topology.check_num_experts(num_experts)
+    if sm_read_gbs <= 0 or sm_write_gbs <= 0:
+        raise EPConfigError(f"sm_read_gbs/sm_write_gbs: expected > 0, got {sm_read_gbs}/{sm_write_gbs}")
+    n = topology.num_ranks
+    so, su = topology.logical_domain_size
+    rdma_ranks, nvl_ranks = topology.physical_domain_size
+    est = expected_num_groups(num_experts, num_topk, so) if so > 1 else 0.0
+    ekt = expected_num_groups(num_experts, num_topk, n)
+    read, write, rdma, nvl = 1 / ekt, 0.0, 0.0, 0.0
+    if so > 1:
+        write += 1 / ekt
+        write += (1 / ekt) * (est / so)
+        rdma += (1 / ekt) * est * (1 - 1 / so)
+        read += est / ekt
+        write += 1
+        nvl += 1 - 1 / su
+    else:
+        if rdma_ranks > 1:
+            write += 1 / ekt
+        write += nvl_ranks / n
+        nvl += (nvl_ranks / n) * (1 - 1 / nvl_ranks)
+        rdma += (n - nvl_ranks) / n
+
+    nvl_bw = rdma_bw = 0.0
+    if so > 1:
+        nvl_bw = _bandwidth(nvlink_gbs, detect_nvlink_gbs) if nvl > 0 else _bandwidth_or_zero(nvlink_gbs)
+        rdma_bw = _bandwidth(rdma_gbs, detect_rdma_gbs)
+        nvl_time = nvl / nvl_bw if nvl > 0 else 0.0
+        if rdma / rdma_bw > nvl_time:
+            bound, traffic, bw = "rdma", rdma, rdma_bw
+        else:
+            bound, traffic, bw = "nvlink", nvl, nvl_bw
+    else:
+        bound, traffic = "nvlink", nvl
+        nvl_bw = _bandwidth(nvlink_gbs, detect_nvlink_gbs) if nvl > 0 else _bandwidth_or_zero(nvlink_gbs)
+        rdma_bw = _bandwidth_or_zero(rdma_gbs)
+        bw = nvl_bw
+    if traffic > 0:
+        raw = max(bw / traffic * read / sm_read_gbs, bw / traffic * write / sm_write_gbs)
+    else:
+        bound, raw = "none", float(num_device_sms)
+    a = policy.sm_alignment
+    sms = max(4, math.ceil(raw * policy.margin))
+    sms = (sms + a - 1) // a * a
+    if not prefer_overlap_with_compute:
+        sms = max(sms, 64)
+    sms = min(sms, policy.cap(num_device_sms))
+    plan = SMPlan(
+        policy=policy.name,
+        num_experts=num_experts,
+        num_topk=num_topk,
+        num_scaleout_ranks=so,
+        num_scaleup_ranks=su,
+        num_rdma_ranks=rdma_ranks,
+        num_nvlink_ranks=nvl_ranks,
+        expected_scaleout_groups=est,
+        expected_rank_groups=ekt,
+        read_traffic=read,
+        write_traffic=write,
+        nvlink_traffic=nvl,
+        rdma_traffic=rdma,
+        nvlink_gbs=nvl_bw,
+        rdma_gbs=rdma_bw,
+        bound=bound,
+        bound_traffic=traffic,
+        bound_gbs=bw,
+        raw_num_sms=raw,
+        num_device_sms=num_device_sms,
+        num_sms=sms,
+    )
+    if knobs.buffer_debug:
+        print(f"[ep_core.planner] {plan}")
+    return plan
+
+
+def get_theoretical_num_sms(
+    topology: Topology,
+    num_experts: int,
+    num_topk: int,
+    *,
+    num_device_sms: int,
+    nvlink_gbs: float | None = None,
+    rdma_gbs: float | None = None,
+    sm_read_gbs: float = 200,
+    sm_write_gbs: float = 50,
+    prefer_overlap_with_compute: bool = True,
+    num_scaleout_topk: int = 0,
+    policy: PlannerPolicy = PlannerPolicy.V2_5,
+) -> int:
+    """SMs a dispatch/combine should use so that the bound link, not the SMs, limits it (module doc).
+
+    `nvlink_gbs` / `rdma_gbs`: None or 0 = environment override, else detection (only when needed).
+    """
+    return explain(
+        topology,
+        num_experts,
+        num_topk,
+        num_device_sms=num_device_sms,
+        nvlink_gbs=nvlink_gbs,
+        rdma_gbs=rdma_gbs,
+        sm_read_gbs=sm_read_gbs,
+        sm_write_gbs=sm_write_gbs,
+        prefer_overlap_with_compute=prefer_overlap_with_compute,
+        num_scaleout_topk=num_scaleout_topk,
+        policy=policy,
+    ).num_sms
+
+
+def default_num_allocated_qps(topology: Topology, fast_rdma_atomics: bool | None = None) -> int:
+    """QPs allocated when the user passes 0: 17 without the hybrid flag; with it 65 on NICs with fast RDMA
+    atomics (CA type MT4131), else 129. `fast_rdma_atomics=None` detects it (False when undetectable)."""
+    if not topology.allow_hybrid_mode:
+        return DIRECT_NUM_ALLOCATED_QPS
+    fast = detect_fast_rdma_atomics() if fast_rdma_atomics is None else fast_rdma_atomics
+    return HYBRID_NUM_ALLOCATED_QPS_FAST_ATOMICS if fast else HYBRID_NUM_ALLOCATED_QPS
+
+
+def get_theoretical_num_qps(topology: Topology, num_sms: int, num_allocated_qps: int = 0) -> int:
+    """`min(num_sms, 9)`, or `16*num_sms + 1` when the hybrid flag is set (one extra QP for the notify warps),
+    capped by the allocated QPs (`0` = `default_num_allocated_qps`)."""
+    _check_positive_int("num_sms", num_sms)
+    if not isinstance(num_allocated_qps, int) or num_allocated_qps < 0:
+        raise EPConfigError(
+            f"num_allocated_qps: expected an int >= 0 (0 = default), got {num_allocated_qps!r}"
+        )
+    allocated = num_allocated_qps or default_num_allocated_qps(topology)
+    qps = num_sms * 16 + 1 if topology.allow_hybrid_mode else min(num_sms, 9)
+    return min(qps, allocated)
+
+
+def get_buffer_size_hint(
+    topology: Topology,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int = 0,
+    use_fp8_dispatch: bool = False,
+    allow_multiple_reduction: bool = True,
+) -> int:
+    """GPU buffer bytes: `align(max(dispatch_bytes, combine_bytes), 2 MiB)` from ep_layout's byte math
+    (`K = 0` sized as 32; FP8 scales as `ceil(hidden/32)` packs). The workspace comes on top."""
+    import ep_layout
+
+    _check_positive_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
+    _check_positive_int("hidden", hidden)
+    if not isinstance(num_topk, int) or not 0 <= num_topk <= MAX_TOPK:
+        raise EPConfigError(
+            f"num_topk: expected an int in [0, {MAX_TOPK}] (0 = size for {MAX_TOPK}), got {num_topk!r}"
+        )
+    try:
+        return ep_layout.size_hint_bytes(
+            topology.to_layout(),
+            num_max_tokens_per_rank,
+            hidden,
+            num_topk,
+            bool(use_fp8_dispatch),
+            bool(allow_multiple_reduction),
+        )
+    except ValueError as exc:
+        raise EPConfigError(str(exc)) from exc
+
+
+# ------------------------------------------------------------------------------------------------------------
+# bandwidth detection
+
+
+def _bandwidth_or_zero(given: float | None) -> float:
+    return float(given) if given else 0.0
+
+
+def _bandwidth(given: float | None, detect) -> float:
+    if given is not None and given < 0:
+        raise EPConfigError(f"bandwidth: expected GB/s >= 0 (0 = detect), got {given}")
+    return float(given) if given else detect()
+
+
+def parse_nvidia_smi_nvlink(text: str) -> float:
+    """Sum of the `Link k: X GB/s` speeds of the first GPU block of `nvidia-smi nvlink -s` output (no 0.9)."""
+    total = 0.0
+    seen_gpu = False
+    for line in text.splitlines():
+        if line.startswith("GPU "):
+            if seen_gpu:
+                break
+            seen_gpu = True
+            continue
+        m = re.search(r"Link\s+\d+:\s*([0-9.]+)\s*GB/s", line)
+        if m:
+            total += float(m.group(1))
+    return total
+
+
+def parse_ibstat(text: str, nic_name: str) -> tuple[float, str]:
+    """`(rate in Gb/s, CA type)` of CA `nic_name` in `ibstat` output (0.0 / "" when absent)."""
+    rate, ca_type, inside = 0.0, "", False
+    for line in text.splitlines():
+        m = re.match(r"\s*CA '([^']+)'", line)
+        if m:
+            if inside:
+                break
+            inside = m.group(1) == nic_name
+            continue
+        if not inside:
+            continue
+        t = re.match(r"\s*CA type:\s*(\S+)", line)
+        if t and not ca_type:
+            ca_type = t.group(1)
+        r = re.match(r"\s*Rate:\s*([0-9.]+)", line)
+        if r and not rate:
+            rate = float(r.group(1))
+    return rate, ca_type
+
+
+def _run(cmd: list[str]) -> str:
+    if shutil.which(cmd[0]) is None:
+        return ""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def detect_nvlink_gbs() -> float:
+    """NVLink GB/s: `EPKIT_NVLINK_GBS` if set, else the first GPU's link speeds x 0.9 (nvidia-smi)."""
+    env = knobs.nvlink_gbs
+    if env > 0:
+        return env
+    total = parse_nvidia_smi_nvlink(_run(["nvidia-smi", "nvlink", "-s"]))
+    if total <= 0:
+        raise EPConfigError(
+            "nvlink_gbs: could not detect the NVLink bandwidth (nvidia-smi nvlink -s reported no links); "
+            "pass nvlink_gbs= or set EPKIT_NVLINK_GBS=<GB/s per GPU>"
+        )
+    return total * NVLINK_EFFICIENCY
+
+
+def detect_rdma_gbs() -> float:
+    """RDMA GB/s: `EPKIT_RDMA_GBS` if set, else the rate of NIC `EPKIT_NIC_NAME` / 8 (sysfs, then ibstat)."""
+    env = knobs.rdma_gbs
+    if env > 0:
+        return env
+    nic = knobs.nic_name
+    rate = 0.0
+    try:
+        text = (Path("/sys/class/infiniband") / nic / "ports" / "1" / "rate").read_text()
+        m = re.match(r"\s*([0-9.]+)", text)
+        rate = float(m.group(1)) if m else 0.0
+    except OSError:
+        pass
+    if rate <= 0:
+        rate = parse_ibstat(_run(["ibstat"]), nic)[0]
+    if rate <= 0:
+        raise EPConfigError(
+            f"rdma_gbs: could not detect the RDMA bandwidth of NIC {nic!r} (no sysfs rate, no ibstat); "
+            "pass rdma_gbs= or set EPKIT_RDMA_GBS=<GB/s per GPU> (or EPKIT_NIC_NAME)"
+        )
+    return rate / 8
+
+
+def detect_fast_rdma_atomics() -> bool:
+    """True when NIC `EPKIT_NIC_NAME` reports CA type MT4131 in ibstat; False otherwise or when undetectable."""
+    return parse_ibstat(_run(["ibstat"]), knobs.nic_name)[1] == FAST_ATOMICS_CA_TYPE
