@@ -57,7 +57,11 @@ class KernelArg:
 
 def _int_wrapper(name: str, code: str, lo: int, hi: int) -> type[KernelArg]:
     def __init__(self: KernelArg, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool):
+            raise TypeError(
+                f"ep_jit.{name}: expected an int, got bool (use ep_jit.bool_ for a bool parameter)"
+            )
+        if not isinstance(value, int):
             try:
                 value = int(value.__index__())  # numpy integers, torch ints
             except AttributeError:

@@ -23,7 +23,7 @@ from ._errors import CompileError, JitError
 __all__ = ["Backend", "CompileOutput", "NvccBackend", "NvrtcBackend", "get_backend", "normalize_arch"]
 
 DEFAULT_NVCC_FLAGS = ("-std=c++17", "-O3", "--expt-relaxed-constexpr")
-DEFAULT_NVRTC_FLAGS = ("-std=c++17", "--expt-relaxed-constexpr")
+DEFAULT_NVRTC_FLAGS = ("-std=c++17",)
 
 _ARCH_RE = re.compile(r"^(?:sm_)?(\d{2,3})([af]?)$")
 
