@@ -1,0 +1,26 @@
+"""ep_torch: the PyTorch front end of ep, DeepEP-compatible.
+
+``from ep_torch import ElasticBuffer`` replaces ``from deep_ep import ElasticBuffer``: same constructor keywords,
+methods, ``dispatch``/``combine`` keywords and return tuples. ``EPBuffer`` is the newer surface (planner policy
+V2.5). CPU tensors on a gloo group run on the reference backend (bit-identical to ``ep_core.reference``); CUDA
+tensors on an nccl group run on the GPU kernels. ``ep_torch.functional`` has the autograd functions (also usable
+inside ``torch.compile``), ``ep_torch.nn.MoEDispatcher`` the intended use in a model, ``ep-demo`` the end-to-end demo.
+"""
+
+from __future__ import annotations
+
+from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
+from .event import EventHandle, EventOverlap
+from .handle import EPHandle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EPBuffer",
+    "EPHandle",
+    "ElasticBuffer",
+    "EventHandle",
+    "EventOverlap",
+    "__version__",
+    "topk_idx_t",
+]

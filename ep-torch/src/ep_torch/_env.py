@@ -1,0 +1,89 @@
+"""Every environment knob of ep_torch, read here only (prefix ``EPKIT_``).
+
+| variable | type | default | meaning |
+|---|---|---|---|
+| ``EPKIT_AVOID_RECORD_STREAM`` | bool | ``0`` | keep async operands alive in the returned ``EventOverlap`` instead of calling ``record_stream`` (needed inside CUDA graphs) |
+| ``EPKIT_TORCH_TRANSPORT`` | str | ``""`` | force the backend of new buffers: ``reference`` (CPU, torch.distributed collectives), ``ipc`` or ``nccl``; empty = automatic |
+| ``EPKIT_TORCH_REFERENCE_NUM_SMS`` | int | ``132`` | device SM count the planner assumes on the CPU reference backend (an H200 by default) |
+| ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Knob", "avoid_record_stream", "knobs", "reference_num_sms", "reference_nvlink_gbs", "transport"]
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    default: str
+    doc: str
+
+    def raw(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+knobs: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob(
+            "EPKIT_AVOID_RECORD_STREAM",
+            "0",
+            "keep async operands alive in the EventOverlap, not record_stream",
+        ),
+        Knob("EPKIT_TORCH_TRANSPORT", "", "force the backend: reference, ipc or nccl (empty: automatic)"),
+        Knob(
+            "EPKIT_TORCH_REFERENCE_NUM_SMS",
+            "132",
+            "device SMs assumed by the planner on the CPU reference backend",
+        ),
+        Knob(
+            "EPKIT_TORCH_REFERENCE_NVLINK_GBS",
+            "430.3",
+            "NVLink GB/s assumed by the planner on the CPU backend",
+        ),
+    )
+}
+
+
+def _flag(name: str) -> bool:
+    value = knobs[name].raw().strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={value!r}: expected 0/1 (or true/false)")
+
+
+def _number(name: str, kind: type) -> float:
+    value = knobs[name].raw()
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a {kind.__name__}") from None
+
+
+def avoid_record_stream() -> bool:
+    """``EPKIT_AVOID_RECORD_STREAM``."""
+    return _flag("EPKIT_AVOID_RECORD_STREAM")
+
+
+def transport() -> str:
+    """``EPKIT_TORCH_TRANSPORT`` (lower case; empty = automatic)."""
+    value = knobs["EPKIT_TORCH_TRANSPORT"].raw().strip().lower()
+    if value not in ("", "reference", "ipc", "nccl"):
+        raise ValueError(f"EPKIT_TORCH_TRANSPORT={value!r}: expected one of reference, ipc, nccl (or unset)")
+    return value
+
+
+def reference_num_sms() -> int:
+    """``EPKIT_TORCH_REFERENCE_NUM_SMS``."""
+    return int(_number("EPKIT_TORCH_REFERENCE_NUM_SMS", int))
+
+
+def reference_nvlink_gbs() -> float:
+    """``EPKIT_TORCH_REFERENCE_NVLINK_GBS``."""
+    return float(_number("EPKIT_TORCH_REFERENCE_NVLINK_GBS", float))

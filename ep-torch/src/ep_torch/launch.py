@@ -1,0 +1,75 @@
+"""Start N ranks on one machine for CPU (gloo) or GPU (nccl) runs: ``spawn(fn, nprocs, *args)``.
+
+Each rank gets ``MASTER_ADDR``/``MASTER_PORT`` for a free local port, initializes ``torch.distributed`` with the
+chosen backend and calls ``fn(rank, world_size, *args)``; the process group is destroyed afterwards. Used by the
+demo and the tests; a convenient way to try the CPU reference backend in a script.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "init_rank", "spawn"]
+
+
+def free_port() -> int:
+    """A TCP port that is free on localhost right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo", timeout_s: float = 120.0) -> None:
+    """Initialize the default process group of this rank (and pick its GPU for nccl)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **({"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}),
+    )
+
+
+def _entry(
+    rank: int, world_size: int, port: int, backend: str, threads: int, fn: Callable[..., Any], args: tuple
+) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)
+    init_rank(rank, world_size, port, backend)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str = "gloo",
+    threads_per_rank: int = 1,
+    port: int | None = None,
+) -> None:
+    """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes with an initialized process group.
+
+    ``fn`` must be picklable (a module-level function). Raises if any rank fails.
+    """
+    mp.start_processes(
+        _entry,
+        args=(nprocs, port or free_port(), backend, threads_per_rank, fn, args),
+        nprocs=nprocs,
+        join=True,
+        start_method="spawn",
+    )

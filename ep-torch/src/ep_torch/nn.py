@@ -1,0 +1,85 @@
+"""``MoEDispatcher``: the intended use of dispatch/combine inside a model, with any expert computation.
+
+::
+
+    dispatcher = MoEDispatcher(buffer, num_experts=E)
+    y = dispatcher(x, topk_idx, topk_weights, experts)   # experts: this rank's E / N expert modules
+
+``forward`` dispatches the tokens (differentiably), runs each local expert on the rows routed to it, weights each
+expert output by its top-k weight, sums per received row and combines the rows back to their tokens. Gradients
+reach ``x``, ``topk_weights`` and the experts' parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import functional
+from .buffer import ElasticBuffer
+
+__all__ = ["MoEDispatcher", "apply_local_experts"]
+
+Expert = Callable[[torch.Tensor], torch.Tensor]
+
+
+def apply_local_experts(
+    recv_x: torch.Tensor,
+    recv_topk_idx: torch.Tensor,
+    recv_topk_weights: torch.Tensor,
+    experts: Sequence[Expert],
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Per received row (non-expand layout): ``sum_k w[k] * experts[idx[k]](x)`` over its local lanes.
+
+    ``recv_topk_idx`` holds local expert ids (-1 for lanes elsewhere); the result is bf16, ready for combine.
+    """
+    xf = recv_x.to(compute_dtype)
+    out = xf.new_zeros(recv_x.shape[0], recv_x.shape[1])
+    for e, expert in enumerate(experts):
+        rows, lanes = (recv_topk_idx == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = expert(xf.index_select(0, rows))
+        w = recv_topk_weights[rows, lanes].to(compute_dtype).unsqueeze(1)
+        out = out.index_add(0, rows, h * w)
+    return out.to(torch.bfloat16)
+
+
+class MoEDispatcher(nn.Module):
+    """Dispatch -> local experts -> combine over an :class:`~ep_torch.ElasticBuffer` (or ``EPBuffer``)."""
+
+    def __init__(
+        self, buffer: ElasticBuffer, num_experts: int, *, compute_dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        if num_experts % buffer.num_ranks:
+            raise ValueError(
+                f"num_experts: must be a multiple of the number of ranks ({buffer.num_ranks}), got {num_experts}"
+            )
+        self.buffer = buffer
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // buffer.num_ranks
+        self.compute_dtype = compute_dtype
+        self.last_handle: torch.Tensor | None = None
+
+    def forward(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, experts: Sequence[Expert]
+    ) -> torch.Tensor:
+        """``x`` [T, hidden] bf16, ``topk_idx`` [T, K] global ids, ``topk_weights`` [T, K] float32 -> [T, hidden] bf16."""
+        if len(experts) != self.num_local_experts:
+            raise ValueError(
+                f"experts: expected this rank's {self.num_local_experts} experts, got {len(experts)}"
+            )
+        recv_x, recv_idx, recv_w, handle = functional.dispatch(
+            self.buffer, x, topk_idx, topk_weights, num_experts=self.num_experts
+        )
+        assert recv_idx is not None
+        y = apply_local_experts(recv_x, recv_idx, recv_w, experts, compute_dtype=self.compute_dtype)
+        self.last_handle = handle
+        out = functional.combine(self.buffer, y, handle)
+        assert isinstance(out, torch.Tensor)
+        return out
