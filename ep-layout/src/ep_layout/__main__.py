@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import LAYOUT_VERSION, WorkspaceLayout, __version__, get_cmake_dir, get_include
+from . import LAYOUT_VERSION, EPLayoutError, WorkspaceLayout, __version__, get_cmake_dir, get_include
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     if not any(vars(args).values()):
         parser.print_help()
         return 0
+    try:
+        _print(args)
+    except EPLayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print(args: argparse.Namespace) -> None:
     if args.version:
         print(f"ep-layout {__version__} (layout {LAYOUT_VERSION[0]}.{LAYOUT_VERSION[1]})")
     if args.includes:
@@ -41,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{'end':32s} offset {WorkspaceLayout.NUM_BYTES:>10d}  (aligned {WorkspaceLayout.NUM_ALIGNED_BYTES})"
         )
-    return 0
 
 
 if __name__ == "__main__":

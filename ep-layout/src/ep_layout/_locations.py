@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .errors import EPLayoutError
@@ -28,12 +29,17 @@ def get_include() -> str:
 def get_cmake_dir() -> str:
     """Directory holding ``ep_layoutConfig.cmake``: pass it as ``-Dep_layout_DIR=...`` to CMake.
 
-    Only an installed wheel has it (the file is generated at build time).
+    The file is generated when the wheel is built: it is in the installed package, or (editable installs, whose
+    Python files stay in the source tree) in the ``ep_layout`` directory that the install put on ``sys.path``.
     """
     cmake_dir = _PKG_DIR / "share" / "cmake" / "ep_layout"
-    if (cmake_dir / "ep_layoutConfig.cmake").is_file():
-        return str(cmake_dir)
+    candidates = [cmake_dir] + [
+        Path(p) / "ep_layout" / "share" / "cmake" / "ep_layout" for p in sys.path if p
+    ]
+    for candidate in candidates:
+        if (candidate / "ep_layoutConfig.cmake").is_file():
+            return str(candidate)
     raise EPLayoutError(
         f"ep_layout CMake files not found: expected {cmake_dir / 'ep_layoutConfig.cmake'}; they exist only in an "
-        "installed wheel (pip install ep-layout), not in a source checkout or an editable install"
+        "installed ep-layout (pip install ep-layout), not in a bare source checkout"
     )
