@@ -117,9 +117,10 @@ def compute_key(
     canonical = be.canonical_flags(
         arch=arch_n, include_flags=include_flags, define_flags=_canonical_defines(defines), flags=user_flags
     )
-    # Include paths vary between installs; their content is what matters, so the key holds the
-    # flags without -I paths and the header closure's digests instead.
-    keyed_flags = [f if not f.startswith("-I") else "-I<dir>" for f in canonical]
+    # The caller's include paths vary between installs; their content is what matters, so the key holds
+    # those flags without paths and the header closure's digests instead.
+    user_includes = set(include_flags)
+    keyed_flags = [f if f not in user_includes else "-I<dir>" for f in canonical]
     record = {
         "schema": SCHEMA_VERSION,
         "ep_jit": _version(),

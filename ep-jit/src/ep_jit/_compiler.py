@@ -271,8 +271,27 @@ class NvrtcBackend(Backend):
             *_overridden(DEFAULT_NVRTC_FLAGS, translated),
             *define_flags,
             *include_flags,
+            *(f"-I{d}" for d in self.toolkit_include_dirs()),
             *translated,
         ]
+
+    @staticmethod
+    def toolkit_include_dirs() -> list[str]:
+        """The CUDA runtime and CCCL header directories (cooperative_groups.h, cuda/std/...) found by
+        cuda.pathfinder; NVRTC has no default search path. Their paths, not contents, enter the key."""
+        try:
+            from cuda.pathfinder import find_nvidia_header_directory
+        except ImportError:
+            return []
+        dirs = []
+        for lib in ("cccl", "cudart"):
+            try:
+                found = find_nvidia_header_directory(lib)
+            except Exception:
+                found = None
+            if found and found not in dirs:
+                dirs.append(str(found))
+        return dirs
 
     def compile(self, source: str, workdir: Path, canonical: list[str], *, keep_temps: bool) -> CompileOutput:
         nvrtc, _lib = self._load()
