@@ -186,7 +186,8 @@ class FileBootstrap:
         self.allgather(b"")
 
     def cleanup(self) -> None:
-        """Delete this rank's remaining files (call after the group's last collective)."""
-        for k in (self._round - 2, self._round - 1):
-            if k >= 0:
-                self._path(k, self._rank).unlink(missing_ok=True)
+        """Delete this rank's files except the last round's (another rank may still be reading that one; it is
+        one small file per rank). Call after the group's last collective; the directory can go once every rank
+        has returned."""
+        if self._round >= 2:
+            self._path(self._round - 2, self._rank).unlink(missing_ok=True)
