@@ -53,7 +53,9 @@ def _load_nvidia_dynamic_lib(name: str) -> Any:
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
     except ImportError as exc:
-        raise NcclNotFoundError(f"cuda-pathfinder is not importable ({exc}); pip install cuda-pathfinder") from exc
+        raise NcclNotFoundError(
+            f"cuda-pathfinder is not importable ({exc}); pip install cuda-pathfinder"
+        ) from exc
     return load_nvidia_dynamic_lib(name)
 
 

@@ -8,6 +8,7 @@ that is garbage-collected without ``destroy()`` is aborted (``ncclCommAbort``, l
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import warnings
 import weakref
@@ -17,7 +18,7 @@ from typing import Literal
 
 from ._loader import LoadedNccl, extension, load
 from .errors import NcclGinError, NcclVersionError
-from .version import FEATURES, NcclVersion, check_header_runtime, require
+from .version import FEATURES, check_header_runtime, require
 
 __all__ = [
     "Communicator",
@@ -91,10 +92,9 @@ class Team:
 
 
 def _abort_quietly(ptr: int) -> None:
-    try:
+    # A finalizer: nothing useful can be done with an error here.
+    with contextlib.suppress(Exception):
         extension().comm_abort(ptr)
-    except Exception:  # finalizer: nothing useful can be done with an error here
-        pass
 
 
 class Communicator:
@@ -198,7 +198,9 @@ class Communicator:
     def abort(self) -> None:
         """``ncclCommAbort`` (owned communicators only)."""
         if not self._owned:
-            raise NcclGinError("abort: this Communicator is borrowed (from_pointer); abort it through its owner")
+            raise NcclGinError(
+                "abort: this Communicator is borrowed (from_pointer); abort it through its owner"
+            )
         if self._ptr is None:
             return
         ptr, self._ptr = self._ptr, None
@@ -209,7 +211,9 @@ class Communicator:
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.destroy()
 
     def __repr__(self) -> str:
@@ -239,7 +243,11 @@ class Communicator:
         flags = flags_table["coll_symmetric"]
         applied_strict = False
         # Only a flag that headers no newer than the library define is passed (an older library may reject it).
-        if strict_ordering and flags_table["strict_ordering"] is not None and self._nccl.runtime >= self._nccl.header:
+        if (
+            strict_ordering
+            and flags_table["strict_ordering"] is not None
+            and self._nccl.runtime >= self._nccl.header
+        ):
             flags |= flags_table["strict_ordering"]
             applied_strict = True
         handle = int(impl.window_register(self.ptr, ptr, nbytes, flags))
@@ -310,7 +318,9 @@ class Communicator:
             req.gin_context_count = _check_count("gin_contexts", gin_contexts)
         if gin_exclusive_contexts is not None:
             if not isinstance(gin_exclusive_contexts, bool):
-                raise TypeError(f"gin_exclusive_contexts: expected a bool, got {type(gin_exclusive_contexts).__name__}")
+                raise TypeError(
+                    f"gin_exclusive_contexts: expected a bool, got {type(gin_exclusive_contexts).__name__}"
+                )
             require("gin_connection_options", nccl.runtime, nccl.header)
             req.gin_exclusive_contexts = gin_exclusive_contexts
         if gin_queue_depth is not None:
@@ -318,7 +328,9 @@ class Communicator:
             req.gin_queue_depth = _check_count("gin_queue_depth", gin_queue_depth, minimum=1)
         if gin_connection_type is not None:
             if gin_connection_type not in _GIN_CONNECTION:
-                raise ValueError(f"gin_connection_type: expected 'full' or 'rail', got {gin_connection_type!r}")
+                raise ValueError(
+                    f"gin_connection_type: expected 'full' or 'rail', got {gin_connection_type!r}"
+                )
             since = FEATURES["gin_connection_options"].since
             if nccl.header >= since and nccl.runtime >= since:
                 req.gin_connection_type = _GIN_CONNECTION[gin_connection_type]
@@ -388,14 +400,17 @@ class Window:
         size 1 or a single NVLink domain the LSA index equals the world rank)."""
         nccl = self._comm.nccl
         require("device_api", nccl.runtime, nccl.header)
-        team = self._comm.lsa_team()
         _check_count("peer", peer)
+        offset = self._offset(offset)
+        if nccl.runtime < FEATURES["host_peer_pointer"].since:
+            # The extension reads the window descriptor with its compiled layout: headers must match the library.
+            check_header_runtime(
+                nccl.header, nccl.runtime, what="ep_nccl_gin's extension (ncclWindow_vidmem)"
+            )
+        team = self._comm.lsa_team()
         if peer >= team.nranks:
             raise ValueError(f"peer: expected an LSA rank in [0, {team.nranks}), got {peer}")
-        if nccl.runtime < _HOST_POINTER_SINCE:
-            # The extension reads the window descriptor with its compiled layout: headers must match the library.
-            check_header_runtime(nccl.header, nccl.runtime, what="ep_nccl_gin's extension (ncclWindow_vidmem)")
-        return int(extension().window_lsa_pointer(self._comm.ptr, self.handle, peer, self._offset(offset)))
+        return int(extension().window_lsa_pointer(self._comm.ptr, self.handle, peer, offset))
 
     def peer_ptr(self, peer: int, offset: int = 0) -> int | None:
         """Device address of world rank ``peer``'s window at ``offset``, or None when ``peer`` is not in this
@@ -420,7 +435,9 @@ class Window:
     def __enter__(self) -> Window:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.deregister()
 
     def __del__(self) -> None:
@@ -436,13 +453,12 @@ class Window:
         return f"Window({state}, ptr=0x{self._ptr:x}, nbytes={self._nbytes})"
 
 
-_HOST_POINTER_SINCE = NcclVersion(2, 29, 2)
-
-
 class DevComm:
     """A device communicator (``ncclDevComm``) that kernels take by value. Release with :meth:`destroy`."""
 
-    def __init__(self, comm: Communicator, raw: bytes, *, runtime_versioned: bool, gin_requested: bool) -> None:
+    def __init__(
+        self, comm: Communicator, raw: bytes, *, runtime_versioned: bool, gin_requested: bool
+    ) -> None:
         self._comm = comm
         self._raw: bytes | None = raw
         self._runtime_versioned = runtime_versioned
@@ -523,8 +539,12 @@ class DevComm:
     def __enter__(self) -> DevComm:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.destroy()
 
     def __repr__(self) -> str:
-        return f"DevComm(lsa_rank={self._lsa_rank}, lsa_size={self._lsa_size}, nbytes={len(self._raw or b'')})"
+        return (
+            f"DevComm(lsa_rank={self._lsa_rank}, lsa_size={self._lsa_size}, nbytes={len(self._raw or b'')})"
+        )

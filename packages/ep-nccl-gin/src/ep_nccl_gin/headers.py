@@ -106,5 +106,7 @@ def include_dirs(*, check: bool = True) -> list[str]:
         except NcclNotFoundError:
             runtime = None
         if runtime is not None:
-            check_header_runtime(parse_header_version(nccl_dir), runtime, what=f"the NCCL headers in {nccl_dir}")
+            check_header_runtime(
+                parse_header_version(nccl_dir), runtime, what=f"the NCCL headers in {nccl_dir}"
+            )
     return [nccl_dir, own_include_dir()]

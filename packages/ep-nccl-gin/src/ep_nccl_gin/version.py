@@ -37,7 +37,9 @@ class NcclVersion:
     def from_code(cls, code: int) -> NcclVersion:
         """Decode an ``NCCL_VERSION_CODE`` (as ``ncclGetVersion`` returns it)."""
         if not isinstance(code, int) or isinstance(code, bool) or code <= 0:
-            raise ValueError(f"code: expected a positive NCCL_VERSION_CODE integer such as 22809, got {code!r}")
+            raise ValueError(
+                f"code: expected a positive NCCL_VERSION_CODE integer such as 22809, got {code!r}"
+            )
         if code >= 10000:
             return cls(code // 10000, (code % 10000) // 100, code % 100)
         return cls(code // 1000, (code % 1000) // 100, code % 100)
