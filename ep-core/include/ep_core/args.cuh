@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+/// \file args.cuh
+/// \brief `OpArgs`: the one by-value kernel parameter of every ep-core kernel, its mode flags, and the maps of the
+/// symmetric workspace (cross-rank words) and of the rank-private scratch.
+///
+/// `OpArgs` is mirrored byte for byte by `ep_core.kernels._args` (every field is 8 bytes, in this order).
+/// Pointers that an operation does not use are null. Element strides are in elements, not bytes.
+#pragma once
+
+#include <ep_layout/ep_layout.cuh>
+
+#include "config.cuh"
+
+namespace ep_core {
+
+/// Mode bits of `OpArgs::flags`.
+enum OpFlags : int64_t {
+    kFlagExpand = 1 << 0,         ///< expand layout (one row per (token, local expert))
+    kFlagCached = 1 << 1,         ///< cached dispatch: slots from the handle, no counting
+    kFlagDeterministic = 1 << 2,  ///< slots and expanded rows from prefix sums (order by source token)
+    kFlagZeroPadding = 1 << 3,    ///< zero the expand padding rows (x, scales, weights)
+    kFlagSfColMajor = 1 << 4,     ///< output scales are column-major (strides given in sf_out_stride_*)
+    kFlagTopkIdx32 = 1 << 5,      ///< top-k ids are int32 (default int64)
+    kFlagMultipleReduction = 1 << 6,  ///< combine: reduce a token's expanded rows locally first
+    kFlagRankLayout = 1 << 7,     ///< combine: receive slots per source rank (else per top-k lane)
+};
+
+/// Error kinds are ep_layout::ErrorKind (values pinned; the host decodes them).
+using ErrorKind = ep_layout::ErrorKind;
+
+/// Wait tags (diagnostics only).
+enum WaitTag : int32_t {
+    kTagGridBarrier = 1,
+    kTagDispatchEntry = 2,
+    kTagDispatchCounts = 3,
+    kTagCombineEntry = 4,
+    kTagCombineExit = 5,
+};
+
+struct OpArgs {
+    // --- buffers of this rank
+    void* workspace;         ///< own symmetric workspace (the `Workspace` map), peers reach it through sym_ptr
+    void* recv_region;       ///< own symmetric receive region (dispatch tokens, then combine tokens)
+    void* scratch;           ///< rank-private device scratch (the `Scratch` map), zero between operations
+    const uint64_t* peer_bases;  ///< ipc: device table [num_ranks] of every rank's symmetric base
+    void* own_base;          ///< ipc: this rank's symmetric base (sym_ptr = peer_base + (p - own_base))
+    void* nccl_window;       ///< nccl: ncclWindow_t of the symmetric buffer (null for ipc)
+    // --- sizes
+    int64_t rank;
+    int64_t num_tokens;        ///< tokens of this rank (dispatch source, combine destination)
+    int64_t num_max_tokens;    ///< M
+    int64_t num_experts;       ///< E
+    int64_t expert_alignment;  ///< A
+    int64_t flags;             ///< OpFlags
+    int64_t timeout_cycles;    ///< clock64 budget of every wait
+    // --- dispatch inputs
+    const void* x;           ///< [T, hidden] rows of kHiddenBytes (row stride x_stride bytes)
+    int64_t x_stride;
+    const void* sf;          ///< [T, P] 4-byte packs or null
+    int64_t sf_stride0;
+    int64_t sf_stride1;
+    const void* topk_idx;    ///< [T, K] int64 (int32 with kFlagTopkIdx32), negative = none
+    const float* topk_weights;  ///< [T, K] or null
+    // --- handle (written by a non-cached dispatch, read otherwise)
+    int32_t* dst_slot;       ///< [T, K]: at master lanes own_rank*M + slot, else -1
+    int32_t* psum_rank;      ///< [N] inclusive prefix of received rows per source rank
+    int32_t* psum_expert;    ///< [epr] non-expand: inclusive aligned psum; expand: start_e + count_e
+    int32_t* unaligned_expert;  ///< [epr] true counts
+    int32_t* cum_stats;      ///< [epr] optional cumulative stats (atomicAdd of true counts)
+    int32_t* src_metadata;   ///< [R, K+2]
+    // --- dispatch outputs (copy epilogue)
+    void* recv_x;            ///< [rows, hidden]
+    void* recv_sf;           ///< [rows, P] with strides below (elements)
+    int64_t sf_out_stride0;
+    int64_t sf_out_stride1;
+    int64_t* recv_topk_idx;  ///< [R, K] (non-expand)
+    float* recv_topk_weights;  ///< [R, K] non-expand, [rows] expand
+    int64_t num_out_rows;    ///< rows allocated in recv_x (bounds padding writes)
+    // --- combine
+    const void* comb_x;      ///< [rows, hidden] bf16
+    const float* comb_weights;  ///< [R, K] non-expand or [rows] expand, or null
+    const void* bias0;       ///< [T, hidden] bf16 or null
+    const void* bias1;
+    void* combined_x;        ///< [T, hidden] bf16
+    float* combined_weights; ///< [T, K] or null
+};
+
+static_assert(sizeof(OpArgs) == 39 * 8, "OpArgs changed: update ep_core.kernels._args");
+
+/// View of this rank's symmetric workspace (ep_layout::WorkspaceLayout): the words that peers write.
+/// - barrier arrivals: one uint64 at the start of the barrier-signal region, bumped by every rank per barrier
+///   (monotonic; the barrier epoch lives in the rank-private scratch);
+/// - error record: `abort_flag` is the flag every wait watches (the first failure claims it by CAS);
+/// - rank / expert count receive areas: int64 `kCountValidFlag | count` written by each source (0 = not arrived),
+///   experts source-major `[src * epr + local expert]`; reset to 0 by the receiver.
+struct Workspace {
+    uint8_t* base;
+
+    EP_CORE_DEVICE uint64_t* barrier_arrivals() const {
+        return reinterpret_cast<uint64_t*>(base + ep_layout::WorkspaceLayout::kBarrierSignalsOffset);
+    }
+    EP_CORE_DEVICE ep_layout::ErrorRecord* error_record() const {
+        return reinterpret_cast<ep_layout::ErrorRecord*>(base + ep_layout::WorkspaceLayout::kErrorRecordOffset);
+    }
+    EP_CORE_DEVICE int32_t* abort_flag() const { return &error_record()->abort_flag; }
+    EP_CORE_DEVICE uint64_t* recv_rank_count() const {
+        return reinterpret_cast<uint64_t*>(base + ep_layout::WorkspaceLayout::kRankCountRecvOffset);
+    }
+    EP_CORE_DEVICE uint64_t* recv_expert_count() const {
+        return reinterpret_cast<uint64_t*>(base + ep_layout::WorkspaceLayout::kExpertCountRecvOffset);
+    }
+};
+
+static constexpr uint64_t kCountValidFlag = static_cast<uint64_t>(ep_layout::kCountValidFlag);
+
+/// Rank-private scratch: the workspace's reserved region when it is large enough, else a separate allocation.
+/// Offsets depend on (N, E, M); `ep_core.kernels.plan.scratch_bytes` mirrors the size.
+/// Counters and bitmaps are zero between operations (the kernel that used them resets them).
+struct Scratch {
+    uint8_t* base;
+    int num_ranks, num_experts, num_local_experts, num_words;
+
+    EP_CORE_DEVICE Scratch(void* p, int n, int e, int64_t m)
+        : base(static_cast<uint8_t*>(p)), num_ranks(n), num_experts(e), num_local_experts(e / n),
+          num_words(static_cast<int>((m + 31) / 32)) {}
+
+    EP_CORE_DEVICE uint32_t* grid_arrive() const { return reinterpret_cast<uint32_t*>(base); }
+    EP_CORE_DEVICE uint32_t* grid_exit() const { return reinterpret_cast<uint32_t*>(base + 4); }
+    EP_CORE_DEVICE uint64_t* barrier_epoch() const { return reinterpret_cast<uint64_t*>(base + 8); }
+    /// Invalid-input report (not an abort): int64 {ErrorKind, token, lane, value}; first report wins via `kind`.
+    EP_CORE_DEVICE int64_t* input_error() const { return reinterpret_cast<int64_t*>(base + 16); }
+    EP_CORE_DEVICE int32_t* send_slot() const { return reinterpret_cast<int32_t*>(base + 64); }
+    EP_CORE_DEVICE int32_t* sent_total() const { return send_slot() + num_ranks; }
+    EP_CORE_DEVICE int32_t* expert_total() const { return sent_total() + num_ranks; }
+    EP_CORE_DEVICE int32_t* expert_cursor() const { return expert_total() + num_experts; }
+    EP_CORE_DEVICE int32_t* expert_start() const { return expert_cursor() + num_local_experts; }
+    EP_CORE_DEVICE int32_t* expert_src_base() const { return expert_start() + num_local_experts; }
+    /// Bitmaps over source tokens: rows [0, N) per destination rank, rows [N, N+E) per global expert.
+    EP_CORE_DEVICE uint32_t* bits() const {
+        return reinterpret_cast<uint32_t*>(expert_src_base() + num_experts);
+    }
+    EP_CORE_DEVICE uint32_t* prefix() const {
+        return bits() + static_cast<int64_t>(num_ranks + num_experts) * num_words;
+    }
+};
+
+}  // namespace ep_core

@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+/// \file barrier.cuh
+/// \brief Grid barrier (blocks of one launch) and cross-rank barrier (every rank's launch), both built on
+/// `wait_until`. Kernels are launched non-cooperatively: the host guarantees that all blocks of all ranks are
+/// co-resident (`ep_core.kernels.plan`, `LoopbackDomain` refuses configurations that exceed the device).
+#pragma once
+
+#include "timeout.cuh"
+#include "transport.cuh"
+
+namespace ep_core {
+
+template <typename Transport>
+struct SyncContext {
+    const OpArgs& args;
+    Workspace ws;
+    Scratch sc;
+    Transport tr;
+    int num_ranks;
+    uint32_t grid_phase;  ///< grid barriers passed in this launch (same count in every block)
+    int* s_abort;         ///< shared word: 1 once this block saw a failed wait
+
+    /// Raise the abort flag on every rank (best effort: CAS 0 -> kPeerAbort, so a rank's own record survives).
+    EP_CORE_DEVICE void raise_abort() const {
+        for (int p = 0; p < num_ranks; ++p)
+            atomicCAS_system(tr.sym_ptr(ws.abort_flag(), p), 0, static_cast<int32_t>(ErrorKind::kPeerAbort));
+    }
+
+    /// All threads of every block call this; returns false (in every thread of the block) after a failed wait.
+    EP_CORE_DEVICE bool grid_sync() {
+        __syncthreads();
+        ++grid_phase;
+        if (threadIdx.x == 0 && *s_abort == 0) {
+            ptx::fence_sys();
+            atomicAdd(sc.grid_arrive(), 1u);
+            const int64_t target = static_cast<int64_t>(grid_phase) * gridDim.x;
+            uint32_t* counter = sc.grid_arrive();
+            const bool ok = wait_until(
+                args, ws, kTagGridBarrier, -1, grid_phase, target,
+                [&] { return static_cast<int64_t>(ptx::ld_acquire_gpu(counter)); },
+                [&](int64_t v) { return v >= target; }, [&] { raise_abort(); });
+            if (!ok)
+                *s_abort = 1;
+        }
+        __syncthreads();
+        return *s_abort == 0;
+    }
+
+    /// All threads of ONE block call this: every rank arrives (after a system fence), then waits for all ranks.
+    EP_CORE_DEVICE bool cross_rank_barrier(int32_t tag) {
+        __syncthreads();
+        const uint64_t epoch = *sc.barrier_epoch() + 1;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            *sc.barrier_epoch() = epoch;
+        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+            ptx::fence_sys();
+            ptx::red_add_release_sys(tr.sym_ptr(ws.barrier_arrivals(), p), 1ull);
+        }
+        if (threadIdx.x == 0 && *s_abort == 0) {
+            const int64_t target = static_cast<int64_t>(epoch) * num_ranks;
+            uint64_t* counter = ws.barrier_arrivals();
+            const bool ok = wait_until(
+                args, ws, tag, -1, static_cast<int64_t>(epoch), target,
+                [&] { return static_cast<int64_t>(ptx::ld_acquire_sys(counter)); },
+                [&](int64_t v) { return v >= target; }, [&] { raise_abort(); });
+            if (!ok)
+                *s_abort = 1;
+        }
+        __syncthreads();
+        return *s_abort == 0;
+    }
+
+    /// Every block calls this once as its last action: the last block out resets the grid barrier counters.
+    EP_CORE_DEVICE void grid_exit() {
+        __syncthreads();
+        if (threadIdx.x == 0 && *s_abort == 0) {
+            if (atomicAdd(sc.grid_exit(), 1u) == gridDim.x - 1) {
+                *sc.grid_arrive() = 0;
+                *sc.grid_exit() = 0;
+            }
+        }
+    }
+};
+
+}  // namespace ep_core

@@ -1,0 +1,240 @@
+// SPDX-License-Identifier: Apache-2.0
+/// \file combine.cuh
+/// \brief Direct-mode combine kernel: send every received row back to its source slot, meet every rank, then
+/// reduce on the home rank in the exact order of SPEC §3.
+///
+/// Roles, in order (grid barriers between phases):
+///  1. entry   block 0 meets every rank (peers are done reading their regions: the same bytes hold dispatch tokens).
+///  2. send    warp per received token i: slot on the source = [rank layout ? own rank : master lane][src token]
+///             (expand without multiple reduction: one slot per lane). Expand with multiple reduction sums the
+///             token's rows first (fp32, ascending lane, one bf16 rounding; a single row is sent as is).
+///  3. exit    grid barrier + system fence, block 0 meets every rank (all rows have landed), grid barrier.
+///  4. reduce  warp per own token t: acc = bias0, + bias1, then the operands in ascending order of their
+///             representative (highest) lane, in fp32, one bf16 rounding; combined weights gathered per lane.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "barrier.cuh"
+#include "token.cuh"
+
+namespace ep_core {
+
+/// fp32 accumulator of 8 bf16 values (one 16-byte vector).
+struct Acc8 {
+    float v[8];
+
+    EP_CORE_DEVICE void set(const uint4& u) {
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[2 * k] = __uint_as_float(w[k] << 16);
+            v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        }
+    }
+    EP_CORE_DEVICE void add(const uint4& u) {
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            v[2 * k] += __uint_as_float(w[k] << 16);
+            v[2 * k + 1] += __uint_as_float(w[k] & 0xffff0000u);
+        }
+    }
+    EP_CORE_DEVICE uint4 to_bf16() const {
+        uint32_t w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+            w[k] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
+
+/// Warp-wide ordered sum of bf16 rows: the rows are named by the lanes set in `mask`, summed in ascending lane
+/// order (each lane holding its row pointer in `my_src`); optional biases come first. Writes bf16 to `dst`.
+/// `s_ops` is this warp's shared scratch of 32 pointers. `kPeerData`: rows were written by peers in this launch
+/// (L2 loads) rather than being kernel inputs.
+template <int kBytes, bool kPeerData>
+EP_CORE_DEVICE void warp_ordered_sum(const uint8_t* my_src, uint32_t mask, const uint8_t* bias0, const uint8_t* bias1,
+                                     uint8_t* dst, const uint8_t** s_ops, int lane) {
+    constexpr int kVecs = kBytes / 16;
+    constexpr int kBatch = 8;
+    if (mask & (1u << lane))
+        s_ops[__popc(mask & ((1u << lane) - 1u))] = my_src;
+    __syncwarp();
+    const int num_ops = __popc(mask);
+    for (int i = lane; i < kVecs; i += kWarpSize) {
+        Acc8 acc;
+        bool have = false;
+        if (bias0 != nullptr) {
+            acc.set(ptx::ld_nc_v4(bias0 + static_cast<int64_t>(i) * 16));
+            have = true;
+        }
+        if (bias1 != nullptr) {
+            const uint4 b = ptx::ld_nc_v4(bias1 + static_cast<int64_t>(i) * 16);
+            if (have)
+                acc.add(b);
+            else
+                acc.set(b);
+            have = true;
+        }
+        for (int base = 0; base < num_ops; base += kBatch) {
+            uint4 v[kBatch];
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                if (base + j < num_ops) {
+                    const uint8_t* p = s_ops[base + j] + static_cast<int64_t>(i) * 16;
+                    v[j] = kPeerData ? ptx::ld_cg_v4(p) : ptx::ld_nc_v4(p);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kBatch; ++j) {
+                if (base + j < num_ops) {
+                    if (have)
+                        acc.add(v[j]);
+                    else
+                        acc.set(v[j]);
+                    have = true;
+                }
+            }
+        }
+        uint4 out = make_uint4(0, 0, 0, 0);
+        if (have)
+            out = acc.to_bf16();
+        ptx::st_v4(dst + static_cast<int64_t>(i) * 16, out);
+    }
+    __syncwarp();
+}
+
+template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumWarps, typename Transport>
+EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
+    using Tok = TokenShape<kHiddenBytes, 0, kNumTopk, false>;
+    constexpr int kMetaCols = kNumTopk + 2;
+    __shared__ int s_abort;
+    __shared__ const uint8_t* s_ops[kNumWarps][kWarpSize];
+
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
+    const int num_experts = static_cast<int>(args.num_experts);
+    const int epr = num_experts / kNumRanks;
+    const int64_t M = args.num_max_tokens;
+    const int64_t T = args.num_tokens;
+    const int rank = static_cast<int>(args.rank);
+    const bool expand = (args.flags & kFlagExpand) != 0;
+    const bool amr = (args.flags & kFlagMultipleReduction) != 0;
+    const bool rank_layout = (args.flags & kFlagRankLayout) != 0;
+    const bool lane_level = expand && !amr;
+
+    SyncContext<Transport> sync{args, Workspace{static_cast<uint8_t*>(args.workspace)},
+                                Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
+                                &s_abort};
+    if (threadIdx.x == 0)
+        s_abort = 0;
+    __syncthreads();
+
+    // 1. entry
+    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry))
+        return;
+    if (!sync.grid_sync())
+        return;
+
+    const int global_warp = blockIdx.x * kNumWarps + warp;
+    const int num_global_warps = gridDim.x * kNumWarps;
+    uint8_t* const region = static_cast<uint8_t*>(args.recv_region);
+    const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
+    const int64_t R = args.psum_rank[kNumRanks - 1];
+
+    // 2. send
+    for (int64_t i = global_warp; i < R; i += num_global_warps) {
+        const int32_t* meta = args.src_metadata + i * kMetaCols;
+        const int m0 = meta[0], m1 = meta[1];
+        const int src_rank = static_cast<int>(m0 / M);
+        const int64_t src_token = m0 % M;
+        const int master = m1 % kNumTopk;
+        uint8_t* peer_region = sync.tr.sym_ptr(region, src_rank);
+        auto slot_ptr = [&](int slot) {
+            return peer_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
+        };
+        if (!expand) {
+            uint8_t* dst = slot_ptr(rank_layout ? rank : master);
+            uint8_t* dsts[kFanout] = {dst};
+            warp_copy_fanout<Tok::kHiddenBytes>(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dsts, 1, lane);
+            if (args.comb_weights != nullptr && lane < kNumTopk)
+                reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = args.comb_weights[i * kNumTopk + lane];
+        } else {
+            const int row = lane < kNumTopk ? meta[2 + lane] : -1;
+            const uint32_t rows = __ballot_sync(kFullMask, row >= 0);
+            const uint8_t* my_src = row >= 0 ? x + static_cast<int64_t>(row) * Tok::kHiddenBytes : nullptr;
+            if (amr) {
+                uint8_t* dst = slot_ptr(rank_layout ? rank : master);
+                if (__popc(rows) == 1) {
+                    const uint8_t* src = reinterpret_cast<const uint8_t*>(
+                        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), __ffs(rows) - 1));
+                    uint8_t* dsts[kFanout] = {dst};
+                    warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
+                } else {
+                    warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst, s_ops[warp], lane);
+                }
+                if (args.comb_weights != nullptr && lane < kNumTopk)
+                    reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] =
+                        row >= 0 ? args.comb_weights[row] : 0.0f;
+            } else {
+                for (uint32_t m = rows; m != 0; m &= m - 1) {
+                    const int l = __ffs(m) - 1;
+                    const uint8_t* src = reinterpret_cast<const uint8_t*>(
+                        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), l));
+                    uint8_t* dsts[kFanout] = {slot_ptr(l)};
+                    warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
+                }
+            }
+        }
+    }
+
+    // 3. exit: every rank's rows have landed here
+    if (!sync.grid_sync())
+        return;
+    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineExit))
+        return;
+    if (!sync.grid_sync())
+        return;
+
+    // 4. reduce
+    uint8_t* const out = static_cast<uint8_t*>(args.combined_x);
+    const uint8_t* const bias0 = static_cast<const uint8_t*>(args.bias0);
+    const uint8_t* const bias1 = static_cast<const uint8_t*>(args.bias1);
+    for (int64_t t = global_warp; t < T; t += num_global_warps) {
+        int64_t e = -1;
+        if (lane < kNumTopk) {
+            if (args.flags & kFlagTopkIdx32)
+                e = static_cast<const int32_t*>(args.topk_idx)[t * kNumTopk + lane];
+            else
+                e = static_cast<const int64_t*>(args.topk_idx)[t * kNumTopk + lane];
+        }
+        const bool valid = e >= 0 && e < num_experts;
+        const int dst_rank = valid ? static_cast<int>(e) / epr : -1 - lane;
+        const uint32_t same = __match_any_sync(kFullMask, dst_rank);
+        const int master = 31 - __clz(same);
+        const bool is_operand = lane_level ? valid : (valid && master == lane);
+        const uint32_t operands = __ballot_sync(kFullMask, is_operand);
+        auto slot_of = [&](int l) { return lane_level ? l : (rank_layout ? dst_rank : l); };
+        const uint8_t* my_src =
+            is_operand ? region + (slot_of(lane) * M + t) * static_cast<int64_t>(Tok::kNumBytes) : nullptr;
+        const int64_t row_off = t * static_cast<int64_t>(Tok::kHiddenBytes);
+        warp_ordered_sum<Tok::kHiddenBytes, true>(my_src, operands, bias0 != nullptr ? bias0 + row_off : nullptr,
+                                                   bias1 != nullptr ? bias1 + row_off : nullptr, out + row_off, s_ops[warp],
+                                                   lane);
+        if (args.combined_weights != nullptr && lane < kNumTopk) {
+            float w = 0.0f;
+            if (valid) {
+                const int owner = lane_level ? lane : (rank_layout ? dst_rank : master);
+                const uint8_t* tok = region + (owner * M + t) * static_cast<int64_t>(Tok::kNumBytes);
+                w = *reinterpret_cast<const volatile float*>(tok + Tok::kWeightsOffset + 4 * lane);
+            }
+            args.combined_weights[t * kNumTopk + lane] = w;
+        }
+    }
+    sync.grid_exit();
+}
+
+}  // namespace ep_core

@@ -1,0 +1,317 @@
+// SPDX-License-Identifier: Apache-2.0
+/// \file dispatch.cuh
+/// \brief Direct-mode dispatch kernel (one launch per rank, every peer load/store reachable).
+///
+/// Roles, in order (every block takes part in each phase; a grid barrier separates phases):
+///  1. count   (deterministic, non-cached only): per-destination and per-expert bitmaps over source tokens.
+///  2. entry   block 0 meets every rank (peers are done with their receive regions), then a grid barrier.
+///  3. prefix  (deterministic only): exclusive popcount prefix of every bitmap word -> slots without atomics.
+///  4. send    each warp is a channel taking tokens by stride: route (dedup per destination rank, master lane =
+///             highest lane), claim the slot (atomic / prefix / cached), store [hidden | sf | metadata] into
+///             every destination's region [own rank][slot] with 16-byte stores, count in shared memory.
+///  5. publish block 0, after a grid barrier (all stores done, system fence): per-expert counts to each
+///             destination's workspace, then the per-rank count with release (encoded -v-1: nonzero = arrived).
+///  6. receive block 0 waits for every source's count (acquire), writes the handle's prefix sums, resets the
+///             receive words. Completion of the launch therefore means every token for this rank has arrived.
+#pragma once
+
+#include "barrier.cuh"
+#include "token.cuh"
+
+namespace ep_core {
+
+/// Per-token routing of one warp: lane k < K holds lane k's expert.
+struct Route {
+    int expert;   ///< global expert id, -1 if none
+    int dst;      ///< destination rank, or a unique negative value for invalid lanes
+    bool valid;
+    bool master;  ///< highest lane of its destination rank
+};
+
+/// Report invalid input (expert id out of range, duplicate expert) without aborting the operation.
+EP_CORE_DEVICE void report_input_error(const Scratch& sc, ErrorKind kind, int64_t token, int lane, int64_t value) {
+    int64_t* rec = sc.input_error();
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(rec), 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
+        rec[1] = token;
+        rec[2] = lane;
+        rec[3] = value;
+    }
+}
+
+template <int kNumTopk>
+EP_CORE_DEVICE Route route_token(const OpArgs& args, const Scratch& sc, int64_t t, int lane, int num_experts,
+                                 int experts_per_rank, bool report) {
+    int64_t e = -1;
+    if (lane < kNumTopk) {
+        if (args.flags & kFlagTopkIdx32)
+            e = static_cast<const int32_t*>(args.topk_idx)[t * kNumTopk + lane];
+        else
+            e = static_cast<const int64_t*>(args.topk_idx)[t * kNumTopk + lane];
+    }
+    Route r;
+    r.valid = e >= 0;
+    if (r.valid && e >= num_experts) {
+        if (report)
+            report_input_error(sc, ErrorKind::kInvalidExpert, t, lane, e);
+        r.valid = false;
+    }
+    r.expert = r.valid ? static_cast<int>(e) : -1;
+    r.dst = r.valid ? r.expert / experts_per_rank : -1 - lane;
+    const uint32_t same_dst = __match_any_sync(kFullMask, r.dst);
+    r.master = r.valid && (31 - __clz(same_dst)) == lane;
+    if (report) {
+        const uint32_t same_expert = __match_any_sync(kFullMask, r.valid ? r.expert : -1 - lane);
+        if (r.valid && __popc(same_expert) > 1 && (31 - __clz(same_expert)) == lane)
+            report_input_error(sc, ErrorKind::kDuplicateExpert, t, lane, r.expert);
+    }
+    return r;
+}
+
+template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
+EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
+    using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
+    static_assert(kNumTopk >= 1 && kNumTopk <= 32, "top-k must be in [1, 32]");
+    static_assert(kNumRanks >= 1 && kNumRanks <= ep_layout::kNumMaxRanks, "too many ranks");
+
+    __shared__ int s_abort;
+    __shared__ int s_sent[kNumRanks];
+    __shared__ int s_expert[ep_layout::kNumMaxExperts];
+    __shared__ int s_start[256];
+
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
+    const int num_threads = blockDim.x;
+    const int num_experts = static_cast<int>(args.num_experts);
+    const int epr = num_experts / kNumRanks;
+    const int64_t M = args.num_max_tokens;
+    const int64_t T = args.num_tokens;
+    const int rank = static_cast<int>(args.rank);
+    const bool cached = (args.flags & kFlagCached) != 0;
+    const bool det = !cached && (args.flags & kFlagDeterministic) != 0;
+    const bool expand = (args.flags & kFlagExpand) != 0;
+
+    SyncContext<Transport> sync{args, Workspace{static_cast<uint8_t*>(args.workspace)},
+                                Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
+                                &s_abort};
+    const Workspace& ws = sync.ws;
+    const Scratch& sc = sync.sc;
+    const int W = sc.num_words;
+    uint32_t* bits = sc.bits();
+    uint32_t* prefix = sc.prefix();
+
+    if (threadIdx.x == 0)
+        s_abort = 0;
+    for (int i = threadIdx.x; i < kNumRanks; i += num_threads)
+        s_sent[i] = 0;
+    for (int i = threadIdx.x; i < num_experts; i += num_threads)
+        s_expert[i] = 0;
+    __syncthreads();
+
+    const int global_warp = blockIdx.x * kNumWarps + warp;
+    const int num_global_warps = gridDim.x * kNumWarps;
+
+    // 1. count (deterministic): bitmaps of (destination rank, token) and (expert, token)
+    if (det) {
+        for (int64_t t = global_warp; t < T; t += num_global_warps) {
+            const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, true);
+            const uint32_t bit = 1u << (t & 31);
+            const int64_t word = t >> 5;
+            if (r.master)
+                atomicOr(bits + static_cast<int64_t>(r.dst) * W + word, bit);
+            if (r.valid)
+                atomicOr(bits + static_cast<int64_t>(kNumRanks + r.expert) * W + word, bit);
+        }
+    }
+
+    // 2. entry barrier: peers have finished with their receive regions
+    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry))
+        return;
+    if (!sync.grid_sync())
+        return;
+
+    // 3. prefix (deterministic): exclusive popcount prefix per bitmap row
+    if (det) {
+        const int num_rows = kNumRanks + num_experts;
+        const int words = static_cast<int>((T + 31) / 32);
+        for (int row = global_warp; row < num_rows; row += num_global_warps) {
+            int carry = 0;
+            for (int base = 0; base < words; base += kWarpSize) {
+                const int w = base + lane;
+                const uint32_t v = w < words ? bits[static_cast<int64_t>(row) * W + w] : 0u;
+                const int c = __popc(v);
+                const int incl = warp_inclusive_scan(c, lane);
+                if (w < words)
+                    prefix[static_cast<int64_t>(row) * W + w] = carry + incl - c;
+                carry += __shfl_sync(kFullMask, incl, kWarpSize - 1);
+            }
+        }
+        if (!sync.grid_sync())
+            return;
+    }
+
+    // 4. send
+    uint8_t* const recv_region = static_cast<uint8_t*>(args.recv_region);
+    const uint8_t* const x = static_cast<const uint8_t*>(args.x);
+    const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
+    for (int64_t t = global_warp; t < T; t += num_global_warps) {
+        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det);
+        const int64_t word = t >> 5;
+        const uint32_t below = (1u << (t & 31)) - 1u;
+        int slot = -1;
+        if (r.master) {
+            if (cached) {
+                slot = static_cast<int>(args.dst_slot[t * kNumTopk + lane] - static_cast<int64_t>(rank) * M);
+            } else if (det) {
+                const int64_t at = static_cast<int64_t>(r.dst) * W + word;
+                slot = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
+            } else {
+                slot = atomicAdd(sc.send_slot() + r.dst, 1);
+            }
+            atomicAdd(&s_sent[r.dst], 1);
+        }
+        if (!cached && lane < kNumTopk)
+            args.dst_slot[t * kNumTopk + lane] = r.master ? static_cast<int32_t>(rank * M + slot) : -1;
+        if (!cached && r.valid)
+            atomicAdd(&s_expert[r.expert], 1);
+        int position = -1;
+        if (det && r.valid) {
+            const int64_t at = static_cast<int64_t>(kNumRanks + r.expert) * W + word;
+            position = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
+        }
+        const float weight =
+            (lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
+
+        uint8_t* my_dst = nullptr;
+        if (r.master)
+            my_dst = sync.tr.sym_ptr(recv_region, r.dst) +
+                     (static_cast<int64_t>(rank) * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
+        const uint32_t masters = __ballot_sync(kFullMask, r.master);
+
+        // hidden: one read, one store per destination
+        warp_copy_to_lanes<Tok::kHiddenBytes>(x + t * args.x_stride, my_dst, masters, lane);
+
+        // scales and metadata: per destination, lanes write words
+        for (uint32_t m = masters; m != 0; m &= m - 1) {
+            const int src_lane = __ffs(m) - 1;
+            uint8_t* dst = reinterpret_cast<uint8_t*>(
+                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), src_lane));
+            if constexpr (Tok::kNumSfPacks > 0) {
+                for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
+                    reinterpret_cast<uint32_t*>(dst + Tok::kSfOffset)[p] =
+                        sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
+            }
+            if (lane < kNumTopk) {
+                reinterpret_cast<int32_t*>(dst + Tok::kTopkIdxOffset)[lane] = r.expert;
+                reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = weight;
+                reinterpret_cast<int32_t*>(dst + Tok::kPositionOffset)[lane] = position;
+            }
+            if (lane == 0)
+                *reinterpret_cast<int32_t*>(dst + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
+        }
+    }
+
+    // flush the block's counts
+    __syncthreads();
+    for (int i = threadIdx.x; i < kNumRanks; i += num_threads)
+        if (s_sent[i] != 0)
+            atomicAdd(sc.sent_total() + i, s_sent[i]);
+    if (!cached)
+        for (int i = threadIdx.x; i < num_experts; i += num_threads)
+            if (s_expert[i] != 0)
+                atomicAdd(sc.expert_total() + i, s_expert[i]);
+
+    // 5. publish (after every block's stores)
+    if (!sync.grid_sync())
+        return;
+    if (det) {
+        const int64_t total = static_cast<int64_t>(kNumRanks + num_experts) * W;
+        for (int64_t i = static_cast<int64_t>(blockIdx.x) * num_threads + threadIdx.x; i < total;
+             i += static_cast<int64_t>(gridDim.x) * num_threads)
+            bits[i] = 0u;
+    }
+    if (blockIdx.x == 0) {
+        if (!cached) {
+            for (int i = threadIdx.x; i < num_experts; i += num_threads) {
+                const int d = i / epr;
+                sync.tr.sym_ptr(ws.recv_expert_count(), d)[rank * epr + (i % epr)] =
+                    kCountValidFlag | static_cast<uint32_t>(sc.expert_total()[i]);
+                sc.expert_total()[i] = 0;
+            }
+        }
+        __syncthreads();
+        for (int d = threadIdx.x; d < kNumRanks; d += num_threads) {
+            const int count = sc.sent_total()[d];
+            ptx::fence_sys();
+            ptx::st_release_sys(sync.tr.sym_ptr(ws.recv_rank_count(), d) + rank,
+                                kCountValidFlag | static_cast<uint32_t>(count));
+            sc.sent_total()[d] = 0;
+            sc.send_slot()[d] = 0;
+        }
+
+        // 6. receive: wait for every source's count, then write the handle
+        for (int src = threadIdx.x; src < kNumRanks; src += num_threads) {
+            uint64_t* word_ptr = ws.recv_rank_count() + src;
+            uint64_t seen = 0;
+            const bool ok = wait_until(
+                args, ws, kTagDispatchCounts, src,
+                ep_layout::WorkspaceLayout::kRankCountRecvOffset + 8 * src, static_cast<int64_t>(kCountValidFlag),
+                [&] {
+                    seen = ptx::ld_acquire_sys(word_ptr);
+                    return static_cast<int64_t>(seen);
+                },
+                [&](int64_t v) { return v != 0; }, [&] { sync.raise_abort(); });
+            if (ok) {
+                s_sent[src] = static_cast<int>(seen & 0xffffffffull);
+                *word_ptr = 0;
+            } else {
+                s_abort = 1;
+            }
+        }
+        __syncthreads();
+        if (s_abort != 0)
+            return;
+        if (!cached) {
+            const int64_t A = args.expert_alignment;
+            for (int j = threadIdx.x; j < epr; j += num_threads) {
+                int total = 0;
+                for (int src = 0; src < kNumRanks; ++src)
+                    total += static_cast<int>(ws.recv_expert_count()[src * epr + j] & 0xffffffffull);
+                s_expert[j] = total;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int acc = 0;
+                for (int src = 0; src < kNumRanks; ++src) {
+                    acc += s_sent[src];
+                    args.psum_rank[src] = acc;
+                }
+                int start = 0;
+                for (int j = 0; j < epr; ++j) {
+                    s_start[j] = start;
+                    start += static_cast<int>(align_up<int64_t>(s_expert[j], A));
+                }
+            }
+            __syncthreads();
+            for (int j = threadIdx.x; j < epr; j += num_threads) {
+                const int count = s_expert[j];
+                const int start = s_start[j];
+                args.unaligned_expert[j] = count;
+                args.psum_expert[j] = expand ? start + count : start + static_cast<int>(align_up<int64_t>(count, A));
+                if (args.cum_stats != nullptr)
+                    atomicAdd(args.cum_stats + j, count);
+                sc.expert_cursor()[j] = start;
+                sc.expert_start()[j] = start;
+                int running = start;
+                for (int src = 0; src < kNumRanks; ++src) {
+                    uint64_t* c = ws.recv_expert_count() + src * epr + j;
+                    sc.expert_src_base()[src * epr + j] = running;
+                    running += static_cast<int>(*c & 0xffffffffull);
+                    *c = 0;
+                }
+            }
+        }
+    }
+    sync.grid_exit();
+}
+
+}  // namespace ep_core

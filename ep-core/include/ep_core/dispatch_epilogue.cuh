@@ -1,0 +1,154 @@
+// SPDX-License-Identifier: Apache-2.0
+/// \file dispatch_epilogue.cuh
+/// \brief Copy epilogue of a dispatch: receive region -> the user's outputs. Reads only this rank's buffer.
+///
+/// One warp per received row (rows of region r = tokens sent by rank r, in slot order). Non-expand: row i of
+/// recv_x is received token i. Expand: one row per (token, local expert), expert e's rows start at
+/// sum_{e'<e} align(count_e', A); the row inside the expert comes from an atomic cursor (default), from the
+/// per-(source, expert) prefix sent by the source (deterministic) or from the handle's metadata (cached).
+/// Zero padding rows are written after the data rows. The true row count is always read on the device
+/// (psum_rank[N-1]), so the same launch serves CPU-sync and no-sync calls.
+#pragma once
+
+#include "dispatch.cuh"
+
+namespace ep_core {
+
+template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
+EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
+    using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
+    __shared__ int s_psum[kNumRanks];
+    __shared__ int s_start[256];
+    __shared__ int s_count[256];
+
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
+    const int num_experts = static_cast<int>(args.num_experts);
+    const int epr = num_experts / kNumRanks;
+    const int64_t M = args.num_max_tokens;
+    const int rank = static_cast<int>(args.rank);
+    const bool cached = (args.flags & kFlagCached) != 0;
+    const bool det = !cached && (args.flags & kFlagDeterministic) != 0;
+    const bool expand = (args.flags & kFlagExpand) != 0;
+    const int64_t A = args.expert_alignment;
+    const Scratch sc(args.scratch, kNumRanks, num_experts, M);
+    constexpr int kMetaCols = kNumTopk + 2;
+
+    for (int i = threadIdx.x; i < kNumRanks; i += blockDim.x)
+        s_psum[i] = args.psum_rank[i];
+    if (expand) {
+        for (int j = threadIdx.x; j < epr; j += blockDim.x)
+            s_count[j] = args.unaligned_expert[j];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int start = 0;
+            for (int j = 0; j < epr; ++j) {
+                s_start[j] = start;
+                start += static_cast<int>(align_up<int64_t>(s_count[j], A));
+            }
+        }
+    }
+    __syncthreads();
+    const int64_t R = s_psum[kNumRanks - 1];
+    const int global_warp = blockIdx.x * kNumWarps + warp;
+    const int num_global_warps = gridDim.x * kNumWarps;
+    const uint8_t* const region = static_cast<const uint8_t*>(args.recv_region);
+    uint8_t* const recv_x = static_cast<uint8_t*>(args.recv_x);
+    uint32_t* const recv_sf = static_cast<uint32_t*>(args.recv_sf);
+
+    for (int64_t i = global_warp; i < R; i += num_global_warps) {
+        // source region: first r with psum[r] > i
+        int lo = 0, hi = kNumRanks - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (s_psum[mid] > i)
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        const int src_rank = lo;
+        const int64_t slot = i - (src_rank > 0 ? s_psum[src_rank - 1] : 0);
+        const uint8_t* tok = region + (src_rank * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
+
+        int expert = -1, position = -1;
+        float weight = 0.0f;
+        if (lane < kNumTopk) {
+            expert = reinterpret_cast<const int32_t*>(tok + Tok::kTopkIdxOffset)[lane];
+            weight = reinterpret_cast<const float*>(tok + Tok::kWeightsOffset)[lane];
+            position = reinterpret_cast<const int32_t*>(tok + Tok::kPositionOffset)[lane];
+        }
+        const int src_idx = *reinterpret_cast<const int32_t*>(tok + Tok::kSrcIdxOffset);
+        const bool local = expert >= 0 && expert / epr == rank;
+        const int local_expert = local ? expert - rank * epr : -1;
+        const uint32_t local_mask = __ballot_sync(kFullMask, local);
+        const int master = local_mask != 0 ? 31 - __clz(local_mask) : 0;
+        int32_t* meta = args.src_metadata + i * kMetaCols;
+
+        if (!expand) {
+            uint8_t* dst[kFanout] = {recv_x + i * static_cast<int64_t>(Tok::kHiddenBytes)};
+            warp_copy_fanout<Tok::kHiddenBytes>(tok, dst, 1, lane);
+            if constexpr (Tok::kNumSfPacks > 0) {
+                for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
+                    recv_sf[i * args.sf_out_stride0 + p * args.sf_out_stride1] =
+                        reinterpret_cast<const uint32_t*>(tok + Tok::kSfOffset)[p];
+            }
+            if (lane < kNumTopk) {
+                args.recv_topk_idx[i * kNumTopk + lane] = local_expert;
+                if (args.recv_topk_weights != nullptr)
+                    args.recv_topk_weights[i * kNumTopk + lane] = weight;
+                if (!cached)
+                    meta[2 + lane] = -1;
+            }
+        } else {
+            int row = -1;
+            if (local) {
+                if (cached)
+                    row = meta[2 + lane];
+                else if (det)
+                    row = sc.expert_src_base()[src_rank * epr + local_expert] + position;
+                else
+                    row = atomicAdd(sc.expert_cursor() + local_expert, 1);
+            }
+            uint8_t* my_dst = local ? recv_x + row * static_cast<int64_t>(Tok::kHiddenBytes) : nullptr;
+            warp_copy_to_lanes<Tok::kHiddenBytes>(tok, my_dst, local_mask, lane);
+            if constexpr (Tok::kNumSfPacks > 0) {
+                for (uint32_t m = local_mask; m != 0; m &= m - 1) {
+                    const int64_t r = __shfl_sync(kFullMask, row, __ffs(m) - 1);
+                    for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
+                        recv_sf[r * args.sf_out_stride0 + p * args.sf_out_stride1] =
+                            reinterpret_cast<const uint32_t*>(tok + Tok::kSfOffset)[p];
+                }
+            }
+            if (local && args.recv_topk_weights != nullptr)
+                args.recv_topk_weights[row] = weight;
+            if (!cached && lane < kNumTopk)
+                meta[2 + lane] = row;
+        }
+        if (!cached && lane == 0) {
+            meta[0] = src_idx;
+            meta[1] = src_rank * kNumTopk + master;
+        }
+    }
+
+    // zero padding (expand): rows [start_e + count_e, start_e + align(count_e, A))
+    if (expand && (args.flags & kFlagZeroPadding) != 0) {
+        for (int j = 0; j < epr; ++j) {
+            const int64_t count = s_count[j];
+            const int64_t pads = align_up<int64_t>(count, A) - count;
+            for (int64_t p = global_warp; p < pads; p += num_global_warps) {
+                const int64_t r = s_start[j] + count + p;
+                if (r >= args.num_out_rows)
+                    break;
+                warp_zero<Tok::kHiddenBytes>(recv_x + r * static_cast<int64_t>(Tok::kHiddenBytes), lane);
+                if constexpr (Tok::kNumSfPacks > 0) {
+                    for (int q = lane; q < Tok::kNumSfPacks; q += kWarpSize)
+                        recv_sf[r * args.sf_out_stride0 + q * args.sf_out_stride1] = 0u;
+                }
+                if (lane == 0 && args.recv_topk_weights != nullptr)
+                    args.recv_topk_weights[r] = 0.0f;
+            }
+        }
+    }
+}
+
+}  // namespace ep_core

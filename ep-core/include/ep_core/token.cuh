@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: Apache-2.0
+/// \file token.cuh
+/// \brief Compile-time shape of one token in a receive region, and warp-wide copy helpers.
+///
+/// The byte math is ep_layout's TokenLayout (SPEC §4): `[hidden | sf | metadata]`, each part aligned to 32 bytes;
+/// metadata = K int32 expert ids, K float weights and, with metadata, one int32 source index plus K int32 words
+/// (DeepEP's linked-list indices; direct mode uses them for the per-(source, expert) position in deterministic
+/// mode). The host computes the same numbers through the ep_layout Python mirror and checks them (plan.py).
+#pragma once
+
+#include <ep_layout/ep_layout.cuh>
+
+#include "ptx.cuh"
+
+namespace ep_core {
+
+template <int kHiddenBytes_, int kNumSfPacks_, int kNumTopk_, bool kWithMetadata>
+struct TokenShape {
+    static constexpr int kHiddenBytes = kHiddenBytes_;
+    static constexpr int kNumSfPacks = kNumSfPacks_;
+    static constexpr int kNumTopk = kNumTopk_;
+    static_assert(kHiddenBytes % kTokenAlignBytes == 0, "hidden bytes must be a multiple of 32");
+    static constexpr ep_layout::TokenLayout kLayout{kHiddenBytes, kNumSfPacks * 4, kNumTopk, kWithMetadata};
+    static constexpr int kNumBytes = static_cast<int>(kLayout.get_num_bytes(false));
+    static constexpr int kSfOffset = kLayout.get_sf_offset();
+    static constexpr int kTopkIdxOffset = kLayout.get_topk_idx_offset();
+    static constexpr int kWeightsOffset = kLayout.get_topk_weights_offset();
+    static constexpr int kSrcIdxOffset = kLayout.get_src_token_idx_offset();
+    static constexpr int kPositionOffset = kLayout.get_linked_list_idx_offset();
+};
+
+/// Number of destinations a warp stores one loaded chunk to before loading the next chunk.
+static constexpr int kFanout = 8;
+
+/// Warp-wide copy of `kBytes` (multiple of 16) from `src` to up to kFanout destinations `dst[0..n)`.
+/// Each lane keeps `kUnroll` 16-byte loads in flight; every loaded chunk is stored to every destination.
+template <int kBytes, int kUnroll = 8>
+EP_CORE_DEVICE void warp_copy_fanout(const uint8_t* src, uint8_t* const (&dst)[kFanout], int n, int lane) {
+    static_assert(kBytes % 16 == 0, "row bytes must be a multiple of 16");
+    constexpr int kVecs = kBytes / 16;
+#pragma unroll 1
+    for (int base = 0; base < kVecs; base += kWarpSize * kUnroll) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = base + u * kWarpSize + lane;
+            if (i < kVecs)
+                v[u] = ptx::ld_nc_v4(src + static_cast<int64_t>(i) * 16);
+        }
+#pragma unroll
+        for (int d = 0; d < kFanout; ++d) {
+            if (d < n) {
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u) {
+                    const int i = base + u * kWarpSize + lane;
+                    if (i < kVecs)
+                        ptx::st_v4(dst[d] + static_cast<int64_t>(i) * 16, v[u]);
+                }
+            }
+        }
+    }
+}
+
+/// Copy `src` (kBytes) to the destination pointer held by every lane set in `mask` (warp-uniform mask).
+template <int kBytes>
+EP_CORE_DEVICE void warp_copy_to_lanes(const uint8_t* src, uint8_t* my_dst, uint32_t mask, int lane) {
+    while (mask != 0) {
+        uint8_t* dst[kFanout];
+        int n = 0;
+#pragma unroll
+        for (int j = 0; j < kFanout; ++j) {
+            const int m = mask != 0 ? __ffs(mask) - 1 : 0;
+            dst[j] = reinterpret_cast<uint8_t*>(
+                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), m));
+            if (mask != 0) {
+                mask &= mask - 1;
+                n = j + 1;
+            }
+        }
+        warp_copy_fanout<kBytes>(src, dst, n, lane);
+    }
+}
+
+/// Warp-wide zero fill of `kBytes` (multiple of 16).
+template <int kBytes>
+EP_CORE_DEVICE void warp_zero(uint8_t* dst, int lane) {
+    constexpr int kVecs = kBytes / 16;
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    for (int i = lane; i < kVecs; i += kWarpSize)
+        ptx::st_v4(dst + static_cast<int64_t>(i) * 16, z);
+}
+
+/// Inclusive warp prefix sum.
+EP_CORE_DEVICE int warp_inclusive_scan(int v, int lane) {
+#pragma unroll
+    for (int d = 1; d < kWarpSize; d <<= 1) {
+        const int u = __shfl_up_sync(kFullMask, v, d);
+        if (lane >= d)
+            v += u;
+    }
+    return v;
+}
+
+}  // namespace ep_core

@@ -1,0 +1,355 @@
+"""Minimal CUDA driver layer of the GPU executor (cuda.bindings, loaded lazily): device arrays, streams, events.
+
+ep_core must not import torch, so kernels take and return `DeviceArray`s (stream-ordered allocations with
+`__cuda_array_interface__`) or any object that exposes a device pointer (`as_view`). The primary context of the
+current device is used, the same one ep_jit, ep_symmem and torch use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DeviceArray",
+    "DeviceView",
+    "Event",
+    "Stream",
+    "as_view",
+    "check",
+    "device_attribute",
+    "driver",
+    "num_device_sms",
+]
+
+_lock = threading.Lock()
+_drv: Any = None
+
+
+def driver() -> Any:
+    """`cuda.bindings.driver`, initialized, with a current context (device 0's primary context if none)."""
+    global _drv
+    if _drv is not None:
+        return _drv
+    with _lock:
+        if _drv is None:
+            from cuda.bindings import driver as drv
+
+            (err,) = drv.cuInit(0)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                from ep_core.errors import EPDeviceError
+
+                raise EPDeviceError(
+                    f"cuInit failed ({err}); the GPU executor needs an NVIDIA GPU and its driver"
+                )
+            ctx = _check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+            if int(ctx) == 0:
+                dev = _check(drv, drv.cuDeviceGet(0), "cuDeviceGet")
+                ctx = _check(drv, drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                _check(drv, drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            _drv = drv
+    return _drv
+
+
+def _check(drv: Any, result: Any, what: str) -> Any:
+    err = result[0]
+    if err != drv.CUresult.CUDA_SUCCESS:
+        from ep_core.errors import EPDeviceError
+
+        try:
+            name = drv.cuGetErrorName(err)[1].decode()
+        except Exception:
+            name = str(err)
+        raise EPDeviceError(f"{what} failed: {name}")
+    if len(result) == 1:
+        return None
+    if len(result) == 2:
+        return result[1]
+    return result[1:]
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpack a cuda.bindings `(err, *values)` result; EPDeviceError naming `what` on failure."""
+    return _check(driver(), result, what)
+
+
+def device_attribute(name: str) -> int:
+    drv = driver()
+    dev = check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+    attr = getattr(drv.CUdevice_attribute, name)
+    return int(check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name})"))
+
+
+def num_device_sms() -> int:
+    """Streaming multiprocessors of the current device."""
+    return device_attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+
+
+class Stream:
+    """A non-blocking CUDA stream (optionally high priority)."""
+
+    def __init__(self, high_priority: bool = False) -> None:
+        drv = driver()
+        flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+        prio = 0
+        if high_priority:
+            _, greatest = check(drv.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+            prio = int(greatest)
+        self._stream = check(drv.cuStreamCreateWithPriority(flags, prio), "cuStreamCreateWithPriority")
+        self.handle = int(self._stream)
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        """Wait for the stream; with `timeout` (seconds) poll and return False if it has not drained in time."""
+        drv = driver()
+        if timeout is None:
+            check(drv.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+            return True
+        deadline = time.monotonic() + timeout
+        delay = 1e-5
+        while True:
+            (err,) = drv.cuStreamQuery(self._stream)
+            if err == drv.CUresult.CUDA_SUCCESS:
+                return True
+            if err != drv.CUresult.CUDA_ERROR_NOT_READY:
+                check((err,), "cuStreamQuery")
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+    def wait_event(self, event: Event) -> None:
+        check(driver().cuStreamWaitEvent(self._stream, event._event, 0), "cuStreamWaitEvent")
+
+    def __int__(self) -> int:
+        return self.handle
+
+
+class Event:
+    """A CUDA event (timing enabled)."""
+
+    def __init__(self, timing: bool = True) -> None:
+        drv = driver()
+        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._event = check(drv.cuEventCreate(flags), "cuEventCreate")
+
+    def record(self, stream: Stream | int) -> None:
+        check(driver().cuEventRecord(self._event, int(stream)), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        check(driver().cuEventSynchronize(self._event), "cuEventSynchronize")
+
+    def elapsed_ms(self, end: Event) -> float:
+        return float(check(driver().cuEventElapsedTime(self._event, end._event), "cuEventElapsedTime"))
+
+
+@dataclass
+class DeviceView:
+    """A device array by pointer: `shape`, numpy `dtype` (bf16 = uint16), element `strides` (None = contiguous)."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    strides: tuple[int, ...] | None = None
+    owner: Any = None
+
+    @property
+    def element_strides(self) -> tuple[int, ...]:
+        if self.strides is not None:
+            return self.strides
+        out, acc = [], 1
+        for d in reversed(self.shape):
+            out.append(acc)
+            acc *= d
+        return tuple(reversed(out))
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.strides is None or self.strides == DeviceView(0, self.shape, self.dtype).element_strides
+
+
+class DeviceArray:
+    """A stream-ordered device allocation (`cuMemAllocAsync` / `cuMemFreeAsync` on `stream`).
+
+    `strides` are in elements (None: C-contiguous); the allocation holds the largest addressed element.
+    bf16 data is dtype uint16. Exposes `__cuda_array_interface__` (version 3) and `ptr`.
+    """
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: Any,
+        stream: Stream | int = 0,
+        strides: tuple[int, ...] | None = None,
+    ) -> None:
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.strides = tuple(int(s) for s in strides) if strides is not None else None
+        self._stream = int(stream)
+        if self.strides is None:
+            count = int(np.prod(self.shape)) if self.shape else 1
+        else:
+            count = 1 + sum((d - 1) * s for d, s in zip(self.shape, self.strides)) if all(self.shape) else 0
+        self.nbytes = max(count, 0) * self.dtype.itemsize
+        self.ptr = 0
+        if self.nbytes:
+            drv = driver()
+            self.ptr = int(check(drv.cuMemAllocAsync(self.nbytes, self._stream), "cuMemAllocAsync"))
+
+    def view(self) -> DeviceView:
+        return DeviceView(self.ptr, self.shape, self.dtype, self.strides, owner=self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        strides = None if self.strides is None else tuple(s * self.dtype.itemsize for s in self.strides)
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "strides": strides,
+            "version": 3,
+            "stream": None,
+        }
+
+    @classmethod
+    def from_numpy(cls, a: np.ndarray, stream: Stream | int = 0) -> DeviceArray:
+        a = np.ascontiguousarray(a)
+        out = cls(a.shape, a.dtype, stream)
+        if out.nbytes:
+            check(
+                driver().cuMemcpyHtoDAsync(out.ptr, a.ctypes.data, out.nbytes, int(stream)),
+                "cuMemcpyHtoDAsync",
+            )
+            check(driver().cuStreamSynchronize(int(stream)), "cuStreamSynchronize")
+        return out
+
+    def numpy(self, stream: Stream | int | None = None) -> np.ndarray:
+        """Copy to host (synchronizes `stream`, default the allocation stream); strided arrays keep their view."""
+        s = self._stream if stream is None else int(stream)
+        count = self.nbytes // self.dtype.itemsize
+        host = np.empty(count, dtype=self.dtype)
+        if self.nbytes:
+            check(driver().cuMemcpyDtoHAsync(host.ctypes.data, self.ptr, self.nbytes, s), "cuMemcpyDtoHAsync")
+            check(driver().cuStreamSynchronize(s), "cuStreamSynchronize")
+        if self.strides is None:
+            return host.reshape(self.shape)
+        it = self.dtype.itemsize
+        return np.lib.stride_tricks.as_strided(host, self.shape, tuple(s * it for s in self.strides)).copy()
+
+    def fill_zero(self, stream: Stream | int | None = None) -> None:
+        if self.nbytes:
+            s = self._stream if stream is None else int(stream)
+            check(driver().cuMemsetD8Async(self.ptr, 0, self.nbytes, s), "cuMemsetD8Async")
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __del__(self) -> None:
+        ptr, self.ptr = self.ptr, 0
+        if ptr and _drv is not None:
+            with contextlib.suppress(Exception):
+                _drv.cuMemFreeAsync(ptr, self._stream)
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceArray(shape={self.shape}, dtype={self.dtype}, strides={self.strides}, ptr={self.ptr:#x})"
+        )
+
+
+def _typestr_dtype(typestr: str) -> np.dtype:
+    return np.dtype(typestr)
+
+
+def as_view(obj: Any, what: str) -> DeviceView:
+    """A `DeviceView` of a device array: a DeviceView, a DeviceArray, an object with `__cuda_array_interface__`,
+    or a torch-like tensor (`data_ptr()`, `shape`, `stride()`, `element_size()`; bf16 maps to uint16)."""
+    if isinstance(obj, DeviceView):
+        return obj
+    if isinstance(obj, DeviceArray):
+        return obj.view()
+    cai = getattr(obj, "__cuda_array_interface__", None) if not hasattr(obj, "data_ptr") else None
+    if cai is not None:
+        dtype = _typestr_dtype(cai["typestr"])
+        shape = tuple(int(s) for s in cai["shape"])
+        strides = cai.get("strides")
+        el = None if strides is None else tuple(int(s) // dtype.itemsize for s in strides)
+        return DeviceView(int(cai["data"][0]), shape, dtype, el, owner=obj)
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
+        name = str(getattr(obj, "dtype", ""))
+        size = int(obj.element_size())
+        mapping = {
+            "torch.bfloat16": np.uint16,
+            "torch.float16": np.float16,
+            "torch.float32": np.float32,
+            "torch.int32": np.int32,
+            "torch.int64": np.int64,
+            "torch.float8_e4m3fn": np.uint8,
+            "torch.uint8": np.uint8,
+            "torch.int8": np.int8,
+        }
+        dtype = np.dtype(mapping.get(name, {1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.int64}[size]))
+        return DeviceView(
+            int(obj.data_ptr()),
+            tuple(int(s) for s in obj.shape),
+            dtype,
+            tuple(int(s) for s in obj.stride()),
+            obj,
+        )
+    raise TypeError(
+        f"{what}: expected a device array (__cuda_array_interface__, DLPack-capable tensor or ep_core DeviceView), "
+        f"got {type(obj).__name__}"
+    )
+
+
+def memset(ptr: int, nbytes: int, stream: Stream | int = 0) -> None:
+    check(driver().cuMemsetD8Async(ptr, 0, nbytes, int(stream)), "cuMemsetD8Async")
+
+
+def copy_to_host(host: np.ndarray, ptr: int, stream: Stream | int) -> None:
+    """Asynchronous device-to-host copy of `host.nbytes` bytes (the caller synchronizes)."""
+    check(driver().cuMemcpyDtoHAsync(host.ctypes.data, ptr, host.nbytes, int(stream)), "cuMemcpyDtoHAsync")
+
+
+def copy_to_device(ptr: int, host: np.ndarray, stream: Stream | int) -> None:
+    host = np.ascontiguousarray(host)
+    check(driver().cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, int(stream)), "cuMemcpyHtoDAsync")
+
+
+class PinnedBuffer:
+    """Page-locked host memory as a numpy byte array (for small device-to-host reads)."""
+
+    def __init__(self, nbytes: int) -> None:
+        drv = driver()
+        self._ptr = int(check(drv.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+        self.nbytes = nbytes
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._ptr))
+
+    def __del__(self) -> None:
+        if self._ptr and _drv is not None:
+            with contextlib.suppress(Exception):
+                _drv.cuMemFreeHost(self._ptr)
+            self._ptr = 0
+
+
+class DeviceBuffer:
+    """A plain (not stream-ordered) device allocation, zeroed."""
+
+    def __init__(self, nbytes: int) -> None:
+        drv = driver()
+        self.nbytes = nbytes
+        self.ptr = int(check(drv.cuMemAlloc(nbytes), "cuMemAlloc"))
+        check(drv.cuMemsetD8(self.ptr, 0, nbytes), "cuMemsetD8")
+
+    def close(self) -> None:
+        if self.ptr and _drv is not None:
+            with contextlib.suppress(Exception):
+                _drv.cuMemFree(self.ptr)
+        self.ptr = 0
+
+    def __del__(self) -> None:
+        self.close()

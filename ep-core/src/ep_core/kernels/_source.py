@@ -1,0 +1,92 @@
+"""Generated JIT source of the direct-mode kernels and their compilation through ep_jit."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ep_layout
+
+from ep_core.errors import EPConfigError
+from ep_core.kernels.plan import KernelConfig
+
+__all__ = ["KERNEL_NAMES", "KernelSet", "compile_kernels", "get_include", "kernel_source", "load_kernels"]
+
+KERNEL_NAMES = ("ep_dispatch", "ep_dispatch_epilogue", "ep_combine")
+
+
+def get_include() -> str:
+    """Directory holding `ep_core/kernels.cuh`: `<package>/include` in a wheel, `ep-core/include` in a checkout."""
+    pkg = Path(__file__).resolve().parent.parent
+    for candidate in (pkg / "include", pkg.parent.parent / "include"):
+        if (candidate / "ep_core" / "kernels.cuh").is_file():
+            return str(candidate)
+    raise EPConfigError(
+        f"ep_core kernel headers not found under {pkg / 'include'} or {pkg.parent.parent / 'include'}; "
+        "reinstall ep-core"
+    )
+
+
+def kernel_source(config: KernelConfig) -> str:
+    """The translation unit of one instance: the defines are passed separately (`KernelConfig.defines`)."""
+    lines = [f"// ep_core direct-mode kernels: {config}"]
+    if config.transport == "nccl":
+        lines.append("#define EP_CORE_WITH_NCCL 1")
+    lines.append("#include <ep_core/kernels.cuh>")
+    return "\n".join(lines) + "\n"
+
+
+def _include_dirs(config: KernelConfig) -> list[str]:
+    dirs = [get_include(), ep_layout.get_include()]
+    if config.transport == "nccl":
+        import ep_nccl_gin  # optional extra
+
+        dirs.extend(ep_nccl_gin.include_dirs(check=False))
+    return dirs
+
+
+def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
+    """Compile (or fetch from the cache) the instance of `config`; returns the ep_jit Artifact."""
+    import ep_jit
+
+    return ep_jit.compile(
+        kernel_source(config),
+        name=f"ep_core_direct_n{config.num_ranks}_k{config.num_topk}_h{config.hidden}_e{config.elem_size}"
+        f"_p{config.num_sf_packs}_w{config.num_warps}_{config.transport}",
+        include_dirs=_include_dirs(config),
+        defines=config.defines(),
+        arch=arch,
+        flags=("-std=c++17",),
+        key_extra={"ep_layout": ep_layout.__version__},
+    )
+
+
+@dataclass
+class KernelSet:
+    config: KernelConfig
+    dispatch: Any
+    epilogue: Any
+    combine: Any
+
+
+_loaded: dict[KernelConfig, KernelSet] = {}
+_load_lock = threading.Lock()
+
+
+def load_kernels(config: KernelConfig) -> KernelSet:
+    """Compile (cached on disk) and load the three kernels of `config` (cached per process)."""
+    ks = _loaded.get(config)
+    if ks is not None:
+        return ks
+    import ep_jit
+
+    artifact = compile_kernels(config)
+    with _load_lock:
+        ks = _loaded.get(config)
+        if ks is None:
+            module = ep_jit.load(artifact)
+            ks = KernelSet(config, *(module.function(n) for n in KERNEL_NAMES))
+            _loaded[config] = ks
+    return ks

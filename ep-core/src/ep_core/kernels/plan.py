@@ -1,0 +1,185 @@
+"""Host-side planning of the direct-mode kernels: compile keys, buffer regions, scratch size, launch geometry.
+
+Everything here is pure arithmetic (no GPU), unit tested on the CPU. Byte math of tokens and receive regions comes
+from ep_layout (`make_dispatch_token_layout`, `DirectDispatchBuffers`, `DirectCombineBuffers`, `WorkspaceLayout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ep_layout
+
+from ep_core.errors import EPConfigError, EPValueError
+
+__all__ = [
+    "DEFAULT_NUM_WARPS",
+    "KernelConfig",
+    "LaunchGeometry",
+    "RegionPlan",
+    "check_coresident",
+    "launch_geometry",
+    "plan_regions",
+    "scratch_bytes",
+]
+
+DEFAULT_NUM_WARPS = 16
+"""Warps per block of every kernel (512 threads); every block is one persistent CTA on one SM."""
+
+SCRATCH_HEADER_BYTES = 64
+"""Rank-private scratch: grid barrier words, barrier epoch, input-error report (args.cuh `Scratch`)."""
+
+STATIC_SMEM_BYTES = {"dispatch": 9252, "epilogue": 2080, "combine": 4104}
+"""Static shared memory per block at 16 warps and up to 8 ranks (ptxas report; the kernels use no dynamic smem)."""
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """The template constants of one JIT instance (all three kernels share them).
+
+    `elem_size`: 2 (bf16) or 1 (FP8 data); `num_sf_packs`: 4-byte scale packs per token (0 for bf16).
+    """
+
+    num_ranks: int
+    num_topk: int
+    hidden: int
+    elem_size: int = 2
+    num_sf_packs: int = 0
+    num_warps: int = DEFAULT_NUM_WARPS
+    transport: str = "ipc"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_ranks <= ep_layout.NUM_MAX_RANKS:
+            raise EPConfigError(f"num_ranks: expected 1..{ep_layout.NUM_MAX_RANKS}, got {self.num_ranks}")
+        if not 1 <= self.num_topk <= 32:
+            raise EPConfigError(f"num_topk: expected 1..32, got {self.num_topk}")
+        if self.elem_size not in (1, 2):
+            raise EPConfigError(f"elem_size: expected 2 (bf16) or 1 (FP8), got {self.elem_size}")
+        if (self.hidden * self.elem_size) % 32 or (self.hidden * 2) % 32:
+            raise EPConfigError(
+                f"hidden: expected hidden * element size to be a multiple of 32 bytes, got hidden={self.hidden} "
+                f"with {self.elem_size}-byte elements; pad hidden to a multiple of 32"
+            )
+        if self.num_sf_packs < 0 or (self.elem_size == 2 and self.num_sf_packs):
+            raise EPConfigError(
+                f"num_sf_packs: expected 0 for bf16 and >= 0 for FP8, got {self.num_sf_packs}"
+            )
+        if self.transport not in ("ipc", "nccl"):
+            raise EPConfigError(f"transport: expected 'ipc' or 'nccl', got {self.transport!r}")
+        if not 1 <= self.num_warps <= 32:
+            raise EPConfigError(f"num_warps: expected 1..32, got {self.num_warps}")
+
+    @property
+    def dispatch_token(self) -> ep_layout.TokenLayout:
+        return ep_layout.make_dispatch_token_layout(
+            self.hidden, self.elem_size, self.num_sf_packs, self.num_topk
+        )
+
+    @property
+    def combine_token(self) -> ep_layout.TokenLayout:
+        return ep_layout.make_combine_token_layout(self.hidden, self.num_topk)
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_warps * 32
+
+    def defines(self) -> dict[str, object]:
+        """The -D constants of the generated source."""
+        return {
+            "EP_CORE_NUM_RANKS": self.num_ranks,
+            "EP_CORE_NUM_TOPK": self.num_topk,
+            "EP_CORE_HIDDEN_BYTES": self.hidden * self.elem_size,
+            "EP_CORE_COMBINE_HIDDEN_BYTES": self.hidden * 2,
+            "EP_CORE_NUM_SF_PACKS": self.num_sf_packs,
+            "EP_CORE_NUM_WARPS": self.num_warps,
+            "EP_CORE_TRANSPORT": "ep_core::IpcTransport"
+            if self.transport == "ipc"
+            else "ep_core::NcclTransport",
+        }
+
+
+def scratch_bytes(num_ranks: int, num_experts: int, num_max_tokens: int) -> int:
+    """Bytes of the rank-private scratch (mirror of args.cuh `Scratch`)."""
+    epr = num_experts // num_ranks
+    words = (num_max_tokens + 31) // 32
+    counters = 4 * (2 * num_ranks + num_experts + 2 * epr + num_experts)
+    bitmaps = 2 * 4 * (num_ranks + num_experts) * words
+    return SCRATCH_HEADER_BYTES + counters + bitmaps
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """Byte offsets inside one rank's symmetric allocation `[workspace | data]`.
+
+    The dispatch receive region `[N][M]` of dispatch tokens and the combine receive region `[slots][M]` of
+    combine tokens both start at `recv_offset` (combine reuses the bytes: every combine begins with a barrier that
+    waits for every rank's copy epilogue). `scratch_offset` is the workspace's reserved region when the scratch
+    fits there, else -1 (the executor allocates it separately).
+    """
+
+    workspace_offset: int
+    recv_offset: int
+    dispatch_bytes: int
+    combine_bytes: int
+    scratch_offset: int
+    scratch_bytes: int
+    total_bytes: int
+
+
+def plan_regions(
+    config: KernelConfig, num_experts: int, num_max_tokens: int, data_bytes: int | None = None
+) -> RegionPlan:
+    """Regions for `config`; `data_bytes` is the GPU buffer after the workspace (default: exactly what the two
+    receive regions need, rank layout or top-k layout, whichever is larger)."""
+    if num_experts % config.num_ranks:
+        raise EPConfigError(
+            f"num_experts: expected a multiple of num_ranks={config.num_ranks}, got {num_experts}"
+        )
+    if num_experts > ep_layout.NUM_MAX_EXPERTS or num_experts // config.num_ranks > 256:
+        raise EPConfigError(
+            f"num_experts: expected <= {ep_layout.NUM_MAX_EXPERTS} and <= 256 per rank, got {num_experts}"
+        )
+    topo = ep_layout.Topology(config.num_ranks)
+    dispatch = ep_layout.DirectDispatchBuffers(config.dispatch_token, topo, num_max_tokens).get_num_bytes()
+    combine = max(
+        ep_layout.DirectCombineBuffers(config.combine_token, topo, num_max_tokens, amr).get_num_bytes()
+        for amr in (True, False)
+    )
+    need = max(dispatch, combine)
+    data = need if data_bytes is None else int(data_bytes)
+    if data < need:
+        raise EPConfigError(
+            f"buffer: the GPU buffer holds {data} bytes but this configuration needs {need} "
+            f"(dispatch {dispatch}, combine {combine}); allocate with get_buffer_size_hint()"
+        )
+    ws = ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES
+    sb = scratch_bytes(config.num_ranks, num_experts, num_max_tokens)
+    reserved = ep_layout.WorkspaceLayout.RESERVED_OFFSET
+    scratch_offset = reserved if sb <= ep_layout.NUM_RESERVED_BYTES else -1
+    return RegionPlan(0, ws, dispatch, combine, scratch_offset, sb, ws + data)
+
+
+@dataclass(frozen=True)
+class LaunchGeometry:
+    grid: int
+    block: int
+    shared_mem: int
+
+
+def launch_geometry(config: KernelConfig, num_sms: int, device_sms: int) -> LaunchGeometry:
+    """One block of `config.num_warps` warps per SM; `num_sms` blocks for every kernel of the op."""
+    if not 1 <= num_sms <= device_sms:
+        raise EPValueError(f"num_sms: expected 1..{device_sms} (device SMs), got {num_sms}")
+    return LaunchGeometry(num_sms, config.num_threads, 0)
+
+
+def check_coresident(num_ranks_on_device: int, num_sms: int, device_sms: int) -> None:
+    """Ranks sharing one GPU wait on each other inside their kernels, so every block of every rank must be
+    resident at once: `ranks * num_sms <= device SMs` (one persistent block per SM)."""
+    total = num_ranks_on_device * num_sms
+    if total > device_sms:
+        raise EPConfigError(
+            f"num_sms: {num_ranks_on_device} ranks on one GPU x {num_sms} SMs = {total} SMs, but the device has "
+            f"{device_sms}; kernels of all ranks must be co-resident (they wait on each other): use num_sms <= "
+            f"{device_sms // num_ranks_on_device}"
+        )

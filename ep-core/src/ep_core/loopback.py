@@ -1,0 +1,274 @@
+"""The loopback domain: N ranks in one process on one GPU, each with its own symmetric buffer, workspace and stream.
+
+The kernels and the protocol are the production ones (ipc transport): every rank's peer table points at the other
+ranks' buffers, and the ranks' kernels wait on each other exactly as across GPUs. All blocks of all ranks must be
+resident at once, so `num_ranks * num_sms` may not exceed the device's SMs (checked).
+
+The calls mirror `ep_core.reference.dispatch/combine` (lists indexed by rank), so tests compare the two directly:
+
+>>> dom = LoopbackDomain(8, num_max_tokens_per_rank=4096, hidden=7168, num_topk=8)
+>>> outs = dom.dispatch(xs, topk_idxs, topk_weights, num_experts=256)
+>>> comb = dom.combine([o.recv_x for o in outs], [o.handle for o in outs])
+
+Inputs may be device arrays or numpy arrays (uploaded on the rank's stream). Outputs are `DeviceArray`s;
+`DispatchResult.to_reference()` converts to the reference's numpy form.
+
+`ProcessRank` is the same rank object for one process of a multi-process group sharing the GPU (or one GPU per
+process): buffers are exchanged through ep_symmem with any bootstrap (`ep_symmem.FileBootstrap`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ep_layout
+import numpy as np
+
+from ep_core.errors import EPConfigError, EPStateError, EPTimeoutError, EPValueError
+from ep_core.kernels import _cuda
+from ep_core.kernels._cuda import DeviceArray, DeviceBuffer, Stream
+from ep_core.kernels.executor import CombineResult, DirectRank, DispatchResult, RankResources
+from ep_core.kernels.plan import KernelConfig, check_coresident, plan_regions
+from ep_core.transports.ipc import IpcBuffer
+
+__all__ = ["LoopbackDomain", "ProcessRank", "domain_data_bytes"]
+
+
+def domain_data_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> int:
+    """GPU buffer bytes (after the workspace) that serve bf16 and FP8 dispatch and both combine layouts."""
+    cfg = KernelConfig(num_ranks, num_topk, hidden)
+    need = 0
+    for n_e in (num_ranks,):
+        plan = plan_regions(cfg, n_e, num_max_tokens_per_rank)
+        need = max(need, plan.dispatch_bytes, plan.combine_bytes)
+    hint = max(
+        ep_layout.size_hint_bytes(num_ranks, num_max_tokens_per_rank, hidden, num_topk, False, amr)
+        for amr in (True, False)
+    )
+    return ep_layout.align(max(need, hint), ep_layout.NUM_SYMMETRIC_ALIGN_BYTES)
+
+
+def _upload(a: Any, stream: Stream) -> Any:
+    if a is None:
+        return None
+    if isinstance(a, tuple):
+        return tuple(_upload(v, stream) for v in a)
+    if isinstance(a, np.ndarray):
+        return DeviceArray.from_numpy(a, stream)
+    return a
+
+
+class LoopbackDomain:
+    """N ranks of a direct-mode domain in this process, on the current GPU."""
+
+    def __init__(
+        self,
+        num_ranks: int,
+        *,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int,
+        num_sms: int = 0,
+        num_bytes: int | None = None,
+        gpu_timeout_secs: float = 100.0,
+        cpu_timeout_secs: float = 300.0,
+        use_symmem: bool = True,
+        num_warps: int | None = None,
+    ) -> None:
+        if not 1 <= num_ranks <= ep_layout.NUM_MAX_RANKS:
+            raise EPValueError(f"num_ranks: expected 1..{ep_layout.NUM_MAX_RANKS}, got {num_ranks}")
+        self.num_ranks = int(num_ranks)
+        self.num_max_tokens = int(num_max_tokens_per_rank)
+        self.device_sms = _cuda.num_device_sms()
+        if num_sms == 0:
+            num_sms = max(1, min(16, self.device_sms // self.num_ranks))
+        check_coresident(self.num_ranks, num_sms, self.device_sms)
+        self.num_sms = int(num_sms)
+        data = num_bytes or domain_data_bytes(self.num_ranks, self.num_max_tokens, hidden, num_topk)
+        self.buffers = IpcBuffer.create_loopback(self.num_ranks, data, use_symmem=use_symmem)
+        self.streams = [Stream() for _ in range(self.num_ranks)]
+        self.ranks: list[DirectRank] = []
+        for r in range(self.num_ranks):
+            res = RankResources(
+                r, self.num_ranks, self.buffers.bases[r], data, self.buffers.peer_table, self.streams[r]
+            )
+            self.ranks.append(
+                DirectRank(
+                    res,
+                    num_max_tokens_per_rank=self.num_max_tokens,
+                    gpu_timeout_secs=gpu_timeout_secs,
+                    cpu_timeout_secs=cpu_timeout_secs,
+                    num_warps=num_warps,
+                )
+            )
+        self._closed = False
+
+    def _check(self, name: str, seq: Any) -> list:
+        if seq is None:
+            return [None] * self.num_ranks
+        seq = list(seq)
+        if len(seq) != self.num_ranks:
+            raise EPValueError(f"{name}: expected {self.num_ranks} entries (one per rank), got {len(seq)}")
+        return seq
+
+    def _sms(self, num_sms: int) -> int:
+        sms = num_sms or self.num_sms
+        check_coresident(self.num_ranks, sms, self.device_sms)
+        return sms
+
+    def dispatch(
+        self,
+        xs: Sequence[Any],
+        topk_idxs: Sequence[Any] | None = None,
+        topk_weights: Sequence[Any] | None = None,
+        *,
+        sf: Sequence[Any] | None = None,
+        num_experts: int | None = None,
+        expert_alignment: int | None = None,
+        do_expand: bool | None = None,
+        deterministic: bool = False,
+        do_cpu_sync: bool | None = None,
+        use_tma_aligned_col_major_sf: bool = False,
+        do_zero_padding: bool = False,
+        handles: Sequence[Any] | None = None,
+        num_sms: int = 0,
+        cumulative_local_expert_recv_stats: Sequence[Any] | None = None,
+    ) -> list[DispatchResult]:
+        """Dispatch on every rank (same keywords as `ep_core.reference.dispatch`)."""
+        if self._closed:
+            raise EPStateError("dispatch: the domain is closed")
+        xs = self._check("xs", xs)
+        idxs = self._check("topk_idxs", topk_idxs)
+        ws = self._check("topk_weights", topk_weights)
+        sfs = self._check("sf", sf)
+        hs = self._check("handles", handles)
+        stats = self._check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
+        sms = 0 if (handles is not None and num_sms == 0) else self._sms(num_sms)
+        pend = []
+        for r, rank in enumerate(self.ranks):
+            s = self.streams[r]
+            pend.append(
+                rank.launch_dispatch(
+                    _upload(xs[r], s),
+                    _upload(idxs[r], s),
+                    _upload(ws[r], s),
+                    sf=_upload(sfs[r], s),
+                    num_experts=num_experts,
+                    expert_alignment=expert_alignment,
+                    do_expand=do_expand,
+                    do_cpu_sync=do_cpu_sync,
+                    deterministic=deterministic,
+                    do_zero_padding=do_zero_padding,
+                    use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                    handle=hs[r],
+                    num_sms=sms,
+                    cumulative_local_expert_recv_stats=stats[r],
+                )
+            )
+        try:
+            return [rank.finish_dispatch(p) for rank, p in zip(self.ranks, pend)]
+        except EPTimeoutError:
+            self._drain()
+            raise
+
+    def combine(
+        self,
+        xs: Sequence[Any],
+        handles: Sequence[Any],
+        *,
+        topk_weights: Sequence[Any] | None = None,
+        bias: Sequence[Any] | None = None,
+        allow_multiple_reduction: bool = True,
+        num_sms: int = 0,
+    ) -> list[CombineResult]:
+        """Combine on every rank (same keywords as `ep_core.reference.combine`)."""
+        if self._closed:
+            raise EPStateError("combine: the domain is closed")
+        xs = self._check("xs", xs)
+        hs = self._check("handles", handles)
+        ws = self._check("topk_weights", topk_weights)
+        bs = self._check("bias", bias)
+        out = []
+        for r, rank in enumerate(self.ranks):
+            s = self.streams[r]
+            out.append(
+                rank.combine(
+                    _upload(xs[r], s),
+                    hs[r],
+                    topk_weights=_upload(ws[r], s),
+                    bias=_upload(bs[r], s),
+                    allow_multiple_reduction=allow_multiple_reduction,
+                    num_sms=num_sms,
+                )
+            )
+        return out
+
+    def _drain(self) -> None:
+        for s in self.streams:
+            s.synchronize(60.0)
+
+    def synchronize(self) -> None:
+        """Wait for every rank's stream and raise the first recorded kernel error."""
+        self._drain()
+        for rank in self.ranks:
+            rank.check_errors(synchronize=False)
+
+    def reset(self) -> None:
+        """Clear every rank's workspace and scratch (after an error; all ranks together)."""
+        self._drain()
+        for rank in self.ranks:
+            rank.reset_state()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._drain()
+        self._closed = True
+        self.ranks = []
+        self.buffers.close()
+
+    def __enter__(self) -> LoopbackDomain:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ProcessRank(DirectRank):
+    """One rank per process: a symmetric buffer exchanged with the other processes through ep_symmem."""
+
+    def __init__(
+        self,
+        bootstrap: Any,
+        *,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int,
+        num_bytes: int | None = None,
+        gpu_timeout_secs: float = 100.0,
+        cpu_timeout_secs: float = 300.0,
+        num_warps: int | None = None,
+    ) -> None:
+        size = int(bootstrap.size)
+        data = num_bytes or domain_data_bytes(size, num_max_tokens_per_rank, hidden, num_topk)
+        self.buffer = IpcBuffer.create_exchanged(bootstrap, data)
+        self.bootstrap = bootstrap
+        res = RankResources(
+            int(bootstrap.rank), size, self.buffer.bases[0], data, self.buffer.peer_table, Stream()
+        )
+        super().__init__(
+            res,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            gpu_timeout_secs=gpu_timeout_secs,
+            cpu_timeout_secs=cpu_timeout_secs,
+            num_warps=num_warps,
+        )
+
+    def close(self) -> None:
+        self.stream.synchronize(60.0)
+        self.bootstrap.barrier()
+        self.buffer.close()
+
+
+_ = (DeviceBuffer, EPConfigError)

@@ -1,0 +1,89 @@
+"""The ipc transport, host side: symmetric buffers from ep_symmem (VMM + POSIX-fd exchange) and the device table of
+peer base pointers that `ep_core::IpcTransport::sym_ptr` reads.
+
+Each rank's allocation is `[workspace (ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES) | GPU data buffer]`, zeroed.
+- `IpcBuffer.create_loopback(n, data_bytes)`: n buffers in this process (the loopback domain); the table lists them.
+- `IpcBuffer.create_exchanged(bootstrap, data_bytes)`: one buffer per process, exchanged with `ep_symmem.exchange`.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import ep_layout
+
+from ep_core.kernels import _cuda
+
+__all__ = ["IpcBuffer"]
+
+
+class IpcBuffer:
+    """Symmetric buffers of one process (one per local rank) plus the device peer table."""
+
+    def __init__(self, bases: list[int], peer_table: int, owners: list[Any], table_owner: Any) -> None:
+        self.bases = bases
+        self.peer_table = peer_table
+        self._owners = owners
+        self._table_owner = table_owner
+
+    @staticmethod
+    def total_bytes(data_bytes: int) -> int:
+        return ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES + ep_layout.align(
+            int(data_bytes), ep_layout.NUM_SYMMETRIC_ALIGN_BYTES
+        )
+
+    @classmethod
+    def create_loopback(cls, num_ranks: int, data_bytes: int, *, use_symmem: bool = True) -> IpcBuffer:
+        """`num_ranks` zeroed buffers in this process (ep_symmem allocations, or plain cuMemAlloc without it)."""
+        total = cls.total_bytes(data_bytes)
+        owners: list[Any] = []
+        bases: list[int] = []
+        symmem = None
+        if use_symmem:
+            try:
+                import ep_symmem as symmem
+            except Exception:
+                symmem = None
+        for _ in range(num_ranks):
+            if symmem is not None:
+                alloc = symmem.SymmetricAllocation.create(total)
+                owners.append(alloc)
+                bases.append(int(alloc.ptr))
+            else:
+                buf = _cuda.DeviceBuffer(total)
+                owners.append(buf)
+                bases.append(buf.ptr)
+        for b in bases:
+            _cuda.memset(b, total, 0)
+        table = _cuda.DeviceBuffer(8 * num_ranks)
+        _cuda.check(
+            _cuda.driver().cuMemcpyHtoD(table.ptr, struct.pack(f"<{num_ranks}Q", *bases), 8 * num_ranks),
+            "cuMemcpyHtoD",
+        )
+        _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
+        return cls(bases, table.ptr, owners, table)
+
+    @classmethod
+    def create_exchanged(cls, bootstrap: Any, data_bytes: int) -> IpcBuffer:
+        """This process's buffer, mapped by every rank of `bootstrap` (ep_symmem.exchange)."""
+        import ep_symmem
+
+        total = cls.total_bytes(data_bytes)
+        _cuda.driver()
+        alloc = ep_symmem.SymmetricAllocation.create(total)
+        _cuda.memset(int(alloc.ptr), total, 0)
+        _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
+        bootstrap.barrier()
+        ep_symmem.exchange(alloc, bootstrap)
+        return cls([int(alloc.ptr)], int(alloc.peer_ptr_table), [alloc], None)
+
+    def close(self) -> None:
+        for o in self._owners:
+            close = getattr(o, "close", None)
+            if close is not None:
+                close()
+        if self._table_owner is not None:
+            self._table_owner.close()
+        self._owners = []
+        self._table_owner = None
