@@ -382,3 +382,57 @@ def test_no_gpu_paths_say_so(cache_dir):
     art = ep_jit.compile(KERNEL, name="scale", arch=ARCH)
     with pytest.raises(ep_jit.NoDeviceError, match="GPU"):
         ep_jit.load(art)
+
+
+def test_threads_of_one_process_compile_once(cache_dir, counting_nvcc):
+    import threading
+
+    src = _unique_kernel()
+    results: list = []
+    barrier = threading.Barrier(4)
+
+    def work():
+        barrier.wait()
+        results.append(ep_jit.compile(src, name="threads", arch=ARCH))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 4 and len({a.key for a in results}) == 1
+    assert sum(not a.from_cache for a in results) == 1
+    assert _calls(counting_nvcc) == 1
+
+
+def test_failure_of_another_builder_is_reused_not_recompiled(cache_dir, counting_nvcc):
+    bad = "__global__ void f(int* x) { *x = undeclared_thing_9; }\n"
+    key = ep_jit.compute_key(bad, name="bad", arch=ARCH).key
+    cache = ep_jit.cache()
+    log_path = cache.write_failure(
+        "bad", key, "kernel.cu(1): error: identifier undeclared_thing_9 is undefined\n"
+    )
+    with pytest.raises(ep_jit.CompileError, match="another process") as info:
+        ep_jit.compile(bad, name="bad", arch=ARCH)
+    assert "undeclared_thing_9" in info.value.output
+    assert _calls(counting_nvcc) == 0
+    # an old failure log is not trusted: the compiler runs again (and fails for real)
+    old = time.time() - 60
+    os.utime(log_path, (old, old))
+    with pytest.raises(ep_jit.CompileError, match="nvcc failed"):
+        ep_jit.compile(bad, name="bad", arch=ARCH)
+    assert _calls(counting_nvcc) == 1
+
+
+def test_package_versions_enter_the_key_and_bad_cache_dir_is_explained(
+    tmp_path, cache_dir, counting_nvcc, monkeypatch
+):
+    k0 = ep_jit.compute_key(KERNEL, name="k", arch=ARCH).key
+    k1 = ep_jit.compute_key(KERNEL, name="k", arch=ARCH, package_versions={"ep_layout": "0.1.0"}).key
+    k2 = ep_jit.compute_key(KERNEL, name="k", arch=ARCH, package_versions={"ep_layout": "0.2.0"}).key
+    assert len({k0, k1, k2}) == 3
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(ep_jit.JitError, match="EPKIT_JIT_CACHE_DIR"):
+        ep_jit.compile(KERNEL, name="k", arch=ARCH)

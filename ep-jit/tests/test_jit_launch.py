@@ -134,7 +134,9 @@ def test_pointer_scalar_struct_args(drv, cache_dir):
     with pytest.raises(TypeError, match=r"argument 2 is a bare Python float.*ep_jit.int32"):
         k.launch(1, 1, [out, inp, 1.0, n, ep_jit.struct(params), ep_jit.uint64(1), ep_jit.bool_(False)])
     with pytest.raises(TypeError, match=r"argument 3 is a bare Python int"):
-        k.launch(1, 1, [out, inp, ep_jit.float32(1), n, ep_jit.struct(params), ep_jit.uint64(1), ep_jit.bool_(0)])
+        k.launch(
+            1, 1, [out, inp, ep_jit.float32(1), n, ep_jit.struct(params), ep_jit.uint64(1), ep_jit.bool_(0)]
+        )
     inp.free()
     out.free()
 

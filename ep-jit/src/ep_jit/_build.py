@@ -96,6 +96,7 @@ def compute_key(
     backend: str | None = None,
     lineinfo: bool | None = None,
     key_extra: Mapping[str, Any] | None = None,
+    package_versions: Mapping[str, Any] | None = None,
 ) -> KeyRecord:
     """The cache key of a compile request, without compiling (hashes sources and headers)."""
     if not isinstance(source, str) or not source.strip():
@@ -132,6 +133,7 @@ def compute_key(
         "flags": keyed_flags,
         "arch": arch_n,
         "extra": {str(k): str(v) for k, v in sorted((key_extra or {}).items())},
+        "packages": {str(k): str(v) for k, v in sorted((package_versions or {}).items())},
     }
     blob = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     return KeyRecord(record, hashlib.sha256(blob).hexdigest(), canonical, be)
@@ -159,6 +161,7 @@ def compile(
     backend: str | None = None,
     lineinfo: bool | None = None,
     key_extra: Mapping[str, Any] | None = None,
+    package_versions: Mapping[str, Any] | None = None,
 ) -> Artifact:
     """Compile ``source`` to a cubin through the on-disk cache and return the cached :class:`Artifact`.
 
@@ -166,8 +169,9 @@ def compile(
     ``#include``s, and every header found there is hashed into the key. ``defines`` become ``-D``
     flags. ``arch`` is e.g. ``"sm_90a"`` (default: the current GPU's, which needs a driver).
     ``flags`` are passed to the compiler as given. ``backend`` is ``"nvcc"`` or ``"nvrtc"``
-    (default ``EPKIT_JIT_BACKEND`` or nvcc). ``key_extra`` adds version strings (e.g. of header
-    packages) to the key. Raises :class:`CompileError` with the compiler's output on failure.
+    (default ``EPKIT_JIT_BACKEND`` or nvcc). ``package_versions`` (e.g. ``{"ep_layout": "0.1.0",
+    "nccl": "2.28.9"}``) and ``key_extra`` (anything else that changes the code) are added to the key.
+    ``lineinfo`` adds ``-lineinfo`` (default ``EPKIT_JIT_LINEINFO``). Raises :class:`CompileError` with the compiler's output on failure.
     """
     memo_key = (
         source,
@@ -179,6 +183,7 @@ def compile(
         backend,
         lineinfo,
         tuple(sorted((str(k), str(v)) for k, v in key_extra.items())) if key_extra else (),
+        tuple(sorted((str(k), str(v)) for k, v in package_versions.items())) if package_versions else (),
         _env.snapshot(),
     )
     if arch is None:
@@ -198,6 +203,7 @@ def compile(
         backend=backend,
         lineinfo=lineinfo,
         key_extra=key_extra,
+        package_versions=package_versions,
     )
     with _memo_lock:
         if len(_memo) > 1024:
@@ -240,13 +246,26 @@ def _compile_uncached(source: str, *, name: str, **kwargs: Any) -> Artifact:
             if debug:
                 log.info("ep_jit: cache hit %s", entry)
             return Artifact(kr.key, entry / "kernel.cubin", True, name, meta)
-    with cache.key_lock(kr.key, _env.lock_timeout()):
+    waiting_since = time.time() - 1.0  # margin for coarse file-system timestamps
+    with cache.key_lock(kr.key, _env.lock_timeout(), name):
         meta, problem = cache.verify(entry)
         if meta is not None and not always:
             cache.touch(entry)
             if debug:
                 log.info("ep_jit: cache hit %s (built by another process)", entry)
             return Artifact(kr.key, entry / "kernel.cubin", True, name, meta)
+        failed = cache.recent_failure(name, kr.key, waiting_since)
+        if failed is not None:
+            # Another process failed on this very key while we waited: same inputs, same error; do not
+            # make every rank of a job recompile a broken kernel in turn.
+            path, text = failed
+            raise CompileError(
+                f"compiling {name} failed in another process just now (same key {kr.key[:12]}):\n{text.strip()}\n"
+                f"(full compiler output saved in {path})",
+                output=text,
+                command=kr.backend.name,
+                log_path=str(path),
+            )
         if problem is not None:
             cache.quarantine(entry, problem)
         if debug:

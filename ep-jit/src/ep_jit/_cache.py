@@ -138,8 +138,14 @@ class Cache:
         return self.locks / f"{key}.lock"
 
     def ensure_dirs(self) -> None:
-        for d in (self.entries, self.locks, self.tmp, self.failed):
-            d.mkdir(parents=True, exist_ok=True)
+        try:
+            for d in (self.entries, self.locks, self.tmp, self.failed):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JitError(
+                f"cannot create the ep-jit cache under {self.root} ({e.strerror or e}); set EPKIT_JIT_CACHE_DIR to a "
+                "writable directory on a local file system"
+            ) from e
 
     # --- verification ------------------------------------------------------------------------------
     def verify(self, entry: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -175,7 +181,7 @@ class Cache:
 
     # --- locking -----------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def key_lock(self, key: str, timeout: float) -> Iterator[None]:
+    def key_lock(self, key: str, timeout: float, what: str = "") -> Iterator[None]:
         """Exclusive build right for ``key`` among threads and processes (flock on locks/<key>.lock)."""
         self.ensure_dirs()
         path = self.lock_path(key)
@@ -185,7 +191,13 @@ class Cache:
         try:
             flock = file_lock(path, timeout)
             try:
-                flock.acquire()
+                try:
+                    flock.acquire(timeout=0)
+                except filelock.Timeout:
+                    log.info(
+                        "ep_jit: waiting for another process building %s (lock %s)", what or key[:12], path
+                    )
+                    flock.acquire()
             except filelock.Timeout:
                 raise JitError(
                     f"timed out after {timeout} s waiting for the build lock {path} held by another process; "
@@ -240,6 +252,16 @@ class Cache:
         tmp.write_text(text)
         os.replace(tmp, path)
         return path
+
+    def recent_failure(self, name: str, key: str, since: float) -> tuple[Path, str] | None:
+        """The failure log of ``key`` if one was written after ``since`` (another builder failed meanwhile)."""
+        path = self.failed / f"{self.entry_name(name, key)}.log"
+        try:
+            if path.stat().st_mtime >= since:
+                return path, path.read_text()
+        except OSError:
+            return None
+        return None
 
     # --- listing, eviction, clearing ---------------------------------------------------------------
     def list_entries(self) -> list[EntryInfo]:

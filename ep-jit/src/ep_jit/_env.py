@@ -67,7 +67,12 @@ KNOBS: dict[str, Knob] = {
         Knob("EPKIT_JIT_NVCC", "str", None, "path of nvcc (default $CUDA_HOME/bin/nvcc, else nvcc on PATH)"),
         Knob("EPKIT_JIT_BACKEND", "str", "nvcc", "default compiler backend: nvcc or nvrtc"),
         Knob("EPKIT_JIT_KEEP_TEMPS", "bool", "0", "also keep kernel.ptx and kernel.sass in each cache entry"),
-        Knob("EPKIT_JIT_PTXAS_VERBOSE", "bool", "0", "pass -Xptxas -v and log register/shared-memory usage"),
+        Knob(
+            "EPKIT_JIT_PTXAS_VERBOSE",
+            "bool",
+            "0",
+            "log ptxas register/spill usage of each compiled kernel at INFO",
+        ),
         Knob("EPKIT_JIT_LINEINFO", "bool", "0", "compile with -lineinfo (part of the key)"),
         Knob(
             "EPKIT_JIT_EXTRA_FLAGS",
