@@ -225,6 +225,8 @@ extern "C" __global__ void pdl_consumer(const int* buf, int* out, int n) {
 def test_cooperative_launch(drv, cache_dir):
     mod = ep_jit.load(ep_jit.compile(COOP_SRC, name="coop"))
     k = mod.function("grid_sum")
+    assert k.attribute("num_regs") > 0 and k.attribute("max_threads_per_block") >= 64
+    assert k.max_active_blocks_per_sm(64) >= 1
     blocks = 16
     partial = DeviceBuffer(drv, 4 * blocks)
     total = DeviceBuffer(drv, 4)

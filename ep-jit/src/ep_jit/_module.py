@@ -260,7 +260,7 @@ class Kernel:
             layout.pack(buf, vals)
             err = self._launch(cfg, self._func, addr, 0)[0]
         if err:
-            self._raise_launch_error(err, ck)
+            self._retry_or_raise(err, ck, cfg, layout, vals)
 
     __call__ = launch
 
@@ -271,6 +271,18 @@ class Kernel:
                 self._configs.clear()
             self._configs[ck] = entry
         return entry[0]
+
+    def _retry_or_raise(self, err: Any, ck: tuple, cfg: Any, layout: ArgLayout, vals: list[Any]) -> None:
+        """A thread with no current context (contexts are per thread) gets the primary one, then one retry."""
+        drv = driver()
+        if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            ensure_context()
+            buf, addr = layout.new_buffer()
+            layout.pack(buf, vals)
+            err = self._launch(cfg, self._func, addr, 0)[0]
+            if not err:
+                return
+        self._raise_launch_error(err, ck)
 
     def _raise_launch_error(self, err: Any, ck: tuple) -> None:
         from ._driver import _error_text
