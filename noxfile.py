@@ -119,7 +119,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def build(session: nox.Session) -> None:
-    """Build every wheel (and sdist) into dist/, then check them with twine and the wheel-content tests."""
+    """Build every wheel and sdist into dist/, then check their metadata with `twine check --strict`."""
     session.install("build", "twine")
     shutil.rmtree(DIST, ignore_errors=True)
     for pkg in PACKAGES.values():
