@@ -306,6 +306,13 @@ def _launch_rows(drv, arch: str, launches: int, rows, data) -> None:
         )
     )
 
+    def ep_attrs():
+        k5.launch(2, 32, [pa, pb, pc, ep_jit.int32(1), ep_jit.int32(2)], stream=sh, cluster_dim=2, pdl=True)
+
+    us = _median_us_per_launch(ep_attrs, sync, launches)
+    data["launch_ep_jit_cluster_pdl_us"] = us
+    rows.append(("launch: ep_jit with cluster_dim=2 and pdl=True", f"{us:.2f} us", "launch attributes"))
+
     cfg_bytes = bytes(32)
 
     def ep6():
@@ -358,10 +365,6 @@ def _launch_rows(drv, arch: str, launches: int, rows, data) -> None:
             data["launch_ep_jit_torch_tensors_us"] = us
             rows.append(("launch: ep_jit with torch tensors passed directly", f"{us:.2f} us", ""))
 
-            def top():
-                with torch.cuda.stream(ts):
-                    x.add_(1)
-
             x.add_(1)
             with torch.cuda.stream(ts):
                 us = _median_us_per_launch(lambda: x.add_(1), sync, launches)
@@ -373,8 +376,8 @@ def _launch_rows(drv, arch: str, launches: int, rows, data) -> None:
                     "torch op dispatch + launch",
                 )
             )
-    except ImportError:
-        rows.append(("baseline: torch", "n/a", "torch not installed"))
+    except Exception as e:  # not installed, or no CUDA build
+        rows.append(("baseline: torch", "n/a", f"{type(e).__name__}: {e}"[:80]))
 
     try:
         import cupy as cp
@@ -394,8 +397,8 @@ def _launch_rows(drv, arch: str, launches: int, rows, data) -> None:
             us = _median_us_per_launch(cupy_launch, sync, launches)
         data["launch_cupy_rawkernel_us"] = us
         rows.append((f"baseline: CuPy {cp.__version__} RawKernel, same kernel and args", f"{us:.2f} us", ""))
-    except ImportError:
-        rows.append(("baseline: CuPy RawKernel", "n/a", "cupy not installed"))
+    except Exception as e:  # not installed, or its NVRTC is missing
+        rows.append(("baseline: CuPy RawKernel", "n/a", f"{type(e).__name__}: {e}"[:80]))
 
     drv.cuStreamDestroy(stream)
     drv.cuMemFree(buf)
