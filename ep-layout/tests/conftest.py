@@ -117,8 +117,9 @@ def layout_dump(cxx: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture(scope="session")
-def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ep-layout built as a wheel from this source tree (no isolation: uses this env's scikit-build-core)."""
+def built_dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python -m build` of this source tree: an sdist, then the wheel built FROM that sdist (so the wheel tests
+    also prove the sdist is complete). No isolation: uses this env's scikit-build-core."""
     pytest.importorskip(
         "build", reason="the `build` package (ep-layout's test group) is needed to build the wheel"
     )
@@ -129,7 +130,6 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             sys.executable,
             "-m",
             "build",
-            "--wheel",
             "--no-isolation",
             "--outdir",
             str(out / "dist"),
@@ -137,9 +137,21 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(PACKAGE_DIR),
         ]
     )
-    wheels = sorted((out / "dist").glob("*.whl"))
+    return out / "dist"
+
+
+@pytest.fixture(scope="session")
+def built_wheel(built_dist: Path) -> Path:
+    wheels = sorted(built_dist.glob("*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
+
+
+@pytest.fixture(scope="session")
+def built_sdist(built_dist: Path) -> Path:
+    sdists = sorted(built_dist.glob("*.tar.gz"))
+    assert len(sdists) == 1, sdists
+    return sdists[0]
 
 
 @pytest.fixture(scope="session")

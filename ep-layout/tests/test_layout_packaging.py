@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -89,6 +90,19 @@ def test_wheel_metadata(built_wheel: Path) -> None:
     assert "Requires-Dist" not in metadata  # ep-layout depends on nothing
     assert "Requires-Python: >=3.10" in metadata
     assert "[cmake.root]" in entry_points and "ep_layout = ep_layout" in entry_points
+
+
+def test_sdist_has_the_build_inputs(built_sdist: Path) -> None:
+    prefix = f"ep_layout-{VERSION}/"
+    with tarfile.open(built_sdist) as tf:
+        names = {n.removeprefix(prefix) for n in tf.getnames()}
+    headers = {f"include/ep_layout/{p.name}" for p in (PACKAGE_DIR / "include" / "ep_layout").glob("*.cuh")}
+    sources = {
+        f"src/ep_layout/{p.name}" for p in (PACKAGE_DIR / "src" / "ep_layout").iterdir() if p.is_file()
+    }
+    required = {"pyproject.toml", "CMakeLists.txt", "cmake/ep_layoutConfig.cmake.in", "README.md", "PKG-INFO"}
+    assert required | headers | sources <= names, sorted((required | headers | sources) - names)
+    assert not any(n.startswith("build/") for n in names)
 
 
 def _installed_python(site: Path, *args: str) -> str:

@@ -97,7 +97,7 @@ def test_buffer_views() -> None:
 
 def test_workspace_size_and_regions() -> None:
     ws = el.WorkspaceLayout
-    assert ws.get_num_bytes() == 13_795_456
+    assert ws.get_num_bytes() == el.NUM_WORKSPACE_BYTES == 14 * MIB
     assert ws.get_num_aligned_bytes() == 14 * MIB
     regions = ws.regions()
     assert regions[0].name == "barrier_signals" and regions[-1].name == "reserved"
@@ -107,7 +107,8 @@ def test_workspace_size_and_regions() -> None:
         assert r.offset % r.elem_bytes == 0 or r.dtype == "error_record"
         end = r.offset + r.num_bytes
     assert end == ws.get_num_bytes()
-    assert ws.region("reserved").num_bytes == el.NUM_RESERVED_BYTES >= 64 * 1024
+    assert ws.region("reserved").num_bytes == el.NUM_RESERVED_BYTES == 1_933_184
+    assert ws.RESERVED_OFFSET == 12_746_880
     assert ws.region("channel_tails").num_elems == el.NUM_MAX_CHANNELS * el.NUM_MAX_RANKS
     assert ws.region("expert_count_recv").num_elems >= el.NUM_MAX_EXPERTS  # N * epr = E <= 2048
     assert ws.get_barrier_signal_offset(1, 3) == ws.BARRIER_SIGNALS_OFFSET + 4 * (1024 + 3)

@@ -48,13 +48,14 @@
 ///                                                                         Dispatch and combine both use it.
 ///  scaleout_channel_tails        int64    1024 channels x 1024 ranks      hybrid: [channel * S_o + so_rank],
 ///                                                                         (finish_flag << 32) | tail; peer -> owner.
-///  reserved                      uint8    1 MiB                           for later features and kernel-private
-///                                                                         scratch: ep-core kernels may carve it up
+///  reserved                      uint8    the rest up to 14 MiB           for later features and kernel-private
+///                                          (1,933,184 B, >= 1 MiB)        scratch: ep-core kernels may carve it up
 ///                                                                         (document the carve-up there); zero
 ///                                                                         between operations like the rest.
 ///
-/// End of the regions: 13,795,456 B; aligned to 2 MiB: 14,680,064 B (14 MiB). New regions are carved from `reserved`
-/// (minor version bump, no existing byte moves); anything else that moves a byte bumps EP_LAYOUT_VERSION_MAJOR.
+/// The regions fill exactly kNumWorkspaceBytes = 14 MiB (a multiple of the 2 MiB symmetric granularity): `reserved`
+/// takes what the others leave. New regions are carved from `reserved` (minor version bump, no existing byte moves);
+/// anything else that moves a byte bumps EP_LAYOUT_VERSION_MAJOR.
 #pragma once
 
 #include "config.cuh"
@@ -73,8 +74,8 @@ static constexpr int32_t kNumMaxExpertsPerRank = 256;
 static constexpr int32_t kNumMaxChannels = 1024;
 /// Barrier phases: independent barriers that may be in flight one after another without resetting in between.
 static constexpr int32_t kNumBarrierPhases = 8;
-/// Bytes of the `reserved` region.
-static constexpr int64_t kNumReservedBytes = int64_t(1) << 20;
+/// Bytes of the whole workspace (fixed); the `reserved` region takes what the other regions leave.
+static constexpr int64_t kNumWorkspaceBytes = int64_t(14) << 20;
 /// Every region starts on a multiple of this many bytes.
 static constexpr int64_t kNumWorkspaceRegionAlignBytes = 128;
 /// Count words are written as `kCountValidFlag | count` so that zero means "not arrived yet".
@@ -169,6 +170,8 @@ EP_LAYOUT_HOST_DEVICE constexpr int64_t workspace_region_elem_bytes(WorkspaceReg
     }
 }
 
+EP_LAYOUT_HOST_DEVICE constexpr int64_t workspace_region_offset(WorkspaceRegion region);
+
 /// Number of elements of `region`.
 EP_LAYOUT_HOST_DEVICE constexpr int64_t workspace_region_num_elems(WorkspaceRegion region) {
     switch (region) {
@@ -187,7 +190,7 @@ EP_LAYOUT_HOST_DEVICE constexpr int64_t workspace_region_num_elems(WorkspaceRegi
         case WorkspaceRegion::kErrorRecord: return 1;
         case WorkspaceRegion::kChannelTails: return int64_t(kNumMaxChannels) * kNumMaxRanks;
         case WorkspaceRegion::kScaleoutChannelTails: return int64_t(kNumMaxChannels) * kNumMaxRanks;
-        case WorkspaceRegion::kReserved: return kNumReservedBytes;
+        case WorkspaceRegion::kReserved: return kNumWorkspaceBytes - workspace_region_offset(WorkspaceRegion::kReserved);
         default: return 0;
     }
 }
@@ -206,6 +209,9 @@ EP_LAYOUT_HOST_DEVICE constexpr int64_t workspace_region_offset(WorkspaceRegion 
                        kNumWorkspaceRegionAlignBytes);
     return offset;
 }
+
+/// Bytes of the `reserved` region (1,933,184).
+static constexpr int64_t kNumReservedBytes = workspace_region_num_bytes(WorkspaceRegion::kReserved);
 
 /// View of one rank's workspace. Trivially copyable; pass by value. Offsets are `static constexpr`; pointers need
 /// `base` (the workspace start of the rank whose workspace is addressed: own or a peer's symmetric pointer).
@@ -304,8 +310,10 @@ struct WorkspaceLayout {
 
 EP_LAYOUT_ASSERT_TRIVIAL(WorkspaceLayout, 8);
 
-static_assert(WorkspaceLayout::kNumBytes == 13795456, "workspace end moved: bump EP_LAYOUT_VERSION_MAJOR");
-static_assert(WorkspaceLayout::kNumAlignedBytes == int64_t(14) << 20, "workspace is 14 MiB in the symmetric buffer");
+static_assert(WorkspaceLayout::kNumBytes == kNumWorkspaceBytes, "the regions fill the workspace exactly");
+static_assert(WorkspaceLayout::kNumAlignedBytes == kNumWorkspaceBytes, "workspace is 14 MiB in the symmetric buffer");
+static_assert(WorkspaceLayout::kReservedOffset == 12746880, "a region moved: bump EP_LAYOUT_VERSION_MAJOR");
+static_assert(kNumReservedBytes >= (int64_t(1) << 20), "keep at least 1 MiB reserved");
 static_assert(WorkspaceLayout::kErrorRecordOffset % 8 == 0, "ErrorRecord must be 8-aligned");
 
 }  // namespace ep_layout

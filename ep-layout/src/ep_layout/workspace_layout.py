@@ -24,6 +24,7 @@ __all__ = [
     "NUM_MAX_EXPERTS_PER_RANK",
     "NUM_MAX_RANKS",
     "NUM_RESERVED_BYTES",
+    "NUM_WORKSPACE_BYTES",
     "NUM_WORKSPACE_REGION_ALIGN_BYTES",
     "WORKSPACE_REGIONS",
     "ErrorKind",
@@ -38,7 +39,8 @@ NUM_MAX_EXPERTS_PER_RANK = 256
 NUM_MAX_CHANNELS = 1024
 """Workspace channel limit (per-channel tails); distinct from ``NUM_MAX_HYBRID_CHANNELS`` (1280)."""
 NUM_BARRIER_PHASES = 8
-NUM_RESERVED_BYTES = 1 << 20
+NUM_WORKSPACE_BYTES = 14 << 20
+"""Bytes of the whole workspace (``kNumWorkspaceBytes``); ``reserved`` takes what the other regions leave."""
 NUM_WORKSPACE_REGION_ALIGN_BYTES = 128
 COUNT_VALID_FLAG = 1 << 32
 """Count words are written as ``COUNT_VALID_FLAG | count`` so that zero means "not arrived yet"."""
@@ -111,7 +113,7 @@ _REGION_SPECS: tuple[tuple[str, str, int], ...] = (
     ("error_record", "error_record", 1),
     ("channel_tails", "int32", NUM_MAX_CHANNELS * NUM_MAX_RANKS),
     ("scaleout_channel_tails", "int64", NUM_MAX_CHANNELS * NUM_MAX_RANKS),
-    ("reserved", "uint8", NUM_RESERVED_BYTES),
+    ("reserved", "uint8", -1),  # the rest of NUM_WORKSPACE_BYTES
 )
 
 
@@ -119,6 +121,8 @@ def _build_regions() -> tuple[tuple[WorkspaceRegion, ...], int]:
     regions = []
     offset = 0
     for name, dtype, num_elems in _REGION_SPECS:
+        if num_elems < 0:
+            num_elems = NUM_WORKSPACE_BYTES - offset
         region = WorkspaceRegion(name, offset, num_elems, _DTYPE_BYTES[dtype], dtype)
         regions.append(region)
         offset = align(offset + region.num_bytes, NUM_WORKSPACE_REGION_ALIGN_BYTES)
@@ -128,6 +132,8 @@ def _build_regions() -> tuple[tuple[WorkspaceRegion, ...], int]:
 WORKSPACE_REGIONS, _NUM_BYTES = _build_regions()
 """Every region in memory order."""
 _BY_NAME = {r.name: r for r in WORKSPACE_REGIONS}
+NUM_RESERVED_BYTES = _BY_NAME["reserved"].num_bytes
+"""Bytes of the ``reserved`` region (``kNumReservedBytes``, 1,933,184): later features and kernel-private scratch."""
 
 
 class WorkspaceLayout:
