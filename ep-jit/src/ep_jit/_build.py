@@ -171,7 +171,11 @@ def compile(
     ``flags`` are passed to the compiler as given. ``backend`` is ``"nvcc"`` or ``"nvrtc"``
     (default ``EPKIT_JIT_BACKEND`` or nvcc). ``package_versions`` (e.g. ``{"ep_layout": "0.1.0",
     "nccl": "2.28.9"}``) and ``key_extra`` (anything else that changes the code) are added to the key.
-    ``lineinfo`` adds ``-lineinfo`` (default ``EPKIT_JIT_LINEINFO``). Raises :class:`CompileError` with the compiler's output on failure.
+    ``lineinfo`` adds ``-lineinfo`` (default ``EPKIT_JIT_LINEINFO``). Raises :class:`CompileError`
+    with the compiler's output on failure.
+
+    Results are memoized in the process by the call's arguments (and the EPKIT_JIT_* variables), so a
+    repeated call does no hashing and no file I/O; :func:`clear_memo` forgets them.
     """
     memo_key = (
         source,

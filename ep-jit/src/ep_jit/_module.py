@@ -313,7 +313,13 @@ class Module:
     def __init__(self, path: str | os.PathLike[str], *, data: bytes | None = None) -> None:
         self.path = Path(path)
         if data is None:
-            data = self.path.read_bytes()
+            try:
+                data = self.path.read_bytes()
+            except FileNotFoundError:
+                raise JitError(
+                    f"{self.path} no longer exists (evicted or cleared from the cache by another process); "
+                    "call ep_jit.clear_memo() and compile again"
+                ) from None
         if not is_cubin(data):
             raise JitError(f"{self.path} is not a cubin (64-bit CUDA ELF)")
         drv = driver()
