@@ -264,7 +264,7 @@ def _compile_uncached(source: str, *, name: str, **kwargs: Any) -> Artifact:
             # make every rank of a job recompile a broken kernel in turn.
             path, text = failed
             raise CompileError(
-                f"compiling {name} failed in another process just now (same key {kr.key[:12]}):\n{text.strip()}\n"
+                f"compiling {name} failed in another process or thread just now (same key {kr.key[:12]}):\n{text.strip()}\n"
                 f"(full compiler output saved in {path})",
                 output=text,
                 command=kr.backend.name,
