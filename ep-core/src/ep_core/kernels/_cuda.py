@@ -174,7 +174,8 @@ class DeviceView:
 
 
 class DeviceArray:
-    """A stream-ordered device allocation (`cuMemAllocAsync` / `cuMemFreeAsync` on `stream`).
+    """A stream-ordered device allocation (`cuMemAllocAsync` / `cuMemFreeAsync` on `stream`), or with
+    `stream=None` a plain `cuMemAlloc` (usable while a stream is being captured into a CUDA graph).
 
     `strides` are in elements (None: C-contiguous); the allocation holds the largest addressed element.
     bf16 data is dtype uint16. Exposes `__cuda_array_interface__` (version 3) and `ptr`.
@@ -184,13 +185,14 @@ class DeviceArray:
         self,
         shape: tuple[int, ...],
         dtype: Any,
-        stream: Stream | int = 0,
+        stream: Stream | int | None = 0,
         strides: tuple[int, ...] | None = None,
     ) -> None:
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.strides = tuple(int(s) for s in strides) if strides is not None else None
-        self._stream = int(stream)
+        self._sync = stream is None
+        self._stream = 0 if stream is None else int(stream)
         if self.strides is None:
             count = int(np.prod(self.shape)) if self.shape else 1
         else:
@@ -199,7 +201,10 @@ class DeviceArray:
         self.ptr = 0
         if self.nbytes:
             drv = driver()
-            self.ptr = int(check(drv.cuMemAllocAsync(self.nbytes, self._stream), "cuMemAllocAsync"))
+            if self._sync:
+                self.ptr = int(check(drv.cuMemAlloc(self.nbytes), "cuMemAlloc"))
+            else:
+                self.ptr = int(check(drv.cuMemAllocAsync(self.nbytes, self._stream), "cuMemAllocAsync"))
 
     def view(self) -> DeviceView:
         return DeviceView(self.ptr, self.shape, self.dtype, self.strides, owner=self)
@@ -253,7 +258,10 @@ class DeviceArray:
         ptr, self.ptr = self.ptr, 0
         if ptr and _drv is not None:
             with contextlib.suppress(Exception):
-                _drv.cuMemFreeAsync(ptr, self._stream)
+                if getattr(self, "_sync", False):
+                    _drv.cuMemFree(ptr)
+                else:
+                    _drv.cuMemFreeAsync(ptr, self._stream)
 
     def __repr__(self) -> str:
         return (

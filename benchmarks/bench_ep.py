@@ -1,0 +1,460 @@
+#!/usr/bin/env python3
+"""Benchmark of ep's direct-mode dispatch and combine kernels in the loopback domain on one GPU.
+
+Loopback EP8 (8 ranks on one GPU, SMs per rank 4/8/16) and EP1 (SMs 4..64), T=4096 tokens per rank, hidden 7168,
+top-8 of 256 experts, bf16 and FP8 dispatch, bf16 combine, uniform and unbalanced routing. Per op: median time over
+CUDA events (L2 flushed before every run), bytes moved, achieved bandwidth as a fraction of the device-to-device
+copy ceiling measured in the same run, SMs used, and the ratio against a torch-native baseline measured in the
+same run (sort by destination, peer copies, host sync for counts, index_add_ combine).
+
+    python benchmarks/bench_ep.py --out OUTDIR [--quick]
+
+Writes OUTDIR/bench_ep.json and OUTDIR/bench_ep.png and prints a table. Needs torch (inputs and the baseline) and
+an NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HIDDEN, NUM_EXPERTS, TOPK, TOKENS = 7168, 256, 8, 4096
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class CachingAllocator:
+    """Reuses output arrays across iterations (same shapes every iteration; all uses are on the rank's stream)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.pool: dict = {}
+        self.calls = 0
+        self.tag = ""
+
+    def reset(self, tag: str) -> None:
+        self.calls = 0
+        self.tag = tag
+
+    def __call__(self, shape, dtype, strides=None):
+        from ep_core.kernels._cuda import DeviceArray
+
+        key = (self.tag, self.calls, tuple(shape), str(dtype), strides)
+        self.calls += 1
+        a = self.pool.get(key)
+        if a is None:
+            a = DeviceArray(shape, dtype, self.stream, strides)
+            self.pool[key] = a
+        return a
+
+
+def make_inputs(n, fp8, kind, seed):
+    torch = _torch()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    epr = NUM_EXPERTS // n
+    xs, sfs, idxs, ws = [], [], [], []
+    weight = torch.ones(NUM_EXPERTS, device="cuda")
+    if kind == "unbalanced":
+        weight[: max(epr, NUM_EXPERTS // 8)] = 4.0
+    for _ in range(n):
+        u = torch.rand(TOKENS, NUM_EXPERTS, device="cuda", generator=g).clamp_(1e-9, 1 - 1e-9)
+        keys = weight.log() - torch.log(-torch.log(u))
+        idx = keys.topk(TOPK, dim=1).indices.to(torch.int64).contiguous()
+        idxs.append(idx)
+        ws.append(torch.rand(TOKENS, TOPK, device="cuda", generator=g).contiguous())
+        if fp8:
+            x = (torch.randn(TOKENS, HIDDEN, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+            xs.append(x.view(torch.uint8))
+            sfs.append(torch.rand(TOKENS, HIDDEN // 128, device="cuda", generator=g))
+        else:
+            xs.append(torch.randn(TOKENS, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16))
+    return xs, sfs if fp8 else None, idxs, ws
+
+
+def pairs_per_rank(idxs, n):
+    """(token, destination rank) pairs sent and received per rank (deduplicated), as python ints."""
+    torch = _torch()
+    epr = NUM_EXPERTS // n
+    sent, recv = [], [0] * n
+    for idx in idxs:
+        onehot = torch.zeros(idx.shape[0], n, dtype=torch.bool, device=idx.device)
+        onehot.scatter_(1, (idx // epr).clamp_min(0), True)
+        per_dst = onehot.sum(0).tolist()
+        sent.append(sum(per_dst))
+        for d in range(n):
+            recv[d] += per_dst[d]
+    return sent, recv
+
+
+class Timer:
+    """Median of CUDA-event times on a main stream forked to / joined from the rank streams, L2 flushed first."""
+
+    def __init__(self, streams) -> None:
+        from ep_core.kernels._cuda import Event, Stream
+
+        torch = _torch()
+        self.torch = torch
+        self.streams = streams
+        self.main = Stream()
+        self.Event = Event
+        self.flush = torch.empty(512 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+
+    def run(self, fn, iters: int, warmup: int = 2) -> float:
+        torch = self.torch
+        times = []
+        for i in range(warmup + iters):
+            self.flush.zero_()
+            torch.cuda.synchronize()
+            start, stop = self.Event(), self.Event()
+            joins = [self.Event(timing=False) for _ in self.streams]
+            start.record(self.main)
+            for s in self.streams:
+                s.wait_event(start)
+            fn()
+            for s, ev in zip(self.streams, joins):
+                ev.record(s)
+                self.main.wait_event(ev)
+            stop.record(self.main)
+            stop.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_ms(stop))
+        return statistics.median(times)
+
+
+def copy_ceiling_gbs() -> float:
+    torch = _torch()
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    ms = statistics.median(times)
+    return 2 * n / (ms * 1e-3) / 1e9
+
+
+def torch_baseline(xs, sfs, idxs, n, iters, do_combine=True):
+    """What a user writes without ep: per source rank, sort (token, destination) pairs by destination, gather,
+    host-sync the counts, copy each chunk into the destination rank's receive buffer; combine: copy every chunk
+    back, index_add_ into fp32 and cast to bf16. Returns (dispatch_ms, combine_ms)."""
+    torch = _torch()
+    epr = NUM_EXPERTS // n
+
+    def plan(idx):
+        onehot = torch.zeros(idx.shape[0], n, dtype=torch.bool, device="cuda")
+        onehot.scatter_(1, (idx // epr).clamp_min(0), True)
+        tok, dst = onehot.nonzero(as_tuple=True)
+        order = torch.argsort(dst, stable=True)
+        counts = torch.bincount(dst, minlength=n)
+        return tok[order], counts
+
+    recv = [None] * n
+    state = {}
+
+    def dispatch():
+        chunks_to = [[] for _ in range(n)]
+        for s in range(n):
+            tok, counts = plan(idxs[s])
+            rows = xs[s].index_select(0, tok)
+            sf_rows = sfs[s].index_select(0, tok) if sfs is not None else None
+            c = counts.tolist()  # host sync for the sizes
+            off = 0
+            for d in range(n):
+                chunks_to[d].append(
+                    (
+                        s,
+                        tok[off : off + c[d]],
+                        rows[off : off + c[d]],
+                        None if sf_rows is None else sf_rows[off : off + c[d]],
+                    )
+                )
+                off += c[d]
+        for d in range(n):
+            total = sum(ch[2].shape[0] for ch in chunks_to[d])
+            buf = torch.empty(total, HIDDEN, dtype=xs[0].dtype, device="cuda")
+            sbuf = (
+                None
+                if sfs is None
+                else torch.empty(total, sfs[0].shape[1], dtype=sfs[0].dtype, device="cuda")
+            )
+            off = 0
+            for _s, _, rows, sf_rows in chunks_to[d]:
+                buf[off : off + rows.shape[0]].copy_(rows)  # peer copy
+                if sbuf is not None:
+                    sbuf[off : off + rows.shape[0]].copy_(sf_rows)
+                off += rows.shape[0]
+            recv[d] = buf
+        state["chunks"] = chunks_to
+
+    def combine():
+        outs = [torch.zeros(idxs[s].shape[0], HIDDEN, dtype=torch.float32, device="cuda") for s in range(n)]
+        for d in range(n):
+            y = recv[d]
+            off = 0
+            for s, tok, rows, _ in state["chunks"][d]:
+                part = torch.empty(rows.shape[0], HIDDEN, dtype=torch.bfloat16, device="cuda")
+                part.copy_(y[off : off + rows.shape[0]])  # peer copy back
+                outs[s].index_add_(0, tok, part.float())
+                off += rows.shape[0]
+        return [o.to(torch.bfloat16) for o in outs]
+
+    def med(fn):
+        times = []
+        flush = torch.empty(512 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+        for i in range(iters + 1):
+            flush.zero_()
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            if i:
+                times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    d_ms = med(dispatch)
+    c_ms = med(combine) if do_combine else float("nan")
+    return d_ms, c_ms
+
+
+def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quick):
+    torch = _torch()
+    from ep_core.loopback import LoopbackDomain
+
+    xs, sfs, idxs, ws = make_inputs(n, fp8, kind, seed=1234 + n)
+    sent, _recv = pairs_per_rank(idxs, n)
+    S = sum(sent)
+    elem = 1 if fp8 else 2
+    hb = HIDDEN * elem
+    packs = HIDDEN // 128 if fp8 else 0
+    import ep_layout
+
+    d_tok = ep_layout.make_dispatch_token_layout(HIDDEN, elem, packs, TOPK).get_num_bytes()
+    c_tok = ep_layout.make_combine_token_layout(HIDDEN, TOPK).get_num_bytes()
+    # bytes that must move through HBM: read x, write each copy to the receive region, read it, write recv_x
+    dispatch_bytes = n * TOKENS * hb + 2 * S * d_tok + S * (hb + packs * 4)
+    # combine: read each expert row, write it to its source slot, read it back, write the reduced token
+    combine_bytes = S * 2 * HIDDEN + 2 * S * c_tok + n * TOKENS * 2 * HIDDEN
+    t_disp = t_comb = float("nan")
+    if torch_iters:
+        t_disp, t_comb = torch_baseline(xs, sfs, idxs, n, torch_iters, do_combine=not fp8)
+    dom = LoopbackDomain(
+        n,
+        num_max_tokens_per_rank=TOKENS,
+        hidden=HIDDEN,
+        num_topk=TOPK,
+        num_sms=max(sms_list),
+        gpu_timeout_secs=20.0,
+    )
+    allocs = [CachingAllocator(s) for s in dom.streams]
+    for rank, a in zip(dom.ranks, allocs):
+        rank._allocator = a
+    timer = Timer(dom.streams)
+    x_args = [(x, sf) for x, sf in zip(xs, sfs)] if fp8 else xs
+    for sms in sms_list:
+        state = {}
+
+        def disp(sms=sms, state=state):
+            for a in allocs:
+                a.reset("nosync")
+            state["out"] = dom.dispatch(
+                x_args, idxs, ws, num_experts=NUM_EXPERTS, do_cpu_sync=False, num_sms=sms
+            )
+
+        def disp_sync(sms=sms, state=state):
+            for a in allocs:
+                a.reset("sync")
+            state["sync"] = dom.dispatch(
+                x_args, idxs, ws, num_experts=NUM_EXPERTS, do_cpu_sync=True, num_sms=sms
+            )
+
+        def disp_cached(sms=sms, state=state):
+            for a in allocs:
+                a.reset("cached")
+            dom.dispatch(x_args, None, ws, handles=[o.handle for o in state["sync"]], num_sms=sms)
+
+        def disp_det(sms=sms, state=state):
+            for a in allocs:
+                a.reset("det")
+            dom.dispatch(
+                x_args, idxs, ws, num_experts=NUM_EXPERTS, do_cpu_sync=False, num_sms=sms, deterministic=True
+            )
+
+        t_nosync = timer.run(disp, iters)
+        t_sync = timer.run(disp_sync, iters)
+        t_cached = timer.run(disp_cached, iters)
+        t_det = timer.run(disp_det, iters) if not quick else float("nan")
+        dom.synchronize()
+        outs = state["sync"]
+        ys = [torch.randn(o.recv_x.shape[0], HIDDEN, dtype=torch.bfloat16, device="cuda") for o in outs]
+
+        def comb(sms=sms, outs=outs, ys=ys):
+            for a in allocs:
+                a.reset("comb")
+            dom.combine(ys, [o.handle for o in outs], num_sms=sms)
+
+        t_comb_ours = timer.run(comb, iters) if not fp8 else float("nan")
+        dom.synchronize()
+        for op, ms, nbytes, base in (
+            ("dispatch", t_nosync, dispatch_bytes, t_disp),
+            ("dispatch_cpu_sync", t_sync, dispatch_bytes, t_disp),
+            ("dispatch_cached", t_cached, dispatch_bytes, t_disp),
+            ("dispatch_deterministic", t_det, dispatch_bytes, t_disp),
+            ("combine", t_comb_ours, combine_bytes, t_comb),
+        ):
+            if math.isnan(ms):
+                continue
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            rows.append(
+                {
+                    "ranks": n,
+                    "dtype": "fp8" if fp8 else "bf16",
+                    "routing": kind,
+                    "op": op,
+                    "sms_per_rank": sms,
+                    "sms_total": sms * n,
+                    "time_ms": ms,
+                    "bytes": nbytes,
+                    "gbs": gbs,
+                    "frac_ceiling": gbs / ceiling,
+                    "torch_ms": base,
+                    "speedup_vs_torch": base / ms if base == base else None,
+                    "pairs_per_token": S / (n * TOKENS),
+                }
+            )
+            r = rows[-1]
+            print(
+                f"EP{n:<2} {r['dtype']:4} {kind:10} {op:22} sms/rank {sms:3}  {ms:8.3f} ms  {gbs:7.0f} GB/s  "
+                f"{100 * r['frac_ceiling']:5.1f}% ceil  torch {base:8.3f} ms  x{(base / ms) if base == base else 0:5.2f}",
+                flush=True,
+            )
+    dom.close()
+    torch.cuda.empty_cache()
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover
+        print(f"no plot: {e}")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, n in zip(axes, (8, 1)):
+        for dtype, routing, op in sorted(
+            {(r["dtype"], r["routing"], r["op"]) for r in rows if r["ranks"] == n}
+        ):
+            if op not in ("dispatch", "combine"):
+                continue
+            pts = sorted(
+                (r["sms_per_rank"], r["frac_ceiling"])
+                for r in rows
+                if r["ranks"] == n and r["dtype"] == dtype and r["routing"] == routing and r["op"] == op
+            )
+            if pts:
+                ax.plot(
+                    [p[0] for p in pts],
+                    [100 * p[1] for p in pts],
+                    marker="o",
+                    label=f"{op} {dtype} {routing}",
+                )
+        ax.axhline(50, color="gray", ls="--", lw=0.8)
+        ax.set_title(f"loopback EP{n}: T={TOKENS}, hidden {HIDDEN}, top-{TOPK} of {NUM_EXPERTS}")
+        ax.set_xlabel("SMs per rank")
+        ax.set_ylabel("% of D2D copy ceiling")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="EP8 at 16 SMs and EP1 at 16 SMs only, bf16 uniform")
+    args = ap.parse_args(argv)
+    try:
+        torch = _torch()
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device")
+    except Exception as e:
+        print(f"bench_ep: skipped ({e})")
+        return 0
+    torch.cuda.init()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ep_core.kernels._source import compile_kernels
+    from ep_core.kernels.plan import KernelConfig
+
+    t0 = time.time()
+    cfgs = [KernelConfig(n, TOPK, HIDDEN, e, p) for n in (8, 1) for (e, p) in ((2, 0), (1, HIDDEN // 128))]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(compile_kernels, cfgs))
+    print(f"compiled {len(cfgs)} kernel sets in {time.time() - t0:.1f} s")
+    ceiling = copy_ceiling_gbs()
+    print(f"device-to-device copy ceiling: {ceiling:.0f} GB/s (read + write)")
+    props = torch.cuda.get_device_properties(0)
+    rows: list[dict] = []
+    if args.quick:
+        plan = [(8, False, "uniform", [16]), (1, False, "uniform", [16])]
+    else:
+        plan = []
+        for fp8 in (False, True):
+            for kind in ("uniform", "unbalanced"):
+                plan.append((8, fp8, kind, [4, 8, 16]))
+                plan.append((1, fp8, kind, [4, 8, 16, 32, 64]))
+    for n, fp8, kind, sms in plan:
+        torch_iters = 3
+        bench_config(n, fp8, kind, sms, args.iters, ceiling, torch_iters, rows, args.quick)
+    result = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "copy_ceiling_gbs": ceiling,
+        "tokens_per_rank": TOKENS,
+        "hidden": HIDDEN,
+        "num_experts": NUM_EXPERTS,
+        "topk": TOPK,
+        "rows": rows,
+    }
+    (out / "bench_ep.json").write_text(json.dumps(result, indent=1))
+    plot(rows, out / "bench_ep.png")
+    print("\n| EP | dtype | routing | op | SMs/rank | ms | GB/s | % ceiling | torch ms | x torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        sp = r["speedup_vs_torch"]
+        print(
+            f"| {r['ranks']} | {r['dtype']} | {r['routing']} | {r['op']} | {r['sms_per_rank']} | {r['time_ms']:.3f} | "
+            f"{r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | {r['torch_ms']:.2f} | {sp:.2f} |"
+            if sp
+            else f"| {r['ranks']} | {r['dtype']} | {r['routing']} | {r['op']} | {r['sms_per_rank']} | "
+            f"{r['time_ms']:.3f} | {r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | - | - |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
