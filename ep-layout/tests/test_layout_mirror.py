@@ -179,7 +179,9 @@ def test_workspace_matches_cpp(layout_dump) -> None:
     assert per_region == [[r.offset, r.num_elems, r.elem_bytes] for r in regions]
     rest = values[3 * len(regions) :]
     assert rest[:2] == [el.WorkspaceLayout.get_num_bytes(), el.WorkspaceLayout.get_num_aligned_bytes()]
-    assert rest[2:] == [f.offset for f in el.ERROR_RECORD_FIELDS]
+    named = rest[2 : 2 + 2 * len(regions)]
+    assert named == [v for r in regions for v in (r.offset, r.num_elems)]
+    assert rest[2 + 2 * len(regions) :] == [f.offset for f in el.ERROR_RECORD_FIELDS]
 
 
 def test_layout_version_matches_cpp(layout_dump) -> None:

@@ -119,6 +119,7 @@ def test_workspace_size_and_regions() -> None:
 def test_workspace_class_constants_match_regions() -> None:
     for r in el.WORKSPACE_REGIONS:
         assert getattr(el.WorkspaceLayout, f"{r.name.upper()}_OFFSET") == r.offset
+        assert getattr(el.WorkspaceLayout, f"{r.name.upper()}_NUM_ELEMS") == r.num_elems
         assert el.WorkspaceLayout.get_offset(r.name) == r.offset
         assert el.WorkspaceLayout.get_num_elems(r.name) == r.num_elems
 
@@ -130,6 +131,7 @@ def test_workspace_regions_documented_in_header() -> None:
         camel = "".join(part.capitalize() for part in r.name.split("_"))
         assert re.search(rf"^///\s+{r.name}\s", text, re.MULTILINE), r.name
         assert f"WorkspaceRegion::k{camel})" in text and f"k{camel}Offset" in text, r.name
+        assert f"k{camel}NumElems" in text, r.name
         assert f"get_{r.name}_ptr()" in text, r.name
 
 

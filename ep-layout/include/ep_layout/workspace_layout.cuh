@@ -235,6 +235,23 @@ struct WorkspaceLayout {
     static constexpr int64_t kChannelTailsOffset = workspace_region_offset(WorkspaceRegion::kChannelTails);
     static constexpr int64_t kScaleoutChannelTailsOffset = workspace_region_offset(WorkspaceRegion::kScaleoutChannelTails);
     static constexpr int64_t kReservedOffset = workspace_region_offset(WorkspaceRegion::kReserved);
+    // Element counts (units as in the table above).
+    static constexpr int64_t kBarrierSignalsNumElems = workspace_region_num_elems(WorkspaceRegion::kBarrierSignals);
+    static constexpr int64_t kNotifyReductionNumElems = workspace_region_num_elems(WorkspaceRegion::kNotifyReduction);
+    static constexpr int64_t kRankCountSendNumElems = workspace_region_num_elems(WorkspaceRegion::kRankCountSend);
+    static constexpr int64_t kRankCountRecvNumElems = workspace_region_num_elems(WorkspaceRegion::kRankCountRecv);
+    static constexpr int64_t kExpertCountSendNumElems = workspace_region_num_elems(WorkspaceRegion::kExpertCountSend);
+    static constexpr int64_t kExpertCountRecvNumElems = workspace_region_num_elems(WorkspaceRegion::kExpertCountRecv);
+    static constexpr int64_t kScaleoutRankCountSendNumElems = workspace_region_num_elems(WorkspaceRegion::kScaleoutRankCountSend);
+    static constexpr int64_t kScaleoutRankCountRecvNumElems = workspace_region_num_elems(WorkspaceRegion::kScaleoutRankCountRecv);
+    static constexpr int64_t kScaleoutExpertCountSendNumElems = workspace_region_num_elems(WorkspaceRegion::kScaleoutExpertCountSend);
+    static constexpr int64_t kScaleoutExpertCountRecvNumElems = workspace_region_num_elems(WorkspaceRegion::kScaleoutExpertCountRecv);
+    static constexpr int64_t kSenderSlotCountersNumElems = workspace_region_num_elems(WorkspaceRegion::kSenderSlotCounters);
+    static constexpr int64_t kScaleoutSenderSlotCountersNumElems = workspace_region_num_elems(WorkspaceRegion::kScaleoutSenderSlotCounters);
+    static constexpr int64_t kErrorRecordNumElems = workspace_region_num_elems(WorkspaceRegion::kErrorRecord);
+    static constexpr int64_t kChannelTailsNumElems = workspace_region_num_elems(WorkspaceRegion::kChannelTails);
+    static constexpr int64_t kScaleoutChannelTailsNumElems = workspace_region_num_elems(WorkspaceRegion::kScaleoutChannelTails);
+    static constexpr int64_t kReservedNumElems = workspace_region_num_elems(WorkspaceRegion::kReserved);
     /// End of the last region (bytes actually used).
     static constexpr int64_t kNumBytes = workspace_region_offset(WorkspaceRegion::kNumRegions);
     /// Bytes the workspace occupies in the symmetric allocation (2 MiB aligned): the GPU buffer starts here.

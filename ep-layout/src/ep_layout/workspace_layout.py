@@ -139,7 +139,8 @@ NUM_RESERVED_BYTES = _BY_NAME["reserved"].num_bytes
 class WorkspaceLayout:
     """Offsets of the workspace regions (class-level; there is nothing per instance).
 
-    ``WorkspaceLayout.BARRIER_SIGNALS_OFFSET`` etc. mirror C++ ``WorkspaceLayout::kBarrierSignalsOffset``;
+    ``WorkspaceLayout.BARRIER_SIGNALS_OFFSET`` / ``BARRIER_SIGNALS_NUM_ELEMS`` etc. mirror C++
+    ``WorkspaceLayout::kBarrierSignalsOffset`` / ``kBarrierSignalsNumElems``;
     ``region(name)`` gives offset, element count and type.
     """
 
@@ -159,6 +160,22 @@ class WorkspaceLayout:
     CHANNEL_TAILS_OFFSET = _BY_NAME["channel_tails"].offset
     SCALEOUT_CHANNEL_TAILS_OFFSET = _BY_NAME["scaleout_channel_tails"].offset
     RESERVED_OFFSET = _BY_NAME["reserved"].offset
+    BARRIER_SIGNALS_NUM_ELEMS = _BY_NAME["barrier_signals"].num_elems
+    NOTIFY_REDUCTION_NUM_ELEMS = _BY_NAME["notify_reduction"].num_elems
+    RANK_COUNT_SEND_NUM_ELEMS = _BY_NAME["rank_count_send"].num_elems
+    RANK_COUNT_RECV_NUM_ELEMS = _BY_NAME["rank_count_recv"].num_elems
+    EXPERT_COUNT_SEND_NUM_ELEMS = _BY_NAME["expert_count_send"].num_elems
+    EXPERT_COUNT_RECV_NUM_ELEMS = _BY_NAME["expert_count_recv"].num_elems
+    SCALEOUT_RANK_COUNT_SEND_NUM_ELEMS = _BY_NAME["scaleout_rank_count_send"].num_elems
+    SCALEOUT_RANK_COUNT_RECV_NUM_ELEMS = _BY_NAME["scaleout_rank_count_recv"].num_elems
+    SCALEOUT_EXPERT_COUNT_SEND_NUM_ELEMS = _BY_NAME["scaleout_expert_count_send"].num_elems
+    SCALEOUT_EXPERT_COUNT_RECV_NUM_ELEMS = _BY_NAME["scaleout_expert_count_recv"].num_elems
+    SENDER_SLOT_COUNTERS_NUM_ELEMS = _BY_NAME["sender_slot_counters"].num_elems
+    SCALEOUT_SENDER_SLOT_COUNTERS_NUM_ELEMS = _BY_NAME["scaleout_sender_slot_counters"].num_elems
+    ERROR_RECORD_NUM_ELEMS = _BY_NAME["error_record"].num_elems
+    CHANNEL_TAILS_NUM_ELEMS = _BY_NAME["channel_tails"].num_elems
+    SCALEOUT_CHANNEL_TAILS_NUM_ELEMS = _BY_NAME["scaleout_channel_tails"].num_elems
+    RESERVED_NUM_ELEMS = _BY_NAME["reserved"].num_elems
     NUM_BYTES = _NUM_BYTES
     """End of the last region."""
     NUM_ALIGNED_BYTES = align(_NUM_BYTES, NUM_SYMMETRIC_ALIGN_BYTES)

@@ -94,6 +94,27 @@ void handle(const std::string& line, std::ostream& os) {
                << workspace_region_elem_bytes(r) << ' ';
         }
         os << WorkspaceLayout::get_num_bytes() << ' ' << WorkspaceLayout::get_num_aligned_bytes();
+        // The named constants, in region order (offset, elements).
+        const int64_t named[][2] = {
+            {WorkspaceLayout::kBarrierSignalsOffset, WorkspaceLayout::kBarrierSignalsNumElems},
+            {WorkspaceLayout::kNotifyReductionOffset, WorkspaceLayout::kNotifyReductionNumElems},
+            {WorkspaceLayout::kRankCountSendOffset, WorkspaceLayout::kRankCountSendNumElems},
+            {WorkspaceLayout::kRankCountRecvOffset, WorkspaceLayout::kRankCountRecvNumElems},
+            {WorkspaceLayout::kExpertCountSendOffset, WorkspaceLayout::kExpertCountSendNumElems},
+            {WorkspaceLayout::kExpertCountRecvOffset, WorkspaceLayout::kExpertCountRecvNumElems},
+            {WorkspaceLayout::kScaleoutRankCountSendOffset, WorkspaceLayout::kScaleoutRankCountSendNumElems},
+            {WorkspaceLayout::kScaleoutRankCountRecvOffset, WorkspaceLayout::kScaleoutRankCountRecvNumElems},
+            {WorkspaceLayout::kScaleoutExpertCountSendOffset, WorkspaceLayout::kScaleoutExpertCountSendNumElems},
+            {WorkspaceLayout::kScaleoutExpertCountRecvOffset, WorkspaceLayout::kScaleoutExpertCountRecvNumElems},
+            {WorkspaceLayout::kSenderSlotCountersOffset, WorkspaceLayout::kSenderSlotCountersNumElems},
+            {WorkspaceLayout::kScaleoutSenderSlotCountersOffset, WorkspaceLayout::kScaleoutSenderSlotCountersNumElems},
+            {WorkspaceLayout::kErrorRecordOffset, WorkspaceLayout::kErrorRecordNumElems},
+            {WorkspaceLayout::kChannelTailsOffset, WorkspaceLayout::kChannelTailsNumElems},
+            {WorkspaceLayout::kScaleoutChannelTailsOffset, WorkspaceLayout::kScaleoutChannelTailsNumElems},
+            {WorkspaceLayout::kReservedOffset, WorkspaceLayout::kReservedNumElems},
+        };
+        static_assert(sizeof(named) / sizeof(named[0]) == static_cast<int>(WorkspaceRegion::kNumRegions), "all");
+        for (const auto& n : named) os << ' ' << n[0] << ' ' << n[1];
         os << ' ' << kErrorRecordAbortFlagOffset << ' ' << kErrorRecordRankOffset << ' ' << kErrorRecordPeerRankOffset
            << ' ' << kErrorRecordTagOffset << ' ' << kErrorRecordCounterOffset << ' ' << kErrorRecordValueOffset
            << ' ' << kErrorRecordExpectedOffset << ' ' << kErrorRecordTokenIdxOffset << ' '
