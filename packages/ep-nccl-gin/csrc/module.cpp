@@ -374,7 +374,12 @@ PYBIND11_MODULE(_impl, m) {
       py::gil_scoped_release release;
       res = lib.comm_init_rank(&comm, nranks, id, rank);
     }
-    check(res, "ncclCommInitRank", comm);
+    try {
+      check(res, "ncclCommInitRank", comm);
+    } catch (...) {
+      if (comm != nullptr) lib.comm_abort(comm);  // release what a failed init left behind
+      throw;
+    }
     return from_ptr(comm);
   }, py::arg("unique_id"), py::arg("nranks"), py::arg("rank"));
   m.def("comm_destroy", [](std::uintptr_t c) {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.metadata
+import importlib.util
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -190,3 +192,15 @@ def test_errors_hierarchy() -> None:
         assert issubclass(cls, RuntimeError)
     err = NcclCallError("ncclX failed", "ncclX", 5)
     assert (err.call, err.result, str(err)) == ("ncclX", 5, "ncclX failed")
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf (binutils) not installed")
+def test_extension_links_neither_nccl_nor_cuda() -> None:
+    spec = importlib.util.find_spec("ep_nccl_gin._impl")
+    if spec is None or spec.origin is None:
+        pytest.skip("the extension is not built")
+    out = subprocess.run(["readelf", "-d", spec.origin], capture_output=True, text=True, check=True).stdout
+    needed = [line for line in out.splitlines() if "(NEEDED)" in line]
+    assert needed, out
+    for lib in ("libnccl", "libcudart", "libcuda."):
+        assert not any(lib in line for line in needed), needed

@@ -8,7 +8,7 @@ from pathlib import Path
 from . import _env
 from ._loader import load
 from .errors import NcclHeadersNotFoundError, NcclNotFoundError
-from .version import NcclVersion, check_header_runtime, parse_header_version
+from .version import NcclVersion, check_header_runtime, parse_header_version, require
 
 __all__ = ["include_dirs", "nccl_header_version", "nccl_include_dir", "own_include_dir"]
 
@@ -106,6 +106,7 @@ def include_dirs(*, check: bool = True) -> list[str]:
         except NcclNotFoundError:
             runtime = None
         if runtime is not None:
+            require("device_api", runtime)
             check_header_runtime(
                 parse_header_version(nccl_dir), runtime, what=f"the NCCL headers in {nccl_dir}"
             )
