@@ -28,6 +28,7 @@ extern "C" __global__ void nccl_gin_probe(ep_nccl_gin::Context ctx, unsigned lon
     t.signal(0, 1, 2);
     t.wait(0, 1);
     out[1] = t.read_signal(1);
+    out[2] = t.try_wait(1, 3, 1000000ull);
     t.reset_signal(1);
     t.flush();
   }

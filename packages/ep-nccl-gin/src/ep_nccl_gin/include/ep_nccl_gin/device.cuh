@@ -9,6 +9,7 @@
 //   void put_value(T* dst, T value, peer)         one-sided store of a value of <= 8 bytes (GIN)
 //   void signal(peer, sig, add)                   peer's signal `sig` += add (GIN)
 //   u64  read_signal(sig) / void wait(sig, least) this rank's signal `sig` (GIN)
+//   bool try_wait(sig, least, timeout_cycles)     bounded wait: false on timeout (GIN)
 //   void flush()                                  local completion of this thread's GIN puts (sources reusable)
 //   void barrier(index)                           LSA barrier over the NVLink/P2P team, acquire-release
 //
@@ -128,6 +129,18 @@ class Transport {
   EP_NCCL_GIN_DEVICE void wait(ncclGinSignal_t signal_id, std::uint64_t least) const {
     ncclGin gin(ctx_.comm, gin_context_);
     gin.waitSignal(ncclCoopThread{}, signal_id, least);
+  }
+
+  // Bounded wait: true once this rank's signal reaches `least` (rolling 64-bit comparison), false after
+  // `timeout_cycles` of clock64() without it; the caller records the timeout and aborts cleanly.
+  EP_NCCL_GIN_DEVICE bool try_wait(ncclGinSignal_t signal_id, std::uint64_t least,
+                                   std::uint64_t timeout_cycles) const {
+    ncclGin gin(ctx_.comm, gin_context_);
+    const long long start = clock64();
+    while (static_cast<std::int64_t>(gin.readSignal(signal_id) - least) < 0) {
+      if (static_cast<std::uint64_t>(clock64() - start) > timeout_cycles) return false;
+    }
+    return true;
   }
 
   EP_NCCL_GIN_DEVICE void reset_signal(ncclGinSignal_t signal_id) const {
