@@ -381,7 +381,7 @@ class ElasticBuffer:
         recv_data = from_numpy(out.recv_x, data.dtype, device)
         recv_x: Any = recv_data
         if sf is not None:
-            recv_x = (recv_data, _strided_from_numpy(out.recv_sf, sf.dtype, device))
+            recv_x = (recv_data, _sf_from_numpy(out.recv_sf, sf.dtype, device, col_major))
         recv_idx = (
             None if out.recv_topk_idx is None else torch.from_numpy(out.recv_topk_idx).to(device, topk_idx_t)
         )
@@ -696,15 +696,15 @@ class ElasticBuffer:
         return biases
 
 
-def _strided_from_numpy(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Keep the numpy strides (the column-major scale layout) when wrapping ``a``."""
-    t = torch.from_numpy(a) if a.dtype.itemsize == 4 else torch.from_numpy(np.ascontiguousarray(a))
-    if t.dtype != dtype:
-        t = t.view(dtype)
-    if device.type == "cpu":
-        return t
-    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
-    out.copy_(t)
+def _sf_from_numpy(a: np.ndarray, dtype: torch.dtype, device: torch.device, col_major: bool) -> torch.Tensor:
+    """Scale packs as a tensor: row-major, or column-major with the token dimension padded to 4 (DeepEP's
+    ``empty_strided([R, P], (1, align(R, 4)))``)."""
+    values = torch.from_numpy(np.ascontiguousarray(a).view(np.int32 if dtype == torch.int32 else np.float32))
+    if not col_major:
+        return values.to(device)
+    rows, packs = values.shape
+    out = torch.empty_strided((rows, packs), (1, (rows + 3) // 4 * 4), dtype=dtype, device=device)
+    out.copy_(values)
     return out
 
 

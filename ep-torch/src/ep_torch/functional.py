@@ -158,7 +158,7 @@ def _(x, token, topk_weights, buffer_id):
 
 @torch.library.custom_op("ep_torch::cached_dispatch", mutates_args=())
 def _cached_dispatch_op(
-    x: torch.Tensor, token: torch.Tensor, topk_weights: torch.Tensor | None, buffer_id: int
+    x: torch.Tensor, token: torch.Tensor, topk_weights: torch.Tensor | None, buffer_id: int, num_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     buffer = _buffer(buffer_id)
     handle = get_handle(token)
@@ -171,9 +171,8 @@ def _cached_dispatch_op(
 
 
 @_cached_dispatch_op.register_fake
-def _(x, token, topk_weights, buffer_id):
-    ctx = torch.library.get_ctx()
-    rows = ctx.new_dynamic_size()
+def _(x, token, topk_weights, buffer_id, num_rows):
+    rows = num_rows if num_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
     k = token.shape[1]
     if topk_weights is None:
         return x.new_empty(rows, x.shape[1]), x.new_empty(0, k, dtype=torch.float32)
@@ -207,7 +206,8 @@ torch.library.register_autograd("ep_torch::dispatch", _dispatch_backward, setup_
 
 
 def _combine_setup(ctx, inputs, output) -> None:
-    _, token, topk_weights, buffer_id = inputs
+    x, token, topk_weights, buffer_id = inputs
+    ctx.num_rows = x.shape[0]
     ctx.buffer_id = buffer_id
     ctx.has_weights = topk_weights is not None
     ctx.save_for_backward(token)
@@ -217,7 +217,7 @@ def _combine_backward(ctx, grad_combined_x, grad_combined_w):
     (token,) = ctx.saved_tensors
     grad_w_in = grad_combined_w.contiguous().float() if ctx.has_weights else None
     grad_x, grad_w = torch.ops.ep_torch.cached_dispatch(
-        grad_combined_x.contiguous(), token, grad_w_in, ctx.buffer_id
+        grad_combined_x.contiguous(), token, grad_w_in, ctx.buffer_id, ctx.num_rows
     )
     return grad_x, None, (grad_w if ctx.has_weights else None), None
 
@@ -226,7 +226,7 @@ torch.library.register_autograd("ep_torch::combine", _combine_backward, setup_co
 
 
 def _cached_dispatch_setup(ctx, inputs, output) -> None:
-    _, token, topk_weights, buffer_id = inputs
+    _, token, topk_weights, buffer_id, _ = inputs
     ctx.buffer_id = buffer_id
     ctx.has_weights = topk_weights is not None
     ctx.save_for_backward(token)
@@ -236,7 +236,7 @@ def _cached_dispatch_backward(ctx, grad_recv_x, grad_recv_w):
     (token,) = ctx.saved_tensors
     grad_w_in = grad_recv_w.contiguous().float() if ctx.has_weights else None
     grad_x, grad_w = torch.ops.ep_torch.combine(grad_recv_x.contiguous(), token, grad_w_in, ctx.buffer_id)
-    return grad_x, None, (grad_w if ctx.has_weights else None), None
+    return grad_x, None, (grad_w if ctx.has_weights else None), None, None
 
 
 torch.library.register_autograd(
@@ -293,5 +293,5 @@ def cached_dispatch(
     buffer: ElasticBuffer, x: torch.Tensor, handle: torch.Tensor, topk_weights: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable cached dispatch of ``x`` through ``handle`` (same rows, same order as the original)."""
-    recv_x, recv_w = torch.ops.ep_torch.cached_dispatch(x, handle, topk_weights, register_buffer(buffer))
+    recv_x, recv_w = torch.ops.ep_torch.cached_dispatch(x, handle, topk_weights, register_buffer(buffer), -1)
     return recv_x if topk_weights is None else (recv_x, recv_w)
