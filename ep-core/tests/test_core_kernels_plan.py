@@ -17,7 +17,9 @@ def test_kernel_config_defines_and_tokens() -> None:
     assert cfg.combine_token.get_num_bytes() == 14400
     fp8 = KernelConfig(8, 8, 7168, 1, 56)
     assert fp8.defines()["EP_CORE_HIDDEN_BYTES"] == 7168 and fp8.defines()["EP_CORE_NUM_SF_PACKS"] == 56
-    assert KernelConfig(2, 4, 512, transport="nccl").defines()["EP_CORE_TRANSPORT"] == "ep_core::NcclTransport"
+    assert (
+        KernelConfig(2, 4, 512, transport="nccl").defines()["EP_CORE_TRANSPORT"] == "ep_core::NcclTransport"
+    )
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,11 @@ Importing ep_core needs only numpy; the GPU pieces load their dependencies lazil
 
 from __future__ import annotations
 
-from ep_core import bf16, planner, reference, routing
+from ep_core import bf16, planner, reference, routing, validation
+from ep_core.bootstrap import Bootstrap, LocalBootstrap, ThreadGroup
+from ep_core.buffer import EPBuffer, resolve_transport
+from ep_core.buffer_base import BufferAllocator, BufferBase, HostStorage, SymmetricStorage, TensorSpec
+from ep_core.device_array import ArrayInfo, DeviceArray, describe, host_allocator, host_array, to_numpy
 from ep_core.errors import (
     EPConfigError,
     EPDeviceError,
@@ -15,6 +19,17 @@ from ep_core.errors import (
     EPTimeoutError,
     EPTypeError,
     EPValueError,
+)
+from ep_core.executor import (
+    BufferConfig,
+    CombineRequest,
+    CombineResult,
+    DispatchRequest,
+    DispatchResult,
+    Executor,
+    ReferenceExecutor,
+    ReferenceTransport,
+    Transport,
 )
 from ep_core.handle import EPHandle
 from ep_core.planner import (
@@ -29,6 +44,17 @@ from ep_core.topology import Topology
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArrayInfo",
+    "Bootstrap",
+    "BufferAllocator",
+    "BufferBase",
+    "BufferConfig",
+    "CombineRequest",
+    "CombineResult",
+    "DeviceArray",
+    "DispatchRequest",
+    "DispatchResult",
+    "EPBuffer",
     "EPConfigError",
     "EPDeviceError",
     "EPError",
@@ -38,15 +64,30 @@ __all__ = [
     "EPTimeoutError",
     "EPTypeError",
     "EPValueError",
+    "Executor",
+    "HostStorage",
+    "LocalBootstrap",
     "PlannerPolicy",
+    "ReferenceExecutor",
+    "ReferenceTransport",
+    "SymmetricStorage",
+    "TensorSpec",
+    "ThreadGroup",
     "Topology",
+    "Transport",
     "__version__",
     "bf16",
     "default_num_allocated_qps",
+    "describe",
     "get_buffer_size_hint",
     "get_theoretical_num_qps",
     "get_theoretical_num_sms",
+    "host_allocator",
+    "host_array",
     "planner",
     "reference",
+    "resolve_transport",
     "routing",
+    "to_numpy",
+    "validation",
 ]

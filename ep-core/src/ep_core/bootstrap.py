@@ -1,0 +1,103 @@
+"""The bootstrap protocol (host-side exchange among the ranks of an EP group) and two in-process bootstraps.
+
+A bootstrap is anything with `rank`, `size`, `allgather(bytes) -> list[bytes]` (every rank's bytes, in rank
+order) and `barrier()`. ep_torch implements it with a ProcessGroup; a custom framework with MPI or a TCP store.
+`LocalBootstrap` is the one-rank group; `ThreadGroup(n).bootstraps()` gives n bootstraps for n threads of one
+process (CPU tests and the loopback domain).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol, runtime_checkable
+
+from ep_core.errors import EPTimeoutError, EPValueError
+
+__all__ = ["Bootstrap", "LocalBootstrap", "ThreadGroup", "check_bootstrap"]
+
+
+@runtime_checkable
+class Bootstrap(Protocol):
+    """Host-side collectives of an EP group."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, indexed by rank (a collective: every rank calls it)."""
+        ...
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        ...
+
+
+def check_bootstrap(bootstrap: object) -> Bootstrap:
+    """Validate that `bootstrap` implements the protocol with a sane rank and size."""
+    if not isinstance(bootstrap, Bootstrap):
+        raise EPValueError(
+            f"bootstrap: expected an object with rank, size, allgather(bytes) and barrier(), got "
+            f"{type(bootstrap).__name__}"
+        )
+    rank, size = bootstrap.rank, bootstrap.size
+    if not isinstance(size, int) or size < 1 or not isinstance(rank, int) or not 0 <= rank < size:
+        raise EPValueError(f"bootstrap: expected 0 <= rank < size, got rank={rank!r}, size={size!r}")
+    return bootstrap
+
+
+class LocalBootstrap:
+    """The group of one rank."""
+
+    rank = 0
+    size = 1
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        return [bytes(data)]
+
+    def barrier(self) -> None:
+        return None
+
+
+class ThreadGroup:
+    """`size` ranks living in threads of one process; `bootstraps()` returns one bootstrap per rank."""
+
+    def __init__(self, size: int, timeout_secs: float = 300.0) -> None:
+        if size < 1:
+            raise EPValueError(f"size: expected >= 1, got {size}")
+        self.size = size
+        self.timeout_secs = timeout_secs
+        self._barrier = threading.Barrier(size)
+        self._slots: list[bytes | None] = [None] * size
+
+    def bootstraps(self) -> list[_ThreadBootstrap]:
+        return [_ThreadBootstrap(self, r) for r in range(self.size)]
+
+    def _wait(self, rank: int, tag: str) -> None:
+        try:
+            self._barrier.wait(self.timeout_secs)
+        except threading.BrokenBarrierError as exc:
+            raise EPTimeoutError(rank, tag, "thread barrier", f"{self._barrier.n_waiting} waiting") from exc
+
+    def _allgather(self, rank: int, data: bytes) -> list[bytes]:
+        self._wait(rank, "bootstrap.allgather.enter")
+        self._slots[rank] = bytes(data)
+        self._wait(rank, "bootstrap.allgather.write")
+        out = [s if s is not None else b"" for s in self._slots]
+        self._wait(rank, "bootstrap.allgather.read")
+        return out
+
+
+class _ThreadBootstrap:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self._group = group
+        self.rank = rank
+        self.size = group.size
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        return self._group._allgather(self.rank, data)
+
+    def barrier(self) -> None:
+        self._group._wait(self.rank, "bootstrap.barrier")

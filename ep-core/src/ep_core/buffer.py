@@ -1,0 +1,367 @@
+"""`EPBuffer`: the framework-agnostic EP buffer (SPEC §1). Validates every call, then delegates to an executor.
+
+    from ep_core import EPBuffer, LocalBootstrap
+    buf = EPBuffer(LocalBootstrap(), transport="reference", num_max_tokens_per_rank=128, hidden=256, num_topk=4)
+    out = buf.dispatch(x, topk_idx, topk_weights, num_experts=8, allocator=my_alloc)
+    res = buf.combine(expert_out, out.handle, allocator=my_alloc)
+
+`transport`: a `Transport` object, or a name: "reference" (host arrays, `ReferenceExecutor`), or any other name
+`n`, resolved as `ep_core.transports.<n>.make_transport()` (the GPU transports, e.g. "ipc", "nccl").
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ep_core import planner
+from ep_core.bootstrap import Bootstrap, check_bootstrap
+from ep_core.buffer_base import BufferBase
+from ep_core.errors import EPConfigError, EPTypeError, EPValueError
+from ep_core.executor import (
+    BufferConfig,
+    CombineResult,
+    DispatchResult,
+    Executor,
+    ReferenceTransport,
+    Transport,
+)
+from ep_core.handle import EPHandle
+from ep_core.planner import PlannerPolicy
+from ep_core.topology import MAX_TOPK, Topology
+from ep_core.validation import make_combine_request, make_dispatch_request
+
+__all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
+
+SYMMETRIC_ALIGN_BYTES = 2 << 20
+
+
+def resolve_transport(transport: Any) -> Transport:
+    """A `Transport` from an object or a name (see the module doc)."""
+    if isinstance(transport, str):
+        if transport == "reference":
+            return ReferenceTransport()
+        try:
+            module = importlib.import_module(f"ep_core.transports.{transport}")
+        except ImportError as exc:
+            raise EPConfigError(
+                f"transport: unknown transport {transport!r} ({exc}); use 'reference', 'ipc', 'nccl' or pass a "
+                "Transport object"
+            ) from exc
+        return module.make_transport()
+    if not isinstance(transport, Transport):
+        raise EPTypeError(
+            "transport: expected a name or an object with num_nvlink_ranks(), allocate() and create_executor(), "
+            f"got {type(transport).__name__}"
+        )
+    return transport
+
+
+def _nonneg_int(name: str, value: Any, hi: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (hi is not None and value > hi):
+        rng = f"[0, {hi}]" if hi is not None else ">= 0"
+        raise EPValueError(f"{name}: expected an int {rng}, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise EPTypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+class EPBuffer(BufferBase):
+    """An expert-parallel communication buffer of one rank (constructor keywords as DeepEP's ElasticBuffer, plus
+    `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`)."""
+
+    def __init__(
+        self,
+        bootstrap: Bootstrap,
+        *,
+        transport: Any,
+        num_bytes: int | None = None,
+        num_cpu_bytes: int = 0,
+        num_max_tokens_per_rank: int = 0,
+        hidden: int = 0,
+        num_topk: int = 0,
+        num_experts: int = 0,
+        use_fp8_dispatch: bool = False,
+        deterministic: bool = False,
+        allow_hybrid_mode: bool = True,
+        allow_multiple_reduction: bool = True,
+        prefer_overlap_with_compute: bool = True,
+        sl_idx: int = 3,
+        num_allocated_qps: int = 0,
+        num_cpu_timeout_secs: float = 300,
+        num_gpu_timeout_secs: float = 100,
+        explicitly_destroy: bool = False,
+        num_nvlink_ranks: int | None = None,
+        policy: PlannerPolicy = PlannerPolicy.V2_5,
+        executor: Executor | None = None,
+    ) -> None:
+        self._destroyed = True  # until fully built
+        boot = check_bootstrap(bootstrap)
+        tr = resolve_transport(transport)
+        for name, v in (
+            ("use_fp8_dispatch", use_fp8_dispatch),
+            ("deterministic", deterministic),
+            ("allow_hybrid_mode", allow_hybrid_mode),
+            ("allow_multiple_reduction", allow_multiple_reduction),
+            ("prefer_overlap_with_compute", prefer_overlap_with_compute),
+            ("explicitly_destroy", explicitly_destroy),
+        ):
+            _flag(name, v)
+        m = _nonneg_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
+        h = _nonneg_int("hidden", hidden)
+        k = _nonneg_int("num_topk", num_topk, MAX_TOPK)
+        e = _nonneg_int("num_experts", num_experts)
+        _nonneg_int("sl_idx", sl_idx)
+        _nonneg_int("num_allocated_qps", num_allocated_qps)
+        cpu = _nonneg_int("num_cpu_bytes", num_cpu_bytes)
+        for name, v in (
+            ("num_cpu_timeout_secs", num_cpu_timeout_secs),
+            ("num_gpu_timeout_secs", num_gpu_timeout_secs),
+        ):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise EPValueError(f"{name}: expected a positive number of seconds, got {v!r}")
+        if not isinstance(policy, PlannerPolicy):
+            raise EPTypeError(f"policy: expected a PlannerPolicy, got {policy!r}")
+        nvl = num_nvlink_ranks if num_nvlink_ranks is not None else tr.num_nvlink_ranks(boot)
+        topology = Topology(boot.size, nvl, allow_hybrid_mode)
+        if e:
+            topology.check_num_experts(e)
+        if num_bytes is None:
+            if cpu:
+                raise EPValueError("num_bytes: required when num_cpu_bytes > 0")
+            if m <= 0 or h <= 0:
+                raise EPValueError(
+                    "num_bytes: not given, so num_max_tokens_per_rank and hidden must be > 0 to size the buffer "
+                    f"(got {m} and {h})"
+                )
+            num_bytes = planner.get_buffer_size_hint(
+                topology, m, h, k, use_fp8_dispatch, allow_multiple_reduction
+            )
+        if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes <= 0:
+            raise EPValueError(f"num_bytes: expected a positive int, got {num_bytes!r}")
+        if num_bytes % SYMMETRIC_ALIGN_BYTES or cpu % SYMMETRIC_ALIGN_BYTES:
+            raise EPValueError(
+                f"num_bytes/num_cpu_bytes: expected multiples of 2 MiB, got {num_bytes} and {cpu}; use "
+                "get_buffer_size_hint()"
+            )
+        if cpu > num_bytes:
+            raise EPValueError(f"num_cpu_bytes: expected <= num_bytes ({num_bytes}), got {cpu}")
+        import ep_layout
+
+        workspace = ep_layout.WorkspaceLayout.get_num_aligned_bytes()
+        qps = num_allocated_qps or planner.default_num_allocated_qps(topology)
+        storage = tr.allocate(boot, workspace + num_bytes)
+        super().__init__(boot, storage, num_workspace_bytes=workspace, explicitly_destroy=explicitly_destroy)
+        self._destroyed = True  # until the executor exists
+        self.transport = tr
+        self.topology = topology
+        self.config = BufferConfig(
+            rank=boot.rank,
+            num_ranks=boot.size,
+            topology=topology,
+            num_bytes=num_bytes,
+            num_cpu_bytes=cpu,
+            num_workspace_bytes=workspace,
+            num_max_tokens_per_rank=m,
+            hidden=h,
+            num_topk=k,
+            num_experts=e,
+            use_fp8_dispatch=use_fp8_dispatch,
+            deterministic=deterministic,
+            allow_hybrid_mode=allow_hybrid_mode,
+            allow_multiple_reduction=allow_multiple_reduction,
+            prefer_overlap_with_compute=prefer_overlap_with_compute,
+            sl_idx=sl_idx,
+            num_allocated_qps=qps,
+            num_cpu_timeout_secs=num_cpu_timeout_secs,
+            num_gpu_timeout_secs=num_gpu_timeout_secs,
+            explicitly_destroy=explicitly_destroy,
+            policy=policy,
+        )
+        self._executor = executor if executor is not None else tr.create_executor(self.config, self)
+        if not isinstance(self._executor, Executor):
+            raise EPTypeError(f"executor: expected an Executor, got {type(self._executor).__name__}")
+        self._sm_cache: dict = {}
+        self._destroyed = False
+        boot.barrier()
+
+    # properties mirroring DeepEP's attributes ------------------------------------------------------------------
+    @property
+    def executor(self) -> Executor:
+        return self._executor
+
+    @property
+    def num_bytes(self) -> int:
+        return self.config.num_bytes
+
+    @property
+    def num_max_tokens_per_rank(self) -> int:
+        return self.config.num_max_tokens_per_rank
+
+    @property
+    def num_allocated_qps(self) -> int:
+        return self.config.num_allocated_qps
+
+    @property
+    def rank_idx(self) -> int:
+        return self.config.rank
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """`(num_rdma_ranks, num_nvlink_ranks)`."""
+        return self.topology.physical_domain_size
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """`(S_o, S_u)`."""
+        return self.topology.logical_domain_size
+
+    # planner -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def get_buffer_size_hint(
+        topology: Topology,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int = 0,
+        use_fp8_dispatch: bool = False,
+        allow_multiple_reduction: bool = True,
+    ) -> int:
+        """GPU buffer bytes for a topology (see `ep_core.planner.get_buffer_size_hint`)."""
+        return planner.get_buffer_size_hint(
+            topology, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction
+        )
+
+    def get_theoretical_num_sms(
+        self,
+        num_experts: int,
+        num_topk: int,
+        num_scaleout_topk: int = 0,
+        rdma_gbs: float = 0,
+        nvlink_gbs: float = 0,
+        sm_read_gbs: float = 200,
+        sm_write_gbs: float = 50,
+    ) -> int:
+        """The planner's SM count for this buffer (policy, topology, device SMs; 0 GB/s = detect)."""
+        ex = self._executor
+        return planner.get_theoretical_num_sms(
+            self.topology,
+            num_experts,
+            num_topk,
+            num_device_sms=ex.num_device_sms,
+            nvlink_gbs=nvlink_gbs or getattr(ex, "nvlink_gbs", None),
+            rdma_gbs=rdma_gbs or getattr(ex, "rdma_gbs", None),
+            sm_read_gbs=sm_read_gbs,
+            sm_write_gbs=sm_write_gbs,
+            prefer_overlap_with_compute=self.config.prefer_overlap_with_compute,
+            num_scaleout_topk=num_scaleout_topk,
+            policy=self.config.policy,
+        )
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        return planner.get_theoretical_num_qps(self.topology, num_sms, self.config.num_allocated_qps)
+
+    # operations ----------------------------------------------------------------------------------------------
+    def dispatch(
+        self,
+        x: Any,
+        topk_idx: Any = None,
+        topk_weights: Any = None,
+        *,
+        cumulative_local_expert_recv_stats: Any = None,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: Any = None,
+        previous_event_before_epilogue: Any = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        handle: EPHandle | None = None,
+        do_handle_copy: bool = True,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+        allocator: Any = None,
+        stream: int = 0,
+    ) -> DispatchResult:
+        """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`."""
+        self._check_alive()
+        req = make_dispatch_request(
+            self.config,
+            self._executor,
+            x,
+            topk_idx,
+            topk_weights,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            num_experts=num_experts,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            expert_alignment=expert_alignment,
+            num_sms=num_sms,
+            num_qps=num_qps,
+            previous_event=previous_event,
+            previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            handle=handle,
+            do_handle_copy=do_handle_copy,
+            do_cpu_sync=do_cpu_sync,
+            do_expand=do_expand,
+            do_zero_padding=do_zero_padding,
+            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+            allocator=allocator,
+            stream=stream,
+            sm_cache=self._sm_cache,
+        )
+        return self._executor.dispatch(req)
+
+    def combine(
+        self,
+        x: Any,
+        handle: EPHandle,
+        topk_weights: Any = None,
+        bias: Any = None,
+        *,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: Any = None,
+        previous_event_before_epilogue: Any = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        allocator: Any = None,
+        stream: int = 0,
+    ) -> CombineResult:
+        """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`."""
+        self._check_alive()
+        req = make_combine_request(
+            self.config,
+            self._executor,
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms=num_sms,
+            num_qps=num_qps,
+            previous_event=previous_event,
+            previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            allocator=allocator,
+            stream=stream,
+        )
+        return self._executor.combine(req)
+
+    # lifecycle -----------------------------------------------------------------------------------------------
+    def _device_barrier(self) -> None:
+        self._executor.barrier()
+
+    def _release(self) -> None:
+        try:
+            ex = getattr(self, "_executor", None)
+            if ex is not None:
+                ex.destroy()
+        finally:
+            super()._release()

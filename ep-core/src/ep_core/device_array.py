@@ -1,0 +1,405 @@
+"""Framework-neutral array descriptors: read pointer, shape, strides, dtype and device of any array without
+importing its framework, and a minimal `DeviceArray` (pointer + shape + dtype) for views and host tests.
+
+`describe(obj)` accepts, in this order: a `DeviceArray`; an object with `__cuda_array_interface__` (CuPy, Numba,
+torch except bf16); an object with `__dlpack__` (torch, CuPy, JAX, numpy; read through the capsule with ctypes,
+`stream=-1` so that no synchronization is enqueued); an object with `__array_interface__` (host numpy).
+
+dtype names are canonical strings: "bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ep_core.errors import EPTypeError
+
+__all__ = [
+    "DTYPE_SIZES",
+    "ArrayInfo",
+    "DeviceArray",
+    "describe",
+    "host_allocator",
+    "host_array",
+    "to_numpy",
+]
+
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+}
+
+# numpy storage of each dtype for host views (bit patterns for the types numpy lacks)
+_NUMPY_STORAGE = {
+    "bool": np.bool_,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "int16": np.int16,
+    "uint16": np.uint16,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+    "int32": np.int32,
+    "uint32": np.uint32,
+    "float32": np.float32,
+    "int64": np.int64,
+    "uint64": np.uint64,
+    "float64": np.float64,
+}
+
+_TYPESTR_TO_DTYPE = {
+    "b1": "bool",
+    "i1": "int8",
+    "u1": "uint8",
+    "i2": "int16",
+    "u2": "uint16",
+    "f2": "float16",
+    "i4": "int32",
+    "u4": "uint32",
+    "f4": "float32",
+    "i8": "int64",
+    "u8": "uint64",
+    "f8": "float64",
+}
+_DTYPE_TO_TYPESTR = {
+    "bool": "|b1",
+    "int8": "|i1",
+    "uint8": "|u1",
+    "float8_e4m3fn": "|u1",
+    "float8_e5m2": "|u1",
+    "int16": "<i2",
+    "uint16": "<u2",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "int32": "<i4",
+    "uint32": "<u4",
+    "float32": "<f4",
+    "int64": "<i8",
+    "uint64": "<u8",
+    "float64": "<f8",
+}
+
+
+def _c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    strides, acc = [], itemsize
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(dim), 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What ep_core needs to know about an array. `strides` are in bytes; `device` is "cuda" or "cpu"."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str
+    strides: tuple[int, ...]
+    device: str
+    device_id: int
+    obj: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Row-major contiguous (dimensions of size 1 may have any stride; empty arrays are contiguous)."""
+        if self.size == 0:
+            return True
+        want = _c_strides(self.shape, self.itemsize)
+        return all(s == w or d == 1 for s, w, d in zip(self.strides, want, self.shape))
+
+
+class DeviceArray:
+    """A plain strided array over raw memory: pointer, shape, dtype, byte strides, device.
+
+    Exposes `__cuda_array_interface__` (v3) for CUDA memory and `__array_interface__` for host memory, so CuPy,
+    Numba, torch (`torch.as_tensor`) or numpy can wrap it; bf16 and FP8 are exported as their bit patterns (u2 /
+    u1) and keep their real dtype in `.dtype`. `owner` keeps the underlying memory alive.
+    """
+
+    __slots__ = ("device", "device_id", "dtype", "owner", "ptr", "shape", "strides")
+
+    def __init__(
+        self,
+        ptr: int,
+        shape: Sequence[int],
+        dtype: str,
+        strides: Sequence[int] | None = None,
+        *,
+        device: str = "cuda",
+        device_id: int = 0,
+        owner: Any = None,
+    ) -> None:
+        if dtype not in DTYPE_SIZES:
+            raise EPTypeError(f"dtype: expected one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+        if device not in ("cuda", "cpu"):
+            raise EPTypeError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.strides = (
+            _c_strides(self.shape, DTYPE_SIZES[dtype]) if strides is None else tuple(int(s) for s in strides)
+        )
+        self.device = device
+        self.device_id = int(device_id)
+        self.owner = owner
+
+    def info(self) -> ArrayInfo:
+        return ArrayInfo(self.ptr, self.shape, self.dtype, self.strides, self.device, self.device_id, self)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def _interface(self) -> dict:
+        contiguous = self.strides == _c_strides(self.shape, DTYPE_SIZES[self.dtype])
+        return {
+            "shape": self.shape,
+            "typestr": _DTYPE_TO_TYPESTR[self.dtype],
+            "data": (self.ptr, False),
+            "strides": None if contiguous else self.strides,
+            "version": 3,
+        }
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        if self.device != "cuda":
+            raise AttributeError("__cuda_array_interface__: host array")
+        return self._interface() | {"stream": None}
+
+    @property
+    def __array_interface__(self) -> dict:
+        if self.device != "cpu":
+            raise AttributeError("__array_interface__: device array")
+        return self._interface()
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(ptr=0x{self.ptr:x}, shape={self.shape}, dtype={self.dtype}, device={self.device}:{self.device_id})"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# describe
+
+
+def _from_cai(obj: Any, cai: dict) -> ArrayInfo:
+    shape = tuple(int(s) for s in cai["shape"])
+    typestr = cai["typestr"]
+    dtype = _TYPESTR_TO_DTYPE.get(typestr[1:])
+    if dtype is None:
+        raise EPTypeError(f"array: unsupported __cuda_array_interface__ typestr {typestr!r}")
+    strides = cai.get("strides")
+    strides = _c_strides(shape, DTYPE_SIZES[dtype]) if strides is None else tuple(int(s) for s in strides)
+    device_id = _cuda_device_of(obj)
+    return ArrayInfo(int(cai["data"][0]), shape, dtype, strides, "cuda", device_id, obj)
+
+
+def _cuda_device_of(obj: Any) -> int:
+    dev = getattr(obj, "device", None)
+    idx = getattr(dev, "index", None)
+    if isinstance(idx, int):
+        return idx
+    if isinstance(dev, int):
+        return dev
+    dev_id = getattr(dev, "id", None)
+    return dev_id if isinstance(dev_id, int) else 0
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", _DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DLTensor),
+    ]
+
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+_DL_CODES = {
+    (0, 8): "int8",
+    (0, 16): "int16",
+    (0, 32): "int32",
+    (0, 64): "int64",
+    (1, 8): "uint8",
+    (1, 16): "uint16",
+    (1, 32): "uint32",
+    (1, 64): "uint64",
+    (2, 16): "float16",
+    (2, 32): "float32",
+    (2, 64): "float64",
+    (4, 16): "bfloat16",
+    (6, 8): "bool",
+    (10, 8): "float8_e4m3fn",
+    (12, 8): "float8_e5m2",
+}
+
+
+def _capsule_pointer(capsule: Any) -> tuple[int, bool]:
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype = ctypes.c_char_p
+    get_name.argtypes = [ctypes.py_object]
+    get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
+    get_ptr.restype = ctypes.c_void_p
+    get_ptr.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    name = get_name(capsule)
+    if name not in (b"dltensor", b"dltensor_versioned"):
+        raise EPTypeError(f"array: __dlpack__ returned a capsule named {name!r}; it was already consumed")
+    return get_ptr(capsule, name), name == b"dltensor_versioned"
+
+
+def _from_dlpack(obj: Any) -> ArrayInfo:
+    device_type = None
+    if hasattr(obj, "__dlpack_device__"):
+        device_type = int(obj.__dlpack_device__()[0])
+    try:
+        capsule = obj.__dlpack__(stream=-1) if device_type == _DL_CUDA else obj.__dlpack__()
+    except TypeError:
+        capsule = obj.__dlpack__()
+    ptr, versioned = _capsule_pointer(capsule)
+    if versioned:
+        t = _DLManagedTensorVersioned.from_address(ptr).dl_tensor
+    else:
+        t = _DLTensor.from_address(ptr)  # DLManagedTensor starts with its DLTensor
+    dtype = _DL_CODES.get((t.dtype.code, t.dtype.bits))
+    if dtype is None or t.dtype.lanes != 1:
+        raise EPTypeError(f"array: unsupported DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits})")
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    itemsize = DTYPE_SIZES[dtype]
+    if t.strides:
+        strides = tuple(int(t.strides[i]) * itemsize for i in range(t.ndim))
+    else:
+        strides = _c_strides(shape, itemsize)
+    dev = t.device.device_type
+    device = "cuda" if dev in (_DL_CUDA, _DL_CUDA_MANAGED) else "cpu"
+    data = (t.data or 0) + int(t.byte_offset)
+    # the capsule is not consumed: its destructor calls the producer's deleter; obj keeps the memory alive
+    return ArrayInfo(data, shape, dtype, strides, device, int(t.device.device_id), obj)
+
+
+def _from_numpy_interface(obj: Any, ai: dict) -> ArrayInfo:
+    a = np.asarray(obj)
+    dtype = a.dtype.name if a.dtype.name in DTYPE_SIZES else _TYPESTR_TO_DTYPE.get(ai["typestr"][1:])
+    if a.dtype.itemsize == 2 and a.dtype.name == "bfloat16":
+        dtype = "bfloat16"
+    if dtype is None:
+        raise EPTypeError(f"array: unsupported dtype {a.dtype}")
+    return ArrayInfo(int(ai["data"][0]), tuple(a.shape), dtype, tuple(a.strides), "cpu", 0, obj)
+
+
+def describe(obj: Any, name: str = "array") -> ArrayInfo:
+    """Read an array's pointer, shape, strides (bytes), dtype and device without importing its framework."""
+    if isinstance(obj, ArrayInfo):
+        return obj
+    if isinstance(obj, DeviceArray):
+        return obj.info()
+    try:
+        cai = obj.__cuda_array_interface__
+    except Exception:  # torch raises for bf16; many types lack it
+        cai = None
+    try:
+        if cai is not None:
+            return _from_cai(obj, cai)
+        if hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
+            return _from_dlpack(obj)
+        ai = getattr(obj, "__array_interface__", None)
+        if ai is not None:
+            return _from_numpy_interface(obj, ai)
+    except EPTypeError as exc:
+        raise EPTypeError(f"{name}: {exc}") from exc
+    raise EPTypeError(
+        f"{name}: expected an array (DLPack, __cuda_array_interface__ or a DeviceArray), got {type(obj).__name__}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# host arrays (reference executor, CPU tests)
+
+
+def host_array(data: np.ndarray, dtype: str | None = None) -> DeviceArray:
+    """Wrap a numpy array as a host `DeviceArray` (kept alive); `dtype` overrides the numpy dtype (e.g. uint16
+    bit patterns as "bfloat16")."""
+    a = np.asarray(data)
+    dt = dtype or a.dtype.name
+    if DTYPE_SIZES.get(dt) != a.dtype.itemsize:
+        raise EPTypeError(f"dtype: {dt!r} does not match the numpy itemsize {a.dtype.itemsize}")
+    ptr = a.__array_interface__["data"][0]
+    return DeviceArray(ptr, a.shape, dt, a.strides, device="cpu", owner=a)
+
+
+def host_allocator(shape: Sequence[int], dtype: str) -> DeviceArray:
+    """Allocator for host outputs: zeroed numpy storage wrapped as a host `DeviceArray`."""
+    return host_array(np.zeros(tuple(shape), dtype=_NUMPY_STORAGE[dtype]), dtype)
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """A numpy view of a host array (bf16/FP8 as their uint16/uint8 bit patterns). Raises for device memory."""
+    info = describe(array)
+    if info.device != "cpu":
+        raise EPTypeError(f"array: expected host memory, got {info.device} memory; copy it to the host first")
+    storage = np.dtype(_NUMPY_STORAGE[info.dtype])
+    if info.size == 0:
+        return np.zeros(info.shape, dtype=storage)
+    span = sum((d - 1) * s for d, s in zip(info.shape, info.strides)) + info.itemsize
+    buf = (ctypes.c_char * span).from_address(info.ptr)
+    return np.ndarray(info.shape, dtype=storage, buffer=buf, strides=info.strides)

@@ -1,0 +1,501 @@
+"""Input validation of dispatch and combine (SPEC §6): every rule raises `EPValueError` / `EPTypeError` naming
+the argument and the rule, before anything is launched. Shared by `ep_core.EPBuffer` and ep_torch.
+
+`make_dispatch_request` / `make_combine_request` take a `BufferConfig`, a *target* (the executor: it provides
+`array_device`, `device_id`, `num_device_sms` and optionally `nvlink_gbs` / `rdma_gbs`) and the user's arguments,
+and return the frozen request the executor runs. Rules (each is tested in tests/test_core_validation.py):
+
+dispatch
+  D1  x is an array or a 2-tuple (data, sf); a list or another type is a TypeError
+  D2  x (bf16) dtype is bfloat16; FP8 data is float8_e4m3fn (or uint8 bits); sf is 4-byte (float32/int32/uint32)
+  D3  x, sf are 2-D; sf.shape[0] == num_tokens; x is contiguous (sf may have any strides)
+  D4  every array lives on the executor's device (kind and id)
+  D5  hidden * elem_size % 32 == 0 (token rows are 32-byte aligned), hidden > 0
+  D6  num_tokens <= num_max_tokens_per_rank (M > 0)
+  D7  topk_idx: required without a handle and forbidden with one; int64 or int32; [num_tokens, K]; contiguous;
+      1 <= K <= 32
+  D8  topk_weights: float32, [num_tokens, K] (second dim checked), contiguous
+  D9  num_experts: required without a handle; multiple of N; <= 2048; <= 256 per rank; matches a handle's
+  D10 expert_alignment >= 1 (matches a handle's); num_max_tokens_per_rank matches a handle's
+  D11 handle: an EPHandle of this rank; do_cpu_sync=True with a handle is an error; do_expand matches the
+      handle; handle arrays have the shapes of §2 (psum [S_u], metadata [R, K+2] int32, ...)
+  D12 do_zero_padding requires do_expand
+  D13 cumulative_local_expert_recv_stats: [epr] int32, contiguous; forbidden with a handle
+  D14 num_sms: int >= 0 (0 = planner or the handle's), <= device SMs; num_qps: int >= 0, <= allocated QPs
+  D15 previous_event requires allocate_on_comm_stream
+  D16 buffer capacity: the dispatch buffers for (hidden, packs, K, M) fit num_bytes
+  D17 allocator is callable
+combine
+  C1  x: bfloat16, 2-D, contiguous, on the device; hidden * 2 % 32 == 0
+  C2  handle: an EPHandle of this rank (required); x rows == handle rows (num_recv_tokens, or
+      num_expanded_tokens in expand mode)
+  C3  topk_weights: float32, contiguous, [rows, K] (non-expand) or [rows] (expand); not allowed in expand mode
+      with allow_multiple_reduction=False
+  C4  bias: None, one array or a tuple of exactly two; a list or another type is a TypeError; each bf16, 2-D,
+      contiguous, [num_tokens, hidden], on the device
+  C5  num_tokens (handle) <= num_max_tokens_per_rank
+  C6  num_sms / num_qps as D14 (0 = the handle's SMs); previous_event as D15; capacity of the combine buffers
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ep_core import planner
+from ep_core.device_array import ArrayInfo, describe
+from ep_core.errors import EPTypeError, EPValueError
+from ep_core.executor import BufferConfig, CombineRequest, DispatchRequest
+from ep_core.handle import EPHandle
+from ep_core.topology import MAX_TOPK
+
+__all__ = ["check_array", "make_combine_request", "make_dispatch_request", "resolve_num_sms"]
+
+_INT_IDS = ("int64", "int32")
+_FP8 = ("float8_e4m3fn", "uint8")
+_SF = ("float32", "int32", "uint32")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_array(
+    name: str,
+    obj: Any,
+    target: Any,
+    *,
+    dtypes: tuple[str, ...],
+    ndim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = True,
+) -> ArrayInfo:
+    """Describe `obj` and check dtype, rank, shape (None = any), contiguity and device against `target`."""
+    info = describe(obj, name)
+    if info.dtype not in dtypes:
+        raise EPTypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {info.dtype}")
+    want_ndim = len(shape) if shape is not None else ndim
+    if want_ndim is not None and info.ndim != want_ndim:
+        raise EPValueError(f"{name}: expected a {want_ndim}-D array, got shape {info.shape}")
+    if shape is not None and any(w is not None and w != g for w, g in zip(shape, info.shape)):
+        want = tuple("*" if w is None else w for w in shape)
+        raise EPValueError(f"{name}: expected shape {want}, got {info.shape}")
+    if contiguous and not info.is_contiguous:
+        raise EPValueError(
+            f"{name}: expected a contiguous (row-major) array, got strides {info.strides}; "
+            "pass a contiguous copy"
+        )
+    kind = getattr(target, "array_device", "cuda")
+    dev = getattr(target, "device_id", 0)
+    if info.device != kind or (kind == "cuda" and info.device_id != dev):
+        raise EPValueError(
+            f"{name}: expected an array on {kind}:{dev}, got one on {info.device}:{info.device_id}"
+        )
+    return info
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise EPTypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def resolve_num_sms(
+    config: BufferConfig,
+    target: Any,
+    num_sms: Any,
+    num_experts: int,
+    num_topk: int,
+    handle: EPHandle | None = None,
+    cache: dict | None = None,
+) -> int:
+    """`num_sms` validated; 0 = the handle's SMs, else the planner's (policy of the buffer)."""
+    device_sms = int(getattr(target, "num_device_sms", 0)) or 1
+    if not _is_int(num_sms) or num_sms < 0:
+        raise EPValueError(f"num_sms: expected an int >= 0 (0 = automatic), got {num_sms!r}")
+    if num_sms == 0:
+        if handle is not None and handle.num_sms > 0:
+            num_sms = handle.num_sms
+        else:
+            key = (num_experts, num_topk)
+            if cache is not None and key in cache:
+                return cache[key]
+            num_sms = planner.get_theoretical_num_sms(
+                config.topology,
+                num_experts,
+                num_topk,
+                num_device_sms=device_sms,
+                nvlink_gbs=getattr(target, "nvlink_gbs", None),
+                rdma_gbs=getattr(target, "rdma_gbs", None),
+                prefer_overlap_with_compute=config.prefer_overlap_with_compute,
+                policy=config.policy,
+            )
+            if cache is not None:
+                cache[key] = num_sms
+    if num_sms > device_sms:
+        raise EPValueError(f"num_sms: expected at most the device's {device_sms} SMs, got {num_sms}")
+    return num_sms
+
+
+def _resolve_num_qps(config: BufferConfig, num_qps: Any, num_sms: int) -> int:
+    if not _is_int(num_qps) or num_qps < 0:
+        raise EPValueError(f"num_qps: expected an int >= 0 (0 = automatic), got {num_qps!r}")
+    if num_qps == 0:
+        return planner.get_theoretical_num_qps(config.topology, num_sms, config.num_allocated_qps)
+    if num_qps > config.num_allocated_qps:
+        raise EPValueError(
+            f"num_qps: allocated QPs are not enough: asked for {num_qps}, the buffer has {config.num_allocated_qps}; "
+            "pass a larger num_allocated_qps to the constructor"
+        )
+    return num_qps
+
+
+def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_compute_stream: Any) -> None:
+    _check_flag("allocate_on_comm_stream", allocate_on_comm_stream)
+    _check_flag("async_with_compute_stream", async_with_compute_stream)
+    if previous_event is not None and not allocate_on_comm_stream:
+        raise EPValueError("previous_event: requires allocate_on_comm_stream=True")
+
+
+def _check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
+    if not isinstance(handle, EPHandle):
+        raise EPTypeError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
+    if handle.num_ranks not in (0, config.num_ranks) or handle.rank not in (-1, config.rank):
+        raise EPValueError(
+            f"handle: made by rank {handle.rank} of {handle.num_ranks}, but this buffer is rank {config.rank} of "
+            f"{config.num_ranks}"
+        )
+    su = config.topology.num_scaleup_ranks
+    if handle.num_experts % config.num_ranks:
+        raise EPValueError(
+            f"handle: num_experts {handle.num_experts} is not a multiple of {config.num_ranks}"
+        )
+    epr = handle.num_experts // config.num_ranks
+    idx = check_array("handle.topk_idx", handle.topk_idx, target, dtypes=_INT_IDS, ndim=2)
+    k = idx.shape[1]
+    check_array(
+        "handle.psum_num_recv_tokens_per_scaleup_rank",
+        handle.psum_num_recv_tokens_per_scaleup_rank,
+        target,
+        dtypes=("int32",),
+        shape=(su,),
+    )
+    check_array(
+        "handle.psum_num_recv_tokens_per_expert",
+        handle.psum_num_recv_tokens_per_expert,
+        target,
+        dtypes=("int32",),
+        shape=(epr,),
+    )
+    check_array(
+        "handle.num_unaligned_recv_tokens_per_expert",
+        handle.num_unaligned_recv_tokens_per_expert,
+        target,
+        dtypes=("int32",),
+        shape=(epr,),
+    )
+    check_array(
+        "handle.recv_src_metadata",
+        handle.recv_src_metadata,
+        target,
+        dtypes=("int32",),
+        shape=(handle.num_recv_tokens, k + 2),
+    )
+    if not config.topology.is_hybrid:
+        check_array(
+            "handle.dst_buffer_slot_idx",
+            handle.dst_buffer_slot_idx,
+            target,
+            dtypes=("int32",),
+            shape=(idx.shape[0], k),
+        )
+    return handle
+
+
+def _check_capacity(config: BufferConfig, what: str, needed: int) -> None:
+    if needed > config.num_bytes - config.num_cpu_bytes:
+        raise EPValueError(
+            f"buffer: the {what} needs {needed} bytes, the buffer has {config.num_bytes - config.num_cpu_bytes}; "
+            "build the buffer with a larger num_bytes (get_buffer_size_hint) or fewer tokens"
+        )
+
+
+def _check_allocator(allocator: Any, target: Any) -> Callable:
+    if allocator is None:
+        allocator = getattr(target, "default_allocator", None)
+    if not callable(allocator):
+        raise EPTypeError("allocator: expected a callable (shape, dtype) -> array for the outputs")
+    return allocator
+
+
+def make_dispatch_request(
+    config: BufferConfig,
+    target: Any,
+    x: Any,
+    topk_idx: Any = None,
+    topk_weights: Any = None,
+    *,
+    cumulative_local_expert_recv_stats: Any = None,
+    num_experts: int | None = None,
+    num_max_tokens_per_rank: int | None = None,
+    expert_alignment: int | None = None,
+    num_sms: int = 0,
+    num_qps: int = 0,
+    previous_event: Any = None,
+    previous_event_before_epilogue: Any = None,
+    async_with_compute_stream: bool = False,
+    allocate_on_comm_stream: bool = False,
+    handle: EPHandle | None = None,
+    do_handle_copy: bool = True,
+    do_cpu_sync: bool | None = None,
+    do_expand: bool = False,
+    do_zero_padding: bool = False,
+    use_tma_aligned_col_major_sf: bool = False,
+    allocator: Any = None,
+    stream: int = 0,
+    sm_cache: dict | None = None,
+) -> DispatchRequest:
+    """Validate a dispatch (rules D1-D17 of the module doc) and resolve its defaults."""
+    import ep_layout
+
+    # D1, D2, D3
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise EPTypeError(f"x: an FP8 input is a tuple (data, sf) of two arrays, got {len(x)} elements")
+        xi = check_array("x[0] (FP8 data)", x[0], target, dtypes=_FP8, ndim=2)
+        sfi = check_array("x[1] (sf)", x[1], target, dtypes=_SF, ndim=2, contiguous=False)
+        if sfi.shape[0] != xi.shape[0]:
+            raise EPValueError(
+                f"x[1] (sf): expected {xi.shape[0]} rows (one per token), got shape {sfi.shape}"
+            )
+        elem = 1
+    elif isinstance(x, list):
+        raise EPTypeError("x: expected a bf16 array or a tuple (data, sf) for FP8, got a list")
+    else:
+        xi = check_array("x", x, target, dtypes=("bfloat16",), ndim=2)
+        sfi = None
+        elem = 2
+    num_tokens, hidden = xi.shape
+    # D5
+    if hidden <= 0 or hidden * elem % 32:
+        raise EPValueError(
+            f"x: hidden * element size must be a positive multiple of 32 bytes, got hidden={hidden} "
+            f"({hidden * elem} bytes)"
+        )
+    for name, flag in (
+        ("do_handle_copy", do_handle_copy),
+        ("do_expand", do_expand),
+        ("do_zero_padding", do_zero_padding),
+        ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf),
+    ):
+        _check_flag(name, flag)
+    _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)  # D15
+
+    if handle is not None:  # D11 (cached)
+        handle = _check_handle(config, target, handle)
+        if topk_idx is not None:
+            raise EPValueError("topk_idx: must be None for a cached dispatch (the handle holds the routing)")
+        if do_cpu_sync:
+            raise EPValueError("do_cpu_sync: a cached dispatch cannot do a CPU sync; leave it None or False")
+        if do_expand != handle.do_expand:
+            raise EPValueError(f"do_expand: {do_expand} differs from the cached handle's {handle.do_expand}")
+        if cumulative_local_expert_recv_stats is not None:
+            raise EPValueError("cumulative_local_expert_recv_stats: not allowed with a cached handle")
+        for name, given, cached in (
+            ("num_experts", num_experts, handle.num_experts),
+            ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
+            ("expert_alignment", expert_alignment, handle.expert_alignment),
+        ):
+            if given is not None and given != cached:
+                raise EPValueError(f"{name}: {given} differs from the cached handle's {cached}")
+        num_experts, m, alignment = (
+            handle.num_experts,
+            handle.num_max_tokens_per_rank,
+            handle.expert_alignment,
+        )
+        ti = None
+        k = handle.num_topk
+        if num_tokens != handle.num_tokens:
+            raise EPValueError(
+                f"x: {num_tokens} tokens, but the cached handle was made for {handle.num_tokens}"
+            )
+        cpu_sync = False
+    else:
+        if topk_idx is None:  # D7
+            raise EPValueError("topk_idx: required unless a cached handle is given")
+        ti = check_array("topk_idx", topk_idx, target, dtypes=_INT_IDS, ndim=2)
+        k = ti.shape[1]
+        if ti.shape[0] != num_tokens:
+            raise EPValueError(
+                f"topk_idx: expected {num_tokens} rows (one per token of x), got shape {ti.shape}"
+            )
+        if not 1 <= k <= MAX_TOPK:
+            raise EPValueError(f"topk_idx: num_topk (second dim) must be in [1, {MAX_TOPK}], got {k}")
+        if num_experts is None:  # D9
+            num_experts = config.num_experts or None
+        if num_experts is None:
+            raise EPValueError("num_experts: required unless a cached handle is given")
+        if not _is_int(num_experts):
+            raise EPTypeError(f"num_experts: expected an int, got {type(num_experts).__name__}")
+        config.topology.check_num_experts(num_experts)
+        m = config.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
+        alignment = 1 if expert_alignment is None else expert_alignment
+        cpu_sync = True if do_cpu_sync is None else _check_flag("do_cpu_sync", do_cpu_sync)
+    # D10, D6
+    if not _is_int(alignment) or alignment < 1:
+        raise EPValueError(f"expert_alignment: expected an int >= 1, got {alignment!r}")
+    if not _is_int(m) or m <= 0:
+        raise EPValueError(
+            f"num_max_tokens_per_rank: expected an int > 0 (here or at construction), got {m!r}"
+        )
+    if num_tokens > m:
+        raise EPValueError(f"x: num_tokens ({num_tokens}) must be <= num_max_tokens_per_rank ({m})")
+    if do_zero_padding and not do_expand:  # D12
+        raise EPValueError("do_zero_padding: only valid together with do_expand=True")
+    wi = None
+    if topk_weights is not None:  # D8
+        wi = check_array("topk_weights", topk_weights, target, dtypes=("float32",), shape=(num_tokens, k))
+    epr = num_experts // config.num_ranks
+    stats = None
+    if cumulative_local_expert_recv_stats is not None:  # D13
+        stats = check_array(
+            "cumulative_local_expert_recv_stats",
+            cumulative_local_expert_recv_stats,
+            target,
+            dtypes=("int32",),
+            shape=(epr,),
+        )
+    # D14
+    sms = resolve_num_sms(config, target, num_sms, num_experts, k, handle, sm_cache)
+    qps = _resolve_num_qps(config, num_qps, sms)
+    # D16
+    packs = sfi.shape[1] if sfi is not None else 0
+    token = ep_layout.make_dispatch_token_layout(hidden, elem, packs, k)
+    _check_capacity(
+        config, "dispatch", ep_layout.dispatch_buffer_bytes(token, config.topology.to_layout(), m)
+    )
+    alloc = _check_allocator(allocator, target)  # D17
+    return DispatchRequest(
+        x=xi,
+        sf=sfi,
+        topk_idx=ti,
+        topk_weights=wi,
+        handle=handle,
+        cumulative_local_expert_recv_stats=stats,
+        num_tokens=num_tokens,
+        hidden=hidden,
+        num_topk=k,
+        num_sf_packs=packs,
+        elem_size=elem,
+        num_experts=num_experts,
+        num_max_tokens_per_rank=m,
+        expert_alignment=alignment,
+        num_sms=sms,
+        num_qps=qps,
+        do_cpu_sync=cpu_sync,
+        do_expand=do_expand,
+        do_zero_padding=do_zero_padding,
+        do_handle_copy=do_handle_copy,
+        use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+        deterministic=config.deterministic,
+        allocator=alloc,
+        stream=int(stream or 0),
+        previous_event=previous_event,
+        previous_event_before_epilogue=previous_event_before_epilogue,
+        async_with_compute_stream=async_with_compute_stream,
+        allocate_on_comm_stream=allocate_on_comm_stream,
+    )
+
+
+def make_combine_request(
+    config: BufferConfig,
+    target: Any,
+    x: Any,
+    handle: Any,
+    topk_weights: Any = None,
+    bias: Any = None,
+    *,
+    num_sms: int = 0,
+    num_qps: int = 0,
+    previous_event: Any = None,
+    previous_event_before_epilogue: Any = None,
+    async_with_compute_stream: bool = False,
+    allocate_on_comm_stream: bool = False,
+    allocator: Any = None,
+    stream: int = 0,
+) -> CombineRequest:
+    """Validate a combine (rules C1-C6 of the module doc) and resolve its defaults."""
+    import ep_layout
+
+    if handle is None:
+        raise EPValueError("handle: required (the handle returned by dispatch)")
+    h = _check_handle(config, target, handle)  # C2
+    if isinstance(x, (tuple, list)):
+        raise EPTypeError(f"x: expected one bf16 array, got a {type(x).__name__}")
+    xi = check_array("x", x, target, dtypes=("bfloat16",), ndim=2)  # C1
+    rows, hidden = xi.shape
+    if hidden <= 0 or hidden * 2 % 32:
+        raise EPValueError(f"x: hidden must be a positive multiple of 16 (32-byte bf16 rows), got {hidden}")
+    want_rows = h.num_expanded_tokens if h.do_expand else h.num_recv_tokens
+    if rows != want_rows:
+        what = "num_expanded_tokens" if h.do_expand else "num_recv_tokens"
+        raise EPValueError(f"x: expected {want_rows} rows (handle.{what}), got {rows}")
+    k = h.num_topk
+    amr = config.allow_multiple_reduction
+    wi = None
+    if topk_weights is not None:  # C3
+        if h.do_expand and not amr:
+            raise EPValueError("topk_weights: not allowed in expand mode with allow_multiple_reduction=False")
+        shape = (rows,) if h.do_expand else (rows, k)
+        wi = check_array("topk_weights", topk_weights, target, dtypes=("float32",), shape=shape)
+    num_tokens = h.num_tokens
+    # C4
+    if bias is None:
+        biases: tuple = ()
+    elif isinstance(bias, tuple):
+        if len(bias) != 2:
+            raise EPTypeError(f"bias: a bias tuple must hold exactly two arrays, got {len(bias)}")
+        biases = bias
+    elif isinstance(bias, list):
+        raise EPTypeError("bias: expected None, an array or a tuple of two arrays, got a list")
+    else:
+        biases = (bias,)
+    bias_info = tuple(
+        check_array(
+            f"bias[{i}]" if len(biases) > 1 else "bias",
+            b,
+            target,
+            dtypes=("bfloat16",),
+            shape=(num_tokens, hidden),
+        )
+        for i, b in enumerate(biases)
+    )
+    m = h.num_max_tokens_per_rank
+    if num_tokens > m:  # C5
+        raise EPValueError(f"handle: num_tokens ({num_tokens}) must be <= num_max_tokens_per_rank ({m})")
+    _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)
+    sms = resolve_num_sms(config, target, num_sms, h.num_experts, k, h)
+    qps = _resolve_num_qps(config, num_qps, sms)
+    token = ep_layout.make_combine_token_layout(hidden, k)
+    _check_capacity(
+        config, "combine", ep_layout.combine_buffer_bytes(token, config.topology.to_layout(), m, amr)
+    )
+    alloc = _check_allocator(allocator, target)
+    return CombineRequest(
+        x=xi,
+        handle=h,
+        topk_weights=wi,
+        bias=bias_info,
+        num_tokens=num_tokens,
+        hidden=hidden,
+        num_topk=k,
+        num_sms=sms,
+        num_qps=qps,
+        allow_multiple_reduction=amr,
+        allocator=alloc,
+        stream=int(stream or 0),
+        previous_event=previous_event,
+        previous_event_before_epilogue=previous_event_before_epilogue,
+        async_with_compute_stream=async_with_compute_stream,
+        allocate_on_comm_stream=allocate_on_comm_stream,
+    )
