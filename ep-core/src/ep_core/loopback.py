@@ -73,7 +73,7 @@ class LoopbackDomain:
         num_bytes: int | None = None,
         gpu_timeout_secs: float = 100.0,
         cpu_timeout_secs: float = 300.0,
-        use_symmem: bool = True,
+        use_symmem: bool = False,
         num_warps: int | None = None,
     ) -> None:
         if not 1 <= num_ranks <= ep_layout.NUM_MAX_RANKS:

@@ -82,12 +82,11 @@ def _eq(name: str, got, want) -> None:
     if got.dtype.kind == "f":
         got = got.view(np.uint32 if got.dtype.itemsize == 4 else np.uint16)
         want = np.asarray(want, dtype=np.asarray(want).dtype).view(got.dtype)
-    bad = np.nonzero(
-        np.asarray(got != want).reshape(got.shape[0], -1).any(axis=1) if got.ndim else got != want
-    )
-    assert np.array_equal(got, want), (
-        f"{name}: {len(bad[0]) if got.ndim else 1} rows differ, first {bad[0][:8]}"
-    )
+    if np.array_equal(got, want):
+        return
+    diff = np.asarray(got != want)
+    bad = np.nonzero(diff.reshape(diff.shape[0], -1).any(axis=1))[0] if diff.ndim else [0]
+    raise AssertionError(f"{name}: {len(bad)} rows differ, first {list(bad[:8])}")
 
 
 def _bits(a):

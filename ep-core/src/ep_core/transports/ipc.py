@@ -18,6 +18,11 @@ from ep_core.kernels import _cuda
 __all__ = ["IpcBuffer"]
 
 
+def _current_device() -> int:
+    drv = _cuda.driver()
+    return int(_cuda.check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
+
+
 class IpcBuffer:
     """Symmetric buffers of one process (one per local rank) plus the device peer table."""
 
@@ -45,15 +50,23 @@ class IpcBuffer:
                 import ep_symmem as symmem
             except Exception:
                 symmem = None
+        _cuda.driver()
         for _ in range(num_ranks):
             if symmem is not None:
-                alloc = symmem.SymmetricAllocation.create(total)
-                owners.append(alloc)
-                bases.append(int(alloc.ptr))
-            else:
-                buf = _cuda.DeviceBuffer(total)
-                owners.append(buf)
-                bases.append(buf.ptr)
+                try:
+                    alloc = symmem.SymmetricAllocation.create(total, device=_current_device())
+                except Exception as e:  # no VMM support here: plain allocations serve one process as well
+                    import warnings
+
+                    warnings.warn(f"ep_symmem allocation failed ({e}); using cuMemAlloc", stacklevel=2)
+                    symmem = None
+                else:
+                    owners.append(alloc)
+                    bases.append(int(alloc.ptr))
+                    continue
+            buf = _cuda.DeviceBuffer(total)
+            owners.append(buf)
+            bases.append(buf.ptr)
         for b in bases:
             _cuda.memset(b, total, 0)
         table = _cuda.DeviceBuffer(8 * num_ranks)
@@ -71,7 +84,7 @@ class IpcBuffer:
 
         total = cls.total_bytes(data_bytes)
         _cuda.driver()
-        alloc = ep_symmem.SymmetricAllocation.create(total)
+        alloc = ep_symmem.SymmetricAllocation.create(total, device=_current_device())
         _cuda.memset(int(alloc.ptr), total, 0)
         _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
         bootstrap.barrier()
