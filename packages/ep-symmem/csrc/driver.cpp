@@ -156,6 +156,10 @@ const DriverApi& driver() {
     } catch (const Error& e) {
       g_failure = std::make_unique<Error>(e);
       throw;
+    } catch (const std::exception& e) {
+      g_failure = std::make_unique<Error>(ErrorKind::kDriverNotFound,
+                                          std::string("loading the CUDA driver failed: ") + e.what());
+      throw Error(*g_failure);
     }
   }
 }

@@ -177,7 +177,7 @@ class FileBootstrap:
                     "calling the same collectives?"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.01)
+            delay = min(delay * 2, 0.002)
         if k >= 2:
             self._path(k - 2, self._rank).unlink(missing_ok=True)
         return [r for r in results if r is not None]
