@@ -229,6 +229,36 @@ def test_import_peers_errors() -> None:
 
 
 @pytest.mark.parametrize("same_process", ["retain", "posix_fd"])
+def test_exchange_local_single_thread(monkeypatch: pytest.MonkeyPatch, same_process: str) -> None:
+    """The loopback domain without threads: N allocations of this process mapped to each other in one call."""
+    monkeypatch.setenv("EPKIT_SYMMEM_SAME_PROCESS_IMPORT", same_process)
+    fds = sm.open_fd_count()
+    bufs = [sm.SymmetricAllocation.create(4 * MiB, 2 * MiB) for _ in range(3)]
+    try:
+        sm.exchange_local(bufs)
+        for writer, buf in enumerate(bufs):
+            for owner in range(3):
+                sm.fill_u32(buf.peer_ptr(owner) + writer * MiB, MiB // 4, 1000 * writer + owner, 7)
+                host = buf.peer_ptr(owner) + buf.num_gpu_bytes + writer * 4096
+                sm.fill_u32(host, 1024, 5000 * writer + owner, 3)
+        for owner, buf in enumerate(bufs):
+            view = buf.host_view()
+            for writer in range(3):
+                got = sm.copy_from_device(buf.ptr + writer * MiB, MiB)
+                assert got == worker._sequence(1000 * writer + owner, 7, MiB // 4)
+                assert bytes(view[writer * 4096 : (writer + 1) * 4096]) == worker._sequence(
+                    5000 * writer + owner, 3, 1024
+                )
+            del view
+            table = sm.copy_from_device(buf.peer_ptr_table, 8 * 3)
+            assert list(memoryview(table).cast("Q")) == buf.peer_ptrs
+    finally:
+        for buf in bufs:
+            buf.close()
+    assert sm.open_fd_count() == fds
+
+
+@pytest.mark.parametrize("same_process", ["retain", "posix_fd"])
 def test_loopback_ranks_as_threads(monkeypatch: pytest.MonkeyPatch, same_process: str) -> None:
     """4 ranks as threads of this process (the loopback domain): peers of the same process are mapped by
     retaining their handles, or (posix_fd) through pidfd_getfd on this very process."""

@@ -42,7 +42,7 @@ from ._errors import (
     SymmemValueError,
     UnsupportedError,
 )
-from ._exchange import exchange
+from ._exchange import exchange, exchange_local
 
 _C.set_driver_library(_env.libcuda_path())
 
@@ -78,6 +78,7 @@ __all__ = [
     "device_info",
     "device_memory_info",
     "exchange",
+    "exchange_local",
     "fill_u32",
     "is_available",
     "memset_device",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ._allocation import SymmetricAllocation
 from ._bootstrap import Bootstrap
 from ._errors import ExchangeError, SymmemError, SymmemValueError
 
-__all__ = ["exchange"]
+__all__ = ["exchange", "exchange_local"]
 
 
 def exchange(allocation: SymmetricAllocation, bootstrap: Bootstrap) -> list[int]:
@@ -42,3 +44,28 @@ def exchange(allocation: SymmetricAllocation, bootstrap: Bootstrap) -> list[int]
         details = "; ".join(f"rank {r}: {message}" for r, message in sorted(failed.items()))
         raise ExchangeError(f"exchange failed on {len(failed)} of {size} ranks ({details})")
     return allocation.peer_ptrs
+
+
+def exchange_local(allocations: Sequence[SymmetricAllocation]) -> None:
+    """Map a group whose ranks all live in this process and are driven by one thread (the loopback domain):
+    allocations[r] is rank r. No bootstrap needed; on failure no allocation keeps peer mappings."""
+    if (
+        isinstance(allocations, SymmetricAllocation)
+        or not isinstance(allocations, Sequence)
+        or not allocations
+    ):
+        raise SymmemValueError("allocations must be a non-empty list of SymmetricAllocation, one per rank")
+    descriptors = [allocation.export() for allocation in allocations]
+    done: list[SymmetricAllocation] = []
+    try:
+        for rank, allocation in enumerate(allocations):
+            allocation.import_peers(descriptors, rank)
+            done.append(allocation)
+    except BaseException:
+        for allocation in done:
+            allocation._drop_peers()
+        raise
+    finally:
+        for allocation in allocations:
+            if not allocation.closed:
+                allocation.release_exported_fds()
