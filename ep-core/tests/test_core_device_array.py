@@ -78,3 +78,20 @@ def test_host_views_roundtrip():
         ec.to_numpy(ec.DeviceArray(0x1000, (2,), "int32"))
     with pytest.raises(EPTypeError, match="itemsize"):
         ec.host_array(np.zeros(3, np.float32), "bfloat16")
+
+
+def test_describe_torch_tensors_without_importing_torch_in_ep_core():
+    torch = pytest.importorskip("torch")
+    cases = [
+        (torch.zeros(4, 6, dtype=torch.bfloat16), "bfloat16", True),
+        (torch.zeros(4, 6, dtype=torch.int64)[:, 1:3], "int64", False),
+        (torch.zeros(2, 2, dtype=torch.float8_e4m3fn), "float8_e4m3fn", True),
+        (torch.zeros(0, 4, dtype=torch.bfloat16), "bfloat16", True),
+    ]
+    for t, dtype, contiguous in cases:
+        info = ec.describe(t)
+        assert info.dtype == dtype and info.ptr == t.data_ptr() and info.device == "cpu"
+        assert info.shape == tuple(t.shape) and info.strides == tuple(
+            s * t.element_size() for s in t.stride()
+        )
+        assert info.is_contiguous == contiguous

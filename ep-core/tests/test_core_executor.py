@@ -187,3 +187,57 @@ def test_single_rank_local_bootstrap():
     assert _np(comb.combined_x).tobytes() == inp.xs[0].tobytes()  # one rank: the token comes back unchanged
     assert comb.combined_topk_weights is None
     buf.destroy()
+
+
+@pytest.mark.parametrize("amr", [True, False])
+def test_hybrid_topology_through_the_buffer(amr):
+    n, nvl = 4, 2
+    inp = routing.make_inputs(n, [8, 6, 8, 3], H, E, K, seed=13, masked_ratio=0.1)
+
+    def rank_fn(r, boot):
+        buf = ec.EPBuffer(
+            boot,
+            transport=ec.ReferenceTransport(num_nvlink_ranks=nvl),
+            num_max_tokens_per_rank=M,
+            hidden=H,
+            num_topk=K,
+            allow_multiple_reduction=amr,
+            num_allocated_qps=65,
+        )
+        assert buf.get_logical_domain_size() == (2, 2)
+        out = buf.dispatch(
+            ec.host_array(inp.xs[r], "bfloat16"),
+            ec.host_array(inp.topk_idxs[r]),
+            None,
+            num_experts=E,
+            do_expand=True,
+            expert_alignment=2,
+        )
+        y = ec.host_array(
+            routing.random_bf16(tuple(ec.describe(out.recv_x).shape), np.random.default_rng(r)), "bfloat16"
+        )
+        comb = buf.combine(y, out.handle)
+        buf.destroy()
+        return out, _np(y), comb
+
+    results = run_ranks(rank_fn, n)
+    want = ref.dispatch(
+        inp.xs,
+        inp.topk_idxs,
+        None,
+        num_experts=E,
+        num_max_tokens_per_rank=M,
+        do_expand=True,
+        expert_alignment=2,
+        num_scaleup_ranks=nvl,
+    )
+    want_c = ref.combine(
+        [res[1] for res in results],
+        [w.handle for w in want],
+        allow_multiple_reduction=amr,
+        num_scaleup_ranks=nvl,
+    )
+    for r, (out, _, comb) in enumerate(results):
+        assert _np(out.handle.psum_num_recv_tokens_per_scaleup_rank).shape == (nvl,)
+        assert _np(out.recv_x).tobytes() == want[r].recv_x.tobytes()
+        assert _np(comb.combined_x).tobytes() == want_c[r].combined_x.tobytes()
