@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-bytes", type=int, default=4 << 20)
     parser.add_argument("--cycles", type=int, default=200)
     parser.add_argument("--handle-type", default="auto")
-    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
     bootstrap = sm.FileBootstrap(args.dir, args.rank, args.size, timeout=args.timeout)
     if args.mode == "pattern":

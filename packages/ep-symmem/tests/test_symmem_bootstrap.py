@@ -150,3 +150,24 @@ def test_file_bootstrap_processes(tmp_path: Path) -> None:
     expected = [[_payload(k, r).hex() for r in range(size)] for k in range(20)]
     for out, _ in outs:
         assert json.loads(out) == expected
+
+
+def test_local_bootstrap_abort_releases_waiting_ranks() -> None:
+    group = sm.LocalBootstrap.create_group(3, timeout=60)
+    errors: list[BaseException] = []
+
+    def wait(b: sm.LocalBootstrap) -> None:
+        try:
+            b.allgather(b"x")
+        except sm.BootstrapError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=wait, args=(b,)) for b in group[:2]]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    group[2].abort()
+    for t in threads:
+        t.join(10)
+    assert len(errors) == 2 and time.monotonic() - start < 5

@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import ep_symmem as sm
@@ -40,8 +41,9 @@ worker = _load_worker()
 
 
 def _threads(size: int, fn) -> list:
-    """Run fn(bootstrap) for `size` ranks as threads of this process; re-raise the first failure."""
-    group = sm.LocalBootstrap.create_group(size, timeout=120)
+    """Run fn(bootstrap) for `size` ranks as threads of this process; re-raise the first failure (a failing rank
+    aborts the group so that the others stop waiting at once)."""
+    group = sm.LocalBootstrap.create_group(size, timeout=60)
     results: list = [None] * size
     errors: list[BaseException] = []
 
@@ -50,6 +52,7 @@ def _threads(size: int, fn) -> list:
             results[b.rank] = fn(b)
         except BaseException as error:
             errors.append(error)
+            b.abort()
 
     threads = [threading.Thread(target=body, args=(b,)) for b in group]
     for t in threads:
@@ -62,36 +65,39 @@ def _threads(size: int, fn) -> list:
 
 
 def _processes(tmp_path: Path, size: int, *args: str, timeout: float = 540) -> list[dict]:
-    """Run symmem_worker.py as `size` processes sharing a FileBootstrap directory; return each RESULT."""
+    """Run symmem_worker.py as `size` processes sharing a FileBootstrap directory; return each RESULT. When one
+    rank fails, the others are killed instead of waiting for their bootstrap timeout."""
     directory = tmp_path / "bootstrap"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER),
-                *args,
-                "--dir",
-                str(directory),
-                "--rank",
-                str(r),
-                "--size",
-                str(size),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ),
-        )
-        for r in range(size)
-    ]
-    results = []
+    logs = [(tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err") for r in range(size)]
+    procs = []
+    for r in range(size):
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            *args,
+            "--dir",
+            str(directory),
+            "--rank",
+            str(r),
+            "--size",
+            str(size),
+        ]
+        with open(logs[r][0], "w") as out, open(logs[r][1], "w") as err:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=dict(os.environ)))
+    deadline = time.monotonic() + timeout
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+                p.wait()
+    results = []
+    for rank, p in enumerate(procs):
+        out, err = (path.read_text() for path in logs[rank])
         assert p.returncode == 0, f"rank {rank} failed (rc {p.returncode}):\n{err[-4000:]}"
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         assert lines, f"rank {rank} printed no RESULT:\n{out[-2000:]}\n{err[-2000:]}"

@@ -102,6 +102,10 @@ class LocalBootstrap:
     def barrier(self) -> None:
         self._wait("barrier")
 
+    def abort(self) -> None:
+        """Make every rank's pending and future collectives of this group fail at once (a rank hit an error)."""
+        self._group.barrier.abort()
+
 
 class FileBootstrap:
     """Bootstrap for `size` processes of one host sharing `directory` (fresh per group, e.g. a tmp dir).
