@@ -121,7 +121,7 @@ void LocalAllocation::build(HandleMode mode, bool require_rdma) {
     if (with_rdma && !rdma) continue;
     if (!with_rdma && require_rdma) continue;
     if (want_fabric) candidates.push_back({base_types | CU_MEM_HANDLE_TYPE_FABRIC, with_rdma});
-    if (mode != HandleMode::kFabric) candidates.push_back({base_types, with_rdma});
+    if (mode != HandleMode::kFabric && base_types != 0) candidates.push_back({base_types, with_rdma});
   }
   if (candidates.empty()) {
     throw Error(ErrorKind::kUnsupported, where + ": no combination of handle types and RDMA flag fits the request");
@@ -131,7 +131,10 @@ void LocalAllocation::build(HandleMode mode, bool require_rdma) {
   gpu_prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   gpu_prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   gpu_prop.location.id = device_;
-  gpu_prop.requestedHandleTypes = static_cast<CUmemAllocationHandleType>(candidates.front().handle_types);
+  // Granularity does not depend on the optional features; ask without them so that a driver that refuses FABRIC
+  // cannot fail the query.
+  gpu_prop.requestedHandleTypes =
+      static_cast<CUmemAllocationHandleType>(base_types != 0 ? base_types : candidates.back().handle_types);
 
   size_t granularity = 0;
   check(api.mem_get_allocation_granularity(&granularity, &gpu_prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
