@@ -7,6 +7,10 @@ CUDA events (L2 flushed before every run), bytes moved, achieved bandwidth as a 
 copy ceiling measured in the same run, SMs used, and the ratio against a torch-native baseline measured in the
 same run (sort by destination, peer copies, host sync for counts, index_add_ combine).
 
+Ops: `dispatch` (no CPU sync), `dispatch_cached`, `dispatch_deterministic` and `combine` are timed as CUDA-graph
+replays of all ranks' launches (GPU time: N ranks launched from one Python thread would otherwise measure the
+host); `*_eager` are the same ops launched eagerly, `dispatch_cpu_sync` waits on the host for the counts (eager).
+
     python benchmarks/bench_ep.py --out OUTDIR [--quick]
 
 Writes OUTDIR/bench_ep.json and OUTDIR/bench_ep.png and prints a table. Needs torch (inputs and the baseline) and
@@ -51,8 +55,8 @@ class CachingAllocator:
         key = (self.tag, self.calls, tuple(shape), str(dtype), strides)
         self.calls += 1
         a = self.pool.get(key)
-        if a is None:
-            a = DeviceArray(shape, dtype, self.stream, strides)
+        if a is None:  # plain cuMemAlloc: also valid while the rank streams are captured into a graph
+            a = DeviceArray(shape, dtype, None, strides)
             self.pool[key] = a
         return a
 
@@ -127,6 +131,43 @@ class Timer:
             stop.synchronize()
             if i >= warmup:
                 times.append(start.elapsed_ms(stop))
+        return statistics.median(times)
+
+    def run_graph(self, fn, iters: int, warmup: int = 2) -> float:
+        """Capture `fn` (all ranks' launches, forked from and joined to the main stream) into one CUDA graph and
+        time its replays: GPU time without the Python launch overhead of N ranks."""
+        from ep_core.kernels import _cuda
+
+        drv = _cuda.driver()
+        torch = self.torch
+        fn()  # eager warm-up: loads kernels and fills the allocator's pool
+        torch.cuda.synchronize()
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _cuda.check(drv.cuStreamBeginCapture(self.main.handle, mode), "cuStreamBeginCapture")
+        fork = self.Event(timing=False)
+        fork.record(self.main)
+        joins = [self.Event(timing=False) for _ in self.streams]
+        for s in self.streams:
+            s.wait_event(fork)
+        fn()
+        for s, ev in zip(self.streams, joins):
+            ev.record(s)
+            self.main.wait_event(ev)
+        graph = _cuda.check(drv.cuStreamEndCapture(self.main.handle), "cuStreamEndCapture")
+        exe = _cuda.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        times = []
+        for i in range(warmup + iters):
+            self.flush.zero_()
+            torch.cuda.synchronize()
+            start, stop = self.Event(), self.Event()
+            start.record(self.main)
+            _cuda.check(drv.cuGraphLaunch(exe, self.main.handle), "cuGraphLaunch")
+            stop.record(self.main)
+            stop.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_ms(stop))
+        _cuda.check(drv.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
+        _cuda.check(drv.cuGraphDestroy(graph), "cuGraphDestroy")
         return statistics.median(times)
 
 
@@ -298,10 +339,11 @@ def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quic
                 x_args, idxs, ws, num_experts=NUM_EXPERTS, do_cpu_sync=False, num_sms=sms, deterministic=True
             )
 
-        t_nosync = timer.run(disp, iters)
+        t_nosync = timer.run_graph(disp, iters)
+        t_nosync_eager = timer.run(disp, iters)
         t_sync = timer.run(disp_sync, iters)
-        t_cached = timer.run(disp_cached, iters)
-        t_det = timer.run(disp_det, iters) if not quick else float("nan")
+        t_cached = timer.run_graph(disp_cached, iters)
+        t_det = timer.run_graph(disp_det, iters) if not quick else float("nan")
         dom.synchronize()
         outs = state["sync"]
         ys = [torch.randn(o.recv_x.shape[0], HIDDEN, dtype=torch.bfloat16, device="cuda") for o in outs]
@@ -311,14 +353,17 @@ def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quic
                 a.reset("comb")
             dom.combine(ys, [o.handle for o in outs], num_sms=sms)
 
-        t_comb_ours = timer.run(comb, iters) if not fp8 else float("nan")
+        t_comb_ours = timer.run_graph(comb, iters) if not fp8 else float("nan")
+        t_comb_eager = timer.run(comb, iters) if not fp8 else float("nan")
         dom.synchronize()
         for op, ms, nbytes, base in (
             ("dispatch", t_nosync, dispatch_bytes, t_disp),
+            ("dispatch_eager", t_nosync_eager, dispatch_bytes, t_disp),
             ("dispatch_cpu_sync", t_sync, dispatch_bytes, t_disp),
             ("dispatch_cached", t_cached, dispatch_bytes, t_disp),
             ("dispatch_deterministic", t_det, dispatch_bytes, t_disp),
             ("combine", t_comb_ours, combine_bytes, t_comb),
+            ("combine_eager", t_comb_eager, combine_bytes, t_comb),
         ):
             if math.isnan(ms):
                 continue

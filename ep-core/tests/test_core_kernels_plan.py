@@ -66,7 +66,11 @@ def test_scratch_falls_back_when_large() -> None:
 def test_launch_geometry_and_coresidency() -> None:
     cfg = KernelConfig(8, 8, 7168)
     geo = launch_geometry(cfg, 16, 132)
-    assert (geo.grid, geo.block, geo.shared_mem) == (16, 512, 0)
+    assert cfg.num_warps == 15 and cfg.smem_slot_bytes == 14464  # 15 token slots fit in 227 KiB
+    assert (geo.grid, geo.block, geo.shared_mem) == (16, 480, 15 * 14464)
+    assert KernelConfig(8, 8, 7168, 1, 56).num_warps == 16
+    with pytest.raises(EPConfigError):
+        KernelConfig(8, 8, 7168, num_warps=16)
     with pytest.raises(EPValueError):
         launch_geometry(cfg, 0, 132)
     with pytest.raises(EPValueError):

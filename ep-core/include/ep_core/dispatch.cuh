@@ -77,6 +77,8 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     __shared__ int s_sent[kNumRanks];
     __shared__ int s_expert[ep_layout::kNumMaxExperts];
     __shared__ int s_start[256];
+    __shared__ __align__(8) uint64_t s_bars[kNumWarps];
+    extern __shared__ __align__(128) uint8_t ep_dyn_smem[];
 
     const int lane = threadIdx.x % kWarpSize;
     const int warp = threadIdx.x / kWarpSize;
@@ -101,6 +103,11 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
 
     if (threadIdx.x == 0)
         s_abort = 0;
+    if (lane == 0)
+        ptx::mbarrier_init(&s_bars[warp], 1);
+    uint8_t* const slot_buf = ep_dyn_smem + warp * Tok::kSmemSlotBytes;
+    uint64_t* const bar = &s_bars[warp];
+    uint32_t phase = 0;
     for (int i = threadIdx.x; i < kNumRanks; i += num_threads)
         s_sent[i] = 0;
     for (int i = threadIdx.x; i < num_experts; i += num_threads)
@@ -185,30 +192,38 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         if (r.master)
             my_dst = sync.tr.sym_ptr(recv_region, r.dst) +
                      (static_cast<int64_t>(rank) * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
-        const uint32_t masters = __ballot_sync(kFullMask, r.master);
 
-        // hidden: one read, one store per destination
-        warp_copy_to_lanes<Tok::kHiddenBytes>(x + t * args.x_stride, my_dst, masters, lane);
-
-        // scales and metadata: per destination, lanes write words
-        for (uint32_t m = masters; m != 0; m &= m - 1) {
-            const int src_lane = __ffs(m) - 1;
-            uint8_t* dst = reinterpret_cast<uint8_t*>(
-                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_dst), src_lane));
-            if constexpr (Tok::kNumSfPacks > 0) {
-                for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
-                    reinterpret_cast<uint32_t*>(dst + Tok::kSfOffset)[p] =
-                        sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
-            }
-            if (lane < kNumTopk) {
-                reinterpret_cast<int32_t*>(dst + Tok::kTopkIdxOffset)[lane] = r.expert;
-                reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = weight;
-                reinterpret_cast<int32_t*>(dst + Tok::kPositionOffset)[lane] = position;
-            }
-            if (lane == 0)
-                *reinterpret_cast<int32_t*>(dst + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
+        // stage [hidden | sf | metadata] in this warp's shared slot: the hidden part by one bulk load, the rest
+        // by the lanes; the slot is free once the warp's previous bulk stores have read it
+        ptx::bulk_wait_read();
+        __syncwarp();
+        if (lane == 0) {
+            ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
+            ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
+        }
+        if constexpr (Tok::kNumSfPacks > 0) {
+            for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
+                reinterpret_cast<uint32_t*>(slot_buf + Tok::kSfOffset)[p] =
+                    sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
+        }
+        if (lane < kNumTopk) {
+            reinterpret_cast<int32_t*>(slot_buf + Tok::kTopkIdxOffset)[lane] = r.expert;
+            reinterpret_cast<float*>(slot_buf + Tok::kWeightsOffset)[lane] = weight;
+            reinterpret_cast<int32_t*>(slot_buf + Tok::kPositionOffset)[lane] = position;
+        }
+        if (lane == 0)
+            *reinterpret_cast<int32_t*>(slot_buf + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
+        ptx::fence_async_shared();
+        __syncwarp();
+        ptx::mbarrier_wait(bar, phase);
+        phase ^= 1u;
+        // one bulk store per destination rank, issued by the master lane of that rank
+        if (r.master) {
+            ptx::bulk_store(my_dst, slot_buf, Tok::kNumBytes);
+            ptx::bulk_commit();
         }
     }
+    ptx::bulk_wait_all();
 
     // flush the block's counts
     __syncthreads();

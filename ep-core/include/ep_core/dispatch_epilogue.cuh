@@ -20,6 +20,8 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     __shared__ int s_psum[kNumRanks];
     __shared__ int s_start[256];
     __shared__ int s_count[256];
+    __shared__ __align__(8) uint64_t s_bars[kNumWarps];
+    extern __shared__ __align__(128) uint8_t ep_dyn_smem[];
 
     const int lane = threadIdx.x % kWarpSize;
     const int warp = threadIdx.x / kWarpSize;
@@ -34,6 +36,11 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     const Scratch sc(args.scratch, kNumRanks, num_experts, M);
     constexpr int kMetaCols = kNumTopk + 2;
 
+    if (lane == 0)
+        ptx::mbarrier_init(&s_bars[warp], 1);
+    uint8_t* const buf = ep_dyn_smem + warp * Tok::kSmemSlotBytes;
+    uint64_t* const bar = &s_bars[warp];
+    uint32_t phase = 0;
     for (int i = threadIdx.x; i < kNumRanks; i += blockDim.x)
         s_psum[i] = args.psum_rank[i];
     if (expand) {
@@ -68,7 +75,18 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         }
         const int src_rank = lo;
         const int64_t slot = i - (src_rank > 0 ? s_psum[src_rank - 1] : 0);
-        const uint8_t* tok = region + (src_rank * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
+        const uint8_t* gtok = region + (src_rank * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
+        // the whole token into this warp's shared slot (free once the previous row's stores have read it)
+        ptx::bulk_wait_read();
+        ptx::fence_async_shared();
+        __syncwarp();
+        if (lane == 0) {
+            ptx::mbarrier_arrive_expect_tx(bar, Tok::kNumBytes);
+            ptx::bulk_load(buf, gtok, Tok::kNumBytes, bar);
+        }
+        ptx::mbarrier_wait(bar, phase);
+        phase ^= 1u;
+        const uint8_t* tok = buf;
 
         int expert = -1, position = -1;
         float weight = 0.0f;
@@ -85,8 +103,10 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         int32_t* meta = args.src_metadata + i * kMetaCols;
 
         if (!expand) {
-            uint8_t* dst[kFanout] = {recv_x + i * static_cast<int64_t>(Tok::kHiddenBytes)};
-            warp_copy_fanout<Tok::kHiddenBytes>(tok, dst, 1, lane);
+            if (lane == 0) {
+                ptx::bulk_store(recv_x + i * static_cast<int64_t>(Tok::kHiddenBytes), buf, Tok::kHiddenBytes);
+                ptx::bulk_commit();
+            }
             if constexpr (Tok::kNumSfPacks > 0) {
                 for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
                     recv_sf[i * args.sf_out_stride0 + p * args.sf_out_stride1] =
@@ -108,9 +128,9 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
                     row = sc.expert_src_base()[src_rank * epr + local_expert] + position;
                 else
                     row = atomicAdd(sc.expert_cursor() + local_expert, 1);
+                ptx::bulk_store(recv_x + row * static_cast<int64_t>(Tok::kHiddenBytes), buf, Tok::kHiddenBytes);
+                ptx::bulk_commit();
             }
-            uint8_t* my_dst = local ? recv_x + row * static_cast<int64_t>(Tok::kHiddenBytes) : nullptr;
-            warp_copy_to_lanes<Tok::kHiddenBytes>(tok, my_dst, local_mask, lane);
             if constexpr (Tok::kNumSfPacks > 0) {
                 for (uint32_t m = local_mask; m != 0; m &= m - 1) {
                     const int64_t r = __shfl_sync(kFullMask, row, __ffs(m) - 1);
@@ -129,6 +149,8 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
             meta[1] = src_rank * kNumTopk + master;
         }
     }
+
+    ptx::bulk_wait_all();
 
     // zero padding (expand): rows [start_e + count_e, start_e + align(count_e, A))
     if (expand && (args.flags & kFlagZeroPadding) != 0) {

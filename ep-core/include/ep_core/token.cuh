@@ -27,6 +27,8 @@ struct TokenShape {
     static constexpr int kWeightsOffset = kLayout.get_topk_weights_offset();
     static constexpr int kSrcIdxOffset = kLayout.get_src_token_idx_offset();
     static constexpr int kPositionOffset = kLayout.get_linked_list_idx_offset();
+    /// Bytes of one warp's shared-memory token slot (bulk copies stage whole tokens there).
+    static constexpr int kSmemSlotBytes = align_up(kNumBytes, 128);
 };
 
 /// Number of destinations a warp stores one loaded chunk to before loading the next chunk.

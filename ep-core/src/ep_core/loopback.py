@@ -236,7 +236,8 @@ class LoopbackDomain:
 
 
 class ProcessRank(DirectRank):
-    """One rank per process: a symmetric buffer exchanged with the other processes through ep_symmem."""
+    """One rank per process: a symmetric buffer exchanged with the other processes through ep_symmem
+    (`memory="symmem"`, the default) or through CUDA IPC handles (`memory="cuda_ipc"`)."""
 
     def __init__(
         self,
@@ -249,10 +250,11 @@ class ProcessRank(DirectRank):
         gpu_timeout_secs: float = 100.0,
         cpu_timeout_secs: float = 300.0,
         num_warps: int | None = None,
+        memory: str = "symmem",
     ) -> None:
         size = int(bootstrap.size)
         data = num_bytes or domain_data_bytes(size, num_max_tokens_per_rank, hidden, num_topk)
-        self.buffer = IpcBuffer.create_exchanged(bootstrap, data)
+        self.buffer = IpcBuffer.create_exchanged(bootstrap, data, memory)
         self.bootstrap = bootstrap
         res = RankResources(
             int(bootstrap.rank), size, self.buffer.bases[0], data, self.buffer.peer_table, Stream()

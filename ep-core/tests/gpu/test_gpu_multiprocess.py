@@ -1,4 +1,5 @@
-"""GPU: 2 and 4 processes sharing the GPU, one rank each, buffers exchanged through ep_symmem (file bootstrap):
+"""GPU: 2 and 4 processes sharing the GPU, one rank each, buffers exchanged through ep_symmem or CUDA IPC handles
+(file bootstrap of ep_symmem in both cases):
 dispatch (sync, deterministic and not) and combine against ep_core.reference."""
 
 from __future__ import annotations
@@ -35,20 +36,22 @@ WORKER = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    import ep_symmem
     from ep_core import reference, routing
+    from ep_core.kernels._cuda import DeviceArray
     from ep_core.loopback import ProcessRank
 
-    rank, size, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rank, size, directory, memory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     M, H, K, E = 64, 512, 8, 32
+    import ep_symmem
     boot = ep_symmem.FileBootstrap(directory, rank, size, timeout=120.0)
-    pr = ProcessRank(boot, num_max_tokens_per_rank=M, hidden=H, num_topk=K, gpu_timeout_secs=30.0)
+    pr = ProcessRank(boot, num_max_tokens_per_rank=M, hidden=H, num_topk=K, gpu_timeout_secs=30.0, memory=memory)
     checks = 0
     for it, (det, expand) in enumerate([(True, False), (False, False), (True, True)]):
         inp = routing.make_inputs(size, [M, M // 2, 0, 17][:size], H, E, K, seed=7 + it, masked_ratio=0.2)
         ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, num_max_tokens_per_rank=M,
                                  do_expand=expand, expert_alignment=4 if expand else 1)
-        out = pr.dispatch(inp.xs[rank], inp.topk_idxs[rank], inp.topk_weights[rank], num_experts=E,
+        up = lambda a: DeviceArray.from_numpy(a, pr.stream)
+        out = pr.dispatch(up(inp.xs[rank]), up(inp.topk_idxs[rank]), up(inp.topk_weights[rank]), num_experts=E,
                           deterministic=det, do_expand=expand, expert_alignment=4 if expand else 1,
                           num_sms=4)
         k = out.to_reference()
@@ -77,12 +80,13 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("memory", ["cuda_ipc", "symmem"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_processes_share_gpu(size: int, tmp_path) -> None:
+def test_processes_share_gpu(size: int, memory: str, tmp_path) -> None:
     env = dict(os.environ)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(r), str(size), str(tmp_path / "boot")],
+            [sys.executable, "-c", WORKER, str(r), str(size), str(tmp_path / "boot"), memory],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -378,7 +378,11 @@ class DirectRank:
         import ep_jit
 
         kernels.dispatch.launch(
-            geo.grid, geo.block, [ep_jit.struct(pack_op_args(**args))], stream=self.stream.handle
+            geo.grid,
+            geo.block,
+            [ep_jit.struct(pack_op_args(**args))],
+            shared_mem=geo.shared_mem,
+            stream=self.stream.handle,
         )
         keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
         pending = _PendingDispatch(
@@ -482,6 +486,7 @@ class DirectRank:
                 p.geometry.grid,
                 p.geometry.block,
                 [ep_jit.struct(pack_op_args(**args))],
+                shared_mem=p.geometry.shared_mem,
                 stream=self.stream.handle,
             )
         if p.cached:

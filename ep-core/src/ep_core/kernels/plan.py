@@ -18,19 +18,23 @@ __all__ = [
     "LaunchGeometry",
     "RegionPlan",
     "check_coresident",
+    "default_num_warps",
     "launch_geometry",
     "plan_regions",
     "scratch_bytes",
 ]
 
 DEFAULT_NUM_WARPS = 16
-"""Warps per block of every kernel (512 threads); every block is one persistent CTA on one SM."""
+"""Most warps per block of every kernel (512 threads); every block is one persistent CTA on one SM."""
+
+SMEM_PER_BLOCK_BYTES = 232448
+"""Opt-in shared memory per block of sm_90 (227 KiB). Dispatch and epilogue stage one token per warp there."""
+
+STATIC_SMEM_RESERVE_BYTES = 12288
+"""Static shared memory of the kernels (counters, mbarriers, pointers), kept free of token slots."""
 
 SCRATCH_HEADER_BYTES = 64
 """Rank-private scratch: grid barrier words, barrier epoch, input-error report (args.cuh `Scratch`)."""
-
-STATIC_SMEM_BYTES = {"dispatch": 9252, "epilogue": 2080, "combine": 4104}
-"""Static shared memory per block at 16 warps and up to 8 ranks (ptxas report; the kernels use no dynamic smem)."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class KernelConfig:
     hidden: int
     elem_size: int = 2
     num_sf_packs: int = 0
-    num_warps: int = DEFAULT_NUM_WARPS
+    num_warps: int = 0
     transport: str = "ipc"
 
     def __post_init__(self) -> None:
@@ -66,8 +70,15 @@ class KernelConfig:
             )
         if self.transport not in ("ipc", "nccl"):
             raise EPConfigError(f"transport: expected 'ipc' or 'nccl', got {self.transport!r}")
+        if self.num_warps == 0:
+            object.__setattr__(self, "num_warps", default_num_warps(self.smem_slot_bytes))
         if not 1 <= self.num_warps <= 32:
             raise EPConfigError(f"num_warps: expected 1..32, got {self.num_warps}")
+        if self.dynamic_smem_bytes + STATIC_SMEM_RESERVE_BYTES > SMEM_PER_BLOCK_BYTES:
+            raise EPConfigError(
+                f"num_warps: {self.num_warps} token slots of {self.smem_slot_bytes} bytes exceed shared memory; "
+                f"use at most {default_num_warps(self.smem_slot_bytes)}"
+            )
 
     @property
     def dispatch_token(self) -> ep_layout.TokenLayout:
@@ -83,6 +94,19 @@ class KernelConfig:
     def num_threads(self) -> int:
         return self.num_warps * 32
 
+    @property
+    def smem_slot_bytes(self) -> int:
+        """One warp's shared-memory token slot (token.cuh `kSmemSlotBytes`): the dispatch token, 128-aligned."""
+        token = ep_layout.make_dispatch_token_layout(
+            self.hidden, self.elem_size, self.num_sf_packs, self.num_topk
+        )
+        return ep_layout.align(token.get_num_bytes(), 128)
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """Dynamic shared memory of the dispatch and epilogue kernels (one token slot per warp)."""
+        return self.num_warps * self.smem_slot_bytes
+
     def defines(self) -> dict[str, object]:
         """The -D constants of the generated source."""
         return {
@@ -96,6 +120,17 @@ class KernelConfig:
             if self.transport == "ipc"
             else "ep_core::NcclTransport",
         }
+
+
+def default_num_warps(slot_bytes: int, smem_per_block: int = SMEM_PER_BLOCK_BYTES) -> int:
+    """As many warps as token slots fit in shared memory, at most DEFAULT_NUM_WARPS."""
+    fit = (smem_per_block - STATIC_SMEM_RESERVE_BYTES) // slot_bytes
+    if fit < 1:
+        raise EPConfigError(
+            f"hidden: one token slot of {slot_bytes} bytes does not fit in shared memory ({smem_per_block} bytes "
+            "per block); use a smaller hidden size"
+        )
+    return int(min(DEFAULT_NUM_WARPS, fit))
 
 
 def scratch_bytes(num_ranks: int, num_experts: int, num_max_tokens: int) -> int:
@@ -163,14 +198,14 @@ def plan_regions(
 class LaunchGeometry:
     grid: int
     block: int
-    shared_mem: int
+    shared_mem: int  # dispatch and copy epilogue; the combine kernel uses none
 
 
 def launch_geometry(config: KernelConfig, num_sms: int, device_sms: int) -> LaunchGeometry:
     """One block of `config.num_warps` warps per SM; `num_sms` blocks for every kernel of the op."""
     if not 1 <= num_sms <= device_sms:
         raise EPValueError(f"num_sms: expected 1..{device_sms} (device SMs), got {num_sms}")
-    return LaunchGeometry(num_sms, config.num_threads, 0)
+    return LaunchGeometry(num_sms, config.num_threads, config.dynamic_smem_bytes)
 
 
 def check_coresident(num_ranks_on_device: int, num_sms: int, device_sms: int) -> None:

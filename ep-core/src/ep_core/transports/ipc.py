@@ -8,6 +8,8 @@ Each rank's allocation is `[workspace (ep_layout.WorkspaceLayout.NUM_ALIGNED_BYT
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import struct
 from typing import Any
 
@@ -78,8 +80,14 @@ class IpcBuffer:
         return cls(bases, table.ptr, owners, table)
 
     @classmethod
-    def create_exchanged(cls, bootstrap: Any, data_bytes: int) -> IpcBuffer:
-        """This process's buffer, mapped by every rank of `bootstrap` (ep_symmem.exchange)."""
+    def create_exchanged(cls, bootstrap: Any, data_bytes: int, memory: str = "symmem") -> IpcBuffer:
+        """This process's buffer, mapped by every rank of `bootstrap`: `memory="symmem"` (ep_symmem VMM buffers and
+        `ep_symmem.exchange`), or `"cuda_ipc"` (cuMemAlloc + cuIpcGetMemHandle / cuIpcOpenMemHandle: one host,
+        processes on the same or on peer-capable GPUs)."""
+        if memory == "cuda_ipc":
+            return cls._create_cuda_ipc(bootstrap, data_bytes)
+        if memory != "symmem":
+            raise ValueError(f"memory: expected 'symmem' or 'cuda_ipc', got {memory!r}")
         import ep_symmem
 
         total = cls.total_bytes(data_bytes)
@@ -91,7 +99,43 @@ class IpcBuffer:
         ep_symmem.exchange(alloc, bootstrap)
         return cls([int(alloc.ptr)], int(alloc.peer_ptr_table), [alloc], None)
 
+    @classmethod
+    def _create_cuda_ipc(cls, bootstrap: Any, data_bytes: int) -> IpcBuffer:
+        drv = _cuda.driver()
+        total = cls.total_bytes(data_bytes)
+        own = _cuda.DeviceBuffer(total)
+        handle = _cuda.check(drv.cuIpcGetMemHandle(own.ptr), "cuIpcGetMemHandle")
+        raw = ctypes.string_at(handle.getPtr(), 64)
+        blobs = bootstrap.allgather(raw)
+        rank = int(bootstrap.rank)
+        bases: list[int] = []
+        opened: list[int] = []
+        flags = drv.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        for r, blob in enumerate(blobs):
+            if r == rank:
+                bases.append(own.ptr)
+                continue
+            h = drv.CUipcMemHandle()
+            ctypes.memmove(h.getPtr(), blob, 64)
+            ptr = int(_cuda.check(drv.cuIpcOpenMemHandle(h, flags), "cuIpcOpenMemHandle"))
+            opened.append(ptr)
+            bases.append(ptr)
+        table = _cuda.DeviceBuffer(8 * len(bases))
+        _cuda.check(
+            drv.cuMemcpyHtoD(table.ptr, struct.pack(f"<{len(bases)}Q", *bases), 8 * len(bases)),
+            "cuMemcpyHtoD",
+        )
+        _cuda.check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+        bootstrap.barrier()
+        out = cls([own.ptr], table.ptr, [own], table)
+        out._ipc_opened = opened
+        return out
+
     def close(self) -> None:
+        for ptr in getattr(self, "_ipc_opened", []):
+            with contextlib.suppress(Exception):
+                _cuda.driver().cuIpcCloseMemHandle(ptr)
+        self._ipc_opened = []
         for o in self._owners:
             close = getattr(o, "close", None)
             if close is not None:
