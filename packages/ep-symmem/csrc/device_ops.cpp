@@ -133,20 +133,22 @@ void device_free(int ordinal, uint64_t ptr) {
   check(driver().mem_free(static_cast<CUdeviceptr>(ptr)), "cuMemFree", at(ordinal));
 }
 
+// All copies use the unified cuMemcpy: the driver infers the direction from the pointers (UVA), so a host
+// pointer, a GPU part, a peer mapping or a HOST_NUMA host part are all valid on either side.
 void copy_host_to_device(int ordinal, uint64_t dst, const void* src, size_t num_bytes) {
   ScopedContext scope(ordinal);
   const DriverApi& api = driver();
-  check(api.memcpy_htod(static_cast<CUdeviceptr>(dst), src, num_bytes), "cuMemcpyHtoD",
-        std::to_string(num_bytes) + " bytes, " + at(ordinal));
-  check(api.ctx_synchronize(), "cuCtxSynchronize", "after cuMemcpyHtoD");
+  check(api.memcpy(static_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), num_bytes), "cuMemcpy",
+        "host to device, " + std::to_string(num_bytes) + " bytes, " + at(ordinal));
+  check(api.ctx_synchronize(), "cuCtxSynchronize", "after cuMemcpy");
 }
 
 void copy_device_to_host(int ordinal, void* dst, uint64_t src, size_t num_bytes) {
   ScopedContext scope(ordinal);
   const DriverApi& api = driver();
-  check(api.memcpy_dtoh(dst, static_cast<CUdeviceptr>(src), num_bytes), "cuMemcpyDtoH",
-        std::to_string(num_bytes) + " bytes, " + at(ordinal));
-  check(api.ctx_synchronize(), "cuCtxSynchronize", "after cuMemcpyDtoH");
+  check(api.memcpy(reinterpret_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), num_bytes), "cuMemcpy",
+        "device to host, " + std::to_string(num_bytes) + " bytes, " + at(ordinal));
+  check(api.ctx_synchronize(), "cuCtxSynchronize", "after cuMemcpy");
 }
 
 void copy_device_to_device(int ordinal, uint64_t dst, uint64_t src, size_t num_bytes) {

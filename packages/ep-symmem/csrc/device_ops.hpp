@@ -33,7 +33,7 @@ std::pair<size_t, size_t> memory_info(int ordinal);
 uint64_t device_alloc(int ordinal, size_t num_bytes);
 void device_free(int ordinal, uint64_t ptr);
 
-// Synchronous copies (cuMemcpy* followed by cuCtxSynchronize).
+// Synchronous copies (unified cuMemcpy, then cuCtxSynchronize); any pointer of this process on either side.
 void copy_host_to_device(int ordinal, uint64_t dst, const void* src, size_t num_bytes);
 void copy_device_to_host(int ordinal, void* dst, uint64_t src, size_t num_bytes);
 void copy_device_to_device(int ordinal, uint64_t dst, uint64_t src, size_t num_bytes);

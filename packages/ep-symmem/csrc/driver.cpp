@@ -111,8 +111,6 @@ DriverApi load(const std::string& library) {
   resolve(get_proc, version, "cuMemAlloc", api.mem_alloc);
   resolve(get_proc, version, "cuMemFree", api.mem_free);
   resolve(get_proc, version, "cuMemcpy", api.memcpy);
-  resolve(get_proc, version, "cuMemcpyHtoD", api.memcpy_htod);
-  resolve(get_proc, version, "cuMemcpyDtoH", api.memcpy_dtoh);
   resolve(get_proc, version, "cuMemsetD8", api.memset_d8);
   resolve(get_proc, version, "cuMemGetAllocationGranularity", api.mem_get_allocation_granularity);
   resolve(get_proc, version, "cuMemCreate", api.mem_create);

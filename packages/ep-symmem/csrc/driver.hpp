@@ -28,8 +28,6 @@ struct DriverApi {
   decltype(&::cuMemAlloc) mem_alloc = nullptr;
   decltype(&::cuMemFree) mem_free = nullptr;
   decltype(&::cuMemcpy) memcpy = nullptr;
-  decltype(&::cuMemcpyHtoD) memcpy_htod = nullptr;
-  decltype(&::cuMemcpyDtoH) memcpy_dtoh = nullptr;
   decltype(&::cuMemsetD8) memset_d8 = nullptr;
   decltype(&::cuMemGetAllocationGranularity) mem_get_allocation_granularity = nullptr;
   decltype(&::cuMemCreate) mem_create = nullptr;

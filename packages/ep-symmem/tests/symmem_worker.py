@@ -48,7 +48,7 @@ def run_pattern(bootstrap: sm.Bootstrap, num_gpu_bytes: int, num_host_bytes: int
         dev = buf.device
         sm.memset_device(buf.ptr, 0, buf.num_gpu_bytes, dev)
         if buf.host_ptr is not None:
-            sm.memset_device(buf.host_ptr, 0, buf.num_host_bytes, dev)
+            sm.fill_u32(buf.host_ptr, buf.num_host_bytes // 4, 0, 0, dev)  # zeros, stored by the device
         t0 = time.perf_counter()
         ptrs = sm.exchange(buf, bootstrap)
         exchange_s = time.perf_counter() - t0
