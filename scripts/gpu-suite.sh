@@ -6,7 +6,8 @@
 # Installs the local packages with `pip install --no-build-isolation --no-deps` into a temporary prefix (the
 # machine already has torch, cuda-bindings, cuda-pathfinder, pybind11, scikit-build-core, nvidia-nccl-cu13), runs
 # every test marked `gpu`, then the benchmarks. Logs, JUnit XML and benchmark JSON/PNG land in OUTDIR.
-# Extra pytest arguments: GPU_PYTEST_ARGS="-k loopback -x".
+# Extra pytest arguments: GPU_PYTEST_ARGS="-k loopback -x"; a subset of test folders: GPU_TEST_PATHS="ep-jit/tests".
+# Benchmarks: GPU_BENCHES="benchmarks/bench_ep.py" picks a subset.
 set -uo pipefail
 out=${1:?usage: scripts/gpu-suite.sh OUTDIR [install|tests|bench ...]}
 shift
@@ -32,14 +33,17 @@ if [[ " $stages " == *" tests "* ]]; then
   echo "== pytest -m gpu"
   tests=()
   for p in "${packages[@]}"; do tests+=("$p/tests"); done
+  tests+=(tests)
+  # shellcheck disable=SC2206
+  [[ -n ${GPU_TEST_PATHS:-} ]] && tests=($GPU_TEST_PATHS)
   # shellcheck disable=SC2086
-  python3 -m pytest "${tests[@]}" tests -m gpu -p no:cacheprovider --junitxml="$out/gpu-junit.xml" \
+  python3 -m pytest "${tests[@]}" -m gpu -p no:cacheprovider --junitxml="$out/gpu-junit.xml" \
     ${GPU_PYTEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log"
   status=$((status | PIPESTATUS[0]))
 fi
 
 if [[ " $stages " == *" bench "* ]]; then
-  for script in benchmarks/bench_ep.py ep-jit/benchmarks/bench_jit.py; do
+  for script in ${GPU_BENCHES:-benchmarks/bench_ep.py ep-jit/benchmarks/bench_jit.py packages/ep-symmem/benchmarks/bench_symmem.py}; do
     [[ -f $script ]] || continue
     name=$(basename "$script" .py)
     echo "== $script"
