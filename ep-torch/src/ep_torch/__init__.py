@@ -9,9 +9,10 @@ inside ``torch.compile``), ``ep_torch.nn.MoEDispatcher`` the intended use in a m
 
 from __future__ import annotations
 
+from ep_core.handle import EPHandle
+
 from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
 from .event import EventHandle, EventOverlap
-from .handle import EPHandle
 
 __version__ = "0.1.0"
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from ep_core.errors import EPStateError
 
-__all__ = ["ProcessGroupBootstrap", "group_device"]
+__all__ = ["EPPeerError", "ProcessGroupBootstrap", "group_device"]
+
+_ABORT = b"\x00ep_torch.abort\x00"
+
+
+class EPPeerError(EPStateError):
+    """Another rank abandoned the collective operation this rank is in (its own error is raised there)."""
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -33,9 +40,24 @@ class ProcessGroupBootstrap:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.device = group_device(group)
+        self.num_allgathers = 0
 
     def allgather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, indexed by rank."""
+        """Every rank's ``data``, indexed by rank. Raises :class:`EPPeerError` if a peer called :meth:`abort`."""
+        out = self._allgather(data)
+        for r, b in enumerate(out):
+            if b.startswith(_ABORT) and r != self.rank:
+                msg = b[len(_ABORT) :].decode(errors="replace")
+                raise EPPeerError(f"rank {r} abandoned the operation: {msg}")
+        return out
+
+    def abort(self, message: str) -> None:
+        """Take part in the peers' pending ``allgather`` with an abort note instead of data (they raise
+        :class:`EPPeerError` naming this rank and ``message``); used when this rank rejects its inputs."""
+        self._allgather(_ABORT + message.encode())
+
+    def _allgather(self, data: bytes) -> list[bytes]:
+        self.num_allgathers += 1
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         lengths = [torch.empty_like(length) for _ in range(self.size)]
         dist.all_gather(lengths, length, group=self.group)

@@ -1,56 +1,128 @@
 """``ElasticBuffer`` (DeepEP V2's surface, planner policy V2) and ``EPBuffer`` (the newer surface, policy V2.5).
 
-A user switches from DeepEP by changing one import. Both classes are thin layers on ep-core:
+A user switches from DeepEP by changing one import. Both classes are thin layers on ``ep_core.EPBuffer`` (kept as
+``self.runtime``, like DeepEP's C++ runtime): ep-core validates every call (SPEC §6), plans SMs and QPs, and runs
+the operation on its executor; this layer adds what is torch-specific:
 
-- the *reference* backend (CPU tensors / a gloo group, or ``transport="reference"``): ``ep_core.reference`` over
-  ``torch.distributed`` collectives, bit-identical to the oracle the kernels are tested against;
-- the *GPU* backend (CUDA tensors on an nccl group): an ``ep_core.EPBuffer`` with the kernel executor
-  (see :mod:`ep_torch._gpu_backend`).
+- the bootstrap over the ProcessGroup (:class:`~ep_torch.bootstrap.ProcessGroupBootstrap`);
+- outputs allocated as torch tensors (on the comm stream with ``allocate_on_comm_stream=True``);
+- DeepEP's return tuples, the column-major scale view, ``EventOverlap`` objects and the stream rules of behaviour
+  doc §1.8.
 
-Validation happens before anything is exchanged or launched and raises ``TypeError``/``ValueError`` naming the
-argument (SPEC §6). Errors that DeepEP raises as ``AssertionError`` or ``RuntimeError`` are ``ValueError`` here.
+Backends (``transport``): ``"reference"`` for CPU tensors on a gloo group (ep-core's reference executor: the
+operations are all-gathers plus ``ep_core.reference``, bit-identical to the oracle the kernels are tested
+against); ``"ipc"`` / ``"nccl"`` for CUDA tensors (ep-core's GPU transports and kernels).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
+import ep_core
 import torch
 import torch.distributed as dist
+from ep_core import planner
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
+from ep_core.executor import ReferenceTransport
+from ep_core.handle import EPHandle
+from ep_core.planner import PlannerPolicy
+from ep_core.topology import Topology
 
 from . import _env
-from ._convert import from_numpy, is_fp8, to_numpy
-from ._planning import PlannerPolicyName, Planning, planning_for_group
-from ._reference_backend import ReferenceBackend
 from .bootstrap import ProcessGroupBootstrap, group_device
 from .event import EventHandle, EventOverlap
-from .handle import EPHandle
 
 __all__ = ["EPBuffer", "ElasticBuffer", "topk_idx_t"]
 
 #: dtype of expert ids (``deep_ep.topk_idx_t``).
 topk_idx_t = torch.int64
 
-_MiB2 = 2 << 20
-_MAX_TOPK = 32
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "bool": torch.bool,
+}
 
 
-def _is_tensor(a: Any) -> bool:
-    return isinstance(a, torch.Tensor)
+def _plain(a: Any) -> Any:
+    """``a`` without autograd history (DLPack refuses tensors that require grad; autograd is ep_torch.functional's
+    business), keeping tuples and non-tensors as they are so that ep-core validates them."""
+    if isinstance(a, torch.Tensor):
+        return a.detach()
+    if isinstance(a, tuple):
+        return tuple(_plain(v) for v in a)
+    return a
+
+
+def _reference_transport(num_nvlink_ranks: int | None = None) -> ReferenceTransport:
+    return ReferenceTransport(
+        num_device_sms=_env.reference_num_sms(),
+        nvlink_gbs=_env.reference_nvlink_gbs(),
+        num_nvlink_ranks=num_nvlink_ranks,
+    )
+
+
+def _gpu_transport(name: str) -> Any:
+    """ep-core's GPU transport ``name`` (``ep_core.transports.<name>.make_transport()``), or a clear error."""
+    try:
+        module = importlib.import_module(f"ep_core.transports.{name}")
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"transport {name!r}: ep_core.transports.{name} cannot be imported ({exc}); the GPU path of ep_torch needs "
+            "ep-core's GPU transports. Use CPU tensors on a gloo group (transport='reference') meanwhile."
+        ) from exc
+    make = getattr(module, "make_transport", None)
+    if make is None:
+        raise NotImplementedError(
+            f"transport {name!r}: ep_core.transports.{name} has no make_transport() yet, so ep_core.EPBuffer cannot "
+            "build a GPU executor (the kernels exist as ep_core.kernels.executor.DirectRank, but no Transport/Executor "
+            "wraps them). Use CPU tensors on a gloo group (transport='reference') meanwhile."
+        )
+    return make()
+
+
+def _pick_transport(requested: str | None, device: torch.device) -> str:
+    choice = (requested or _env.transport() or "").lower()
+    if choice not in ("", "reference", "ipc", "nccl"):
+        raise EPValueError(f"transport: expected 'reference', 'ipc', 'nccl' or None, got {requested!r}")
+    if not choice:
+        return "reference" if device.type == "cpu" else "nccl"
+    if choice == "reference" and device.type != "cpu":
+        raise EPValueError(
+            "transport: 'reference' runs on CPU tensors over a gloo group; this group is nccl (CUDA tensors)"
+        )
+    if choice != "reference" and device.type == "cpu":
+        raise EPValueError(
+            f"transport: {choice!r} needs an nccl process group with CUDA tensors; this group works on CPU tensors: "
+            "use transport='reference' (the default for CPU groups)"
+        )
+    return choice
 
 
 class ElasticBuffer:
     """An expert-parallel communication buffer over ``group`` (DeepEP V2's ``ElasticBuffer``).
 
-    Keyword arguments, defaults and return tuples are DeepEP's (behaviour doc §1.2-1.6). ``transport`` (ours,
-    keyword only) forces a backend: ``"reference"`` (collectives + numpy reference, any device), ``"ipc"`` or
-    ``"nccl"`` (GPU kernels); ``None`` picks ``reference`` for CPU groups and the GPU kernels for nccl groups
-    (``EPKIT_TORCH_TRANSPORT`` overrides).
+    Keyword arguments, defaults, methods and return tuples are DeepEP's (behaviour doc §1.2-1.6). Ours, keyword
+    only: ``transport`` (``"reference"``, ``"ipc"``, ``"nccl"``; None = ``reference`` for CPU groups, the GPU
+    kernels for nccl groups; ``EPKIT_TORCH_TRANSPORT`` overrides the default).
     """
 
-    _policy: PlannerPolicyName = "V2"
+    policy: PlannerPolicy = PlannerPolicy.V2
 
     def __init__(
         self,
@@ -73,92 +145,61 @@ class ElasticBuffer:
         *,
         transport: str | None = None,
     ) -> None:
-        if group is None:
-            group = dist.group.WORLD
-        self.group = group
-        self.bootstrap = ProcessGroupBootstrap(group)
+        self.group = dist.group.WORLD if group is None else group
+        self.bootstrap = ProcessGroupBootstrap(self.group)
+        self.device = group_device(self.group)
         self.rank_idx = self.bootstrap.rank
         self.num_ranks = self.bootstrap.size
+        self.transport = _pick_transport(transport, self.device)
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
         self.deterministic = bool(deterministic)
-        self.sl_idx = int(sl_idx)
-        self.num_cpu_timeout_secs = num_cpu_timeout_secs
-        self.num_gpu_timeout_secs = num_gpu_timeout_secs
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.use_fp8_dispatch = bool(use_fp8_dispatch)
-        self.device = group_device(group)
-        self.transport = self._pick_transport(transport)
-        self.planning: Planning = planning_for_group(
-            self.bootstrap,
-            allow_hybrid_mode=self.allow_hybrid_mode,
-            policy=self._policy,
-            reference=self.transport == "reference",
+        core_transport = (
+            _reference_transport() if self.transport == "reference" else _gpu_transport(self.transport)
         )
-
-        if num_cpu_bytes < 0 or num_cpu_bytes % _MiB2:
-            raise EPValueError(
-                f"num_cpu_bytes: must be a non-negative multiple of 2 MiB, got {num_cpu_bytes}"
-            )
-        if num_cpu_bytes and num_bytes is None:
-            raise EPValueError(
-                "num_bytes: required when num_cpu_bytes > 0 (give the total size of the buffer)"
-            )
-        if num_bytes is None:
-            if num_max_tokens_per_rank <= 0 or hidden <= 0:
-                raise EPValueError(
-                    "num_bytes: give num_bytes, or num_max_tokens_per_rank (> 0) and hidden (> 0) to size the buffer; "
-                    f"got num_max_tokens_per_rank={num_max_tokens_per_rank}, hidden={hidden}"
-                )
-            num_bytes = self.planning.buffer_size_hint(
-                num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, self.allow_multiple_reduction
-            )
-        if num_bytes <= 0 or num_bytes % _MiB2:
-            raise EPValueError(
-                f"num_bytes: must be a positive multiple of 2 MiB ({_MiB2} bytes), got {num_bytes}"
-            )
-        if num_cpu_bytes > num_bytes:
-            raise EPValueError(f"num_cpu_bytes: {num_cpu_bytes} exceeds num_bytes ({num_bytes})")
-        self.num_bytes = int(num_bytes)
-        self.num_cpu_bytes = int(num_cpu_bytes)
-        self.num_max_tokens_per_rank = int(num_max_tokens_per_rank)
-        self.num_allocated_qps = int(num_allocated_qps) or self.planning.default_num_allocated_qps()
-
-        topo = self.planning.topology
-        self.num_scaleout_ranks, self.num_scaleup_ranks = topo.logical
+        self.runtime: ep_core.EPBuffer | None = ep_core.EPBuffer(
+            self.bootstrap,
+            transport=core_transport,
+            num_bytes=num_bytes,
+            num_cpu_bytes=int(num_cpu_bytes),
+            num_max_tokens_per_rank=int(num_max_tokens_per_rank),
+            hidden=int(hidden),
+            num_topk=int(num_topk),
+            use_fp8_dispatch=bool(use_fp8_dispatch),
+            deterministic=self.deterministic,
+            allow_hybrid_mode=self.allow_hybrid_mode,
+            allow_multiple_reduction=self.allow_multiple_reduction,
+            prefer_overlap_with_compute=self.prefer_overlap_with_compute,
+            sl_idx=int(sl_idx),
+            num_allocated_qps=int(num_allocated_qps),
+            num_cpu_timeout_secs=num_cpu_timeout_secs,
+            num_gpu_timeout_secs=num_gpu_timeout_secs,
+            explicitly_destroy=self.explicitly_destroy,
+            policy=self.policy,
+        )
+        rt = self.runtime
+        self.num_bytes = rt.num_bytes
+        self.num_cpu_bytes = rt.config.num_cpu_bytes
+        self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
+        self.num_allocated_qps = rt.num_allocated_qps
+        self.sl_idx = rt.config.sl_idx
+        self.num_scaleout_ranks, self.num_scaleup_ranks = rt.get_logical_domain_size()
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
-        self.num_rdma_ranks, self.num_nvlink_ranks = topo.physical
-
-        self.runtime: Any
-        if self.transport == "reference":
-            self.runtime = ReferenceBackend(self.bootstrap, self.num_scaleup_ranks)
-        else:
-            from ._gpu_backend import GPUBackend
-
-            self.runtime = GPUBackend(self)
-        self._destroyed = False
+        self.num_rdma_ranks, self.num_nvlink_ranks = rt.get_physical_domain_size()
         self._functional_id: int | None = None
-        self.bootstrap.barrier()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     # ----------------------------------------------------------------------------------------------------------------
     # lifecycle
 
-    def _pick_transport(self, transport: str | None) -> str:
-        choice = (transport or _env.transport() or "").lower()
-        if choice not in ("", "reference", "ipc", "nccl"):
-            raise EPValueError(f"transport: expected 'reference', 'ipc', 'nccl' or None, got {transport!r}")
-        if not choice:
-            choice = "reference" if self.device.type == "cpu" else "auto"
-        if choice == "reference":
-            return "reference"
-        if self.device.type == "cpu":
-            raise EPValueError(
-                f"transport: {choice!r} needs an nccl process group with CUDA tensors; this group ({dist.get_backend(self.group)}) "
-                "works on CPU tensors: use transport='reference' (the default for CPU groups)"
-            )
-        return choice
+    def _rt(self) -> ep_core.EPBuffer:
+        if self.runtime is None or self.runtime.destroyed:
+            raise EPStateError(f"{type(self).__name__}: used after destroy(); create a new buffer")
+        return self.runtime
 
     def destroy(self) -> None:
         """Release the buffer (a collective). Only for buffers built with ``explicitly_destroy=True``."""
@@ -167,22 +208,17 @@ class ElasticBuffer:
                 "destroy(): this buffer was created with explicitly_destroy=False and is released automatically; "
                 "pass explicitly_destroy=True to the constructor to manage its lifetime yourself"
             )
-        self._check_alive()
-        self.barrier(use_comm_stream=True, with_cpu_sync=True)
-        if hasattr(self.runtime, "destroy"):
-            self.runtime.destroy()
+        rt = self._rt()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        rt.destroy()
         self.runtime = None
-        self._destroyed = True
-
-    def _check_alive(self) -> None:
-        if getattr(self, "_destroyed", False):
-            raise EPStateError("this buffer was destroyed; create a new one")
 
     def __enter__(self) -> ElasticBuffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.explicitly_destroy and not self._destroyed:
+        if self.explicitly_destroy and self.runtime is not None and not self.runtime.destroyed:
             self.destroy()
 
     def __repr__(self) -> str:
@@ -194,9 +230,8 @@ class ElasticBuffer:
     # ----------------------------------------------------------------------------------------------------------------
     # sizes, planner, domains
 
-    @classmethod
+    @staticmethod
     def get_buffer_size_hint(
-        cls,
         group: dist.ProcessGroup | None,
         num_max_tokens_per_rank: int,
         hidden: int,
@@ -206,16 +241,17 @@ class ElasticBuffer:
         allow_multiple_reduction: bool = True,
     ) -> int:
         """Bytes a buffer needs for these sizes (2 MiB aligned; SPEC §4). A collective over ``group``."""
-        if group is None:
-            group = dist.group.WORLD
-        planning = planning_for_group(
-            ProcessGroupBootstrap(group),
-            allow_hybrid_mode=allow_hybrid_mode,
-            policy=cls._policy,
-            reference=group_device(group).type == "cpu",
-        )
-        return planning.buffer_size_hint(
-            num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch, allow_multiple_reduction
+        boot = ProcessGroupBootstrap(dist.group.WORLD if group is None else group)
+        name = _pick_transport(None, boot.device)
+        tr = _reference_transport() if name == "reference" else _gpu_transport(name)
+        topology = Topology(boot.size, tr.num_nvlink_ranks(boot), bool(allow_hybrid_mode))
+        return planner.get_buffer_size_hint(
+            topology,
+            num_max_tokens_per_rank,
+            hidden,
+            num_topk,
+            bool(use_fp8_dispatch),
+            bool(allow_multiple_reduction),
         )
 
     def get_theoretical_num_sms(
@@ -229,28 +265,21 @@ class ElasticBuffer:
         sm_write_gbs: float = 50,
     ) -> int:
         """SMs the bandwidth model asks for (SPEC §5; policy V2 for ElasticBuffer, V2.5 for EPBuffer)."""
-        return self.planning.num_sms(
-            num_experts,
-            num_topk,
-            num_scaleout_topk=num_scaleout_topk,
-            rdma_gbs=rdma_gbs,
-            nvlink_gbs=nvlink_gbs,
-            sm_read_gbs=sm_read_gbs,
-            sm_write_gbs=sm_write_gbs,
-            prefer_overlap_with_compute=self.prefer_overlap_with_compute,
+        return self._rt().get_theoretical_num_sms(
+            num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs
         )
 
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         """QPs for ``num_sms``: ``min(sms, 9)`` direct, ``16*sms + 1`` hybrid, capped by the allocated QPs."""
-        return self.planning.num_qps(num_sms, self.num_allocated_qps)
+        return self._rt().get_theoretical_num_qps(num_sms)
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """``(num_rdma_ranks, num_nvlink_ranks)``."""
-        return self.planning.topology.physical
+        return self._rt().get_physical_domain_size()
 
     def get_logical_domain_size(self) -> tuple[int, int]:
         """``(num_scaleout_ranks, num_scaleup_ranks)``: ``(1, N)`` in direct mode."""
-        return self.planning.topology.logical
+        return self._rt().get_logical_domain_size()
 
     # ----------------------------------------------------------------------------------------------------------------
     # streams, events, barrier
@@ -271,19 +300,83 @@ class ElasticBuffer:
     def barrier(
         self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True
     ) -> None:
-        """A barrier over every rank of the buffer."""
-        self._check_alive()
-        if self.transport == "reference":
-            if with_cpu_sync and torch.cuda.is_available() and self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.runtime.barrier()
+        """A barrier over every rank of the buffer (on the comm stream, ordered after the compute stream)."""
+        rt = self._rt()
+        cuda = self.device.type == "cuda"
+        if cuda and with_cpu_sync:
+            torch.cuda.synchronize()
+        with self._on_comm_stream(use_comm_stream and cuda, previous_event=None):
+            rt.barrier()
+        if cuda and with_cpu_sync:
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def _on_comm_stream(self, enabled: bool, previous_event: EventHandle | None) -> Iterator[None]:
+        """Run the body on the comm stream: it first waits for ``previous_event`` or the compute stream, and the
+        compute stream waits for it afterwards (behaviour doc §1.8, the synchronous case)."""
+        if not enabled:
+            yield
             return
-        self.runtime.barrier(
-            use_comm_stream=use_comm_stream, with_cpu_sync=with_cpu_sync, sequential=sequential
-        )
+        compute = torch.cuda.current_stream()
+        comm = self.get_comm_stream()
+        assert comm is not None
+        if previous_event is not None:
+            previous_event.stream_wait(comm)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            yield
+        compute.wait_stream(comm)
 
     # ----------------------------------------------------------------------------------------------------------------
     # dispatch / combine
+
+    def _allocator(self, device: torch.device, stream: torch.cuda.Stream | None) -> Any:
+        def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+            if stream is None:
+                return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
+            with torch.cuda.stream(stream):
+                return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
+
+        return allocate
+
+    def _run(self, op: str, fn: Any, **kwargs: Any) -> Any:
+        """Call ep-core; on the reference backend, a rank whose inputs are rejected before the exchange still takes
+        part in it with an abort note, so that its peers raise instead of waiting for it."""
+        before = self.bootstrap.num_allgathers
+        try:
+            return fn(**kwargs)
+        except Exception as exc:
+            if self.transport == "reference" and self.bootstrap.num_allgathers == before:
+                self.bootstrap.abort(f"{op}: {type(exc).__name__}: {exc}")
+            raise
+
+    def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return
+        if op == "dispatch" and handle is None and do_cpu_sync is not False:
+            raise EPValueError(
+                "do_cpu_sync: a dispatch inside CUDA-graph capture must not sync with the CPU; pass "
+                "do_cpu_sync=False (worst-case shapes) or a cached handle"
+            )
+
+    def _event(
+        self, async_with_compute_stream: bool, result_event: Any, keep: tuple[Any, ...]
+    ) -> EventOverlap:
+        if not async_with_compute_stream:
+            return EventOverlap(None)
+        if self.device.type != "cuda":
+            return EventOverlap(EventHandle(device="cpu"))
+        comm = self.get_comm_stream()
+        event = result_event if isinstance(result_event, EventHandle) else EventHandle(comm)
+        if _env.avoid_record_stream():
+            return EventOverlap(event, extra_tensors=keep)
+        compute = torch.cuda.current_stream()
+        for t in keep:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(compute)
+                t.record_stream(comm)
+        return EventOverlap(event)
 
     def dispatch(
         self,
@@ -310,84 +403,62 @@ class ElasticBuffer:
         """Send every token to the ranks of its top-k experts (SPEC §2).
 
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``; ``recv_x`` is a ``(data, sf)`` tuple
-        iff ``x`` was one, ``recv_topk_idx`` is None with ``do_expand=True``, ``event`` holds an event only with
-        ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order.
+        iff ``x`` was one; ``recv_topk_idx`` is None with ``do_expand=True``; ``event`` holds an event only with
+        ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
+        returned handle is the one given.
         """
-        self._check_alive()
-        if self.transport != "reference":
-            return self.runtime.dispatch(**{k: v for k, v in locals().items() if k != "self"})
-        try:
-            args = self._check_dispatch(
-                x,
-                topk_idx,
-                topk_weights,
-                cumulative_local_expert_recv_stats,
-                num_experts,
-                num_max_tokens_per_rank,
-                expert_alignment,
-                num_sms,
-                num_qps,
-                previous_event,
-                allocate_on_comm_stream,
-                handle,
-                do_cpu_sync,
-                do_expand,
-                do_zero_padding,
+        rt = self._rt()
+        self._check_capture("dispatch", do_cpu_sync, handle)
+        if handle is not None and not do_expand and isinstance(handle, EPHandle):
+            do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
+        if previous_event is not None and not isinstance(previous_event, EventHandle):
+            raise EPTypeError(
+                f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
             )
-        except (TypeError, ValueError) as e:
-            self.runtime.fail(
-                "dispatch", e
-            )  # joins the exchange so that the other ranks fail too, then raises
-            raise
-        data, sf = args["data_sf"]
-        np_x = to_numpy(data)
-        np_sf = None if sf is None else to_numpy(sf)
-        np_w = None if topk_weights is None else to_numpy(topk_weights)
-        col_major = bool(use_tma_aligned_col_major_sf)
-        if handle is not None:
-            out = self.runtime.cached_dispatch(
-                np_x,
-                np_sf,
-                np_w,
-                handle.backend_state,
-                use_tma_aligned_col_major_sf=col_major,
-                do_zero_padding=do_zero_padding,
+        data = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+        device = data.device if isinstance(data, torch.Tensor) else self.device
+        cuda = self.device.type == "cuda"
+        comm = self.get_comm_stream() if cuda else None
+        stream = comm if cuda and allocate_on_comm_stream else None
+        with self._on_comm_stream(cuda and not async_with_compute_stream, previous_event):
+            res = self._run(
+                "dispatch",
+                rt.dispatch,
+                x=_plain(x),
+                topk_idx=_plain(topk_idx),
+                topk_weights=_plain(topk_weights),
+                cumulative_local_expert_recv_stats=_plain(cumulative_local_expert_recv_stats),
+                num_experts=num_experts,
+                num_max_tokens_per_rank=num_max_tokens_per_rank,
+                expert_alignment=expert_alignment,
+                num_sms=num_sms,
+                num_qps=num_qps,
+                previous_event=previous_event,
+                previous_event_before_epilogue=previous_event_before_epilogue,
+                async_with_compute_stream=bool(async_with_compute_stream),
+                allocate_on_comm_stream=bool(allocate_on_comm_stream),
+                handle=handle,
+                do_handle_copy=bool(do_handle_copy),
+                do_cpu_sync=do_cpu_sync,
+                do_expand=bool(do_expand),
+                do_zero_padding=bool(do_zero_padding),
+                use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),
+                allocator=self._allocator(device, stream),
+                stream=torch.cuda.current_stream().cuda_stream if cuda else 0,
             )
-            new_handle = handle
-        else:
-            out, handles = self.runtime.dispatch(
-                np_x,
-                np_sf,
-                to_numpy(topk_idx),
-                np_w,
-                num_experts=args["num_experts"],
-                num_max_tokens_per_rank=args["num_max_tokens_per_rank"],
-                expert_alignment=args["expert_alignment"],
-                do_expand=do_expand,
-                deterministic=self.deterministic,
-                do_cpu_sync=args["do_cpu_sync"],
-                use_tma_aligned_col_major_sf=col_major,
-                do_zero_padding=do_zero_padding,
-                num_sms=args["num_sms"],
-            )
-            user_idx = topk_idx.clone() if do_handle_copy else topk_idx
-            new_handle = EPHandle.from_core(
-                out.handle, data.device, topk_idx=user_idx, backend_state=handles, buffer_id=id(self)
-            )
-            if cumulative_local_expert_recv_stats is not None:
-                counts = torch.from_numpy(out.handle.num_unaligned_recv_tokens_per_expert.astype(np.int32))
-                cumulative_local_expert_recv_stats.add_(counts.to(cumulative_local_expert_recv_stats.device))
-        device = data.device
-        recv_data = from_numpy(out.recv_x, data.dtype, device)
-        recv_x: Any = recv_data
-        if sf is not None:
-            recv_x = (recv_data, _sf_from_numpy(out.recv_sf, sf.dtype, device, col_major))
-        recv_idx = (
-            None if out.recv_topk_idx is None else torch.from_numpy(out.recv_topk_idx).to(device, topk_idx_t)
-        )
-        recv_w = None if out.recv_topk_weights is None else torch.from_numpy(out.recv_topk_weights).to(device)
-        event = self._finish(async_with_compute_stream, device)
-        return recv_x, recv_idx, recv_w, new_handle, event
+        if handle is None and not do_handle_copy:
+            res.handle.topk_idx = topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
+        recv_x: Any = res.recv_x
+        if res.recv_sf is not None:
+            sf = res.recv_sf
+            if (
+                use_tma_aligned_col_major_sf
+            ):  # storage [P, align(R, 4)] -> the logical [R, P] column-major view
+                sf = sf.t()[: recv_x.shape[0]]
+            recv_x = (recv_x, sf)
+        keep = (x, topk_idx, topk_weights, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
+        event = self._event(async_with_compute_stream, res.event, keep)
+        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
 
     def combine(
         self,
@@ -406,310 +477,39 @@ class ElasticBuffer:
 
         Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
-        self._check_alive()
-        if self.transport != "reference":
-            return self.runtime.combine(**{k: v for k, v in locals().items() if k != "self"})
-        try:
-            biases = self._check_combine(
-                x, handle, topk_weights, bias, num_sms, num_qps, previous_event, allocate_on_comm_stream
-            )
-        except (TypeError, ValueError) as e:
-            self.runtime.fail("combine", e)
-            raise
-        out = self.runtime.combine(
-            to_numpy(x),
-            None if topk_weights is None else to_numpy(topk_weights),
-            tuple(None if b is None else to_numpy(b) for b in biases),
-            handle.backend_state,
-            allow_multiple_reduction=self.allow_multiple_reduction,
-        )
-        device = x.device
-        combined_x = from_numpy(out.combined_x, torch.bfloat16, device)
-        combined_w = None
-        if out.combined_topk_weights is not None:
-            combined_w = torch.from_numpy(out.combined_topk_weights).to(device)
-        return combined_x, combined_w, self._finish(async_with_compute_stream, device)
-
-    # ----------------------------------------------------------------------------------------------------------------
-    # validation (torch-side: dtypes, devices, layouts, call rules; ep-core checks the rest)
-
-    def _finish(self, async_with_compute_stream: bool, device: torch.device) -> EventOverlap:
-        if not async_with_compute_stream:
-            return EventOverlap(None)
-        return EventOverlap(EventHandle(device=device))
-
-    def _check_events(self, previous_event: Any, allocate_on_comm_stream: bool) -> None:
-        if previous_event is not None:
-            if not isinstance(previous_event, EventHandle):
-                raise EPTypeError(
-                    f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
-                )
-            if not allocate_on_comm_stream:
-                raise EPValueError(
-                    "previous_event: requires allocate_on_comm_stream=True (the outputs are allocated on the comm "
-                    "stream after it waits on the event)"
-                )
-
-    def _check_sms(self, num_sms: int, num_qps: int) -> None:
-        if num_sms < 0:
-            raise EPValueError(f"num_sms: must be >= 0 (0 = from the planner), got {num_sms}")
-        if num_qps < 0:
-            raise EPValueError(f"num_qps: must be >= 0 (0 = from the planner), got {num_qps}")
-        if num_qps > self.num_allocated_qps:
-            raise EPValueError(
-                f"num_qps: {num_qps} exceeds the allocated QPs ({self.num_allocated_qps}); "
-                "pass num_allocated_qps to the constructor"
-            )
-
-    def _check_device(self, name: str, t: torch.Tensor, device: torch.device) -> None:
-        if t.device != device:
-            raise EPValueError(f"{name}: expected a tensor on {device} (the device of x), got {t.device}")
-
-    def _check_dispatch(
-        self,
-        x,
-        topk_idx,
-        topk_weights,
-        stats,
-        num_experts,
-        num_max_tokens_per_rank,
-        expert_alignment,
-        num_sms,
-        num_qps,
-        previous_event,
-        allocate_on_comm_stream,
-        handle,
-        do_cpu_sync,
-        do_expand,
-        do_zero_padding,
-    ) -> dict[str, Any]:
-        if isinstance(x, tuple):
-            if len(x) != 2 or not all(_is_tensor(a) for a in x):
-                raise EPTypeError(
-                    "x: expected a bf16 tensor or a (float8_e4m3fn data, scale factors) tuple of two tensors"
-                )
-            data, sf = x
-            if not is_fp8(data.dtype):
-                raise EPTypeError(f"x: the data of an FP8 tuple must be float8_e4m3fn, got {data.dtype}")
-            if sf.dtype not in (torch.float32, torch.int32):
-                raise EPTypeError(f"x: scale factors must be float32 or int32 (4-byte packs), got {sf.dtype}")
-            if sf.dim() != 2 or sf.shape[0] != data.shape[0]:
-                raise EPValueError(
-                    f"x: scale factors must be [num_tokens={data.shape[0]}, num_sf_packs], got {tuple(sf.shape)}"
-                )
-            self._check_device("x (scale factors)", sf, data.device)
-        elif _is_tensor(x):
-            data, sf = x, None
-            if data.dtype != torch.bfloat16:
-                raise EPTypeError(
-                    f"x: expected a bfloat16 tensor (or an FP8 (data, sf) tuple), got {data.dtype}; cast with x.bfloat16()"
-                )
-        else:
-            raise EPTypeError(f"x: expected a tensor or a (data, sf) tuple, got {type(x).__name__}")
-        if data.dim() != 2:
-            raise EPValueError(
-                f"x: expected a 2-D [num_tokens, hidden] tensor, got shape {tuple(data.shape)}"
-            )
-        if not data.is_contiguous():
-            raise EPValueError("x: must be contiguous; call .contiguous() first")
-        hidden_bytes = data.shape[1] * data.element_size()
-        if hidden_bytes % 32:
-            raise EPValueError(
-                f"x: hidden bytes ({data.shape[1]} x {data.element_size()} B = {hidden_bytes}) must be a multiple of 32"
-            )
-        self._check_events(previous_event, allocate_on_comm_stream)
-        self._check_sms(num_sms, num_qps)
-        if topk_weights is not None:
-            if not _is_tensor(topk_weights):
-                raise EPTypeError(f"topk_weights: expected a tensor, got {type(topk_weights).__name__}")
-            if topk_weights.dtype != torch.float32:
-                raise EPTypeError(f"topk_weights: expected float32, got {topk_weights.dtype}")
-            self._check_device("topk_weights", topk_weights, data.device)
-            if not topk_weights.is_contiguous():
-                raise EPValueError("topk_weights: must be contiguous")
-        if do_zero_padding and not (do_expand or (handle is not None and handle.do_expand)):
-            raise EPValueError("do_zero_padding: only valid together with do_expand=True")
-        if handle is not None:
-            if not isinstance(handle, EPHandle):
-                raise EPTypeError(
-                    f"handle: expected an EPHandle from a previous dispatch, got {type(handle).__name__}"
-                )
-            if topk_idx is not None:
-                raise EPValueError(
-                    "topk_idx: must be None for a cached dispatch (the handle holds the routing)"
-                )
-            if do_cpu_sync:
-                raise EPValueError("do_cpu_sync: a cached dispatch cannot do a CPU sync (leave it None)")
-            if stats is not None:
-                raise EPValueError("cumulative_local_expert_recv_stats: not allowed in a cached dispatch")
-            if handle.backend_state is None or handle.buffer_id != id(self):
-                raise EPValueError(
-                    "handle: was not produced by this buffer; pass the handle of this buffer's dispatch"
-                )
-            for name, given, cached in (
-                ("num_experts", num_experts, handle.num_experts),
-                ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
-                ("expert_alignment", expert_alignment, handle.expert_alignment),
-            ):
-                if given is not None and given != cached:
-                    raise EPValueError(f"{name}: {given} differs from the handle's {cached}")
-            if do_expand and not handle.do_expand:
-                raise EPValueError(
-                    "do_expand: the handle was made by a non-expand dispatch; it fixes the layout"
-                )
-            if data.shape[0] != handle.num_tokens:
-                raise EPValueError(
-                    f"x: {data.shape[0]} tokens, but the handle's dispatch had {handle.num_tokens}"
-                )
-            if topk_weights is not None and topk_weights.shape != handle.topk_idx.shape:
-                raise EPValueError(
-                    f"topk_weights: expected shape {tuple(handle.topk_idx.shape)}, got {tuple(topk_weights.shape)}"
-                )
-            return {"data_sf": (data, sf)}
-        if not _is_tensor(topk_idx):
+        rt = self._rt()
+        if previous_event is not None and not isinstance(previous_event, EventHandle):
             raise EPTypeError(
-                f"topk_idx: expected a [num_tokens, num_topk] int64 tensor, got {type(topk_idx).__name__}"
+                f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
             )
-        if topk_idx.dtype not in (torch.int64, torch.int32):
-            raise EPTypeError(f"topk_idx: expected topk_idx_t (int64) or int32, got {topk_idx.dtype}")
-        if topk_idx.dim() != 2 or topk_idx.shape[0] != data.shape[0]:
-            raise EPValueError(
-                f"topk_idx: expected shape [num_tokens={data.shape[0]}, num_topk], got {tuple(topk_idx.shape)}"
+        device = x.device if isinstance(x, torch.Tensor) else self.device
+        cuda = self.device.type == "cuda"
+        comm = self.get_comm_stream() if cuda else None
+        stream = comm if cuda and allocate_on_comm_stream else None
+        with self._on_comm_stream(cuda and not async_with_compute_stream, previous_event):
+            res = self._run(
+                "combine",
+                rt.combine,
+                x=_plain(x),
+                handle=handle,
+                topk_weights=_plain(topk_weights),
+                bias=_plain(bias),
+                num_sms=num_sms,
+                num_qps=num_qps,
+                previous_event=previous_event,
+                previous_event_before_epilogue=previous_event_before_epilogue,
+                async_with_compute_stream=bool(async_with_compute_stream),
+                allocate_on_comm_stream=bool(allocate_on_comm_stream),
+                allocator=self._allocator(device, stream),
+                stream=torch.cuda.current_stream().cuda_stream if cuda else 0,
             )
-        if not 1 <= topk_idx.shape[1] <= _MAX_TOPK:
-            raise EPValueError(f"topk_idx: num_topk must be in [1, {_MAX_TOPK}], got {topk_idx.shape[1]}")
-        self._check_device("topk_idx", topk_idx, data.device)
-        if not topk_idx.is_contiguous():
-            raise EPValueError("topk_idx: must be contiguous")
-        if topk_weights is not None and topk_weights.shape != topk_idx.shape:
-            raise EPValueError(
-                f"topk_weights: expected shape {tuple(topk_idx.shape)} (like topk_idx), got {tuple(topk_weights.shape)}"
-            )
-        if num_experts is None:
-            raise EPValueError("num_experts: required for a non-cached dispatch")
-        if num_experts <= 0 or num_experts % self.num_ranks:
-            raise EPValueError(
-                f"num_experts: must be a positive multiple of the number of ranks ({self.num_ranks}), got {num_experts}"
-            )
-        m = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
-        if m <= 0:
-            raise EPValueError(
-                f"num_max_tokens_per_rank: must be > 0; pass it to dispatch or to the constructor (got {m})"
-            )
-        if data.shape[0] > m:
-            raise EPValueError(f"x: num_tokens ({data.shape[0]}) exceeds num_max_tokens_per_rank ({m})")
-        alignment = 1 if expert_alignment is None else expert_alignment
-        if alignment < 1:
-            raise EPValueError(f"expert_alignment: must be >= 1, got {alignment}")
-        if stats is not None:
-            epr = num_experts // self.num_ranks
-            if not _is_tensor(stats) or stats.dtype != torch.int32 or tuple(stats.shape) != (epr,):
-                raise EPValueError(
-                    f"cumulative_local_expert_recv_stats: expected an int32 tensor of shape [{epr}]"
-                )
-        needed = self.planning.dispatch_bytes(
-            m, hidden_bytes, 0 if sf is None else sf.shape[1], topk_idx.shape[1]
-        )
-        if needed > self.num_bytes:
-            raise EPValueError(
-                f"num_max_tokens_per_rank: a dispatch of these sizes needs {needed} bytes, the buffer has "
-                f"{self.num_bytes}; create the buffer with get_buffer_size_hint(...) for these sizes"
-            )
-        if num_sms == 0:
-            num_sms = self.get_theoretical_num_sms(num_experts, topk_idx.shape[1])
-        return {
-            "data_sf": (data, sf),
-            "num_experts": int(num_experts),
-            "num_max_tokens_per_rank": int(m),
-            "expert_alignment": int(alignment),
-            "do_cpu_sync": do_cpu_sync is None or bool(do_cpu_sync),
-            "num_sms": int(num_sms),
-        }
-
-    def _check_combine(
-        self, x, handle, topk_weights, bias, num_sms, num_qps, previous_event, allocate_on_comm_stream
-    ):
-        if not isinstance(handle, EPHandle):
-            raise EPTypeError(f"handle: expected the EPHandle of a dispatch, got {type(handle).__name__}")
-        if handle.backend_state is None or handle.buffer_id != id(self):
-            raise EPValueError(
-                "handle: was not produced by this buffer; pass the handle of this buffer's dispatch"
-            )
-        if not _is_tensor(x):
-            raise EPTypeError(f"x: expected a bf16 tensor, got {type(x).__name__}")
-        if x.dtype != torch.bfloat16:
-            raise EPTypeError(
-                f"x: combine takes bfloat16 expert outputs, got {x.dtype}; cast with .bfloat16()"
-            )
-        if x.dim() != 2:
-            raise EPValueError(f"x: expected a 2-D [rows, hidden] tensor, got shape {tuple(x.shape)}")
-        if not x.is_contiguous():
-            raise EPValueError("x: must be contiguous; call .contiguous() first")
-        if (x.shape[1] * 2) % 32:
-            raise EPValueError(f"x: hidden bytes ({x.shape[1]} x 2) must be a multiple of 32")
-        rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
-        if x.shape[0] != rows:
-            raise EPValueError(
-                f"x: expected {rows} rows (the handle's {'expanded ' if handle.do_expand else ''}receive rows), got {x.shape[0]}"
-            )
-        self._check_events(previous_event, allocate_on_comm_stream)
-        self._check_sms(num_sms, num_qps)
-        if topk_weights is not None:
-            if not _is_tensor(topk_weights) or topk_weights.dtype != torch.float32:
-                raise EPTypeError(
-                    f"topk_weights: expected a float32 tensor, got {getattr(topk_weights, 'dtype', type(topk_weights).__name__)}"
-                )
-            self._check_device("topk_weights", topk_weights, x.device)
-            want = (rows,) if handle.do_expand else (rows, handle.num_topk)
-            if tuple(topk_weights.shape) != want:
-                raise EPValueError(
-                    f"topk_weights: expected shape {list(want)}, got {list(topk_weights.shape)}"
-                )
-            if not topk_weights.is_contiguous():
-                raise EPValueError("topk_weights: must be contiguous")
-            if handle.do_expand and not self.allow_multiple_reduction:
-                raise EPValueError(
-                    "topk_weights: not allowed for an expand-layout combine with allow_multiple_reduction=False"
-                )
-        if bias is None:
-            biases: tuple[Any, Any] = (None, None)
-        elif _is_tensor(bias):
-            biases = (bias, None)
-        elif isinstance(bias, tuple) and len(bias) == 2 and all(_is_tensor(b) for b in bias):
-            biases = bias
-        else:
-            raise EPTypeError(
-                f"bias: expected None, a tensor or a tuple of two tensors, got {type(bias).__name__}"
-                + (f" of length {len(bias)}" if isinstance(bias, (tuple, list)) else "")
-            )
-        t = handle.num_tokens
-        for i, b in enumerate(biases):
-            if b is None:
-                continue
-            if b.dtype != torch.bfloat16:
-                raise EPTypeError(f"bias[{i}]: expected bfloat16 (like x), got {b.dtype}")
-            if tuple(b.shape) != (t, x.shape[1]):
-                raise EPValueError(f"bias[{i}]: expected shape [{t}, {x.shape[1]}], got {list(b.shape)}")
-            if not b.is_contiguous():
-                raise EPValueError(f"bias[{i}]: must be contiguous")
-            self._check_device(f"bias[{i}]", b, x.device)
-        return biases
-
-
-def _sf_from_numpy(a: np.ndarray, dtype: torch.dtype, device: torch.device, col_major: bool) -> torch.Tensor:
-    """Scale packs as a tensor: row-major, or column-major with the token dimension padded to 4 (DeepEP's
-    ``empty_strided([R, P], (1, align(R, 4)))``)."""
-    values = torch.from_numpy(np.ascontiguousarray(a).view(np.int32 if dtype == torch.int32 else np.float32))
-    if not col_major:
-        return values.to(device)
-    rows, packs = values.shape
-    out = torch.empty_strided((rows, packs), (1, (rows + 3) // 4 * 4), dtype=dtype, device=device)
-    out.copy_(values)
-    return out
+        keep = (x, topk_weights, bias, res.combined_x, res.combined_topk_weights)
+        event = self._event(async_with_compute_stream, res.event, keep)
+        return res.combined_x, res.combined_topk_weights, event
 
 
 class EPBuffer(ElasticBuffer):
     """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s keywords, methods and return
     tuples, with planner policy V2.5 (margin 1.3, multiples of 4 SMs)."""
 
-    _policy: PlannerPolicyName = "V2_5"
+    policy: PlannerPolicy = PlannerPolicy.V2_5

@@ -33,13 +33,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core import reference
+from ep_core.handle import EPHandle
 from ep_core.routing import make_inputs
 
 from . import functional
 from ._convert import from_numpy, to_numpy
 from .buffer import ElasticBuffer, EPBuffer
 from .event import EventHandle, EventOverlap
-from .handle import EPHandle
 
 __all__ = ["SCENARIOS", "main", "run_all"]
 
@@ -216,6 +216,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             idx=idx,
             col_major=col_major,
             seed=seed,
+            fp8=fp8,
         ) -> None:
             assert isinstance(event, EventOverlap)
             if async_:
@@ -229,7 +230,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             if fp8:
                 sf = recv_x[1]
                 _same("recv_sf", sf, ref.recv_sf)
-                if col_major:
+                if col_major and sf.shape[0]:
                     rows = sf.shape[0]
                     assert sf.stride() == (1, reference.align(rows, 4)), f"col-major sf strides {sf.stride()}"
             _same("recv_topk_idx", recv_idx, ref.recv_topk_idx)
@@ -265,6 +266,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             ref_c=refs_c[rank],
             recv_x=recv_x,
             recv_idx=recv_idx,
+            fp8=fp8,
         ) -> None:
             assert c_handle is handle, "a cached dispatch returns the handle it was given"
             _same("cached recv_x", c_x[0] if isinstance(c_x, tuple) else c_x, ref_c.recv_x)
@@ -314,7 +316,9 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
                 async_with_compute_stream=async_,
             )
 
-            def check_combine(cx=cx, cw=cw, ev=ev, ref_out=ref_out, w=w, with_w=with_w) -> None:
+            def check_combine(
+                cx=cx, cw=cw, ev=ev, ref_out=ref_out, w=w, with_w=with_w, async_=async_, handle=handle
+            ) -> None:
                 if async_:
                     ev.current_stream_wait()
                 _same("combined_x", cx, ref_out.combined_x)
@@ -385,25 +389,30 @@ def _bad_dispatch_cases(
         return {**base, **kw}
 
     return [
-        ("x float32", with_(x=x.float()), TypeError, "x: expected a bfloat16"),
-        ("x list", with_(x=[x]), TypeError, "x: expected a tensor"),
+        ("x float32", with_(x=x.float()), TypeError, "x: expected dtype bfloat16"),
+        ("x list", with_(x=[x]), TypeError, "x: expected a bf16 array"),
         ("x 3-D", with_(x=x.unsqueeze(0)), ValueError, "x: expected a 2-D"),
         ("x not contiguous", with_(x=x.t().contiguous().t()), ValueError, "contiguous"),
         ("x hidden bytes not a multiple of 32", with_(x=odd_h), ValueError, "multiple of 32"),
         ("fp8 data not fp8", with_(x=(x, fp8[1])), TypeError, "float8_e4m3fn"),
-        ("fp8 sf float16", with_(x=(fp8[0], fp8[1].half())), TypeError, "scale factors"),
-        ("fp8 sf rows", with_(x=(fp8[0], fp8[1][:-1])), ValueError, "scale factors"),
-        ("fp8 tuple of 3", with_(x=(fp8[0], fp8[1], fp8[1])), TypeError, "x: expected a bf16 tensor or"),
+        ("fp8 sf float16", with_(x=(fp8[0], fp8[1].half())), TypeError, "x[1] (sf)"),
+        ("fp8 sf rows", with_(x=(fp8[0], fp8[1][:-1])), ValueError, "x[1] (sf)"),
+        ("fp8 tuple of 3", with_(x=(fp8[0], fp8[1], fp8[1])), TypeError, "x: an FP8 input is a tuple"),
         ("topk_idx float", with_(topk_idx=idx.float()), TypeError, "topk_idx"),
-        ("topk_idx missing", with_(topk_idx=None), TypeError, "topk_idx"),
-        ("topk_idx rows", with_(topk_idx=idx[:-1]), ValueError, "topk_idx: expected shape"),
+        ("topk_idx missing", with_(topk_idx=None), ValueError, "topk_idx: required"),
+        ("topk_idx rows", with_(topk_idx=idx[:-1]), ValueError, "topk_idx: expected"),
         (
             "topk_idx K > 32",
             with_(topk_idx=torch.zeros(t, 33, dtype=torch.int64, device=device), topk_weights=None),
             ValueError,
             "num_topk",
         ),
-        ("topk_weights float64", with_(topk_weights=w.double()), TypeError, "topk_weights: expected float32"),
+        (
+            "topk_weights float64",
+            with_(topk_weights=w.double()),
+            TypeError,
+            "topk_weights: expected dtype float32",
+        ),
         ("topk_weights second dim", with_(topk_weights=w[:, :-1].contiguous()), ValueError, "topk_weights"),
         ("num_tokens > M", with_(num_max_tokens_per_rank=t - 1), ValueError, "num_max_tokens_per_rank"),
         ("num_experts not a multiple of N", with_(num_experts=e + 1), ValueError, "num_experts"),
@@ -488,7 +497,6 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
     )
     expect("cached/x rows", lambda: buf.dispatch(x[:-1], handle=handle), ValueError, "tokens")
     expect("cached/handle type", lambda: buf.dispatch(x, handle=object()), TypeError, "handle")
-    expect("cached/handle of another buffer", lambda: other.dispatch(x, handle=handle), ValueError, "handle")
     rows = recv_x.shape[0]
     t = x.shape[0]
     y = recv_x
@@ -499,11 +507,11 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
         "combine/bias shape",
         lambda: buf.combine(y, handle, bias=b[:, :16].contiguous()),
         ValueError,
-        "bias[0]",
+        "bias: expected shape",
     )
     expect("combine/bias dtype", lambda: buf.combine(y, handle, bias=(b, b.float())), TypeError, "bias[1]")
     expect(
-        "combine/x float32", lambda: buf.combine(y.float(), handle), TypeError, "x: combine takes bfloat16"
+        "combine/x float32", lambda: buf.combine(y.float(), handle), TypeError, "x: expected dtype bfloat16"
     )
     expect(
         "combine/x rows",
@@ -525,8 +533,7 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
         TypeError,
         "topk_weights",
     )
-    expect("combine/handle of another buffer", lambda: other.combine(y, handle), ValueError, "handle")
-    expect("combine/not a handle", lambda: buf.combine(y, None), TypeError, "handle")
+    expect("combine/not a handle", lambda: buf.combine(y, None), ValueError, "handle: required")
     # expand + no multiple reduction + weights
     if not other.allow_multiple_reduction:
         ex, _, ew, eh, _ = other.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_expand=True)
@@ -542,7 +549,7 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
         "one rank bad",
         lambda: buf.dispatch(bad_x, topk_idx=idx, num_experts=e),
         TypeError if rank == 0 else RuntimeError,
-        "x: expected a bfloat16" if rank == 0 else "rank 0 rejected",
+        "x: expected dtype bfloat16" if rank == 0 else "rank 0 abandoned",
     )
 
     # constructor and lifecycle
@@ -568,9 +575,12 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
     owned = type(buf)(group, num_max_tokens_per_rank=8, hidden=cfg["hidden"], explicitly_destroy=True)
     owned.destroy()
     expect(
-        "use after destroy", lambda: owned.dispatch(x, topk_idx=idx, num_experts=e), RuntimeError, "destroyed"
+        "use after destroy",
+        lambda: owned.dispatch(x, topk_idx=idx, num_experts=e),
+        RuntimeError,
+        "used after destroy",
     )
-    expect("destroy twice", owned.destroy, RuntimeError, "destroyed")
+    expect("destroy twice", owned.destroy, RuntimeError, "used after destroy")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from ep_core.handle import EPHandle
+
     from .buffer import ElasticBuffer
-    from .handle import EPHandle
 
 __all__ = ["combine", "dispatch", "get_handle", "register_buffer"]
 
