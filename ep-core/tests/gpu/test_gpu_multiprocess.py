@@ -106,3 +106,73 @@ def test_processes_share_gpu(size: int, memory: str, tmp_path) -> None:
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert sorted(r["rank"] for r in results) == list(range(size))
     assert all(r["checks"] == 3 for r in results)
+
+
+EPBUFFER_WORKER = textwrap.dedent(
+    """
+    import json, pickle, sys
+    import numpy as np
+    import ep_symmem
+    from ep_core import EPBuffer, reference, routing
+    from ep_core.device_array import DeviceArray as CoreArray
+    from ep_core.kernels import _cuda
+    from ep_core.kernels.gpu_executor import IpcTransport
+
+    rank, size, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    M, H, K, E = 64, 512, 8, 32
+    boot = ep_symmem.FileBootstrap(directory, rank, size, timeout=120.0)
+    buf = EPBuffer(boot, transport=IpcTransport("cuda_ipc"), num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+                   num_experts=E, num_gpu_timeout_secs=30, num_cpu_timeout_secs=60)
+
+    def up(a, dtype):
+        mem = _cuda.DeviceArray.from_numpy(a, 0)
+        return CoreArray(mem.ptr, a.shape, dtype, owner=mem)
+
+    def down(a):
+        return _cuda.DeviceArray.numpy(a.owner) if hasattr(a, "owner") and isinstance(a.owner, _cuda.DeviceArray) \
+            else np.asarray(a)
+
+    inp = routing.make_inputs(size, [M, 40, 0, 17][:size], H, E, K, seed=21, masked_ratio=0.2)
+    ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, num_max_tokens_per_rank=M)
+    res = buf.dispatch(up(inp.xs[rank], "bfloat16"), up(inp.topk_idxs[rank], "int64"),
+                       up(inp.topk_weights[rank], "float32"), num_experts=E)
+    _cuda.driver().cuCtxSynchronize()
+    recv_x = down(res.recv_x)
+    h = res.handle
+    meta = down(h.recv_src_metadata)
+    r = ref[rank]
+    nv = r.num_valid_rows
+    order = np.argsort(meta[:nv, 0], kind="stable")
+    ref_order = np.argsort(np.asarray(r.handle.recv_src_metadata)[:nv, 0], kind="stable")
+    assert np.array_equal(recv_x[:nv][order], r.recv_x[:nv][ref_order]), "recv_x"
+    comb = buf.combine(res.recv_x, h, res.recv_topk_weights)
+    _cuda.driver().cuCtxSynchronize()
+    w = down(comb.combined_topk_weights)
+    want = np.where(inp.topk_idxs[rank] >= 0, inp.topk_weights[rank], 0).astype(np.float32)
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32)), "weights round trip"
+    buf.destroy()
+    print(json.dumps({"rank": rank, "ok": True}))
+    """
+)
+
+
+def test_epbuffer_ipc_transport(tmp_path) -> None:
+    size = 2
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", EPBUFFER_WORKER, str(r), str(size), str(tmp_path / "boot")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(size)
+    ]
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a worker process hung")
+        assert p.returncode == 0, f"worker failed:\n{err[-4000:]}"
+        assert json.loads(out.strip().splitlines()[-1])["ok"]

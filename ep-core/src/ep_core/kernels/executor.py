@@ -184,8 +184,12 @@ class DirectRank:
         transport = "nccl" if self.res.nccl_window else "ipc"
         return KernelConfig(self.num_ranks, topk, hidden, elem, packs, transport=transport, **kw)
 
-    def _regions(self, config: KernelConfig, num_experts: int) -> tuple[RegionPlan, int]:
-        plan = plan_regions(config, num_experts, self.num_max_tokens, self.res.data_bytes)
+    def _regions(
+        self, config: KernelConfig, num_experts: int, op: str, amr: bool | None = None
+    ) -> tuple[RegionPlan, int]:
+        plan = plan_regions(
+            config, num_experts, self.num_max_tokens, self.res.data_bytes, op=op, allow_multiple_reduction=amr
+        )
         if plan.scratch_offset >= 0:
             scratch = self.res.base + plan.scratch_offset
         else:
@@ -318,7 +322,7 @@ class DirectRank:
                     f"topk_weights: expected a contiguous float32 [{num_tokens}, {topk}], got {wv.shape} {wv.dtype}"
                 )
         cfg = self._config(hidden, elem, packs, topk)
-        plan, scratch = self._regions(cfg, num_experts)
+        plan, scratch = self._regions(cfg, num_experts, "dispatch")
         num_sms = self._num_sms(num_sms, handle)
         geo = launch_geometry(cfg, num_sms, self.device_sms)
         kernels = load_kernels(cfg)
@@ -575,7 +579,7 @@ class DirectRank:
             bias_views.append(bv)
         iv = as_view(handle.topk_idx, "handle.topk_idx")
         cfg = self._config(hidden, 2, 0, k)
-        plan, scratch = self._regions(cfg, handle.num_experts)
+        plan, scratch = self._regions(cfg, handle.num_experts, "combine", amr)
         num_sms = self._num_sms(num_sms, handle)
         geo = launch_geometry(cfg, num_sms, self.device_sms)
         kernels = load_kernels(cfg)

@@ -162,10 +162,17 @@ class RegionPlan:
 
 
 def plan_regions(
-    config: KernelConfig, num_experts: int, num_max_tokens: int, data_bytes: int | None = None
+    config: KernelConfig,
+    num_experts: int,
+    num_max_tokens: int,
+    data_bytes: int | None = None,
+    *,
+    op: str | None = None,
+    allow_multiple_reduction: bool | None = None,
 ) -> RegionPlan:
-    """Regions for `config`; `data_bytes` is the GPU buffer after the workspace (default: exactly what the two
-    receive regions need, rank layout or top-k layout, whichever is larger)."""
+    """Regions for `config`; `data_bytes` is the GPU buffer after the workspace (default: exactly what is needed).
+    `op` ("dispatch", "combine" or None = both) and `allow_multiple_reduction` (None = both combine layouts) say
+    which receive regions must fit in `data_bytes`."""
     if num_experts % config.num_ranks:
         raise EPConfigError(
             f"num_experts: expected a multiple of num_ranks={config.num_ranks}, got {num_experts}"
@@ -176,11 +183,12 @@ def plan_regions(
         )
     topo = ep_layout.Topology(config.num_ranks)
     dispatch = ep_layout.DirectDispatchBuffers(config.dispatch_token, topo, num_max_tokens).get_num_bytes()
+    amrs = (True, False) if allow_multiple_reduction is None else (bool(allow_multiple_reduction),)
     combine = max(
         ep_layout.DirectCombineBuffers(config.combine_token, topo, num_max_tokens, amr).get_num_bytes()
-        for amr in (True, False)
+        for amr in amrs
     )
-    need = max(dispatch, combine)
+    need = {"dispatch": dispatch, "combine": combine, None: max(dispatch, combine)}[op]
     data = need if data_bytes is None else int(data_bytes)
     if data < need:
         raise EPConfigError(

@@ -17,7 +17,7 @@ import ep_layout
 
 from ep_core.kernels import _cuda
 
-__all__ = ["IpcBuffer"]
+__all__ = ["IpcBuffer", "make_transport"]
 
 
 def _current_device() -> int:
@@ -144,3 +144,10 @@ class IpcBuffer:
             self._table_owner.close()
         self._owners = []
         self._table_owner = None
+
+
+def make_transport(memory: str = "symmem") -> Any:
+    """The ipc `Transport` of `EPBuffer(transport="ipc")`: GPU kernels over ep_symmem (or CUDA IPC) buffers."""
+    from ep_core.kernels.gpu_executor import IpcTransport
+
+    return IpcTransport(memory)

@@ -1,0 +1,220 @@
+"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `DirectRank` (direct mode, one rank per
+process), and the ipc `Transport` that allocates and exchanges its symmetric storage.
+
+Streams: every operation runs on the rank's high-priority comm stream; it first waits for the caller's stream
+(`req.stream`, inputs ready), and the caller's stream then waits for the comm stream (outputs ready), so callers
+need no extra synchronization. Outputs are allocated through `req.allocator(shape, dtype_name)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ep_core.errors import EPConfigError, EPStateError
+from ep_core.kernels import _cuda
+from ep_core.kernels._cuda import DeviceView, Event, Stream
+from ep_core.kernels.executor import DirectRank, RankResources
+
+__all__ = ["GpuExecutor", "IpcStorage", "IpcTransport"]
+
+_NP = {
+    "bfloat16": np.uint16,
+    "float16": np.float16,
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "uint16": np.uint16,
+    "int32": np.int32,
+    "uint32": np.uint32,
+    "float32": np.float32,
+    "int64": np.int64,
+}
+
+
+def _view(info: Any) -> DeviceView | None:
+    """An ep_core `ArrayInfo` (byte strides, dtype name) as a kernel-side `DeviceView` (element strides)."""
+    if info is None:
+        return None
+    dtype = np.dtype(_NP.get(info.dtype, np.uint8))
+    strides = tuple(int(s) // dtype.itemsize for s in info.strides)
+    return DeviceView(int(info.ptr), tuple(info.shape), dtype, strides, owner=info.obj)
+
+
+class IpcStorage:
+    """One rank's symmetric storage `[workspace | data]` and the device table of every rank's base."""
+
+    array_device = "cuda"
+
+    def __init__(self, buffer: Any, num_bytes: int, device: int) -> None:
+        self._buffer = buffer
+        self.ptr = buffer.bases[0]
+        self.num_bytes = num_bytes
+        self.peer_table = buffer.peer_table
+        self.device = device
+
+    def close(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+
+class IpcTransport:
+    """Direct mode over load/store-reachable peers (one node, or processes sharing a GPU): buffers from ep_symmem
+    (`memory="symmem"`) or CUDA IPC handles (`memory="cuda_ipc"`)."""
+
+    def __init__(self, memory: str = "symmem") -> None:
+        if memory not in ("symmem", "cuda_ipc"):
+            raise EPConfigError(f"memory: expected 'symmem' or 'cuda_ipc', got {memory!r}")
+        self.memory = memory
+
+    def num_nvlink_ranks(self, bootstrap: Any) -> int:
+        return int(bootstrap.size)
+
+    def allocate(self, bootstrap: Any, num_bytes: int) -> IpcStorage:
+        import ep_layout
+
+        from ep_core.transports.ipc import IpcBuffer, _current_device
+
+        data = int(num_bytes) - ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES
+        buf = IpcBuffer.create_exchanged(bootstrap, data, self.memory)
+        return IpcStorage(buf, IpcBuffer.total_bytes(data), _current_device())
+
+    def create_executor(self, config: Any, buffer: Any) -> GpuExecutor:
+        return GpuExecutor(config, buffer.storage, buffer.bootstrap)
+
+
+class GpuExecutor:
+    """`Executor` of one rank: validated requests in, kernels launched on the comm stream."""
+
+    array_device = "cuda"
+
+    def __init__(self, config: Any, storage: IpcStorage, bootstrap: Any) -> None:
+        self.config = config
+        self.bootstrap = bootstrap
+        self.device_id = int(getattr(storage, "device", 0))
+        self.num_device_sms = _cuda.num_device_sms()
+        self.nvlink_gbs: float | None = None
+        self.rdma_gbs: float | None = None
+        data = int(storage.num_bytes) - int(config.num_workspace_bytes) - int(config.num_cpu_bytes)
+        self.stream = Stream(high_priority=True)
+        res = RankResources(
+            config.rank, config.num_ranks, int(storage.ptr), data, storage.peer_table, self.stream
+        )
+        self.rank = DirectRank(
+            res,
+            num_max_tokens_per_rank=config.num_max_tokens_per_rank,
+            gpu_timeout_secs=config.num_gpu_timeout_secs,
+            cpu_timeout_secs=config.num_cpu_timeout_secs,
+        )
+        self._destroyed = False
+
+    def default_allocator(self, shape: tuple, dtype: str) -> Any:
+        """Outputs on this GPU (stream-ordered on the comm stream), as ep_core DeviceArrays with real dtype names."""
+        from ep_core.device_array import DeviceArray as CoreArray
+
+        mem = _cuda.DeviceArray(tuple(shape), _NP.get(dtype, np.uint8), self.stream)
+        return CoreArray(mem.ptr, tuple(shape), dtype, device="cuda", device_id=self.device_id, owner=mem)
+
+    def _enter(self, stream: int) -> None:
+        if self._destroyed:
+            raise EPStateError("the executor was destroyed")
+        ev = Event(timing=False)
+        ev.record(stream)
+        self.stream.wait_event(ev)
+
+    def _leave(self, stream: int) -> Event:
+        ev = Event(timing=False)
+        ev.record(self.stream)
+        _cuda.check(_cuda.driver().cuStreamWaitEvent(int(stream), ev._event, 0), "cuStreamWaitEvent")
+        return ev
+
+    def _allocator(self, req: Any, x_dtype: str):
+        def alloc(shape: tuple, dtype: Any, strides: tuple | None = None) -> Any:
+            dt = np.dtype(dtype)
+            name = {np.dtype(np.uint16): "bfloat16", np.dtype(np.uint8): x_dtype}.get(dt, dt.name)
+            if strides is not None and tuple(strides) != tuple(_c_strides(shape)):
+                # column-major scales: the storage array [P, ld] (EPBuffer's contract), kernels get its pointer
+                _rows, packs = shape
+                return req.allocator((packs, strides[1]), name)
+            return req.allocator(tuple(shape), name)
+
+        return alloc
+
+    def dispatch(self, req: Any) -> Any:
+        from ep_core.executor import DispatchResult
+
+        self._enter(req.stream)
+        self.rank._allocator = self._allocator(req, req.x.dtype)
+        try:
+            res = self.rank.dispatch(
+                _view(req.x),
+                _view(req.topk_idx),
+                _view(req.topk_weights),
+                sf=_view(req.sf),
+                num_experts=req.num_experts,
+                expert_alignment=req.expert_alignment,
+                do_expand=req.do_expand,
+                do_cpu_sync=req.do_cpu_sync,
+                deterministic=req.deterministic,
+                do_zero_padding=req.do_zero_padding,
+                use_tma_aligned_col_major_sf=req.use_tma_aligned_col_major_sf,
+                handle=req.handle,
+                num_sms=req.num_sms,
+                cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
+            )
+        finally:
+            self.rank._allocator = None
+        if res.handle is not req.handle and req.topk_idx is not None:
+            res.handle.topk_idx = req.topk_idx.obj
+        ev = self._leave(req.stream)
+        return DispatchResult(
+            res.recv_x,
+            res.recv_sf,
+            res.recv_topk_idx,
+            res.recv_topk_weights,
+            res.handle,
+            ev if req.async_with_compute_stream else None,
+        )
+
+    def combine(self, req: Any) -> Any:
+        from ep_core.executor import CombineResult
+
+        self._enter(req.stream)
+        self.rank._allocator = self._allocator(req, "bfloat16")
+        bias = tuple(_view(b) for b in req.bias)
+        try:
+            res = self.rank.combine(
+                _view(req.x),
+                req.handle,
+                topk_weights=_view(req.topk_weights),
+                bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
+                allow_multiple_reduction=req.allow_multiple_reduction,
+                num_sms=req.num_sms,
+            )
+        finally:
+            self.rank._allocator = None
+        ev = self._leave(req.stream)
+        return CombineResult(
+            res.combined_x, res.combined_topk_weights, ev if req.async_with_compute_stream else None
+        )
+
+    def barrier(self) -> None:
+        self.stream.synchronize()
+        self.rank.check_errors(synchronize=False)
+        self.bootstrap.barrier()
+
+    def destroy(self) -> None:
+        if not self._destroyed:
+            self.stream.synchronize()
+            self._destroyed = True
+
+
+def _c_strides(shape: tuple) -> tuple:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
