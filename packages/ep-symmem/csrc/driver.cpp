@@ -105,8 +105,11 @@ DriverApi load(const std::string& library) {
   resolve(get_proc, version, "cuCtxPushCurrent", api.ctx_push_current);
   resolve(get_proc, version, "cuCtxPopCurrent", api.ctx_pop_current);
   resolve(get_proc, version, "cuCtxGetCurrent", api.ctx_get_current);
-  resolve(get_proc, version, "cuCtxGetDevice", api.ctx_get_device);
-  resolve(get_proc, version, "cuCtxSynchronize", api.ctx_synchronize);
+  // CUDA 13 gave these two a context argument (the _v13000 ABIs). Our pointers have the one-argument
+  // signature of the plain declaration, so ask for the ABI of a driver older than 13.0.
+  const int pre13 = std::min(version, 12090);
+  resolve(get_proc, pre13, "cuCtxGetDevice", api.ctx_get_device);
+  resolve(get_proc, pre13, "cuCtxSynchronize", api.ctx_synchronize);
   resolve(get_proc, version, "cuMemGetInfo", api.mem_get_info);
   resolve(get_proc, version, "cuMemAlloc", api.mem_alloc);
   resolve(get_proc, version, "cuMemFree", api.mem_free);
