@@ -173,9 +173,12 @@ def test_dynamic_shared_memory_above_48k(drv, cache_dir):
     for _ in range(2):  # second launch reuses the opt-in
         k.launch(4, 256, [out, ep_jit.int32(n)], shared_mem=4 * n)
     _sync(drv)
-    want = float(sum(range(n)))
-    for v in array.array("f", out.download()):
-        assert abs(v - want) <= 1e-5 * want
+    # Thread 0 adds the n floats in order in fp32: replay exactly that order on the host (a float32 running sum
+    # of 0..n-1 drifts far from the exact integer sum, so the exact value is the only right expectation).
+    want = 0.0
+    for i in range(n):
+        want = struct.unpack("f", struct.pack("f", want + float(i)))[0]
+    assert list(array.array("f", out.download())) == [want] * 4
     out.free()
 
 
