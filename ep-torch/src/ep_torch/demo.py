@@ -37,8 +37,8 @@ class DemoConfig:
     ffn: int = 128
     experts: int = 16
     topk: int = 4
-    steps: int = 6
-    lr: float = 2.0
+    steps: int = 8
+    lr: float = 1.5
     backend: str = "cpu"
     buffer: str = "ElasticBuffer"
     seed: int = 0
@@ -177,6 +177,9 @@ def _worker(rank: int, world: int, cfg: DemoConfig) -> None:
         out = functional.combine(buffer, y, handle)
         loss = loss_scale(cfg) * ((out.float() - target) ** 2).sum()
         loss.backward()
+        for p in (router, w1, w2):  # a rank whose experts received nothing has no expert gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         dist.all_reduce(router.grad)
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -38,7 +38,9 @@ def apply_local_experts(
     ``recv_topk_idx`` holds local expert ids (-1 for lanes elsewhere); the result is bf16, ready for combine.
     """
     xf = recv_x.to(compute_dtype)
-    out = xf.new_zeros(recv_x.shape[0], recv_x.shape[1])
+    # A rank that received nothing still returns a result connected to recv_x: combine's backward is a collective,
+    # so every rank must take part in it.
+    out = xf * 0 if recv_x.shape[0] == 0 else xf.new_zeros(recv_x.shape[0], recv_x.shape[1])
     for e, expert in enumerate(experts):
         rows, lanes = (recv_topk_idx == e).nonzero(as_tuple=True)
         if rows.numel() == 0:
