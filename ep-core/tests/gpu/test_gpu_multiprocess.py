@@ -135,7 +135,7 @@ EPBUFFER_WORKER = textwrap.dedent(
     inp = routing.make_inputs(size, [M, 40, 0, 17][:size], H, E, K, seed=21, masked_ratio=0.2)
     ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, num_max_tokens_per_rank=M)
     res = buf.dispatch(up(inp.xs[rank], "bfloat16"), up(inp.topk_idxs[rank], "int64"),
-                       up(inp.topk_weights[rank], "float32"), num_experts=E)
+                       up(inp.topk_weights[rank], "float32"), num_experts=E, num_sms=4)
     _cuda.driver().cuCtxSynchronize()
     recv_x = down(res.recv_x)
     h = res.handle
@@ -145,7 +145,7 @@ EPBUFFER_WORKER = textwrap.dedent(
     order = np.argsort(meta[:nv, 0], kind="stable")
     ref_order = np.argsort(np.asarray(r.handle.recv_src_metadata)[:nv, 0], kind="stable")
     assert np.array_equal(recv_x[:nv][order], r.recv_x[:nv][ref_order]), "recv_x"
-    comb = buf.combine(res.recv_x, h, res.recv_topk_weights)
+    comb = buf.combine(res.recv_x, h, res.recv_topk_weights, num_sms=4)
     _cuda.driver().cuCtxSynchronize()
     w = down(comb.combined_topk_weights)
     want = np.where(inp.topk_idxs[rank] >= 0, inp.topk_weights[rank], 0).astype(np.float32)
