@@ -32,6 +32,7 @@ from ep_core.executor import (
     Transport,
 )
 from ep_core.handle import EPHandle
+from ep_core.loopback import LoopbackDomain, ProcessRank
 from ep_core.planner import (
     PlannerPolicy,
     default_num_allocated_qps,
@@ -67,7 +68,9 @@ __all__ = [
     "Executor",
     "HostStorage",
     "LocalBootstrap",
+    "LoopbackDomain",
     "PlannerPolicy",
+    "ProcessRank",
     "ReferenceExecutor",
     "ReferenceTransport",
     "SymmetricStorage",
