@@ -96,22 +96,29 @@ def _gpu_transport(name: str) -> Any:
     return make()
 
 
-def _pick_transport(requested: str | None, device: torch.device) -> str:
+def _pick_transport(requested: str | None, bootstrap_device: torch.device) -> tuple[str, torch.device]:
+    """(transport, device of the data). CPU groups default to the reference backend; nccl groups to the GPU
+    kernels (ipc). A gloo group may also drive the GPU kernels (``transport="ipc"``: the bootstrap runs over gloo,
+    the data stays on this process's GPU; e.g. several processes sharing one GPU, which NCCL refuses)."""
     choice = (requested or _env.transport() or "").lower()
     if choice not in ("", "reference", "ipc", "nccl"):
         raise EPValueError(f"transport: expected 'reference', 'ipc', 'nccl' or None, got {requested!r}")
     if not choice:
-        return "reference" if device.type == "cpu" else "nccl"
-    if choice == "reference" and device.type != "cpu":
+        choice = "reference" if bootstrap_device.type == "cpu" else "ipc"
+    if choice == "reference":
+        if bootstrap_device.type != "cpu":
+            raise EPValueError(
+                "transport: 'reference' runs on CPU tensors over a gloo group; this group is nccl (CUDA tensors)"
+            )
+        return choice, bootstrap_device
+    if bootstrap_device.type == "cuda":
+        return choice, bootstrap_device
+    if not torch.cuda.is_available():
         raise EPValueError(
-            "transport: 'reference' runs on CPU tensors over a gloo group; this group is nccl (CUDA tensors)"
+            f"transport: {choice!r} runs the GPU kernels, but CUDA is not available here; use transport='reference' "
+            "(the default for CPU groups)"
         )
-    if choice != "reference" and device.type == "cpu":
-        raise EPValueError(
-            f"transport: {choice!r} needs an nccl process group with CUDA tensors; this group works on CPU tensors: "
-            "use transport='reference' (the default for CPU groups)"
-        )
-    return choice
+    return choice, torch.device("cuda", torch.cuda.current_device())
 
 
 class ElasticBuffer:
@@ -147,10 +154,9 @@ class ElasticBuffer:
     ) -> None:
         self.group = dist.group.WORLD if group is None else group
         self.bootstrap = ProcessGroupBootstrap(self.group)
-        self.device = group_device(self.group)
         self.rank_idx = self.bootstrap.rank
         self.num_ranks = self.bootstrap.size
-        self.transport = _pick_transport(transport, self.device)
+        self.transport, self.device = _pick_transport(transport, group_device(self.group))
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
@@ -242,7 +248,7 @@ class ElasticBuffer:
     ) -> int:
         """Bytes a buffer needs for these sizes (2 MiB aligned; SPEC §4). A collective over ``group``."""
         boot = ProcessGroupBootstrap(dist.group.WORLD if group is None else group)
-        name = _pick_transport(None, boot.device)
+        name, _ = _pick_transport(None, boot.device)
         tr = _reference_transport() if name == "reference" else _gpu_transport(name)
         topology = Topology(boot.size, tr.num_nvlink_ranks(boot), bool(allow_hybrid_mode))
         return planner.get_buffer_size_hint(

@@ -1,0 +1,56 @@
+"""GPU tests (marker gpu): the torch API on CUDA tensors against ep_core.reference, CUDA-graph capture, events and
+streams, the demo on a GPU. Skipped without a GPU.
+
+On the one-H200 machine: one rank over nccl (`cuda`), and several processes sharing the GPU over a gloo bootstrap
+with the ipc transport (`cuda-shared`; NCCL refuses two ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+
+def _assert_all_pass(per_rank):
+    failures = [f"rank {r}: {n}\n{d}" for r, res in enumerate(per_rank) for n, ok, d in res if not ok]
+    assert per_rank and per_rank[0], "no checks ran"
+    assert not failures, f"{len(failures)} failed:\n" + "\n".join(failures[:10])
+
+
+def test_event_handle_on_cuda():
+    from ep_torch import EventHandle, EventOverlap
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        a = torch.ones(1 << 20, device="cuda") * 2
+        ev = EventOverlap(EventHandle())
+    assert ev.event is not None and not ev.event.is_cpu
+    ev.current_stream_wait()
+    assert float(a.sum()) == 2 * (1 << 20)
+
+
+def test_comm_stream_is_one_high_priority_stream():
+    from ep_torch._streams import comm_stream
+
+    a, b = comm_stream(torch.device("cuda", 0)), comm_stream(0)
+    assert a is b and a.priority <= torch.cuda.Stream().priority
+
+
+@pytest.mark.parametrize("backend,ranks", [("cuda", 1), ("cuda-shared", 2), ("cuda-shared", 4)])
+def test_conformance_on_gpu(backend, ranks):
+    from ep_torch.conformance import run_spawned
+
+    if backend == "cuda" and torch.cuda.device_count() < ranks:
+        pytest.skip("one GPU per rank needed")
+    _assert_all_pass(run_spawned(ranks, {"backend": backend}))
+
+
+def test_demo_on_gpu():
+    from ep_torch import demo
+
+    assert demo.main(["--backend", "cuda", "--ranks", "1", "--steps", "3", "--no-progress"]) == 0
