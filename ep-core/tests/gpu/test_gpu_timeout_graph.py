@@ -76,6 +76,30 @@ def test_stalled_peer_times_out_and_gpu_stays_usable() -> None:
     dom.close()
 
 
+@pytest.mark.parametrize("bad", ["out_of_range", "duplicate"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_invalid_expert_ids_are_reported(bad: str, deterministic: bool) -> None:
+    from ep_core.errors import EPDeviceError
+
+    dom = LoopbackDomain(2, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=K, gpu_timeout_secs=10.0)
+    inp = routing.make_inputs(2, M, HIDDEN, E, K, seed=5)
+    idx = [i.copy() for i in inp.topk_idxs]
+    if bad == "out_of_range":
+        idx[1][3, 2] = E
+    else:
+        idx[1][3, 2] = idx[1][3, 5]
+    with pytest.raises(EPDeviceError, match="topk_idx"):
+        dom.dispatch(inp.xs, idx, inp.topk_weights, num_experts=E, deterministic=deterministic)
+    dom.synchronize()
+    outs = dom.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, deterministic=True)
+    ref = reference.dispatch(
+        inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, num_max_tokens_per_rank=M
+    )
+    for r in range(2):
+        assert np.array_equal(outs[r].recv_x.numpy(), ref[r].recv_x)
+    dom.close()
+
+
 class _StaticAllocator:
     """Plain cuMemAlloc arrays (allowed during stream capture); kept alive for the graph's lifetime."""
 

@@ -198,6 +198,7 @@ class DirectRank:
                 buf = _cuda.DeviceBuffer(plan.scratch_bytes)
                 self.res.scratch_buffers[plan.scratch_bytes] = buf
             scratch = buf.ptr
+        self._last_scratch = scratch
         return plan, scratch
 
     def _common(self, plan: RegionPlan, scratch: int, num_experts: int) -> dict:
@@ -628,7 +629,8 @@ class DirectRank:
         return rec, inp
 
     def _any_scratch(self) -> int:
-        return self.res.base + ep_layout.WorkspaceLayout.RESERVED_OFFSET
+        """The scratch of the last operation (the workspace's reserved region unless it was too small)."""
+        return getattr(self, "_last_scratch", self.res.base + ep_layout.WorkspaceLayout.RESERVED_OFFSET)
 
     def check_errors(self, synchronize: bool = True) -> None:
         """Raise EPTimeoutError / EPDeviceError if a kernel of this rank recorded an error."""
