@@ -69,6 +69,14 @@ def _plain(a: Any) -> Any:
     return a
 
 
+def _flat(items: Any) -> Iterator[Any]:
+    for a in items:
+        if isinstance(a, tuple):
+            yield from _flat(a)
+        else:
+            yield a
+
+
 def _reference_transport(num_nvlink_ranks: int | None = None) -> ReferenceTransport:
     return ReferenceTransport(
         num_device_sms=_env.reference_num_sms(),
@@ -89,11 +97,10 @@ def _gpu_transport(name: str) -> Any:
     make = getattr(module, "make_transport", None)
     if make is None:
         raise NotImplementedError(
-            f"transport {name!r}: ep_core.transports.{name} has no make_transport() yet, so ep_core.EPBuffer cannot "
-            "build a GPU executor (the kernels exist as ep_core.kernels.executor.DirectRank, but no Transport/Executor "
-            "wraps them). Use CPU tensors on a gloo group (transport='reference') meanwhile."
+            f"transport {name!r}: ep_core.transports.{name} has no make_transport(), so ep_core.EPBuffer cannot build a "
+            "GPU executor for it. Use transport='ipc', or CPU tensors on a gloo group (transport='reference')."
         )
-    return make()
+    return make()  # ep-core raises EPConfigError for a transport whose host side is not available
 
 
 def _pick_transport(requested: str | None, bootstrap_device: torch.device) -> tuple[str, torch.device]:
@@ -311,15 +318,18 @@ class ElasticBuffer:
         cuda = self.device.type == "cuda"
         if cuda and with_cpu_sync:
             torch.cuda.synchronize()
-        with self._on_comm_stream(use_comm_stream and cuda, previous_event=None):
+        with self._on_comm_stream(use_comm_stream and cuda, None, wait_back=True):
             rt.barrier()
         if cuda and with_cpu_sync:
             torch.cuda.synchronize()
 
     @contextlib.contextmanager
-    def _on_comm_stream(self, enabled: bool, previous_event: EventHandle | None) -> Iterator[None]:
-        """Run the body on the comm stream: it first waits for ``previous_event`` or the compute stream, and the
-        compute stream waits for it afterwards (behaviour doc §1.8, the synchronous case)."""
+    def _on_comm_stream(
+        self, enabled: bool, previous_event: EventHandle | None, *, wait_back: bool
+    ) -> Iterator[None]:
+        """Make the comm stream current for the body (allocations and the operation are ordered on it): it first
+        waits for ``previous_event``, or else for the compute stream; afterwards the compute stream waits for it
+        unless ``wait_back`` is False (the async case: the caller waits on the returned event)."""
         if not enabled:
             yield
             return
@@ -332,17 +342,17 @@ class ElasticBuffer:
             comm.wait_stream(compute)
         with torch.cuda.stream(comm):
             yield
-        compute.wait_stream(comm)
+        if wait_back:
+            compute.wait_stream(comm)
 
     # ----------------------------------------------------------------------------------------------------------------
     # dispatch / combine
 
-    def _allocator(self, device: torch.device, stream: torch.cuda.Stream | None) -> Any:
+    def _allocator(self, device: torch.device) -> Any:
+        """Outputs as torch tensors on ``device``, from the caching allocator of the current stream."""
+
         def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-            if stream is None:
-                return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
-            with torch.cuda.stream(stream):
-                return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
+            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
 
         return allocate
 
@@ -366,21 +376,22 @@ class ElasticBuffer:
                 "do_cpu_sync=False (worst-case shapes) or a cached handle"
             )
 
-    def _event(
-        self, async_with_compute_stream: bool, result_event: Any, keep: tuple[Any, ...]
-    ) -> EventOverlap:
+    def _event(self, async_with_compute_stream: bool, keep: tuple[Any, ...]) -> EventOverlap:
+        """The returned ``EventOverlap``: None unless async; on CUDA an event recorded on the stream the operation
+        ended on, with every operand ``record_stream``-ed on both streams (or kept in the event with
+        ``EPKIT_AVOID_RECORD_STREAM=1``)."""
         if not async_with_compute_stream:
             return EventOverlap(None)
         if self.device.type != "cuda":
             return EventOverlap(EventHandle(device="cpu"))
-        comm = self.get_comm_stream()
-        event = result_event if isinstance(result_event, EventHandle) else EventHandle(comm)
+        event = EventHandle(torch.cuda.current_stream())
+        tensors = [t for t in _flat(keep) if isinstance(t, torch.Tensor) and t.is_cuda]
         if _env.avoid_record_stream():
-            return EventOverlap(event, extra_tensors=keep)
-        compute = torch.cuda.current_stream()
-        for t in keep:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(compute)
+            return EventOverlap(event, extra_tensors=tensors)
+        comm = self.get_comm_stream()
+        for t in tensors:
+            t.record_stream(torch.cuda.current_stream())
+            if comm is not None:
                 t.record_stream(comm)
         return EventOverlap(event)
 
@@ -424,9 +435,8 @@ class ElasticBuffer:
         data = x[0] if isinstance(x, tuple) and len(x) == 2 else x
         device = data.device if isinstance(data, torch.Tensor) else self.device
         cuda = self.device.type == "cuda"
-        comm = self.get_comm_stream() if cuda else None
-        stream = comm if cuda and allocate_on_comm_stream else None
-        with self._on_comm_stream(cuda and not async_with_compute_stream, previous_event):
+        on_comm = cuda and (allocate_on_comm_stream or previous_event is not None)
+        with self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream):
             res = self._run(
                 "dispatch",
                 rt.dispatch,
@@ -449,11 +459,29 @@ class ElasticBuffer:
                 do_expand=bool(do_expand),
                 do_zero_padding=bool(do_zero_padding),
                 use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),
-                allocator=self._allocator(device, stream),
+                allocator=self._allocator(device),
                 stream=torch.cuda.current_stream().cuda_stream if cuda else 0,
             )
-        if handle is None and not do_handle_copy:
-            res.handle.topk_idx = topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
+            keep = (
+                x,
+                topk_idx,
+                topk_weights,
+                res.recv_x,
+                res.recv_sf,
+                res.recv_topk_idx,
+                res.recv_topk_weights,
+            )
+            event = self._event(async_with_compute_stream, keep)
+        if handle is None:
+            held = res.handle.topk_idx
+            if not do_handle_copy:
+                res.handle.topk_idx = (
+                    topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
+                )
+            elif isinstance(held, torch.Tensor) and held.numel() and held.data_ptr() == topk_idx.data_ptr():
+                res.handle.topk_idx = (
+                    held.clone()
+                )  # do_handle_copy: the handle must not alias the caller's tensor
         recv_x: Any = res.recv_x
         if res.recv_sf is not None:
             sf = res.recv_sf
@@ -462,8 +490,6 @@ class ElasticBuffer:
             ):  # storage [P, align(R, 4)] -> the logical [R, P] column-major view
                 sf = sf.t()[: recv_x.shape[0]]
             recv_x = (recv_x, sf)
-        keep = (x, topk_idx, topk_weights, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
-        event = self._event(async_with_compute_stream, res.event, keep)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
 
     def combine(
@@ -490,9 +516,8 @@ class ElasticBuffer:
             )
         device = x.device if isinstance(x, torch.Tensor) else self.device
         cuda = self.device.type == "cuda"
-        comm = self.get_comm_stream() if cuda else None
-        stream = comm if cuda and allocate_on_comm_stream else None
-        with self._on_comm_stream(cuda and not async_with_compute_stream, previous_event):
+        on_comm = cuda and (allocate_on_comm_stream or previous_event is not None)
+        with self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream):
             res = self._run(
                 "combine",
                 rt.combine,
@@ -506,11 +531,11 @@ class ElasticBuffer:
                 previous_event_before_epilogue=previous_event_before_epilogue,
                 async_with_compute_stream=bool(async_with_compute_stream),
                 allocate_on_comm_stream=bool(allocate_on_comm_stream),
-                allocator=self._allocator(device, stream),
+                allocator=self._allocator(device),
                 stream=torch.cuda.current_stream().cuda_stream if cuda else 0,
             )
-        keep = (x, topk_weights, bias, res.combined_x, res.combined_topk_weights)
-        event = self._event(async_with_compute_stream, res.event, keep)
+            keep = (x, topk_weights, bias, res.combined_x, res.combined_topk_weights)
+            event = self._event(async_with_compute_stream, keep)
         return res.combined_x, res.combined_topk_weights, event
 
 
