@@ -20,6 +20,7 @@ ranks stay in step. Command line: ``python -m ep_torch.conformance --ranks 4 [--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -114,6 +115,91 @@ def _rng_bf16(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return random_bf16(shape, np.random.default_rng(seed))
 
 
+_HANDLE_ARRAYS = (
+    "topk_idx",
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
+    "dst_buffer_slot_idx",
+)
+
+
+def _as_output(recv_x: Any, recv_idx: Any, recv_w: Any, handle: EPHandle) -> reference.DispatchOutput:
+    """Torch outputs as an ``ep_core.reference.DispatchOutput`` of numpy arrays (bits for bf16 / FP8)."""
+    data, sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+    h = dataclasses.replace(handle, **{f: _bits(getattr(handle, f)) for f in _HANDLE_ARRAYS})
+    return reference.DispatchOutput(
+        _bits(data),
+        None if sf is None else _bits(sf),
+        None if recv_idx is None else _bits(recv_idx),
+        None if recv_w is None else _bits(recv_w),
+        h,
+    )
+
+
+def _compare_dispatch(
+    prefix: str,
+    got: reference.DispatchOutput,
+    ref: reference.DispatchOutput,
+    *,
+    exact: bool,
+    deterministic: bool,
+    zero_padding: bool,
+) -> None:
+    """``exact`` (the reference backend): every array bit for bit, slack rows included. Otherwise (GPU kernels):
+    row order inside regions/experts compared through ``canonical_order`` unless deterministic, only valid rows
+    (slack and padding are unspecified), padding zero when ``zero_padding``."""
+    if exact:
+        _same(prefix + "recv_x", got.recv_x, ref.recv_x)
+        _same(prefix + "recv_sf", got.recv_sf, ref.recv_sf)
+        _same(prefix + "recv_topk_idx", got.recv_topk_idx, ref.recv_topk_idx)
+        _same(prefix + "recv_topk_weights", got.recv_topk_weights, ref.recv_topk_weights)
+        _same_handle(got.handle, ref.handle)
+        return
+    if not deterministic:
+        got, ref = reference.canonical_order(got), reference.canonical_order(ref)
+    h, rh = got.handle, ref.handle
+    for field in ("num_recv_tokens", "num_expanded_tokens", "num_recv_tokens_per_expert_list"):
+        if getattr(h, field) != getattr(rh, field):
+            raise AssertionError(
+                f"{prefix}handle.{field}: {getattr(h, field)} != reference {getattr(rh, field)}"
+            )
+    for field in (
+        "psum_num_recv_tokens_per_scaleup_rank",
+        "psum_num_recv_tokens_per_expert",
+        "num_unaligned_recv_tokens_per_expert",
+    ):
+        _same(f"{prefix}handle.{field}", getattr(h, field), getattr(rh, field))
+    n = ref.num_valid_rows
+    _same(prefix + "handle.recv_src_metadata (valid rows)", h.recv_src_metadata[:n], rh.recv_src_metadata[:n])
+    if deterministic:
+        _same(prefix + "handle.dst_buffer_slot_idx", h.dst_buffer_slot_idx, rh.dst_buffer_slot_idx)
+    if h.do_expand:
+        rows = ref.valid_expanded_rows
+        end = (
+            int(sum(rh.num_recv_tokens_per_expert_list))
+            if rh.num_recv_tokens_per_expert_list
+            else int(
+                reference.align(int(np.asarray(rh.psum_num_recv_tokens_per_expert)[-1]), rh.expert_alignment)
+                if rh.num_local_experts
+                else 0
+            )
+        )
+        padding = ~rows & (np.arange(rows.size) < end)
+    else:
+        rows = np.arange(got.recv_x.shape[0]) < n
+        padding = np.zeros_like(rows)
+    for name in ("recv_x", "recv_sf", "recv_topk_idx", "recv_topk_weights"):
+        a, b = getattr(got, name), getattr(ref, name)
+        if a is None or b is None:
+            _same(prefix + name, a, b)
+            continue
+        _same(f"{prefix}{name} (valid rows)", a[rows], b[rows])
+        if zero_padding and padding.any():
+            _same(f"{prefix}{name} (zero padding)", a[padding], np.zeros_like(a[padding]))
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # modes
 
@@ -171,6 +257,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
         buf = buffers[bufname]
         name = f"modes/{routing}/{'fp8' if fp8 else 'bf16'}/{'expand' if expand else 'rank'}/A{align}/{'sync' if sync else 'nosync'}/{bufname}"
         async_, with_prev, alloc_comm = next(event_modes)
+        exact = buf.transport == "reference"
         inputs = _inputs(routing, n, m, hidden, experts, topk, fp8, seed)
         col_major = expand and fp8
         common = {
@@ -218,6 +305,8 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             col_major=col_major,
             seed=seed,
             fp8=fp8,
+            exact=exact,
+            buf=buf,
         ) -> None:
             assert isinstance(event, EventOverlap)
             if async_:
@@ -225,20 +314,22 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
                 event.current_stream_wait()
             else:
                 assert event.event is None, "a synchronous dispatch returns EventOverlap(None)"
-            data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
             assert isinstance(recv_x, tuple) == fp8, "recv_x is a tuple iff x was one"
-            _same("recv_x", data, ref.recv_x)
             if fp8:
                 sf = recv_x[1]
-                _same("recv_sf", sf, ref.recv_sf)
                 if col_major and sf.shape[0]:
                     rows = sf.shape[0]
                     assert sf.stride() == (1, reference.align(rows, 4)), f"col-major sf strides {sf.stride()}"
-            _same("recv_topk_idx", recv_idx, ref.recv_topk_idx)
             if recv_idx is not None:
                 assert recv_idx.dtype == torch.int64
-            _same("recv_topk_weights", recv_w, ref.recv_topk_weights)
-            _same_handle(handle, ref.handle)
+            _compare_dispatch(
+                "",
+                _as_output(recv_x, recv_idx, recv_w, handle),
+                ref,
+                exact=exact,
+                deterministic=buf.deterministic,
+                zero_padding=False,
+            )
             assert handle.topk_idx.equal(idx)
             assert (handle.topk_idx is not idx) == bool(seed % 2), "do_handle_copy"
 
@@ -268,18 +359,28 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             recv_x=recv_x,
             recv_idx=recv_idx,
             fp8=fp8,
+            exact=exact,
+            buf=buf,
+            expand=expand,
         ) -> None:
             assert c_handle is handle, "a cached dispatch returns the handle it was given"
-            _same("cached recv_x", c_x[0] if isinstance(c_x, tuple) else c_x, ref_c.recv_x)
-            _same(
-                "cached recv_x == original",
-                c_x[0] if isinstance(c_x, tuple) else c_x,
-                _bits(recv_x[0] if isinstance(recv_x, tuple) else recv_x),
+            got = _as_output(c_x, c_idx, c_w, handle)
+            _compare_dispatch(
+                "cached ", got, ref_c, exact=exact, deterministic=buf.deterministic, zero_padding=expand
             )
+            # bitwise equal to the original dispatch at every valid row, in the same order
+            orig = _as_output(recv_x, recv_idx, None, handle)
+            n = reference.DispatchOutput(got.recv_x, None, None, None, got.handle).num_valid_rows
+            valid = (
+                reference.valid_expanded_rows(got.handle, got.recv_x.shape[0])
+                if expand
+                else np.arange(got.recv_x.shape[0]) < n
+            )
+            _same("cached recv_x == original", got.recv_x[valid], orig.recv_x[valid])
             if fp8:
-                _same("cached recv_sf", c_x[1], ref_c.recv_sf)
-            _same("cached recv_topk_idx", c_idx, ref_c.recv_topk_idx)
-            _same("cached recv_topk_weights", c_w, ref_c.recv_topk_weights)
+                _same("cached recv_sf == original", got.recv_sf[valid], orig.recv_sf[valid])
+            if c_idx is not None:
+                _same("cached recv_topk_idx == original", got.recv_topk_idx[valid], orig.recv_topk_idx[valid])
 
         checks.run(name + "/cached", check_cached)
 
