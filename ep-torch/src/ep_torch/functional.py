@@ -14,7 +14,7 @@ Gradients (DeepEP's recipe, with the handle reused so nothing is recomputed):
 - combine backward = cached dispatch of ``grad_combined`` (every received row is a copy of its token's gradient);
   the gradient of combine's ``topk_weights`` is the cached dispatch's weights at the owner lanes.
 
-The ``handle`` here is a small int64 tensor of shape ``[num_tokens + 1, num_topk]`` (a *handle token*): its
+The ``handle`` here is a small int64 host tensor of shape ``[num_tokens + 1, num_topk]`` (a *handle token*): its
 ``[0, 0]`` element names the :class:`~ep_torch.EPHandle` kept in a registry for as long as the token tensor lives,
 and its shape carries the sizes that ``torch.compile`` needs. :func:`get_handle` returns the ``EPHandle``.
 """
@@ -61,11 +61,12 @@ def _buffer(bid: int) -> ElasticBuffer:
         ) from None
 
 
-def _new_token(handle: EPHandle, num_tokens: int, num_topk: int, device: torch.device) -> torch.Tensor:
+def _new_token(handle: EPHandle, num_tokens: int, num_topk: int) -> torch.Tensor:
     with _lock:
         hid = next(_ids)
         _handles[hid] = handle
-    token = torch.zeros(num_tokens + 1, num_topk, dtype=torch.int64, device=device)
+    # on the host whatever the data's device: reading the id never synchronizes a GPU (CUDA graphs allowed)
+    token = torch.zeros(num_tokens + 1, num_topk, dtype=torch.int64)
     token[0, 0] = hid
     weakref.finalize(token, _handles.pop, hid, None)
     return token
@@ -114,7 +115,7 @@ def _dispatch_op(
     )
     if recv_topk_idx is None:  # expand layout: no per-row ids
         recv_topk_idx = torch.empty(0, topk_idx.shape[1], dtype=torch.int64, device=x.device)
-    token = _new_token(handle, x.shape[0], topk_idx.shape[1], x.device)
+    token = _new_token(handle, x.shape[0], topk_idx.shape[1])
     return recv_x, recv_topk_idx, recv_topk_weights, token
 
 
@@ -129,13 +130,13 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, do_ex
             recv_x,
             topk_idx.new_empty(0, k),
             topk_weights.new_empty(rows),
-            topk_idx.new_empty(x.shape[0] + 1, k),
+            torch.empty(x.shape[0] + 1, k, dtype=torch.int64, device="cpu"),
         )
     return (
         recv_x,
         topk_idx.new_empty(rows, k),
         topk_weights.new_empty(rows, k),
-        topk_idx.new_empty(x.shape[0] + 1, k),
+        torch.empty(x.shape[0] + 1, k, dtype=torch.int64, device="cpu"),
     )
 
 
