@@ -60,7 +60,9 @@ def test_lower_layers_never_import_torch(dist: str) -> None:
     """Only ep-torch may import torch; importing any other package must leave it unloaded."""
     module = GRAPH[dist][1]
     code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0, f"{module} imported torch"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0, (
+        f"{module} imported torch"
+    )
 
 
 @pytest.mark.parametrize("dist", list(GRAPH))
