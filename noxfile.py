@@ -1,4 +1,4 @@
-"""ep nox sessions. `nox -l` is the catalogue; `nox -s tests` is what CI runs.
+"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, tests, every tests-<package>) is what CI runs.
 
 The package graph lives in PACKAGES (one dict, leaf first). Every session derives what it installs from it, so
 `tests-<package>` installs exactly that package, its internal closure and its declared dependencies: if a
@@ -94,22 +94,22 @@ def _make_package_session(name: str) -> None:
         _pytest(session, f"{PACKAGES[name].path}/tests")
 
     session_fn.__doc__ = f"CPU tests of {name} installed alone with only its declared dependencies."
-    nox.session(name=f"tests-{name}", default=False)(session_fn)
+    nox.session(name=f"tests-{name}", default=False, tags=["ci", "layering"])(session_fn)
 
 
 for _name in PACKAGES:
     _make_package_session(_name)
 
 
-@nox.session
+@nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
-    """All CPU tests of every package plus the cross-package tests/, in one venv (the README's test command)."""
+    """All CPU tests of every package plus the cross-package tests/, in one venv."""
     names = list(PACKAGES)
     _install(session, names, extras=ALL_EXTRAS)
     _pytest(session, *(f"{PACKAGES[n].path}/tests" for n in names), "tests")
 
 
-@nox.session
+@nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
     # Pinned: the formatter changes between releases, and it also formats the Python in README code blocks.
