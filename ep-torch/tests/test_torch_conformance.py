@@ -55,3 +55,7 @@ def test_moe_dispatcher_module(four_ranks):
 def test_one_rank(one_rank):
     _assert_group(one_rank, "modes/", 96)
     _assert_group(one_rank, "autograd/", 3)
+
+
+def test_planner_and_domains(four_ranks):
+    _assert_group(four_ranks, "planner/", 1)

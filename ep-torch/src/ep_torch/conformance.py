@@ -861,6 +861,57 @@ def check_module(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> No
 
 
 # --------------------------------------------------------------------------------------------------------------------
+# planner and domains: the buffers answer with ep-core's planner under their policy
+
+
+def check_planner(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[str, Any]) -> None:
+    from ep_core import planner
+    from ep_core.topology import Topology
+
+    n = cfg["world"]
+    hint = ElasticBuffer.get_buffer_size_hint(
+        dist.group.WORLD, cfg["tokens"], cfg["hidden"], num_topk=cfg["topk"]
+    )
+    hint_v25 = EPBuffer.get_buffer_size_hint(
+        dist.group.WORLD, cfg["tokens"], cfg["hidden"], num_topk=cfg["topk"]
+    )
+
+    def check() -> None:
+        el, ep = buffers["Elastic"], buffers["EP-deterministic-single-reduction"]
+        assert type(el).policy is planner.PlannerPolicy.V2 and type(ep).policy is planner.PlannerPolicy.V2_5
+        topo = el.runtime.topology
+        assert topo.num_ranks == n
+        assert el.get_physical_domain_size() == topo.physical_domain_size
+        assert el.get_logical_domain_size() == topo.logical_domain_size
+        assert (el.num_scaleout_ranks, el.num_scaleup_ranks) == topo.logical_domain_size
+        assert el.scaleup_rank_idx == cfg["rank"] % el.num_scaleup_ranks
+        want = planner.get_buffer_size_hint(
+            Topology(n, topo.num_nvlink_ranks, True), cfg["tokens"], cfg["hidden"], cfg["topk"]
+        )
+        assert hint == hint_v25 == want and hint % (2 << 20) == 0, (hint, hint_v25, want)
+        assert el.num_bytes == want, "the constructor sizes the buffer with the hint"
+        for buf in (el, ep):
+            ex = buf.runtime.executor
+            for e, k in ((8 * n, 4), (256 if n <= 8 else 32 * n, 8)):
+                got = buf.get_theoretical_num_sms(e, k)
+                ref = planner.get_theoretical_num_sms(
+                    topo,
+                    e,
+                    k,
+                    num_device_sms=ex.num_device_sms,
+                    nvlink_gbs=getattr(ex, "nvlink_gbs", None),
+                    prefer_overlap_with_compute=True,
+                    policy=type(buf).policy,
+                )
+                assert got == ref, (type(buf).__name__, e, k, got, ref)
+            assert buf.get_theoretical_num_qps(4) == planner.get_theoretical_num_qps(
+                topo, 4, buf.num_allocated_qps
+            )
+
+    checks.run("planner/buffers use ep-core's planner with their policy", check)
+
+
+# --------------------------------------------------------------------------------------------------------------------
 # CUDA only: streams, events, CUDA-graph capture
 
 
@@ -957,7 +1008,7 @@ def check_cuda(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[str
 # driver
 
 
-SCENARIOS = ("modes", "errors", "autograd", "compile", "module", "cuda")
+SCENARIOS = ("modes", "errors", "autograd", "compile", "module", "planner", "cuda")
 
 
 def run_all(rank: int, world: int, cfg: dict[str, Any]) -> list[Result]:
@@ -1005,6 +1056,8 @@ def run_all(rank: int, world: int, cfg: dict[str, Any]) -> list[Result]:
         check_compile(checks, buffers["Elastic"], cfg)
     if "module" in wanted:
         check_module(checks, buffers["Elastic"], cfg)
+    if "planner" in wanted:
+        check_planner(checks, buffers, cfg)
     if "cuda" in wanted and device.type == "cuda":
         check_cuda(checks, buffers, cfg)
     dist.barrier()
