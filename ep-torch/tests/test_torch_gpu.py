@@ -50,7 +50,8 @@ def test_conformance_on_gpu(backend, ranks):
     _assert_all_pass(run_spawned(ranks, {"backend": backend}))
 
 
-def test_demo_on_gpu():
+@pytest.mark.parametrize("backend,ranks", [("cuda", 1), ("cuda-shared", 2)])
+def test_demo_on_gpu(backend, ranks):
     from ep_torch import demo
 
-    assert demo.main(["--backend", "cuda", "--ranks", "1", "--steps", "3", "--no-progress"]) == 0
+    assert demo.main(["--backend", backend, "--ranks", str(ranks), "--steps", "3", "--no-progress"]) == 0

@@ -133,9 +133,11 @@ def _worker(rank: int, world: int, cfg: DemoConfig) -> None:
     from .buffer import ElasticBuffer, EPBuffer
     from .nn import apply_local_experts
 
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "cuda" else torch.device("cpu")
-    )
+    on_gpu = cfg.backend in ("cuda", "cuda-shared")
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if cfg.backend == "cuda-shared":
+        # ranks sharing one GPU have no NVLink to detect: give the planner a bandwidth unless set
+        os.environ.setdefault("EPKIT_NVLINK_GBS", "450")
     cls = EPBuffer if cfg.buffer == "EPBuffer" else ElasticBuffer
     buffer = cls(
         dist.group.WORLD,
@@ -143,6 +145,7 @@ def _worker(rank: int, world: int, cfg: DemoConfig) -> None:
         hidden=cfg.hidden,
         num_topk=cfg.topk,
         explicitly_destroy=True,
+        transport="ipc" if cfg.backend == "cuda-shared" else None,
     )
     epr = cfg.experts // world
     full = init_params(cfg)
@@ -392,6 +395,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         raise ValueError(f"--topk ({cfg.topk}) must be <= --experts ({cfg.experts})")
     if (cfg.hidden * 2) % 32:
         raise ValueError(f"--hidden ({cfg.hidden}) must be a multiple of 16 (bf16 rows in 32-byte units)")
+    if cfg.backend == "cuda-shared" and not torch.cuda.is_available():
+        raise ValueError("--backend cuda-shared needs a GPU")
     if cfg.backend == "cuda" and torch.cuda.device_count() < cfg.ranks:
         raise ValueError(
             f"--backend cuda needs one GPU per rank: {cfg.ranks} ranks, {torch.cuda.device_count()} GPUs"
@@ -431,10 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ranks", "-n", type=int, default=d.ranks, help="number of ranks (processes) to spawn")
     g.add_argument(
         "--backend",
-        choices=("auto", "cpu", "cuda"),
+        choices=("auto", "cpu", "cuda", "cuda-shared"),
         default="auto",
         help="cpu: gloo processes and the CPU reference backend; cuda: one GPU per rank over nccl with "
-        "the GPU kernels; auto: cuda when there is a GPU per rank, else cpu",
+        "the GPU kernels; cuda-shared: every rank on GPU 0 (gloo bootstrap, ipc transport, GPU kernels); "
+        "auto: cuda when there is a GPU per rank, else cpu",
     )
     g.add_argument(
         "--buffer",
