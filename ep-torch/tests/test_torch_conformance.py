@@ -6,6 +6,8 @@ One spawn runs every scenario (process start-up dominates on two cores); each te
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from ep_torch.conformance import run_spawned
 
@@ -18,6 +20,20 @@ def four_ranks() -> list[list[tuple[str, bool, str]]]:
 @pytest.fixture(scope="module")
 def one_rank() -> list[list[tuple[str, bool, str]]]:
     return run_spawned(1, {"backend": "cpu", "scenarios": ["modes", "autograd"]})
+
+
+@pytest.fixture(scope="module")
+def four_ranks_hybrid() -> list[list[tuple[str, bool, str]]]:
+    """2 emulated NVLink domains of 2 ranks: hybrid mode (S_o = 2, S_u = 2) on the reference backend."""
+    old = os.environ.get("EPKIT_TORCH_REFERENCE_NVLINK_RANKS")
+    os.environ["EPKIT_TORCH_REFERENCE_NVLINK_RANKS"] = "2"
+    try:
+        return run_spawned(4, {"backend": "cpu", "scenarios": ["modes", "autograd", "planner"]})
+    finally:
+        if old is None:
+            del os.environ["EPKIT_TORCH_REFERENCE_NVLINK_RANKS"]
+        else:
+            os.environ["EPKIT_TORCH_REFERENCE_NVLINK_RANKS"] = old
 
 
 def _assert_group(per_rank: list[list[tuple[str, bool, str]]], prefix: str, minimum: int) -> None:
@@ -59,3 +75,10 @@ def test_one_rank(one_rank):
 
 def test_planner_and_domains(four_ranks):
     _assert_group(four_ranks, "planner/", 1)
+
+
+def test_hybrid_mode_on_cpu(four_ranks_hybrid):
+    # regions grouped by scale-up index, three reduction levels, through the torch API
+    _assert_group(four_ranks_hybrid, "modes/", 300)
+    _assert_group(four_ranks_hybrid, "autograd/", 3)
+    _assert_group(four_ranks_hybrid, "planner/", 1)

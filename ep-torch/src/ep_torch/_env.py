@@ -6,6 +6,7 @@
 | ``EPKIT_TORCH_TRANSPORT`` | str | ``""`` | force the backend of new buffers: ``reference`` (CPU, torch.distributed collectives), ``ipc`` or ``nccl``; empty = automatic |
 | ``EPKIT_TORCH_REFERENCE_NUM_SMS`` | int | ``132`` | device SM count the planner assumes on the CPU reference backend (an H200 by default) |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
+| ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | ranks per emulated NVLink domain on the CPU reference backend (0 = all ranks: direct mode; a divisor of N below N emulates hybrid mode) |
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Knob", "avoid_record_stream", "knobs", "reference_num_sms", "reference_nvlink_gbs", "transport"]
+__all__ = [
+    "Knob",
+    "avoid_record_stream",
+    "knobs",
+    "reference_num_sms",
+    "reference_nvlink_gbs",
+    "reference_nvlink_ranks",
+    "transport",
+]
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,11 @@ knobs: dict[str, Knob] = {
             "EPKIT_TORCH_REFERENCE_NVLINK_GBS",
             "430.3",
             "NVLink GB/s assumed by the planner on the CPU backend",
+        ),
+        Knob(
+            "EPKIT_TORCH_REFERENCE_NVLINK_RANKS",
+            "0",
+            "ranks per emulated NVLink domain on the CPU backend (0 = all ranks, direct mode)",
         ),
     )
 }
@@ -87,3 +101,11 @@ def reference_num_sms() -> int:
 def reference_nvlink_gbs() -> float:
     """``EPKIT_TORCH_REFERENCE_NVLINK_GBS``."""
     return float(_number("EPKIT_TORCH_REFERENCE_NVLINK_GBS", float))
+
+
+def reference_nvlink_ranks() -> int:
+    """``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` (0 = every rank in one domain)."""
+    value = int(_number("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", int))
+    if value < 0:
+        raise ValueError(f"EPKIT_TORCH_REFERENCE_NVLINK_RANKS={value}: expected >= 0")
+    return value

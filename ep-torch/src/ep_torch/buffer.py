@@ -77,11 +77,13 @@ def _flat(items: Any) -> Iterator[Any]:
             yield a
 
 
-def _reference_transport(num_nvlink_ranks: int | None = None) -> ReferenceTransport:
+def _reference_transport() -> ReferenceTransport:
+    """ep-core's reference transport with the planner inputs of ``_env`` (an H200 by default) and, with
+    ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS``, emulated NVLink domains (hybrid mode on CPU)."""
     return ReferenceTransport(
         num_device_sms=_env.reference_num_sms(),
         nvlink_gbs=_env.reference_nvlink_gbs(),
-        num_nvlink_ranks=num_nvlink_ranks,
+        num_nvlink_ranks=_env.reference_nvlink_ranks() or None,
     )
 
 

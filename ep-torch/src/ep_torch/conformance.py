@@ -272,6 +272,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             inputs.topk_weights,
             do_cpu_sync=sync,
             use_tma_aligned_col_major_sf=col_major,
+            num_scaleup_ranks=buf.num_scaleup_ranks,
             **common,
         )
         ref = refs[rank]
@@ -406,6 +407,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
                 topk_weights=[o.recv_topk_weights for o in refs] if with_w else None,
                 bias=ref_bias,
                 allow_multiple_reduction=amr,
+                num_scaleup_ranks=buf.num_scaleup_ranks,
             )[rank]
             tb = tuple(from_numpy(b, torch.bfloat16, device) for b in biases[rank])
             bias_arg = None if num_bias == 0 else (tb[0] if num_bias == 1 else tb)
@@ -445,6 +447,7 @@ def check_stats(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> Non
         num_experts=cfg["experts"],
         num_max_tokens_per_rank=cfg["tokens"],
         expert_alignment=4,
+        num_scaleup_ranks=buf.num_scaleup_ranks,
     )
     epr = cfg["experts"] // n
     stats = torch.full((epr,), 5, dtype=torch.int32, device=device)
@@ -900,6 +903,7 @@ def check_planner(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[
                     k,
                     num_device_sms=ex.num_device_sms,
                     nvlink_gbs=getattr(ex, "nvlink_gbs", None),
+                    rdma_gbs=getattr(ex, "rdma_gbs", None),
                     prefer_overlap_with_compute=True,
                     policy=type(buf).policy,
                 )
