@@ -1,5 +1,6 @@
 """`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `DirectRank` (direct mode, one rank per
-process), and the ipc `Transport` that allocates and exchanges its symmetric storage.
+process), and the ipc `Transport` that allocates and exchanges its symmetric storage. The executor serves the nccl
+transport too: a storage with a non-zero `nccl_window` selects the kernels' `NcclTransport` (LSA pointers).
 
 Streams: every operation runs on the rank's high-priority comm stream; it first waits for the caller's stream
 (`req.stream`, inputs ready), and the caller's stream then waits for the comm stream (outputs ready), so callers
@@ -101,7 +102,13 @@ class GpuExecutor:
         data = int(storage.num_bytes) - int(config.num_workspace_bytes) - int(config.num_cpu_bytes)
         self.stream = Stream(high_priority=True)
         res = RankResources(
-            config.rank, config.num_ranks, int(storage.ptr), data, storage.peer_table, self.stream
+            config.rank,
+            config.num_ranks,
+            int(storage.ptr),
+            data,
+            storage.peer_table,
+            self.stream,
+            nccl_window=int(getattr(storage, "nccl_window", 0) or 0),
         )
         self.rank = DirectRank(
             res,

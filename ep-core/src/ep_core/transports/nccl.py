@@ -1,21 +1,440 @@
-"""The nccl transport, host side (planned): an NCCL window over the symmetric buffer, LSA pointers for NVLink peers.
+"""The nccl transport, host side: direct mode (one LSA / NVLink domain) over an NCCL window (ep-nccl-gin).
 
-The device side exists and compiles (`ep_core::NcclTransport`, `KernelConfig(transport="nccl")`: `sym_ptr` is
-`ncclGetLsaPointer`); the host side (communicator, window registration through ep-nccl-gin, `ncclDevComm`) is not
-wired into `EPBuffer` yet.
+The kernels are the ipc ones with `ep_core::NcclTransport` switched in at JIT time (`KernelConfig(transport=
+"nccl")`): `sym_ptr(p, peer)` is `ncclGetLsaPointer(window, p - own_base, peer)`. What they need from the host is
+the `ncclWindow_t` (a device pointer; `OpArgs::nccl_window`) and this rank's base of the window (`own_base`).
+
+Setup (`NcclTransport.allocate`, every rank in the same order):
+1. an NCCL communicator: owned (rank 0's `ncclUniqueId` shared through `bootstrap.allgather`, then
+   `ncclCommInitRank` on the current device) or borrowed (`NcclTransport(comm_ptr=...)`, e.g. torch's
+   ProcessGroupNCCL communicator; its rank and size must equal the bootstrap's);
+2. the version gate (NCCL >= 2.28.7, library and headers: ep-nccl-gin's "gin" gate) and NCCL's header/library
+   rule for the JIT headers; then the LSA check: every rank must be load/store reachable (LSA team of all `n`
+   ranks, same rank order) else `EPConfigError` (hybrid mode over GIN is later work);
+3. the symmetric storage `[workspace | data]` (sizes as for ipc) from `ncclMemAlloc`, zeroed, registered as a
+   window (`ncclCommWindowRegister`, symmetric), and a device communicator (`ncclDevCommCreate` with
+   `lsa_barrier_count`, no GIN) whose bytes (`NcclStorage.dev_comm_bytes`, `.context_bytes`) are kept for kernels
+   that use NCCL's own barriers or GIN.
+
+Teardown (`NcclStorage.close()`, called by `EPBuffer.destroy()` after its barrier): device communicator destroy,
+window deregister (both collective), `ncclMemFree`, then the communicator (owned only, once its last storage is
+gone). When a buffer is garbage collected instead (no collective call may run then), the release is local: an
+owned communicator is aborted (`ncclCommAbort` frees its windows) and the memory freed; with a borrowed
+communicator the window and memory are left registered (a `ResourceWarning` says so).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import warnings
 from typing import Any
 
-from ep_core.errors import EPConfigError
+from ep_core.errors import EPConfigError, EPDeviceError
+from ep_core.kernels.executor import DirectRank, RankResources
 
-__all__ = ["make_transport"]
+__all__ = ["MIN_NCCL_VERSION", "NcclRank", "NcclStorage", "NcclTransport", "make_transport"]
+
+MIN_NCCL_VERSION = (2, 28, 7)
+"""The NCCL release (library and headers) the transport needs: ep-nccl-gin's "gin" feature gate."""
+
+_GATE_FEATURE = "gin"
+_INSTALL_HINT = "pip install 'ep-core[nccl]' (ep-nccl-gin) with nvidia-nccl-cu12/cu13 >= 2.28.7"
 
 
-def make_transport() -> Any:
-    raise EPConfigError(
-        "transport: 'nccl' is not available yet for EPBuffer (its kernels compile, the host side is pending); use "
-        "transport='ipc' for GPUs of one node or processes sharing a GPU"
-    )
+# --- seams (tests replace these to check the plumbing without a GPU) -------------------------------------------
+def _import_nccl_gin() -> Any:
+    import ep_nccl_gin
+
+    return ep_nccl_gin
+
+
+def _current_device() -> int:
+    from ep_core.transports.ipc import _current_device as current
+
+    return current()
+
+
+def _device_sms() -> int:
+    from ep_core.kernels import _cuda
+
+    return _cuda.num_device_sms()
+
+
+def _zero(ptr: int, nbytes: int) -> None:
+    from ep_core.kernels import _cuda
+
+    _cuda.memset(ptr, nbytes, 0)
+    _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+def _in_finalizer() -> bool:
+    """True when called (directly or not) from a `__del__`: garbage collection, where no collective may run."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _storage_total_bytes(num_bytes: int) -> int:
+    """`[workspace | data]` bytes for `EPBuffer`'s request of `num_bytes` (workspace included), as ipc sizes it."""
+    import ep_layout
+
+    ws = ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES
+    data = int(num_bytes) - ws
+    if data < 0:
+        raise EPConfigError(f"num_bytes: expected at least the workspace ({ws} bytes), got {num_bytes}")
+    return ws + ep_layout.align(data, ep_layout.NUM_SYMMETRIC_ALIGN_BYTES)
+
+
+class NcclStorage:
+    """One rank's symmetric storage `[workspace | data]`: NCCL memory registered as a window, plus the device
+    communicator. `ptr`/`num_bytes`/`device` as every storage; `nccl_window` is what the kernels read."""
+
+    array_device = "cuda"
+    peer_table = 0  # the nccl kernels take peers from the window, not from a table
+
+    def __init__(
+        self, transport: NcclTransport, ptr: int, num_bytes: int, window: Any, dev_comm: Any, device: int
+    ) -> None:
+        self._transport = transport
+        self.ptr = int(ptr)
+        self.num_bytes = int(num_bytes)
+        self.device = int(device)
+        self._window = window
+        self._dev_comm = dev_comm
+        self.nccl_window = int(window.handle)
+        self.lsa_size = int(dev_comm.lsa_size)
+        self.lsa_rank = int(dev_comm.lsa_rank)
+        self.closed = False
+
+    @property
+    def window(self) -> Any:
+        """The `ep_nccl_gin.Window` (None once closed)."""
+        return self._window
+
+    @property
+    def dev_comm(self) -> Any:
+        """The `ep_nccl_gin.DevComm` (None once closed)."""
+        return self._dev_comm
+
+    def dev_comm_bytes(self) -> bytes:
+        """The raw `ncclDevComm` (a kernel argument by value)."""
+        return self._alive()._dev_comm.as_bytes()
+
+    def context_bytes(self) -> bytes:
+        """An `ep_nccl_gin::Context` for this window (ep_nccl_gin/device.cuh)."""
+        self._alive()
+        return self._dev_comm.context_bytes(self._window)
+
+    def _alive(self) -> NcclStorage:
+        if self.closed:
+            raise EPConfigError("NcclStorage: used after close(); create a new buffer")
+        return self
+
+    def close(self) -> None:
+        """Release: collective (device communicator, window, memory, then an owned communicator when no other
+        storage uses it) unless called from a finalizer, where only a local release is possible."""
+        if self.closed:
+            return
+        if _in_finalizer():
+            self.release_local()
+            return
+        self.closed = True
+        nccl = self._transport._nccl
+        dev_comm, window = self._dev_comm, self._window
+        self._dev_comm = self._window = None
+        try:
+            dev_comm.destroy()
+            window.deregister()
+        finally:
+            nccl.mem_free(self.ptr)
+            self._transport._storage_closed(self, collective=True)
+
+    def release_local(self) -> None:
+        """Free what can be freed without a collective call (garbage collection, error paths)."""
+        if self.closed:
+            return
+        self.closed = True
+        nccl = self._transport._nccl
+        window = self._window
+        self._dev_comm = None
+        if self._transport._storage_closed(self, collective=False):
+            # the communicator was aborted: its windows are gone, the memory can go too
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                self._window = window = None
+            with contextlib.suppress(Exception):
+                nccl.mem_free(self.ptr)
+        else:
+            warnings.warn(
+                "ep_core nccl transport: a buffer was garbage collected while its NCCL window is registered on a "
+                "communicator that stays alive (borrowed, or shared with another buffer); the window and its "
+                f"{self.num_bytes} bytes are left registered. Call EPBuffer.destroy() (collective) instead.",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            _LEAKED.append((window, self.ptr))
+            self._window = None
+
+
+_LEAKED: list[tuple[Any, int]] = []  # windows that could not be released without a collective call
+
+
+class NcclTransport:
+    """`EPBuffer(transport="nccl")`: the direct-mode kernels over an NCCL window (LSA pointers).
+
+    Args:
+        comm_ptr: an existing `ncclComm_t` (int) to borrow instead of creating one (never destroyed here; it must
+            come from the libnccl that ep-nccl-gin loads, e.g. torch's ProcessGroupNCCL `_comm_ptr()`).
+        lsa_barrier_count: LSA barriers of the device communicator (`ncclLsaBarrierSession` indices); default one
+            per SM of the device, so every CTA of a kernel may own one.
+    """
+
+    name = "nccl"
+
+    def __init__(self, comm_ptr: int | None = None, *, lsa_barrier_count: int | None = None) -> None:
+        if comm_ptr is not None and (
+            not isinstance(comm_ptr, int) or isinstance(comm_ptr, bool) or comm_ptr <= 0
+        ):
+            raise EPConfigError(f"comm_ptr: expected a non-null ncclComm_t as an int, got {comm_ptr!r}")
+        if lsa_barrier_count is not None and (
+            not isinstance(lsa_barrier_count, int)
+            or isinstance(lsa_barrier_count, bool)
+            or lsa_barrier_count < 0
+        ):
+            raise EPConfigError(f"lsa_barrier_count: expected an int >= 0, got {lsa_barrier_count!r}")
+        self.comm_ptr = comm_ptr
+        self.lsa_barrier_count = lsa_barrier_count
+        self._nccl: Any = None
+        self._comm: Any = None
+        self._storages: list[NcclStorage] = []
+
+    # -- communicator ---------------------------------------------------------------------------------------
+    @property
+    def communicator(self) -> Any:
+        """The `ep_nccl_gin.Communicator` in use (None before the first buffer / after the last is destroyed)."""
+        return self._comm
+
+    def _load(self) -> Any:
+        """ep_nccl_gin, loaded and gated; EPConfigError (saying what to do) otherwise."""
+        try:
+            nccl = _import_nccl_gin()
+        except ImportError as exc:
+            raise EPConfigError(
+                f"transport 'nccl': the ep-nccl-gin package is not importable ({exc}); {_INSTALL_HINT}, or use "
+                "transport='ipc'"
+            ) from exc
+        try:
+            loaded = nccl.load()
+        except nccl.NcclGinError as exc:
+            raise EPConfigError(
+                f"transport 'nccl': no usable NCCL library ({exc}); {_INSTALL_HINT}, or use transport='ipc'"
+            ) from exc
+        since = nccl.FEATURES[_GATE_FEATURE].since
+        for what, version in (("library", loaded.runtime), ("headers of ep-nccl-gin", loaded.header)):
+            if version < since:
+                raise EPConfigError(
+                    f"transport 'nccl': needs NCCL >= {since} (device API with GIN), got NCCL {what} {version}; "
+                    f"{_INSTALL_HINT} (and rebuild ep-nccl-gin against it), or use transport='ipc'"
+                )
+        try:
+            nccl.include_dirs()  # the JIT compiles against these headers: same version as the library
+        except nccl.NcclGinError as exc:
+            raise EPConfigError(f"transport 'nccl': NCCL device headers for the kernels: {exc}") from exc
+        return nccl
+
+    def _ensure_comm(self, bootstrap: Any) -> Any:
+        if self._comm is not None:
+            self._check_comm(self._comm, bootstrap)
+            return self._comm
+        n, rank = int(bootstrap.size), int(bootstrap.rank)
+        # Every rank reports whether NCCL is usable before anyone waits in ncclCommInitRank.
+        try:
+            nccl = self._load()
+            error = ""
+            payload = nccl.get_unique_id() if (rank == 0 and self.comm_ptr is None) else b""
+        except EPConfigError as exc:
+            nccl, error, payload = None, str(exc), b""
+        blobs = bootstrap.allgather((b"E" + error.encode()) if error else (b"K" + payload))
+        failed = [(r, b[1:].decode(errors="replace")) for r, b in enumerate(blobs) if b[:1] != b"K"]
+        if failed:
+            own = dict(failed).get(rank)
+            ranks = [r for r, _ in failed]
+            raise EPConfigError(
+                own
+                if own is not None
+                else f"transport 'nccl': rank(s) {ranks} cannot use NCCL: {failed[0][1]}"
+            )
+        self._nccl = nccl
+        device = _current_device()
+        if self.comm_ptr is not None:
+            try:
+                comm = nccl.Communicator.from_pointer(self.comm_ptr)
+            except (nccl.NcclGinError, ValueError, TypeError) as exc:
+                raise EPConfigError(f"comm_ptr: not a usable ncclComm_t ({exc})") from exc
+        else:
+            uid = blobs[0][1:]
+            try:
+                comm = nccl.Communicator(uid, n, rank, device=device)
+            except nccl.NcclGinError as exc:
+                raise EPDeviceError(
+                    f"transport 'nccl': ncclCommInitRank of rank {rank} of {n} on device {device} failed: {exc}",
+                    rank=rank,
+                ) from exc
+        try:
+            self._check_comm(comm, bootstrap)
+        except BaseException:
+            if comm.owned:
+                with contextlib.suppress(Exception):
+                    comm.abort()  # local: safe even if another rank passed the check
+            raise
+        self._comm = comm
+        return comm
+
+    def _check_comm(self, comm: Any, bootstrap: Any) -> None:
+        n, rank = int(bootstrap.size), int(bootstrap.rank)
+        if (comm.nranks, comm.rank) != (n, rank):
+            raise EPConfigError(
+                f"comm_ptr: expected a communicator of the bootstrap's {n} ranks with this rank = {rank}, got rank "
+                f"{comm.rank} of {comm.nranks}; pass the communicator of the same group (same rank order)"
+            )
+        device = _current_device()
+        if comm.device != device:
+            raise EPConfigError(
+                f"transport 'nccl': the communicator lives on device {comm.device} but the current CUDA device is "
+                f"{device}; make the communicator's device current before creating the buffer"
+            )
+        team = comm.lsa_team()
+        if team.nranks != n or team.rank != rank or (n > 1 and team.stride != 1):
+            raise EPConfigError(
+                f"transport 'nccl': direct mode needs all {n} ranks load/store reachable (one NVLink/LSA domain), "
+                f"but NCCL's LSA team of rank {rank} has {team.nranks} ranks (index {team.rank}, stride "
+                f"{team.stride}); hybrid mode over GIN is not implemented yet: run within one NVLink domain"
+            )
+
+    def _storage_closed(self, storage: NcclStorage, *, collective: bool) -> bool:
+        """Forget `storage`; destroy (collective) or abort (local) an owned communicator that nobody uses any
+        more. Returns True when the communicator was aborted."""
+        with contextlib.suppress(ValueError):
+            self._storages.remove(storage)
+        comm = self._comm
+        if self._storages or comm is None or not comm.owned:
+            return False
+        self._comm = None
+        if collective:
+            comm.destroy()
+            return False
+        with contextlib.suppress(Exception):
+            comm.abort()
+        return True
+
+    # -- Transport protocol -----------------------------------------------------------------------------------
+    def num_nvlink_ranks(self, bootstrap: Any) -> int:
+        """The LSA team size (creates the communicator: a collective, like `allocate`)."""
+        return int(self._ensure_comm(bootstrap).lsa_team().nranks)
+
+    def allocate(self, bootstrap: Any, num_bytes: int) -> NcclStorage:
+        """Collective: `[workspace | data]` of `num_bytes` (workspace included; data rounded up to 2 MiB) from
+        ncclMemAlloc, zeroed, registered as a window, with a device communicator."""
+        comm = self._ensure_comm(bootstrap)
+        nccl = self._nccl
+        total = _storage_total_bytes(num_bytes)
+        device = _current_device()
+        barriers = self.lsa_barrier_count if self.lsa_barrier_count is not None else _device_sms()
+        ptr = nccl.mem_alloc(total)
+        window = dev_comm = None
+        try:
+            _zero(ptr, total)
+            window = comm.register_window(ptr, total)
+            dev_comm = comm.create_dev_comm(lsa_barrier_count=barriers)
+            if dev_comm.lsa_size != bootstrap.size:
+                raise EPConfigError(
+                    f"transport 'nccl': the device communicator's LSA team has {dev_comm.lsa_size} ranks, expected "
+                    f"{bootstrap.size} (direct mode)"
+                )
+        except BaseException:
+            # collective calls that failed on one rank may hang the others: release only locally here
+            if dev_comm is not None:
+                with contextlib.suppress(Exception):
+                    dev_comm.destroy()
+            if window is not None:
+                with contextlib.suppress(Exception):
+                    window.deregister()
+            with contextlib.suppress(Exception):
+                nccl.mem_free(ptr)
+            raise
+        storage = NcclStorage(self, ptr, total, window, dev_comm, device)
+        self._storages.append(storage)
+        bootstrap.barrier()
+        return storage
+
+    def create_executor(self, config: Any, buffer: Any) -> Any:
+        from ep_core.kernels.gpu_executor import GpuExecutor
+
+        storage = buffer.storage
+        if not isinstance(storage, NcclStorage):
+            raise EPConfigError(
+                f"transport 'nccl': expected the buffer's storage from NcclTransport.allocate, got "
+                f"{type(storage).__name__}"
+            )
+        return GpuExecutor(config, storage, buffer.bootstrap)
+
+
+def make_transport() -> NcclTransport:
+    """The nccl `Transport` of `EPBuffer(transport="nccl")`: an owned communicator per buffer group."""
+    return NcclTransport()
+
+
+class NcclRank(DirectRank):
+    """One rank per process over the nccl transport (the `ProcessRank` of ipc): DirectRank's two-phase dispatch
+    and combine on an NCCL window. Tests and benchmarks drive the kernels through it without `EPBuffer`."""
+
+    def __init__(
+        self,
+        bootstrap: Any,
+        *,
+        num_max_tokens_per_rank: int,
+        hidden: int,
+        num_topk: int,
+        num_bytes: int | None = None,
+        gpu_timeout_secs: float = 100.0,
+        cpu_timeout_secs: float = 300.0,
+        num_warps: int | None = None,
+        comm_ptr: int | None = None,
+        lsa_barrier_count: int | None = None,
+    ) -> None:
+        import ep_layout
+
+        from ep_core.kernels._cuda import Stream
+        from ep_core.loopback import domain_data_bytes
+
+        size = int(bootstrap.size)
+        data = num_bytes or domain_data_bytes(size, num_max_tokens_per_rank, hidden, num_topk)
+        self.bootstrap = bootstrap
+        self.transport = NcclTransport(comm_ptr, lsa_barrier_count=lsa_barrier_count)
+        self.storage = self.transport.allocate(bootstrap, ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES + data)
+        res = RankResources(
+            int(bootstrap.rank),
+            size,
+            self.storage.ptr,
+            data,
+            0,
+            Stream(),
+            nccl_window=self.storage.nccl_window,
+        )
+        super().__init__(
+            res,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            gpu_timeout_secs=gpu_timeout_secs,
+            cpu_timeout_secs=cpu_timeout_secs,
+            num_warps=num_warps,
+        )
+
+    def close(self) -> None:
+        """Collective: drain, barrier, release the window, memory and (owned) communicator."""
+        self.stream.synchronize(60.0)
+        self.bootstrap.barrier()
+        self.storage.close()
