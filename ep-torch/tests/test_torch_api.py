@@ -225,7 +225,7 @@ def test_handle_token_errors():
     with pytest.raises(TypeError, match="handle token"):
         functional.get_handle(torch.zeros(3))
     with pytest.raises(RuntimeError, match="unknown or was released"):
-        functional.get_handle(torch.full((2, 2), 10**9, dtype=torch.int64))
+        functional.get_handle(torch.full((1, 2, 2), 10**9, dtype=torch.int64))
 
 
 def test_buffer_needs_a_process_group():

@@ -657,6 +657,14 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
             ValueError,
             "allow_multiple_reduction",
         )
+    if not other.allow_multiple_reduction:
+        wg = w.clone().requires_grad_(True)
+        expect(
+            "functional/expand weights' gradient without multiple reduction",
+            lambda: functional.dispatch(other, x, idx, wg, num_experts=e, do_expand=True),
+            ValueError,
+            "allow_multiple_reduction",
+        )
     # a bad input on one rank only: that rank raises its error, the others a PeerError (nobody hangs); reference
     # backend only (GPU peers would wait for the rank in the kernel until the GPU timeout)
     if buf.transport == "reference":
@@ -814,25 +822,37 @@ def check_compile(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> N
         y = (recv_x.float() * (recv_w * c).sum(1, keepdim=True)).bfloat16()
         return functional.combine(buf, y, handle)
 
-    results = {}
-    for mode, fn in (("eager", step), ("compiled", torch.compile(step, backend="aot_eager", fullgraph=True))):
-        x = v["x"].to(device).clone().requires_grad_(True)
-        w = v["w"].to(device).clone().requires_grad_(True)
-        try:
-            out = fn(x, v["idx"].to(device), w)
-            (out.float() * v["g"].to(device)).sum().backward()
-            results[mode] = (out.detach(), x.grad, w.grad)
-        except Exception as err:  # keep the ranks in step: report after
-            results[mode] = err
+    def step_expand(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        recv_x, _, recv_w, handle = functional.dispatch(
+            buf, x, idx, w, num_experts=e, expert_alignment=4, do_expand=True
+        )
+        y = (recv_x.float() * recv_w.unsqueeze(1)).bfloat16()
+        return functional.combine(buf, y, handle)
 
-    def check() -> None:
-        if isinstance(results["compiled"], Exception):
-            raise results["compiled"]
-        for name, a, b in zip(("out", "grad x", "grad w"), results["compiled"], results["eager"]):
-            if not torch.equal(a, b):
-                raise AssertionError(f"compiled {name} differs from eager")
+    for label, fn_eager in (("rank layout", step), ("expand layout", step_expand)):
+        results = {}
+        for mode, fn in (
+            ("eager", fn_eager),
+            ("compiled", torch.compile(fn_eager, backend="aot_eager", fullgraph=True)),
+        ):
+            x = v["x"].to(device).clone().requires_grad_(True)
+            w = v["w"].to(device).clone().requires_grad_(True)
+            try:
+                out = fn(x, v["idx"].to(device), w)
+                (out.float() * v["g"].to(device)).sum().backward()
+                results[mode] = (out.detach(), x.grad, w.grad)
+            except Exception as err:  # keep the ranks in step: report after
+                results[mode] = err
 
-    checks.run("compile/aot_eager", check)
+        def check(results=results) -> None:
+            for mode in ("eager", "compiled"):
+                if isinstance(results[mode], Exception):
+                    raise results[mode]
+            for name, a, b in zip(("out", "grad x", "grad w"), results["compiled"], results["eager"]):
+                if not torch.equal(a, b):
+                    raise AssertionError(f"compiled {name} differs from eager")
+
+        checks.run(f"compile/aot_eager fullgraph/{label}", check)
 
 
 def check_module(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> None:

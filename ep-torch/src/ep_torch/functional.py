@@ -14,8 +14,8 @@ Gradients (DeepEP's recipe, with the handle reused so nothing is recomputed):
 - combine backward = cached dispatch of ``grad_combined`` (every received row is a copy of its token's gradient);
   the gradient of combine's ``topk_weights`` is the cached dispatch's weights at the owner lanes.
 
-The ``handle`` here is a small int64 host tensor of shape ``[num_tokens + 1, num_topk]`` (a *handle token*): its
-``[0, 0]`` element names the :class:`~ep_torch.EPHandle` kept in a registry for as long as the token tensor lives,
+The ``handle`` here is a small int64 host tensor of shape ``[1 + do_expand, num_tokens + 1, num_topk]`` (a *handle
+token*): its ``[0, 0, 0]`` element names the :class:`~ep_torch.EPHandle` kept in a registry for as long as the token tensor lives,
 and its shape carries the sizes that ``torch.compile`` needs. :func:`get_handle` returns the ``EPHandle``.
 """
 
@@ -27,6 +27,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from ep_core.errors import EPValueError
 
 if TYPE_CHECKING:
     from ep_core.handle import EPHandle
@@ -61,26 +62,26 @@ def _buffer(bid: int) -> ElasticBuffer:
         ) from None
 
 
-def _new_token(handle: EPHandle, num_tokens: int, num_topk: int) -> torch.Tensor:
+def _new_token(handle: EPHandle, num_tokens: int, num_topk: int, do_expand: bool) -> torch.Tensor:
     with _lock:
         hid = next(_ids)
         _handles[hid] = handle
     # on the host whatever the data's device: reading the id never synchronizes a GPU (CUDA graphs allowed)
-    token = torch.zeros(num_tokens + 1, num_topk, dtype=torch.int64)
-    token[0, 0] = hid
+    token = torch.zeros(1 + int(do_expand), num_tokens + 1, num_topk, dtype=torch.int64)
+    token[0, 0, 0] = hid
     weakref.finalize(token, _handles.pop, hid, None)
     return token
 
 
 def get_handle(token: torch.Tensor) -> EPHandle:
     """The :class:`~ep_torch.EPHandle` that a handle token (returned by :func:`dispatch`) stands for."""
-    if not isinstance(token, torch.Tensor) or token.dtype != torch.int64 or token.dim() != 2:
+    if not isinstance(token, torch.Tensor) or token.dtype != torch.int64 or token.dim() != 3:
         raise TypeError(
-            f"handle: expected the int64 [num_tokens + 1, num_topk] handle token returned by "
+            f"handle: expected the int64 [1 + do_expand, num_tokens + 1, num_topk] handle token returned by "
             f"ep_torch.functional.dispatch, got {type(token).__name__}"
             + (f" {token.dtype} {tuple(token.shape)}" if isinstance(token, torch.Tensor) else "")
         )
-    hid = int(token[0, 0].item())
+    hid = int(token[0, 0, 0].item())
     try:
         return _handles[hid]
     except KeyError:
@@ -115,7 +116,7 @@ def _dispatch_op(
     )
     if recv_topk_idx is None:  # expand layout: no per-row ids
         recv_topk_idx = torch.empty(0, topk_idx.shape[1], dtype=torch.int64, device=x.device)
-    token = _new_token(handle, x.shape[0], topk_idx.shape[1])
+    token = _new_token(handle, x.shape[0], topk_idx.shape[1], do_expand)
     return recv_x, recv_topk_idx, recv_topk_weights, token
 
 
@@ -130,13 +131,13 @@ def _(x, topk_idx, topk_weights, buffer_id, num_experts, expert_alignment, do_ex
             recv_x,
             topk_idx.new_empty(0, k),
             topk_weights.new_empty(rows),
-            torch.empty(x.shape[0] + 1, k, dtype=torch.int64, device="cpu"),
+            torch.empty(2, x.shape[0] + 1, k, dtype=torch.int64, device="cpu"),
         )
     return (
         recv_x,
         topk_idx.new_empty(rows, k),
         topk_weights.new_empty(rows, k),
-        torch.empty(x.shape[0] + 1, k, dtype=torch.int64, device="cpu"),
+        torch.empty(1, x.shape[0] + 1, k, dtype=torch.int64, device="cpu"),
     )
 
 
@@ -147,13 +148,13 @@ def _combine_op(
     buffer = _buffer(buffer_id)
     combined_x, combined_w, _ = buffer.combine(x, get_handle(token), topk_weights=topk_weights)
     if combined_w is None:
-        combined_w = torch.empty(0, token.shape[1], dtype=torch.float32, device=x.device)
+        combined_w = torch.empty(0, token.shape[2], dtype=torch.float32, device=x.device)
     return combined_x, combined_w
 
 
 @_combine_op.register_fake
 def _(x, token, topk_weights, buffer_id):
-    t, k = token.shape[0] - 1, token.shape[1]
+    t, k = token.shape[1] - 1, token.shape[2]
     w_rows = t if topk_weights is not None else 0
     return x.new_empty(t, x.shape[1]), x.new_empty(w_rows, k, dtype=torch.float32)
 
@@ -166,7 +167,7 @@ def _cached_dispatch_op(
     handle = get_handle(token)
     recv_x, recv_topk_idx, recv_w, _, _ = buffer.dispatch(x, handle=handle, topk_weights=topk_weights)
     if recv_w is None:
-        recv_w = torch.empty(0, token.shape[1], dtype=torch.float32, device=x.device)
+        recv_w = torch.empty(0, token.shape[2], dtype=torch.float32, device=x.device)
     elif recv_topk_idx is not None:  # non-expand: only the owner lanes carry the weight's gradient
         recv_w = recv_w.masked_fill(recv_topk_idx < 0, 0.0)
     return recv_x, recv_w
@@ -175,10 +176,10 @@ def _cached_dispatch_op(
 @_cached_dispatch_op.register_fake
 def _(x, token, topk_weights, buffer_id, num_rows):
     rows = num_rows if num_rows >= 0 else torch.library.get_ctx().new_dynamic_size()
-    k = token.shape[1]
+    k = token.shape[2]
     if topk_weights is None:
         return x.new_empty(rows, x.shape[1]), x.new_empty(0, k, dtype=torch.float32)
-    w_shape = (rows,) if topk_weights.dim() == 1 else (rows, k)
+    w_shape = (rows,) if token.shape[0] == 2 else (rows, k)  # expand layout: one weight per row
     return x.new_empty(rows, x.shape[1]), x.new_empty(*w_shape, dtype=torch.float32)
 
 
@@ -265,6 +266,11 @@ def dispatch(
     Returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``; ``recv_topk_idx`` is None in the expand layout.
     Gradients flow to ``x`` and ``topk_weights``.
     """
+    if do_expand and not buffer.allow_multiple_reduction and topk_weights.requires_grad:
+        raise EPValueError(
+            "topk_weights: its gradient in the expand layout is a combine with weights, which needs "
+            "allow_multiple_reduction=True; build the buffer with it, or detach topk_weights"
+        )
     recv_x, recv_topk_idx, recv_w, token = torch.ops.ep_torch.dispatch(
         x,
         topk_idx,
