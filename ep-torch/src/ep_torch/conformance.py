@@ -866,21 +866,22 @@ def check_module(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> No
     v = prob["all"][rank]
     scale = prob["scale"]
     experts = [(lambda a, c=float(scale[rank * epr + i]): a * c) for i in range(epr)]
-    x = v["x"].to(device).clone().requires_grad_(True)
-    w = v["w"].to(device).clone().requires_grad_(True)
-    out = MoEDispatcher(buf, e)(x, v["idx"].to(device), w, experts)
-    (out.float() * v["g"].to(device)).sum().backward()
+    for layout in ("rank", "expert"):
+        x = v["x"].to(device).clone().requires_grad_(True)
+        w = v["w"].to(device).clone().requires_grad_(True)
+        out = MoEDispatcher(buf, e, layout=layout, expert_alignment=4)(x, v["idx"].to(device), w, experts)
+        (out.float() * v["g"].to(device)).sum().backward()
 
-    def check() -> None:
-        for name, got, want in (
-            ("out", out, dense["out"][rank]),
-            ("grad x", x.grad, dense["gx"][rank]),
-            ("grad w", w.grad, dense["gw"][rank]),
-        ):
-            if not torch.equal(got.detach().double().cpu(), want):
-                raise AssertionError(f"MoEDispatcher {name} differs from the dense computation")
+        def check(out=out, x=x, w=w) -> None:
+            for name, got, want in (
+                ("out", out, dense["out"][rank]),
+                ("grad x", x.grad, dense["gx"][rank]),
+                ("grad w", w.grad, dense["gw"][rank]),
+            ):
+                if not torch.equal(got.detach().double().cpu(), want):
+                    raise AssertionError(f"MoEDispatcher {name} differs from the dense computation")
 
-    checks.run("module/MoEDispatcher", check)
+        checks.run(f"module/MoEDispatcher/{layout} layout", check)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from torch import nn
 from . import functional
 from .buffer import ElasticBuffer
 
-__all__ = ["MoEDispatcher", "apply_local_experts"]
+__all__ = ["MoEDispatcher", "apply_grouped_experts", "apply_local_experts"]
 
 Expert = Callable[[torch.Tensor], torch.Tensor]
 
@@ -51,13 +51,52 @@ def apply_local_experts(
     return out.to(torch.bfloat16)
 
 
+def apply_grouped_experts(
+    recv_x: torch.Tensor,
+    recv_topk_weights: torch.Tensor,
+    num_tokens_per_expert: Sequence[int],
+    num_rows_per_expert: Sequence[int],
+    experts: Sequence[Expert],
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Expand layout (one row per (token, local expert), grouped by expert, blocks aligned): expert ``e`` runs on
+    its contiguous rows ``[start_e, start_e + num_tokens_per_expert[e])``, where blocks are
+    ``num_rows_per_expert`` (aligned) long; each row is weighted by its own weight. Padding rows give zeros.
+    This is the shape a grouped GEMM consumes."""
+    xf = recv_x.to(compute_dtype)
+    pieces = []
+    start = 0
+    for expert, count, rows in zip(experts, num_tokens_per_expert, num_rows_per_expert):
+        block = xf[start : start + count]
+        h = expert(block) * recv_topk_weights[start : start + count].to(compute_dtype).unsqueeze(1)
+        pieces.append(h)
+        if rows > count:
+            pieces.append(xf.new_zeros(rows - count, xf.shape[1]))
+        start += rows
+    if start < xf.shape[0]:  # slack rows past the last block
+        pieces.append(xf.new_zeros(xf.shape[0] - start, xf.shape[1]))
+    out = torch.cat(pieces) if pieces else xf * 0
+    return out.to(torch.bfloat16)
+
+
 class MoEDispatcher(nn.Module):
     """Dispatch -> local experts -> combine over an :class:`~ep_torch.ElasticBuffer` (or ``EPBuffer``)."""
 
     def __init__(
-        self, buffer: ElasticBuffer, num_experts: int, *, compute_dtype: torch.dtype = torch.float32
+        self,
+        buffer: ElasticBuffer,
+        num_experts: int,
+        *,
+        layout: str = "rank",
+        expert_alignment: int = 1,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``layout="rank"``: one row per received token, experts gather their rows; ``"expert"``: the expand
+        layout, contiguous per-expert blocks aligned to ``expert_alignment`` (grouped-GEMM friendly)."""
         super().__init__()
+        if layout not in ("rank", "expert"):
+            raise ValueError(f"layout: expected 'rank' or 'expert', got {layout!r}")
         if num_experts % buffer.num_ranks:
             raise ValueError(
                 f"num_experts: must be a multiple of the number of ranks ({buffer.num_ranks}), got {num_experts}"
@@ -65,6 +104,8 @@ class MoEDispatcher(nn.Module):
         self.buffer = buffer
         self.num_experts = num_experts
         self.num_local_experts = num_experts // buffer.num_ranks
+        self.layout = layout
+        self.expert_alignment = expert_alignment
         self.compute_dtype = compute_dtype
         self.last_handle: torch.Tensor | None = None
 
@@ -76,11 +117,30 @@ class MoEDispatcher(nn.Module):
             raise ValueError(
                 f"experts: expected this rank's {self.num_local_experts} experts, got {len(experts)}"
             )
+        expand = self.layout == "expert"
         recv_x, recv_idx, recv_w, handle = functional.dispatch(
-            self.buffer, x, topk_idx, topk_weights, num_experts=self.num_experts
+            self.buffer,
+            x,
+            topk_idx,
+            topk_weights,
+            num_experts=self.num_experts,
+            expert_alignment=self.expert_alignment,
+            do_expand=expand,
         )
-        assert recv_idx is not None
-        y = apply_local_experts(recv_x, recv_idx, recv_w, experts, compute_dtype=self.compute_dtype)
+        if expand:
+            h = functional.get_handle(handle)
+            counts = h.num_unaligned_recv_tokens_per_expert.tolist()
+            y = apply_grouped_experts(
+                recv_x,
+                recv_w,
+                counts,
+                h.num_recv_tokens_per_expert_list,
+                experts,
+                compute_dtype=self.compute_dtype,
+            )
+        else:
+            assert recv_idx is not None
+            y = apply_local_experts(recv_x, recv_idx, recv_w, experts, compute_dtype=self.compute_dtype)
         self.last_handle = handle
         out = functional.combine(self.buffer, y, handle)
         assert isinstance(out, torch.Tensor)
