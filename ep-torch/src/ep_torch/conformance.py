@@ -200,6 +200,22 @@ def _compare_dispatch(
             _same(f"{prefix}{name} (zero padding)", a[padding], np.zeros_like(a[padding]))
 
 
+def _combine_input(handle: Any, table: np.ndarray, k: int) -> np.ndarray:
+    """Combine input rows for ``handle`` (numpy fields): the row of source token ``s`` is ``table[s*K]``
+    (non-expand), the expanded row of lane ``l`` is ``table[s*K + l]``; other rows are zero."""
+    rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+    meta = np.asarray(handle.recv_src_metadata).astype(np.int64)
+    num_recv = int(np.asarray(handle.psum_num_recv_tokens_per_scaleup_rank)[-1])
+    src = meta[:num_recv, 0]
+    y = np.zeros((rows, table.shape[1]), dtype=table.dtype)
+    if not handle.do_expand:
+        y[:num_recv] = table[src * k]
+    else:
+        ii, kk = np.nonzero(meta[:num_recv, 2:] >= 0)
+        y[meta[ii, 2 + kk]] = table[src[ii] * k + kk]
+    return y
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # modes
 
@@ -388,8 +404,9 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
         if fp8:
             continue  # combine takes bf16 expert outputs
         # combine with 0, 1, 2 biases; weights round trip
-        rows = [(o.handle.num_expanded_tokens if expand else o.handle.num_recv_tokens) for o in refs]
-        ys = [_rng_bf16(seed * 131 + d, (rows[d], hidden)) for d in range(n)]
+        # expert outputs keyed by (source token, lane), not by row: the same values whatever row order a kernel chose
+        table = _rng_bf16(seed * 131, (n * m * topk, hidden))
+        ys = [_combine_input(o.handle, table, topk) for o in refs]
         amr = buf.allow_multiple_reduction
         with_w = not expand or amr
         for num_bias in (0, 1, 2):
@@ -411,7 +428,11 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             )[rank]
             tb = tuple(from_numpy(b, torch.bfloat16, device) for b in biases[rank])
             bias_arg = None if num_bias == 0 else (tb[0] if num_bias == 1 else tb)
-            y = from_numpy(ys[rank], torch.bfloat16, device)
+            y = from_numpy(
+                _combine_input(_as_output(recv_x, None, None, handle).handle, table, topk),
+                torch.bfloat16,
+                device,
+            )
             cx, cw, ev = buf.combine(
                 y,
                 handle,
