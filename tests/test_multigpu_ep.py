@@ -110,7 +110,6 @@ def test_harness_on_cpu_reference_transport(tmp_path: Path) -> None:
     """The worker's inputs, modes and comparisons, run over the reference transport on CPU tensors."""
     pytest.importorskip("torch")
     pytest.importorskip("ep_symmem")
-    pytest.importorskip("ep_torch")
     _run(2, "cpu", "reference", "-", tmp_path)
 
 
