@@ -24,6 +24,7 @@ import ep_layout
 import pytest
 from ep_core import EPBuffer, LocalBootstrap, ThreadGroup
 from ep_core.buffer import resolve_transport
+from ep_core.buffer_base import BufferBase
 from ep_core.errors import EPConfigError
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 from ep_core.transports import nccl as nccl_transport
@@ -329,19 +330,16 @@ def test_borrowed_communicator(fake) -> None:
     ]
 
 
-class _Holder:
-    def __init__(self, storage) -> None:
-        self.storage = storage
-
-    def __del__(self) -> None:
-        self.storage.close()
+def _buffer_over(storage) -> BufferBase:
+    """A buffer whose garbage collection releases the storage (BufferBase.__del__ -> release_local)."""
+    return BufferBase(LocalBootstrap(), storage, num_workspace_bytes=WS)
 
 
 def test_release_from_finalizer_is_local(fake) -> None:
     tr = NcclTransport()
     st = tr.allocate(LocalBootstrap(), WS + MIB2)
     fake.log.clear()
-    h = _Holder(st)
+    h = _buffer_over(st)
     del h
     gc.collect()
     assert fake.calls(0) == ["comm_abort", "mem_free"] and st.closed and tr.communicator is None
@@ -353,7 +351,7 @@ def test_release_from_finalizer_with_borrowed_comm_leaks_with_warning(fake) -> N
     fake.log.clear()
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        h = _Holder(st)
+        h = _buffer_over(st)
         del h
         gc.collect()
     assert fake.calls(0) == [] and st.closed

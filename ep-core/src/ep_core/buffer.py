@@ -358,10 +358,10 @@ class EPBuffer(BufferBase):
     def _device_barrier(self) -> None:
         self._executor.barrier()
 
-    def _release(self) -> None:
+    def _release(self, *, collective: bool) -> None:
         try:
             ex = getattr(self, "_executor", None)
             if ex is not None:
                 ex.destroy()
         finally:
-            super()._release()
+            super()._release(collective=collective)

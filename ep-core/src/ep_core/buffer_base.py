@@ -237,8 +237,14 @@ class BufferBase:
     def _device_barrier(self) -> None:
         self.bootstrap.barrier()
 
-    def _release(self) -> None:
-        """Free local resources (no collective calls)."""
+    def _release(self, *, collective: bool) -> None:
+        """Free the storage. `collective=True` from `destroy()` (every rank is here); `False` from garbage
+        collection, where ranks collect at different times: then a storage with `release_local()` frees only what
+        needs no peer (see the nccl transport), and any other storage is simply closed."""
+        release_local = getattr(self.storage, "release_local", None)
+        if not collective and release_local is not None:
+            release_local()
+            return
         close = getattr(self.storage, "close", None)
         if close is not None:
             close()
@@ -255,7 +261,7 @@ class BufferBase:
             self._device_barrier()
         finally:
             self._destroyed = True
-            self._release()
+            self._release(collective=True)
 
     def __enter__(self):
         return self
@@ -269,4 +275,4 @@ class BufferBase:
             return
         self._destroyed = True
         with contextlib.suppress(Exception):
-            self._release()
+            self._release(collective=False)

@@ -26,7 +26,6 @@ communicator the window and memory are left registered (a `ResourceWarning` says
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from typing import Any
 
@@ -66,16 +65,6 @@ def _zero(ptr: int, nbytes: int) -> None:
 
     _cuda.memset(ptr, nbytes, 0)
     _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
-
-
-def _in_finalizer() -> bool:
-    """True when called (directly or not) from a `__del__`: garbage collection, where no collective may run."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _storage_total_bytes(num_bytes: int) -> int:
@@ -135,12 +124,9 @@ class NcclStorage:
         return self
 
     def close(self) -> None:
-        """Release: collective (device communicator, window, memory, then an owned communicator when no other
-        storage uses it) unless called from a finalizer, where only a local release is possible."""
+        """Collective release: device communicator, window, memory, then an owned communicator when no other
+        storage uses it. Garbage collection calls `release_local()` instead (BufferBase)."""
         if self.closed:
-            return
-        if _in_finalizer():
-            self.release_local()
             return
         self.closed = True
         nccl = self._transport._nccl
