@@ -106,11 +106,35 @@ def test_two_processes_share_gpu0_ipc(memory: str, tmp_path: Path) -> None:
     _run(2, "shared", "ipc", memory, tmp_path)
 
 
+@pytest.mark.slow
 def test_harness_on_cpu_reference_transport(tmp_path: Path) -> None:
     """The worker's inputs, modes and comparisons, run over the reference transport on CPU tensors."""
     pytest.importorskip("torch")
     pytest.importorskip("ep_symmem")
     _run(2, "cpu", "reference", "-", tmp_path)
+
+
+@pytest.mark.slow
+def test_bench_multiproc_dry_run_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/bench_ep_multiproc.py end to end on CPU (reference transport, host timer): launch, checks against
+    ep_core.reference, aggregation and the JSON report."""
+    pytest.importorskip("torch")
+    pytest.importorskip("ep_torch")
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_ep_multiproc.py"),
+        "--dry-run-cpu",
+        "--nprocs",
+        "2",
+    ]
+    cmd += ["--tokens", "48", "--sms", "8", "--iters", "1", "--warmup", "0", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench_ep_multiproc_n2_cpu_reference.json").read_text())
+    ops = {(r["dtype"], r["op"]) for r in result["rows"]}
+    assert ops == {("bf16", "dispatch"), ("bf16", "combine"), ("fp8", "dispatch")}, ops
+    assert all(r["check"] == "ok" and r["ranks"] == 2 for r in result["rows"]), result["rows"]
+    assert "logical_dispatch" in result["formulas"] and "recv_tokens_r" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------
