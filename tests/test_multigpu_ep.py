@@ -93,7 +93,11 @@ def _run(nprocs: int, device: str, transport: str, memory: str, tmp_path: Path) 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nprocs", [1, 2, 4, 8])
-@pytest.mark.parametrize("transport,memory", [("ipc", "symmem"), ("ipc", "cuda_ipc"), ("nccl", "-")])
+@pytest.mark.parametrize(
+    "transport,memory",
+    [("ipc", "symmem"), ("ipc", "cuda_ipc"), ("nccl", "-")],
+    ids=["ipc-symmem", "ipc-cuda_ipc", "nccl"],
+)
 def test_one_process_per_gpu(nprocs: int, transport: str, memory: str, tmp_path: Path) -> None:
     _needs(nprocs)
     _run(nprocs, "own", transport, memory, tmp_path)
