@@ -372,7 +372,7 @@ class ElasticBuffer:
     def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             return
-        if op == "dispatch" and handle is None and do_cpu_sync is not False:
+        if op == "dispatch" and handle is None and (do_cpu_sync is None or bool(do_cpu_sync)):
             raise EPValueError(
                 "do_cpu_sync: a dispatch inside CUDA-graph capture must not sync with the CPU; pass "
                 "do_cpu_sync=False (worst-case shapes) or a cached handle"
@@ -457,7 +457,7 @@ class ElasticBuffer:
                 allocate_on_comm_stream=bool(allocate_on_comm_stream),
                 handle=handle,
                 do_handle_copy=bool(do_handle_copy),
-                do_cpu_sync=do_cpu_sync,
+                do_cpu_sync=None if do_cpu_sync is None else bool(do_cpu_sync),
                 do_expand=bool(do_expand),
                 do_zero_padding=bool(do_zero_padding),
                 use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),

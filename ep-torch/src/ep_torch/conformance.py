@@ -697,6 +697,16 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
             "x: expected dtype bfloat16" if rank == 0 else "rank 0 abandoned",
         )
 
+    # DeepEP's test passes its mode flags as ints (do_handle_copy=1, async_with_compute_stream=0, ...): accepted
+    def deepep_style() -> None:
+        rx, _, _, hh, ev = buf.dispatch(
+            x, idx, w, None, e, None, 1, 0, 0, None, None, 0, 0, None, 1, 1, 0, 0, 0
+        )
+        out, _, _ = buf.combine(rx, hh, None, None, 0, 0, None, None, 0, 0)
+        assert out.shape == x.shape and ev.event is None
+
+    checks.run("errors/positional DeepEP-style call with int flags", deepep_style)
+
     # constructor and lifecycle
     group = buf.group
     expect(
