@@ -41,7 +41,7 @@ PACKAGES: dict[str, Package] = {
     "ep-symmem": Package("packages/ep-symmem"),
     "ep-nccl-gin": Package("packages/ep-nccl-gin", extras=("cu13",)),
     "ep-core": Package("ep-core", deps=("ep-layout", "ep-jit", "ep-symmem")),
-    "ep-torch": Package("ep-torch", deps=("ep-core",), needs_torch=True),
+    "ep-torch": Package("ep-torch", deps=("ep-core",), extras=("demo",), needs_torch=True),
 }
 
 
@@ -131,7 +131,7 @@ def build(session: nox.Session) -> None:
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: `ep-demo` trains a small MoE layer over N ranks through dispatch/combine and checks it."""
-    _install(session, _closure("ep-torch"), extras={})
+    _install(session, _closure("ep-torch"), extras={"ep-torch": ("demo",)})
     session.run("ep-demo", *session.posargs)
 
 
