@@ -95,3 +95,25 @@ def test_describe_torch_tensors_without_importing_torch_in_ep_core():
             s * t.element_size() for s in t.stride()
         )
         assert info.is_contiguous == contiguous
+
+
+def test_void_typestr_in_cai_falls_back_to_dlpack() -> None:
+    """torch exports bf16 CUDA tensors with typestr '<V2' in __cuda_array_interface__: DLPack names the dtype."""
+    torch = pytest.importorskip("torch")
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16)
+
+    class VoidCAI:
+        @property
+        def __cuda_array_interface__(self) -> dict:
+            return {"shape": (3, 4), "typestr": "<V2", "data": (t.data_ptr(), False), "version": 3}
+
+        def __dlpack__(self, *args, **kwargs):
+            return t.__dlpack__(*args, **kwargs)
+
+        def __dlpack_device__(self):
+            return t.__dlpack_device__()
+
+    info = ec.describe(VoidCAI())
+    assert (info.dtype, info.shape, info.ptr) == ("bfloat16", (3, 4), t.data_ptr())
+    with pytest.raises(EPTypeError, match="typestr"):  # without DLPack the void type stays an error
+        ec.describe(CAIOnly({"shape": (2,), "typestr": "<V2", "data": (1, False), "version": 3}))

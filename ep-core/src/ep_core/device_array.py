@@ -357,10 +357,13 @@ def describe(obj: Any, name: str = "array") -> ArrayInfo:
         cai = obj.__cuda_array_interface__
     except Exception:  # torch raises for bf16; many types lack it
         cai = None
+    has_dlpack = hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray)
     try:
-        if cai is not None:
+        # The array interface cannot name bf16 or fp8 (torch exports them as void '<V2' / '|V1'): such arrays are
+        # read through DLPack, whose dtype codes can.
+        if cai is not None and (not has_dlpack or cai["typestr"][1:] in _TYPESTR_TO_DTYPE):
             return _from_cai(obj, cai)
-        if hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
+        if has_dlpack:
             return _from_dlpack(obj)
         ai = getattr(obj, "__array_interface__", None)
         if ai is not None:
