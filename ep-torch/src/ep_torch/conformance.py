@@ -595,6 +595,8 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
         checks.results.append((f"errors/{name}", False, f"no error, expected {exc.__name__} ({fragment})"))
 
     for name, kwargs, exc, fragment in _bad_dispatch_cases(cfg, device):
+        if name == "num_experts not a multiple of N" and buf.num_ranks == 1:
+            continue  # every expert count is a multiple of one rank: nothing to reject
         expect(f"dispatch/{name}", lambda kw=kwargs: buf.dispatch(**kw), exc, fragment)
 
     # a valid dispatch for the cached / combine cases
