@@ -140,10 +140,17 @@ class ArrayInfo:
     @property
     def is_contiguous(self) -> bool:
         """Row-major contiguous (dimensions of size 1 may have any stride; empty arrays are contiguous)."""
-        if self.size == 0:
-            return True
-        want = _c_strides(self.shape, self.itemsize)
-        return all(s == w or d == 1 for s, w, d in zip(self.strides, want, self.shape))
+        return is_c_contiguous(self.shape, self.strides, self.itemsize)
+
+
+def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Row-major contiguity as torch defines it: an empty array always is, and the stride of a size-1
+    dimension is irrelevant (frameworks export arbitrary strides there, e.g. (0, 0) for an empty tensor).
+    `strides` in the unit of `itemsize` (bytes with the element size, elements with 1)."""
+    if 0 in shape:
+        return True
+    want = _c_strides(shape, itemsize)
+    return all(s == w or d == 1 for s, w, d in zip(strides, want, shape))
 
 
 class DeviceArray:

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ep_core.device_array import is_c_contiguous
+
 __all__ = [
     "DeviceArray",
     "DeviceView",
@@ -170,7 +172,13 @@ class DeviceView:
 
     @property
     def is_contiguous(self) -> bool:
-        return self.strides is None or self.strides == DeviceView(0, self.shape, self.dtype).element_strides
+        return self.strides is None or is_c_contiguous(self.shape, self.strides, 1)
+        expected = 1
+        for dim, stride in zip(reversed(self.shape), reversed(self.strides)):
+            if dim != 1 and stride != expected:
+                return False
+            expected *= dim
+        return True
 
 
 class DeviceArray:
