@@ -71,3 +71,10 @@ def test_every_package_has_its_files(dist: str) -> None:
     for name in ("pyproject.toml", "README.md", "CHANGELOG.md", "tests"):
         assert (path / name).exists(), f"{dist} lacks {name}"
     assert (path / "src" / GRAPH[dist][1] / "py.typed").exists()
+
+
+def test_one_license_for_every_package() -> None:
+    licenses = {
+        dist: load_pyproject(ROOT / path)["project"].get("license") for dist, (path, *_) in GRAPH.items()
+    }
+    assert set(map(str, licenses.values())) == {str({"text": "Apache-2.0"})}, licenses
