@@ -50,6 +50,10 @@ def _entry(
     init_rank(rank, world_size, port, backend)
     try:
         fn(rank, world_size, *args)
+        # Leave together: a gloo rank whose peers tear their connections down first can abort in its own
+        # teardown ("terminate called without an active exception"). Skipped after an error, where peers may
+        # never arrive.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
