@@ -75,12 +75,15 @@ def _test_group(name: str) -> list[str]:
     return list(nox.project.dependency_groups(pyproject, "test"))
 
 
-def _install(session: nox.Session, names: list[str], *, extras: dict[str, tuple[str, ...]]) -> None:
-    """Install the internal packages `names` from the local tree (one pip call, so siblings resolve locally)."""
+def _install(
+    session: nox.Session, names: list[str], *, extras: dict[str, tuple[str, ...]], with_tests: bool = True
+) -> None:
+    """Install the internal packages `names` from the local tree (one pip call, so siblings resolve locally),
+    with their `test` dependency groups unless `with_tests=False`."""
     if any(PACKAGES[n].needs_torch for n in names):
         session.install(TORCH_CPU)
     reqs = [_requirement(n, extras.get(n, ())) for n in names]
-    groups = sorted({r for n in names for r in _test_group(n)})
+    groups = sorted({r for n in names for r in _test_group(n)}) if with_tests else []
     session.install(*reqs, *groups)
 
 
@@ -131,7 +134,7 @@ def build(session: nox.Session) -> None:
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: `ep-demo` trains a small MoE layer over N ranks through dispatch/combine and checks it."""
-    _install(session, _closure("ep-torch"), extras={"ep-torch": ("demo",)})
+    _install(session, _closure("ep-torch"), extras={"ep-torch": ("demo",)}, with_tests=False)
     session.run("ep-demo", *session.posargs)
 
 
