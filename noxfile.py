@@ -21,8 +21,10 @@ ROOT = Path(__file__).parent.resolve()
 DIST = ROOT / "dist"
 
 # The CPU build of torch that the development machines and CI carry on disk. A bare `torch` requirement would pull
-# a multi-GB CUDA build from PyPI, so every session that needs torch installs this pin first.
+# a multi-GB CUDA build from PyPI, so every CPU session that needs torch installs this pin first; the GPU sessions
+# want exactly that CUDA build (TORCH_GPU).
 TORCH_CPU = "torch==2.13.0"
+TORCH_GPU = "torch"
 
 
 @dataclass(frozen=True)
@@ -76,12 +78,17 @@ def _test_group(name: str) -> list[str]:
 
 
 def _install(
-    session: nox.Session, names: list[str], *, extras: dict[str, tuple[str, ...]], with_tests: bool = True
+    session: nox.Session,
+    names: list[str],
+    *,
+    extras: dict[str, tuple[str, ...]],
+    with_tests: bool = True,
+    torch: str = TORCH_CPU,
 ) -> None:
     """Install the internal packages `names` from the local tree (one pip call, so siblings resolve locally),
-    with their `test` dependency groups unless `with_tests=False`."""
+    with their `test` dependency groups unless `with_tests=False`; `torch` is the requirement used for torch."""
     if any(PACKAGES[n].needs_torch for n in names):
-        session.install(TORCH_CPU)
+        session.install(torch)
     reqs = [_requirement(n, extras.get(n, ())) for n in names]
     groups = sorted({r for n in names for r in _test_group(n)}) if with_tests else []
     session.install(*reqs, *groups)
@@ -147,7 +154,7 @@ def bench(session: nox.Session) -> None:
     """GPU benchmarks (benchmarks/bench_ep.py, ep-jit launch overhead); skips cleanly without a GPU."""
     if not _has_gpu():
         session.skip("no NVIDIA GPU on this machine (benchmarks need one; see scripts/gpu-suite.sh)")
-    _install(session, list(PACKAGES), extras=ALL_EXTRAS)
+    _install(session, list(PACKAGES), extras=ALL_EXTRAS, torch=TORCH_GPU)
     session.run("python", "benchmarks/bench_ep.py", *session.posargs)
 
 
@@ -156,6 +163,6 @@ def gpu(session: nox.Session) -> None:
     """GPU tests (pytest -m gpu) of every package; skips cleanly without a GPU."""
     if not _has_gpu():
         session.skip("no NVIDIA GPU on this machine")
-    _install(session, list(PACKAGES), extras=ALL_EXTRAS)
+    _install(session, list(PACKAGES), extras=ALL_EXTRAS, torch=TORCH_GPU)
     paths = [f"{PACKAGES[n].path}/tests" for n in PACKAGES]
     session.run("pytest", *paths, "tests", "-m", "gpu", *session.posargs)
