@@ -326,6 +326,11 @@ def memset(ptr: int, nbytes: int, stream: Stream | int = 0) -> None:
     check(driver().cuMemsetD8Async(ptr, 0, nbytes, int(stream)), "cuMemsetD8Async")
 
 
+def copy_device(dst: int, src: int, nbytes: int, stream: Stream | int) -> None:
+    """Stream-ordered device-to-device copy."""
+    check(driver().cuMemcpyDtoDAsync(dst, src, nbytes, int(stream)), "cuMemcpyDtoDAsync")
+
+
 def copy_to_host(host: np.ndarray, ptr: int, stream: Stream | int) -> None:
     """Asynchronous device-to-host copy of `host.nbytes` bytes (the caller synchronizes)."""
     check(driver().cuMemcpyDtoHAsync(host.ctypes.data, ptr, host.nbytes, int(stream)), "cuMemcpyDtoHAsync")

@@ -25,7 +25,14 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, pack_op_args
 from ep_core.kernels._cuda import DeviceArray, DeviceView, PinnedBuffer, Stream, as_view
 from ep_core.kernels._source import load_kernels
-from ep_core.kernels.plan import KernelConfig, RegionPlan, launch_geometry, plan_regions
+from ep_core.kernels.plan import (
+    SCRATCH_BARRIER_EPOCH_OFFSET,
+    SCRATCH_INPUT_ERROR_OFFSET,
+    KernelConfig,
+    RegionPlan,
+    launch_geometry,
+    plan_regions,
+)
 
 __all__ = ["TAG_NAMES", "CombineResult", "DirectRank", "DispatchResult", "RankResources"]
 
@@ -198,6 +205,12 @@ class DirectRank:
                 buf = _cuda.DeviceBuffer(plan.scratch_bytes)
                 self.res.scratch_buffers[plan.scratch_bytes] = buf
             scratch = buf.ptr
+        previous = getattr(self, "_last_scratch", None)
+        if previous is not None and previous != scratch:
+            # The barrier epoch lives in the scratch but counts arrivals in the workspace, which every op shares:
+            # carry it to the new scratch, or the barrier's `arrivals >= epoch * N` test would pass at once.
+            off = SCRATCH_BARRIER_EPOCH_OFFSET
+            _cuda.copy_device(scratch + off, previous + off, 8, self.stream)
         self._last_scratch = scratch
         return plan, scratch
 
@@ -624,7 +637,7 @@ class DirectRank:
         _cuda.copy_to_host(rec, self.res.base + _ERR_OFF, self.stream)
         scratch = self._any_scratch()
         if scratch:
-            _cuda.copy_to_host(inp.view(np.uint8), scratch + 16, self.stream)
+            _cuda.copy_to_host(inp.view(np.uint8), scratch + SCRATCH_INPUT_ERROR_OFFSET, self.stream)
         self.stream.synchronize()
         return rec, inp
 
@@ -680,7 +693,7 @@ class DirectRank:
             )
 
     def clear_input_error(self) -> None:
-        _cuda.memset(self._any_scratch() + 16, 32, self.stream)
+        _cuda.memset(self._any_scratch() + SCRATCH_INPUT_ERROR_OFFSET, 32, self.stream)
 
     def reset_state(self) -> None:
         """Zero the workspace and scratch of this rank (after a timeout; every rank of the domain must reset)."""

@@ -34,6 +34,9 @@ STATIC_SMEM_RESERVE_BYTES = 12288
 """Static shared memory of the kernels (counters, mbarriers, pointers), kept free of token slots."""
 
 SCRATCH_HEADER_BYTES = 64
+# Offsets in the scratch header (args.cuh `Scratch`): the barrier epoch (uint64) and the input-error report.
+SCRATCH_BARRIER_EPOCH_OFFSET = 8
+SCRATCH_INPUT_ERROR_OFFSET = 16
 """Rank-private scratch: grid barrier words, barrier epoch, input-error report (args.cuh `Scratch`)."""
 
 
