@@ -18,7 +18,8 @@ namespace ep_core {
 EP_CORE_DEVICE void record_error(const Workspace& ws, ErrorKind kind, int64_t rank, int32_t peer, int32_t tag,
                                  int64_t counter, int64_t value, int64_t expected, int32_t token, int32_t lane) {
     ep_layout::ErrorRecord* rec = ws.error_record();
-    if (atomicCAS(&rec->abort_flag, 0, static_cast<int32_t>(kind)) == 0) {
+    // System scope: peers raise this flag with atomicCAS_system (barrier.cuh), so ours must be a system atomic too.
+    if (atomicCAS_system(&rec->abort_flag, 0, static_cast<int32_t>(kind)) == 0) {
         rec->rank = static_cast<int32_t>(rank);
         rec->peer_rank = peer;
         rec->tag = tag;
