@@ -83,9 +83,12 @@ struct OpArgs {
     const void* bias1;
     void* combined_x;        ///< [T, hidden] bf16
     float* combined_weights; ///< [T, K] or null
+    // --- failure report to the host (timeout.cuh `publish_failure`)
+    int32_t* host_error;     ///< page-locked host words mapped into the device, or null: [0] abort kind (sticky
+                             ///< until the host resets the rank), [1] kind of the first invalid-input report
 };
 
-static_assert(sizeof(OpArgs) == 39 * 8, "OpArgs changed: update ep_core.kernels._args");
+static_assert(sizeof(OpArgs) == 40 * 8, "OpArgs changed: update ep_core.kernels._args");
 
 /// View of this rank's symmetric workspace (ep_layout::WorkspaceLayout): the words that peers write.
 /// - barrier arrivals: one uint64 at the start of the barrier-signal region, bumped by every rank per barrier

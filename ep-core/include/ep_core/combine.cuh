@@ -4,6 +4,7 @@
 /// reduce on the home rank in the exact order of SPEC §3.
 ///
 /// Roles, in order (grid barriers between phases):
+///  0. guard   a block that finds this rank's abort flag raised leaves at once (timeout.cuh, failure rule).
 ///  1. entry   block 0 meets every rank (peers are done reading their regions: the same bytes hold dispatch tokens).
 ///  2. send    warp per received token i: slot on the source = [rank layout ? own rank : master lane][src token]
 ///             (expand without multiple reduction: one slot per lane). Expand with multiple reduction sums the
@@ -129,9 +130,12 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     SyncContext<Transport> sync{args, Workspace{static_cast<uint8_t*>(args.workspace)},
                                 Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
                                 &s_abort};
+    // 0. guard: an earlier failure left the abort flag raised -> publish it and leave (outputs untouched)
     if (threadIdx.x == 0)
-        s_abort = 0;
+        s_abort = entry_aborted(args, sync.ws) ? 1 : 0;
     __syncthreads();
+    if (s_abort != 0)
+        return;
 
     // 1. entry
     if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry))

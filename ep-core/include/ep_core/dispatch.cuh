@@ -3,6 +3,7 @@
 /// \brief Direct-mode dispatch kernel (one launch per rank, every peer load/store reachable).
 ///
 /// Roles, in order (every block takes part in each phase; a grid barrier separates phases):
+///  0. guard   a block that finds this rank's abort flag raised leaves at once (timeout.cuh, failure rule).
 ///  1. count   (deterministic, non-cached only): per-destination and per-expert bitmaps over source tokens.
 ///  2. entry   block 0 meets every rank (peers are done with their receive regions), then a grid barrier.
 ///  3. prefix  (deterministic only): exclusive popcount prefix of every bitmap word -> slots without atomics.
@@ -10,7 +11,8 @@
 ///             highest lane), claim the slot (atomic / prefix / cached), store [hidden | sf | metadata] into
 ///             every destination's region [own rank][slot] with 16-byte stores, count in shared memory.
 ///  5. publish block 0, after a grid barrier (all stores done, system fence): per-expert counts to each
-///             destination's workspace, then the per-rank count with release (encoded -v-1: nonzero = arrived).
+///             destination's workspace, then the per-rank count with release (`kCountValidFlag | count`: nonzero =
+///             arrived).
 ///  6. receive block 0 waits for every source's count (acquire), writes the handle's prefix sums, resets the
 ///             receive words. Completion of the launch therefore means every token for this rank has arrived.
 #pragma once
@@ -28,13 +30,17 @@ struct Route {
     bool master;  ///< highest lane of its destination rank
 };
 
-/// Report invalid input (expert id out of range, duplicate expert) without aborting the operation.
-EP_CORE_DEVICE void report_input_error(const Scratch& sc, ErrorKind kind, int64_t token, int lane, int64_t value) {
+/// Report invalid input (expert id out of range, duplicate expert) without aborting the operation; the first report
+/// also sets the host-mapped word `host_error[1]`, so the host raises it at its next call even without a sync.
+EP_CORE_DEVICE void report_input_error(const OpArgs& args, const Scratch& sc, ErrorKind kind, int64_t token, int lane,
+                                       int64_t value) {
     int64_t* rec = sc.input_error();
     if (atomicCAS(reinterpret_cast<unsigned long long*>(rec), 0ull, static_cast<unsigned long long>(kind)) == 0ull) {
         rec[1] = token;
         rec[2] = lane;
         rec[3] = value;
+        if (args.host_error != nullptr)
+            ptx::st_relaxed_sys(args.host_error + 1, static_cast<int32_t>(kind));
     }
 }
 
@@ -52,7 +58,7 @@ EP_CORE_DEVICE Route route_token(const OpArgs& args, const Scratch& sc, int64_t 
     r.valid = e >= 0;
     if (r.valid && e >= num_experts) {
         if (report)
-            report_input_error(sc, ErrorKind::kInvalidExpert, t, lane, e);
+            report_input_error(args, sc, ErrorKind::kInvalidExpert, t, lane, e);
         r.valid = false;
     }
     r.expert = r.valid ? static_cast<int>(e) : -1;
@@ -62,7 +68,7 @@ EP_CORE_DEVICE Route route_token(const OpArgs& args, const Scratch& sc, int64_t 
     if (report) {
         const uint32_t same_expert = __match_any_sync(kFullMask, r.valid ? r.expert : -1 - lane);
         if (r.valid && __popc(same_expert) > 1 && (31 - __clz(same_expert)) == lane)
-            report_input_error(sc, ErrorKind::kDuplicateExpert, t, lane, r.expert);
+            report_input_error(args, sc, ErrorKind::kDuplicateExpert, t, lane, r.expert);
     }
     return r;
 }
@@ -101,8 +107,9 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     uint32_t* bits = sc.bits();
     uint32_t* prefix = sc.prefix();
 
+    // 0. guard: an earlier failure left the abort flag raised -> publish it and leave (outputs untouched)
     if (threadIdx.x == 0)
-        s_abort = 0;
+        s_abort = entry_aborted(args, ws) ? 1 : 0;
     if (lane == 0)
         ptx::mbarrier_init(&s_bars[warp], 1);
     uint8_t* const slot_buf = ep_dyn_smem + warp * Tok::kSmemSlotBytes;
@@ -113,6 +120,8 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     for (int i = threadIdx.x; i < num_experts; i += num_threads)
         s_expert[i] = 0;
     __syncthreads();
+    if (s_abort != 0)
+        return;
 
     const int global_warp = blockIdx.x * kNumWarps + warp;
     const int num_global_warps = gridDim.x * kNumWarps;

@@ -7,7 +7,8 @@
 /// sum_{e'<e} align(count_e', A); the row inside the expert comes from an atomic cursor (default), from the
 /// per-(source, expert) prefix sent by the source (deterministic) or from the handle's metadata (cached).
 /// Zero padding rows are written after the data rows. The true row count is always read on the device
-/// (psum_rank[N-1]), so the same launch serves CPU-sync and no-sync calls.
+/// (psum_rank[N-1]), so the same launch serves CPU-sync and no-sync calls. A block that finds this rank's abort
+/// flag raised (the dispatch before it failed: its counts are not valid) leaves at once (timeout.cuh, failure rule).
 #pragma once
 
 #include "dispatch.cuh"
@@ -17,6 +18,7 @@ namespace ep_core {
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
 EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
+    __shared__ int s_abort;
     __shared__ int s_psum[kNumRanks];
     __shared__ int s_start[256];
     __shared__ int s_count[256];
@@ -36,6 +38,11 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     const Scratch sc(args.scratch, kNumRanks, num_experts, M);
     constexpr int kMetaCols = kNumTopk + 2;
 
+    if (threadIdx.x == 0)
+        s_abort = entry_aborted(args, Workspace{static_cast<uint8_t*>(args.workspace)}) ? 1 : 0;
+    __syncthreads();
+    if (s_abort != 0)
+        return;
     if (lane == 0)
         ptx::mbarrier_init(&s_bars[warp], 1);
     uint8_t* const buf = ep_dyn_smem + warp * Tok::kSmemSlotBytes;

@@ -7,6 +7,16 @@
 /// the workspace error record (first error wins), raises the abort flag in every rank's workspace (best effort:
 /// a CAS from 0 to kPeerAbort, so a peer's own record survives) and returns false; the caller
 /// then leaves the kernel. No trap: the context stays usable, the host reads the record and raises EPTimeoutError.
+///
+/// Failure rule (the host side is `ep_core.kernels.executor`): an operation whose kernels did not complete their
+/// work never looks complete to the host.
+///  - The abort flag of a rank stays raised until the host resets the rank (`reset_state`: a collective memset).
+///  - Every kernel checks the local abort flag at entry (`entry_aborted`) and, if it is raised, does nothing: its
+///    outputs are left as they are (undefined), never half-computed from stale counts.
+///  - Every kernel that leaves early (failed wait, or raised flag at entry) first copies the abort kind into the
+///    host-mapped word `OpArgs::host_error[0]` (`publish_failure`), so the host learns of it without a stream
+///    sync: it reads that word before every launch and refuses to launch (sticky error) until the rank is reset.
+///  - Invalid inputs (not an abort) set `host_error[1]`; the host raises them at its next call.
 #pragma once
 
 #include "args.cuh"
@@ -32,6 +42,23 @@ EP_CORE_DEVICE void record_error(const Workspace& ws, ErrorKind kind, int64_t ra
     }
 }
 
+/// Copy this rank's abort kind into the host-mapped word (called by a kernel that leaves early; any thread).
+EP_CORE_DEVICE void publish_failure(const OpArgs& args, const Workspace& ws) {
+    if (args.host_error != nullptr) {
+        const int32_t kind = ptx::ld_relaxed_sys(ws.abort_flag());
+        ptx::st_relaxed_sys(args.host_error, kind != 0 ? kind : static_cast<int32_t>(ErrorKind::kPeerAbort));
+    }
+}
+
+/// Kernel entry guard, called by one thread per block: true (and the failure published) when an earlier failure left
+/// this rank's abort flag raised; the block must then return without touching any output.
+EP_CORE_DEVICE bool entry_aborted(const OpArgs& args, const Workspace& ws) {
+    if (ptx::ld_relaxed_sys(ws.abort_flag()) == 0)
+        return false;
+    publish_failure(args, ws);
+    return true;
+}
+
 /// Spin until `cond(value)` holds. `load()` returns the watched value (int64). Returns false on timeout or abort.
 /// Must be called by one thread (the others wait at a block barrier and read the outcome from shared memory).
 /// `peer`/`counter`/`expected` only describe the wait in the error record.
@@ -45,11 +72,14 @@ EP_CORE_DEVICE bool wait_until(const OpArgs& args, const Workspace& ws, int32_t 
         if (cond(value))
             return true;
         if ((iter & 63u) == 63u) {
-            if (ptx::ld_relaxed_sys(ws.abort_flag()) != 0)
+            if (ptx::ld_relaxed_sys(ws.abort_flag()) != 0) {
+                publish_failure(args, ws);
                 return false;
+            }
             if (ptx::clock() - start > args.timeout_cycles) {
                 record_error(ws, ErrorKind::kTimeout, args.rank, peer, tag, counter, value, expected, -1, -1);
                 raise_abort();
+                publish_failure(args, ws);
                 return false;
             }
         }

@@ -13,8 +13,10 @@ Contract for implementers (the GPU kernels implement `Executor`, and a `Transpor
   views). `Transport.allocate(bootstrap, num_bytes)` returns that storage (`ptr`, `num_bytes`, optional
   `close()`); `Transport.num_nvlink_ranks(bootstrap)` returns the NVLink (LSA) domain size.
 - `Executor` attributes read by the validation: `array_device` ("cuda" or "cpu": where input/output arrays
-  live), `device_id` (int), `num_device_sms` (int); optional `nvlink_gbs` / `rdma_gbs` (float, GB/s) used by the
-  SM planner when `num_sms=0` (else environment / detection).
+  live), `device_id` (int), `num_device_sms` (int: the SMs this rank may use, i.e. the device's SMs divided by the
+  ranks of the group that share the device, so that the planner's count and the `num_sms` bound keep the grids of
+  all those ranks resident together); optional `nvlink_gbs` / `rdma_gbs` (float, GB/s) used by the SM planner when
+  `num_sms=0` (else environment / detection).
 - `dispatch(req)` returns `DispatchResult`; with `req.handle` (cached dispatch) the returned handle must be that
   same object. `combine(req)` returns `CombineResult`. Expert ids `>= num_experts` and duplicate experts in a
   token are reported as `EPDeviceError`/`EPValueError` (checked on the device into the workspace error word and
@@ -25,6 +27,11 @@ Contract for implementers (the GPU kernels implement `Executor`, and a `Transpor
   (row-major), i.e. the logical `[R, P]` column-major tensor is `recv_sf.T[:R]`; `recv_topk_idx` `[R, K]`
   int64 (None in expand mode); `recv_topk_weights` `[R, K]` / `[R]` float32 (None without weights).
   Handle arrays (`EPHandle`) are allocated through the allocator too; see `ep_core.handle`.
+- Failures: after a wait timed out, a GPU executor raises at its next call (`EPTimeoutError`), and at every call
+  after that, launching nothing, until `reset()`: an optional method (not part of the `Executor` protocol that
+  `isinstance` checks), a collective that every rank calls together (ordered through the bootstrap's barrier).
+  Outputs of an operation are valid once a later call returned without raising; an operation that failed leaves
+  its outputs undefined (`ep_core.kernels.executor`, "Failures").
 - Events/streams: `req.stream` is the caller's (compute) stream as an int handle (0 = default stream; ignored by
   host executors); `previous_event` is an opaque object the executor understands; `DispatchResult.event` /
   `CombineResult.event` is returned when `async_with_compute_stream` (None otherwise).
@@ -414,6 +421,10 @@ class ReferenceExecutor:
         )
 
     def barrier(self) -> None:
+        self.bootstrap.barrier()
+
+    def reset(self) -> None:
+        """Nothing to clear on the host; a collective like the GPU executor's."""
         self.bootstrap.barrier()
 
     def destroy(self) -> None:

@@ -2,7 +2,14 @@
 
 The kernels and the protocol are the production ones (ipc transport): every rank's peer table points at the other
 ranks' buffers, and the ranks' kernels wait on each other exactly as across GPUs. All blocks of all ranks must be
-resident at once, so `num_ranks * num_sms` may not exceed the device's SMs (checked).
+resident at once, so `num_ranks * num_sms` may not exceed the device's SMs (checked). The N grids are launched
+plainly, not cooperatively: a cooperative launch guarantees the residency of one grid, not of N grids waiting for
+each other, and N concurrent cooperative grids on one device are not known to be scheduled together; the plain
+launches that fit the device together are what runs verified (DirectRank: `num_ranks_on_device = N`).
+
+Errors: after a failed wait every rank refuses to launch until `reset()` (all ranks at once: drain every stream,
+zero every rank's workspace and scratch, drain again); `dispatch`/`combine` check every rank before launching any,
+so no rank's kernel waits for a peer that was refused.
 
 The calls mirror `ep_core.reference.dispatch/combine` (lists indexed by rank), so tests compare the two directly:
 
@@ -28,8 +35,14 @@ import numpy as np
 from ep_core.errors import EPConfigError, EPStateError, EPTimeoutError, EPValueError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceArray, DeviceBuffer, Stream
-from ep_core.kernels.executor import CombineResult, DirectRank, DispatchResult, RankResources
-from ep_core.kernels.plan import KernelConfig, check_coresident, plan_regions
+from ep_core.kernels.executor import (
+    CombineResult,
+    DirectRank,
+    DispatchResult,
+    RankResources,
+    count_ranks_on_device,
+)
+from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, plan_regions
 from ep_core.transports.ipc import IpcBuffer
 
 __all__ = ["LoopbackDomain", "ProcessRank", "domain_data_bytes"]
@@ -82,7 +95,7 @@ class LoopbackDomain:
         self.num_max_tokens = int(num_max_tokens_per_rank)
         self.device_sms = _cuda.num_device_sms()
         if num_sms == 0:
-            num_sms = max(1, min(16, self.device_sms // self.num_ranks))
+            num_sms = default_num_sms(self.device_sms, self.num_ranks)
         check_coresident(self.num_ranks, num_sms, self.device_sms)
         self.num_sms = int(num_sms)
         data = num_bytes or domain_data_bytes(self.num_ranks, self.num_max_tokens, hidden, num_topk)
@@ -91,7 +104,13 @@ class LoopbackDomain:
         self.ranks: list[DirectRank] = []
         for r in range(self.num_ranks):
             res = RankResources(
-                r, self.num_ranks, self.buffers.bases[r], data, self.buffers.peer_table, self.streams[r]
+                r,
+                self.num_ranks,
+                self.buffers.bases[r],
+                data,
+                self.buffers.peer_table,
+                self.streams[r],
+                num_ranks_on_device=self.num_ranks,
             )
             self.ranks.append(
                 DirectRank(
@@ -138,6 +157,7 @@ class LoopbackDomain:
         """Dispatch on every rank (same keywords as `ep_core.reference.dispatch`)."""
         if self._closed:
             raise EPStateError("dispatch: the domain is closed")
+        self._guard()
         xs = self._check("xs", xs)
         idxs = self._check("topk_idxs", topk_idxs)
         ws = self._check("topk_weights", topk_weights)
@@ -185,6 +205,7 @@ class LoopbackDomain:
         """Combine on every rank (same keywords as `ep_core.reference.combine`)."""
         if self._closed:
             raise EPStateError("combine: the domain is closed")
+        self._guard()
         xs = self._check("xs", xs)
         hs = self._check("handles", handles)
         ws = self._check("topk_weights", topk_weights)
@@ -204,9 +225,16 @@ class LoopbackDomain:
             )
         return out
 
-    def _drain(self) -> None:
-        for s in self.streams:
-            s.synchronize(60.0)
+    def _guard(self) -> None:
+        """Every rank's failure check before any rank launches (a rank that raised would leave its peers' kernels
+        waiting for it until their timeout)."""
+        for rank in self.ranks:
+            rank.guard()
+
+    def _drain(self, strict: bool = False) -> None:
+        for r, s in enumerate(self.streams):
+            if not s.synchronize(60.0) and strict:
+                raise EPTimeoutError(r, "cpu.drain", "stream", "not drained")
 
     def synchronize(self) -> None:
         """Wait for every rank's stream and raise the first recorded kernel error."""
@@ -215,10 +243,15 @@ class LoopbackDomain:
             rank.check_errors(synchronize=False)
 
     def reset(self) -> None:
-        """Clear every rank's workspace and scratch (after an error; all ranks together)."""
-        self._drain()
+        """Clear every rank's error state, workspace and scratch (after an error; all ranks together). The order of
+        `DirectRank.reset_state` with barriers, in one thread: drain every rank (no kernel runs or writes into a peer),
+        zero every rank, drain every rank (no rank launches before all are zeroed)."""
+        self._drain(strict=True)
         for rank in self.ranks:
-            rank.reset_state()
+            rank._zero_state()
+        self._drain(strict=True)
+        for rank in self.ranks:
+            rank._status.clear()
 
     def close(self) -> None:
         if self._closed:
@@ -251,13 +284,21 @@ class ProcessRank(DirectRank):
         cpu_timeout_secs: float = 300.0,
         num_warps: int | None = None,
         memory: str = "symmem",
+        cooperative: bool | None = None,
     ) -> None:
         size = int(bootstrap.size)
         data = num_bytes or domain_data_bytes(size, num_max_tokens_per_rank, hidden, num_topk)
         self.buffer = IpcBuffer.create_exchanged(bootstrap, data, memory)
         self.bootstrap = bootstrap
+        on_device = count_ranks_on_device(self.buffer.rank_devices, int(bootstrap.rank))
         res = RankResources(
-            int(bootstrap.rank), size, self.buffer.bases[0], data, self.buffer.peer_table, Stream()
+            int(bootstrap.rank),
+            size,
+            self.buffer.bases[0],
+            data,
+            self.buffer.peer_table,
+            Stream(),
+            num_ranks_on_device=on_device,
         )
         super().__init__(
             res,
@@ -265,7 +306,13 @@ class ProcessRank(DirectRank):
             gpu_timeout_secs=gpu_timeout_secs,
             cpu_timeout_secs=cpu_timeout_secs,
             num_warps=num_warps,
+            cooperative=cooperative,
         )
+
+    def reset(self) -> None:
+        """Clear the error state, workspace and scratch of every rank after a failure: a collective (every process
+        calls it), ordered by the bootstrap's barrier (`DirectRank.reset_state`)."""
+        self.reset_state(self.bootstrap.barrier)
 
     def close(self) -> None:
         self.stream.synchronize(60.0)

@@ -1,4 +1,4 @@
-"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 39 eight-byte fields in declaration order."""
+"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 40 eight-byte fields in declaration order."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ OP_ARGS_FIELDS: tuple[str, ...] = (
     "bias1",
     "combined_x",
     "combined_weights",
+    "host_error",
 )
 
 FLAGS: dict[str, int] = {

@@ -22,12 +22,16 @@ __all__ = [
     "DeviceArray",
     "DeviceView",
     "Event",
+    "MappedWords",
     "Stream",
     "as_view",
     "check",
     "device_attribute",
+    "device_identity",
     "driver",
     "num_device_sms",
+    "p2p_support",
+    "visible_devices",
 ]
 
 _lock = threading.Lock()
@@ -91,6 +95,53 @@ def device_attribute(name: str) -> int:
 def num_device_sms() -> int:
     """Streaming multiprocessors of the current device."""
     return device_attribute("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
+
+
+def _uuid_hex(dev: Any) -> str:
+    drv = driver()
+    uuid = check(drv.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
+    return bytes(uuid.bytes).hex()
+
+
+def device_identity() -> str:
+    """`"<host>/<uuid>"` of the current device: equal for two processes exactly when they drive the same GPU (a MIG
+    instance has its own UUID)."""
+    import socket
+
+    drv = driver()
+    dev = check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
+    return f"{socket.gethostname()}/{_uuid_hex(dev)}"
+
+
+def visible_devices() -> dict[str, int]:
+    """UUID (hex) -> device ordinal of every device this process sees (ordinals depend on CUDA_VISIBLE_DEVICES)."""
+    drv = driver()
+    count = int(check(drv.cuDeviceGetCount(), "cuDeviceGetCount"))
+    out = {}
+    for i in range(count):
+        dev = check(drv.cuDeviceGet(i), "cuDeviceGet")
+        out[_uuid_hex(dev)] = i
+    return out
+
+
+def p2p_support(src: int, dst: int) -> tuple[bool, bool]:
+    """`(access, native_atomics)` of device ordinal `src` reaching memory of device ordinal `dst`
+    (cuDeviceCanAccessPeer + P2P ACCESS_SUPPORTED; P2P NATIVE_ATOMIC_SUPPORTED)."""
+    drv = driver()
+    a = check(drv.cuDeviceGet(src), "cuDeviceGet")
+    b = check(drv.cuDeviceGet(dst), "cuDeviceGet")
+    attr = drv.CUdevice_P2PAttribute
+    can = bool(check(drv.cuDeviceCanAccessPeer(a, b), "cuDeviceCanAccessPeer"))
+    access = bool(
+        check(drv.cuDeviceGetP2PAttribute(attr.CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED, a, b), "P2P access")
+    )
+    atomics = bool(
+        check(
+            drv.cuDeviceGetP2PAttribute(attr.CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED, a, b),
+            "P2P native atomics",
+        )
+    )
+    return can and access, atomics
 
 
 class Stream:
@@ -352,6 +403,33 @@ class PinnedBuffer:
 
     def __del__(self) -> None:
         if self._ptr and _drv is not None:
+            with contextlib.suppress(Exception):
+                _drv.cuMemFreeHost(self._ptr)
+            self._ptr = 0
+
+
+class MappedWords:
+    """`count` int32 words of page-locked host memory mapped into the device (zero-copy, zeroed): kernels store to
+    `device_ptr`, the host reads `array` without any synchronization."""
+
+    def __init__(self, count: int) -> None:
+        drv = driver()
+        self.nbytes = 4 * int(count)
+        flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
+        self._ptr = int(check(drv.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
+        self.device_ptr = int(check(drv.cuMemHostGetDevicePointer(self._ptr, 0), "cuMemHostGetDevicePointer"))
+        self.array = np.ctypeslib.as_array((ctypes.c_int32 * int(count)).from_address(self._ptr))
+        self.array[:] = 0
+
+    def read(self) -> tuple[int, ...]:
+        """The words as the host sees them now (no synchronization)."""
+        return tuple(int(v) for v in self.array)
+
+    def clear(self) -> None:
+        self.array[:] = 0
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", 0) and _drv is not None:
             with contextlib.suppress(Exception):
                 _drv.cuMemFreeHost(self._ptr)
             self._ptr = 0

@@ -8,6 +8,30 @@ rank (multi-process, or a real multi-GPU job) simply calls both phases in turn.
 
 Arrays are `DeviceArray`s allocated stream-ordered on the rank's stream, or caller arrays taken by pointer
 (`as_view`). bf16 is uint16 storage; FP8 data is uint8.
+
+Failures (the host half of the rule in include/ep_core/timeout.cuh). A wait that times out records the error in the
+workspace and raises the abort flag of every rank; the flag stays raised until the domain is reset, and every kernel
+that finds it raised at entry, or leaves early, does nothing more than copy the abort kind into a page-locked host
+word mapped into the device (`OpArgs::host_error`). The host therefore never needs a stream sync to know:
+
+- before every launch (`guard`, at the top of `launch_dispatch` and `combine`) the rank reads its host words; once
+  an abort was published it synchronizes, reads the error record and raises it (`EPTimeoutError`, or
+  `EPDeviceError`), and it keeps raising it at every later call, launching nothing, until `reset_state` (every rank
+  of the domain, collectively: `LoopbackDomain.reset`, `ProcessRank.reset`, `GpuExecutor.reset`);
+- a call with a CPU sync checks the record right after its sync, so that call itself raises.
+
+So the outputs of an operation are valid once a later host call (or `check_errors`) has returned without raising
+after that operation ran; a failed operation leaves its outputs undefined and is always followed by an exception
+at the next host call. Replays of a captured CUDA graph run no host code: check `check_errors()` (or `status()`,
+which needs no sync) after replays. Invalid expert ids (not an abort) set the second host word and are raised, once,
+at the next call (or right after a CPU sync).
+
+SM counts and launches. `RankResources.num_ranks_on_device` says how many ranks of the domain drive this rank's
+GPU (all N in the loopback domain, processes sharing a GPU, 1 with a GPU per rank). Ranks that share a GPU wait on
+each other inside their kernels, so the default SM count splits the device between them and every grid must fit
+next to the others; a rank alone on its GPU takes the planner's count and launches its grid-synchronizing kernels
+(dispatch, combine) cooperatively, so that all their blocks are resident even while compute kernels of other
+streams occupy SMs.
 """
 
 from __future__ import annotations
@@ -19,7 +43,14 @@ from typing import Any
 import ep_layout
 import numpy as np
 
-from ep_core.errors import EPDeviceError, EPStateError, EPTimeoutError, EPTypeError, EPValueError
+from ep_core.errors import (
+    EPConfigError,
+    EPDeviceError,
+    EPStateError,
+    EPTimeoutError,
+    EPTypeError,
+    EPValueError,
+)
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, pack_op_args
@@ -29,12 +60,23 @@ from ep_core.kernels.plan import (
     SCRATCH_BARRIER_EPOCH_OFFSET,
     SCRATCH_INPUT_ERROR_OFFSET,
     KernelConfig,
+    LaunchGeometry,
     RegionPlan,
+    check_coresident,
+    check_occupancy,
+    default_num_sms,
     launch_geometry,
     plan_regions,
 )
 
-__all__ = ["TAG_NAMES", "CombineResult", "DirectRank", "DispatchResult", "RankResources"]
+__all__ = [
+    "TAG_NAMES",
+    "CombineResult",
+    "DirectRank",
+    "DispatchResult",
+    "RankResources",
+    "count_ranks_on_device",
+]
 
 TAG_NAMES = {
     1: "grid_barrier",
@@ -49,6 +91,16 @@ _FIELD = {f.name: f for f in ep_layout.ERROR_RECORD_FIELDS}
 
 Allocator = Callable[[tuple, Any, "tuple | None"], Any]
 
+_RESET_HINT = (
+    "every later call on this rank raises this until the domain is reset (reset() on every rank, together)"
+)
+
+
+def count_ranks_on_device(identities: list[str], rank: int) -> int:
+    """How many ranks drive the same GPU as `rank`, from every rank's `_cuda.device_identity()` (host and UUID),
+    as gathered through the bootstrap."""
+    return sum(1 for ident in identities if ident == identities[rank])
+
 
 @dataclass
 class RankResources:
@@ -62,6 +114,9 @@ class RankResources:
     stream: Stream
     nccl_window: int = 0
     scratch_buffers: dict = field(default_factory=dict)
+    num_ranks_on_device: int = 0
+    """Ranks of the domain that drive this rank's GPU (itself included); 0 = unknown: every rank is assumed to
+    share it (the conservative choice: small, non-cooperative grids)."""
 
 
 @dataclass(eq=False)
@@ -162,6 +217,7 @@ class DirectRank:
         cpu_timeout_secs: float = 300.0,
         allocator: Allocator | None = None,
         num_warps: int | None = None,
+        cooperative: bool | None = None,
     ) -> None:
         self.res = resources
         self.num_ranks = resources.num_ranks
@@ -175,6 +231,27 @@ class DirectRank:
         self._allocator = allocator
         self._num_warps = num_warps
         self._host = PinnedBuffer(4 * (2 * self.num_ranks + 2 * 256) + 64 + 32)
+        self.num_ranks_on_device = int(resources.num_ranks_on_device or resources.num_ranks)
+        if not 1 <= self.num_ranks_on_device <= self.num_ranks:
+            raise EPConfigError(
+                f"num_ranks_on_device: expected 1..{self.num_ranks} (ranks of the domain), got "
+                f"{self.num_ranks_on_device}"
+            )
+        # Cooperative launches guarantee that all blocks of one grid are resident together, which a grid that waits
+        # in grid barriers needs when compute kernels of other streams share the SMs. Ranks sharing a GPU are
+        # different: their grids wait for each other across launches, which no launch mode guarantees; today's
+        # plain launches there are what runs verified (all grids fit the device together: `check_coresident`).
+        if cooperative is None:
+            cooperative = self.num_ranks_on_device == 1
+        if cooperative and self.num_ranks_on_device > 1:
+            raise EPConfigError(
+                f"cooperative: {self.num_ranks_on_device} ranks share this GPU; their grids wait for each other, "
+                "which a cooperative launch does not cover: use cooperative=None or False"
+            )
+        self.cooperative = bool(cooperative)
+        self._status = _cuda.MappedWords(2)
+        self._blocks_per_sm: dict = {}
+        self._planned_sms: dict = {}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -226,14 +303,89 @@ class DirectRank:
             "num_max_tokens": self.num_max_tokens,
             "num_experts": num_experts,
             "timeout_cycles": self.timeout_cycles,
+            "host_error": self._status.device_ptr,
         }
 
-    def _num_sms(self, num_sms: int, handle: EPHandle | None) -> int:
+    def _planner_sms(self, num_experts: int, num_topk: int) -> int:
+        """The planner's SM count for a rank alone on its GPU (0 when it cannot run, e.g. no NVLink bandwidth)."""
+        key = (num_experts, num_topk)
+        if key not in self._planned_sms:
+            from ep_core import planner
+            from ep_core.topology import Topology
+
+            try:
+                sms = planner.get_theoretical_num_sms(
+                    Topology(self.num_ranks), num_experts, num_topk, num_device_sms=self.device_sms
+                )
+            except EPConfigError:
+                sms = 0
+            self._planned_sms[key] = int(sms)
+        return self._planned_sms[key]
+
+    def _num_sms(self, num_sms: int, handle: EPHandle | None, num_experts: int = 0, num_topk: int = 0) -> int:
         if num_sms == 0 and handle is not None and handle.num_sms:
             num_sms = handle.num_sms
         if num_sms == 0:
-            num_sms = max(1, min(16, self.device_sms // self.num_ranks))
-        return int(num_sms)
+            planned = 0
+            if self.num_ranks_on_device == 1 and num_experts > 0 and num_topk > 0:
+                planned = self._planner_sms(num_experts, num_topk)
+            num_sms = default_num_sms(self.device_sms, self.num_ranks_on_device, planned)
+        num_sms = int(num_sms)
+        if self.num_ranks_on_device > 1:
+            check_coresident(self.num_ranks_on_device, num_sms, self.device_sms)
+        return num_sms
+
+    def _occupancy(self, kernel: Any, block: int, shared_mem: int) -> int:
+        """Resident blocks per SM of `kernel` (the driver's occupancy; cached per kernel, block and shared memory)."""
+        key = (id(kernel), block, shared_mem)
+        per_sm = self._blocks_per_sm.get(key)
+        if per_sm is None:
+            per_sm = int(kernel.max_active_blocks_per_sm(block, shared_mem))
+            self._blocks_per_sm[key] = per_sm
+        return per_sm
+
+    def _launch(
+        self, kernel: Any, name: str, geo: LaunchGeometry, args: dict, shared_mem: int, cooperative: bool
+    ) -> None:
+        """Check that the grid fits the device (occupancy), then launch it on the rank's stream."""
+        import ep_jit
+
+        per_sm = self._occupancy(kernel, geo.block, shared_mem)
+        check_occupancy(
+            name,
+            per_sm,
+            geo.grid,
+            self.device_sms,
+            self.num_ranks_on_device,
+            threads=geo.block,
+            shared_mem=shared_mem,
+        )
+        kernel.launch(
+            geo.grid,
+            geo.block,
+            [ep_jit.struct(pack_op_args(**args))],
+            shared_mem=shared_mem,
+            stream=self.stream.handle,
+            cooperative=cooperative,
+        )
+
+    # ------------------------------------------------------------------ failure state
+    def status(self) -> tuple[int, int]:
+        """`(abort kind, invalid-input kind)` that this rank's kernels published so far (0 = none); no sync."""
+        abort, bad_input = self._status.read()
+        return abort, bad_input
+
+    def guard(self) -> None:
+        """Raise, launching nothing, if a kernel of this rank published a failure (module doc, "Failures"): the
+        recorded error (sticky until `reset_state`), or an invalid-input report (raised once)."""
+        abort, bad_input = self._status.read()
+        if abort == 0 and bad_input == 0:
+            return
+        self.check_errors(synchronize=True)
+        if abort != 0:  # the record was cleared behind our back: still refuse
+            raise EPStateError(
+                f"rank {self.rank}: a kernel of this rank failed earlier (error kind {abort}); {_RESET_HINT}"
+            )
 
     # ------------------------------------------------------------------ dispatch
     def launch_dispatch(
@@ -255,6 +407,7 @@ class DirectRank:
         cumulative_local_expert_recv_stats: Any = None,
     ) -> _PendingDispatch:
         """Validate and launch the dispatch kernel; `finish_dispatch` completes the call."""
+        self.guard()
         keep: list = []
         if isinstance(x, tuple):
             if len(x) != 2:
@@ -337,7 +490,7 @@ class DirectRank:
                 )
         cfg = self._config(hidden, elem, packs, topk)
         plan, scratch = self._regions(cfg, num_experts, "dispatch")
-        num_sms = self._num_sms(num_sms, handle)
+        num_sms = self._num_sms(num_sms, handle, num_experts, topk)
         geo = launch_geometry(cfg, num_sms, self.device_sms)
         kernels = load_kernels(cfg)
         epr = num_experts // self.num_ranks
@@ -393,15 +546,9 @@ class DirectRank:
             unaligned_expert=as_view(arrays["unaligned"], "unaligned").ptr,
             cum_stats=stats_ptr,
         )
-        import ep_jit
-
-        kernels.dispatch.launch(
-            geo.grid,
-            geo.block,
-            [ep_jit.struct(pack_op_args(**args))],
-            shared_mem=geo.shared_mem,
-            stream=self.stream.handle,
-        )
+        self._launch(kernels.dispatch, "ep_dispatch", geo, args, geo.shared_mem, self.cooperative)
+        # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
+        self._occupancy(kernels.combine, geo.block, 0)
         keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
         pending = _PendingDispatch(
             cfg,
@@ -496,16 +643,11 @@ class DirectRank:
             recv_topk_weights=as_view(recv_w, "recv_topk_weights").ptr if recv_w is not None else 0,
             num_out_rows=rows,
         )
-        import ep_jit
-
         kernels = load_kernels(p.config)
         if rows > 0 or p.zero_padding:
-            kernels.epilogue.launch(
-                p.geometry.grid,
-                p.geometry.block,
-                [ep_jit.struct(pack_op_args(**args))],
-                shared_mem=p.geometry.shared_mem,
-                stream=self.stream.handle,
+            # no grid barrier in the epilogue: a plain launch
+            self._launch(
+                kernels.epilogue, "ep_dispatch_epilogue", p.geometry, args, p.geometry.shared_mem, False
             )
         if p.cached:
             handle = p.handle
@@ -545,6 +687,7 @@ class DirectRank:
         allow_multiple_reduction: bool = True,
         num_sms: int = 0,
     ) -> CombineResult:
+        self.guard()
         if handle is None:
             raise EPValueError("handle: combine needs the handle of a dispatch")
         xv = as_view(x, "x")
@@ -594,7 +737,7 @@ class DirectRank:
         iv = as_view(handle.topk_idx, "handle.topk_idx")
         cfg = self._config(hidden, 2, 0, k)
         plan, scratch = self._regions(cfg, handle.num_experts, "combine", amr)
-        num_sms = self._num_sms(num_sms, handle)
+        num_sms = self._num_sms(num_sms, handle, handle.num_experts, k)
         geo = launch_geometry(cfg, num_sms, self.device_sms)
         kernels = load_kernels(cfg)
         combined = self._alloc((t, hidden), np.uint16)
@@ -622,11 +765,7 @@ class DirectRank:
             combined_x=as_view(combined, "combined_x").ptr,
             combined_weights=as_view(combined_w, "combined_w").ptr if combined_w is not None else 0,
         )
-        import ep_jit
-
-        kernels.combine.launch(
-            geo.grid, geo.block, [ep_jit.struct(pack_op_args(**args))], stream=self.stream.handle
-        )
+        self._launch(kernels.combine, "ep_combine", geo, args, 0, self.cooperative)
         return CombineResult(combined, combined_w)
 
     # ------------------------------------------------------------------ errors
@@ -646,17 +785,19 @@ class DirectRank:
         return getattr(self, "_last_scratch", self.res.base + ep_layout.WorkspaceLayout.RESERVED_OFFSET)
 
     def check_errors(self, synchronize: bool = True) -> None:
-        """Raise EPTimeoutError / EPDeviceError if a kernel of this rank recorded an error."""
+        """Raise EPTimeoutError / EPDeviceError if a kernel of this rank recorded an error (an abort stays recorded,
+        and raised again, until `reset_state`; an invalid-input report is cleared once raised)."""
         if synchronize and not self.stream.synchronize(self.cpu_timeout_secs):
             raise EPTimeoutError(self.rank, "cpu.synchronize", "stream", "not drained")
         rec, inp = self.read_error()
+        published_abort, published_input = self._status.read()
 
         def get(name: str) -> int:
             f = _FIELD[name]
             dt = np.int32 if f.dtype == "int32" else np.int64
             return int(rec[f.offset : f.offset + np.dtype(dt).itemsize].view(dt)[0])
 
-        kind = get("abort_flag")
+        kind = get("abort_flag") or published_abort
         if kind in (int(_EK.TIMEOUT), int(_EK.PEER_ABORT)):
             tag = TAG_NAMES.get(get("tag"), str(get("tag")))
             if kind == int(_EK.PEER_ABORT):
@@ -665,7 +806,7 @@ class DirectRank:
                     "peer_abort",
                     "abort_flag",
                     kind,
-                    f"rank {self.rank}: aborted because a peer rank timed out; call reset() on the domain",
+                    f"rank {self.rank}: aborted because a peer rank timed out; {_RESET_HINT}",
                 )
             raise EPTimeoutError(
                 get("rank"),
@@ -674,15 +815,18 @@ class DirectRank:
                 get("value"),
                 f"rank {get('rank')} timed out in {tag} (peer {get('peer_rank')}, counter {get('counter')}, last "
                 f"value {get('value')}, expected {get('expected')}); a peer rank did not arrive: check that every "
-                "rank calls the same operations",
+                f"rank calls the same operations; {_RESET_HINT}",
             )
         if kind != 0:
-            raise EPDeviceError(f"rank {self.rank}: kernel error kind {kind}", code=kind, rank=self.rank)
+            raise EPDeviceError(
+                f"rank {self.rank}: kernel error kind {kind}; {_RESET_HINT}", code=kind, rank=self.rank
+            )
+        what_of = {
+            int(_EK.INVALID_EXPERT): "an expert id >= num_experts",
+            int(_EK.DUPLICATE_EXPERT): "a duplicate expert in one token",
+        }
         if inp[0] != 0:
-            what = {
-                int(_EK.INVALID_EXPERT): "an expert id >= num_experts",
-                int(_EK.DUPLICATE_EXPERT): "a duplicate expert in one token",
-            }.get(int(inp[0]), "bad input")
+            what = what_of.get(int(inp[0]), "bad input")
             self.clear_input_error()
             raise EPDeviceError(
                 f"rank {self.rank}: topk_idx holds {what} (token {inp[1]}, lane {inp[2]}, value {inp[3]}); fix the "
@@ -691,16 +835,50 @@ class DirectRank:
                 rank=self.rank,
                 detail=int(inp[3]),
             )
+        if published_input != 0:  # reported into the scratch of an earlier configuration
+            self.clear_input_error()
+            raise EPDeviceError(
+                f"rank {self.rank}: topk_idx of an earlier dispatch held {what_of.get(published_input, 'bad input')}; "
+                "fix the routing",
+                code=published_input,
+                rank=self.rank,
+            )
 
     def clear_input_error(self) -> None:
         _cuda.memset(self._any_scratch() + SCRATCH_INPUT_ERROR_OFFSET, 32, self.stream)
+        self._status.array[1] = 0
 
-    def reset_state(self) -> None:
-        """Zero the workspace and scratch of this rank (after a timeout; every rank of the domain must reset)."""
+    def reset_state(self, barrier: Callable[[], None] | None = None) -> None:
+        """Return this rank to a clean state after an error: zero its workspace (barrier arrivals, error record and
+        abort flag, count words, the reserved scratch) and every separate scratch, and its host-mapped error words.
+
+        Every rank of the domain must reset together. `barrier` is the domain's host barrier (a bootstrap's
+        `barrier`); the order is: drain this rank's stream (every kernel ends: all waits are bounded and watch the
+        abort flag), barrier (no rank's kernels run or write into a peer any more), zero, drain, barrier (no rank
+        launches before every rank is zeroed). Without `barrier` the caller orders the ranks (the loopback domain
+        drains every rank before zeroing any). Nothing needs preserving: the barrier epoch (scratch) and the arrival
+        count (workspace) are both zeroed on every rank, and `arrivals >= epoch * N` only needs them to agree.
+        """
         if self.res.base == 0:
             raise EPStateError("reset_state: the rank has no buffer")
+        if not self.stream.synchronize(self.cpu_timeout_secs):
+            raise EPTimeoutError(
+                self.rank,
+                "cpu.reset",
+                "stream",
+                "not drained",
+                f"rank {self.rank}: reset_state: the stream did not drain within {self.cpu_timeout_secs} s",
+            )
+        if barrier is not None:
+            barrier()
+        self._zero_state()
         self.stream.synchronize()
+        self._status.clear()
+        if barrier is not None:
+            barrier()
+
+    def _zero_state(self) -> None:
+        """Stream-ordered memsets of the workspace and of every separate scratch (the caller drains and orders)."""
         _cuda.memset(self.res.base, ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES, self.stream)
         for buf in self.res.scratch_buffers.values():
             _cuda.memset(buf.ptr, buf.nbytes, self.stream)
-        self.stream.synchronize()

@@ -5,6 +5,13 @@ transport too: a storage with a non-zero `nccl_window` selects the kernels' `Ncc
 Streams: every operation runs on the rank's high-priority comm stream; it first waits for the caller's stream
 (`req.stream`, inputs ready), and the caller's stream then waits for the comm stream (outputs ready), so callers
 need no extra synchronization. Outputs are allocated through `req.allocator(shape, dtype_name)`.
+
+Ranks per GPU: the executor learns which ranks drive its GPU from the device identities exchanged at allocation
+(ipc) or through the bootstrap (nccl). `num_device_sms` is the SM budget of this rank, the device's SMs divided by
+the ranks sharing it, so the planner's count and the validation's bound keep every rank's grid resident together.
+
+Errors: a failed kernel makes every later call raise until `reset()`, which every rank calls together
+(`ep_core.kernels.executor`, "Failures").
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import numpy as np
 from ep_core.errors import EPConfigError, EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
-from ep_core.kernels.executor import DirectRank, RankResources
+from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
 
 __all__ = ["GpuExecutor", "IpcStorage", "IpcTransport"]
 
@@ -55,6 +62,7 @@ class IpcStorage:
         self.num_bytes = num_bytes
         self.peer_table = buffer.peer_table
         self.device = device
+        self.rank_devices = getattr(buffer, "rank_devices", None)
 
     def close(self) -> None:
         if self._buffer is not None:
@@ -96,7 +104,13 @@ class GpuExecutor:
         self.config = config
         self.bootstrap = bootstrap
         self.device_id = int(getattr(storage, "device", 0))
-        self.num_device_sms = _cuda.num_device_sms()
+        devices = getattr(storage, "rank_devices", None)
+        if devices is None:  # storage that did not exchange device identities (nccl): a collective here
+            devices = [b.decode() for b in bootstrap.allgather(_cuda.device_identity().encode())]
+        self.num_ranks_on_device = count_ranks_on_device(list(devices), int(config.rank))
+        self.device_sms = _cuda.num_device_sms()
+        # the SMs this rank may use: the device's, split between the ranks that share it
+        self.num_device_sms = max(1, self.device_sms // self.num_ranks_on_device)
         self.nvlink_gbs: float | None = None
         self.rdma_gbs: float | None = None
         data = int(storage.num_bytes) - int(config.num_workspace_bytes) - int(config.num_cpu_bytes)
@@ -109,6 +123,7 @@ class GpuExecutor:
             storage.peer_table,
             self.stream,
             nccl_window=int(getattr(storage, "nccl_window", 0) or 0),
+            num_ranks_on_device=self.num_ranks_on_device,
         )
         self.rank = DirectRank(
             res,
@@ -212,6 +227,13 @@ class GpuExecutor:
         self.stream.synchronize()
         self.rank.check_errors(synchronize=False)
         self.bootstrap.barrier()
+
+    def reset(self) -> None:
+        """Clear this rank's error state, workspace and scratch after a failure (a collective: every rank of the
+        group calls it; ordered through the bootstrap's barrier)."""
+        if self._destroyed:
+            raise EPStateError("the executor was destroyed")
+        self.rank.reset_state(self.bootstrap.barrier)
 
     def destroy(self) -> None:
         if not self._destroyed:

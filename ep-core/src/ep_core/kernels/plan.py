@@ -18,6 +18,8 @@ __all__ = [
     "LaunchGeometry",
     "RegionPlan",
     "check_coresident",
+    "check_occupancy",
+    "default_num_sms",
     "default_num_warps",
     "launch_geometry",
     "plan_regions",
@@ -228,4 +230,54 @@ def check_coresident(num_ranks_on_device: int, num_sms: int, device_sms: int) ->
             f"num_sms: {num_ranks_on_device} ranks on one GPU x {num_sms} SMs = {total} SMs, but the device has "
             f"{device_sms}; kernels of all ranks must be co-resident (they wait on each other): use num_sms <= "
             f"{device_sms // num_ranks_on_device}"
+        )
+
+
+DEFAULT_SHARED_NUM_SMS = 16
+"""SMs per rank by default when ranks share a device (or when the planner cannot run): the V2.5 planner's EP8
+figure, and small enough that eight ranks fit one 132-SM GPU together."""
+
+
+def default_num_sms(device_sms: int, num_ranks_on_device: int, planner_sms: int = 0) -> int:
+    """SMs of one rank's kernels when the caller passes none.
+
+    Ranks that share a device split it: `min(16, device_sms // num_ranks_on_device)` (at least 1), so that every
+    block of every rank is resident at once. A rank alone on its device uses the planner's count (`planner_sms`,
+    the device's SMs alone decide the cap), or 16 (capped by the device) when the planner could not run.
+    """
+    if num_ranks_on_device < 1:
+        raise EPConfigError(f"num_ranks_on_device: expected >= 1, got {num_ranks_on_device}")
+    if num_ranks_on_device > 1:
+        return max(1, min(DEFAULT_SHARED_NUM_SMS, device_sms // num_ranks_on_device))
+    if planner_sms > 0:
+        return max(1, min(int(planner_sms), device_sms))
+    return max(1, min(DEFAULT_SHARED_NUM_SMS, device_sms))
+
+
+def check_occupancy(
+    kernel: str,
+    blocks_per_sm: int,
+    num_sms: int,
+    device_sms: int,
+    num_ranks_on_device: int,
+    *,
+    threads: int,
+    shared_mem: int,
+) -> None:
+    """The grid of `num_sms` blocks must be resident at once (its blocks wait for each other in grid barriers):
+    `blocks_per_sm` (the driver's occupancy for this block size and shared memory) must be >= 1 and the device must
+    hold the grids of every rank on it, `num_ranks_on_device * num_sms <= blocks_per_sm * device_sms`."""
+    if blocks_per_sm < 1:
+        raise EPConfigError(
+            f"{kernel}: a block of {threads} threads with {shared_mem} bytes of dynamic shared memory does not fit "
+            "on one SM (registers or shared memory exceed the SM); use fewer warps (num_warps) or a smaller hidden"
+        )
+    capacity = blocks_per_sm * device_sms
+    need = num_ranks_on_device * num_sms
+    if need > capacity:
+        per_rank = capacity // num_ranks_on_device
+        raise EPConfigError(
+            f"num_sms: {kernel} needs {need} co-resident blocks ({num_ranks_on_device} rank(s) on this device x "
+            f"{num_sms}), but the device holds {capacity} ({blocks_per_sm} per SM x {device_sms} SMs) of "
+            f"{threads} threads and {shared_mem} bytes of shared memory; use num_sms <= {per_rank}"
         )

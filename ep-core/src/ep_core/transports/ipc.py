@@ -4,6 +4,12 @@ peer base pointers that `ep_core::IpcTransport::sym_ptr` reads.
 Each rank's allocation is `[workspace (ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES) | GPU data buffer]`, zeroed.
 - `IpcBuffer.create_loopback(n, data_bytes)`: n buffers in this process (the loopback domain); the table lists them.
 - `IpcBuffer.create_exchanged(bootstrap, data_bytes)`: one buffer per process, exchanged with `ep_symmem.exchange`.
+
+Before exchanging, the ranks exchange their device identities (host and GPU UUID, `rank_devices`): ranks on one GPU
+need nothing more; ranks on different GPUs must be on one host, see each other's GPU, and have peer access with
+native peer atomics (the kernels' barriers and counters are system-scope atomics on peer memory; PCIe peers often
+lack them). A pair that does not is refused on every rank (`EPConfigError` naming the devices), before any kernel
+could hang on it.
 """
 
 from __future__ import annotations
@@ -11,13 +17,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import ep_layout
 
+from ep_core.errors import EPConfigError
 from ep_core.kernels import _cuda
 
-__all__ = ["IpcBuffer", "make_transport"]
+__all__ = ["IpcBuffer", "check_peer_access", "exchange_devices", "make_transport", "peer_access_problems"]
 
 
 def _current_device() -> int:
@@ -25,14 +33,102 @@ def _current_device() -> int:
     return int(_cuda.check(drv.cuCtxGetDevice(), "cuCtxGetDevice"))
 
 
-class IpcBuffer:
-    """Symmetric buffers of one process (one per local rank) plus the device peer table."""
+def exchange_devices(bootstrap: Any) -> list[str]:
+    """Every rank's `_cuda.device_identity()` ("<host>/<GPU uuid>"), in rank order (a collective)."""
+    mine = _cuda.device_identity().encode()
+    return [b.decode() for b in bootstrap.allgather(mine)]
 
-    def __init__(self, bases: list[int], peer_table: int, owners: list[Any], table_owner: Any) -> None:
+
+def peer_access_problems(
+    identities: list[str],
+    rank: int,
+    visible: dict[str, int],
+    p2p: Callable[[int, int], tuple[bool, bool]],
+) -> list[str]:
+    """What keeps `rank` from loading, storing and atomically updating every peer's buffer directly: peers on another
+    host, peers' GPUs this process does not see, device pairs without peer access or without native peer atomics.
+    `visible` maps GPU UUIDs to this process's device ordinals; `p2p(src, dst)` returns `(access, native_atomics)`
+    (`_cuda.p2p_support`). Ranks on this rank's own GPU need nothing."""
+    mine = identities[rank]
+    host, uuid = mine.split("/", 1)
+    problems: list[str] = []
+    seen: dict[str, tuple[bool, bool]] = {}
+    for r, ident in enumerate(identities):
+        if ident == mine:
+            continue
+        peer_host, peer_uuid = ident.split("/", 1)
+        if peer_host != host:
+            problems.append(
+                f"rank {r} runs on host {peer_host!r} and rank {rank} on {host!r}: the ipc transport needs every "
+                "rank on one host (use the nccl transport across hosts)"
+            )
+            continue
+        if uuid not in visible or peer_uuid not in visible:
+            problems.append(
+                f"rank {r}'s GPU (uuid {peer_uuid}) is not visible to rank {rank}: peer access needs every GPU of the "
+                "group visible to every process (do not narrow CUDA_VISIBLE_DEVICES per process)"
+            )
+            continue
+        src, dst = visible[uuid], visible[peer_uuid]
+        if peer_uuid not in seen:
+            seen[peer_uuid] = p2p(src, dst)
+        access, atomics = seen[peer_uuid]
+        if not access:
+            problems.append(
+                f"GPU {src} (rank {rank}) cannot access GPU {dst} (rank {r}) as a peer (cuDeviceCanAccessPeer / "
+                "P2P ACCESS_SUPPORTED is 0): the ipc transport needs peer-to-peer access between every pair of GPUs"
+            )
+        elif not atomics:
+            problems.append(
+                f"GPU {src} (rank {rank}) -> GPU {dst} (rank {r}) has no native peer atomics (P2P "
+                "NATIVE_ATOMIC_SUPPORTED is 0, typical of PCIe peers): the kernels' barriers and counters are "
+                "system-scope atomics on peer memory; use NVLink-connected GPUs"
+            )
+    return problems
+
+
+def check_peer_access(
+    bootstrap: Any,
+    identities: list[str],
+    *,
+    visible: dict[str, int] | None = None,
+    p2p: Callable[[int, int], tuple[bool, bool]] | None = None,
+) -> None:
+    """A collective: every rank checks its own row (`peer_access_problems`), the verdicts are gathered, and every rank
+    raises the same `EPConfigError` if any pair fails (so that no rank goes on to wait for a peer that stopped)."""
+    rank = int(bootstrap.rank)
+    if all(ident == identities[rank] for ident in identities):
+        mine: list[str] = []
+    else:
+        mine = peer_access_problems(
+            identities,
+            rank,
+            _cuda.visible_devices() if visible is None else visible,
+            _cuda.p2p_support if p2p is None else p2p,
+        )
+    everyone = [b.decode() for b in bootstrap.allgather("\n".join(mine).encode())]
+    problems = [line for text in everyone for line in text.splitlines() if line]
+    if problems:
+        raise EPConfigError("ipc transport: " + "; ".join(dict.fromkeys(problems)))
+
+
+class IpcBuffer:
+    """Symmetric buffers of one process (one per local rank) plus the device peer table. `rank_devices`: every
+    rank's device identity (`exchange_devices`; the loopback domain's ranks all share this process's GPU)."""
+
+    def __init__(
+        self,
+        bases: list[int],
+        peer_table: int,
+        owners: list[Any],
+        table_owner: Any,
+        rank_devices: list[str] | None = None,
+    ) -> None:
         self.bases = bases
         self.peer_table = peer_table
         self._owners = owners
         self._table_owner = table_owner
+        self.rank_devices = rank_devices
 
     @staticmethod
     def total_bytes(data_bytes: int) -> int:
@@ -84,10 +180,14 @@ class IpcBuffer:
         """This process's buffer, mapped by every rank of `bootstrap`: `memory="symmem"` (ep_symmem VMM buffers and
         `ep_symmem.exchange`), or `"cuda_ipc"` (cuMemAlloc + cuIpcGetMemHandle / cuIpcOpenMemHandle: one host,
         processes on the same or on peer-capable GPUs)."""
-        if memory == "cuda_ipc":
-            return cls._create_cuda_ipc(bootstrap, data_bytes)
-        if memory != "symmem":
+        if memory not in ("symmem", "cuda_ipc"):
             raise ValueError(f"memory: expected 'symmem' or 'cuda_ipc', got {memory!r}")
+        devices = exchange_devices(bootstrap)
+        check_peer_access(bootstrap, devices)
+        if memory == "cuda_ipc":
+            out = cls._create_cuda_ipc(bootstrap, data_bytes)
+            out.rank_devices = devices
+            return out
         import ep_symmem
 
         total = cls.total_bytes(data_bytes)
@@ -97,7 +197,7 @@ class IpcBuffer:
         _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
         bootstrap.barrier()
         ep_symmem.exchange(alloc, bootstrap)
-        return cls([int(alloc.ptr)], int(alloc.peer_ptr_table), [alloc], None)
+        return cls([int(alloc.ptr)], int(alloc.peer_ptr_table), [alloc], None, devices)
 
     @classmethod
     def _create_cuda_ipc(cls, bootstrap: Any, data_bytes: int) -> IpcBuffer:
