@@ -477,3 +477,24 @@ def test_check_peer_access_raises_on_every_rank() -> None:
     assert "GPU 1 (rank 1) -> GPU 0 (rank 0)" in results[0]
     ok = ec.ThreadGroup(1).bootstraps()[0]
     ipc.check_peer_access(ok, ["h/u0"], visible={}, p2p=p2p_table({}))
+
+
+# ------------------------------------------------------------------------------------------ compile check
+def test_large_domain_compiles(tmp_path, monkeypatch) -> None:
+    """More ranks than the per-block peer table holds (transport.cuh kMaxCachedPeers): the sym_ptr-per-use branch."""
+    import os
+    import shutil
+
+    ep_jit = pytest.importorskip("ep_jit")
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    if shutil.which("nvcc") is None and not os.path.exists(os.path.join(home, "bin", "nvcc")):
+        pytest.skip("nvcc not found")
+    from ep_core.kernels import KernelConfig
+    from ep_core.kernels._source import compile_kernels
+
+    text = (INCLUDE / "transport.cuh").read_text()
+    cached = int(re.search(r"kMaxCachedPeers = (\d+);", text).group(1))
+    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    ep_jit.clear_memo()
+    art = compile_kernels(KernelConfig(2 * cached, 8, 1024), arch="sm_90a")
+    assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"

@@ -53,10 +53,12 @@ struct SyncContext {
         __syncthreads();
         if (threadIdx.x == 0)
             *sc.barrier_epoch() = epoch;
-        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+        // one system fence per arriving thread (the block's writes, ordered by the barrier above, become visible
+        // before its first arrival); each arrival is a release, so a fence before every later one is redundant
+        if (threadIdx.x < num_ranks)
             ptx::fence_sys();
+        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
             ptx::red_add_release_sys(tr.sym_ptr(ws.barrier_arrivals(), p), 1ull);
-        }
         if (threadIdx.x == 0 && *s_abort == 0) {
             const int64_t target = static_cast<int64_t>(epoch) * num_ranks;
             uint64_t* counter = ws.barrier_arrivals();

@@ -114,6 +114,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     constexpr int kMetaCols = kNumTopk + 2;
     __shared__ int s_abort;
     __shared__ const uint8_t* s_ops[kNumWarps][kWarpSize];
+    __shared__ uint8_t* s_peer_region[PeerPointers<kNumRanks, Transport>::kTableSize];
 
     const int lane = threadIdx.x % kWarpSize;
     const int warp = threadIdx.x / kWarpSize;
@@ -133,6 +134,9 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     // 0. guard: an earlier failure left the abort flag raised -> publish it and leave (outputs untouched)
     if (threadIdx.x == 0)
         s_abort = entry_aborted(args, sync.ws) ? 1 : 0;
+    uint8_t* const region = static_cast<uint8_t*>(args.recv_region);
+    const PeerPointers<kNumRanks, Transport> peer_region{s_peer_region, sync.tr, region};
+    peer_region.fill();
     __syncthreads();
     if (s_abort != 0)
         return;
@@ -145,7 +149,6 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
 
     const int global_warp = blockIdx.x * kNumWarps + warp;
     const int num_global_warps = gridDim.x * kNumWarps;
-    uint8_t* const region = static_cast<uint8_t*>(args.recv_region);
     const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
     const int64_t R = args.psum_rank[kNumRanks - 1];
 
@@ -156,9 +159,9 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         const int src_rank = static_cast<int>(m0 / M);
         const int64_t src_token = m0 % M;
         const int master = m1 % kNumTopk;
-        uint8_t* peer_region = sync.tr.sym_ptr(region, src_rank);
+        uint8_t* const src_region = peer_region[src_rank];
         auto slot_ptr = [&](int slot) {
-            return peer_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
+            return src_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
         };
         if (!expand) {
             uint8_t* dst = slot_ptr(rank_layout ? rank : master);

@@ -84,6 +84,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     __shared__ int s_expert[ep_layout::kNumMaxExperts];
     __shared__ int s_start[256];
     __shared__ __align__(8) uint64_t s_bars[kNumWarps];
+    __shared__ uint8_t* s_peer_recv[PeerPointers<kNumRanks, Transport>::kTableSize];
     extern __shared__ __align__(128) uint8_t ep_dyn_smem[];
 
     const int lane = threadIdx.x % kWarpSize;
@@ -119,6 +120,9 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         s_sent[i] = 0;
     for (int i = threadIdx.x; i < num_experts; i += num_threads)
         s_expert[i] = 0;
+    uint8_t* const recv_region = static_cast<uint8_t*>(args.recv_region);
+    const PeerPointers<kNumRanks, Transport> peer_recv{s_peer_recv, sync.tr, recv_region};
+    peer_recv.fill();
     __syncthreads();
     if (s_abort != 0)
         return;
@@ -166,7 +170,6 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     }
 
     // 4. send
-    uint8_t* const recv_region = static_cast<uint8_t*>(args.recv_region);
     const uint8_t* const x = static_cast<const uint8_t*>(args.x);
     const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
@@ -199,7 +202,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
 
         uint8_t* my_dst = nullptr;
         if (r.master)
-            my_dst = sync.tr.sym_ptr(recv_region, r.dst) +
+            my_dst = peer_recv[r.dst] +
                      (static_cast<int64_t>(rank) * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
 
         // stage [hidden | sf | metadata] in this warp's shared slot: the hidden part by one bulk load, the rest
@@ -263,9 +266,12 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             }
         }
         __syncthreads();
+        // one system fence per thread makes the whole block's stores (ordered by the barrier above) visible before
+        // its first release; a fence before each later release would be redundant (a release orders what precedes)
+        if (threadIdx.x < kNumRanks)
+            ptx::fence_sys();
         for (int d = threadIdx.x; d < kNumRanks; d += num_threads) {
             const int count = sc.sent_total()[d];
-            ptx::fence_sys();
             ptx::st_release_sys(sync.tr.sym_ptr(ws.recv_rank_count(), d) + rank,
                                 kCountValidFlag | static_cast<uint32_t>(count));
             sc.sent_total()[d] = 0;

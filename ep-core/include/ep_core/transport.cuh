@@ -51,4 +51,35 @@ struct NcclTransport {
 };
 #endif
 
+/// Domains up to this many ranks keep a per-block table of peer addresses in shared memory (8 bytes per rank).
+static constexpr int kMaxCachedPeers = 128;
+
+/// The address of one symmetric pointer on every peer, looked up once per block: `sym_ptr` is a table load (ipc) or
+/// an LSA window lookup (nccl) that per-token loops should not repeat. `table` is a shared array of `kNumRanks`
+/// entries when `kCached` (else of 1, unused: larger domains call `sym_ptr` each time).
+template <int kNumRanks, typename Transport>
+struct PeerPointers {
+    static constexpr bool kCached = kNumRanks <= kMaxCachedPeers;
+    static constexpr int kTableSize = kCached ? kNumRanks : 1;
+
+    uint8_t** table;
+    const Transport& tr;
+    uint8_t* local;
+
+    /// Every thread of the block calls this; a block barrier must follow before the first lookup.
+    EP_CORE_DEVICE void fill() const {
+        if constexpr (kCached) {
+            for (int p = threadIdx.x; p < kNumRanks; p += blockDim.x)
+                table[p] = tr.sym_ptr(local, p);
+        }
+    }
+
+    EP_CORE_DEVICE uint8_t* operator[](int peer) const {
+        if constexpr (kCached)
+            return table[peer];
+        else
+            return tr.sym_ptr(local, peer);
+    }
+};
+
 }  // namespace ep_core
