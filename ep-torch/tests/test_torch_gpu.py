@@ -41,13 +41,25 @@ def test_comm_stream_is_one_high_priority_stream():
     assert a is b and a.priority <= torch.cuda.Stream().priority
 
 
-@pytest.mark.parametrize("backend,ranks", [("cuda", 1), ("cuda-shared", 2), ("cuda-shared", 4)])
-def test_conformance_on_gpu(backend, ranks):
+# (backend, ranks, extra cfg). One rank over nccl picks the nccl transport by itself (its own GPU, NCCL 2.28.9) and
+# a collectively destroyed buffer borrows torch's communicator (torch and ep-nccl-gin share one libnccl there).
+CONFORMANCE = [
+    ("cuda", 1, {"expect_transport": "nccl", "expect_comm": "group"}),
+    ("cuda", 1, {"transport": "ipc"}),
+    ("cuda-shared", 2, {}),
+    ("cuda-shared", 4, {}),
+]
+
+
+@pytest.mark.parametrize(
+    "backend,ranks,extra", CONFORMANCE, ids=["cuda-1-auto", "cuda-1-ipc", "cuda-shared-2", "cuda-shared-4"]
+)
+def test_conformance_on_gpu(backend, ranks, extra):
     from ep_torch.conformance import run_spawned
 
     if backend == "cuda" and torch.cuda.device_count() < ranks:
         pytest.skip("one GPU per rank needed")
-    _assert_all_pass(run_spawned(ranks, {"backend": backend}))
+    _assert_all_pass(run_spawned(ranks, {"backend": backend, **extra}))
 
 
 @pytest.mark.parametrize("backend,ranks", [("cuda", 1), ("cuda-shared", 2)])

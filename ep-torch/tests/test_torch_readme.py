@@ -1,4 +1,5 @@
-"""The README's DeepEP-style example runs as written (4 CPU ranks, reference backend)."""
+"""The README's DeepEP-style example runs as written: 4 CPU ranks on the reference backend, or one rank per GPU
+over nccl where there are GPUs (the GPU kernels)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -24,9 +28,23 @@ def test_readme_uses_ep_torch_import():
     assert "deep_ep" not in src
 
 
-def test_readme_example_runs(tmp_path):
+def _run_example(tmp_path) -> str:
     script = tmp_path / "readme_example.py"
     script.write_text(example_source())
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("received") == 4, proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the example runs on it: see the gpu test")
+def test_readme_example_runs(tmp_path):
+    out = _run_example(tmp_path)
+    assert out.count("received") == 4 and out.count("(reference)") == 4, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_readme_example_runs_on_gpu(tmp_path):
+    out = _run_example(tmp_path)
+    n = torch.cuda.device_count()
+    assert out.count("received") == n and out.count("(nccl)") == n, out

@@ -4,6 +4,7 @@
 |---|---|---|---|
 | ``EPKIT_AVOID_RECORD_STREAM`` | bool | ``0`` | keep async operands alive in the returned ``EventOverlap`` instead of calling ``record_stream`` (needed inside CUDA graphs) |
 | ``EPKIT_TORCH_TRANSPORT`` | str | ``""`` | force the backend of new buffers: ``reference`` (CPU, torch.distributed collectives), ``ipc`` or ``nccl``; empty = automatic |
+| ``EPKIT_TORCH_NCCL_COMM`` | str | ``auto`` | nccl transport's communicator: ``group`` (borrow the ProcessGroupNCCL's), ``own`` (create one per buffer group) or ``auto`` (borrow when allowed, see ``ep_torch.transport_choice``) |
 | ``EPKIT_TORCH_REFERENCE_NUM_SMS`` | int | ``132`` | device SM count the planner assumes on the CPU reference backend (an H200 by default) |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | ranks per emulated NVLink domain on the CPU reference backend (0 = all ranks: direct mode; a divisor of N below N emulates hybrid mode) |
@@ -44,6 +45,11 @@ knobs: dict[str, Knob] = {
             "keep async operands alive in the EventOverlap, not record_stream",
         ),
         Knob("EPKIT_TORCH_TRANSPORT", "", "force the backend: reference, ipc or nccl (empty: automatic)"),
+        Knob(
+            "EPKIT_TORCH_NCCL_COMM",
+            "auto",
+            "nccl transport: borrow the group's communicator (group), create one (own) or decide (auto)",
+        ),
         Knob(
             "EPKIT_TORCH_REFERENCE_NUM_SMS",
             "132",
@@ -90,6 +96,14 @@ def transport() -> str:
     value = knobs["EPKIT_TORCH_TRANSPORT"].raw().strip().lower()
     if value not in ("", "reference", "ipc", "nccl"):
         raise ValueError(f"EPKIT_TORCH_TRANSPORT={value!r}: expected one of reference, ipc, nccl (or unset)")
+    return value
+
+
+def nccl_comm() -> str:
+    """``EPKIT_TORCH_NCCL_COMM`` (lower case): ``auto``, ``group`` or ``own``."""
+    value = knobs["EPKIT_TORCH_NCCL_COMM"].raw().strip().lower() or "auto"
+    if value not in ("auto", "group", "own"):
+        raise ValueError(f"EPKIT_TORCH_NCCL_COMM={value!r}: expected one of auto, group, own")
     return value
 
 

@@ -11,13 +11,13 @@ the operation on its executor; this layer adds what is torch-specific:
 
 Backends (``transport``): ``"reference"`` for CPU tensors on a gloo group (ep-core's reference executor: the
 operations are all-gathers plus ``ep_core.reference``, bit-identical to the oracle the kernels are tested
-against); ``"ipc"`` / ``"nccl"`` for CUDA tensors (ep-core's GPU transports and kernels).
+against); ``"ipc"`` / ``"nccl"`` for CUDA tensors (ep-core's GPU transports and kernels). The automatic choice, and
+when the nccl transport borrows the group's communicator, are :mod:`ep_torch.transport_choice`'s rules.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 from ep_core import planner
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
-from ep_core.executor import ReferenceTransport
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.topology import Topology
 
 from . import _env
-from .bootstrap import ProcessGroupBootstrap, group_device
+from .bootstrap import ProcessGroupBootstrap
 from .event import EventHandle, EventOverlap
+from .transport_choice import choose_transport, data_device, make_core_transport, reference_transport
 
 __all__ = ["EPBuffer", "ElasticBuffer", "topk_idx_t"]
 
@@ -77,65 +77,13 @@ def _flat(items: Any) -> Iterator[Any]:
             yield a
 
 
-def _reference_transport() -> ReferenceTransport:
-    """ep-core's reference transport with the planner inputs of ``_env`` (an H200 by default) and, with
-    ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS``, emulated NVLink domains (hybrid mode on CPU)."""
-    return ReferenceTransport(
-        num_device_sms=_env.reference_num_sms(),
-        nvlink_gbs=_env.reference_nvlink_gbs(),
-        num_nvlink_ranks=_env.reference_nvlink_ranks() or None,
-    )
-
-
-def _gpu_transport(name: str) -> Any:
-    """ep-core's GPU transport ``name`` (``ep_core.transports.<name>.make_transport()``), or a clear error."""
-    try:
-        module = importlib.import_module(f"ep_core.transports.{name}")
-    except ImportError as exc:
-        raise NotImplementedError(
-            f"transport {name!r}: ep_core.transports.{name} cannot be imported ({exc}); the GPU path of ep_torch needs "
-            "ep-core's GPU transports. Use CPU tensors on a gloo group (transport='reference') meanwhile."
-        ) from exc
-    make = getattr(module, "make_transport", None)
-    if make is None:
-        raise NotImplementedError(
-            f"transport {name!r}: ep_core.transports.{name} has no make_transport(), so ep_core.EPBuffer cannot build a "
-            "GPU executor for it. Use transport='ipc', or CPU tensors on a gloo group (transport='reference')."
-        )
-    return make()  # ep-core raises EPConfigError for a transport whose host side is not available
-
-
-def _pick_transport(requested: str | None, bootstrap_device: torch.device) -> tuple[str, torch.device]:
-    """(transport, device of the data). CPU groups default to the reference backend; nccl groups to the GPU
-    kernels (ipc). A gloo group may also drive the GPU kernels (``transport="ipc"``: the bootstrap runs over gloo,
-    the data stays on this process's GPU; e.g. several processes sharing one GPU, which NCCL refuses)."""
-    choice = (requested or _env.transport() or "").lower()
-    if choice not in ("", "reference", "ipc", "nccl"):
-        raise EPValueError(f"transport: expected 'reference', 'ipc', 'nccl' or None, got {requested!r}")
-    if not choice:
-        choice = "reference" if bootstrap_device.type == "cpu" else "ipc"
-    if choice == "reference":
-        if bootstrap_device.type != "cpu":
-            raise EPValueError(
-                "transport: 'reference' runs on CPU tensors over a gloo group; this group is nccl (CUDA tensors)"
-            )
-        return choice, bootstrap_device
-    if bootstrap_device.type == "cuda":
-        return choice, bootstrap_device
-    if not torch.cuda.is_available():
-        raise EPValueError(
-            f"transport: {choice!r} runs the GPU kernels, but CUDA is not available here; use transport='reference' "
-            "(the default for CPU groups)"
-        )
-    return choice, torch.device("cuda", torch.cuda.current_device())
-
-
 class ElasticBuffer:
     """An expert-parallel communication buffer over ``group`` (DeepEP V2's ``ElasticBuffer``).
 
     Keyword arguments, defaults, methods and return tuples are DeepEP's (behaviour doc §1.2-1.6). Ours, keyword
-    only: ``transport`` (``"reference"``, ``"ipc"``, ``"nccl"``; None = ``reference`` for CPU groups, the GPU
-    kernels for nccl groups; ``EPKIT_TORCH_TRANSPORT`` overrides the default).
+    only: ``transport`` (``"reference"``, ``"ipc"``, ``"nccl"``; None = automatic: ``reference`` for CPU groups;
+    for nccl groups ``nccl`` when every rank has its own GPU and NCCL >= 2.28.7, else ``ipc``;
+    ``EPKIT_TORCH_TRANSPORT`` overrides the default). ``transport_choice`` says what was picked and why.
     """
 
     policy: PlannerPolicy = PlannerPolicy.V2
@@ -165,15 +113,16 @@ class ElasticBuffer:
         self.bootstrap = ProcessGroupBootstrap(self.group)
         self.rank_idx = self.bootstrap.rank
         self.num_ranks = self.bootstrap.size
-        self.transport, self.device = _pick_transport(transport, group_device(self.group))
+        self.transport_choice = choose_transport(
+            transport, self.bootstrap, self.group, explicitly_destroy=bool(explicitly_destroy)
+        )
+        self.transport, self.device = self.transport_choice.name, self.transport_choice.device
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
         self.deterministic = bool(deterministic)
         self.explicitly_destroy = bool(explicitly_destroy)
-        core_transport = (
-            _reference_transport() if self.transport == "reference" else _gpu_transport(self.transport)
-        )
+        core_transport = make_core_transport(self.transport_choice)
         self.runtime: ep_core.EPBuffer | None = ep_core.EPBuffer(
             self.bootstrap,
             transport=core_transport,
@@ -238,8 +187,9 @@ class ElasticBuffer:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(rank={self.rank_idx}/{self.num_ranks}, transport={self.transport}, "
-            f"num_bytes={self.num_bytes}, domains={self.num_scaleout_ranks}x{self.num_scaleup_ranks})"
+            f"{type(self).__name__}(rank={self.rank_idx}/{self.num_ranks}, transport={self.transport}"
+            + (f" ({self.transport_choice.communicator} communicator)" if self.transport == "nccl" else "")
+            + f", num_bytes={self.num_bytes}, domains={self.num_scaleout_ranks}x{self.num_scaleup_ranks})"
         )
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -257,9 +207,11 @@ class ElasticBuffer:
     ) -> int:
         """Bytes a buffer needs for these sizes (2 MiB aligned; SPEC §4). A collective over ``group``."""
         boot = ProcessGroupBootstrap(dist.group.WORLD if group is None else group)
-        name, _ = _pick_transport(None, boot.device)
-        tr = _reference_transport() if name == "reference" else _gpu_transport(name)
-        topology = Topology(boot.size, tr.num_nvlink_ranks(boot), bool(allow_hybrid_mode))
+        name, _ = data_device(None, boot.device)
+        # the GPU transports run direct mode only (one NVLink domain; they refuse anything else when allocating),
+        # and asking NCCL would create a communicator just for a size
+        nvl = reference_transport().num_nvlink_ranks(boot) if name == "reference" else boot.size
+        topology = Topology(boot.size, nvl, bool(allow_hybrid_mode))
         return planner.get_buffer_size_hint(
             topology,
             num_max_tokens_per_rank,

@@ -1066,7 +1066,42 @@ def check_cuda(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[str
 # driver
 
 
-SCENARIOS = ("modes", "errors", "autograd", "compile", "module", "planner", "cuda")
+def check_transport(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any], size: dict[str, Any]) -> None:
+    """The automatic choice agrees with the group (``cfg["expect_transport"]`` / ``["expect_comm"]`` when the
+    caller knows the machine), and a buffer destroyed collectively, which may borrow the group's NCCL
+    communicator, passes every dispatch/combine mode."""
+    choice = buf.transport_choice
+    checks.results.append((f"transport/chosen {choice.name}", True, choice.reason))
+
+    def expected() -> None:
+        want = cfg.get("expect_transport") or (
+            "reference" if cfg["device"].type == "cpu" else size["transport"] or choice.name
+        )
+        assert choice.name == want, f"transport {choice.name!r} ({choice.reason}), expected {want!r}"
+        assert choice.device.type == cfg["device"].type
+        if choice.name == "nccl":
+            assert choice.communicator == "own", (
+                "explicitly_destroy=False must not borrow the group communicator"
+            )
+
+    checks.run("transport/automatic choice", expected)
+    owned = type(buf)(buf.group, explicitly_destroy=True, **size)
+    try:
+
+        def communicator() -> None:
+            want = cfg.get("expect_comm")
+            got = owned.transport_choice.communicator
+            assert want is None or got == want, (
+                f"communicator {got!r} ({owned.transport_choice.reason}), expected {want!r}"
+            )
+
+        checks.run("transport/communicator of a collectively destroyed buffer", communicator)
+        check_modes(checks, {"destroyed-collectively": owned}, {**cfg, "seed": cfg["seed"] + 7919})
+    finally:
+        owned.destroy()
+
+
+SCENARIOS = ("modes", "errors", "autograd", "compile", "module", "planner", "cuda", "transport")
 
 
 def run_all(rank: int, world: int, cfg: dict[str, Any]) -> list[Result]:
@@ -1118,6 +1153,8 @@ def run_all(rank: int, world: int, cfg: dict[str, Any]) -> list[Result]:
         check_planner(checks, buffers, cfg)
     if "cuda" in wanted and device.type == "cuda":
         check_cuda(checks, buffers, cfg)
+    if "transport" in wanted:
+        check_transport(checks, buffers["Elastic"], cfg, size)
     dist.barrier()
     return checks.results
 

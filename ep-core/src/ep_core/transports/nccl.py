@@ -32,7 +32,7 @@ from typing import Any
 from ep_core.errors import EPConfigError, EPDeviceError
 from ep_core.kernels.executor import DirectRank, RankResources
 
-__all__ = ["MIN_NCCL_VERSION", "NcclRank", "NcclStorage", "NcclTransport", "make_transport"]
+__all__ = ["MIN_NCCL_VERSION", "NcclRank", "NcclStorage", "NcclTransport", "load_nccl_gin", "make_transport"]
 
 MIN_NCCL_VERSION = (2, 28, 7)
 """The NCCL release (library and headers) the transport needs: ep-nccl-gin's "gin" feature gate."""
@@ -76,6 +76,37 @@ def _storage_total_bytes(num_bytes: int) -> int:
     if data < 0:
         raise EPConfigError(f"num_bytes: expected at least the workspace ({ws} bytes), got {num_bytes}")
     return ws + ep_layout.align(data, ep_layout.NUM_SYMMETRIC_ALIGN_BYTES)
+
+
+def load_nccl_gin() -> Any:
+    """ep_nccl_gin, loaded and version-gated (library and headers >= MIN_NCCL_VERSION, device headers found);
+    `EPConfigError` saying what to do otherwise. Local (no collective): callers that must agree across ranks, such as
+    an automatic transport choice, exchange the outcome themselves."""
+    try:
+        nccl = _import_nccl_gin()
+    except ImportError as exc:
+        raise EPConfigError(
+            f"transport 'nccl': the ep-nccl-gin package is not importable ({exc}); {_INSTALL_HINT}, or use "
+            "transport='ipc'"
+        ) from exc
+    try:
+        loaded = nccl.load()
+    except nccl.NcclGinError as exc:
+        raise EPConfigError(
+            f"transport 'nccl': no usable NCCL library ({exc}); {_INSTALL_HINT}, or use transport='ipc'"
+        ) from exc
+    since = nccl.FEATURES[_GATE_FEATURE].since
+    for what, version in (("library", loaded.runtime), ("headers of ep-nccl-gin", loaded.header)):
+        if version < since:
+            raise EPConfigError(
+                f"transport 'nccl': needs NCCL >= {since} (device API with GIN), got NCCL {what} {version}; "
+                f"{_INSTALL_HINT} (and rebuild ep-nccl-gin against it), or use transport='ipc'"
+            )
+    try:
+        nccl.include_dirs()  # the JIT compiles against these headers: same version as the library
+    except nccl.NcclGinError as exc:
+        raise EPConfigError(f"transport 'nccl': NCCL device headers for the kernels: {exc}") from exc
+    return nccl
 
 
 class NcclStorage:
@@ -205,32 +236,7 @@ class NcclTransport:
         return self._comm
 
     def _load(self) -> Any:
-        """ep_nccl_gin, loaded and gated; EPConfigError (saying what to do) otherwise."""
-        try:
-            nccl = _import_nccl_gin()
-        except ImportError as exc:
-            raise EPConfigError(
-                f"transport 'nccl': the ep-nccl-gin package is not importable ({exc}); {_INSTALL_HINT}, or use "
-                "transport='ipc'"
-            ) from exc
-        try:
-            loaded = nccl.load()
-        except nccl.NcclGinError as exc:
-            raise EPConfigError(
-                f"transport 'nccl': no usable NCCL library ({exc}); {_INSTALL_HINT}, or use transport='ipc'"
-            ) from exc
-        since = nccl.FEATURES[_GATE_FEATURE].since
-        for what, version in (("library", loaded.runtime), ("headers of ep-nccl-gin", loaded.header)):
-            if version < since:
-                raise EPConfigError(
-                    f"transport 'nccl': needs NCCL >= {since} (device API with GIN), got NCCL {what} {version}; "
-                    f"{_INSTALL_HINT} (and rebuild ep-nccl-gin against it), or use transport='ipc'"
-                )
-        try:
-            nccl.include_dirs()  # the JIT compiles against these headers: same version as the library
-        except nccl.NcclGinError as exc:
-            raise EPConfigError(f"transport 'nccl': NCCL device headers for the kernels: {exc}") from exc
-        return nccl
+        return load_nccl_gin()
 
     def _ensure_comm(self, bootstrap: Any) -> Any:
         if self._comm is not None:

@@ -1,0 +1,243 @@
+"""Which ep-core transport a buffer runs on, decided the same way on every rank of the group.
+
+Rules (``transport=`` or ``EPKIT_TORCH_TRANSPORT`` override the automatic choice):
+
+- a CPU group (gloo): ``"reference"``, ep-core's reference executor over torch.distributed collectives;
+- a CUDA group (nccl): ``"nccl"`` (LSA through ep-nccl-gin) when every rank has its own GPU and every rank can
+  load NCCL >= 2.28.7 with its device headers; ``"ipc"`` (ep-symmem) otherwise. The reason is kept in
+  :attr:`TransportChoice.reason` and shown by the buffer's ``repr``; the choice never changes silently mid-run.
+
+With ``"nccl"`` the buffer borrows the group's own NCCL communicator (``ProcessGroupNCCL._comm_ptr()``) instead of
+creating a second one when all of these hold on every rank (``EPKIT_TORCH_NCCL_COMM``: ``auto``):
+
+- torch and ep-nccl-gin use one and the same ``libnccl.so`` of the same version (a communicator is a pointer
+  into one library's state; a second copy of NCCL cannot use it);
+- the group's communicator exists (our first exchange over the group creates it when torch initializes lazily);
+- the buffer is released by a collective call (``explicitly_destroy=True``). A borrowed communicator outlives the
+  buffer, and its window can only be deregistered collectively: a buffer left to the garbage collector would leave
+  it registered. An owned communicator is simply aborted then, which releases everything locally.
+
+``EPKIT_TORCH_NCCL_COMM=group`` asks for the borrowed communicator and fails with the reason when it cannot be had;
+``own`` always creates one.
+
+Every local fact is exchanged (two small all-gathers) before anything is decided, so all ranks agree; a rank that
+would pick differently from its peers would hang them in NCCL's communicator setup.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ep_core.errors import EPConfigError, EPValueError
+from ep_core.executor import ReferenceTransport
+
+from . import _env
+
+__all__ = ["TRANSPORTS", "TransportChoice", "choose_transport", "make_core_transport"]
+
+TRANSPORTS = ("reference", "ipc", "nccl")
+
+
+@dataclass(frozen=True)
+class TransportChoice:
+    """The outcome: ``name`` (one of :data:`TRANSPORTS`), the ``device`` that holds the data, why it was chosen,
+    and for ``"nccl"`` the group communicator to borrow (``comm_ptr``; None = create one)."""
+
+    name: str
+    device: torch.device
+    reason: str
+    comm_ptr: int | None = None
+
+    @property
+    def communicator(self) -> str | None:
+        """``"group"`` (borrowed), ``"own"``, or None for the other transports."""
+        if self.name != "nccl":
+            return None
+        return "group" if self.comm_ptr is not None else "own"
+
+
+# --- local facts (seams: the CPU tests replace them to simulate GPUs, NCCL builds and communicators) ----------------
+def _device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _nccl_problem() -> str:
+    """Why this rank cannot run the nccl transport ("" when it can)."""
+    try:
+        from ep_core.transports.nccl import load_nccl_gin
+
+        load_nccl_gin()
+    except (ImportError, EPConfigError) as exc:
+        return str(exc)
+    return ""
+
+
+def _mapped_nccl_libraries() -> set[str] | None:
+    """The distinct ``libnccl.so*`` files mapped into this process (None where /proc/self/maps does not exist)."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    found = set()
+    for line in maps.read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and Path(fields[-1]).name.startswith("libnccl.so"):
+            found.add(str(Path(fields[-1]).resolve()))
+    return found
+
+
+def _group_comm(group: dist.ProcessGroup) -> tuple[int, str]:
+    """(the group's ``ncclComm_t``, "") when ep-nccl-gin can borrow it, else (0, why not)."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except (RuntimeError, ValueError) as exc:  # which one depends on the torch release
+        return 0, f"the group has no CUDA backend ({exc})"
+    if not hasattr(backend, "_comm_ptr"):
+        return 0, f"the group's CUDA backend {type(backend).__name__} has no _comm_ptr()"
+    ptr = int(backend._comm_ptr())
+    if ptr == 0:
+        return 0, "the group's NCCL communicator does not exist on this device"
+    import ep_nccl_gin
+
+    loaded = ep_nccl_gin.load()
+    torch_version = tuple(int(v) for v in torch.cuda.nccl.version())
+    ours = (loaded.runtime.major, loaded.runtime.minor, loaded.runtime.patch)
+    if torch_version != ours:
+        return 0, f"torch uses NCCL {torch_version}, ep-nccl-gin loaded {ours}"
+    mapped = _mapped_nccl_libraries()
+    if mapped is None:
+        return 0, "cannot tell which libnccl torch uses (no /proc/self/maps)"
+    if len(mapped) != 1 or Path(loaded.path).resolve() != Path(next(iter(mapped))):
+        return (
+            0,
+            f"torch and ep-nccl-gin do not share one libnccl (mapped: {sorted(mapped)}, ours: {loaded.path})",
+        )
+    return ptr, ""
+
+
+def _allgather_json(bootstrap: Any, value: dict) -> list[dict]:
+    return [json.loads(b.decode()) for b in bootstrap.allgather(json.dumps(value, sort_keys=True).encode())]
+
+
+# --- the decision ----------------------------------------------------------------------------------------------------
+def _requested(requested: str | None) -> str:
+    choice = (requested or _env.transport() or "").lower()
+    if choice not in ("", *TRANSPORTS):
+        raise EPValueError(f"transport: expected 'reference', 'ipc', 'nccl' or None, got {requested!r}")
+    return choice
+
+
+def data_device(requested: str | None, bootstrap_device: torch.device) -> tuple[str, torch.device]:
+    """(the transport asked for, "" = automatic; the device of the data), checked against the group's device.
+    Local: no collective."""
+    choice = _requested(requested)
+    if choice == "reference" or (not choice and bootstrap_device.type == "cpu"):
+        if bootstrap_device.type != "cpu":
+            raise EPValueError(
+                "transport: 'reference' runs on CPU tensors over a gloo group; this group is nccl (CUDA tensors)"
+            )
+        return "reference", bootstrap_device
+    if bootstrap_device.type == "cuda":
+        return choice, bootstrap_device
+    if not torch.cuda.is_available():
+        raise EPValueError(
+            f"transport: {choice!r} runs the GPU kernels, but CUDA is not available here; use transport='reference' "
+            "(the default for CPU groups)"
+        )
+    # a gloo group driving the GPU kernels (e.g. several processes sharing one GPU, which NCCL refuses)
+    return choice, torch.device("cuda", torch.cuda.current_device())
+
+
+def choose_transport(
+    requested: str | None, bootstrap: Any, group: dist.ProcessGroup, *, explicitly_destroy: bool
+) -> TransportChoice:
+    """The transport of a new buffer (module doc). A collective over ``bootstrap`` unless the answer is fixed
+    (``reference``, or ``ipc`` asked for)."""
+    choice, device = data_device(requested, bootstrap.device)
+    if choice == "reference":
+        return TransportChoice("reference", device, "CPU tensors (gloo group): the reference backend")
+    if choice == "ipc":
+        return TransportChoice("ipc", device, "asked for (transport='ipc' or EPKIT_TORCH_TRANSPORT)")
+
+    facts = _allgather_json(bootstrap, {"uuid": _device_uuid(device), "nccl": _nccl_problem()})
+    seen: dict[str, int] = {}
+    shared = None
+    for r, f in enumerate(facts):
+        if f["uuid"] in seen:
+            shared = (seen[f["uuid"]], r)
+            break
+        seen[f["uuid"]] = r
+    unable = [(r, f["nccl"]) for r, f in enumerate(facts) if f["nccl"]]
+    if not choice:
+        if shared is not None:
+            return TransportChoice(
+                "ipc", device, f"ranks {shared[0]} and {shared[1]} share a GPU (NCCL refuses that)"
+            )
+        if unable:
+            r, why = unable[0]
+            return TransportChoice("ipc", device, f"rank {r} cannot use the nccl transport: {why}")
+    elif shared is not None:  # nccl asked for
+        raise EPConfigError(
+            f"transport 'nccl': ranks {shared[0]} and {shared[1]} share one GPU, which NCCL refuses; use "
+            "transport='ipc' (ep-symmem) for processes that share a GPU"
+        )
+    reason = "every rank has its own GPU and NCCL >= 2.28.7" if not choice else "asked for"
+    if unable:  # nccl asked for: NcclTransport raises the precise error on every rank
+        return TransportChoice("nccl", device, reason)
+    return _with_communicator(TransportChoice("nccl", device, reason), bootstrap, group, explicitly_destroy)
+
+
+def _with_communicator(
+    choice: TransportChoice, bootstrap: Any, group: dist.ProcessGroup, explicitly_destroy: bool
+) -> TransportChoice:
+    mode = _env.nccl_comm()
+    if mode == "own":
+        return TransportChoice(choice.name, choice.device, f"{choice.reason}; own communicator (asked for)")
+    ptr, why = _group_comm(group)  # after the first exchange, which created a lazily initialized communicator
+    if mode == "auto" and not explicitly_destroy:
+        ptr, why = 0, "the buffer is not destroyed collectively (explicitly_destroy=False)"
+    facts = _allgather_json(bootstrap, {"ok": ptr != 0, "why": why})
+    refused = [(r, f["why"]) for r, f in enumerate(facts) if not f["ok"]]
+    if not refused:
+        return TransportChoice(
+            choice.name, choice.device, f"{choice.reason}; the group's NCCL communicator", ptr
+        )
+    r, why = refused[0]
+    if mode == "group":
+        raise EPConfigError(
+            f"EPKIT_TORCH_NCCL_COMM=group: rank {r} cannot borrow the group's NCCL communicator: {why}; unset it "
+            "(or set it to 'own') to let the buffer create its own communicator"
+        )
+    return TransportChoice(choice.name, choice.device, f"{choice.reason}; own communicator (rank {r}: {why})")
+
+
+def reference_transport() -> ReferenceTransport:
+    """ep-core's reference transport with the planner inputs of ``_env`` (an H200 by default) and, with
+    ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS``, emulated NVLink domains (hybrid mode on CPU)."""
+    return ReferenceTransport(
+        num_device_sms=_env.reference_num_sms(),
+        nvlink_gbs=_env.reference_nvlink_gbs(),
+        num_nvlink_ranks=_env.reference_nvlink_ranks() or None,
+    )
+
+
+def make_core_transport(choice: TransportChoice) -> Any:
+    """The ep-core transport object for ``choice``."""
+    if choice.name == "reference":
+        return reference_transport()
+    if choice.name == "nccl":
+        from ep_core.transports.nccl import NcclTransport
+
+        return NcclTransport(choice.comm_ptr)
+    try:
+        from ep_core.transports.ipc import make_transport
+    except ImportError as exc:
+        raise EPConfigError(
+            f"transport 'ipc': ep_core.transports.ipc cannot be imported ({exc}); the GPU path of ep_torch needs "
+            "ep-core's GPU transports. Use CPU tensors on a gloo group (transport='reference') meanwhile."
+        ) from exc
+    return make_transport()
