@@ -16,7 +16,7 @@ import ep_layout
 import numpy as np
 import pytest
 from ep_core import planner
-from ep_core.errors import EPConfigError, EPDeviceError, EPTimeoutError
+from ep_core.errors import EPConfigError, EPDeviceError, EPStateError, EPTimeoutError
 from ep_core.kernels import _cuda
 from ep_core.kernels import executor as executor_mod
 from ep_core.kernels import gpu_executor as gpu_executor_mod
@@ -212,6 +212,30 @@ def test_invalid_input_word_raises_once(fake_driver) -> None:
     r.guard()
 
 
+class _Handle:
+    """Stands for an EPHandle (identity-hashed, weak-referenceable)."""
+
+
+def test_handles_of_failed_nosync_dispatches_are_refused(fake_driver) -> None:
+    r = make_rank(fake_driver)
+    set_device_error(r, np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8))
+    confirmed, pending = _Handle(), _Handle()
+    r._unconfirmed.add(confirmed)
+    r.check_errors(synchronize=True)  # drained and clean: confirmed
+    r._unconfirmed.add(pending)
+    r._fake_state["rec"] = record(int(_EK.TIMEOUT))
+    r._status.array[0] = int(_EK.TIMEOUT)
+    with pytest.raises(EPTimeoutError):
+        r.guard()
+    r.reset_state()
+    r._fake_state["rec"] = np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8)
+    r._check_handle(confirmed)
+    r._check_handle(None)
+    for call in (lambda: r._check_handle(pending), lambda: r.combine(None, pending)):
+        with pytest.raises(EPStateError, match="dispatch again"):
+            call()
+
+
 def test_reset_state_is_ordered_by_barriers(fake_driver) -> None:
     log = fake_driver
     r = make_rank(log)
@@ -300,6 +324,9 @@ class _FakeLoopRank:
     def guard(self) -> None:
         if self.fail:
             raise EPTimeoutError(self.r, "peer_abort", "abort_flag", 2)
+
+    def _check_handle(self, handle) -> None:
+        return None
 
     def launch_dispatch(self, *a, **k):
         self.log.append(("launch", self.r))

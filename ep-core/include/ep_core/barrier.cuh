@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 /// \file barrier.cuh
 /// \brief Grid barrier (blocks of one launch) and cross-rank barrier (every rank's launch), both built on
-/// `wait_until`. Kernels are launched non-cooperatively: the host guarantees that all blocks of all ranks are
-/// co-resident (`ep_core.kernels.plan`, `LoopbackDomain` refuses configurations that exceed the device).
+/// `wait_until`. Every block of a grid must be resident at once. A rank alone on its GPU launches dispatch and combine
+/// cooperatively (the driver guarantees it, even next to compute kernels of other streams); ranks that share a GPU
+/// (loopback domain, processes on one GPU) launch plainly and the host checks that all their grids fit the device
+/// together (`ep_core.kernels.plan.check_coresident` / `check_occupancy`).
 #pragma once
 
 #include "timeout.cuh"

@@ -157,12 +157,12 @@ class LoopbackDomain:
         """Dispatch on every rank (same keywords as `ep_core.reference.dispatch`)."""
         if self._closed:
             raise EPStateError("dispatch: the domain is closed")
-        self._guard()
+        hs = self._check("handles", handles)
+        self._guard(hs)
         xs = self._check("xs", xs)
         idxs = self._check("topk_idxs", topk_idxs)
         ws = self._check("topk_weights", topk_weights)
         sfs = self._check("sf", sf)
-        hs = self._check("handles", handles)
         stats = self._check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
         sms = 0 if (handles is not None and num_sms == 0) else self._sms(num_sms)
         pend = []
@@ -205,9 +205,9 @@ class LoopbackDomain:
         """Combine on every rank (same keywords as `ep_core.reference.combine`)."""
         if self._closed:
             raise EPStateError("combine: the domain is closed")
-        self._guard()
-        xs = self._check("xs", xs)
         hs = self._check("handles", handles)
+        self._guard(hs)
+        xs = self._check("xs", xs)
         ws = self._check("topk_weights", topk_weights)
         bs = self._check("bias", bias)
         out = []
@@ -225,11 +225,12 @@ class LoopbackDomain:
             )
         return out
 
-    def _guard(self) -> None:
-        """Every rank's failure check before any rank launches (a rank that raised would leave its peers' kernels
-        waiting for it until their timeout)."""
-        for rank in self.ranks:
+    def _guard(self, handles: list) -> None:
+        """Every rank's failure check (and its handle's) before any rank launches (a rank that raised would leave
+        its peers' kernels waiting for it until their timeout)."""
+        for rank, handle in zip(self.ranks, handles):
             rank.guard()
+            rank._check_handle(handle)
 
     def _drain(self, strict: bool = False) -> None:
         for r, s in enumerate(self.streams):
@@ -240,7 +241,7 @@ class LoopbackDomain:
         """Wait for every rank's stream and raise the first recorded kernel error."""
         self._drain()
         for rank in self.ranks:
-            rank.check_errors(synchronize=False)
+            rank.check_errors(synchronize=True)  # drained already: confirms earlier no-sync handles
 
     def reset(self) -> None:
         """Clear every rank's error state, workspace and scratch (after an error; all ranks together). The order of

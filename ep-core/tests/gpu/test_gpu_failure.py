@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 from ep_core import reference, routing
-from ep_core.errors import EPDeviceError, EPTimeoutError
+from ep_core.errors import EPDeviceError, EPStateError, EPTimeoutError
 
 pytestmark = pytest.mark.gpu
 
@@ -149,6 +149,12 @@ def test_nosync_timeout_is_sticky_until_reset() -> None:
 
     dom.reset()
     assert r0.status() == (0, 0) and r1.status() == (0, 0)
+    # the failed no-sync dispatch's handle stays refused after the reset; the handles of the clean first call work
+    with pytest.raises(EPStateError, match="dispatch again"):
+        r0.combine(res.recv_x, res.handle)
+    cached = dom.dispatch(inp.xs, None, inp.topk_weights, handles=[o.handle for o in first])
+    for r in range(2):
+        assert np.array_equal(cached[r].recv_x.numpy(), first[r].recv_x.numpy())
     _check_dispatch_and_combine(dom, inp)
     dom.close()
 

@@ -423,7 +423,7 @@ class MappedWords:
 
     def read(self) -> tuple[int, ...]:
         """The words as the host sees them now (no synchronization)."""
-        return tuple(int(v) for v in self.array)
+        return tuple(self.array.tolist())
 
     def clear(self) -> None:
         self.array[:] = 0

@@ -26,6 +26,10 @@ at the next host call. Replays of a captured CUDA graph run no host code: check 
 which needs no sync) after replays. Invalid expert ids (not an abort) set the second host word and are raised, once,
 at the next call (or right after a CPU sync).
 
+Handles of no-sync dispatches are "unconfirmed" until a stream sync finds no error; when an abort is found they are
+marked failed, and a cached dispatch or a combine with such a handle raises `EPStateError` (before and after the
+reset: its prefix sums and slots may be garbage, and kernels would write through them into peers' buffers).
+
 SM counts and launches. `RankResources.num_ranks_on_device` says how many ranks of the domain drive this rank's
 GPU (all N in the loopback domain, processes sharing a GPU, 1 with a GPU per rank). Ranks that share a GPU wait on
 each other inside their kernels, so the default SM count splits the device between them and every grid must fit
@@ -36,6 +40,7 @@ streams occupy SMs.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -250,6 +255,8 @@ class DirectRank:
             )
         self.cooperative = bool(cooperative)
         self._status = _cuda.MappedWords(2)
+        self._unconfirmed: weakref.WeakSet = weakref.WeakSet()
+        self._failed_handles: weakref.WeakSet = weakref.WeakSet()
         self._blocks_per_sm: dict = {}
         self._planned_sms: dict = {}
 
@@ -375,6 +382,13 @@ class DirectRank:
         abort, bad_input = self._status.read()
         return abort, bad_input
 
+    def _check_handle(self, handle: EPHandle | None) -> None:
+        if handle is not None and handle in self._failed_handles:
+            raise EPStateError(
+                f"handle: rank {self.rank}: it comes from a no-sync dispatch that was running when a kernel of this "
+                "rank failed, so its counts and slots are not valid; dispatch again (without the handle)"
+            )
+
     def guard(self) -> None:
         """Raise, launching nothing, if a kernel of this rank published a failure (module doc, "Failures"): the
         recorded error (sticky until `reset_state`), or an invalid-input report (raised once)."""
@@ -408,6 +422,7 @@ class DirectRank:
     ) -> _PendingDispatch:
         """Validate and launch the dispatch kernel; `finish_dispatch` completes the call."""
         self.guard()
+        self._check_handle(handle)
         keep: list = []
         if isinstance(x, tuple):
             if len(x) != 2:
@@ -595,6 +610,7 @@ class DirectRank:
                     f"({self.cpu_timeout_secs} s)",
                 )
             self.check_errors(synchronize=False)
+            self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
             host = self._host.array
             psum = host[: 4 * n].view(np.int32).copy()
             counts = host[4 * n : 4 * n + 4 * epr].view(np.int32).copy()
@@ -670,6 +686,8 @@ class DirectRank:
                 num_ranks=n,
                 rank=self.rank,
             )
+        if not p.cached and not p.do_cpu_sync:
+            self._unconfirmed.add(handle)
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
     def dispatch(self, *args: Any, **kwargs: Any) -> DispatchResult:
@@ -690,6 +708,7 @@ class DirectRank:
         self.guard()
         if handle is None:
             raise EPValueError("handle: combine needs the handle of a dispatch")
+        self._check_handle(handle)
         xv = as_view(x, "x")
         _check_2d(xv, "x")
         if xv.dtype.itemsize != 2 or not xv.is_contiguous:
@@ -798,6 +817,11 @@ class DirectRank:
             return int(rec[f.offset : f.offset + np.dtype(dt).itemsize].view(dt)[0])
 
         kind = get("abort_flag") or published_abort
+        if kind != 0:  # handles of no-sync dispatches not yet confirmed by a clean sync may be garbage
+            self._failed_handles.update(self._unconfirmed)
+            self._unconfirmed.clear()
+        elif synchronize:
+            self._unconfirmed.clear()
         if kind in (int(_EK.TIMEOUT), int(_EK.PEER_ABORT)):
             tag = TAG_NAMES.get(get("tag"), str(get("tag")))
             if kind == int(_EK.PEER_ABORT):

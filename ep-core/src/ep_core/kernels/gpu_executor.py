@@ -225,7 +225,7 @@ class GpuExecutor:
 
     def barrier(self) -> None:
         self.stream.synchronize()
-        self.rank.check_errors(synchronize=False)
+        self.rank.check_errors(synchronize=True)  # drained already: confirms earlier no-sync handles
         self.bootstrap.barrier()
 
     def reset(self) -> None:
