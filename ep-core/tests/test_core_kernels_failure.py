@@ -525,3 +525,31 @@ def test_large_domain_compiles(tmp_path, monkeypatch) -> None:
     ep_jit.clear_memo()
     art = compile_kernels(KernelConfig(2 * cached, 8, 1024), arch="sm_90a")
     assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("memory", ["cuda_ipc", "symmem"])
+def test_exchange_refuses_before_allocating(monkeypatch, memory: str) -> None:
+    """IpcBuffer.create_exchanged checks the device pairs first: a PCIe pair fails before any allocation."""
+    monkeypatch.setattr(_cuda, "device_identity", lambda: "h/u0")
+    monkeypatch.setattr(_cuda, "visible_devices", lambda: {"u0": 0, "u1": 1})
+    monkeypatch.setattr(_cuda, "p2p_support", lambda src, dst: (True, False))
+
+    def no_alloc(*a, **k):
+        raise AssertionError("allocated before the peer check")
+
+    monkeypatch.setattr(_cuda, "DeviceBuffer", no_alloc)
+    monkeypatch.setattr(_cuda, "driver", no_alloc)
+
+    class Boot:
+        rank, size = 0, 2
+
+        def allgather(self, data: bytes) -> list[bytes]:
+            return [data, b"h/u1" if data == b"h/u0" else data]
+
+        def barrier(self) -> None:
+            return None
+
+    with pytest.raises(
+        EPConfigError, match=r"GPU 0 \(rank 0\) -> GPU 1 \(rank 1\) has no native peer atomics"
+    ):
+        ipc.IpcBuffer.create_exchanged(Boot(), 1 << 21, memory)

@@ -3,7 +3,8 @@ modes by ranks per GPU.
 
 - loopback: a no-sync dispatch that times out publishes its failure to the host without a sync, its copy epilogue
   writes nothing, every later call raises (sticky) and launches nothing until reset(), a peer's next kernel publishes
-  the peer abort, an invalid expert id in a no-sync dispatch is raised at the next call; then everything works again;
+  the peer abort, the failed dispatch's handle stays refused after the reset while the handles of clean calls work,
+  an invalid expert id in a no-sync dispatch is raised at the next call; then everything works again;
 - processes sharing the GPU: a timeout on one rank, the peer abort on the other, a collective reset, then correct
   results;
 - one process alone on the GPU: cooperative launches of dispatch and combine, bitwise equal to the reference.
