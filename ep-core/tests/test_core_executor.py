@@ -241,3 +241,46 @@ def test_hybrid_topology_through_the_buffer(amr):
         assert _np(out.handle.psum_num_recv_tokens_per_scaleup_rank).shape == (nvl,)
         assert _np(out.recv_x).tobytes() == want[r].recv_x.tobytes()
         assert _np(comb.combined_x).tobytes() == want_c[r].combined_x.tobytes()
+
+
+def test_reset_is_a_collective_and_the_buffer_works_after_it():
+    inp = routing.make_inputs(2, 4, H, 8, 2, seed=3)
+    calls = []
+
+    def rank_fn(r, boot):
+        buf = ec.EPBuffer(boot, transport="reference", num_max_tokens_per_rank=M, hidden=H, num_topk=2)
+        barrier = buf.executor.bootstrap.barrier
+
+        def counted():
+            calls.append(r)
+            barrier()
+
+        buf.executor.bootstrap.barrier = counted
+        buf.reset()
+        out = buf.dispatch(
+            ec.host_array(inp.xs[r], "bfloat16"), ec.host_array(inp.topk_idxs[r]), None, num_experts=8
+        )
+        comb = buf.combine(out.recv_x, out.handle)
+        buf.destroy()
+        with pytest.raises(ec.EPStateError):
+            buf.reset()
+        return _np(comb.combined_x).shape
+
+    assert run_ranks(rank_fn, 2) == [(4, H), (4, H)]
+    assert sorted(calls[:2]) == [0, 1]  # every rank met the others in reset
+
+
+def test_reset_needs_an_executor_that_can_reset():
+    class NoReset:
+        array_device, device_id, num_device_sms = "cpu", 0, 132
+
+        def dispatch(self, req): ...
+        def combine(self, req): ...
+        def barrier(self): ...
+        def destroy(self): ...
+
+    buf = ec.EPBuffer(
+        ec.LocalBootstrap(), transport="reference", num_max_tokens_per_rank=4, hidden=H, executor=NoReset()
+    )
+    with pytest.raises(ec.EPStateError, match="cannot be reset"):
+        buf.reset()

@@ -54,7 +54,7 @@ def test_modes_match_reference(four_ranks):
 
 def test_transport_choice(four_ranks):
     # the automatic choice on a gloo group, and a collectively destroyed buffer through every mode
-    _assert_group(four_ranks, "transport/", 3)
+    _assert_group(four_ranks, "transport/", 4)
     assert ("transport/chosen reference", True) in [(n, ok) for n, ok, _ in four_ranks[0]]
     _assert_group(four_ranks, "modes/", 3 * 2 * 2 * 2 * 2 * 2 * 3 + 3 * 2 * 2 * 2 * 2 * 3 * 3 // 2)
 

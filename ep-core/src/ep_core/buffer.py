@@ -17,7 +17,7 @@ from typing import Any
 from ep_core import planner
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.buffer_base import BufferBase
-from ep_core.errors import EPConfigError, EPTypeError, EPValueError
+from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
 from ep_core.executor import (
     BufferConfig,
     CombineResult,
@@ -355,6 +355,19 @@ class EPBuffer(BufferBase):
         return self._executor.combine(req)
 
     # lifecycle -----------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Recover after a failed operation (a timeout, a peer's abort): a collective, every rank calls it.
+
+        After a failure every later call raises the recorded error instead of launching (outputs are never left
+        silently uninitialized); `reset()` drains this rank, meets the peers, zeroes the workspace and scratch,
+        and meets them again, after which the buffer works as new. Handles of no-sync dispatches that were in
+        flight during the failure stay refused: dispatch again without `handle=`."""
+        self._check_alive()
+        reset = getattr(self._executor, "reset", None)
+        if reset is None:
+            raise EPStateError(f"reset: the executor {type(self._executor).__name__} cannot be reset")
+        reset()
+
     def _device_barrier(self) -> None:
         self._executor.barrier()
 

@@ -264,6 +264,17 @@ class ElasticBuffer:
 
         return comm_stream(self.device)
 
+    def reset(self) -> None:
+        """Recover after a failed operation (ours; DeepEP has none): a collective, every rank calls it.
+
+        After a timeout or a peer's abort every call raises the recorded error instead of returning garbage;
+        ``reset()`` waits for this rank's streams, clears the buffer's state with the peers, and the buffer works as
+        new (handles of no-sync dispatches in flight during the failure stay refused)."""
+        rt = self._rt()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        rt.reset()
+
     def barrier(
         self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True
     ) -> None:

@@ -1096,6 +1096,7 @@ def check_transport(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any], si
             )
 
         checks.run("transport/communicator of a collectively destroyed buffer", communicator)
+        checks.run("transport/reset (collective) leaves a working buffer", owned.reset)
         check_modes(checks, {"destroyed-collectively": owned}, {**cfg, "seed": cfg["seed"] + 7919})
     finally:
         owned.destroy()

@@ -416,6 +416,7 @@ class NcclRank(DirectRank):
             0,
             Stream(),
             nccl_window=self.storage.nccl_window,
+            num_ranks_on_device=1,  # NCCL refuses two ranks on one GPU: each rank has its own
         )
         super().__init__(
             res,
