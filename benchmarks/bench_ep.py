@@ -1,20 +1,31 @@
 #!/usr/bin/env python3
 """Benchmark of ep's direct-mode dispatch and combine kernels in the loopback domain on one GPU.
 
-Loopback EP8 (8 ranks on one GPU, SMs per rank 4/8/16) and EP1 (SMs 4..64), T=4096 tokens per rank, hidden 7168,
-top-8 of 256 experts, bf16 and FP8 dispatch, bf16 combine, uniform and unbalanced routing. Per op: median time over
-CUDA events (L2 flushed before every run), bytes moved, achieved bandwidth as a fraction of the device-to-device
-copy ceiling measured in the same run, SMs used, and the ratio against a torch-native baseline measured in the
-same run (sort by destination, peer copies, host sync for counts, index_add_ combine).
+Default (throughput) run: loopback EP8 (8 ranks on one GPU, SMs per rank 4/8/16) and EP1 (SMs 4..64), T=4096
+tokens per rank, hidden 7168, top-8 of 256 experts, bf16 and FP8 dispatch, bf16 combine, uniform and unbalanced
+routing. Per op: median time over CUDA events (L2 flushed before every run), bytes moved, achieved bandwidth as a
+fraction of the device-to-device copy ceiling measured in the same run, SMs used, and the ratio against a
+torch-native baseline measured in the same run (sort by destination, peer copies, host sync for counts, index_add_
+combine).
+
+Decode (latency) run, `--decode`: small batches as in inference decoding. T=128 tokens per rank (`--tokens`
+overrides it), EP8 at 4/8/16 SMs per rank and EP1 at 8/16/32, bf16 and FP8 dispatch, bf16 combine, uniform
+routing, 30 timed iterations by default. Times are printed in microseconds, next to the floor (bytes moved / copy
+ceiling, in us) and the torch-native baseline at the same T; JSON rows keep every default column (`time_ms`, ...)
+and add `time_us`, `floor_us` and `torch_us`.
 
 Ops: `dispatch` (no CPU sync), `dispatch_cached`, `dispatch_deterministic` and `combine` are timed as CUDA-graph
 replays of all ranks' launches (GPU time: N ranks launched from one Python thread would otherwise measure the
 host); `*_eager` are the same ops launched eagerly, `dispatch_cpu_sync` waits on the host for the counts (eager).
 
-    python benchmarks/bench_ep.py --out OUTDIR [--quick]
+    python benchmarks/bench_ep.py --out OUTDIR [--quick]              # throughput, T=4096
+    python benchmarks/bench_ep.py --out OUTDIR --decode [--quick]     # latency, T=128
+    python benchmarks/bench_ep.py --out OUTDIR [--decode] --tokens T  # another T
 
-Writes OUTDIR/bench_ep.json and OUTDIR/bench_ep.png and prints a table. Needs torch (inputs and the baseline) and
-an NVIDIA GPU.
+Writes OUTDIR/bench_ep.json and OUTDIR/bench_ep.png (default run), OUTDIR/bench_ep_decode.json and .png
+(`--decode`); a `--tokens` other than the mode's default adds `_t<T>` to the name (bench_ep_t1024.json,
+bench_ep_decode_t64.json), so runs never overwrite each other. Prints a table. Needs torch (inputs and the
+baseline) and an NVIDIA GPU; without one it prints "skipped" and exits 0.
 """
 
 from __future__ import annotations
@@ -25,9 +36,127 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-HIDDEN, NUM_EXPERTS, TOPK, TOKENS = 7168, 256, 8, 4096
+HIDDEN, NUM_EXPERTS, TOPK = 7168, 256, 8
+DEFAULT_TOKENS = 4096  # tokens per rank of the throughput run
+DECODE_TOKENS = 128  # tokens per rank of the decode (latency) run
+ITERS, DECODE_ITERS = 10, 30  # timed iterations per op (medians)
+TORCH_ITERS, DECODE_TORCH_ITERS = 3, 10  # timed iterations of the torch-native baseline
+
+
+@dataclass(frozen=True)
+class Config:
+    """One domain of the run: ranks, dispatch dtype, routing, and the SMs per rank to sweep."""
+
+    ranks: int
+    fp8: bool
+    routing: str
+    sms: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """Everything the command line decides, resolved before torch or CUDA is touched."""
+
+    decode: bool
+    quick: bool
+    tokens: int
+    iters: int
+    torch_iters: int
+    configs: tuple[Config, ...]
+    out: str  # output directory
+    stem: str  # output file name without suffix
+
+    @property
+    def json_name(self) -> str:
+        return f"{self.stem}.json"
+
+    @property
+    def png_name(self) -> str:
+        return f"{self.stem}.png"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Default: throughput run at T=4096, writes bench_ep.json/.png. --decode: latency run at T=128 "
+        "(EP8 at 4/8/16 SMs per rank, EP1 at 8/16/32, bf16 and FP8, uniform routing), times in us with the "
+        "floor and the torch baseline, writes bench_ep_decode.json/.png.",
+    )
+    ap.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    ap.add_argument(
+        "--iters",
+        type=_positive_int,
+        default=None,
+        help=f"timed iterations per op (default: {ITERS}, {DECODE_ITERS} with --decode)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="EP8 at 16 SMs and EP1 at 16 SMs only, bf16 uniform (with --decode: EP8 at 8, EP1 at 16)",
+    )
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help=f"latency preset: T={DECODE_TOKENS} tokens per rank, EP8 at 4/8/16 SMs per rank and EP1 at 8/16/32, "
+        "bf16 and FP8 dispatch, combine, cached dispatch; times in us next to the floor (bytes / copy ceiling) "
+        "and the torch-native baseline; writes bench_ep_decode.json/.png",
+    )
+    ap.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=None,
+        metavar="T",
+        help=f"tokens per rank (default: {DEFAULT_TOKENS}, {DECODE_TOKENS} with --decode); a T other than the "
+        "mode's default adds _t<T> to the output file names",
+    )
+    return ap
+
+
+def plan_from_args(args: argparse.Namespace) -> BenchPlan:
+    """Turn parsed arguments into the run: tokens, iterations, domains and SM sweeps, output file stem."""
+    decode = bool(args.decode)
+    mode_tokens = DECODE_TOKENS if decode else DEFAULT_TOKENS
+    tokens = mode_tokens if args.tokens is None else int(args.tokens)
+    iters = args.iters if args.iters is not None else (DECODE_ITERS if decode else ITERS)
+    configs: list[Config] = []
+    if args.quick:
+        sms8, sms1 = ((8,), (16,)) if decode else ((16,), (16,))
+        configs = [Config(8, False, "uniform", sms8), Config(1, False, "uniform", sms1)]
+    elif decode:
+        for fp8 in (False, True):
+            configs.append(Config(8, fp8, "uniform", (4, 8, 16)))
+            configs.append(Config(1, fp8, "uniform", (8, 16, 32)))
+    else:
+        for fp8 in (False, True):
+            for kind in ("uniform", "unbalanced"):
+                configs.append(Config(8, fp8, kind, (4, 8, 16)))
+                configs.append(Config(1, fp8, kind, (4, 8, 16, 32, 64)))
+    stem = "bench_ep_decode" if decode else "bench_ep"
+    if tokens != mode_tokens:
+        stem += f"_t{tokens}"
+    return BenchPlan(
+        decode=decode,
+        quick=bool(args.quick),
+        tokens=tokens,
+        iters=iters,
+        torch_iters=DECODE_TORCH_ITERS if decode else TORCH_ITERS,
+        configs=tuple(configs),
+        out=str(args.out),
+        stem=stem,
+    )
 
 
 def _torch():
@@ -61,7 +190,7 @@ class CachingAllocator:
         return a
 
 
-def make_inputs(n, fp8, kind, seed):
+def make_inputs(n, fp8, kind, seed, tokens):
     torch = _torch()
     g = torch.Generator(device="cuda").manual_seed(seed)
     epr = NUM_EXPERTS // n
@@ -70,17 +199,17 @@ def make_inputs(n, fp8, kind, seed):
     if kind == "unbalanced":
         weight[: max(epr, NUM_EXPERTS // 8)] = 4.0
     for _ in range(n):
-        u = torch.rand(TOKENS, NUM_EXPERTS, device="cuda", generator=g).clamp_(1e-9, 1 - 1e-9)
+        u = torch.rand(tokens, NUM_EXPERTS, device="cuda", generator=g).clamp_(1e-9, 1 - 1e-9)
         keys = weight.log() - torch.log(-torch.log(u))
         idx = keys.topk(TOPK, dim=1).indices.to(torch.int64).contiguous()
         idxs.append(idx)
-        ws.append(torch.rand(TOKENS, TOPK, device="cuda", generator=g).contiguous())
+        ws.append(torch.rand(tokens, TOPK, device="cuda", generator=g).contiguous())
         if fp8:
-            x = (torch.randn(TOKENS, HIDDEN, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+            x = (torch.randn(tokens, HIDDEN, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
             xs.append(x.view(torch.uint8))
-            sfs.append(torch.rand(TOKENS, HIDDEN // 128, device="cuda", generator=g))
+            sfs.append(torch.rand(tokens, HIDDEN // 128, device="cuda", generator=g))
         else:
-            xs.append(torch.randn(TOKENS, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16))
+            xs.append(torch.randn(tokens, HIDDEN, device="cuda", generator=g, dtype=torch.bfloat16))
     return xs, sfs if fp8 else None, idxs, ws
 
 
@@ -276,11 +405,85 @@ def torch_baseline(xs, sfs, idxs, n, iters, do_combine=True):
     return d_ms, c_ms
 
 
-def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quick):
+def make_row(n, fp8, kind, op, sms, ms, nbytes, base_ms, ceiling, pairs_per_token, decode=False) -> dict:
+    """One result row. `ms` and `base_ms` (the torch baseline) are GPU times in ms, `ceiling` the copy ceiling in
+    GB/s (read + write). Decode rows add `time_us`, `floor_us` (bytes / ceiling) and `torch_us`."""
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    row = {
+        "ranks": n,
+        "dtype": "fp8" if fp8 else "bf16",
+        "routing": kind,
+        "op": op,
+        "sms_per_rank": sms,
+        "sms_total": sms * n,
+        "time_ms": ms,
+        "bytes": nbytes,
+        "gbs": gbs,
+        "frac_ceiling": gbs / ceiling,
+        "torch_ms": base_ms,
+        "speedup_vs_torch": base_ms / ms if base_ms == base_ms else None,
+        "pairs_per_token": pairs_per_token,
+    }
+    if decode:
+        row["time_us"] = ms * 1e3
+        row["floor_us"] = nbytes / (ceiling * 1e9) * 1e6
+        row["torch_us"] = base_ms * 1e3
+    return row
+
+
+def progress_line(r: dict) -> str:
+    """The line printed as each row is measured: ms for throughput rows, us (with the floor) for decode rows."""
+    ms, base = r["time_ms"], r["torch_ms"]
+    speedup = (base / ms) if base == base else 0
+    head = f"EP{r['ranks']:<2} {r['dtype']:4} {r['routing']:10} {r['op']:22} sms/rank {r['sms_per_rank']:3}  "
+    if "time_us" in r:
+        return (
+            f"{head}{r['time_us']:8.1f} us  floor {r['floor_us']:6.1f} us  {r['gbs']:7.0f} GB/s  "
+            f"{100 * r['frac_ceiling']:5.1f}% ceil  torch {r['torch_us']:8.1f} us  x{speedup:5.2f}"
+        )
+    return (
+        f"{head}{ms:8.3f} ms  {r['gbs']:7.0f} GB/s  "
+        f"{100 * r['frac_ceiling']:5.1f}% ceil  torch {base:8.3f} ms  x{speedup:5.2f}"
+    )
+
+
+def table_lines(rows: list[dict], decode: bool = False) -> list[str]:
+    """The markdown table printed at the end of the run (decode: times in us, with the floor)."""
+    if decode:
+        lines = [
+            "| EP | dtype | routing | op | SMs/rank | us | floor us | GB/s | % ceiling | torch us | x torch |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            sp = r["speedup_vs_torch"]
+            torch_cols = f"{r['torch_us']:.1f} | {sp:.2f}" if sp else "- | -"
+            lines.append(
+                f"| {r['ranks']} | {r['dtype']} | {r['routing']} | {r['op']} | {r['sms_per_rank']} | "
+                f"{r['time_us']:.1f} | {r['floor_us']:.1f} | {r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | "
+                f"{torch_cols} |"
+            )
+        return lines
+    lines = [
+        "| EP | dtype | routing | op | SMs/rank | ms | GB/s | % ceiling | torch ms | x torch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sp = r["speedup_vs_torch"]
+        lines.append(
+            f"| {r['ranks']} | {r['dtype']} | {r['routing']} | {r['op']} | {r['sms_per_rank']} | {r['time_ms']:.3f} | "
+            f"{r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | {r['torch_ms']:.2f} | {sp:.2f} |"
+            if sp
+            else f"| {r['ranks']} | {r['dtype']} | {r['routing']} | {r['op']} | {r['sms_per_rank']} | "
+            f"{r['time_ms']:.3f} | {r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | - | - |"
+        )
+    return lines
+
+
+def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quick, tokens, decode=False):
     torch = _torch()
     from ep_core.loopback import LoopbackDomain
 
-    xs, sfs, idxs, ws = make_inputs(n, fp8, kind, seed=1234 + n)
+    xs, sfs, idxs, ws = make_inputs(n, fp8, kind, seed=1234 + n, tokens=tokens)
     sent, _recv = pairs_per_rank(idxs, n)
     S = sum(sent)
     elem = 1 if fp8 else 2
@@ -291,15 +494,15 @@ def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quic
     d_tok = ep_layout.make_dispatch_token_layout(HIDDEN, elem, packs, TOPK).get_num_bytes()
     c_tok = ep_layout.make_combine_token_layout(HIDDEN, TOPK).get_num_bytes()
     # bytes that must move through HBM: read x, write each copy to the receive region, read it, write recv_x
-    dispatch_bytes = n * TOKENS * hb + 2 * S * d_tok + S * (hb + packs * 4)
+    dispatch_bytes = n * tokens * hb + 2 * S * d_tok + S * (hb + packs * 4)
     # combine: read each expert row, write it to its source slot, read it back, write the reduced token
-    combine_bytes = S * 2 * HIDDEN + 2 * S * c_tok + n * TOKENS * 2 * HIDDEN
+    combine_bytes = S * 2 * HIDDEN + 2 * S * c_tok + n * tokens * 2 * HIDDEN
     t_disp = t_comb = float("nan")
     if torch_iters:
         t_disp, t_comb = torch_baseline(xs, sfs, idxs, n, torch_iters, do_combine=not fp8)
     dom = LoopbackDomain(
         n,
-        num_max_tokens_per_rank=TOKENS,
+        num_max_tokens_per_rank=tokens,
         hidden=HIDDEN,
         num_topk=TOPK,
         num_sms=max(sms_list),
@@ -367,35 +570,17 @@ def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quic
         ):
             if math.isnan(ms):
                 continue
-            gbs = nbytes / (ms * 1e-3) / 1e9
             rows.append(
-                {
-                    "ranks": n,
-                    "dtype": "fp8" if fp8 else "bf16",
-                    "routing": kind,
-                    "op": op,
-                    "sms_per_rank": sms,
-                    "sms_total": sms * n,
-                    "time_ms": ms,
-                    "bytes": nbytes,
-                    "gbs": gbs,
-                    "frac_ceiling": gbs / ceiling,
-                    "torch_ms": base,
-                    "speedup_vs_torch": base / ms if base == base else None,
-                    "pairs_per_token": S / (n * TOKENS),
-                }
+                make_row(n, fp8, kind, op, sms, ms, nbytes, base, ceiling, S / (n * tokens), decode=decode)
             )
-            r = rows[-1]
-            print(
-                f"EP{n:<2} {r['dtype']:4} {kind:10} {op:22} sms/rank {sms:3}  {ms:8.3f} ms  {gbs:7.0f} GB/s  "
-                f"{100 * r['frac_ceiling']:5.1f}% ceil  torch {base:8.3f} ms  x{(base / ms) if base == base else 0:5.2f}",
-                flush=True,
-            )
+            print(progress_line(rows[-1]), flush=True)
     dom.close()
     torch.cuda.empty_cache()
 
 
-def plot(rows, path):
+def plot(rows, path, tokens, decode=False):
+    """Throughput run: % of the copy ceiling against SMs per rank. Decode run: time in us against SMs per rank,
+    the torch-native baseline dashed."""
     try:
         import matplotlib
 
@@ -404,29 +589,46 @@ def plot(rows, path):
     except Exception as e:  # pragma: no cover
         print(f"no plot: {e}")
         return
+    ops = ("dispatch", "dispatch_cached", "combine") if decode else ("dispatch", "combine")
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, n in zip(axes, (8, 1)):
         for dtype, routing, op in sorted(
             {(r["dtype"], r["routing"], r["op"]) for r in rows if r["ranks"] == n}
         ):
-            if op not in ("dispatch", "combine"):
+            if op not in ops:
                 continue
-            pts = sorted(
-                (r["sms_per_rank"], r["frac_ceiling"])
+            sel = [
+                r
                 for r in rows
                 if r["ranks"] == n and r["dtype"] == dtype and r["routing"] == routing and r["op"] == op
+            ]
+            pts = sorted(
+                (r["sms_per_rank"], r["time_us"] if decode else 100 * r["frac_ceiling"]) for r in sel
             )
             if pts:
-                ax.plot(
+                (line,) = ax.plot(
                     [p[0] for p in pts],
-                    [100 * p[1] for p in pts],
+                    [p[1] for p in pts],
                     marker="o",
                     label=f"{op} {dtype} {routing}",
                 )
-        ax.axhline(50, color="gray", ls="--", lw=0.8)
-        ax.set_title(f"loopback EP{n}: T={TOKENS}, hidden {HIDDEN}, top-{TOPK} of {NUM_EXPERTS}")
+                base_us = sel[0].get("torch_us", float("nan"))
+                if decode and op != "dispatch_cached" and base_us == base_us:
+                    ax.axhline(
+                        base_us,
+                        color=line.get_color(),
+                        ls="--",
+                        lw=0.8,
+                        label=f"torch {op} {dtype} {routing}",
+                    )
+        if decode:
+            ax.set_ylabel("time (us, CUDA-graph replay)")
+            ax.set_yscale("log")
+        else:
+            ax.axhline(50, color="gray", ls="--", lw=0.8)
+            ax.set_ylabel("% of D2D copy ceiling")
+        ax.set_title(f"loopback EP{n}: T={tokens}, hidden {HIDDEN}, top-{TOPK} of {NUM_EXPERTS}")
         ax.set_xlabel("SMs per rank")
-        ax.set_ylabel("% of D2D copy ceiling")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -435,11 +637,7 @@ def plot(rows, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench-out")
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--quick", action="store_true", help="EP8 at 16 SMs and EP1 at 16 SMs only, bf16 uniform")
-    args = ap.parse_args(argv)
+    plan = plan_from_args(build_parser().parse_args(argv))
     try:
         torch = _torch()
         if not torch.cuda.is_available():
@@ -448,7 +646,7 @@ def main(argv=None) -> int:
         print(f"bench_ep: skipped ({e})")
         return 0
     torch.cuda.init()
-    out = Path(args.out)
+    out = Path(plan.out)
     out.mkdir(parents=True, exist_ok=True)
     from concurrent.futures import ThreadPoolExecutor
 
@@ -464,40 +662,38 @@ def main(argv=None) -> int:
     print(f"device-to-device copy ceiling: {ceiling:.0f} GB/s (read + write)")
     props = torch.cuda.get_device_properties(0)
     rows: list[dict] = []
-    if args.quick:
-        plan = [(8, False, "uniform", [16]), (1, False, "uniform", [16])]
-    else:
-        plan = []
-        for fp8 in (False, True):
-            for kind in ("uniform", "unbalanced"):
-                plan.append((8, fp8, kind, [4, 8, 16]))
-                plan.append((1, fp8, kind, [4, 8, 16, 32, 64]))
-    for n, fp8, kind, sms in plan:
-        torch_iters = 3
-        bench_config(n, fp8, kind, sms, args.iters, ceiling, torch_iters, rows, args.quick)
+    for c in plan.configs:
+        bench_config(
+            c.ranks,
+            c.fp8,
+            c.routing,
+            list(c.sms),
+            plan.iters,
+            ceiling,
+            plan.torch_iters,
+            rows,
+            plan.quick,
+            plan.tokens,
+            decode=plan.decode,
+        )
     result = {
         "device": props.name,
         "sms": props.multi_processor_count,
         "copy_ceiling_gbs": ceiling,
-        "tokens_per_rank": TOKENS,
+        "tokens_per_rank": plan.tokens,
         "hidden": HIDDEN,
         "num_experts": NUM_EXPERTS,
         "topk": TOPK,
         "rows": rows,
     }
-    (out / "bench_ep.json").write_text(json.dumps(result, indent=1))
-    plot(rows, out / "bench_ep.png")
-    print("\n| EP | dtype | routing | op | SMs/rank | ms | GB/s | % ceiling | torch ms | x torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        sp = r["speedup_vs_torch"]
-        print(
-            f"| {r['ranks']} | {r['dtype']} | {r['routing']} | {r['op']} | {r['sms_per_rank']} | {r['time_ms']:.3f} | "
-            f"{r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | {r['torch_ms']:.2f} | {sp:.2f} |"
-            if sp
-            else f"| {r['ranks']} | {r['dtype']} | {r['routing']} | {r['op']} | {r['sms_per_rank']} | "
-            f"{r['time_ms']:.3f} | {r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | - | - |"
-        )
+    if plan.decode:
+        result["mode"] = "decode"
+        result["iters"] = plan.iters
+    (out / plan.json_name).write_text(json.dumps(result, indent=1))
+    plot(rows, out / plan.png_name, plan.tokens, decode=plan.decode)
+    print()
+    for line in table_lines(rows, decode=plan.decode):
+        print(line)
     return 0
 
 
