@@ -149,13 +149,26 @@ def _has_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None
 
 
+BENCHMARKS = [
+    ("benchmarks/bench_ep.py",),
+    ("benchmarks/bench_ep.py", "--decode"),
+    ("benchmarks/bench_host_overhead.py", "--profile"),
+    ("ep-jit/benchmarks/bench_jit.py",),
+    ("packages/ep-symmem/benchmarks/bench_symmem.py",),
+]
+"""Every GPU benchmark script with its arguments (scripts/gpu-suite.sh runs the same list)."""
+
+
 @nox.session(default=False, tags=["gpu"])
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks (benchmarks/bench_ep.py, ep-jit launch overhead); skips cleanly without a GPU."""
+    """GPU benchmarks: loopback kernels (throughput and decode latency), host time per call, ep-jit launch
+    overhead, ep-symmem exchange. `nox -s bench -- OUTDIR` (default bench-out); skips cleanly without a GPU."""
     if not _has_gpu():
         session.skip("no NVIDIA GPU on this machine (benchmarks need one; see scripts/gpu-suite.sh)")
     _install(session, list(PACKAGES), extras=ALL_EXTRAS, torch=TORCH_GPU)
-    session.run("python", "benchmarks/bench_ep.py", *session.posargs)
+    out = session.posargs[0] if session.posargs else "bench-out"
+    for script, *args in BENCHMARKS:
+        session.run("python", script, "--out", out, *args)
 
 
 @nox.session(default=False, tags=["gpu"])

@@ -7,7 +7,8 @@
 # machine already has torch, cuda-bindings, cuda-pathfinder, pybind11, scikit-build-core, nvidia-nccl-cu13), runs
 # every test marked `gpu`, then the benchmarks. Logs, JUnit XML and benchmark JSON/PNG land in OUTDIR.
 # Extra pytest arguments: GPU_PYTEST_ARGS="-k loopback -x"; a subset of test folders: GPU_TEST_PATHS="ep-jit/tests".
-# Benchmarks: GPU_BENCHES="benchmarks/bench_ep.py" picks a subset.
+# Benchmarks: GPU_BENCHES="benchmarks/bench_ep.py benchmarks/bench_ep.py,--decode" picks a subset (arguments
+# after the script, joined by commas).
 set -uo pipefail
 out=${1:?usage: scripts/gpu-suite.sh OUTDIR [install|tests|bench ...]}
 shift
@@ -43,11 +44,17 @@ if [[ " $stages " == *" tests "* ]]; then
 fi
 
 if [[ " $stages " == *" bench "* ]]; then
-  for script in ${GPU_BENCHES:-benchmarks/bench_ep.py ep-jit/benchmarks/bench_jit.py packages/ep-symmem/benchmarks/bench_symmem.py}; do
-    [[ -f $script ]] || continue
-    name=$(basename "$script" .py)
-    echo "== $script"
-    timeout 600 python3 "$script" --out "$out" 2>&1 | tee "$out/$name.log"
+  # An entry is a script, optionally with arguments joined by commas: "benchmarks/bench_ep.py,--decode".
+  default_benches="benchmarks/bench_ep.py benchmarks/bench_ep.py,--decode benchmarks/bench_host_overhead.py,--profile"
+  default_benches+=" ep-jit/benchmarks/bench_jit.py packages/ep-symmem/benchmarks/bench_symmem.py"
+  for entry in ${GPU_BENCHES:-$default_benches}; do
+    IFS=, read -r script bench_args <<<"$entry"
+    [[ -f $script ]] || { echo "no such benchmark: $script"; status=1; continue; }
+    # shellcheck disable=SC2206
+    extra=(${bench_args//,/ })
+    name=$(basename "$script" .py)${bench_args:+_${bench_args//[^a-z0-9]/}}
+    echo "== $script ${extra[*]}"
+    timeout 600 python3 "$script" --out "$out" "${extra[@]}" 2>&1 | tee "$out/$name.log"
     status=$((status | PIPESTATUS[0]))
   done
 fi
