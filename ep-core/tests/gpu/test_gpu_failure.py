@@ -12,10 +12,6 @@ modes by ranks per GPU.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -23,24 +19,11 @@ import numpy as np
 import pytest
 from ep_core import reference, routing
 from ep_core.errors import EPDeviceError, EPStateError, EPTimeoutError
+from ep_core_gpu_testing import num_gpus, run_workers
 
 pytestmark = pytest.mark.gpu
 
-
-def _gpu_available() -> bool:
-    try:
-        from cuda.bindings import driver as drv
-
-        (err,) = drv.cuInit(0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return False
-        err, count = drv.cuDeviceGetCount()
-        return err == drv.CUresult.CUDA_SUCCESS and count > 0
-    except Exception:
-        return False
-
-
-if not _gpu_available():
+if num_gpus() == 0:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 from ep_core.kernels import _cuda  # noqa: E402
@@ -227,33 +210,9 @@ WORKER = textwrap.dedent(
 )
 
 
-def _run_workers(script: str, size: int, tmp_path) -> list[dict]:
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(r), str(size), str(tmp_path / "boot")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ),
-        )
-        for r in range(size)
-    ]
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a worker process hung")
-        assert p.returncode == 0, f"worker failed:\n{err[-4000:]}"
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
-
-
 def test_processes_reset_collectively_after_a_timeout(tmp_path) -> None:
     pytest.importorskip("ep_symmem")
-    results = _run_workers(WORKER, 2, tmp_path)
+    results = run_workers(WORKER, 2, tmp_path)
     by_rank = {r["rank"]: r["seen"] for r in results}
     assert by_rank[0][0] != "peer_abort" and by_rank[0][-1] == "sticky"
     assert by_rank[1] == ["peer_abort", "sticky"]

@@ -12,24 +12,11 @@ import itertools
 import numpy as np
 import pytest
 from ep_core import reference, routing
+from ep_core_gpu_testing import bits, num_gpus
 
 pytestmark = pytest.mark.gpu
 
-
-def _gpu_available() -> bool:
-    try:
-        from cuda.bindings import driver as drv
-
-        (err,) = drv.cuInit(0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return False
-        err, count = drv.cuDeviceGetCount()
-        return err == drv.CUresult.CUDA_SUCCESS and count > 0
-    except Exception:
-        return False
-
-
-if not _gpu_available():
+if num_gpus() == 0:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 from ep_core.kernels._cuda import num_device_sms  # noqa: E402
@@ -89,13 +76,6 @@ def _eq(name: str, got, want) -> None:
     raise AssertionError(f"{name}: {len(bad)} rows differ, first {list(bad[:8])}")
 
 
-def _bits(a):
-    a = np.asarray(a)
-    if a.dtype == np.float32:
-        return a.view(np.uint32)
-    return a
-
-
 def compare_dispatch(k_out, r_out, *, det: bool, zero_pad: bool, sync: bool, rank: int) -> None:
     kh, rh = k_out.handle, r_out.handle
     _eq(
@@ -123,11 +103,9 @@ def compare_dispatch(k_out, r_out, *, det: bool, zero_pad: bool, sync: bool, ran
         _eq(f"r{rank} recv_x", k_out.recv_x[rows], r_out.recv_x[rows])
         _eq(f"r{rank} recv_topk_idx", k_out.recv_topk_idx[rows], r_out.recv_topk_idx[rows])
         if r_out.recv_topk_weights is not None:
-            _eq(
-                f"r{rank} weights", _bits(k_out.recv_topk_weights[rows]), _bits(r_out.recv_topk_weights[rows])
-            )
+            _eq(f"r{rank} weights", bits(k_out.recv_topk_weights[rows]), bits(r_out.recv_topk_weights[rows]))
         if r_out.recv_sf is not None:
-            _eq(f"r{rank} recv_sf", _bits(k_out.recv_sf[rows]), _bits(r_out.recv_sf[rows]))
+            _eq(f"r{rank} recv_sf", bits(k_out.recv_sf[rows]), bits(r_out.recv_sf[rows]))
         return
     valid = r_out.valid_expanded_rows
     k_valid = k_out.valid_expanded_rows
@@ -137,11 +115,11 @@ def compare_dispatch(k_out, r_out, *, det: bool, zero_pad: bool, sync: bool, ran
     if r_out.recv_topk_weights is not None:
         _eq(
             f"r{rank} weights",
-            _bits(k_out.recv_topk_weights[:n][valid[:n]]),
-            _bits(r_out.recv_topk_weights[:n][valid[:n]]),
+            bits(k_out.recv_topk_weights[:n][valid[:n]]),
+            bits(r_out.recv_topk_weights[:n][valid[:n]]),
         )
     if r_out.recv_sf is not None:
-        _eq(f"r{rank} recv_sf", _bits(k_out.recv_sf[:n][valid[:n]]), _bits(r_out.recv_sf[:n][valid[:n]]))
+        _eq(f"r{rank} recv_sf", bits(k_out.recv_sf[:n][valid[:n]]), bits(r_out.recv_sf[:n][valid[:n]]))
     if zero_pad:
         a = kh.expert_alignment
         end = 0
@@ -244,7 +222,7 @@ def test_dispatch_combine(n: int, case: int) -> None:
                 _eq(f"r{r} cached recv_x", kc.recv_x, kf.recv_x)
                 _eq(f"r{r} cached idx", kc.recv_topk_idx, kf.recv_topk_idx)
                 if kf.recv_sf is not None:
-                    _eq(f"r{r} cached sf", _bits(kc.recv_sf), _bits(kf.recv_sf))
+                    _eq(f"r{r} cached sf", bits(kc.recv_sf), bits(kf.recv_sf))
             else:
                 v = kf.valid_expanded_rows
                 _eq(f"r{r} cached recv_x", kc.recv_x[v], kf.recv_x[v])
@@ -274,8 +252,8 @@ def test_dispatch_combine(n: int, case: int) -> None:
         kc = comb[r].to_reference()
         _eq(f"r{r} combined_x", kc.combined_x, ref_comb[r].combined_x)
         if weights is not None:
-            _eq(f"r{r} combined_w", _bits(kc.combined_topk_weights), _bits(ref_comb[r].combined_topk_weights))
+            _eq(f"r{r} combined_w", bits(kc.combined_topk_weights), bits(ref_comb[r].combined_topk_weights))
             if mode != "cached":
                 want = np.where(inp.topk_idxs[r] >= 0, inp.topk_weights[r], np.float32(0))
-                _eq(f"r{r} weights round trip", _bits(kc.combined_topk_weights), _bits(want))
+                _eq(f"r{r} weights round trip", bits(kc.combined_topk_weights), bits(want))
     dom.synchronize()

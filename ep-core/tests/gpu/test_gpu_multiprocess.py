@@ -4,31 +4,14 @@ dispatch (sync, deterministic and not) and combine against ep_core.reference."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from ep_core_gpu_testing import num_gpus, run_workers
 
 pytestmark = pytest.mark.gpu
 
-
-def _gpu_available() -> bool:
-    try:
-        from cuda.bindings import driver as drv
-
-        (err,) = drv.cuInit(0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return False
-        err, count = drv.cuDeviceGetCount()
-        return err == drv.CUresult.CUDA_SUCCESS and count > 0
-    except Exception:
-        return False
-
-
-if not _gpu_available():
+if num_gpus() == 0:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 pytest.importorskip("ep_symmem")
 
@@ -83,27 +66,7 @@ WORKER = textwrap.dedent(
 @pytest.mark.parametrize("memory", ["cuda_ipc", "symmem"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_processes_share_gpu(size: int, memory: str, tmp_path) -> None:
-    env = dict(os.environ)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(r), str(size), str(tmp_path / "boot"), memory],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(size)
-    ]
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a worker process hung")
-        assert p.returncode == 0, f"worker failed:\n{err[-4000:]}"
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = run_workers(WORKER, size, tmp_path, memory)
     assert sorted(r["rank"] for r in results) == list(range(size))
     assert all(r["checks"] == 3 for r in results)
 
@@ -158,21 +121,5 @@ EPBUFFER_WORKER = textwrap.dedent(
 
 def test_epbuffer_ipc_transport(tmp_path) -> None:
     size = 2
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", EPBUFFER_WORKER, str(r), str(size), str(tmp_path / "boot")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(size)
-    ]
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a worker process hung")
-        assert p.returncode == 0, f"worker failed:\n{err[-4000:]}"
-        assert json.loads(out.strip().splitlines()[-1])["ok"]
+    for result in run_workers(EPBUFFER_WORKER, size, tmp_path):
+        assert result["ok"]

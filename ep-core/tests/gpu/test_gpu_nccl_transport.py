@@ -9,33 +9,16 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 from ep_core import reference, routing
+from ep_core_gpu_testing import bits, num_gpus, run_workers
 
 pytestmark = pytest.mark.gpu
 
-
-def _num_gpus() -> int:
-    try:
-        from cuda.bindings import driver as drv
-
-        (err,) = drv.cuInit(0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return 0
-        err, count = drv.cuDeviceGetCount()
-        return int(count) if err == drv.CUresult.CUDA_SUCCESS else 0
-    except Exception:
-        return 0
-
-
-NUM_GPUS = _num_gpus()
+NUM_GPUS = num_gpus()
 if NUM_GPUS == 0:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 ep_nccl_gin = pytest.importorskip("ep_nccl_gin")
@@ -91,13 +74,8 @@ def _up(a, stream):
     return DeviceArray.from_numpy(np.ascontiguousarray(a), stream)
 
 
-def _bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32) if a.dtype == np.float32 else a
-
-
 def _eq(name: str, got, want) -> None:
-    got, want = _bits(got), _bits(want)
+    got, want = bits(got), bits(want)
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
     if not np.array_equal(got, want):
         diff = np.asarray(got != want).reshape(got.shape[0], -1).any(axis=1)
@@ -412,27 +390,7 @@ MULTI_WORKER = textwrap.dedent(
 def test_one_process_per_gpu(tmp_path) -> None:
     pytest.importorskip("ep_symmem")
     size = NUM_GPUS
-    env = dict(os.environ)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", MULTI_WORKER, str(r), str(size), str(tmp_path / "boot")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(size)
-    ]
-    results = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a worker process hung")
-        assert p.returncode == 0, f"worker failed:\n{err[-4000:]}"
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = run_workers(MULTI_WORKER, size, tmp_path)
     assert sorted(r["rank"] for r in results) == list(range(size))
     assert all(r["checks"] == 3 for r in results)
 

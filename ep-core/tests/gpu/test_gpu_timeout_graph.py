@@ -9,24 +9,11 @@ import numpy as np
 import pytest
 from ep_core import reference, routing
 from ep_core.errors import EPTimeoutError
+from ep_core_gpu_testing import num_gpus
 
 pytestmark = pytest.mark.gpu
 
-
-def _gpu_available() -> bool:
-    try:
-        from cuda.bindings import driver as drv
-
-        (err,) = drv.cuInit(0)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            return False
-        err, count = drv.cuDeviceGetCount()
-        return err == drv.CUresult.CUDA_SUCCESS and count > 0
-    except Exception:
-        return False
-
-
-if not _gpu_available():
+if num_gpus() == 0:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 from ep_core.kernels import _cuda  # noqa: E402
