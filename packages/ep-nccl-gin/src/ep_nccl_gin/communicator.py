@@ -14,7 +14,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
+from typing import Literal, TypeVar
 
 from ._loader import LoadedNccl, extension, load
 from .errors import NcclGinError, NcclVersionError
@@ -91,13 +91,31 @@ class Team:
         return index if 0 <= index < self.nranks else None
 
 
+_Self = TypeVar("_Self", bound="_ReleasedOnExit")
+
+
+class _ReleasedOnExit:
+    """``with`` support: leaving the block calls ``_release`` (the class's ``destroy`` or ``deregister``)."""
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._release()
+
+
 def _abort_quietly(ptr: int) -> None:
     # A finalizer: nothing useful can be done with an error here.
     with contextlib.suppress(Exception):
         extension().comm_abort(ptr)
 
 
-class Communicator:
+class Communicator(_ReleasedOnExit):
     """An NCCL communicator: owned (created here, destroyed by :meth:`destroy`) or borrowed (:meth:`from_pointer`)."""
 
     def __init__(self, unique_id: bytes, nranks: int, rank: int, *, device: int | None = None) -> None:
@@ -208,12 +226,7 @@ class Communicator:
             self._finalizer.detach()
         extension().comm_abort(ptr)
 
-    def __enter__(self) -> Communicator:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def _release(self) -> None:
         self.destroy()
 
     def __repr__(self) -> str:
@@ -346,7 +359,7 @@ class Communicator:
         return DevComm(self, raw, runtime_versioned=use_runtime_version, gin_requested=wants_gin)
 
 
-class Window:
+class Window(_ReleasedOnExit):
     """A registered symmetric window (``ncclWindow_t``). Release it with :meth:`deregister` (collective)."""
 
     def __init__(self, comm: Communicator, handle: int, ptr: int, nbytes: int, strict_ordering: bool) -> None:
@@ -432,12 +445,7 @@ class Window:
         handle, self._handle = self._handle, None
         extension().window_deregister(self._comm.ptr, handle)
 
-    def __enter__(self) -> Window:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def _release(self) -> None:
         self.deregister()
 
     def __del__(self) -> None:
@@ -453,7 +461,7 @@ class Window:
         return f"Window({state}, ptr=0x{self._ptr:x}, nbytes={self._nbytes})"
 
 
-class DevComm:
+class DevComm(_ReleasedOnExit):
     """A device communicator (``ncclDevComm``) that kernels take by value. Release with :meth:`destroy`."""
 
     def __init__(
@@ -536,12 +544,7 @@ class DevComm:
         raw, self._raw = self._raw, None
         extension().dev_comm_destroy(self._comm.ptr, raw)
 
-    def __enter__(self) -> DevComm:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def _release(self) -> None:
         self.destroy()
 
     def __repr__(self) -> str:
