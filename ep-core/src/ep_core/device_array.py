@@ -149,6 +149,16 @@ def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: 
     `strides` in the unit of `itemsize` (bytes with the element size, elements with 1)."""
     if 0 in shape:
         return True
+    n = len(shape)
+    if len(strides) == n:  # the common case, from the last dimension without building the C strides
+        expected = itemsize
+        for i in range(n - 1, -1, -1):
+            d = shape[i]
+            if d != 1 and strides[i] != expected:
+                return False
+            if d > 1:
+                expected *= d
+        return True
     want = _c_strides(shape, itemsize)
     return all(s == w or d == 1 for s, w, d in zip(strides, want, shape))
 
@@ -354,8 +364,112 @@ def _from_numpy_interface(obj: Any, ai: dict) -> ArrayInfo:
     return ArrayInfo(int(ai["data"][0]), tuple(a.shape), dtype, tuple(a.strides), "cpu", 0, obj)
 
 
+# torch fast path: the exact `ArrayInfo` that the slow path derives from torch's `__cuda_array_interface__` or
+# DLPack export, read from the tensor's own cheap accessors (data_ptr(), shape, stride(), dtype, device). torch is
+# never imported here: the path is armed once a tensor's type is torch's own `Tensor` class, which exists only when
+# the caller imported torch. Anything unusual (a Tensor subclass, requires_grad, a negative/conjugate view, a nested,
+# sparse or non-strided layout, a device other than cpu/cuda, a dtype outside the table) takes the slow path, so
+# its result or its error is unchanged.
+_torch_tensor_type: Any = None
+_torch_strided: Any = None
+_torch_dtypes: dict[
+    Any, tuple[str, int, bool]
+] = {}  # torch dtype -> (name, itemsize, read through CAI on cuda)
+# dtypes whose CUDA tensors torch exports through __cuda_array_interface__ (a typestr the table names); bf16 ('<V2')
+# and FP8 (no typestr) go through DLPack
+_TORCH_CAI_DTYPES = (
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "float16",
+    "int32",
+    "uint32",
+    "float32",
+    "int64",
+    "uint64",
+    "float64",
+)
+_TORCH_DLPACK_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+
+
+def _arm_torch(cls: type) -> bool:
+    """Arm the torch fast path if `cls` is torch's `Tensor` (torch is then already imported)."""
+    global _torch_tensor_type, _torch_strided
+    if _torch_tensor_type is not None or cls.__name__ != "Tensor" or cls.__module__ != "torch":
+        return False
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(torch, "Tensor", None) is not cls:
+        return False
+    table = {}
+    for name in _TORCH_CAI_DTYPES + _TORCH_DLPACK_DTYPES:
+        dt = getattr(torch, name, None)
+        if dt is not None:
+            table[dt] = (name, DTYPE_SIZES[name], name in _TORCH_CAI_DTYPES)
+    _torch_dtypes.update(table)
+    _torch_strided = torch.strided
+    _torch_tensor_type = cls
+    return True
+
+
+_new_object = object.__new__
+_set_attr = object.__setattr__
+
+
+def _make_info(
+    ptr: int, shape: tuple, dtype: str, strides: tuple, device: str, device_id: int, obj: Any
+) -> ArrayInfo:
+    """`ArrayInfo(...)` without the frozen dataclass's per-field `object.__setattr__` (same fields, same object)."""
+    info = _new_object(ArrayInfo)
+    _set_attr(
+        info,
+        "__dict__",
+        {
+            "ptr": ptr,
+            "shape": shape,
+            "dtype": dtype,
+            "strides": strides,
+            "device": device,
+            "device_id": device_id,
+            "obj": obj,
+        },
+    )
+    return info
+
+
+def _from_torch(t: Any) -> ArrayInfo | None:
+    """The fast path for a plain torch tensor, or None when the slow path must decide."""
+    entry = _torch_dtypes.get(t.dtype)
+    if entry is None or t.requires_grad or t.layout is not _torch_strided or t.is_nested or t.is_neg():
+        return None
+    name, itemsize, via_cai = entry
+    shape = tuple(t.shape)
+    if t.is_cuda:
+        index = t.get_device()
+        if (
+            via_cai
+        ):  # as torch's __cuda_array_interface__: no strides when contiguous, a null pointer when empty
+            ptr = t.data_ptr() if math.prod(shape) > 0 else 0
+            if t.is_contiguous():
+                return _make_info(ptr, shape, name, _c_strides(shape, itemsize), "cuda", index, t)
+        else:
+            ptr = t.data_ptr()
+        return _make_info(ptr, shape, name, tuple([s * itemsize for s in t.stride()]), "cuda", index, t)
+    if t.is_cpu:  # DLPack: the tensor's own strides
+        return _make_info(t.data_ptr(), shape, name, tuple([s * itemsize for s in t.stride()]), "cpu", 0, t)
+    return None
+
+
 def describe(obj: Any, name: str = "array") -> ArrayInfo:
     """Read an array's pointer, shape, strides (bytes), dtype and device without importing its framework."""
+    cls = type(obj)
+    if cls is _torch_tensor_type or (_torch_tensor_type is None and _arm_torch(cls)):
+        info = _from_torch(obj)
+        if info is not None:
+            return info
     if isinstance(obj, ArrayInfo):
         return obj
     if isinstance(obj, DeviceArray):

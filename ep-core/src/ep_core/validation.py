@@ -39,6 +39,9 @@ combine
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -157,9 +160,75 @@ def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_
         raise EPValueError("previous_event: requires allocate_on_comm_stream=True")
 
 
+_HANDLE_ARRAYS = (
+    "topk_idx",
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
+    "dst_buffer_slot_idx",
+)
+
+# Handles that passed `_check_handle` -> what was checked: the buffer config and the target's device (by
+# identity / value), every scalar field the rules read, and every array field (the object itself, kept alive here
+# so that its id cannot be reused, and its shape). A handle whose fingerprint is unchanged passed the very same
+# checks; any field replaced, resized or re-shaped, another buffer or device: the full validation runs again.
+_validated_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _handle_fingerprint(config: BufferConfig, target: Any, handle: EPHandle) -> tuple:
+    arrays = tuple(getattr(handle, name) for name in _HANDLE_ARRAYS)
+    shapes = tuple(getattr(a, "shape", None) for a in arrays)
+    return (
+        (
+            getattr(target, "array_device", "cuda"),
+            getattr(target, "device_id", 0),
+            handle.num_ranks,
+            handle.rank,
+            handle.num_experts,
+            handle.num_recv_tokens,
+        ),
+        config,
+        arrays,
+        shapes,
+    )
+
+
+def _fingerprint_matches(old: tuple, new: tuple) -> bool:
+    # objects by identity (never `==`: arrays compare elementwise), shapes and scalars by value
+    return (
+        old[0] == new[0]
+        and old[1] is new[1]
+        and all(a is b for a, b in zip(old[2], new[2]))
+        and all(_same_shape(a, b) for a, b in zip(old[3], new[3]))
+    )
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    try:
+        return tuple(a) == tuple(b)
+    except TypeError:  # no shape: that object was described once and refused or accepted by describe itself
+        return a is None and b is None
+
+
 def _check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
     if not isinstance(handle, EPHandle):
         raise EPTypeError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
+    try:
+        fingerprint: tuple | None = _handle_fingerprint(config, target, handle)
+        old = _validated_handles.get(handle)
+        if old is not None and _fingerprint_matches(old, fingerprint):
+            return handle
+    except Exception:  # an odd array object or handle subclass: no cache, the full validation decides
+        fingerprint = None
+    _check_handle_arrays(config, target, handle)
+    if fingerprint is not None:
+        with contextlib.suppress(TypeError):  # not weak-referenceable: validated every time
+            _validated_handles[handle] = fingerprint
+    return handle
+
+
+def _check_handle_arrays(config: BufferConfig, target: Any, handle: EPHandle) -> None:
     if handle.num_ranks not in (0, config.num_ranks) or handle.rank not in (-1, config.rank):
         raise EPValueError(
             f"handle: made by rank {handle.rank} of {handle.num_ranks}, but this buffer is rank {config.rank} of "
@@ -209,7 +278,24 @@ def _check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
             dtypes=("int32",),
             shape=(idx.shape[0], k),
         )
-    return handle
+
+
+@functools.lru_cache(maxsize=512)
+def _dispatch_bytes(hidden: int, elem: int, packs: int, num_topk: int, topology: Any, m: int) -> int:
+    """Bytes of the dispatch buffers (a pure function of its hashable arguments: memoized)."""
+    import ep_layout
+
+    token = ep_layout.make_dispatch_token_layout(hidden, elem, packs, num_topk)
+    return ep_layout.dispatch_buffer_bytes(token, topology.to_layout(), m)
+
+
+@functools.lru_cache(maxsize=512)
+def _combine_bytes(hidden: int, num_topk: int, topology: Any, m: int, amr: bool) -> int:
+    """Bytes of the combine buffers (a pure function of its hashable arguments: memoized)."""
+    import ep_layout
+
+    token = ep_layout.make_combine_token_layout(hidden, num_topk)
+    return ep_layout.combine_buffer_bytes(token, topology.to_layout(), m, amr)
 
 
 def _check_capacity(config: BufferConfig, what: str, needed: int) -> None:
@@ -256,8 +342,6 @@ def make_dispatch_request(
     sm_cache: dict | None = None,
 ) -> DispatchRequest:
     """Validate a dispatch (rules D1-D17 of the module doc) and resolve its defaults."""
-    import ep_layout
-
     # D1, D2, D3
     if isinstance(x, tuple):
         if len(x) != 2:
@@ -370,10 +454,7 @@ def make_dispatch_request(
     qps = _resolve_num_qps(config, num_qps, sms)
     # D16
     packs = sfi.shape[1] if sfi is not None else 0
-    token = ep_layout.make_dispatch_token_layout(hidden, elem, packs, k)
-    _check_capacity(
-        config, "dispatch", ep_layout.dispatch_buffer_bytes(token, config.topology.to_layout(), m)
-    )
+    _check_capacity(config, "dispatch", _dispatch_bytes(hidden, elem, packs, k, config.topology, m))
     alloc = _check_allocator(allocator, target)  # D17
     return DispatchRequest(
         x=xi,
@@ -425,8 +506,6 @@ def make_combine_request(
     stream: int = 0,
 ) -> CombineRequest:
     """Validate a combine (rules C1-C6 of the module doc) and resolve its defaults."""
-    import ep_layout
-
     if handle is None:
         raise EPValueError("handle: required (the handle returned by dispatch)")
     h = _check_handle(config, target, handle)  # C2
@@ -476,10 +555,7 @@ def make_combine_request(
     _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)
     sms = resolve_num_sms(config, target, num_sms, h.num_experts, k, h)
     qps = _resolve_num_qps(config, num_qps, sms)
-    token = ep_layout.make_combine_token_layout(hidden, k)
-    _check_capacity(
-        config, "combine", ep_layout.combine_buffer_bytes(token, config.topology.to_layout(), m, amr)
-    )
+    _check_capacity(config, "combine", _combine_bytes(hidden, k, config.topology, m, bool(amr)))
     alloc = _check_allocator(allocator, target)
     return CombineRequest(
         x=xi,

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Host cost of ep_core's per-call work on the CPU (no GPU): array description, request validation, kernel planning.
+
+The GPU executor spends its host time per dispatch / combine in four places that run identically without a GPU:
+`describe()` of every argument, `make_dispatch_request` / `make_combine_request` (SPEC §6 validation, the cached
+handle's arrays included), `KernelConfig` + `plan_regions` (the buffer regions of the configuration) and
+`as_view` (the kernel-side views). This times each of them on the decode shape of benchmarks/bench_host_overhead.py
+(one rank, T=128, hidden 7168, top-8 of 256 experts), with torch CPU tensors (when torch is installed), objects
+exposing `__cuda_array_interface__` and ep_core `DeviceArray`s.
+
+    python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json]
+
+Prints microseconds per call (best of 5 rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+T, HIDDEN, NUM_EXPERTS, TOPK, SF_PACKS = 128, 7168, 256, 8, 56
+
+
+class FakeCudaArray:
+    """An object exposing only `__cuda_array_interface__` (as CuPy / Numba arrays do) and a device."""
+
+    class _Dev:
+        id = 0
+
+    device = _Dev()
+
+    def __init__(self, shape: tuple, typestr: str, ptr: int = 0x7F0000000000) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+class HostTarget:
+    """The attributes of an executor that the validation reads (host arrays)."""
+
+    array_device = "cpu"
+    device_id = 0
+    num_device_sms = 132
+    nvlink_gbs = 450.0
+    rdma_gbs = 50.0
+
+    @staticmethod
+    def default_allocator(shape, dtype):
+        import ep_core
+
+        return ep_core.host_allocator(shape, dtype)
+
+
+def _time(fn, iters: int, rounds: int = 5) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / iters * 1e6)
+    return best
+
+
+def _config():
+    import ep_core
+
+    class Null:
+        array_device = "cpu"
+        device_id = 0
+        num_device_sms = 132
+
+        def dispatch(self, req):
+            return req
+
+        def combine(self, req):
+            return req
+
+        def barrier(self):
+            return None
+
+        def destroy(self):
+            return None
+
+    buf = ep_core.EPBuffer(
+        ep_core.LocalBootstrap(),
+        transport="reference",
+        num_max_tokens_per_rank=T,
+        hidden=HIDDEN,
+        num_topk=TOPK,
+        executor=Null(),
+    )
+    return buf.config
+
+
+def _handle(make, rows: int):
+    import ep_core
+
+    return ep_core.EPHandle(
+        False,
+        NUM_EXPERTS,
+        1,
+        T,
+        16,
+        make((T, TOPK), "int64"),
+        rows,
+        rows,
+        [],
+        make((1,), "int32"),
+        make((NUM_EXPERTS,), "int32"),
+        make((NUM_EXPERTS,), "int32"),
+        make((rows, TOPK + 2), "int32"),
+        make((T, TOPK), "int32"),
+        num_ranks=1,
+        rank=0,
+    )
+
+
+def run(iters: int) -> list[tuple[str, float]]:
+    import ep_core
+    from ep_core.kernels._cuda import as_view
+    from ep_core.kernels.plan import KernelConfig, plan_regions
+    from ep_core.validation import make_combine_request, make_dispatch_request
+
+    rows = T * TOPK
+    out: list[tuple[str, float]] = []
+
+    def add(name: str, fn) -> None:
+        fn()
+        out.append((name, _time(fn, iters)))
+
+    cai = FakeCudaArray((T, TOPK), "<i8")
+    dev = ep_core.DeviceArray(0x7F0000000000, (T, HIDDEN), "bfloat16", device="cuda")
+    add("describe: __cuda_array_interface__ object", lambda: ep_core.describe(cai))
+    add("describe: ep_core DeviceArray", lambda: ep_core.describe(dev))
+
+    config = _config()
+    target = HostTarget()
+
+    def host(shape, dtype):
+        storage = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8}.get(dtype, dtype)
+        return ep_core.host_array(np.ones(shape, storage), dtype)
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    makers = [("host DeviceArray", host)]
+    if torch is not None:
+        tdt = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
+
+        def tens(shape, dtype):
+            return torch.ones(shape, dtype=tdt.get(dtype) or getattr(torch, dtype))
+
+        makers.append(("torch CPU", tens))
+        x_t = tens((T, HIDDEN), "bfloat16")
+        i_t = tens((T, TOPK), "int64")
+        add("describe: torch CPU bf16 [T, H]", lambda: ep_core.describe(x_t))
+        add("describe: torch CPU int64 [T, K]", lambda: ep_core.describe(i_t))
+        add("as_view: torch CPU bf16 [T, H]", lambda: as_view(x_t, "x"))
+
+    for label, make in makers:
+        x = make((T, HIDDEN), "bfloat16")
+        idx = make((T, TOPK), "int64")
+        w = make((T, TOPK), "float32")
+        fp8 = (make((T, HIDDEN), "float8_e4m3fn"), make((T, SF_PACKS), "float32"))
+        handle = _handle(make, rows)
+        recv = make((rows, HIDDEN), "bfloat16")
+        sm_cache: dict = {}
+        kw = dict(num_experts=NUM_EXPERTS, num_sms=16, sm_cache=sm_cache)
+        add(
+            f"make_dispatch_request ({label}, bf16)",
+            lambda: make_dispatch_request(config, target, x, idx, w, do_cpu_sync=False, **kw),
+        )
+        add(
+            f"make_dispatch_request ({label}, fp8)",
+            lambda: make_dispatch_request(config, target, fp8, idx, w, do_cpu_sync=False, **kw),
+        )
+        add(
+            f"make_dispatch_request ({label}, cached)",
+            lambda: make_dispatch_request(config, target, x, handle=handle, num_sms=16),
+        )
+        add(f"make_combine_request ({label})", lambda: make_combine_request(config, target, recv, handle))
+
+    add("KernelConfig(1, 8, 7168)", lambda: KernelConfig(1, TOPK, HIDDEN))
+    cfg = KernelConfig(1, TOPK, HIDDEN)
+    data = 1 << 30
+    add("plan_regions (dispatch)", lambda: plan_regions(cfg, NUM_EXPERTS, T, data, op="dispatch"))
+    add(
+        "plan_regions (combine)",
+        lambda: plan_regions(cfg, NUM_EXPERTS, T, data, op="combine", allow_multiple_reduction=True),
+    )
+    add("KernelConfig.dynamic_smem_bytes", lambda: cfg.dynamic_smem_bytes)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = run(args.iters)
+    for name, us in rows:
+        print(f"{name:55s} {us:9.2f} us/call")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"op": n, "us_per_call": u} for n, u in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
