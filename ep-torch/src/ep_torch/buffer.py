@@ -61,9 +61,11 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 
 def _plain(a: Any) -> Any:
     """``a`` without autograd history (DLPack refuses tensors that require grad; autograd is ep_torch.functional's
-    business), keeping tuples and non-tensors as they are so that ep-core validates them."""
+    business), keeping tuples and non-tensors as they are so that ep-core validates them. A tensor that needs no
+    grad is passed as it is (a detached alias would be the same memory, shape and strides, at the cost of a new
+    tensor object per call)."""
     if isinstance(a, torch.Tensor):
-        return a.detach()
+        return a.detach() if a.requires_grad else a
     if isinstance(a, tuple):
         return tuple(_plain(v) for v in a)
     return a
@@ -401,7 +403,11 @@ class ElasticBuffer:
         device = data.device if isinstance(data, torch.Tensor) else self.device
         cuda = self.device.type == "cuda"
         on_comm = cuda and (allocate_on_comm_stream or previous_event is not None)
-        with self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream):
+        with (
+            self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream)
+            if on_comm
+            else contextlib.nullcontext()
+        ):
             res = self._run(
                 "dispatch",
                 rt.dispatch,
@@ -447,6 +453,10 @@ class ElasticBuffer:
                 res.handle.topk_idx = (
                     held.clone()
                 )  # do_handle_copy: the handle must not alias the caller's tensor
+            elif held is topk_idx and isinstance(held, torch.Tensor):
+                res.handle.topk_idx = (
+                    held.detach()
+                )  # empty: an alias, never the caller's tensor object itself
         recv_x: Any = res.recv_x
         if res.recv_sf is not None:
             sf = res.recv_sf
@@ -482,7 +492,11 @@ class ElasticBuffer:
         device = x.device if isinstance(x, torch.Tensor) else self.device
         cuda = self.device.type == "cuda"
         on_comm = cuda and (allocate_on_comm_stream or previous_event is not None)
-        with self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream):
+        with (
+            self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream)
+            if on_comm
+            else contextlib.nullcontext()
+        ):
             res = self._run(
                 "combine",
                 rt.combine,

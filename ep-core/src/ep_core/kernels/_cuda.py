@@ -332,6 +332,37 @@ def _typestr_dtype(typestr: str) -> np.dtype:
     return np.dtype(typestr)
 
 
+# numpy storage of a torch-like tensor's dtype, by its name (bf16 as uint16 bits, FP8 as uint8), else by element size
+_TORCH_NAMES = {
+    "torch.bfloat16": np.uint16,
+    "torch.float16": np.float16,
+    "torch.float32": np.float32,
+    "torch.int32": np.int32,
+    "torch.int64": np.int64,
+    "torch.float8_e4m3fn": np.uint8,
+    "torch.uint8": np.uint8,
+    "torch.int8": np.int8,
+}
+_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.int64}
+_torch_like_dtypes: dict = {}  # (dtype object, element size) -> np.dtype
+
+
+def _torch_like_dtype(obj: Any) -> np.dtype:
+    dt = getattr(obj, "dtype", "")
+    size = int(obj.element_size())
+    try:
+        return _torch_like_dtypes[(dt, size)]
+    except (KeyError, TypeError):
+        pass
+    out = np.dtype(_TORCH_NAMES.get(str(dt), _BY_SIZE[size]))
+    try:
+        if len(_torch_like_dtypes) < 256:
+            _torch_like_dtypes[(dt, size)] = out
+    except TypeError:  # an unhashable dtype object: looked up by name every time
+        pass
+    return out
+
+
 def as_view(obj: Any, what: str) -> DeviceView:
     """A `DeviceView` of a device array: a DeviceView, a DeviceArray, an object with `__cuda_array_interface__`,
     or a torch-like tensor (`data_ptr()`, `shape`, `stride()`, `element_size()`; bf16 maps to uint16)."""
@@ -339,32 +370,21 @@ def as_view(obj: Any, what: str) -> DeviceView:
         return obj
     if isinstance(obj, DeviceArray):
         return obj.view()
-    cai = getattr(obj, "__cuda_array_interface__", None) if not hasattr(obj, "data_ptr") else None
+    torch_like = hasattr(obj, "data_ptr")
+    cai = getattr(obj, "__cuda_array_interface__", None) if not torch_like else None
     if cai is not None:
         dtype = _typestr_dtype(cai["typestr"])
         shape = tuple(int(s) for s in cai["shape"])
         strides = cai.get("strides")
         el = None if strides is None else tuple(int(s) // dtype.itemsize for s in strides)
         return DeviceView(int(cai["data"][0]), shape, dtype, el, owner=obj)
-    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):
-        name = str(getattr(obj, "dtype", ""))
-        size = int(obj.element_size())
-        mapping = {
-            "torch.bfloat16": np.uint16,
-            "torch.float16": np.float16,
-            "torch.float32": np.float32,
-            "torch.int32": np.int32,
-            "torch.int64": np.int64,
-            "torch.float8_e4m3fn": np.uint8,
-            "torch.uint8": np.uint8,
-            "torch.int8": np.int8,
-        }
-        dtype = np.dtype(mapping.get(name, {1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.int64}[size]))
+    if torch_like and hasattr(obj, "element_size"):
+        dtype = _torch_like_dtype(obj)
         return DeviceView(
             int(obj.data_ptr()),
-            tuple(int(s) for s in obj.shape),
+            tuple([int(s) for s in obj.shape]),
             dtype,
-            tuple(int(s) for s in obj.stride()),
+            tuple([int(s) for s in obj.stride()]),
             obj,
         )
     raise TypeError(

@@ -259,6 +259,7 @@ class DirectRank:
         self._failed_handles: weakref.WeakSet = weakref.WeakSet()
         self._blocks_per_sm: dict = {}
         self._planned_sms: dict = {}
+        self._configs: dict = {}
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -271,9 +272,14 @@ class DirectRank:
         return DeviceArray(shape, dtype, self.stream, strides)
 
     def _config(self, hidden: int, elem: int, packs: int, topk: int) -> KernelConfig:
-        kw = {} if self._num_warps is None else {"num_warps": self._num_warps}
         transport = "nccl" if self.res.nccl_window else "ipc"
-        return KernelConfig(self.num_ranks, topk, hidden, elem, packs, transport=transport, **kw)
+        key = (hidden, elem, packs, topk, self._num_warps, transport, self.num_ranks)
+        cfg = self._configs.get(key)
+        if cfg is None:  # KernelConfig is frozen: one per key (its checks raise before anything is stored)
+            kw = {} if self._num_warps is None else {"num_warps": self._num_warps}
+            cfg = KernelConfig(self.num_ranks, topk, hidden, elem, packs, transport=transport, **kw)
+            self._configs[key] = cfg
+        return cfg
 
     def _regions(
         self, config: KernelConfig, num_experts: int, op: str, amr: bool | None = None

@@ -42,12 +42,17 @@ _NP = {
 }
 
 
+_NP_DTYPES = {name: np.dtype(t) for name, t in _NP.items()}
+_U8, _U16 = np.dtype(np.uint8), np.dtype(np.uint16)
+
+
 def _view(info: Any) -> DeviceView | None:
     """An ep_core `ArrayInfo` (byte strides, dtype name) as a kernel-side `DeviceView` (element strides)."""
     if info is None:
         return None
-    dtype = np.dtype(_NP.get(info.dtype, np.uint8))
-    strides = tuple(int(s) // dtype.itemsize for s in info.strides)
+    dtype = _NP_DTYPES.get(info.dtype, _U8)
+    size = dtype.itemsize
+    strides = tuple([int(s) // size for s in info.strides])
     return DeviceView(int(info.ptr), tuple(info.shape), dtype, strides, owner=info.obj)
 
 
@@ -132,6 +137,8 @@ class GpuExecutor:
             cpu_timeout_secs=config.num_cpu_timeout_secs,
         )
         self._destroyed = False
+        self._enter_event: Event | None = None
+        self._leave_event: Event | None = None
 
     def default_allocator(self, shape: tuple, dtype: str) -> Any:
         """Outputs on this GPU (stream-ordered on the comm stream), as ep_core DeviceArrays with real dtype names."""
@@ -141,14 +148,25 @@ class GpuExecutor:
         return CoreArray(mem.ptr, tuple(shape), dtype, device="cuda", device_id=self.device_id, owner=mem)
 
     def _enter(self, stream: int) -> None:
+        """The comm stream waits for the caller's stream. One event serves every call: a stream wait binds to the
+        event's latest record at the time of the wait, so recording it again later changes no earlier wait."""
         if self._destroyed:
             raise EPStateError("the executor was destroyed")
-        ev = Event(timing=False)
+        ev = self._enter_event
+        if ev is None:
+            ev = self._enter_event = Event(timing=False)
         ev.record(stream)
         self.stream.wait_event(ev)
 
-    def _leave(self, stream: int) -> Event:
-        ev = Event(timing=False)
+    def _leave(self, stream: int, fresh: bool = True) -> Event:
+        """The caller's stream waits for the comm stream. `fresh`: a new event (it is returned to the caller, who
+        may wait on it later), else the executor's reused one (only this wait uses it)."""
+        if fresh:
+            ev = Event(timing=False)
+        else:
+            ev = self._leave_event
+            if ev is None:
+                ev = self._leave_event = Event(timing=False)
         ev.record(self.stream)
         _cuda.check(_cuda.driver().cuStreamWaitEvent(int(stream), ev._event, 0), "cuStreamWaitEvent")
         return ev
@@ -156,7 +174,7 @@ class GpuExecutor:
     def _allocator(self, req: Any, x_dtype: str):
         def alloc(shape: tuple, dtype: Any, strides: tuple | None = None) -> Any:
             dt = np.dtype(dtype)
-            name = {np.dtype(np.uint16): "bfloat16", np.dtype(np.uint8): x_dtype}.get(dt, dt.name)
+            name = "bfloat16" if dt == _U16 else x_dtype if dt == _U8 else dt.name
             if strides is not None and tuple(strides) != tuple(_c_strides(shape)):
                 # column-major scales: the storage array [P, ld] (EPBuffer's contract), kernels get its pointer
                 _rows, packs = shape
@@ -191,7 +209,7 @@ class GpuExecutor:
             self.rank._allocator = None
         if res.handle is not req.handle and req.topk_idx is not None:
             res.handle.topk_idx = req.topk_idx.obj
-        ev = self._leave(req.stream)
+        ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
         return DispatchResult(
             res.recv_x,
             res.recv_sf,
@@ -218,7 +236,7 @@ class GpuExecutor:
             )
         finally:
             self.rank._allocator = None
-        ev = self._leave(req.stream)
+        ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
         return CombineResult(
             res.combined_x, res.combined_topk_weights, ev if req.async_with_compute_stream else None
         )

@@ -6,6 +6,7 @@ from ep_layout (`make_dispatch_token_layout`, `DirectDispatchBuffers`, `DirectCo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import ep_layout
@@ -85,13 +86,15 @@ class KernelConfig:
                 f"use at most {default_num_warps(self.smem_slot_bytes)}"
             )
 
-    @property
+    # The derived values below are pure functions of the (frozen) fields: computed once per instance
+    # (`cached_property` stores into the instance dict, which a frozen dataclass allows; eq/hash use the fields).
+    @functools.cached_property
     def dispatch_token(self) -> ep_layout.TokenLayout:
         return ep_layout.make_dispatch_token_layout(
             self.hidden, self.elem_size, self.num_sf_packs, self.num_topk
         )
 
-    @property
+    @functools.cached_property
     def combine_token(self) -> ep_layout.TokenLayout:
         return ep_layout.make_combine_token_layout(self.hidden, self.num_topk)
 
@@ -99,13 +102,10 @@ class KernelConfig:
     def num_threads(self) -> int:
         return self.num_warps * 32
 
-    @property
+    @functools.cached_property
     def smem_slot_bytes(self) -> int:
         """One warp's shared-memory token slot (token.cuh `kSmemSlotBytes`): the dispatch token, 128-aligned."""
-        token = ep_layout.make_dispatch_token_layout(
-            self.hidden, self.elem_size, self.num_sf_packs, self.num_topk
-        )
-        return ep_layout.align(token.get_num_bytes(), 128)
+        return ep_layout.align(self.dispatch_token.get_num_bytes(), 128)
 
     @property
     def dynamic_smem_bytes(self) -> int:
@@ -177,7 +177,42 @@ def plan_regions(
 ) -> RegionPlan:
     """Regions for `config`; `data_bytes` is the GPU buffer after the workspace (default: exactly what is needed).
     `op` ("dispatch", "combine" or None = both) and `allow_multiple_reduction` (None = both combine layouts) say
-    which receive regions must fit in `data_bytes`."""
+    which receive regions must fit in `data_bytes`.
+
+    A pure function of its arguments: memoized per (config, num_experts, num_max_tokens, data_bytes, op,
+    allow_multiple_reduction) when they are plain ints (the plan is immutable; errors are never cached)."""
+    amr = None if allow_multiple_reduction is None else bool(allow_multiple_reduction)
+    if (
+        type(config) is KernelConfig
+        and type(num_experts) is int
+        and type(num_max_tokens) is int
+        and (data_bytes is None or type(data_bytes) is int)
+        and (op is None or type(op) is str)
+    ):
+        return _plan_regions_cached(config, num_experts, num_max_tokens, data_bytes, op, amr)
+    return _plan_regions(config, num_experts, num_max_tokens, data_bytes, op, amr)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_regions_cached(
+    config: KernelConfig,
+    num_experts: int,
+    num_max_tokens: int,
+    data_bytes: int | None,
+    op: str | None,
+    amr: bool | None,
+) -> RegionPlan:
+    return _plan_regions(config, num_experts, num_max_tokens, data_bytes, op, amr)
+
+
+def _plan_regions(
+    config: KernelConfig,
+    num_experts: int,
+    num_max_tokens: int,
+    data_bytes: int | None,
+    op: str | None,
+    allow_multiple_reduction: bool | None,
+) -> RegionPlan:
     if num_experts % config.num_ranks:
         raise EPConfigError(
             f"num_experts: expected a multiple of num_ranks={config.num_ranks}, got {num_experts}"
@@ -216,6 +251,17 @@ class LaunchGeometry:
 
 def launch_geometry(config: KernelConfig, num_sms: int, device_sms: int) -> LaunchGeometry:
     """One block of `config.num_warps` warps per SM; `num_sms` blocks for every kernel of the op."""
+    if type(num_sms) is int and type(device_sms) is int and type(config) is KernelConfig:
+        return _launch_geometry_cached(config, num_sms, device_sms)
+    return _launch_geometry(config, num_sms, device_sms)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_geometry_cached(config: KernelConfig, num_sms: int, device_sms: int) -> LaunchGeometry:
+    return _launch_geometry(config, num_sms, device_sms)
+
+
+def _launch_geometry(config: KernelConfig, num_sms: int, device_sms: int) -> LaunchGeometry:
     if not 1 <= num_sms <= device_sms:
         raise EPValueError(f"num_sms: expected 1..{device_sms} (device SMs), got {num_sms}")
     return LaunchGeometry(num_sms, config.num_threads, config.dynamic_smem_bytes)
