@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -160,55 +161,47 @@ def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_
         raise EPValueError("previous_event: requires allocate_on_comm_stream=True")
 
 
-_HANDLE_ARRAYS = (
-    "topk_idx",
-    "psum_num_recv_tokens_per_scaleup_rank",
-    "psum_num_recv_tokens_per_expert",
-    "num_unaligned_recv_tokens_per_expert",
-    "recv_src_metadata",
-    "dst_buffer_slot_idx",
-)
-
-# Handles that passed `_check_handle` -> what was checked: the buffer config and the target's device (by
-# identity / value), every scalar field the rules read, and every array field (the object itself, kept alive here
-# so that its id cannot be reused, and its shape). A handle whose fingerprint is unchanged passed the very same
-# checks; any field replaced, resized or re-shaped, another buffer or device: the full validation runs again.
+# Handles that passed `_check_handle` -> what was checked: the buffer config (by identity: it is frozen), the
+# target's device and every scalar field the rules read (by value), every array field (the object itself, compared by
+# identity and kept alive here so that its id cannot be reused) and its shape. A handle whose fingerprint is
+# unchanged passed the very same checks; any field replaced, resized or re-shaped, another buffer or device: the full
+# validation runs again. (An array mutated in place without a new shape, e.g. torch's `t.data = ...` with another
+# dtype, is outside the handle's contract: handles are produced by dispatch and only read afterwards.)
 _validated_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _handle_fingerprint(config: BufferConfig, target: Any, handle: EPHandle) -> tuple:
-    arrays = tuple(getattr(handle, name) for name in _HANDLE_ARRAYS)
-    shapes = tuple(getattr(a, "shape", None) for a in arrays)
-    return (
-        (
-            getattr(target, "array_device", "cuda"),
-            getattr(target, "device_id", 0),
-            handle.num_ranks,
-            handle.rank,
-            handle.num_experts,
-            handle.num_recv_tokens,
-        ),
-        config,
-        arrays,
-        shapes,
+def _shape_key(a: Any) -> Any:
+    shape = getattr(a, "shape", None)
+    if isinstance(shape, tuple):  # tuple, torch.Size
+        return shape
+    return None if a is None else object()  # an unusual shape object: never equal, validated every time
+
+
+def _handle_fingerprint(config: BufferConfig, target: Any, h: EPHandle) -> tuple:
+    arrays = (
+        h.topk_idx,
+        h.psum_num_recv_tokens_per_scaleup_rank,
+        h.psum_num_recv_tokens_per_expert,
+        h.num_unaligned_recv_tokens_per_expert,
+        h.recv_src_metadata,
+        h.dst_buffer_slot_idx,
     )
+    scalars = (
+        getattr(target, "array_device", "cuda"),
+        getattr(target, "device_id", 0),
+        h.num_ranks,
+        h.rank,
+        h.num_experts,
+        h.num_recv_tokens,
+    )
+    return config, scalars, arrays, tuple([_shape_key(a) for a in arrays])
 
 
 def _fingerprint_matches(old: tuple, new: tuple) -> bool:
-    # objects by identity (never `==`: arrays compare elementwise), shapes and scalars by value
+    # arrays by identity (never `==`: arrays compare elementwise); scalars and shapes (tuples) by value
     return (
-        old[0] == new[0]
-        and old[1] is new[1]
-        and all(a is b for a, b in zip(old[2], new[2]))
-        and all(_same_shape(a, b) for a, b in zip(old[3], new[3]))
+        old[0] is new[0] and old[1] == new[1] and all(map(operator.is_, old[2], new[2])) and old[3] == new[3]
     )
-
-
-def _same_shape(a: Any, b: Any) -> bool:
-    try:
-        return tuple(a) == tuple(b)
-    except TypeError:  # no shape: that object was described once and refused or accepted by describe itself
-        return a is None and b is None
 
 
 def _check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
