@@ -180,7 +180,7 @@ def test_describe_torch_cuda_fast_path_equals_slow_path(monkeypatch):
         fast = _outcome(t)
         slow = _slow(t, monkeypatch)
         assert fast == slow, (t.dtype, tuple(t.shape), t.stride(), fast, slow)
-        n += t.is_cuda
+        n += bool(getattr(t, "is_cuda", False))
     assert n > 200
 
 
