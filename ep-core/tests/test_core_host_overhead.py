@@ -585,3 +585,39 @@ def test_as_view_torch_matches_mapping():
                 assert (v.ptr, v.shape, v.strides, v.owner) == (t.data_ptr(), tuple(t.shape), t.stride(), t)
     with pytest.raises(KeyError):
         as_view(torch.zeros(2, dtype=torch.complex128), "x")  # 16-byte elements: as before
+
+
+def test_view_ptr_equals_as_view_ptr():
+    torch = pytest.importorskip("torch")
+    from ep_core.kernels import _cuda
+    from ep_core.kernels._cuda import view_ptr
+
+    describe(torch.zeros(1))  # arms the torch fast path (as validation does before any launch)
+
+    class CAI:
+        def __init__(self) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": (2, 3),
+                "typestr": "<i4",
+                "data": (0x1000, False),
+                "version": 3,
+            }
+
+    objs = [
+        torch.zeros(3, 5, dtype=torch.bfloat16),
+        torch.zeros(5, 3, dtype=torch.int64).t(),
+        torch.zeros(0, 4, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.float8_e4m3fn)[1:],
+        torch.nn.Parameter(torch.zeros(2), requires_grad=False),
+        DeviceView(0x2000, (2, 2), np.dtype(np.int32)),
+        _cuda.DeviceArray((0,), np.int32),
+        CAI(),
+    ]
+    for obj in objs:
+        assert view_ptr(obj, "a") == as_view(obj, "a").ptr
+    for bad in (torch.zeros(2, dtype=torch.complex128), "not an array", None):
+        with pytest.raises(Exception) as want:
+            as_view(bad, "a")
+        with pytest.raises(type(want.value)) as got:
+            view_ptr(bad, "a")
+        assert str(got.value) == str(want.value)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ep_core import device_array as _device_array
 from ep_core.device_array import is_c_contiguous
 
 __all__ = [
@@ -391,6 +392,21 @@ def as_view(obj: Any, what: str) -> DeviceView:
         f"{what}: expected a device array (__cuda_array_interface__, DLPack-capable tensor or ep_core DeviceView), "
         f"got {type(obj).__name__}"
     )
+
+
+def view_ptr(obj: Any, what: str) -> int:
+    """`as_view(obj, what).ptr` without building the view, for the arrays whose pointer alone is needed: a
+    DeviceView or DeviceArray, or a plain torch tensor (its dtype is still looked up, so the same errors are raised);
+    anything else through `as_view`."""
+    cls = type(obj)
+    if cls is DeviceView or cls is DeviceArray:
+        return obj.ptr
+    if (
+        cls is _device_array._torch_tensor_type and cls is not None
+    ):  # armed by describe() once torch is in use
+        _torch_like_dtype(obj)
+        return int(obj.data_ptr())
+    return as_view(obj, what).ptr
 
 
 def memset(ptr: int, nbytes: int, stream: Stream | int = 0) -> None:

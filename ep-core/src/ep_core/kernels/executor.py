@@ -59,7 +59,7 @@ from ep_core.errors import (
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, pack_op_args
-from ep_core.kernels._cuda import DeviceArray, DeviceView, PinnedBuffer, Stream, as_view
+from ep_core.kernels._cuda import DeviceArray, DeviceView, PinnedBuffer, Stream, as_view, view_ptr
 from ep_core.kernels._source import load_kernels
 from ep_core.kernels.plan import (
     SCRATCH_BARRIER_EPOCH_OFFSET,
@@ -561,10 +561,10 @@ class DirectRank:
             sf_stride1=sfv.element_strides[1] if sfv is not None else 0,
             topk_idx=iv.ptr,
             topk_weights=wv.ptr if wv is not None else 0,
-            dst_slot=as_view(arrays["dst_slot"], "dst_slot").ptr,
-            psum_rank=as_view(arrays["psum_rank"], "psum_rank").ptr,
-            psum_expert=as_view(arrays["psum_expert"], "psum_expert").ptr,
-            unaligned_expert=as_view(arrays["unaligned"], "unaligned").ptr,
+            dst_slot=view_ptr(arrays["dst_slot"], "dst_slot"),
+            psum_rank=view_ptr(arrays["psum_rank"], "psum_rank"),
+            psum_expert=view_ptr(arrays["psum_expert"], "psum_expert"),
+            unaligned_expert=view_ptr(arrays["unaligned"], "unaligned"),
             cum_stats=stats_ptr,
         )
         self._launch(kernels.dispatch, "ep_dispatch", geo, args, geo.shared_mem, self.cooperative)
@@ -656,13 +656,13 @@ class DirectRank:
             meta = self._alloc((num_recv, k + 2), np.int32)
         args = dict(p.args)
         args.update(
-            src_metadata=as_view(meta, "recv_src_metadata").ptr,
-            recv_x=as_view(recv_x, "recv_x").ptr,
-            recv_sf=as_view(recv_sf, "recv_sf").ptr if recv_sf is not None else 0,
+            src_metadata=view_ptr(meta, "recv_src_metadata"),
+            recv_x=view_ptr(recv_x, "recv_x"),
+            recv_sf=view_ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
             sf_out_stride0=sf_strides[0],
             sf_out_stride1=sf_strides[1],
-            recv_topk_idx=as_view(recv_idx, "recv_topk_idx").ptr if recv_idx is not None else 0,
-            recv_topk_weights=as_view(recv_w, "recv_topk_weights").ptr if recv_w is not None else 0,
+            recv_topk_idx=view_ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
+            recv_topk_weights=view_ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
             num_out_rows=rows,
         )
         kernels = load_kernels(p.config)
@@ -781,14 +781,14 @@ class DirectRank:
             num_tokens=t,
             flags=flags,
             topk_idx=iv.ptr,
-            psum_rank=as_view(handle.psum_num_recv_tokens_per_scaleup_rank, "psum").ptr,
-            src_metadata=as_view(handle.recv_src_metadata, "recv_src_metadata").ptr,
+            psum_rank=view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
+            src_metadata=view_ptr(handle.recv_src_metadata, "recv_src_metadata"),
             comb_x=xv.ptr,
             comb_weights=wv.ptr if wv is not None else 0,
             bias0=bias_views[0].ptr if len(bias_views) > 0 else 0,
             bias1=bias_views[1].ptr if len(bias_views) > 1 else 0,
-            combined_x=as_view(combined, "combined_x").ptr,
-            combined_weights=as_view(combined_w, "combined_w").ptr if combined_w is not None else 0,
+            combined_x=view_ptr(combined, "combined_x"),
+            combined_weights=view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
         )
         self._launch(kernels.combine, "ep_combine", geo, args, 0, self.cooperative)
         return CombineResult(combined, combined_w)

@@ -44,6 +44,10 @@ _NP = {
 
 _NP_DTYPES = {name: np.dtype(t) for name, t in _NP.items()}
 _U8, _U16 = np.dtype(np.uint8), np.dtype(np.uint16)
+# `np.dtype.name` is a slow property: the names of the dtypes the kernels allocate, looked up by dtype
+_NP_NAMES = {
+    np.dtype(t): np.dtype(t).name for t in (np.int8, np.int32, np.uint32, np.float16, np.float32, np.int64)
+}
 
 
 def _view(info: Any) -> DeviceView | None:
@@ -174,7 +178,7 @@ class GpuExecutor:
     def _allocator(self, req: Any, x_dtype: str):
         def alloc(shape: tuple, dtype: Any, strides: tuple | None = None) -> Any:
             dt = np.dtype(dtype)
-            name = "bfloat16" if dt == _U16 else x_dtype if dt == _U8 else dt.name
+            name = "bfloat16" if dt == _U16 else x_dtype if dt == _U8 else _NP_NAMES.get(dt) or dt.name
             if strides is not None and tuple(strides) != tuple(_c_strides(shape)):
                 # column-major scales: the storage array [P, ld] (EPBuffer's contract), kernels get its pointer
                 _rows, packs = shape
