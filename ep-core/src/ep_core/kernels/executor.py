@@ -796,13 +796,20 @@ class DirectRank:
     # ------------------------------------------------------------------ errors
     def read_error(self) -> tuple[np.ndarray, np.ndarray]:
         """(error record bytes, input-error words) of this rank (synchronizes the stream)."""
-        rec = np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, dtype=np.uint8)
-        inp = np.zeros(4, dtype=np.int64)
-        _cuda.copy_to_host(rec, self.res.base + _ERR_OFF, self.stream)
+        # read through page-locked memory (a pageable destination makes each copy a staged, blocking one)
+        nrec = ep_layout.NUM_ERROR_RECORD_BYTES
+        pinned = getattr(self, "_error_host", None)
+        if pinned is None:
+            pinned = self._error_host = PinnedBuffer(nrec + 32)
+        staging = pinned.array
+        staging[nrec:] = 0
+        _cuda.copy_to_host(staging[:nrec], self.res.base + _ERR_OFF, self.stream)
         scratch = self._any_scratch()
         if scratch:
-            _cuda.copy_to_host(inp.view(np.uint8), scratch + SCRATCH_INPUT_ERROR_OFFSET, self.stream)
+            _cuda.copy_to_host(staging[nrec:], scratch + SCRATCH_INPUT_ERROR_OFFSET, self.stream)
         self.stream.synchronize()
+        rec = staging[:nrec].copy()
+        inp = staging[nrec:].copy().view(np.int64)
         return rec, inp
 
     def _any_scratch(self) -> int:
