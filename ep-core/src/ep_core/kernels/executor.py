@@ -388,6 +388,12 @@ class DirectRank:
         abort, bad_input = self._status.read()
         return abort, bad_input
 
+    def fail_unconfirmed_handles(self) -> None:
+        """Refuse, from now on, every handle of a no-sync dispatch not yet confirmed by a clean sync (a reset
+        follows a failure: such handles may hold garbage counts and slots)."""
+        self._failed_handles.update(self._unconfirmed)
+        self._unconfirmed.clear()
+
     def _check_handle(self, handle: EPHandle | None) -> None:
         if handle is not None and handle in self._failed_handles:
             raise EPStateError(
@@ -831,8 +837,7 @@ class DirectRank:
 
         kind = get("abort_flag") or published_abort
         if kind != 0:  # handles of no-sync dispatches not yet confirmed by a clean sync may be garbage
-            self._failed_handles.update(self._unconfirmed)
-            self._unconfirmed.clear()
+            self.fail_unconfirmed_handles()
         elif synchronize:
             self._unconfirmed.clear()
         if kind in (int(_EK.TIMEOUT), int(_EK.PEER_ABORT)):
