@@ -6,7 +6,9 @@ The GPU executor spends its host time per dispatch / combine in four places that
 handle's arrays included), `KernelConfig` + `plan_regions` (the buffer regions of the configuration) and
 `as_view` (the kernel-side views). This times each of them on the decode shape of benchmarks/bench_host_overhead.py
 (one rank, T=128, hidden 7168, top-8 of 256 experts), with torch CPU tensors (when torch is installed), objects
-exposing `__cuda_array_interface__` and ep_core `DeviceArray`s.
+exposing `__cuda_array_interface__` and ep_core `DeviceArray`s; and whole `EPBuffer.dispatch` / `combine` calls
+through the GPU executor with the CUDA driver mocked (kernel launches and driver calls are no-ops, so what is left
+is the host work of ep_core itself).
 
     python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json]
 
@@ -123,13 +125,37 @@ def _handle(make, rows: int):
     )
 
 
+def _time_requests(add, label: str, make, config, target) -> None:
+    from ep_core.validation import make_combine_request, make_dispatch_request
+
+    rows = T * TOPK
+    x = make((T, HIDDEN), "bfloat16")
+    idx = make((T, TOPK), "int64")
+    w = make((T, TOPK), "float32")
+    fp8 = (make((T, HIDDEN), "float8_e4m3fn"), make((T, SF_PACKS), "float32"))
+    handle = _handle(make, rows)
+    recv = make((rows, HIDDEN), "bfloat16")
+    kw = dict(num_experts=NUM_EXPERTS, num_sms=16, sm_cache={})
+    add(
+        f"make_dispatch_request ({label}, bf16)",
+        lambda: make_dispatch_request(config, target, x, idx, w, do_cpu_sync=False, **kw),
+    )
+    add(
+        f"make_dispatch_request ({label}, fp8)",
+        lambda: make_dispatch_request(config, target, fp8, idx, w, do_cpu_sync=False, **kw),
+    )
+    add(
+        f"make_dispatch_request ({label}, cached)",
+        lambda: make_dispatch_request(config, target, x, handle=handle, num_sms=16),
+    )
+    add(f"make_combine_request ({label})", lambda: make_combine_request(config, target, recv, handle))
+
+
 def run(iters: int) -> list[tuple[str, float]]:
     import ep_core
     from ep_core.kernels._cuda import as_view
     from ep_core.kernels.plan import KernelConfig, plan_regions
-    from ep_core.validation import make_combine_request, make_dispatch_request
 
-    rows = T * TOPK
     out: list[tuple[str, float]] = []
 
     def add(name: str, fn) -> None:
@@ -167,27 +193,7 @@ def run(iters: int) -> list[tuple[str, float]]:
         add("as_view: torch CPU bf16 [T, H]", lambda: as_view(x_t, "x"))
 
     for label, make in makers:
-        x = make((T, HIDDEN), "bfloat16")
-        idx = make((T, TOPK), "int64")
-        w = make((T, TOPK), "float32")
-        fp8 = (make((T, HIDDEN), "float8_e4m3fn"), make((T, SF_PACKS), "float32"))
-        handle = _handle(make, rows)
-        recv = make((rows, HIDDEN), "bfloat16")
-        sm_cache: dict = {}
-        kw = dict(num_experts=NUM_EXPERTS, num_sms=16, sm_cache=sm_cache)
-        add(
-            f"make_dispatch_request ({label}, bf16)",
-            lambda: make_dispatch_request(config, target, x, idx, w, do_cpu_sync=False, **kw),
-        )
-        add(
-            f"make_dispatch_request ({label}, fp8)",
-            lambda: make_dispatch_request(config, target, fp8, idx, w, do_cpu_sync=False, **kw),
-        )
-        add(
-            f"make_dispatch_request ({label}, cached)",
-            lambda: make_dispatch_request(config, target, x, handle=handle, num_sms=16),
-        )
-        add(f"make_combine_request ({label})", lambda: make_combine_request(config, target, recv, handle))
+        _time_requests(add, label, make, config, target)
 
     add("KernelConfig(1, 8, 7168)", lambda: KernelConfig(1, TOPK, HIDDEN))
     cfg = KernelConfig(1, TOPK, HIDDEN)
@@ -201,12 +207,156 @@ def run(iters: int) -> list[tuple[str, float]]:
     return out
 
 
+# ------------------------------------------------------------------------------------------------------------
+# the GPU executor with the CUDA driver mocked: every host step of EPBuffer -> GpuExecutor -> DirectRank runs (validation,
+# planning, views, argument packing), kernel launches and driver calls are no-ops
+
+
+class _Fake:
+    """Stands in for driver objects: any method returns a success tuple / None."""
+
+    handle = 0
+    _event = 0
+    device_ptr = 0
+    array = np.zeros(1 << 12, np.uint8)
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return lambda *a, **k: (0,)
+
+    def __int__(self) -> int:
+        return 0
+
+    def read(self):
+        return (0, 0)
+
+    def synchronize(self, timeout=None) -> bool:
+        return True
+
+
+class _FakeKernel:
+    def launch(self, *args, **kwargs) -> None:
+        return None
+
+    def max_active_blocks_per_sm(self, block, shared_mem) -> int:
+        return 1
+
+
+class _FakeKernels:
+    dispatch = epilogue = combine = _FakeKernel()
+
+
+class _MockedGpu:
+    """Patches ep_core.kernels' driver entry points for the duration of a `with` block."""
+
+    def __enter__(self):
+        from ep_core.kernels import _cuda
+        from ep_core.kernels import executor as kex
+        from ep_core.kernels import gpu_executor as gex
+
+        self._saved = []
+
+        def patch(mod, name, value):
+            self._saved.append((mod, name, getattr(mod, name)))
+            setattr(mod, name, value)
+
+        patch(_cuda, "driver", lambda: _Fake())
+        patch(_cuda, "check", lambda result, what: None)
+        patch(_cuda, "num_device_sms", lambda: 132)
+        patch(_cuda, "device_attribute", lambda name: 1_000_000)
+        patch(_cuda, "copy_to_host", lambda *a: None)
+        patch(_cuda, "copy_device", lambda *a: None)
+        patch(_cuda, "memset", lambda *a: None)
+        patch(_cuda, "MappedWords", _Fake)
+        patch(kex, "PinnedBuffer", _Fake)
+        patch(kex, "load_kernels", lambda config: _FakeKernels)
+        patch(gex, "Stream", _Fake)
+        patch(gex, "Event", _Fake)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mod, name, value in reversed(self._saved):
+            setattr(mod, name, value)
+
+
+class _Storage:
+    ptr = 1 << 44
+    peer_table = 1 << 45
+    device = 0
+    nccl_window = 0
+    rank_devices = ("host/gpu0",)
+
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+
+    def close(self) -> None:
+        return None
+
+
+class _MockedTransport:
+    def num_nvlink_ranks(self, bootstrap) -> int:
+        return 1
+
+    def allocate(self, bootstrap, num_bytes: int):
+        return _Storage(num_bytes)
+
+    def create_executor(self, config, buffer):
+        from ep_core.kernels.gpu_executor import GpuExecutor
+
+        return GpuExecutor(config, buffer.storage, buffer.bootstrap)
+
+
+def run_executor(iters: int) -> list[tuple[str, float]]:
+    """EPBuffer.dispatch / combine end to end on the mocked GPU executor, ep_core DeviceArrays in and out."""
+    import ep_core
+
+    out: list[tuple[str, float]] = []
+    counter = [1 << 40]
+
+    def alloc(shape, dtype):
+        counter[0] += 1 << 24
+        return ep_core.DeviceArray(counter[0], shape, dtype, device="cuda")
+
+    def arr(shape, dtype):
+        return alloc(shape, dtype)
+
+    with _MockedGpu():
+        buf = ep_core.EPBuffer(
+            ep_core.LocalBootstrap(),
+            transport=_MockedTransport(),
+            num_max_tokens_per_rank=T,
+            hidden=HIDDEN,
+            num_topk=TOPK,
+        )
+        x, idx, w = arr((T, HIDDEN), "bfloat16"), arr((T, TOPK), "int64"), arr((T, TOPK), "float32")
+        kw = dict(num_experts=NUM_EXPERTS, num_sms=16, allocator=alloc)
+        first = buf.dispatch(x, idx, w, do_cpu_sync=False, **kw)
+        handle = first.handle
+        recv = arr((handle.num_recv_tokens, HIDDEN), "bfloat16")
+        ops = {
+            "EPBuffer.dispatch (mocked GPU, no CPU sync)": lambda: buf.dispatch(
+                x, idx, w, do_cpu_sync=False, **kw
+            ),
+            "EPBuffer.dispatch (mocked GPU, CPU sync)": lambda: buf.dispatch(x, idx, w, **kw),
+            "EPBuffer.dispatch (mocked GPU, cached)": lambda: buf.dispatch(
+                x, handle=handle, num_sms=16, allocator=alloc
+            ),
+            "EPBuffer.combine (mocked GPU)": lambda: buf.combine(recv, handle, num_sms=16, allocator=alloc),
+        }
+        for name, fn in ops.items():
+            fn()
+            out.append((name, _time(fn, iters)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = run(args.iters)
+    rows = run(args.iters) + run_executor(args.iters)
     for name, us in rows:
         print(f"{name:55s} {us:9.2f} us/call")
     if args.json:

@@ -611,11 +611,18 @@ def test_view_ptr_equals_as_view_ptr():
         torch.nn.Parameter(torch.zeros(2), requires_grad=False),
         DeviceView(0x2000, (2, 2), np.dtype(np.int32)),
         _cuda.DeviceArray((0,), np.int32),
+        ec.DeviceArray(0x3000, (4, 2), "bfloat16", device="cuda"),
+        ec.DeviceArray(0x3000, (4, 2), "bfloat16", strides=(2, 8), device="cuda"),
         CAI(),
     ]
     for obj in objs:
         assert view_ptr(obj, "a") == as_view(obj, "a").ptr
-    for bad in (torch.zeros(2, dtype=torch.complex128), "not an array", None):
+    for bad in (
+        torch.zeros(2, dtype=torch.complex128),
+        "not an array",
+        None,
+        ec.DeviceArray(0x3000, (4, 2), "bfloat16", device="cpu"),
+    ):
         with pytest.raises(Exception) as want:
             as_view(bad, "a")
         with pytest.raises(type(want.value)) as got:

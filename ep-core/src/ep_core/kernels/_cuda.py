@@ -409,16 +409,16 @@ def as_view(obj: Any, what: str) -> DeviceView:
 
 def view_ptr(obj: Any, what: str) -> int:
     """`as_view(obj, what).ptr` without building the view, for the arrays whose pointer alone is needed: a
-    DeviceView or DeviceArray, or a plain torch tensor (its dtype is still looked up, so the same errors are raised);
-    anything else through `as_view`."""
+    DeviceView or DeviceArray, an ep_core `device_array.DeviceArray` on CUDA, or a plain torch tensor (its dtype
+    is still looked up, so the same errors are raised); anything else through `as_view`."""
     cls = type(obj)
     if cls is DeviceView or cls is DeviceArray:
         return obj.ptr
-    if (
-        cls is _device_array._torch_tensor_type and cls is not None
-    ):  # armed by describe() once torch is in use
+    if cls is _device_array._torch_tensor_type and cls is not None:  # armed by describe() once torch is seen
         _torch_like_dtype(obj)
         return int(obj.data_ptr())
+    if cls is _device_array.DeviceArray and obj.device == "cuda":  # its __cuda_array_interface__ data pointer
+        return obj.ptr
     return as_view(obj, what).ptr
 
 

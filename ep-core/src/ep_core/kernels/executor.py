@@ -627,7 +627,7 @@ class DirectRank:
             psum = host[: 4 * n].view(np.int32).copy()
             counts = host[4 * n : 4 * n + 4 * epr].view(np.int32).copy()
             num_recv = int(psum[-1])
-            aligned = [int((c + a - 1) // a * a) for c in counts]
+            aligned = ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()  # one numpy op, Python ints
             num_expanded = int(sum(aligned))
             expert_list = aligned
         elif p.cached:
