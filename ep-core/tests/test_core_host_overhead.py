@@ -22,6 +22,7 @@ import pytest
 from ep_core import device_array, validation
 from ep_core.device_array import _c_strides, describe, is_c_contiguous
 from ep_core.errors import EPConfigError, EPTypeError, EPValueError
+from ep_core.executor import CombineRequest, DispatchRequest
 from ep_core.kernels import plan
 from ep_core.kernels._cuda import DeviceView, as_view
 from ep_core.kernels.plan import KernelConfig, launch_geometry, plan_regions
@@ -628,3 +629,111 @@ def test_view_ptr_equals_as_view_ptr():
         with pytest.raises(type(want.value)) as got:
             view_ptr(bad, "a")
         assert str(got.value) == str(want.value)
+
+
+def _request_cases(torch):
+    bf = torch.bfloat16
+    f8 = torch.float8_e4m3fn
+
+    def x(t=T, h=H):
+        return torch.ones(t, h, dtype=bf)
+
+    def idx(t=T, dtype=torch.int64):
+        return torch.zeros(t, K, dtype=dtype)
+
+    def w(t=T, k=K):
+        return torch.ones(t, k)
+
+    sf = torch.ones(T, 2)
+    d = {"num_experts": E, "do_cpu_sync": False}
+    return [
+        ("bf16", (x(), idx(), w()), d),
+        ("bf16 int32 ids", (x(), idx(dtype=torch.int32), None), d),
+        ("zero tokens", (x(0), idx(0), w(0)), d),
+        ("one token", (x(1), idx(1), w(1)), d),
+        ("fp8", ((x().to(f8), sf), idx(), w()), d),
+        ("fp8 uint8 bits", ((x().to(f8).view(torch.uint8), sf), idx(), None), d),
+        ("fp8 column-major sf", ((x().to(f8), torch.ones(2, T).t()), idx(), None), d),
+        ("fp8 one-pack sf", ((x().to(f8), torch.ones(T, 1)), idx(), None), d),
+        ("fp8 bad sf dtype", ((x().to(f8), sf.to(bf)), idx(), None), d),
+        ("fp8 sf rows", ((x().to(f8), torch.ones(T + 1, 2)), idx(), None), d),
+        ("fp8 data dtype", ((x(), sf), idx(), None), d),
+        ("x non-contiguous", (torch.ones(H, T, dtype=bf).t(), idx(), None), d),
+        ("x rows of a larger tensor", (torch.ones(2 * T, H, dtype=bf)[T:], idx(), None), d),
+        ("x every other row", (torch.ones(2 * T, H, dtype=bf)[::2], idx(), None), d),
+        ("x 3-D", (torch.ones(T, H, 1, dtype=bf), idx(), None), d),
+        ("x float32", (torch.ones(T, H), idx(), None), d),
+        ("ids float", (x(), torch.zeros(T, K), None), d),
+        ("ids rows", (x(), idx(T - 1), None), d),
+        ("ids non-contiguous", (x(), torch.zeros(K, T, dtype=torch.int64).t(), None), d),
+        ("weights shape", (x(), idx(), w(k=K + 1)), d),
+        ("weights dtype", (x(), idx(), w().to(bf)), d),
+        ("weights grad", (x(), idx(), torch.ones(T, K, requires_grad=True)), d),
+        ("meta device", (torch.ones(T, H, dtype=bf, device="meta"), idx(), None), d),
+    ]
+
+
+GOOD_REQUESTS = {
+    "bf16",
+    "bf16 int32 ids",
+    "zero tokens",
+    "one token",
+    "fp8",
+    "fp8 uint8 bits",
+    "fp8 column-major sf",
+    "fp8 one-pack sf",
+    "x rows of a larger tensor",
+}
+
+
+def test_requests_with_torch_tensors_equal_with_and_without_fast_path(monkeypatch):
+    """Whole dispatch / combine requests (torch CPU tensors) are equal, or fail with the same error, either way."""
+    torch = pytest.importorskip("torch")
+    buf = _buffer()
+    config, target = buf.config, buf._executor
+
+    def dispatch(args, kw):
+        try:
+            return validation.make_dispatch_request(config, target, *args, **kw)
+        except Exception as exc:
+            return (type(exc), str(exc))
+
+    for name, args, kw in _request_cases(torch):
+        fast = dispatch(args, kw)
+        with monkeypatch.context() as m:
+            m.setattr(device_array, "_from_torch", lambda obj: None)
+            slow = dispatch(args, kw)
+        assert fast == slow, name
+        ok = isinstance(fast, DispatchRequest)
+        assert ok == (name in GOOD_REQUESTS), (name, fast)
+    rows = T * 2
+    h = _handle(rows)
+    for name, xr, bias in (
+        ("combine", torch.ones(rows, H, dtype=torch.bfloat16), None),
+        ("combine bias", torch.ones(rows, H, dtype=torch.bfloat16), torch.ones(T, H, dtype=torch.bfloat16)),
+        (
+            "combine two biases",
+            torch.ones(rows, H, dtype=torch.bfloat16),
+            (torch.ones(T, H, dtype=torch.bfloat16), torch.ones(T, H, dtype=torch.bfloat16)),
+        ),
+        (
+            "combine bad bias",
+            torch.ones(rows, H, dtype=torch.bfloat16),
+            torch.ones(T, H + 16, dtype=torch.bfloat16),
+        ),
+        ("combine rows", torch.ones(rows + 1, H, dtype=torch.bfloat16), None),
+        ("combine dtype", torch.ones(rows, H), None),
+    ):
+        results = []
+        for slow in (False, True):
+            with monkeypatch.context() as m:
+                if slow:
+                    m.setattr(device_array, "_from_torch", lambda obj: None)
+                try:
+                    results.append(validation.make_combine_request(config, target, xr, h, bias=bias))
+                except Exception as exc:
+                    results.append((type(exc), str(exc)))
+        assert results[0] == results[1], name
+        assert isinstance(results[0], CombineRequest) == (
+            name in ("combine", "combine bias", "combine two biases")
+        )
