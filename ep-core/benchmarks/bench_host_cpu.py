@@ -12,7 +12,9 @@ is the host work of ep_core itself).
 
     python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json]
 
-Prints microseconds per call (best of 5 rounds).
+Prints microseconds per call (best of 5 rounds). To compare with another revision, run this same script with
+PYTHONPATH pointing at that revision's package sources (it uses only public ep_core entry points, plus the driver
+entry points of `ep_core.kernels` that it patches for the mocked-GPU rows).
 """
 
 from __future__ import annotations
