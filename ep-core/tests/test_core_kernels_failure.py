@@ -22,7 +22,7 @@ from ep_core.kernels import executor as executor_mod
 from ep_core.kernels import gpu_executor as gpu_executor_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
-from ep_core.kernels.plan import LaunchGeometry, check_occupancy, default_num_sms
+from ep_core.kernels.plan import SCRATCH_INPUT_ERROR_OFFSET, LaunchGeometry, check_occupancy, default_num_sms
 from ep_core.topology import Topology
 from ep_core.transports import ipc
 
@@ -77,6 +77,7 @@ def fake_driver(monkeypatch):
     monkeypatch.setattr(_cuda, "MappedWords", FakeWords)
     monkeypatch.setattr(executor_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8)))
     monkeypatch.setattr(_cuda, "memset", lambda ptr, n, stream=0: log.append(("memset", ptr, n)))
+    monkeypatch.setattr(_cuda, "synchronize_context", lambda: log.append("context drained"))
     return log
 
 
@@ -193,23 +194,44 @@ def test_published_abort_without_record_still_refuses(fake_driver) -> None:
         r.guard()
 
 
-def test_invalid_input_word_raises_once(fake_driver) -> None:
+def test_invalid_input_word_raises_once_after_the_launch(fake_driver) -> None:
     r = make_rank(fake_driver)
     inp = np.array([int(_EK.INVALID_EXPERT), 12, 3, 999], np.int64)
     set_device_error(r, np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), inp)
     r._status.array[1] = int(_EK.INVALID_EXPERT)
+    r.guard()  # an input report never stops a launch: the peers would wait for this rank's kernel
     with pytest.raises(EPDeviceError, match=r"token 12, lane 3, value 999") as info:
-        r.guard()
+        r._report_input_error()
     assert info.value.code == int(_EK.INVALID_EXPERT)
     assert r.status() == (0, 0)
     assert any(isinstance(e, tuple) and e[0] == "memset" for e in fake_driver)  # device report cleared
     r._fake_state["inp"] = np.zeros(4, np.int64)
-    r.guard()
+    r._report_input_error()
     # a report left in an earlier configuration's scratch (not the current one): still raised, generically
     r._status.array[1] = int(_EK.DUPLICATE_EXPERT)
     with pytest.raises(EPDeviceError, match="duplicate expert"):
-        r.guard()
-    r.guard()
+        r._report_input_error()
+    r._report_input_error()
+
+
+def test_clear_input_error_clears_every_scratch_used(fake_driver) -> None:
+    r = make_rank(fake_driver)
+    r._scratches.update({0x5000_0000, 0x6000_0000})
+    fake_driver.clear()
+    r.clear_input_error()
+    cleared = {
+        e[1] - SCRATCH_INPUT_ERROR_OFFSET for e in fake_driver if isinstance(e, tuple) and e[0] == "memset"
+    }
+    assert {0x5000_0000, 0x6000_0000, r._any_scratch()} <= cleared
+
+
+def test_reset_refuses_handles_in_flight_even_if_the_host_never_saw_the_error(fake_driver) -> None:
+    r = make_rank(fake_driver)
+    h = _Handle()
+    r._unconfirmed.add(h)
+    r.reset_state(lambda: None)
+    with pytest.raises(EPStateError, match="no-sync dispatch that was running"):
+        r._check_handle(h)
 
 
 class _Handle:

@@ -39,6 +39,7 @@ def test_barrier_epoch_follows_a_moved_scratch(monkeypatch) -> None:
         res=SimpleNamespace(base=base, data_bytes=1 << 34, scratch_buffers={}),
         num_max_tokens=m,
         stream=0,
+        _scratches=set(),
     )
     _, s1 = DirectRank._regions(rank, cfg, small, "dispatch")
     _, s1_again = DirectRank._regions(rank, cfg, small, "dispatch")
@@ -48,3 +49,4 @@ def test_barrier_epoch_follows_a_moved_scratch(monkeypatch) -> None:
     off = SCRATCH_BARRIER_EPOCH_OFFSET
     assert s2 != s1 and s3 == s1
     assert copies == [(s2 + off, s1 + off, 8), (s1 + off, s2 + off, 8)]
+    assert rank._scratches == {s1, s2}  # every scratch used is remembered (input-error records live there)

@@ -221,8 +221,11 @@ class LoopbackDomain:
                     bias=_upload(bs[r], s),
                     allow_multiple_reduction=allow_multiple_reduction,
                     num_sms=num_sms,
+                    report_input_error=False,
                 )
             )
+        for rank in self.ranks:  # every rank has launched: a report now leaves no rank waiting
+            rank._report_input_error()
         return out
 
     def _guard(self, handles: list) -> None:
@@ -233,8 +236,9 @@ class LoopbackDomain:
             rank._check_handle(handle)
 
     def _drain(self, strict: bool = False) -> None:
-        for r, s in enumerate(self.streams):
-            if not s.synchronize(60.0) and strict:
+        # a rank's kernel may legitimately run until its GPU timeout: wait as long as the host timeout allows
+        for r, (s, rank) in enumerate(zip(self.streams, self.ranks)):
+            if not s.synchronize(rank.cpu_timeout_secs) and strict:
                 raise EPTimeoutError(r, "cpu.drain", "stream", "not drained")
 
     def synchronize(self) -> None:
@@ -249,6 +253,7 @@ class LoopbackDomain:
         zero every rank, drain every rank (no rank launches before all are zeroed)."""
         self._drain(strict=True)
         for rank in self.ranks:
+            rank.fail_unconfirmed_handles()  # a reset follows a failure: in-flight handles may hold garbage
             rank._zero_state()
         self._drain(strict=True)
         for rank in self.ranks:

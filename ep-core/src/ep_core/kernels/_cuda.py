@@ -422,6 +422,11 @@ def view_ptr(obj: Any, what: str) -> int:
     return as_view(obj, what).ptr
 
 
+def synchronize_context() -> None:
+    """Wait for every stream of the current context (the caller's streams too, e.g. CUDA-graph replays)."""
+    check(driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
 def memset(ptr: int, nbytes: int, stream: Stream | int = 0) -> None:
     check(driver().cuMemsetD8Async(ptr, 0, nbytes, int(stream)), "cuMemsetD8Async")
 

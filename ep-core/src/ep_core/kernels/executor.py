@@ -257,6 +257,7 @@ class DirectRank:
         self._status = _cuda.MappedWords(2)
         self._unconfirmed: weakref.WeakSet = weakref.WeakSet()
         self._failed_handles: weakref.WeakSet = weakref.WeakSet()
+        self._scratches: set[int] = set()  # every scratch an op used (input-error records live there)
         self._blocks_per_sm: dict = {}
         self._planned_sms: dict = {}
         self._configs: dict = {}
@@ -302,6 +303,7 @@ class DirectRank:
             off = SCRATCH_BARRIER_EPOCH_OFFSET
             _cuda.copy_device(scratch + off, previous + off, 8, self.stream)
         self._last_scratch = scratch
+        self._scratches.add(scratch)
         return plan, scratch
 
     def _common(self, plan: RegionPlan, scratch: int, num_experts: int) -> dict:
@@ -403,15 +405,24 @@ class DirectRank:
 
     def guard(self) -> None:
         """Raise, launching nothing, if a kernel of this rank published a failure (module doc, "Failures"): the
-        recorded error (sticky until `reset_state`), or an invalid-input report (raised once)."""
-        abort, bad_input = self._status.read()
-        if abort == 0 and bad_input == 0:
+        recorded error, sticky until `reset_state`. An invalid-input report is not raised here (that would make this
+        rank skip a collective launch its peers make): `_report_input_error` raises it once the call's collective
+        kernels are launched."""
+        abort = self._status.read()[0]
+        if abort == 0:
             return
         self.check_errors(synchronize=True)
-        if abort != 0:  # the record was cleared behind our back: still refuse
-            raise EPStateError(
-                f"rank {self.rank}: a kernel of this rank failed earlier (error kind {abort}); {_RESET_HINT}"
-            )
+        # the record was cleared behind our back: still refuse
+        raise EPStateError(
+            f"rank {self.rank}: a kernel of this rank failed earlier (error kind {abort}); {_RESET_HINT}"
+        )
+
+    def _report_input_error(self) -> None:
+        """Raise an invalid-input report that an earlier no-sync dispatch published (once). Called after the
+        current call's collective kernels were launched, so every rank stays in step: the call that raises has run
+        on every rank; its outputs are not returned, and it must not be repeated."""
+        if self._status.read()[1] != 0:
+            self.check_errors(synchronize=True)
 
     # ------------------------------------------------------------------ dispatch
     def launch_dispatch(
@@ -700,6 +711,7 @@ class DirectRank:
             )
         if not p.cached and not p.do_cpu_sync:
             self._unconfirmed.add(handle)
+        self._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
     def dispatch(self, *args: Any, **kwargs: Any) -> DispatchResult:
@@ -716,7 +728,10 @@ class DirectRank:
         bias: Any = None,
         allow_multiple_reduction: bool = True,
         num_sms: int = 0,
+        report_input_error: bool = True,
     ) -> CombineResult:
+        """Launch the combine kernel. `report_input_error=False` leaves `_report_input_error` to a caller that
+        launches several ranks (the loopback domain reports once every rank has launched)."""
         self.guard()
         if handle is None:
             raise EPValueError("handle: combine needs the handle of a dispatch")
@@ -797,6 +812,8 @@ class DirectRank:
             combined_weights=view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
         )
         self._launch(kernels.combine, "ep_combine", geo, args, 0, self.cooperative)
+        if report_input_error:
+            self._report_input_error()
         return CombineResult(combined, combined_w)
 
     # ------------------------------------------------------------------ errors
@@ -887,7 +904,10 @@ class DirectRank:
             )
 
     def clear_input_error(self) -> None:
-        _cuda.memset(self._any_scratch() + SCRATCH_INPUT_ERROR_OFFSET, 32, self.stream)
+        """Clear the invalid-input record of every scratch this rank used (a record left in another
+        configuration's scratch would block new reports there and be raised again later) and the host word."""
+        for scratch in self._scratches | {self._any_scratch()}:
+            _cuda.memset(scratch + SCRATCH_INPUT_ERROR_OFFSET, 32, self.stream)
         self._status.array[1] = 0
 
     def reset_state(self, barrier: Callable[[], None] | None = None) -> None:
@@ -911,6 +931,7 @@ class DirectRank:
                 "not drained",
                 f"rank {self.rank}: reset_state: the stream did not drain within {self.cpu_timeout_secs} s",
             )
+        self.fail_unconfirmed_handles()  # a reset follows a failure: in-flight handles may hold garbage
         if barrier is not None:
             barrier()
         self._zero_state()

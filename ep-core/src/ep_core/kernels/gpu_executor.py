@@ -255,6 +255,8 @@ class GpuExecutor:
         group calls it; ordered through the bootstrap's barrier)."""
         if self._destroyed:
             raise EPStateError("the executor was destroyed")
+        # every stream of the context, not only ours: CUDA-graph replays run on the caller's streams
+        _cuda.synchronize_context()
         self.rank.reset_state(self.bootstrap.barrier)
 
     def destroy(self) -> None:
