@@ -198,7 +198,9 @@ def test_invalid_input_word_raises_once_after_the_launch(fake_driver) -> None:
     r = make_rank(fake_driver)
     inp = np.array([int(_EK.INVALID_EXPERT), 12, 3, 999], np.int64)
     set_device_error(r, np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), inp)
+    r._report_input_error()  # a call that started before the report: not this call's to raise
     r._status.array[1] = int(_EK.INVALID_EXPERT)
+    r._report_input_error()  # published while the call ran (after its guard): the next call raises it
     r.guard()  # an input report never stops a launch: the peers would wait for this rank's kernel
     with pytest.raises(EPDeviceError, match=r"token 12, lane 3, value 999") as info:
         r._report_input_error()
@@ -206,11 +208,14 @@ def test_invalid_input_word_raises_once_after_the_launch(fake_driver) -> None:
     assert r.status() == (0, 0)
     assert any(isinstance(e, tuple) and e[0] == "memset" for e in fake_driver)  # device report cleared
     r._fake_state["inp"] = np.zeros(4, np.int64)
+    r.guard()
     r._report_input_error()
     # a report left in an earlier configuration's scratch (not the current one): still raised, generically
     r._status.array[1] = int(_EK.DUPLICATE_EXPERT)
+    r.guard()
     with pytest.raises(EPDeviceError, match="duplicate expert"):
         r._report_input_error()
+    r.guard()
     r._report_input_error()
 
 

@@ -258,6 +258,7 @@ class DirectRank:
         self._unconfirmed: weakref.WeakSet = weakref.WeakSet()
         self._failed_handles: weakref.WeakSet = weakref.WeakSet()
         self._scratches: set[int] = set()  # every scratch an op used (input-error records live there)
+        self._input_pending = False  # an invalid-input report seen by the current call's guard
         self._blocks_per_sm: dict = {}
         self._planned_sms: dict = {}
         self._configs: dict = {}
@@ -408,7 +409,10 @@ class DirectRank:
         recorded error, sticky until `reset_state`. An invalid-input report is not raised here (that would make this
         rank skip a collective launch its peers make): `_report_input_error` raises it once the call's collective
         kernels are launched."""
-        abort = self._status.read()[0]
+        abort, bad_input = self._status.read()
+        # reports visible now are raised by this call, after its launch (a report that this call's own kernel
+        # publishes meanwhile waits for the next call: which call raises must not depend on timing)
+        self._input_pending = bad_input != 0
         if abort == 0:
             return
         self.check_errors(synchronize=True)
@@ -421,7 +425,8 @@ class DirectRank:
         """Raise an invalid-input report that an earlier no-sync dispatch published (once). Called after the
         current call's collective kernels were launched, so every rank stays in step: the call that raises has run
         on every rank; its outputs are not returned, and it must not be repeated."""
-        if self._status.read()[1] != 0:
+        if self._input_pending:
+            self._input_pending = False
             self.check_errors(synchronize=True)
 
     # ------------------------------------------------------------------ dispatch
