@@ -66,7 +66,8 @@ def peer_access_problems(
         if uuid not in visible or peer_uuid not in visible:
             problems.append(
                 f"rank {r}'s GPU (uuid {peer_uuid}) is not visible to rank {rank}: peer access needs every GPU of the "
-                "group visible to every process (do not narrow CUDA_VISIBLE_DEVICES per process)"
+                "group visible to every process (do not narrow CUDA_VISIBLE_DEVICES per process), or use the nccl "
+                "transport (ep_torch picks it when every rank has its own GPU and NCCL >= 2.28.7)"
             )
             continue
         src, dst = visible[uuid], visible[peer_uuid]
