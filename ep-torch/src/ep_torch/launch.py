@@ -68,12 +68,28 @@ def spawn(
 ) -> None:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes with an initialized process group.
 
-    ``fn`` must be picklable (a module-level function). Raises if any rank fails.
+    ``fn`` must be picklable (a module-level function). Raises if any rank fails. Without ``port``, a free port is
+    picked; if another process takes it before rank 0 listens on it (``EADDRINUSE``), the ranks are started again on
+    a new port (up to ``_PORT_ATTEMPTS`` times): nothing of ``fn`` has run then, since every rank waits for the store.
     """
-    mp.start_processes(
-        _entry,
-        args=(nprocs, port or free_port(), backend, threads_per_rank, fn, args),
-        nprocs=nprocs,
-        join=True,
-        start_method="spawn",
-    )
+    for attempt in range(1, _PORT_ATTEMPTS + 1):
+        try:
+            mp.start_processes(
+                _entry,
+                args=(nprocs, port or free_port(), backend, threads_per_rank, fn, args),
+                nprocs=nprocs,
+                join=True,
+                start_method="spawn",
+            )
+            return
+        except mp.ProcessRaisedException as exc:
+            if port is not None or attempt == _PORT_ATTEMPTS or not _lost_the_port(str(exc)):
+                raise
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _lost_the_port(message: str) -> bool:
+    """The rendezvous failed because the picked port was taken meanwhile (before any rank ran ``fn``)."""
+    return "EADDRINUSE" in message and "init_process_group" in message
