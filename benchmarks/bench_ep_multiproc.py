@@ -174,10 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     status = out / f".{result_stem(args)}.status"
     status.unlink(missing_ok=True)
     cfg = dict(vars(args))
-    cfg["port"] = _free_port()
     cfg["status"] = str(status)
     t0 = time.time()
-    mp.start_processes(_rank_entry, args=(cfg,), nprocs=args.nprocs, join=True, start_method="spawn")
+    for attempt in range(3):
+        cfg["port"] = _free_port()
+        try:
+            mp.start_processes(_rank_entry, args=(cfg,), nprocs=args.nprocs, join=True, start_method="spawn")
+            break
+        except mp.ProcessRaisedException as exc:
+            # the picked port was taken before rank 0 listened on it: nothing ran yet, start again
+            if attempt == 2 or "EADDRINUSE" not in str(exc) or "init_process_group" not in str(exc):
+                raise
     code = int(status.read_text()) if status.exists() else 1
     status.unlink(missing_ok=True)
     print(f"bench_ep_multiproc: done in {time.time() - t0:.1f} s, exit status {code}")
