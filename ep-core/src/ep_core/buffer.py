@@ -41,9 +41,12 @@ def resolve_transport(transport: Any) -> Transport:
     if isinstance(transport, str):
         if transport == "reference":
             return ReferenceTransport()
+        name = f"ep_core.transports.{transport}"
         try:
-            module = importlib.import_module(f"ep_core.transports.{transport}")
+            module = importlib.import_module(name)
         except ImportError as exc:
+            if exc.name != name:  # the transport exists, something it needs does not
+                raise EPConfigError(f"transport {transport!r}: {name} cannot be imported ({exc})") from exc
             raise EPConfigError(
                 f"transport: unknown transport {transport!r} ({exc}); use 'reference', 'ipc', 'nccl' or pass a "
                 "Transport object"

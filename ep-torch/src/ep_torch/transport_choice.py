@@ -197,9 +197,10 @@ def _with_communicator(
     mode = _env.nccl_comm()
     if mode == "own":
         return TransportChoice(choice.name, choice.device, f"{choice.reason}; own communicator (asked for)")
-    ptr, why = _group_comm(group)  # after the first exchange, which created a lazily initialized communicator
     if mode == "auto" and not explicitly_destroy:
         ptr, why = 0, "the buffer is not destroyed collectively (explicitly_destroy=False)"
+    else:  # after the first exchange, which created a lazily initialized communicator
+        ptr, why = _group_comm(group)
     facts = _allgather_json(bootstrap, {"ok": ptr != 0, "why": why})
     refused = [(r, f["why"]) for r, f in enumerate(facts) if not f["ok"]]
     if not refused:
@@ -233,11 +234,6 @@ def make_core_transport(choice: TransportChoice) -> Any:
         from ep_core.transports.nccl import NcclTransport
 
         return NcclTransport(choice.comm_ptr)
-    try:
-        from ep_core.transports.ipc import make_transport
-    except ImportError as exc:
-        raise EPConfigError(
-            f"transport 'ipc': ep_core.transports.ipc cannot be imported ({exc}); the GPU path of ep_torch needs "
-            "ep-core's GPU transports. Use CPU tensors on a gloo group (transport='reference') meanwhile."
-        ) from exc
-    return make_transport()
+    from ep_core.buffer import resolve_transport  # the name's module, or EPConfigError saying what is missing
+
+    return resolve_transport(choice.name)
