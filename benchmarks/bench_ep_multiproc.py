@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import pickle
-import socket
 import statistics
 import sys
 import time
@@ -136,12 +135,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def result_stem(args: argparse.Namespace) -> str:
     tag = "cpu_reference" if args.dry_run_cpu else args.transport
     if args.transport == "ipc" and args.memory != "symmem" and not args.dry_run_cpu:
@@ -176,15 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(vars(args))
     cfg["status"] = str(status)
     t0 = time.time()
-    for attempt in range(3):
-        cfg["port"] = _free_port()
-        try:
-            mp.start_processes(_rank_entry, args=(cfg,), nprocs=args.nprocs, join=True, start_method="spawn")
-            break
-        except mp.ProcessRaisedException as exc:
-            # the picked port was taken before rank 0 listened on it: nothing ran yet, start again
-            if attempt == 2 or "EADDRINUSE" not in str(exc) or "init_process_group" not in str(exc):
-                raise
+    from ep_torch.launch import start_on_free_port
+
+    start_on_free_port(
+        lambda port: mp.start_processes(
+            _rank_entry, args=({**cfg, "port": port},), nprocs=args.nprocs, join=True, start_method="spawn"
+        )
+    )
     code = int(status.read_text()) if status.exists() else 1
     status.unlink(missing_ok=True)
     print(f"bench_ep_multiproc: done in {time.time() - t0:.1f} s, exit status {code}")

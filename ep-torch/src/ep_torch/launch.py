@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "init_rank", "spawn"]
+__all__ = ["free_port", "init_rank", "spawn", "start_on_free_port"]
 
 
 def free_port() -> int:
@@ -69,25 +69,35 @@ def spawn(
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes with an initialized process group.
 
     ``fn`` must be picklable (a module-level function). Raises if any rank fails. Without ``port``, a free port is
-    picked; if another process takes it before rank 0 listens on it (``EADDRINUSE``), the ranks are started again on
-    a new port (up to ``_PORT_ATTEMPTS`` times): nothing of ``fn`` has run then, since every rank waits for the store.
+    picked (``start_on_free_port``).
     """
+    start_on_free_port(
+        lambda p: mp.start_processes(
+            _entry,
+            args=(nprocs, p, backend, threads_per_rank, fn, args),
+            nprocs=nprocs,
+            join=True,
+            start_method="spawn",
+        ),
+        port,
+    )
+
+
+_PORT_ATTEMPTS = 3
+
+
+def start_on_free_port(start: Callable[[int], None], port: int | None = None) -> None:
+    """``start(port)``: start the ranks (joining them) with rank 0's store on ``port``, or on a free port. A free
+    port may be taken by another process before rank 0 listens on it (``EADDRINUSE``); the ranks are then started
+    again on a new port, up to ``_PORT_ATTEMPTS`` times: nothing else has run, since every rank waits for the store.
+    An explicit ``port`` is not retried."""
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         try:
-            mp.start_processes(
-                _entry,
-                args=(nprocs, port or free_port(), backend, threads_per_rank, fn, args),
-                nprocs=nprocs,
-                join=True,
-                start_method="spawn",
-            )
+            start(port or free_port())
             return
         except mp.ProcessRaisedException as exc:
             if port is not None or attempt == _PORT_ATTEMPTS or not _lost_the_port(str(exc)):
                 raise
-
-
-_PORT_ATTEMPTS = 3
 
 
 def _lost_the_port(message: str) -> bool:
