@@ -372,9 +372,8 @@ def _from_numpy_interface(obj: Any, ai: dict) -> ArrayInfo:
 # its result or its error is unchanged.
 _torch_tensor_type: Any = None
 _torch_strided: Any = None
-_torch_dtypes: dict[
-    Any, tuple[str, int, bool]
-] = {}  # torch dtype -> (name, itemsize, read through CAI on cuda)
+# torch dtype -> (name, itemsize, read through CAI on cuda)
+_torch_dtypes: dict[Any, tuple[str, int, bool]] = {}
 # dtypes whose CUDA tensors torch exports through __cuda_array_interface__ (a typestr the table names); bf16 ('<V2')
 # and FP8 (no typestr) go through DLPack
 _TORCH_CAI_DTYPES = (
@@ -449,9 +448,8 @@ def _from_torch(t: Any) -> ArrayInfo | None:
     shape = tuple(t.shape)
     if t.is_cuda:
         index = t.get_device()
-        if (
-            via_cai
-        ):  # as torch's __cuda_array_interface__: no strides when contiguous, a null pointer when empty
+        # as torch's __cuda_array_interface__: no strides when contiguous, a null pointer when empty
+        if via_cai:
             ptr = t.data_ptr() if math.prod(shape) > 0 else 0
             if t.is_contiguous():
                 return _make_info(ptr, shape, name, _c_strides(shape, itemsize), "cuda", index, t)

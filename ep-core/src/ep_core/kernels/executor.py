@@ -22,9 +22,10 @@ word mapped into the device (`OpArgs::host_error`). The host therefore never nee
 
 So the outputs of an operation are valid once a later host call (or `check_errors`) has returned without raising
 after that operation ran; a failed operation leaves its outputs undefined and is always followed by an exception
-at the next host call. Replays of a captured CUDA graph run no host code: check `check_errors()` (or `status()`,
-which needs no sync) after replays. Invalid expert ids (not an abort) set the second host word and are raised, once,
-at the next call (or right after a CPU sync).
+at the next host call. Replays of a captured CUDA graph run no host code: synchronize the replaying stream, then
+call `check_errors()` (or `status()`, which needs no sync). Invalid expert ids (not an abort) set the second host
+word and are raised once, by the next call whose `guard` sees the word, after that call's kernels were launched on
+every rank (`_report_input_error`: no rank skips a collective launch), or right after a CPU sync.
 
 Handles of no-sync dispatches are "unconfirmed" until a stream sync finds no error; when an abort is found they are
 marked failed, and a cached dispatch or a combine with such a handle raises `EPStateError` (before and after the
@@ -236,6 +237,8 @@ class DirectRank:
         self._allocator = allocator
         self._num_warps = num_warps
         self._host = PinnedBuffer(4 * (2 * self.num_ranks + 2 * 256) + 64 + 32)
+        # the error record and the input-error words, read through page-locked memory (`read_error`)
+        self._error_host = PinnedBuffer(ep_layout.NUM_ERROR_RECORD_BYTES + 32)
         self.num_ranks_on_device = int(resources.num_ranks_on_device or resources.num_ranks)
         if not 1 <= self.num_ranks_on_device <= self.num_ranks:
             raise EPConfigError(
@@ -826,10 +829,7 @@ class DirectRank:
         """(error record bytes, input-error words) of this rank (synchronizes the stream)."""
         # read through page-locked memory (a pageable destination makes each copy a staged, blocking one)
         nrec = ep_layout.NUM_ERROR_RECORD_BYTES
-        pinned = getattr(self, "_error_host", None)
-        if pinned is None:
-            pinned = self._error_host = PinnedBuffer(nrec + 32)
-        staging = pinned.array
+        staging = self._error_host.array
         staging[nrec:] = 0
         _cuda.copy_to_host(staging[:nrec], self.res.base + _ERR_OFF, self.stream)
         scratch = self._any_scratch()
