@@ -79,7 +79,7 @@ EPBUFFER_WORKER = textwrap.dedent(
     from ep_core import EPBuffer, reference, routing
     from ep_core.device_array import DeviceArray as CoreArray
     from ep_core.kernels import _cuda
-    from ep_core.kernels.gpu_executor import IpcTransport
+    from ep_core.transports.ipc import IpcTransport
 
     rank, size, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     M, H, K, E = 64, 512, 8, 32

@@ -1,6 +1,6 @@
 """`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `DirectRank` (direct mode, one rank per
-process), and the ipc `Transport` that allocates and exchanges its symmetric storage. The executor serves the nccl
-transport too: a storage with a non-zero `nccl_window` selects the kernels' `NcclTransport` (LSA pointers).
+process). The transports that allocate its symmetric storage live in `ep_core.transports` (ipc, nccl); the executor
+imports none of them. It serves the nccl transport too: a storage with a non-zero `nccl_window` selects the kernels' `NcclTransport` (LSA pointers).
 
 Streams: every operation runs on the rank's high-priority comm stream; it first waits for the caller's stream
 (`req.stream`, inputs ready), and the caller's stream then waits for the comm stream (outputs ready), so callers
@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from ep_core.errors import EPConfigError, EPStateError
+from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
 
-__all__ = ["GpuExecutor", "IpcStorage", "IpcTransport"]
+__all__ = ["GpuExecutor"]
 
 _NP = {
     "bfloat16": np.uint16,
@@ -60,56 +60,12 @@ def _view(info: Any) -> DeviceView | None:
     return DeviceView(int(info.ptr), tuple(info.shape), dtype, strides, owner=info.obj)
 
 
-class IpcStorage:
-    """One rank's symmetric storage `[workspace | data]` and the device table of every rank's base."""
-
-    array_device = "cuda"
-
-    def __init__(self, buffer: Any, num_bytes: int, device: int) -> None:
-        self._buffer = buffer
-        self.ptr = buffer.bases[0]
-        self.num_bytes = num_bytes
-        self.peer_table = buffer.peer_table
-        self.device = device
-        self.rank_devices = getattr(buffer, "rank_devices", None)
-
-    def close(self) -> None:
-        if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
-
-
-class IpcTransport:
-    """Direct mode over load/store-reachable peers (one node, or processes sharing a GPU): buffers from ep_symmem
-    (`memory="symmem"`) or CUDA IPC handles (`memory="cuda_ipc"`)."""
-
-    def __init__(self, memory: str = "symmem") -> None:
-        if memory not in ("symmem", "cuda_ipc"):
-            raise EPConfigError(f"memory: expected 'symmem' or 'cuda_ipc', got {memory!r}")
-        self.memory = memory
-
-    def num_nvlink_ranks(self, bootstrap: Any) -> int:
-        return int(bootstrap.size)
-
-    def allocate(self, bootstrap: Any, num_bytes: int) -> IpcStorage:
-        import ep_layout
-
-        from ep_core.transports.ipc import IpcBuffer, _current_device
-
-        data = int(num_bytes) - ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES
-        buf = IpcBuffer.create_exchanged(bootstrap, data, self.memory)
-        return IpcStorage(buf, IpcBuffer.total_bytes(data), _current_device())
-
-    def create_executor(self, config: Any, buffer: Any) -> GpuExecutor:
-        return GpuExecutor(config, buffer.storage, buffer.bootstrap)
-
-
 class GpuExecutor:
     """`Executor` of one rank: validated requests in, kernels launched on the comm stream."""
 
     array_device = "cuda"
 
-    def __init__(self, config: Any, storage: IpcStorage, bootstrap: Any) -> None:
+    def __init__(self, config: Any, storage: Any, bootstrap: Any) -> None:  # an IpcStorage or NcclStorage
         self.config = config
         self.bootstrap = bootstrap
         self.device_id = int(getattr(storage, "device", 0))

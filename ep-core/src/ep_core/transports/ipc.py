@@ -25,7 +25,15 @@ import ep_layout
 from ep_core.errors import EPConfigError
 from ep_core.kernels import _cuda
 
-__all__ = ["IpcBuffer", "check_peer_access", "exchange_devices", "make_transport", "peer_access_problems"]
+__all__ = [
+    "IpcBuffer",
+    "IpcStorage",
+    "IpcTransport",
+    "check_peer_access",
+    "exchange_devices",
+    "make_transport",
+    "peer_access_problems",
+]
 
 
 def _current_device() -> int:
@@ -247,8 +255,48 @@ class IpcBuffer:
         self._table_owner = None
 
 
+class IpcStorage:
+    """One rank's symmetric storage `[workspace | data]` and the device table of every rank's base."""
+
+    array_device = "cuda"
+
+    def __init__(self, buffer: Any, num_bytes: int, device: int) -> None:
+        self._buffer = buffer
+        self.ptr = buffer.bases[0]
+        self.num_bytes = num_bytes
+        self.peer_table = buffer.peer_table
+        self.device = device
+        self.rank_devices = getattr(buffer, "rank_devices", None)
+
+    def close(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+
+class IpcTransport:
+    """Direct mode over load/store-reachable peers (one node, or processes sharing a GPU): buffers from ep_symmem
+    (`memory="symmem"`) or CUDA IPC handles (`memory="cuda_ipc"`)."""
+
+    def __init__(self, memory: str = "symmem") -> None:
+        if memory not in ("symmem", "cuda_ipc"):
+            raise EPConfigError(f"memory: expected 'symmem' or 'cuda_ipc', got {memory!r}")
+        self.memory = memory
+
+    def num_nvlink_ranks(self, bootstrap: Any) -> int:
+        return int(bootstrap.size)
+
+    def allocate(self, bootstrap: Any, num_bytes: int) -> IpcStorage:
+        data = int(num_bytes) - ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES
+        buf = IpcBuffer.create_exchanged(bootstrap, data, self.memory)
+        return IpcStorage(buf, IpcBuffer.total_bytes(data), _current_device())
+
+    def create_executor(self, config: Any, buffer: Any) -> Any:
+        from ep_core.kernels.gpu_executor import GpuExecutor  # the kernels load only when a buffer is made
+
+        return GpuExecutor(config, buffer.storage, buffer.bootstrap)
+
+
 def make_transport(memory: str = "symmem") -> Any:
     """The ipc `Transport` of `EPBuffer(transport="ipc")`: GPU kernels over ep_symmem (or CUDA IPC) buffers."""
-    from ep_core.kernels.gpu_executor import IpcTransport
-
     return IpcTransport(memory)
