@@ -21,6 +21,7 @@ from ep_core.kernels import _cuda
 from ep_core.kernels import executor as executor_mod
 from ep_core.kernels import gpu_executor as gpu_executor_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS
+from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, describe_envelope, pack_envelope
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
 from ep_core.kernels.plan import SCRATCH_INPUT_ERROR_OFFSET, LaunchGeometry, check_occupancy, default_num_sms
 from ep_core.topology import Topology
@@ -123,7 +124,7 @@ def test_op_args_mirror_follows_args_cuh() -> None:
     assert tuple(names) == OP_ARGS_FIELDS
     m = re.search(r"static_assert\(sizeof\(OpArgs\) == (\d+) \* 8", text)
     assert m is not None and int(m.group(1)) == len(OP_ARGS_FIELDS)
-    assert OP_ARGS_FIELDS[-1] == "host_error"
+    assert OP_ARGS_FIELDS[-2:] == ("host_error", "envelope")
 
 
 @pytest.mark.parametrize(
@@ -182,7 +183,7 @@ def test_peer_abort_is_published_and_raised(fake_driver) -> None:
     r = make_rank(fake_driver)
     set_device_error(r, record(int(_EK.PEER_ABORT)))
     r._status.array[0] = int(_EK.PEER_ABORT)
-    with pytest.raises(EPTimeoutError, match="peer rank timed out"):
+    with pytest.raises(EPTimeoutError, match="peer rank failed"):
         r.guard()
 
 
@@ -580,3 +581,62 @@ def test_exchange_refuses_before_allocating(monkeypatch, memory: str) -> None:
         EPConfigError, match=r"GPU 0 \(rank 0\) -> GPU 1 \(rank 1\) has no native peer atomics"
     ):
         ipc.IpcBuffer.create_exchanged(Boot(), 1 << 21, memory)
+
+
+# ------------------------------------------------------------------ operation envelope (kernels/_envelope.py)
+def test_envelope_word_layout() -> None:
+    w = pack_envelope(OP_DISPATCH, 7, (7168, 0, 8, 256, 4096, 1, 0, -1))
+    assert w >> 56 == OP_DISPATCH and (w >> 32) & 0xFFFFFF == 7 and w != 0
+    assert (
+        pack_envelope(OP_DISPATCH, 7, (7168, 0, 8, 256, 4096, 1, 0, -1)) == w
+    )  # deterministic across processes
+    assert pack_envelope(OP_DISPATCH, 7, (7168, 0, 8, 128, 4096, 1, 0, -1)) != w  # num_experts differs
+    assert pack_envelope(OP_COMBINE, 7, (7168, 0, 8, 256, 4096, 1, 0, -1)) != w
+    assert pack_envelope(OP_DISPATCH, 8, (7168, 0, 8, 256, 4096, 1, 0, -1)) != w
+    assert (
+        pack_envelope(OP_DISPATCH, (1 << 24) + 7, (7168, 0, 8, 256, 4096, 1, 0, -1)) == w
+    )  # 24-bit sequence
+    assert describe_envelope(w).startswith("dispatch #7 (config digest ")
+    assert describe_envelope(pack_envelope(OP_COMBINE, 3, ())).startswith("combine #3")
+
+
+def test_barrier_checks_envelopes_at_both_entries() -> None:
+    barrier = (INCLUDE / "barrier.cuh").read_text()
+    assert "ErrorKind::kEnvelopeMismatch" in barrier
+    for header, tag in (("dispatch.cuh", "kTagDispatchEntry"), ("combine.cuh", "kTagCombineEntry")):
+        assert f"cross_rank_barrier({tag}, true)" in (INCLUDE / header).read_text()
+    # the workspace view keeps the envelopes inside the barrier-signal region (the assert in args.cuh says so too)
+    assert re.search(r"kEnvelopesOffset = 4096;", (INCLUDE / "args.cuh").read_text())
+    assert 4096 + 8 * ep_layout.NUM_MAX_RANKS <= ep_layout.WorkspaceLayout.BARRIER_SIGNALS_NUM_ELEMS * 4
+
+
+def _record(**fields: int) -> np.ndarray:
+    rec = np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8)
+    for name, v in fields.items():
+        f = _FIELD[name]
+        dt = np.int32 if f.dtype == "int32" else np.int64
+        rec[f.offset : f.offset + np.dtype(dt).itemsize] = np.array([v], dt).view(np.uint8)
+    return rec
+
+
+def test_mismatch_is_raised_naming_the_peer_and_both_operations(fake_driver) -> None:
+    r = make_rank(fake_driver)
+    mine = pack_envelope(OP_DISPATCH, 4, (1,))
+    theirs = pack_envelope(OP_COMBINE, 4, (1,))
+    kind = int(_EK.ENVELOPE_MISMATCH)
+    rec = _record(abort_flag=kind, rank=0, peer_rank=1, tag=2, value=theirs, expected=mine)
+    set_device_error(r, rec)
+    r._status.array[0] = kind
+    for _ in range(2):  # sticky until reset, like every abort
+        with pytest.raises(
+            EPDeviceError, match=r"rank 1 entered combine #4 .* this rank entered dispatch #4"
+        ) as e:
+            r.guard()
+        assert e.value.rank == 0 and "dispatch.entry_barrier" in str(e.value)
+
+
+def test_launch_count_restarts_at_reset(fake_driver) -> None:
+    r = make_rank(fake_driver)
+    r._num_collective_launches = 5
+    r.reset_state(lambda: None)
+    assert r._envelope(OP_DISPATCH, ()) == pack_envelope(OP_DISPATCH, 1, ())

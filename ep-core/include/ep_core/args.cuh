@@ -86,13 +86,19 @@ struct OpArgs {
     // --- failure report to the host (timeout.cuh `publish_failure`)
     int32_t* host_error;     ///< page-locked host words mapped into the device, or null: [0] abort kind (sticky
                              ///< until the host resets the rank), [1] kind of the first invalid-input report
+    // --- collective safety (barrier.cuh `cross_rank_barrier`)
+    uint64_t envelope;       ///< (op kind << 56) | (sequence number & 0xffffff) << 32 | configuration digest; every
+                             ///< rank of one operation must pass the same value (0 = not checked)
 };
 
-static_assert(sizeof(OpArgs) == 40 * 8, "OpArgs changed: update ep_core.kernels._args");
+static_assert(sizeof(OpArgs) == 41 * 8, "OpArgs changed: update ep_core.kernels._args");
 
 /// View of this rank's symmetric workspace (ep_layout::WorkspaceLayout): the words that peers write.
 /// - barrier arrivals: one uint64 at the start of the barrier-signal region, bumped by every rank per barrier
 ///   (monotonic; the barrier epoch lives in the rank-private scratch);
+/// - envelopes: uint64 [kNumMaxRanks] at byte 4096 of the barrier-signal region (which has 32 KiB; the arrivals
+///   use its first 8 bytes): `[src]` is the `OpArgs::envelope` that rank src entered its last checked barrier with.
+///   Like the arrivals, these words keep their last value between operations (they are compared, never waited on).
 /// - error record: `abort_flag` is the flag every wait watches (the first failure claims it by CAS);
 /// - rank / expert count receive areas: int64 `kCountValidFlag | count` written by each source (0 = not arrived),
 ///   experts source-major `[src * epr + local expert]`; reset to 0 by the receiver.
@@ -102,6 +108,13 @@ struct Workspace {
     EP_CORE_DEVICE uint64_t* barrier_arrivals() const {
         return reinterpret_cast<uint64_t*>(base + ep_layout::WorkspaceLayout::kBarrierSignalsOffset);
     }
+    EP_CORE_DEVICE uint64_t* envelopes() const {
+        return reinterpret_cast<uint64_t*>(base + ep_layout::WorkspaceLayout::kBarrierSignalsOffset + kEnvelopesOffset);
+    }
+    static constexpr int64_t kEnvelopesOffset = 4096;
+    static_assert(kEnvelopesOffset + 8 * ep_layout::kNumMaxRanks <=
+                      ep_layout::WorkspaceLayout::kBarrierSignalsNumElems * 4,
+                  "the envelopes must fit the barrier-signal region");
     EP_CORE_DEVICE ep_layout::ErrorRecord* error_record() const {
         return reinterpret_cast<ep_layout::ErrorRecord*>(base + ep_layout::WorkspaceLayout::kErrorRecordOffset);
     }

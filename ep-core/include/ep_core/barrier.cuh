@@ -49,7 +49,13 @@ struct SyncContext {
     }
 
     /// All threads of ONE block call this: every rank arrives (after a system fence), then waits for all ranks.
-    EP_CORE_DEVICE bool cross_rank_barrier(int32_t tag) {
+    /// With `check_envelope`, each rank first leaves its `OpArgs::envelope` in every peer's workspace (ordered
+    /// before its arrival by the same thread's fence and release), and after the barrier compares every rank's
+    /// envelope with its own: a peer in another operation, at another sequence number or with another
+    /// configuration is recorded (kEnvelopeMismatch, naming the peer and both envelopes) and stops this launch at
+    /// once, instead of pairing data of different calls. The check is symmetric: when envelopes differ, every rank
+    /// sees some peer that differs from it, so every rank records its own error (no abort needs to be raised).
+    EP_CORE_DEVICE bool cross_rank_barrier(int32_t tag, bool check_envelope = false) {
         __syncthreads();
         const uint64_t epoch = *sc.barrier_epoch() + 1;
         __syncthreads();
@@ -57,6 +63,10 @@ struct SyncContext {
             *sc.barrier_epoch() = epoch;
         // one system fence per arriving thread (the block's writes, ordered by the barrier above, become visible
         // before its first arrival); each arrival is a release, so a fence before every later one is redundant
+        const int rank = static_cast<int>(args.rank);
+        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
+            if (check_envelope)
+                *reinterpret_cast<volatile uint64_t*>(tr.sym_ptr(ws.envelopes(), p) + rank) = args.envelope;
         if (threadIdx.x < num_ranks)
             ptx::fence_sys();
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
@@ -72,6 +82,21 @@ struct SyncContext {
                 *s_abort = 1;
         }
         __syncthreads();
+        if (check_envelope && *s_abort == 0) {
+            for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
+                const uint64_t seen = *reinterpret_cast<volatile uint64_t*>(ws.envelopes() + src);
+                if (seen != args.envelope) {
+                    record_error(ws, ErrorKind::kEnvelopeMismatch, args.rank, src, tag,
+                                 ep_layout::WorkspaceLayout::kBarrierSignalsOffset + Workspace::kEnvelopesOffset +
+                                     8 * src,
+                                 static_cast<int64_t>(seen), static_cast<int64_t>(args.envelope), -1, -1);
+                    *s_abort = 1;
+                }
+            }
+            __syncthreads();
+            if (*s_abort != 0 && threadIdx.x == 0)
+                publish_failure(args, ws);
+        }
         return *s_abort == 0;
     }
 

@@ -142,7 +142,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         return;
 
     // 1. entry
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry))
+    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
         return;
     if (!sync.grid_sync())
         return;

@@ -144,7 +144,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     }
 
     // 2. entry barrier: peers have finished with their receive regions
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry))
+    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry, true))
         return;
     if (!sync.grid_sync())
         return;

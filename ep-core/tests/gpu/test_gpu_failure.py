@@ -31,7 +31,7 @@ from ep_core.kernels._cuda import DeviceArray  # noqa: E402
 from ep_core.loopback import LoopbackDomain  # noqa: E402
 
 M, HIDDEN, K, E = 64, 512, 8, 64
-TIMEOUT_KIND, PEER_ABORT_KIND, INVALID_EXPERT_KIND = 1, 2, 3
+TIMEOUT_KIND, PEER_ABORT_KIND, INVALID_EXPERT_KIND, ENVELOPE_MISMATCH_KIND = 1, 2, 3, 6
 
 
 class _PatternAllocator:
@@ -128,7 +128,7 @@ def test_nosync_timeout_is_sticky_until_reset() -> None:
     r1.finish_dispatch(p1)
     s1.synchronize()
     assert r1.status()[0] == PEER_ABORT_KIND
-    with pytest.raises(EPTimeoutError, match="peer rank timed out"):
+    with pytest.raises(EPTimeoutError, match="peer rank failed"):
         r1.guard()
 
     dom.reset()
@@ -154,6 +154,48 @@ def test_nosync_invalid_expert_raised_at_next_call() -> None:
         dom.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E)
     assert dom.ranks[1].status() == (0, 0)
     _check_dispatch_and_combine(dom, inp)  # raised once; no reset needed
+    dom.close()
+
+
+def _launch_alone(rank, stream, xs, idx, num_experts):
+    """One rank's no-sync dispatch, launched without its peers' matching call."""
+    return rank.finish_dispatch(
+        rank.launch_dispatch(
+            DeviceArray.from_numpy(xs, stream),
+            DeviceArray.from_numpy(idx, stream),
+            None,
+            num_experts=num_experts,
+            do_cpu_sync=False,
+        )
+    )
+
+
+@pytest.mark.parametrize("case", ["num_experts", "dispatch_vs_combine"])
+def test_peers_in_different_operations_stop_at_once(case: str) -> None:
+    """The kernel-side envelope: ranks that meet in different operations (or one configuration differing) both
+    record the mismatch at the entry barrier, well before the 30 s timeout, and work again after reset()."""
+    dom = LoopbackDomain(2, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=K, gpu_timeout_secs=30.0)
+    inp = routing.make_inputs(2, M, HIDDEN, E, K, seed=7)
+    r0, r1 = dom.ranks
+    s0, s1 = dom.streams
+    first = dom.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E)
+    dom.synchronize()
+    start = time.monotonic()
+    _launch_alone(r0, s0, inp.xs[0], inp.topk_idxs[0], E)
+    if case == "num_experts":
+        half = routing.make_inputs(2, M, HIDDEN, E // 2, K, seed=8)
+        _launch_alone(r1, s1, half.xs[1], half.topk_idxs[1], E // 2)
+    else:
+        r1.combine(first[1].recv_x, first[1].handle)
+    for r in (r0, r1):
+        assert _wait_status(r, 0, deadline_s=5.0) == ENVELOPE_MISMATCH_KIND
+    assert time.monotonic() - start < 5.0
+    for r, peer in ((r0, 1), (r1, 0)):
+        with pytest.raises(EPDeviceError, match=f"rank {peer} entered") as info:
+            r.guard()
+        assert info.value.rank == r.rank
+    dom.reset()
+    _check_dispatch_and_combine(dom, inp)
     dom.close()
 
 

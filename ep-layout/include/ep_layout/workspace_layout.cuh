@@ -93,6 +93,7 @@ enum class ErrorKind : int32_t {
     kInvalidExpert = 3,    ///< an expert id >= num_experts
     kDuplicateExpert = 4,  ///< the same expert twice in one token
     kCapacity = 5,         ///< a buffer or output capacity would be exceeded
+    kEnvelopeMismatch = 6, ///< a peer entered another operation (kind, sequence number or configuration digest)
 };
 
 /// The diagnostic a kernel leaves before it traps or returns early. 64 bytes, 8-aligned.

@@ -56,6 +56,7 @@ class ErrorKind(enum.IntEnum):
     INVALID_EXPERT = 3
     DUPLICATE_EXPERT = 4
     CAPACITY = 5
+    ENVELOPE_MISMATCH = 6
 
 
 class ErrorRecordField(NamedTuple):

@@ -1,4 +1,4 @@
-"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 40 eight-byte fields in declaration order."""
+"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 41 eight-byte fields in declaration order."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ OP_ARGS_FIELDS: tuple[str, ...] = (
     "combined_x",
     "combined_weights",
     "host_error",
+    "envelope",
 )
 
 FLAGS: dict[str, int] = {

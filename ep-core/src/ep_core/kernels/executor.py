@@ -61,6 +61,7 @@ from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, pack_op_args
 from ep_core.kernels._cuda import DeviceArray, DeviceView, PinnedBuffer, Stream, as_view, view_ptr
+from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, describe_envelope, pack_envelope
 from ep_core.kernels._source import load_kernels
 from ep_core.kernels.plan import (
     SCRATCH_BARRIER_EPOCH_OFFSET,
@@ -204,6 +205,8 @@ class _PendingDispatch:
     arrays: dict
     keep: list
     host: PinnedBuffer | None = None
+    # this rank's collective launch count after the dispatch kernel: the identity of its handle in envelopes
+    launch_number: int = 0
 
 
 def _check_2d(view: DeviceView, what: str) -> None:
@@ -265,6 +268,10 @@ class DirectRank:
         self._blocks_per_sm: dict = {}
         self._planned_sms: dict = {}
         self._configs: dict = {}
+        # collective launches so far (every rank counts the same launches; zeroed by reset_state), and the launch
+        # number of the dispatch behind each handle (a combine's envelope names its handle)
+        self._num_collective_launches = 0
+        self._handle_launch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -387,6 +394,12 @@ class DirectRank:
             stream=self.stream.handle,
             cooperative=cooperative,
         )
+        if args.get("envelope"):
+            self._num_collective_launches += 1
+
+    def _envelope(self, kind: int, fields: tuple[int, ...]) -> int:
+        """The envelope of the next collective launch (`ep_core.kernels._envelope`)."""
+        return pack_envelope(kind, self._num_collective_launches + 1, fields)
 
     # ------------------------------------------------------------------ failure state
     def status(self) -> tuple[int, int]:
@@ -591,6 +604,19 @@ class DirectRank:
             psum_expert=view_ptr(arrays["psum_expert"], "psum_expert"),
             unaligned_expert=view_ptr(arrays["unaligned"], "unaligned"),
             cum_stats=stats_ptr,
+            envelope=self._envelope(
+                OP_DISPATCH,
+                (
+                    hidden * elem,
+                    cfg.num_sf_packs,
+                    cfg.num_topk,
+                    num_experts,
+                    self.num_max_tokens,
+                    expert_alignment,
+                    flags & (FLAGS["expand"] | FLAGS["cached"] | FLAGS["deterministic"]),
+                    self._handle_launch.get(handle, -1) if cached else -1,
+                ),
+            ),
         )
         self._launch(kernels.dispatch, "ep_dispatch", geo, args, geo.shared_mem, self.cooperative)
         # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
@@ -616,6 +642,7 @@ class DirectRank:
             topk_idx,
             arrays,
             keep,
+            launch_number=self._num_collective_launches,
         )
         if do_cpu_sync:
             host = self._host.array
@@ -717,6 +744,8 @@ class DirectRank:
                 num_ranks=n,
                 rank=self.rank,
             )
+        if not p.cached:
+            self._handle_launch[handle] = p.launch_number
         if not p.cached and not p.do_cpu_sync:
             self._unconfirmed.add(handle)
         self._report_input_error()
@@ -818,6 +847,17 @@ class DirectRank:
             bias1=bias_views[1].ptr if len(bias_views) > 1 else 0,
             combined_x=view_ptr(combined, "combined_x"),
             combined_weights=view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
+            envelope=self._envelope(
+                OP_COMBINE,
+                (
+                    hidden,
+                    k,
+                    handle.num_experts,
+                    self.num_max_tokens,
+                    flags & (FLAGS["expand"] | FLAGS["multiple_reduction"] | FLAGS["rank_layout"]),
+                    self._handle_launch.get(handle, -1),
+                ),
+            ),
         )
         self._launch(kernels.combine, "ep_combine", geo, args, 0, self.cooperative)
         if report_input_error:
@@ -870,7 +910,8 @@ class DirectRank:
                     "peer_abort",
                     "abort_flag",
                     kind,
-                    f"rank {self.rank}: aborted because a peer rank timed out; {_RESET_HINT}",
+                    f"rank {self.rank}: aborted because a peer rank failed (timed out or met another operation); "
+                    f"{_RESET_HINT}",
                 )
             raise EPTimeoutError(
                 get("rank"),
@@ -880,6 +921,18 @@ class DirectRank:
                 f"rank {get('rank')} timed out in {tag} (peer {get('peer_rank')}, counter {get('counter')}, last "
                 f"value {get('value')}, expected {get('expected')}); a peer rank did not arrive: check that every "
                 f"rank calls the same operations; {_RESET_HINT}",
+            )
+        if kind == int(_EK.ENVELOPE_MISMATCH):
+            tag = TAG_NAMES.get(get("tag"), str(get("tag")))
+            peer = get("peer_rank")
+            raise EPDeviceError(
+                f"rank {get('rank')}: in {tag}, rank {peer} entered {describe_envelope(get('value'))} while this rank "
+                f"entered {describe_envelope(get('expected'))}: every rank must call the same operations in the same "
+                "order, with the same num_experts, hidden size, top-k, dtypes, flags and handle; nothing was paired; "
+                f"{_RESET_HINT}",
+                code=kind,
+                rank=get("rank"),
+                detail=peer,
             )
         if kind != 0:
             raise EPDeviceError(
@@ -942,6 +995,7 @@ class DirectRank:
         self._zero_state()
         self.stream.synchronize()
         self._status.clear()
+        self._num_collective_launches = 0  # every rank starts counting again together
         if barrier is not None:
             barrier()
 
