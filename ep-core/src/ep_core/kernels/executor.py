@@ -706,7 +706,8 @@ class DirectRank:
             meta = p.arrays["src_metadata"]
         else:
             meta = self._alloc((num_recv, k + 2), np.int32)
-        args = dict(p.args)
+        # the copy epilogue meets no peer: no envelope, and not a collective launch
+        args = dict(p.args, envelope=0)
         args.update(
             src_metadata=view_ptr(meta, "recv_src_metadata"),
             recv_x=view_ptr(recv_x, "recv_x"),
@@ -995,12 +996,14 @@ class DirectRank:
         self._zero_state()
         self.stream.synchronize()
         self._status.clear()
-        self._num_collective_launches = 0  # every rank starts counting again together
         if barrier is not None:
             barrier()
 
     def _zero_state(self) -> None:
         """Stream-ordered memsets of the workspace and of every separate scratch (the caller drains and orders)."""
+        self._num_collective_launches = (
+            0  # the envelopes' sequence: every rank starts counting again together
+        )
         _cuda.memset(self.res.base, ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES, self.stream)
         for buf in self.res.scratch_buffers.values():
             _cuda.memset(buf.ptr, buf.nbytes, self.stream)
