@@ -19,12 +19,14 @@ from .communicator import (
     nccl_version,
 )
 from .errors import (
+    GinUnavailableError,
     NcclCallError,
     NcclGinError,
     NcclHeadersNotFoundError,
     NcclNotFoundError,
     NcclVersionError,
 )
+from .gin_availability import GinSupport, gin_support, rdma_devices, require_gin
 from .headers import include_dirs, nccl_header_version, nccl_include_dir, own_include_dir
 from .version import FEATURES, NcclVersion
 
@@ -34,6 +36,8 @@ __all__ = [
     "FEATURES",
     "Communicator",
     "DevComm",
+    "GinSupport",
+    "GinUnavailableError",
     "LoadedNccl",
     "NcclCallError",
     "NcclGinError",
@@ -45,6 +49,7 @@ __all__ = [
     "Window",
     "__version__",
     "get_unique_id",
+    "gin_support",
     "include_dirs",
     "is_available",
     "is_loaded",
@@ -55,6 +60,8 @@ __all__ = [
     "nccl_include_dir",
     "nccl_version",
     "own_include_dir",
+    "rdma_devices",
+    "require_gin",
 ]
 
 

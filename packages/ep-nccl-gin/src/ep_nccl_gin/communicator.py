@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, TypeVar
 
+from . import _env
 from ._loader import LoadedNccl, extension, load
-from .errors import NcclGinError, NcclVersionError
+from .errors import GinUnavailableError, NcclGinError, NcclVersionError
 from .version import FEATURES, check_header_runtime, require
 
 __all__ = [
@@ -326,6 +327,12 @@ class Communicator(_ReleasedOnExit):
             or gin_traffic_class is not None
         )
         if wants_gin:
+            if _env.gin_disabled():
+                raise GinUnavailableError(
+                    "GIN is disabled by EPKIT_DISABLE_GIN=1: this device communicator asks for GIN (signals, "
+                    "counters, contexts or a connection type); unset it or request LSA only",
+                    missing=("EPKIT_DISABLE_GIN=1",),
+                )
             require("gin", nccl.runtime, nccl.header)
         if gin_contexts is not None:
             req.gin_context_count = _check_count("gin_contexts", gin_contexts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "GinUnavailableError",
     "NcclCallError",
     "NcclGinError",
     "NcclHeadersNotFoundError",
@@ -27,6 +28,15 @@ class NcclHeadersNotFoundError(NcclGinError):
 class NcclVersionError(NcclGinError):
     """The loaded NCCL, or the NCCL headers ep_nccl_gin was built against, is too old for a feature, or the two
     versions do not satisfy NCCL's header/library compatibility rule."""
+
+
+class GinUnavailableError(NcclGinError):
+    """GIN (GPU-initiated networking) cannot be had here; the message names every missing piece (disabled by
+    ``EPKIT_DISABLE_GIN``, no NCCL, NCCL library or headers too old, no RDMA NIC). ``missing`` lists them."""
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 class NcclCallError(NcclGinError):
