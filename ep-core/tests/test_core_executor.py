@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from ep_core import reference as ref
 from ep_core import routing
+from ep_core.errors import EPPeerError
 
 N, M, H, E, K = 4, 8, 64, 16, 4
 TOKENS = [8, 5, 0, 7]
@@ -161,7 +162,9 @@ def test_bad_expert_ids_raise_on_every_rank():
 
     def rank_fn(r, boot):
         buf = ec.EPBuffer(boot, transport="reference", num_max_tokens_per_rank=M, hidden=H, num_topk=2)
-        with pytest.raises(ec.EPValueError, match="out of range"):
+        # rank 1 raises its own error; rank 0 an EPPeerError naming rank 1, the token and the lane (issue 14)
+        err, pat = (ec.EPValueError, "out of range") if r == 1 else (EPPeerError, r"rank 1.*token 0, lane 0")
+        with pytest.raises(err, match=pat):
             buf.dispatch(
                 ec.host_array(inp.xs[r], "bfloat16"), ec.host_array(inp.topk_idxs[r]), None, num_experts=8
             )
@@ -249,13 +252,13 @@ def test_reset_is_a_collective_and_the_buffer_works_after_it():
 
     def rank_fn(r, boot):
         buf = ec.EPBuffer(boot, transport="reference", num_max_tokens_per_rank=M, hidden=H, num_topk=2)
-        barrier = buf.executor.bootstrap.barrier
+        allgather = buf.executor.bootstrap.allgather  # reset is an enveloped exchange (ep_core.envelope)
 
-        def counted():
+        def counted(data):
             calls.append(r)
-            barrier()
+            return allgather(data)
 
-        buf.executor.bootstrap.barrier = counted
+        buf.executor.bootstrap.allgather = counted
         buf.reset()
         out = buf.dispatch(
             ec.host_array(inp.xs[r], "bfloat16"), ec.host_array(inp.topk_idxs[r]), None, num_experts=8

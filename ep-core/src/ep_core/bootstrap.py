@@ -2,7 +2,9 @@
 
 A bootstrap is anything with `rank`, `size`, `allgather(bytes) -> list[bytes]` (every rank's bytes, in rank
 order) and `barrier()`. ep_torch implements it with a ProcessGroup; a custom framework with MPI or a TCP store.
-`LocalBootstrap` is the one-rank group; `ThreadGroup(n).bootstraps()` gives n bootstraps for n threads of one
+A bootstrap may also offer `set_timeout(secs)`: the reference executor then bounds its waits by the buffer's
+`num_cpu_timeout_secs` (ep_torch's does; a `ThreadGroup` keeps its own `timeout_secs`). `LocalBootstrap` is the
+one-rank group; `ThreadGroup(n).bootstraps()` gives n bootstraps for n threads of one
 process (CPU tests and the loopback domain).
 """
 
@@ -79,7 +81,16 @@ class ThreadGroup:
         try:
             self._barrier.wait(self.timeout_secs)
         except threading.BrokenBarrierError as exc:
-            raise EPTimeoutError(rank, tag, "thread barrier", f"{self._barrier.n_waiting} waiting") from exc
+            raise EPTimeoutError(
+                rank,
+                tag,
+                "thread barrier",
+                f"{self._barrier.n_waiting} waiting",
+                f"rank {rank} timed out after {self.timeout_secs:g} s in {tag} of a ThreadGroup of {self.size}: a "
+                "peer thread did not arrive (or another one timed out first and broke the barrier); check that "
+                "every rank calls the same operations, or raise ThreadGroup(timeout_secs=...) (a buffer's "
+                "num_cpu_timeout_secs does not apply to a ThreadGroup)",
+            ) from exc
 
     def _allgather(self, rank: int, data: bytes) -> list[bytes]:
         self._wait(rank, "bootstrap.allgather.enter")

@@ -292,34 +292,39 @@ class EPBuffer(BufferBase):
         stream: int = 0,
     ) -> DispatchResult:
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`."""
-        self._check_alive()
-        req = make_dispatch_request(
-            self.config,
-            self._executor,
-            x,
-            topk_idx,
-            topk_weights,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            num_experts=num_experts,
-            num_max_tokens_per_rank=num_max_tokens_per_rank,
-            expert_alignment=expert_alignment,
-            num_sms=num_sms,
-            num_qps=num_qps,
-            previous_event=previous_event,
-            previous_event_before_epilogue=previous_event_before_epilogue,
-            async_with_compute_stream=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            handle=handle,
-            do_handle_copy=do_handle_copy,
-            do_cpu_sync=do_cpu_sync,
-            do_expand=do_expand,
-            do_zero_padding=do_zero_padding,
-            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-            allocator=allocator,
-            stream=stream,
-            sm_cache=self._sm_cache,
-        )
-        return self._executor.dispatch(req)
+        step = self._step()
+        try:
+            self._check_alive()
+            req = make_dispatch_request(
+                self.config,
+                self._executor,
+                x,
+                topk_idx,
+                topk_weights,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                num_experts=num_experts,
+                num_max_tokens_per_rank=num_max_tokens_per_rank,
+                expert_alignment=expert_alignment,
+                num_sms=num_sms,
+                num_qps=num_qps,
+                previous_event=previous_event,
+                previous_event_before_epilogue=previous_event_before_epilogue,
+                async_with_compute_stream=async_with_compute_stream,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+                handle=handle,
+                do_handle_copy=do_handle_copy,
+                do_cpu_sync=do_cpu_sync,
+                do_expand=do_expand,
+                do_zero_padding=do_zero_padding,
+                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                allocator=allocator,
+                stream=stream,
+                sm_cache=self._sm_cache,
+            )
+            return self._executor.dispatch(req)
+        except Exception as exc:
+            self.announce_error("dispatch", exc, step)
+            raise
 
     def combine(
         self,
@@ -338,24 +343,49 @@ class EPBuffer(BufferBase):
         stream: int = 0,
     ) -> CombineResult:
         """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`."""
-        self._check_alive()
-        req = make_combine_request(
-            self.config,
-            self._executor,
-            x,
-            handle,
-            topk_weights,
-            bias,
-            num_sms=num_sms,
-            num_qps=num_qps,
-            previous_event=previous_event,
-            previous_event_before_epilogue=previous_event_before_epilogue,
-            async_with_compute_stream=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            allocator=allocator,
-            stream=stream,
-        )
-        return self._executor.combine(req)
+        step = self._step()
+        try:
+            self._check_alive()
+            req = make_combine_request(
+                self.config,
+                self._executor,
+                x,
+                handle,
+                topk_weights,
+                bias,
+                num_sms=num_sms,
+                num_qps=num_qps,
+                previous_event=previous_event,
+                previous_event_before_epilogue=previous_event_before_epilogue,
+                async_with_compute_stream=async_with_compute_stream,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+                allocator=allocator,
+                stream=stream,
+            )
+            return self._executor.combine(req)
+        except Exception as exc:
+            self.announce_error("combine", exc, step)
+            raise
+
+    # collective safety (ep_core.envelope) --------------------------------------------------------------------
+    def _step(self) -> int | None:
+        """The host channel's step counter, or None where the executor has no enveloped host exchange (the GPU
+        kernels meet their peers on the device)."""
+        channel = getattr(getattr(self, "_executor", None), "channel", None)
+        return None if channel is None else channel.seq
+
+    def announce_error(self, op: str, error: BaseException, step: int | None) -> None:
+        """Announce `error` (about to be raised by this rank's `op`) to the peers, unless the call already took
+        part in its exchange (`step` is the channel's counter when the call began): the peers waiting in that
+        exchange raise `EPPeerError` naming this rank instead of pairing this rank's next call with theirs.
+        Best effort: a failure of the announcement itself (a dead peer, a timeout) never hides `error`."""
+        channel = getattr(getattr(self, "_executor", None), "channel", None)
+        if channel is None or step is None or channel.seq != step:
+            return
+        try:
+            channel.announce(op, error)
+        except Exception as exc:  # the caller raises the original error
+            error.__context__ = exc
 
     # lifecycle -----------------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -472,6 +472,9 @@ def describe(obj: Any, name: str = "array") -> ArrayInfo:
         return obj
     if isinstance(obj, DeviceArray):
         return obj.info()
+    dev = getattr(getattr(obj, "device", None), "type", None)
+    if isinstance(dev, str) and dev not in ("cpu", "cuda"):  # torch's meta, xpu, mps, ...: no pointer to read
+        raise EPTypeError(f"{name}: expected a CPU or CUDA array, got one on the {dev!r} device")
     try:
         cai = obj.__cuda_array_interface__
     except Exception:  # torch raises for bf16; many types lack it

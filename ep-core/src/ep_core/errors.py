@@ -5,10 +5,12 @@ Every message says what was expected, what was got, and what to do. Input valida
 
     EPError
     ├── EPValueError (ValueError)          bad argument value or shape; the message names the argument
-    │   └── EPConfigError                  bad configuration: topology, sizes, planner inputs, undetectable bandwidth
-    │       └── EPPlanMismatchError        ranks of one domain planned different symmetric tensors
+    │   ├── EPConfigError                  bad configuration: topology, sizes, planner inputs, undetectable bandwidth
+    │   │   └── EPPlanMismatchError        ranks of one domain planned different symmetric tensors
+    │   └── EPMismatchError                ranks of one collective step disagree (operation envelope)
     ├── EPTypeError (TypeError)            bad argument type or dtype
     ├── EPStateError (RuntimeError)        call on a destroyed buffer, or out of order
+    │   └── EPPeerError                    a peer rank raised (named) or died in this collective step
     ├── EPDeviceError (RuntimeError)       an error word set by a kernel (bad expert id, duplicate expert, ...)
     └── EPTimeoutError (TimeoutError)      a wait on peers expired (GPU record or CPU-side wait)
 """
@@ -19,6 +21,8 @@ __all__ = [
     "EPConfigError",
     "EPDeviceError",
     "EPError",
+    "EPMismatchError",
+    "EPPeerError",
     "EPPlanMismatchError",
     "EPStateError",
     "EPTimeoutError",
@@ -85,3 +89,35 @@ class EPTimeoutError(EPError, TimeoutError):
 
     def __reduce__(self):  # keep picklable across processes
         return (type(self), (self.rank, self.tag, self.counter, self.value, str(self)))
+
+
+class EPPeerError(EPStateError):
+    """Another rank of the group failed the collective step this rank is in: it raised its own error (named in
+    the message with its rank), or it died. Every other rank raises this instead of waiting or pairing calls."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self):  # keep picklable across processes
+        return (_rebuild_peer_error, (type(self), str(self), self.ranks))
+
+
+class EPMismatchError(EPValueError):
+    """The ranks of one collective step disagree on the operation or on configuration that must agree (the
+    operation envelope); every rank raises it. `fields` maps each differing field to its value per rank."""
+
+    def __init__(self, message: str, *, fields: dict | None = None) -> None:
+        super().__init__(message)
+        self.fields = dict(fields or {})
+
+    def __reduce__(self):
+        return (_rebuild_mismatch_error, (str(self), self.fields))
+
+
+def _rebuild_peer_error(cls: type, message: str, ranks: tuple[int, ...]) -> EPPeerError:
+    return cls(message, ranks=ranks)
+
+
+def _rebuild_mismatch_error(message: str, fields: dict) -> EPMismatchError:
+    return EPMismatchError(message, fields=fields)

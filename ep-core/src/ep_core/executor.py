@@ -39,7 +39,6 @@ Contract for implementers (the GPU kernels implement `Executor`, and a `Transpor
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -48,6 +47,7 @@ import numpy as np
 
 from ep_core import reference
 from ep_core.device_array import ArrayInfo, DeviceArray, describe, host_allocator, to_numpy
+from ep_core.envelope import Channel
 from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
@@ -248,6 +248,17 @@ def _np(a: Any) -> np.ndarray | None:
     return None if a is None else np.array(to_numpy(a), copy=True)
 
 
+def _handle_key(h: EPHandle) -> tuple:
+    """What identifies a handle across ranks: the step of the dispatch that made it, and its layout."""
+    return (
+        getattr(h, "_ep_step", None),
+        h.num_experts,
+        h.num_max_tokens_per_rank,
+        h.do_expand,
+        h.expert_alignment,
+    )
+
+
 def _handle_np(h: EPHandle) -> EPHandle:
     """A copy of a handle whose array fields are numpy arrays (for the exchange between ranks)."""
     import dataclasses
@@ -287,9 +298,51 @@ class ReferenceExecutor:
         self.rdma_gbs: float | None = None
         self.num_dispatches = 0
         self.num_combines = 0
+        set_timeout = getattr(bootstrap, "set_timeout", None)
+        if set_timeout is not None:  # bound every host wait by the buffer's num_cpu_timeout_secs
+            set_timeout(config.num_cpu_timeout_secs)
+        self.channel = Channel(bootstrap)
 
-    def _gather(self, obj: Any) -> list[Any]:
-        return [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(obj))]
+    def _dispatch_envelope(self, req: DispatchRequest) -> dict[str, Any]:
+        """The configuration of a dispatch that every rank must agree on."""
+        h = req.handle
+        return {
+            "num_experts": req.num_experts,
+            "num_max_tokens_per_rank": req.num_max_tokens_per_rank,
+            "hidden": req.hidden,
+            "num_topk": req.num_topk,
+            "x.dtype": req.x.dtype,
+            "sf": None if req.sf is None else (req.sf.dtype, req.num_sf_packs),
+            "topk_weights": req.topk_weights is not None,
+            "do_expand": req.do_expand,
+            "expert_alignment": req.expert_alignment,
+            "do_cpu_sync": req.do_cpu_sync,
+            "handle": None if h is None else _handle_key(h),
+        }
+
+    def _check_routing(self, req: DispatchRequest, idx: np.ndarray | None) -> None:
+        """This rank's expert ids, checked before the exchange so that the error is this rank's own (announced to
+        the peers, which raise `EPPeerError` naming this rank, the token and the lane)."""
+        if idx is None or idx.size == 0:
+            return
+        rank, e = self.config.rank, req.num_experts
+        bad = np.argwhere((idx < -1) | (idx >= e))
+        if bad.size:
+            t, k = (int(v) for v in bad[0])
+            raise EPValueError(
+                f"topk_idx[{t}, {k}] = {int(idx[t, k])} on rank {rank} (token {t}, lane {k}) is out of range: expected an expert id "
+                f"in [0, {e}) or -1 (no expert); other negative ids are rejected"
+            )
+        s = np.sort(idx, axis=1)
+        dup = np.argwhere((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0))
+        if dup.size:
+            t = int(dup[0][0])
+            v = int(s[t, dup[0][1]])
+            lanes = [int(k) for k in np.flatnonzero(idx[t] == v)]
+            raise EPValueError(
+                f"topk_idx[{t}] on rank {rank} (token {t}, lanes {lanes}): expert {v} appears twice (or more); each "
+                "expert may be chosen once per token"
+            )
 
     @staticmethod
     def _out(allocator: Any, a: np.ndarray | None, dtype: str) -> Any:
@@ -316,11 +369,11 @@ class ReferenceExecutor:
             "topk_weights": _np(req.topk_weights.obj) if req.topk_weights is not None else None,
             "handle": _handle_np(req.handle) if req.handle is not None else None,
         }
-        everyone = self._gather(mine)
+        if req.handle is None:
+            self._check_routing(req, mine["topk_idx"])
+        everyone = self.channel.exchange("dispatch", self._dispatch_envelope(req), mine)
         xs = [(e["x"], e["sf"]) if e["sf"] is not None else e["x"] for e in everyone]
         weights = [e["topk_weights"] for e in everyone]
-        if any(w is None for w in weights) and any(w is not None for w in weights):
-            raise EPValueError("topk_weights: every rank must pass weights, or none")
         weights_arg = None if weights[0] is None else weights
         try:
             if req.handle is None:
@@ -339,8 +392,8 @@ class ReferenceExecutor:
                 )
             else:
                 outs = reference.dispatch(xs, None, weights_arg, handles=[e["handle"] for e in everyone])
-        except ValueError as exc:
-            raise EPValueError(f"topk_idx: {exc}") from exc
+        except ValueError as exc:  # raised alike on every rank (every rank computes the whole reference)
+            raise EPValueError(f"dispatch (reference, every rank): {exc}") from exc
         out = outs[cfg.rank]
         alloc = req.allocator
         recv_x = self._out(alloc, out.recv_x, req.x.dtype)
@@ -386,6 +439,7 @@ class ReferenceExecutor:
                 num_ranks=cfg.num_ranks,
                 rank=cfg.rank,
             )
+            handle._ep_step = self.channel.seq - 1  # which collective step made it: handle identity for peers
             if req.cumulative_local_expert_recv_stats is not None:
                 stats = to_numpy(req.cumulative_local_expert_recv_stats.obj)
                 stats += h.num_unaligned_recv_tokens_per_expert.astype(stats.dtype)
@@ -399,10 +453,16 @@ class ReferenceExecutor:
             "topk_weights": _np(req.topk_weights.obj) if req.topk_weights is not None else None,
             "bias": tuple(_np(b.obj) for b in req.bias),
         }
-        everyone = self._gather(mine)
+        config = {
+            "hidden": req.hidden,
+            "num_topk": req.num_topk,
+            "handle": _handle_key(req.handle),
+            "topk_weights": req.topk_weights is not None,
+            "bias": len(req.bias),
+            "allow_multiple_reduction": req.allow_multiple_reduction,
+        }
+        everyone = self.channel.exchange("combine", config, mine)
         weights = [e["topk_weights"] for e in everyone]
-        if any(w is None for w in weights) and any(w is not None for w in weights):
-            raise EPValueError("topk_weights: every rank must pass weights, or none")
         biases = [
             None if not e["bias"] else e["bias"][0] if len(e["bias"]) == 1 else e["bias"] for e in everyone
         ]
@@ -421,11 +481,11 @@ class ReferenceExecutor:
         )
 
     def barrier(self) -> None:
-        self.bootstrap.barrier()
+        self.channel.exchange("barrier", {})
 
     def reset(self) -> None:
         """Nothing to clear on the host; a collective like the GPU executor's."""
-        self.bootstrap.barrier()
+        self.channel.exchange("reset", {})
 
     def destroy(self) -> None:
         return None

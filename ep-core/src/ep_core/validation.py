@@ -154,6 +154,20 @@ def _resolve_num_qps(config: BufferConfig, num_qps: Any, num_sms: int) -> int:
     return num_qps
 
 
+def _check_stream(stream: Any) -> int:
+    """The caller's stream handle: an int (0 = the default stream), or an object with an int `cuda_stream`
+    (a torch / cupy stream)."""
+    if stream is None:
+        return 0
+    handle = getattr(stream, "cuda_stream", stream)
+    if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+        raise EPTypeError(
+            f"stream: expected a stream handle (a non-negative int, 0 = the default stream, or an object with "
+            f"cuda_stream), got {stream!r}"
+        )
+    return handle
+
+
 def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_compute_stream: Any) -> None:
     _check_flag("allocate_on_comm_stream", allocate_on_comm_stream)
     _check_flag("async_with_compute_stream", async_with_compute_stream)
@@ -473,7 +487,7 @@ def make_dispatch_request(
         use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
         deterministic=config.deterministic,
         allocator=alloc,
-        stream=int(stream or 0),
+        stream=_check_stream(stream),
         previous_event=previous_event,
         previous_event_before_epilogue=previous_event_before_epilogue,
         async_with_compute_stream=async_with_compute_stream,
@@ -562,7 +576,7 @@ def make_combine_request(
         num_qps=qps,
         allow_multiple_reduction=amr,
         allocator=alloc,
-        stream=int(stream or 0),
+        stream=_check_stream(stream),
         previous_event=previous_event,
         previous_event_before_epilogue=previous_event_before_epilogue,
         async_with_compute_stream=async_with_compute_stream,

@@ -146,6 +146,7 @@ class ElasticBuffer:
             policy=self.policy,
         )
         rt = self.runtime
+        self._core = rt  # kept after destroy(): a call on a destroyed buffer is still announced to the peers
         self.num_bytes = rt.num_bytes
         self.num_cpu_bytes = rt.config.num_cpu_bytes
         self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
@@ -323,15 +324,19 @@ class ElasticBuffer:
 
         return allocate
 
-    def _run(self, op: str, fn: Any, **kwargs: Any) -> Any:
-        """Call ep-core; on the reference backend, a rank whose inputs are rejected before the exchange still takes
-        part in it with an abort note, so that its peers raise instead of waiting for it."""
-        before = self.bootstrap.num_allgathers
+    def _announced(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(...)``; an error it raises before this rank took part in the operation's exchange (a bad
+        ``previous_event``, a call after ``destroy()``, the capture check, ep-core's validation) is first announced
+        to the peers (``ep_core.envelope``: they raise ``EPPeerError`` naming this rank instead of pairing this
+        rank's next call with theirs). Host-exchange backends only (``reference``); the GPU kernels meet their peers
+        on the device."""
+        core = getattr(self, "_core", None)
+        step = core._step() if core is not None else None
         try:
-            return fn(**kwargs)
+            return fn(*args, **kwargs)
         except Exception as exc:
-            if self.transport == "reference" and self.bootstrap.num_allgathers == before:
-                self.bootstrap.abort(f"{op}: {type(exc).__name__}: {exc}")
+            if core is not None:
+                core.announce_error(op, exc, step)
             raise
 
     def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
@@ -391,6 +396,52 @@ class ElasticBuffer:
         ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
         returned handle is the one given.
         """
+        return self._announced(
+            "dispatch",
+            self._dispatch,
+            x,
+            topk_idx,
+            topk_weights,
+            cumulative_local_expert_recv_stats,
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            handle,
+            do_handle_copy,
+            do_cpu_sync,
+            do_expand,
+            do_zero_padding,
+            use_tma_aligned_col_major_sf,
+        )
+
+    def _dispatch(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        cumulative_local_expert_recv_stats: Any,
+        num_experts: Any,
+        num_max_tokens_per_rank: Any,
+        expert_alignment: Any,
+        num_sms: Any,
+        num_qps: Any,
+        previous_event: Any,
+        previous_event_before_epilogue: Any,
+        async_with_compute_stream: Any,
+        allocate_on_comm_stream: Any,
+        handle: Any,
+        do_handle_copy: Any,
+        do_cpu_sync: Any,
+        do_expand: Any,
+        do_zero_padding: Any,
+        use_tma_aligned_col_major_sf: Any,
+    ) -> tuple[Any, Any, Any, EPHandle, EventOverlap]:
         rt = self._rt()
         self._check_capture("dispatch", do_cpu_sync, handle)
         if handle is not None and not do_expand and isinstance(handle, EPHandle):
@@ -408,9 +459,7 @@ class ElasticBuffer:
             if on_comm
             else contextlib.nullcontext()
         ):
-            res = self._run(
-                "dispatch",
-                rt.dispatch,
+            res = rt.dispatch(
                 x=_plain(x),
                 topk_idx=_plain(topk_idx),
                 topk_weights=_plain(topk_weights),
@@ -484,6 +533,34 @@ class ElasticBuffer:
 
         Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
+        return self._announced(
+            "combine",
+            self._combine,
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+        )
+
+    def _combine(
+        self,
+        x: Any,
+        handle: Any,
+        topk_weights: Any,
+        bias: Any,
+        num_sms: Any,
+        num_qps: Any,
+        previous_event: Any,
+        previous_event_before_epilogue: Any,
+        async_with_compute_stream: Any,
+        allocate_on_comm_stream: Any,
+    ) -> tuple[Any, Any, EventOverlap]:
         rt = self._rt()
         if previous_event is not None and not isinstance(previous_event, EventHandle):
             raise EPTypeError(
@@ -497,9 +574,7 @@ class ElasticBuffer:
             if on_comm
             else contextlib.nullcontext()
         ):
-            res = self._run(
-                "combine",
-                rt.combine,
+            res = rt.combine(
                 x=_plain(x),
                 handle=handle,
                 topk_weights=_plain(topk_weights),
