@@ -48,6 +48,13 @@ KNOBS: dict[str, Knob] = {
         Knob("EPKIT_RDMA_GBS", float, 0.0, "RDMA bandwidth per GPU in GB/s for the SM planner; 0 = detect"),
         Knob("EPKIT_NIC_NAME", str, "mlx5_0", "RDMA NIC whose rate and CA type are detected"),
         Knob("EPKIT_BUFFER_DEBUG", bool, False, "print buffer sizes and planner intermediates"),
+        Knob(
+            "EPKIT_SCALEUP_RANKS",
+            int,
+            0,
+            "ranks per node (S_u, a divisor of the group size) overriding the detected NVLink domain; ranks r // S_u "
+            "form a node; 0 = not set",
+        ),
     )
 }
 
@@ -68,6 +75,10 @@ class _Knobs:
     @property
     def buffer_debug(self) -> bool:
         return KNOBS["EPKIT_BUFFER_DEBUG"].get()
+
+    @property
+    def scaleup_ranks(self) -> int:
+        return KNOBS["EPKIT_SCALEUP_RANKS"].get()
 
 
 knobs = _Knobs()

@@ -43,6 +43,7 @@ from ep_core.kernels.executor import (
     count_ranks_on_device,
 )
 from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, plan_regions
+from ep_core.topology import refuse_hybrid, resolve_scaleup_ranks
 from ep_core.transports.ipc import IpcBuffer
 
 __all__ = ["LoopbackDomain", "ProcessRank", "domain_data_bytes"]
@@ -88,9 +89,13 @@ class LoopbackDomain:
         cpu_timeout_secs: float = 300.0,
         use_symmem: bool = False,
         num_warps: int | None = None,
+        num_scaleup_ranks: int | None = None,
     ) -> None:
         if not 1 <= num_ranks <= ep_layout.NUM_MAX_RANKS:
             raise EPValueError(f"num_ranks: expected 1..{ep_layout.NUM_MAX_RANKS}, got {num_ranks}")
+        # Emulated nodes: ranks r // S_u form a node. S_u = N (the default) is direct mode; before any GPU work.
+        self.num_scaleup_ranks = resolve_scaleup_ranks(int(num_ranks), num_scaleup_ranks)
+        refuse_hybrid(int(num_ranks), self.num_scaleup_ranks, "LoopbackDomain")
         self.num_ranks = int(num_ranks)
         self.num_max_tokens = int(num_max_tokens_per_rank)
         self.device_sms = _cuda.num_device_sms()
@@ -291,8 +296,12 @@ class ProcessRank(DirectRank):
         num_warps: int | None = None,
         memory: str = "symmem",
         cooperative: bool | None = None,
+        num_scaleup_ranks: int | None = None,
     ) -> None:
         size = int(bootstrap.size)
+        # ranks per node: the argument, else EPKIT_SCALEUP_RANKS, else one node (direct mode)
+        self.num_scaleup_ranks = resolve_scaleup_ranks(size, num_scaleup_ranks, use_env=True)
+        refuse_hybrid(size, self.num_scaleup_ranks, "ProcessRank")
         data = num_bytes or domain_data_bytes(size, num_max_tokens_per_rank, hidden, num_topk)
         self.buffer = IpcBuffer.create_exchanged(bootstrap, data, memory)
         self.bootstrap = bootstrap

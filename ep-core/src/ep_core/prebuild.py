@@ -20,6 +20,7 @@ from typing import Any
 from ep_core.errors import EPConfigError, EPValueError
 from ep_core.kernels._source import KERNEL_NAMES, compile_kernels
 from ep_core.kernels.plan import KernelConfig, default_num_sms, plan_regions
+from ep_core.topology import refuse_hybrid, resolve_scaleup_ranks
 
 __all__ = ["BuiltInstance", "PlannedInstance", "fp8_sf_pack_counts", "plan_instances", "prebuild"]
 
@@ -54,21 +55,6 @@ class BuiltInstance:
     kernels: tuple[str, ...]
 
 
-def _check_direct(num_ranks: int, num_scaleup_ranks: int | None) -> int:
-    su = num_ranks if num_scaleup_ranks is None else int(num_scaleup_ranks)
-    if su < 1 or num_ranks % su:
-        raise EPConfigError(
-            f"num_scaleup_ranks: expected a divisor of num_ranks={num_ranks} (ranks of one node), got {su}"
-        )
-    if su < num_ranks:
-        raise EPConfigError(
-            f"num_scaleup_ranks: {su} < num_ranks={num_ranks} is a hybrid configuration ({num_ranks // su} nodes x "
-            f"{su}), and the hybrid kernels are not built yet (issue 15): nothing can be prebuilt for it. "
-            f"Use num_scaleup_ranks={num_ranks} (direct mode, one NVLink domain)"
-        )
-    return su
-
-
 def plan_instances(
     *,
     num_ranks: int,
@@ -83,7 +69,7 @@ def plan_instances(
 ) -> list[PlannedInstance]:
     """The instances of the direct-mode runtime for this configuration (module doc); raises EPConfigError for a
     configuration the runtime would refuse (the same checks: `KernelConfig`, `plan_regions`)."""
-    _check_direct(num_ranks, num_scaleup_ranks)
+    refuse_hybrid(num_ranks, resolve_scaleup_ranks(num_ranks, num_scaleup_ranks), "the prebuild")
     kw: dict[str, Any] = {"transport": transport}
     if num_warps is not None:
         kw["num_warps"] = int(num_warps)

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 from ep_core.errors import EPConfigError
 
-__all__ = ["MAX_EXPERTS", "MAX_EXPERTS_PER_RANK", "MAX_RANKS", "MAX_TOPK", "Topology"]
+__all__ = [
+    "MAX_EXPERTS",
+    "MAX_EXPERTS_PER_RANK",
+    "MAX_RANKS",
+    "MAX_TOPK",
+    "Topology",
+    "refuse_hybrid",
+    "resolve_scaleup_ranks",
+]
 
 MAX_RANKS = 1024
 MAX_EXPERTS = 2048
@@ -148,3 +156,35 @@ class Topology:
         if not 0 <= rank < self.num_ranks:
             raise EPConfigError(f"rank: expected a rank in [0, {self.num_ranks}), got {rank}")
         return rank
+
+
+def resolve_scaleup_ranks(
+    num_ranks: int, num_scaleup_ranks: int | None = None, *, use_env: bool = False
+) -> int:
+    """Ranks per node (S_u): `num_scaleup_ranks`, else `EPKIT_SCALEUP_RANKS` when `use_env` and set, else
+    `num_ranks` (one node, direct mode). Must divide `num_ranks`: ranks `r // S_u` form a node, as DeepEP's
+    `rank = rdma_rank * S_u + nvl_rank`."""
+    su = num_scaleup_ranks
+    source = "num_scaleup_ranks"
+    if su is None and use_env:
+        from ep_core._env import knobs
+
+        su = knobs.scaleup_ranks or None
+        source = "EPKIT_SCALEUP_RANKS"
+    if su is None:
+        return int(num_ranks)
+    if isinstance(su, bool) or not isinstance(su, int) or su < 1 or num_ranks % su:
+        raise EPConfigError(
+            f"{source}: expected a divisor of num_ranks={num_ranks} (the ranks of one node), got {su!r}"
+        )
+    return su
+
+
+def refuse_hybrid(num_ranks: int, num_scaleup_ranks: int, where: str) -> None:
+    """Raise EPConfigError for several nodes (`num_scaleup_ranks < num_ranks`): only direct-mode kernels exist."""
+    if num_scaleup_ranks < num_ranks:
+        raise EPConfigError(
+            f"num_scaleup_ranks: {num_scaleup_ranks} < num_ranks={num_ranks} is {num_ranks // num_scaleup_ranks} "
+            f"nodes x {num_scaleup_ranks} ranks, and the hybrid kernels are not built yet (issue 15), so {where} "
+            f"cannot run it; use num_scaleup_ranks={num_ranks} (direct mode, one NVLink domain)"
+        )
