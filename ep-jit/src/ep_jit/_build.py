@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _env
-from ._cache import SCHEMA_VERSION, Cache
+from ._cache import SCHEMA_VERSION, Cache, disk_error, disk_is_full
 from ._compiler import Backend, get_backend, normalize_arch
 from ._cubin import is_cubin, kernel_names
 from ._errors import CompileError, JitError
@@ -290,12 +290,27 @@ def _build(cache: Cache, entry: Path, source: str, name: str, kr: KeyRecord) -> 
         try:
             out = kr.backend.compile(source, build_dir, kr.canonical_flags, keep_temps=keep)
         except CompileError as e:
+            if disk_is_full(build_dir):  # the compiler could not write its output: say so, not "failed"
+                raise JitError(
+                    f"compiling {name}: no space left for the ep-jit cache {cache.root} (the compiler's output in "
+                    f"{build_dir} could not be written); free space (`python -m ep_jit clear`) or set "
+                    "EPKIT_JIT_CACHE_DIR to a directory with room"
+                ) from e
             header = f"# ep_jit compile failure: {name} (key {kr.key})\n# command: {e.command}\n"
-            e.log_path = str(cache.write_failure(name, kr.key, header + e.output))
-            e.args = (f"{e.args[0]}\n(full compiler output saved in {e.log_path})",)
+            try:
+                e.log_path = str(cache.write_failure(name, kr.key, header + e.output))
+                e.args = (f"{e.args[0]}\n(full compiler output saved in {e.log_path})",)
+            except OSError:  # the compiler's error stays the one to report
+                pass
             raise
         seconds = time.perf_counter() - t0
         if not is_cubin(out.cubin):
+            if disk_is_full(build_dir):
+                raise JitError(
+                    f"compiling {name}: no space left for the ep-jit cache {cache.root} (the cubin in {build_dir} is "
+                    f"truncated, {len(out.cubin)} bytes); free space (`python -m ep_jit clear`) or set "
+                    "EPKIT_JIT_CACHE_DIR to a directory with room"
+                )
             raise JitError(
                 f"{kr.backend.name} produced no valid cubin for {name} (got {len(out.cubin)} bytes)"
             )
@@ -321,6 +336,8 @@ def _build(cache: Cache, entry: Path, source: str, name: str, kr: KeyRecord) -> 
         }
         (build_dir / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
         cache.publish(build_dir, entry)
+    except OSError as e:  # writing the entry: a read-only or full cache, named with its path and remedy
+        raise disk_error(cache.root, e, f"writing the cache entry of {name}") from e
     finally:
         if build_dir.exists():
             shutil.rmtree(build_dir, ignore_errors=True)

@@ -14,6 +14,7 @@ entry whose cubin matches the sha256 in its meta.json; anything else is corrupt 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import filelock
 
 from ._errors import JitError
 
-__all__ = ["Cache", "CacheCorruptionWarning", "EntryInfo", "file_lock"]
+__all__ = ["Cache", "CacheCorruptionWarning", "EntryInfo", "disk_error", "disk_is_full", "file_lock"]
 
 log = logging.getLogger("ep_jit")
 
@@ -55,6 +56,40 @@ class EntryInfo:
     size_bytes: int
     last_used: float
     meta: dict[str, Any]
+
+
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_error(root: Path, e: OSError, what: str) -> JitError:
+    """A `JitError` for an OS error of the cache's file system: it names the path, the cause and the remedy
+    (`EPKIT_JIT_CACHE_DIR`) instead of a bare `OSError` (issue 14: read-only cache, full disk)."""
+    where = f"{what} {e.filename}" if e.filename else what
+    if e.errno in _READ_ONLY:
+        return JitError(
+            f"the ep-jit cache directory {root} is not writable ({where}: {e.strerror or e}); set "
+            "EPKIT_JIT_CACHE_DIR to a writable directory on a local file system"
+        )
+    if e.errno in _FULL:
+        return JitError(
+            f"no space left for the ep-jit cache {root} ({where}: {e.strerror or e}); free space on that file "
+            "system (`python -m ep_jit clear` empties the cache) or set EPKIT_JIT_CACHE_DIR to a directory with room"
+        )
+    return JitError(
+        f"the ep-jit cache {root} failed ({where}: {e.strerror or e}); set EPKIT_JIT_CACHE_DIR to a working "
+        "local directory"
+    )
+
+
+def disk_is_full(path: Path) -> bool:
+    """True when the file system of `path` has no free block left for this user (a compiler writing its output
+    there then leaves a truncated file)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
 
 
 def _fsync_file(path: Path) -> None:
@@ -142,6 +177,8 @@ class Cache:
             for d in (self.entries, self.locks, self.tmp, self.failed):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            if e.errno in _READ_ONLY + _FULL:
+                raise disk_error(self.root, e, "creating the cache directories") from e
             raise JitError(
                 f"cannot create the ep-jit cache under {self.root} ({e.strerror or e}); set EPKIT_JIT_CACHE_DIR to a "
                 "writable directory on a local file system"
@@ -198,6 +235,10 @@ class Cache:
                         "ep_jit: waiting for another process building %s (lock %s)", what or key[:12], path
                     )
                     flock.acquire()
+            except OSError as e:  # a read-only cache (the lock file cannot be created) or a full disk
+                if not e.filename:
+                    e.filename = str(path)
+                raise disk_error(self.root, e, "creating the build lock") from e
             except filelock.Timeout:
                 raise JitError(
                     f"timed out after {timeout} s waiting for the build lock {path} held by another process; "
@@ -215,7 +256,10 @@ class Cache:
     def new_build_dir(self, key: str) -> Path:
         self.ensure_dirs()
         d = self.tmp / f"build.{key[:16]}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        d.mkdir()
+        try:
+            d.mkdir()
+        except OSError as e:
+            raise disk_error(self.root, e, "creating a build directory") from e
         return d
 
     def publish(self, build_dir: Path, entry: Path) -> None:
