@@ -1,12 +1,19 @@
-"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, tests, every tests-<package>) is what CI runs.
+"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, every tests-<package>, tests) is what CI runs.
 
 The package graph lives in PACKAGES (one dict, leaf first). Every session derives what it installs from it, so
 `tests-<package>` installs exactly that package, its internal closure and its declared dependencies: if a
 package imports something it does not declare, its session fails. That is how the layering is proven.
+
+Each test runs once in `-t ci`: a package's suite in its own `tests-<package>` session; the `tests` session (every
+package installed together) runs the cross-package tests/ plus only the package tests that skip alone, because
+they import-or-skip torch or an internal package their own session does not install (see `_needs_more`).
+Sessions run in the order they are defined here, so lint comes first and a formatting slip fails in a minute.
 """
 
 from __future__ import annotations
 
+import ast
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +23,16 @@ import nox
 nox.needs_version = ">=2025.2.9"
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = False
+
+
+class _NoUvNotice(logging.Filter):
+    """Drops nox's "uv binary not found." line: these sessions use virtualenv + pip, so a missing uv is normal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "uv binary not found."
+
+
+logging.getLogger("nox").addFilter(_NoUvNotice())
 
 ROOT = Path(__file__).parent.resolve()
 DIST = ROOT / "dist"
@@ -98,6 +115,62 @@ def _pytest(session: nox.Session, *paths: str) -> None:
     session.run("pytest", *paths, "-m", "not gpu", *session.posargs)
 
 
+def _lacks(name: str, module: str) -> bool:
+    """Whether tests-<name> lacks the top-level module `module`, of those the `tests` session adds: torch and the
+    internal packages outside name's closure (ep-core's optional ep_nccl_gin, for one)."""
+    closure = _closure(name)
+    if module == "torch":
+        return not any(PACKAGES[n].needs_torch for n in closure)
+    internal = {n.replace("-", "_"): n for n in PACKAGES}
+    return module in internal and internal[module] not in closure
+
+
+def _importorskips(nodes: list[ast.stmt]) -> set[str]:
+    """Top-level module names passed as a literal to `pytest.importorskip(...)` anywhere in `nodes`."""
+    found = set()
+    for node in (n for top in nodes for n in ast.walk(top)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "importorskip"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.add(node.args[0].value.split(".")[0])
+    return found
+
+
+def _needs_more(name: str) -> list[str]:
+    """pytest ids (file, or file::test, or file::Class::test) of name's tests that would skip in tests-<name>:
+    those that import-or-skip a module that session lacks, in the module body or in the test function itself."""
+    ids: list[str] = []
+    for path in sorted((ROOT / PACKAGES[name].path / "tests").rglob("test_*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        body = ast.parse(path.read_text()).body
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        if any(_lacks(name, m) for m in _importorskips([n for n in body if not isinstance(n, defs)])):
+            ids.append(rel)
+            continue
+        for node in body:
+            tests = [(node.name, node)] if isinstance(node, ast.FunctionDef) else []
+            if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                tests = [(f"{node.name}::{m.name}", m) for m in node.body if isinstance(m, ast.FunctionDef)]
+            for test_id, fn in tests:
+                if fn.name.startswith("test") and any(_lacks(name, m) for m in _importorskips([fn])):
+                    ids.append(f"{rel}::{test_id}")
+    return ids
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree."""
+    # Pinned: the formatter changes between releases, and it also formats the Python in README code blocks.
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
 def _make_package_session(name: str) -> None:
     def session_fn(session: nox.Session) -> None:
         _install(session, _closure(name), extras={name: PACKAGES[name].extras})
@@ -113,19 +186,11 @@ for _name in PACKAGES:
 
 @nox.session(tags=["ci"])
 def tests(session: nox.Session) -> None:
-    """All CPU tests of every package plus the cross-package tests/, in one venv."""
+    """Cross-package tests/ and the package tests that skip alone (they need torch or ep-nccl-gin), in one venv
+    with every package; the rest of each package's suite runs in its tests-<package> session."""
     names = list(PACKAGES)
     _install(session, names, extras=ALL_EXTRAS)
-    _pytest(session, *(f"{PACKAGES[n].path}/tests" for n in names), "tests")
-
-
-@nox.session(tags=["ci"])
-def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole tree."""
-    # Pinned: the formatter changes between releases, and it also formats the Python in README code blocks.
-    session.install("ruff==0.17.6")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    _pytest(session, "tests", *(i for n in names for i in _needs_more(n)))
 
 
 @nox.session(default=False)

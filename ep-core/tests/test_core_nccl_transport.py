@@ -381,7 +381,7 @@ def test_op_args_nccl_window_slot() -> None:
 PLUMBING = r"""
 #include <cstddef>
 #include <ep_core/kernels.cuh>
-static_assert(sizeof(ep_core::OpArgs) == 40 * 8, "OpArgs size");
+static_assert(sizeof(ep_core::OpArgs) == 41 * 8, "OpArgs size");
 static_assert(offsetof(ep_core::OpArgs, own_base) == 32, "own_base offset");
 static_assert(offsetof(ep_core::OpArgs, nccl_window) == 40, "nccl_window offset");
 static_assert(sizeof(ncclWindow_t) == 8, "ncclWindow_t is one pointer");
