@@ -370,9 +370,9 @@ def test_failed_setup_releases_locally(fake, monkeypatch) -> None:
 
 # --- kernel argument plumbing --------------------------------------------------------------------------------
 def test_op_args_nccl_window_slot() -> None:
-    assert OP_ARGS_FIELDS.index("nccl_window") == 5 and len(OP_ARGS_FIELDS) == 40
+    assert OP_ARGS_FIELDS.index("nccl_window") == 5 and len(OP_ARGS_FIELDS) == 41
     raw = pack_op_args(nccl_window=0xDEADBEEF000, own_base=0x7000_0000_0000, peer_bases=0)
-    assert len(raw) == 40 * 8
+    assert len(raw) == 41 * 8
     assert int.from_bytes(raw[40:48], "little") == 0xDEADBEEF000
     assert int.from_bytes(raw[32:40], "little") == 0x7000_0000_0000
     assert raw[24:32] == b"\0" * 8
