@@ -171,7 +171,7 @@ def test_timeout_is_sticky_until_reset(fake_driver) -> None:
         assert info.value.tag == "dispatch.counts"
         with pytest.raises(EPTimeoutError):
             r.combine(None, None)
-    assert not any(isinstance(e, tuple) and e[0] in ("ep_dispatch", "ep_combine") for e in log)
+    assert not any(isinstance(e, tuple) and e[0] in ("ep_dispatch_impl", "ep_combine_impl") for e in log)
     barriers: list = []
     r.reset_state(lambda: (log.append("barrier"), barriers.append(1)))
     r._fake_state["rec"] = np.zeros_like(r._fake_state["rec"])
@@ -457,24 +457,40 @@ def test_launch_mode_and_occupancy(fake_driver, on_device: int, cooperative: boo
     log = fake_driver
     r = make_rank(log, num_ranks=2, on_device=on_device)
     geo = LaunchGeometry(16, 512, 100_000)
-    r._launch(FakeKernel("ep_dispatch", log), "ep_dispatch", geo, {"rank": 0}, geo.shared_mem, r.cooperative)
-    r._launch(FakeKernel("ep_dispatch_epilogue", log), "ep_dispatch_epilogue", geo, {}, geo.shared_mem, False)
+    r._launch(
+        FakeKernel("ep_dispatch_impl", log),
+        "ep_dispatch_impl",
+        geo,
+        {"rank": 0},
+        geo.shared_mem,
+        r.cooperative,
+    )
+    r._launch(
+        FakeKernel("ep_dispatch_copy_epilogue_impl", log),
+        "ep_dispatch_copy_epilogue_impl",
+        geo,
+        {},
+        geo.shared_mem,
+        False,
+    )
     assert [e for e in log if isinstance(e, tuple) and e[0].startswith("ep_")] == [
-        ("ep_dispatch", 16, cooperative),
-        ("ep_dispatch_epilogue", 16, False),
+        ("ep_dispatch_impl", 16, cooperative),
+        ("ep_dispatch_copy_epilogue_impl", 16, False),
     ]
     with pytest.raises(EPConfigError, match="does not fit on one SM"):
-        r._launch(FakeKernel("ep_combine", log, blocks_per_sm=0), "ep_combine", geo, {}, 0, r.cooperative)
-    assert ("ep_combine", 16, cooperative) not in log
+        r._launch(
+            FakeKernel("ep_combine_impl", log, blocks_per_sm=0), "ep_combine_impl", geo, {}, 0, r.cooperative
+        )
+    assert ("ep_combine_impl", 16, cooperative) not in log
 
 
 def test_check_occupancy() -> None:
     check_occupancy("k", 1, 132, 132, 1, threads=512, shared_mem=0)
     check_occupancy("k", 2, 33, 132, 8, threads=512, shared_mem=0)
     with pytest.raises(EPConfigError, match=r"use num_sms <= 16"):
-        check_occupancy("ep_dispatch", 1, 17, 132, 8, threads=512, shared_mem=200_000)
+        check_occupancy("ep_dispatch_impl", 1, 17, 132, 8, threads=512, shared_mem=200_000)
     with pytest.raises(EPConfigError, match="does not fit on one SM"):
-        check_occupancy("ep_dispatch", 0, 1, 132, 1, threads=1024, shared_mem=300_000)
+        check_occupancy("ep_dispatch_impl", 0, 1, 132, 1, threads=1024, shared_mem=300_000)
 
 
 # -------------------------------------------------------------------------------------- ipc peer checks

@@ -19,19 +19,19 @@
 
 #if defined(EP_CORE_NUM_RANKS)
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
-    ep_dispatch(const __grid_constant__ ep_core::OpArgs args) {
+    ep_dispatch_impl(const __grid_constant__ ep_core::OpArgs args) {
     ep_core::dispatch_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_HIDDEN_BYTES, EP_CORE_NUM_SF_PACKS,
                            EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT>(args);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
-    ep_dispatch_epilogue(const __grid_constant__ ep_core::OpArgs args) {
+    ep_dispatch_copy_epilogue_impl(const __grid_constant__ ep_core::OpArgs args) {
     ep_core::dispatch_epilogue_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_HIDDEN_BYTES, EP_CORE_NUM_SF_PACKS,
                                     EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT>(args);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
-    ep_combine(const __grid_constant__ ep_core::OpArgs args) {
+    ep_combine_impl(const __grid_constant__ ep_core::OpArgs args) {
     ep_core::combine_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_COMBINE_HIDDEN_BYTES, EP_CORE_NUM_WARPS,
                           EP_CORE_TRANSPORT>(args);
 }

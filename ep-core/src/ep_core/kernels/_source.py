@@ -14,7 +14,7 @@ from ep_core.kernels.plan import KernelConfig
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "compile_kernels", "get_include", "kernel_source", "load_kernels"]
 
-KERNEL_NAMES = ("ep_dispatch", "ep_dispatch_epilogue", "ep_combine")
+KERNEL_NAMES = ("ep_dispatch_impl", "ep_dispatch_copy_epilogue_impl", "ep_combine_impl")
 
 
 def get_include() -> str:

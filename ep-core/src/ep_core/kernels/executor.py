@@ -618,7 +618,7 @@ class DirectRank:
                 ),
             ),
         )
-        self._launch(kernels.dispatch, "ep_dispatch", geo, args, geo.shared_mem, self.cooperative)
+        self._launch(kernels.dispatch, "ep_dispatch_impl", geo, args, geo.shared_mem, self.cooperative)
         # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
         self._occupancy(kernels.combine, geo.block, 0)
         keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
@@ -722,7 +722,12 @@ class DirectRank:
         if rows > 0 or p.zero_padding:
             # no grid barrier in the epilogue: a plain launch
             self._launch(
-                kernels.epilogue, "ep_dispatch_epilogue", p.geometry, args, p.geometry.shared_mem, False
+                kernels.epilogue,
+                "ep_dispatch_copy_epilogue_impl",
+                p.geometry,
+                args,
+                p.geometry.shared_mem,
+                False,
             )
         if p.cached:
             handle = p.handle
@@ -860,7 +865,7 @@ class DirectRank:
                 ),
             ),
         )
-        self._launch(kernels.combine, "ep_combine", geo, args, 0, self.cooperative)
+        self._launch(kernels.combine, "ep_combine_impl", geo, args, 0, self.cooperative)
         if report_input_error:
             self._report_input_error()
         return CombineResult(combined, combined_w)

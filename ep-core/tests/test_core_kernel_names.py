@@ -1,0 +1,35 @@
+"""CPU: the kernels carry the names DeepEP's profiling looks up by substring (its tests time `dispatch_impl`,
+`dispatch_copy_epilogue_impl`, `combine_impl` out of a profiler trace), each matching exactly one ep kernel, and
+the executor launches those names. test_core_kernels_compile checks that the compiled cubin exports them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ep_core.kernels._source import KERNEL_NAMES, get_include
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels" / "executor.py"
+
+# DeepEP's substring -> the ep kernel it must find. DeepEP's combine reduce epilogue (`combine_reduce_epilogue_impl`)
+# has no ep counterpart: ep's combine reduces in its one kernel.
+DEEPEP = {
+    "dispatch_impl": "ep_dispatch_impl",
+    "dispatch_copy_epilogue_impl": "ep_dispatch_copy_epilogue_impl",
+    "combine_impl": "ep_combine_impl",
+}
+
+
+def test_each_deepep_substring_finds_exactly_its_kernel():
+    for sub, kernel in DEEPEP.items():
+        assert [n for n in KERNEL_NAMES if sub in n] == [kernel], sub
+    assert all(n.startswith("ep_") for n in KERNEL_NAMES)
+    assert not any("combine_reduce_epilogue_impl" in n for n in KERNEL_NAMES)
+
+
+def test_header_defines_and_executor_launches_those_names():
+    header = (Path(get_include()) / "ep_core" / "kernels.cuh").read_text()
+    defined = re.findall(r"__global__ void __launch_bounds__\([^)]*\)\s+(\w+)\(", header)
+    assert sorted(defined) == sorted(KERNEL_NAMES)
+    launched = set(re.findall(r'"(ep_\w+_impl)"', SRC.read_text()))
+    assert launched == set(KERNEL_NAMES)
