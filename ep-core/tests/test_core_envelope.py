@@ -106,6 +106,24 @@ def test_mismatched_num_experts_and_handles_raise_on_every_rank():
     assert run_ranks(rank_fn) == [True, True]
 
 
+def test_bias_or_weights_on_one_rank_only_is_a_mismatch_not_a_key_error():
+    inp = routing.make_inputs(2, 4, H, E, K, seed=6)
+
+    def rank_fn(r, boot):
+        buf = _buf(boot)
+        x, i = _args(inp, r)
+        w = ec.host_array(np.ascontiguousarray(inp.topk_weights[r], dtype=np.float32))
+        with pytest.raises(EPMismatchError, match="topk_weights differs"):
+            buf.dispatch(x, i, w if r == 0 else None, num_experts=E)
+        out = buf.dispatch(x, i, None, num_experts=E)
+        bias = ec.host_array(np.zeros((4, H), dtype=np.uint16), "bfloat16")
+        with pytest.raises(EPMismatchError, match="bias differs"):
+            buf.combine(out.recv_x, out.handle, bias=bias if r == 1 else None)
+        return buf.combine(out.recv_x, out.handle).combined_x is not None
+
+    assert run_ranks(rank_fn) == [True, True]
+
+
 def test_barrier_against_dispatch_is_a_mismatch():
     inp = routing.make_inputs(2, 4, H, E, K, seed=3)
 

@@ -181,11 +181,11 @@ def _case_random(rank: int, world: int, seen: dict) -> None:
 
 
 def _case_timeout(rank: int, world: int, seen: dict) -> None:
-    buf = _buffer(timeout=2)
+    buf = _buffer(timeout=1.5)
     inp = _inputs(world, 3)
     x, i, w = _tensors(inp, rank)
     if rank == 1:
-        time.sleep(6)  # never calls: rank 0 must give up after num_cpu_timeout_secs
+        time.sleep(3.5)  # never calls: rank 0 must give up after num_cpu_timeout_secs
         return
     t0 = time.monotonic()
     seen["timeout"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
@@ -198,6 +198,7 @@ def _case_dead(rank: int, world: int, seen: dict, out: Path) -> None:
     x, i, w = _tensors(inp, rank)
     if rank == 1:
         (out / "1.json").write_text(json.dumps({}))
+        time.sleep(0.5)  # let rank 0 finish the constructor's barrier first
         os._exit(0)  # dies without a word
     t0 = time.monotonic()
     seen["dead"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
