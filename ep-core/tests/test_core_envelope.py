@@ -170,3 +170,14 @@ def test_negative_ids_other_than_minus_one_are_rejected():
         buf.dispatch(ec.host_array(inp.xs[0], "bfloat16"), ec.host_array(idx), None, num_experts=E)
     idx[2, 1] = -1  # -1 is "no expert"
     buf.dispatch(ec.host_array(inp.xs[0], "bfloat16"), ec.host_array(idx), None, num_experts=E)
+
+
+def test_buffers_built_with_different_sizes_raise_on_every_rank():
+    def rank_fn(r, boot):
+        with pytest.raises(EPMismatchError, match=r"construct.*hidden differs \(rank 0: 32, rank 1: 64\)"):
+            ec.EPBuffer(
+                boot, transport="reference", num_max_tokens_per_rank=8, hidden=32 * (r + 1), num_topk=K
+            )
+        return True
+
+    assert run_ranks(rank_fn) == [True, True]

@@ -17,6 +17,7 @@ from typing import Any
 from ep_core import planner
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.buffer_base import BufferBase
+from ep_core.envelope import Channel
 from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
 from ep_core.executor import (
     BufferConfig,
@@ -157,6 +158,27 @@ class EPBuffer(BufferBase):
 
         workspace = ep_layout.WorkspaceLayout.get_num_aligned_bytes()
         qps = num_allocated_qps or planner.default_num_allocated_qps(topology)
+        # the construction's envelope (before anything is allocated): ranks built with different sizes or modes
+        # raise EPMismatchError together here instead of at their first operation, or with garbage
+        Channel(boot).exchange(
+            "construct",
+            {
+                "transport": type(tr).__name__,
+                "num_bytes": num_bytes,
+                "num_cpu_bytes": cpu,
+                "num_max_tokens_per_rank": m,
+                "hidden": h,
+                "num_topk": k,
+                "num_experts": e,
+                "num_nvlink_ranks": nvl,
+                "use_fp8_dispatch": use_fp8_dispatch,
+                "deterministic": deterministic,
+                "allow_hybrid_mode": allow_hybrid_mode,
+                "allow_multiple_reduction": allow_multiple_reduction,
+                "explicitly_destroy": explicitly_destroy,
+                "policy": policy.name,
+            },
+        )
         storage = tr.allocate(boot, workspace + num_bytes)
         super().__init__(boot, storage, num_workspace_bytes=workspace, explicitly_destroy=explicitly_destroy)
         self._destroyed = True  # until the executor exists
