@@ -17,10 +17,50 @@ ep_torch. Shapes and dtypes (direct mode; `T` = tokens of this rank, `K` = top-k
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ep_core.errors import EPTypeError, EPValueError
+
 __all__ = ["EPHandle"]
+
+# DeepEP's expand-mode sort key: expert * 1e10, minus 5e9 plus the source id for a valid row (so valid rows come
+# first inside their expert, by source), padding rows keep expert * 1e10.
+_EXPERT_KEY = 10_000_000_000
+
+
+def _host(name: str, a: Any) -> np.ndarray:
+    """A host numpy copy (or view) of a numpy array or torch tensor; other array types are refused."""
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "detach") and hasattr(a, "copy_"):
+        return a.detach().cpu().numpy()
+    raise EPTypeError(
+        f"{name}: deterministic_sort takes numpy arrays or torch tensors, got {type(a).__name__}"
+    )
+
+
+def _permute(name: str, a: Any, perm: np.ndarray) -> None:
+    """`a[:] = a[perm]` in place, on the array's own device (a torch tensor is indexed where it lives)."""
+    if a is None:
+        return
+    if isinstance(a, np.ndarray):
+        a[...] = a[perm]
+    elif hasattr(a, "copy_") and hasattr(a, "device"):
+        torch = sys.modules["torch"]  # a is a torch tensor, so torch is loaded (ep_core never imports it)
+        a.copy_(a[torch.as_tensor(perm, device=a.device)])
+    else:
+        _host(name, a)  # raises EPTypeError
+
+
+def _assign(a: Any, value: np.ndarray) -> None:
+    if isinstance(a, np.ndarray):
+        a[...] = value
+    else:
+        a.copy_(a.new_tensor(value))
 
 
 @dataclass(eq=False)
@@ -72,3 +112,86 @@ class EPHandle:
     def did_cpu_sync(self) -> bool:
         """Whether the dispatch had exact sizes (False: worst-case shapes, true count on the device)."""
         return len(self.num_recv_tokens_per_expert_list) > 0
+
+    def deterministic_sort(
+        self,
+        do_cpu_sync: bool,
+        is_cached_dispatch: bool,
+        recv_x: Any,
+        recv_sf: Any,
+        recv_topk_idx: Any,
+        recv_topk_weights: Any,
+        channel_linked_list: Any = None,
+    ) -> None:
+        """Sort a dispatch's received rows into the deterministic order, in place (DeepEP's `EPHandle` method).
+
+        Non-expand: `recv_x`, `recv_sf`, `recv_topk_weights`, `recv_topk_idx` (and, on a non-cached dispatch, this
+        handle's `recv_src_metadata` and the hybrid `channel_linked_list`) are permuted so that rows are ordered by
+        source id (`src_rank * M + src_token`); rows past the true count (no CPU sync) stay at the end. Expand
+        (non-cached only): rows are sorted inside each expert, valid rows first by source id, then the padding;
+        `recv_src_metadata[:, 2:]` is remapped to the new rows. A cached expand dispatch needs nothing. The sort
+        keys come from the metadata as the first, non-cached dispatch left it
+        (`cached_recv_src_metadata_before_sort`). Arrays are numpy arrays or torch tensors; the permutation is
+        computed on the host (one copy of the keys) and applied on each array's own device.
+        """
+        if not is_cached_dispatch:
+            self.cached_recv_src_metadata_before_sort = np.array(
+                _host("recv_src_metadata", self.recv_src_metadata), copy=True
+            )
+        if self.cached_recv_src_metadata_before_sort is None:
+            raise EPValueError(
+                "is_cached_dispatch: True, but this handle was never sorted by a non-cached dispatch (no "
+                "cached_recv_src_metadata_before_sort); sort the first dispatch's output first"
+            )
+        before = _host("cached_recv_src_metadata_before_sort", self.cached_recv_src_metadata_before_sort)
+        rows = before.shape[0]
+        psum = _host("psum_num_recv_tokens_per_scaleup_rank", self.psum_num_recv_tokens_per_scaleup_rank)
+        num_recv = rows if do_cpu_sync else (int(psum[-1]) if psum.size else 0)
+        out_of_range = np.arange(rows) >= num_recv
+        keys = before[:, 0].astype(np.int64)
+        keys[out_of_range] = np.iinfo(np.int64).max
+        perm = np.argsort(keys, kind="stable")
+
+        if not self.do_expand:
+            for name, a in (
+                ("recv_x", recv_x),
+                ("recv_sf", recv_sf),
+                ("recv_topk_weights", recv_topk_weights),
+                ("recv_topk_idx", recv_topk_idx),
+            ):
+                _permute(name, a, perm)
+            if not is_cached_dispatch:
+                _permute("recv_src_metadata", self.recv_src_metadata, perm)
+                if channel_linked_list is not None:
+                    inv = np.empty_like(perm)
+                    inv[perm] = np.arange(perm.size)
+                    cll = np.array(_host("channel_linked_list", channel_linked_list), copy=True)
+                    valid = (cll >= 0) & (cll < num_recv)
+                    cll[valid] = inv[cll[valid]]
+                    _assign(channel_linked_list, cll)
+            return
+        if is_cached_dispatch:
+            return  # the copy epilogue placed the rows through the already-remapped recv_src_metadata[:, 2:]
+
+        num_rows = int(recv_x.shape[0])
+        psum_e = _host("psum_num_recv_tokens_per_expert", self.psum_num_recv_tokens_per_expert).astype(
+            np.int64
+        )
+        counts = _host("num_unaligned_recv_tokens_per_expert", self.num_unaligned_recv_tokens_per_expert)
+        starts = psum_e - counts.astype(np.int64)
+        expert_of_row = np.searchsorted(starts[1:], np.arange(num_rows), side="right")
+        row_keys = expert_of_row.astype(np.int64) * _EXPERT_KEY
+        slots = before[:, 2:]
+        valid = slots >= 0
+        valid[out_of_range] = False
+        src = np.broadcast_to(before[:, :1].astype(np.int64), slots.shape)
+        np.add.at(row_keys, slots[valid], src[valid] - _EXPERT_KEY // 2)
+        row_perm = np.argsort(row_keys, kind="stable")
+        for name, a in (("recv_x", recv_x), ("recv_sf", recv_sf), ("recv_topk_weights", recv_topk_weights)):
+            _permute(name, a, row_perm)
+        inv = np.empty_like(row_perm)
+        inv[row_perm] = np.arange(row_perm.size)
+        meta = np.array(_host("recv_src_metadata", self.recv_src_metadata), copy=True)
+        lanes = meta[:, 2:]
+        lanes[valid] = inv[lanes[valid]]
+        _assign(self.recv_src_metadata, meta)

@@ -592,6 +592,15 @@ class ElasticBuffer:
             event = self._event(async_with_compute_stream, keep)
         return res.combined_x, res.combined_topk_weights, event
 
+    @property
+    def nccl_comm_handle(self) -> Any:
+        """DeepEP's name for the buffer's NCCL communicator: the ``ep_nccl_gin`` communicator the nccl transport
+        runs on (owned, or borrowed from the group), None with the ipc or reference transport and after
+        ``destroy()`` (DeepEP sets it to None there too)."""
+        if self.runtime is None or self.runtime.destroyed or self.transport != "nccl":
+            return None
+        return getattr(self.runtime.transport, "communicator", None)
+
 
 class EPBuffer(ElasticBuffer):
     """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s keywords, methods and return

@@ -72,7 +72,8 @@ class EventOverlap:
         self.extra_tensors: tuple[Any, ...] | None = (
             tuple(extra_tensors) if extra_tensors is not None else None
         )
-        self._hook: Callable[[], None] | None = None
+        # DeepEP's public attribute: the hook that the next wait runs (None when none is pending).
+        self.hook_after_wait: Callable[[], None] | None = None
         self._release_on_exit = False
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
@@ -83,18 +84,18 @@ class EventOverlap:
                 "async_with_compute_stream=True); there is nothing to wait for"
             )
         self.event.current_stream_wait()
-        if self._hook is not None:
-            hook, self._hook = self._hook, None
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
             hook()
         if release_handle:
             self.event = None
             self.extra_tensors = None
 
-    def register_hook_after_wait(self, hook: Callable[[], None]) -> None:
-        """Run ``hook`` once, right after the next wait. Only one hook may be pending."""
-        if self._hook is not None:
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], None]) -> None:
+        """Run ``hook_after_wait`` once, right after the next wait. Only one hook may be pending."""
+        if self.hook_after_wait is not None:
             raise RuntimeError("EventOverlap.register_hook_after_wait(): a hook is already registered")
-        self._hook = hook
+        self.hook_after_wait = hook_after_wait
 
     def __call__(self, release_handle: bool = False) -> EventOverlap:
         self._release_on_exit = release_handle
