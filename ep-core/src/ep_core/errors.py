@@ -3,16 +3,27 @@
 Every message says what was expected, what was got, and what to do. Input validation raises `EPValueError` /
 `EPTypeError`, which are also the builtin `ValueError` / `TypeError`, so callers that catch the builtins keep working.
 
+Each error is also the builtin DeepEP raises for the same check, so code written for DeepEP that catches it keeps
+working: DeepEP checks arguments and configuration with Python `assert` (`AssertionError`), and its C++ runtime's
+`EP_HOST_ASSERT`, state checks and timeouts throw `RuntimeError`. Hence:
+
+| ep error | also | DeepEP's check |
+|---|---|---|
+| `EPValueError` (+ `EPConfigError`, `EPPlanMismatchError`, `EPMismatchError`) | `ValueError`, `AssertionError` | Python `assert` on an argument / configuration |
+| `EPTypeError` | `TypeError`, `AssertionError` | Python `assert` on a type / dtype |
+| `EPStateError` (+ `EPPeerError`), `EPDeviceError` | `RuntimeError` | C++ `EP_HOST_ASSERT` / device error word |
+| `EPTimeoutError` | `TimeoutError`, `RuntimeError` | C++ timeout (`RuntimeError`) |
+
     EPError
-    ├── EPValueError (ValueError)          bad argument value or shape; the message names the argument
+    ├── EPValueError (ValueError, AssertionError)   bad argument value or shape; the message names the argument
     │   ├── EPConfigError                  bad configuration: topology, sizes, planner inputs, undetectable bandwidth
     │   │   └── EPPlanMismatchError        ranks of one domain planned different symmetric tensors
     │   └── EPMismatchError                ranks of one collective step disagree (operation envelope)
-    ├── EPTypeError (TypeError)            bad argument type or dtype
+    ├── EPTypeError (TypeError, AssertionError)     bad argument type or dtype
     ├── EPStateError (RuntimeError)        call on a destroyed buffer, or out of order
     │   └── EPPeerError                    a peer rank raised (named) or died in this collective step
     ├── EPDeviceError (RuntimeError)       an error word set by a kernel (bad expert id, duplicate expert, ...)
-    └── EPTimeoutError (TimeoutError)      a wait on peers expired (GPU record or CPU-side wait)
+    └── EPTimeoutError (TimeoutError, RuntimeError)  a wait on peers expired (GPU record or CPU-side wait)
 """
 
 from __future__ import annotations
@@ -35,11 +46,11 @@ class EPError(Exception):
     """Base class of every ep_core error."""
 
 
-class EPValueError(EPError, ValueError):
+class EPValueError(EPError, ValueError, AssertionError):
     """An argument has a bad value or shape; the message names the argument and the rule."""
 
 
-class EPTypeError(EPError, TypeError):
+class EPTypeError(EPError, TypeError, AssertionError):
     """An argument has a bad type or dtype; the message names the argument."""
 
 
@@ -65,7 +76,7 @@ class EPDeviceError(EPError, RuntimeError):
         self.detail = detail
 
 
-class EPTimeoutError(EPError, TimeoutError):
+class EPTimeoutError(EPError, TimeoutError, RuntimeError):
     """A wait on peers timed out.
 
     `rank`: the rank that waited; `tag`: what it waited for (a kernel tag such as "dispatch.notify", or
