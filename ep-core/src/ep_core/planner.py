@@ -18,6 +18,12 @@ SM model (`explain` returns every intermediate):
 Bandwidths: an explicit argument wins, then `EPKIT_NVLINK_GBS` / `EPKIT_RDMA_GBS`, then detection (NVLink: sum of
 the link speeds that `nvidia-smi nvlink -s` reports for the first GPU x 0.9; RDMA: the NIC rate / 8, from sysfs or
 `ibstat`). A bandwidth is only looked up when the model needs it; failure is an `EPConfigError` naming the variable.
+
+Without NVLink the scale-up peers still have a path, and its bandwidth stands in for `nvlink_gbs`
+(`detect_scaleup_gbs`): ranks sharing one GPU (nvidia-smi lists one GPU) copy through device memory (the device
+copy bandwidth: memory clock x bus width, read plus write, x 0.9); GPUs on PCIe use the link (per-lane rate of the
+PCIe generation x width x 0.9, from `nvidia-smi --query-gpu=pcie.link.gen.max,pcie.link.width.max`). The plan's
+`scaleup_path` says which one was used ("argument", "env", "nvlink", "same_gpu", "pcie"; "" when not needed).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ __all__ = [
     "detect_fast_rdma_atomics",
     "detect_nvlink_gbs",
     "detect_rdma_gbs",
+    "detect_scaleup_gbs",
     "expected_num_groups",
     "explain",
     "get_buffer_size_hint",
@@ -51,12 +58,15 @@ __all__ = [
     "get_theoretical_num_sms",
     "parse_ibstat",
     "parse_nvidia_smi_nvlink",
+    "parse_nvidia_smi_pcie",
 ]
 
 DIRECT_NUM_ALLOCATED_QPS = 17
 HYBRID_NUM_ALLOCATED_QPS = 129
 HYBRID_NUM_ALLOCATED_QPS_FAST_ATOMICS = 65
 NVLINK_EFFICIENCY = 0.9
+# GB/s per lane and direction after line encoding, by PCIe generation (the fallback path without NVLink).
+PCIE_LANE_GBS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 FAST_ATOMICS_CA_TYPE = "MT4131"
 
 
@@ -103,6 +113,8 @@ class SMPlan:
     raw_num_sms: float
     num_device_sms: int
     num_sms: int
+    # Where nvlink_gbs came from: "argument", "env", "nvlink", "same_gpu" (device copy), "pcie", "" (not needed).
+    scaleup_path: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +184,7 @@ def explain(
 
     nvl_bw = rdma_bw = 0.0
     if so > 1:
-        nvl_bw = _bandwidth(nvlink_gbs, detect_nvlink_gbs) if nvl > 0 else _bandwidth_or_zero(nvlink_gbs)
+        nvl_bw, path = _scaleup_bandwidth(nvlink_gbs, n) if nvl > 0 else (_bandwidth_or_zero(nvlink_gbs), "")
         rdma_bw = _bandwidth(rdma_gbs, detect_rdma_gbs)
         nvl_time = nvl / nvl_bw if nvl > 0 else 0.0
         if rdma / rdma_bw > nvl_time:
@@ -181,7 +193,7 @@ def explain(
             bound, traffic, bw = "nvlink", nvl, nvl_bw
     else:
         bound, traffic = "nvlink", nvl
-        nvl_bw = _bandwidth(nvlink_gbs, detect_nvlink_gbs) if nvl > 0 else _bandwidth_or_zero(nvlink_gbs)
+        nvl_bw, path = _scaleup_bandwidth(nvlink_gbs, n) if nvl > 0 else (_bandwidth_or_zero(nvlink_gbs), "")
         rdma_bw = _bandwidth_or_zero(rdma_gbs)
         bw = nvl_bw
     if traffic > 0:
@@ -216,6 +228,7 @@ def explain(
         raw_num_sms=raw,
         num_device_sms=num_device_sms,
         num_sms=sms,
+        scaleup_path=path,
     )
     if knobs.buffer_debug:
         print(f"[ep_core.planner] {plan}")
@@ -320,6 +333,68 @@ def _bandwidth(given: float | None, detect) -> float:
     if given is not None and given < 0:
         raise EPConfigError(f"bandwidth: expected GB/s >= 0 (0 = detect), got {given}")
     return float(given) if given else detect()
+
+
+def _scaleup_bandwidth(given: float | None, num_ranks: int) -> tuple[float, str]:
+    if given is not None and given < 0:
+        raise EPConfigError(f"nvlink_gbs: expected GB/s >= 0 (0 = detect), got {given}")
+    return (float(given), "argument") if given else detect_scaleup_gbs(num_ranks)
+
+
+def parse_nvidia_smi_pcie(text: str) -> float:
+    """GB/s of the first GPU's PCIe link from `nvidia-smi --query-gpu=pcie.link.gen.max,pcie.link.width.max
+    --format=csv,noheader,nounits` output ("5, 16"): per-lane rate x width, no efficiency (0.0 when unreadable)."""
+    for line in text.splitlines():
+        m = re.match(r"\s*(\d+)\s*,\s*(\d+)\s*$", line)
+        if m:
+            gen, width = int(m.group(1)), int(m.group(2))
+            return PCIE_LANE_GBS.get(gen, 0.0) * width
+    return 0.0
+
+
+def _num_gpus() -> int:
+    return sum(1 for line in _run(["nvidia-smi", "-L"]).splitlines() if line.startswith("GPU "))
+
+
+def _device_copy_gbs() -> float:
+    """Device-to-device copy GB/s of the current GPU: peak memory bandwidth (2 x memory clock x bus width, DDR)
+    halved (a copy reads and writes) x 0.9. 0.0 when the driver cannot say."""
+    try:
+        from ep_core.kernels import _cuda
+
+        khz = _cuda.device_attribute("CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE")
+        bits = _cuda.device_attribute("CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH")
+    except Exception:  # no driver, no device, or an attribute this driver dropped
+        return 0.0
+    return 2 * khz * 1e3 * bits / 8 / 1e9 / 2 * NVLINK_EFFICIENCY
+
+
+def detect_scaleup_gbs(num_ranks: int = 2) -> tuple[float, str]:
+    """`(GB/s, path)` of the scale-up peers' path: `EPKIT_NVLINK_GBS` ("env"), else NVLink ("nvlink"), else, with
+    one GPU on the machine and several ranks, the device copy bandwidth ("same_gpu"), else the PCIe link ("pcie")."""
+    env = knobs.nvlink_gbs
+    if env > 0:
+        return env, "env"
+    total = parse_nvidia_smi_nvlink(_run(["nvidia-smi", "nvlink", "-s"]))
+    if total > 0:
+        return total * NVLINK_EFFICIENCY, "nvlink"
+    if num_ranks > 1 and _num_gpus() == 1:
+        copy = _device_copy_gbs()
+        if copy > 0:
+            return copy, "same_gpu"
+    query = [
+        "nvidia-smi",
+        "--query-gpu=pcie.link.gen.max,pcie.link.width.max",
+        "--format=csv,noheader,nounits",
+    ]
+    pcie = parse_nvidia_smi_pcie(_run(query))
+    if pcie > 0:
+        return pcie * NVLINK_EFFICIENCY, "pcie"
+    raise EPConfigError(
+        "nvlink_gbs: could not detect the scale-up bandwidth (nvidia-smi reported no NVLink links, the device "
+        "copy bandwidth of a shared GPU and the PCIe link are unknown); pass nvlink_gbs= or set "
+        "EPKIT_NVLINK_GBS=<GB/s per GPU>"
+    )
 
 
 def parse_nvidia_smi_nvlink(text: str) -> float:
