@@ -206,7 +206,13 @@ def build(session: nox.Session) -> None:
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: `ep-demo` trains a small MoE layer over N ranks through dispatch/combine and checks it."""
-    _install(session, _closure("ep-torch"), extras={"ep-torch": ("demo",)}, with_tests=False)
+    names = _closure("ep-torch")
+    # pip is quiet for minutes here (torch, then ep-symmem's C++ extension); say what is happening.
+    session.log(
+        f"installing {TORCH_CPU} and {', '.join(names)} (builds ep-symmem's extension; a few minutes)"
+    )
+    _install(session, names, extras={"ep-torch": ("demo",)}, with_tests=False)
+    session.log("installed; running ep-demo")
     session.run("ep-demo", *session.posargs)
 
 
