@@ -154,8 +154,17 @@ def _worker(rank: int, world: int, cfg: DemoConfig) -> None:
     w2 = full["w2"][rank * epr : (rank + 1) * epr].clone().to(device).requires_grad_(True)
     experts = [(lambda a, e=e: expert_forward(a, w1[e], w2[e])) for e in range(epr)]
     num_sms = buffer.get_theoretical_num_sms(cfg.experts, cfg.topk)
+    if rank == 0:
+        _say(f"{world} ranks up, buffer ready; loading torch's custom-op machinery")
 
     importlib.import_module("torch._dynamo")  # the custom ops import it on first use: keep that out of step 0
+    if rank == 0 and on_gpu:
+        _say(
+            "the first step JIT-compiles the GPU kernels (nvcc) unless the ep-jit cache has them; "
+            "`python -m ep_core compile` prebuilds it"
+        )
+    elif rank == 0:
+        _say(f"training {cfg.steps} steps")
 
     progress = _Progress(cfg) if rank == 0 else None
     rows: list[dict[str, Any]] = []
@@ -294,6 +303,11 @@ def _check_step(cfg: DemoConfig, step: int, gathered: list[Any]) -> dict[str, An
 # output
 
 
+def _say(text: str) -> None:
+    """A status line of the parent or rank 0, flushed so that a log shows it when it happens."""
+    print(f"ep-demo: {text}", flush=True)
+
+
 class _Progress:
     """A rich progress bar when rich is installed (``pip install ep-torch[demo]``), plain lines otherwise."""
 
@@ -335,11 +349,13 @@ class _Progress:
 
 
 def _print_summary(cfg: DemoConfig, summary: dict[str, Any]) -> None:
-    head = (
-        f"ep-demo: {cfg.ranks} ranks ({cfg.backend}, {summary['buffer']}), tokens/rank <= {cfg.tokens}, "
-        f"hidden {cfg.hidden}, ffn {cfg.ffn}, top-{cfg.topk} of {cfg.experts} experts, {cfg.steps} steps, "
-        f"planner SMs {summary['num_sms']}"
-    )
+    # Plain lines, each under 100 columns with the default sizes, printed before the table rather than as its title:
+    # rich wraps a title to the table's width, which breaks it mid-phrase in a log (not a terminal).
+    head = [
+        f"ep-demo: {cfg.ranks} ranks, {cfg.backend} backend, {summary['buffer']}",
+        f"  tokens/rank <= {cfg.tokens}, hidden {cfg.hidden}, ffn {cfg.ffn}, top-{cfg.topk} of {cfg.experts} "
+        f"experts, {cfg.steps} steps, planner SMs {summary['num_sms']}",
+    ]
     cols = ["step", "loss", "sent/rank", "recv/rank", "ms", "GB/s", "abs err", "rel err", ""]
     body = [
         [
@@ -363,16 +379,19 @@ def _print_summary(cfg: DemoConfig, summary: dict[str, Any]) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=head)
+        table = Table()
         for c in cols:
             table.add_column(c, justify="right")
         for r in body:
             table.add_row(*r)
-        console = Console(width=max(100, Console().width))
+        # a log is not a terminal: a fixed width there, so the table never depends on the environment's COLUMNS
+        console = Console(width=max(100, Console().width) if sys.stdout.isatty() else 100)
+        for line in head:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         console.print(table)
-        console.print(f"[bold {'green' if summary['ok'] else 'red'}]{verdict}")
+        console.print(f"[bold {'green' if summary['ok'] else 'red'}]{verdict}", soft_wrap=True)
     except ImportError:
-        print(head)
+        print("\n".join(head))
         widths = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(cols)]
         print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
         for r in body:
@@ -405,6 +424,10 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     if own_tmp:
         fd, cfg.result_path = tempfile.mkstemp(prefix="ep-demo-", suffix=".json")
         os.close(fd)
+    _say(
+        f"starting {cfg.ranks} ranks ({cfg.backend} backend, torch.distributed over "
+        f"{'nccl' if cfg.backend == 'cuda' else 'gloo'})"
+    )
     try:
         spawn(
             _worker,
