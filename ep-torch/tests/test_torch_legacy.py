@@ -39,7 +39,7 @@ def _oracle_rows(rank: int, n: int):
 def _ranks(rank: int, n: int, device: str = "cpu") -> None:
     x, idx, w = _inputs(rank)
     epr = E // n
-    buf = Buffer(None, int(1e8), 0, transport="ipc" if device == "cuda" else None)
+    buf = Buffer(None, int(1e8), 0, explicitly_destroy=True, transport="ipc" if device == "cuda" else None)
     if device == "cuda":  # the same checks on CUDA tensors (ep's kernels), compared on the host
         _ranks_cuda(buf, x, idx, w, rank, n)
         return
@@ -75,7 +75,12 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
     assert torch.equal(yw, torch.where(idx >= 0, w, torch.zeros_like(w)))
     # num_worst_tokens pads rows; combine accepts the padded rows
     rx3, ridx3, _, counts3, h3, _ = buf.dispatch(
-        x, num_tokens_per_expert=nte, topk_idx=idx, num_worst_tokens=n * T
+        x,
+        num_tokens_per_rank=ntr,
+        is_token_in_rank=itr,
+        num_tokens_per_expert=nte,
+        topk_idx=idx,
+        num_worst_tokens=n * T,
     )
     assert rx3.shape[0] == n * T and counts3 is None and bool((ridx3[len(want) :] == -1).all())
     y3, _, _ = buf.combine(rx3, h3)
@@ -106,6 +111,9 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
     # fp8 path returns (data, scales)
     (q, s), cnt2, _, _, _ = buf.low_latency_dispatch(x, idx, m, E, use_fp8=True, round_scale=True)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (epr, n * m, H // 128) and torch.equal(cnt2, cnt)
+    assert s.transpose(-1, -2).is_contiguous()  # column-major scales
+    q_ref, s_ref = per_token_cast_to_fp8(recv, round_scale=True)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
     # bad inputs
     with pytest.raises(NotImplementedError, match="use_logfmt"):
         buf.low_latency_combine(out_ll, idx, w, llh, use_logfmt=True)
@@ -113,8 +121,14 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
         buf.low_latency_dispatch(x, idx, T - 1, E)
     with pytest.raises(ValueError, match="num_experts"):
         buf.get_dispatch_layout(idx, E + 1)
-    with pytest.raises(ValueError, match="topk_idx"):
-        buf.dispatch(x, num_tokens_per_expert=nte)
+    with pytest.raises(ValueError, match="is_token_in_rank"):
+        buf.dispatch(x, num_tokens_per_expert=nte, topk_idx=idx)
+    with pytest.raises(AssertionError, match="cached dispatch"):
+        buf.dispatch(x, handle=handle, topk_idx=idx)
+    with pytest.raises(AssertionError, match="use_ue8m0"):
+        buf.low_latency_dispatch(x, idx, m, E, use_ue8m0=True)
+    with pytest.raises(ValueError, match="hidden"):
+        buf.low_latency_combine(out_ll[:, :, :64], idx, w, llh)
     dist.barrier()
     buf.destroy()
 
@@ -155,6 +169,27 @@ def test_configs_and_static_helpers():
     assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) % 128 == 0
     with pytest.raises(AssertionError, match="even"):
         Buffer.set_num_sms(3)
+    with pytest.raises(AssertionError, match="unsupported number of EP ranks"):
+        Buffer.get_dispatch_config(3)
+
+
+def test_signature_matches_v1():
+    import inspect
+
+    names = list(inspect.signature(Buffer.__init__).parameters)[1:11]
+    assert names == [
+        "group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
+        "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "explicitly_destroy", "enable_shrink", "comm",
+    ]  # fmt: skip
+    d = list(inspect.signature(Buffer.dispatch).parameters)[1:]
+    assert d == [
+        "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
+        "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "config",
+        "previous_event", "async_finish", "allocate_on_comm_stream",
+    ]  # fmt: skip
+    c = list(inspect.signature(Buffer.combine).parameters)[1:]
+    assert c == ["x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
+                 "allocate_on_comm_stream"]  # fmt: skip
 
 
 def _ranks_cuda(buf, x, idx, w, rank: int, n: int) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
 from .buffer import ElasticBuffer
 from .event import EventHandle, EventOverlap
@@ -66,6 +67,29 @@ class Config:
             f"{self.num_max_nvl_chunked_recv_tokens}), rdma=({self.num_max_rdma_chunked_send_tokens}, "
             f"{self.num_max_rdma_chunked_recv_tokens}))"
         )
+
+
+# V1's recommended (nvl send, nvl recv, rdma send, rdma recv) chunk sizes per rank count
+_DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128), 64: (32, 288, 8, 128),
+    96: (20, 480, 12, 128), 128: (20, 560, 12, 128), 144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+}  # fmt: skip
+_COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+    96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}  # fmt: skip
+
+
+def _table(table: dict, num_ranks: int) -> tuple:
+    if num_ranks == 1:
+        return table[2]  # one rank: any entry (ep runs EP1 too)
+    if num_ranks not in table:
+        raise EPValueError(
+            f"num_ranks: unsupported number of EP ranks {num_ranks} (V1's table: {sorted(table)})"
+        )
+    return table[num_ranks]
 
 
 def _align(x: int, a: int) -> int:
@@ -126,15 +150,19 @@ class Buffer:
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
-        use_fabric: bool = False,
         explicitly_destroy: bool = False,
         enable_shrink: bool = False,
         comm: Any = None,
         *,
+        use_fabric: bool = False,
         num_max_tokens_per_rank: int = 0,
         hidden: int = 0,
         transport: str | None = None,
     ) -> None:
+        if group is None and comm is not None:
+            raise NotImplementedError(
+                "Buffer: comm= (an mpi4py communicator); pass a torch.distributed group"
+            )
         if enable_shrink:
             raise NotImplementedError("Buffer: enable_shrink=True (elastic shrink of V1 low-latency mode)")
         self.group = dist.group.WORLD if group is None else group
@@ -159,7 +187,7 @@ class Buffer:
     def _ensure(self, tokens: int, hidden: int) -> ElasticBuffer:
         """The inner buffer, (re)built collectively when (tokens, hidden) exceed what it was sized for."""
         if self._destroyed:
-            raise RuntimeError("Buffer: used after destroy(); create a new buffer")
+            raise EPStateError("Buffer: used after destroy(); create a new buffer")
         if self._inner is None or tokens > self._sized[0] or hidden != self._sized[1]:
             if self._inner is not None:
                 self._inner.destroy()
@@ -188,7 +216,9 @@ class Buffer:
         return self._sized[0] > 0
 
     def destroy(self) -> None:
-        """Release the inner buffer (collective)."""
+        """Release the inner buffer (collective). V1's rule: only with ``explicitly_destroy=True``."""
+        if not self.explicitly_destroy:
+            raise EPStateError("destroy: `explicitly_destroy` flag must be set (V1's rule)")
         if self._inner is not None:
             self._inner.destroy()
         self._inner, self._destroyed = None, True
@@ -215,14 +245,13 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """V1's tuned table (SM count from ``set_num_sms``); the chunk sizes are informational in ep."""
-        table = {2: (24, 256), 4: (6, 256), 8: (6, 256), 16: (36, 288), 24: (32, 288), 32: (32, 288)}
-        send, recv = table.get(num_ranks, (32, 288))
-        return Config(Buffer.num_sms, min(send, 24), recv, 16, 128)
+        """V1's recommended table (SM count from ``set_num_sms``); ep passes ``num_sms`` on, the chunk sizes are
+        informational."""
+        return Config(Buffer.num_sms, *_table(_DISPATCH_CONFIGS, num_ranks))
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms, 6 if num_ranks <= 8 else 4, 256, 8, 128)
+        return Config(Buffer.num_sms, *_table(_COMBINE_CONFIGS, num_ranks))
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
@@ -281,27 +310,37 @@ class Buffer:
         num_sms = (config or self.get_dispatch_config(self.group_size)).num_sms
         if handle is not None:
             if not isinstance(handle, V1Handle):
-                raise TypeError(
+                raise EPTypeError(
                     f"dispatch: handle must come from Buffer.dispatch, got {type(handle).__name__}"
+                )
+            if topk_idx is not None or topk_weights is not None:
+                raise EPValueError(
+                    "dispatch: a cached dispatch (handle=) takes neither topk_idx nor topk_weights"
                 )
             inner = self._ensure(*self._sized) if self._inner is not None else None
             if inner is None:
-                raise RuntimeError("dispatch: handle given but the buffer was rebuilt or destroyed")
+                raise EPStateError("dispatch: handle given but the buffer was rebuilt or destroyed")
             recv_x, _, _, _, _ = inner.dispatch(x, handle=handle.ep_handle, num_sms=num_sms)
             return self._rows(recv_x, handle.num_rows), None, None, None, None, self._done(async_finish)
-        if topk_idx is None or num_tokens_per_expert is None:
-            raise ValueError(
-                f"dispatch (rank {self.rank}): topk_idx and num_tokens_per_expert are required without a handle"
+        if (
+            topk_idx is None
+            or num_tokens_per_expert is None
+            or num_tokens_per_rank is None
+            or is_token_in_rank is None
+        ):
+            raise EPValueError(
+                f"dispatch (rank {self.rank}): topk_idx, num_tokens_per_rank, is_token_in_rank and "
+                "num_tokens_per_expert are required without a handle (get_dispatch_layout gives them)"
             )
         num_experts = int(num_tokens_per_expert.numel())
         _check_topk(topk_idx, num_experts, self.group_size, self.rank)
         if topk_weights is not None and topk_weights.shape != topk_idx.shape:
-            raise ValueError(
+            raise EPValueError(
                 f"dispatch (rank {self.rank}): topk_weights shape {tuple(topk_weights.shape)} must equal "
                 f"topk_idx shape {tuple(topk_idx.shape)}"
             )
         if expert_alignment < 1:
-            raise ValueError(
+            raise EPValueError(
                 f"dispatch (rank {self.rank}): expert_alignment must be >= 1, got {expert_alignment}"
             )
         inner = self._size_collectively(int(data.shape[0]), int(data.shape[1]))
@@ -323,7 +362,7 @@ class Buffer:
         rows = num_recv
         if num_worst_tokens > 0:
             if num_recv > num_worst_tokens:
-                raise ValueError(
+                raise EPValueError(
                     f"dispatch (rank {self.rank}): received {num_recv} tokens > num_worst_tokens={num_worst_tokens}"
                 )
             rows, counts = num_worst_tokens, None  # V1: no per-expert list with num_worst_tokens
@@ -376,13 +415,13 @@ class Buffer:
         lane k sent back; V1 sums all ranks' weights, which is the same when non-owner lanes carry 0 (as dispatch
         returns them)."""
         if not isinstance(handle, V1Handle):
-            raise TypeError(f"combine: handle must come from Buffer.dispatch, got {type(handle).__name__}")
+            raise EPTypeError(f"combine: handle must come from Buffer.dispatch, got {type(handle).__name__}")
         if x.shape[0] != handle.num_rows:
-            raise ValueError(
+            raise EPValueError(
                 f"combine (rank {self.rank}): x has {x.shape[0]} rows, the handle's dispatch received {handle.num_rows}"
             )
         if self._inner is None:
-            raise RuntimeError("combine: the buffer was destroyed")
+            raise EPStateError("combine: the buffer was destroyed")
         ep_handle = handle.ep_handle
         rows = int(ep_handle.num_recv_tokens)
         w = None if topk_weights is None else topk_weights[:rows].float()
@@ -415,17 +454,19 @@ class Buffer:
                 "low_latency_dispatch: dispatch_wait_recv_cost_stats (no per-rank wait timers)"
             )
         if use_ue8m0 and not round_scale:
-            raise ValueError("low_latency_dispatch: use_ue8m0=True requires round_scale=True (V1's rule)")
+            raise EPValueError("low_latency_dispatch: use_ue8m0=True requires round_scale=True (V1's rule)")
         if x.dim() != 2 or x.dtype != torch.bfloat16:
-            raise ValueError(f"low_latency_dispatch (rank {self.rank}): x must be [T, hidden] bfloat16")
+            raise EPValueError(f"low_latency_dispatch (rank {self.rank}): x must be [T, hidden] bfloat16")
         m = int(num_max_dispatch_tokens_per_rank)
         t, h = int(x.shape[0]), int(x.shape[1])
         if t > m:
-            raise ValueError(
+            raise EPValueError(
                 f"low_latency_dispatch (rank {self.rank}): {t} tokens > num_max_dispatch_tokens_per_rank={m}"
             )
         if use_fp8 and h % 128:
-            raise ValueError(f"low_latency_dispatch: hidden={h} must be a multiple of 128 with use_fp8=True")
+            raise EPValueError(
+                f"low_latency_dispatch: hidden={h} must be a multiple of 128 with use_fp8=True"
+            )
         n = self.group_size
         _check_topk(topk_idx, num_experts, n, self.rank)
         epr = num_experts // n
@@ -483,21 +524,21 @@ class Buffer:
                 "low_latency_combine: combine_wait_recv_cost_stats (no per-rank wait timers)"
             )
         if not isinstance(handle, _LowLatencyHandle):
-            raise TypeError(
+            raise EPTypeError(
                 f"low_latency_combine: handle must come from low_latency_dispatch, got {type(handle)}"
             )
         if self._inner is None:
-            raise RuntimeError("low_latency_combine: the buffer was destroyed")
+            raise EPStateError("low_latency_combine: the buffer was destroyed")
         if zero_copy:
             x = self._ll_combine_buffers[self._ll_idx ^ 1] if x is None else x
         epr = handle.rows.shape[0]
         if x.dim() != 3 or x.shape[0] != epr or x.shape[1] != handle.rows.shape[1]:
-            raise ValueError(
+            raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): x must be [{epr}, {handle.rows.shape[1]}, hidden], "
                 f"got {tuple(x.shape)}"
             )
         if topk_weights.shape != topk_idx.shape:
-            raise ValueError("low_latency_combine: topk_weights must have topk_idx's shape")
+            raise EPValueError("low_latency_combine: topk_weights must have topk_idx's shape")
         ep_handle = handle.ep_handle
         inner = self._inner
         # the weights travel to the expert ranks (a cached dispatch of a zero payload)
@@ -561,15 +602,15 @@ def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
 
 def _check_topk(topk_idx: Any, num_experts: int, num_ranks: int, rank: int) -> None:
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
-        raise ValueError(f"topk_idx (rank {rank}): must be a 2-D tensor [num_tokens, num_topk]")
+        raise EPValueError(f"topk_idx (rank {rank}): must be a 2-D tensor [num_tokens, num_topk]")
     if topk_idx.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"topk_idx (rank {rank}): dtype must be int64 or int32, got {topk_idx.dtype}")
+        raise EPValueError(f"topk_idx (rank {rank}): dtype must be int64 or int32, got {topk_idx.dtype}")
     if num_experts <= 0 or num_experts % num_ranks:
-        raise ValueError(
+        raise EPValueError(
             f"num_experts (rank {rank}): {num_experts} must be a positive multiple of {num_ranks} ranks"
         )
     if topk_idx.numel() and int(topk_idx.max()) >= num_experts:
-        raise ValueError(
+        raise EPValueError(
             f"topk_idx (rank {rank}): expert id {int(topk_idx.max())} >= num_experts={num_experts}"
         )
 
@@ -579,7 +620,8 @@ def per_token_cast_to_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """V1's low-latency FP8 cast: per 128 channels, ``amax = max(|x|, 1e-4)``, ``scale = amax / 448`` (rounded up to
     a power of two with ``round_scale``), ``q = fp8_e4m3(x / scale)``. Scales are float32 ``[..., H/128]``; with
-    ``use_ue8m0`` each scale's exponent byte, four per int32 (little-endian), ``[..., H/512]``."""
+    ``use_ue8m0`` each scale's exponent byte, four per int32 (little-endian), ``[..., H/512]``; the last two
+    dimensions of the scales are column-major like V1's."""
     *lead, h = x.shape
     g = x.float().reshape(*lead, h // 128, 128)
     amax = g.abs().amax(-1).clamp(min=1e-4)
@@ -588,10 +630,15 @@ def per_token_cast_to_fp8(
         scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
     q = (g / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(*lead, h)
     if not use_ue8m0:
-        return q, scale
+        return q, _col_major(scale)
     if (h // 128) % 4:
-        raise ValueError(f"use_ue8m0: hidden={h} must be a multiple of 512 (four scale bytes per int32)")
+        raise EPValueError(f"use_ue8m0: hidden={h} must be a multiple of 512 (four scale bytes per int32)")
     exp = (scale.view(torch.int32) >> 23) & 0xFF
     exp = exp.reshape(*lead, h // 512, 4)
     packed = exp[..., 0] | (exp[..., 1] << 8) | (exp[..., 2] << 16) | (exp[..., 3] << 24)
-    return q, packed.to(torch.int32)
+    return q, _col_major(packed.to(torch.int32))
+
+
+def _col_major(s: torch.Tensor) -> torch.Tensor:
+    """Same values, the last two dimensions stored column-major (V1's TMA-friendly scale layout)."""
+    return s.transpose(-1, -2).contiguous().transpose(-1, -2) if s.dim() >= 2 else s
