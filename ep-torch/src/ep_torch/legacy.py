@@ -532,9 +532,9 @@ class Buffer:
         if zero_copy:
             x = self._ll_combine_buffers[self._ll_idx ^ 1] if x is None else x
         epr = handle.rows.shape[0]
-        if x.dim() != 3 or x.shape[0] != epr or x.shape[1] != handle.rows.shape[1]:
+        if x.dim() != 3 or x.shape[0] != epr or x.shape[1] != handle.rows.shape[1] or x.shape[2] != handle[3]:
             raise EPValueError(
-                f"low_latency_combine (rank {self.rank}): x must be [{epr}, {handle.rows.shape[1]}, hidden], "
+                f"low_latency_combine (rank {self.rank}): x must be [{epr}, {handle.rows.shape[1]}, hidden={handle[3]}], "
                 f"got {tuple(x.shape)}"
             )
         if topk_weights.shape != topk_idx.shape:
