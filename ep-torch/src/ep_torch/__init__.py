@@ -13,10 +13,13 @@ from ep_core.handle import EPHandle
 
 from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
 from .event import EventHandle, EventOverlap
+from .legacy import Buffer, Config
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Buffer",
+    "Config",
     "EPBuffer",
     "EPHandle",
     "ElasticBuffer",
