@@ -73,6 +73,19 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
     reached = (itr.sum(1)).to(torch.float32)
     assert torch.equal(y, (x.float() * reached[:, None]).to(torch.bfloat16))
     assert torch.equal(yw, torch.where(idx >= 0, w, torch.zeros_like(w)))
+    # bias is added once per token; expert_alignment aligns the per-expert list only
+    bias = torch.full((T, H), 0.5, dtype=torch.bfloat16)
+    yb, _, _ = buf.combine(rx, handle, bias=bias)
+    assert torch.equal(yb, (x.float() * reached[:, None] + 0.5).to(torch.bfloat16))
+    *_, counts_a, _, _ = buf.dispatch(
+        x,
+        num_tokens_per_rank=ntr,
+        is_token_in_rank=itr,
+        num_tokens_per_expert=nte,
+        topk_idx=idx,
+        expert_alignment=4,
+    )
+    assert counts_a == [(c + 3) // 4 * 4 for c in counts]
     # num_worst_tokens pads rows; combine accepts the padded rows
     rx3, ridx3, _, counts3, h3, _ = buf.dispatch(
         x,
@@ -88,7 +101,11 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
 
     # low-latency: packed layout, source order per local expert
     m = 8
-    recv, cnt, llh, _ev, hook = buf.low_latency_dispatch(x, idx, m, E, use_fp8=False, return_recv_hook=True)
+    stats = torch.zeros(epr, dtype=torch.int32)
+    recv, cnt, llh, _ev, hook = buf.low_latency_dispatch(
+        x, idx, m, E, cumulative_local_expert_recv_stats=stats, use_fp8=False, return_recv_hook=True
+    )
+    assert torch.equal(stats, cnt)
     hook()
     assert recv.shape == (epr, n * m, H) and cnt.dtype == torch.int32
     for e in range(epr):
@@ -133,8 +150,9 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
     buf.destroy()
 
 
-def test_v1_surface_two_ranks():
-    spawn(_ranks, 2)
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~15 s on two cores
+def test_v1_surface(ranks):
+    spawn(_ranks, ranks)
 
 
 def _np_cast(x: np.ndarray, round_scale: bool):
