@@ -1,4 +1,5 @@
-"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, every tests-<package>, tests) is what CI runs.
+"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, every tests-<package>, tests, build, wheel-demo) is
+what CI runs.
 
 The package graph lives in PACKAGES (one dict, leaf first). Every session derives what it installs from it, so
 `tests-<package>` installs exactly that package, its internal closure and its declared dependencies: if a
@@ -193,7 +194,7 @@ def tests(session: nox.Session) -> None:
     _pytest(session, "tests", *(i for n in names for i in _needs_more(n)))
 
 
-@nox.session(default=False)
+@nox.session(default=False, tags=["ci"])
 def build(session: nox.Session) -> None:
     """Build every wheel and sdist into dist/, give the compiled wheels a manylinux tag (auditwheel), check the
     metadata with `twine check --strict` and the wheel tags with tests/test_repo_packaging.py."""
@@ -233,6 +234,25 @@ def _repair_native_wheels(session: nox.Session) -> None:
     for wheel in repaired.iterdir():
         wheel.rename(DIST / wheel.name)
     repaired.rmdir()
+
+
+@nox.session(name="wheel-demo", default=False, tags=["ci"])
+def wheel_demo(session: nox.Session) -> None:
+    """What a user installs: ep-torch's wheels from dist/ (run `build` first; `-t ci` does) in this session's fresh
+    venv with the CPU torch pin, nothing from the checkout, then `ep-demo` at 2 ranks."""
+    wheels = {name: sorted(DIST.glob(f"{name.replace('-', '_')}-*.whl")) for name in _closure("ep-torch")}
+    missing = [name for name, found in wheels.items() if len(found) != 1]
+    if missing:
+        session.error(
+            f"dist/ needs exactly one wheel of each of {', '.join(missing)}: run `nox -s build` first"
+        )
+    session.log(f"installing {TORCH_CPU} and the wheels {', '.join(w[0].name for w in wheels.values())}")
+    session.install(TORCH_CPU)
+    # The wheel files themselves, not their names: pip must not pick a same-named release from an index.
+    session.install(*(f"{w[0]}[demo]" if name == "ep-torch" else str(w[0]) for name, w in wheels.items()))
+    # Out of the checkout's root, and without a PYTHONPATH (a dev shell points it at the sources): the wheels only.
+    session.chdir(session.create_tmp())
+    session.run("ep-demo", "--ranks", "2", "--steps", "3", env={"PYTHONPATH": ""})
 
 
 @nox.session(default=False)

@@ -45,7 +45,8 @@ def noxfile():
 
 def test_lint_runs_first_then_each_package_then_tests(noxfile):
     ci = [name for name, tags in noxfile.registered if "ci" in tags]
-    assert ci == ["lint", *(f"tests-{n}" for n in noxfile.PACKAGES), "tests"]
+    # then the wheels (manylinux tags checked) and the demo from those wheels in a fresh venv
+    assert ci == ["lint", *(f"tests-{n}" for n in noxfile.PACKAGES), "tests", "build", "wheel-demo"]
 
 
 def test_tests_session_takes_exactly_the_tests_that_skip_alone(noxfile):
