@@ -191,6 +191,11 @@ def test_configs_and_static_helpers():
         Buffer.get_dispatch_config(3)
 
 
+def test_capture_on_cpu():
+    ev = Buffer.capture()
+    ev.current_stream_wait()
+
+
 def test_signature_matches_v1():
     import inspect
 

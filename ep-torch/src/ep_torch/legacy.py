@@ -178,7 +178,8 @@ class Buffer:
         self._destroyed = False
         self._ll_combine_buffers: list[torch.Tensor | None] = [None, None]
         self._ll_idx = 0
-        if num_max_tokens_per_rank > 0 and hidden > 0:
+        self._user_sized = num_max_tokens_per_rank > 0 and hidden > 0
+        if self._user_sized:
             self._ensure(int(num_max_tokens_per_rank), int(hidden))
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -204,16 +205,19 @@ class Buffer:
         return self._inner
 
     def _size_collectively(self, tokens: int, hidden: int) -> ElasticBuffer:
-        if self._inner is not None and self._pre_sized:
-            return self._ensure(tokens, hidden)
+        """Sized up front: no collective, and a larger call is an error (a rebuild on one rank alone would hang).
+        Otherwise the ranks agree on the largest (tokens, hidden) first, so all of them rebuild together or none."""
+        if self._user_sized and self._inner is not None:
+            if tokens > self._sized[0] or hidden != self._sized[1]:
+                raise EPValueError(
+                    f"dispatch (rank {self.rank}): x is [{tokens}, {hidden}], the buffer was built for "
+                    f"num_max_tokens_per_rank={self._sized[0]}, hidden={self._sized[1]}"
+                )
+            return self._inner
         dev = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
         t = torch.tensor([tokens, hidden], dtype=torch.int64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return self._ensure(int(t[0]), int(t[1]))
-
-    @property
-    def _pre_sized(self) -> bool:
-        return self._sized[0] > 0
 
     def destroy(self) -> None:
         """Release the inner buffer (collective). V1's rule: only with ``explicitly_destroy=True``."""
