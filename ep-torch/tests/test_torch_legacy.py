@@ -4,6 +4,8 @@ combine, hook; FP8 cast against numpy; bad inputs. One spawn runs every scenario
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -248,6 +250,7 @@ def _ranks_cuda(buf, x, idx, w, rank: int, n: int) -> None:
 
 def _ranks_shared_gpu(rank: int, n: int) -> None:
     torch.cuda.set_device(0)  # several processes on one GPU over a gloo bootstrap: ep's ipc transport
+    os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # no NVLink to detect between processes on one GPU
     _ranks(rank, n, "cuda")
 
 
