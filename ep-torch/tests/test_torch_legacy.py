@@ -5,6 +5,8 @@ combine, hook; FP8 cast against numpy; bad inputs. One spawn runs every scenario
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -152,9 +154,21 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
     buf.destroy()
 
 
+def _spawn(worker: str, ranks: int, limit: float = 300.0) -> None:
+    """Run `worker` on `ranks` processes from this file started as a script: spawned ranks unpickle the worker
+    from `__main__` (under pytest's importlib mode the test module has no importable name)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, worker, str(ranks)], capture_output=True, text=True, timeout=limit
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{worker} x{ranks}: still running after {limit} s (a hang):\n{str(exc.output)[-3000:]}")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: ~15 s on two cores
 def test_v1_surface(ranks):
-    spawn(_ranks, ranks)
+    _spawn("_ranks", ranks)
 
 
 def _np_cast(x: np.ndarray, round_scale: bool):
@@ -257,4 +271,8 @@ def _ranks_shared_gpu(rank: int, n: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_v1_surface_shared_gpu():
-    spawn(_ranks_shared_gpu, 2)
+    _spawn("_ranks_shared_gpu", 2)
+
+
+if __name__ == "__main__":
+    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
