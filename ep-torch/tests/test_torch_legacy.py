@@ -234,9 +234,14 @@ def test_signature_matches_v1():
 def _ranks_cuda(buf, x, idx, w, rank: int, n: int) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     xc, ic, wc = x.to(dev), idx.to(dev), w.to(dev)
-    _ntr, _, nte, itr, _ = buf.get_dispatch_layout(ic, E)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(ic, E)
     rx, ridx, _rw, _counts, handle, _ = buf.dispatch(
-        xc, num_tokens_per_expert=nte, topk_idx=ic, topk_weights=wc
+        xc,
+        num_tokens_per_rank=ntr,
+        is_token_in_rank=itr,
+        num_tokens_per_expert=nte,
+        topk_idx=ic,
+        topk_weights=wc,
     )
     want = _oracle_rows(rank, n)
     assert rx.shape[0] == len(want)
