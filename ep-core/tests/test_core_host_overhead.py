@@ -737,3 +737,40 @@ def test_requests_with_torch_tensors_equal_with_and_without_fast_path(monkeypatc
         assert isinstance(results[0], CombineRequest) == (
             name in ("combine", "combine bias", "combine two biases")
         )
+
+
+# ------------------------------------------------- GPU path: a call rejected before launching gives up its step
+class SteppedExecutor(NullExecutor):
+    """A GPU-style executor (no host channel): `launch_step` counts launches, `abandon_step` gives one up."""
+
+    def __init__(self) -> None:
+        self.launch_step = 0
+
+    def dispatch(self, req):
+        self.launch_step += 1
+        return req
+
+    def combine(self, req):
+        self.launch_step += 1
+        return req
+
+    def abandon_step(self) -> None:
+        self.launch_step += 1
+
+
+def test_gpu_path_rejected_call_gives_up_its_step():
+    ex = SteppedExecutor()
+    buf = _buffer(executor=ex)
+    x = ec.host_array(np.zeros((T, H), np.uint16), dtype="bfloat16")
+    idx = ec.host_array(np.zeros((T, K), np.int64))
+    buf.dispatch(x, idx, num_experts=E)
+    assert ex.launch_step == 1
+    many = ec.host_array(
+        np.zeros((M + 1, H), np.uint16), dtype="bfloat16"
+    )  # over M: rejected before launching
+    with pytest.raises(ValueError):
+        buf.dispatch(many, ec.host_array(np.zeros((M + 1, K), np.int64)), num_experts=E)
+    assert ex.launch_step == 2  # the rank's next launch carries the next sequence number: its peers see it
+    with pytest.raises(ValueError):
+        buf.combine(x, None)
+    assert ex.launch_step == 3

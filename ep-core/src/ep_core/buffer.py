@@ -391,18 +391,30 @@ class EPBuffer(BufferBase):
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------
     def _step(self) -> int | None:
-        """The host channel's step counter, or None where the executor has no enveloped host exchange (the GPU
-        kernels meet their peers on the device)."""
-        channel = getattr(getattr(self, "_executor", None), "channel", None)
-        return None if channel is None else channel.seq
+        """The host channel's step counter; for the GPU executors, whose kernels meet their peers on the device,
+        the device-side launch counter (`launch_step`); None for an executor with neither."""
+        executor = getattr(self, "_executor", None)
+        channel = getattr(executor, "channel", None)
+        if channel is not None:
+            return channel.seq
+        return getattr(executor, "launch_step", None)
 
     def announce_error(self, op: str, error: BaseException, step: int | None) -> None:
         """Announce `error` (about to be raised by this rank's `op`) to the peers, unless the call already took
         part in its exchange (`step` is the channel's counter when the call began): the peers waiting in that
         exchange raise `EPPeerError` naming this rank instead of pairing this rank's next call with theirs.
-        Best effort: a failure of the announcement itself (a dead peer, a timeout) never hides `error`."""
-        channel = getattr(getattr(self, "_executor", None), "channel", None)
-        if channel is None or step is None or channel.seq != step:
+        Best effort: a failure of the announcement itself (a dead peer, a timeout) never hides `error`.
+        GPU executors have no host exchange: a call that launched nothing gives up its device sequence number
+        instead, so the kernels' envelopes make every rank raise at this rank's next launch."""
+        executor = getattr(self, "_executor", None)
+        channel = getattr(executor, "channel", None)
+        if channel is None:
+            # GPU executors: nothing to send, the peers' kernels wait on the device. A call that launched nothing
+            # gives up its sequence number, so that the kernels' envelopes tell its peers (`abandon_step`).
+            if step is not None and getattr(executor, "launch_step", None) == step:
+                executor.abandon_step()
+            return
+        if step is None or channel.seq != step:
             return
         try:
             channel.announce(op, error)

@@ -328,8 +328,8 @@ class ElasticBuffer:
         """``fn(...)``; an error it raises before this rank took part in the operation's exchange (a bad
         ``previous_event``, a call after ``destroy()``, the capture check, ep-core's validation) is first announced
         to the peers (``ep_core.envelope``: they raise ``EPPeerError`` naming this rank instead of pairing this
-        rank's next call with theirs). Host-exchange backends only (``reference``); the GPU kernels meet their peers
-        on the device."""
+        rank's next call with theirs). On the GPU backends the rejected call gives up its device sequence number
+        instead (``ep_core.EPBuffer.announce_error``): the kernels' envelopes then make every rank raise."""
         core = getattr(self, "_core", None)
         step = core._step() if core is not None else None
         try:

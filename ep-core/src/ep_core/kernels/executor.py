@@ -397,6 +397,18 @@ class DirectRank:
         if args.get("envelope"):
             self._num_collective_launches += 1
 
+    @property
+    def launch_step(self) -> int:
+        """Collective launches (or abandoned steps) of this rank so far: the sequence number of the last envelope."""
+        return self._num_collective_launches
+
+    def abandon_step(self) -> None:
+        """A dispatch or combine this rank rejected before launching (a bad argument, the capture check, a call after
+        destroy): consume its sequence number. The peers that did launch that call wait in its entry barrier; this
+        rank's next launch then arrives with the next sequence number, so the envelopes differ and every rank raises,
+        instead of this rank's next call being paired with the peers' earlier one."""
+        self._num_collective_launches += 1
+
     def _envelope(self, kind: int, fields: tuple[int, ...]) -> int:
         """The envelope of the next collective launch (`ep_core.kernels._envelope`)."""
         return pack_envelope(kind, self._num_collective_launches + 1, fields)

@@ -100,6 +100,14 @@ class GpuExecutor:
         self._enter_event: Event | None = None
         self._leave_event: Event | None = None
 
+    @property
+    def launch_step(self) -> int:
+        """The device-side step counter (`DirectRank.launch_step`): see `ep_core.EPBuffer.announce_error`."""
+        return self.rank.launch_step
+
+    def abandon_step(self) -> None:
+        self.rank.abandon_step()
+
     def default_allocator(self, shape: tuple, dtype: str) -> Any:
         """Outputs on this GPU (stream-ordered on the comm stream), as ep_core DeviceArrays with real dtype names."""
         from ep_core.device_array import DeviceArray as CoreArray
