@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -48,14 +49,22 @@ def _entry(
     if threads > 0:
         torch.set_num_threads(threads)
     init_rank(rank, world_size, port, backend)
+    done = False
     try:
         fn(rank, world_size, *args)
         # Leave together: a gloo rank whose peers tear their connections down first can abort in its own
         # teardown ("terminate called without an active exception"). Skipped after an error, where peers may
         # never arrive.
         dist.barrier()
+        done = True
     finally:
         dist.destroy_process_group()
+    if done:
+        # The barrier narrows that race but does not close it (seen in CI: the peer's SIGABRT at interpreter exit,
+        # from gloo's threads being torn down): a rank whose work is done leaves without running C++ teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def spawn(
@@ -69,7 +78,8 @@ def spawn(
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes with an initialized process group.
 
     ``fn`` must be picklable (a module-level function). Raises if any rank fails. Without ``port``, a free port is
-    picked (``start_on_free_port``).
+    picked (``start_on_free_port``). A rank whose ``fn`` returned leaves with ``os._exit(0)`` after the process
+    group is destroyed (gloo's teardown can abort a rank at interpreter exit): ``atexit`` handlers do not run there.
     """
     start_on_free_port(
         lambda p: mp.start_processes(
