@@ -32,6 +32,7 @@ from ep_core.topology import Topology
 
 from . import _env
 from .bootstrap import ProcessGroupBootstrap
+from .elastic_ops import ElasticOps
 from .event import EventHandle, EventOverlap
 from .transport_choice import choose_transport, data_device, make_core_transport, reference_transport
 
@@ -79,7 +80,7 @@ def _flat(items: Any) -> Iterator[Any]:
             yield a
 
 
-class ElasticBuffer:
+class ElasticBuffer(ElasticOps):
     """An expert-parallel communication buffer over ``group`` (DeepEP V2's ``ElasticBuffer``).
 
     Keyword arguments, defaults, methods and return tuples are DeepEP's (behaviour doc §1.2-1.6). Ours, keyword
