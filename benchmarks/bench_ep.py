@@ -21,6 +21,15 @@ host); `*_eager` are the same ops launched eagerly, `dispatch_cpu_sync` waits on
     python benchmarks/bench_ep.py --out OUTDIR [--quick]              # throughput, T=4096
     python benchmarks/bench_ep.py --out OUTDIR --decode [--quick]     # latency, T=128
     python benchmarks/bench_ep.py --out OUTDIR [--decode] --tokens T  # another T
+    python benchmarks/bench_ep.py --out OUTDIR --hybrid [--quick]     # emulated nodes, T=4096
+
+Hybrid run, `--hybrid`: loopback EP8 as emulated nodes, 2 nodes x 4 ranks and 4 nodes x 2 (`num_scaleup_ranks`
+4 and 2), next to direct-mode EP8 on the same inputs, bf16 and FP8 dispatch, bf16 combine, uniform routing, 16
+SMs per rank. Rows add `scaleup_ranks`, `cross_node_pairs` and `cross_node_bytes` (the (token, destination
+node) pairs that leave their node, counted from the routing: a token crosses once per destination node, so these
+are what a real network would carry; direct mode would send one copy per remote *rank*,
+`cross_node_rank_pairs`) and `qps` (the planner's QP count for the domain). On one GPU the "network" is a
+load/store emulation: the times are emulation figures, not network figures.
 
 Writes OUTDIR/bench_ep.json and OUTDIR/bench_ep.png (default run), OUTDIR/bench_ep_decode.json and .png
 (`--decode`); a `--tokens` other than the mode's default adds `_t<T>` to the name (bench_ep_t1024.json,
@@ -54,6 +63,7 @@ class Config:
     fp8: bool
     routing: str
     sms: tuple[int, ...]
+    scaleup: int | None = None  # ranks per emulated node (hybrid mode); None: one NVLink domain (direct mode)
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,7 @@ class BenchPlan:
     configs: tuple[Config, ...]
     out: str  # output directory
     stem: str  # output file name without suffix
+    hybrid: bool = False  # emulated nodes (`--hybrid`)
 
     @property
     def json_name(self) -> str:
@@ -115,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and the torch-native baseline; writes bench_ep_decode.json/.png",
     )
     ap.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="emulated nodes: EP8 as 2x4 and 4x2 (num_scaleup_ranks 4 and 2) next to direct EP8, T=4096, 16 SMs "
+        "per rank, bf16 and FP8; rows add the bytes that cross node boundaries; writes bench_ep_hybrid.json/.png",
+    )
+    ap.add_argument(
         "--tokens",
         type=_positive_int,
         default=None,
@@ -132,7 +149,14 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     tokens = mode_tokens if args.tokens is None else int(args.tokens)
     iters = args.iters if args.iters is not None else (DECODE_ITERS if decode else ITERS)
     configs: list[Config] = []
-    if args.quick:
+    hybrid = bool(getattr(args, "hybrid", False))
+    if hybrid and decode:
+        raise SystemExit("bench_ep: --hybrid and --decode are separate runs; pick one")
+    if hybrid:
+        for fp8 in (False,) if args.quick else (False, True):
+            for scaleup in (4, 2, None):
+                configs.append(Config(8, fp8, "uniform", (16,), scaleup))
+    elif args.quick:
         sms8, sms1 = ((8,), (16,)) if decode else ((16,), (16,))
         configs = [Config(8, False, "uniform", sms8), Config(1, False, "uniform", sms1)]
     elif decode:
@@ -144,7 +168,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             for kind in ("uniform", "unbalanced"):
                 configs.append(Config(8, fp8, kind, (4, 8, 16)))
                 configs.append(Config(1, fp8, kind, (4, 8, 16, 32, 64)))
-    stem = "bench_ep_decode" if decode else "bench_ep"
+    stem = "bench_ep_decode" if decode else ("bench_ep_hybrid" if hybrid else "bench_ep")
     if tokens != mode_tokens:
         stem += f"_t{tokens}"
     return BenchPlan(
@@ -152,10 +176,11 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         quick=bool(args.quick),
         tokens=tokens,
         iters=iters,
-        torch_iters=DECODE_TORCH_ITERS if decode else TORCH_ITERS,
+        torch_iters=0 if hybrid else (DECODE_TORCH_ITERS if decode else TORCH_ITERS),  # hybrid: vs direct
         configs=tuple(configs),
         out=str(args.out),
         stem=stem,
+        hybrid=hybrid,
     )
 
 
@@ -447,8 +472,38 @@ def progress_line(r: dict) -> str:
     )
 
 
+def topology_name(r: dict) -> str:
+    """`2x4` (nodes x ranks per node) for a hybrid row, `direct` for one NVLink domain."""
+    su = r.get("scaleup_ranks")
+    return "direct" if su is None else f"{r['ranks'] // su}x{su}"
+
+
+def hybrid_table_lines(rows: list[dict]) -> list[str]:
+    """The hybrid run's table: emulated topology, time, and what crosses node boundaries."""
+    lines = [
+        "| topology | dtype | op | SMs/rank | ms | GB/s | % ceiling | cross-node MB | (token, node) pairs "
+        "| (token, rank) pairs | QPs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("scaleup_ranks") is not None:
+            cross = (
+                f"{r['cross_node_bytes'] / 1e6:.1f} | {r['cross_node_pairs']} | {r['cross_node_rank_pairs']} | "
+                f"{r['qps']}"
+            )
+        else:
+            cross = "- | - | - | -"
+        lines.append(
+            f"| {topology_name(r)} | {r['dtype']} | {r['op']} | {r['sms_per_rank']} | {r['time_ms']:.3f} | "
+            f"{r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | {cross} |"
+        )
+    return lines
+
+
 def table_lines(rows: list[dict], decode: bool = False) -> list[str]:
     """The markdown table printed at the end of the run (decode: times in us, with the floor)."""
+    if any("scaleup_ranks" in r for r in rows):
+        return hybrid_table_lines(rows)
     if decode:
         lines = [
             "| EP | dtype | routing | op | SMs/rank | us | floor us | GB/s | % ceiling | torch us | x torch |",
@@ -479,7 +534,40 @@ def table_lines(rows: list[dict], decode: bool = False) -> list[str]:
     return lines
 
 
-def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quick, tokens, decode=False):
+def cross_node_pairs(idxs, n, scaleup):
+    """(token, destination node) pairs whose node is not the source's, and (token, destination rank) pairs whose
+    rank is on another node: what hybrid mode and direct mode across nodes send over the network."""
+    torch = _torch()
+    epr = NUM_EXPERTS // n
+    nodes = n // scaleup
+    by_node = by_rank = 0
+    for s, idx in enumerate(idxs):
+        home = s // scaleup
+        dst = (idx // epr).clamp_min(0)
+        valid = idx >= 0
+        rank_hot = torch.zeros(idx.shape[0], n, dtype=torch.bool, device=idx.device)
+        rank_hot.scatter_(1, torch.where(valid, dst, torch.full_like(dst, s)), True)
+        node_hot = rank_hot.view(idx.shape[0], nodes, scaleup).any(dim=2)
+        by_node += int(node_hot.sum()) - int(node_hot[:, home].sum())
+        by_rank += int(rank_hot.sum()) - int(rank_hot.view(-1, nodes, scaleup)[:, home].sum())
+    return by_node, by_rank
+
+
+def bench_config(
+    n,
+    fp8,
+    kind,
+    sms_list,
+    iters,
+    ceiling,
+    torch_iters,
+    rows,
+    quick,
+    tokens,
+    decode=False,
+    scaleup=None,
+    hybrid_run=False,
+):
     torch = _torch()
     from ep_core.loopback import LoopbackDomain
 
@@ -500,6 +588,22 @@ def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quic
     t_disp = t_comb = float("nan")
     if torch_iters:
         t_disp, t_comb = torch_baseline(xs, sfs, idxs, n, torch_iters, do_combine=not fp8)
+    hybrid_cols = {}
+    if hybrid_run:
+        hybrid_cols["scaleup_ranks"] = None
+    if scaleup is not None:
+        from ep_core import planner
+        from ep_core.topology import Topology
+
+        by_node, by_rank = cross_node_pairs(idxs, n, scaleup)
+        topo = Topology(num_ranks=n, num_nvlink_ranks=scaleup)
+        hybrid_cols = {
+            "scaleup_ranks": scaleup,
+            "cross_node_pairs": by_node,
+            "cross_node_bytes": by_node * d_tok,
+            "cross_node_rank_pairs": by_rank,
+            "qps": planner.get_theoretical_num_qps(topo, max(sms_list)),
+        }
     dom = LoopbackDomain(
         n,
         num_max_tokens_per_rank=tokens,
@@ -507,6 +611,7 @@ def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quic
         num_topk=TOPK,
         num_sms=max(sms_list),
         gpu_timeout_secs=20.0,
+        **({} if scaleup is None else {"num_scaleup_ranks": scaleup}),
     )
     allocs = [CachingAllocator(s) for s in dom.streams]
     for rank, a in zip(dom.ranks, allocs):
@@ -573,9 +678,40 @@ def bench_config(n, fp8, kind, sms_list, iters, ceiling, torch_iters, rows, quic
             rows.append(
                 make_row(n, fp8, kind, op, sms, ms, nbytes, base, ceiling, S / (n * tokens), decode=decode)
             )
+            rows[-1].update(hybrid_cols)
             print(progress_line(rows[-1]), flush=True)
     dom.close()
     torch.cuda.empty_cache()
+
+
+def plot_hybrid(rows, path, tokens):
+    """Hybrid run: time per op for each emulated topology (nodes x ranks per node) and direct-mode EP8."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover
+        print(f"no plot: {e}")
+        return
+    ops = ("dispatch", "dispatch_cached", "combine")
+
+    def name(r):
+        return f"{r['dtype']} {topology_name(r)}"
+
+    names = sorted({name(r) for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(ops)
+    for j, op in enumerate(ops):
+        vals = [next((r["time_ms"] for r in rows if name(r) == nm and r["op"] == op), 0.0) for nm in names]
+        ax.bar([i + j * width for i in range(len(names))], vals, width, label=op)
+    ax.set_xticks([i + width for i in range(len(names))], names)
+    ax.set_ylabel("time (ms, CUDA-graph replay)")
+    ax.set_title(f"loopback EP8, emulated nodes: T={tokens}, hidden {HIDDEN}, top-{TOPK} of {NUM_EXPERTS}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def plot(rows, path, tokens, decode=False):
@@ -675,6 +811,8 @@ def main(argv=None) -> int:
             plan.quick,
             plan.tokens,
             decode=plan.decode,
+            scaleup=c.scaleup,
+            hybrid_run=plan.hybrid,
         )
     result = {
         "device": props.name,
@@ -690,7 +828,10 @@ def main(argv=None) -> int:
         result["mode"] = "decode"
         result["iters"] = plan.iters
     (out / plan.json_name).write_text(json.dumps(result, indent=1))
-    plot(rows, out / plan.png_name, plan.tokens, decode=plan.decode)
+    if plan.hybrid:
+        plot_hybrid(rows, out / plan.png_name, plan.tokens)
+    else:
+        plot(rows, out / plan.png_name, plan.tokens, decode=plan.decode)
     print()
     for line in table_lines(rows, decode=plan.decode):
         print(line)

@@ -191,3 +191,54 @@ def _has_cuda() -> bool:
     except Exception:
         return False
     return torch.cuda.is_available()
+
+
+def test_hybrid_preset():
+    p = plan("--hybrid")
+    assert (p.hybrid, p.decode, p.tokens, p.torch_iters) == (True, False, 4096, 0)
+    assert (p.json_name, p.png_name) == ("bench_ep_hybrid.json", "bench_ep_hybrid.png")
+    assert [(c.ranks, c.fp8, c.scaleup) for c in p.configs] == [
+        (8, False, 4),
+        (8, False, 2),
+        (8, False, None),
+        (8, True, 4),
+        (8, True, 2),
+        (8, True, None),
+    ]
+    assert [(c.fp8, c.scaleup) for c in plan("--hybrid", "--quick").configs] == [
+        (False, 4),
+        (False, 2),
+        (False, None),
+    ]
+    with pytest.raises(SystemExit, match="separate runs"):
+        plan("--hybrid", "--decode")
+
+
+def test_cross_node_pairs_counts_each_node_once():
+    torch = pytest.importorskip("torch")
+    # 4 ranks as 2 nodes x 2; 256 experts -> 64 per rank. Source rank 0 (node 0):
+    # token 0 -> ranks 2 and 3 (node 1): one node pair, two rank pairs; token 1 -> rank 1 only (its own node);
+    # token 2 -> rank 2 and a -1 lane; token 3 -> nothing.
+    idx0 = torch.tensor([[128, 192], [64, 65], [130, -1], [-1, -1]])
+    none = torch.full((4, 2), -1)
+    by_node, by_rank = bench.cross_node_pairs([idx0, none, none, none], 4, 2)
+    assert (by_node, by_rank) == (2, 3)
+
+
+def test_hybrid_table_names_topology_and_crossing_bytes():
+    r = bench.make_row(8, False, "uniform", "dispatch", 16, 0.5, 2_000_000_000, float("nan"), 4000.0, 5.0)
+    r.update(
+        scaleup_ranks=4,
+        cross_node_pairs=1000,
+        cross_node_bytes=15_000_000,
+        cross_node_rank_pairs=2500,
+        qps=129,
+    )
+    d = bench.make_row(8, False, "uniform", "dispatch", 16, 0.4, 2_000_000_000, float("nan"), 4000.0, 5.0)
+    d["scaleup_ranks"] = None
+    lines = bench.table_lines([r, d])
+    assert lines[0].startswith("| topology | dtype | op |")
+    assert lines[2] == "| 2x4 | bf16 | dispatch | 16 | 0.500 | 4000 | 100.0 | 15.0 | 1000 | 2500 | 129 |"
+    assert lines[3].startswith("| direct | bf16 | dispatch | 16 | 0.400 |") and lines[3].endswith(
+        "| - | - | - | - |"
+    )
