@@ -28,6 +28,7 @@ __all__ = [
     "describe",
     "host_allocator",
     "host_array",
+    "host_copy",
     "to_numpy",
 ]
 
@@ -528,3 +529,20 @@ def to_numpy(array: Any) -> np.ndarray:
     span = sum((d - 1) * s for d, s in zip(info.shape, info.strides)) + info.itemsize
     buf = (ctypes.c_char * span).from_address(info.ptr)
     return np.ndarray(info.shape, dtype=storage, buffer=buf, strides=info.strides)
+
+
+def host_copy(array: Any) -> np.ndarray | None:
+    """A numpy copy of an array's bits (None stays None): numpy and host arrays through `to_numpy`, device arrays
+    that copy themselves to the host with `.numpy()` (ep_core.kernels' DeviceArray; synchronizes)."""
+    if array is None:
+        return None
+    if isinstance(array, np.ndarray):
+        return array.copy()
+    if describe(array).device == "cpu":
+        return np.array(to_numpy(array), copy=True)
+    numpy = getattr(array, "numpy", None)
+    if numpy is None:
+        raise EPTypeError(
+            f"array: cannot copy {type(array).__name__} device memory to the host; copy it first"
+        )
+    return np.asarray(numpy())

@@ -49,8 +49,8 @@ from typing import Any
 from ep_core import planner
 from ep_core.device_array import ArrayInfo, describe
 from ep_core.errors import EPTypeError, EPValueError
-from ep_core.executor import BufferConfig, CombineRequest, DispatchRequest
 from ep_core.handle import EPHandle
+from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest
 from ep_core.topology import MAX_TOPK
 
 __all__ = ["check_array", "make_combine_request", "make_dispatch_request", "resolve_num_sms"]

@@ -75,6 +75,7 @@ from ep_core.kernels.plan import (
     launch_geometry,
     plan_regions,
 )
+from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = [
     "TAG_NAMES",
@@ -124,63 +125,6 @@ class RankResources:
     num_ranks_on_device: int = 0
     """Ranks of the domain that drive this rank's GPU (itself included); 0 = unknown: every rank is assumed to
     share it (the conservative choice: small, non-cooperative grids)."""
-
-
-@dataclass(eq=False)
-class DispatchResult:
-    recv_x: DeviceArray | Any
-    recv_sf: DeviceArray | Any | None
-    recv_topk_idx: DeviceArray | Any | None
-    recv_topk_weights: DeviceArray | Any | None
-    handle: EPHandle
-
-    def to_reference(self) -> Any:
-        """The same result as numpy arrays, as an `ep_core.reference.DispatchOutput` (synchronizes)."""
-        from ep_core.reference import DispatchOutput
-
-        h = self.handle
-        handle = EPHandle(
-            h.do_expand,
-            h.num_experts,
-            h.expert_alignment,
-            h.num_max_tokens_per_rank,
-            h.num_sms,
-            _np(h.topk_idx),
-            h.num_recv_tokens,
-            h.num_expanded_tokens,
-            list(h.num_recv_tokens_per_expert_list),
-            _np(h.psum_num_recv_tokens_per_scaleup_rank),
-            _np(h.psum_num_recv_tokens_per_expert),
-            _np(h.num_unaligned_recv_tokens_per_expert),
-            _np(h.recv_src_metadata),
-            _np(h.dst_buffer_slot_idx),
-            num_ranks=h.num_ranks,
-            rank=h.rank,
-        )
-        return DispatchOutput(
-            _np(self.recv_x), _np(self.recv_sf), _np(self.recv_topk_idx), _np(self.recv_topk_weights), handle
-        )
-
-
-@dataclass(eq=False)
-class CombineResult:
-    combined_x: DeviceArray | Any
-    combined_topk_weights: DeviceArray | Any | None
-
-    def to_reference(self) -> Any:
-        from ep_core.reference import CombineOutput
-
-        return CombineOutput(_np(self.combined_x), _np(self.combined_topk_weights))
-
-
-def _np(a: Any) -> np.ndarray | None:
-    if a is None:
-        return None
-    if isinstance(a, DeviceArray):
-        return a.numpy()
-    if isinstance(a, np.ndarray):
-        return a
-    return np.asarray(a)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
+from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = ["GpuExecutor"]
 
@@ -152,8 +153,6 @@ class GpuExecutor:
         return alloc
 
     def dispatch(self, req: Any) -> Any:
-        from ep_core.executor import DispatchResult
-
         self._enter(req.stream)
         self.rank._allocator = self._allocator(req, req.x.dtype)
         try:
@@ -188,8 +187,6 @@ class GpuExecutor:
         )
 
     def combine(self, req: Any) -> Any:
-        from ep_core.executor import CombineResult
-
         self._enter(req.stream)
         self.rank._allocator = self._allocator(req, "bfloat16")
         bias = tuple(_view(b) for b in req.bias)

@@ -1,0 +1,294 @@
+"""The reference executor: `ep_core.reference` over host arrays, every rank's inputs exchanged through the
+bootstrap (CPU tests, and a CPU backend for any bootstrap). `ReferenceTransport` builds its host storage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ep_core import reference
+from ep_core.device_array import DeviceArray, describe, host_allocator, host_copy, to_numpy
+from ep_core.envelope import Channel
+from ep_core.errors import EPTypeError, EPValueError
+from ep_core.handle import EPHandle
+from ep_core.requests import BufferConfig, CombineRequest, CombineResult, DispatchRequest, DispatchResult
+
+__all__ = ["ReferenceExecutor", "ReferenceTransport"]
+
+
+class ReferenceTransport:
+    """Host storage and a `ReferenceExecutor` (CPU tests; a CPU backend for any bootstrap)."""
+
+    def __init__(
+        self,
+        num_device_sms: int = 132,
+        nvlink_gbs: float = 450.0,
+        rdma_gbs: float = 50.0,
+        num_nvlink_ranks: int | None = None,
+    ) -> None:
+        self._num_device_sms = num_device_sms
+        self._nvlink_gbs = nvlink_gbs
+        self._rdma_gbs = rdma_gbs
+        self._num_nvlink_ranks = num_nvlink_ranks
+
+    def num_nvlink_ranks(self, bootstrap: Any) -> int:
+        return self._num_nvlink_ranks or bootstrap.size
+
+    def allocate(self, bootstrap: Any, num_bytes: int) -> Any:
+        from ep_core.buffer_base import HostStorage
+
+        return HostStorage(num_bytes)
+
+    def create_executor(self, config: BufferConfig, buffer: Any) -> ReferenceExecutor:
+        ex = ReferenceExecutor(config, buffer.bootstrap, num_device_sms=self._num_device_sms)
+        ex.nvlink_gbs = self._nvlink_gbs
+        ex.rdma_gbs = self._rdma_gbs
+        return ex
+
+
+def _handle_key(h: EPHandle) -> tuple:
+    """What identifies a handle across ranks: the step of the dispatch that made it, and its layout."""
+    return (
+        getattr(h, "_ep_step", None),
+        h.num_experts,
+        h.num_max_tokens_per_rank,
+        h.do_expand,
+        h.expert_alignment,
+    )
+
+
+def _handle_np(h: EPHandle) -> EPHandle:
+    """A copy of a handle whose array fields are numpy arrays (for the exchange between ranks)."""
+    import dataclasses
+
+    fields = {}
+    for name in (
+        "topk_idx",
+        "psum_num_recv_tokens_per_scaleup_rank",
+        "psum_num_recv_tokens_per_expert",
+        "num_unaligned_recv_tokens_per_expert",
+        "recv_src_metadata",
+        "dst_buffer_slot_idx",
+    ):
+        v = getattr(h, name)
+        fields[name] = v if isinstance(v, np.ndarray) else host_copy(v)
+    return dataclasses.replace(
+        h,
+        **fields,
+        token_metadata_at_forward=None,
+        channel_linked_list=None,
+        cached_recv_src_metadata_before_sort=None,
+    )
+
+
+class ReferenceExecutor:
+    """Runs `ep_core.reference` for host arrays. Every rank gathers all ranks' inputs through the bootstrap,
+    computes the whole reference and keeps its own part, so it works across threads or processes."""
+
+    array_device = "cpu"
+    device_id = 0
+
+    def __init__(self, config: BufferConfig, bootstrap: Any, *, num_device_sms: int = 132) -> None:
+        self.config = config
+        self.bootstrap = bootstrap
+        self.num_device_sms = num_device_sms
+        self.nvlink_gbs: float | None = None
+        self.rdma_gbs: float | None = None
+        self.num_dispatches = 0
+        self.num_combines = 0
+        set_timeout = getattr(bootstrap, "set_timeout", None)
+        if set_timeout is not None:  # bound every host wait by the buffer's num_cpu_timeout_secs
+            set_timeout(config.num_cpu_timeout_secs)
+        self.channel = Channel(bootstrap)
+
+    def _dispatch_envelope(self, req: DispatchRequest) -> dict[str, Any]:
+        """The configuration of a dispatch that every rank must agree on."""
+        h = req.handle
+        return {
+            "num_experts": req.num_experts,
+            "num_max_tokens_per_rank": req.num_max_tokens_per_rank,
+            "hidden": req.hidden,
+            "num_topk": req.num_topk,
+            "x.dtype": req.x.dtype,
+            "sf": None if req.sf is None else (req.sf.dtype, req.num_sf_packs),
+            "topk_weights": req.topk_weights is not None,
+            "do_expand": req.do_expand,
+            "expert_alignment": req.expert_alignment,
+            "do_cpu_sync": req.do_cpu_sync,
+            "handle": None if h is None else _handle_key(h),
+        }
+
+    def _check_routing(self, req: DispatchRequest, idx: np.ndarray | None) -> None:
+        """This rank's expert ids, checked before the exchange so that the error is this rank's own (announced to
+        the peers, which raise `EPPeerError` naming this rank, the token and the lane)."""
+        if idx is None or idx.size == 0:
+            return
+        rank, e = self.config.rank, req.num_experts
+        bad = np.argwhere((idx < -1) | (idx >= e))
+        if bad.size:
+            t, k = (int(v) for v in bad[0])
+            raise EPValueError(
+                f"topk_idx[{t}, {k}] = {int(idx[t, k])} on rank {rank} (token {t}, lane {k}) is out of range: expected an expert id "
+                f"in [0, {e}) or -1 (no expert); other negative ids are rejected"
+            )
+        s = np.sort(idx, axis=1)
+        dup = np.argwhere((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0))
+        if dup.size:
+            t = int(dup[0][0])
+            v = int(s[t, dup[0][1]])
+            lanes = [int(k) for k in np.flatnonzero(idx[t] == v)]
+            raise EPValueError(
+                f"topk_idx[{t}] on rank {rank} (token {t}, lanes {lanes}): expert {v} appears twice (or more); each "
+                "expert may be chosen once per token"
+            )
+
+    @staticmethod
+    def _out(allocator: Any, a: np.ndarray | None, dtype: str) -> Any:
+        if a is None:
+            return None
+        arr = allocator(tuple(a.shape), dtype)
+        info = describe(arr, "allocator result")
+        if info.device != "cpu" or info.shape != tuple(a.shape) or info.dtype != dtype:
+            raise EPTypeError(
+                f"allocator: expected a host array {tuple(a.shape)} {dtype} for the reference executor, got "
+                f"{info.device} {info.shape} {info.dtype}"
+            )
+        view = to_numpy(arr)
+        view[...] = a.view(view.dtype) if a.dtype.itemsize == view.dtype.itemsize else a
+        return arr
+
+    def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        self.num_dispatches += 1
+        cfg = self.config
+        mine = {
+            "x": host_copy(req.x.obj),
+            "sf": host_copy(req.sf.obj) if req.sf is not None else None,
+            "topk_idx": host_copy(req.topk_idx.obj) if req.topk_idx is not None else None,
+            "topk_weights": host_copy(req.topk_weights.obj) if req.topk_weights is not None else None,
+            "handle": _handle_np(req.handle) if req.handle is not None else None,
+        }
+        if req.handle is None:
+            self._check_routing(req, mine["topk_idx"])
+        everyone = self.channel.exchange("dispatch", self._dispatch_envelope(req), mine)
+        xs = [(e["x"], e["sf"]) if e["sf"] is not None else e["x"] for e in everyone]
+        weights = [e["topk_weights"] for e in everyone]
+        weights_arg = None if weights[0] is None else weights
+        try:
+            if req.handle is None:
+                outs = reference.dispatch(
+                    xs,
+                    [e["topk_idx"] for e in everyone],
+                    weights_arg,
+                    num_experts=req.num_experts,
+                    num_max_tokens_per_rank=req.num_max_tokens_per_rank,
+                    expert_alignment=req.expert_alignment,
+                    do_expand=req.do_expand,
+                    do_cpu_sync=req.do_cpu_sync,
+                    use_tma_aligned_col_major_sf=False,
+                    num_scaleup_ranks=cfg.topology.num_scaleup_ranks,
+                    num_sms=req.num_sms,
+                )
+            else:
+                outs = reference.dispatch(xs, None, weights_arg, handles=[e["handle"] for e in everyone])
+        except ValueError as exc:  # raised alike on every rank (every rank computes the whole reference)
+            raise EPValueError(f"dispatch (reference, every rank): {exc}") from exc
+        out = outs[cfg.rank]
+        alloc = req.allocator
+        recv_x = self._out(alloc, out.recv_x, req.x.dtype)
+        recv_sf = None
+        if out.recv_sf is not None:
+            sf = np.ascontiguousarray(out.recv_sf)
+            if req.use_tma_aligned_col_major_sf:
+                rows = sf.shape[0]
+                storage = np.zeros((sf.shape[1], reference.align(rows, 4)), dtype=sf.dtype)
+                storage[:, :rows] = sf.T
+                sf = storage
+            recv_sf = self._out(alloc, sf, req.sf.dtype)
+        recv_idx = self._out(alloc, out.recv_topk_idx, "int64")
+        recv_w = self._out(alloc, out.recv_topk_weights, "float32")
+        if req.handle is not None:
+            handle = req.handle
+        else:
+            h = out.handle
+            topk_idx = (
+                self._out(
+                    alloc,
+                    h.topk_idx.astype(np.int64 if req.topk_idx.dtype == "int64" else np.int32),
+                    req.topk_idx.dtype,
+                )
+                if req.do_handle_copy
+                else req.topk_idx.obj
+            )
+            handle = EPHandle(
+                h.do_expand,
+                h.num_experts,
+                h.expert_alignment,
+                h.num_max_tokens_per_rank,
+                req.num_sms,
+                topk_idx,
+                h.num_recv_tokens,
+                h.num_expanded_tokens,
+                list(h.num_recv_tokens_per_expert_list),
+                self._out(alloc, h.psum_num_recv_tokens_per_scaleup_rank, "int32"),
+                self._out(alloc, h.psum_num_recv_tokens_per_expert, "int32"),
+                self._out(alloc, h.num_unaligned_recv_tokens_per_expert, "int32"),
+                self._out(alloc, h.recv_src_metadata, "int32"),
+                self._out(alloc, h.dst_buffer_slot_idx, "int32"),
+                num_ranks=cfg.num_ranks,
+                rank=cfg.rank,
+            )
+            handle._ep_step = self.channel.seq - 1  # which collective step made it: handle identity for peers
+            if req.cumulative_local_expert_recv_stats is not None:
+                stats = to_numpy(req.cumulative_local_expert_recv_stats.obj)
+                stats += h.num_unaligned_recv_tokens_per_expert.astype(stats.dtype)
+        return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
+
+    def combine(self, req: CombineRequest) -> CombineResult:
+        self.num_combines += 1
+        mine = {
+            "x": host_copy(req.x.obj),
+            "handle": _handle_np(req.handle),
+            "topk_weights": host_copy(req.topk_weights.obj) if req.topk_weights is not None else None,
+            "bias": tuple(host_copy(b.obj) for b in req.bias),
+        }
+        config = {
+            "hidden": req.hidden,
+            "num_topk": req.num_topk,
+            "handle": _handle_key(req.handle),
+            "topk_weights": req.topk_weights is not None,
+            "bias": len(req.bias),
+            "allow_multiple_reduction": req.allow_multiple_reduction,
+        }
+        everyone = self.channel.exchange("combine", config, mine)
+        weights = [e["topk_weights"] for e in everyone]
+        biases = [
+            None if not e["bias"] else e["bias"][0] if len(e["bias"]) == 1 else e["bias"] for e in everyone
+        ]
+        outs = reference.combine(
+            [e["x"] for e in everyone],
+            [e["handle"] for e in everyone],
+            topk_weights=None if weights[0] is None else weights,
+            bias=biases,
+            allow_multiple_reduction=req.allow_multiple_reduction,
+            num_scaleup_ranks=self.config.topology.num_scaleup_ranks,
+        )
+        out = outs[self.config.rank]
+        return CombineResult(
+            self._out(req.allocator, out.combined_x, "bfloat16"),
+            self._out(req.allocator, out.combined_topk_weights, "float32"),
+        )
+
+    def barrier(self) -> None:
+        self.channel.exchange("barrier", {})
+
+    def reset(self) -> None:
+        """Nothing to clear on the host; a collective like the GPU executor's."""
+        self.channel.exchange("reset", {})
+
+    def destroy(self) -> None:
+        return None
+
+    @staticmethod
+    def default_allocator(shape: tuple[int, ...], dtype: str) -> DeviceArray:
+        return host_allocator(shape, dtype)

@@ -1,0 +1,175 @@
+"""What crosses the executor boundary (`ep_core.executor`): the buffer's validated configuration, the validated
+requests that `ep_core.validation` builds, and the results an executor returns. One definition of each, shared by
+the reference executor, the GPU executor and the kernels' `DirectRank`; no behaviour beyond plain data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ep_core.device_array import ArrayInfo, host_copy
+from ep_core.handle import EPHandle
+from ep_core.planner import PlannerPolicy
+from ep_core.topology import Topology
+
+__all__ = [
+    "Allocator",
+    "BufferConfig",
+    "CombineRequest",
+    "CombineResult",
+    "DispatchRequest",
+    "DispatchResult",
+]
+
+Allocator = Callable[[tuple[int, ...], str], Any]
+"""`allocator(shape, dtype) -> array`: a new (contiguous, row-major) array on the executor's device."""
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """The validated construction parameters of an `EPBuffer` (what a transport needs to build an executor)."""
+
+    rank: int
+    num_ranks: int
+    topology: Topology
+    num_bytes: int  # GPU buffer + CPU buffer bytes (2 MiB aligned), without the workspace
+    num_cpu_bytes: int
+    num_workspace_bytes: int  # 2 MiB aligned workspace in front of the buffer
+    num_max_tokens_per_rank: int  # 0 = not given at construction
+    hidden: int  # 0 = not given
+    num_topk: int  # 0 = not given
+    num_experts: int  # 0 = not given
+    use_fp8_dispatch: bool
+    deterministic: bool
+    allow_hybrid_mode: bool
+    allow_multiple_reduction: bool
+    prefer_overlap_with_compute: bool
+    sl_idx: int
+    num_allocated_qps: int  # resolved (never 0)
+    num_cpu_timeout_secs: float
+    num_gpu_timeout_secs: float
+    explicitly_destroy: bool
+    policy: PlannerPolicy
+
+
+@dataclass(frozen=True)
+class DispatchRequest:
+    """A validated dispatch. Array fields are `ArrayInfo` (pointer, shape, byte strides, dtype; `.obj` is the
+    caller's object). `x` is `[T, H]` bf16 or FP8 data (float8_e4m3fn or uint8 bits); `sf` `[T, P]` 4-byte
+    scale packs with any strides (None for bf16); `topk_idx` `[T, K]` int64/int32, or None for a cached dispatch
+    (`handle.topk_idx` holds the routing); `topk_weights` `[T, K]` float32 or None."""
+
+    x: ArrayInfo
+    sf: ArrayInfo | None
+    topk_idx: ArrayInfo | None
+    topk_weights: ArrayInfo | None
+    handle: EPHandle | None  # cached dispatch when given
+    cumulative_local_expert_recv_stats: ArrayInfo | None  # [epr] int32, += unaligned counts
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    num_sf_packs: int  # 0 for bf16
+    elem_size: int  # 2 (bf16) or 1 (FP8)
+    num_experts: int
+    num_max_tokens_per_rank: int
+    expert_alignment: int
+    num_sms: int  # resolved, > 0
+    num_qps: int  # resolved, > 0
+    do_cpu_sync: bool
+    do_expand: bool
+    do_zero_padding: bool
+    do_handle_copy: bool
+    use_tma_aligned_col_major_sf: bool
+    deterministic: bool
+    allocator: Allocator
+    stream: int = 0
+    previous_event: Any = None
+    previous_event_before_epilogue: Any = None
+    async_with_compute_stream: bool = False
+    allocate_on_comm_stream: bool = False
+
+    @property
+    def is_cached(self) -> bool:
+        return self.handle is not None
+
+
+@dataclass(eq=False)
+class DispatchResult:
+    """Outputs of one rank's dispatch (`ep_core.executor` says their shapes); `event` only when async."""
+
+    recv_x: Any
+    recv_sf: Any | None
+    recv_topk_idx: Any | None
+    recv_topk_weights: Any | None
+    handle: EPHandle
+    event: Any = None
+
+    def to_reference(self) -> Any:
+        """The same result as numpy arrays, as an `ep_core.reference.DispatchOutput` (synchronizes)."""
+        from ep_core.reference import DispatchOutput
+
+        h = self.handle
+        handle = EPHandle(
+            h.do_expand,
+            h.num_experts,
+            h.expert_alignment,
+            h.num_max_tokens_per_rank,
+            h.num_sms,
+            host_copy(h.topk_idx),
+            h.num_recv_tokens,
+            h.num_expanded_tokens,
+            list(h.num_recv_tokens_per_expert_list),
+            host_copy(h.psum_num_recv_tokens_per_scaleup_rank),
+            host_copy(h.psum_num_recv_tokens_per_expert),
+            host_copy(h.num_unaligned_recv_tokens_per_expert),
+            host_copy(h.recv_src_metadata),
+            host_copy(h.dst_buffer_slot_idx),
+            num_ranks=h.num_ranks,
+            rank=h.rank,
+        )
+        return DispatchOutput(
+            host_copy(self.recv_x),
+            host_copy(self.recv_sf),
+            host_copy(self.recv_topk_idx),
+            host_copy(self.recv_topk_weights),
+            handle,
+        )
+
+
+@dataclass(frozen=True)
+class CombineRequest:
+    """A validated combine: `x` `[R, H]` bf16 (R = the handle's rows), `topk_weights` `[R, K]` (non-expand) /
+    `[R]` (expand) float32 or None, `bias` a tuple of 0, 1 or 2 `[T, H]` bf16 arrays (T = `handle.num_tokens`)."""
+
+    x: ArrayInfo
+    handle: EPHandle
+    topk_weights: ArrayInfo | None
+    bias: tuple[ArrayInfo, ...]
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    num_sms: int
+    num_qps: int
+    allow_multiple_reduction: bool
+    allocator: Allocator
+    stream: int = 0
+    previous_event: Any = None
+    previous_event_before_epilogue: Any = None
+    async_with_compute_stream: bool = False
+    allocate_on_comm_stream: bool = False
+
+
+@dataclass(eq=False)
+class CombineResult:
+    """`combined_x` `[T, H]` bf16; `combined_topk_weights` `[T, K]` float32 or None; `event` only when async."""
+
+    combined_x: Any
+    combined_topk_weights: Any | None
+    event: Any = None
+
+    def to_reference(self) -> Any:
+        """The same result as numpy arrays, as an `ep_core.reference.CombineOutput` (synchronizes)."""
+        from ep_core.reference import CombineOutput
+
+        return CombineOutput(host_copy(self.combined_x), host_copy(self.combined_topk_weights))
