@@ -5,7 +5,7 @@ Importing ep_core needs only numpy; the GPU pieces load their dependencies lazil
 
 from __future__ import annotations
 
-from ep_core import bf16, planner, reference, routing, validation
+from ep_core import agrs, bf16, engram, planner, pp, reference, routing, validation
 from ep_core.bootstrap import Bootstrap, LocalBootstrap, ThreadGroup
 from ep_core.buffer import EPBuffer, resolve_transport
 from ep_core.buffer_base import BufferAllocator, BufferBase, HostStorage, SymmetricStorage, TensorSpec
@@ -83,15 +83,18 @@ __all__ = [
     "Topology",
     "Transport",
     "__version__",
+    "agrs",
     "bf16",
     "default_num_allocated_qps",
     "describe",
+    "engram",
     "get_buffer_size_hint",
     "get_theoretical_num_qps",
     "get_theoretical_num_sms",
     "host_allocator",
     "host_array",
     "planner",
+    "pp",
     "reference",
     "resolve_transport",
     "routing",

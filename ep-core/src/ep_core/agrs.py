@@ -1,0 +1,226 @@
+"""All-gather sessions (DeepEP V2's AGRS: `agrs_*`, `all_gather`): sizes, configuration, the session state machine
+and a numpy reference.
+
+A session is a stretch of the buffer's data region, filled front to back: each `all_gather` of a tensor of `b`
+bytes takes the next `align(N * b, 32)` bytes; rank r's part sits at `offset + r * b`, and every rank copies its
+tensor into that place on every peer, so the gathered `[N, *shape]` result is a view of the buffer itself (no
+output allocation). `agrs_get_inplace_tensor` hands out rank r's part of the next all-gather ahead of time, so that
+a producer can write there directly and the all-gather skips the local copy. The results stay valid until the
+session ends; `destroy_agrs_session` waits for every peer to end it too before the space can be reused.
+
+Limits (`agrs_set_config`): `N > 1`, every rank in one NVLink domain, `num_max_session_bytes` (aligned to 32) of
+the data region, at most `num_max_all_gathers_per_session <= 32` all-gathers per session (one signal slot each).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ep_core.errors import EPStateError, EPValueError
+
+__all__ = [
+    "AGRS_ALIGN_BYTES",
+    "MAX_ALL_GATHERS_PER_SESSION",
+    "AGRSConfig",
+    "AGRSSession",
+    "all_gather_reference",
+    "get_agrs_buffer_size_hint",
+    "get_agrs_num_max_session_bytes",
+    "make_agrs_config",
+    "normalize_shapes",
+]
+
+AGRS_ALIGN_BYTES = 32
+#: signal slots per session in the workspace (DeepEP's kNumMaxInflightAGRS)
+MAX_ALL_GATHERS_PER_SESSION = 32
+_BUFFER_ALIGN = 2 << 20
+
+
+def _align(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def normalize_shapes(shapes: Any) -> tuple[list[tuple[int, ...]], bool]:
+    """`(list of shapes, batched)`: a single shape (a tuple of ints, a `torch.Size`) or a sequence of shapes."""
+    if isinstance(shapes, Sequence) and len(shapes) > 0 and isinstance(shapes[0], Sequence):
+        out = [tuple(int(d) for d in s) for s in shapes]
+        batched = True
+    elif isinstance(shapes, Sequence):
+        out = [tuple(int(d) for d in shapes)]
+        batched = False
+    else:
+        raise EPValueError(f"shapes: expected a shape or a sequence of shapes, got {shapes!r}")
+    for s in out:
+        if any(d < 0 for d in s):
+            raise EPValueError(f"shapes: expected non-negative dimensions, got {s}")
+    return out, batched
+
+
+def get_agrs_num_max_session_bytes(num_ranks: int, shapes: Any, itemsize: int) -> int:
+    """Bytes one session needs for all-gathers of `shapes`: `sum(align(N * prod(shape) * itemsize, 32))`."""
+    lst, _ = normalize_shapes(shapes)
+    return sum(_align(num_ranks * math.prod(s) * itemsize, AGRS_ALIGN_BYTES) for s in lst)
+
+
+def get_agrs_buffer_size_hint(num_max_session_bytes: int) -> int:
+    """`align(num_max_session_bytes, 2 MiB)`."""
+    if isinstance(num_max_session_bytes, bool) or not isinstance(num_max_session_bytes, int):
+        raise EPValueError(f"num_max_session_bytes: expected an int, got {num_max_session_bytes!r}")
+    if num_max_session_bytes <= 0:
+        raise EPValueError(f"num_max_session_bytes: expected > 0, got {num_max_session_bytes}")
+    return _align(num_max_session_bytes, _BUFFER_ALIGN)
+
+
+@dataclass(frozen=True)
+class AGRSConfig:
+    rank: int
+    num_ranks: int
+    num_max_session_bytes: int  # aligned to 32
+    num_max_all_gathers_per_session: int
+
+
+def make_agrs_config(
+    rank: int,
+    num_ranks: int,
+    num_nvlink_ranks: int,
+    num_buffer_bytes: int,
+    num_max_session_bytes: Any,
+    num_max_all_gathers_per_session: Any,
+) -> AGRSConfig:
+    """Validate `agrs_set_config`'s arguments (`num_buffer_bytes`: the data region)."""
+    for name, v in (
+        ("num_max_session_bytes", num_max_session_bytes),
+        ("num_max_all_gathers_per_session", num_max_all_gathers_per_session),
+    ):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise EPValueError(f"{name}: expected a positive int, got {v!r} (rank {rank})")
+    if num_ranks < 2:
+        raise EPValueError(
+            f"agrs_set_config: all-gather sessions need at least 2 ranks, the group has {num_ranks}"
+        )
+    if num_nvlink_ranks != num_ranks:
+        raise EPValueError(
+            f"agrs_set_config: every rank must be in one NVLink domain ({num_nvlink_ranks} of {num_ranks} ranks "
+            f"are, rank {rank})"
+        )
+    b, n = int(num_max_session_bytes), int(num_max_all_gathers_per_session)
+    if b > num_buffer_bytes:
+        raise EPValueError(
+            f"num_max_session_bytes: {b} exceeds the buffer ({num_buffer_bytes} bytes) on rank {rank}; size it with "
+            "get_agrs_buffer_size_hint()"
+        )
+    if n > MAX_ALL_GATHERS_PER_SESSION:
+        raise EPValueError(
+            f"num_max_all_gathers_per_session: expected <= {MAX_ALL_GATHERS_PER_SESSION}, got {n} (rank {rank})"
+        )
+    return AGRSConfig(rank, num_ranks, _align(b, AGRS_ALIGN_BYTES), n)
+
+
+class AGRSSession:
+    """The session state of one rank: which session, how far its region is filled, how many all-gathers ran.
+
+    Pure bookkeeping (offsets into the data region); the backends move the bytes."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.config: AGRSConfig | None = None
+        self.in_session = False
+        self.session_idx = 0  # sessions begun so far; the signal value of the current one
+        self.offset = 0  # bytes of the region used by this session's all-gathers
+        self.slot = 0  # all-gathers run in this session
+
+    def configure(self, config: AGRSConfig) -> None:
+        if self.in_session:
+            raise EPStateError(f"agrs_set_config: rank {self.rank} is inside a session; destroy it first")
+        self.config = config
+
+    def _require(self, op: str) -> AGRSConfig:
+        if self.config is None:
+            raise EPStateError(f"{op}: call agrs_set_config() first (rank {self.rank})")
+        if not self.in_session:
+            raise EPStateError(
+                f"{op}: rank {self.rank} is not inside an AGRS session; use create_agrs_session() or "
+                "`with buffer.agrs_new_session():`"
+            )
+        return self.config
+
+    def create(self) -> None:
+        if self.in_session:
+            raise EPStateError(
+                f"create_agrs_session: rank {self.rank} is already inside session {self.session_idx}; sessions do "
+                "not nest (call destroy_agrs_session() first)"
+            )
+        self.in_session = True
+        self.offset = 0
+        self.slot = 0
+        self.session_idx += 1
+
+    def destroy(self) -> int:
+        """End the session; returns its index (the value peers signal and wait for)."""
+        if not self.in_session:
+            raise EPStateError(f"destroy_agrs_session: rank {self.rank} is not inside an AGRS session")
+        self.in_session = False
+        return self.session_idx
+
+    def _check_fits(self, op: str, cfg: AGRSConfig, end: int) -> None:
+        if self.slot >= cfg.num_max_all_gathers_per_session:
+            raise EPValueError(
+                f"{op}: session {self.session_idx} already ran {self.slot} all-gathers "
+                f"(num_max_all_gathers_per_session) on rank {self.rank}; end the session and begin a new one"
+            )
+        if end > cfg.num_max_session_bytes:
+            raise EPValueError(
+                f"{op}: the session needs {end} bytes, more than num_max_session_bytes "
+                f"({cfg.num_max_session_bytes}) on rank {self.rank}; end the session (or raise the limit with "
+                "agrs_set_config and get_agrs_num_max_session_bytes)"
+            )
+
+    def inplace_offsets(self, nbytes_list: Sequence[int]) -> list[int]:
+        """Offsets of this rank's parts of the next all-gather(s), without using them up."""
+        cfg = self._require("agrs_get_inplace_tensor")
+        if len(nbytes_list) < 1:
+            raise EPValueError(f"shapes: expected at least one shape (rank {self.rank})")
+        out = []
+        off = self.offset
+        for b in nbytes_list:
+            self._check_fits("agrs_get_inplace_tensor", cfg, off + b * cfg.num_ranks)
+            out.append(off + b * self.rank)
+            off += _align(b * cfg.num_ranks, AGRS_ALIGN_BYTES)
+        return out
+
+    def plan_all_gather(
+        self, nbytes_list: Sequence[int], inplace: Sequence[int | None]
+    ) -> tuple[list[int], int]:
+        """Take the region of one (batched) all-gather: returns `(offsets of each gathered [N, ...] result, slot)`.
+
+        `inplace[i]` is the offset of tensor i when it already lies in the session region (else None); it must
+        be this rank's part of exactly this all-gather."""
+        cfg = self._require("all_gather")
+        if len(nbytes_list) < 1:
+            raise EPValueError(f"t: expected at least one tensor (rank {self.rank})")
+        offsets = []
+        off = self.offset
+        for i, (b, at) in enumerate(zip(nbytes_list, inplace, strict=True)):
+            if at is not None and at != off + b * self.rank:
+                raise EPValueError(
+                    f"t[{i}]: lies in the AGRS session region at byte {at}, but this all-gather's part for rank "
+                    f"{self.rank} is at {off + b * self.rank}; pass the tensors of agrs_get_inplace_tensor() in "
+                    "the same order and shapes, or a tensor outside the buffer"
+                )
+            offsets.append(off)
+            off += _align(b * cfg.num_ranks, AGRS_ALIGN_BYTES)
+        self._check_fits("all_gather", cfg, off)
+        self.offset = off
+        slot = self.slot
+        self.slot += 1
+        return offsets, slot
+
+
+def all_gather_reference(parts: list[np.ndarray]) -> np.ndarray:
+    """The oracle: rank r's tensor at index r of a new leading dimension."""
+    return np.stack(parts, axis=0)
