@@ -353,12 +353,67 @@ def run_executor(iters: int) -> list[tuple[str, float]]:
     return out
 
 
+class _CpuMockedTransport(_MockedTransport):
+    """The mocked GPU executor, taking host arrays (torch CPU tensors): ep_torch's path without CUDA streams."""
+
+    def create_executor(self, config, buffer):
+        ex = super().create_executor(config, buffer)
+        ex.array_device = "cpu"
+        return ex
+
+
+def run_torch(iters: int) -> list[tuple[str, float]]:
+    """ep_torch.ElasticBuffer.dispatch / combine (torch CPU tensors, a gloo group of one) over the mocked GPU
+    executor: ep_torch's own host work plus everything above; CUDA stream and event handling are not in it."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from ep_torch import buffer as tbuf
+        from ep_torch.launch import free_port, init_rank
+    except ImportError:
+        return []
+    out: list[tuple[str, float]] = []
+    own_group = not dist.is_initialized()
+    if own_group:
+        init_rank(0, 1, free_port(), "gloo")
+    saved = tbuf.make_core_transport
+    tbuf.make_core_transport = lambda choice: _CpuMockedTransport()
+    try:
+        with _MockedGpu():
+            buf = tbuf.ElasticBuffer(None, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=TOPK)
+            x = torch.ones(T, HIDDEN, dtype=torch.bfloat16)
+            idx = torch.arange(T * TOPK, dtype=torch.int64).reshape(T, TOPK) % NUM_EXPERTS
+            w = torch.ones(T, TOPK)
+            kw = dict(num_experts=NUM_EXPERTS, num_sms=16)
+            handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[3]
+            recv = torch.ones(handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+            ops = {
+                "ElasticBuffer.dispatch (torch CPU, mocked GPU, no CPU sync)": lambda: buf.dispatch(
+                    x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw
+                ),
+                "ElasticBuffer.dispatch (torch CPU, mocked GPU, cached)": lambda: buf.dispatch(
+                    x, handle=handle, num_sms=16
+                ),
+                "ElasticBuffer.combine (torch CPU, mocked GPU)": lambda: buf.combine(
+                    recv, handle, num_sms=16
+                ),
+            }
+            for name, fn in ops.items():
+                fn()
+                out.append((name, _time(fn, iters)))
+    finally:
+        tbuf.make_core_transport = saved
+        if own_group:
+            dist.destroy_process_group()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = run(args.iters) + run_executor(args.iters)
+    rows = run(args.iters) + run_executor(args.iters) + run_torch(args.iters)
     for name, us in rows:
         print(f"{name:55s} {us:9.2f} us/call")
     if args.json:

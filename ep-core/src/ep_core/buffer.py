@@ -29,8 +29,8 @@ from ep_core.executor import (
 )
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
+from ep_core.prepared import PreparedOps
 from ep_core.topology import MAX_TOPK, Topology
-from ep_core.validation import make_combine_request, make_dispatch_request
 
 __all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
 
@@ -68,6 +68,30 @@ def _nonneg_int(name: str, value: Any, hi: int | None = None) -> int:
     return value
 
 
+class _Announcing:
+    """`EPBuffer.announcing`'s context (a plain class: a generator-based context manager costs more per call)."""
+
+    __slots__ = ("buffer", "op", "outer", "step")
+
+    def __init__(self, buffer: EPBuffer, op: str) -> None:
+        self.buffer = buffer
+        self.op = op
+
+    def __enter__(self) -> None:
+        buf = self.buffer
+        self.outer = not buf._announcing_depth
+        buf._announcing_depth += 1
+        if self.outer:
+            self.step = buf._step()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        buf = self.buffer
+        buf._announcing_depth -= 1
+        if self.outer and isinstance(exc, Exception):
+            buf.announce_error(self.op, exc, self.step)
+        return False
+
+
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise EPTypeError(f"{name}: expected a bool, got {type(value).__name__}")
@@ -77,6 +101,8 @@ def _flag(name: str, value: Any) -> bool:
 class EPBuffer(BufferBase):
     """An expert-parallel communication buffer of one rank (constructor keywords as DeepEP's ElasticBuffer, plus
     `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`)."""
+
+    _announcing_depth = 0  # nesting of `announcing` blocks (only the outermost announces)
 
     def __init__(
         self,
@@ -211,6 +237,7 @@ class EPBuffer(BufferBase):
         if not isinstance(self._executor, Executor):
             raise EPTypeError(f"executor: expected an Executor, got {type(self._executor).__name__}")
         self._sm_cache: dict = {}
+        self._prepared = PreparedOps(self.config)
         self._destroyed = False
         boot.barrier()
 
@@ -314,11 +341,9 @@ class EPBuffer(BufferBase):
         stream: int = 0,
     ) -> DispatchResult:
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`."""
-        step = self._step()
-        try:
+        with self.announcing("dispatch"):
             self._check_alive()
-            req = make_dispatch_request(
-                self.config,
+            req = self._prepared.dispatch_request(
                 self._executor,
                 x,
                 topk_idx,
@@ -344,9 +369,6 @@ class EPBuffer(BufferBase):
                 sm_cache=self._sm_cache,
             )
             return self._executor.dispatch(req)
-        except Exception as exc:
-            self.announce_error("dispatch", exc, step)
-            raise
 
     def combine(
         self,
@@ -365,11 +387,9 @@ class EPBuffer(BufferBase):
         stream: int = 0,
     ) -> CombineResult:
         """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`."""
-        step = self._step()
-        try:
+        with self.announcing("combine"):
             self._check_alive()
-            req = make_combine_request(
-                self.config,
+            req = self._prepared.combine_request(
                 self._executor,
                 x,
                 handle,
@@ -385,11 +405,15 @@ class EPBuffer(BufferBase):
                 stream=stream,
             )
             return self._executor.combine(req)
-        except Exception as exc:
-            self.announce_error("combine", exc, step)
-            raise
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------
+    def announcing(self, op: str) -> _Announcing:
+        """`with buf.announcing(op): ...`: an exception leaving the block is announced to the peers
+        (`announce_error`, with the step counter read on entry). The one layer of announcement: a block nested in
+        another one of the same buffer (ep_torch's call around this buffer's own `dispatch`) passes its exception
+        on to the outermost, which announces it once."""
+        return _Announcing(self, op)
+
     def _step(self) -> int | None:
         """The host channel's step counter; for the GPU executors, whose kernels meet their peers on the device,
         the device-side launch counter (`launch_step`); None for an executor with neither."""

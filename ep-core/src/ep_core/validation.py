@@ -53,7 +53,15 @@ from ep_core.handle import EPHandle
 from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest
 from ep_core.topology import MAX_TOPK
 
-__all__ = ["check_array", "make_combine_request", "make_dispatch_request", "resolve_num_sms"]
+__all__ = [
+    "check_allocator",
+    "check_array",
+    "check_handle",
+    "check_stream",
+    "make_combine_request",
+    "make_dispatch_request",
+    "resolve_num_sms",
+]
 
 _INT_IDS = ("int64", "int32")
 _FP8 = ("float8_e4m3fn", "uint8")
@@ -154,7 +162,7 @@ def _resolve_num_qps(config: BufferConfig, num_qps: Any, num_sms: int) -> int:
     return num_qps
 
 
-def _check_stream(stream: Any) -> int:
+def check_stream(stream: Any) -> int:
     """The caller's stream handle: an int (0 = the default stream), or an object with an int `cuda_stream`
     (a torch / cupy stream)."""
     if stream is None:
@@ -175,7 +183,7 @@ def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_
         raise EPValueError("previous_event: requires allocate_on_comm_stream=True")
 
 
-# Handles that passed `_check_handle` -> what was checked: the buffer config (by identity: it is frozen), the
+# Handles that passed `check_handle` -> what was checked: the buffer config (by identity: it is frozen), the
 # target's device and every scalar field the rules read (by value), every array field (the object itself, compared by
 # identity and kept alive here so that its id cannot be reused) and its shape. A handle whose fingerprint is
 # unchanged passed the very same checks; any field replaced, resized or re-shaped, another buffer or device: the full
@@ -218,7 +226,7 @@ def _fingerprint_matches(old: tuple, new: tuple) -> bool:
     )
 
 
-def _check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
+def check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
     if not isinstance(handle, EPHandle):
         raise EPTypeError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
     try:
@@ -313,7 +321,7 @@ def _check_capacity(config: BufferConfig, what: str, needed: int) -> None:
         )
 
 
-def _check_allocator(allocator: Any, target: Any) -> Callable:
+def check_allocator(allocator: Any, target: Any) -> Callable:
     if allocator is None:
         allocator = getattr(target, "default_allocator", None)
     if not callable(allocator):
@@ -383,7 +391,7 @@ def make_dispatch_request(
     _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)  # D15
 
     if handle is not None:  # D11 (cached)
-        handle = _check_handle(config, target, handle)
+        handle = check_handle(config, target, handle)
         if topk_idx is not None:
             raise EPValueError("topk_idx: must be None for a cached dispatch (the handle holds the routing)")
         if do_cpu_sync:
@@ -462,7 +470,7 @@ def make_dispatch_request(
     # D16
     packs = sfi.shape[1] if sfi is not None else 0
     _check_capacity(config, "dispatch", _dispatch_bytes(hidden, elem, packs, k, config.topology, m))
-    alloc = _check_allocator(allocator, target)  # D17
+    alloc = check_allocator(allocator, target)  # D17
     return DispatchRequest(
         x=xi,
         sf=sfi,
@@ -487,7 +495,7 @@ def make_dispatch_request(
         use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
         deterministic=config.deterministic,
         allocator=alloc,
-        stream=_check_stream(stream),
+        stream=check_stream(stream),
         previous_event=previous_event,
         previous_event_before_epilogue=previous_event_before_epilogue,
         async_with_compute_stream=async_with_compute_stream,
@@ -515,7 +523,7 @@ def make_combine_request(
     """Validate a combine (rules C1-C6 of the module doc) and resolve its defaults."""
     if handle is None:
         raise EPValueError("handle: required (the handle returned by dispatch)")
-    h = _check_handle(config, target, handle)  # C2
+    h = check_handle(config, target, handle)  # C2
     if isinstance(x, (tuple, list)):
         raise EPTypeError(f"x: expected one bf16 array, got a {type(x).__name__}")
     xi = check_array("x", x, target, dtypes=("bfloat16",), ndim=2)  # C1
@@ -563,7 +571,7 @@ def make_combine_request(
     sms = resolve_num_sms(config, target, num_sms, h.num_experts, k, h)
     qps = _resolve_num_qps(config, num_qps, sms)
     _check_capacity(config, "combine", _combine_bytes(hidden, k, config.topology, m, bool(amr)))
-    alloc = _check_allocator(allocator, target)
+    alloc = check_allocator(allocator, target)
     return CombineRequest(
         x=xi,
         handle=h,
@@ -576,7 +584,7 @@ def make_combine_request(
         num_qps=qps,
         allow_multiple_reduction=amr,
         allocator=alloc,
-        stream=_check_stream(stream),
+        stream=check_stream(stream),
         previous_event=previous_event,
         previous_event_before_epilogue=previous_event_before_epilogue,
         async_with_compute_stream=async_with_compute_stream,

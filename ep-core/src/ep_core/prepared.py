@@ -1,0 +1,338 @@
+"""The prepared-operation cache: a repeated dispatch / combine of the same shapes reuses its validated request.
+
+The road of one call is validate (`ep_core.validation`) -> plan (`ep_core.planner`, `ep_core.kernels.plan`) ->
+launch (the executor). Validation and planning depend only on what shapes the launch: every array's dtype, shape,
+byte strides and device, the scalar arguments and flags (with their types: `True` is not `1` here), the handle's
+layout fields, and the device attributes of the executor. `PreparedOps` keys its entries by exactly those, so a call
+whose key was seen before passed the very same checks and resolved the very same SM / QP counts; it then only does
+the per-call work: read each array's pointer (`describe`, which also re-derives every keyed attribute), check the
+handle (`validation.check_handle`, itself cached by fingerprint), the allocator and the stream, and build the request.
+
+A key never seen, or any argument the key cannot describe (a list, an odd object, an error), goes through the full
+validation, which raises exactly what an uncached call raises. Entries are only added after the full validation
+succeeded, so an error is never cached. One `PreparedOps` belongs to one buffer (its frozen `BufferConfig`); the
+executor's device attributes are part of every key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ep_core.device_array import ArrayInfo, describe
+from ep_core.handle import EPHandle
+from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest
+from ep_core.validation import (
+    check_allocator,
+    check_handle,
+    check_stream,
+    make_combine_request,
+    make_dispatch_request,
+)
+
+__all__ = ["PreparedOps"]
+
+_MAX_ENTRIES = (
+    256  # distinct shapes of one buffer; a workload cycling through more is cleared and re-validated
+)
+
+# request fields that change from call to call (everything else comes from the entry)
+_DISPATCH_PER_CALL = (
+    "x",
+    "sf",
+    "topk_idx",
+    "topk_weights",
+    "handle",
+    "cumulative_local_expert_recv_stats",
+    "allocator",
+    "stream",
+    "previous_event",
+    "previous_event_before_epilogue",
+)
+_COMBINE_PER_CALL = (
+    "x",
+    "handle",
+    "topk_weights",
+    "bias",
+    "allocator",
+    "stream",
+    "previous_event",
+    "previous_event_before_epilogue",
+)
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _layout(info: ArrayInfo) -> tuple:
+    """What the checks read from an array (everything but the pointer and the object)."""
+    return (info.dtype, info.shape, info.strides, info.device, info.device_id)
+
+
+def _handle_layout(h: EPHandle) -> tuple:
+    """The handle fields the dispatch / combine rules and resolved defaults read (its arrays are checked by
+    `check_handle` on every call)."""
+    return (
+        h.do_expand,
+        h.num_experts,
+        h.num_max_tokens_per_rank,
+        h.expert_alignment,
+        h.num_sms,
+        h.num_recv_tokens,
+        h.num_expanded_tokens,
+        h.num_topk,
+        h.num_tokens,
+        h.num_ranks,
+        h.rank,
+    )
+
+
+def _typed(values: tuple) -> tuple:
+    """Scalars with their types (so that 1 and True, or 16 and 16.0, are different keys)."""
+    return values + tuple(map(type, values))
+
+
+def _build(cls: type, fields: dict, per_call: dict) -> Any:
+    """A frozen request from its cached fields and this call's (no per-field `object.__setattr__`)."""
+    req = _new(cls)
+    _set(req, "__dict__", {**fields, **per_call})
+    return req
+
+
+class PreparedOps:
+    """Validated dispatch / combine requests of one buffer, by launch shape (module doc)."""
+
+    def __init__(self, config: BufferConfig) -> None:
+        self.config = config
+        self._dispatch: dict[tuple, dict] = {}
+        self._combine: dict[tuple, dict] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self._dispatch.clear()
+        self._combine.clear()
+
+    @staticmethod
+    def _device(target: Any) -> tuple:
+        """The executor attributes the rules and the SM planner read."""
+        return (
+            getattr(target, "array_device", "cuda"),
+            getattr(target, "device_id", 0),
+            getattr(target, "num_device_sms", 0),
+            getattr(target, "nvlink_gbs", None),
+            getattr(target, "rdma_gbs", None),
+        )
+
+    def _store(self, table: dict, key: tuple, req: Any, per_call: tuple) -> None:
+        if len(table) >= _MAX_ENTRIES:
+            table.clear()
+        table[key] = {k: v for k, v in req.__dict__.items() if k not in per_call}
+
+    # ------------------------------------------------------------------------------------------------- dispatch
+    def dispatch_request(
+        self,
+        target: Any,
+        x: Any,
+        topk_idx: Any = None,
+        topk_weights: Any = None,
+        *,
+        cumulative_local_expert_recv_stats: Any = None,
+        num_experts: Any = None,
+        num_max_tokens_per_rank: Any = None,
+        expert_alignment: Any = None,
+        num_sms: Any = 0,
+        num_qps: Any = 0,
+        previous_event: Any = None,
+        previous_event_before_epilogue: Any = None,
+        async_with_compute_stream: Any = False,
+        allocate_on_comm_stream: Any = False,
+        handle: Any = None,
+        do_handle_copy: Any = True,
+        do_cpu_sync: Any = None,
+        do_expand: Any = False,
+        do_zero_padding: Any = False,
+        use_tma_aligned_col_major_sf: Any = False,
+        allocator: Any = None,
+        stream: Any = 0,
+        sm_cache: dict | None = None,
+    ) -> DispatchRequest:
+        """`validation.make_dispatch_request` for this buffer, served from the cache when the shapes repeat."""
+        try:
+            if type(x) is tuple and len(x) == 2:
+                xi = describe(x[0])
+                sfi = describe(x[1])
+                x_key: tuple = (_layout(xi), _layout(sfi))
+            elif type(x) is tuple:
+                raise TypeError  # the full validation names the rule
+            else:
+                xi = describe(x)
+                sfi = None
+                x_key = _layout(xi)
+            ti = None if topk_idx is None else describe(topk_idx)
+            wi = None if topk_weights is None else describe(topk_weights)
+            si = (
+                None
+                if cumulative_local_expert_recv_stats is None
+                else describe(cumulative_local_expert_recv_stats)
+            )
+            if handle is not None and type(handle) is not EPHandle:
+                raise TypeError  # the full validation names the rule
+            key = (
+                x_key,
+                None if ti is None else _layout(ti),
+                None if wi is None else _layout(wi),
+                None if si is None else _layout(si),
+                None if handle is None else _handle_layout(handle),
+                previous_event is None,
+                self._device(target),
+                _typed(
+                    (
+                        num_experts,
+                        num_max_tokens_per_rank,
+                        expert_alignment,
+                        num_sms,
+                        num_qps,
+                        async_with_compute_stream,
+                        allocate_on_comm_stream,
+                        do_handle_copy,
+                        do_cpu_sync,
+                        do_expand,
+                        do_zero_padding,
+                        use_tma_aligned_col_major_sf,
+                    )
+                ),
+            )
+            entry = self._dispatch.get(key)
+        except Exception:  # not describable here: the full validation raises (or accepts) it
+            entry = key = None
+        if entry is not None:
+            if handle is not None:
+                check_handle(self.config, target, handle)
+            per_call = {
+                "x": xi,
+                "sf": sfi,
+                "topk_idx": ti,
+                "topk_weights": wi,
+                "handle": handle,
+                "cumulative_local_expert_recv_stats": si,
+                "allocator": check_allocator(allocator, target),
+                "stream": check_stream(stream),
+                "previous_event": previous_event,
+                "previous_event_before_epilogue": previous_event_before_epilogue,
+            }
+            self.hits += 1
+            return _build(DispatchRequest, entry, per_call)
+        self.misses += 1
+        req = make_dispatch_request(
+            self.config,
+            target,
+            x,
+            topk_idx,
+            topk_weights,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            num_experts=num_experts,
+            num_max_tokens_per_rank=num_max_tokens_per_rank,
+            expert_alignment=expert_alignment,
+            num_sms=num_sms,
+            num_qps=num_qps,
+            previous_event=previous_event,
+            previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            handle=handle,
+            do_handle_copy=do_handle_copy,
+            do_cpu_sync=do_cpu_sync,
+            do_expand=do_expand,
+            do_zero_padding=do_zero_padding,
+            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+            allocator=allocator,
+            stream=stream,
+            sm_cache=sm_cache,
+        )
+        if key is not None:
+            self._store(self._dispatch, key, req, _DISPATCH_PER_CALL)
+        return req
+
+    # -------------------------------------------------------------------------------------------------- combine
+    def combine_request(
+        self,
+        target: Any,
+        x: Any,
+        handle: Any,
+        topk_weights: Any = None,
+        bias: Any = None,
+        *,
+        num_sms: Any = 0,
+        num_qps: Any = 0,
+        previous_event: Any = None,
+        previous_event_before_epilogue: Any = None,
+        async_with_compute_stream: Any = False,
+        allocate_on_comm_stream: Any = False,
+        allocator: Any = None,
+        stream: Any = 0,
+    ) -> CombineRequest:
+        """`validation.make_combine_request` for this buffer, served from the cache when the shapes repeat."""
+        try:
+            if type(handle) is not EPHandle or type(x) in (tuple, list):
+                raise TypeError  # the full validation names the rule
+            xi = describe(x)
+            wi = None if topk_weights is None else describe(topk_weights)
+            if bias is None:
+                bi: tuple = ()
+                bias_key: Any = None
+            elif type(bias) is tuple:
+                if len(bias) != 2:
+                    raise TypeError
+                bi = tuple(describe(b) for b in bias)
+                bias_key = ("pair", *map(_layout, bi))
+            elif type(bias) is list:
+                raise TypeError
+            else:
+                bi = (describe(bias),)
+                bias_key = ("one", _layout(bi[0]))
+            key = (
+                _layout(xi),
+                None if wi is None else _layout(wi),
+                bias_key,
+                _handle_layout(handle),
+                previous_event is None,
+                self._device(target),
+                _typed((num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream)),
+            )
+            entry = self._combine.get(key)
+        except Exception:  # not describable here: the full validation raises (or accepts) it
+            entry = key = None
+        if entry is not None:
+            check_handle(self.config, target, handle)
+            per_call = {
+                "x": xi,
+                "handle": handle,
+                "topk_weights": wi,
+                "bias": bi,
+                "allocator": check_allocator(allocator, target),
+                "stream": check_stream(stream),
+                "previous_event": previous_event,
+                "previous_event_before_epilogue": previous_event_before_epilogue,
+            }
+            self.hits += 1
+            return _build(CombineRequest, entry, per_call)
+        self.misses += 1
+        req = make_combine_request(
+            self.config,
+            target,
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms=num_sms,
+            num_qps=num_qps,
+            previous_event=previous_event,
+            previous_event_before_epilogue=previous_event_before_epilogue,
+            async_with_compute_stream=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream,
+            allocator=allocator,
+            stream=stream,
+        )
+        if key is not None:
+            self._store(self._combine, key, req, _COMBINE_PER_CALL)
+        return req
