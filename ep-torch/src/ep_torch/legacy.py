@@ -5,18 +5,26 @@ Normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``) runs one determ
 inner ``ElasticBuffer``: its rows are already V1's (one per (source token, this rank), source rank then token order;
 ``recv_topk_idx`` local with -1). V1 differences translated here: ``recv_topk_weights`` is 0 on lanes whose expert is
 not on this rank, the handle is V1's 6-tuple (with ep's handle inside for combine), ``num_worst_tokens`` pads rows.
+It runs on the caller's stream (after ``previous_event``); ``async_finish`` returns an event recorded there.
 
-Low-latency mode is a torch epilogue over the same dispatch: the rows are scattered into the packed masked layout
-``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` (expert e's rows in source order), with
-FP8 cast in torch. A fused kernel epilogue (and a split send/wait) is later work: ``hook()`` is a no-op and the data
-is complete when the call returns. ``low_latency_combine`` weights by ``topk_weights`` like V1: it sends the weights
-to the expert ranks (a cached dispatch), weights and sums each token's local experts there (fp32, rounded to bf16)
-and runs ep's unweighted combine, so results are close to V1's (one extra bf16 rounding per rank), not bitwise.
+Low-latency mode (``legacy_ll``) has fixed shapes and no host sync, so dispatch + combine can be captured in a CUDA
+graph. Its numerics are defined by ``legacy_reference`` (numpy) and met bit for bit on CPU and GPU:
+- dispatch: ``recv_x[e, :recv_count[e]]`` are expert e's rows in (source rank, source token) order, exact copies;
+  FP8 per 128 channels ``scale = amax / 448`` (fp32, ``amax >= 1e-4``; ``round_scale``: up to a power of two by its
+  bits), ``q = e4m3(x / scale)`` round to nearest even;
+- combine: ``combined[t] = bf16(acc)``, ``acc`` = +0.0 then, for each lane k ascending with an expert,
+  ``acc = acc + fp32(y[t, k]) * w[t, k]`` as a separate fp32 multiply and add (no FMA), one bf16 rounding.
+``return_recv_hook=True`` issues the work at once on the communication stream and returns; ``hook()`` makes the
+then-current stream wait for it (no data is promised before). The caller's stream and the host are free meanwhile;
+ep's kernels still occupy their SMs until the peers' data has arrived (no separate receive kernel).
 
 Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
-``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``comm``) are accepted and ignored: ep sizes
-its own buffer. Ours, keyword only: ``num_max_tokens_per_rank`` and ``hidden`` size the inner buffer up front;
-without them each non-cached normal dispatch all-reduces (tokens, hidden) to size it (one small collective).
+``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
+chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Options ep does not implement raise
+``NotImplementedError`` naming the option (``enable_shrink`` and the mask-buffer methods, ``comm=``, ``use_logfmt``,
+the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). Ours, keyword only: ``num_max_tokens_per_rank``
+and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
+(tokens, hidden) to size it (one small collective).
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ import torch
 import torch.distributed as dist
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
+from . import _env
 from .buffer import ElasticBuffer
 from .event import EventHandle, EventOverlap
+from .legacy_fp8 import per_token_cast_to_fp8
+from .legacy_ll import LowLatencyHandle, ll_combine, ll_dispatch, weighted_lane_sum
 
-__all__ = ["Buffer", "Config", "V1Handle"]
+__all__ = ["Buffer", "Config", "LowLatencyHandle", "V1Handle", "per_token_cast_to_fp8"]
 
 
 class Config:
@@ -113,29 +124,6 @@ class V1Handle(tuple):
         return obj
 
 
-class _LowLatencyHandle(tuple):
-    """V1's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``:
-    ``src_info`` [E_local, N*M] int32 (source token of each packed row, -1 past recv_count), ``layout_range``
-    [E_local, N] int64 ((offset << 32) | count of each source rank's block, V1's packing). ``ep_handle``, ``rows``
-    (packed row -> dispatch row) and ``recv_count`` drive combine."""
-
-    ep_handle: Any
-    rows: torch.Tensor
-    recv_count: torch.Tensor
-    recv_idx: torch.Tensor  # the dispatch rows' local expert ids (-1 elsewhere)
-
-    def __new__(
-        cls, items: tuple, ep_handle: Any, rows: torch.Tensor, recv_count: torch.Tensor
-    ) -> _LowLatencyHandle:
-        obj = super().__new__(cls, items)
-        obj.ep_handle, obj.rows, obj.recv_count = ep_handle, rows, recv_count
-        return obj
-
-
-def _no_hook() -> None:
-    """ep's low-latency data is complete when the call returns (the split send/wait is later work)."""
-
-
 class Buffer:
     """DeepEP V1's ``Buffer``: normal mode and low-latency mode on ep's runtime (see the module docstring)."""
 
@@ -177,6 +165,8 @@ class Buffer:
         self._sized = (0, 0)
         self._destroyed = False
         self._ll_combine_buffers: list[torch.Tensor | None] = [None, None]
+        self._ll_inner: ElasticBuffer | None = None
+        self._ll_key: tuple[int, int, int] | None = None
         self._ll_idx = 0
         self._user_sized = num_max_tokens_per_rank > 0 and hidden > 0
         if self._user_sized:
@@ -223,9 +213,10 @@ class Buffer:
         """Release the inner buffer (collective). V1's rule: only with ``explicitly_destroy=True``."""
         if not self.explicitly_destroy:
             raise EPStateError("destroy: `explicitly_destroy` flag must be set (V1's rule)")
-        if self._inner is not None:
-            self._inner.destroy()
-        self._inner, self._destroyed = None, True
+        for inner in (self._inner, self._ll_inner):
+            if inner is not None:
+                inner.destroy()
+        self._inner, self._ll_inner, self._destroyed = None, None, True
 
     def is_available(self) -> bool:
         return not self._destroyed
@@ -280,6 +271,7 @@ class Buffer:
         """``(num_tokens_per_rank [N] int32, None (intranode), num_tokens_per_expert [E] int32, is_token_in_rank
         [T, N] bool, event)``, computed in torch from ``topk_idx``."""
         _check_topk(topk_idx, num_experts, self.group_size, self.rank)
+        _wait_previous(previous_event)
         n = self.group_size
         epr = num_experts // n
         valid = topk_idx >= 0
@@ -289,7 +281,7 @@ class Buffer:
         is_token_in_rank = in_rank[:, :n].contiguous()
         per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
         per_expert = torch.bincount(topk_idx[valid].flatten(), minlength=num_experts).to(torch.int32)
-        return per_rank, None, per_expert, is_token_in_rank, self._done(async_finish)
+        return per_rank, None, per_expert, is_token_in_rank, self._done(async_finish, topk_idx.is_cuda)
 
     def dispatch(
         self,
@@ -311,6 +303,7 @@ class Buffer:
         """V1 normal dispatch: ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event)``; a cached dispatch (``handle=``) returns ``(recv_x, None, None, None, None, event)``."""
         data = x[0] if isinstance(x, tuple) else x
+        _wait_previous(previous_event)
         num_sms = (config or self.get_dispatch_config(self.group_size)).num_sms
         if handle is not None:
             if not isinstance(handle, V1Handle):
@@ -325,7 +318,8 @@ class Buffer:
             if inner is None:
                 raise EPStateError("dispatch: handle given but the buffer was rebuilt or destroyed")
             recv_x, _, _, _, _ = inner.dispatch(x, handle=handle.ep_handle, num_sms=num_sms)
-            return self._rows(recv_x, handle.num_rows), None, None, None, None, self._done(async_finish)
+            done = self._done(async_finish, data.is_cuda)
+            return self._rows(recv_x, handle.num_rows), None, None, None, None, done
         if (
             topk_idx is None
             or num_tokens_per_expert is None
@@ -374,7 +368,7 @@ class Buffer:
             recv_idx = _pad(recv_idx, rows, -1)
             recv_w = _pad(recv_w, rows, 0)
         v1 = V1Handle(self._handle_tensors(ep_handle, is_token_in_rank, topk_idx), ep_handle, rows)
-        return recv_x, recv_idx, recv_w, counts, v1, self._done(async_finish)
+        return recv_x, recv_idx, recv_w, counts, v1, self._done(async_finish, data.is_cuda)
 
     def _handle_tensors(self, ep_handle: Any, is_token_in_rank: Any, topk_idx: torch.Tensor) -> tuple:
         n = self.group_size
@@ -426,15 +420,76 @@ class Buffer:
             )
         if self._inner is None:
             raise EPStateError("combine: the buffer was destroyed")
+        _wait_previous(previous_event)
         ep_handle = handle.ep_handle
         rows = int(ep_handle.num_recv_tokens)
         w = None if topk_weights is None else topk_weights[:rows].float()
         num_sms = (config or self.get_combine_config(self.group_size)).num_sms
         out, out_w, _ = self._inner.combine(x[:rows], ep_handle, topk_weights=w, bias=bias, num_sms=num_sms)
-        return out, out_w, self._done(async_finish)
+        return out, out_w, self._done(async_finish, x.is_cuda)
 
     # ----------------------------------------------------------------------------------------------------------------
     # low-latency mode
+
+    def _ensure_ll(self, m: int, hidden: int, num_topk: int) -> ElasticBuffer:
+        """The low-latency inner buffer: M tokens, combine rows of K*hidden (see ``legacy_ll``). V1's contract (M,
+        hidden, K equal on every rank) makes a rebuild collective without a collective to agree first."""
+        if self._destroyed:
+            raise EPStateError("Buffer: used after destroy(); create a new buffer")
+        key = (m, hidden, num_topk)
+        if self._ll_inner is None or self._ll_key != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise EPStateError(
+                    f"low_latency_dispatch (rank {self.rank}): the first call with num_max_dispatch_tokens_per_rank="
+                    f"{m}, hidden={hidden}, num_topk={num_topk} builds the buffer (a collective): run it once before "
+                    "CUDA-graph capture"
+                )
+            if self._ll_inner is not None:
+                self._ll_inner.destroy()
+            self._ll_inner = ElasticBuffer(
+                self.group,
+                num_max_tokens_per_rank=m,
+                hidden=num_topk * hidden,
+                num_topk=num_topk,
+                deterministic=True,  # rows in (source rank, source token) order: V1's packed order
+                explicitly_destroy=True,
+                transport=self._transport,
+            )
+            self._ll_key = key
+        return self._ll_inner
+
+    def _on_comm(
+        self, cuda: bool, async_finish: bool, return_recv_hook: bool, inputs: tuple, fn: Any
+    ) -> tuple[Any, EventOverlap, Any]:
+        """Run ``fn`` and return ``(result, event, hook)`` with V1's stream semantics.
+
+        Without ``async_finish``/``return_recv_hook`` the work runs on the caller's stream. With either, it is issued
+        at once on the communication stream (which first waits for the caller's stream) and the caller's stream does
+        not wait: ``hook()`` (or ``event.current_stream_wait()``) makes the then-current stream wait for it. The host
+        never blocks. What overlaps: the caller's stream runs its own work meanwhile; ep's kernels still hold their
+        SMs until the peers' data has arrived (there is no separate receive kernel to launch later)."""
+        if not cuda or not (async_finish or return_recv_hook):
+            out = fn()
+            event = (
+                EventOverlap(EventHandle(device="cuda" if cuda else "cpu"))
+                if async_finish
+                else EventOverlap(None)
+            )
+            return out, event, (_data_complete if return_recv_hook else None)
+        compute = torch.cuda.current_stream()
+        comm = self.get_comm_stream()
+        assert comm is not None
+        comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            out = fn()
+            done = EventHandle(comm)
+        if not torch.cuda.is_current_stream_capturing() and not _env.avoid_record_stream():
+            for t in _tensors(inputs):
+                t.record_stream(comm)  # the caller may drop its inputs before the comm stream has read them
+            for t in _tensors(out):
+                t.record_stream(compute)  # results live on the comm stream's pool, used on the caller's
+        hook = done.current_stream_wait if return_recv_hook else None
+        return out, (EventOverlap(done) if async_finish else EventOverlap(None)), hook
 
     def low_latency_dispatch(
         self,
@@ -449,10 +504,13 @@ class Buffer:
         use_ue8m0: bool = False,
         async_finish: bool = False,
         return_recv_hook: bool = False,
-    ) -> tuple[Any, torch.Tensor, _LowLatencyHandle, EventOverlap, Any]:
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
         """V1 low-latency dispatch into the packed masked layout: ``(recv_x [E_local, N*M, H] (bf16, or (fp8, scales
-        [E_local, N*M, H/128] float32 | packed int32 with use_ue8m0)), recv_count [E_local] int32, handle, event,
-        hook)``. ``recv_x[e, :recv_count[e]]`` are expert e's rows, source rank then source token."""
+        [E_local, N*M, H/128] float32 | [E_local, N*M, H/512] int32 with use_ue8m0, column-major)), recv_count
+        [E_local] int32, handle, event, hook)``. ``recv_x[e, :recv_count[e]]`` are expert e's rows, source rank then
+        source token; rows past ``recv_count[e]`` are unspecified. Fixed shapes and no host sync: capturable in a
+        CUDA graph (after one call outside capture with the same sizes). Each call returns fresh tensors (V1's limit
+        of two results held at once does not apply)."""
         if dispatch_wait_recv_cost_stats is not None:
             raise NotImplementedError(
                 "low_latency_dispatch: dispatch_wait_recv_cost_stats (no per-rank wait timers)"
@@ -467,51 +525,39 @@ class Buffer:
             raise EPValueError(
                 f"low_latency_dispatch (rank {self.rank}): {t} tokens > num_max_dispatch_tokens_per_rank={m}"
             )
-        if use_fp8 and h % 128:
+        if use_fp8 and h % (512 if use_ue8m0 else 128):
             raise EPValueError(
-                f"low_latency_dispatch: hidden={h} must be a multiple of 128 with use_fp8=True"
+                f"low_latency_dispatch: hidden={h} must be a multiple of {512 if use_ue8m0 else 128} with use_fp8=True"
+                + (" and use_ue8m0=True" if use_ue8m0 else "")
             )
-        n = self.group_size
-        _check_topk(topk_idx, num_experts, n, self.rank)
-        epr = num_experts // n
-        inner = self._ensure(m, h)  # V1 contract: M and hidden equal on every rank, so no collective
-        w = torch.ones(topk_idx.shape, dtype=torch.float32, device=x.device)
-        recv_x, recv_idx, _, ep_handle, _ = inner.dispatch(
-            x, topk_idx=topk_idx, topk_weights=w, num_experts=num_experts, do_cpu_sync=True
+        _check_topk(topk_idx, num_experts, self.group_size, self.rank)
+        if cumulative_local_expert_recv_stats is not None and (
+            cumulative_local_expert_recv_stats.shape != (num_experts // self.group_size,)
+        ):
+            raise EPValueError(
+                f"cumulative_local_expert_recv_stats (rank {self.rank}): must be [{num_experts // self.group_size}]"
+            )
+        inner = self._ensure_ll(m, h, int(topk_idx.shape[1]))
+
+        def run() -> tuple:
+            recv, count, handle = ll_dispatch(
+                inner, x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0
+            )
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(count.to(cumulative_local_expert_recv_stats.dtype))
+            return recv, count, handle
+
+        (recv, count, handle), event, hook = self._on_comm(
+            x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, cumulative_local_expert_recv_stats), run
         )
-        meta = torch.as_tensor(ep_handle.recv_src_metadata)[: recv_idx.shape[0], 0].to(x.device).long()
-        src_rank, src_tok = meta // inner.num_max_tokens_per_rank, meta % inner.num_max_tokens_per_rank
-        slots = n * m
-        packed = torch.zeros(epr, slots, h, dtype=x.dtype, device=x.device)
-        src_info = torch.full((epr, slots), -1, dtype=torch.int32, device=x.device)
-        rows = torch.full((epr, slots), -1, dtype=torch.int64, device=x.device)
-        layout_range = torch.zeros(epr, n, dtype=torch.int64, device=x.device)
-        recv_count = torch.zeros(epr, dtype=torch.int32, device=x.device)
-        for e in range(epr):
-            sel = (recv_idx == e).any(1).nonzero().flatten()  # rows are in (source rank, token) order already
-            c = int(sel.numel())
-            packed[e, :c] = recv_x[sel]
-            src_info[e, :c] = src_tok[sel].to(torch.int32)
-            rows[e, :c] = sel
-            recv_count[e] = c
-            per = torch.bincount(src_rank[sel], minlength=n)
-            offs = torch.cumsum(per, 0) - per
-            layout_range[e] = (offs << 32) | per
-        if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += recv_count.to(cumulative_local_expert_recv_stats.dtype)
-        handle = _LowLatencyHandle((src_info, layout_range, m, h, num_experts), ep_handle, rows, recv_count)
-        handle.recv_idx = recv_idx
-        out: Any = packed
-        if use_fp8:
-            out = per_token_cast_to_fp8(packed, round_scale=round_scale, use_ue8m0=use_ue8m0)
-        return out, recv_count, handle, self._done(async_finish), _no_hook if return_recv_hook else None
+        return recv, count, handle, event, hook
 
     def low_latency_combine(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_weights: torch.Tensor,
-        handle: _LowLatencyHandle,
+        handle: LowLatencyHandle,
         use_logfmt: bool = False,
         zero_copy: bool = False,
         async_finish: bool = False,
@@ -519,80 +565,146 @@ class Buffer:
         out: torch.Tensor | None = None,
         combine_wait_recv_cost_stats: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, EventOverlap, Any]:
-        """V1 low-latency combine: ``combined_x[t] = sum_k topk_weights[t, k] * expert_k(x_t)`` from the packed
-        ``x [E_local, N*M, H]`` bf16; returns ``(combined_x, event, hook)``."""
+        """V1 low-latency combine from the packed ``x [E_local, N*M, H]`` bf16: ``combined_x[t] = bf16(sum over lanes
+        k ascending with topk_idx[t, k] >= 0 of fp32(expert output) * topk_weights[t, k])``, multiply then add in
+        fp32 (``legacy_reference.ll_combine_reference``, bitwise); returns ``(combined_x, event, hook)``."""
         if use_logfmt:
             raise NotImplementedError("low_latency_combine: use_logfmt=True (LogFMT compression)")
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError(
                 "low_latency_combine: combine_wait_recv_cost_stats (no per-rank wait timers)"
             )
-        if not isinstance(handle, _LowLatencyHandle):
+        if not isinstance(handle, LowLatencyHandle):
             raise EPTypeError(
-                f"low_latency_combine: handle must come from low_latency_dispatch, got {type(handle)}"
+                f"low_latency_combine: handle must come from low_latency_dispatch, got {type(handle).__name__}"
             )
-        if self._inner is None:
-            raise EPStateError("low_latency_combine: the buffer was destroyed")
-        if zero_copy:
-            x = self._ll_combine_buffers[self._ll_idx ^ 1] if x is None else x
-        epr = handle.rows.shape[0]
-        if x.dim() != 3 or x.shape[0] != epr or x.shape[1] != handle.rows.shape[1] or x.shape[2] != handle[3]:
+        inner = self._ll_inner
+        if inner is None or handle.ep_handle is None or self._destroyed:
+            raise EPStateError("low_latency_combine: the buffer was destroyed or rebuilt since this dispatch")
+        if zero_copy and x is None:
+            x = self._ll_combine_buffers[self._ll_idx]
+        src_info, _, _, hidden, _ = handle
+        epr, slots = src_info.shape
+        if x.dim() != 3 or tuple(x.shape) != (epr, slots, hidden) or x.dtype != torch.bfloat16:
             raise EPValueError(
-                f"low_latency_combine (rank {self.rank}): x must be [{epr}, {handle.rows.shape[1]}, hidden={handle[3]}], "
-                f"got {tuple(x.shape)}"
+                f"low_latency_combine (rank {self.rank}): x must be [{epr}, {slots}, hidden={hidden}] bfloat16, "
+                f"got {tuple(x.shape)} {x.dtype}"
             )
-        if topk_weights.shape != topk_idx.shape:
-            raise EPValueError("low_latency_combine: topk_weights must have topk_idx's shape")
-        ep_handle = handle.ep_handle
-        inner = self._inner
-        # the weights travel to the expert ranks (a cached dispatch of a zero payload)
-        zero = torch.zeros(topk_idx.shape[0], x.shape[2], dtype=torch.bfloat16, device=x.device)
-        _, _, recv_w, _, _ = inner.dispatch(zero, handle=ep_handle, topk_weights=topk_weights.float())
-        num_recv = int(ep_handle.num_recv_tokens)
-        recv_idx_rows = torch.zeros(num_recv, x.shape[2], dtype=torch.float32, device=x.device)
-        local_idx = handle.recv_idx
-        for e in range(epr):
-            c = int(handle.recv_count[e])
-            r = handle.rows[e, :c]
-            lanes = local_idx[r] == e  # [c, K]
-            we = (recv_w[r].float() * lanes).sum(1, keepdim=True)
-            recv_idx_rows.index_add_(0, r, x[e, :c].float() * we)
-        combined, _, _ = inner.combine(recv_idx_rows.to(torch.bfloat16), ep_handle)
-        if out is not None:
-            out.copy_(combined)
-            combined = out
-        return combined, self._done(async_finish), _no_hook if return_recv_hook else None
+        if topk_idx.dim() != 2 or topk_idx.shape[1] != handle.num_topk:
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): topk_idx must be [T, {handle.num_topk}] (the dispatch's K)"
+            )
+        if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): topk_weights must be float32 of topk_idx's shape "
+                f"{tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)} {topk_weights.dtype}"
+            )
+        t = int(topk_idx.shape[0])
+        if t != int(handle.ep_handle.num_tokens):
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): topk_idx has {t} tokens, the dispatch had "
+                f"{int(handle.ep_handle.num_tokens)}"
+            )
+        if out is not None and (tuple(out.shape) != (t, hidden) or out.dtype != torch.bfloat16):
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): out must be [{t}, {hidden}] bfloat16"
+            )
 
-    def get_next_low_latency_combine_buffer(self, handle: _LowLatencyHandle) -> torch.Tensor:
-        """A zero-copy combine input of the packed shape, alternating between two buffers like V1."""
-        epr, slots = handle.rows.shape
-        h = handle[3]
+        def run() -> torch.Tensor:
+            lanes = ll_combine(inner, x, handle, t)
+            combined = weighted_lane_sum(lanes, topk_idx, topk_weights)
+            if out is None:
+                return combined
+            out.copy_(combined)
+            return out
+
+        return self._on_comm(x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, topk_weights, out), run)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """A combine input of the packed shape, alternating between two buffers like V1 (ep copies from it like any
+        other input: ``zero_copy`` saves nothing here)."""
+        src_info, _, _, h, _ = handle
+        epr, slots = src_info.shape
         self._ll_idx ^= 1
         buf = self._ll_combine_buffers[self._ll_idx]
-        if buf is None or buf.shape != (epr, slots, h):
-            buf = torch.zeros(epr, slots, h, dtype=torch.bfloat16, device=handle.rows.device)
+        if buf is None or tuple(buf.shape) != (epr, slots, h):
+            buf = torch.zeros(epr, slots, h, dtype=torch.bfloat16, device=src_info.device)
             self._ll_combine_buffers[self._ll_idx] = buf
         return buf
 
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
-        """ep's workspace is zero between operations; only the zero-copy buffers are cleared."""
+        """ep's workspace is zero between operations (nothing to clean when switching modes); the zero-copy buffers
+        are cleared."""
         for b in self._ll_combine_buffers:
             if b is not None:
                 b.zero_()
 
-    def get_local_buffer_tensor(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        raise NotImplementedError("low_latency_update_mask_buffer: needs enable_shrink=True (rank masking)")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        raise NotImplementedError("low_latency_query_mask_buffer: needs enable_shrink=True (rank masking)")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        raise NotImplementedError("low_latency_clean_mask_buffer: needs enable_shrink=True (rank masking)")
+
+    def get_local_buffer_tensor(
+        self,
+        dtype: torch.dtype,
+        size: torch.Size | None = None,
+        offset: int = 0,
+        use_rdma_buffer: bool = False,
+    ) -> torch.Tensor:
         raise NotImplementedError(
             "get_local_buffer_tensor: ep's symmetric storage is not exposed as a raw tensor"
         )
 
     @staticmethod
-    def _done(async_finish: bool) -> EventOverlap:
-        # every result is complete on the current stream when the call returns
-        return (
-            EventOverlap(EventHandle()) if async_finish and torch.cuda.is_available() else EventOverlap(None)
+    def is_sm90_compiled() -> bool:
+        """ep compiles its kernels at run time for the device present (no fixed build arch)."""
+        return torch.cuda.is_available()
+
+    @staticmethod
+    def _done(async_finish: bool, cuda: bool) -> EventOverlap:
+        # normal mode runs on the caller's stream: the event (async_finish) is recorded there after the work
+        if not async_finish:
+            return EventOverlap(None)
+        return EventOverlap(EventHandle(device="cuda" if cuda else "cpu"))
+
+
+def _wait_previous(previous_event: Any) -> None:
+    """V1's ``previous_event``: normal mode runs on the caller's stream, which first waits for the event."""
+    handle = getattr(previous_event, "event", previous_event)
+    if isinstance(handle, EventHandle):
+        handle.current_stream_wait()
+    elif previous_event is not None and handle is not None:
+        raise EPTypeError(
+            f"previous_event: expected an EventOverlap (Buffer.capture()), got {type(previous_event).__name__}"
         )
+
+
+def _data_complete() -> None:
+    """The hook of a call that ran on the caller's stream (CPU, or neither async_finish nor a hook on the GPU
+    before): the data is complete already."""
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """CUDA tensors in ``obj``: tensors, tuples/lists of them, and the tensor fields of handles (one level)."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.is_cuda:
+                found.append(o)
+        elif isinstance(o, (tuple, list)):
+            stack.extend(o)
+            stack.extend(v for v in getattr(o, "__dict__", {}).values() if not isinstance(v, (tuple, list)))
+            if hasattr(o, "ep_handle"):
+                stack.extend(v for v in vars(o.ep_handle).values() if isinstance(v, torch.Tensor))
+    return found
 
 
 def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
@@ -617,32 +729,3 @@ def _check_topk(topk_idx: Any, num_experts: int, num_ranks: int, rank: int) -> N
         raise EPValueError(
             f"topk_idx (rank {rank}): expert id {int(topk_idx.max())} >= num_experts={num_experts}"
         )
-
-
-def per_token_cast_to_fp8(
-    x: torch.Tensor, round_scale: bool = False, use_ue8m0: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """V1's low-latency FP8 cast: per 128 channels, ``amax = max(|x|, 1e-4)``, ``scale = amax / 448`` (rounded up to
-    a power of two with ``round_scale``), ``q = fp8_e4m3(x / scale)``. Scales are float32 ``[..., H/128]``; with
-    ``use_ue8m0`` each scale's exponent byte, four per int32 (little-endian), ``[..., H/512]``; the last two
-    dimensions of the scales are column-major like V1's."""
-    *lead, h = x.shape
-    g = x.float().reshape(*lead, h // 128, 128)
-    amax = g.abs().amax(-1).clamp(min=1e-4)
-    scale = amax / 448.0
-    if round_scale:
-        scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))
-    q = (g / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(*lead, h)
-    if not use_ue8m0:
-        return q, _col_major(scale)
-    if (h // 128) % 4:
-        raise EPValueError(f"use_ue8m0: hidden={h} must be a multiple of 512 (four scale bytes per int32)")
-    exp = (scale.view(torch.int32) >> 23) & 0xFF
-    exp = exp.reshape(*lead, h // 512, 4)
-    packed = exp[..., 0] | (exp[..., 1] << 8) | (exp[..., 2] << 16) | (exp[..., 3] << 24)
-    return q, _col_major(packed.to(torch.int32))
-
-
-def _col_major(s: torch.Tensor) -> torch.Tensor:
-    """Same values, the last two dimensions stored column-major (V1's TMA-friendly scale layout)."""
-    return s.transpose(-1, -2).contiguous().transpose(-1, -2) if s.dim() >= 2 else s

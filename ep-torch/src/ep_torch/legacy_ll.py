@@ -1,0 +1,139 @@
+"""V1 low-latency mode on ep's direct dispatch/combine: fixed shapes, no host sync, so it can be captured in a CUDA
+graph; the numerics are ``ep_torch.legacy_reference``'s, bit for bit.
+
+Dispatch: one deterministic non-expand dispatch without CPU sync (worst-case ``N*M`` rows, true count on the GPU),
+then an epilogue of fixed-shape torch ops scatters every (row, lane) into the packed masked layout ``[E_local, N*M,
+H]`` (each slot written once; rows past ``recv_count`` are unspecified, as in V1). FP8 is cast on the ``N*M`` rows
+before the scatter.
+
+Combine: the expert rank gathers, for each received row, the K lanes' expert outputs into one wide row ``[K*H]``
+(zeros for lanes that are not its own) and runs ep's unweighted combine on the wide rows: every lane slot has exactly
+one non-zero contributor, so ep's fp32 sum returns each lane's bf16 output unchanged to the source rank, which then
+weights and sums in ascending lane order (the reference's order: multiply, then add, in fp32; one bf16 rounding).
+The price is K times the combine bytes of a pre-reduced row; V1 also sends one message per (token, expert).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .legacy_fp8 import per_token_cast_to_fp8
+
+__all__ = ["LowLatencyHandle", "ll_combine", "ll_dispatch", "weighted_lane_sum"]
+
+
+class LowLatencyHandle(tuple):
+    """V1's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``:
+    ``src_info`` [E_local, N*M] int32 (source token of each packed row, -1 where no row was written), ``layout_range``
+    [E_local, N] int64 ((offset << 32) | count of each source rank's block, V1's packing). The attributes drive
+    combine: ``ep_handle`` (ep's handle), ``lane_slot`` [N*M, K] (packed slot of each received row's lane, the dump
+    slot ``E_local*N*M`` for lanes not here), ``lane_ok`` [N*M, K] bool."""
+
+    ep_handle: Any
+    lane_slot: torch.Tensor
+    lane_ok: torch.Tensor
+    num_topk: int
+
+    def __new__(
+        cls, items: tuple, ep_handle: Any, lane_slot: torch.Tensor, lane_ok: torch.Tensor
+    ) -> LowLatencyHandle:
+        obj = super().__new__(cls, items)
+        obj.ep_handle, obj.lane_slot, obj.lane_ok = ep_handle, lane_slot, lane_ok
+        obj.num_topk = int(lane_slot.shape[1])
+        return obj
+
+
+def ll_dispatch(
+    inner: Any,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    m: int,
+    num_experts: int,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
+    """The packed masked layout of this rank's received rows (no host sync: capturable)."""
+    n = inner.num_ranks
+    epr = num_experts // n
+    h = int(x.shape[1])
+    k = int(topk_idx.shape[1])
+    dev = x.device
+    recv_x, recv_idx, _, ep_handle, _ = inner.dispatch(
+        x, topk_idx=topk_idx, num_experts=num_experts, do_cpu_sync=False
+    )
+    rows = int(recv_x.shape[0])  # N*M, fixed
+    slots = n * m
+    dump = epr * slots
+    num_valid = ep_handle.psum_num_recv_tokens_per_scaleup_rank[-1:].to(torch.int64)
+    valid_row = torch.arange(rows, device=dev) < num_valid  # [R]: rows past the true count are unspecified
+    lanes = recv_idx.to(torch.int64)
+    lane_ok = (lanes >= 0) & valid_row[:, None]
+    lane_e = torch.where(lane_ok, lanes, torch.full_like(lanes, epr))  # epr: the dump column
+    member = torch.zeros(rows, epr + 1, dtype=torch.int64, device=dev).scatter_(1, lane_e, 1)[:, :epr]
+    pos = member.cumsum(0) - 1  # [R, epr]: row's position in expert e's packed rows
+    recv_count = member.sum(0).to(torch.int32)
+    lane_pos = pos.gather(1, lane_e.clamp(max=epr - 1))
+    lane_slot = torch.where(lane_ok, lane_e * slots + lane_pos, torch.full_like(lanes, dump))
+    meta = ep_handle.recv_src_metadata[:, 0].to(torch.int64)
+    src_rank = torch.where(valid_row, meta // inner.num_max_tokens_per_rank, torch.full_like(meta, n))
+    src_tok = (meta % inner.num_max_tokens_per_rank).to(torch.int32)
+    # src_info and layout_range (V1's handle contents)
+    src_info = torch.full((dump + 1,), -1, dtype=torch.int32, device=dev)
+    for j in range(k):
+        src_info.index_copy_(0, lane_slot[:, j], src_tok)
+    per_src = torch.zeros(epr, n + 1, dtype=torch.int64, device=dev)
+    per_src.scatter_add_(1, src_rank[None, :].expand(epr, rows), member.t().contiguous())
+    per_src = per_src[:, :n]
+    layout_range = ((per_src.cumsum(1) - per_src) << 32) | per_src
+    handle = LowLatencyHandle(
+        (src_info[:dump].view(epr, slots), layout_range, m, h, num_experts), ep_handle, lane_slot, lane_ok
+    )
+    if not use_fp8:
+        return _scatter_rows(recv_x, lane_slot, dump).view(epr, slots, h), recv_count, handle
+    q, s = per_token_cast_to_fp8(recv_x, round_scale=round_scale, use_ue8m0=use_ue8m0, col_major=False)
+    packed_q = (
+        _scatter_rows(q.view(torch.uint8), lane_slot, dump).view(torch.float8_e4m3fn).view(epr, slots, h)
+    )
+    packed_s = _scatter_rows(s, lane_slot, dump).view(epr, slots, s.shape[1])
+    # V1: the scales' last two dimensions are column-major
+    packed_s = packed_s.transpose(1, 2).contiguous().transpose(1, 2)
+    return (packed_q, packed_s), recv_count, handle
+
+
+def _scatter_rows(src: torch.Tensor, lane_slot: torch.Tensor, dump: int) -> torch.Tensor:
+    """``out[lane_slot[r, j]] = src[r]`` for every lane; lanes not here land on the dump row (dropped)."""
+    out = torch.empty(dump + 1, *src.shape[1:], dtype=src.dtype, device=src.device)
+    for j in range(lane_slot.shape[1]):
+        out.index_copy_(0, lane_slot[:, j], src)
+    return out[:dump]
+
+
+def ll_combine(inner: Any, x: torch.Tensor, handle: LowLatencyHandle, num_tokens: int) -> torch.Tensor:
+    """Every lane's bf16 expert output back at its source token: ``[T, K, H]`` (exact copies; 0 for -1 lanes)."""
+    epr, slots, h = x.shape
+    k = handle.num_topk
+    flat = x.reshape(epr * slots, h)
+    idx = handle.lane_slot.clamp(max=epr * slots - 1).reshape(-1)
+    wide = torch.where(
+        handle.lane_ok.reshape(-1, 1),
+        flat.index_select(0, idx),
+        torch.zeros((), dtype=x.dtype, device=x.device),
+    )
+    out, _, _ = inner.combine(wide.view(-1, k * h), handle.ep_handle)
+    return out.view(num_tokens, k, h)
+
+
+def weighted_lane_sum(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``bf16(sum_k w[t, k] * y[t, k])`` over lanes with an expert, fp32, ascending k, multiply and add as separate
+    ops (the reference's order; no fused multiply-add, no reduction kernel of unspecified order)."""
+    t, k, h = y.shape
+    acc = torch.zeros(t, h, dtype=torch.float32, device=y.device)
+    w = topk_weights.to(torch.float32)
+    valid = topk_idx >= 0
+    for j in range(k):
+        p = y[:, j].to(torch.float32) * w[:, j : j + 1]
+        acc = torch.where(valid[:, j : j + 1], acc + p, acc)
+    return acc.to(torch.bfloat16)
