@@ -72,6 +72,18 @@ def _plain(a: Any) -> Any:
     return a
 
 
+def _current_stream() -> int:
+    """The raw handle of the current CUDA stream (the stream the operation is ordered after), read without building
+    a ``torch.cuda.Stream`` object when torch offers it (``torch.cuda.current_stream().cuda_stream`` otherwise)."""
+    if _raw_stream is not None:
+        return _raw_stream(torch.cuda.current_device())
+    return torch.cuda.current_stream().cuda_stream
+
+
+# torch's own accessor of the raw current stream (what torch.compile's generated code calls); None if absent
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _flat(items: Any) -> Iterator[Any]:
     for a in items:
         if isinstance(a, tuple):
@@ -318,27 +330,27 @@ class ElasticBuffer(ElasticOps):
     # dispatch / combine
 
     def _allocator(self, device: torch.device) -> Any:
-        """Outputs as torch tensors on ``device``, from the caching allocator of the current stream."""
+        """Outputs as torch tensors on ``device``, from the caching allocator of the current stream (one allocator
+        per device, reused by every call)."""
+        allocators = self.__dict__.setdefault("_allocators", {})
+        allocate = allocators.get(device)
+        if allocate is None:
 
-        def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-            return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
+            def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+                return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
 
+            allocators[device] = allocate
         return allocate
 
     def _announced(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(...)``; an error it raises before this rank took part in the operation's exchange (a bad
-        ``previous_event``, a call after ``destroy()``, the capture check, ep-core's validation) is first announced
-        to the peers (``ep_core.envelope``: they raise ``EPPeerError`` naming this rank instead of pairing this
-        rank's next call with theirs). On the GPU backends the rejected call gives up its device sequence number
-        instead (``ep_core.EPBuffer.announce_error``): the kernels' envelopes then make every rank raise."""
-        core = getattr(self, "_core", None)
-        step = core._step() if core is not None else None
-        try:
+        """``fn(...)`` inside this buffer's announcement block (``ep_core.EPBuffer.announcing``): an error it raises
+        before this rank took part in the operation's exchange (a bad ``previous_event``, a call after
+        ``destroy()``, the capture check, ep-core's validation) is announced to the peers once (they raise
+        ``EPPeerError`` naming this rank instead of pairing this rank's next call with theirs; on the GPU backends
+        the rejected call gives up its device sequence number instead). For methods that have no block of their
+        own (``ElasticOps``); ``dispatch`` and ``combine`` open the block themselves."""
+        with self._core.announcing(op):
             return fn(*args, **kwargs)
-        except Exception as exc:
-            if core is not None:
-                core.announce_error(op, exc, step)
-            raise
 
     def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
@@ -367,6 +379,22 @@ class ElasticBuffer(ElasticOps):
             if comm is not None:
                 t.record_stream(comm)
         return EventOverlap(event)
+
+    def _streams(
+        self, allocate_on_comm_stream: Any, previous_event: Any, async_with_compute_stream: Any
+    ) -> tuple[Any, bool]:
+        """What one operation runs in: the comm-stream context (a null context unless it allocates on the comm
+        stream or waits on ``previous_event``), and whether it is a CUDA operation (ordered after the stream that is
+        current inside that context)."""
+        if previous_event is not None and not isinstance(previous_event, EventHandle):
+            raise EPTypeError(
+                f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
+            )
+        if self.device.type != "cuda":
+            return contextlib.nullcontext(), False
+        if allocate_on_comm_stream or previous_event is not None:
+            return self._on_comm_stream(True, previous_event, wait_back=not async_with_compute_stream), True
+        return contextlib.nullcontext(), True
 
     def dispatch(
         self,
@@ -397,102 +425,54 @@ class ElasticBuffer(ElasticOps):
         ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
         returned handle is the one given.
         """
-        return self._announced(
-            "dispatch",
-            self._dispatch,
-            x,
-            topk_idx,
-            topk_weights,
-            cumulative_local_expert_recv_stats,
-            num_experts,
-            num_max_tokens_per_rank,
-            expert_alignment,
-            num_sms,
-            num_qps,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-            handle,
-            do_handle_copy,
-            do_cpu_sync,
-            do_expand,
-            do_zero_padding,
-            use_tma_aligned_col_major_sf,
-        )
-
-    def _dispatch(
-        self,
-        x: Any,
-        topk_idx: Any,
-        topk_weights: Any,
-        cumulative_local_expert_recv_stats: Any,
-        num_experts: Any,
-        num_max_tokens_per_rank: Any,
-        expert_alignment: Any,
-        num_sms: Any,
-        num_qps: Any,
-        previous_event: Any,
-        previous_event_before_epilogue: Any,
-        async_with_compute_stream: Any,
-        allocate_on_comm_stream: Any,
-        handle: Any,
-        do_handle_copy: Any,
-        do_cpu_sync: Any,
-        do_expand: Any,
-        do_zero_padding: Any,
-        use_tma_aligned_col_major_sf: Any,
-    ) -> tuple[Any, Any, Any, EPHandle, EventOverlap]:
-        rt = self._rt()
-        self._check_capture("dispatch", do_cpu_sync, handle)
-        if handle is not None and not do_expand and isinstance(handle, EPHandle):
-            do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
-        if previous_event is not None and not isinstance(previous_event, EventHandle):
-            raise EPTypeError(
-                f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
-            )
-        data = x[0] if isinstance(x, tuple) and len(x) == 2 else x
-        device = data.device if isinstance(data, torch.Tensor) else self.device
-        cuda = self.device.type == "cuda"
-        on_comm = cuda and (allocate_on_comm_stream or previous_event is not None)
-        with (
-            self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream)
-            if on_comm
-            else contextlib.nullcontext()
-        ):
-            res = rt.dispatch(
-                x=_plain(x),
-                topk_idx=_plain(topk_idx),
-                topk_weights=_plain(topk_weights),
-                cumulative_local_expert_recv_stats=_plain(cumulative_local_expert_recv_stats),
-                num_experts=num_experts,
-                num_max_tokens_per_rank=num_max_tokens_per_rank,
-                expert_alignment=expert_alignment,
-                num_sms=num_sms,
-                num_qps=num_qps,
-                previous_event=previous_event,
-                previous_event_before_epilogue=previous_event_before_epilogue,
-                async_with_compute_stream=bool(async_with_compute_stream),
-                allocate_on_comm_stream=bool(allocate_on_comm_stream),
-                handle=handle,
-                do_handle_copy=bool(do_handle_copy),
-                do_cpu_sync=None if do_cpu_sync is None else bool(do_cpu_sync),
-                do_expand=bool(do_expand),
-                do_zero_padding=bool(do_zero_padding),
-                use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),
-                allocator=self._allocator(device),
-                stream=torch.cuda.current_stream().cuda_stream if cuda else 0,
-            )
-            keep = (
-                x,
-                topk_idx,
-                topk_weights,
-                res.recv_x,
-                res.recv_sf,
-                res.recv_topk_idx,
-                res.recv_topk_weights,
-            )
-            event = self._event(async_with_compute_stream, keep)
+        with self._core.announcing("dispatch"):
+            rt = self._rt()
+            self._check_capture("dispatch", do_cpu_sync, handle)
+            if handle is not None and not do_expand and isinstance(handle, EPHandle):
+                do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
+            scope, cuda = self._streams(allocate_on_comm_stream, previous_event, async_with_compute_stream)
+            data = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+            device = data.device if isinstance(data, torch.Tensor) else self.device
+            with scope:
+                res = rt.dispatch(
+                    x=_plain(x),
+                    topk_idx=_plain(topk_idx),
+                    topk_weights=_plain(topk_weights),
+                    cumulative_local_expert_recv_stats=_plain(cumulative_local_expert_recv_stats),
+                    num_experts=num_experts,
+                    num_max_tokens_per_rank=num_max_tokens_per_rank,
+                    expert_alignment=expert_alignment,
+                    num_sms=num_sms,
+                    num_qps=num_qps,
+                    previous_event=previous_event,
+                    previous_event_before_epilogue=previous_event_before_epilogue,
+                    async_with_compute_stream=bool(async_with_compute_stream),
+                    allocate_on_comm_stream=bool(allocate_on_comm_stream),
+                    handle=handle,
+                    do_handle_copy=bool(do_handle_copy),
+                    do_cpu_sync=None if do_cpu_sync is None else bool(do_cpu_sync),
+                    do_expand=bool(do_expand),
+                    do_zero_padding=bool(do_zero_padding),
+                    use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),
+                    allocator=self._allocator(device),
+                    stream=_current_stream() if cuda else 0,
+                )
+                event = (
+                    self._event(
+                        True,
+                        (
+                            x,
+                            topk_idx,
+                            topk_weights,
+                            res.recv_x,
+                            res.recv_sf,
+                            res.recv_topk_idx,
+                            res.recv_topk_weights,
+                        ),
+                    )
+                    if async_with_compute_stream
+                    else EventOverlap(None)
+                )
         if handle is None:
             held = res.handle.topk_idx
             if not do_handle_copy:
@@ -534,63 +514,30 @@ class ElasticBuffer(ElasticOps):
 
         Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
-        return self._announced(
-            "combine",
-            self._combine,
-            x,
-            handle,
-            topk_weights,
-            bias,
-            num_sms,
-            num_qps,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-        )
-
-    def _combine(
-        self,
-        x: Any,
-        handle: Any,
-        topk_weights: Any,
-        bias: Any,
-        num_sms: Any,
-        num_qps: Any,
-        previous_event: Any,
-        previous_event_before_epilogue: Any,
-        async_with_compute_stream: Any,
-        allocate_on_comm_stream: Any,
-    ) -> tuple[Any, Any, EventOverlap]:
-        rt = self._rt()
-        if previous_event is not None and not isinstance(previous_event, EventHandle):
-            raise EPTypeError(
-                f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
-            )
-        device = x.device if isinstance(x, torch.Tensor) else self.device
-        cuda = self.device.type == "cuda"
-        on_comm = cuda and (allocate_on_comm_stream or previous_event is not None)
-        with (
-            self._on_comm_stream(on_comm, previous_event, wait_back=not async_with_compute_stream)
-            if on_comm
-            else contextlib.nullcontext()
-        ):
-            res = rt.combine(
-                x=_plain(x),
-                handle=handle,
-                topk_weights=_plain(topk_weights),
-                bias=_plain(bias),
-                num_sms=num_sms,
-                num_qps=num_qps,
-                previous_event=previous_event,
-                previous_event_before_epilogue=previous_event_before_epilogue,
-                async_with_compute_stream=bool(async_with_compute_stream),
-                allocate_on_comm_stream=bool(allocate_on_comm_stream),
-                allocator=self._allocator(device),
-                stream=torch.cuda.current_stream().cuda_stream if cuda else 0,
-            )
-            keep = (x, topk_weights, bias, res.combined_x, res.combined_topk_weights)
-            event = self._event(async_with_compute_stream, keep)
+        with self._core.announcing("combine"):
+            rt = self._rt()
+            scope, cuda = self._streams(allocate_on_comm_stream, previous_event, async_with_compute_stream)
+            device = x.device if isinstance(x, torch.Tensor) else self.device
+            with scope:
+                res = rt.combine(
+                    x=_plain(x),
+                    handle=handle,
+                    topk_weights=_plain(topk_weights),
+                    bias=_plain(bias),
+                    num_sms=num_sms,
+                    num_qps=num_qps,
+                    previous_event=previous_event,
+                    previous_event_before_epilogue=previous_event_before_epilogue,
+                    async_with_compute_stream=bool(async_with_compute_stream),
+                    allocate_on_comm_stream=bool(allocate_on_comm_stream),
+                    allocator=self._allocator(device),
+                    stream=_current_stream() if cuda else 0,
+                )
+                event = (
+                    self._event(True, (x, topk_weights, bias, res.combined_x, res.combined_topk_weights))
+                    if async_with_compute_stream
+                    else EventOverlap(None)
+                )
         return res.combined_x, res.combined_topk_weights, event
 
     @property
