@@ -10,7 +10,7 @@ exposing `__cuda_array_interface__` and ep_core `DeviceArray`s; and whole `EPBuf
 through the GPU executor with the CUDA driver mocked (kernel launches and driver calls are no-ops, so what is left
 is the host work of ep_core itself).
 
-    python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json]
+    python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json] [--fail-above-us US]
 
 Prints microseconds per call (best of 5 rounds). To compare with another revision, run this same script with
 PYTHONPATH pointing at that revision's package sources (it uses only public ep_core entry points, plus the driver
@@ -412,12 +412,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--fail-above-us",
+        type=float,
+        default=None,
+        help="exit 1 if a whole EPBuffer / ElasticBuffer call takes longer (a generous regression bound for CI)",
+    )
     args = ap.parse_args(argv)
     rows = run(args.iters) + run_executor(args.iters) + run_torch(args.iters)
     for name, us in rows:
-        print(f"{name:55s} {us:9.2f} us/call")
+        print(f"{name:62s} {us:9.2f} us/call")
     if args.json:
         Path(args.json).write_text(json.dumps([{"op": n, "us_per_call": u} for n, u in rows], indent=1))
+    if args.fail_above_us is not None:
+        slow = [(n, u) for n, u in rows if "Buffer." in n and u > args.fail_above_us]
+        for name, us in slow:
+            print(
+                f"bench_host_cpu: {name} took {us:.1f} us per call, above the bound of {args.fail_above_us} us"
+            )
+        return 1 if slow else 0
     return 0
 
 
