@@ -774,3 +774,22 @@ def test_gpu_path_rejected_call_gives_up_its_step():
     with pytest.raises(ValueError):
         buf.combine(x, None)
     assert ex.launch_step == 3
+
+
+def test_nested_announcing_blocks_announce_once():
+    """ep_torch opens `announcing` around EPBuffer's own block: the error is announced (a step given up) once, by
+    the outermost block, whether it was raised inside the inner block or outside it."""
+    ex = SteppedExecutor()
+    buf = _buffer(executor=ex)
+    many = ec.host_array(np.zeros((M + 1, H), np.uint16), dtype="bfloat16")
+    bad_idx = ec.host_array(np.zeros((M + 1, K), np.int64))
+    with pytest.raises(ValueError), buf.announcing("dispatch"):
+        buf.dispatch(many, bad_idx, num_experts=E)  # inner: passes the error on
+    assert ex.launch_step == 1
+    with pytest.raises(TypeError), buf.announcing("dispatch"):
+        raise TypeError("previous_event: rejected by the framework layer")
+    assert ex.launch_step == 2
+    x = ec.host_array(np.zeros((T, H), np.uint16), dtype="bfloat16")
+    with buf.announcing("dispatch"):
+        buf.dispatch(x, ec.host_array(np.zeros((T, K), np.int64)), num_experts=E)
+    assert ex.launch_step == 3 and buf._announcing_depth == 0
