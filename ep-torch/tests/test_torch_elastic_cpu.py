@@ -1,0 +1,333 @@
+"""Issue 20 on the CPU reference backend: PP send/recv, Engram write/fetch and AGRS all-gather sessions of
+``ep_torch.ElasticBuffer`` on 2-4 gloo processes, against ep-core's numpy references, bad inputs included.
+
+Every case runs in a process group started by this file as a script under a wall-clock limit (a hang fails the
+test); each rank writes what it saw to a JSON file that the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+MiB = 1 << 20
+
+
+def _run(mode: str, n: int, tmp_path: Path, limit: float = 120.0) -> list[dict]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, mode, str(n), str(tmp_path)],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(
+            f"{mode}: still running after {limit} s (a hang):\n{out.decode(errors='replace')[-3000:]}"
+        )
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the ranks' side
+
+
+def _buffer(num_bytes: int = 4 * MiB, num_cpu_bytes: int = 0, timeout: float = 30):
+    from ep_torch import ElasticBuffer
+
+    return ElasticBuffer(
+        None,
+        num_bytes=num_bytes,
+        num_cpu_bytes=num_cpu_bytes,
+        num_cpu_timeout_secs=timeout,
+        transport="reference",
+    )
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _payload(src: int, dst: int, seq: int, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * src + 100 * dst + seq)
+    shape = (3, 8) if seq % 2 == 0 else (24,)
+    x = torch.randn(shape, generator=g) * 100
+    return x.to(dtype)
+
+
+def _pp(rank: int, n: int, out: dict) -> None:
+    import torch
+
+    buf = _buffer()
+    out["before_config"] = _raises(lambda: buf.pp_send(torch.zeros(4), (rank + 1) % n))
+    buf.pp_set_config(96, 2)
+    dtypes = [torch.float32, torch.bfloat16, torch.int32]
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    sent: dict[int, int] = {}
+    recvd: dict[int, int] = {}
+    ok = True
+    for step in range(4):
+        dt = dtypes[step % 3]
+        for dst in (nxt, prv):
+            seq = sent.get(dst, 0)
+            buf.pp_send(_payload(rank, dst, seq, dt), dst)
+            sent[dst] = seq + 1
+        for src in (prv, nxt):
+            seq = recvd.get(src, 0)
+            want = _payload(src, rank, seq, dt)
+            got = torch.empty_like(want)
+            buf.pp_recv(got, src)
+            recvd[src] = seq + 1
+            ok = ok and bool(torch.equal(got, want))
+    out["round_trip"] = ok
+    out["wrong_peer"] = _raises(lambda: buf.pp_send(torch.zeros(4), (rank + 2) % n)) if n == 4 else "skip"
+    out["too_big"] = _raises(lambda: buf.pp_send(torch.zeros(25), nxt))
+    out["not_contiguous"] = _raises(lambda: buf.pp_send(torch.zeros(4, 4).t(), nxt))
+    out["bad_config"] = _raises(lambda: buf.pp_set_config(MiB, 4))
+    buf.bootstrap.barrier()
+
+
+def _pp_inflight(rank: int, n: int, out: dict) -> None:
+    import torch
+
+    buf = _buffer()
+    buf.pp_set_config(64, 2)
+    if rank == 0:
+        times = []
+        for i in range(3):
+            t0 = time.monotonic()
+            buf.pp_send(torch.full((16,), float(i)), 1)
+            times.append(time.monotonic() - t0)
+        out["times"] = times
+        # a size mismatch: rank 1 receives this 64-byte tensor into a 32-byte one
+        buf.pp_send(torch.full((16,), 7.0), 1)
+        buf.pp_send(torch.full((16,), 8.0), 1)
+    else:
+        time.sleep(1.5)
+        got = []
+        for _ in range(3):
+            t = torch.empty(16)
+            buf.pp_recv(t, 0)
+            got.append(float(t[0]))
+        out["got"] = got
+        out["mismatch"] = _raises(lambda: buf.pp_recv(torch.empty(8), 0))
+        t = torch.empty(16)
+        buf.pp_recv(t, 0)
+        out["after_mismatch"] = float(t[0])
+    buf.bootstrap.barrier()
+
+
+def _pp_timeout(rank: int, n: int, out: dict) -> None:
+    import torch
+
+    buf = _buffer(timeout=2)
+    buf.pp_set_config(64, 1)
+    if rank == 1:
+        t0 = time.monotonic()
+        out["recv_nothing"] = _raises(lambda: buf.pp_recv(torch.empty(16), 0))
+        out["waited"] = time.monotonic() - t0
+    else:
+        time.sleep(4)  # idle until rank 1 gave up
+    # gloo closes the pair whose receive timed out: the group is unusable, so leave without its exit barrier
+    Path(sys.argv[3], f"{rank}.json").write_text(json.dumps(out))
+    os._exit(0)
+
+
+def _pp_peer_refuses(rank: int, n: int, out: dict) -> None:
+    buf = _buffer()
+    # rank 1 asks for more than the buffer holds: it raises, and rank 0 learns it instead of waiting
+    out["config"] = _raises(lambda: buf.pp_set_config(64 if rank == 0 else MiB, 2))
+
+
+def _engram_case(rank: int, n: int, out: dict) -> None:
+    import torch
+    from ep_core import engram
+    from ep_torch._convert import from_numpy, to_numpy
+
+    gpu, cpu = _buffer().get_engram_storage_size_hint(5, 16, 64)
+    buf = _buffer(num_bytes=gpu + cpu, num_cpu_bytes=cpu)
+    out["before_write"] = _raises(lambda: buf.engram_fetch(torch.zeros(1, 1, dtype=torch.int32)))
+    storages = [np.random.default_rng(r).integers(0, 1 << 15, (5, 16)).astype(np.uint16) for r in range(n)]
+    buf.engram_write(from_numpy(storages[rank], torch.bfloat16))
+    idx = np.random.default_rng(50 + rank).integers(0, 5 * n, (7, 3)).astype(np.int32)
+    hook = buf.engram_fetch(torch.from_numpy(idx))
+    data, sf = hook()
+    want, _ = engram.fetch_reference(storages, idx)
+    out["bf16"] = data.shape == (21, 16) and sf is None and np.array_equal(to_numpy(data), want)
+    out["out_of_range"] = _raises(lambda: buf.engram_fetch(torch.tensor([[5 * n]], dtype=torch.int32)))
+    out["int64"] = _raises(lambda: buf.engram_fetch(torch.zeros(2, 2, dtype=torch.int64)))
+    out["too_many"] = _raises(lambda: buf.engram_fetch(torch.zeros(gpu // 32 + 1, 1, dtype=torch.int32)))
+    # FP8 with replicated scaling factors
+    fp8 = [np.random.default_rng(10 + r).integers(0, 120, (5, 32)).astype(np.uint8) for r in range(n)]
+    sf_table = np.random.default_rng(99).standard_normal((5 * n, 2)).astype(np.float32)
+    buf.engram_write(from_numpy(fp8[rank], torch.float8_e4m3fn), torch.from_numpy(sf_table))
+    for col in (False, True):
+        data, sf = buf.engram_fetch(torch.from_numpy(idx), use_tma_aligned_col_major_sf=col)()
+        want, want_sf = engram.fetch_reference(fp8, idx, sf_table, col)
+        out[f"fp8_col{int(col)}"] = (
+            data.dtype == torch.float8_e4m3fn
+            and np.array_equal(to_numpy(data), want)
+            and np.array_equal(sf.numpy(), want_sf)
+            and (sf.stride() == (1, 8)) == col
+        )
+    out["fp8_without_sf"] = _raises(lambda: buf.engram_write(from_numpy(fp8[rank], torch.float8_e4m3fn)))
+    buf.bootstrap.barrier()
+    big = torch.zeros(cpu // 32 + 1, 16, dtype=torch.bfloat16)
+    out["too_big"] = _raises(lambda: buf.engram_write(big))
+
+
+def _agrs_case(rank: int, n: int, out: dict) -> None:
+    import torch
+    from ep_torch import ElasticBuffer
+
+    shapes = [(3, 5), (2, 4), (7,), (4, 4)]
+    need = ElasticBuffer.get_agrs_num_max_session_bytes(None, shapes, torch.float32)
+    buf = _buffer(num_bytes=ElasticBuffer.get_agrs_buffer_size_hint(None, need))
+    out["before_config"] = _raises(lambda: buf.all_gather(torch.zeros(2)))
+    buf.agrs_set_config(need, 3)
+    out["outside_session"] = _raises(lambda: buf.all_gather(torch.zeros(2)))
+
+    def part(r: int, i: int, shape, dtype, session: int):
+        g = torch.Generator().manual_seed(7 * r + 31 * i + 1000 * session)
+        return (torch.randn(shape, generator=g) * 50).to(dtype)
+
+    ok = True
+    for session in range(2):
+        with buf.agrs_new_session():
+            x = part(rank, 0, shapes[0], torch.float32, session)
+            got, handle = buf.all_gather(x)
+            handle()
+            want = torch.stack([part(r, 0, shapes[0], torch.float32, session) for r in range(n)])
+            ok = ok and torch.equal(got, want)
+            a = part(rank, 1, shapes[1], torch.bfloat16, session)
+            b = part(rank, 2, shapes[2], torch.int32, session)
+            ga, gb, handle = buf.all_gather([a, b])
+            handle()
+            ok = ok and torch.equal(
+                ga, torch.stack([part(r, 1, shapes[1], torch.bfloat16, session) for r in range(n)])
+            )
+            ok = ok and torch.equal(
+                gb, torch.stack([part(r, 2, shapes[2], torch.int32, session) for r in range(n)])
+            )
+            ip = buf.agrs_get_inplace_tensor(shapes[3], torch.float32)
+            ip.copy_(part(rank, 3, shapes[3], torch.float32, session))
+            gi, handle = buf.all_gather(ip)
+            handle()
+            ok = ok and torch.equal(
+                gi, torch.stack([part(r, 3, shapes[3], torch.float32, session) for r in range(n)])
+            )
+            out[f"full_{session}"] = _raises(lambda: buf.all_gather(torch.zeros(1)))
+        out["late_handle"] = _raises(handle)
+    out["values"] = bool(ok)
+    with buf.agrs_new_session():
+        out["nested"] = _raises(buf.create_agrs_session)
+        out["too_big"] = _raises(lambda: buf.all_gather(torch.zeros(need)))
+        ip = buf.agrs_get_inplace_tensor([(2,), (3,)], torch.float32)
+        out["inplace_order"] = _raises(lambda: buf.all_gather(ip[1]))
+        # ranks disagreeing on the shapes of one all-gather: every rank raises
+        out["mismatch"] = _raises(lambda: buf.all_gather(torch.zeros(2 + (rank == 0))))
+    out["destroy_twice"] = _raises(buf.destroy_agrs_session)
+
+
+_CASES = {
+    "pp": _pp,
+    "pp_inflight": _pp_inflight,
+    "pp_timeout": _pp_timeout,
+    "pp_peer_refuses": _pp_peer_refuses,
+    "engram": _engram_case,
+    "agrs": _agrs_case,
+}
+
+
+def _worker(rank: int, n: int, mode: str, out_dir: str) -> None:
+    out: dict = {}
+    _CASES[mode](rank, n, out)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(out))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tests
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_pp_ring_round_trip_and_bad_inputs(n: int, tmp_path: Path) -> None:
+    for r, out in enumerate(_run("pp", n, tmp_path)):
+        assert out["round_trip"], (r, out)
+        assert out["before_config"].startswith("EPStateError") and "pp_set_config" in out["before_config"]
+        if n == 4:
+            assert out["wrong_peer"].startswith("EPValueError") and f"rank {r} can only" in out["wrong_peer"]
+        assert "exceed num_max_tensor_bytes (96" in out["too_big"], out["too_big"]
+        assert "contiguous" in out["not_contiguous"]
+        assert "exceed the buffer" in out["bad_config"] and f"rank {r}" in out["bad_config"]
+
+
+def test_pp_inflight_limit_blocks_the_sender(tmp_path: Path) -> None:
+    sender, receiver = _run("pp_inflight", 2, tmp_path)
+    t = sender["times"]
+    assert t[0] < 1.0 and t[1] < 1.0 and t[2] > 1.0, t  # the third send waits for the receiver's release
+    assert receiver["got"] == [0.0, 1.0, 2.0]
+    assert "receives 32 bytes but rank 0 sent 64" in receiver["mismatch"]
+    assert receiver["after_mismatch"] == 8.0  # the FIFO stays in step after the refused receive
+
+
+def test_pp_recv_without_sender_times_out(tmp_path: Path) -> None:
+    out = _run("pp_timeout", 2, tmp_path)[1]
+    assert out["recv_nothing"].startswith("EPTimeoutError") and "rank 1" in out["recv_nothing"]
+    assert out["waited"] < 10
+
+
+def test_pp_config_refused_on_one_rank_reaches_the_other(tmp_path: Path) -> None:
+    a, b = _run("pp_peer_refuses", 2, tmp_path)
+    assert b["config"].startswith("EPValueError") and "rank 1" in b["config"]
+    assert a["config"].startswith("EPPeerError") and "rank 1" in a["config"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_engram_fetch_matches_reference(n: int, tmp_path: Path) -> None:
+    for r, out in enumerate(_run("engram", n, tmp_path)):
+        assert out["bf16"] and out["fp8_col0"] and out["fp8_col1"], out
+        assert out["before_write"].startswith("EPStateError")
+        assert "outside [0," in out["out_of_range"] and f"rank {r}" in out["out_of_range"]
+        assert out["int64"].startswith("EPTypeError")
+        assert "fetch area" in out["too_many"]
+        assert "sf: required iff" in out["fp8_without_sf"]
+        assert "num_cpu_bytes" in out["too_big"] and f"rank {r}" in out["too_big"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_agrs_sessions_match_reference(n: int, tmp_path: Path) -> None:
+    for out in _run("agrs", n, tmp_path):
+        assert out["values"], out
+        assert "agrs_set_config" in out["before_config"]
+        assert "not inside an AGRS session" in out["outside_session"]
+        assert "already ran 3" in out["full_0"] and "already ran 3" in out["full_1"]
+        assert "already ended" in out["late_handle"]
+        assert out["nested"].startswith("EPStateError")
+        assert "num_max_session_bytes" in out["too_big"]
+        assert "same order" in out["inplace_order"]
+        assert out["mismatch"].startswith("EPMismatchError"), out["mismatch"]
+        assert out["destroy_twice"].startswith("EPStateError")
+
+
+if __name__ == "__main__":
+    from ep_torch import launch
+
+    launch.spawn(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])
