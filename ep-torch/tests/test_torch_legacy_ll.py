@@ -170,6 +170,13 @@ def _ll_checks(rank: int, n: int, device: str = "cpu") -> None:
     zbuf.copy_(_expert(recv, rank, epr))
     comb, _, _ = buf.low_latency_combine(zbuf, idx, w, handle, zero_copy=True)
     assert np.array_equal(_bits(comb), _combine_ref(x.cpu(), idx.cpu(), w.cpu())), "zero_copy combine"
+    for group in (1, 2):  # lanes in groups: one ep combine per group, the same bits
+        buf.ll_lanes_per_combine = group
+        comb, _, _ = buf.low_latency_combine(_expert(recv, rank, epr), idx, w, handle)
+        assert np.array_equal(_bits(comb), _combine_ref(x.cpu(), idx.cpu(), w.cpu())), (
+            f"lanes per combine {group}"
+        )
+    buf.ll_lanes_per_combine = 0
     for rs, ue in ((False, False), (True, False), (True, True)):
         _check_fp8(buf, x, idx, rank, n, rs, ue)
     # options ep does not implement, and bad inputs: before any communication, so no rank waits

@@ -24,7 +24,8 @@ chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Op
 ``NotImplementedError`` naming the option (``enable_shrink`` and the mask-buffer methods, ``comm=``, ``use_logfmt``,
 the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). Ours, keyword only: ``num_max_tokens_per_rank``
 and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
-(tokens, hidden) to size it (one small collective).
+(tokens, hidden) to size it (one small collective); ``ll_lanes_per_combine`` (0 = automatic) sets how many top-k
+lanes one low-latency combine carries (``legacy_ll.lanes_per_combine``).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class Buffer:
         num_max_tokens_per_rank: int = 0,
         hidden: int = 0,
         transport: str | None = None,
+        ll_lanes_per_combine: int = 0,
     ) -> None:
         if group is None and comm is not None:
             raise NotImplementedError(
@@ -161,6 +163,7 @@ class Buffer:
         self.num_qps_per_rank = int(num_qps_per_rank)
         self.explicitly_destroy = bool(explicitly_destroy)
         self._transport = transport
+        self.ll_lanes_per_combine = int(ll_lanes_per_combine)
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
         self._destroyed = False
@@ -611,7 +614,7 @@ class Buffer:
             )
 
         def run() -> torch.Tensor:
-            lanes = ll_combine(inner, x, handle, t)
+            lanes = ll_combine(inner, x, handle, t, self.ll_lanes_per_combine)
             combined = weighted_lane_sum(lanes, topk_idx, topk_weights)
             if out is None:
                 return combined

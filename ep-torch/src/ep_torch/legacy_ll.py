@@ -10,7 +10,9 @@ Combine: the expert rank gathers, for each received row, the K lanes' expert out
 (zeros for lanes that are not its own) and runs ep's unweighted combine on the wide rows: every lane slot has exactly
 one non-zero contributor, so ep's fp32 sum returns each lane's bf16 output unchanged to the source rank, which then
 weights and sums in ascending lane order (the reference's order: multiply, then add, in fp32; one bf16 rounding).
-The price is K times the combine bytes of a pre-reduced row; V1 also sends one message per (token, expert).
+The price: every (token, rank) row carries all K lane slots, mostly zeros, so the combine moves (ranks a token
+reaches) times V1's bytes (V1 sends one message per (token, expert)). Lanes travel in groups
+(``lanes_per_combine``) to keep ep's per-warp shared-memory rows small: one combine per group.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from .legacy_fp8 import per_token_cast_to_fp8
 
-__all__ = ["LowLatencyHandle", "ll_combine", "ll_dispatch", "weighted_lane_sum"]
+__all__ = ["LowLatencyHandle", "lanes_per_combine", "ll_combine", "ll_dispatch", "weighted_lane_sum"]
 
 
 class LowLatencyHandle(tuple):
@@ -111,19 +113,36 @@ def _scatter_rows(src: torch.Tensor, lane_slot: torch.Tensor, dump: int) -> torc
     return out[:dump]
 
 
-def ll_combine(inner: Any, x: torch.Tensor, handle: LowLatencyHandle, num_tokens: int) -> torch.Tensor:
-    """Every lane's bf16 expert output back at its source token: ``[T, K, H]`` (exact copies; 0 for -1 lanes)."""
+def lanes_per_combine(num_topk: int, hidden: int, group: int = 0) -> int:
+    """Lanes carried by one wide combine: ``group`` if given, else as many as fit in 16 KiB of bf16 row (ep's
+    kernels keep one row per warp in shared memory: wider rows mean fewer warps per block), at least one."""
+    if group > 0:
+        return min(int(group), num_topk)
+    return max(1, min(num_topk, (16 << 10) // (2 * hidden)))
+
+
+def ll_combine(
+    inner: Any, x: torch.Tensor, handle: LowLatencyHandle, num_tokens: int, group: int = 0
+) -> torch.Tensor:
+    """Every lane's bf16 expert output back at its source token: ``[T, K, H]`` (exact copies; 0 for -1 lanes).
+    The K lanes travel in wide rows of ``lanes_per_combine`` lanes, one ep combine per group of lanes."""
     epr, slots, h = x.shape
     k = handle.num_topk
+    g = lanes_per_combine(k, h, group)
     flat = x.reshape(epr * slots, h)
-    idx = handle.lane_slot.clamp(max=epr * slots - 1).reshape(-1)
-    wide = torch.where(
-        handle.lane_ok.reshape(-1, 1),
-        flat.index_select(0, idx),
-        torch.zeros((), dtype=x.dtype, device=x.device),
-    )
-    out, _, _ = inner.combine(wide.view(-1, k * h), handle.ep_handle)
-    return out.view(num_tokens, k, h)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    slot = handle.lane_slot.clamp(max=epr * slots - 1)
+    y = None if g == k else torch.empty(num_tokens, k, h, dtype=x.dtype, device=x.device)
+    for g0 in range(0, k, g):
+        g1 = min(k, g0 + g)
+        idx = slot[:, g0:g1].reshape(-1)
+        wide = torch.where(handle.lane_ok[:, g0:g1].reshape(-1, 1), flat.index_select(0, idx), zero)
+        out, _, _ = inner.combine(wide.view(-1, (g1 - g0) * h), handle.ep_handle)
+        if y is None:
+            return out.view(num_tokens, k, h)
+        y[:, g0:g1] = out.view(num_tokens, g1 - g0, h)
+    assert y is not None
+    return y
 
 
 def weighted_lane_sum(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
