@@ -151,6 +151,26 @@ def _time_requests(add, label: str, make, config, target) -> None:
         lambda: make_dispatch_request(config, target, x, handle=handle, num_sms=16),
     )
     add(f"make_combine_request ({label})", lambda: make_combine_request(config, target, recv, handle))
+    try:  # the prepared-operation cache (absent in older revisions)
+        from ep_core.prepared import PreparedOps
+    except ImportError:
+        return
+    prep = PreparedOps(config)
+    add(
+        f"PreparedOps.dispatch_request ({label}, bf16, repeated)",
+        lambda: prep.dispatch_request(target, x, idx, w, do_cpu_sync=False, **kw),
+    )
+    add(
+        f"PreparedOps.dispatch_request ({label}, fp8, repeated)",
+        lambda: prep.dispatch_request(target, fp8, idx, w, do_cpu_sync=False, **kw),
+    )
+    add(
+        f"PreparedOps.dispatch_request ({label}, cached, repeated)",
+        lambda: prep.dispatch_request(target, x, handle=handle, num_sms=16),
+    )
+    add(
+        f"PreparedOps.combine_request ({label}, repeated)", lambda: prep.combine_request(target, recv, handle)
+    )
 
 
 def run(iters: int) -> list[tuple[str, float]]:

@@ -100,6 +100,7 @@ class GpuExecutor:
         self._destroyed = False
         self._enter_event: Event | None = None
         self._leave_event: Event | None = None
+        self._allocators: dict = {}
 
     @property
     def launch_step(self) -> int:
@@ -141,15 +142,36 @@ class GpuExecutor:
         return ev
 
     def _allocator(self, req: Any, x_dtype: str):
+        """`DirectRank`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
+        reused by every call of that pair: the rank allocates up to eight arrays per dispatch."""
+        key = (req.allocator, x_dtype)
+        try:
+            alloc = self._allocators.get(key)
+        except TypeError:  # an unhashable allocator: a wrapper per call
+            alloc, key = None, None
+        if alloc is not None:
+            return alloc
+        allocate = req.allocator
+        # 2-byte storage is bf16 (the only 2-byte output), 1-byte storage has x's dtype (FP8 data)
+        names = {**_NP_NAMES, _U16: "bfloat16", _U8: x_dtype}
+
         def alloc(shape: tuple, dtype: Any, strides: tuple | None = None) -> Any:
-            dt = np.dtype(dtype)
-            name = "bfloat16" if dt == _U16 else x_dtype if dt == _U8 else _NP_NAMES.get(dt) or dt.name
+            name = names.get(dtype)
+            if name is None:
+                dt = np.dtype(dtype)
+                name = names.get(dt) or dt.name
             if strides is not None and tuple(strides) != tuple(_c_strides(shape)):
                 # column-major scales: the storage array [P, ld] (EPBuffer's contract), kernels get its pointer
                 _rows, packs = shape
-                return req.allocator((packs, strides[1]), name)
-            return req.allocator(tuple(shape), name)
+                return allocate((packs, strides[1]), name)
+            return allocate(tuple(shape), name)
 
+        if key is not None:
+            if (
+                len(self._allocators) >= 16
+            ):  # callers that make a new allocator per call: keep only recent ones
+                self._allocators.clear()
+            self._allocators[key] = alloc
         return alloc
 
     def dispatch(self, req: Any) -> Any:
