@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Decode benchmark of the DeepEP V1 surface (``ep_torch.Buffer`` low-latency mode) next to the V2 path
+(``ep_torch.ElasticBuffer`` dispatch without CPU sync + combine), in the same run, CUDA-graph replay timing.
+
+    python benchmarks/bench_v1.py [--ranks 1 8] [--tokens 128] [--iters 50] [--json PATH]
+
+Per EP size N (one process per rank over a gloo group, ep's ipc transport; one GPU per rank when the machine has N
+GPUs, else every rank on GPU 0, labelled ``shared``: processes on one GPU are time-sliced, so those times are an
+upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 experts (uniform random routing):
+
+- ``v1 ll_dispatch bf16`` / ``v1 ll_dispatch fp8``: ``low_latency_dispatch(use_fp8=...)`` into the packed masked
+  layout ``[E_local, N*T, H]``;
+- ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
+  ep combine (``ll_lanes_per_combine``; the automatic choice and all K);
+- ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine``.
+
+Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters`` times back to back between two CUDA
+events; the reported time is the mean per replay, the max over ranks. The first replay's outputs are checked once:
+V1 combine bitwise against ``legacy_reference.ll_combine_reference``. Exit status 0 (also "skipped" without a GPU),
+1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HIDDEN, NUM_EXPERTS, TOPK = 7168, 256, 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench_v1.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 8], help="EP sizes (default 1 8)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per rank (default 128, decode)")
+    ap.add_argument("--hidden", type=int, default=HIDDEN)
+    ap.add_argument("--experts", type=int, default=NUM_EXPERTS)
+    ap.add_argument("--topk", type=int, default=TOPK)
+    ap.add_argument("--iters", type=int, default=50, help="graph replays timed per op")
+    ap.add_argument("--json", default=None, help="write the rows as JSON here")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    for n in args.ranks:
+        if n < 1 or args.experts % n:
+            ap.error(f"--ranks: {args.experts} experts must split evenly over {n} ranks")
+    return args
+
+
+def _time_graph(torch, fn, iters: int) -> float:
+    """Capture ``fn()`` (already warmed up), replay ``iters`` times; mean ms per replay."""
+    from ep_torch.cuda_graph import avoid_record_stream
+
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with avoid_record_stream():
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            fn()
+    torch.cuda.synchronize()
+    import torch.distributed as dist
+
+    graph.replay()  # one untimed replay
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from ep_torch import ElasticBuffer
+    from ep_torch.legacy import Buffer
+    from ep_torch.legacy_ll import lanes_per_combine
+    from ep_torch.legacy_reference import ll_combine_reference
+
+    shared = torch.cuda.device_count() < n
+    torch.cuda.set_device(0 if shared else rank)
+    if shared:
+        os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # nothing to detect between processes on one GPU
+    dev = torch.device("cuda", torch.cuda.current_device())
+    t, h, e, k, iters = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"], cfg["iters"]
+    epr = e // n
+    g = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
+    w = torch.rand(t, k, generator=g).to(dev)
+    rows: list[dict] = []
+    failures: list[str] = []
+
+    def row(op: str, ms: float) -> None:
+        rows.append({"ep": n, "shared_gpu": shared, "tokens": t, "op": op, "ms": ms, "rank": rank})
+
+    v1 = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
+                num_qps_per_rank=epr, explicitly_destroy=True, transport="ipc")  # fmt: skip
+    for fp8 in (False, True):
+        v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)  # builds the buffer, compiles the kernels
+        row(f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'}",
+            _time_graph(torch, lambda fp8=fp8: v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8), iters))  # fmt: skip
+    recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    y = recv.clone()  # the "experts": identity
+    auto = lanes_per_combine(k, h)
+    for lanes in sorted({auto, k}):
+        v1.ll_lanes_per_combine = lanes
+        comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
+        torch.cuda.synchronize()
+        yb = np.zeros((t, k, h), dtype=np.uint16)
+        xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
+        yb[:] = xb[:, None, :]
+        ref = ll_combine_reference(yb, idx.cpu().numpy(), w.cpu().numpy())
+        if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
+            failures.append(f"rank {rank}: v1 ll_combine lanes={lanes} differs from ll_combine_reference")
+        row(f"v1 ll_combine lanes={lanes}{' (auto)' if lanes == auto else ''}",
+            _time_graph(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))  # fmt: skip
+    dist.barrier()
+    v1.destroy()
+
+    v2 = ElasticBuffer(
+        None, num_max_tokens_per_rank=t, hidden=h, num_topk=k, explicitly_destroy=True, transport="ipc"
+    )
+    v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False)
+    row("v2 dispatch bf16", _time_graph(
+        torch, lambda: v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False), iters))  # fmt: skip
+    rx, _, _, h2, _ = v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False)
+    v2.combine(rx, h2)
+    row("v2 combine", _time_graph(torch, lambda: v2.combine(rx, h2), iters))
+    dist.barrier()
+    v2.destroy()
+    gathered: list = [None] * n
+    dist.all_gather_object(gathered, (rows, failures))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(gathered, f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except Exception as exc:  # pragma: no cover
+        print(f"bench_v1: skipped (no torch: {exc})")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_v1: skipped (no CUDA device)")
+        return 0
+    import tempfile
+
+    from ep_torch.launch import spawn
+
+    cfg = {"tokens": args.tokens, "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
+           "iters": args.iters, "seed": args.seed}  # fmt: skip
+    rows: list[dict] = []
+    failures: list[str] = []
+    for n in args.ranks:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            path = tmp.name
+        t0 = time.time()
+        spawn(_rank, n, cfg, path)
+        with open(path) as f:
+            per_rank = json.load(f)
+        os.unlink(path)
+        for r_rows, r_fail in per_rank:
+            rows.extend(r_rows)
+            failures.extend(r_fail)
+        print(f"bench_v1: EP{n} done in {time.time() - t0:.1f} s", file=sys.stderr)
+    table: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["ep"], r["op"])
+        agg = table.setdefault(key, {"ep": r["ep"], "op": r["op"], "shared_gpu": r["shared_gpu"], "ms": []})
+        agg["ms"].append(r["ms"])
+    print(f"\nDecode, T={args.tokens} tokens per rank, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
+          f"CUDA-graph replay (mean of {args.iters}), max over ranks")  # fmt: skip
+    print(f"{'EP':>4} {'GPU':<8} {'op':<32} {'us (max rank)':>14} {'us (mean)':>10}")
+    for agg in table.values():
+        ms = agg["ms"]
+        gpu = "shared" if agg["shared_gpu"] else "own"
+        print(
+            f"{agg['ep']:>4} {gpu:<8} {agg['op']:<32} {max(ms) * 1e3:>14.1f} {sum(ms) / len(ms) * 1e3:>10.1f}"
+        )
+    for msg in failures:
+        print(f"CHECK FAILED: {msg}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "rows": rows, "failures": failures}, f, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
