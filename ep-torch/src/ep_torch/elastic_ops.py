@@ -95,13 +95,16 @@ class ElasticOps:
     # ---------------------------------------------------------------------------------------------------------
     # plumbing
 
-    def _elastic(self) -> _State:
+    def _elastic(self, collective: bool = False) -> _State:
+        """The primitives' state; ``collective``: the caller is a collective (every rank is here), which may create
+        the backend (the GPU one exchanges its signal memory). Non-collective calls need a configured primitive,
+        hence a backend made by the collective that configured it."""
         self._rt()  # raises after destroy()
         st = self.__dict__.get("_elastic_state")
         if st is None:
             st = _State(self.rank_idx)
             self.__dict__["_elastic_state"] = st
-        if st.backend is None:
+        if collective and st.backend is None:
             st.backend = self._make_elastic_backend()
         return st
 
@@ -173,7 +176,7 @@ class ElasticOps:
 
         Every rank then exchanges tensors of at most ``num_max_tensor_bytes`` with its ring neighbours, at most
         ``num_max_inflight_tensors`` unreceived tensors per direction."""
-        st = self._elastic()
+        st = self._elastic(collective=True)
         cfg = self._collective(
             "pp_set_config",
             lambda: pp.make_pp_config(
@@ -224,7 +227,7 @@ class ElasticOps:
         ``storage``: ``[num_entries, hidden]`` bf16 or ``float8_e4m3fn``, the same shape on every rank; entry
         ``g`` of the global table is row ``g % num_entries`` of rank ``g // num_entries``. ``sf``:
         ``[num_ranks * num_entries, num_sf_packs]`` 4-byte packs (float32 or int32), replicated, iff FP8."""
-        st = self._elastic()
+        st = self._elastic(collective=True)
 
         def validate() -> engram.EngramTable:
             self._check_tensor("storage", storage)
@@ -278,7 +281,7 @@ class ElasticOps:
         """(Experimental) Configure all-gather sessions (a collective with a barrier): at most
         ``num_max_session_bytes`` of gathered data and ``num_max_all_gathers_per_session`` (<= 32) all-gathers
         per session. Needs at least 2 ranks, all in one NVLink domain."""
-        st = self._elastic()
+        st = self._elastic(collective=True)
 
         def validate() -> agrs.AGRSConfig:
             cfg = agrs.make_agrs_config(
@@ -349,8 +352,9 @@ class ElasticOps:
         single = isinstance(t, torch.Tensor)
         tensors = [t] if single else list(t)
         tensors = [self._check_tensor(f"t[{i}]" if not single else "t", x) for i, x in enumerate(tensors)]
-        region = st.backend.region()
-        base, cap = region.data_ptr(), st.session.config.num_max_session_bytes if st.session.config else 0
+        if st.session.config is None or not st.session.in_session:
+            st.session.plan_all_gather([], [])  # raises the state error
+        base, cap = st.backend.region().data_ptr(), st.session.config.num_max_session_bytes
         inplace = [x.data_ptr() - base if 0 <= x.data_ptr() - base < cap else None for x in tensors]
         offsets, slot = st.session.plan_all_gather([x.nbytes for x in tensors], inplace)
         session_idx = st.session.session_idx

@@ -1,0 +1,232 @@
+"""The GPU backend of PP, Engram and AGRS on the ipc transport: copy-engine transfers between the ranks' symmetric
+buffers, ordered by stream memory operations, so PP and all-gather use no SM.
+
+- PP: a send copies the tensor (``cuMemcpyDtoDAsync``, peer to peer) straight into the receiver's slot, then
+  writes the FIFO's arrival count into the receiver's signal word (``cuStreamWriteValue64``, which fences the copy);
+  a receive waits for that count (``cuStreamWaitValue64`` GEQ), copies the slot out and writes the release count
+  into the sender's signal word; a sender whose FIFO is full first waits for the release of the oldest slot. All of
+  it is queued on the current stream: the host never blocks.
+- AGRS: an all-gather copies each tensor into its place on every peer on the comm stream (after the compute
+  stream), then signals the slot to every peer and waits for theirs; the handle makes the current stream wait.
+  Ending a session signals and waits the same way, so the next session's copies never overwrite live results.
+- Engram: the storage lives at the back of each rank's data region (the ``num_cpu_bytes`` part); a fetch gathers
+  from the peers' storage over NVLink into the front of the data region (torch gathers: this one uses SMs).
+
+The signal words live in a separate 2 MiB symmetric allocation (ep_symmem), exchanged when the first collective of
+these primitives runs: the workspace has no region for them yet.
+
+Stream waits on peers carry no timeout (a missing peer stalls the stream, not the host).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from ep_core import engram, pp
+from ep_core.errors import EPConfigError
+
+__all__ = ["CopyEngineBackend"]
+
+_SIGNAL_BYTES = 2 << 20
+_PP_ARRIVED, _PP_RELEASED = 0, 2  # u64 words [side]
+_AGRS_ARRIVED = 8  # u64 words [slot * 1024 + src]
+_AGRS_ENDED = _AGRS_ARRIVED + 32 * 1024  # u64 words [src]
+
+
+class _Raw:
+    """A CUDA byte range for torch.as_tensor (`__cuda_array_interface__`), e.g. a peer's mapped memory."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _peer_bases(storage: Any, num_ranks: int) -> list[int]:
+    """Every rank's allocation base as mapped in this process (ep_symmem's peer pointers)."""
+    owners = getattr(getattr(storage, "_buffer", None), "_owners", None) or []
+    alloc = owners[0] if owners else None
+    if alloc is None or not hasattr(alloc, "peer_ptr"):
+        raise EPConfigError(
+            "transport: PP, Engram and AGRS on the GPU need the ipc transport's ep_symmem memory (peer mappings); "
+            "this buffer's storage has none (memory='cuda_ipc'?)"
+        )
+    return [int(alloc.peer_ptr(r)) for r in range(num_ranks)]
+
+
+class CopyEngineBackend:
+    def __init__(self, buf: Any) -> None:
+        import ep_symmem
+        from ep_core.kernels import _cuda
+
+        self.buf = buf
+        self.rank, self.n = buf.rank_idx, buf.num_ranks
+        self._cuda = _cuda
+        self.drv = _cuda.driver()
+        rt = buf._rt()
+        ws = rt.num_workspace_bytes
+        self.data = [b + ws for b in _peer_bases(rt.storage, self.n)]
+        self._region = torch.as_tensor(_Raw(self.data[self.rank], rt.data.nbytes), device=buf.device)
+        # the signal words: zeroed, then mapped by every rank
+        torch.cuda.synchronize()
+        self._sig_alloc = ep_symmem.SymmetricAllocation.create(_SIGNAL_BYTES, device=buf.device.index or 0)
+        _cuda.memset(int(self._sig_alloc.ptr), _SIGNAL_BYTES, 0)
+        _cuda.synchronize_context()
+        buf.bootstrap.barrier()
+        ep_symmem.exchange(self._sig_alloc, buf.bootstrap)
+        self.sig = [int(self._sig_alloc.peer_ptr(r)) for r in range(self.n)]
+        self.pp_sent = [0, 0]
+        self.pp_received = [0, 0]
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
+        self._sf: torch.Tensor | None = None
+        self._table: Any = None
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _stream(self) -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def _copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        if nbytes:
+            self._cuda.check(self.drv.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+    def _write(self, addr: int, value: int, stream: int) -> None:
+        flags = self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # fences the copies before it
+        self._cuda.check(self.drv.cuStreamWriteValue64(stream, addr, value, flags), "cuStreamWriteValue64")
+
+    def _wait(self, addr: int, value: int, stream: int) -> None:
+        flags = self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._cuda.check(self.drv.cuStreamWaitValue64(stream, addr, value, flags), "cuStreamWaitValue64")
+
+    def region(self) -> torch.Tensor:
+        return self._region
+
+    def barrier(self) -> None:
+        torch.cuda.synchronize()
+        self.buf.bootstrap.barrier()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # PP
+
+    def pp_configure(self, cfg: pp.PPConfig, old: pp.PPConfig | None) -> None:
+        self.barrier()
+
+    def pp_send(self, cfg: pp.PPConfig, t: torch.Tensor, dst: int) -> None:
+        s = self._stream()
+        side = pp.send_side(self.rank, dst, self.n)
+        rside = pp.recv_side(dst, self.rank, self.n)
+        k = self.pp_sent[side]
+        inflight = cfg.num_max_inflight_tensors
+        if k >= inflight:  # the slot of tensor k - inflight must be released first
+            self._wait(self.sig[self.rank] + 8 * (_PP_RELEASED + side), k - inflight + 1, s)
+        self._copy(self.data[dst] + cfg.recv_slot_offset(rside, k % inflight), t.data_ptr(), t.nbytes, s)
+        self._write(self.sig[dst] + 8 * (_PP_ARRIVED + rside), k + 1, s)
+        self.pp_sent[side] = k + 1
+
+    def pp_recv(self, cfg: pp.PPConfig, t: torch.Tensor, src: int) -> None:
+        s = self._stream()
+        side = pp.recv_side(self.rank, src, self.n)
+        k = self.pp_received[side]
+        self._wait(self.sig[self.rank] + 8 * (_PP_ARRIVED + side), k + 1, s)
+        slot = cfg.recv_slot_offset(side, k % cfg.num_max_inflight_tensors)
+        self._copy(t.data_ptr(), self.data[self.rank] + slot, t.nbytes, s)
+        self._write(self.sig[src] + 8 * (_PP_RELEASED + pp.send_side(src, self.rank, self.n)), k + 1, s)
+        self.pp_received[side] = k + 1
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Engram
+
+    def engram_write(self, table: engram.EngramTable, storage: torch.Tensor, sf: torch.Tensor | None) -> None:
+        self.barrier()
+        off = self.buf._num_gpu_buffer_bytes
+        self._copy(self.data[self.rank] + off, storage.data_ptr(), storage.nbytes, self._stream())
+        self._sf = None if sf is None else sf.detach().clone()
+        self._table = table
+        self.barrier()
+
+    def engram_fetch(self, table: engram.EngramTable, indices: torch.Tensor, col_major: bool) -> Any:
+        t, k = indices.shape
+        flat = indices.reshape(-1).to(torch.int64)
+        owner, local = flat // table.num_entries_per_rank, flat % table.num_entries_per_rank
+        local = local.clamp(0, table.num_entries_per_rank - 1)
+        e = table.entry_bytes
+        front = self._region[: t * k * e].view(t * k, e)
+        off = self.buf._num_gpu_buffer_bytes
+        for r in range(self.n):
+            peer = torch.as_tensor(
+                _Raw(self.data[r] + off, table.num_entries_per_rank * e), device=self.buf.device
+            )
+            rows = peer.view(table.num_entries_per_rank, e).index_select(0, local)
+            torch.where((owner == r)[:, None], rows, front, out=front)
+        dtype = torch.bfloat16 if table.dtype == "bfloat16" else torch.float8_e4m3fn
+        data = front.view(dtype).view(t * k, table.hidden)
+        sf = None
+        if self._sf is not None:
+            p = table.num_sf_packs
+            rows = self._sf.index_select(0, flat).reshape(t, k * p)
+            shape, transposed = engram.sf_layout(t, k, p, col_major)
+            if transposed:
+                store = torch.zeros(shape, dtype=self._sf.dtype, device=self.buf.device)
+                store[:, :t] = rows.t()
+                sf = store.t()[:t]
+            else:
+                sf = rows
+
+        def hook() -> tuple[torch.Tensor, torch.Tensor | None]:
+            return data, sf  # queued on the stream of the fetch: later work on it sees the data
+
+        return hook
+
+    # ----------------------------------------------------------------------------------------------------------
+    # AGRS
+
+    def _signal_all(self, word: int, value: int, stream: int) -> None:
+        """Write `value` into word `word + rank` of every peer, then wait for word `word + p` >= value from each."""
+        for i in range(1, self.n):
+            p = (self.rank + i) % self.n
+            self._write(self.sig[p] + 8 * (word + self.rank), value, stream)
+        for i in range(1, self.n):
+            p = (self.rank + i) % self.n
+            self._wait(self.sig[self.rank] + 8 * (word + p), value, stream)
+
+    def agrs_end_session(self, session_idx: int) -> None:
+        comm = self.buf.get_comm_stream()
+        comm.wait_stream(torch.cuda.current_stream())
+        self._signal_all(_AGRS_ENDED, session_idx, comm.cuda_stream)
+
+    def all_gather(
+        self,
+        tensors: list[torch.Tensor],
+        offsets: list[int],
+        inplace: list[int | None],
+        slot: int,
+        session_idx: int,
+    ) -> list[torch.Tensor]:
+        comm = self.buf.get_comm_stream()
+        compute = torch.cuda.current_stream()
+        comm.wait_stream(compute)
+        s = comm.cuda_stream
+        for i in range(self.n):
+            dst = (self.rank + i) % self.n
+            for x, off in zip(tensors, offsets, strict=True):
+                target = self.data[dst] + off + x.nbytes * self.rank
+                if target != x.data_ptr():
+                    self._copy(target, x.data_ptr(), x.nbytes, s)
+        for x in tensors:
+            x.record_stream(comm)
+        self._signal_all(_AGRS_ARRIVED + slot * 1024, session_idx, s)
+        event = torch.cuda.Event()
+        event.record(comm)
+        self._events[(session_idx, slot)] = event
+        self._events = {key: ev for key, ev in self._events.items() if key[0] >= session_idx}
+        return [
+            self._region[off : off + self.n * x.nbytes].view(x.dtype).view(self.n, *x.shape)
+            for x, off in zip(tensors, offsets, strict=True)
+        ]
+
+    def agrs_wait(self, slot: int, session_idx: int) -> None:
+        torch.cuda.current_stream().wait_event(self._events[(session_idx, slot)])
