@@ -192,22 +192,18 @@ def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_
 _validated_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _shape_key(a: Any) -> Any:
-    shape = getattr(a, "shape", None)
-    if isinstance(shape, tuple):  # tuple, torch.Size
-        return shape
-    return None if a is None else object()  # an unusual shape object: never equal, validated every time
+_handle_arrays = operator.attrgetter(
+    "topk_idx",
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
+    "dst_buffer_slot_idx",
+)
 
 
 def _handle_fingerprint(config: BufferConfig, target: Any, h: EPHandle) -> tuple:
-    arrays = (
-        h.topk_idx,
-        h.psum_num_recv_tokens_per_scaleup_rank,
-        h.psum_num_recv_tokens_per_expert,
-        h.num_unaligned_recv_tokens_per_expert,
-        h.recv_src_metadata,
-        h.dst_buffer_slot_idx,
-    )
+    arrays = _handle_arrays(h)
     scalars = (
         getattr(target, "array_device", "cuda"),
         getattr(target, "device_id", 0),
@@ -216,7 +212,13 @@ def _handle_fingerprint(config: BufferConfig, target: Any, h: EPHandle) -> tuple
         h.num_experts,
         h.num_recv_tokens,
     )
-    return config, scalars, arrays, tuple([_shape_key(a) for a in arrays])
+    return config, scalars, arrays, tuple([getattr(a, "shape", None) for a in arrays])
+
+
+def _cacheable(fingerprint: tuple) -> bool:
+    """Shapes that compare by value (tuple, torch.Size) for every array present: anything else is validated every
+    time."""
+    return all(a is None or isinstance(shape, tuple) for a, shape in zip(fingerprint[2], fingerprint[3]))
 
 
 def _fingerprint_matches(old: tuple, new: tuple) -> bool:
@@ -237,7 +239,7 @@ def check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
     except Exception:  # an odd array object or handle subclass: no cache, the full validation decides
         fingerprint = None
     _check_handle_arrays(config, target, handle)
-    if fingerprint is not None:
+    if fingerprint is not None and _cacheable(fingerprint):
         with contextlib.suppress(TypeError):  # not weak-referenceable: validated every time
             _validated_handles[handle] = fingerprint
     return handle
