@@ -15,6 +15,9 @@ def comm_stream(device: torch.device | int) -> torch.cuda.Stream:
     index = device.index if isinstance(device, torch.device) else int(device)
     if index is None:
         index = torch.cuda.current_device()
+    stream = _streams.get(index)  # created once: later calls need no lock
+    if stream is not None:
+        return stream
     with _lock:
         stream = _streams.get(index)
         if stream is None:
