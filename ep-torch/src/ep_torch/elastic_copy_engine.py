@@ -74,7 +74,9 @@ class CopyEngineBackend:
         self._region = torch.as_tensor(_Raw(self.data[self.rank], rt.data.nbytes), device=buf.device)
         # the signal words: zeroed, then mapped by every rank
         torch.cuda.synchronize()
-        self._sig_alloc = ep_symmem.SymmetricAllocation.create(_SIGNAL_BYTES, device=buf.device.index or 0)
+        self._sig_alloc = ep_symmem.SymmetricAllocation.create(
+            _SIGNAL_BYTES, device=torch.cuda.current_device()
+        )
         _cuda.memset(int(self._sig_alloc.ptr), _SIGNAL_BYTES, 0)
         _cuda.synchronize_context()
         buf.bootstrap.barrier()

@@ -1,0 +1,217 @@
+"""Issue 20 on the GPU (marker gpu): PP send/recv, Engram and AGRS of ``ElasticBuffer`` over the ipc transport with
+several processes sharing GPU 0 (a gloo bootstrap; NCCL refuses two ranks on one GPU), against ep-core's numpy
+references. Skipped without a GPU.
+
+Each case runs in a process group started by this file as a script under a wall-clock limit (a stream wait on a
+peer has no timeout of its own, so a protocol bug shows as a killed run, not a hang of the suite).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+MiB = 1 << 20
+
+
+def _run(mode: str, n: int, tmp_path: Path, limit: float = 180.0) -> list[list]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, mode, str(n), str(tmp_path)],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(
+            f"{mode}: still running after {limit} s (a hang):\n{out.decode(errors='replace')[-3000:]}"
+        )
+    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    per_rank = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(n)]
+    failures = [
+        f"rank {r}: {name}: {detail}" for r, res in enumerate(per_rank) for name, ok, detail in res if not ok
+    ]
+    assert per_rank[0], "no checks ran"
+    assert not failures, "\n".join(failures[:10])
+    return per_rank
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the ranks' side
+
+
+def _buffer(num_bytes: int = 8 * MiB, num_cpu_bytes: int = 0):
+    from ep_torch import ElasticBuffer
+
+    torch.cuda.set_device(0)
+    return ElasticBuffer(None, num_bytes=num_bytes, num_cpu_bytes=num_cpu_bytes, transport="ipc")
+
+
+def _payload(src: int, dst: int, seq: int, numel: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * src + 100 * dst + seq)
+    return (torch.randn(numel, generator=g) * 100).to(dtype).cuda()
+
+
+def _pp(rank: int, n: int, res: list) -> None:
+    buf = _buffer()
+    buf.pp_set_config(1 << 16, 2)
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    sent: dict[int, int] = {}
+    got: dict[int, int] = {}
+    ok = True
+    for step in range(5):
+        numel = 1 << (8 + step)  # 1 KiB .. 16 KiB of float32, bf16 on odd steps
+        dt = torch.bfloat16 if step % 2 else torch.float32
+        for dst in (nxt, prv):
+            buf.pp_send(_payload(rank, dst, sent.get(dst, 0), numel, dt), dst)
+            sent[dst] = sent.get(dst, 0) + 1
+        for src in (prv, nxt):
+            want = _payload(src, rank, got.get(src, 0), numel, dt)
+            out = torch.empty_like(want)
+            buf.pp_recv(out, src)
+            got[src] = got.get(src, 0) + 1
+            ok = ok and bool(torch.equal(out, want))
+    torch.cuda.synchronize()
+    res.append(("pp/ring", ok, f"{n} ranks"))
+    # in flight: rank 0 queues 3 sends with 2 slots; the third waits on the stream, not on the host (one rank would
+    # wait for itself: its receives queue behind that wait)
+    buf.pp_set_config(4096, 2)
+    if n > 1 and rank == 0:
+        t0 = time.monotonic()
+        for i in range(3):
+            buf.pp_send(torch.full((1024,), float(i), device="cuda"), 1)
+        host = time.monotonic() - t0
+        res.append(("pp/in-flight sends return at once", host < 0.5, f"{host:.3f} s"))
+    if n > 1 and rank == 1:
+        time.sleep(1.0)
+        vals = []
+        for _ in range(3):
+            t = torch.empty(1024, device="cuda")
+            buf.pp_recv(t, 0)
+            vals.append(float(t[0]))
+        res.append(("pp/in-flight order", vals == [0.0, 1.0, 2.0], str(vals)))
+    torch.cuda.synchronize()
+    buf.barrier()
+    # ping-pong
+    if n == 2:
+        x = torch.arange(4096, dtype=torch.float32, device="cuda")
+        for _ in range(10):
+            if rank == 0:
+                buf.pp_send(x, 1)
+                buf.pp_recv(x, 1)
+            else:
+                y = torch.empty_like(x)
+                buf.pp_recv(y, 0)
+                buf.pp_send(y + 1, 0)
+        torch.cuda.synchronize()
+        if rank == 0:
+            want = torch.arange(4096, dtype=torch.float32, device="cuda") + 10
+            res.append(("pp/ping-pong", bool(torch.equal(x, want)), ""))
+
+
+def _agrs(rank: int, n: int, res: list) -> None:
+    from ep_torch import ElasticBuffer
+
+    shapes = [(64, 128), (33,), (16, 16)]
+    need = ElasticBuffer.get_agrs_num_max_session_bytes(None, shapes, torch.float32)
+    buf = _buffer(num_bytes=ElasticBuffer.get_agrs_buffer_size_hint(None, need))
+    buf.agrs_set_config(need, 3)
+
+    def part(r: int, i: int, session: int, dtype=torch.float32) -> torch.Tensor:
+        g = torch.Generator().manual_seed(7 * r + 31 * i + 1000 * session)
+        return (torch.randn(shapes[i], generator=g) * 50).to(dtype).cuda()
+
+    ok = True
+    for session in range(3):
+        with buf.agrs_new_session():
+            got, handle = buf.all_gather(part(rank, 0, session))
+            handle()
+            want = torch.stack([part(r, 0, session) for r in range(n)])
+            ok = ok and bool(torch.equal(got, want))
+            a, b, handle = buf.all_gather([part(rank, 1, session, torch.bfloat16), part(rank, 2, session)])
+            handle()
+            ok = ok and bool(
+                torch.equal(a, torch.stack([part(r, 1, session, torch.bfloat16) for r in range(n)]))
+            )
+            ok = ok and bool(torch.equal(b, torch.stack([part(r, 2, session) for r in range(n)])))
+            torch.cuda.synchronize()
+    res.append(("agrs/all_gather", ok, f"{n} ranks, 3 sessions"))
+    ok = True
+    with buf.agrs_new_session():
+        ip = buf.agrs_get_inplace_tensor(shapes[0], torch.float32)
+        ip.copy_(part(rank, 0, 9))
+        got, handle = buf.all_gather(ip)
+        handle()
+        ok = bool(torch.equal(got, torch.stack([part(r, 0, 9) for r in range(n)])))
+        torch.cuda.synchronize()
+    res.append(("agrs/in place", ok, ""))
+
+
+def _engram(rank: int, n: int, res: list) -> None:
+    from ep_core import engram
+    from ep_torch._convert import from_numpy, to_numpy
+
+    gpu, cpu = engram.get_engram_storage_size_hint(64, 256, 128)
+    buf = _buffer(num_bytes=gpu + cpu, num_cpu_bytes=cpu)
+    storages = [np.random.default_rng(r).integers(0, 1 << 15, (64, 256)).astype(np.uint16) for r in range(n)]
+    buf.engram_write(from_numpy(storages[rank], torch.bfloat16).cuda())
+    idx = np.random.default_rng(50 + rank).integers(0, 64 * n, (32, 4)).astype(np.int32)
+    data, sf = buf.engram_fetch(torch.from_numpy(idx).cuda())()
+    torch.cuda.synchronize()
+    want, _ = engram.fetch_reference(storages, idx)
+    res.append(
+        ("engram/bf16 fetch", sf is None and np.array_equal(to_numpy(data), want), str(tuple(data.shape)))
+    )
+
+
+_CASES = {"pp": _pp, "agrs": _agrs, "engram": _engram}
+
+
+def _worker(rank: int, n: int, mode: str, out_dir: str) -> None:
+    res: list = []
+    try:
+        _CASES[mode](rank, n, res)
+    except Exception as exc:  # reported, not hidden
+        res.append((f"{mode}/raised", False, f"{type(exc).__name__}: {exc}"))
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(res))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_pp_on_shared_gpu(n: int, tmp_path: Path) -> None:
+    _run("pp", n, tmp_path)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_agrs_on_shared_gpu(n: int, tmp_path: Path) -> None:
+    _run("agrs", n, tmp_path)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_engram_on_shared_gpu(n: int, tmp_path: Path) -> None:
+    _run("engram", n, tmp_path)
+
+
+if __name__ == "__main__":
+    from ep_torch import launch
+
+    launch.spawn(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])
