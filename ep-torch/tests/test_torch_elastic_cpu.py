@@ -247,7 +247,27 @@ def _agrs_case(rank: int, n: int, out: dict) -> None:
     out["destroy_twice"] = _raises(buf.destroy_agrs_session)
 
 
+def _pp_buffer(rank: int, n: int, out: dict) -> None:
+    import torch
+    from ep_torch import PPBuffer
+
+    buf = PPBuffer(None, 256, 2, explicitly_destroy=True, transport="reference", num_cpu_timeout_secs=30)
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    ok = True
+    for seq in range(3):
+        buf.send(_payload(rank, nxt, seq, torch.float32), nxt)
+        want = _payload(prv, rank, seq, torch.float32)
+        got = torch.empty_like(want)
+        buf.recv(got, prv)
+        ok = ok and bool(torch.equal(got, want))
+    out["ring"] = ok
+    out["too_big"] = _raises(lambda: buf.send(torch.zeros(65), nxt))
+    buf.destroy()
+    out["after_destroy"] = _raises(lambda: buf.send(torch.zeros(4), nxt))
+
+
 _CASES = {
+    "pp_buffer": _pp_buffer,
     "pp": _pp,
     "pp_inflight": _pp_inflight,
     "pp_timeout": _pp_timeout,
@@ -298,6 +318,14 @@ def test_pp_config_refused_on_one_rank_reaches_the_other(tmp_path: Path) -> None
     a, b = _run("pp_peer_refuses", 2, tmp_path)
     assert b["config"].startswith("EPValueError") and "rank 1" in b["config"]
     assert a["config"].startswith("EPPeerError") and "rank 1" in a["config"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_pp_buffer_ring(n: int, tmp_path: Path) -> None:
+    for out in _run("pp_buffer", n, tmp_path):
+        assert out["ring"], out
+        assert "exceed num_max_tensor_bytes (256" in out["too_big"]
+        assert out["after_destroy"].startswith("EPStateError")
 
 
 @pytest.mark.parametrize("n", [2, 3])

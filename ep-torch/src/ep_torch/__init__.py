@@ -14,6 +14,7 @@ from ep_core.handle import EPHandle
 from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config
+from .pp_buffer import PPBuffer
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "ElasticBuffer",
     "EventHandle",
     "EventOverlap",
+    "PPBuffer",
     "__version__",
     "topk_idx_t",
 ]
