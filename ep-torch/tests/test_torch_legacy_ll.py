@@ -239,6 +239,47 @@ def test_fp8_reference_encoder_matches_torch():
     assert np.array_equal(fp8_e4m3_bits(v), got)
 
 
+def test_v1_methods_and_keywords_match_deepep():
+    """Every public V1 method exists with V1's parameter names; the ones ep does not implement raise
+    NotImplementedError naming themselves (no process group needed: they raise before touching it)."""
+    import inspect
+
+    ll_d = list(inspect.signature(Buffer.low_latency_dispatch).parameters)[1:]
+    assert ll_d == [
+        "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "cumulative_local_expert_recv_stats",
+        "dispatch_wait_recv_cost_stats", "use_fp8", "round_scale", "use_ue8m0", "async_finish", "return_recv_hook",
+    ]  # fmt: skip
+    ll_c = list(inspect.signature(Buffer.low_latency_combine).parameters)[1:]
+    assert ll_c == [
+        "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy", "async_finish", "return_recv_hook",
+        "out", "combine_wait_recv_cost_stats",
+    ]  # fmt: skip
+    assert list(inspect.signature(Buffer.get_dispatch_layout).parameters)[1:] == [
+        "topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream",
+    ]  # fmt: skip
+    assert list(inspect.signature(Buffer.get_local_buffer_tensor).parameters)[1:] == [
+        "dtype", "size", "offset", "use_rdma_buffer",
+    ]  # fmt: skip
+    for name in ("clean_low_latency_buffer", "get_next_low_latency_combine_buffer", "is_sm90_compiled",
+                 "get_low_latency_rdma_size_hint", "destroy", "get_comm_stream", "is_available"):  # fmt: skip
+        assert callable(getattr(Buffer, name)), name
+    buf = Buffer.__new__(Buffer)  # the unimplemented methods raise without state
+    for call, name in (
+        (lambda: buf.low_latency_update_mask_buffer(0, True), "enable_shrink"),
+        (lambda: buf.low_latency_query_mask_buffer(torch.zeros(2, dtype=torch.int32)), "enable_shrink"),
+        (lambda: buf.low_latency_clean_mask_buffer(), "enable_shrink"),
+        (lambda: buf.get_local_buffer_tensor(torch.bfloat16), "get_local_buffer_tensor"),
+        (lambda: buf.internode_dispatch(None), "internode_dispatch"),
+        (lambda: buf.internode_combine(None, None), "internode_combine"),
+    ):
+        with pytest.raises(NotImplementedError, match=name):
+            call()
+    with pytest.raises(NotImplementedError, match="enable_shrink"):
+        Buffer(None, enable_shrink=True)
+    with pytest.raises(NotImplementedError, match="comm="):
+        Buffer(None, comm=object())
+
+
 def test_weighted_lane_sum_equals_reference():
     from ep_torch.legacy_ll import weighted_lane_sum
 

@@ -431,6 +431,17 @@ class Buffer:
         out, out_w, _ = self._inner.combine(x[:rows], ep_handle, topk_weights=w, bias=bias, num_sms=num_sms)
         return out, out_w, self._done(async_finish, x.is_cuda)
 
+    def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "internode_dispatch: ep runs one NVLink domain (direct mode); call dispatch(), which returns the "
+            "intranode handle"
+        )
+
+    def internode_combine(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "internode_combine: ep runs one NVLink domain (direct mode); call combine() with dispatch's handle"
+        )
+
     # ----------------------------------------------------------------------------------------------------------------
     # low-latency mode
 
