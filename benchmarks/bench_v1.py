@@ -11,7 +11,8 @@ upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 exper
 - ``v1 ll_dispatch bf16`` / ``v1 ll_dispatch fp8``: ``low_latency_dispatch(use_fp8=...)`` into the packed masked
   layout ``[E_local, N*T, H]``;
 - ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
-  ep combine (``ll_lanes_per_combine``; the automatic choice and all K);
+  ep combine (``ll_lanes_per_combine``; the automatic choice, 2, 4 and all K: wider rows mean fewer launches but
+  fewer warps per block in ep's kernels);
 - ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine``.
 
 Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters`` times back to back between two CUDA
@@ -112,7 +113,7 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
     y = recv.clone()  # the "experts": identity
     auto = lanes_per_combine(k, h)
-    for lanes in sorted({auto, k}):
+    for lanes in sorted({auto, k} | {g for g in (2, 4) if g < k}):
         v1.ll_lanes_per_combine = lanes
         comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
         torch.cuda.synchronize()
