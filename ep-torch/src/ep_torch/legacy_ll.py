@@ -84,8 +84,7 @@ def ll_dispatch(
     src_tok = (meta % inner.num_max_tokens_per_rank).to(torch.int32)
     # src_info and layout_range (V1's handle contents)
     src_info = torch.full((dump + 1,), -1, dtype=torch.int32, device=dev)
-    for j in range(k):
-        src_info.index_copy_(0, lane_slot[:, j], src_tok)
+    src_info.index_put_((lane_slot,), src_tok[:, None].expand(rows, k))
     per_src = torch.zeros(epr, n + 1, dtype=torch.int64, device=dev)
     per_src.scatter_add_(1, src_rank[None, :].expand(epr, rows), member.t().contiguous())
     per_src = per_src[:, :n]
@@ -106,10 +105,10 @@ def ll_dispatch(
 
 
 def _scatter_rows(src: torch.Tensor, lane_slot: torch.Tensor, dump: int) -> torch.Tensor:
-    """``out[lane_slot[r, j]] = src[r]`` for every lane; lanes not here land on the dump row (dropped)."""
+    """``out[lane_slot[r, j]] = src[r]`` for every lane, one scatter (``src`` broadcast over the lanes, no copy);
+    every real slot is written once, lanes not here land on the dump row (dropped)."""
     out = torch.empty(dump + 1, *src.shape[1:], dtype=src.dtype, device=src.device)
-    for j in range(lane_slot.shape[1]):
-        out.index_copy_(0, lane_slot[:, j], src)
+    out.index_put_((lane_slot,), src.unsqueeze(1).expand(src.shape[0], lane_slot.shape[1], *src.shape[1:]))
     return out[:dump]
 
 
