@@ -59,57 +59,124 @@ def _peer_bases(storage: Any, num_ranks: int) -> list[int]:
     return [int(alloc.peer_ptr(r)) for r in range(num_ranks)]
 
 
-class CopyEngineBackend:
-    def __init__(self, buf: Any) -> None:
-        import ep_symmem
+class DriverOps:
+    """The device operations the backend queues: CUDA driver calls on torch's streams."""
+
+    def __init__(self, device: torch.device) -> None:
         from ep_core.kernels import _cuda
 
-        self.buf = buf
-        self.rank, self.n = buf.rank_idx, buf.num_ranks
+        self.device = device
         self._cuda = _cuda
         self.drv = _cuda.driver()
-        rt = buf._rt()
-        ws = rt.num_workspace_bytes
-        self.data = [b + ws for b in _peer_bases(rt.storage, self.n)]
-        self._region = torch.as_tensor(_Raw(self.data[self.rank], rt.data.nbytes), device=buf.device)
-        # the signal words: zeroed, then mapped by every rank
-        torch.cuda.synchronize()
-        self._sig_alloc = ep_symmem.SymmetricAllocation.create(
-            _SIGNAL_BYTES, device=torch.cuda.current_device()
-        )
-        _cuda.memset(int(self._sig_alloc.ptr), _SIGNAL_BYTES, 0)
-        _cuda.synchronize_context()
-        buf.bootstrap.barrier()
-        ep_symmem.exchange(self._sig_alloc, buf.bootstrap)
-        self.sig = [int(self._sig_alloc.peer_ptr(r)) for r in range(self.n)]
-        self.pp_sent = [0, 0]
-        self.pp_received = [0, 0]
-        self._events: dict[tuple[int, int], torch.cuda.Event] = {}
-        self._sf: torch.Tensor | None = None
-        self._table: Any = None
+        self._comm = None
 
-    # ----------------------------------------------------------------------------------------------------------
-    def _stream(self) -> int:
+    def current_stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    def _copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         if nbytes:
             self._cuda.check(self.drv.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
-    def _write(self, addr: int, value: int, stream: int) -> None:
+    def write(self, addr: int, value: int, stream: int) -> None:
         flags = self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # fences the copies before it
         self._cuda.check(self.drv.cuStreamWriteValue64(stream, addr, value, flags), "cuStreamWriteValue64")
 
-    def _wait(self, addr: int, value: int, stream: int) -> None:
+    def wait(self, addr: int, value: int, stream: int) -> None:
         flags = self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         self._cuda.check(self.drv.cuStreamWaitValue64(stream, addr, value, flags), "cuStreamWaitValue64")
+
+    def view(self, ptr: int, nbytes: int) -> torch.Tensor:
+        return torch.as_tensor(_Raw(ptr, nbytes), device=self.device)
+
+    def comm_stream(self) -> int:
+        """The comm stream, ordered after the work queued so far on the current stream."""
+        from ._streams import comm_stream
+
+        self._comm = comm_stream(self.device)
+        self._comm.wait_stream(torch.cuda.current_stream())
+        return self._comm.cuda_stream
+
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        for x in tensors:
+            x.record_stream(self._comm)
+
+    def record(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(self._comm)
+        return event
+
+    def wait_event(self, event: Any) -> None:
+        torch.cuda.current_stream().wait_event(event)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+class CopyEngineBackend:
+    """The protocol over addresses: `data[r]` is rank r's data region and `sig[r]` its signal words, both as mapped
+    in this process; `ops` queues the copies, writes and waits (`DriverOps`, or a host model in the tests)."""
+
+    def __init__(
+        self,
+        rank: int,
+        num_ranks: int,
+        data: list[int],
+        sig: list[int],
+        region: torch.Tensor,
+        num_gpu_buffer_bytes: int,
+        ops: Any,
+        barrier: Any,
+    ) -> None:
+        self.rank, self.n = rank, num_ranks
+        self.data, self.sig = data, sig
+        self._region = region
+        self._num_gpu_buffer_bytes = num_gpu_buffer_bytes
+        self.ops = ops
+        self._barrier = barrier
+        self.pp_sent = [0, 0]
+        self.pp_received = [0, 0]
+        self._events: dict[tuple[int, int], Any] = {}
+        self._sf: torch.Tensor | None = None
+
+    @classmethod
+    def from_buffer(cls, buf: Any) -> CopyEngineBackend:
+        """A collective: maps the peers' data regions and creates and exchanges the signal words."""
+        import ep_symmem
+
+        rt = buf._rt()
+        n = buf.num_ranks
+        ops = DriverOps(buf.device)
+        data = [b + rt.num_workspace_bytes for b in _peer_bases(rt.storage, n)]
+        torch.cuda.synchronize()
+        alloc = ep_symmem.SymmetricAllocation.create(_SIGNAL_BYTES, device=torch.cuda.current_device())
+        ops._cuda.memset(int(alloc.ptr), _SIGNAL_BYTES, 0)
+        ops._cuda.synchronize_context()
+        buf.bootstrap.barrier()
+        ep_symmem.exchange(alloc, buf.bootstrap)
+        sig = [int(alloc.peer_ptr(r)) for r in range(n)]
+
+        def barrier() -> None:
+            torch.cuda.synchronize()
+            buf.bootstrap.barrier()
+
+        out = cls(
+            buf.rank_idx,
+            n,
+            data,
+            sig,
+            ops.view(data[buf.rank_idx], rt.data.nbytes),
+            buf._num_gpu_buffer_bytes,
+            ops,
+            barrier,
+        )
+        out._sig_alloc = alloc  # mapped by the peers: lives as long as the backend
+        return out
 
     def region(self) -> torch.Tensor:
         return self._region
 
     def barrier(self) -> None:
-        torch.cuda.synchronize()
-        self.buf.bootstrap.barrier()
+        self._barrier()
 
     # ----------------------------------------------------------------------------------------------------------
     # PP
@@ -118,25 +185,25 @@ class CopyEngineBackend:
         self.barrier()
 
     def pp_send(self, cfg: pp.PPConfig, t: torch.Tensor, dst: int) -> None:
-        s = self._stream()
+        ops, s = self.ops, self.ops.current_stream()
         side = pp.send_side(self.rank, dst, self.n)
         rside = pp.recv_side(dst, self.rank, self.n)
         k = self.pp_sent[side]
         inflight = cfg.num_max_inflight_tensors
         if k >= inflight:  # the slot of tensor k - inflight must be released first
-            self._wait(self.sig[self.rank] + 8 * (_PP_RELEASED + side), k - inflight + 1, s)
-        self._copy(self.data[dst] + cfg.recv_slot_offset(rside, k % inflight), t.data_ptr(), t.nbytes, s)
-        self._write(self.sig[dst] + 8 * (_PP_ARRIVED + rside), k + 1, s)
+            ops.wait(self.sig[self.rank] + 8 * (_PP_RELEASED + side), k - inflight + 1, s)
+        ops.copy(self.data[dst] + cfg.recv_slot_offset(rside, k % inflight), t.data_ptr(), t.nbytes, s)
+        ops.write(self.sig[dst] + 8 * (_PP_ARRIVED + rside), k + 1, s)
         self.pp_sent[side] = k + 1
 
     def pp_recv(self, cfg: pp.PPConfig, t: torch.Tensor, src: int) -> None:
-        s = self._stream()
+        ops, s = self.ops, self.ops.current_stream()
         side = pp.recv_side(self.rank, src, self.n)
         k = self.pp_received[side]
-        self._wait(self.sig[self.rank] + 8 * (_PP_ARRIVED + side), k + 1, s)
+        ops.wait(self.sig[self.rank] + 8 * (_PP_ARRIVED + side), k + 1, s)
         slot = cfg.recv_slot_offset(side, k % cfg.num_max_inflight_tensors)
-        self._copy(t.data_ptr(), self.data[self.rank] + slot, t.nbytes, s)
-        self._write(self.sig[src] + 8 * (_PP_RELEASED + pp.send_side(src, self.rank, self.n)), k + 1, s)
+        ops.copy(t.data_ptr(), self.data[self.rank] + slot, t.nbytes, s)
+        ops.write(self.sig[src] + 8 * (_PP_RELEASED + pp.send_side(src, self.rank, self.n)), k + 1, s)
         self.pp_received[side] = k + 1
 
     # ----------------------------------------------------------------------------------------------------------
@@ -144,35 +211,30 @@ class CopyEngineBackend:
 
     def engram_write(self, table: engram.EngramTable, storage: torch.Tensor, sf: torch.Tensor | None) -> None:
         self.barrier()
-        off = self.buf._num_gpu_buffer_bytes
-        self._copy(self.data[self.rank] + off, storage.data_ptr(), storage.nbytes, self._stream())
+        dst = self.data[self.rank] + self._num_gpu_buffer_bytes
+        self.ops.copy(dst, storage.data_ptr(), storage.nbytes, self.ops.current_stream())
         self._sf = None if sf is None else sf.detach().clone()
-        self._table = table
         self.barrier()
 
     def engram_fetch(self, table: engram.EngramTable, indices: torch.Tensor, col_major: bool) -> Any:
         t, k = indices.shape
         flat = indices.reshape(-1).to(torch.int64)
-        owner, local = flat // table.num_entries_per_rank, flat % table.num_entries_per_rank
-        local = local.clamp(0, table.num_entries_per_rank - 1)
+        n_local = table.num_entries_per_rank
+        owner, local = flat // n_local, (flat % n_local).clamp(0, n_local - 1)
         e = table.entry_bytes
         front = self._region[: t * k * e].view(t * k, e)
-        off = self.buf._num_gpu_buffer_bytes
         for r in range(self.n):
-            peer = torch.as_tensor(
-                _Raw(self.data[r] + off, table.num_entries_per_rank * e), device=self.buf.device
-            )
-            rows = peer.view(table.num_entries_per_rank, e).index_select(0, local)
-            torch.where((owner == r)[:, None], rows, front, out=front)
+            peer = self.ops.view(self.data[r] + self._num_gpu_buffer_bytes, n_local * e).view(n_local, e)
+            torch.where((owner == r)[:, None], peer.index_select(0, local), front, out=front)
         dtype = torch.bfloat16 if table.dtype == "bfloat16" else torch.float8_e4m3fn
         data = front.view(dtype).view(t * k, table.hidden)
         sf = None
         if self._sf is not None:
             p = table.num_sf_packs
-            rows = self._sf.index_select(0, flat).reshape(t, k * p)
+            rows = self._sf.index_select(0, flat.to(self._sf.device)).reshape(t, k * p)
             shape, transposed = engram.sf_layout(t, k, p, col_major)
             if transposed:
-                store = torch.zeros(shape, dtype=self._sf.dtype, device=self.buf.device)
+                store = torch.zeros(shape, dtype=self._sf.dtype, device=self._sf.device)
                 store[:, :t] = rows.t()
                 sf = store.t()[:t]
             else:
@@ -190,15 +252,13 @@ class CopyEngineBackend:
         """Write `value` into word `word + rank` of every peer, then wait for word `word + p` >= value from each."""
         for i in range(1, self.n):
             p = (self.rank + i) % self.n
-            self._write(self.sig[p] + 8 * (word + self.rank), value, stream)
+            self.ops.write(self.sig[p] + 8 * (word + self.rank), value, stream)
         for i in range(1, self.n):
             p = (self.rank + i) % self.n
-            self._wait(self.sig[self.rank] + 8 * (word + p), value, stream)
+            self.ops.wait(self.sig[self.rank] + 8 * (word + p), value, stream)
 
     def agrs_end_session(self, session_idx: int) -> None:
-        comm = self.buf.get_comm_stream()
-        comm.wait_stream(torch.cuda.current_stream())
-        self._signal_all(_AGRS_ENDED, session_idx, comm.cuda_stream)
+        self._signal_all(_AGRS_ENDED, session_idx, self.ops.comm_stream())
 
     def all_gather(
         self,
@@ -208,27 +268,21 @@ class CopyEngineBackend:
         slot: int,
         session_idx: int,
     ) -> list[torch.Tensor]:
-        comm = self.buf.get_comm_stream()
-        compute = torch.cuda.current_stream()
-        comm.wait_stream(compute)
-        s = comm.cuda_stream
+        s = self.ops.comm_stream()
         for i in range(self.n):
             dst = (self.rank + i) % self.n
             for x, off in zip(tensors, offsets, strict=True):
                 target = self.data[dst] + off + x.nbytes * self.rank
                 if target != x.data_ptr():
-                    self._copy(target, x.data_ptr(), x.nbytes, s)
-        for x in tensors:
-            x.record_stream(comm)
+                    self.ops.copy(target, x.data_ptr(), x.nbytes, s)
+        self.ops.keep(tensors)
         self._signal_all(_AGRS_ARRIVED + slot * 1024, session_idx, s)
-        event = torch.cuda.Event()
-        event.record(comm)
-        self._events[(session_idx, slot)] = event
         self._events = {key: ev for key, ev in self._events.items() if key[0] >= session_idx}
+        self._events[(session_idx, slot)] = self.ops.record()
         return [
             self._region[off : off + self.n * x.nbytes].view(x.dtype).view(self.n, *x.shape)
             for x, off in zip(tensors, offsets, strict=True)
         ]
 
     def agrs_wait(self, slot: int, session_idx: int) -> None:
-        torch.cuda.current_stream().wait_event(self._events[(session_idx, slot)])
+        self.ops.wait_event(self._events[(session_idx, slot)])

@@ -116,7 +116,7 @@ class ElasticOps:
         if self.transport == "ipc":
             from .elastic_copy_engine import CopyEngineBackend
 
-            return CopyEngineBackend(self)
+            return CopyEngineBackend.from_buffer(self)
         raise EPConfigError(
             f"transport: PP, Engram and AGRS run on the 'reference' (CPU) and 'ipc' (GPU, one node) transports; this "
             f"buffer uses {self.transport!r} (rank {self.rank_idx}); build it with transport='ipc'"
