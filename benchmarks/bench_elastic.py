@@ -15,10 +15,12 @@ same run (CUDA-event times on rank 0, median of repetitions):
 2. Engram: ``engram_fetch`` of T rows of hidden 7168 bf16 (random entries of every rank's table). The storage is
    in the back of the GPU buffer (host memory behind it, ``num_cpu_bytes`` as host NUMA memory, is not built yet),
    and the gather runs on SMs. Baseline: a plain pinned host-to-device copy of the same bytes.
-3. AGRS: ``all_gather`` of 1-32 MiB per rank inside a session. Baseline: ``torch.distributed.all_gather_into_tensor``
-   on an NCCL group of the same ranks (only with one GPU per rank).
+3. AGRS: ``all_gather`` of 1-64 MiB per rank inside a session, and ep's ``reduce_scatter`` of the same bytes per
+   rank. Baselines: ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on an NCCL group of the
+   same ranks (only with one GPU per rank). Bus GB/s: bytes * (N - 1) / time (reduce-scatter: bytes * (N - 1) / N).
 
-SMs: PP and all-gather use none (copy engine + stream memory operations); Engram's gather uses torch kernels.
+SMs: PP and all-gather use none (copy engine + stream memory operations); Engram's gather and the reduce-scatter's
+sum use torch kernels.
 Writes DIR/bench_elastic_n{N}[_shared].json and prints a table. Exit status 0 (also without a GPU: "skipped").
 """
 
@@ -142,6 +144,24 @@ def _worker(rank: int, n: int, shared: bool, quick: bool, out: str) -> None:
                 o = torch.empty(n * x.numel(), device="cuda")
                 tt = _time(lambda x=x, o=o: dist.all_gather_into_tensor(o, x, group=nccl), reps)
                 row["torch_nccl_gbs"] = b * (n - 1) / tt / 1e9
+            rows.append(row)
+            xs = torch.randn(b // 4, device="cuda")  # reduce-scatter of b bytes per rank into b / N
+
+            def rs(xs=xs) -> None:
+                with buf.agrs_new_session():
+                    buf.reduce_scatter(xs)
+
+            t = _time(rs, reps) if (b // 4) % n == 0 else 0.0
+            row = {
+                "op": "reduce_scatter",
+                "bytes": b,
+                "gbs": b * (n - 1) / n / t / 1e9 if t else 0,
+                "sms": "sum",
+            }
+            if nccl is not None and t:
+                o = torch.empty(xs.numel() // n, device="cuda")
+                tt = _time(lambda xs=xs, o=o: dist.reduce_scatter_tensor(o, xs, group=nccl), reps)
+                row["torch_nccl_gbs"] = b * (n - 1) / n / tt / 1e9
             rows.append(row)
         del buf
     torch.cuda.synchronize()

@@ -67,3 +67,9 @@ def test_reference_stacks_parts() -> None:
     parts = [np.full((2, 3), r, np.int32) for r in range(3)]
     out = agrs.all_gather_reference(parts)
     assert out.shape == (3, 2, 3) and (out[2] == 2).all()
+
+
+def test_reduce_scatter_reference_sums_in_rank_order() -> None:
+    xs = [np.arange(12, dtype=np.float32).reshape(6, 2) * (r + 1) for r in range(3)]
+    out = agrs.reduce_scatter_reference(xs, 1)
+    assert out.shape == (2, 2) and np.array_equal(out, xs[0][2:4] * 6)

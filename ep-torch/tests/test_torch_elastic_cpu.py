@@ -266,7 +266,31 @@ def _pp_buffer(rank: int, n: int, out: dict) -> None:
     out["after_destroy"] = _raises(lambda: buf.send(torch.zeros(4), nxt))
 
 
+def _reduce_scatter_case(rank: int, n: int, out: dict) -> None:
+    import torch
+    from ep_core import agrs
+
+    buf = _buffer()
+    buf.agrs_set_config(1 << 20, 4)
+
+    def inp(r: int, dtype):
+        g = torch.Generator().manual_seed(r + 17)
+        return (torch.randn(3 * n, 5, generator=g) * 10).to(dtype)
+
+    ok = True
+    with buf.agrs_new_session():
+        for dtype in (torch.float32, torch.bfloat16):
+            got = buf.reduce_scatter(inp(rank, dtype))
+            want = agrs.reduce_scatter_reference([inp(r, dtype).float().numpy() for r in range(n)], rank)
+            ok = ok and got.shape == (3, 5) and torch.equal(got, torch.from_numpy(want).to(dtype))
+        out["indivisible"] = _raises(lambda: buf.reduce_scatter(torch.zeros(3 * n + 1)))
+        out["int"] = _raises(lambda: buf.reduce_scatter(torch.zeros(n, dtype=torch.int32)))
+    out["values"] = bool(ok)
+    out["outside"] = _raises(lambda: buf.reduce_scatter(torch.zeros(n)))
+
+
 _CASES = {
+    "reduce_scatter": _reduce_scatter_case,
     "pp_buffer": _pp_buffer,
     "pp": _pp,
     "pp_inflight": _pp_inflight,
@@ -353,6 +377,14 @@ def test_agrs_sessions_match_reference(n: int, tmp_path: Path) -> None:
         assert "same order" in out["inplace_order"]
         assert out["mismatch"].startswith("EPMismatchError"), out["mismatch"]
         assert out["destroy_twice"].startswith("EPStateError")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_scatter_matches_reference(n: int, tmp_path: Path) -> None:
+    for out in _run("reduce_scatter", n, tmp_path):
+        assert out["values"], out
+        assert "divisible" in out["indivisible"] and out["int"].startswith("EPTypeError")
+        assert "not inside" in out["outside"]
 
 
 if __name__ == "__main__":

@@ -162,6 +162,22 @@ def _agrs(rank: int, n: int, res: list) -> None:
         ok = bool(torch.equal(got, torch.stack([part(r, 0, 9) for r in range(n)])))
         torch.cuda.synchronize()
     res.append(("agrs/in place", ok, ""))
+    from ep_core import agrs
+
+    def rs_in(r: int, dtype) -> torch.Tensor:
+        g = torch.Generator().manual_seed(r + 17)
+        return (torch.randn(8 * n, 64, generator=g) * 10).to(dtype).cuda()
+
+    ok = True
+    with buf.agrs_new_session():
+        for dtype in (torch.float32, torch.bfloat16):
+            got = buf.reduce_scatter(rs_in(rank, dtype))
+            want = agrs.reduce_scatter_reference(
+                [rs_in(r, dtype).float().cpu().numpy() for r in range(n)], rank
+            )
+            ok = ok and bool(torch.equal(got.cpu(), torch.from_numpy(want).to(dtype)))
+        torch.cuda.synchronize()
+    res.append(("agrs/reduce_scatter", ok, ""))
 
 
 def _engram(rank: int, n: int, res: list) -> None:

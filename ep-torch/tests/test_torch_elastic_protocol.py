@@ -192,3 +192,22 @@ def test_engram_fetch_reads_every_owner() -> None:
     data, sf = bs[1].engram_fetch(tables[1], torch.from_numpy(idx), False)()
     want, _ = engram.fetch_reference(storages, idx)
     assert sf is None and np.array_equal(data.view(torch.int16).numpy().view(np.uint16), want)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_reduce_scatter_chunks_land_in_rank_order(n: int) -> None:
+    streams, bs, _keep = _ranks(n)
+    sessions = [agrs.AGRSSession(r) for r in range(n)]
+    xs = [torch.arange(4 * n, dtype=torch.float32).reshape(2 * n, 2) + 100 * r for r in range(n)]
+    parts = []
+    for r in range(n):
+        sessions[r].configure(agrs.make_agrs_config(r, n, n, 4 * MiB, 64 * 1024, 4))
+        sessions[r].create()
+        cb = xs[r].nbytes // n
+        (off,), slot = sessions[r].plan_all_gather([cb], [None])
+        parts.append(bs[r].reduce_scatter(xs[r], off, cb, slot, sessions[r].session_idx))
+    streams.run()
+    assert streams.idle()
+    for r in range(n):
+        for q in range(n):
+            assert torch.equal(parts[r][q], xs[q][2 * r : 2 * r + 2])

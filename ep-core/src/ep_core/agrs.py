@@ -33,6 +33,7 @@ __all__ = [
     "get_agrs_num_max_session_bytes",
     "make_agrs_config",
     "normalize_shapes",
+    "reduce_scatter_reference",
 ]
 
 AGRS_ALIGN_BYTES = 32
@@ -224,3 +225,14 @@ class AGRSSession:
 def all_gather_reference(parts: list[np.ndarray]) -> np.ndarray:
     """The oracle: rank r's tensor at index r of a new leading dimension."""
     return np.stack(parts, axis=0)
+
+
+def reduce_scatter_reference(inputs: list[np.ndarray], rank: int) -> np.ndarray:
+    """The oracle of ep_torch's (ours) reduce-scatter: chunk `rank` of every rank's input (split along dim 0 into
+    N chunks), summed in float32 in rank order."""
+    n = len(inputs)
+    chunks = [np.split(np.asarray(x, dtype=np.float32), n, axis=0)[rank] for x in inputs]
+    acc = chunks[0].copy()
+    for c in chunks[1:]:
+        acc += c
+    return acc

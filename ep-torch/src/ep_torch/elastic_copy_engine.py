@@ -284,5 +284,19 @@ class CopyEngineBackend:
             for x, off in zip(tensors, offsets, strict=True)
         ]
 
+    def reduce_scatter(self, t: torch.Tensor, off: int, cb: int, slot: int, session_idx: int) -> torch.Tensor:
+        """Chunk `p` of `t` goes to part `rank` of peer p's session slot (copy engine); returns this rank's `[N,
+        chunk]` parts, complete once `agrs_wait` ordered the current stream after the arrivals."""
+        s = self.ops.comm_stream()
+        for i in range(self.n):
+            p = (self.rank + i) % self.n
+            self.ops.copy(self.data[p] + off + cb * self.rank, t.data_ptr() + cb * p, cb, s)
+        self.ops.keep([t])
+        self._signal_all(_AGRS_ARRIVED + slot * 1024, session_idx, s)
+        self._events = {key: ev for key, ev in self._events.items() if key[0] >= session_idx}
+        self._events[(session_idx, slot)] = self.ops.record()
+        chunk = (t.shape[0] // self.n, *t.shape[1:])
+        return self._region[off : off + self.n * cb].view(t.dtype).view(self.n, *chunk)
+
     def agrs_wait(self, slot: int, session_idx: int) -> None:
         self.ops.wait_event(self._events[(session_idx, slot)])

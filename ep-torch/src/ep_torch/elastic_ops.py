@@ -370,3 +370,35 @@ class ElasticOps:
             st.backend.agrs_wait(slot, session_idx)
 
         return (outs[0], handle) if single else (*outs, handle)
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """(Experimental, ours: DeepEP V2's ElasticBuffer has no reduce-scatter) Inside the current session: ``t``
+        ``[N * m, ...]`` (float32, bfloat16 or float16) is cut into N chunks along dim 0; returns ``[m, ...]``, the sum
+        over ranks of every rank's chunk ``rank``, accumulated in float32 in rank order (deterministic) and cast back
+        (as ``torch.distributed.reduce_scatter_tensor``). The chunks travel like an all-gather's parts (copy engine,
+        one session slot and ``align(N * chunk_bytes, 32)`` session bytes); the sum is one reduction on the current
+        stream, queued after the arrivals (the host does not wait)."""
+        st = self._elastic()
+        if st.session.config is None or not st.session.in_session:
+            st.session.plan_all_gather([], [])  # raises the state error
+        t = self._check_tensor("t", t)
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise EPTypeError(
+                f"t: expected float32, bfloat16 or float16, got {t.dtype} (rank {self.rank_idx})"
+            )
+        n = self.num_ranks
+        if t.dim() < 1 or t.shape[0] % n:
+            raise EPValueError(
+                f"t: expected a first dimension divisible by the {n} ranks, got shape {tuple(t.shape)} (rank "
+                f"{self.rank_idx})"
+            )
+        chunk = (t.shape[0] // n, *t.shape[1:])
+        cb = t.nbytes // n
+        offsets, slot = st.session.plan_all_gather([cb], [None])
+        session_idx = st.session.session_idx
+        parts = st.backend.reduce_scatter(t, offsets[0], cb, slot, session_idx)
+        st.backend.agrs_wait(slot, session_idx)
+        acc = parts[0].float()
+        for r in range(1, n):
+            acc += parts[r].float()
+        return acc.to(t.dtype).view(chunk)

@@ -237,5 +237,21 @@ class ReferenceBackend:
             outs.append(self._region[off : off + n * b].view(x.dtype).view(n, *x.shape))
         return outs
 
+    def reduce_scatter(self, t: torch.Tensor, off: int, cb: int, slot: int, session_idx: int) -> torch.Tensor:
+        """Every rank's chunk `rank` lands at part `rank` of this rank's session slot, as on the GPU; returns the
+        `[N, chunk]` parts (gloo has no all-to-all on every build: an all-gather of the whole inputs does it)."""
+        n = self.buf.num_ranks
+        self.buf._agree(
+            "reduce_scatter", {"session": session_idx, "slot": slot, "t": (tuple(t.shape), str(t.dtype))}
+        )
+        src = t.detach().reshape(-1).view(torch.uint8).clone()
+        full = [torch.empty_like(src) for _ in range(n)]
+        work = dist.all_gather(full, src, group=self.group, async_op=True)
+        self._wait(work, "reduce_scatter", f"every rank's input of slot {slot}", session_idx)
+        for r in range(n):
+            self._region[off + r * cb : off + (r + 1) * cb] = full[r][self.rank * cb : (self.rank + 1) * cb]
+        chunk = (t.shape[0] // n, *t.shape[1:])
+        return self._region[off : off + n * cb].view(t.dtype).view(n, *chunk)
+
     def agrs_wait(self, slot: int, session_idx: int) -> None:
         return None  # the gloo all-gather already completed
