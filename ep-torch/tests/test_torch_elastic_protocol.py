@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from ep_core import agrs, engram, pp
-from ep_torch.elastic_copy_engine import CopyEngineBackend
+from ep_torch.elastic_copy_engine import CopyEngineBackend, byte_view
 
 MiB = 1 << 20
 
@@ -68,7 +68,7 @@ class _HostOps:
         self.q.append(("wait", addr, value))
 
     def view(self, ptr: int, nbytes: int) -> torch.Tensor:
-        return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
+        return byte_view(ptr, nbytes, torch.device("cpu"))  # the GPU path's DLPack view, labelled cpu here
 
     def keep(self, tensors) -> None:
         pass
@@ -211,3 +211,11 @@ def test_reduce_scatter_chunks_land_in_rank_order(n: int) -> None:
     for r in range(n):
         for q in range(n):
             assert torch.equal(parts[r][q], xs[q][2 * r : 2 * r + 2])
+
+
+def test_byte_view_aliases_the_memory() -> None:
+    a = np.arange(64, dtype=np.uint8)
+    t = byte_view(int(a.ctypes.data), 64, torch.device("cpu"))
+    assert t.dtype == torch.uint8 and t.shape == (64,) and t.data_ptr() == a.ctypes.data
+    t[3] = 77
+    assert a[3] == 77

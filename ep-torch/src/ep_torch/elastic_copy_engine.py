@@ -20,9 +20,11 @@ Stream waits on peers carry no timeout (a missing peer stalls the stream, not th
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
+import torch.utils.dlpack
 from ep_core import engram, pp
 from ep_core.errors import EPConfigError
 
@@ -34,17 +36,52 @@ _AGRS_ARRIVED = 8  # u64 words [slot * 1024 + src]
 _AGRS_ENDED = _AGRS_ARRIVED + 32 * 1024  # u64 words [src]
 
 
-class _Raw:
-    """A CUDA byte range for torch.as_tensor (`__cuda_array_interface__`), e.g. a peer's mapped memory."""
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_KEEP: list = []  # the DLPack structs of byte views: tiny, kept for the process's life (views outlive no buffer)
+
+
+def byte_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` at ``ptr`` labelled ``device``, whatever GPU the memory sits on: a peer GPU's
+    memory mapped into this process stays addressable by this device's kernels (``__cuda_array_interface__`` would
+    label it with the owner's GPU, and torch would then copy it). Built as a DLPack capsule, no copy."""
+    shape = (ctypes.c_int64 * 1)(nbytes)
+    kind = 2 if device.type == "cuda" else 1  # kDLCUDA, kDLCPU
+    index = device.index if device.index is not None else (torch.cuda.current_device() if kind == 2 else 0)
+    managed = _DLManagedTensor()
+    managed.dl_tensor = _DLTensor(
+        ctypes.c_void_p(ptr), _DLDevice(kind, index), 1, _DLDataType(1, 8, 1), shape, None, 0
+    )
+    managed.manager_ctx = None
+    managed.deleter = None
+    _KEEP.append((managed, shape))
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    return torch.utils.dlpack.from_dlpack(capsule)
 
 
 def _peer_bases(storage: Any, num_ranks: int) -> list[int]:
@@ -86,7 +123,7 @@ class DriverOps:
         self._cuda.check(self.drv.cuStreamWaitValue64(stream, addr, value, flags), "cuStreamWaitValue64")
 
     def view(self, ptr: int, nbytes: int) -> torch.Tensor:
-        return torch.as_tensor(_Raw(ptr, nbytes), device=self.device)
+        return byte_view(ptr, nbytes, self.device)
 
     def comm_stream(self) -> int:
         """The comm stream, ordered after the work queued so far on the current stream."""
@@ -137,6 +174,7 @@ class CopyEngineBackend:
         self.pp_received = [0, 0]
         self._events: dict[tuple[int, int], Any] = {}
         self._sf: torch.Tensor | None = None
+        self._tables: list[torch.Tensor] = []
 
     @classmethod
     def from_buffer(cls, buf: Any) -> CopyEngineBackend:
@@ -214,6 +252,13 @@ class CopyEngineBackend:
         dst = self.data[self.rank] + self._num_gpu_buffer_bytes
         self.ops.copy(dst, storage.data_ptr(), storage.nbytes, self.ops.current_stream())
         self._sf = None if sf is None else sf.detach().clone()
+        rows = table.num_entries_per_rank * table.entry_bytes
+        self._tables = [
+            self.ops.view(self.data[r] + self._num_gpu_buffer_bytes, rows).view(
+                table.num_entries_per_rank, -1
+            )
+            for r in range(self.n)
+        ]
         self.barrier()
 
     def engram_fetch(self, table: engram.EngramTable, indices: torch.Tensor, col_major: bool) -> Any:
@@ -223,8 +268,7 @@ class CopyEngineBackend:
         owner, local = flat // n_local, (flat % n_local).clamp(0, n_local - 1)
         e = table.entry_bytes
         front = self._region[: t * k * e].view(t * k, e)
-        for r in range(self.n):
-            peer = self.ops.view(self.data[r] + self._num_gpu_buffer_bytes, n_local * e).view(n_local, e)
+        for r, peer in enumerate(self._tables):  # each owner's storage, read over NVLink
             torch.where((owner == r)[:, None], peer.index_select(0, local), front, out=front)
         dtype = torch.bfloat16 if table.dtype == "bfloat16" else torch.float8_e4m3fn
         data = front.view(dtype).view(t * k, table.hidden)
