@@ -133,9 +133,11 @@ class ElasticOps:
                 f"{name}: expected a torch.Tensor, got {type(t).__name__} (rank {self.rank_idx})"
             )
         want = self.device.type
-        if t.device.type != want:
+        if t.device.type != want or (
+            want == "cuda" and self.device.index is not None and t.device.index != self.device.index
+        ):
             raise EPValueError(
-                f"{name}: expected a {want} tensor for the {self.transport} backend, got one on {t.device} (rank "
+                f"{name}: expected a tensor on {self.device} for the {self.transport} backend, got one on {t.device} (rank "
                 f"{self.rank_idx})"
             )
         if not t.is_contiguous():
