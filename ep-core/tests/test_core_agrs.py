@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from ep_core import agrs
+from ep_core.bootstrap import ThreadGroup
 from ep_core.errors import EPStateError, EPValueError
 
 MiB = 1 << 20
@@ -73,3 +76,47 @@ def test_reduce_scatter_reference_sums_in_rank_order() -> None:
     xs = [np.arange(12, dtype=np.float32).reshape(6, 2) * (r + 1) for r in range(3)]
     out = agrs.reduce_scatter_reference(xs, 1)
     assert out.shape == (2, 2) and np.array_equal(out, xs[0][2:4] * 6)
+
+
+def _threads(n: int, fn) -> list:
+    boots = ThreadGroup(n, timeout_secs=30).bootstraps()
+    out: list = [None] * n
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(boots[r])
+        except Exception as exc:
+            out[r] = exc
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_host_agrs_over_a_bootstrap(n: int) -> None:
+    def part(r: int, i: int) -> np.ndarray:
+        return np.random.default_rng(10 * r + i).standard_normal((3, 4)).astype(np.float32)
+
+    def rank(boot):
+        h = agrs.HostAGRS(boot, 2 * MiB)
+        h.set_config(64 * 1024, 4)
+        h.create_session()
+        a = h.all_gather(part(boot.rank, 0))
+        ip = h.get_inplace((3, 4), np.float32)
+        ip[...] = part(boot.rank, 1)
+        b, c = h.all_gather([ip, part(boot.rank, 2)])
+        rs = h.reduce_scatter(np.concatenate([part(boot.rank, 3)] * n))
+        h.destroy_session()
+        return a.copy(), b.copy(), c.copy(), rs
+
+    for r, res in enumerate(_threads(n, rank)):
+        assert not isinstance(res, Exception), res
+        a, b, c, rs = res
+        for i, got in enumerate((a, b, c)):
+            assert np.array_equal(got, agrs.all_gather_reference([part(q, i) for q in range(n)]))
+        want = agrs.reduce_scatter_reference([np.concatenate([part(q, 3)] * n) for q in range(n)], r)
+        assert np.array_equal(rs, want)

@@ -28,6 +28,7 @@ __all__ = [
     "MAX_ALL_GATHERS_PER_SESSION",
     "AGRSConfig",
     "AGRSSession",
+    "HostAGRS",
     "all_gather_reference",
     "get_agrs_buffer_size_hint",
     "get_agrs_num_max_session_bytes",
@@ -236,3 +237,105 @@ def reduce_scatter_reference(inputs: list[np.ndarray], rank: int) -> np.ndarray:
     for c in chunks[1:]:
         acc += c
     return acc
+
+
+class HostAGRS:
+    """All-gather sessions on a host region over any bootstrap (framework-agnostic; numpy): the session layout and
+    rules of `AGRSSession`, the bytes moved by `bootstrap.allgather`. Results are views of `region`."""
+
+    def __init__(self, bootstrap: Any, num_buffer_bytes: int, num_nvlink_ranks: int | None = None) -> None:
+        from ep_core.bootstrap import check_bootstrap
+
+        self.bootstrap = check_bootstrap(bootstrap)
+        self.rank, self.num_ranks = int(self.bootstrap.rank), int(self.bootstrap.size)
+        self.num_nvlink_ranks = self.num_ranks if num_nvlink_ranks is None else int(num_nvlink_ranks)
+        self.region = np.zeros(int(num_buffer_bytes), dtype=np.uint8)
+        self.session = AGRSSession(self.rank)
+
+    def set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
+        cfg = make_agrs_config(
+            self.rank,
+            self.num_ranks,
+            self.num_nvlink_ranks,
+            self.region.nbytes,
+            num_max_session_bytes,
+            num_max_all_gathers_per_session,
+        )
+        self.session.configure(cfg)
+        self.bootstrap.barrier()
+
+    def create_session(self) -> None:
+        self.session.create()
+
+    def destroy_session(self) -> None:
+        self.session.destroy()
+        self.bootstrap.barrier()
+
+    def get_inplace(self, shapes: Any, dtype: Any) -> Any:
+        lst, batched = normalize_shapes(shapes)
+        dt = np.dtype(dtype)
+        sizes = [math.prod(s) * dt.itemsize for s in lst]
+        offs = self.session.inplace_offsets(sizes)
+        out = tuple(
+            self.region[o : o + b].view(dt).reshape(s) for o, b, s in zip(offs, sizes, lst, strict=True)
+        )
+        return out if batched else out[0]
+
+    def _exchange(self, op: str, raws: list[bytes], shapes: list) -> list[list[bytes]]:
+        desc = repr((op, self.session.session_idx, self.session.slot, shapes)).encode()
+        every = self.bootstrap.allgather(desc + b"\0" + b"".join(raws))
+        heads = [e.split(b"\0", 1)[0] for e in every]
+        if any(h != heads[0] for h in heads):
+            from ep_core.errors import EPMismatchError
+
+            raise EPMismatchError(f"{op}: ranks disagree ({[h.decode() for h in heads]}); make the same call")
+        out = []
+        sizes = [len(r) for r in raws]
+        for e in every:
+            body = e.split(b"\0", 1)[1]
+            pos, parts = 0, []
+            for b in sizes:
+                parts.append(body[pos : pos + b])
+                pos += b
+            out.append(parts)
+        return out
+
+    def all_gather(self, arrays: Any) -> Any:
+        single = isinstance(arrays, np.ndarray)
+        xs = [np.ascontiguousarray(a) for a in ([arrays] if single else arrays)]
+        base = self.region.ctypes.data
+        cap = self.session.config.num_max_session_bytes if self.session.config else 0
+        inplace = [a.ctypes.data - base if 0 <= a.ctypes.data - base < cap else None for a in xs]
+        raws = [a.tobytes() for a in xs]
+        offsets, _slot = self.session.plan_all_gather([a.nbytes for a in xs], inplace)
+        every = self._exchange("all_gather", raws, [(a.shape, str(a.dtype)) for a in xs])
+        n = self.num_ranks
+        outs = []
+        for i, (a, off) in enumerate(zip(xs, offsets, strict=True)):
+            for r in range(n):
+                self.region[off + r * a.nbytes : off + (r + 1) * a.nbytes] = np.frombuffer(
+                    every[r][i], np.uint8
+                )
+            outs.append(self.region[off : off + n * a.nbytes].view(a.dtype).reshape(n, *a.shape))
+        return outs[0] if single else outs
+
+    def reduce_scatter(self, x: np.ndarray) -> np.ndarray:
+        n = self.num_ranks
+        a = np.ascontiguousarray(x)
+        if a.ndim < 1 or a.shape[0] % n:
+            raise EPValueError(
+                f"t: expected a first dimension divisible by the {n} ranks, got shape {a.shape}"
+            )
+        cb = a.nbytes // n
+        (off,), _slot = self.session.plan_all_gather([cb], [None])
+        every = self._exchange("reduce_scatter", [a.tobytes()], [(a.shape, str(a.dtype))])
+        for r in range(n):
+            self.region[off + r * cb : off + (r + 1) * cb] = np.frombuffer(
+                every[r][0][self.rank * cb : (self.rank + 1) * cb], np.uint8
+            )
+        chunk = (a.shape[0] // n, *a.shape[1:])
+        parts = self.region[off : off + n * cb].view(a.dtype).reshape(n, *chunk)
+        acc = parts[0].astype(np.float32)
+        for p in parts[1:]:
+            acc += p
+        return acc

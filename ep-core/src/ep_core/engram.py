@@ -23,6 +23,7 @@ from ep_core.errors import EPStateError, EPTypeError, EPValueError
 __all__ = [
     "ENGRAM_ENTRY_ALIGN_BYTES",
     "EngramTable",
+    "HostEngram",
     "check_fetch_indices",
     "fetch_reference",
     "get_engram_storage_size_hint",
@@ -212,3 +213,54 @@ def fetch_reference(
     store = np.zeros(shape, dtype=sf_table.dtype)
     store[:, :t] = rows.T
     return data, store.T[:t]
+
+
+class HostEngram:
+    """Engram on host arrays over any bootstrap (framework-agnostic; numpy): `write` is a collective that
+    all-gathers the tables (so `fetch` is local and one-sided, as with RDMA gets), `fetch` returns the hook.
+
+    Arrays carry raw bits: bf16 entries as uint16, FP8 as uint8 (`dtype` names what they are)."""
+
+    def __init__(self, bootstrap: Any, num_gpu_bytes: int, num_cpu_bytes: int) -> None:
+        from ep_core.bootstrap import check_bootstrap
+
+        self.bootstrap = check_bootstrap(bootstrap)
+        self.rank, self.num_ranks = int(self.bootstrap.rank), int(self.bootstrap.size)
+        self.num_gpu_bytes, self.num_cpu_bytes = int(num_gpu_bytes), int(num_cpu_bytes)
+        self.table: EngramTable | None = None
+        self._replica: np.ndarray | None = None
+        self._sf: np.ndarray | None = None
+
+    def write(self, storage: np.ndarray, dtype: str = "bfloat16", sf: np.ndarray | None = None) -> None:
+        table = make_engram_table(
+            self.rank,
+            self.num_ranks,
+            tuple(storage.shape),
+            dtype,
+            self.num_cpu_bytes,
+            None if sf is None else tuple(sf.shape),
+            4 if sf is None else sf.dtype.itemsize,
+        )
+        keys = self.bootstrap.allgather(repr(table.key()).encode())
+        if any(k != keys[0] for k in keys):
+            from ep_core.errors import EPMismatchError
+
+            raise EPMismatchError(
+                f"engram_write: ranks write tables of different shapes ({[k.decode() for k in keys]}); every rank "
+                "must write [num_entries, hidden] of the same size and dtype"
+            )
+        raw = np.ascontiguousarray(storage)
+        parts = self.bootstrap.allgather(raw.tobytes())
+        self._replica = np.frombuffer(b"".join(parts), dtype=raw.dtype).reshape(-1, raw.shape[1])
+        self._sf = None if sf is None else np.array(sf, copy=True)
+        self.table = table
+
+    def fetch(self, indices: np.ndarray, col_major: bool = False) -> Any:
+        table = require_table(self.table, self.rank)
+        idx = np.asarray(indices)
+        check_fetch_indices(table, idx.shape, str(idx.dtype), self.num_gpu_bytes, idx)
+        assert self._replica is not None
+        n = table.num_entries_per_rank
+        storages = [self._replica[r * n : (r + 1) * n] for r in range(self.num_ranks)]
+        data, sf = fetch_reference(storages, idx, self._sf, col_major)
+        return lambda: (data, sf)
