@@ -12,9 +12,9 @@ same run (CUDA-event times on rank 0, median of repetitions):
    2 slots in flight; one-way GB/s = 2 * bytes * rounds / time. Each hop is two copy-engine copies (into the
    peer's slot, out of it). Baseline: the device copy ceiling, a ``copy_`` of the same bytes on GPU 0 (and the
    peer copy GPU 0 -> GPU 1 with two GPUs).
-2. Engram: ``engram_fetch`` of T rows of hidden 7168 bf16 (random entries of every rank's table). The storage is
-   in the back of the GPU buffer (host memory behind it, ``num_cpu_bytes`` as host NUMA memory, is not built yet),
-   and the gather runs on SMs. Baseline: a plain pinned host-to-device copy of the same bytes.
+2. Engram: ``engram_fetch`` of T rows of hidden 7168 bf16 (random entries of every rank's table) from the storage in
+   host NUMA memory (the row says ``storage``: ``host``, or ``gpu`` where host memory could not be mapped); the
+   gather runs on SMs. Baseline: a plain pinned host-to-device copy of the same bytes.
 3. AGRS: ``all_gather`` of 1-64 MiB per rank inside a session, and ep's ``reduce_scatter`` of the same bytes per
    rank. Baselines: ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on an NCCL group of the
    same ranks (only with one GPU per rank). Bus GB/s: bytes * (N - 1) / time (reduce-scatter: bytes * (N - 1) / N).
@@ -113,6 +113,7 @@ def _worker(rank: int, n: int, shared: bool, quick: bool, out: str) -> None:
             "gbs": nbytes / t / 1e9,
             "h2d_gbs": nbytes / h2d / 1e9,
             "sms": "gather",
+            "storage": buf.__dict__["_elastic_state"].backend.engram_storage,
         }
     )
     del buf

@@ -9,8 +9,10 @@ buffers, ordered by stream memory operations, so PP and all-gather use no SM.
 - AGRS: an all-gather copies each tensor into its place on every peer on the comm stream (after the compute
   stream), then signals the slot to every peer and waits for theirs; the handle makes the current stream wait.
   Ending a session signals and waits the same way, so the next session's copies never overwrite live results.
-- Engram: the storage lives at the back of each rank's data region (the ``num_cpu_bytes`` part); a fetch gathers
-  from the peers' storage over NVLink into the front of the data region (torch gathers: this one uses SMs).
+- Engram: the storage lives in host NUMA memory (a ``[2 MiB GPU | num_cpu_bytes host]`` ep_symmem allocation whose
+  host part every rank of the node maps; else, when a rank cannot map host memory, at the back of each rank's data
+  region); ``engram_write`` copies into it with the copy engine, a fetch gathers from the owners' storage into the
+  front of the data region (torch gathers: this one uses SMs).
 
 The signal words live in a separate 2 MiB symmetric allocation (ep_symmem), exchanged when the first collective of
 these primitives runs: the workspace has no region for them yet.
@@ -175,6 +177,10 @@ class CopyEngineBackend:
         self._events: dict[tuple[int, int], Any] = {}
         self._sf: torch.Tensor | None = None
         self._tables: list[torch.Tensor] = []
+        # where each rank's Engram storage starts: by default the back of its data region (the num_cpu_bytes
+        # part); `from_buffer` moves it to host NUMA memory when it can
+        self.storage = [d + num_gpu_buffer_bytes for d in data]
+        self.engram_storage = "gpu"
 
     @classmethod
     def from_buffer(cls, buf: Any) -> CopyEngineBackend:
@@ -208,7 +214,41 @@ class CopyEngineBackend:
             barrier,
         )
         out._sig_alloc = alloc  # mapped by the peers: lives as long as the backend
+        if buf.num_cpu_bytes > 0:
+            out._host_storage(buf)
         return out
+
+    def _host_storage(self, buf: Any) -> None:
+        """Engram storage in host NUMA memory (the elastic part): an ep_symmem allocation `[2 MiB GPU | num_cpu_bytes
+        host]` exchanged like the data buffer, its host part mapped by every rank of the node. A collective; when
+        any rank cannot build it, every rank keeps the storage at the back of its GPU data region (with a
+        warning naming the rank and the reason)."""
+        import warnings
+
+        import ep_symmem
+
+        alloc, why = None, ""
+        try:
+            alloc = ep_symmem.SymmetricAllocation.create(
+                2 << 20, num_host_bytes=buf.num_cpu_bytes, device=torch.cuda.current_device()
+            )
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        verdicts = buf.bootstrap.allgather(why.encode())
+        bad = [(r, v.decode()) for r, v in enumerate(verdicts) if v]
+        if bad:
+            if alloc is not None:
+                alloc.close()
+            warnings.warn(
+                f"Engram storage stays in GPU memory: rank {bad[0][0]} cannot map host memory ({bad[0][1]})",
+                stacklevel=3,
+            )
+            return
+        assert alloc is not None
+        ep_symmem.exchange(alloc, buf.bootstrap)
+        self._host_alloc = alloc
+        self.storage = [int(alloc.peer_ptr(r)) + int(alloc.num_gpu_bytes) for r in range(self.n)]
+        self.engram_storage = "host"
 
     def region(self) -> torch.Tensor:
         return self._region
@@ -249,15 +289,12 @@ class CopyEngineBackend:
 
     def engram_write(self, table: engram.EngramTable, storage: torch.Tensor, sf: torch.Tensor | None) -> None:
         self.barrier()
-        dst = self.data[self.rank] + self._num_gpu_buffer_bytes
+        dst = self.storage[self.rank]
         self.ops.copy(dst, storage.data_ptr(), storage.nbytes, self.ops.current_stream())
         self._sf = None if sf is None else sf.detach().clone()
         rows = table.num_entries_per_rank * table.entry_bytes
         self._tables = [
-            self.ops.view(self.data[r] + self._num_gpu_buffer_bytes, rows).view(
-                table.num_entries_per_rank, -1
-            )
-            for r in range(self.n)
+            self.ops.view(self.storage[r], rows).view(table.num_entries_per_rank, -1) for r in range(self.n)
         ]
         self.barrier()
 
