@@ -195,6 +195,14 @@ def _engram(rank: int, n: int, res: list) -> None:
     res.append(
         ("engram/bf16 fetch", sf is None and np.array_equal(to_numpy(data), want), str(tuple(data.shape)))
     )
+    backend = buf.__dict__["_elastic_state"].backend
+    res.append(
+        ("engram/storage in host NUMA memory", backend.engram_storage == "host", backend.engram_storage)
+    )
+    if backend.engram_storage == "host":
+        # the CPU sees what engram_write copied into this rank's host part
+        host = np.frombuffer(backend._host_alloc.host_view(), dtype=np.uint16, count=storages[rank].size)
+        res.append(("engram/host part holds the storage", np.array_equal(host, storages[rank].ravel()), ""))
 
 
 _CASES = {"pp": _pp, "agrs": _agrs, "engram": _engram}
