@@ -199,9 +199,11 @@ class CopyEngineBackend:
         ep_symmem.exchange(alloc, buf.bootstrap)
         sig = [int(alloc.peer_ptr(r)) for r in range(n)]
 
+        boot = buf.bootstrap  # not the buffer: the buffer owns this backend
+
         def barrier() -> None:
             torch.cuda.synchronize()
-            buf.bootstrap.barrier()
+            boot.barrier()
 
         out = cls(
             buf.rank_idx,

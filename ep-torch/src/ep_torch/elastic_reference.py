@@ -18,6 +18,7 @@ what it waited for.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections import deque
 from typing import Any
 
@@ -44,7 +45,7 @@ class _Fifo:
 
 class ReferenceBackend:
     def __init__(self, buf: Any) -> None:
-        self.buf = buf
+        self.buf = weakref.proxy(buf)  # the buffer owns this backend: no cycle keeping its memory alive
         self.rank = buf.rank_idx
         self.group = buf.group
         self.timeout = float(buf._rt().config.num_cpu_timeout_secs)
