@@ -289,7 +289,57 @@ def _reduce_scatter_case(rank: int, n: int, out: dict) -> None:
     out["outside"] = _raises(lambda: buf.reduce_scatter(torch.zeros(n)))
 
 
+def _bucket_case(rank: int, n: int, out: dict) -> None:
+    import torch
+    from ep_core import BufferAllocator
+    from ep_torch import BucketBuffer
+
+    plan = BufferAllocator()
+    plan.tensor("ag", (n * 8,), "float32")
+    plan.tensor("rs", (n * 6, 4), "float32")
+    plan.tensor("ar", (10,), "bfloat16")
+    buf = BucketBuffer(None, plan, explicitly_destroy=True, transport="reference", num_cpu_timeout_secs=30)
+
+    def val(r: int, shape, dtype=torch.float32):
+        g = torch.Generator().manual_seed(r * 13 + 5)
+        return (torch.randn(shape, generator=g) * 10).to(dtype)
+
+    ok = True
+    shard = buf.tensors["ag"].view(n, 8)[rank]
+    shard.copy_(val(rank, (8,)))
+    got = buf.all_gather(shard).wait()
+    ok = ok and torch.equal(got, torch.cat([val(r, (8,)) for r in range(n)]))
+    with buf.session() as s:
+        dst = s.allocate((n * 5,), torch.float32)
+        got = buf.all_gather(val(rank, (5,)), dsts=dst).wait()
+        ok = ok and torch.equal(got, torch.cat([val(r, (5,)) for r in range(n)]))
+    out["all_gather"] = bool(ok)
+    rs = buf.tensors["rs"]
+    rs.copy_(val(rank, (n * 6, 4)))
+    got = buf.reduce_scatter(rs, scale=0.5).wait()
+    acc = val(0, (n * 6, 4)).reshape(-1)[rank * 24 : (rank + 1) * 24].clone()
+    for r in range(1, n):
+        acc += val(r, (n * 6, 4)).reshape(-1)[rank * 24 : (rank + 1) * 24]
+    out["reduce_scatter"] = bool(
+        torch.equal(got, acc * 0.5) and torch.equal(rs.reshape(-1)[rank * 24 : (rank + 1) * 24], acc * 0.5)
+    )
+    ar = buf.tensors["ar"]
+    ar.copy_(val(rank, (10,), torch.bfloat16))
+    got = buf.all_reduce(ar).wait()
+    acc = val(0, (10,), torch.bfloat16).float()
+    for r in range(1, n):
+        acc += val(r, (10,), torch.bfloat16).float()
+    out["all_reduce"] = bool(
+        torch.equal(got, acc.to(torch.bfloat16)) and torch.equal(ar, acc.to(torch.bfloat16))
+    )
+    out["outside"] = _raises(lambda: buf.all_reduce(torch.zeros(4)))
+    out["precision"] = _raises(lambda: buf.reduce_scatter(rs, comm_precision="bf16"))
+    out["int"] = _raises(lambda: buf.all_reduce(buf.storage[:8]))
+    buf.destroy()
+
+
 _CASES = {
+    "bucket": _bucket_case,
     "reduce_scatter": _reduce_scatter_case,
     "pp_buffer": _pp_buffer,
     "pp": _pp,
@@ -385,6 +435,15 @@ def test_reduce_scatter_matches_reference(n: int, tmp_path: Path) -> None:
         assert out["values"], out
         assert "divisible" in out["indivisible"] and out["int"].startswith("EPTypeError")
         assert "not inside" in out["outside"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucket_buffer_collectives(n: int, tmp_path: Path) -> None:
+    for out in _run("bucket", n, tmp_path):
+        assert out["all_gather"] and out["reduce_scatter"] and out["all_reduce"], out
+        assert "inside this BucketBuffer" in out["outside"]
+        assert "'fp32' only" in out["precision"]
+        assert out["int"].startswith("EPTypeError")
 
 
 if __name__ == "__main__":

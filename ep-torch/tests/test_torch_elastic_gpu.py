@@ -205,7 +205,44 @@ def _engram(rank: int, n: int, res: list) -> None:
         res.append(("engram/host part holds the storage", np.array_equal(host, storages[rank].ravel()), ""))
 
 
-_CASES = {"pp": _pp, "agrs": _agrs, "engram": _engram}
+def _bucket(rank: int, n: int, res: list) -> None:
+    from ep_core import BufferAllocator
+    from ep_torch import BucketBuffer
+
+    torch.cuda.set_device(0)
+    plan = BufferAllocator()
+    plan.tensor("ag", (n * 4096,), "bfloat16")
+    plan.tensor("red", (n * 1024,), "float32")
+    buf = BucketBuffer(None, plan, transport="ipc")
+
+    def val(r: int, numel: int, dtype=torch.float32) -> torch.Tensor:
+        g = torch.Generator().manual_seed(r * 13 + 5)
+        return (torch.randn(numel, generator=g) * 10).to(dtype).cuda()
+
+    shard = buf.tensors["ag"].view(n, 4096)[rank]
+    shard.copy_(val(rank, 4096, torch.bfloat16))
+    got = buf.all_gather(shard).wait()
+    want = torch.cat([val(r, 4096, torch.bfloat16) for r in range(n)])
+    res.append(("bucket/all_gather", bool(torch.equal(got, want)), ""))
+    red = buf.tensors["red"]
+    red.copy_(val(rank, n * 1024))
+    got = buf.all_reduce(red, scale=0.5).wait()
+    acc = val(0, n * 1024)
+    for r in range(1, n):
+        acc = acc + val(r, n * 1024)
+    res.append(("bucket/all_reduce", bool(torch.equal(got, acc * 0.5)), ""))
+    got = buf.reduce_scatter(red).wait()
+    res.append(
+        (
+            "bucket/reduce_scatter",
+            bool(torch.equal(got, (acc * 0.5 * n)[rank * 1024 : (rank + 1) * 1024])),
+            "",
+        )
+    )
+    torch.cuda.synchronize()
+
+
+_CASES = {"pp": _pp, "agrs": _agrs, "engram": _engram, "bucket": _bucket}
 
 
 def _worker(rank: int, n: int, mode: str, out_dir: str) -> None:
@@ -233,6 +270,11 @@ def test_agrs_on_shared_gpu(n: int, tmp_path: Path) -> None:
 @pytest.mark.parametrize("n", [1, 2])
 def test_engram_on_shared_gpu(n: int, tmp_path: Path) -> None:
     _run("engram", n, tmp_path)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucket_on_shared_gpu(n: int, tmp_path: Path) -> None:
+    _run("bucket", n, tmp_path)
 
 
 if __name__ == "__main__":

@@ -219,3 +219,37 @@ def test_byte_view_aliases_the_memory() -> None:
     assert t.dtype == torch.uint8 and t.shape == (64,) and t.data_ptr() == a.ctypes.data
     t[3] = 77
     assert a[3] == 77
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucket_reductions_read_before_anyone_writes(n: int) -> None:
+    streams, bs, (regions, _sigs) = _ranks(n)
+    views = [torch.from_numpy(regions[r][: 4 * 6 * n].view(np.float32)) for r in range(n)]
+    for r in range(n):
+        views[r].copy_(torch.arange(6 * n, dtype=torch.float32) + 100 * r)
+    want = sum(torch.arange(6 * n, dtype=torch.float32) + 100 * r for r in range(n))
+    outs = [bs[r].bucket_reduce([(views[r], 0)], 1, 1.0, scatter=False) for r in range(n)]
+    streams.run()
+    assert streams.idle()
+    for r in range(n):
+        assert torch.equal(views[r], want) and torch.equal(outs[r][0], want)
+    # reduce-scatter next: shard r of every rank's (now reduced) source
+    outs = [bs[r].bucket_reduce([(views[r], 0)], 2, 2.0, scatter=True) for r in range(n)]
+    streams.run()
+    assert streams.idle()
+    for r in range(n):
+        assert torch.equal(outs[r][0], (want * n * 2.0)[6 * r : 6 * r + 6])
+
+
+def test_bucket_all_gather_in_place() -> None:
+    n = 3
+    streams, bs, (regions, _sigs) = _ranks(n)
+    views = [torch.from_numpy(regions[r][: 4 * 5 * n].view(np.float32)).view(n, 5) for r in range(n)]
+    for r in range(n):
+        views[r][r] = float(r + 1)
+    for r in range(n):
+        bs[r].bucket_all_gather([(views[r][r], 0)], 1)
+    streams.run()
+    assert streams.idle()
+    for r in range(n):
+        assert torch.equal(views[r][:, 0], torch.tensor([1.0, 2.0, 3.0]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ep_core.handle import EPHandle
 
+from .bucket_buffer import BucketBuffer
 from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config
@@ -19,6 +20,7 @@ from .pp_buffer import PPBuffer
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketBuffer",
     "Buffer",
     "Config",
     "EPBuffer",

@@ -36,6 +36,7 @@ _SIGNAL_BYTES = 2 << 20
 _PP_ARRIVED, _PP_RELEASED = 0, 2  # u64 words [side]
 _AGRS_ARRIVED = 8  # u64 words [slot * 1024 + src]
 _AGRS_ENDED = _AGRS_ARRIVED + 32 * 1024  # u64 words [src]
+_BUCKET_GATHERED, _BUCKET_READY, _BUCKET_DONE = (_AGRS_ENDED + 1024 * (i + 1) for i in range(3))  # [src]
 
 
 class _DLDevice(ctypes.Structure):
@@ -383,3 +384,47 @@ class CopyEngineBackend:
 
     def agrs_wait(self, slot: int, session_idx: int) -> None:
         self.ops.wait_event(self._events[(session_idx, slot)])
+
+    # ----------------------------------------------------------------------------------------------------------
+    # BucketBuffer
+
+    def bucket_all_gather(self, plan: list[tuple[torch.Tensor, int]], op: int) -> None:
+        """Each `(src, off)`: src into part `rank` of the gathered tensor at `off` on every rank (copy engine on
+        the comm stream, then a signal to and a wait for every peer); the current stream then waits for it."""
+        s = self.ops.comm_stream()
+        for i in range(self.n):
+            dst = (self.rank + i) % self.n
+            for x, off in plan:
+                target = self.data[dst] + off + x.nbytes * self.rank
+                if target != x.data_ptr():
+                    self.ops.copy(target, x.data_ptr(), x.nbytes, s)
+        self.ops.keep([x for x, _ in plan])
+        self._signal_all(_BUCKET_GATHERED, op, s)
+        self.ops.wait_event(self.ops.record())
+
+    def bucket_reduce(
+        self, plan: list[tuple[torch.Tensor, int]], op: int, scale: float, scatter: bool
+    ) -> list[torch.Tensor]:
+        """Sum every rank's src (or, with `scatter`, every rank's shard `rank` of it) read over NVLink, in rank
+        order in float32, times `scale`; written back in place once every rank has read (two stream barriers)."""
+        s = self.ops.current_stream()
+        if not getattr(self, "_peer_regions", None):  # every rank's data region, viewed once
+            self._peer_regions = [self.ops.view(d, self._region.numel()) for d in self.data]
+        self._signal_all(_BUCKET_READY, op, s)  # every src is written
+        results = []
+        for x, off in plan:
+            nbytes = x.nbytes // self.n if scatter else x.nbytes
+            at = off + (self.rank * nbytes if scatter else 0)
+            acc = None
+            for q in range(self.n):
+                part = self._peer_regions[q][at : at + nbytes].view(x.dtype).float()
+                acc = part.clone() if acc is None else acc.add_(part)
+            assert acc is not None
+            results.append((acc.mul_(scale).to(x.dtype), at, nbytes))
+        self._signal_all(_BUCKET_DONE, op, s)  # every rank has read: the sources may be overwritten
+        outs = []
+        for value, at, nbytes in results:
+            self.ops.copy(self.data[self.rank] + at, value.data_ptr(), nbytes, s)
+            outs.append(self._region[at : at + nbytes].view(value.dtype))
+        self._keep_bucket = [v for v, _, _ in results]  # until the next operation (the copies read them)
+        return outs

@@ -256,3 +256,42 @@ class ReferenceBackend:
 
     def agrs_wait(self, slot: int, session_idx: int) -> None:
         return None  # the gloo all-gather already completed
+
+    # ----------------------------------------------------------------------------------------------------------
+    # BucketBuffer
+
+    def bucket_all_gather(self, plan: list[tuple[torch.Tensor, int]], op: int) -> None:
+        n = self.buf.num_ranks
+        self.buf._agree("all_gather", {"op": op, "t": [(tuple(x.shape), str(x.dtype), o) for x, o in plan]})
+        for x, off in plan:
+            b = x.nbytes
+            src = x.detach().reshape(-1).view(torch.uint8).clone()
+            parts = [self._region[off + q * b : off + (q + 1) * b] for q in range(n)]
+            self._wait(
+                dist.all_gather(parts, src, group=self.group, async_op=True), "all_gather", "every rank", op
+            )
+
+    def bucket_reduce(
+        self, plan: list[tuple[torch.Tensor, int]], op: int, scale: float, scatter: bool
+    ) -> list[torch.Tensor]:
+        n = self.buf.num_ranks
+        what = "reduce_scatter" if scatter else "all_reduce"
+        self.buf._agree(what, {"op": op, "t": [(tuple(x.shape), str(x.dtype), o) for x, o in plan]})
+        outs = []
+        for x, off in plan:
+            flat = x.detach().reshape(-1)
+            every = [torch.empty_like(flat) for _ in range(n)]
+            self._wait(
+                dist.all_gather(every, flat.clone(), group=self.group, async_op=True), what, "every rank", op
+            )
+            m = flat.numel() // n if scatter else flat.numel()
+            lo = self.rank * m if scatter else 0
+            acc = every[0][lo : lo + m].float().clone()
+            for q in range(1, n):
+                acc += every[q][lo : lo + m].float()
+            value = acc.mul_(scale).to(x.dtype)
+            at = off + lo * x.element_size()
+            view = self._region[at : at + m * x.element_size()].view(x.dtype)
+            view.copy_(value)
+            outs.append(view)
+        return outs
