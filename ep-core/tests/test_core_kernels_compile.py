@@ -58,3 +58,40 @@ def test_nccl_transport_compiles() -> None:
     assert "EP_CORE_WITH_NCCL" in kernel_source(cfg)
     art = compile_kernels(cfg, arch="sm_90a")
     assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        KernelConfig(4, 8, 1024, num_scaleup_ranks=2),
+        KernelConfig(16, 8, 512, 1, 4, num_scaleup_ranks=8),
+    ],
+    ids=["hybrid-2x2-bf16", "hybrid-2x8-fp8"],
+)
+def test_hybrid_kernels_compile_sm90a(cfg: KernelConfig) -> None:
+    """The hybrid kernels (include/ep_core/hybrid.cuh) with the emulated scale-out put, under the same names."""
+    assert cfg.is_hybrid and cfg.scaleout == "emulated"
+    src = kernel_source(cfg)
+    assert "hybrid" in src
+    assert cfg.defines()["EP_CORE_NUM_SCALEUP_RANKS"] == cfg.num_scaleup_ranks
+    art = compile_kernels(cfg, arch="sm_90a")
+    assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+    assert set(KERNEL_NAMES) <= set(art.kernel_names)
+    assert "_su" in art.cubin_path.parent.name
+
+
+def test_hybrid_gin_scaleout_compiles() -> None:
+    """The GIN scale-out put (NCCL GIN puts and strong VA signals) builds against the NCCL wheel's device headers;
+    it is never run here (no RDMA NIC)."""
+    pytest.importorskip("ep_nccl_gin")
+    try:
+        import ep_nccl_gin
+
+        ep_nccl_gin.include_dirs(check=False)
+    except Exception as e:  # no NCCL headers on this machine
+        pytest.skip(f"no NCCL device headers: {e}")
+    cfg = KernelConfig(8, 8, 1024, transport="nccl", num_scaleup_ranks=4)
+    assert cfg.scaleout == "gin" and cfg.defines()["EP_CORE_SCALEOUT"] == "ep_core::GinScaleout"
+    art = compile_kernels(cfg, arch="sm_90a")
+    assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+    assert set(KERNEL_NAMES) <= set(art.kernel_names)

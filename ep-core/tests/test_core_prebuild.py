@@ -1,5 +1,6 @@
 """CPU: `python -m ep_core compile` prebuilds the instances the runtime would ask for (real nvcc compile of a small
-config), the runtime's own compile then hits the cache, and hybrid or invalid configurations are refused."""
+config), the runtime's own compile then hits the cache, hybrid configurations build the hybrid kernels (emulated
+scale-out over ipc, GIN over nccl) and invalid configurations are refused."""
 
 from __future__ import annotations
 
@@ -53,7 +54,6 @@ def test_instances_are_the_executor_keys() -> None:
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"num_scaleup_ranks": 2}, "hybrid kernels are not built yet"),
         ({"num_scaleup_ranks": 3}, "num_scaleup_ranks: expected a divisor"),
         ({"num_experts": 6}, "num_experts: expected a multiple"),
         ({"hidden": 100}, "hidden"),
@@ -66,11 +66,23 @@ def test_refused_configurations(kw, match) -> None:
         prebuild.plan_instances(**args)
 
 
-def test_cli_hybrid_exits_2_without_building(capsys, tmp_path) -> None:
+def test_hybrid_instances() -> None:
+    inst = prebuild.plan_instances(num_ranks=4, num_scaleup_ranks=2, hidden=1024, num_topk=8, num_experts=32)
+    assert [i.config for i in inst] == [KernelConfig(4, 8, 1024, num_scaleup_ranks=2)]
+    assert inst[0].config.scaleout == "emulated" and inst[0].config.is_hybrid
+    gin = prebuild.plan_instances(
+        num_ranks=4, num_scaleup_ranks=2, hidden=1024, num_topk=8, num_experts=32, transport="nccl"
+    )
+    assert gin[0].config.scaleout == "gin"
+
+
+@needs_nvcc
+def test_cli_hybrid_builds(capsys) -> None:
     rc = _run("compile --num-ranks 4 --num-scaleup-ranks 2 --hidden 256 --num-topk 2 --num-experts 8")
-    assert rc == 2
-    assert "hybrid kernels are not built yet" in capsys.readouterr().err
-    assert not (tmp_path / "jit" / "entries").exists()
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "ep_core_hybrid_n4_k2_h256" in out and "_su2_emu" in out
+    assert "1 instance(s) ready (1 built, 0 cached)" in out
 
 
 @needs_nvcc
@@ -115,3 +127,7 @@ def test_cli_nccl_transport(capsys) -> None:
         pytest.skip(f"no NCCL device headers: {e}")
     assert _run("compile --num-ranks 2 --hidden 256 --num-topk 2 --num-experts 8 --transport nccl") == 0
     assert "_nccl." in capsys.readouterr().out
+    # hybrid over nccl: the GIN scale-out put, built against NCCL's device headers
+    hybrid = "compile --num-ranks 4 --num-scaleup-ranks 2 --hidden 256 --num-topk 2 --num-experts 8 --transport nccl"
+    assert _run(hybrid) == 0
+    assert "_nccl_su2_gin." in capsys.readouterr().out

@@ -1,12 +1,13 @@
 """CPU: ranks per node (`num_scaleup_ranks`, `EPKIT_SCALEUP_RANKS`): validated before any GPU work; S_u = N is
-direct mode and accepted; S_u < N (emulated or real nodes) is refused until the hybrid kernels exist."""
+direct mode; S_u < N (emulated nodes) goes on to the GPU with the hybrid kernels; a non-divisor is refused naming
+the argument."""
 
 from __future__ import annotations
 
 import pytest
 from ep_core import loopback
 from ep_core.errors import EPConfigError
-from ep_core.topology import refuse_hybrid, resolve_scaleup_ranks
+from ep_core.topology import resolve_scaleup_ranks
 
 
 class _PastValidation(Exception):
@@ -49,22 +50,12 @@ def test_knob(monkeypatch) -> None:
     assert resolve_scaleup_ranks(8, use_env=True) == 8
 
 
-def test_refuse_hybrid() -> None:
-    refuse_hybrid(8, 8, "x")
-    with pytest.raises(EPConfigError, match=r"2 nodes x 4 ranks, and the hybrid kernels are not built yet"):
-        refuse_hybrid(8, 4, "x")
-
-
 def test_loopback_domain(monkeypatch) -> None:
     monkeypatch.setattr(loopback._cuda, "num_device_sms", _stop)
     kw = {"num_max_tokens_per_rank": 8, "hidden": 256, "num_topk": 2}
-    with pytest.raises(
-        EPConfigError, match=r"hybrid kernels are not built yet.*LoopbackDomain cannot run it"
-    ):
-        loopback.LoopbackDomain(4, num_scaleup_ranks=2, **kw)
-    with pytest.raises(EPConfigError, match="expected a divisor of num_ranks=4"):
+    with pytest.raises(EPConfigError, match="num_scaleup_ranks: expected a divisor of num_ranks=4"):
         loopback.LoopbackDomain(4, num_scaleup_ranks=3, **kw)
-    for su in (None, 4):  # direct mode goes on to the GPU
+    for su in (None, 4, 2, 1):  # direct mode and emulated nodes go on to the GPU
         with pytest.raises(_PastValidation):
             loopback.LoopbackDomain(4, num_scaleup_ranks=su, **kw)
     monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")  # a loopback domain takes its nodes from the argument only
@@ -81,7 +72,10 @@ def test_process_rank_reads_the_knob(monkeypatch) -> None:
     monkeypatch.setattr(loopback.IpcBuffer, "create_exchanged", _stop)
     kw = {"num_max_tokens_per_rank": 8, "hidden": 256, "num_topk": 2}
     monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")
-    with pytest.raises(EPConfigError, match=r"hybrid kernels are not built yet.*ProcessRank"):
+    with pytest.raises(_PastValidation):  # 2 emulated nodes x 2
+        loopback.ProcessRank(_Boot(), **kw)
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "3")
+    with pytest.raises(EPConfigError, match="EPKIT_SCALEUP_RANKS: expected a divisor of num_ranks=4"):
         loopback.ProcessRank(_Boot(), **kw)
     with pytest.raises(_PastValidation):
         loopback.ProcessRank(_Boot(), num_scaleup_ranks=4, **kw)

@@ -23,6 +23,7 @@ enum OpFlags : int64_t {
     kFlagTopkIdx32 = 1 << 5,      ///< top-k ids are int32 (default int64)
     kFlagMultipleReduction = 1 << 6,  ///< combine: reduce a token's expanded rows locally first
     kFlagRankLayout = 1 << 7,     ///< combine: receive slots per source rank (else per top-k lane)
+    kFlagSkipScaleoutSignal = 1 << 8,  ///< hybrid dispatch, tests only: this rank never signals its rail peers
 };
 
 /// Error kinds are ep_layout::ErrorKind (values pinned; the host decodes them).
@@ -35,6 +36,8 @@ enum WaitTag : int32_t {
     kTagDispatchCounts = 3,
     kTagCombineEntry = 4,
     kTagCombineExit = 5,
+    kTagScaleoutSignal = 6,  ///< hybrid dispatch: a forwarder waits for a source node's put-then-signal
+    kTagCombineForward = 7,  ///< hybrid combine: every rank's level-1 rows have reached their forwarders
 };
 
 struct OpArgs {
@@ -83,6 +86,9 @@ struct OpArgs {
     const void* bias1;
     void* combined_x;        ///< [T, hidden] bf16
     float* combined_weights; ///< [T, K] or null
+    // --- hybrid mode (hybrid.cuh)
+    int32_t* fwd_meta;       ///< handle's token_metadata_at_forward [S_o, M + 1, K + 1] (row 0: [count, ...])
+    const void* nccl_devcomm;  ///< gin scale-out: device copy of the ncclDevComm (null otherwise)
     // --- failure report to the host (timeout.cuh `publish_failure`)
     int32_t* host_error;     ///< page-locked host words mapped into the device, or null: [0] abort kind (sticky
                              ///< until the host resets the rank), [1] kind of the first invalid-input report
@@ -91,7 +97,7 @@ struct OpArgs {
                              ///< rank of one operation must pass the same value (0 = not checked)
 };
 
-static_assert(sizeof(OpArgs) == 41 * 8, "OpArgs changed: update ep_core.kernels._args");
+static_assert(sizeof(OpArgs) == 43 * 8, "OpArgs changed: update ep_core.kernels._args");
 
 /// View of this rank's symmetric workspace (ep_layout::WorkspaceLayout): the words that peers write.
 /// - barrier arrivals: one uint64 at the start of the barrier-signal region, bumped by every rank per barrier

@@ -9,13 +9,22 @@
 /// Zero padding rows are written after the data rows. The true row count is always read on the device
 /// (psum_rank[N-1]), so the same launch serves CPU-sync and no-sync calls. A block that finds this rank's abort
 /// flag raised (the dispatch before it failed: its counts are not valid) leaves at once (timeout.cuh, failure rule).
+/// Hybrid mode (`kNumScaleupRanks < kNumRanks`): the regions are the same, walked in region order (source rank
+/// s = j * S_u + g for g = 0..S_u-1, then j), through the per-source prefix the dispatch left in the scratch.
 #pragma once
 
 #include "dispatch.cuh"
 
 namespace ep_core {
 
-template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
+/// Hybrid words of the scratch (hybrid.cuh `hybrid_psum_src`): the per-source prefix in region order.
+EP_CORE_DEVICE const int32_t* epilogue_psum_src(const Scratch& sc) {
+    return reinterpret_cast<const int32_t*>(sc.prefix() +
+                                            static_cast<int64_t>(sc.num_ranks + sc.num_experts) * sc.num_words);
+}
+
+template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport,
+          int kNumScaleupRanks = kNumRanks>
 EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
     __shared__ int s_abort;
@@ -48,8 +57,10 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     uint8_t* const buf = ep_dyn_smem + warp * Tok::kSmemSlotBytes;
     uint64_t* const bar = &s_bars[warp];
     uint32_t phase = 0;
+    constexpr bool kHybrid = kNumScaleupRanks < kNumRanks;
+    constexpr int kNodes = kNumRanks / kNumScaleupRanks;
     for (int i = threadIdx.x; i < kNumRanks; i += blockDim.x)
-        s_psum[i] = args.psum_rank[i];
+        s_psum[i] = kHybrid ? epilogue_psum_src(sc)[i] : args.psum_rank[i];
     if (expand) {
         for (int j = threadIdx.x; j < epr; j += blockDim.x)
             s_count[j] = args.unaligned_expert[j];
@@ -80,8 +91,8 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
             else
                 lo = mid + 1;
         }
-        const int src_rank = lo;
-        const int64_t slot = i - (src_rank > 0 ? s_psum[src_rank - 1] : 0);
+        const int src_rank = kHybrid ? (lo % kNodes) * kNumScaleupRanks + lo / kNodes : lo;
+        const int64_t slot = i - (lo > 0 ? s_psum[lo - 1] : 0);
         const uint8_t* gtok = region + (src_rank * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
         // the whole token into this warp's shared slot (free once the previous row's stores have read it)
         ptx::bulk_wait_read();

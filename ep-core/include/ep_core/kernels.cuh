@@ -4,7 +4,9 @@
 ///
 /// The generated source (ep_core.kernels._source) defines EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK,
 /// EP_CORE_HIDDEN_BYTES (dispatch token hidden bytes), EP_CORE_COMBINE_HIDDEN_BYTES (bf16 rows),
-/// EP_CORE_NUM_SF_PACKS, EP_CORE_NUM_WARPS and EP_CORE_TRANSPORT, then includes this header once.
+/// EP_CORE_NUM_SF_PACKS, EP_CORE_NUM_WARPS and EP_CORE_TRANSPORT, then includes this header once. Hybrid instances
+/// also define EP_CORE_NUM_SCALEUP_RANKS (< EP_CORE_NUM_RANKS) and EP_CORE_SCALEOUT (a scaleout.cuh template):
+/// the same three entry points then run the hybrid kernels (hybrid.cuh).
 #pragma once
 
 #include "args.cuh"
@@ -12,27 +14,46 @@
 #include "combine.cuh"
 #include "dispatch.cuh"
 #include "dispatch_epilogue.cuh"
+#include "hybrid.cuh"
 #include "ptx.cuh"
 #include "timeout.cuh"
 #include "token.cuh"
 #include "transport.cuh"
 
 #if defined(EP_CORE_NUM_RANKS)
+#if defined(EP_CORE_NUM_SCALEUP_RANKS) && EP_CORE_NUM_SCALEUP_RANKS < EP_CORE_NUM_RANKS
+#define EP_CORE_HYBRID 1
+#else
+#define EP_CORE_HYBRID 0
+#undef EP_CORE_NUM_SCALEUP_RANKS
+#define EP_CORE_NUM_SCALEUP_RANKS EP_CORE_NUM_RANKS
+#endif
+
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
     ep_dispatch_impl(const __grid_constant__ ep_core::OpArgs args) {
+#if EP_CORE_HYBRID
+    ep_core::hybrid_dispatch_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_SCALEUP_RANKS, EP_CORE_NUM_TOPK, EP_CORE_HIDDEN_BYTES,
+                                  EP_CORE_NUM_SF_PACKS, EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT, EP_CORE_SCALEOUT>(args);
+#else
     ep_core::dispatch_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_HIDDEN_BYTES, EP_CORE_NUM_SF_PACKS,
                            EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT>(args);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
     ep_dispatch_copy_epilogue_impl(const __grid_constant__ ep_core::OpArgs args) {
     ep_core::dispatch_epilogue_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_HIDDEN_BYTES, EP_CORE_NUM_SF_PACKS,
-                                    EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT>(args);
+                                    EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT, EP_CORE_NUM_SCALEUP_RANKS>(args);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
     ep_combine_impl(const __grid_constant__ ep_core::OpArgs args) {
+#if EP_CORE_HYBRID
+    ep_core::hybrid_combine_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_SCALEUP_RANKS, EP_CORE_NUM_TOPK,
+                                 EP_CORE_COMBINE_HIDDEN_BYTES, EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT, EP_CORE_SCALEOUT>(args);
+#else
     ep_core::combine_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_COMBINE_HIDDEN_BYTES, EP_CORE_NUM_WARPS,
                           EP_CORE_TRANSPORT>(args);
+#endif
 }
 #endif

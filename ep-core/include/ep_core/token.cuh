@@ -36,7 +36,8 @@ static constexpr int kFanout = 8;
 
 /// Warp-wide copy of `kBytes` (multiple of 16) from `src` to up to kFanout destinations `dst[0..n)`.
 /// Each lane keeps `kUnroll` 16-byte loads in flight; every loaded chunk is stored to every destination.
-template <int kBytes, int kUnroll = 8>
+/// `kPeerData`: `src` was written by peers during this launch (L2 loads, never the non-coherent path).
+template <int kBytes, int kUnroll = 8, bool kPeerData = false>
 EP_CORE_DEVICE void warp_copy_fanout(const uint8_t* src, uint8_t* const (&dst)[kFanout], int n, int lane) {
     static_assert(kBytes % 16 == 0, "row bytes must be a multiple of 16");
     constexpr int kVecs = kBytes / 16;
@@ -47,7 +48,8 @@ EP_CORE_DEVICE void warp_copy_fanout(const uint8_t* src, uint8_t* const (&dst)[k
         for (int u = 0; u < kUnroll; ++u) {
             const int i = base + u * kWarpSize + lane;
             if (i < kVecs)
-                v[u] = ptx::ld_nc_v4(src + static_cast<int64_t>(i) * 16);
+                v[u] = kPeerData ? ptx::ld_cg_v4(src + static_cast<int64_t>(i) * 16)
+                                 : ptx::ld_nc_v4(src + static_cast<int64_t>(i) * 16);
         }
 #pragma unroll
         for (int d = 0; d < kFanout; ++d) {
@@ -64,7 +66,7 @@ EP_CORE_DEVICE void warp_copy_fanout(const uint8_t* src, uint8_t* const (&dst)[k
 }
 
 /// Copy `src` (kBytes) to the destination pointer held by every lane set in `mask` (warp-uniform mask).
-template <int kBytes>
+template <int kBytes, bool kPeerData = false>
 EP_CORE_DEVICE void warp_copy_to_lanes(const uint8_t* src, uint8_t* my_dst, uint32_t mask, int lane) {
     while (mask != 0) {
         uint8_t* dst[kFanout];
@@ -79,7 +81,7 @@ EP_CORE_DEVICE void warp_copy_to_lanes(const uint8_t* src, uint8_t* my_dst, uint
                 n = j + 1;
             }
         }
-        warp_copy_fanout<kBytes>(src, dst, n, lane);
+        warp_copy_fanout<kBytes, 8, kPeerData>(src, dst, n, lane);
     }
 }
 

@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _mode(instances: list) -> str:
+    c = instances[0].config
+    if not c.is_hybrid:
+        return "direct mode"
+    return f"hybrid mode: {c.num_nodes} nodes x {c.num_scaleup_ranks}, scale-out put {c.scaleout}"
+
+
 def _compile(args: argparse.Namespace) -> int:
     import ep_jit
 
@@ -90,7 +97,7 @@ def _compile(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     print(f"ep_core prebuild: cache {ep_jit.cache().root}, arch {args.arch}, transport {args.transport}")
     print(
-        f"  num_ranks={args.num_ranks} (direct mode), hidden={args.hidden}, num_topk={args.num_topk}, "
+        f"  num_ranks={args.num_ranks} ({_mode(instances)}), hidden={args.hidden}, num_topk={args.num_topk}, "
         f"num_experts={args.num_experts}, fp8={args.fp8}"
     )
     print(f"  num_sms={sms} ({source}; a launch parameter, not part of the JIT key)")

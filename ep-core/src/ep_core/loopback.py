@@ -43,17 +43,26 @@ from ep_core.kernels.executor import (
     count_ranks_on_device,
 )
 from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, plan_regions
-from ep_core.topology import refuse_hybrid, resolve_scaleup_ranks
+from ep_core.topology import resolve_scaleup_ranks
 from ep_core.transports.ipc import IpcBuffer
 
 __all__ = ["LoopbackDomain", "ProcessRank", "domain_data_bytes"]
 
 
-def domain_data_bytes(num_ranks: int, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> int:
-    """GPU buffer bytes (after the workspace) that serve bf16 and FP8 dispatch and both combine layouts."""
-    cfg = KernelConfig(num_ranks, num_topk, hidden)
+def domain_data_bytes(
+    num_ranks: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int,
+    num_scaleup_ranks: int | None = None,
+) -> int:
+    """GPU buffer bytes (after the workspace) that serve bf16 and FP8 dispatch and both combine layouts; with
+    `num_scaleup_ranks < num_ranks`, the hybrid regions too (sized for the most experts per rank: the count blocks
+    grow with them)."""
+    cfg = KernelConfig(num_ranks, num_topk, hidden, num_scaleup_ranks=num_scaleup_ranks or num_ranks)
     need = 0
-    for n_e in (num_ranks,):
+    most = min(ep_layout.NUM_MAX_EXPERTS, 256 * num_ranks) // num_ranks * num_ranks
+    for n_e in (num_ranks, most) if cfg.is_hybrid else (num_ranks,):
         plan = plan_regions(cfg, n_e, num_max_tokens_per_rank)
         need = max(need, plan.dispatch_bytes, plan.combine_bytes)
     hint = max(
@@ -93,9 +102,9 @@ class LoopbackDomain:
     ) -> None:
         if not 1 <= num_ranks <= ep_layout.NUM_MAX_RANKS:
             raise EPValueError(f"num_ranks: expected 1..{ep_layout.NUM_MAX_RANKS}, got {num_ranks}")
-        # Emulated nodes: ranks r // S_u form a node. S_u = N (the default) is direct mode; before any GPU work.
+        # Emulated nodes: ranks r // S_u form a node. S_u = N (the default) is direct mode; S_u < N runs the hybrid
+        # kernels with the emulated scale-out put (load/store between the "nodes"). Checked before any GPU work.
         self.num_scaleup_ranks = resolve_scaleup_ranks(int(num_ranks), num_scaleup_ranks)
-        refuse_hybrid(int(num_ranks), self.num_scaleup_ranks, "LoopbackDomain")
         self.num_ranks = int(num_ranks)
         self.num_max_tokens = int(num_max_tokens_per_rank)
         self.device_sms = _cuda.num_device_sms()
@@ -103,7 +112,9 @@ class LoopbackDomain:
             num_sms = default_num_sms(self.device_sms, self.num_ranks)
         check_coresident(self.num_ranks, num_sms, self.device_sms)
         self.num_sms = int(num_sms)
-        data = num_bytes or domain_data_bytes(self.num_ranks, self.num_max_tokens, hidden, num_topk)
+        data = num_bytes or domain_data_bytes(
+            self.num_ranks, self.num_max_tokens, hidden, num_topk, self.num_scaleup_ranks
+        )
         self.buffers = IpcBuffer.create_loopback(self.num_ranks, data, use_symmem=use_symmem)
         self.streams = [Stream() for _ in range(self.num_ranks)]
         self.ranks: list[DirectRank] = []
@@ -124,6 +135,7 @@ class LoopbackDomain:
                     gpu_timeout_secs=gpu_timeout_secs,
                     cpu_timeout_secs=cpu_timeout_secs,
                     num_warps=num_warps,
+                    num_scaleup_ranks=self.num_scaleup_ranks,
                 )
             )
         self._closed = False
@@ -301,8 +313,9 @@ class ProcessRank(DirectRank):
         size = int(bootstrap.size)
         # ranks per node: the argument, else EPKIT_SCALEUP_RANKS, else one node (direct mode)
         self.num_scaleup_ranks = resolve_scaleup_ranks(size, num_scaleup_ranks, use_env=True)
-        refuse_hybrid(size, self.num_scaleup_ranks, "ProcessRank")
-        data = num_bytes or domain_data_bytes(size, num_max_tokens_per_rank, hidden, num_topk)
+        data = num_bytes or domain_data_bytes(
+            size, num_max_tokens_per_rank, hidden, num_topk, self.num_scaleup_ranks
+        )
         self.buffer = IpcBuffer.create_exchanged(bootstrap, data, memory)
         self.bootstrap = bootstrap
         on_device = count_ranks_on_device(self.buffer.rank_devices, int(bootstrap.rank))
@@ -322,6 +335,7 @@ class ProcessRank(DirectRank):
             cpu_timeout_secs=cpu_timeout_secs,
             num_warps=num_warps,
             cooperative=cooperative,
+            num_scaleup_ranks=self.num_scaleup_ranks,
         )
 
     def reset(self) -> None:

@@ -56,6 +56,7 @@ __all__ = [
     "get_buffer_size_hint",
     "get_theoretical_num_qps",
     "get_theoretical_num_sms",
+    "hybrid_kernel_bytes",
     "parse_ibstat",
     "parse_nvidia_smi_nvlink",
     "parse_nvidia_smi_pcie",
@@ -309,7 +310,7 @@ def get_buffer_size_hint(
             f"num_topk: expected an int in [0, {MAX_TOPK}] (0 = size for {MAX_TOPK}), got {num_topk!r}"
         )
     try:
-        return ep_layout.size_hint_bytes(
+        hint = ep_layout.size_hint_bytes(
             topology.to_layout(),
             num_max_tokens_per_rank,
             hidden,
@@ -319,6 +320,25 @@ def get_buffer_size_hint(
         )
     except ValueError as exc:
         raise EPConfigError(str(exc)) from exc
+    if topology.is_hybrid:
+        hint = max(hint, hybrid_kernel_bytes(topology, num_max_tokens_per_rank, hidden, num_topk or MAX_TOPK))
+    return hint
+
+
+def hybrid_kernel_bytes(topology: Topology, num_max_tokens_per_rank: int, hidden: int, num_topk: int) -> int:
+    """GPU buffer bytes the hybrid kernels need (`ep_core.kernels.plan.HybridRegions`: per (node, token) regions,
+    the count blocks sized for the most experts per rank), aligned to 2 MiB. Their combine stage holds one row per
+    (lane, source node, token), more than DeepEP's channel buffers (behaviour doc section 2.4) for few nodes, so the
+    size hint of a hybrid topology is the larger of the two."""
+    import ep_layout
+
+    from ep_core.kernels.plan import KernelConfig, plan_regions
+
+    n = topology.num_ranks
+    cfg = KernelConfig(n, num_topk, hidden, num_scaleup_ranks=topology.num_scaleup_ranks)
+    most = min(ep_layout.NUM_MAX_EXPERTS, 256 * n) // n * n
+    plan = plan_regions(cfg, most, num_max_tokens_per_rank)
+    return ep_layout.align(max(plan.dispatch_bytes, plan.combine_bytes), ep_layout.NUM_SYMMETRIC_ALIGN_BYTES)
 
 
 # ------------------------------------------------------------------------------------------------------------

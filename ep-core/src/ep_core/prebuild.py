@@ -7,8 +7,9 @@ expert_alignment, biases, allow_multiple_reduction, num_experts, num_sms) is a k
 one instance serves them all, so the enumeration below is exactly the instances the executor can ask for.
 
 The runtime compiles for the current GPU's arch (`sm_90a` on an H200): prebuild with the same `arch` or the cache
-entries are never hit. Hybrid configurations (`num_scaleup_ranks < num_ranks`) are refused: the hybrid kernels are
-not written yet, and nothing here pretends otherwise.
+entries are never hit. Hybrid configurations (`num_scaleup_ranks < num_ranks`) build the hybrid kernels
+(include/ep_core/hybrid.cuh) with the scale-out put of the transport: `emulated` (load/store) over ipc, `gin` (NCCL
+GIN, against NCCL's device headers) over nccl.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from ep_core.errors import EPConfigError, EPValueError
 from ep_core.kernels._source import KERNEL_NAMES, compile_kernels
 from ep_core.kernels.plan import KernelConfig, default_num_sms, plan_regions
-from ep_core.topology import refuse_hybrid, resolve_scaleup_ranks
+from ep_core.topology import resolve_scaleup_ranks
 
 __all__ = ["BuiltInstance", "PlannedInstance", "fp8_sf_pack_counts", "plan_instances", "prebuild"]
 
@@ -67,10 +68,10 @@ def plan_instances(
     transport: str = "ipc",
     num_warps: int | None = None,
 ) -> list[PlannedInstance]:
-    """The instances of the direct-mode runtime for this configuration (module doc); raises EPConfigError for a
+    """The instances of the runtime for this configuration (module doc); raises EPConfigError for a
     configuration the runtime would refuse (the same checks: `KernelConfig`, `plan_regions`)."""
-    refuse_hybrid(num_ranks, resolve_scaleup_ranks(num_ranks, num_scaleup_ranks), "the prebuild")
-    kw: dict[str, Any] = {"transport": transport}
+    su = resolve_scaleup_ranks(num_ranks, num_scaleup_ranks)
+    kw: dict[str, Any] = {"transport": transport, "num_scaleup_ranks": su}
     if num_warps is not None:
         kw["num_warps"] = int(num_warps)
     bf16 = KernelConfig(num_ranks, num_topk, hidden, 2, 0, **kw)

@@ -18,7 +18,6 @@ __all__ = [
     "MAX_RANKS",
     "MAX_TOPK",
     "Topology",
-    "refuse_hybrid",
     "resolve_scaleup_ranks",
 ]
 
@@ -178,13 +177,3 @@ def resolve_scaleup_ranks(
             f"{source}: expected a divisor of num_ranks={num_ranks} (the ranks of one node), got {su!r}"
         )
     return su
-
-
-def refuse_hybrid(num_ranks: int, num_scaleup_ranks: int, where: str) -> None:
-    """Raise EPConfigError for several nodes (`num_scaleup_ranks < num_ranks`): only direct-mode kernels exist."""
-    if num_scaleup_ranks < num_ranks:
-        raise EPConfigError(
-            f"num_scaleup_ranks: {num_scaleup_ranks} < num_ranks={num_ranks} is {num_ranks // num_scaleup_ranks} "
-            f"nodes x {num_scaleup_ranks} ranks, and the hybrid kernels are not built yet (issue 15), so {where} "
-            f"cannot run it; use num_scaleup_ranks={num_ranks} (direct mode, one NVLink domain)"
-        )

@@ -1,4 +1,4 @@
-"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 41 eight-byte fields in declaration order."""
+"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 43 eight-byte fields in declaration order."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ OP_ARGS_FIELDS: tuple[str, ...] = (
     "bias1",
     "combined_x",
     "combined_weights",
+    "fwd_meta",
+    "nccl_devcomm",
     "host_error",
     "envelope",
 )
@@ -60,6 +62,7 @@ FLAGS: dict[str, int] = {
     "topk_idx32": 1 << 5,
     "multiple_reduction": 1 << 6,
     "rank_layout": 1 << 7,
+    "skip_scaleout_signal": 1 << 8,
 }
 
 _STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))

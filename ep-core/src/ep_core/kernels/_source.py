@@ -31,7 +31,8 @@ def get_include() -> str:
 
 def kernel_source(config: KernelConfig) -> str:
     """The translation unit of one instance: the defines are passed separately (`KernelConfig.defines`)."""
-    lines = [f"// ep_core direct-mode kernels: {config}"]
+    mode = "hybrid" if config.is_hybrid else "direct-mode"
+    lines = [f"// ep_core {mode} kernels: {config}"]
     if config.transport == "nccl":
         lines.append("#define EP_CORE_WITH_NCCL 1")
     lines.append("#include <ep_core/kernels.cuh>")
@@ -51,10 +52,18 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     """Compile (or fetch from the cache) the instance of `config`; returns the ep_jit Artifact."""
     import ep_jit
 
+    name = (
+        f"ep_core_direct_n{config.num_ranks}_k{config.num_topk}_h{config.hidden}_e{config.elem_size}"
+        f"_p{config.num_sf_packs}_w{config.num_warps}_{config.transport}"
+    )
+    if config.is_hybrid:
+        name = (
+            name.replace("ep_core_direct_", "ep_core_hybrid_")
+            + f"_su{config.num_scaleup_ranks}_{config.scaleout[:3]}"
+        )
     return ep_jit.compile(
         kernel_source(config),
-        name=f"ep_core_direct_n{config.num_ranks}_k{config.num_topk}_h{config.hidden}_e{config.elem_size}"
-        f"_p{config.num_sf_packs}_w{config.num_warps}_{config.transport}",
+        name=name,
         include_dirs=_include_dirs(config),
         defines=config.defines(),
         arch=arch,

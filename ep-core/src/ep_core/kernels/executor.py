@@ -92,6 +92,8 @@ TAG_NAMES = {
     3: "dispatch.counts",
     4: "combine.entry_barrier",
     5: "combine.exit_barrier",
+    6: "dispatch.scaleout_signal",
+    7: "combine.forward_barrier",
 }
 _EK = ep_layout.ErrorKind
 _ERR_OFF = ep_layout.WorkspaceLayout.ERROR_RECORD_OFFSET
@@ -171,9 +173,15 @@ class DirectRank:
         allocator: Allocator | None = None,
         num_warps: int | None = None,
         cooperative: bool | None = None,
+        num_scaleup_ranks: int | None = None,
     ) -> None:
+        from ep_core.topology import resolve_scaleup_ranks
+
         self.res = resources
         self.num_ranks = resources.num_ranks
+        # ranks per node (S_u < N: the hybrid kernels, ep_core/hybrid.cuh, emulated scale-out over ipc)
+        self.num_scaleup_ranks = resolve_scaleup_ranks(self.num_ranks, num_scaleup_ranks)
+        self.debug_skip_scaleout_signal = False  # tests: this rank's node "never sends" (hybrid dispatch)
         self.rank = resources.rank
         self.num_max_tokens = int(num_max_tokens_per_rank)
         self.gpu_timeout_secs = float(gpu_timeout_secs)
@@ -229,11 +237,20 @@ class DirectRank:
 
     def _config(self, hidden: int, elem: int, packs: int, topk: int) -> KernelConfig:
         transport = "nccl" if self.res.nccl_window else "ipc"
-        key = (hidden, elem, packs, topk, self._num_warps, transport, self.num_ranks)
+        key = (hidden, elem, packs, topk, self._num_warps, transport, self.num_ranks, self.num_scaleup_ranks)
         cfg = self._configs.get(key)
         if cfg is None:  # KernelConfig is frozen: one per key (its checks raise before anything is stored)
             kw = {} if self._num_warps is None else {"num_warps": self._num_warps}
-            cfg = KernelConfig(self.num_ranks, topk, hidden, elem, packs, transport=transport, **kw)
+            cfg = KernelConfig(
+                self.num_ranks,
+                topk,
+                hidden,
+                elem,
+                packs,
+                transport=transport,
+                num_scaleup_ranks=self.num_scaleup_ranks,
+                **kw,
+            )
             self._configs[key] = cfg
         return cfg
 
@@ -517,9 +534,16 @@ class DirectRank:
             arrays["psum_expert"] = handle.psum_num_recv_tokens_per_expert
             arrays["unaligned"] = handle.num_unaligned_recv_tokens_per_expert
             arrays["src_metadata"] = handle.recv_src_metadata
+            arrays["fwd"] = handle.token_metadata_at_forward
         else:
             arrays["dst_slot"] = self._alloc((num_tokens, topk), np.int32)
-            arrays["psum_rank"] = self._alloc((self.num_ranks,), np.int32)
+            arrays["psum_rank"] = self._alloc((self.num_scaleup_ranks,), np.int32)
+            # hybrid: per source node [count, ...] then per forwarded message (source id, K expert ids)
+            arrays["fwd"] = (
+                self._alloc((cfg.num_nodes, self.num_max_tokens + 1, topk + 1), np.int32)
+                if cfg.is_hybrid
+                else None
+            )
             arrays["psum_expert"] = self._alloc((epr,), np.int32)
             arrays["unaligned"] = self._alloc((epr,), np.int32)
         stats_ptr = 0
@@ -543,6 +567,10 @@ class DirectRank:
             flags |= FLAGS["sf_col_major"]
         if iv.dtype == np.int32:
             flags |= FLAGS["topk_idx32"]
+        if self.debug_skip_scaleout_signal:
+            flags |= FLAGS["skip_scaleout_signal"]
+        if cfg.is_hybrid and arrays["fwd"] is None:
+            raise EPValueError("handle: not made by a hybrid dispatch (no token_metadata_at_forward)")
         args = self._common(plan, scratch, num_experts)
         args.update(
             num_tokens=num_tokens,
@@ -556,6 +584,7 @@ class DirectRank:
             topk_idx=iv.ptr,
             topk_weights=wv.ptr if wv is not None else 0,
             dst_slot=view_ptr(arrays["dst_slot"], "dst_slot"),
+            fwd_meta=view_ptr(arrays["fwd"], "token_metadata_at_forward") if cfg.is_hybrid else 0,
             psum_rank=view_ptr(arrays["psum_rank"], "psum_rank"),
             psum_expert=view_ptr(arrays["psum_expert"], "psum_expert"),
             unaligned_expert=view_ptr(arrays["unaligned"], "unaligned"),
@@ -603,7 +632,7 @@ class DirectRank:
         if do_cpu_sync:
             host = self._host.array
             n = self.num_ranks
-            _cuda.copy_to_host(host[: 4 * n], args["psum_rank"], self.stream)
+            _cuda.copy_to_host(host[: 4 * self.num_scaleup_ranks], args["psum_rank"], self.stream)
             _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], args["unaligned_expert"], self.stream)
             pending.host = self._host
         return pending
@@ -626,7 +655,7 @@ class DirectRank:
             self.check_errors(synchronize=False)
             self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
             host = self._host.array
-            psum = host[: 4 * n].view(np.int32).copy()
+            psum = host[: 4 * self.num_scaleup_ranks].view(np.int32).copy()
             counts = host[4 * n : 4 * n + 4 * epr].view(np.int32).copy()
             num_recv = int(psum[-1])
             aligned = ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()  # one numpy op, Python ints
@@ -703,6 +732,7 @@ class DirectRank:
                 p.arrays["unaligned"],
                 meta,
                 p.arrays["dst_slot"],
+                token_metadata_at_forward=p.arrays["fwd"],
                 num_ranks=n,
                 rank=self.rank,
             )
@@ -781,6 +811,8 @@ class DirectRank:
             bias_views.append(bv)
         iv = as_view(handle.topk_idx, "handle.topk_idx")
         cfg = self._config(hidden, 2, 0, k)
+        if cfg.is_hybrid and handle.token_metadata_at_forward is None:
+            raise EPValueError("handle: not made by a hybrid dispatch (no token_metadata_at_forward)")
         plan, scratch = self._regions(cfg, handle.num_experts, "combine", amr)
         num_sms = self._num_sms(num_sms, handle, handle.num_experts, k)
         geo = launch_geometry(cfg, num_sms, self.device_sms)
@@ -803,6 +835,9 @@ class DirectRank:
             topk_idx=iv.ptr,
             psum_rank=view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
             src_metadata=view_ptr(handle.recv_src_metadata, "recv_src_metadata"),
+            fwd_meta=view_ptr(handle.token_metadata_at_forward, "token_metadata_at_forward")
+            if cfg.is_hybrid
+            else 0,
             comb_x=xv.ptr,
             comb_weights=wv.ptr if wv is not None else 0,
             bias0=bias_views[0].ptr if len(bias_views) > 0 else 0,

@@ -91,11 +91,16 @@ class GpuExecutor:
             nccl_window=int(getattr(storage, "nccl_window", 0) or 0),
             num_ranks_on_device=self.num_ranks_on_device,
         )
+        # hybrid topologies (several NVLink domains, allow_hybrid_mode) run the hybrid kernels; over ipc every rank is
+        # load/store reachable, so their scale-out put is the emulated one (emulated nodes on one host)
+        topology = getattr(config, "topology", None)
+        su = topology.num_scaleup_ranks if topology is not None and topology.is_hybrid else None
         self.rank = DirectRank(
             res,
             num_max_tokens_per_rank=config.num_max_tokens_per_rank,
             gpu_timeout_secs=config.num_gpu_timeout_secs,
             cpu_timeout_secs=config.num_cpu_timeout_secs,
+            num_scaleup_ranks=su,
         )
         self._destroyed = False
         self._enter_event: Event | None = None

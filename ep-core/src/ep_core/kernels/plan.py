@@ -15,6 +15,8 @@ from ep_core.errors import EPConfigError, EPValueError
 
 __all__ = [
     "DEFAULT_NUM_WARPS",
+    "SCALEOUTS",
+    "HybridRegions",
     "KernelConfig",
     "LaunchGeometry",
     "RegionPlan",
@@ -43,11 +45,19 @@ SCRATCH_INPUT_ERROR_OFFSET = 16
 """Rank-private scratch: grid barrier words, barrier epoch, input-error report (args.cuh `Scratch`)."""
 
 
+SCALEOUTS = ("emulated", "gin")
+"""Implementations of the hybrid scale-out put (include/ep_core/scaleout.cuh), picked at JIT time."""
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """The template constants of one JIT instance (all three kernels share them).
 
     `elem_size`: 2 (bf16) or 1 (FP8 data); `num_sf_packs`: 4-byte scale packs per token (0 for bf16).
+    `num_scaleup_ranks` (S_u, 0 = num_ranks): ranks per node; S_u < num_ranks builds the hybrid kernels
+    (include/ep_core/hybrid.cuh) with the scale-out put `scaleout` ("emulated": load/store, every rank reachable;
+    "gin": NCCL GIN, nccl transport only; default: "gin" over nccl, else "emulated"). Direct configurations keep
+    `num_scaleup_ranks == num_ranks` and `scaleout == ""`.
     """
 
     num_ranks: int
@@ -57,6 +67,8 @@ class KernelConfig:
     num_sf_packs: int = 0
     num_warps: int = 0
     transport: str = "ipc"
+    num_scaleup_ranks: int = 0
+    scaleout: str = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_ranks <= ep_layout.NUM_MAX_RANKS:
@@ -76,6 +88,26 @@ class KernelConfig:
             )
         if self.transport not in ("ipc", "nccl"):
             raise EPConfigError(f"transport: expected 'ipc' or 'nccl', got {self.transport!r}")
+        su = self.num_scaleup_ranks or self.num_ranks
+        if isinstance(su, bool) or not isinstance(su, int) or su < 1 or self.num_ranks % su:
+            raise EPConfigError(
+                f"num_scaleup_ranks: expected a divisor of num_ranks={self.num_ranks} (the ranks of one node), "
+                f"got {self.num_scaleup_ranks!r}"
+            )
+        object.__setattr__(self, "num_scaleup_ranks", su)
+        if su == self.num_ranks:
+            if self.scaleout:
+                raise EPConfigError(
+                    f"scaleout: only hybrid configurations (num_scaleup_ranks < num_ranks) have a scale-out put, "
+                    f"got {self.scaleout!r} with one node"
+                )
+        else:
+            so = self.scaleout or ("gin" if self.transport == "nccl" else "emulated")
+            if so not in SCALEOUTS:
+                raise EPConfigError(f"scaleout: expected one of {SCALEOUTS}, got {so!r}")
+            if so == "gin" and self.transport != "nccl":
+                raise EPConfigError("scaleout: 'gin' needs transport='nccl' (the GIN device communicator)")
+            object.__setattr__(self, "scaleout", so)
         if self.num_warps == 0:
             object.__setattr__(self, "num_warps", default_num_warps(self.smem_slot_bytes))
         if not 1 <= self.num_warps <= 32:
@@ -99,12 +131,29 @@ class KernelConfig:
         return ep_layout.make_combine_token_layout(self.hidden, self.num_topk)
 
     @property
+    def is_hybrid(self) -> bool:
+        return self.num_scaleup_ranks < self.num_ranks
+
+    @property
+    def num_nodes(self) -> int:
+        """S_o: nodes of num_scaleup_ranks ranks."""
+        return self.num_ranks // self.num_scaleup_ranks
+
+    @property
+    def message_bytes(self) -> int:
+        """A hybrid scale-out message: the dispatch token and K int32 destination slots (hybrid.cuh)."""
+        return self.dispatch_token.get_num_bytes() + ep_layout.align(4 * self.num_topk, 32)
+
+    @property
     def num_threads(self) -> int:
         return self.num_warps * 32
 
     @functools.cached_property
     def smem_slot_bytes(self) -> int:
-        """One warp's shared-memory token slot (token.cuh `kSmemSlotBytes`): the dispatch token, 128-aligned."""
+        """One warp's shared-memory token slot (token.cuh `kSmemSlotBytes`): the dispatch token, 128-aligned; in
+        hybrid mode the scale-out message (token + K slots, hybrid.cuh `kSlotBytes`)."""
+        if self.is_hybrid:
+            return ep_layout.align(self.message_bytes, 128)
         return ep_layout.align(self.dispatch_token.get_num_bytes(), 128)
 
     @property
@@ -114,7 +163,15 @@ class KernelConfig:
 
     def defines(self) -> dict[str, object]:
         """The -D constants of the generated source."""
-        return {
+        hybrid = {}
+        if self.is_hybrid:
+            hybrid = {
+                "EP_CORE_NUM_SCALEUP_RANKS": self.num_scaleup_ranks,
+                "EP_CORE_SCALEOUT": "ep_core::EmulatedScaleout"
+                if self.scaleout == "emulated"
+                else "ep_core::GinScaleout",
+            }
+        return hybrid | {
             "EP_CORE_NUM_RANKS": self.num_ranks,
             "EP_CORE_NUM_TOPK": self.num_topk,
             "EP_CORE_HIDDEN_BYTES": self.hidden * self.elem_size,
@@ -138,13 +195,66 @@ def default_num_warps(slot_bytes: int, smem_per_block: int = SMEM_PER_BLOCK_BYTE
     return int(min(DEFAULT_NUM_WARPS, fit))
 
 
-def scratch_bytes(num_ranks: int, num_experts: int, num_max_tokens: int) -> int:
-    """Bytes of the rank-private scratch (mirror of args.cuh `Scratch`)."""
+def scratch_bytes(num_ranks: int, num_experts: int, num_max_tokens: int, num_scaleup_ranks: int = 0) -> int:
+    """Bytes of the rank-private scratch (mirror of args.cuh `Scratch`); hybrid mode adds the per-source prefix
+    and the node-slot counters (hybrid.cuh `hybrid_psum_src`, 8 * N bytes)."""
     epr = num_experts // num_ranks
     words = (num_max_tokens + 31) // 32
     counters = 4 * (2 * num_ranks + num_experts + 2 * epr + num_experts)
     bitmaps = 2 * 4 * (num_ranks + num_experts) * words
-    return SCRATCH_HEADER_BYTES + counters + bitmaps
+    hybrid = 8 * num_ranks if 0 < num_scaleup_ranks < num_ranks else 0
+    return SCRATCH_HEADER_BYTES + counters + bitmaps + hybrid
+
+
+@dataclass(frozen=True)
+class HybridRegions:
+    """Bytes of the hybrid receive area (mirror of hybrid.cuh `HybridRegions`), for one configuration.
+
+    Dispatch: `[tokens N x M | messages S_o x M | count blocks S_o | gin: send stage S_o x M, count stage S_o]`
+    (the tokens land exactly as in direct mode). Combine: `[stage K x S_o x M | final K x M | gin: send stage
+    S_o x K x M]` of combine tokens. DeepEP's sizes (behaviour doc section 2.4) are per channel; these are per
+    (node, token), the bound when every token goes to every node.
+    """
+
+    tokens: int
+    messages: int
+    count_blocks: int
+    send_stage: int
+    combine_stage: int
+    combine_final: int
+    combine_send_stage: int
+
+    @property
+    def dispatch_bytes(self) -> int:
+        return self.tokens + self.messages + self.count_blocks + self.send_stage
+
+    @property
+    def combine_bytes(self) -> int:
+        return self.combine_stage + self.combine_final + self.combine_send_stage
+
+    @classmethod
+    def of(cls, config: KernelConfig, num_experts: int, num_max_tokens: int) -> HybridRegions:
+        n, su, so, k, m = (
+            config.num_ranks,
+            config.num_scaleup_ranks,
+            config.num_nodes,
+            config.num_topk,
+            num_max_tokens,
+        )
+        epr = num_experts // n
+        tok = config.dispatch_token.get_num_bytes()
+        comb = config.combine_token.get_num_bytes()
+        cnt = ep_layout.align(4 * (su + su * epr), 32)
+        gin = config.scaleout == "gin"
+        return cls(
+            tokens=n * m * tok,
+            messages=so * m * config.message_bytes,
+            count_blocks=so * cnt,
+            send_stage=(so * m * config.message_bytes + so * cnt) if gin else 0,
+            combine_stage=k * so * m * comb,
+            combine_final=k * m * comb,
+            combine_send_stage=so * k * m * comb if gin else 0,
+        )
 
 
 @dataclass(frozen=True)
@@ -221,13 +331,19 @@ def _plan_regions(
         raise EPConfigError(
             f"num_experts: expected <= {ep_layout.NUM_MAX_EXPERTS} and <= 256 per rank, got {num_experts}"
         )
-    topo = ep_layout.Topology(config.num_ranks)
-    dispatch = ep_layout.DirectDispatchBuffers(config.dispatch_token, topo, num_max_tokens).get_num_bytes()
-    amrs = (True, False) if allow_multiple_reduction is None else (bool(allow_multiple_reduction),)
-    combine = max(
-        ep_layout.DirectCombineBuffers(config.combine_token, topo, num_max_tokens, amr).get_num_bytes()
-        for amr in amrs
-    )
+    if config.is_hybrid:
+        hybrid = HybridRegions.of(config, num_experts, num_max_tokens)
+        dispatch, combine = hybrid.dispatch_bytes, hybrid.combine_bytes
+    else:
+        topo = ep_layout.Topology(config.num_ranks)
+        dispatch = ep_layout.DirectDispatchBuffers(
+            config.dispatch_token, topo, num_max_tokens
+        ).get_num_bytes()
+        amrs = (True, False) if allow_multiple_reduction is None else (bool(allow_multiple_reduction),)
+        combine = max(
+            ep_layout.DirectCombineBuffers(config.combine_token, topo, num_max_tokens, amr).get_num_bytes()
+            for amr in amrs
+        )
     need = {"dispatch": dispatch, "combine": combine, None: max(dispatch, combine)}[op]
     data = need if data_bytes is None else int(data_bytes)
     if data < need:
@@ -236,7 +352,7 @@ def _plan_regions(
             f"(dispatch {dispatch}, combine {combine}); allocate with get_buffer_size_hint()"
         )
     ws = ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES
-    sb = scratch_bytes(config.num_ranks, num_experts, num_max_tokens)
+    sb = scratch_bytes(config.num_ranks, num_experts, num_max_tokens, config.num_scaleup_ranks)
     reserved = ep_layout.WorkspaceLayout.RESERVED_OFFSET
     scratch_offset = reserved if sb <= ep_layout.NUM_RESERVED_BYTES else -1
     return RegionPlan(0, ws, dispatch, combine, scratch_offset, sb, ws + data)

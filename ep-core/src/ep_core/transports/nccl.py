@@ -10,7 +10,7 @@ Setup (`NcclTransport.allocate`, every rank in the same order):
    ProcessGroupNCCL communicator; its rank and size must equal the bootstrap's);
 2. the version gate (NCCL >= 2.28.7, library and headers: ep-nccl-gin's "gin" gate) and NCCL's header/library
    rule for the JIT headers; then the LSA check: every rank must be load/store reachable (LSA team of all `n`
-   ranks, same rank order) else `EPConfigError` (hybrid mode over GIN is later work);
+   ranks, same rank order) else `EPConfigError` (hybrid mode over GIN: kernels built, host side not wired);
 3. the symmetric storage `[workspace | data]` (sizes as for ipc) from `ncclMemAlloc`, zeroed, registered as a
    window (`ncclCommWindowRegister`, symmetric), and a device communicator (`ncclDevCommCreate` with
    `lsa_barrier_count`, no GIN) whose bytes (`NcclStorage.dev_comm_bytes`, `.context_bytes`) are kept for kernels
@@ -304,7 +304,9 @@ class NcclTransport:
             raise EPConfigError(
                 f"transport 'nccl': direct mode needs all {n} ranks load/store reachable (one NVLink/LSA domain), "
                 f"but NCCL's LSA team of rank {rank} has {team.nranks} ranks (index {team.rank}, stride "
-                f"{team.stride}); hybrid mode over GIN is not implemented yet: run within one NVLink domain"
+                f"{team.stride}); hybrid mode over GIN is not wired on the host yet (its kernels and GIN scale-out put build: "
+                "`python -m ep_core compile --transport nccl --num-scaleup-ranks`, but no GIN device communicator is "
+                "created): run within one NVLink domain"
             )
 
     def _storage_closed(self, storage: NcclStorage, *, collective: bool) -> bool:
