@@ -283,7 +283,10 @@ class Buffer:
         in_rank.scatter_(1, dest, True)
         is_token_in_rank = in_rank[:, :n].contiguous()
         per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
-        per_expert = torch.bincount(topk_idx[valid].flatten(), minlength=num_experts).to(torch.int32)
+        # a scatter, not bincount of a masked select (that reads the mask's size on the host)
+        slot = torch.where(valid, topk_idx, torch.full_like(topk_idx, num_experts)).flatten().to(torch.int64)
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)
+        per_expert = per_expert.scatter_add_(0, slot, torch.ones_like(slot))[:num_experts].to(torch.int32)
         return per_rank, None, per_expert, is_token_in_rank, self._done(async_finish, topk_idx.is_cuda)
 
     def dispatch(
@@ -544,7 +547,8 @@ class Buffer:
                 f"low_latency_dispatch: hidden={h} must be a multiple of {512 if use_ue8m0 else 128} with use_fp8=True"
                 + (" and use_ue8m0=True" if use_ue8m0 else "")
             )
-        _check_topk(topk_idx, num_experts, self.group_size, self.rank)
+        # no host read on CUDA: low-latency mode never syncs the host (the hook's point, and CUDA graphs)
+        _check_topk(topk_idx, num_experts, self.group_size, self.rank, host_read=not topk_idx.is_cuda)
         if cumulative_local_expert_recv_stats is not None and (
             cumulative_local_expert_recv_stats.shape != (num_experts // self.group_size,)
         ):
@@ -730,7 +734,9 @@ def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
     return torch.cat([t, extra])
 
 
-def _check_topk(topk_idx: Any, num_experts: int, num_ranks: int, rank: int) -> None:
+def _check_topk(topk_idx: Any, num_experts: int, num_ranks: int, rank: int, host_read: bool = True) -> None:
+    """Shapes and dtypes; the expert-id range too when ``host_read`` (a device-to-host read: never while capturing
+    a CUDA graph; ep-core checks the ids on the device anyway and raises at the next sync)."""
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2:
         raise EPValueError(f"topk_idx (rank {rank}): must be a 2-D tensor [num_tokens, num_topk]")
     if topk_idx.dtype not in (torch.int64, torch.int32):
@@ -739,7 +745,9 @@ def _check_topk(topk_idx: Any, num_experts: int, num_ranks: int, rank: int) -> N
         raise EPValueError(
             f"num_experts (rank {rank}): {num_experts} must be a positive multiple of {num_ranks} ranks"
         )
-    if topk_idx.numel() and int(topk_idx.max()) >= num_experts:
+    if topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+        host_read = False
+    if host_read and topk_idx.numel() and int(topk_idx.max()) >= num_experts:
         raise EPValueError(
             f"topk_idx (rank {rank}): expert id {int(topk_idx.max())} >= num_experts={num_experts}"
         )
