@@ -183,7 +183,8 @@ def check_rail_and_dedup(outs, topk_idxs, n: int, su: int) -> tuple[int, int]:
                 f"{want.size} (one per token that targets node {node}: deduplication)"
             )
             order = np.argsort(rows[:, 0] % M)
-            _eq(f"forwarder r{p} from r{s} topk rows", rows[order, 1:], idx[want].astype(np.int32))
+            want_rows = np.where(idx[want] >= 0, idx[want], -1).astype(np.int32)
+            _eq(f"forwarder r{p} from r{s} topk rows", rows[order, 1:], want_rows)
             if j == node:
                 inside += count
             else:
@@ -463,3 +464,73 @@ def test_processes_share_gpu_as_two_nodes(tmp_path, monkeypatch) -> None:
     results = run_workers(PROCESS_WORKER, 4, tmp_path)
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert all(r["checks"] == 3 for r in results)
+
+
+EPBUFFER_WORKER = """
+import dataclasses, json, pickle, sys
+import numpy as np
+import ep_symmem
+from ep_core import EPBuffer, reference, routing
+from ep_core.device_array import DeviceArray as CoreArray
+from ep_core.kernels import _cuda
+from ep_core.transports.ipc import IpcTransport
+
+rank, size, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+M, H, K, E, SU = 64, 512, 8, 32, 2
+boot = ep_symmem.FileBootstrap(directory, rank, size, timeout=120.0)
+buf = EPBuffer(boot, transport=IpcTransport("cuda_ipc"), num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+               num_experts=E, num_nvlink_ranks=SU, deterministic=True, num_gpu_timeout_secs=30,
+               num_cpu_timeout_secs=60)
+assert buf.topology.logical_domain_size == (size // SU, SU), buf.topology.logical_domain_size
+
+
+def up(a, dtype):
+    mem = _cuda.DeviceArray.from_numpy(a, 0)
+    return CoreArray(mem.ptr, a.shape, dtype, owner=mem)
+
+
+def down(a):
+    if hasattr(a, "owner") and isinstance(a.owner, _cuda.DeviceArray):
+        return _cuda.DeviceArray.numpy(a.owner)
+    return np.asarray(a)
+
+
+inp = routing.make_inputs(size, [M, 40, 0, 17][:size], H, E, K, seed=21, masked_ratio=0.2)
+ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, num_max_tokens_per_rank=M,
+                         num_scaleup_ranks=SU)
+res = buf.dispatch(up(inp.xs[rank], "bfloat16"), up(inp.topk_idxs[rank], "int64"),
+                   up(inp.topk_weights[rank], "float32"), num_experts=E, num_sms=4)
+_cuda.driver().cuCtxSynchronize()
+recv_x = down(res.recv_x)
+h = res.handle
+meta = down(h.recv_src_metadata)
+psum = down(h.psum_num_recv_tokens_per_scaleup_rank)
+r = ref[rank]
+nv = r.num_valid_rows
+assert np.array_equal(psum, r.handle.psum_num_recv_tokens_per_scaleup_rank), f"psum {psum}"
+assert np.array_equal(meta[:nv], np.asarray(r.handle.recv_src_metadata)[:nv]), "recv_src_metadata"
+assert np.array_equal(recv_x[:nv], r.recv_x[:nv]), "recv_x"
+comb = buf.combine(res.recv_x, h, res.recv_topk_weights, num_sms=4)
+_cuda.driver().cuCtxSynchronize()
+w = down(comb.combined_topk_weights)
+want = np.where(inp.topk_idxs[rank] >= 0, inp.topk_weights[rank], 0).astype(np.float32)
+assert np.array_equal(w.view(np.uint32), want.view(np.uint32)), "weights round trip"
+mine = pickle.dumps((recv_x, meta, psum))
+everyone = [pickle.loads(b) for b in boot.allgather(mine)]
+handles = [dataclasses.replace(ref[d].handle, recv_src_metadata=e[1], psum_num_recv_tokens_per_scaleup_rank=e[2])
+           for d, e in enumerate(everyone)]
+ref_c = reference.combine([e[0] for e in everyone], handles, num_scaleup_ranks=SU)
+assert np.array_equal(down(comb.combined_x), ref_c[rank].combined_x), "combined_x"
+buf.destroy()
+print(json.dumps({"rank": rank, "ok": True}))
+"""
+
+
+def test_epbuffer_processes_as_two_nodes(tmp_path) -> None:
+    """EPBuffer over the ipc transport with num_nvlink_ranks=2 (4 processes sharing the GPU): the executor runs the
+    hybrid kernels (emulated scale-out), deterministic dispatch and combine equal the hybrid reference."""
+    pytest.importorskip("ep_symmem")
+    from ep_core_gpu_testing import run_workers
+
+    for result in run_workers(EPBUFFER_WORKER, 4, tmp_path):
+        assert result["ok"]
