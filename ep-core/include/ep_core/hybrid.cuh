@@ -103,6 +103,73 @@ EP_CORE_DEVICE uint64_t* scaleout_signals(const Workspace& ws) {
     return reinterpret_cast<uint64_t*>(ws.base + ep_layout::WorkspaceLayout::kScaleoutRankCountRecvOffset);
 }
 
+/// The cross-rank barrier of the hybrid kernels (barrier.cuh `cross_rank_barrier`, every rank of every node). With
+/// a load/store scale-out (emulated: every rank reachable) it is that barrier itself. With GIN, peers of other nodes
+/// get this rank's envelope by `put_value` and its arrival by a `signal` add on their arrival word (strong signals:
+/// the envelope put lands first); peers of this node as in direct mode. Only this node's abort flags can be raised
+/// (remote ranks then time out on their own).
+template <int kNumScaleupRanks, typename Transport, typename Scaleout>
+EP_CORE_DEVICE bool hybrid_barrier(SyncContext<Transport>& sync, const Scaleout& so, int32_t tag,
+                                   bool check_envelope = false) {
+    if constexpr (!Scaleout::kStaged) {
+        return sync.cross_rank_barrier(tag, check_envelope);
+    } else {
+        const OpArgs& args = sync.args;
+        const Workspace& ws = sync.ws;
+        const int num_ranks = sync.num_ranks;
+        __syncthreads();
+        const uint64_t epoch = *sync.sc.barrier_epoch() + 1;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            *sync.sc.barrier_epoch() = epoch;
+        const int rank = static_cast<int>(args.rank);
+        const int node = rank / kNumScaleupRanks;
+        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+            if (!check_envelope)
+                break;
+            if (p / kNumScaleupRanks == node)
+                *reinterpret_cast<volatile uint64_t*>(sync.tr.sym_ptr(ws.envelopes(), p) + rank) = args.envelope;
+            else
+                so.put_value(ws.envelopes() + rank, args.envelope, p);
+        }
+        if (threadIdx.x < num_ranks)
+            ptx::fence_sys();
+        for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+            if (p / kNumScaleupRanks == node)
+                ptx::red_add_release_sys(sync.tr.sym_ptr(ws.barrier_arrivals(), p), 1ull);
+            else
+                so.signal(ws.barrier_arrivals(), 1ull, p);
+        }
+        if (threadIdx.x == 0 && *sync.s_abort == 0) {
+            const int64_t target = static_cast<int64_t>(epoch) * num_ranks;
+            uint64_t* counter = ws.barrier_arrivals();
+            const bool ok = wait_until(
+                args, ws, tag, -1, static_cast<int64_t>(epoch), target,
+                [&] { return static_cast<int64_t>(ptx::ld_acquire_sys(counter)); },
+                [&](int64_t v) { return v >= target; }, [&] { sync.raise_abort(); });
+            if (!ok)
+                *sync.s_abort = 1;
+        }
+        __syncthreads();
+        if (check_envelope && *sync.s_abort == 0) {
+            for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
+                const uint64_t seen = *reinterpret_cast<volatile uint64_t*>(ws.envelopes() + src);
+                if (seen != args.envelope) {
+                    record_error(ws, ErrorKind::kEnvelopeMismatch, args.rank, src, tag,
+                                 ep_layout::WorkspaceLayout::kBarrierSignalsOffset + Workspace::kEnvelopesOffset +
+                                     8 * src,
+                                 static_cast<int64_t>(seen), static_cast<int64_t>(args.envelope), -1, -1);
+                    *sync.s_abort = 1;
+                }
+            }
+            __syncthreads();
+            if (*sync.s_abort != 0 && threadIdx.x == 0)
+                publish_failure(args, ws);
+        }
+        return *sync.s_abort == 0;
+    }
+}
+
 template <int kNumRanks, int kNumScaleupRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps,
           typename Transport, template <typename> class ScaleoutT>
 EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
@@ -188,7 +255,7 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
     }
 
     // 2. entry barrier (every rank of every node)
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry, true))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagDispatchEntry, true))
         return;
     if (!sync.grid_sync())
         return;
@@ -539,7 +606,7 @@ EP_CORE_DEVICE void hybrid_combine_impl(const OpArgs& args) {
         return;
 
     // 1. entry
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagCombineEntry, true))
         return;
     if (!sync.grid_sync())
         return;
@@ -596,7 +663,7 @@ EP_CORE_DEVICE void hybrid_combine_impl(const OpArgs& args) {
     // 3. every stage of this node is complete
     if (!sync.grid_sync())
         return;
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineForward))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagCombineForward))
         return;
     if (!sync.grid_sync())
         return;
@@ -664,7 +731,7 @@ EP_CORE_DEVICE void hybrid_combine_impl(const OpArgs& args) {
     // 5. exit: every partial has landed at its source
     if (!sync.grid_sync())
         return;
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineExit))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagCombineExit))
         return;
     if (!sync.grid_sync())
         return;

@@ -163,24 +163,24 @@ class KernelConfig:
 
     def defines(self) -> dict[str, object]:
         """The -D constants of the generated source."""
-        hybrid = {}
+        transport = "ep_core::IpcTransport" if self.transport == "ipc" else "ep_core::NcclTransport"
+        out: dict[str, object] = {}
         if self.is_hybrid:
-            hybrid = {
-                "EP_CORE_NUM_SCALEUP_RANKS": self.num_scaleup_ranks,
-                "EP_CORE_SCALEOUT": "ep_core::EmulatedScaleout"
-                if self.scaleout == "emulated"
-                else "ep_core::GinScaleout",
-            }
-        return hybrid | {
+            out["EP_CORE_NUM_SCALEUP_RANKS"] = self.num_scaleup_ranks
+            if self.scaleout == "gin":
+                out["EP_CORE_SCALEOUT"] = "ep_core::GinScaleout"
+                # NCCL's LSA team is one node: its load/store peers are indexed by the local rank
+                transport = f"ep_core::NodeLsaTransport<{self.num_scaleup_ranks}>"
+            else:
+                out["EP_CORE_SCALEOUT"] = "ep_core::EmulatedScaleout"
+        return out | {
             "EP_CORE_NUM_RANKS": self.num_ranks,
             "EP_CORE_NUM_TOPK": self.num_topk,
             "EP_CORE_HIDDEN_BYTES": self.hidden * self.elem_size,
             "EP_CORE_COMBINE_HIDDEN_BYTES": self.hidden * 2,
             "EP_CORE_NUM_SF_PACKS": self.num_sf_packs,
             "EP_CORE_NUM_WARPS": self.num_warps,
-            "EP_CORE_TRANSPORT": "ep_core::IpcTransport"
-            if self.transport == "ipc"
-            else "ep_core::NcclTransport",
+            "EP_CORE_TRANSPORT": transport,
         }
 
 
