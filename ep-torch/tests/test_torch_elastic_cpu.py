@@ -151,6 +151,18 @@ def _pp_timeout(rank: int, n: int, out: dict) -> None:
     os._exit(0)
 
 
+def _pp_gpu_scenario(rank: int, n: int, out: dict) -> None:
+    import elastic_pp_scenario  # next to this file (its directory is sys.path[0] in the ranks)
+    import torch
+
+    res: list = []
+    try:
+        elastic_pp_scenario.run(_buffer(), rank, n, torch.device("cpu"), res)
+    except Exception as exc:  # reported, not hidden
+        res.append(("pp/raised", False, f"{type(exc).__name__}: {exc}"))
+    out["res"] = res
+
+
 def _pp_peer_refuses(rank: int, n: int, out: dict) -> None:
     buf = _buffer()
     # rank 1 asks for more than the buffer holds: it raises, and rank 0 learns it instead of waiting
@@ -346,6 +358,7 @@ _CASES = {
     "pp_inflight": _pp_inflight,
     "pp_timeout": _pp_timeout,
     "pp_peer_refuses": _pp_peer_refuses,
+    "pp_gpu_scenario": _pp_gpu_scenario,
     "engram": _engram_case,
     "agrs": _agrs_case,
 }
@@ -392,6 +405,18 @@ def test_pp_config_refused_on_one_rank_reaches_the_other(tmp_path: Path) -> None
     a, b = _run("pp_peer_refuses", 2, tmp_path)
     assert b["config"].startswith("EPValueError") and "rank 1" in b["config"]
     assert a["config"].startswith("EPPeerError") and "rank 1" in a["config"]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_pp_gpu_scenario_on_the_reference_backend(n: int, tmp_path: Path) -> None:
+    """The GPU test's PP scenario (elastic_pp_scenario.py) on CPU: each phase's tensors fit its configuration."""
+    per_rank = [out["res"] for out in _run("pp_gpu_scenario", n, tmp_path)]
+    failures = [
+        f"rank {r}: {name}: {detail}" for r, res in enumerate(per_rank) for name, ok, detail in res if not ok
+    ]
+    assert per_rank[0] and not failures, "\n".join(failures)
+    names = {name for name, _, _ in per_rank[0]}
+    assert {"pp/ring"} <= names and (n != 2 or "pp/ping-pong" in names), names
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -70,60 +69,9 @@ def _payload(src: int, dst: int, seq: int, numel: int, dtype=torch.float32) -> t
 
 
 def _pp(rank: int, n: int, res: list) -> None:
-    buf = _buffer()
-    buf.pp_set_config(1 << 16, 2)
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
-    sent: dict[int, int] = {}
-    got: dict[int, int] = {}
-    ok = True
-    for step in range(5):
-        numel = 1 << (8 + step)  # 1 KiB .. 16 KiB of float32, bf16 on odd steps
-        dt = torch.bfloat16 if step % 2 else torch.float32
-        for dst in (nxt, prv):
-            buf.pp_send(_payload(rank, dst, sent.get(dst, 0), numel, dt), dst)
-            sent[dst] = sent.get(dst, 0) + 1
-        for src in (prv, nxt):
-            want = _payload(src, rank, got.get(src, 0), numel, dt)
-            out = torch.empty_like(want)
-            buf.pp_recv(out, src)
-            got[src] = got.get(src, 0) + 1
-            ok = ok and bool(torch.equal(out, want))
-    torch.cuda.synchronize()
-    res.append(("pp/ring", ok, f"{n} ranks"))
-    # in flight: rank 0 queues 3 sends with 2 slots; the third waits on the stream, not on the host (one rank would
-    # wait for itself: its receives queue behind that wait)
-    buf.pp_set_config(4096, 2)
-    if n > 1 and rank == 0:
-        t0 = time.monotonic()
-        for i in range(3):
-            buf.pp_send(torch.full((1024,), float(i), device="cuda"), 1)
-        host = time.monotonic() - t0
-        res.append(("pp/in-flight sends return at once", host < 0.5, f"{host:.3f} s"))
-    if n > 1 and rank == 1:
-        time.sleep(1.0)
-        vals = []
-        for _ in range(3):
-            t = torch.empty(1024, device="cuda")
-            buf.pp_recv(t, 0)
-            vals.append(float(t[0]))
-        res.append(("pp/in-flight order", vals == [0.0, 1.0, 2.0], str(vals)))
-    torch.cuda.synchronize()
-    buf.barrier()
-    # ping-pong
-    if n == 2:
-        x = torch.arange(4096, dtype=torch.float32, device="cuda")
-        for _ in range(10):
-            if rank == 0:
-                buf.pp_send(x, 1)
-                buf.pp_recv(x, 1)
-            else:
-                y = torch.empty_like(x)
-                buf.pp_recv(y, 0)
-                buf.pp_send(y + 1, 0)
-        torch.cuda.synchronize()
-        if rank == 0:
-            want = torch.arange(4096, dtype=torch.float32, device="cuda") + 10
-            res.append(("pp/ping-pong", bool(torch.equal(x, want)), ""))
+    import elastic_pp_scenario  # next to this file (its directory is sys.path[0] in the ranks)
+
+    elastic_pp_scenario.run(_buffer(), rank, n, torch.device("cuda", 0), res)
 
 
 def _agrs(rank: int, n: int, res: list) -> None:
