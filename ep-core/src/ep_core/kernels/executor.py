@@ -59,7 +59,7 @@ from ep_core.errors import (
 )
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
-from ep_core.kernels._args import FLAGS, pack_op_args
+from ep_core.kernels._args import FLAGS, OP_ARGS_FIELDS, pack_op_args
 from ep_core.kernels._cuda import DeviceArray, DeviceView, PinnedBuffer, Stream, as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, describe_envelope, pack_envelope
 from ep_core.kernels._source import load_kernels
@@ -75,6 +75,7 @@ from ep_core.kernels.plan import (
     launch_geometry,
     plan_regions,
 )
+from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, PreparedOp
 from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = [
@@ -129,10 +130,50 @@ class RankResources:
     share it (the conservative choice: small, non-cooperative grids)."""
 
 
+# the per-call fields of each prepared launch (ep_core.kernels.prepared_launch), in the order DirectRank passes them
+_DISPATCH_DYNAMIC = (
+    "x",
+    "sf",
+    "topk_idx",
+    "topk_weights",
+    "dst_slot",
+    "fwd_meta",
+    "psum_rank",
+    "psum_expert",
+    "unaligned_expert",
+    "cum_stats",
+    "envelope",
+)
+_EPILOGUE_DYNAMIC = (
+    "envelope",
+    "src_metadata",
+    "recv_x",
+    "recv_sf",
+    "sf_out_stride0",
+    "sf_out_stride1",
+    "recv_topk_idx",
+    "recv_topk_weights",
+    "num_out_rows",
+)
+_COMBINE_DYNAMIC = (
+    "topk_idx",
+    "psum_rank",
+    "src_metadata",
+    "fwd_meta",
+    "comb_x",
+    "comb_weights",
+    "bias0",
+    "bias1",
+    "combined_x",
+    "combined_weights",
+    "envelope",
+)
+
+
 @dataclass
 class _PendingDispatch:
     config: KernelConfig
-    args: dict
+    args: dict | None  # the full argument dict when this call prepared its launch shape (a miss), else None
     geometry: Any
     cached: bool
     do_cpu_sync: bool
@@ -153,6 +194,8 @@ class _PendingDispatch:
     host: PinnedBuffer | None = None
     # this rank's collective launch count after the dispatch kernel: the identity of its handle in envelopes
     launch_number: int = 0
+    prepared: PreparedOp | None = None
+    words: list | None = None  # the dispatch launch's packed words (the epilogue patches its outputs in)
 
 
 def _check_2d(view: DeviceView, what: str) -> None:
@@ -220,6 +263,9 @@ class DirectRank:
         self._blocks_per_sm: dict = {}
         self._planned_sms: dict = {}
         self._configs: dict = {}
+        self._launches = (
+            PreparedLaunches()
+        )  # per launch shape: kernel, geometry, occupancy verdict, packed args
         # collective launches so far (every rank counts the same launches; zeroed by reset_state), and the launch
         # number of the dispatch behind each handle (a combine's envelope names its handle)
         self._num_collective_launches = 0
@@ -337,16 +383,7 @@ class DirectRank:
         """Check that the grid fits the device (occupancy), then launch it on the rank's stream."""
         import ep_jit
 
-        per_sm = self._occupancy(kernel, geo.block, shared_mem)
-        check_occupancy(
-            name,
-            per_sm,
-            geo.grid,
-            self.device_sms,
-            self.num_ranks_on_device,
-            threads=geo.block,
-            shared_mem=shared_mem,
-        )
+        self._check_fits(kernel, name, geo.grid, geo.block, shared_mem)
         kernel.launch(
             geo.grid,
             geo.block,
@@ -357,6 +394,58 @@ class DirectRank:
         )
         if args.get("envelope"):
             self._num_collective_launches += 1
+
+    def _check_fits(self, kernel: Any, name: str, grid: int, block: int, shared_mem: int) -> None:
+        """The occupancy verdict of one launch (`check_occupancy`)."""
+        per_sm = self._occupancy(kernel, block, shared_mem)
+        check_occupancy(
+            name,
+            per_sm,
+            grid,
+            self.device_sms,
+            self.num_ranks_on_device,
+            threads=block,
+            shared_mem=shared_mem,
+        )
+
+    def _prepare(
+        self,
+        kernel: Any,
+        name: str,
+        geo: LaunchGeometry,
+        shared_mem: int,
+        cooperative: bool,
+        args: dict,
+        dynamic,
+    ) -> PreparedLaunch:
+        """A launch shape's first call: the occupancy verdict (raises: nothing is stored), then the full pack."""
+        self._check_fits(kernel, name, geo.grid, geo.block, shared_mem)
+        return PreparedLaunch.pack(kernel, name, geo.grid, geo.block, shared_mem, cooperative, args, dynamic)
+
+    def _launch_prepared(self, launch: PreparedLaunch, words: list) -> None:
+        launch.launch(words, self.stream.handle)
+        if words[-1]:  # an envelope (the last OpArgs field): a collective launch
+            self._num_collective_launches += 1
+
+    def _shape_key(self, plan: RegionPlan, scratch: int, num_sms: int) -> tuple:
+        """The rank's words of a launch shape (every field of `_common` but the op's num_experts) and its grid."""
+        res = self.res
+        return (
+            res.base + plan.workspace_offset,
+            res.base + plan.recv_offset,
+            scratch,
+            res.peer_table,
+            res.base,
+            res.nccl_window,
+            self.rank,
+            self.num_max_tokens,
+            self.timeout_cycles,
+            self._status.device_ptr,
+            num_sms,
+            self.device_sms,
+            self.num_ranks_on_device,
+            self.cooperative,
+        )
 
     @property
     def launch_step(self) -> int:
@@ -523,8 +612,41 @@ class DirectRank:
         cfg = self._config(hidden, elem, packs, topk)
         plan, scratch = self._regions(cfg, num_experts, "dispatch")
         num_sms = self._num_sms(num_sms, handle, num_experts, topk)
-        geo = launch_geometry(cfg, num_sms, self.device_sms)
-        kernels = load_kernels(cfg)
+        flags = 0
+        if do_expand:
+            flags |= FLAGS["expand"]
+        if cached:
+            flags |= FLAGS["cached"]
+        if deterministic:
+            flags |= FLAGS["deterministic"]
+        if do_zero_padding:
+            flags |= FLAGS["zero_padding"]
+        if use_tma_aligned_col_major_sf:
+            flags |= FLAGS["sf_col_major"]
+        if iv.dtype == np.int32:
+            flags |= FLAGS["topk_idx32"]
+        if self.debug_skip_scaleout_signal:
+            flags |= FLAGS["skip_scaleout_signal"]
+        x_stride = xv.element_strides[0] * elem
+        sf_strides = (sfv.element_strides[0], sfv.element_strides[1]) if sfv is not None else (0, 0)
+        # everything that shapes the launch (ep_core.kernels.prepared_launch); the pointers are patched per call
+        key = (
+            "dispatch",
+            cfg,
+            num_experts,
+            num_tokens,
+            expert_alignment,
+            flags,
+            x_stride,
+            sf_strides,
+            self._shape_key(plan, scratch, num_sms),
+        )
+        prepared = self._launches.get(key)
+        if prepared is None:
+            geo = launch_geometry(cfg, num_sms, self.device_sms)
+            kernels = load_kernels(cfg)
+        else:
+            geo, kernels = prepared.geometry, prepared.kernels
         epr = num_experts // self.num_ranks
 
         arrays: dict[str, Any] = {}
@@ -554,42 +676,22 @@ class DirectRank:
                     f"cumulative_local_expert_recv_stats: expected int32 [{epr}], got {sv.shape} {sv.dtype}"
                 )
             stats_ptr = sv.ptr
-        flags = 0
-        if do_expand:
-            flags |= FLAGS["expand"]
-        if cached:
-            flags |= FLAGS["cached"]
-        if deterministic:
-            flags |= FLAGS["deterministic"]
-        if do_zero_padding:
-            flags |= FLAGS["zero_padding"]
-        if use_tma_aligned_col_major_sf:
-            flags |= FLAGS["sf_col_major"]
-        if iv.dtype == np.int32:
-            flags |= FLAGS["topk_idx32"]
-        if self.debug_skip_scaleout_signal:
-            flags |= FLAGS["skip_scaleout_signal"]
         if cfg.is_hybrid and arrays["fwd"] is None:
             raise EPValueError("handle: not made by a hybrid dispatch (no token_metadata_at_forward)")
-        args = self._common(plan, scratch, num_experts)
-        args.update(
-            num_tokens=num_tokens,
-            expert_alignment=expert_alignment,
-            flags=flags,
-            x=xv.ptr,
-            x_stride=xv.element_strides[0] * elem,
-            sf=sfv.ptr if sfv is not None else 0,
-            sf_stride0=sfv.element_strides[0] if sfv is not None else 0,
-            sf_stride1=sfv.element_strides[1] if sfv is not None else 0,
-            topk_idx=iv.ptr,
-            topk_weights=wv.ptr if wv is not None else 0,
-            dst_slot=view_ptr(arrays["dst_slot"], "dst_slot"),
-            fwd_meta=view_ptr(arrays["fwd"], "token_metadata_at_forward") if cfg.is_hybrid else 0,
-            psum_rank=view_ptr(arrays["psum_rank"], "psum_rank"),
-            psum_expert=view_ptr(arrays["psum_expert"], "psum_expert"),
-            unaligned_expert=view_ptr(arrays["unaligned"], "unaligned"),
-            cum_stats=stats_ptr,
-            envelope=self._envelope(
+        psum_rank_ptr = view_ptr(arrays["psum_rank"], "psum_rank")
+        unaligned_ptr = view_ptr(arrays["unaligned"], "unaligned")
+        dynamic = (
+            xv.ptr,
+            sfv.ptr if sfv is not None else 0,
+            iv.ptr,
+            wv.ptr if wv is not None else 0,
+            view_ptr(arrays["dst_slot"], "dst_slot"),
+            view_ptr(arrays["fwd"], "token_metadata_at_forward") if cfg.is_hybrid else 0,
+            psum_rank_ptr,
+            view_ptr(arrays["psum_expert"], "psum_expert"),
+            unaligned_ptr,
+            stats_ptr,
+            self._envelope(
                 OP_DISPATCH,
                 (
                     hidden * elem,
@@ -603,9 +705,34 @@ class DirectRank:
                 ),
             ),
         )
-        self._launch(kernels.dispatch, "ep_dispatch_impl", geo, args, geo.shared_mem, self.cooperative)
-        # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
-        self._occupancy(kernels.combine, geo.block, 0)
+        args = None
+        if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
+            args = self._common(plan, scratch, num_experts)
+            args.update(
+                num_tokens=num_tokens,
+                expert_alignment=expert_alignment,
+                flags=flags,
+                x_stride=x_stride,
+                sf_stride0=sf_strides[0],
+                sf_stride1=sf_strides[1],
+            )
+            args.update(zip(_DISPATCH_DYNAMIC, dynamic))
+            main = self._prepare(
+                kernels.dispatch,
+                "ep_dispatch_impl",
+                geo,
+                geo.shared_mem,
+                self.cooperative,
+                args,
+                _DISPATCH_DYNAMIC,
+            )
+            # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
+            self._occupancy(kernels.combine, geo.block, 0)
+            prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
+            words = main.words
+        else:
+            words = prepared.main.patch(dynamic)
+        self._launch_prepared(prepared.main, words)
         keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
         pending = _PendingDispatch(
             cfg,
@@ -628,12 +755,14 @@ class DirectRank:
             arrays,
             keep,
             launch_number=self._num_collective_launches,
+            prepared=prepared,
+            words=words,
         )
         if do_cpu_sync:
             host = self._host.array
             n = self.num_ranks
-            _cuda.copy_to_host(host[: 4 * self.num_scaleup_ranks], args["psum_rank"], self.stream)
-            _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], args["unaligned_expert"], self.stream)
+            _cuda.copy_to_host(host[: 4 * self.num_scaleup_ranks], psum_rank_ptr, self.stream)
+            _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], unaligned_ptr, self.stream)
             pending.host = self._host
         return pending
 
@@ -692,28 +821,37 @@ class DirectRank:
         else:
             meta = self._alloc((num_recv, k + 2), np.int32)
         # the copy epilogue meets no peer: no envelope, and not a collective launch
-        args = dict(p.args, envelope=0)
-        args.update(
-            src_metadata=view_ptr(meta, "recv_src_metadata"),
-            recv_x=view_ptr(recv_x, "recv_x"),
-            recv_sf=view_ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
-            sf_out_stride0=sf_strides[0],
-            sf_out_stride1=sf_strides[1],
-            recv_topk_idx=view_ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
-            recv_topk_weights=view_ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
-            num_out_rows=rows,
+        outputs = (
+            0,
+            view_ptr(meta, "recv_src_metadata"),
+            view_ptr(recv_x, "recv_x"),
+            view_ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
+            sf_strides[0],
+            sf_strides[1],
+            view_ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
+            view_ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
+            rows,
         )
-        kernels = load_kernels(p.config)
         if rows > 0 or p.zero_padding:
             # no grid barrier in the epilogue: a plain launch
-            self._launch(
-                kernels.epilogue,
-                "ep_dispatch_copy_epilogue_impl",
-                p.geometry,
-                args,
-                p.geometry.shared_mem,
-                False,
-            )
+            epilogue = p.prepared.epilogue
+            if epilogue is None or p.args is not None:  # its first use, or a new shape: a fresh pack
+                args = dict(p.args) if p.args is not None else dict(zip(OP_ARGS_FIELDS, p.words))
+                args.update(zip(_EPILOGUE_DYNAMIC, outputs))
+                epilogue = self._prepare(
+                    p.prepared.kernels.epilogue,
+                    "ep_dispatch_copy_epilogue_impl",
+                    p.geometry,
+                    p.geometry.shared_mem,
+                    False,
+                    args,
+                    _EPILOGUE_DYNAMIC,
+                )
+                p.prepared.epilogue = epilogue
+                words = epilogue.words
+            else:
+                words = epilogue.patch(outputs, p.words)
+            self._launch_prepared(epilogue, words)
         if p.cached:
             handle = p.handle
         else:
@@ -815,10 +953,6 @@ class DirectRank:
             raise EPValueError("handle: not made by a hybrid dispatch (no token_metadata_at_forward)")
         plan, scratch = self._regions(cfg, handle.num_experts, "combine", amr)
         num_sms = self._num_sms(num_sms, handle, handle.num_experts, k)
-        geo = launch_geometry(cfg, num_sms, self.device_sms)
-        kernels = load_kernels(cfg)
-        combined = self._alloc((t, hidden), np.uint16)
-        combined_w = self._alloc((t, k), np.float32) if wv is not None else None
         flags = 0
         if handle.do_expand:
             flags |= FLAGS["expand"]
@@ -828,23 +962,25 @@ class DirectRank:
             flags |= FLAGS["rank_layout"]
         if iv.dtype == np.int32:
             flags |= FLAGS["topk_idx32"]
-        args = self._common(plan, scratch, handle.num_experts)
-        args.update(
-            num_tokens=t,
-            flags=flags,
-            topk_idx=iv.ptr,
-            psum_rank=view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
-            src_metadata=view_ptr(handle.recv_src_metadata, "recv_src_metadata"),
-            fwd_meta=view_ptr(handle.token_metadata_at_forward, "token_metadata_at_forward")
-            if cfg.is_hybrid
-            else 0,
-            comb_x=xv.ptr,
-            comb_weights=wv.ptr if wv is not None else 0,
-            bias0=bias_views[0].ptr if len(bias_views) > 0 else 0,
-            bias1=bias_views[1].ptr if len(bias_views) > 1 else 0,
-            combined_x=view_ptr(combined, "combined_x"),
-            combined_weights=view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
-            envelope=self._envelope(
+        key = ("combine", cfg, handle.num_experts, t, flags, self._shape_key(plan, scratch, num_sms))
+        prepared = self._launches.get(key)
+        if prepared is None:
+            geo = launch_geometry(cfg, num_sms, self.device_sms)
+            kernels = load_kernels(cfg)
+        combined = self._alloc((t, hidden), np.uint16)
+        combined_w = self._alloc((t, k), np.float32) if wv is not None else None
+        dynamic = (
+            iv.ptr,
+            view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
+            view_ptr(handle.recv_src_metadata, "recv_src_metadata"),
+            view_ptr(handle.token_metadata_at_forward, "token_metadata_at_forward") if cfg.is_hybrid else 0,
+            xv.ptr,
+            wv.ptr if wv is not None else 0,
+            bias_views[0].ptr if len(bias_views) > 0 else 0,
+            bias_views[1].ptr if len(bias_views) > 1 else 0,
+            view_ptr(combined, "combined_x"),
+            view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
+            self._envelope(
                 OP_COMBINE,
                 (
                     hidden,
@@ -856,7 +992,18 @@ class DirectRank:
                 ),
             ),
         )
-        self._launch(kernels.combine, "ep_combine_impl", geo, args, 0, self.cooperative)
+        if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
+            args = self._common(plan, scratch, handle.num_experts)
+            args.update(num_tokens=t, flags=flags)
+            args.update(zip(_COMBINE_DYNAMIC, dynamic))
+            main = self._prepare(
+                kernels.combine, "ep_combine_impl", geo, 0, self.cooperative, args, _COMBINE_DYNAMIC
+            )
+            prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
+            words = main.words
+        else:
+            words = prepared.main.patch(dynamic)
+        self._launch_prepared(prepared.main, words)
         if report_input_error:
             self._report_input_error()
         return CombineResult(combined, combined_w)

@@ -1,0 +1,137 @@
+"""Prepared launches of `DirectRank`: per launch shape, the resolved kernel, its launch configuration, the occupancy
+verdict and the packed `OpArgs` words, so that a repeated call only patches its per-call words and launches.
+
+A launch shape is everything that shapes the launch: the kernel configuration, the op's flags, SM count (grid,
+block, shared memory), token and expert counts, strides, the buffer regions and scratch, and the rank's own words
+(base, peer table, timeouts, error word). `DirectRank` builds the key from values it computed for this call, so a
+change of any of them misses; the checks whose inputs can change per call (views, dtypes, shapes, handles, the SM
+count's co-residency) stay in `DirectRank` and run on every call. A miss packs every field through
+`pack_op_args` exactly as an unprepared launch did and keeps those words; a hit copies them and overwrites the
+per-call fields (pointers, counts that vary, the envelope), so its bytes are those a fresh pack would give.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import ep_jit
+
+from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
+
+__all__ = ["OP_ARGS_STRUCT", "PreparedLaunch", "PreparedLaunches", "PreparedOp", "field_slots"]
+
+OP_ARGS_STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))
+_INDEX = {name: i for i, name in enumerate(OP_ARGS_FIELDS)}
+_TOP, _WRAP = 1 << 63, 1 << 64
+# a cache bound: callers cycling through many shapes keep only recent ones (a miss only costs a fresh pack)
+_MAX_ENTRIES = 64
+
+
+def field_slots(names: Sequence[str]) -> tuple[int, ...]:
+    """Word indices of `OpArgs` fields (KeyError names an unknown field)."""
+    try:
+        return tuple(_INDEX[n] for n in names)
+    except KeyError as e:
+        raise KeyError(f"OpArgs has no field {e.args[0]!r}") from None
+
+
+class PreparedLaunch:
+    """One kernel launch of one shape: kernel, grid, block, shared memory, cooperative flag and the packed words.
+
+    `patch(values, words=None)` returns a copy of `words` (default: the words of the shape) with the per-call
+    fields (`dynamic`, in order) set to `values` (ints; pointers above 2**63 wrap as in `pack_op_args`);
+    `launch(words, stream)` launches those words."""
+
+    __slots__ = ("block", "cooperative", "dynamic", "grid", "kernel", "name", "shared_mem", "slots", "words")
+
+    def __init__(
+        self,
+        kernel: Any,
+        name: str,
+        grid: int,
+        block: int,
+        shared_mem: int,
+        cooperative: bool,
+        words: list[int],
+        dynamic: Sequence[str],
+    ) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.grid = grid
+        self.block = block
+        self.shared_mem = shared_mem
+        self.cooperative = bool(cooperative)
+        self.words = words
+        self.dynamic = tuple(dynamic)
+        self.slots = field_slots(self.dynamic)
+
+    @classmethod
+    def pack(
+        cls,
+        kernel: Any,
+        name: str,
+        grid: int,
+        block: int,
+        shared_mem: int,
+        cooperative: bool,
+        args: dict,
+        dynamic: Sequence[str],
+    ) -> PreparedLaunch:
+        """A prepared launch from the full argument dict of a first call (packed by `pack_op_args`)."""
+        words = list(OP_ARGS_STRUCT.unpack(pack_op_args(**args)))
+        return cls(kernel, name, grid, block, shared_mem, cooperative, words, dynamic)
+
+    def patch(self, values: Sequence[int], words: list[int] | None = None) -> list[int]:
+        out = (self.words if words is None else words).copy()
+        for i, v in zip(self.slots, values):
+            out[i] = v - _WRAP if v >= _TOP else v
+        return out
+
+    def launch(self, words: list[int], stream: Any) -> None:
+        self.kernel.launch(
+            self.grid,
+            self.block,
+            [ep_jit.struct(OP_ARGS_STRUCT.pack(*words))],
+            shared_mem=self.shared_mem,
+            stream=stream,
+            cooperative=self.cooperative,
+        )
+
+
+class PreparedLaunches:
+    """The prepared launches of one rank, by key; `misses` counts the keys prepared so far (tests, benchmarks)."""
+
+    def __init__(self) -> None:
+        self._entries: dict = {}
+        self.misses = 0
+
+    def get(self, key: tuple) -> Any:
+        return self._entries.get(key)
+
+    def put(self, key: tuple, value: Any) -> Any:
+        if len(self._entries) >= _MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[key] = value
+        self.misses += 1
+        return value
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class PreparedOp:
+    """What one dispatch or combine shape resolved: its launch geometry, kernel set, main launch (checked) and,
+    for a dispatch, the copy epilogue's launch (prepared and checked at its first use)."""
+
+    __slots__ = ("epilogue", "geometry", "kernels", "main")
+
+    def __init__(self, geometry: Any, kernels: Any, main: PreparedLaunch) -> None:
+        self.geometry = geometry
+        self.kernels = kernels
+        self.main = main
+        self.epilogue: PreparedLaunch | None = None
