@@ -13,7 +13,8 @@ upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 exper
 - ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
   ep combine (``ll_lanes_per_combine``; the automatic choice, 2, 4 and all K: wider rows mean fewer launches but
   fewer warps per block in ep's kernels);
-- ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine``.
+- ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine`` (run
+  first, so their rows survive a V1 failure; a failing op is reported and the run goes on).
 
 Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters`` times back to back between two CUDA
 events; the reported time is the mean per replay, the max over ranks. The first replay's outputs are checked once:
@@ -42,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=50, help="graph replays timed per op")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="development: run the harness on CPU over the reference backend (tiny sizes, host timer, no graphs)",
+    )
     args = ap.parse_args(argv)
     for n in args.ranks:
         if n < 1 or args.experts % n:
@@ -78,6 +84,22 @@ def _time_graph(torch, fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _time_host(torch, fn, iters: int) -> float:
+    """--dry-run-cpu: host wall time per call (checks the harness, not a measurement)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def _sync(torch) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     import numpy as np
     import torch
@@ -87,11 +109,15 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     from ep_torch.legacy_ll import lanes_per_combine
     from ep_torch.legacy_reference import ll_combine_reference
 
-    shared = torch.cuda.device_count() < n
-    torch.cuda.set_device(0 if shared else rank)
+    cpu = cfg["dry_run_cpu"]
+    transport = None if cpu else "ipc"
+    shared = not cpu and torch.cuda.device_count() < n
+    if not cpu:
+        torch.cuda.set_device(0 if shared else rank)
     if shared:
         os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # nothing to detect between processes on one GPU
-    dev = torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    timer = _time_host if cpu else _time_graph
     t, h, e, k, iters = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"], cfg["iters"]
     epr = e // n
     g = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
@@ -101,44 +127,74 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     rows: list[dict] = []
     failures: list[str] = []
 
-    def row(op: str, ms: float) -> None:
+    if shared:
+        iters = min(iters, 20)  # time-sliced processes: every op takes several scheduler slices
+
+    def row(op: str, fn) -> bool:
+        """Time one op; an error is recorded (and announced to the peers by ep, so every rank lands here)."""
+        try:
+            ms = fn()
+        except Exception as exc:  # keep the other rows
+            failures.append(f"rank {rank}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
+            return False
         rows.append({"ep": n, "shared_gpu": shared, "tokens": t, "op": op, "ms": ms, "rank": rank})
+        return True
 
-    v1 = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
-                num_qps_per_rank=epr, explicitly_destroy=True, transport="ipc")  # fmt: skip
-    for fp8 in (False, True):
-        v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)  # builds the buffer, compiles the kernels
-        row(f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'}",
-            _time_graph(torch, lambda fp8=fp8: v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8), iters))  # fmt: skip
-    recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
-    y = recv.clone()  # the "experts": identity
-    auto = lanes_per_combine(k, h)
-    for lanes in sorted({auto, k} | {g for g in (2, 4) if g < k}):
-        v1.ll_lanes_per_combine = lanes
-        comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
-        torch.cuda.synchronize()
-        yb = np.zeros((t, k, h), dtype=np.uint16)
-        xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
-        yb[:] = xb[:, None, :]
-        ref = ll_combine_reference(yb, idx.cpu().numpy(), w.cpu().numpy())
-        if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
-            failures.append(f"rank {rank}: v1 ll_combine lanes={lanes} differs from ll_combine_reference")
-        row(f"v1 ll_combine lanes={lanes}{' (auto)' if lanes == auto else ''}",
-            _time_graph(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))  # fmt: skip
-    dist.barrier()
-    v1.destroy()
-
+    # V2 first: its rows survive a V1 failure
     v2 = ElasticBuffer(
-        None, num_max_tokens_per_rank=t, hidden=h, num_topk=k, explicitly_destroy=True, transport="ipc"
+        None, num_max_tokens_per_rank=t, hidden=h, num_topk=k, explicitly_destroy=True, transport=transport
     )
-    v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False)
-    row("v2 dispatch bf16", _time_graph(
-        torch, lambda: v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False), iters))  # fmt: skip
-    rx, _, _, h2, _ = v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False)
+
+    def v2_dispatch():
+        return v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False)
+
+    v2_dispatch()
+    row("v2 dispatch bf16", lambda: timer(torch, v2_dispatch, iters))
+    rx, _, _, h2, _ = v2_dispatch()
     v2.combine(rx, h2)
-    row("v2 combine", _time_graph(torch, lambda: v2.combine(rx, h2), iters))
+    row("v2 combine", lambda: timer(torch, lambda: v2.combine(rx, h2), iters))
+    _sync(torch)
     dist.barrier()
     v2.destroy()
+
+    v1 = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
+                num_qps_per_rank=epr, explicitly_destroy=True, transport=transport)  # fmt: skip
+    ok = True
+    for fp8 in (False, True):
+        if not ok:
+            break
+
+        def v1_dispatch(fp8=fp8):
+            return v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
+
+        v1_dispatch()  # builds the buffer, compiles the kernels
+        ok = ok and row(
+            f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'}", lambda: timer(torch, v1_dispatch, iters)
+        )
+    recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    y = recv.clone()  # the "experts": identity
+    xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
+    ref = ll_combine_reference(np.repeat(xb[:, None, :], k, axis=1), idx.cpu().numpy(), w.cpu().numpy())
+    auto = lanes_per_combine(k, h)
+    for lanes in sorted({auto, k} | {g for g in (2, 4) if g < k}):
+        if not ok:
+            break  # after a failure the buffer may be unusable
+        v1.ll_lanes_per_combine = lanes
+        op = f"v1 ll_combine lanes={lanes}{' (auto)' if lanes == auto else ''}"
+        try:
+            comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
+            _sync(torch)
+        except Exception as exc:
+            failures.append(f"rank {rank}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
+            ok = False
+            break
+        if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
+            failures.append(f"rank {rank}: {op} differs from ll_combine_reference")
+        ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
+    if ok:
+        _sync(torch)
+        dist.barrier()
+        v1.destroy()
     gathered: list = [None] * n
     dist.all_gather_object(gathered, (rows, failures))
     if rank == 0:
@@ -153,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # pragma: no cover
         print(f"bench_v1: skipped (no torch: {exc})")
         return 0
-    if not torch.cuda.is_available():
+    if args.dry_run_cpu:
+        args.tokens, args.hidden, args.experts, args.topk, args.iters = 4, 512, 16, 4, 2
+    elif not torch.cuda.is_available():
         print("bench_v1: skipped (no CUDA device)")
         return 0
     import tempfile
@@ -161,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     from ep_torch.launch import spawn
 
     cfg = {"tokens": args.tokens, "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
-           "iters": args.iters, "seed": args.seed}  # fmt: skip
+           "iters": args.iters, "seed": args.seed, "dry_run_cpu": args.dry_run_cpu}  # fmt: skip
     rows: list[dict] = []
     failures: list[str] = []
     for n in args.ranks:
@@ -182,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         agg = table.setdefault(key, {"ep": r["ep"], "op": r["op"], "shared_gpu": r["shared_gpu"], "ms": []})
         agg["ms"].append(r["ms"])
     print(f"\nDecode, T={args.tokens} tokens per rank, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
-          f"CUDA-graph replay (mean of {args.iters}), max over ranks")  # fmt: skip
+          ("CPU dry run, host timer" if args.dry_run_cpu else "CUDA-graph replay")
+          + f" (mean of {args.iters}), max over ranks")  # fmt: skip
     print(f"{'EP':>4} {'GPU':<8} {'op':<32} {'us (max rank)':>14} {'us (mean)':>10}")
     for agg in table.values():
         ms = agg["ms"]
