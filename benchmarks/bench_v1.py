@@ -239,9 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         key = (r["ep"], r["op"])
         agg = table.setdefault(key, {"ep": r["ep"], "op": r["op"], "shared_gpu": r["shared_gpu"], "ms": []})
         agg["ms"].append(r["ms"])
-    print(f"\nDecode, T={args.tokens} tokens per rank, hidden {args.hidden}, top-{args.topk} of {args.experts} experts, "
-          ("CPU dry run, host timer" if args.dry_run_cpu else "CUDA-graph replay")
-          + f" (mean of {args.iters}), max over ranks")  # fmt: skip
+    how = "CPU dry run, host timer" if args.dry_run_cpu else "CUDA-graph replay"
+    print(f"\nDecode, T={args.tokens} tokens per rank, hidden {args.hidden}, top-{args.topk} of {args.experts} "
+          f"experts, {how} (mean of {args.iters}), max over ranks")  # fmt: skip
     print(f"{'EP':>4} {'GPU':<8} {'op':<32} {'us (max rank)':>14} {'us (mean)':>10}")
     for agg in table.values():
         ms = agg["ms"]
