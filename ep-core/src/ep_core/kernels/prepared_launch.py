@@ -16,8 +16,6 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-import ep_jit
-
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 
 __all__ = ["OP_ARGS_STRUCT", "PreparedLaunch", "PreparedLaunches", "PreparedOp", "field_slots"]
@@ -90,6 +88,8 @@ class PreparedLaunch:
         return out
 
     def launch(self, words: list[int], stream: Any) -> None:
+        import ep_jit  # loaded by then (the kernels came from it); not needed to import ep_core
+
         self.kernel.launch(
             self.grid,
             self.block,

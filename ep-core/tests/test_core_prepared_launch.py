@@ -1,0 +1,282 @@
+"""CPU: DirectRank's prepared launches (ep_core.kernels.prepared_launch). The CUDA driver is mocked; the fake
+kernels record the packed `OpArgs` bytes of every launch.
+
+- a repeated call of one shape hits, and its bytes (new pointers patched into the kept words) equal those of a
+  fresh pack of the same call (the cache cleared, the same launch number and pointers);
+- a change of any input that shapes the launch misses the cache (and packs afresh).
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import ep_layout
+import numpy as np
+import pytest
+from ep_core.kernels import _cuda
+from ep_core.kernels import executor as executor_mod
+from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
+from ep_core.kernels._cuda import DeviceView
+from ep_core.kernels.executor import DirectRank, RankResources
+from ep_core.kernels.prepared_launch import OP_ARGS_STRUCT, PreparedLaunch
+
+N, M, HIDDEN, TOPK, EXPERTS = 2, 64, 256, 4, 16
+
+
+class FakeWords:
+    def __init__(self, count: int) -> None:
+        self.array = np.zeros(count, np.int32)
+        self.device_ptr = 0x7F00_0000_0000
+
+    def read(self) -> tuple[int, ...]:
+        return tuple(int(v) for v in self.array)
+
+    def clear(self) -> None:
+        self.array[:] = 0
+
+
+class FakeKernel:
+    def __init__(self, name: str, log: list) -> None:
+        self.name = name
+        self.log = log
+
+    def max_active_blocks_per_sm(self, block: int, shared_mem: int = 0) -> int:
+        return 1
+
+    def launch(self, grid, block, args, shared_mem=0, stream=0, cooperative=False):
+        (arg,) = args
+        self.log.append((self.name, grid, block, shared_mem, stream, cooperative, bytes(arg.value)))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    log: list = []
+    kernels = SimpleNamespace(
+        dispatch=FakeKernel("dispatch", log),
+        epilogue=FakeKernel("epilogue", log),
+        combine=FakeKernel("combine", log),
+    )
+    monkeypatch.setattr(_cuda, "num_device_sms", lambda: 132)
+    monkeypatch.setattr(_cuda, "device_attribute", lambda name: 1_980_000)
+    monkeypatch.setattr(_cuda, "MappedWords", FakeWords)
+    monkeypatch.setattr(executor_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8)))
+    monkeypatch.setattr(_cuda, "memset", lambda *a, **k: None)
+    monkeypatch.setattr(_cuda, "copy_device", lambda *a, **k: None)
+    monkeypatch.setattr(_cuda, "copy_to_host", _fake_counts)
+    monkeypatch.setattr(_cuda, "DeviceBuffer", lambda nbytes: SimpleNamespace(ptr=0x6000_0000, nbytes=nbytes))
+    monkeypatch.setattr(executor_mod, "load_kernels", lambda config: kernels)
+    return log
+
+
+def _fake_counts(host: np.ndarray, ptr: int, stream) -> None:
+    """CPU-sync counts: 3 rows per expert (the last psum entry is the total)."""
+    words = host.view(np.int32)
+    words[:] = 3
+    if len(words) == N:  # the scale-up prefix sums
+        words[:] = np.arange(1, N + 1) * 12
+
+
+class Allocator:
+    """Distinct pointers per allocation, replayable from a mark (so a second run gets the same pointers)."""
+
+    def __init__(self) -> None:
+        self.next = 1 << 40
+
+    def __call__(self, shape, dtype, strides=None) -> DeviceView:
+        self.next += 1 << 24
+        return DeviceView(self.next, tuple(shape), np.dtype(dtype), strides)
+
+
+def make_rank(alloc: Allocator) -> DirectRank:
+    stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
+    res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
+    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc)
+    rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
+    return rank
+
+
+_PTR = [1 << 41]
+
+
+def arr(shape, dtype, strides=None) -> DeviceView:
+    _PTR[0] += 1 << 24
+    return DeviceView(_PTR[0], tuple(shape), np.dtype(dtype), strides)
+
+
+def inputs(
+    t: int = 32, hidden: int = HIDDEN, k: int = TOPK, idx_dtype=np.int64, fp8: bool = False, stride=None
+):
+    x = arr((t, hidden), np.uint8 if fp8 else np.uint16, None if stride is None else (stride, 1))
+    sf = arr((t, hidden // 128), np.float32) if fp8 else None
+    return x, sf, arr((t, k), idx_dtype), arr((t, k), np.float32)
+
+
+def replay(rank: DirectRank, alloc: Allocator, log: list, call) -> list:
+    """The launches of `call()` twice: through the rank's prepared launches, then packed afresh (cache cleared)
+    with the same launch number, scratch and allocations; returns the first run's launches after checking both."""
+    step, mark, n = rank._num_collective_launches, alloc.next, len(log)
+    call()
+    hit = log[n:]
+    rank._launches.clear()
+    rank._num_collective_launches, alloc.next = step, mark
+    n = len(log)
+    call()
+    fresh = log[n:]
+    assert hit == fresh
+    return hit
+
+
+def dispatch(rank, x, sf, idx, w, **kw):
+    return rank.dispatch(x, idx, w, sf=sf, **kw)
+
+
+def test_patch_equals_a_fresh_pack() -> None:
+    rng = random.Random(7)
+    dynamic = ("x", "topk_idx", "recv_x", "envelope", "num_out_rows")
+    args = {name: rng.randrange(0, 1 << 40) for name in OP_ARGS_FIELDS}
+    launch = PreparedLaunch.pack(None, "k", 1, 1, 0, False, args, dynamic)
+    assert OP_ARGS_STRUCT.pack(*launch.words) == pack_op_args(**args)
+    for _ in range(20):
+        values = [rng.randrange(0, 1 << 64) for _ in dynamic]  # pointers above 2**63 wrap as in pack_op_args
+        new = dict(args, **dict(zip(dynamic, values)))
+        assert OP_ARGS_STRUCT.pack(*launch.patch(values)) == pack_op_args(**new)
+    assert OP_ARGS_STRUCT.pack(*launch.words) == pack_op_args(**args)  # the kept words are not modified
+
+
+def test_repeated_calls_hit_and_patch_only_their_pointers(launches) -> None:
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    x, sf, idx, w = inputs()
+    first = dispatch(rank, x, sf, idx, w, num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    misses = rank._launches.misses
+    assert misses == 1
+    for _ in range(3):  # new inputs and outputs each time: the same shape
+        x, sf, idx, w = inputs()
+        out = replay(
+            rank,
+            alloc,
+            launches,
+            lambda x=x, sf=sf, idx=idx, w=w: dispatch(
+                rank, x, sf, idx, w, num_experts=EXPERTS, do_cpu_sync=False, num_sms=8
+            ),
+        )
+        assert [e[0] for e in out] == ["dispatch", "epilogue"]
+        words = OP_ARGS_STRUCT.unpack(out[0][-1])
+        assert (
+            words[OP_ARGS_FIELDS.index("x")] == x.ptr and words[OP_ARGS_FIELDS.index("topk_idx")] == idx.ptr
+        )
+    # a hit, measured without the replay's cleared cache
+    rank._launches.misses = 0
+    dispatch(rank, *inputs(), num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    assert rank._launches.misses == 0
+    # CPU sync (the epilogue's row count comes from the counts), cached dispatch, combine
+    x, sf, idx, w = inputs()
+    replay(rank, alloc, launches, lambda: dispatch(rank, x, sf, idx, w, num_experts=EXPERTS, num_sms=8))
+    handle = first.handle
+    x2 = arr(x.shape, np.uint16)
+    out = replay(rank, alloc, launches, lambda: rank.dispatch(x2, handle=handle, num_sms=8))
+    assert [e[0] for e in out] == ["dispatch", "epilogue"]
+    recv = arr((handle.num_recv_tokens, HIDDEN), np.uint16)
+    for _ in range(2):
+        cw = arr((handle.num_recv_tokens, TOPK), np.float32)
+        bias = arr((handle.num_tokens, HIDDEN), np.uint16)
+        out = replay(
+            rank,
+            alloc,
+            launches,
+            lambda cw=cw, bias=bias: rank.combine(recv, handle, topk_weights=cw, bias=bias),
+        )
+        assert [e[0] for e in out] == ["combine"]
+    replay(rank, alloc, launches, lambda: rank.combine(recv, handle))  # no weights, no bias: null pointers
+
+
+_BASE = dict(t=32, hidden=HIDDEN, k=TOPK, idx_dtype=np.int64, fp8=False, stride=None)
+_DISPATCH_CHANGES = {
+    "num_tokens": ({"t": 16}, {}),
+    "hidden": ({"hidden": 512}, {}),
+    "topk": ({"k": 2}, {}),
+    "int32 topk_idx": ({"idx_dtype": np.int32}, {}),
+    "fp8": ({"fp8": True}, {}),
+    "x row stride": ({"stride": HIDDEN + 64}, {}),
+    "num_experts": ({}, {"num_experts": 32}),
+    "num_sms": ({}, {"num_sms": 4}),
+    "expert_alignment": ({}, {"expert_alignment": 4}),
+    "deterministic": ({}, {"deterministic": True}),
+    "do_expand": ({}, {"do_expand": True}),
+    "do_zero_padding": ({}, {"do_expand": True, "do_zero_padding": True}),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_DISPATCH_CHANGES))
+def test_a_dispatch_shape_change_misses(launches, change: str) -> None:
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    base_kw = dict(num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    dispatch(rank, *inputs(**_BASE), **base_kw)
+    dispatch(rank, *inputs(**_BASE), **base_kw)
+    assert rank._launches.misses == 1
+    shape, kw = _DISPATCH_CHANGES[change]
+    xs = inputs(**{**_BASE, **shape})
+    dispatch(rank, *xs, **{**base_kw, **kw})
+    assert rank._launches.misses == 2, change
+    replay(rank, alloc, launches, lambda: dispatch(rank, *xs, **{**base_kw, **kw}))
+
+
+@pytest.mark.parametrize("change", ["timeout_cycles", "skip_scaleout_signal", "num_ranks_on_device"])
+def test_a_rank_setting_change_misses(launches, change: str) -> None:
+    """Settings of the rank that enter the launch (tests and the hybrid debug flag change them on a live rank)."""
+    rank = make_rank(Allocator())
+    kw = dict(num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    dispatch(rank, *inputs(), **kw)
+    if change == "timeout_cycles":
+        rank.timeout_cycles += 1
+    elif change == "skip_scaleout_signal":
+        rank.debug_skip_scaleout_signal = True
+    else:
+        rank.num_ranks_on_device = 2
+        rank.cooperative = False
+    n = len(launches)
+    dispatch(rank, *inputs(), **kw)
+    assert rank._launches.misses == 2
+    if change == "timeout_cycles":
+        words = OP_ARGS_STRUCT.unpack(launches[n][-1])
+        assert words[OP_ARGS_FIELDS.index("timeout_cycles")] == rank.timeout_cycles
+
+
+@pytest.mark.parametrize("change", ["num_sms", "allow_multiple_reduction", "hidden", "expand handle"])
+def test_a_combine_shape_change_misses(launches, change: str) -> None:
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    kw = dict(num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    handle = dispatch(rank, *inputs(), **kw).handle
+    recv = arr((handle.num_recv_tokens, HIDDEN), np.uint16)
+    rank.combine(recv, handle)
+    rank.combine(recv, handle)
+    misses = rank._launches.misses
+    ckw: dict = {}
+    if change == "num_sms":
+        ckw["num_sms"] = 4
+    elif change == "allow_multiple_reduction":
+        ckw["allow_multiple_reduction"] = False
+    elif change == "hidden":
+        recv = arr((handle.num_recv_tokens, 2 * HIDDEN), np.uint16)
+    else:
+        handle = dispatch(rank, *inputs(), **kw, do_expand=True).handle
+        misses = rank._launches.misses
+        recv = arr((handle.num_expanded_tokens, HIDDEN), np.uint16)
+    rank.combine(recv, handle, **ckw)
+    assert rank._launches.misses == misses + 1
+    replay(rank, alloc, launches, lambda: rank.combine(recv, handle, **ckw))
+
+
+def test_a_failed_occupancy_check_stores_nothing(launches, monkeypatch) -> None:
+    """The occupancy verdict is part of the prepared launch: a shape that does not fit raises on every call."""
+    rank = make_rank(Allocator())
+    from ep_core.errors import EPConfigError
+
+    monkeypatch.setattr(FakeKernel, "max_active_blocks_per_sm", lambda self, block, shared_mem=0: 0)
+    for _ in range(2):
+        with pytest.raises(EPConfigError, match="does not fit"):
+            dispatch(rank, *inputs(), num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    assert len(rank._launches) == 0
