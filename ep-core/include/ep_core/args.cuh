@@ -24,6 +24,8 @@ enum OpFlags : int64_t {
     kFlagMultipleReduction = 1 << 6,  ///< combine: reduce a token's expanded rows locally first
     kFlagRankLayout = 1 << 7,     ///< combine: receive slots per source rank (else per top-k lane)
     kFlagSkipScaleoutSignal = 1 << 8,  ///< hybrid dispatch, tests only: this rank never signals its rail peers
+    kFlagCombineWeights = 1 << 9,  ///< combine: the call sends weights back (set on every rank alike, even one whose
+                                   ///< weights array is empty, so a forwarder never judges by its own pointer)
 };
 
 /// Error kinds are ep_layout::ErrorKind (values pinned; the host decodes them).

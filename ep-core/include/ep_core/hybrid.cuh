@@ -697,7 +697,8 @@ EP_CORE_DEVICE void hybrid_combine_impl(const OpArgs& args) {
         auto out_ptr = [&](int l) {
             return so.dst(region + reg.final_offset(l, t), src_rank, out_stage(l));
         };
-        const bool with_weights = !lane_level && args.comb_weights != nullptr;
+        // the call's flag, not this rank's pointer: a rank that received nothing passes an empty (null) weights array
+        const bool with_weights = !lane_level && (args.flags & kFlagCombineWeights) != 0;
         uint32_t outs = 0;  // final slots written (committed below)
         if (amr) {
             const uint32_t ops = __ballot_sync(kFullMask, is_master);

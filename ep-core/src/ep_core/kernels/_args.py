@@ -63,6 +63,7 @@ FLAGS: dict[str, int] = {
     "multiple_reduction": 1 << 6,
     "rank_layout": 1 << 7,
     "skip_scaleout_signal": 1 << 8,
+    "combine_weights": 1 << 9,
 }
 
 _STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))

@@ -958,6 +958,8 @@ class DirectRank:
             flags |= FLAGS["expand"]
         if amr:
             flags |= FLAGS["multiple_reduction"]
+        if wv is not None:
+            flags |= FLAGS["combine_weights"]
         if ep_layout.combine_uses_rank_layout(self.num_ranks, k, amr):
             flags |= FLAGS["rank_layout"]
         if iv.dtype == np.int32:
