@@ -3,21 +3,27 @@ kernels record the packed `OpArgs` bytes of every launch.
 
 - a repeated call of one shape hits, and its bytes (new pointers patched into the kept words) equal those of a
   fresh pack of the same call (the cache cleared, the same launch number and pointers);
-- a change of any input that shapes the launch misses the cache (and packs afresh).
+- a change of any input that shapes the launch misses the cache (and packs afresh);
+- a new handle's int32 arrays carved from one allocation (ep_core.kernels.array_block): disjoint, aligned,
+  C-contiguous views of the allocator's array type, a new block per dispatch.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from types import SimpleNamespace
 
 import ep_layout
 import numpy as np
 import pytest
-from ep_core.kernels import _cuda
+from ep_core.device_array import DeviceArray as CoreArray
+from ep_core.kernels import _cuda, array_block
 from ep_core.kernels import executor as executor_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 from ep_core.kernels._cuda import DeviceView
+from ep_core.kernels.array_block import ALIGN_WORDS, int32_block
 from ep_core.kernels.executor import DirectRank, RankResources
 from ep_core.kernels.prepared_launch import OP_ARGS_STRUCT, PreparedLaunch
 
@@ -280,3 +286,115 @@ def test_a_failed_occupancy_check_stores_nothing(launches, monkeypatch) -> None:
         with pytest.raises(EPConfigError, match="does not fit"):
             dispatch(rank, *inputs(), num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
     assert len(rank._launches) == 0
+
+
+# ------------------------------------------------------------------------------------ handle arrays in one block
+SHAPES = [(32, 8), (2,), (16,), (16,), (128, 10), (0, 8)]
+
+
+def _check_layout(ptrs: list[int], base: int) -> None:
+    ends = []
+    for p, shape in zip(ptrs, SHAPES):
+        if math.prod(shape) == 0:  # no memory: numpy and torch may report any address
+            continue
+        assert (p - base) % (4 * ALIGN_WORDS) == 0
+        ends.append((p, p + 4 * math.prod(shape)))
+    for (_, end), (start, _) in itertools.pairwise(ends):
+        assert end <= start  # disjoint, in order
+
+
+def test_core_arrays_view_one_block() -> None:
+    blocks = []
+
+    def allocate(shape, dtype):
+        blocks.append(CoreArray(1 << 40, shape, dtype, device="cuda", device_id=3))
+        return blocks[-1]
+
+    views = int32_block(allocate, SHAPES)
+    assert len(blocks) == 1 and blocks[0].dtype == "int32"
+    for v, shape in zip(views, SHAPES):
+        want = CoreArray(v.ptr, shape, "int32", device="cuda", device_id=3)
+        assert (v.shape, v.strides, v.dtype, v.device, v.device_id) == (
+            want.shape,
+            want.strides,
+            want.dtype,
+            want.device,
+            want.device_id,
+        )
+        assert v.owner is blocks[0]  # the views keep the block alive
+        assert v.__cuda_array_interface__["strides"] is None  # C-contiguous
+    _check_layout([v.ptr for v in views], blocks[0].ptr)
+    assert blocks[0].shape[0] * 4 >= views[-2].ptr + 4 * 128 * 10 - blocks[0].ptr
+
+
+def test_numpy_and_torch_arrays_view_one_block() -> None:
+    for make in (lambda shape, dtype: np.full(shape, -7, dtype),):
+        views = int32_block(make, SHAPES)
+        assert [v.shape for v in views] == SHAPES and all(v.flags.c_contiguous for v in views)
+        base = views[0].ctypes.data
+        _check_layout([v.ctypes.data for v in views], base)
+        views[1][:] = 5  # disjoint: writing one leaves the others
+        assert (views[0] == -7).all() and (views[2] == -7).all()
+    torch = pytest.importorskip("torch")
+    views = int32_block(lambda shape, dtype: torch.full(shape, -7, dtype=getattr(torch, dtype)), SHAPES)
+    assert [tuple(v.shape) for v in views] == SHAPES and all(v.is_contiguous() for v in views)
+    _check_layout([v.data_ptr() for v in views], views[0].data_ptr())
+    views[4].fill_(1)
+    assert int(views[4].sum()) == 1280 and (views[3] == -7).all() and (views[0] == -7).all()
+
+
+def test_other_array_types_fall_back() -> None:
+    assert int32_block(lambda shape, dtype: object(), SHAPES) is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "own", "want"),
+    [("auto", True, True), ("auto", False, False), ("1", False, True), ("0", True, False)],
+)
+def test_mode(monkeypatch, mode: str, own: bool, want: bool) -> None:
+    monkeypatch.setattr(array_block, "MODE", mode)
+    assert array_block.use_block(own) is want
+
+
+class BlockAllocator(Allocator):
+    """An allocator offering `int32_block` over its own pointers (as GpuExecutor's does for its default one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = 0
+
+    def int32_block(self, shapes):
+        self.blocks += 1
+        return int32_block(lambda shape, dtype: CoreArray(self(shape, np.int32).ptr, shape, dtype), shapes)
+
+
+@pytest.mark.parametrize("do_cpu_sync", [False, True])
+def test_direct_rank_takes_the_handle_arrays_from_one_block(launches, do_cpu_sync: bool) -> None:
+    alloc = BlockAllocator()
+    rank = make_rank(alloc)
+    x, _, idx, w = inputs()
+    out = rank.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=do_cpu_sync, num_sms=8)
+    h = out.handle
+    assert alloc.blocks == 1
+    arrays = [
+        h.dst_buffer_slot_idx,
+        h.psum_num_recv_tokens_per_scaleup_rank,
+        h.psum_num_recv_tokens_per_expert,
+        h.num_unaligned_recv_tokens_per_expert,
+    ]
+    shapes = [(32, TOPK), (N,), (EXPERTS // N,), (EXPERTS // N,)]
+    if not do_cpu_sync:  # the metadata's rows are known at launch: in the block too
+        arrays.append(h.recv_src_metadata)
+        shapes.append((N * M, TOPK + 2))
+    assert all(type(a) is CoreArray for a in arrays)
+    assert [a.shape for a in arrays] == shapes
+    assert len({id(a.owner) for a in arrays}) == 1
+    words = OP_ARGS_STRUCT.unpack(launches[0][-1])
+    for field, a in zip(("dst_slot", "psum_rank", "psum_expert", "unaligned_expert"), arrays):
+        assert words[OP_ARGS_FIELDS.index(field)] == a.ptr
+    epi = OP_ARGS_STRUCT.unpack(launches[1][-1])
+    assert epi[OP_ARGS_FIELDS.index("src_metadata")] == h.recv_src_metadata.ptr
+    # a second dispatch gets a new block: the first handle's arrays are never reused
+    x, _, idx, w = inputs()
+    h2 = rank.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=False, num_sms=8).handle
+    assert alloc.blocks == 2 and h2.dst_buffer_slot_idx.owner is not h.dst_buffer_slot_idx.owner

@@ -281,6 +281,15 @@ class DirectRank:
             return self._allocator(tuple(shape), np.dtype(dtype), strides)
         return DeviceArray(shape, dtype, self.stream, strides)
 
+    def _alloc_int32(self, shapes: dict) -> dict:
+        """A new handle's int32 arrays: one block when the allocator can carve one (`int32_block`), else one
+        allocation each."""
+        block = getattr(self._allocator, "int32_block", None)
+        views = block(list(shapes.values())) if block is not None else None
+        if views is None:
+            return {name: self._alloc(shape, np.int32) for name, shape in shapes.items()}
+        return dict(zip(shapes, views))
+
     def _config(self, hidden: int, elem: int, packs: int, topk: int) -> KernelConfig:
         transport = "nccl" if self.res.nccl_window else "ipc"
         key = (hidden, elem, packs, topk, self._num_warps, transport, self.num_ranks, self.num_scaleup_ranks)
@@ -658,16 +667,16 @@ class DirectRank:
             arrays["src_metadata"] = handle.recv_src_metadata
             arrays["fwd"] = handle.token_metadata_at_forward
         else:
-            arrays["dst_slot"] = self._alloc((num_tokens, topk), np.int32)
-            arrays["psum_rank"] = self._alloc((self.num_scaleup_ranks,), np.int32)
+            shapes = {"dst_slot": (num_tokens, topk), "psum_rank": (self.num_scaleup_ranks,)}
             # hybrid: per source node [count, ...] then per forwarded message (source id, K expert ids)
-            arrays["fwd"] = (
-                self._alloc((cfg.num_nodes, self.num_max_tokens + 1, topk + 1), np.int32)
-                if cfg.is_hybrid
-                else None
-            )
-            arrays["psum_expert"] = self._alloc((epr,), np.int32)
-            arrays["unaligned"] = self._alloc((epr,), np.int32)
+            if cfg.is_hybrid:
+                shapes["fwd"] = (cfg.num_nodes, self.num_max_tokens + 1, topk + 1)
+            shapes["psum_expert"] = (epr,)
+            shapes["unaligned"] = (epr,)
+            if not do_cpu_sync:  # its rows are known now (one per slot): in the same block
+                shapes["src_metadata"] = (self.num_ranks * self.num_max_tokens, topk + 2)
+            arrays.update(self._alloc_int32(shapes))
+            arrays.setdefault("fwd", None)
         stats_ptr = 0
         if cumulative_local_expert_recv_stats is not None:
             sv = as_view(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
@@ -816,9 +825,9 @@ class DirectRank:
         recv_w = None
         if p.has_weights:
             recv_w = self._alloc((rows,) if p.expand else (rows, k), np.float32)
-        if p.cached:
-            meta = p.arrays["src_metadata"]
-        else:
+        # the handle's (cached), or allocated with the slots (no CPU sync)
+        meta = p.arrays.get("src_metadata")
+        if meta is None:
             meta = self._alloc((num_recv, k + 2), np.int32)
         # the copy epilogue meets no peer: no envelope, and not a collective launch
         outputs = (

@@ -23,6 +23,7 @@ import numpy as np
 from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
+from ep_core.kernels.array_block import int32_block, use_block
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
 from ep_core.requests import CombineResult, DispatchResult
 
@@ -148,7 +149,8 @@ class GpuExecutor:
 
     def _allocator(self, req: Any, x_dtype: str):
         """`DirectRank`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
-        reused by every call of that pair: the rank allocates up to eight arrays per dispatch."""
+        reused by every call of that pair: the rank allocates up to eight arrays per dispatch (a new handle's int32
+        arrays in one block)."""
         key = (req.allocator, x_dtype)
         try:
             alloc = self._allocators.get(key)
@@ -171,6 +173,12 @@ class GpuExecutor:
                 return allocate((packs, strides[1]), name)
             return allocate(tuple(shape), name)
 
+        # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block)
+        own = getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
+            GpuExecutor.default_allocator
+        )
+        if use_block(own):
+            alloc.int32_block = lambda shapes: int32_block(allocate, shapes)
         if key is not None:
             if (
                 len(self._allocators) >= 16

@@ -1,0 +1,83 @@
+"""The int32 arrays of one new handle in one allocation: a dispatch makes five (slots, two prefix sums, counts,
+source metadata; six in hybrid mode), and each allocation through the caller's allocator (torch's caching allocator,
+ep_core's stream-ordered one) costs microseconds of host time.
+
+`int32_block(allocate, shapes)` allocates one int32 array through `allocate(shape, dtype_name)` and returns one
+view of it per shape, each starting on a 256-byte boundary (the alignment of a separate allocation, which the kernels'
+loads may assume), as the same array type as the block: ep_core `DeviceArray`s over the block's memory (owning
+it), or slices of an array that slices and reshapes (torch tensors, CuPy and numpy arrays: `block[a:b].reshape`).
+The views are disjoint, so they are as independent as separate allocations: every one belongs to the one handle
+that is returned to the caller and none is reused by a later call. Another block type returns None (the caller
+then allocates each array separately). `EPKIT_HANDLE_BLOCK` picks the allocators that use it (`use_block`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ep_core.device_array import DeviceArray as CoreArray
+
+__all__ = ["ALIGN_WORDS", "MODE", "int32_block", "use_block"]
+
+ALIGN_WORDS = 64  # 256 bytes of int32
+# Which allocators carve one block (`GpuExecutor` asks `use_block`): "auto" (default) only the executor's own
+# (ep_core arrays: one stream-ordered driver allocation instead of five, and views that cost less than one), "1"
+# every allocator (torch tensors: one torch.empty and five as_strided views, on the CPU no cheaper than five
+# torch.empty; to measure on a GPU), "0" none.
+MODE = os.environ.get("EPKIT_HANDLE_BLOCK", "auto")
+
+
+def use_block(is_default_allocator: bool) -> bool:
+    return MODE == "1" or (MODE == "auto" and is_default_allocator)
+
+
+def _offsets(shapes: Sequence[tuple]) -> tuple[list[int], list[int], int]:
+    offsets, sizes, total = [], [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        offsets.append(total)
+        sizes.append(n)
+        total += -(-n // ALIGN_WORDS) * ALIGN_WORDS
+    return offsets, sizes, total
+
+
+def _byte_strides(shape: tuple) -> tuple:
+    out, acc = [], 4
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return tuple(reversed(out))
+
+
+def _core_view(block: CoreArray, off: int, shape: tuple) -> CoreArray:
+    """A C-contiguous int32 `DeviceArray` `off` words into `block`, owning it (the fields are set directly: the
+    constructor's checks hold by construction, and its conversions would cost what the one block saves)."""
+    a = CoreArray.__new__(CoreArray)
+    a.ptr = block.ptr + 4 * off
+    a.shape = tuple([int(d) for d in shape])
+    a.dtype = "int32"
+    a.strides = _byte_strides(a.shape)
+    a.device = block.device
+    a.device_id = block.device_id
+    a.owner = block
+    return a
+
+
+def int32_block(allocate: Callable[[tuple, str], Any], shapes: Sequence[tuple]) -> list[Any] | None:
+    """One int32 allocation carved into C-contiguous arrays of `shapes` (None: the block's type cannot be
+    carved; the block is dropped and the caller allocates each array)."""
+    offsets, sizes, total = _offsets(shapes)
+    block = allocate((max(total, 1),), "int32")
+    if type(block) is CoreArray:
+        return [_core_view(block, off, shape) for off, shape in zip(offsets, shapes)]
+    if type(block).__module__ == "torch":  # a view without the two dispatches of slice + reshape
+        return [
+            block.as_strided(shape, [st // 4 for st in _byte_strides(tuple(shape))], off)
+            for off, shape in zip(offsets, shapes)
+        ]
+    if hasattr(block, "reshape") and hasattr(block, "__getitem__"):
+        return [block[off : off + n].reshape(shape) for off, n, shape in zip(offsets, sizes, shapes)]
+    return None
