@@ -2,8 +2,8 @@
 several processes sharing GPU 0 (a gloo bootstrap; NCCL refuses two ranks on one GPU), against ep-core's numpy
 references. Skipped without a GPU.
 
-Each case runs in a process group started by this file as a script under a wall-clock limit (a stream wait on a
-peer has no timeout of its own, so a protocol bug shows as a killed run, not a hang of the suite).
+Each case runs in a process group started by this file as a script under a wall-clock limit (the stream waits on
+peers are bounded by num_gpu_timeout_secs, 100 s by default: the limit catches a hang of anything else).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,11 +57,17 @@ def _run(mode: str, n: int, tmp_path: Path, limit: float = 180.0) -> list[list]:
 # the ranks' side
 
 
-def _buffer(num_bytes: int = 8 * MiB, num_cpu_bytes: int = 0):
+def _buffer(num_bytes: int = 8 * MiB, num_cpu_bytes: int = 0, num_gpu_timeout_secs: float = 100):
     from ep_torch import ElasticBuffer
 
     torch.cuda.set_device(0)
-    return ElasticBuffer(None, num_bytes=num_bytes, num_cpu_bytes=num_cpu_bytes, transport="ipc")
+    return ElasticBuffer(
+        None,
+        num_bytes=num_bytes,
+        num_cpu_bytes=num_cpu_bytes,
+        num_gpu_timeout_secs=num_gpu_timeout_secs,
+        transport="ipc",
+    )
 
 
 def _payload(src: int, dst: int, seq: int, numel: int, dtype=torch.float32) -> torch.Tensor:
@@ -72,6 +79,48 @@ def _pp(rank: int, n: int, res: list) -> None:
     import elastic_pp_scenario  # next to this file (its directory is sys.path[0] in the ranks)
 
     elastic_pp_scenario.run(_buffer(), rank, n, torch.device("cuda", 0), res)
+
+
+_TIMEOUT_SECS = 2.0
+
+
+def _pp_timeout(rank: int, n: int, res: list) -> None:
+    """Rank 1 receives from rank 0, which sends nothing: the bounded wait gives up after num_gpu_timeout_secs, the
+    stream drains, and the next call raises EPTimeoutError naming rank 1, rank 0 and the tensor."""
+    from ep_core.errors import EPTimeoutError
+
+    buf = _buffer(num_gpu_timeout_secs=_TIMEOUT_SECS)
+    buf.pp_set_config(4096, 2)
+    if rank == 1:
+        t = torch.empty(1024, device="cuda")
+        t0 = time.monotonic()
+        buf.pp_recv(t, 0)
+        buf.pp_recv(t, 0)  # queued behind the first: returns at once after the timeout
+        torch.cuda.synchronize()  # returns: the wait is bounded
+        waited = time.monotonic() - t0
+        res.append(
+            ("pp timeout/stream drains within the bound", waited < _TIMEOUT_SECS + 5, f"{waited:.2f} s")
+        )
+        res.append(("pp timeout/bounded, not instant", waited >= _TIMEOUT_SECS * 0.9, f"{waited:.2f} s"))
+        err = ""
+        try:
+            buf.pp_recv(t, 0)
+        except EPTimeoutError as exc:
+            err = f"{exc.rank}|{exc.counter}|{exc}"
+        res.append(("pp timeout/next call raises EPTimeoutError", err.startswith("1|0|"), err))
+        res.append(("pp timeout/names the signal", "pp_recv: tensor 0 from rank 0" in err, err))
+        again = ""
+        try:
+            buf.barrier()
+        except EPTimeoutError as exc:
+            again = str(exc)
+        res.append(("pp timeout/sticky", "tensor 0 from rank 0" in again, again))
+    else:
+        time.sleep(_TIMEOUT_SECS + 3)  # sends nothing
+        res.append(("pp timeout/sender idle", True, ""))
+    # the group is broken (rank 1 will not pair a barrier): leave without the exit collectives
+    Path(sys.argv[3], f"{rank}.json").write_text(json.dumps(res))
+    os._exit(0)
 
 
 def _agrs(rank: int, n: int, res: list) -> None:
@@ -190,7 +239,7 @@ def _bucket(rank: int, n: int, res: list) -> None:
     torch.cuda.synchronize()
 
 
-_CASES = {"pp": _pp, "agrs": _agrs, "engram": _engram, "bucket": _bucket}
+_CASES = {"pp": _pp, "pp_timeout": _pp_timeout, "agrs": _agrs, "engram": _engram, "bucket": _bucket}
 
 
 def _worker(rank: int, n: int, mode: str, out_dir: str) -> None:
@@ -208,6 +257,10 @@ def _worker(rank: int, n: int, mode: str, out_dir: str) -> None:
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_pp_on_shared_gpu(n: int, tmp_path: Path) -> None:
     _run("pp", n, tmp_path)
+
+
+def test_pp_recv_without_sender_times_out_on_the_gpu(tmp_path: Path) -> None:
+    _run("pp_timeout", 2, tmp_path, limit=120.0)
 
 
 @pytest.mark.parametrize("n", [2, 4])

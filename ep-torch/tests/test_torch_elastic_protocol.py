@@ -11,7 +11,8 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
-from ep_core import agrs, engram, pp
+from ep_core import agrs, engram, pp, signal_wait
+from ep_core.errors import EPTimeoutError
 from ep_torch.elastic_copy_engine import CopyEngineBackend, byte_view
 
 MiB = 1 << 20
@@ -22,19 +23,37 @@ def _u64(addr: int) -> ctypes.c_uint64:
 
 
 class _Streams:
-    """One FIFO of operations per rank; `run()` executes heads until nothing can progress."""
+    """One FIFO of operations per rank; `run()` executes heads until nothing can progress. `expire()` plays the
+    bounded wait kernel's timeout (signal_wait.cuh) on every stuck stream: the head wait fills the rank's record,
+    and that rank's later waits return at once."""
 
     def __init__(self, n: int) -> None:
         self.queues = [deque() for _ in range(n)]
+        self.records = [np.zeros(signal_wait.RECORD_WORDS, np.int64) for _ in range(n)]
+        self.claimed = [False] * n
+
+    def expire(self) -> None:
+        self.run()
+        for r, q in enumerate(self.queues):
+            if q and q[0][0] == "wait" and not self.claimed[r]:
+                _, addr, value, wait_id = q[0]
+                rec = self.records[r]
+                rec[signal_wait.RECORD_WAIT_ID] = wait_id
+                rec[signal_wait.RECORD_VALUE] = _u64(addr).value
+                rec[signal_wait.RECORD_EXPECTED] = value
+                rec[signal_wait.RECORD_ELAPSED_NS] = 1_000_000_000
+                rec[signal_wait.RECORD_STATE] = signal_wait.STATE_TIMED_OUT
+                self.claimed[r] = True
+        self.run()
 
     def run(self) -> None:
         progress = True
         while progress:
             progress = False
-            for q in self.queues:
+            for r, q in enumerate(self.queues):
                 while q:
                     op = q[0]
-                    if op[0] == "wait" and _u64(op[1]).value < op[2]:
+                    if op[0] == "wait" and _u64(op[1]).value < op[2] and not self.claimed[r]:
                         break
                     q.popleft()
                     progress = True
@@ -50,6 +69,7 @@ class _Streams:
 class _HostOps:
     def __init__(self, streams: _Streams, rank: int) -> None:
         self.q = streams.queues[rank]
+        self.timeouts = signal_wait.TimeoutRecord(streams.records[rank], rank, 1.0)
 
     def current_stream(self) -> int:
         return 0
@@ -64,8 +84,11 @@ class _HostOps:
     def write(self, addr: int, value: int, stream: int) -> None:
         self.q.append(("write", addr, value))
 
-    def wait(self, addr: int, value: int, stream: int) -> None:
-        self.q.append(("wait", addr, value))
+    def wait(self, addr: int, value: int, stream: int, peer: int, what: str) -> None:
+        self.q.append(("wait", addr, value, self.timeouts.log.add(peer, what)))
+
+    def check(self) -> None:
+        self.timeouts.check()
 
     def view(self, ptr: int, nbytes: int) -> torch.Tensor:
         return byte_view(ptr, nbytes, torch.device("cpu"))  # the GPU path's DLPack view, labelled cpu here
@@ -253,3 +276,56 @@ def test_bucket_all_gather_in_place() -> None:
     assert streams.idle()
     for r in range(n):
         assert torch.equal(views[r][:, 0], torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_a_timed_out_wait_raises_at_the_next_call_naming_rank_peer_and_signal() -> None:
+    streams, bs, _keep = _ranks(2)
+    cfgs = [pp.make_pp_config(r, 2, 4 * MiB, 256, 2) for r in range(2)]
+    outs = [torch.empty(16) for _ in range(2)]  # alive until the queued copies ran
+    bs[1].pp_recv(cfgs[1], outs[0], 0)  # rank 0 never sends
+    streams.run()
+    assert not streams.idle()
+    bs[1].pp_recv(cfgs[1], outs[1], 0)  # queued behind the stuck wait: no error recorded yet
+    streams.expire()
+    assert streams.idle()  # the streams drain: the later wait returned at once
+    with pytest.raises(EPTimeoutError) as info:
+        bs[1].pp_send(cfgs[1], outs[0], 0)
+    err = info.value
+    assert err.rank == 1 and err.counter == 0 and "pp_recv: tensor 0 from rank 0" in err.tag
+    assert (
+        "rank 1 timed out" in str(err)
+        and "waiting for rank 0" in str(err)
+        and "num_gpu_timeout_secs" in str(err)
+    )
+    with pytest.raises(EPTimeoutError, match="tensor 0 from rank 0"):  # sticky: every later call raises it
+        bs[1].barrier()
+    bs[0].barrier()  # the other rank recorded nothing
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_session_end_without_the_peers_times_out_naming_one(n: int) -> None:
+    streams, bs, _keep = _ranks(n)
+    bs[0].agrs_end_session(1)
+    streams.expire()
+    with pytest.raises(EPTimeoutError) as info:
+        bs[0].agrs_end_session(2)
+    assert info.value.counter == 1 and "destroy_agrs_session: the end of session 1" in info.value.tag
+
+
+def test_close_releases_the_backend_allocations() -> None:
+    _streams, bs, _keep = _ranks(2)
+    closed = []
+
+    class _Alloc:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close(self) -> None:
+            closed.append(self.name)
+
+    b = bs[0]
+    b._sig_alloc, b._host_alloc = _Alloc("signals"), _Alloc("host storage")
+    b.ops.close = lambda: closed.append("waiter")
+    b.close()
+    assert closed == ["signals", "host storage", "waiter"]
+    assert not hasattr(b, "_sig_alloc") and not hasattr(b, "_host_alloc")

@@ -3,7 +3,7 @@ buffers, ordered by stream memory operations, so PP and all-gather use no SM.
 
 - PP: a send copies the tensor (``cuMemcpyDtoDAsync``, peer to peer) straight into the receiver's slot, then
   writes the FIFO's arrival count into the receiver's signal word (``cuStreamWriteValue64``, which fences the copy);
-  a receive waits for that count (``cuStreamWaitValue64`` GEQ), copies the slot out and writes the release count
+  a receive waits for that count (a bounded wait, below), copies the slot out and writes the release count
   into the sender's signal word; a sender whose FIFO is full first waits for the release of the oldest slot. All of
   it is queued on the current stream: the host never blocks.
 - AGRS: an all-gather copies each tensor into its place on every peer on the comm stream (after the compute
@@ -17,7 +17,11 @@ buffers, ordered by stream memory operations, so PP and all-gather use no SM.
 The signal words live in a separate 2 MiB symmetric allocation (ep_symmem), exchanged when the first collective of
 these primitives runs: the workspace has no region for them yet.
 
-Stream waits on peers carry no timeout (a missing peer stalls the stream, not the host).
+Every stream wait on a peer's signal is bounded by the buffer's ``num_gpu_timeout_secs``: a one-thread kernel
+polls the word with a deadline (``ep_core.signal_wait``; ``cuStreamWaitValue64`` has no timeout). A wait that
+times out records itself in host-mapped memory, later waits return at once, and the next call of any of these
+primitives on the buffer raises ``EPTimeoutError`` naming the rank, the peer and what it waited for (and keeps
+raising it). The cost: one thread block on one SM while a wait spins (a stream wait holds none).
 """
 
 from __future__ import annotations
@@ -88,27 +92,27 @@ def byte_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def _peer_bases(storage: Any, num_ranks: int) -> list[int]:
-    """Every rank's allocation base as mapped in this process (ep_symmem's peer pointers)."""
-    owners = getattr(getattr(storage, "_buffer", None), "_owners", None) or []
-    alloc = owners[0] if owners else None
-    if alloc is None or not hasattr(alloc, "peer_ptr"):
+    """Every rank's allocation base as mapped in this process (the ipc storage's peer mappings)."""
+    if not hasattr(storage, "peer_bases"):
         raise EPConfigError(
-            "transport: PP, Engram and AGRS on the GPU need the ipc transport's ep_symmem memory (peer mappings); "
-            "this buffer's storage has none (memory='cuda_ipc'?)"
+            "transport: PP, Engram and AGRS on the GPU need the ipc transport's memory (peer mappings); this "
+            f"buffer's storage ({type(storage).__name__}) has none"
         )
-    return [int(alloc.peer_ptr(r)) for r in range(num_ranks)]
+    return storage.peer_bases(num_ranks)
 
 
 class DriverOps:
     """The device operations the backend queues: CUDA driver calls on torch's streams."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, rank: int, timeout_secs: float) -> None:
         from ep_core.kernels import _cuda
+        from ep_core.signal_wait import SignalWaiter
 
         self.device = device
         self._cuda = _cuda
         self.drv = _cuda.driver()
         self._comm = None
+        self.waiter = SignalWaiter(rank, timeout_secs)
 
     def current_stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
@@ -121,9 +125,16 @@ class DriverOps:
         flags = self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # fences the copies before it
         self._cuda.check(self.drv.cuStreamWriteValue64(stream, addr, value, flags), "cuStreamWriteValue64")
 
-    def wait(self, addr: int, value: int, stream: int) -> None:
-        flags = self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        self._cuda.check(self.drv.cuStreamWaitValue64(stream, addr, value, flags), "cuStreamWaitValue64")
+    def wait(self, addr: int, value: int, stream: int, peer: int, what: str) -> None:
+        """The stream waits until the word at `addr` is >= `value` (written by `peer`), bounded (module doc)."""
+        self.waiter.wait(addr, value, stream, peer, what)
+
+    def check(self) -> None:
+        """Raise the recorded GPU wait timeout, if any (reads host-mapped words: no synchronization)."""
+        self.waiter.check()
+
+    def close(self) -> None:
+        self.waiter.close()
 
     def view(self, ptr: int, nbytes: int) -> torch.Tensor:
         return byte_view(ptr, nbytes, self.device)
@@ -190,7 +201,7 @@ class CopyEngineBackend:
 
         rt = buf._rt()
         n = buf.num_ranks
-        ops = DriverOps(buf.device)
+        ops = DriverOps(buf.device, buf.rank_idx, rt.config.num_gpu_timeout_secs)
         data = [b + rt.num_workspace_bytes for b in _peer_bases(rt.storage, n)]
         torch.cuda.synchronize()
         alloc = ep_symmem.SymmetricAllocation.create(_SIGNAL_BYTES, device=torch.cuda.current_device())
@@ -204,6 +215,7 @@ class CopyEngineBackend:
 
         def barrier() -> None:
             torch.cuda.synchronize()
+            ops.check()  # a wait that timed out before the barrier raises here, not a peer's barrier timeout
             boot.barrier()
 
         out = cls(
@@ -257,7 +269,25 @@ class CopyEngineBackend:
         return self._region
 
     def barrier(self) -> None:
+        self.ops.check()
         self._barrier()
+
+    def check(self) -> None:
+        """Raise a GPU wait timeout recorded since the last call (every host call of these primitives checks)."""
+        self.ops.check()
+
+    def close(self) -> None:
+        """Release the signal words, the host storage and the waiter (the caller synchronized the device)."""
+        self._tables, self._sf, self._events = [], None, {}
+        self.__dict__.pop("_keep_bucket", None)
+        self.__dict__.pop("_peer_regions", None)
+        for name in ("_sig_alloc", "_host_alloc"):
+            alloc = self.__dict__.pop(name, None)
+            if alloc is not None:
+                alloc.close()
+        close = getattr(self.ops, "close", None)
+        if close is not None:
+            close()
 
     # ----------------------------------------------------------------------------------------------------------
     # PP
@@ -271,8 +301,10 @@ class CopyEngineBackend:
         rside = pp.recv_side(dst, self.rank, self.n)
         k = self.pp_sent[side]
         inflight = cfg.num_max_inflight_tensors
+        ops.check()
         if k >= inflight:  # the slot of tensor k - inflight must be released first
-            ops.wait(self.sig[self.rank] + 8 * (_PP_RELEASED + side), k - inflight + 1, s)
+            what = f"pp_send: the release of tensor {k - inflight} by rank {dst} ({inflight} in flight)"
+            ops.wait(self.sig[self.rank] + 8 * (_PP_RELEASED + side), k - inflight + 1, s, dst, what)
         ops.copy(self.data[dst] + cfg.recv_slot_offset(rside, k % inflight), t.data_ptr(), t.nbytes, s)
         ops.write(self.sig[dst] + 8 * (_PP_ARRIVED + rside), k + 1, s)
         self.pp_sent[side] = k + 1
@@ -281,7 +313,9 @@ class CopyEngineBackend:
         ops, s = self.ops, self.ops.current_stream()
         side = pp.recv_side(self.rank, src, self.n)
         k = self.pp_received[side]
-        ops.wait(self.sig[self.rank] + 8 * (_PP_ARRIVED + side), k + 1, s)
+        ops.check()
+        what = f"pp_recv: tensor {k} from rank {src}"
+        ops.wait(self.sig[self.rank] + 8 * (_PP_ARRIVED + side), k + 1, s, src, what)
         slot = cfg.recv_slot_offset(side, k % cfg.num_max_inflight_tensors)
         ops.copy(t.data_ptr(), self.data[self.rank] + slot, t.nbytes, s)
         ops.write(self.sig[src] + 8 * (_PP_RELEASED + pp.send_side(src, self.rank, self.n)), k + 1, s)
@@ -291,7 +325,7 @@ class CopyEngineBackend:
     # Engram
 
     def engram_write(self, table: engram.EngramTable, storage: torch.Tensor, sf: torch.Tensor | None) -> None:
-        self.barrier()
+        self.barrier()  # checks
         dst = self.storage[self.rank]
         self.ops.copy(dst, storage.data_ptr(), storage.nbytes, self.ops.current_stream())
         self._sf = None if sf is None else sf.detach().clone()
@@ -302,6 +336,7 @@ class CopyEngineBackend:
         self.barrier()
 
     def engram_fetch(self, table: engram.EngramTable, indices: torch.Tensor, col_major: bool) -> Any:
+        self.ops.check()
         t, k = indices.shape
         flat = indices.reshape(-1).to(torch.int64)
         n_local = table.num_entries_per_rank
@@ -332,17 +367,19 @@ class CopyEngineBackend:
     # ----------------------------------------------------------------------------------------------------------
     # AGRS
 
-    def _signal_all(self, word: int, value: int, stream: int) -> None:
+    def _signal_all(self, word: int, value: int, stream: int, what: str) -> None:
         """Write `value` into word `word + rank` of every peer, then wait for word `word + p` >= value from each."""
         for i in range(1, self.n):
             p = (self.rank + i) % self.n
             self.ops.write(self.sig[p] + 8 * (word + self.rank), value, stream)
         for i in range(1, self.n):
             p = (self.rank + i) % self.n
-            self.ops.wait(self.sig[self.rank] + 8 * (word + p), value, stream)
+            self.ops.wait(self.sig[self.rank] + 8 * (word + p), value, stream, p, what)
 
     def agrs_end_session(self, session_idx: int) -> None:
-        self._signal_all(_AGRS_ENDED, session_idx, self.ops.comm_stream())
+        self.ops.check()
+        what = f"destroy_agrs_session: the end of session {session_idx}"
+        self._signal_all(_AGRS_ENDED, session_idx, self.ops.comm_stream(), what)
 
     def all_gather(
         self,
@@ -352,6 +389,7 @@ class CopyEngineBackend:
         slot: int,
         session_idx: int,
     ) -> list[torch.Tensor]:
+        self.ops.check()
         s = self.ops.comm_stream()
         for i in range(self.n):
             dst = (self.rank + i) % self.n
@@ -360,7 +398,9 @@ class CopyEngineBackend:
                 if target != x.data_ptr():
                     self.ops.copy(target, x.data_ptr(), x.nbytes, s)
         self.ops.keep(tensors)
-        self._signal_all(_AGRS_ARRIVED + slot * 1024, session_idx, s)
+        self._signal_all(
+            _AGRS_ARRIVED + slot * 1024, session_idx, s, f"all_gather: slot {slot} of session {session_idx}"
+        )
         self._events = {key: ev for key, ev in self._events.items() if key[0] >= session_idx}
         self._events[(session_idx, slot)] = self.ops.record()
         return [
@@ -371,18 +411,21 @@ class CopyEngineBackend:
     def reduce_scatter(self, t: torch.Tensor, off: int, cb: int, slot: int, session_idx: int) -> torch.Tensor:
         """Chunk `p` of `t` goes to part `rank` of peer p's session slot (copy engine); returns this rank's `[N,
         chunk]` parts, complete once `agrs_wait` ordered the current stream after the arrivals."""
+        self.ops.check()
         s = self.ops.comm_stream()
         for i in range(self.n):
             p = (self.rank + i) % self.n
             self.ops.copy(self.data[p] + off + cb * self.rank, t.data_ptr() + cb * p, cb, s)
         self.ops.keep([t])
-        self._signal_all(_AGRS_ARRIVED + slot * 1024, session_idx, s)
+        what = f"reduce_scatter: slot {slot} of session {session_idx}"
+        self._signal_all(_AGRS_ARRIVED + slot * 1024, session_idx, s, what)
         self._events = {key: ev for key, ev in self._events.items() if key[0] >= session_idx}
         self._events[(session_idx, slot)] = self.ops.record()
         chunk = (t.shape[0] // self.n, *t.shape[1:])
         return self._region[off : off + self.n * cb].view(t.dtype).view(self.n, *chunk)
 
     def agrs_wait(self, slot: int, session_idx: int) -> None:
+        self.ops.check()
         self.ops.wait_event(self._events[(session_idx, slot)])
 
     # ----------------------------------------------------------------------------------------------------------
@@ -391,6 +434,7 @@ class CopyEngineBackend:
     def bucket_all_gather(self, plan: list[tuple[torch.Tensor, int]], op: int) -> None:
         """Each `(src, off)`: src into part `rank` of the gathered tensor at `off` on every rank (copy engine on
         the comm stream, then a signal to and a wait for every peer); the current stream then waits for it."""
+        self.ops.check()
         s = self.ops.comm_stream()
         for i in range(self.n):
             dst = (self.rank + i) % self.n
@@ -399,7 +443,7 @@ class CopyEngineBackend:
                 if target != x.data_ptr():
                     self.ops.copy(target, x.data_ptr(), x.nbytes, s)
         self.ops.keep([x for x, _ in plan])
-        self._signal_all(_BUCKET_GATHERED, op, s)
+        self._signal_all(_BUCKET_GATHERED, op, s, f"BucketBuffer.all_gather: operation {op}")
         self.ops.wait_event(self.ops.record())
 
     def bucket_reduce(
@@ -407,10 +451,12 @@ class CopyEngineBackend:
     ) -> list[torch.Tensor]:
         """Sum every rank's src (or, with `scatter`, every rank's shard `rank` of it) read over NVLink, in rank
         order in float32, times `scale`; written back in place once every rank has read (two stream barriers)."""
+        self.ops.check()
         s = self.ops.current_stream()
         if not getattr(self, "_peer_regions", None):  # every rank's data region, viewed once
             self._peer_regions = [self.ops.view(d, self._region.numel()) for d in self.data]
-        self._signal_all(_BUCKET_READY, op, s)  # every src is written
+        # every src is written
+        self._signal_all(_BUCKET_READY, op, s, f"BucketBuffer reduction {op}: the sources written")
         results = []
         for x, off in plan:
             nbytes = x.nbytes // self.n if scatter else x.nbytes
@@ -421,7 +467,8 @@ class CopyEngineBackend:
                 acc = part.clone() if acc is None else acc.add_(part)
             assert acc is not None
             results.append((acc.mul_(scale).to(x.dtype), at, nbytes))
-        self._signal_all(_BUCKET_DONE, op, s)  # every rank has read: the sources may be overwritten
+        # every rank has read: the sources may be overwritten
+        self._signal_all(_BUCKET_DONE, op, s, f"BucketBuffer reduction {op}: the sources read")
         outs = []
         for value, at, nbytes in results:
             self.ops.copy(self.data[self.rank] + at, value.data_ptr(), nbytes, s)
