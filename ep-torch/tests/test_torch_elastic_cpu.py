@@ -156,11 +156,25 @@ def _pp_gpu_scenario(rank: int, n: int, out: dict) -> None:
     import torch
 
     res: list = []
+    buf = _buffer()
     try:
-        elastic_pp_scenario.run(_buffer(), rank, n, torch.device("cpu"), res)
+        elastic_pp_scenario.run(buf, rank, n, torch.device("cpu"), res)
     except Exception as exc:  # reported, not hidden
         res.append(("pp/raised", False, f"{type(exc).__name__}: {exc}"))
     out["res"] = res
+    buf.bootstrap.barrier()  # every rank's receives are done before any buffer goes
+
+
+def _destroy_case(rank: int, n: int, out: dict) -> None:
+    import torch
+    from ep_torch import ElasticBuffer
+
+    buf = ElasticBuffer(None, num_bytes=4 * MiB, explicitly_destroy=True, transport="reference")
+    buf.pp_set_config(64, 2)
+    out["state_before"] = "_elastic_state" in buf.__dict__
+    buf.destroy()
+    out["state_after"] = "_elastic_state" in buf.__dict__
+    out["send_after"] = _raises(lambda: buf.pp_send(torch.zeros(4), (rank + 1) % n))
 
 
 def _pp_peer_refuses(rank: int, n: int, out: dict) -> None:
@@ -359,6 +373,7 @@ _CASES = {
     "pp_timeout": _pp_timeout,
     "pp_peer_refuses": _pp_peer_refuses,
     "pp_gpu_scenario": _pp_gpu_scenario,
+    "destroy": _destroy_case,
     "engram": _engram_case,
     "agrs": _agrs_case,
 }
@@ -417,6 +432,12 @@ def test_pp_gpu_scenario_on_the_reference_backend(n: int, tmp_path: Path) -> Non
     assert per_rank[0] and not failures, "\n".join(failures)
     names = {name for name, _, _ in per_rank[0]}
     assert {"pp/ring"} <= names and (n != 2 or "pp/ping-pong" in names), names
+
+
+def test_destroy_drops_the_elastic_state(tmp_path: Path) -> None:
+    for out in _run("destroy", 2, tmp_path):
+        assert out["state_before"] and not out["state_after"], out
+        assert out["send_after"].startswith("EPStateError") and "destroy" in out["send_after"], out
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -164,6 +164,7 @@ class BucketBuffer:
     def destroy(self) -> None:
         self._buf().destroy()
         self._buffer = None
+        self._backend = None  # closed by the buffer's destroy()
 
     def _offset(self, name: str, t: torch.Tensor) -> int:
         off = t.data_ptr() - self.storage.data_ptr()

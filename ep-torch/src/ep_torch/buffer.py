@@ -191,8 +191,17 @@ class ElasticBuffer(ElasticOps):
         rt = self._rt()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        rt.destroy()
+        rt.destroy()  # a barrier first: no peer copies into this rank's signal words any more
         self.runtime = None
+        self._release_elastic()
+
+    def _release_elastic(self) -> None:
+        """Free the PP/Engram/AGRS state now (ep_torch.elastic_ops): its signal words, host NUMA storage and
+        host-mapped timeout record are allocations of their own, outside the runtime's storage."""
+        st = self.__dict__.pop("_elastic_state", None)
+        close = getattr(getattr(st, "backend", None), "close", None)
+        if close is not None:
+            close()
 
     def __enter__(self) -> ElasticBuffer:
         return self

@@ -268,6 +268,23 @@ class IpcStorage:
         self.device = device
         self.rank_devices = getattr(buffer, "rank_devices", None)
 
+    def peer_bases(self, num_ranks: int) -> list[int]:
+        """Every rank's storage base as mapped in this process (rank order), for copies between the ranks'
+        buffers (the copy-engine primitives of ep_torch): ep_symmem's peer pointers, or (CUDA IPC memory) the
+        device peer table read back."""
+        if self._buffer is None:
+            raise EPConfigError("peer_bases: the storage was closed")
+        owners = getattr(self._buffer, "_owners", None) or []
+        if owners and hasattr(owners[0], "peer_ptr"):
+            return [int(owners[0].peer_ptr(r)) for r in range(int(num_ranks))]
+        raw = bytearray(8 * int(num_ranks))
+        host = (ctypes.c_char * len(raw)).from_buffer(raw)
+        _cuda.check(
+            _cuda.driver().cuMemcpyDtoH(ctypes.addressof(host), int(self.peer_table), len(raw)),
+            "cuMemcpyDtoH",
+        )
+        return list(struct.unpack(f"<{int(num_ranks)}Q", bytes(raw)))
+
     def close(self) -> None:
         if self._buffer is not None:
             self._buffer.close()
