@@ -19,8 +19,9 @@ same run (CUDA-event times on rank 0, median of repetitions):
    rank. Baselines: ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on an NCCL group of the
    same ranks (only with one GPU per rank). Bus GB/s: bytes * (N - 1) / time (reduce-scatter: bytes * (N - 1) / N).
 
-SMs: PP and all-gather use none (copy engine + stream memory operations); Engram's gather and the reduce-scatter's
-sum use torch kernels.
+SMs: PP and all-gather move their bytes on none (copy engine, ordered by signal words); each wait for a peer's
+signal holds one thread block (one thread) while it waits (bounded by num_gpu_timeout_secs: ep_core.signal_wait).
+Engram's gather and the reduce-scatter's sum use torch kernels.
 Writes DIR/bench_elastic_n{N}[_shared].json and prints a table. Exit status 0 (also without a GPU: "skipped").
 """
 
