@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 from types import SimpleNamespace
 
@@ -345,6 +346,10 @@ def test_numpy_and_torch_arrays_view_one_block() -> None:
 
 def test_other_array_types_fall_back() -> None:
     assert int32_block(lambda shape, dtype: object(), SHAPES) is None
+
+
+def test_block_is_off_by_default() -> None:
+    assert os.environ.get("EPKIT_HANDLE_BLOCK") is not None or array_block.MODE == "0"
 
 
 @pytest.mark.parametrize(

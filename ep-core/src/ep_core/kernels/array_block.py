@@ -23,11 +23,13 @@ from ep_core.device_array import DeviceArray as CoreArray
 __all__ = ["ALIGN_WORDS", "MODE", "int32_block", "use_block"]
 
 ALIGN_WORDS = 64  # 256 bytes of int32
-# Which allocators carve one block (`GpuExecutor` asks `use_block`): "auto" (default) only the executor's own
-# (ep_core arrays: one stream-ordered driver allocation instead of five, and views that cost less than one), "1"
-# every allocator (torch tensors: one torch.empty and five as_strided views, on the CPU no cheaper than five
-# torch.empty; to measure on a GPU), "0" none.
-MODE = os.environ.get("EPKIT_HANDLE_BLOCK", "auto")
+# Which allocators carve one block (`GpuExecutor` asks `use_block`): "0" (default) none; "auto" only the executor's
+# own (ep_core arrays: one stream-ordered driver allocation instead of five, and views that cost less than one);
+# "1" every allocator (torch tensors: one torch.empty and five as_strided views, on the CPU no cheaper than five
+# torch.empty). Off by default: on the H200 (2026-12-02) a carved view's `owner` is the block, not an array of the
+# view's own shape, which broke callers that copy a handle array back through its owner; and the saving is not
+# measured on a GPU yet.
+MODE = os.environ.get("EPKIT_HANDLE_BLOCK", "0")
 
 
 def use_block(is_default_allocator: bool) -> bool:
