@@ -54,6 +54,8 @@ def _run(monkeypatch, n, *, uuids=None, nccl=None, comms=None, requested=None, d
 def _clean_env(monkeypatch):
     monkeypatch.delenv("EPKIT_TORCH_TRANSPORT", raising=False)
     monkeypatch.delenv("EPKIT_TORCH_NCCL_COMM", raising=False)
+    monkeypatch.delenv("EPKIT_SCALEUP_RANKS", raising=False)
+    monkeypatch.delenv("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", raising=False)
 
 
 def _names(out):
@@ -184,3 +186,85 @@ def test_nccl_problem_is_a_string_here():
     why = tc._nccl_problem()
     assert isinstance(why, str)
     assert why == "" or "transport 'nccl'" in why
+
+
+# --- emulated nodes: EPKIT_SCALEUP_RANKS ------------------------------------------------------------------------
+def test_scaleup_ranks_unset_keeps_the_transport_domain(monkeypatch):
+    out, calls = _run(monkeypatch, 4)
+    assert [c.scaleup_ranks for c in out] == [None] * 4 and calls == [2] * 4
+    out, _ = _run(monkeypatch, 2, device="cpu")
+    assert [c.scaleup_ranks for c in out] == [None] * 2
+
+
+def test_scaleup_ranks_on_the_reference_backend(monkeypatch):
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")
+    out, calls = _run(monkeypatch, 4, device="cpu")
+    assert [(c.name, c.scaleup_ranks) for c in out] == [("reference", 2)] * 4 and calls == [0] * 4
+    assert tc.make_core_transport(out[0]).num_nvlink_ranks(None) == 2
+
+
+def test_old_name_counts_on_the_reference_backend_only(monkeypatch):
+    monkeypatch.setenv("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", "2")
+    out, _ = _run(monkeypatch, 4, device="cpu")
+    assert [c.scaleup_ranks for c in out] == [2] * 4
+    assert tc.scaleup_ranks("ipc", 4, 0) is None  # documented as a CPU-backend knob
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "4")
+    with pytest.raises(EPConfigError, match=r"disagree.*rank 0"):
+        tc.scaleup_ranks("reference", 4, 0)
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")
+    assert tc.scaleup_ranks("reference", 4, 0) == 2  # both set, equal
+
+
+@pytest.mark.parametrize("value, rule", [("3", "divisor of the group size 4"), ("-1", ">= 0"), ("x", "int")])
+def test_bad_scaleup_ranks_names_variable_value_and_rank(monkeypatch, value, rule):
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", value)
+    out, _ = _run(monkeypatch, 4, device="cpu")
+    for r, exc in enumerate(out):
+        assert isinstance(exc, EPConfigError), exc
+        assert "EPKIT_SCALEUP_RANKS" in str(exc) and value in str(exc) and f"rank {r}" in str(exc), exc
+        assert rule in str(exc), exc
+
+
+def test_bad_scaleup_ranks_on_a_gpu_group_fails_every_rank_after_the_exchange(monkeypatch):
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "3")
+    out, calls = _run(monkeypatch, 4)
+    assert all(isinstance(e, EPConfigError) and "EPKIT_SCALEUP_RANKS=3 (rank 0)" in str(e) for e in out), out
+    assert calls == [1] * 4
+
+
+def test_scaleup_ranks_below_the_group_size_picks_ipc(monkeypatch):
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")
+    out, calls = _run(monkeypatch, 4)  # own GPUs and NCCL: nccl would be picked without the knob
+    assert [(c.name, c.scaleup_ranks) for c in out] == [("ipc", 2)] * 4 and calls == [1] * 4
+    assert "EPKIT_SCALEUP_RANKS=2" in out[0].reason
+    out, _ = _run(monkeypatch, 4, uuids=["GPU-0"] * 4)  # sharing one GPU
+    assert [(c.name, c.scaleup_ranks) for c in out] == [("ipc", 2)] * 4
+
+
+def test_scaleup_ranks_equal_to_the_group_size_is_one_node(monkeypatch):
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "4")
+    out, _ = _run(monkeypatch, 4)
+    assert [(c.name, c.communicator, c.scaleup_ranks) for c in out] == [("nccl", "group", 4)] * 4
+
+
+def test_scaleup_ranks_with_nccl_asked_for_is_refused(monkeypatch):
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")
+    out, _ = _run(monkeypatch, 4, requested="nccl")
+    assert all(
+        isinstance(e, EPConfigError) and "use transport='ipc' for emulated nodes" in str(e) for e in out
+    ), out
+
+
+def test_ipc_asked_for_keeps_scaleup_ranks(monkeypatch):
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")
+    out, calls = _run(monkeypatch, 4, requested="ipc")
+    assert [(c.name, c.scaleup_ranks) for c in out] == [("ipc", 2)] * 4 and calls == [0] * 4
+
+
+def test_ranks_that_disagree_on_scaleup_ranks_fail_together(monkeypatch):
+    values = [2, 2, 0, 2]
+    monkeypatch.setattr(tc, "_local_scaleup", lambda name, boot: (values[_rank.r], ""))
+    out, _ = _run(monkeypatch, 4)
+    assert all(
+        isinstance(e, EPConfigError) and "disagree" in str(e) and "rank 2: 0" in str(e) for e in out
+    ), out

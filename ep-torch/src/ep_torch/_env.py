@@ -7,7 +7,8 @@
 | ``EPKIT_TORCH_NCCL_COMM`` | str | ``auto`` | nccl transport's communicator: ``group`` (borrow the ProcessGroupNCCL's), ``own`` (create one per buffer group) or ``auto`` (borrow when allowed, see ``ep_torch.transport_choice``) |
 | ``EPKIT_TORCH_REFERENCE_NUM_SMS`` | int | ``132`` | device SM count the planner assumes on the CPU reference backend (an H200 by default) |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
-| ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | ranks per emulated NVLink domain on the CPU reference backend (0 = all ranks: direct mode; a divisor of N below N emulates hybrid mode) |
+| ``EPKIT_SCALEUP_RANKS`` | int | ``0`` | ranks per (emulated) node, S_u: a divisor of N below N runs hybrid mode with ranks ``r // S_u`` forming a node, on the reference backend and over ``ipc`` (processes sharing a GPU or one per GPU); 0 = the transport's own NVLink domain (one node). Shared with ep-core |
+| ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | the old name of ``EPKIT_SCALEUP_RANKS``, read on the CPU reference backend only |
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "reference_num_sms",
     "reference_nvlink_gbs",
     "reference_nvlink_ranks",
+    "scaleup_ranks",
     "transport",
 ]
 
@@ -61,9 +63,14 @@ knobs: dict[str, Knob] = {
             "NVLink GB/s assumed by the planner on the CPU backend",
         ),
         Knob(
+            "EPKIT_SCALEUP_RANKS",
+            "0",
+            "ranks per (emulated) node; a divisor of N below N runs hybrid mode (0 = one node)",
+        ),
+        Knob(
             "EPKIT_TORCH_REFERENCE_NVLINK_RANKS",
             "0",
-            "ranks per emulated NVLink domain on the CPU backend (0 = all ranks, direct mode)",
+            "old name of EPKIT_SCALEUP_RANKS, on the CPU reference backend only",
         ),
     )
 }
@@ -123,3 +130,22 @@ def reference_nvlink_ranks() -> int:
     if value < 0:
         raise ValueError(f"EPKIT_TORCH_REFERENCE_NVLINK_RANKS={value}: expected >= 0")
     return value
+
+
+def scaleup_ranks(*, reference: bool) -> tuple[str, int]:
+    """(the variable that set it, S_u) from ``EPKIT_SCALEUP_RANKS``; on the reference backend its old name
+    ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` counts too (both set must agree). S_u = 0: not set. Divisibility by the
+    group size is the caller's check (it knows the rank)."""
+    found = []
+    for name in ("EPKIT_SCALEUP_RANKS", "EPKIT_TORCH_REFERENCE_NVLINK_RANKS")[: 2 if reference else 1]:
+        value = int(_number(name, int))
+        if value < 0:
+            raise ValueError(f"{name}={value}: expected >= 0 (0 = not set)")
+        if value:
+            found.append((name, value))
+    if len(found) == 2 and found[0][1] != found[1][1]:
+        raise ValueError(
+            f"EPKIT_SCALEUP_RANKS={found[0][1]} and its old name EPKIT_TORCH_REFERENCE_NVLINK_RANKS={found[1][1]} "
+            "disagree; set only EPKIT_SCALEUP_RANKS"
+        )
+    return found[0] if found else ("EPKIT_SCALEUP_RANKS", 0)

@@ -34,7 +34,7 @@ from . import _env
 from .bootstrap import ProcessGroupBootstrap
 from .elastic_ops import ElasticOps
 from .event import EventHandle, EventOverlap
-from .transport_choice import choose_transport, data_device, make_core_transport, reference_transport
+from .transport_choice import choose_transport, data_device, make_core_transport, scaleup_ranks
 
 __all__ = ["EPBuffer", "ElasticBuffer", "topk_idx_t"]
 
@@ -157,6 +157,8 @@ class ElasticBuffer(ElasticOps):
             num_gpu_timeout_secs=num_gpu_timeout_secs,
             explicitly_destroy=self.explicitly_destroy,
             policy=self.policy,
+            # EPKIT_SCALEUP_RANKS: emulated nodes of S_u ranks (hybrid mode); None = the transport's NVLink domain
+            num_nvlink_ranks=self.transport_choice.scaleup_ranks,
         )
         rt = self.runtime
         self._core = rt  # kept after destroy(): a call on a destroyed buffer is still announced to the peers
@@ -233,9 +235,9 @@ class ElasticBuffer(ElasticOps):
         """Bytes a buffer needs for these sizes (2 MiB aligned; SPEC §4). A collective over ``group``."""
         boot = ProcessGroupBootstrap(dist.group.WORLD if group is None else group)
         name, _ = data_device(None, boot.device)
-        # the GPU transports run direct mode only (one NVLink domain; they refuse anything else when allocating),
-        # and asking NCCL would create a communicator just for a size
-        nvl = reference_transport().num_nvlink_ranks(boot) if name == "reference" else boot.size
+        # one NVLink domain unless EPKIT_SCALEUP_RANKS emulates nodes (asking NCCL for its LSA team would create a
+        # communicator just for a size)
+        nvl = scaleup_ranks(name or "auto", boot.size, boot.rank) or boot.size
         topology = Topology(boot.size, nvl, bool(allow_hybrid_mode))
         return planner.get_buffer_size_hint(
             topology,

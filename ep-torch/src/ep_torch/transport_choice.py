@@ -20,12 +20,21 @@ creating a second one when all of these hold on every rank (``EPKIT_TORCH_NCCL_C
 ``EPKIT_TORCH_NCCL_COMM=group`` asks for the borrowed communicator and fails with the reason when it cannot be had;
 ``own`` always creates one.
 
+Emulated nodes: ``EPKIT_SCALEUP_RANKS=S_u`` (a divisor of the group size) makes ranks ``r // S_u`` one node and the
+buffer runs hybrid mode across them: on the reference backend (ep-core's hybrid reference), and over ``ipc`` (the
+hybrid kernels with the emulated scale-out put: processes sharing a GPU or one per GPU). With ``S_u`` below the group
+size the automatic choice is ``ipc``; ``nccl`` is refused (its scale-out put is GIN between real nodes, whose
+NVLink domains NCCL reports; emulated nodes need the emulated put of ``ipc``). The
+value is part of the exchanged facts, so ranks that disagree fail together. ``TransportChoice.scaleup_ranks`` keeps
+it (None: not set, the transport's own NVLink domain).
+
 Every local fact is exchanged (two small all-gathers) before anything is decided, so all ranks agree; a rank that
 would pick differently from its peers would hang them in NCCL's communicator setup.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +47,7 @@ from ep_core.executor import ReferenceTransport
 
 from . import _env
 
-__all__ = ["TRANSPORTS", "TransportChoice", "choose_transport", "make_core_transport"]
+__all__ = ["TRANSPORTS", "TransportChoice", "choose_transport", "make_core_transport", "scaleup_ranks"]
 
 TRANSPORTS = ("reference", "ipc", "nccl")
 
@@ -46,12 +55,14 @@ TRANSPORTS = ("reference", "ipc", "nccl")
 @dataclass(frozen=True)
 class TransportChoice:
     """The outcome: ``name`` (one of :data:`TRANSPORTS`), the ``device`` that holds the data, why it was chosen,
-    and for ``"nccl"`` the group communicator to borrow (``comm_ptr``; None = create one)."""
+    for ``"nccl"`` the group communicator to borrow (``comm_ptr``; None = create one), and the ranks per emulated
+    node from ``EPKIT_SCALEUP_RANKS`` (``scaleup_ranks``; None = not set)."""
 
     name: str
     device: torch.device
     reason: str
     comm_ptr: int | None = None
+    scaleup_ranks: int | None = None
 
     @property
     def communicator(self) -> str | None:
@@ -123,6 +134,31 @@ def _allgather_json(bootstrap: Any, value: dict) -> list[dict]:
     return [json.loads(b.decode()) for b in bootstrap.allgather(json.dumps(value, sort_keys=True).encode())]
 
 
+def scaleup_ranks(name: str, num_ranks: int, rank: int) -> int | None:
+    """S_u of ``EPKIT_SCALEUP_RANKS`` for a buffer of ``num_ranks`` on transport ``name`` (the old name
+    ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` counts on ``reference``); None when not set. Local: no collective."""
+    try:
+        var, su = _env.scaleup_ranks(reference=name == "reference")
+    except ValueError as exc:
+        raise EPConfigError(f"{exc} (rank {rank})") from None
+    if not su:
+        return None
+    if num_ranks % su:
+        raise EPConfigError(
+            f"{var}={su} (rank {rank}): expected a divisor of the group size {num_ranks} (ranks r // S_u form one "
+            "node), or 0 / unset for one node"
+        )
+    return su
+
+
+def _local_scaleup(name: str, bootstrap: Any) -> tuple[int, str]:
+    """(S_u or 0, "") or (0, why it is invalid): a fact to exchange, so that a bad value fails every rank."""
+    try:
+        return scaleup_ranks(name, int(bootstrap.size), int(bootstrap.rank)) or 0, ""
+    except EPConfigError as exc:
+        return 0, str(exc)
+
+
 # --- the decision ----------------------------------------------------------------------------------------------------
 def _requested(requested: str | None) -> str:
     choice = (requested or _env.transport() or "").lower()
@@ -158,12 +194,43 @@ def choose_transport(
     """The transport of a new buffer (module doc). A collective over ``bootstrap`` unless the answer is fixed
     (``reference``, or ``ipc`` asked for)."""
     choice, device = data_device(requested, bootstrap.device)
-    if choice == "reference":
-        return TransportChoice("reference", device, "CPU tensors (gloo group): the reference backend")
-    if choice == "ipc":
-        return TransportChoice("ipc", device, "asked for (transport='ipc' or EPKIT_TORCH_TRANSPORT)")
+    if choice in ("reference", "ipc"):  # fixed: no collective (ep-core's construction envelope compares S_u)
+        su = scaleup_ranks(choice, int(bootstrap.size), int(bootstrap.rank))
+        if choice == "reference":
+            return TransportChoice(
+                "reference", device, "CPU tensors (gloo group): the reference backend", None, su
+            )
+        return TransportChoice(
+            "ipc", device, "asked for (transport='ipc' or EPKIT_TORCH_TRANSPORT)", None, su
+        )
 
-    facts = _allgather_json(bootstrap, {"uuid": _device_uuid(device), "nccl": _nccl_problem()})
+    su, su_problem = _local_scaleup(choice or "auto", bootstrap)
+    facts = _allgather_json(
+        bootstrap,
+        {"uuid": _device_uuid(device), "nccl": _nccl_problem(), "scaleup": su, "scaleup_problem": su_problem},
+    )
+    for f in facts:
+        if f["scaleup_problem"]:
+            raise EPConfigError(f["scaleup_problem"])
+    values = [f["scaleup"] for f in facts]
+    if len(set(values)) > 1:
+        raise EPConfigError(
+            "EPKIT_SCALEUP_RANKS: the ranks disagree ("
+            + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            + "; 0 = not set); set the same value on every rank"
+        )
+    if su and su < int(bootstrap.size):
+        nodes = f"EPKIT_SCALEUP_RANKS={su} emulates nodes of {su} ranks"
+        if choice == "nccl":
+            raise EPConfigError(
+                f"transport 'nccl': {nodes}, but the nccl transport's scale-out put is GIN between real nodes "
+                "(their NVLink domains come from NCCL's LSA team); use transport='ipc' for emulated nodes (the hybrid "
+                "kernels with the emulated scale-out put), or unset EPKIT_SCALEUP_RANKS"
+            )
+        return TransportChoice(
+            "ipc", device, f"{nodes}: hybrid kernels over ipc (emulated scale-out put)", None, su
+        )
+    su_or_none = su or None
     seen: dict[str, int] = {}
     shared = None
     for r, f in enumerate(facts):
@@ -175,11 +242,17 @@ def choose_transport(
     if not choice:
         if shared is not None:
             return TransportChoice(
-                "ipc", device, f"ranks {shared[0]} and {shared[1]} share a GPU (NCCL refuses that)"
+                "ipc",
+                device,
+                f"ranks {shared[0]} and {shared[1]} share a GPU (NCCL refuses that)",
+                None,
+                su_or_none,
             )
         if unable:
             r, why = unable[0]
-            return TransportChoice("ipc", device, f"rank {r} cannot use the nccl transport: {why}")
+            return TransportChoice(
+                "ipc", device, f"rank {r} cannot use the nccl transport: {why}", None, su_or_none
+            )
     elif shared is not None:  # nccl asked for
         raise EPConfigError(
             f"transport 'nccl': ranks {shared[0]} and {shared[1]} share one GPU, which NCCL refuses; use "
@@ -187,8 +260,10 @@ def choose_transport(
         )
     reason = "every rank has its own GPU and NCCL >= 2.28.7" if not choice else "asked for"
     if unable:  # nccl asked for: NcclTransport raises the precise error on every rank
-        return TransportChoice("nccl", device, reason)
-    return _with_communicator(TransportChoice("nccl", device, reason), bootstrap, group, explicitly_destroy)
+        return TransportChoice("nccl", device, reason, None, su_or_none)
+    return _with_communicator(
+        TransportChoice("nccl", device, reason, None, su_or_none), bootstrap, group, explicitly_destroy
+    )
 
 
 def _with_communicator(
@@ -196,7 +271,7 @@ def _with_communicator(
 ) -> TransportChoice:
     mode = _env.nccl_comm()
     if mode == "own":
-        return TransportChoice(choice.name, choice.device, f"{choice.reason}; own communicator (asked for)")
+        return dataclasses.replace(choice, reason=f"{choice.reason}; own communicator (asked for)")
     if mode == "auto" and not explicitly_destroy:
         ptr, why = 0, "the buffer is not destroyed collectively (explicitly_destroy=False)"
     else:  # after the first exchange, which created a lazily initialized communicator
@@ -204,8 +279,8 @@ def _with_communicator(
     facts = _allgather_json(bootstrap, {"ok": ptr != 0, "why": why})
     refused = [(r, f["why"]) for r, f in enumerate(facts) if not f["ok"]]
     if not refused:
-        return TransportChoice(
-            choice.name, choice.device, f"{choice.reason}; the group's NCCL communicator", ptr
+        return dataclasses.replace(
+            choice, reason=f"{choice.reason}; the group's NCCL communicator", comm_ptr=ptr
         )
     r, why = refused[0]
     if mode == "group":
@@ -213,23 +288,24 @@ def _with_communicator(
             f"EPKIT_TORCH_NCCL_COMM=group: rank {r} cannot borrow the group's NCCL communicator: {why}; unset it "
             "(or set it to 'own') to let the buffer create its own communicator"
         )
-    return TransportChoice(choice.name, choice.device, f"{choice.reason}; own communicator (rank {r}: {why})")
+    return dataclasses.replace(choice, reason=f"{choice.reason}; own communicator (rank {r}: {why})")
 
 
-def reference_transport() -> ReferenceTransport:
-    """ep-core's reference transport with the planner inputs of ``_env`` (an H200 by default) and, with
-    ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS``, emulated NVLink domains (hybrid mode on CPU)."""
+def reference_transport(num_nvlink_ranks: int | None = None) -> ReferenceTransport:
+    """ep-core's reference transport with the planner inputs of ``_env`` (an H200 by default) and NVLink domains
+    of ``num_nvlink_ranks`` (emulated nodes: hybrid mode on CPU; None = one domain)."""
     return ReferenceTransport(
         num_device_sms=_env.reference_num_sms(),
         nvlink_gbs=_env.reference_nvlink_gbs(),
-        num_nvlink_ranks=_env.reference_nvlink_ranks() or None,
+        num_nvlink_ranks=num_nvlink_ranks,
     )
 
 
 def make_core_transport(choice: TransportChoice) -> Any:
-    """The ep-core transport object for ``choice``."""
+    """The ep-core transport object for ``choice`` (the buffer passes ``choice.scaleup_ranks`` to ep-core as its
+    ``num_nvlink_ranks``)."""
     if choice.name == "reference":
-        return reference_transport()
+        return reference_transport(choice.scaleup_ranks)
     if choice.name == "nccl":
         from ep_core.transports.nccl import NcclTransport
 
