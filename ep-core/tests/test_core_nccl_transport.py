@@ -1,7 +1,7 @@
 """CPU: the nccl transport's host side without a GPU.
 
-- Errors when NCCL is absent (ep-nccl-gin not importable, or `EPKIT_NCCL_GIN_DISABLE=1`), too old, or not one LSA
-  domain; a rank that cannot load NCCL makes every rank raise (no hang).
+- Errors when NCCL is absent (ep-nccl-gin not importable, or `EPKIT_NCCL_GIN_DISABLE=1`), too old, or an LSA team
+  that is not a node of consecutive ranks; a rank that cannot load NCCL makes every rank raise (no hang).
 - The setup and teardown sequence against a recording double of ep_nccl_gin (the real one needs a GPU for
   communicators): unique id from rank 0 to every rank through the bootstrap, `ncclCommInitRank` on the current
   device, `mem_alloc` of the ipc-sized storage, zeroing, `register_window`, `create_dev_comm(lsa_barrier_count)`;
@@ -50,11 +50,18 @@ class _FakeNccl:
     class NcclGinError(RuntimeError):
         pass
 
-    FEATURES: ClassVar[dict] = {"gin": SimpleNamespace(since=_V(2, 28, 7))}
+    FEATURES: ClassVar[dict] = {
+        "gin": SimpleNamespace(since=_V(2, 28, 7)),
+        "gin_traffic_class": SimpleNamespace(since=_V(2, 30, 3)),
+    }
 
     def __init__(self, runtime=_V(2, 28, 9), header=None, lsa_size=None, fail_rank=None) -> None:
         self.runtime, self.header = runtime, header or runtime
         self.lsa_size = lsa_size
+        self.lsa_stride = 1
+        self.gin_missing: dict[int, tuple[str, ...]] = {}  # rank -> what gin_support() reports missing
+        self.strict_ordering = True
+        self.gin_contexts_created = True
         self.fail_rank = fail_rank
         self.log: list[tuple] = []
         self._lock = threading.Lock()
@@ -78,13 +85,18 @@ class _FakeNccl:
 
             def lsa_team(self):
                 n = fake.lsa_size or self.nranks
-                return SimpleNamespace(nranks=n, rank=self.rank % n, stride=1)
+                return SimpleNamespace(nranks=n, rank=self.rank % n, stride=fake.lsa_stride if n > 1 else 1)
 
             def register_window(self, ptr, nbytes):
                 fake._rec(self.rank, "register_window", ptr, nbytes)
-                return _Window(fake, self.rank, fake._addr(), ptr, nbytes)
+                return _Window(fake, self.rank, fake._addr(), ptr, nbytes, fake.strict_ordering)
 
-            def create_dev_comm(self, *, lsa_barrier_count):
+            def create_dev_comm(self, *, lsa_barrier_count, **gin):
+                if gin:  # the GIN device communicator of several nodes
+                    fake._rec(
+                        self.rank, "create_dev_comm_gin", dict(gin, lsa_barrier_count=lsa_barrier_count)
+                    )
+                    return _DevComm(fake, self.rank, self.lsa_team(), gin=fake.gin_contexts_created)
                 fake._rec(self.rank, "create_dev_comm", lsa_barrier_count)
                 return _DevComm(fake, self.rank, self.lsa_team())
 
@@ -117,6 +129,9 @@ class _FakeNccl:
     def include_dirs(self):
         return []
 
+    def gin_support(self, *, hybrid=False):
+        return SimpleNamespace(missing=self.gin_missing.get(_rank_of_thread(), ()))
+
     def get_unique_id(self) -> bytes:
         uid = bytes(range(128))
         self.uids.append(uid)
@@ -137,18 +152,20 @@ def _rank_of_thread() -> int:
 
 
 class _Window:
-    def __init__(self, fake, rank, handle, ptr, nbytes):
+    def __init__(self, fake, rank, handle, ptr, nbytes, strict_ordering=True):
         self._fake, self._rank = fake, rank
         self.handle, self.ptr, self.nbytes = handle, ptr, nbytes
+        self.strict_ordering = strict_ordering
 
     def deregister(self):
         self._fake._rec(self._rank, "window_deregister")
 
 
 class _DevComm:
-    def __init__(self, fake, rank, team):
+    def __init__(self, fake, rank, team, gin=False):
         self._fake, self._rank = fake, rank
         self.lsa_size, self.lsa_rank = team.nranks, team.rank
+        self.gin_available = gin
 
     def as_bytes(self):
         return b"\1" * 20
@@ -296,12 +313,22 @@ def test_two_buffers_share_the_communicator(fake) -> None:
     assert fake.calls(0)[-1] == "comm_destroy" and tr.communicator is None
 
 
-def test_lsa_domain_smaller_than_world_is_refused(fake) -> None:
-    fake.lsa_size = 1
-    out = _run_ranks(2, lambda b: NcclTransport().allocate(b, WS + MIB2))
+def test_lsa_domain_smaller_than_world_is_a_node(fake) -> None:
+    """Several nodes: allocate gives each rank its node's LSA team (GIN is set up by create_executor)."""
+    fake.lsa_size = 2
+    out = _run_ranks(4, lambda b: NcclTransport().allocate(b, WS + MIB2))
+    for r, st in enumerate(out):
+        assert isinstance(st, NcclStorage), st
+        assert (st.lsa_size, st.lsa_rank, st.nccl_devcomm) == (2, r % 2, 0)
+        st.release_local()
+
+
+def test_lsa_team_not_consecutive_ranks_is_refused(fake) -> None:
+    fake.lsa_size, fake.lsa_stride = 2, 2  # nodes {0, 2} and {1, 3}: not ranks r // S_u
+    out = _run_ranks(4, lambda b: NcclTransport().allocate(b, WS + MIB2))
     for r, e in enumerate(out):
         assert isinstance(e, EPConfigError), e
-        assert "LSA team" in str(e) and "hybrid" in str(e) and "1 ranks" in str(e)
+        assert "LSA team" in str(e) and "stride 2" in str(e) and "consecutive" in str(e)
         assert fake.calls(r) == ["comm_init", "comm_abort"]  # local cleanup, nothing allocated
 
 

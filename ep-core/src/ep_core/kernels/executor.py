@@ -124,6 +124,8 @@ class RankResources:
     peer_table: int
     stream: Stream
     nccl_window: int = 0
+    nccl_devcomm: int = 0
+    """nccl, several nodes: device address of the GIN `ncclDevComm` (`OpArgs::nccl_devcomm`, the gin scale-out)."""
     scratch_buffers: dict = field(default_factory=dict)
     num_ranks_on_device: int = 0
     """Ranks of the domain that drive this rank's GPU (itself included); 0 = unknown: every rank is assumed to
@@ -224,6 +226,14 @@ class DirectRank:
         self.num_ranks = resources.num_ranks
         # ranks per node (S_u < N: the hybrid kernels, ep_core/hybrid.cuh, emulated scale-out over ipc)
         self.num_scaleup_ranks = resolve_scaleup_ranks(self.num_ranks, num_scaleup_ranks)
+        if resources.nccl_window and self.num_scaleup_ranks < self.num_ranks and not resources.nccl_devcomm:
+            # over nccl the hybrid kernels take the gin scale-out put (KernelConfig), which reads the device
+            # communicator: without one it would dereference null
+            raise EPConfigError(
+                f"nccl_devcomm: hybrid mode over transport 'nccl' ({self.num_ranks // self.num_scaleup_ranks} nodes "
+                f"x {self.num_scaleup_ranks} ranks, rank {resources.rank}) needs the GIN device communicator, got none; "
+                "create the buffer through NcclTransport (EPBuffer(transport='nccl')), which sets it up"
+            )
         self.debug_skip_scaleout_signal = False  # tests: this rank's node "never sends" (hybrid dispatch)
         self.rank = resources.rank
         self.num_max_tokens = int(num_max_tokens_per_rank)
@@ -341,6 +351,7 @@ class DirectRank:
             "peer_bases": self.res.peer_table,
             "own_base": self.res.base,
             "nccl_window": self.res.nccl_window,
+            "nccl_devcomm": self.res.nccl_devcomm,
             "rank": self.rank,
             "num_max_tokens": self.num_max_tokens,
             "num_experts": num_experts,
@@ -446,6 +457,7 @@ class DirectRank:
             res.peer_table,
             res.base,
             res.nccl_window,
+            res.nccl_devcomm,
             self.rank,
             self.num_max_tokens,
             self.timeout_cycles,

@@ -90,10 +90,12 @@ class GpuExecutor:
             storage.peer_table,
             self.stream,
             nccl_window=int(getattr(storage, "nccl_window", 0) or 0),
+            nccl_devcomm=int(getattr(storage, "nccl_devcomm", 0) or 0),
             num_ranks_on_device=self.num_ranks_on_device,
         )
         # hybrid topologies (several NVLink domains, allow_hybrid_mode) run the hybrid kernels; over ipc every rank is
-        # load/store reachable, so their scale-out put is the emulated one (emulated nodes on one host)
+        # load/store reachable, so their scale-out put is the emulated one (emulated nodes on one host); over nccl it
+        # is the gin one, with the storage's GIN device communicator (`nccl_devcomm`)
         topology = getattr(config, "topology", None)
         su = topology.num_scaleup_ranks if topology is not None and topology.is_hybrid else None
         self.rank = DirectRank(

@@ -9,12 +9,21 @@ Setup (`NcclTransport.allocate`, every rank in the same order):
    `ncclCommInitRank` on the current device) or borrowed (`NcclTransport(comm_ptr=...)`, e.g. torch's
    ProcessGroupNCCL communicator; its rank and size must equal the bootstrap's);
 2. the version gate (NCCL >= 2.28.7, library and headers: ep-nccl-gin's "gin" gate) and NCCL's header/library
-   rule for the JIT headers; then the LSA check: every rank must be load/store reachable (LSA team of all `n`
-   ranks, same rank order) else `EPConfigError` (hybrid mode over GIN: kernels built, host side not wired);
+   rule for the JIT headers; then the LSA check: NCCL's LSA team (one NVLink domain, a "node") is either all `n`
+   ranks (direct mode) or `S_u` consecutive ranks with `S_u` dividing `n` (ranks `r // S_u` form a node, as the
+   hybrid kernels assume); anything else is an `EPConfigError`;
 3. the symmetric storage `[workspace | data]` (sizes as for ipc) from `ncclMemAlloc`, zeroed, registered as a
-   window (`ncclCommWindowRegister`, symmetric), and a device communicator (`ncclDevCommCreate` with
-   `lsa_barrier_count`, no GIN) whose bytes (`NcclStorage.dev_comm_bytes`, `.context_bytes`) are kept for kernels
-   that use NCCL's own barriers or GIN.
+   window (`ncclCommWindowRegister`, symmetric, strict ordering), and a device communicator (`ncclDevCommCreate`
+   with `lsa_barrier_count`, no GIN) whose bytes (`NcclStorage.dev_comm_bytes`, `.context_bytes`) are kept for
+   kernels that use NCCL's own barriers.
+4. several nodes (`create_executor`, when the buffer's topology is known): hybrid mode (`allow_hybrid_mode=True`)
+   needs GIN. Every rank checks `gin_support(hybrid=True)` (EPKIT_DISABLE_GIN, NCCL version, an RDMA NIC), the
+   traffic-class gate and the window's strict ordering, the outcome is exchanged (no rank enters a collective
+   that another refused), then the device communicator is replaced by one with `gin_requirements(...)` and a
+   device copy of its `ncclDevComm` goes to the kernels (`OpArgs::nccl_devcomm`, the `gin` scale-out put of
+   include/ep_core/scaleout.cuh). Direct mode across nodes (`allow_hybrid_mode=False`) is refused: the
+   direct-mode kernels reach peers through LSA pointers only. The GIN path is compiled and wired but has never
+   run (no RDMA NIC on the machines this was built on).
 
 Teardown (`NcclStorage.close()`, called by `EPBuffer.destroy()` after its barrier): device communicator destroy,
 window deregister (both collective), `ncclMemFree`, then the communicator (owned only, once its last storage is
@@ -32,10 +41,35 @@ from typing import Any
 from ep_core.errors import EPConfigError, EPDeviceError
 from ep_core.kernels.executor import DirectRank, RankResources
 
-__all__ = ["MIN_NCCL_VERSION", "NcclRank", "NcclStorage", "NcclTransport", "load_nccl_gin", "make_transport"]
+__all__ = [
+    "GIN_QUEUE_DEPTH",
+    "GIN_SIGNAL_COUNT",
+    "MIN_NCCL_VERSION",
+    "NcclRank",
+    "NcclStorage",
+    "NcclTransport",
+    "gin_requirements",
+    "load_nccl_gin",
+    "make_transport",
+]
 
 MIN_NCCL_VERSION = (2, 28, 7)
 """The NCCL release (library and headers) the transport needs: ep-nccl-gin's "gin" feature gate."""
+
+GIN_QUEUE_DEPTH = 1024
+"""Entries per GIN queue (DeepEP's `kGinQPDepth`)."""
+
+GIN_SIGNAL_COUNT = 0
+"""GIN signal ids the hybrid kernels use: none. Every signal of include/ep_core/hybrid.cuh (the count-block signal
+per source node, the barrier's arrival adds) is a `ncclGin_StrongVASignalAdd` on a workspace word of the window
+(a VA signal), and the puts are plain `put`/`putValue`; no `ncclGinSignal_t` id is ever passed. A kernel that
+starts using indexed signals must raise this (DeepEP asks for N + 4 because its barrier uses ids)."""
+
+GIN_KERNEL_PEERS = "world"
+"""Which peers the gin kernels reach over GIN: the data puts and count signals go to the rail peer only (same
+local index on the other node), but `hybrid_barrier` signals EVERY rank of the other nodes through
+`ncclTeamWorld`. A RAIL connection connects same-rail peers only, so it cannot carry that barrier: the
+connection asked for is FULL until the barrier is rail-only (then set this to "rail")."""
 
 _GATE_FEATURE = "gin"
 _INSTALL_HINT = "pip install 'ep-core[nccl]' (ep-nccl-gin) with nvidia-nccl-cu12/cu13 >= 2.28.7"
@@ -65,6 +99,19 @@ def _zero(ptr: int, nbytes: int) -> None:
 
     _cuda.memset(ptr, nbytes, 0)
     _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+def _upload(raw: bytes) -> Any:
+    """A device copy of `raw` (the `ncclDevComm` the gin kernels read through `OpArgs::nccl_devcomm`); returns an
+    object with `.ptr` and `.close()`."""
+    import numpy as np
+
+    from ep_core.kernels import _cuda
+
+    buf = _cuda.DeviceBuffer(len(raw))
+    _cuda.copy_to_device(buf.ptr, np.frombuffer(raw, dtype=np.uint8), 0)
+    _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
+    return buf
 
 
 def _storage_total_bytes(num_bytes: int) -> int:
@@ -109,6 +156,54 @@ def load_nccl_gin() -> Any:
     return nccl
 
 
+def gin_requirements(
+    topology: Any, *, num_allocated_qps: int, sl_idx: int, lsa_barrier_count: int
+) -> dict[str, Any]:
+    """`Communicator.create_dev_comm` keyword arguments for a buffer of `topology` (several nodes):
+    contexts = the allocated QPs (DeepEP: one GIN context per QP; `num_allocated_qps` as `EPBuffer` resolved it,
+    0 = the planner's default), exclusive contexts, `GIN_QUEUE_DEPTH`, traffic class = `sl_idx`, the signal ids the
+    kernels use (`GIN_SIGNAL_COUNT`), and the connection: RAIL in hybrid mode when the kernels reach rail peers
+    only, else FULL (direct mode across nodes puts to every rank; today's hybrid barrier does too:
+    `GIN_KERNEL_PEERS`)."""
+    from ep_core import planner
+
+    if topology.num_rdma_ranks <= 1:
+        raise EPConfigError(
+            f"topology: GIN requirements are for several nodes, got one NVLink domain of {topology.num_ranks} ranks"
+        )
+    qps = int(num_allocated_qps) or planner.default_num_allocated_qps(topology)
+    rail = topology.is_hybrid and GIN_KERNEL_PEERS == "rail"
+    return {
+        "lsa_barrier_count": int(lsa_barrier_count),
+        "gin_contexts": qps,
+        "gin_exclusive_contexts": True,
+        "gin_queue_depth": GIN_QUEUE_DEPTH,
+        "gin_signal_count": GIN_SIGNAL_COUNT,
+        "gin_connection_type": "rail" if rail else "full",
+        "gin_traffic_class": int(sl_idx),
+    }
+
+
+def _gin_blockers(nccl: Any, storage: NcclStorage, requirements: dict[str, Any]) -> list[str]:
+    """What keeps this rank from a GIN device communicator with `requirements` (empty: nothing). Local."""
+    missing = list(nccl.gin_support(hybrid=True).missing)  # EPKIT_DISABLE_GIN, versions, RDMA NIC
+    loaded = nccl.load()
+    if requirements.get("gin_traffic_class") is not None:
+        since = nccl.FEATURES["gin_traffic_class"].since
+        if loaded.runtime < since or loaded.header < since:
+            missing.append(
+                f"sl_idx={requirements['gin_traffic_class']} is the GIN traffic class, which needs NCCL >= {since} "
+                f"(library {loaded.runtime}, headers {loaded.header}); upgrade nvidia-nccl (and rebuild ep-nccl-gin)"
+            )
+    window = storage.window
+    if window is not None and not getattr(window, "strict_ordering", False):
+        missing.append(
+            "the window was registered without NCCL_WIN_STRICT_ORDERING (NCCL 2.28 has no such flag), but the gin "
+            "scale-out's strong VA signals need it: use an NCCL release with strict-ordering windows"
+        )
+    return missing
+
+
 class NcclStorage:
     """One rank's symmetric storage `[workspace | data]`: NCCL memory registered as a window, plus the device
     communicator. `ptr`/`num_bytes`/`device` as every storage; `nccl_window` is what the kernels read."""
@@ -128,7 +223,24 @@ class NcclStorage:
         self.nccl_window = int(window.handle)
         self.lsa_size = int(dev_comm.lsa_size)
         self.lsa_rank = int(dev_comm.lsa_rank)
+        self.nccl_devcomm = (
+            0  # device copy of a GIN ncclDevComm (several nodes, `NcclTransport.create_executor`)
+        )
+        self._devcomm_copy: Any = None
         self.closed = False
+
+    def _use_gin_dev_comm(self, dev_comm: Any, copy: Any) -> None:
+        """Replace the LSA-only device communicator by the GIN one (collective destroy of the old one)."""
+        old, self._dev_comm = self._dev_comm, dev_comm
+        self._devcomm_copy = copy
+        self.nccl_devcomm = int(copy.ptr)
+        old.destroy()
+
+    def _free_devcomm_copy(self) -> None:
+        copy, self._devcomm_copy, self.nccl_devcomm = self._devcomm_copy, None, 0
+        if copy is not None:
+            with contextlib.suppress(Exception):
+                copy.close()
 
     @property
     def window(self) -> Any:
@@ -163,6 +275,7 @@ class NcclStorage:
         nccl = self._transport._nccl
         dev_comm, window = self._dev_comm, self._window
         self._dev_comm = self._window = None
+        self._free_devcomm_copy()
         try:
             dev_comm.destroy()
             window.deregister()
@@ -178,6 +291,7 @@ class NcclStorage:
         nccl = self._transport._nccl
         window = self._window
         self._dev_comm = None
+        self._free_devcomm_copy()
         if self._transport._storage_closed(self, collective=False):
             # the communicator was aborted: its windows are gone, the memory can go too
             with warnings.catch_warnings():
@@ -228,6 +342,7 @@ class NcclTransport:
         self._nccl: Any = None
         self._comm: Any = None
         self._storages: list[NcclStorage] = []
+        self.gin_requirements: dict[str, Any] | None = None  # what the last GIN device communicator asked for
 
     # -- communicator ---------------------------------------------------------------------------------------
     @property
@@ -300,13 +415,12 @@ class NcclTransport:
                 f"{device}; make the communicator's device current before creating the buffer"
             )
         team = comm.lsa_team()
-        if team.nranks != n or team.rank != rank or (n > 1 and team.stride != 1):
+        su = int(team.nranks)
+        if su < 1 or n % su or team.rank != rank % su or (su > 1 and team.stride != 1):
             raise EPConfigError(
-                f"transport 'nccl': direct mode needs all {n} ranks load/store reachable (one NVLink/LSA domain), "
-                f"but NCCL's LSA team of rank {rank} has {team.nranks} ranks (index {team.rank}, stride "
-                f"{team.stride}); hybrid mode over GIN is not wired on the host yet (its kernels and GIN scale-out put build: "
-                "`python -m ep_core compile --transport nccl --num-scaleup-ranks`, but no GIN device communicator is "
-                "created): run within one NVLink domain"
+                f"transport 'nccl': NCCL's LSA team (NVLink domain) of rank {rank} has {team.nranks} ranks (index "
+                f"{team.rank}, stride {team.stride}); expected all {n} ranks (direct mode) or a divisor S_u of {n} "
+                f"consecutive ranks (nodes of ranks r // S_u, index r % S_u, stride 1): order the ranks node by node"
             )
 
     def _storage_closed(self, storage: NcclStorage, *, collective: bool) -> bool:
@@ -344,10 +458,11 @@ class NcclTransport:
             _zero(ptr, total)
             window = comm.register_window(ptr, total)
             dev_comm = comm.create_dev_comm(lsa_barrier_count=barriers)
-            if dev_comm.lsa_size != bootstrap.size:
+            lsa = int(comm.lsa_team().nranks)
+            if dev_comm.lsa_size != lsa:
                 raise EPConfigError(
                     f"transport 'nccl': the device communicator's LSA team has {dev_comm.lsa_size} ranks, expected "
-                    f"{bootstrap.size} (direct mode)"
+                    f"{lsa} (the communicator's LSA team)"
                 )
         except BaseException:
             # collective calls that failed on one rank may hang the others: release only locally here
@@ -374,7 +489,90 @@ class NcclTransport:
                 f"transport 'nccl': expected the buffer's storage from NcclTransport.allocate, got "
                 f"{type(storage).__name__}"
             )
+        topology = getattr(config, "topology", None)
+        if topology is not None:
+            self._check_topology(topology, storage, int(config.rank))
+            if topology.num_rdma_ranks > 1 and not storage.nccl_devcomm:
+                self._setup_gin(storage, config, buffer.bootstrap)
         return GpuExecutor(config, storage, buffer.bootstrap)
+
+    @staticmethod
+    def _check_topology(topology: Any, storage: NcclStorage, rank: int) -> None:
+        """The buffer's NVLink domains must be NCCL's LSA teams (the kernels address a node's peers through LSA
+        pointers and everything else through GIN), and direct mode must stay within one of them."""
+        nvl = int(topology.num_nvlink_ranks)
+        if nvl != storage.lsa_size:
+            raise EPConfigError(
+                f"num_nvlink_ranks: over transport 'nccl' it must be NCCL's LSA team size {storage.lsa_size} (rank "
+                f"{rank}), got {nvl}; leave it unset (emulated nodes within one NVLink domain run over "
+                "transport='ipc')"
+            )
+        if topology.num_rdma_ranks > 1 and not topology.is_hybrid:
+            raise EPConfigError(
+                f"allow_hybrid_mode=False with {topology.num_rdma_ranks} nodes of {nvl} ranks over transport "
+                f"'nccl' (rank {rank}): direct mode across nodes is not supported by the kernels: the direct-mode "
+                "kernels reach peers through LSA (NVLink) pointers only and have no GIN put to a rank of another "
+                "node; use allow_hybrid_mode=True (the hybrid kernels, GIN between nodes), or run within one NVLink "
+                "domain"
+            )
+
+    def _setup_gin(self, storage: NcclStorage, config: Any, bootstrap: Any) -> None:
+        """Collective: check GIN on every rank, exchange the outcome, then replace the storage's device
+        communicator by one with `gin_requirements` and upload it for the kernels."""
+        nccl = self._nccl
+        topology = config.topology
+        barriers = self.lsa_barrier_count if self.lsa_barrier_count is not None else _device_sms()
+        reqs = gin_requirements(
+            topology,
+            num_allocated_qps=int(config.num_allocated_qps),
+            sl_idx=int(config.sl_idx),
+            lsa_barrier_count=barriers,
+        )
+        what = f"hybrid mode ({topology.num_rdma_ranks} nodes x {storage.lsa_size} ranks) needs GIN between nodes"
+        try:
+            missing = "; ".join(_gin_blockers(nccl, storage, reqs))
+        except Exception as exc:  # a check that cannot run is a blocker too (every rank must hear of it)
+            missing = f"the GIN check failed ({exc})"
+        _agree(bootstrap, missing, what)  # no rank enters ncclDevCommCreate that another refused
+        try:
+            dev_comm = self._comm.create_dev_comm(**reqs)
+        except (nccl.NcclGinError, ValueError, TypeError) as exc:
+            # collective: the other ranks fail in (or hang on) the same call; NCCL's error names the cause
+            raise EPConfigError(
+                f"transport 'nccl': {what}: ncclDevCommCreate with {reqs} failed on rank {bootstrap.rank}: {exc}"
+            ) from exc
+        copy = None
+        try:
+            error = ""
+            if dev_comm.lsa_size != storage.lsa_size:
+                error = f"the GIN device communicator's LSA team has {dev_comm.lsa_size} ranks, not {storage.lsa_size}"
+            elif not dev_comm.gin_available:
+                error = "NCCL created the device communicator without GIN contexts (no GIN transport, e.g. no GPUDirect RDMA)"
+            else:
+                copy = _upload(dev_comm.as_bytes())
+            _agree(bootstrap, error, what)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                dev_comm.destroy()
+            if copy is not None:
+                with contextlib.suppress(Exception):
+                    copy.close()
+            raise
+        storage._use_gin_dev_comm(dev_comm, copy)
+        self.gin_requirements = reqs
+        bootstrap.barrier()
+
+
+def _agree(bootstrap: Any, error: str, what: str) -> None:
+    """Collective: raise the same `EPConfigError` on every rank when any rank reports an `error` (empty: none)."""
+    blobs = bootstrap.allgather(error.encode())
+    failed = {r: b.decode(errors="replace") for r, b in enumerate(blobs) if b}
+    if failed:
+        rank = int(bootstrap.rank)
+        first = rank if rank in failed else min(failed)
+        raise EPConfigError(
+            f"transport 'nccl': {what}, which rank(s) {sorted(failed)} cannot have; rank {first}: {failed[first]}"
+        )
 
 
 def make_transport() -> NcclTransport:
@@ -410,6 +608,13 @@ class NcclRank(DirectRank):
         self.bootstrap = bootstrap
         self.transport = NcclTransport(comm_ptr, lsa_barrier_count=lsa_barrier_count)
         self.storage = self.transport.allocate(bootstrap, ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES + data)
+        if self.storage.lsa_size != size:
+            self.storage.close()
+            raise EPConfigError(
+                f"NcclRank: direct mode within one NVLink domain only, but NCCL's LSA team has "
+                f"{self.storage.lsa_size} of {size} ranks (rank {bootstrap.rank}); several nodes run through "
+                "EPBuffer(transport='nccl') (hybrid mode, GIN)"
+            )
         res = RankResources(
             int(bootstrap.rank),
             size,
