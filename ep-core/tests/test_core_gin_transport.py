@@ -296,9 +296,64 @@ def test_storage_close_frees_the_devcomm_copy(fake) -> None:
     assert closed == [None] * 4
     assert sum(1 for what, _ in fake.uploads if what == "free") == 4
     for r in range(4):
-        assert fake.calls(r)[-3:] == [
-            "dev_comm_destroy",
-            "window_deregister",
-            "mem_free",
-        ] or "comm_destroy" in fake.calls(r)
-    assert isinstance(out[0][1], NcclStorage)
+        # the GIN device communicator (the LSA-only one went at setup), window, memory, the owned communicator
+        assert fake.calls(r)[-4:] == ["dev_comm_destroy", "window_deregister", "mem_free", "comm_destroy"]
+        assert fake.calls(r).count("dev_comm_destroy") == 2
+        assert isinstance(out[r][1], NcclStorage) and out[r][1].nccl_devcomm == 0
+
+
+# --- the requirements through ep_nccl_gin's real create_dev_comm (its extension faked) ----------------------
+def test_requirements_accepted_by_real_create_dev_comm(monkeypatch) -> None:
+    """The keyword names and values of `gin_requirements` are what `Communicator.create_dev_comm` takes, and they
+    land in the ncclDevCommRequirements fields (NCCL 2.30.3: RAIL/FULL, exclusive contexts, depth, class)."""
+    pytest.importorskip("ep_nccl_gin")
+    from ep_nccl_gin import communicator as comm_mod
+    from ep_nccl_gin.errors import NcclVersionError
+    from ep_nccl_gin.version import NcclVersion
+
+    sent = []
+
+    class _Req:
+        pass
+
+    class _Ext:
+        DevCommRequest = _Req
+
+        def dev_comm_create(self, ptr, req):
+            sent.append(vars(req).copy())
+            return b"\0" * 64
+
+        def dev_comm_info(self, raw):
+            return {"gin_context_count": 65, "lsa_size": 8, "lsa_rank": 3}
+
+        def team_lsa(self, ptr):
+            return (8, 3, 1)
+
+    monkeypatch.setattr(comm_mod, "extension", lambda: _Ext())
+    monkeypatch.delenv("EPKIT_DISABLE_GIN", raising=False)
+    v = NcclVersion.parse("2.30.3")
+    comm = comm_mod.Communicator.__new__(comm_mod.Communicator)
+    comm._nccl, comm._ptr, comm._owned, comm._finalizer = (
+        SimpleNamespace(runtime=v, header=v),
+        0x1000,
+        False,
+        None,
+    )
+    reqs = gin_requirements(Topology(16, 8, True), num_allocated_qps=65, sl_idx=3, lsa_barrier_count=132)
+    dev = comm.create_dev_comm(**reqs)
+    assert dev.gin_available and dev.gin_contexts == 65
+    (req,) = sent
+    assert req["lsa_barrier_count"] == 132 and req["gin_context_count"] == 65
+    assert req["gin_exclusive_contexts"] is True and req["gin_queue_depth"] == 1024
+    assert req["gin_traffic_class"] == 3 and req["gin_signal_count"] == 0
+    assert req["gin_connection_type"] == 1  # NCCL_GIN_CONNECTION_FULL
+    monkeypatch.setattr(nccl_transport, "GIN_KERNEL_PEERS", "rail")
+    comm.create_dev_comm(
+        **gin_requirements(Topology(16, 8, True), num_allocated_qps=65, sl_idx=3, lsa_barrier_count=1)
+    )
+    assert sent[-1]["gin_connection_type"] == 2  # NCCL_GIN_CONNECTION_RAIL
+    # an NCCL without the traffic class refuses it (a version gate, never silently dropped)
+    old = NcclVersion.parse("2.29.7")
+    comm._nccl = SimpleNamespace(runtime=old, header=old)
+    with pytest.raises(NcclVersionError, match=r"2\.30\.3"):
+        comm.create_dev_comm(**reqs)
