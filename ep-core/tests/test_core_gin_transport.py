@@ -357,3 +357,18 @@ def test_requirements_accepted_by_real_create_dev_comm(monkeypatch) -> None:
     comm._nccl = SimpleNamespace(runtime=old, header=old)
     with pytest.raises(NcclVersionError, match=r"2\.30\.3"):
         comm.create_dev_comm(**reqs)
+
+
+def test_upload_failure_on_one_rank_fails_every_rank(fake, monkeypatch) -> None:
+    def upload(raw):
+        if _fakes._rank_of_thread() == 1:
+            raise RuntimeError("cuMemAlloc: out of memory (test)")
+        return _Copy(raw, fake.uploads)
+
+    monkeypatch.setattr(nccl_transport, "_upload", upload)
+    out = _setup(4)
+    for r, e in enumerate(out):
+        assert isinstance(e, EPConfigError), e
+        assert "rank(s) [1]" in str(e) and "out of memory" in str(e)
+        assert fake.calls(r).count("dev_comm_destroy") >= 1
+    assert sum(1 for what, _ in fake.uploads if what == "free") == 3  # the copies that were made are freed

@@ -549,7 +549,12 @@ class NcclTransport:
             elif not dev_comm.gin_available:
                 error = "NCCL created the device communicator without GIN contexts (no GIN transport, e.g. no GPUDirect RDMA)"
             else:
-                copy = _upload(dev_comm.as_bytes())
+                try:
+                    copy = _upload(dev_comm.as_bytes())
+                except (
+                    Exception
+                ) as exc:  # reported through the exchange: the peers must not wait for this rank
+                    error = f"copying the ncclDevComm to the device failed ({exc})"
             _agree(bootstrap, error, what)
         except BaseException:
             with contextlib.suppress(Exception):
