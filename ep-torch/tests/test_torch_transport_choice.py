@@ -16,7 +16,18 @@ from ep_torch import transport_choice as tc
 _rank = threading.local()
 
 
-def _run(monkeypatch, n, *, uuids=None, nccl=None, comms=None, requested=None, destroy=True, device="cuda"):
+def _run(
+    monkeypatch,
+    n,
+    *,
+    uuids=None,
+    nccl=None,
+    comms=None,
+    requested=None,
+    destroy=True,
+    device="cuda",
+    hosts=None,
+):
     """choose_transport on `n` thread ranks; returns each rank's TransportChoice or exception, and the number
     of all-gathers each rank took part in."""
     uuids = uuids or [f"GPU-{r}" for r in range(n)]
@@ -25,6 +36,7 @@ def _run(monkeypatch, n, *, uuids=None, nccl=None, comms=None, requested=None, d
     monkeypatch.setattr(tc, "_device_uuid", lambda device: uuids[_rank.r])
     monkeypatch.setattr(tc, "_nccl_problem", lambda: nccl[_rank.r])
     monkeypatch.setattr(tc, "_group_comm", lambda group: comms[_rank.r])
+    monkeypatch.setattr(tc, "_host_name", lambda: hosts[_rank.r] if hosts else "host-0")
     group = ThreadGroup(n, timeout_secs=20)
     boots = group.bootstraps()
     calls = [0] * n
@@ -268,3 +280,36 @@ def test_ranks_that_disagree_on_scaleup_ranks_fail_together(monkeypatch):
     assert all(
         isinstance(e, EPConfigError) and "disagree" in str(e) and "rank 2: 0" in str(e) for e in out
     ), out
+
+
+def test_scaleup_ranks_across_hosts_only_overrides_the_nodes(monkeypatch):
+    # real nodes: the choice is made as without the knob, which reaches ep-core (its nccl transport checks it
+    # against NCCL's LSA team)
+    monkeypatch.setenv("EPKIT_SCALEUP_RANKS", "2")
+    hosts = ["a", "a", "b", "b"]
+    out, _ = _run(monkeypatch, 4, hosts=hosts)
+    assert [(c.name, c.communicator, c.scaleup_ranks) for c in out] == [("nccl", "group", 2)] * 4
+    out, _ = _run(monkeypatch, 4, hosts=hosts, requested="nccl")
+    assert [(c.name, c.scaleup_ranks) for c in out] == [("nccl", 2)] * 4
+
+
+@pytest.mark.parametrize(
+    "hosts, want",
+    [
+        (["a"] * 4, 4),
+        (["a", "a", "b", "b"], 2),
+        (["a", "b", "a", "b"], 4),
+        (["a", "a", "a", "b"], 4),
+        (["a"], 1),
+    ],
+)
+def test_ranks_per_host(monkeypatch, hosts, want):
+    monkeypatch.setattr(tc, "_host_name", lambda: hosts[_rank.r])
+    boots = ThreadGroup(len(hosts), timeout_secs=20).bootstraps()
+
+    def one(r):
+        _rank.r = r
+        return tc.ranks_per_host(boots[r])
+
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        assert list(pool.map(one, range(len(hosts)))) == [want] * len(hosts)

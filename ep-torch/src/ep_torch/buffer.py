@@ -34,7 +34,13 @@ from . import _env
 from .bootstrap import ProcessGroupBootstrap
 from .elastic_ops import ElasticOps
 from .event import EventHandle, EventOverlap
-from .transport_choice import choose_transport, data_device, make_core_transport, scaleup_ranks
+from .transport_choice import (
+    choose_transport,
+    data_device,
+    make_core_transport,
+    ranks_per_host,
+    scaleup_ranks,
+)
 
 __all__ = ["EPBuffer", "ElasticBuffer", "topk_idx_t"]
 
@@ -235,9 +241,11 @@ class ElasticBuffer(ElasticOps):
         """Bytes a buffer needs for these sizes (2 MiB aligned; SPEC §4). A collective over ``group``."""
         boot = ProcessGroupBootstrap(dist.group.WORLD if group is None else group)
         name, _ = data_device(None, boot.device)
-        # one NVLink domain unless EPKIT_SCALEUP_RANKS emulates nodes (asking NCCL for its LSA team would create a
-        # communicator just for a size)
-        nvl = scaleup_ranks(name or "auto", boot.size, boot.rank) or boot.size
+        # EPKIT_SCALEUP_RANKS, else one domain on the reference backend; a CUDA group's domain is NCCL's LSA team,
+        # which would need a communicator just for a size: ranks per host stand in for it (several hosts: hybrid)
+        nvl = scaleup_ranks(name or "auto", boot.size, boot.rank)
+        if nvl is None:
+            nvl = boot.size if name == "reference" else ranks_per_host(boot)
         topology = Topology(boot.size, nvl, bool(allow_hybrid_mode))
         return planner.get_buffer_size_hint(
             topology,

@@ -20,13 +20,14 @@ creating a second one when all of these hold on every rank (``EPKIT_TORCH_NCCL_C
 ``EPKIT_TORCH_NCCL_COMM=group`` asks for the borrowed communicator and fails with the reason when it cannot be had;
 ``own`` always creates one.
 
-Emulated nodes: ``EPKIT_SCALEUP_RANKS=S_u`` (a divisor of the group size) makes ranks ``r // S_u`` one node and the
-buffer runs hybrid mode across them: on the reference backend (ep-core's hybrid reference), and over ``ipc`` (the
-hybrid kernels with the emulated scale-out put: processes sharing a GPU or one per GPU). With ``S_u`` below the group
-size the automatic choice is ``ipc``; ``nccl`` is refused (its scale-out put is GIN between real nodes, whose
-NVLink domains NCCL reports; emulated nodes need the emulated put of ``ipc``). The
-value is part of the exchanged facts, so ranks that disagree fail together. ``TransportChoice.scaleup_ranks`` keeps
-it (None: not set, the transport's own NVLink domain).
+Nodes: ``EPKIT_SCALEUP_RANKS=S_u`` (a divisor of the group size) makes ranks ``r // S_u`` one node and the buffer
+runs hybrid mode across them (ep-core gets it as ``num_nvlink_ranks``). On one host these are emulated nodes: the
+reference backend (ep-core's hybrid reference), or ``ipc`` (the hybrid kernels with the emulated scale-out put;
+processes sharing a GPU or one per GPU): with ``S_u`` below the group size the automatic choice is ``ipc`` and
+``nccl`` is refused (its scale-out put is GIN, and its nodes are NCCL's LSA teams). Across hosts the knob only
+overrides what NCCL reports: the choice is made as without it and ep-core's nccl transport requires ``S_u`` to equal
+the LSA team size. The value and the host name are exchanged facts, so ranks that disagree fail together.
+``TransportChoice.scaleup_ranks`` keeps it (None: not set, the transport's own NVLink domain).
 
 Every local fact is exchanged (two small all-gathers) before anything is decided, so all ranks agree; a rank that
 would pick differently from its peers would hang them in NCCL's communicator setup.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,14 @@ from ep_core.executor import ReferenceTransport
 
 from . import _env
 
-__all__ = ["TRANSPORTS", "TransportChoice", "choose_transport", "make_core_transport", "scaleup_ranks"]
+__all__ = [
+    "TRANSPORTS",
+    "TransportChoice",
+    "choose_transport",
+    "make_core_transport",
+    "ranks_per_host",
+    "scaleup_ranks",
+]
 
 TRANSPORTS = ("reference", "ipc", "nccl")
 
@@ -73,6 +82,10 @@ class TransportChoice:
 
 
 # --- local facts (seams: the CPU tests replace them to simulate GPUs, NCCL builds and communicators) ----------------
+def _host_name() -> str:
+    return socket.gethostname()
+
+
 def _device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
@@ -151,6 +164,17 @@ def scaleup_ranks(name: str, num_ranks: int, rank: int) -> int | None:
     return su
 
 
+def ranks_per_host(bootstrap: Any) -> int:
+    """Ranks per host when the group's hosts hold equal blocks of consecutive ranks, else the group size: the usual
+    NVLink domain of a CUDA group (NCCL's LSA team), known without creating a communicator. A collective."""
+    hosts = [b.decode() for b in bootstrap.allgather(_host_name().encode())]
+    n, c = len(hosts), hosts.count(hosts[0])
+    blocks = [hosts[i : i + c] for i in range(0, n, c)]
+    if n % c or len({b[0] for b in blocks}) != len(blocks) or any(len(set(b)) != 1 for b in blocks):
+        return n
+    return c
+
+
 def _local_scaleup(name: str, bootstrap: Any) -> tuple[int, str]:
     """(S_u or 0, "") or (0, why it is invalid): a fact to exchange, so that a bad value fails every rank."""
     try:
@@ -207,7 +231,13 @@ def choose_transport(
     su, su_problem = _local_scaleup(choice or "auto", bootstrap)
     facts = _allgather_json(
         bootstrap,
-        {"uuid": _device_uuid(device), "nccl": _nccl_problem(), "scaleup": su, "scaleup_problem": su_problem},
+        {
+            "uuid": _device_uuid(device),
+            "nccl": _nccl_problem(),
+            "scaleup": su,
+            "scaleup_problem": su_problem,
+            "host": _host_name(),
+        },
     )
     for f in facts:
         if f["scaleup_problem"]:
@@ -219,13 +249,13 @@ def choose_transport(
             + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             + "; 0 = not set); set the same value on every rank"
         )
-    if su and su < int(bootstrap.size):
-        nodes = f"EPKIT_SCALEUP_RANKS={su} emulates nodes of {su} ranks"
+    if su and su < int(bootstrap.size) and len({f["host"] for f in facts}) == 1:
+        nodes = f"EPKIT_SCALEUP_RANKS={su} emulates nodes of {su} ranks on one host"
         if choice == "nccl":
             raise EPConfigError(
-                f"transport 'nccl': {nodes}, but the nccl transport's scale-out put is GIN between real nodes "
-                "(their NVLink domains come from NCCL's LSA team); use transport='ipc' for emulated nodes (the hybrid "
-                "kernels with the emulated scale-out put), or unset EPKIT_SCALEUP_RANKS"
+                f"transport 'nccl': {nodes}, but the nccl transport's nodes are NCCL's LSA teams and its scale-out "
+                "put is GIN; use transport='ipc' for emulated nodes (the hybrid kernels with the emulated scale-out "
+                "put), or unset EPKIT_SCALEUP_RANKS"
             )
         return TransportChoice(
             "ipc", device, f"{nodes}: hybrid kernels over ipc (emulated scale-out put)", None, su
