@@ -7,7 +7,7 @@
 | ``EPKIT_TORCH_NCCL_COMM`` | str | ``auto`` | nccl transport's communicator: ``group`` (borrow the ProcessGroupNCCL's), ``own`` (create one per buffer group) or ``auto`` (borrow when allowed, see ``ep_torch.transport_choice``) |
 | ``EPKIT_TORCH_REFERENCE_NUM_SMS`` | int | ``132`` | device SM count the planner assumes on the CPU reference backend (an H200 by default) |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
-| ``EPKIT_SCALEUP_RANKS`` | int | ``0`` | ranks per (emulated) node, S_u: a divisor of N below N runs hybrid mode with ranks ``r // S_u`` forming a node, on the reference backend and over ``ipc`` (processes sharing a GPU or one per GPU); 0 = the transport's own NVLink domain (one node). Shared with ep-core |
+| ``EPKIT_SCALEUP_RANKS`` | int | ``0`` | ranks per (emulated) node, S_u: a divisor of N below N runs hybrid mode with ranks ``r // S_u`` forming a node, on the reference backend and over ``ipc`` (emulated nodes on one host: processes sharing a GPU or one per GPU); across hosts it overrides NCCL's LSA team size; 0 = the transport's own NVLink domain. Shared with ep-core |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | the old name of ``EPKIT_SCALEUP_RANKS``, read on the CPU reference backend only |
 """
 
