@@ -128,6 +128,25 @@ class PreparedOps:
             table.clear()
         table[key] = {k: v for k, v in req.__dict__.items() if k not in per_call}
 
+    def _hit(
+        self,
+        cls: type,
+        entry: dict,
+        target: Any,
+        arrays: dict,
+        allocator: Any,
+        stream: Any,
+        previous_event: Any,
+        previous_event_before_epilogue: Any,
+    ) -> Any:
+        """The cached request with this call's arrays (`arrays`, in field order), allocator, stream and events."""
+        arrays["allocator"] = check_allocator(allocator, target)
+        arrays["stream"] = check_stream(stream)
+        arrays["previous_event"] = previous_event
+        arrays["previous_event_before_epilogue"] = previous_event_before_epilogue
+        self.hits += 1
+        return _build(cls, entry, arrays)
+
     # ------------------------------------------------------------------------------------------------- dispatch
     def dispatch_request(
         self,
@@ -208,20 +227,24 @@ class PreparedOps:
         if entry is not None:
             if handle is not None:
                 check_handle(self.config, target, handle)
-            per_call = {
+            arrays = {
                 "x": xi,
                 "sf": sfi,
                 "topk_idx": ti,
                 "topk_weights": wi,
                 "handle": handle,
                 "cumulative_local_expert_recv_stats": si,
-                "allocator": check_allocator(allocator, target),
-                "stream": check_stream(stream),
-                "previous_event": previous_event,
-                "previous_event_before_epilogue": previous_event_before_epilogue,
             }
-            self.hits += 1
-            return _build(DispatchRequest, entry, per_call)
+            return self._hit(
+                DispatchRequest,
+                entry,
+                target,
+                arrays,
+                allocator,
+                stream,
+                previous_event,
+                previous_event_before_epilogue,
+            )
         self.misses += 1
         req = make_dispatch_request(
             self.config,
@@ -304,18 +327,17 @@ class PreparedOps:
             entry = key = None
         if entry is not None:
             check_handle(self.config, target, handle)
-            per_call = {
-                "x": xi,
-                "handle": handle,
-                "topk_weights": wi,
-                "bias": bi,
-                "allocator": check_allocator(allocator, target),
-                "stream": check_stream(stream),
-                "previous_event": previous_event,
-                "previous_event_before_epilogue": previous_event_before_epilogue,
-            }
-            self.hits += 1
-            return _build(CombineRequest, entry, per_call)
+            arrays = {"x": xi, "handle": handle, "topk_weights": wi, "bias": bi}
+            return self._hit(
+                CombineRequest,
+                entry,
+                target,
+                arrays,
+                allocator,
+                stream,
+                previous_event,
+                previous_event_before_epilogue,
+            )
         self.misses += 1
         req = make_combine_request(
             self.config,
