@@ -5,6 +5,8 @@ Normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``) runs one determ
 inner ``ElasticBuffer``: its rows are already V1's (one per (source token, this rank), source rank then token order;
 ``recv_topk_idx`` local with -1). V1 differences translated here: ``recv_topk_weights`` is 0 on lanes whose expert is
 not on this rank, the handle is V1's 6-tuple (with ep's handle inside for combine), ``num_worst_tokens`` pads rows.
+Ranks on several nodes (``EPKIT_SCALEUP_RANKS`` emulates them): rows in V1's internode order and V1's internode
+10-tuple handle (``legacy_internode``), ``num_tokens_per_rdma_rank`` filled.
 It runs on the caller's stream (after ``previous_event``); ``async_finish`` returns an event recorded there.
 
 Low-latency mode (``legacy_ll``) has fixed shapes and no host sync, so dispatch + combine can be captured in a CUDA
@@ -40,9 +42,15 @@ from . import _env
 from .buffer import ElasticBuffer
 from .event import EventHandle, EventOverlap
 from .legacy_fp8 import per_token_cast_to_fp8
+from .legacy_internode import (
+    internode_handle_tensors,
+    predicted_nvl_ranks,
+    tokens_per_rdma_rank,
+    v1_row_order,
+)
 from .legacy_ll import LowLatencyHandle, ll_combine, ll_dispatch, weighted_lane_sum
 
-__all__ = ["Buffer", "Config", "LowLatencyHandle", "V1Handle", "per_token_cast_to_fp8"]
+__all__ = ["Buffer", "Config", "LowLatencyHandle", "V1Handle", "V1InternodeHandle", "per_token_cast_to_fp8"]
 
 
 class Config:
@@ -117,12 +125,25 @@ class V1Handle(tuple):
 
     ep_handle: Any
     num_rows: int  # rows the caller sees (num_worst_tokens when given)
+    perm: Any  # internode: V1 rows = ep rows[perm]; None when ep's order is V1's
 
-    def __new__(cls, items: tuple, ep_handle: Any, num_rows: int) -> V1Handle:
+    def __new__(cls, items: tuple, ep_handle: Any, num_rows: int, perm: Any = None) -> V1Handle:
         obj = super().__new__(cls, items)
         obj.ep_handle = ep_handle
         obj.num_rows = num_rows
+        obj.perm = perm
         return obj
+
+
+class V1InternodeHandle(V1Handle):
+    """V1's internode handle (ranks on several nodes), the 10-tuple ``(is_token_in_rank [T, N] bool,
+    rdma_channel_prefix_matrix [nodes, 1], gbl_channel_prefix_matrix [N, 1], recv_rdma_channel_prefix_matrix
+    [nodes, 1], recv_rdma_rank_prefix_sum [nodes], recv_gbl_channel_prefix_matrix [N, 1], recv_gbl_rank_prefix_sum
+    [N], recv_src_meta [R, 8] uint8, send_rdma_head [T, nodes], send_nvl_head [num_rdma_recv_tokens, S_u])``, int32
+    unless noted. ep has no channels: the channel matrices are one channel (the counts, V1's inclusive prefix over
+    one channel); the heads are slot positions in that channel, -1 where not sent; ``send_nvl_head`` has S_u
+    columns (V1: NUM_MAX_NVL_PEERS = 8). ``recv_src_meta`` holds V1's SourceMeta bytes (int32 src_rdma_rank, int32
+    is_token_in_nvl_rank_bits). See ``legacy_internode``."""
 
 
 class Buffer:
@@ -172,6 +193,8 @@ class Buffer:
         self._ll_key: tuple[int, int, int] | None = None
         self._ll_idx = 0
         self._user_sized = num_max_tokens_per_rank > 0 and hidden > 0
+        # S_u before the inner buffer exists: get_dispatch_layout's num_tokens_per_rdma_rank needs the node size
+        self._nvl_ranks = predicted_nvl_ranks(self.group, transport)
         if self._user_sized:
             self._ensure(int(num_max_tokens_per_rank), int(hidden))
 
@@ -196,6 +219,12 @@ class Buffer:
             )
             self._sized = (tokens, hidden)
         return self._inner
+
+    def _domain(self) -> tuple[int, int]:
+        """``(num_rdma_ranks, num_nvl_ranks)``: the inner buffer's physical domain, else the predicted one."""
+        if self._inner is not None:
+            return tuple(int(v) for v in self._inner.get_physical_domain_size())  # type: ignore[return-value]
+        return self.group_size // self._nvl_ranks, self._nvl_ranks
 
     def _size_collectively(self, tokens: int, hidden: int) -> ElasticBuffer:
         """Sized up front: no collective, and a larger call is an error (a rebuild on one rank alone would hang).
@@ -270,9 +299,10 @@ class Buffer:
         previous_event: EventOverlap | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
-    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor, EventOverlap]:
-        """``(num_tokens_per_rank [N] int32, None (intranode), num_tokens_per_expert [E] int32, is_token_in_rank
-        [T, N] bool, event)``, computed in torch from ``topk_idx``."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """``(num_tokens_per_rank [N] int32, num_tokens_per_rdma_rank [nodes] int32 (None on one node),
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, N] bool, event)``, computed in torch from
+        ``topk_idx``."""
         _check_topk(topk_idx, num_experts, self.group_size, self.rank)
         _wait_previous(previous_event)
         n = self.group_size
@@ -287,7 +317,9 @@ class Buffer:
         slot = torch.where(valid, topk_idx, torch.full_like(topk_idx, num_experts)).flatten().to(torch.int64)
         per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=topk_idx.device)
         per_expert = per_expert.scatter_add_(0, slot, torch.ones_like(slot))[:num_experts].to(torch.int32)
-        return per_rank, None, per_expert, is_token_in_rank, self._done(async_finish, topk_idx.is_cuda)
+        nodes, nvl = self._domain()
+        per_rdma = tokens_per_rdma_rank(is_token_in_rank, nvl) if nodes > 1 else None
+        return per_rank, per_rdma, per_expert, is_token_in_rank, self._done(async_finish, topk_idx.is_cuda)
 
     def dispatch(
         self,
@@ -324,6 +356,8 @@ class Buffer:
             if inner is None:
                 raise EPStateError("dispatch: handle given but the buffer was rebuilt or destroyed")
             recv_x, _, _, _, _ = inner.dispatch(x, handle=handle.ep_handle, num_sms=num_sms)
+            if handle.perm is not None:
+                recv_x = _take(recv_x, handle.perm)
             done = self._done(async_finish, data.is_cuda)
             return self._rows(recv_x, handle.num_rows), None, None, None, None, done
         if (
@@ -360,6 +394,11 @@ class Buffer:
             do_cpu_sync=True,
         )
         num_recv = int(recv_idx.shape[0])
+        nodes, nvl = self._domain()
+        perm = None
+        if nodes > 1:  # V1's internode rows: source rank, then token (ep's hybrid rows are grouped by region)
+            perm = v1_row_order(ep_handle.recv_src_metadata, num_recv, recv_idx.device)
+            recv_x, recv_idx, recv_w = _take(recv_x, perm), recv_idx[perm], recv_w[perm]
         # V1: a lane whose expert is not on this rank carries weight 0 (ep sends the full row)
         recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))
         counts = list(ep_handle.num_recv_tokens_per_expert_list)
@@ -373,7 +412,17 @@ class Buffer:
             recv_x = self._rows(recv_x, rows)
             recv_idx = _pad(recv_idx, rows, -1)
             recv_w = _pad(recv_w, rows, 0)
-        v1 = V1Handle(self._handle_tensors(ep_handle, is_token_in_rank, topk_idx), ep_handle, rows)
+        items = self._handle_tensors(ep_handle, is_token_in_rank, topk_idx)
+        if perm is None:
+            v1: V1Handle = V1Handle(items, ep_handle, rows)
+        else:
+            rank_prefix_matrix, _, _, _, itr, _ = items
+            meta = torch.as_tensor(ep_handle.recv_src_metadata)[:num_recv, 0].to(torch.int64).to(perm.device)
+            tensors = internode_handle_tensors(
+                self.group, self.rank, nvl, int(ep_handle.num_max_tokens_per_rank), itr, rank_prefix_matrix,
+                meta[perm],
+            )  # fmt: skip
+            v1 = V1InternodeHandle(tensors, ep_handle, rows, perm)
         return recv_x, recv_idx, recv_w, counts, v1, self._done(async_finish, data.is_cuda)
 
     def _handle_tensors(self, ep_handle: Any, is_token_in_rank: Any, topk_idx: torch.Tensor) -> tuple:
@@ -430,19 +479,23 @@ class Buffer:
         ep_handle = handle.ep_handle
         rows = int(ep_handle.num_recv_tokens)
         w = None if topk_weights is None else topk_weights[:rows].float()
+        x = x[:rows]
+        if handle.perm is not None:  # back to ep's row order: ep rows = V1 rows[inverse of perm]
+            inv = torch.argsort(handle.perm)
+            x = x[inv]
+            w = None if w is None else w[inv]
         num_sms = (config or self.get_combine_config(self.group_size)).num_sms
-        out, out_w, _ = self._inner.combine(x[:rows], ep_handle, topk_weights=w, bias=bias, num_sms=num_sms)
+        out, out_w, _ = self._inner.combine(x, ep_handle, topk_weights=w, bias=bias, num_sms=num_sms)
         return out, out_w, self._done(async_finish, x.is_cuda)
 
     def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            "internode_dispatch: ep runs one NVLink domain (direct mode); call dispatch(), which returns the "
-            "intranode handle"
+            "internode_dispatch: call dispatch(), which returns V1's internode handle when the ranks span nodes"
         )
 
     def internode_combine(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            "internode_combine: ep runs one NVLink domain (direct mode); call combine() with dispatch's handle"
+            "internode_combine: call combine() with dispatch's handle (intranode or internode)"
         )
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -723,6 +776,13 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
             if hasattr(o, "ep_handle"):
                 stack.extend(v for v in vars(o.ep_handle).values() if isinstance(v, torch.Tensor))
     return found
+
+
+def _take(recv_x: Any, perm: torch.Tensor) -> Any:
+    """Rows ``perm`` of recv_x (a tensor or V1's (data, scales) tuple)."""
+    if isinstance(recv_x, tuple):
+        return tuple(t[perm] for t in recv_x)
+    return recv_x[perm]
 
 
 def _pad(t: torch.Tensor, rows: int, value: float) -> torch.Tensor:
