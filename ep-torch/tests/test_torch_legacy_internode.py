@@ -153,6 +153,30 @@ def _ranks(rank: int, n: int) -> None:
     assert a is None and b is None and c is None and d is None and torch.equal(rx2, rx * 2)
     y2, _, _ = buf.combine(_bf16(scaled(rank, _bits(rx))), handle)
     np.testing.assert_array_equal(_bits(y2), want.combined_x)
+
+    # num_worst_tokens pads the V1-ordered rows; combine takes the padded rows
+    worst = n * m
+    rx3, ridx3, _, counts3, h3, _ = buf.dispatch(
+        x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
+        num_worst_tokens=worst,
+    )  # fmt: skip
+    assert isinstance(h3, V1InternodeHandle) and counts3 is None and rx3.shape[0] == worst
+    assert torch.equal(rx3[:rows], rx) and bool((ridx3[rows:] == -1).all())
+    pad = torch.zeros(worst - rows, H, dtype=torch.bfloat16)
+    y3, _, _ = buf.combine(torch.cat([_bf16(scaled(rank, _bits(rx))), pad]), h3)
+    np.testing.assert_array_equal(_bits(y3), want.combined_x)
+
+    # (data, scales) input: both permuted to V1's order, the same way
+    scales = torch.arange(t_own * (H // 128), dtype=torch.float32).view(t_own, H // 128) + 100 * rank
+    (rq, rs), *_ = buf.dispatch(
+        (x.view(torch.int16).to(torch.float8_e4m3fn), scales), handle=handle
+    )  # fmt: skip
+    want_s = np.concatenate([
+        (np.arange(_tokens(s) * (H // 128), dtype=np.float32).reshape(-1, H // 128) + 100 * s)[tok[src == s]]
+        for s in range(n)
+    ])  # fmt: skip
+    np.testing.assert_array_equal(rs.numpy(), want_s)
+    assert rq.shape == (rows, H) and rq.dtype == torch.float8_e4m3fn
     dist.barrier()
     buf.destroy()
 
