@@ -1,7 +1,8 @@
 """DeepEP V1 ``Buffer`` across emulated nodes: 4 gloo ranks, ``EPKIT_SCALEUP_RANKS=2`` (2 nodes of 2 ranks, hybrid
 mode on the CPU reference backend). V1's internode surface: ``num_tokens_per_rdma_rank`` against a numpy count, the
 10-tuple handle against a numpy oracle of V1's two-level route, rows in V1 order and combine equal to
-``ep_core.reference`` with ``num_scaleup_ranks=2``, cached dispatch with the internode handle."""
+``ep_core.reference`` with ``num_scaleup_ranks=2``, cached dispatch with the internode handle; low-latency mode's
+packed rows, layout_range and combine across the nodes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from ep_core import reference
 from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer, V1InternodeHandle
+from ep_torch.legacy_reference import ll_combine_reference
 
 H, K, E, SU = 128, 2, 8, 2
 
@@ -177,6 +179,34 @@ def _ranks(rank: int, n: int) -> None:
     ])  # fmt: skip
     np.testing.assert_array_equal(rs.numpy(), want_s)
     assert rq.shape == (rows, H) and rq.dtype == torch.float8_e4m3fn
+
+    # low-latency mode across nodes: packed rows in (source rank, source token) order, V1's layout_range, combine
+    mm, epr = 8, E // n
+    recv, cnt, llh, _, _ = buf.low_latency_dispatch(x, idx, mm, E, use_fp8=False)
+    for e in range(epr):
+        got = [
+            (s, tt)
+            for s in range(n)
+            for tt in range(_tokens(s))
+            if (inputs[s][1][tt] == rank * epr + e).any()
+        ]
+        assert int(cnt[e]) == len(got)
+        if got:
+            assert torch.equal(recv[e, : len(got)], torch.stack([inputs[s][0][tt] for s, tt in got]))
+            assert llh[0][e, : len(got)].tolist() == [tt for _, tt in got]
+        per_src = np.array([sum(1 for s, _ in got if s == r) for r in range(n)], dtype=np.int64)
+        want_lr = ((np.cumsum(per_src) - per_src) << 32) | per_src
+        np.testing.assert_array_equal(llh[1][e].numpy(), want_lr)
+    out_ll = recv.clone()
+    for e in range(epr):
+        out_ll[e] = (recv[e].float() * (rank * epr + e + 1)).to(torch.bfloat16)
+    comb, _, _ = buf.low_latency_combine(out_ll, idx, w, llh)
+    y_ll = np.zeros((t_own, K, H), dtype=np.uint16)
+    for tt in range(t_own):
+        for k in range(K):
+            if idx[tt, k] >= 0:
+                y_ll[tt, k] = _bits((x[tt].float() * (int(idx[tt, k]) + 1)).to(torch.bfloat16))
+    np.testing.assert_array_equal(_bits(comb), ll_combine_reference(y_ll, idx.numpy(), w.numpy()))
     dist.barrier()
     buf.destroy()
 

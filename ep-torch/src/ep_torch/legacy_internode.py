@@ -40,7 +40,7 @@ def predicted_nvl_ranks(group: dist.ProcessGroup, transport: str | None) -> int:
 def tokens_per_rdma_rank(is_token_in_rank: torch.Tensor, nvl: int) -> torch.Tensor:
     """``[num_rdma_ranks]`` int32: tokens sent to each node (a token counts once per node)."""
     t, n = is_token_in_rank.shape
-    return is_token_in_rank.view(t, n // nvl, nvl).any(2).sum(0, dtype=torch.int32)
+    return is_token_in_rank.reshape(t, n // nvl, nvl).any(2).sum(0, dtype=torch.int32)
 
 
 def v1_row_order(recv_src_metadata: Any, rows: int, device: torch.device) -> torch.Tensor:
@@ -54,7 +54,7 @@ def _node_bits(is_token_in_rank: torch.Tensor, nvl: int) -> torch.Tensor:
     """``[T, num_rdma_ranks]`` int32: bit i set when the token goes to local rank i of that node."""
     t, n = is_token_in_rank.shape
     weights = (1 << torch.arange(nvl, dtype=torch.int32, device=is_token_in_rank.device)).view(1, 1, nvl)
-    return (is_token_in_rank.view(t, n // nvl, nvl).to(torch.int32) * weights).sum(2, dtype=torch.int32)
+    return (is_token_in_rank.reshape(t, n // nvl, nvl).to(torch.int32) * weights).sum(2, dtype=torch.int32)
 
 
 def _position(mask: torch.Tensor) -> torch.Tensor:

@@ -75,11 +75,18 @@ def ll_dispatch(
     lane_ok = (lanes >= 0) & valid_row[:, None]
     lane_e = torch.where(lane_ok, lanes, torch.full_like(lanes, epr))  # epr: the dump column
     member = torch.zeros(rows, epr + 1, dtype=torch.int64, device=dev).scatter_(1, lane_e, 1)[:, :epr]
-    pos = member.cumsum(0) - 1  # [R, epr]: row's position in expert e's packed rows
+    meta = ep_handle.recv_src_metadata[:, 0].to(torch.int64)
+    if int(inner.num_scaleup_ranks) < n:
+        # hybrid rows are grouped by scale-up region: count positions in (source rank, token) order, V1's packing
+        # (a fixed-shape sort, no host sync; direct mode's deterministic rows are in that order already)
+        key = torch.where(valid_row, meta, n * inner.num_max_tokens_per_rank + torch.arange(rows, device=dev))
+        order = torch.argsort(key)
+        pos = torch.empty_like(member).index_put_((order,), member[order].cumsum(0) - 1)
+    else:
+        pos = member.cumsum(0) - 1  # [R, epr]: row's position in expert e's packed rows
     recv_count = member.sum(0).to(torch.int32)
     lane_pos = pos.gather(1, lane_e.clamp(max=epr - 1))
     lane_slot = torch.where(lane_ok, lane_e * slots + lane_pos, torch.full_like(lanes, dump))
-    meta = ep_handle.recv_src_metadata[:, 0].to(torch.int64)
     src_rank = torch.where(valid_row, meta // inner.num_max_tokens_per_rank, torch.full_like(meta, n))
     src_tok = (meta % inner.num_max_tokens_per_rank).to(torch.int32)
     # src_info and layout_range (V1's handle contents)
