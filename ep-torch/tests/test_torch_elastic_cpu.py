@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,21 +20,10 @@ MiB = 1 << 20
 
 
 def _run(mode: str, n: int, tmp_path: Path, limit: float = 120.0) -> list[dict]:
-    proc = subprocess.Popen(
-        [sys.executable, __file__, mode, str(n), str(tmp_path)],
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(
-            f"{mode}: still running after {limit} s (a hang):\n{out.decode(errors='replace')[-3000:]}"
-        )
-    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, [mode, str(n), str(tmp_path)], limit, what=f"{mode}: ")
+    assert code == 0, out[-3000:]
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(n)]
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,23 +21,13 @@ N, SU, M, H, K, E = 4, 2, 16, 64, 4, 16
 
 
 def _run(tmp_path: Path, limit: float = 150.0) -> list[dict]:
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
     env = dict(os.environ, EPKIT_SCALEUP_RANKS=str(SU))
     env.pop("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", None)
     env.pop("EPKIT_TORCH_TRANSPORT", None)
-    proc = subprocess.Popen(
-        [sys.executable, __file__, str(tmp_path)],
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"still running after {limit} s (a hang):\n{out.decode(errors='replace')[-3000:]}")
-    assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
+    code, out = run_script(__file__, [str(tmp_path)], limit, env=env)
+    assert code == 0, out[-3000:]
     return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(N)]
 
 

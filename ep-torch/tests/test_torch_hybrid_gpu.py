@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,32 +21,21 @@ N, SU, M, H, K, E = 4, 2, 64, 512, 8, 32
 
 
 def _run(tmp_path: Path, limit: float = 400.0) -> list[dict]:
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
     env = dict(os.environ, EPKIT_SCALEUP_RANKS=str(SU))
     # ranks sharing one GPU have no NVLink or NIC to detect: give the planner bandwidths (num_sms is fixed anyway)
     env.setdefault("EPKIT_NVLINK_GBS", "450")
     env.setdefault("EPKIT_RDMA_GBS", "50")
     for name in ("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", "EPKIT_TORCH_TRANSPORT"):
         env.pop(name, None)
-    proc = subprocess.Popen(
-        [sys.executable, __file__, str(tmp_path)],
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"still running after {limit} s (a hang):\n{out.decode(errors='replace')[-3000:]}")
-    text = out.decode(errors="replace")
+    code, text = run_script(__file__, [str(tmp_path)], limit, env=env)
     seen = [
         json.loads(p.read_text()) if p.exists() else {} for p in (tmp_path / f"{r}.json" for r in range(N))
     ]
     errors = [f"rank {r}: {s['error']}" for r, s in enumerate(seen) if s.get("error")]
     assert not errors, "\n".join(errors) + "\n" + text[-2000:]
-    assert proc.returncode == 0, text[-3000:]
+    assert code == 0, text[-3000:]
     return seen
 
 

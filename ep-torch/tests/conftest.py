@@ -1,0 +1,32 @@
+"""pytest setup of the ep-torch tests: makes ep_torch_testing.py (the helpers the test modules share)
+importable as `ep_torch_testing`.
+
+The root config imports test modules with --import-mode=importlib, which puts no test folder on sys.path, so a
+test module cannot import a sibling module by name. pytest imports this conftest before any test module of this
+folder, and it registers the helper module in sys.modules under that unique name, without touching sys.path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_HELPERS = "ep_torch_testing"
+
+
+def _load_helpers() -> None:
+    if _HELPERS in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(_HELPERS, Path(__file__).with_name(f"{_HELPERS}.py"))
+    assert spec is not None and spec.loader is not None, f"cannot load {_HELPERS}.py next to {__file__}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[_HELPERS] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[_HELPERS]
+        raise
+
+
+_load_helpers()
