@@ -7,15 +7,23 @@ kernel, its copy epilogue, the combine kernel, any memset, and the gap between t
 graph). It is the measurement behind issue 17's levers.
 
     python benchmarks/profile_ops.py --out OUTDIR [--ranks 1] [--tokens 128] [--sms 16] [--iters 20]
+    python benchmarks/profile_ops.py --out OUTDIR --phases [--ranks N --sms S]   # EP1 @16 and EP8 @8 by default
 
 Writes OUTDIR/profile_ops_ep<N>.json and prints a table per op: activity name, count per replay, mean us, and the
 replay's span (first start to last end on the device).
+
+`--phases` builds the kernels with the phase-timing instrument (EP_CORE_PHASE_TIMING=1, a separate JIT build:
+include/ep_core/phase_timing.cuh) and prints, per op and kernel, when each phase boundary was reached (%globaltimer,
+us after the kernel's first block started, mean over replays and ranks, and the slowest rank), the step from the
+previous boundary, the kernel's span and the gap between the dispatch kernel and its epilogue. Block-0 stamps
+("b0 ...") time the serial path; "last" stamps the slowest block. Writes OUTDIR/profile_phases_ep<N>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -88,35 +96,164 @@ def profile_op(torch, replay, iters):
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench-out")
-    ap.add_argument("--ranks", type=int, default=1)
-    ap.add_argument("--tokens", type=int, default=bench_ep.DECODE_TOKENS)
-    ap.add_argument("--sms", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=20)
-    args = ap.parse_args(argv)
-    torch = bench_ep._torch()
-    if not torch.cuda.is_available():
-        print("profile_ops: skipped (no CUDA device)")
-        return 0
+# Slot names of include/ep_core/phase_timing.cuh (kernel index -> slot -> name); grid barriers n = 1.. are added.
+PHASE_KERNELS = ("dispatch", "epilogue", "combine")
+PHASE_SLOTS = 32
+PHASE_MAX_RANKS = 8
+PHASE_NAMES = {
+    0: {
+        0: "start (first block)",
+        1: "b0 setup",
+        2: "b0 count (det)",
+        3: "b0 cross-rank entry barrier",
+        4: "b0 prefix (det)",
+        5: "b0 send loop issued",
+        6: "b0 stores done, counts flushed",
+        7: "b0 expert counts stored",
+        8: "b0 rank counts released",
+        9: "b0 every count received",
+        10: "b0 handle written",
+        11: "last block: send + flush",
+        15: "end (last block)",
+    },
+    1: {
+        0: "start (first block)",
+        1: "b0 setup",
+        2: "b0 row loop issued",
+        3: "last block: rows stored",
+        15: "end (last block)",
+    },
+    2: {
+        0: "start (first block)",
+        1: "b0 setup",
+        2: "b0 cross-rank entry barrier",
+        3: "b0 rows sent",
+        4: "b0 cross-rank exit barrier",
+        5: "b0 tokens reduced",
+        11: "last block: rows sent",
+        12: "last block: tokens reduced",
+        15: "end (last block)",
+    },
+}
+for _names in PHASE_NAMES.values():
+    for _n in range(1, 8):
+        _names[16 + _n] = f"grid barrier {_n}: last arrival"
+        _names[24 + _n] = f"grid barrier {_n}: b0 leaves"
+
+
+class PhaseReader:
+    """The module global `ep_core_phase_ts[rank][kernel][slot]` of the loaded instance: zeroed before a replay,
+    read after it."""
+
+    def __init__(self, num_ranks: int) -> None:
+        from ep_core.kernels import _cuda, _source
+
+        ks = [k for c, k in _source._loaded.items() if c.num_ranks == num_ranks and not c.is_hybrid]
+        if not ks:
+            raise SystemExit(f"profile_ops --phases: no loaded EP{num_ranks} kernels")
+        drv = _cuda.driver()
+        self.drv, self.check = drv, _cuda.check
+        lib = ks[0].dispatch.module._library
+        ptr, size = self.check(drv.cuLibraryGetGlobal(lib, b"ep_core_phase_ts"), "cuLibraryGetGlobal")
+        self.ptr, self.size = int(ptr), int(size)
+        if self.size != 8 * PHASE_MAX_RANKS * len(PHASE_KERNELS) * PHASE_SLOTS:
+            raise SystemExit(
+                f"profile_ops --phases: ep_core_phase_ts has {self.size} bytes; update the mirror"
+            )
+
+    def zero(self) -> None:
+        self.check(self.drv.cuMemsetD8(self.ptr, 0, self.size), "cuMemsetD8")
+
+    def read(self):
+        import numpy as np
+
+        host = np.zeros(self.size // 8, dtype=np.uint64)
+        self.check(self.drv.cuMemcpyDtoH(host.ctypes.data, self.ptr, self.size), "cuMemcpyDtoH")
+        return host.reshape(PHASE_MAX_RANKS, len(PHASE_KERNELS), PHASE_SLOTS)
+
+
+def phase_op(torch, replay, iters, reader, num_ranks):
+    """Replays one graph `iters` times, reading the stamps after each; returns per-kernel phase statistics."""
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        reader.zero()
+        replay()
+        torch.cuda.synchronize()
+        samples.append(reader.read()[: min(num_ranks, PHASE_MAX_RANKS)].astype("int64"))
+    out = {}
+    for k, kname in enumerate(PHASE_KERNELS):
+        starts = [s[r, k, 0] for s in samples for r in range(s.shape[0])]
+        if not any(starts):
+            continue
+        slots = {}
+        for slot in range(PHASE_SLOTS):
+            offs, per_replay_max = [], []
+            for s in samples:
+                row = [
+                    (s[r, k, slot] - s[r, k, 0]) / 1e3
+                    for r in range(s.shape[0])
+                    if s[r, k, slot] and s[r, k, 0]
+                ]
+                offs.extend(row)
+                if row:
+                    per_replay_max.append(max(row))
+            if offs and slot != 0:
+                slots[slot] = {
+                    "name": PHASE_NAMES[k].get(slot, f"slot {slot}"),
+                    "mean_us": statistics.mean(offs),
+                    "max_rank_us": statistics.mean(per_replay_max),
+                }
+        skew = [
+            (max(s[:, k, 0]) - min(s[:, k, 0])) / 1e3 for s in samples if all(s[:, k, 0])
+        ]  # ranks' kernel starts
+        entry = {"slots": slots, "start_skew_us": statistics.mean(skew) if skew else 0.0}
+        if k == 1:  # gap between the dispatch kernel's last block and the epilogue's first
+            gaps = [
+                (s[r, 1, 0] - s[r, 0, 15]) / 1e3
+                for s in samples
+                for r in range(s.shape[0])
+                if s[r, 1, 0] and s[r, 0, 15]
+            ]
+            entry["gap_after_dispatch_us"] = statistics.mean(gaps) if gaps else None
+        out[kname] = entry
+    return out
+
+
+def print_phases(n, sms, op, phases) -> None:
+    for kname, entry in phases.items():
+        head = f"== EP{n} @{sms} SMs {op} / {kname}: rank start skew {entry['start_skew_us']:.1f} us"
+        if entry.get("gap_after_dispatch_us") is not None:
+            head += f", starts {entry['gap_after_dispatch_us']:.1f} us after the dispatch kernel ended"
+        print(head)
+        prev = 0.0
+        for slot, v in sorted(entry["slots"].items(), key=lambda kv: kv[1]["mean_us"]):
+            print(
+                f"   {v['mean_us']:8.2f} us (+{v['mean_us'] - prev:7.2f})  slowest rank {v['max_rank_us']:8.2f}  "
+                f"[{slot:2d}] {v['name']}"
+            )
+            prev = v["mean_us"]
+
+
+def run_config(torch, n, t, sms, iters, phases, out):
     from ep_core.loopback import LoopbackDomain
 
-    n, t = args.ranks, args.tokens
     xs, _sfs, idxs, ws = bench_ep.make_inputs(n, False, "uniform", seed=7, tokens=t)
     dom = LoopbackDomain(
         n,
         num_max_tokens_per_rank=t,
         hidden=bench_ep.HIDDEN,
         num_topk=bench_ep.TOPK,
-        num_sms=args.sms,
+        num_sms=sms,
         gpu_timeout_secs=20.0,
     )
     allocs = [bench_ep.CachingAllocator(s) for s in dom.streams]
     for rank, a in zip(dom.ranks, allocs):
         rank._allocator = a
     timer = bench_ep.Timer(dom.streams)
-    kw = {"num_experts": bench_ep.NUM_EXPERTS, "num_sms": args.sms}
+    kw = {"num_experts": bench_ep.NUM_EXPERTS, "num_sms": sms}
     state = {}
 
     def reset(tag):
@@ -127,13 +264,17 @@ def main(argv=None) -> int:
         reset("nosync")
         dom.dispatch(xs, idxs, ws, do_cpu_sync=False, **kw)
 
+    def disp_det():
+        reset("det")
+        dom.dispatch(xs, idxs, ws, do_cpu_sync=False, deterministic=True, **kw)
+
     reset("sync")
     state["sync"] = dom.dispatch(xs, idxs, ws, do_cpu_sync=True, **kw)
     handles = [o.handle for o in state["sync"]]
 
     def cached():
         reset("cached")
-        dom.dispatch(xs, None, ws, handles=handles, num_sms=args.sms)
+        dom.dispatch(xs, None, ws, handles=handles, num_sms=sms)
 
     ys = [
         torch.randn(o.recv_x.shape[0], bench_ep.HIDDEN, dtype=torch.bfloat16, device="cuda")
@@ -142,24 +283,63 @@ def main(argv=None) -> int:
 
     def comb():
         reset("comb")
-        dom.combine(ys, handles, num_sms=args.sms)
+        dom.combine(ys, handles, num_sms=sms)
 
-    result = {"ranks": n, "tokens": t, "sms": args.sms, "ops": {}}
-    for name, fn in (("dispatch", disp), ("dispatch_cached", cached), ("combine", comb)):
-        r = profile_op(torch, _capture(timer, fn), args.iters)
-        r["graph_us"] = timer.run_graph(fn, args.iters) * 1e3
-        result["ops"][name] = r
-        print(
-            f"== EP{n} {name}: graph replay {r['graph_us']:.1f} us (events), device span {r['span_us_median']:.1f} us"
-        )
-        for a in r["activities"]:
+    ops = [("dispatch", disp), ("dispatch_cached", cached), ("combine", comb)]
+    result = {"ranks": n, "tokens": t, "sms": sms, "ops": {}}
+    if phases:
+        ops.insert(2, ("dispatch_deterministic", disp_det))
+        reader = PhaseReader(n)
+        for name, fn in ops:
+            ph = phase_op(torch, _capture(timer, fn), iters, reader, n)
+            result["ops"][name] = ph
+            print_phases(n, sms, name, ph)
+        path = out / f"profile_phases_ep{n}.json"
+    else:
+        for name, fn in ops:
+            r = profile_op(torch, _capture(timer, fn), iters)
+            r["graph_us"] = timer.run_graph(fn, iters) * 1e3
+            result["ops"][name] = r
             print(
-                f"   {a['per_replay']:5.1f} x {a['mean_us']:8.2f} us (max {a['max_us']:8.2f})  {a['name'][:90]}"
+                f"== EP{n} {name}: graph replay {r['graph_us']:.1f} us (events), "
+                f"device span {r['span_us_median']:.1f} us"
             )
+            for a in r["activities"]:
+                print(
+                    f"   {a['per_replay']:5.1f} x {a['mean_us']:8.2f} us (max {a['max_us']:8.2f})  "
+                    f"{a['name'][:90]}"
+                )
+        path = out / f"profile_ops_ep{n}.json"
     dom.close()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_ops_ep{n}.json").write_text(json.dumps(result, indent=1))
+    path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--ranks", type=int, default=None, help="ranks (default 1; --phases: EP1 and EP8)")
+    ap.add_argument("--tokens", type=int, default=bench_ep.DECODE_TOKENS)
+    ap.add_argument(
+        "--sms", type=int, default=None, help="SMs per rank (default 16; --phases: 16 at EP1, 8 at EP8)"
+    )
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--phases", action="store_true", help="phase timing of every kernel (instrumented build)")
+    args = ap.parse_args(argv)
+    if args.phases:
+        os.environ["EP_CORE_PHASE_TIMING"] = "1"  # before the first kernel load (ep_core.kernels._source)
+    torch = bench_ep._torch()
+    if not torch.cuda.is_available():
+        print("profile_ops: skipped (no CUDA device)")
+        return 0
+    if args.ranks is None and args.phases:
+        configs = [(1, args.sms or 16), (8, args.sms or 8)]
+    else:
+        n = args.ranks or 1
+        configs = [(n, args.sms or 16)]
+    for n, sms in configs:
+        run_config(torch, n, args.tokens, sms, args.iters, args.phases, Path(args.out))
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -7,6 +7,7 @@
 /// together (`ep_core.kernels.plan.check_coresident` / `check_occupancy`).
 #pragma once
 
+#include "phase_timing.cuh"
 #include "timeout.cuh"
 #include "transport.cuh"
 
@@ -21,6 +22,9 @@ struct SyncContext {
     int num_ranks;
     uint32_t grid_phase;  ///< grid barriers passed in this launch (same count in every block)
     int* s_abort;         ///< shared word: 1 once this block saw a failed wait
+#if EP_PHASE_ON
+    int phase_kernel = -1;  ///< phase_timing.cuh: which kernel's grid-barrier slots to stamp (-1: none)
+#endif
 
     /// Raise the abort flag on every rank (best effort: CAS 0 -> kPeerAbort, so a rank's own record survives).
     EP_CORE_DEVICE void raise_abort() const {
@@ -34,7 +38,12 @@ struct SyncContext {
         ++grid_phase;
         if (threadIdx.x == 0 && *s_abort == 0) {
             ptx::fence_sys();
+#if EP_PHASE_ON
+            if (atomicAdd(sc.grid_arrive(), 1u) + 1u == grid_phase * gridDim.x)
+                phase::mark(args.rank, phase_kernel, kPhaseGridLast + static_cast<int>(grid_phase));
+#else
             atomicAdd(sc.grid_arrive(), 1u);
+#endif
             const int64_t target = static_cast<int64_t>(grid_phase) * gridDim.x;
             uint32_t* counter = sc.grid_arrive();
             const bool ok = wait_until(
@@ -43,6 +52,10 @@ struct SyncContext {
                 [&](int64_t v) { return v >= target; }, [&] { raise_abort(); });
             if (!ok)
                 *s_abort = 1;
+#if EP_PHASE_ON
+            if (blockIdx.x == 0)
+                phase::mark(args.rank, phase_kernel, kPhaseGridExit + static_cast<int>(grid_phase));
+#endif
         }
         __syncthreads();
         return *s_abort == 0;
@@ -103,6 +116,10 @@ struct SyncContext {
     /// Every block calls this once as its last action: the last block out resets the grid barrier counters.
     EP_CORE_DEVICE void grid_exit() {
         __syncthreads();
+#if EP_PHASE_ON
+        if (threadIdx.x == 0)
+            phase::last(args.rank, phase_kernel, kPhaseEnd);
+#endif
         if (threadIdx.x == 0 && *s_abort == 0) {
             if (atomicAdd(sc.grid_exit(), 1u) == gridDim.x - 1) {
                 *sc.grid_arrive() = 0;

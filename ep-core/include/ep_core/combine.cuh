@@ -131,6 +131,10 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     SyncContext<Transport> sync{args, Workspace{static_cast<uint8_t*>(args.workspace)},
                                 Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
                                 &s_abort};
+#if EP_PHASE_ON
+    sync.phase_kernel = kPhaseCombine;
+#endif
+    EP_PHASE_FIRST(kPhaseCombine, kCbStart);
     // 0. guard: an earlier failure left the abort flag raised -> publish it and leave (outputs untouched)
     if (threadIdx.x == 0)
         s_abort = entry_aborted(args, sync.ws) ? 1 : 0;
@@ -140,10 +144,12 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     __syncthreads();
     if (s_abort != 0)
         return;
+    EP_PHASE_MARK(kPhaseCombine, kCbSetup);
 
     // 1. entry
     if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
         return;
+    EP_PHASE_MARK(kPhaseCombine, kCbEntry);
     if (!sync.grid_sync())
         return;
 
@@ -199,10 +205,13 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     }
 
     // 3. exit: every rank's rows have landed here
+    EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
+    EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
     if (!sync.grid_sync())
         return;
     if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineExit))
         return;
+    EP_PHASE_MARK(kPhaseCombine, kCbExit);
     if (!sync.grid_sync())
         return;
 
@@ -241,6 +250,11 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
             args.combined_weights[t * kNumTopk + lane] = w;
         }
     }
+#if EP_PHASE_ON
+    __syncthreads();
+    EP_PHASE_MARK(kPhaseCombine, kCbReduceB0);
+    EP_PHASE_LAST(kPhaseCombine, kCbReduceLast);
+#endif
     sync.grid_exit();
 }
 

@@ -102,6 +102,10 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     SyncContext<Transport> sync{args, Workspace{static_cast<uint8_t*>(args.workspace)},
                                 Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
                                 &s_abort};
+#if EP_PHASE_ON
+    sync.phase_kernel = kPhaseDispatch;
+#endif
+    EP_PHASE_FIRST(kPhaseDispatch, kDpStart);
     const Workspace& ws = sync.ws;
     const Scratch& sc = sync.sc;
     const int W = sc.num_words;
@@ -126,6 +130,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     __syncthreads();
     if (s_abort != 0)
         return;
+    EP_PHASE_MARK(kPhaseDispatch, kDpSetup);
 
     const int global_warp = blockIdx.x * kNumWarps + warp;
     const int num_global_warps = gridDim.x * kNumWarps;
@@ -144,8 +149,10 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     }
 
     // 2. entry barrier: peers have finished with their receive regions
+    EP_PHASE_MARK(kPhaseDispatch, kDpCount);
     if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry, true))
         return;
+    EP_PHASE_MARK(kPhaseDispatch, kDpEntry);
     if (!sync.grid_sync())
         return;
 
@@ -165,6 +172,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
                 carry += __shfl_sync(kFullMask, incl, kWarpSize - 1);
             }
         }
+        EP_PHASE_MARK(kPhaseDispatch, kDpPrefix);
         if (!sync.grid_sync())
             return;
     }
@@ -235,6 +243,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             ptx::bulk_commit();
         }
     }
+    EP_PHASE_MARK(kPhaseDispatch, kDpSendB0);
     ptx::bulk_wait_all();
 
     // flush the block's counts
@@ -246,6 +255,11 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         for (int i = threadIdx.x; i < num_experts; i += num_threads)
             if (s_expert[i] != 0)
                 atomicAdd(sc.expert_total() + i, s_expert[i]);
+#if EP_PHASE_ON
+    __syncthreads();
+    EP_PHASE_MARK(kPhaseDispatch, kDpFlush);
+    EP_PHASE_LAST(kPhaseDispatch, kDpSendLast);
+#endif
 
     // 5. publish (after every block's stores)
     if (!sync.grid_sync())
@@ -266,6 +280,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             }
         }
         __syncthreads();
+        EP_PHASE_MARK(kPhaseDispatch, kDpExpertPub);
         // one system fence per thread makes the whole block's stores (ordered by the barrier above) visible before
         // its first release; a fence before each later release would be redundant (a release orders what precedes)
         if (threadIdx.x < kNumRanks)
@@ -277,6 +292,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             sc.sent_total()[d] = 0;
             sc.send_slot()[d] = 0;
         }
+        EP_PHASE_MARK(kPhaseDispatch, kDpRankPub);
 
         // 6. receive: wait for every source's count, then write the handle
         for (int src = threadIdx.x; src < kNumRanks; src += num_threads) {
@@ -300,6 +316,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         __syncthreads();
         if (s_abort != 0)
             return;
+        EP_PHASE_MARK(kPhaseDispatch, kDpRecv);
         if (!cached) {
             const int64_t A = args.expert_alignment;
             for (int j = threadIdx.x; j < epr; j += num_threads) {
@@ -340,6 +357,10 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
                 }
             }
         }
+#if EP_PHASE_ON
+        __syncthreads();
+        EP_PHASE_MARK(kPhaseDispatch, kDpHandle);
+#endif
     }
     sync.grid_exit();
 }

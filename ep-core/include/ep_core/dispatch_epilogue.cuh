@@ -47,6 +47,7 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     const Scratch sc(args.scratch, kNumRanks, num_experts, M);
     constexpr int kMetaCols = kNumTopk + 2;
 
+    EP_PHASE_FIRST(kPhaseEpilogue, kEpStart);
     if (threadIdx.x == 0)
         s_abort = entry_aborted(args, Workspace{static_cast<uint8_t*>(args.workspace)}) ? 1 : 0;
     __syncthreads();
@@ -74,6 +75,7 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         }
     }
     __syncthreads();
+    EP_PHASE_MARK(kPhaseEpilogue, kEpSetup);
     const int64_t R = s_psum[kNumRanks - 1];
     const int global_warp = blockIdx.x * kNumWarps + warp;
     const int num_global_warps = gridDim.x * kNumWarps;
@@ -168,7 +170,12 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         }
     }
 
+    EP_PHASE_MARK(kPhaseEpilogue, kEpCopyB0);
     ptx::bulk_wait_all();
+#if EP_PHASE_ON
+    __syncthreads();
+    EP_PHASE_LAST(kPhaseEpilogue, kEpCopyLast);
+#endif
 
     // zero padding (expand): rows [start_e + count_e, start_e + align(count_e, A))
     if (expand && (args.flags & kFlagZeroPadding) != 0) {
@@ -189,6 +196,10 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
             }
         }
     }
+#if EP_PHASE_ON
+    __syncthreads();
+    EP_PHASE_LAST(kPhaseEpilogue, kEpEnd);
+#endif
 }
 
 }  // namespace ep_core

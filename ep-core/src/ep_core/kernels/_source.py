@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,15 @@ def _include_dirs(config: KernelConfig) -> list[str]:
     return dirs
 
 
+PHASE_TIMING_ENV = "EP_CORE_PHASE_TIMING"
+"""Set to 1 to build the kernels with the phase-timing instrument (include/ep_core/phase_timing.cuh, read by
+benchmarks/profile_ops.py --phases); read when a process first compiles an instance. Off by default."""
+
+
+def phase_timing_enabled() -> bool:
+    return os.environ.get(PHASE_TIMING_ENV, "") not in ("", "0")
+
+
 def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     """Compile (or fetch from the cache) the instance of `config`; returns the ep_jit Artifact."""
     import ep_jit
@@ -61,11 +71,15 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
             name.replace("ep_core_direct_", "ep_core_hybrid_")
             + f"_su{config.num_scaleup_ranks}_{config.scaleout[:3]}"
         )
+    defines = config.defines()
+    if phase_timing_enabled():
+        defines["EP_CORE_PHASE_TIMING"] = 1
+        name += "_phases"
     return ep_jit.compile(
         kernel_source(config),
         name=name,
         include_dirs=_include_dirs(config),
-        defines=config.defines(),
+        defines=defines,
         arch=arch,
         flags=("-std=c++17",),
         key_extra={"ep_layout": ep_layout.__version__},
