@@ -57,7 +57,9 @@ class KernelConfig:
     `num_scaleup_ranks` (S_u, 0 = num_ranks): ranks per node; S_u < num_ranks builds the hybrid kernels
     (include/ep_core/hybrid.cuh) with the scale-out put `scaleout` ("emulated": load/store, every rank reachable;
     "gin": NCCL GIN, nccl transport only; default: "gin" over nccl, else "emulated"). Direct configurations keep
-    `num_scaleup_ranks == num_ranks` and `scaleout == ""`.
+    `num_scaleup_ranks == num_ranks` and `scaleout == ""`. `num_nvlink_ranks` (0 = num_scaleup_ranks): the ranks of
+    one node (physical); `num_nvlink_ranks < num_scaleup_ranks == num_ranks` is direct mode across nodes
+    (include/ep_core/direct_xnode.cuh: the direct kernels with the scale-out put to every rank of another node).
     """
 
     num_ranks: int
@@ -69,6 +71,7 @@ class KernelConfig:
     transport: str = "ipc"
     num_scaleup_ranks: int = 0
     scaleout: str = ""
+    num_nvlink_ranks: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_ranks <= ep_layout.NUM_MAX_RANKS:
@@ -95,11 +98,23 @@ class KernelConfig:
                 f"got {self.num_scaleup_ranks!r}"
             )
         object.__setattr__(self, "num_scaleup_ranks", su)
-        if su == self.num_ranks:
+        nvl = self.num_nvlink_ranks or su
+        if isinstance(nvl, bool) or not isinstance(nvl, int) or nvl < 1 or self.num_ranks % nvl:
+            raise EPConfigError(
+                f"num_nvlink_ranks: expected a divisor of num_ranks={self.num_ranks} (the ranks of one node), "
+                f"got {self.num_nvlink_ranks!r}"
+            )
+        if su < self.num_ranks and nvl != su:
+            raise EPConfigError(
+                f"num_nvlink_ranks: hybrid mode forwards within a node of num_scaleup_ranks={su} ranks, got "
+                f"num_nvlink_ranks={nvl}"
+            )
+        object.__setattr__(self, "num_nvlink_ranks", nvl)
+        if nvl == self.num_ranks:
             if self.scaleout:
                 raise EPConfigError(
-                    f"scaleout: only hybrid configurations (num_scaleup_ranks < num_ranks) have a scale-out put, "
-                    f"got {self.scaleout!r} with one node"
+                    f"scaleout: only hybrid configurations or direct mode across nodes (num_nvlink_ranks < "
+                    f"num_ranks) have a scale-out put, got {self.scaleout!r} with one node"
                 )
         else:
             so = self.scaleout or ("gin" if self.transport == "nccl" else "emulated")
@@ -135,9 +150,14 @@ class KernelConfig:
         return self.num_scaleup_ranks < self.num_ranks
 
     @property
+    def is_direct_xnode(self) -> bool:
+        """Direct mode across nodes: one logical domain of every rank, nodes of num_nvlink_ranks ranks."""
+        return self.num_nvlink_ranks < self.num_ranks and not self.is_hybrid
+
+    @property
     def num_nodes(self) -> int:
-        """S_o: nodes of num_scaleup_ranks ranks."""
-        return self.num_ranks // self.num_scaleup_ranks
+        """Nodes of num_nvlink_ranks ranks (S_o in hybrid mode)."""
+        return self.num_ranks // self.num_nvlink_ranks
 
     @property
     def message_bytes(self) -> int:
@@ -171,6 +191,13 @@ class KernelConfig:
                 out["EP_CORE_SCALEOUT"] = "ep_core::GinScaleout"
                 # NCCL's LSA team is one node: its load/store peers are indexed by the local rank
                 transport = f"ep_core::NodeLsaTransport<{self.num_scaleup_ranks}>"
+            else:
+                out["EP_CORE_SCALEOUT"] = "ep_core::EmulatedScaleout"
+        elif self.is_direct_xnode:
+            out["EP_CORE_NUM_NODE_RANKS"] = self.num_nvlink_ranks
+            if self.scaleout == "gin":
+                out["EP_CORE_SCALEOUT"] = "ep_core::GinScaleout"
+                transport = f"ep_core::NodeLsaTransport<{self.num_nvlink_ranks}>"
             else:
                 out["EP_CORE_SCALEOUT"] = "ep_core::EmulatedScaleout"
         return out | {
@@ -335,7 +362,9 @@ def _plan_regions(
         hybrid = HybridRegions.of(config, num_experts, num_max_tokens)
         dispatch, combine = hybrid.dispatch_bytes, hybrid.combine_bytes
     else:
-        topo = ep_layout.Topology(config.num_ranks)
+        # direct mode across nodes over gin adds DeepEP's send buffers (direct_xnode.cuh stages its puts there)
+        staged = config.is_direct_xnode and config.scaleout == "gin"
+        topo = ep_layout.Topology(config.num_ranks, is_scaleup_nvlink=not staged)
         dispatch = ep_layout.DirectDispatchBuffers(
             config.dispatch_token, topo, num_max_tokens
         ).get_num_bytes()
