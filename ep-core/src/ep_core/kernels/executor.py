@@ -219,6 +219,7 @@ class DirectRank:
         num_warps: int | None = None,
         cooperative: bool | None = None,
         num_scaleup_ranks: int | None = None,
+        num_nvlink_ranks: int | None = None,
     ) -> None:
         from ep_core.topology import resolve_scaleup_ranks
 
@@ -226,12 +227,17 @@ class DirectRank:
         self.num_ranks = resources.num_ranks
         # ranks per node (S_u < N: the hybrid kernels, ep_core/hybrid.cuh, emulated scale-out over ipc)
         self.num_scaleup_ranks = resolve_scaleup_ranks(self.num_ranks, num_scaleup_ranks)
-        if resources.nccl_window and self.num_scaleup_ranks < self.num_ranks and not resources.nccl_devcomm:
-            # over nccl the hybrid kernels take the gin scale-out put (KernelConfig), which reads the device
-            # communicator: without one it would dereference null
+        # ranks per node in direct mode (S_u = N): fewer than N is direct mode across nodes (ep_core/direct_xnode.cuh)
+        self.num_nvlink_ranks = resolve_scaleup_ranks(
+            self.num_ranks, num_nvlink_ranks or self.num_scaleup_ranks
+        )
+        if resources.nccl_window and self.num_nvlink_ranks < self.num_ranks and not resources.nccl_devcomm:
+            # over nccl the kernels of several nodes take the gin scale-out put (KernelConfig), which reads the
+            # device communicator: without one it would dereference null
+            mode = "hybrid mode" if self.num_scaleup_ranks < self.num_ranks else "direct mode across nodes"
             raise EPConfigError(
-                f"nccl_devcomm: hybrid mode over transport 'nccl' ({self.num_ranks // self.num_scaleup_ranks} nodes "
-                f"x {self.num_scaleup_ranks} ranks, rank {resources.rank}) needs the GIN device communicator, got none; "
+                f"nccl_devcomm: {mode} over transport 'nccl' ({self.num_ranks // self.num_nvlink_ranks} nodes "
+                f"x {self.num_nvlink_ranks} ranks, rank {resources.rank}) needs the GIN device communicator, got none; "
                 "create the buffer through NcclTransport (EPBuffer(transport='nccl')), which sets it up"
             )
         self.debug_skip_scaleout_signal = False  # tests: this rank's node "never sends" (hybrid dispatch)
@@ -302,7 +308,17 @@ class DirectRank:
 
     def _config(self, hidden: int, elem: int, packs: int, topk: int) -> KernelConfig:
         transport = "nccl" if self.res.nccl_window else "ipc"
-        key = (hidden, elem, packs, topk, self._num_warps, transport, self.num_ranks, self.num_scaleup_ranks)
+        key = (
+            hidden,
+            elem,
+            packs,
+            topk,
+            self._num_warps,
+            transport,
+            self.num_ranks,
+            self.num_scaleup_ranks,
+            self.num_nvlink_ranks,
+        )
         cfg = self._configs.get(key)
         if cfg is None:  # KernelConfig is frozen: one per key (its checks raise before anything is stored)
             kw = {} if self._num_warps is None else {"num_warps": self._num_warps}
@@ -314,6 +330,7 @@ class DirectRank:
                 packs,
                 transport=transport,
                 num_scaleup_ranks=self.num_scaleup_ranks,
+                num_nvlink_ranks=self.num_nvlink_ranks,
                 **kw,
             )
             self._configs[key] = cfg
