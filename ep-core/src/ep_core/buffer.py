@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ep_core import planner
+from ep_core import elastic_memory, planner
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.buffer_base import BufferBase
 from ep_core.envelope import Channel
@@ -205,7 +205,7 @@ class EPBuffer(BufferBase):
                 "policy": policy.name,
             },
         )
-        storage = tr.allocate(boot, workspace + num_bytes)
+        storage = elastic_memory.allocate_storage(tr, boot, workspace + num_bytes, cpu)  # [GPU | host]
         super().__init__(boot, storage, num_workspace_bytes=workspace, explicitly_destroy=explicitly_destroy)
         self._destroyed = True  # until the executor exists
         self.transport = tr

@@ -44,6 +44,7 @@ __all__ = [
     "DIRECT_NUM_ALLOCATED_QPS",
     "HYBRID_NUM_ALLOCATED_QPS",
     "HYBRID_NUM_ALLOCATED_QPS_FAST_ATOMICS",
+    "MemoryPlan",
     "PlannerPolicy",
     "SMPlan",
     "default_num_allocated_qps",
@@ -53,6 +54,7 @@ __all__ = [
     "detect_scaleup_gbs",
     "expected_num_groups",
     "explain",
+    "explain_memory",
     "get_buffer_size_hint",
     "get_theoretical_num_qps",
     "get_theoretical_num_sms",
@@ -503,3 +505,142 @@ def detect_rdma_gbs() -> float:
 def detect_fast_rdma_atomics() -> bool:
     """True when NIC `EPKIT_NIC_NAME` reports CA type MT4131 in ibstat; False otherwise or when undetectable."""
     return parse_ibstat(_run(["ibstat"]), knobs.nic_name)[1] == FAST_ATOMICS_CA_TYPE
+
+
+# ------------------------------------------------------------------------------------------------------------
+# elastic memory: receive regions past the GPU part (issue 20; ep_core.elastic_memory)
+
+HOST_LINK_EFFICIENCY = 0.9
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where a buffer's receive regions live: `[GPU part | host part]` of the data region (`num_bytes`, of which
+    the last `num_cpu_bytes` are host NUMA memory when `host_memory`), and what the host part costs.
+
+    `*_host_bytes`: bytes of the region past the GPU part (worst case: every row filled). The dispatch region of
+    direct mode is `[N sources][M rows]` filled from the front of each source's rows, so under uniformly random
+    routing it expects `M * ekt / N` rows per source (`expected_dispatch_host_bytes`; worst case when
+    `num_experts` is not given). Each byte in host memory is written once over the host link and read once by the
+    epilogue: `*_host_us` = `2 * bytes / host_gbs`, against `2 * bytes / hbm_gbs` had it fit in HBM.
+    """
+
+    num_bytes: int
+    num_cpu_bytes: int
+    num_gpu_bytes: int
+    host_memory: bool  # False: the transport kept the "host" part in GPU memory (no cost)
+    dispatch_bytes: int
+    combine_bytes: int
+    dispatch_host_bytes: int
+    combine_host_bytes: int
+    expected_dispatch_host_bytes: float
+    hbm_gbs: float
+    host_gbs: float
+    host_path: str  # "argument", "pcie", "" (no host bytes or no host memory)
+    dispatch_host_us: float
+    dispatch_hbm_us: float
+    expected_dispatch_host_us: float
+    combine_host_us: float
+    fits_gpu: bool  # both regions fit the GPU part (no spill)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def explain_memory(
+    topology: Topology,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int,
+    num_bytes: int,
+    num_cpu_bytes: int,
+    *,
+    num_experts: int = 0,
+    use_fp8_dispatch: bool = False,
+    allow_multiple_reduction: bool = True,
+    host_memory: bool = True,
+    hbm_gbs: float | None = None,
+    host_gbs: float | None = None,
+) -> MemoryPlan:
+    """The receive regions' placement in `[GPU num_bytes - num_cpu_bytes | host num_cpu_bytes]` (`MemoryPlan`).
+    `hbm_gbs` / `host_gbs`: None = detect (device copy bandwidth; the PCIe link x 0.9), only when needed.
+    A region larger than `num_bytes` raises (EPConfigError), as the dispatch would."""
+    import ep_layout
+
+    m = _check_positive_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
+    h = _check_positive_int("hidden", hidden)
+    if not isinstance(num_topk, int) or not 1 <= num_topk <= MAX_TOPK:
+        raise EPConfigError(f"num_topk: expected an int in [1, {MAX_TOPK}], got {num_topk!r}")
+    nb = _check_positive_int("num_bytes", num_bytes)
+    if not isinstance(num_cpu_bytes, int) or not 0 <= num_cpu_bytes <= nb:
+        raise EPConfigError(f"num_cpu_bytes: expected an int in [0, num_bytes={nb}], got {num_cpu_bytes!r}")
+    layout = topology.to_layout()
+    dtok = ep_layout.get_sizing_dispatch_token(h, num_topk, bool(use_fp8_dispatch))
+    ctok = ep_layout.get_sizing_combine_token(h, num_topk)
+    dispatch = ep_layout.dispatch_buffer_bytes(dtok, layout, m)
+    combine = ep_layout.combine_buffer_bytes(ctok, layout, m, bool(allow_multiple_reduction))
+    if max(dispatch, combine) > nb:
+        raise EPConfigError(
+            f"num_bytes: the dispatch needs {dispatch} bytes and the combine {combine}, more than the buffer's "
+            f"{nb} (GPU and host parts together); allocate with get_buffer_size_hint()"
+        )
+    gpu = nb - num_cpu_bytes
+    d_host, c_host = max(0, dispatch - gpu), max(0, combine - gpu)
+    # expected fill of the direct dispatch rows: each source's rows are used from the front
+    n, tok = topology.num_ranks, dtok.get_num_bytes()
+    p = 1.0
+    if num_experts and not topology.is_hybrid:
+        topology.check_num_experts(num_experts)
+        p = expected_num_groups(num_experts, num_topk, n) / n
+    if topology.is_hybrid:
+        expected = float(d_host)  # the hybrid regions fill by node: worst case
+    else:
+        rows = m * p * tok
+        expected = float(
+            sum(max(0.0, min(r * m * tok + rows, dispatch) - max(r * m * tok, gpu)) for r in range(n))
+        )
+    spill = host_memory and (d_host or c_host)
+    hbm = host = 0.0
+    path = ""
+    if spill:
+        hbm = float(hbm_gbs) if hbm_gbs else _device_copy_gbs()
+        if host_gbs:
+            host, path = float(host_gbs), "argument"
+        else:
+            query = [
+                "nvidia-smi",
+                "--query-gpu=pcie.link.gen.max,pcie.link.width.max",
+                "--format=csv,noheader,nounits",
+            ]
+            host, path = parse_nvidia_smi_pcie(_run(query)) * HOST_LINK_EFFICIENCY, "pcie"
+        if host <= 0 or hbm <= 0:
+            raise EPConfigError(
+                "host_gbs/hbm_gbs: could not detect the host link or the HBM bandwidth (nvidia-smi, the driver); "
+                "pass host_gbs= and hbm_gbs="
+            )
+
+    def us(nbytes: float, gbs: float) -> float:
+        return 2 * nbytes / gbs / 1e3 if gbs > 0 else 0.0
+
+    plan = MemoryPlan(
+        num_bytes=nb,
+        num_cpu_bytes=num_cpu_bytes,
+        num_gpu_bytes=gpu,
+        host_memory=bool(host_memory),
+        dispatch_bytes=dispatch,
+        combine_bytes=combine,
+        dispatch_host_bytes=d_host,
+        combine_host_bytes=c_host,
+        expected_dispatch_host_bytes=expected,
+        hbm_gbs=hbm,
+        host_gbs=host,
+        host_path=path,
+        dispatch_host_us=us(d_host, host) if spill else 0.0,
+        dispatch_hbm_us=us(d_host, hbm) if spill else 0.0,
+        expected_dispatch_host_us=us(expected, host) if spill else 0.0,
+        combine_host_us=us(c_host, host) if spill else 0.0,
+        fits_gpu=not (d_host or c_host),
+    )
+    if knobs.buffer_debug:
+        print(f"[ep_core.planner] {plan}")
+    return plan

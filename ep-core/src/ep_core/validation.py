@@ -316,9 +316,12 @@ def _combine_bytes(hidden: int, num_topk: int, topology: Any, m: int, amr: bool)
 
 
 def _check_capacity(config: BufferConfig, what: str, needed: int) -> None:
-    if needed > config.num_bytes - config.num_cpu_bytes:
+    # the GPU part and the host part behind it (num_cpu_bytes): a region too big for the GPU part spills
+    # (ep_core.elastic_memory, cost in planner.explain_memory)
+    if needed > config.num_bytes:
         raise EPValueError(
-            f"buffer: the {what} needs {needed} bytes, the buffer has {config.num_bytes - config.num_cpu_bytes}; "
+            f"buffer: the {what} needs {needed} bytes, the buffer has {config.num_bytes} "
+            f"({config.num_bytes - config.num_cpu_bytes} GPU + {config.num_cpu_bytes} host); "
             "build the buffer with a larger num_bytes (get_buffer_size_hint) or fewer tokens"
         )
 

@@ -93,6 +93,43 @@ class ElasticOps:
         return agrs.get_agrs_buffer_size_hint(num_max_session_bytes)
 
     # ---------------------------------------------------------------------------------------------------------
+    # elastic memory
+
+    def explain_memory(
+        self,
+        num_experts: int = 0,
+        num_max_tokens_per_rank: int = 0,
+        hidden: int = 0,
+        num_topk: int = 0,
+        *,
+        hbm_gbs: float | None = None,
+        host_gbs: float | None = None,
+    ) -> Any:
+        """(Ours) Where dispatch/combine receive regions live in ``[GPU | host num_cpu_bytes]`` and what the host
+        part costs (``ep_core.planner.MemoryPlan``): bytes past the GPU part (worst case; expected under uniform
+        routing with ``num_experts``), and their time at the host link's bandwidth against HBM's. Sizes default to
+        the buffer's (``num_max_tokens_per_rank``, ``hidden``, ``num_topk``: 0 = the buffer's; ``num_topk`` 0 on
+        both = 8). A region that needs the host part spills there instead of being refused."""
+        from ep_core import elastic_memory, planner
+
+        rt = self._rt()
+        c = rt.config
+        return planner.explain_memory(
+            rt.topology,
+            int(num_max_tokens_per_rank or c.num_max_tokens_per_rank),
+            int(hidden or c.hidden),
+            int(num_topk or c.num_topk or 8),
+            int(c.num_bytes),
+            int(c.num_cpu_bytes),
+            num_experts=int(num_experts or c.num_experts),
+            use_fp8_dispatch=bool(c.use_fp8_dispatch),
+            allow_multiple_reduction=bool(c.allow_multiple_reduction),
+            host_memory=elastic_memory.host_bytes(rt.storage) > 0,
+            hbm_gbs=hbm_gbs,
+            host_gbs=host_gbs,
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
     # plumbing
 
     def _elastic(self, collective: bool = False) -> _State:

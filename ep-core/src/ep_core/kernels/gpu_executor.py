@@ -80,7 +80,8 @@ class GpuExecutor:
         self.num_device_sms = max(1, self.device_sms // self.num_ranks_on_device)
         self.nvlink_gbs: float | None = None
         self.rdma_gbs: float | None = None
-        data = int(storage.num_bytes) - int(config.num_workspace_bytes) - int(config.num_cpu_bytes)
+        # the whole data region, its host part included: receive regions may spill into it (ep_core.elastic_memory)
+        data = int(storage.num_bytes) - int(config.num_workspace_bytes)
         self.stream = Stream(high_priority=True)
         res = RankResources(
             config.rank,
@@ -109,6 +110,9 @@ class GpuExecutor:
         self._enter_event: Event | None = None
         self._leave_event: Event | None = None
         self._allocators: dict = {}
+        # C++ event pairs and launches (ep_launch), or None: cuda-python (announced once, `launch_path`)
+        self._native = _cuda.native_launch()
+        self.launch_path = _cuda.native_launch_status()
 
     @property
     def launch_step(self) -> int:
@@ -127,24 +131,38 @@ class GpuExecutor:
 
     def _enter(self, stream: int) -> None:
         """The comm stream waits for the caller's stream. One event serves every call: a stream wait binds to the
-        event's latest record at the time of the wait, so recording it again later changes no earlier wait."""
+        event's latest record at the time of the wait, so recording it again later changes no earlier wait. A
+        caller already on the comm stream (`allocate_on_comm_stream`) needs no wait."""
         if self._destroyed:
             raise EPStateError("the executor was destroyed")
+        comm = self.stream.handle
+        if stream == comm:
+            return
         ev = self._enter_event
         if ev is None:
             ev = self._enter_event = Event(timing=False)
-        ev.record(stream)
+        native = self._native
+        if native is not None and not native.record_wait(ev.handle, stream, comm):
+            return
+        ev.record(stream)  # the Python path (also when the native pair failed: it raises the driver's error)
         self.stream.wait_event(ev)
 
-    def _leave(self, stream: int, fresh: bool = True) -> Event:
+    def _leave(self, stream: int, fresh: bool = True) -> Event | None:
         """The caller's stream waits for the comm stream. `fresh`: a new event (it is returned to the caller, who
-        may wait on it later), else the executor's reused one (only this wait uses it)."""
+        may wait on it later), else the executor's reused one (only this wait uses it; None when the caller is on
+        the comm stream, which needs no wait)."""
+        comm = self.stream.handle
         if fresh:
             ev = Event(timing=False)
+        elif stream == comm:
+            return None
         else:
             ev = self._leave_event
             if ev is None:
                 ev = self._leave_event = Event(timing=False)
+        native = self._native
+        if native is not None and not native.record_wait(ev.handle, comm, stream):
+            return ev
         ev.record(self.stream)
         _cuda.check(_cuda.driver().cuStreamWaitEvent(int(stream), ev._event, 0), "cuStreamWaitEvent")
         return ev

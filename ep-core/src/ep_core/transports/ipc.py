@@ -134,6 +134,7 @@ class IpcBuffer:
         rank_devices: list[str] | None = None,
     ) -> None:
         self.bases = bases
+        self.host_bytes = 0  # bytes at the back of the data region in host NUMA memory (create_exchanged)
         self.peer_table = peer_table
         self._owners = owners
         self._table_owner = table_owner
@@ -185,10 +186,17 @@ class IpcBuffer:
         return cls(bases, table.ptr, owners, table)
 
     @classmethod
-    def create_exchanged(cls, bootstrap: Any, data_bytes: int, memory: str = "symmem") -> IpcBuffer:
+    def create_exchanged(
+        cls, bootstrap: Any, data_bytes: int, memory: str = "symmem", num_host_bytes: int = 0
+    ) -> IpcBuffer:
         """This process's buffer, mapped by every rank of `bootstrap`: `memory="symmem"` (ep_symmem VMM buffers and
         `ep_symmem.exchange`), or `"cuda_ipc"` (cuMemAlloc + cuIpcGetMemHandle / cuIpcOpenMemHandle: one host,
-        processes on the same or on peer-capable GPUs)."""
+        processes on the same or on peer-capable GPUs).
+
+        `num_host_bytes > 0` (the elastic buffer, symmem only): the last `num_host_bytes` of the data region are host
+        NUMA memory of the GPU's node behind the GPU part, in the same VA range (`ep_symmem` `[GPU | host]`), mapped
+        by every rank. A collective choice: when any rank cannot build it, every rank keeps the whole data region in
+        GPU memory (a warning names the rank and the reason). `host_bytes` on the result says which."""
         if memory not in ("symmem", "cuda_ipc"):
             raise ValueError(f"memory: expected 'symmem' or 'cuda_ipc', got {memory!r}")
         devices = exchange_devices(bootstrap)
@@ -201,12 +209,48 @@ class IpcBuffer:
 
         total = cls.total_bytes(data_bytes)
         _cuda.driver()
-        alloc = ep_symmem.SymmetricAllocation.create(total, device=_current_device())
+        host = int(num_host_bytes) if memory == "symmem" else 0
+        alloc = cls._create_elastic(bootstrap, total, host) if host else None
+        if alloc is None:
+            alloc, host = ep_symmem.SymmetricAllocation.create(total, device=_current_device()), 0
         _cuda.memset(int(alloc.ptr), total, 0)
         _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
         bootstrap.barrier()
         ep_symmem.exchange(alloc, bootstrap)
-        return cls([int(alloc.ptr)], int(alloc.peer_ptr_table), [alloc], None, devices)
+        out = cls([int(alloc.ptr)], int(alloc.peer_ptr_table), [alloc], None, devices)
+        out.host_bytes = host
+        return out
+
+    @staticmethod
+    def _create_elastic(bootstrap: Any, total: int, num_host_bytes: int) -> Any:
+        """`[GPU total - host | host NUMA num_host_bytes]` (one VA range), or None on every rank when any rank
+        cannot build it (a collective: the ranks' verdicts are exchanged, so all fall back together)."""
+        import warnings
+
+        import ep_symmem
+
+        alloc, why = None, ""
+        if num_host_bytes >= total:
+            why = f"num_host_bytes={num_host_bytes} leaves no GPU part of the {total}-byte allocation"
+        else:
+            try:
+                alloc = ep_symmem.SymmetricAllocation.create(
+                    total - num_host_bytes, num_host_bytes=num_host_bytes, device=_current_device()
+                )
+            except Exception as exc:  # no host NUMA VMM support here (driver, kernel, container)
+                why = f"{type(exc).__name__}: {exc}"
+        verdicts = [v.decode() for v in bootstrap.allgather(why.encode())]
+        bad = [(r, v) for r, v in enumerate(verdicts) if v]
+        if not bad:
+            return alloc
+        if alloc is not None:
+            alloc.close()
+        warnings.warn(
+            f"ipc transport: the host part of the elastic buffer ({num_host_bytes} bytes) stays in GPU memory: "
+            f"rank {bad[0][0]} cannot map host NUMA memory ({bad[0][1]})",
+            stacklevel=4,
+        )
+        return None
 
     @classmethod
     def _create_cuda_ipc(cls, bootstrap: Any, data_bytes: int) -> IpcBuffer:
@@ -267,6 +311,8 @@ class IpcStorage:
         self.peer_table = buffer.peer_table
         self.device = device
         self.rank_devices = getattr(buffer, "rank_devices", None)
+        # the back of the data region in host NUMA memory (the elastic part; 0: all GPU memory)
+        self.num_host_bytes = int(getattr(buffer, "host_bytes", 0))
 
     def peer_bases(self, num_ranks: int) -> list[int]:
         """Every rank's storage base as mapped in this process (rank order), for copies between the ranks'
@@ -303,9 +349,13 @@ class IpcTransport:
     def num_nvlink_ranks(self, bootstrap: Any) -> int:
         return int(bootstrap.size)
 
-    def allocate(self, bootstrap: Any, num_bytes: int) -> IpcStorage:
+    supports_host_memory = True  # allocate(num_host_bytes=): the elastic buffer's host part
+
+    def allocate(self, bootstrap: Any, num_bytes: int, num_host_bytes: int = 0) -> IpcStorage:
+        """`[workspace | data]` of `num_bytes`; the last `num_host_bytes` of it in host NUMA memory where every rank
+        can map it (`IpcStorage.num_host_bytes` says whether it is)."""
         data = int(num_bytes) - ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES
-        buf = IpcBuffer.create_exchanged(bootstrap, data, self.memory)
+        buf = IpcBuffer.create_exchanged(bootstrap, data, self.memory, int(num_host_bytes))
         return IpcStorage(buf, IpcBuffer.total_bytes(data), _current_device())
 
     def create_executor(self, config: Any, buffer: Any) -> Any:
