@@ -32,7 +32,13 @@ def get_include() -> str:
 
 def kernel_source(config: KernelConfig) -> str:
     """The translation unit of one instance: the defines are passed separately (`KernelConfig.defines`)."""
-    mode = "hybrid" if config.is_hybrid else "direct-mode"
+    mode = (
+        "hybrid"
+        if config.is_hybrid
+        else "direct-mode across nodes"
+        if config.is_direct_xnode
+        else "direct-mode"
+    )
     lines = [f"// ep_core {mode} kernels: {config}"]
     if config.transport == "nccl":
         lines.append("#define EP_CORE_WITH_NCCL 1")
@@ -71,6 +77,8 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
             name.replace("ep_core_direct_", "ep_core_hybrid_")
             + f"_su{config.num_scaleup_ranks}_{config.scaleout[:3]}"
         )
+    elif config.is_direct_xnode:  # direct mode across nodes (direct_xnode.cuh)
+        name += f"_nvl{config.num_nvlink_ranks}_{config.scaleout[:3]}"
     defines = config.defines()
     if phase_timing_enabled():
         defines["EP_CORE_PHASE_TIMING"] = 1
