@@ -97,14 +97,18 @@ class GpuExecutor:
         # hybrid topologies (several NVLink domains, allow_hybrid_mode) run the hybrid kernels; over ipc every rank is
         # load/store reachable, so their scale-out put is the emulated one (emulated nodes on one host); over nccl it
         # is the gin one, with the storage's GIN device communicator (`nccl_devcomm`)
+        # several nodes without hybrid mode run direct mode across nodes (the same scale-out put to every rank of
+        # another node: direct_xnode.cuh); num_nvlink_ranks = the ranks of one node
         topology = getattr(config, "topology", None)
         su = topology.num_scaleup_ranks if topology is not None and topology.is_hybrid else None
+        nvl = topology.num_nvlink_ranks if topology is not None else None
         self.rank = DirectRank(
             res,
             num_max_tokens_per_rank=config.num_max_tokens_per_rank,
             gpu_timeout_secs=config.num_gpu_timeout_secs,
             cpu_timeout_secs=config.num_cpu_timeout_secs,
             num_scaleup_ranks=su,
+            num_nvlink_ranks=nvl,
         )
         self._destroyed = False
         self._enter_event: Event | None = None
