@@ -60,7 +60,8 @@ PACKAGES: dict[str, Package] = {
     "ep-jit": Package("ep-jit"),
     "ep-symmem": Package("packages/ep-symmem"),
     "ep-nccl-gin": Package("packages/ep-nccl-gin", extras=("cu13",)),
-    "ep-core": Package("ep-core", deps=("ep-layout", "ep-jit", "ep-symmem")),
+    "ep-launch": Package("packages/ep-launch"),
+    "ep-core": Package("ep-core", deps=("ep-layout", "ep-jit", "ep-symmem", "ep-launch")),
     "ep-torch": Package("ep-torch", deps=("ep-core",), extras=("demo",), needs_torch=True),
 }
 

@@ -8,7 +8,8 @@ per call is reported (median over 5 rounds). `--profile` adds a cProfile of the 
 
     python benchmarks/bench_host_overhead.py --out OUTDIR [--tokens 128] [--iters 200] [--profile]
 
-Writes OUTDIR/bench_host_overhead.json (and bench_host_overhead.prof.txt with --profile).
+Writes OUTDIR/bench_host_overhead.json (and bench_host_overhead.prof.txt with --profile). The launch path (ep_launch's
+C++ launches and events, or cuda-python) is printed and recorded; `EPKIT_NATIVE_LAUNCH=0` times the cuda-python one.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = torch.randperm(t, device="cuda", generator=g)
 
     recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+    launch_path = getattr(buf.runtime.executor, "launch_path", "?")
+    print(f"launch path: {launch_path}")
     ops = {
         "dispatch (CPU sync)": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw),
         "dispatch (no CPU sync)": lambda: buf.dispatch(
@@ -105,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         (out / "bench_host_overhead.prof.txt").write_text(s.getvalue())
         print(s.getvalue()[:6000])
     (out / "bench_host_overhead.json").write_text(
-        json.dumps({"tokens": t, "hidden": HIDDEN, "iters": args.iters, "rows": results}, indent=1)
+        json.dumps(
+            {"tokens": t, "hidden": HIDDEN, "iters": args.iters, "launch_path": launch_path, "rows": results},
+            indent=1,
+        )
     )
     buf.destroy()
     dist.destroy_process_group()

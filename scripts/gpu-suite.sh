@@ -19,7 +19,7 @@ mkdir -p "$out"
 prefix=${EP_GPU_PREFIX:-/tmp/ep-gpu-prefix}
 export PYTHONPATH="$prefix${PYTHONPATH:+:$PYTHONPATH}" PATH="$prefix/bin:$PATH" PYTHONUNBUFFERED=1
 export EPKIT_JIT_CACHE_DIR=${EPKIT_JIT_CACHE_DIR:-$prefix-jit-cache}
-packages=(ep-layout ep-jit packages/ep-symmem packages/ep-nccl-gin ep-core ep-torch)
+packages=(ep-layout ep-jit packages/ep-symmem packages/ep-nccl-gin packages/ep-launch ep-core ep-torch)
 status=0
 
 if [[ " $stages " == *" install "* ]]; then

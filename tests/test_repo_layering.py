@@ -26,7 +26,8 @@ GRAPH = {
     "ep-jit": ("ep-jit", "ep_jit", set(), set()),
     "ep-symmem": ("packages/ep-symmem", "ep_symmem", set(), set()),
     "ep-nccl-gin": ("packages/ep-nccl-gin", "ep_nccl_gin", set(), set()),
-    "ep-core": ("ep-core", "ep_core", {"ep-layout", "ep-jit", "ep-symmem"}, {"ep-nccl-gin"}),
+    "ep-launch": ("packages/ep-launch", "ep_launch", set(), set()),
+    "ep-core": ("ep-core", "ep_core", {"ep-layout", "ep-jit", "ep-symmem", "ep-launch"}, {"ep-nccl-gin"}),
     "ep-torch": ("ep-torch", "ep_torch", {"ep-core"}, set()),
 }
 
@@ -55,7 +56,7 @@ def test_installed_version_matches_dunder_version(dist: str) -> None:
     assert isinstance(module.__all__, (list, tuple)) and module.__all__
 
 
-@pytest.mark.parametrize("dist", ["ep-layout", "ep-jit", "ep-symmem", "ep-nccl-gin", "ep-core"])
+@pytest.mark.parametrize("dist", ["ep-layout", "ep-jit", "ep-symmem", "ep-nccl-gin", "ep-launch", "ep-core"])
 def test_lower_layers_never_import_torch(dist: str) -> None:
     """Only ep-torch may import torch; importing any other package must leave it unloaded."""
     module = GRAPH[dist][1]

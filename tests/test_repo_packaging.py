@@ -57,7 +57,7 @@ def test_pure_wheel_builds_without_warnings(package: str, tmp_path: Path) -> Non
 # The wheels that `nox -s build` wrote: the build session runs these tests with EP_WHEEL_DIR=dist (unset, they skip,
 # so that a stale dist/ never fails another session).
 WHEEL_DIR = Path(os.environ["EP_WHEEL_DIR"]) if os.environ.get("EP_WHEEL_DIR") else None
-NATIVE = ["ep_symmem", "ep_nccl_gin"]
+NATIVE = ["ep_symmem", "ep_nccl_gin", "ep_launch"]
 
 
 def _built_wheels(dist: str) -> list[Path]:

@@ -8,7 +8,7 @@ handle's arrays included), `KernelConfig` + `plan_regions` (the buffer regions o
 (one rank, T=128, hidden 7168, top-8 of 256 experts), with torch CPU tensors (when torch is installed), objects
 exposing `__cuda_array_interface__` and ep_core `DeviceArray`s; and whole `EPBuffer.dispatch` / `combine` calls
 through the GPU executor with the CUDA driver mocked (kernel launches and driver calls are no-ops, so what is left
-is the host work of ep_core itself).
+is the host work of ep_core itself; the C++ launch path of ep_launch is mocked too, so its Python side is timed).
 
     python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json] [--fail-above-us US]
 
@@ -259,11 +259,31 @@ class _Fake:
 
 
 class _FakeKernel:
+    _func = 0  # looks like an ep_jit kernel: its prepared launches take the (mocked) native path
+
     def launch(self, *args, **kwargs) -> None:
+        return None
+
+    def _opt_in_smem(self, shared_mem: int) -> None:
         return None
 
     def max_active_blocks_per_sm(self, block, shared_mem) -> int:
         return 1
+
+
+class _FakeNative:
+    """Stands in for ep_launch: the C++ launch and event pair, as no-ops that report success."""
+
+    class Launch:
+        def __init__(self, *args) -> None:
+            pass
+
+        def __call__(self, stream, values) -> int:
+            return 0
+
+    @staticmethod
+    def record_wait(event, on, waiter) -> int:
+        return 0
 
 
 class _FakeKernels:
@@ -292,6 +312,8 @@ class _MockedGpu:
         patch(_cuda, "copy_device", lambda *a: None)
         patch(_cuda, "memset", lambda *a: None)
         patch(_cuda, "MappedWords", _Fake)
+        patch(_cuda, "native_launch", lambda: _FakeNative)
+        patch(_cuda, "native_launch_status", lambda: "mocked ep_launch")
         patch(kex, "PinnedBuffer", _Fake)
         patch(kex, "load_kernels", lambda config: _FakeKernels)
         patch(gex, "Stream", _Fake)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,8 @@ __all__ = [
     "device_attribute",
     "device_identity",
     "driver",
+    "native_launch",
+    "native_launch_status",
     "num_device_sms",
     "p2p_support",
     "visible_devices",
@@ -62,6 +66,48 @@ def driver() -> Any:
                 _check(drv, drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
             _drv = drv
     return _drv
+
+
+_native: list = []  # [ep_launch module or None, status line], set by the first native_launch()
+
+
+def native_launch() -> Any:
+    """The `ep_launch` module when its C++ launch path is usable (prepared kernel launches and stream-order event
+    pairs without cuda-python's per-call cost), else None. Decided once per process: `EPKIT_NATIVE_LAUNCH=0` turns
+    it off; a missing or unusable module is announced once (a RuntimeWarning; `native_launch_status()` says why)
+    and every launch and event then goes through cuda-python, with the same results and errors."""
+    if _native:
+        return _native[0]
+    with _lock:
+        if not _native:
+            _native.extend(_load_native())
+    return _native[0]
+
+
+def _load_native() -> tuple[Any, str]:
+    if os.environ.get("EPKIT_NATIVE_LAUNCH", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, "off (EPKIT_NATIVE_LAUNCH=0): launches and events through cuda-python"
+    try:
+        import ep_launch
+    except ImportError as exc:
+        reason = f"ep_launch cannot be imported ({exc})"
+    else:
+        if ep_launch.available():
+            return ep_launch, f"ep_launch {ep_launch.__version__} (C++ launches and events)"
+        reason = f"ep_launch cannot load the driver ({ep_launch.unavailable_reason()})"
+    msg = (
+        f"ep_core: {reason}; kernel launches and stream-order events go through cuda-python instead (the same "
+        "results, tens of microseconds more host time per dispatch / combine). Install ep-launch (a dependency of "
+        "ep-core) or set EPKIT_NATIVE_LAUNCH=0 to choose this path silently"
+    )
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return None, f"cuda-python fallback: {reason}"
+
+
+def native_launch_status() -> str:
+    """Which launch path this process takes, and why (`native_launch`)."""
+    native_launch()
+    return _native[1]
 
 
 def _check(drv: Any, result: Any, what: str) -> Any:
@@ -204,6 +250,7 @@ class Event:
         drv = driver()
         flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._event = check(drv.cuEventCreate(flags), "cuEventCreate")
+        self.handle = int(self._event)  # the raw CUevent (ep_launch.record_wait)
 
     def record(self, stream: Stream | int) -> None:
         check(driver().cuEventRecord(self._event, int(stream)), "cuEventRecord")

@@ -157,6 +157,8 @@ _EPILOGUE_DYNAMIC = (
     "recv_topk_weights",
     "num_out_rows",
 )
+# the epilogue's launch starts from the dispatch launch's words: the dispatch's per-call fields, then its own
+_EPILOGUE_DYNAMIC_ALL = _DISPATCH_DYNAMIC + _EPILOGUE_DYNAMIC
 _COMBINE_DYNAMIC = (
     "topk_idx",
     "psum_rank",
@@ -197,7 +199,7 @@ class _PendingDispatch:
     # this rank's collective launch count after the dispatch kernel: the identity of its handle in envelopes
     launch_number: int = 0
     prepared: PreparedOp | None = None
-    words: list | None = None  # the dispatch launch's packed words (the epilogue patches its outputs in)
+    dynamic: tuple = ()  # the dispatch launch's per-call words (the epilogue's start with them, then its outputs)
 
 
 def _check_2d(view: DeviceView, what: str) -> None:
@@ -459,9 +461,14 @@ class DirectRank:
         self._check_fits(kernel, name, geo.grid, geo.block, shared_mem)
         return PreparedLaunch.pack(kernel, name, geo.grid, geo.block, shared_mem, cooperative, args, dynamic)
 
-    def _launch_prepared(self, launch: PreparedLaunch, words: list) -> None:
-        launch.launch(words, self.stream.handle)
-        if words[-1]:  # an envelope (the last OpArgs field): a collective launch
+    def _launch_prepared(self, launch: PreparedLaunch, values: tuple, fresh: bool, collective: bool) -> None:
+        """Launch a prepared launch: its kept words as they are (`fresh`: this call packed them), else with the
+        per-call `values` patched in (natively when ep_launch is usable). `collective`: it carries an envelope."""
+        if fresh:
+            launch.launch(launch.words, self.stream.handle)
+        else:
+            launch.run(values, self.stream.handle)
+        if collective:
             self._num_collective_launches += 1
 
     def _shape_key(self, plan: RegionPlan, scratch: int, num_sms: int) -> tuple:
@@ -767,10 +774,7 @@ class DirectRank:
             # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
             self._occupancy(kernels.combine, geo.block, 0)
             prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
-            words = main.words
-        else:
-            words = prepared.main.patch(dynamic)
-        self._launch_prepared(prepared.main, words)
+        self._launch_prepared(prepared.main, dynamic, args is not None, bool(dynamic[-1]))
         keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
         pending = _PendingDispatch(
             cfg,
@@ -794,7 +798,7 @@ class DirectRank:
             keep,
             launch_number=self._num_collective_launches,
             prepared=prepared,
-            words=words,
+            dynamic=dynamic,
         )
         if do_cpu_sync:
             host = self._host.array
@@ -873,8 +877,12 @@ class DirectRank:
         if rows > 0 or p.zero_padding:
             # no grid barrier in the epilogue: a plain launch
             epilogue = p.prepared.epilogue
-            if epilogue is None or p.args is not None:  # its first use, or a new shape: a fresh pack
-                args = dict(p.args) if p.args is not None else dict(zip(OP_ARGS_FIELDS, p.words))
+            fresh = epilogue is None or p.args is not None  # its first use, or a new shape: a fresh pack
+            if fresh:
+                if p.args is not None:
+                    args = dict(p.args)
+                else:
+                    args = dict(zip(OP_ARGS_FIELDS, p.prepared.main.patch(p.dynamic)))
                 args.update(zip(_EPILOGUE_DYNAMIC, outputs))
                 epilogue = self._prepare(
                     p.prepared.kernels.epilogue,
@@ -883,13 +891,11 @@ class DirectRank:
                     p.geometry.shared_mem,
                     False,
                     args,
-                    _EPILOGUE_DYNAMIC,
+                    _EPILOGUE_DYNAMIC_ALL,
                 )
                 p.prepared.epilogue = epilogue
-                words = epilogue.words
-            else:
-                words = epilogue.patch(outputs, p.words)
-            self._launch_prepared(epilogue, words)
+            # its words are the dispatch's (this call's pointers) with the epilogue's outputs, envelope 0
+            self._launch_prepared(epilogue, p.dynamic + outputs, fresh, False)
         if p.cached:
             handle = p.handle
         else:
@@ -1040,10 +1046,10 @@ class DirectRank:
                 kernels.combine, "ep_combine_impl", geo, 0, self.cooperative, args, _COMBINE_DYNAMIC
             )
             prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
-            words = main.words
+            fresh = True
         else:
-            words = prepared.main.patch(dynamic)
-        self._launch_prepared(prepared.main, words)
+            fresh = False
+        self._launch_prepared(prepared.main, dynamic, fresh, bool(dynamic[-1]))
         if report_input_error:
             self._report_input_error()
         return CombineResult(combined, combined_w)

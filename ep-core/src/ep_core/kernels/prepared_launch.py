@@ -8,6 +8,10 @@ change of any of them misses; the checks whose inputs can change per call (views
 count's co-residency) stay in `DirectRank` and run on every call. A miss packs every field through
 `pack_op_args` exactly as an unprepared launch did and keeps those words; a hit copies them and overwrites the
 per-call fields (pointers, counts that vary, the envelope), so its bytes are those a fresh pack would give.
+
+A hit launches through `ep_launch` when it is usable (`_cuda.native_launch`): the C++ `Launch` keeps the same
+words and slots and does the copy, the patch and `cuLaunchKernelEx` in one call; a failed native launch (nothing
+was launched) is retried through the Python path, which raises the driver's error with ep_jit's message.
 """
 
 from __future__ import annotations
@@ -42,7 +46,18 @@ class PreparedLaunch:
     fields (`dynamic`, in order) set to `values` (ints; pointers above 2**63 wrap as in `pack_op_args`);
     `launch(words, stream)` launches those words."""
 
-    __slots__ = ("block", "cooperative", "dynamic", "grid", "kernel", "name", "shared_mem", "slots", "words")
+    __slots__ = (
+        "block",
+        "cooperative",
+        "dynamic",
+        "grid",
+        "kernel",
+        "name",
+        "native",
+        "shared_mem",
+        "slots",
+        "words",
+    )
 
     def __init__(
         self,
@@ -64,6 +79,7 @@ class PreparedLaunch:
         self.words = words
         self.dynamic = tuple(dynamic)
         self.slots = field_slots(self.dynamic)
+        self.native = _native_launch(self)
 
     @classmethod
     def pack(
@@ -87,6 +103,15 @@ class PreparedLaunch:
             out[i] = v - _WRAP if v >= _TOP else v
         return out
 
+    def run(self, values: tuple, stream: int) -> None:
+        """Launch the kept words with the per-call fields set to `values` (a tuple, in `dynamic` order)."""
+        native = self.native
+        if native is not None and not native(stream, values):
+            return
+        self.launch(
+            self.patch(values), stream
+        )  # no native path, or its launch failed: the Python path raises
+
     def launch(self, words: list[int], stream: Any) -> None:
         import ep_jit  # loaded by then (the kernels came from it); not needed to import ep_core
 
@@ -98,6 +123,30 @@ class PreparedLaunch:
             stream=stream,
             cooperative=self.cooperative,
         )
+
+
+def _native_launch(launch: PreparedLaunch) -> Any:
+    """The `ep_launch.Launch` of a prepared launch, or None (no native path, or a kernel that is not ep_jit's)."""
+    from ep_core.kernels import _cuda
+
+    func = getattr(launch.kernel, "_func", None)
+    module = None if func is None else _cuda.native_launch()
+    if module is None:
+        return None
+    opt_in = getattr(launch.kernel, "_opt_in_smem", None)
+    if (
+        opt_in is not None
+    ):  # the Python launch opts in above 48 KiB on every call; the native one relies on this
+        opt_in(launch.shared_mem)
+    return module.Launch(
+        int(func),
+        launch.grid,
+        launch.block,
+        launch.shared_mem,
+        launch.cooperative,
+        OP_ARGS_STRUCT.pack(*launch.words),
+        list(launch.slots),
+    )
 
 
 class PreparedLaunches:
