@@ -9,10 +9,11 @@ GPUs, else every rank on GPU 0, labelled ``shared``: processes on one GPU are ti
 upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 experts (uniform random routing):
 
 - ``v1 ll_dispatch bf16`` / ``v1 ll_dispatch fp8``: ``low_latency_dispatch(use_fp8=...)`` into the packed masked
-  layout ``[E_local, N*T, H]``;
+  layout ``[E_local, N*T, H]`` (ep-torch's CUDA epilogue, ``legacy_ll_kernels``); ``... torch-ops``: the same
+  through the torch composition (``ll_use_kernels=False``, the bitwise reference of the kernels);
 - ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
   ep combine (``ll_lanes_per_combine``; the automatic choice, 2, 4 and all K: wider rows mean fewer launches but
-  fewer warps per block in ep's kernels);
+  fewer warps per block in ep's kernels), gather and weighted sum as kernels; ``torch-ops`` rows: the torch ops;
 - ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine`` (run
   first, so their rows survive a V1 failure; a failing op is reported and the run goes on).
 
@@ -160,27 +161,32 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     v1 = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
                 num_qps_per_rank=epr, explicitly_destroy=True, transport=transport)  # fmt: skip
     ok = True
-    for fp8 in (False, True):
-        if not ok:
-            break
+    for use, tag in ((None, ""), (False, " torch-ops")):  # ep-torch's kernels (on CUDA), then the torch ops
+        v1.ll_use_kernels = use
+        for fp8 in (False, True):
+            if not ok:
+                break
 
-        def v1_dispatch(fp8=fp8):
-            return v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
+            def v1_dispatch(fp8=fp8):
+                return v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
 
-        v1_dispatch()  # builds the buffer, compiles the kernels
-        ok = ok and row(
-            f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'}", lambda: timer(torch, v1_dispatch, iters)
-        )
+            v1_dispatch()  # builds the buffer, compiles the kernels
+            ok = ok and row(
+                f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'}{tag}", lambda: timer(torch, v1_dispatch, iters)
+            )
+    v1.ll_use_kernels = None
     recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
     y = recv.clone()  # the "experts": identity
     xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
     ref = ll_combine_reference(np.repeat(xb[:, None, :], k, axis=1), idx.cpu().numpy(), w.cpu().numpy())
     auto = lanes_per_combine(k, h)
-    for lanes in sorted({auto, k} | {g for g in (2, 4) if g < k}):
+    lane_rows = [(g, None) for g in sorted({auto, k} | {g for g in (2, 4) if g < k})]
+    for lanes, use in dict.fromkeys([*lane_rows, (auto, False), (k, False)]):
         if not ok:
             break  # after a failure the buffer may be unusable
         v1.ll_lanes_per_combine = lanes
-        op = f"v1 ll_combine lanes={lanes}{' (auto)' if lanes == auto else ''}"
+        v1.ll_use_kernels = use
+        op = f"v1 ll_combine lanes={lanes}{' (auto)' if lanes == auto else ''}{' torch-ops' if use is False else ''}"
         try:
             comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
             _sync(torch)
@@ -242,12 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     how = "CPU dry run, host timer" if args.dry_run_cpu else "CUDA-graph replay"
     print(f"\nDecode, T={args.tokens} tokens per rank, hidden {args.hidden}, top-{args.topk} of {args.experts} "
           f"experts, {how} (mean of {args.iters}), max over ranks")  # fmt: skip
-    print(f"{'EP':>4} {'GPU':<8} {'op':<32} {'us (max rank)':>14} {'us (mean)':>10}")
+    print(f"{'EP':>4} {'GPU':<8} {'op':<42} {'us (max rank)':>14} {'us (mean)':>10}")
     for agg in table.values():
         ms = agg["ms"]
         gpu = "shared" if agg["shared_gpu"] else "own"
         print(
-            f"{agg['ep']:>4} {gpu:<8} {agg['op']:<32} {max(ms) * 1e3:>14.1f} {sum(ms) / len(ms) * 1e3:>10.1f}"
+            f"{agg['ep']:>4} {gpu:<8} {agg['op']:<42} {max(ms) * 1e3:>14.1f} {sum(ms) / len(ms) * 1e3:>10.1f}"
         )
     for msg in failures:
         print(f"CHECK FAILED: {msg}")

@@ -27,7 +27,9 @@ chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Op
 the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). Ours, keyword only: ``num_max_tokens_per_rank``
 and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
 (tokens, hidden) to size it (one small collective); ``ll_lanes_per_combine`` (0 = automatic) sets how many top-k
-lanes one low-latency combine carries (``legacy_ll.lanes_per_combine``).
+lanes one low-latency combine carries (``legacy_ll.lanes_per_combine``); ``ll_use_kernels`` (None = on CUDA) runs
+low-latency mode's packing, gather and weighted sum as CUDA kernels (``legacy_ll_kernels``) instead of torch ops
+(the same bits; False keeps the torch composition, the tests' reference).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from .legacy_internode import (
     tokens_per_rdma_rank,
     v1_row_order,
 )
-from .legacy_ll import LowLatencyHandle, ll_combine, ll_dispatch, weighted_lane_sum
+from .legacy_ll import LowLatencyHandle, ll_combine_weighted, ll_dispatch
 
 __all__ = ["Buffer", "Config", "LowLatencyHandle", "V1Handle", "V1InternodeHandle", "per_token_cast_to_fp8"]
 
@@ -169,6 +171,7 @@ class Buffer:
         hidden: int = 0,
         transport: str | None = None,
         ll_lanes_per_combine: int = 0,
+        ll_use_kernels: bool | None = None,
     ) -> None:
         if group is None and comm is not None:
             raise NotImplementedError(
@@ -185,6 +188,7 @@ class Buffer:
         self.explicitly_destroy = bool(explicitly_destroy)
         self._transport = transport
         self.ll_lanes_per_combine = int(ll_lanes_per_combine)
+        self.ll_use_kernels = ll_use_kernels
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
         self._destroyed = False
@@ -612,7 +616,7 @@ class Buffer:
 
         def run() -> tuple:
             recv, count, handle = ll_dispatch(
-                inner, x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0
+                inner, x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, self.ll_use_kernels
             )
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count.to(cumulative_local_expert_recv_stats.dtype))
@@ -682,12 +686,9 @@ class Buffer:
             )
 
         def run() -> torch.Tensor:
-            lanes = ll_combine(inner, x, handle, t, self.ll_lanes_per_combine)
-            combined = weighted_lane_sum(lanes, topk_idx, topk_weights)
-            if out is None:
-                return combined
-            out.copy_(combined)
-            return out
+            return ll_combine_weighted(
+                inner, x, handle, topk_idx, topk_weights, self.ll_lanes_per_combine, out, self.ll_use_kernels
+            )
 
         return self._on_comm(x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, topk_weights, out), run)
 

@@ -13,6 +13,10 @@ weights and sums in ascending lane order (the reference's order: multiply, then 
 The price: every (token, rank) row carries all K lane slots, mostly zeros, so the combine moves (ranks a token
 reaches) times V1's bytes (V1 sends one message per (token, expert)). Lanes travel in groups
 (``lanes_per_combine``) to keep ep's per-warp shared-memory rows small: one combine per group.
+
+On CUDA the epilogue, the wide-row gather and the weighted sum are kernels (``legacy_ll_kernels``: one pass each,
+bit for bit the torch composition here, which stays the CPU path and the GPU tests' reference); ``use_kernels``
+(None = on CUDA) picks.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ import torch
 
 from .legacy_fp8 import per_token_cast_to_fp8
 
-__all__ = ["LowLatencyHandle", "lanes_per_combine", "ll_combine", "ll_dispatch", "weighted_lane_sum"]
+__all__ = [
+    "LowLatencyHandle",
+    "lanes_per_combine",
+    "ll_combine",
+    "ll_combine_weighted",
+    "ll_dispatch",
+    "weighted_lane_sum",
+]
 
 
 class LowLatencyHandle(tuple):
@@ -56,8 +67,10 @@ def ll_dispatch(
     use_fp8: bool,
     round_scale: bool,
     use_ue8m0: bool,
+    use_kernels: bool | None = None,
 ) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
-    """The packed masked layout of this rank's received rows (no host sync: capturable)."""
+    """The packed masked layout of this rank's received rows (no host sync: capturable). ``use_kernels``: the
+    CUDA epilogue (``legacy_ll_kernels.pack``) instead of the torch ops; None = on CUDA."""
     n = inner.num_ranks
     epr = num_experts // n
     h = int(x.shape[1])
@@ -66,6 +79,24 @@ def ll_dispatch(
     recv_x, recv_idx, _, ep_handle, _ = inner.dispatch(
         x, topk_idx=topk_idx, num_experts=num_experts, do_cpu_sync=False
     )
+    if x.is_cuda if use_kernels is None else use_kernels:
+        from . import legacy_ll_kernels
+
+        recv, recv_count, src_info, layout_range, lane_slot, lane_ok = legacy_ll_kernels.pack(
+            recv_x,
+            recv_idx,
+            ep_handle.recv_src_metadata,
+            _num_valid(ep_handle),
+            num_ranks=n,
+            epr=epr,
+            tokens_per_rank=int(inner.num_max_tokens_per_rank),
+            hybrid=int(inner.num_scaleup_ranks) < n,
+            use_fp8=use_fp8,
+            round_scale=round_scale,
+            use_ue8m0=use_ue8m0,
+        )
+        handle = LowLatencyHandle((src_info, layout_range, m, h, num_experts), ep_handle, lane_slot, lane_ok)
+        return recv, recv_count, handle
     rows = int(recv_x.shape[0])  # N*M, fixed
     slots = n * m
     dump = epr * slots
@@ -109,6 +140,12 @@ def ll_dispatch(
     # V1: the scales' last two dimensions are column-major
     packed_s = packed_s.transpose(1, 2).contiguous().transpose(1, 2)
     return (packed_q, packed_s), recv_count, handle
+
+
+def _num_valid(ep_handle: Any) -> torch.Tensor:
+    """The true received row count as a one-element int32 device tensor (read by the kernels, never the host)."""
+    psum = ep_handle.psum_num_recv_tokens_per_scaleup_rank[-1:]
+    return psum if psum.dtype == torch.int32 else psum.to(torch.int32)
 
 
 def _scatter_rows(src: torch.Tensor, lane_slot: torch.Tensor, dump: int) -> torch.Tensor:
@@ -162,3 +199,46 @@ def weighted_lane_sum(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
         p = y[:, j].to(torch.float32) * w[:, j : j + 1]
         acc = torch.where(valid[:, j : j + 1], acc + p, acc)
     return acc.to(torch.bfloat16)
+
+
+def ll_combine_weighted(
+    inner: Any,
+    x: torch.Tensor,
+    handle: LowLatencyHandle,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    group: int = 0,
+    out: torch.Tensor | None = None,
+    use_kernels: bool | None = None,
+) -> torch.Tensor:
+    """V1's weighted combine of the packed ``x``: ``[T, H]`` bf16 (written into ``out`` when given). With
+    ``use_kernels`` (None = on CUDA): per group of lanes, one gather kernel into the wide rows, ep's combine and one
+    fused weighted-sum kernel (fp32 accumulator between groups, exact); else ``ll_combine`` +
+    ``weighted_lane_sum``. The same bits either way."""
+    t = int(topk_idx.shape[0])
+    if not (x.is_cuda if use_kernels is None else use_kernels):
+        combined = weighted_lane_sum(ll_combine(inner, x, handle, t, group), topk_idx, topk_weights)
+        if out is None:
+            return combined
+        out.copy_(combined)
+        return out
+    from . import legacy_ll_kernels
+
+    h = int(x.shape[2])
+    k = handle.num_topk
+    g = lanes_per_combine(k, h, group)
+    num_valid = _num_valid(handle.ep_handle)
+    if out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0:
+        dest = out  # written in place
+    else:
+        dest = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    acc = None if g == k else torch.empty(t, h, dtype=torch.float32, device=x.device)
+    for g0 in range(0, k, g):
+        g1 = min(k, g0 + g)
+        wide = legacy_ll_kernels.gather_lanes(x, handle.lane_slot, handle.lane_ok, num_valid, g0, g1 - g0)
+        y, _, _ = inner.combine(wide, handle.ep_handle)
+        legacy_ll_kernels.weighted_sum(y, topk_idx, topk_weights, g0, g1 - g0, acc, dest)
+    if out is not None and dest is not out:
+        out.copy_(dest)
+        return out
+    return dest

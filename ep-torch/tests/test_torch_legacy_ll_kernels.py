@@ -1,0 +1,251 @@
+"""V1 low-latency mode's CUDA kernels (``ep_torch.legacy_ll_kernels``, ``include/ep_torch/ll_pack.cuh``).
+
+CPU: the kernels compile for sm_90a through ep_jit with nvcc; the FP8 helpers the pack kernel uses (torch's e4m3
+conversion, the scale, NaN-propagating amax), compiled for the host, equal ``legacy_reference.fp8_cast_reference``.
+GPU (marker ``gpu``): every output of the kernel path (packed rows, FP8 bytes and scales, recv_count, src_info,
+layout_range, lane_slot/lane_ok, the weighted combine for every lane grouping) bitwise equal to the torch
+composition (``ll_use_kernels=False``), at the test's small sizes and at the benchmark's (T=128, hidden 7168, top-8
+of 256), EP1 loopback, two processes sharing the GPU, and four as two emulated nodes (hybrid rows).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from ep_torch.launch import spawn
+from ep_torch.legacy_reference import fp8_cast_reference
+
+
+def _have_nvcc() -> bool:
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    return shutil.which("nvcc") is not None or os.path.exists(os.path.join(home, "bin", "nvcc"))
+
+
+def _nvcc() -> str:
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    path = os.path.join(home, "bin", "nvcc")
+    return path if os.path.exists(path) else str(shutil.which("nvcc"))
+
+
+needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_ll_kernels_compile(arch, tmp_path, monkeypatch):
+    ep_jit = pytest.importorskip("ep_jit")
+    from ep_torch.legacy_ll_kernels import KERNEL_NAMES, compile_ll_kernels
+
+    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    ep_jit.clear_memo()
+    art = compile_ll_kernels(arch=arch)
+    assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+    assert set(KERNEL_NAMES) <= set(art.kernel_names)
+
+
+_HOST_CAST = r"""
+#include <ep_torch/ll_pack.cuh>
+#include <cstdio>
+#include <vector>
+// stdin: rows, hidden, round_scale (int32), then rows*hidden bf16 bits; stdout: e4m3 bytes, then fp32 scales
+int main() {
+  int rows, hidden, rs;
+  if (fread(&rows, 4, 1, stdin) != 1 || fread(&hidden, 4, 1, stdin) != 1 || fread(&rs, 4, 1, stdin) != 1) return 2;
+  std::vector<uint16_t> x((size_t)rows * hidden);
+  if (fread(x.data(), 2, x.size(), stdin) != x.size()) return 3;
+  std::vector<uint8_t> q(x.size());
+  std::vector<float> s((size_t)rows * (hidden / 128));
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < hidden / 128; ++g) {
+      float f[128], amax = 0.0f;
+      for (int i = 0; i < 128; ++i) {
+        f[i] = ep_ll::u2f((uint32_t)x[(size_t)r * hidden + g * 128 + i] << 16);
+        amax = ep_ll::nan_max(amax, fabsf(f[i]));
+      }
+      const float scale = ep_ll::fp8_scale(amax, rs != 0);
+      s[(size_t)r * (hidden / 128) + g] = scale;
+      for (int i = 0; i < 128; ++i)
+        q[(size_t)r * hidden + g * 128 + i] = (uint8_t)ep_ll::e4m3_bits(ep_ll::div_rn(f[i], scale));
+    }
+  fwrite(q.data(), 1, q.size(), stdout);
+  fwrite(s.data(), 4, s.size(), stdout);
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_ll_fp8_helpers_equal_reference(round_scale, tmp_path):
+    """The pack kernel's per-group cast, its helpers compiled for the host: bitwise fp8_cast_reference on groups
+    of very different magnitudes (e4m3 denormals, zeros, the 1e-4 amax floor, exact powers of two)."""
+    from ep_torch.legacy_ll_kernels import get_include
+
+    src = tmp_path / "cast.cu"
+    src.write_text(_HOST_CAST)
+    exe = tmp_path / "cast"
+    subprocess.run(
+        [_nvcc(), "-std=c++17", "-O2", "-I", get_include(), str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    rng = np.random.default_rng(5)
+    rows, hidden = 64, 1024
+    groups = hidden // 128
+    mag = 2.0 ** rng.integers(-30, 40, size=(rows, groups, 1))
+    spread = 2.0 ** rng.integers(-24, 1, size=(rows, groups, 128))  # denormal e4m3 outputs inside a group
+    x = (rng.standard_normal((rows, groups, 128)) * mag * spread).astype(np.float32).reshape(rows, hidden)
+    x[0] = 0.0  # amax floor
+    x[1, :128] = 2.0 ** np.arange(-64, 64)  # exact powers of two (scale with no mantissa bits)
+    bits = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    header = np.array([rows, hidden, int(round_scale)], dtype=np.int32).tobytes()
+    proc = subprocess.run(
+        [str(exe)], input=header + bits.tobytes(), capture_output=True, timeout=60, check=True
+    )
+    q = np.frombuffer(proc.stdout[: rows * hidden], dtype=np.uint8).reshape(rows, hidden)
+    s = np.frombuffer(proc.stdout[rows * hidden :], dtype=np.float32).reshape(rows, groups)
+    rq, rs = fp8_cast_reference(bits, round_scale, False)
+    assert np.array_equal(s.view(np.int32), rs.view(np.int32)), "scales differ"
+    bad = np.argwhere(q != rq)
+    assert not bad.size, f"e4m3 byte {tuple(bad[0])}: {q[tuple(bad[0])]:#x} != {rq[tuple(bad[0])]:#x}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: the kernel path against the torch composition
+
+
+SMALL = {"T": 5, "H": 512, "K": 3, "E": 8, "M": 8}
+BENCH = {"T": 128, "H": 7168, "K": 8, "E": 256, "M": 128}
+
+
+def _inputs(rank: int, cfg: dict, seed: int, idx_dtype: torch.dtype):
+    t, h, k, e = cfg["T"], cfg["H"], cfg["K"], cfg["E"]
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    mag = 2.0 ** torch.randint(-12, 10, (h // 128,), generator=g).float()
+    x = (torch.randn(t, h, generator=g) * mag.repeat_interleave(128)).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    idx[0, 1] = -1
+    idx[t - 1] = -1  # a token that selects nothing
+    w = torch.rand(t, k, generator=g)
+    return x, idx.to(idx_dtype), w
+
+
+def _u8(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().view(torch.uint8).cpu().numpy()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    ga, gb = _u8(a), _u8(b)
+    bad = np.argwhere(ga != gb)
+    assert not bad.size, (
+        f"{what}: kernels differ from the torch path at byte {tuple(bad[0])} ({len(bad)} bytes)"
+    )
+
+
+def _compare(rank: int, n: int, cfg: dict, idx_dtype: torch.dtype) -> None:
+    from ep_torch.legacy import Buffer
+
+    dev = torch.device("cuda", 0)
+    t, h, k, e, m = cfg["T"], cfg["H"], cfg["K"], cfg["E"], cfg["M"]
+    epr = e // n
+    buf = Buffer(None, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, transport="ipc")
+    x, idx, w = (a.to(dev) for a in _inputs(rank, cfg, 0, idx_dtype))
+    where = f"EP{n} rank {rank} T={t} H={h} K={k} E={e} idx {idx_dtype}"
+    for fp8, rs, ue in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
+        out = {}
+        for use in (False, True):
+            buf.ll_use_kernels = use
+            out[use] = buf.low_latency_dispatch(x, idx, m, e, use_fp8=fp8, round_scale=rs, use_ue8m0=ue)
+        torch.cuda.synchronize()
+        (r0, c0, h0, _, _), (r1, c1, h1, _, _) = out[False], out[True]
+        what = f"{where} fp8={fp8} round_scale={rs} ue8m0={ue}"
+        _same(c0, c1, f"{what}: recv_count")
+        for i, name in enumerate(("src_info", "layout_range")):
+            _same(h0[i], h1[i], f"{what}: {name}")
+        assert tuple(h0[2:]) == tuple(h1[2:]), what
+        _same(h0.lane_slot, h1.lane_slot, f"{what}: lane_slot")
+        _same(h0.lane_ok, h1.lane_ok, f"{what}: lane_ok")
+        parts0 = r0 if fp8 else (r0,)
+        parts1 = r1 if fp8 else (r1,)
+        for p0, p1, name in zip(parts0, parts1, ("rows", "scales")):
+            assert p0.shape == p1.shape and p0.stride() == p1.stride() and p0.dtype == p1.dtype, (
+                f"{what}: {name} {p0.shape}/{p0.stride()} vs {p1.shape}/{p1.stride()}"
+            )
+            for j in range(epr):
+                cnt = int(c0[j])
+                _same(p0[j, :cnt], p1[j, :cnt], f"{what}: {name} of expert {j}")
+    # combine: random expert outputs, every lane grouping, kernels vs torch (each on its own dispatch's handle)
+    g = torch.Generator().manual_seed(77 + rank)
+    y = (torch.randn(epr, n * m, h, generator=g) * 3).to(torch.bfloat16).to(dev)
+    handles = {}
+    for use in (False, True):
+        buf.ll_use_kernels = use
+        handles[use] = buf.low_latency_dispatch(x, idx, m, e, use_fp8=False)[2]
+    for group in sorted({0, 1, 2, k}):
+        buf.ll_lanes_per_combine = group
+        res = {}
+        for use in (False, True):
+            buf.ll_use_kernels = use
+            res[use] = buf.low_latency_combine(y, idx, w, handles[use])[0]
+        _same(res[False], res[True], f"{where}: combine lanes={group}")
+        buf.ll_use_kernels = (
+            True  # the kernels' combine on the torch path's handle, and out= (non-contiguous)
+        )
+        cross = buf.low_latency_combine(y, idx, w, handles[False])[0]
+        _same(res[False], cross, f"{where}: combine lanes={group} on the torch handle")
+        out_t = torch.empty(h, t, dtype=torch.bfloat16, device=dev).t()
+        got = buf.low_latency_combine(y, idx, w, handles[True], out=out_t)[0]
+        assert got is out_t
+        _same(res[False], out_t, f"{where}: combine lanes={group} into a non-contiguous out=")
+    buf.ll_lanes_per_combine = 0
+    dist.barrier()
+    buf.destroy()
+
+
+def _kernels_vs_torch_gpu(rank: int, n: int) -> None:
+    torch.cuda.set_device(0)
+    os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # no NVLink to detect between processes on one GPU
+    _compare(rank, n, SMALL, torch.int64)
+    _compare(rank, n, SMALL, torch.int32)
+    if n <= 2:
+        _compare(rank, n, BENCH, torch.int64)
+
+
+def _spawn(worker: str, ranks: int, env: dict | None = None, limit: float = 600.0) -> None:
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, worker, str(ranks)],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            env={**os.environ, **(env or {})},
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{worker} x{ranks}: still running after {limit} s (a hang):\n{str(exc.output)[-3000:]}")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ll_kernels_equal_torch_gpu(ranks):
+    _spawn("_kernels_vs_torch_gpu", ranks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_ll_kernels_equal_torch_hybrid_gpu():
+    """Four processes on one GPU as two emulated nodes: hybrid rows (grouped by region), V1's packed order."""
+    _spawn("_kernels_vs_torch_gpu", 4, {"EPKIT_SCALEUP_RANKS": "2"})
+
+
+if __name__ == "__main__":
+    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
