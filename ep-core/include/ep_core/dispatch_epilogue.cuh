@@ -31,6 +31,7 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     __shared__ int s_psum[kNumRanks];
     __shared__ int s_start[256];
     __shared__ int s_count[256];
+    __shared__ int s_scan[kWarpSize];
     __shared__ __align__(8) uint64_t s_bars[kNumWarps];
     extern __shared__ __align__(128) uint8_t ep_dyn_smem[];
 
@@ -63,16 +64,13 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     for (int i = threadIdx.x; i < kNumRanks; i += blockDim.x)
         s_psum[i] = kHybrid ? epilogue_psum_src(sc)[i] : args.psum_rank[i];
     if (expand) {
-        for (int j = threadIdx.x; j < epr; j += blockDim.x)
-            s_count[j] = args.unaligned_expert[j];
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int start = 0;
-            for (int j = 0; j < epr; ++j) {
-                s_start[j] = start;
-                start += static_cast<int>(align_up<int64_t>(s_count[j], A));
-            }
+        // expert starts: aligned counts in parallel, then a block scan (not a serial chain of epr 64-bit divisions)
+        for (int j = threadIdx.x; j < epr; j += blockDim.x) {
+            const int count = args.unaligned_expert[j];
+            s_count[j] = count;
+            s_start[j] = static_cast<int>(align_up<int64_t>(count, A));
         }
+        block_exclusive_scan(s_start, epr, s_scan);
     }
     __syncthreads();
     EP_PHASE_MARK(kPhaseEpilogue, kEpSetup);

@@ -105,4 +105,40 @@ EP_CORE_DEVICE int warp_inclusive_scan(int v, int lane) {
     return v;
 }
 
+/// In-place exclusive prefix sum of `v[0..n)` (shared memory, written by any thread before the call) by the whole
+/// block: every thread calls it (it holds block barriers; blockDim.x is a multiple of 32). Thread i sums a contiguous
+/// chunk, the chunk sums are scanned across the block, then each thread rewrites its chunk: the same integers as a
+/// serial loop, with a dependency chain of about n / blockDim.x instead of n. `s_warp`: shared scratch of 32 ints.
+EP_CORE_DEVICE void block_exclusive_scan(int* v, int n, int* s_warp) {
+    const int lane = threadIdx.x % kWarpSize;
+    const int warp = threadIdx.x / kWarpSize;
+    const int num_warps = blockDim.x / kWarpSize;
+    const int per = (n + blockDim.x - 1) / blockDim.x;
+    const int lo = const_min(n, static_cast<int>(threadIdx.x) * per);
+    const int hi = const_min(n, lo + per);
+    __syncthreads();  // v complete; s_warp free
+    int local = 0;
+    for (int j = lo; j < hi; ++j)
+        local += v[j];
+    const int incl = warp_inclusive_scan(local, lane);
+    if (lane == kWarpSize - 1)
+        s_warp[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        const int w = lane < num_warps ? s_warp[lane] : 0;
+        const int wi = warp_inclusive_scan(w, lane);
+        __syncwarp();
+        if (lane < num_warps)
+            s_warp[lane] = wi - w;  // exclusive prefix of the warp totals
+    }
+    __syncthreads();
+    int run = s_warp[warp] + incl - local;
+    for (int j = lo; j < hi; ++j) {
+        const int c = v[j];
+        v[j] = run;
+        run += c;
+    }
+    __syncthreads();  // the prefix complete for every thread; s_warp reusable
+}
+
 }  // namespace ep_core
