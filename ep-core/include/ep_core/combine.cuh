@@ -56,54 +56,88 @@ struct Acc8 {
 /// order (each lane holding its row pointer in `my_src`); optional biases come first. Writes bf16 to `dst`.
 /// `s_ops` is this warp's shared scratch of 32 pointers. `kPeerData`: rows were written by peers in this launch
 /// (L2 loads) rather than being kernel inputs.
+///
+/// Latency: each lane owns kPos 16-byte positions at a time (stride 32 vectors) and loads them for kOpBatch
+/// operands before adding, so one memory round trip covers kPos x kOpBatch vectors instead of one position's
+/// operands. Every element still sees bias0, bias1, then the operands in ascending order, in fp32, one rounding:
+/// the same bits as a position-at-a-time loop.
 template <int kBytes, bool kPeerData>
 EP_CORE_DEVICE void warp_ordered_sum(const uint8_t* my_src, uint32_t mask, const uint8_t* bias0, const uint8_t* bias1,
                                      uint8_t* dst, const uint8_t** s_ops, int lane) {
     constexpr int kVecs = kBytes / 16;
-    constexpr int kBatch = 8;
+    constexpr int kPos = 4;
+    constexpr int kOpBatch = 2;  // 4 x 2 vectors in flight per lane: the most that fits 128 registers unspilled
+    constexpr int kStride = kWarpSize * 16;  // bytes between a lane's positions
     if (mask & (1u << lane))
         s_ops[__popc(mask & ((1u << lane) - 1u))] = my_src;
     __syncwarp();
     const int num_ops = __popc(mask);
-    for (int i = lane; i < kVecs; i += kWarpSize) {
-        Acc8 acc;
+#pragma unroll 1
+    for (int i0 = lane; i0 < kVecs; i0 += kWarpSize * kPos) {
+        const int64_t off = static_cast<int64_t>(i0) * 16;
+        Acc8 acc[kPos];
         bool have = false;
         if (bias0 != nullptr) {
-            acc.set(ptx::ld_nc_v4(bias0 + static_cast<int64_t>(i) * 16));
+            const uint8_t* p = bias0 + off;
+            uint4 b[kPos];
+            unroll<kPos>([&](auto u) {
+                if (i0 + u.value * kWarpSize < kVecs)
+                    b[u.value] = ptx::ld_nc_v4_at<u.value * kStride>(p);
+            });
+#pragma unroll
+            for (int u = 0; u < kPos; ++u)
+                acc[u].set(b[u]);
             have = true;
         }
         if (bias1 != nullptr) {
-            const uint4 b = ptx::ld_nc_v4(bias1 + static_cast<int64_t>(i) * 16);
-            if (have)
-                acc.add(b);
-            else
-                acc.set(b);
+            const uint8_t* p = bias1 + off;
+            uint4 b[kPos];
+            unroll<kPos>([&](auto u) {
+                if (i0 + u.value * kWarpSize < kVecs)
+                    b[u.value] = ptx::ld_nc_v4_at<u.value * kStride>(p);
+            });
+#pragma unroll
+            for (int u = 0; u < kPos; ++u) {
+                if (have)
+                    acc[u].add(b[u]);
+                else
+                    acc[u].set(b[u]);
+            }
             have = true;
         }
-        for (int base = 0; base < num_ops; base += kBatch) {
-            uint4 v[kBatch];
+#pragma unroll 1
+        for (int base = 0; base < num_ops; base += kOpBatch) {
+            uint4 v[kOpBatch][kPos];
 #pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
+            for (int j = 0; j < kOpBatch; ++j) {
                 if (base + j < num_ops) {
-                    const uint8_t* p = s_ops[base + j] + static_cast<int64_t>(i) * 16;
-                    v[j] = kPeerData ? ptx::ld_cg_v4(p) : ptx::ld_nc_v4(p);
+                    const uint8_t* p = s_ops[base + j] + off;
+                    unroll<kPos>([&](auto u) {
+                        if (i0 + u.value * kWarpSize < kVecs)
+                            v[j][u.value] = kPeerData ? ptx::ld_cg_v4_at<u.value * kStride>(p)
+                                                      : ptx::ld_nc_v4_at<u.value * kStride>(p);
+                    });
                 }
             }
 #pragma unroll
-            for (int j = 0; j < kBatch; ++j) {
+            for (int j = 0; j < kOpBatch; ++j) {
                 if (base + j < num_ops) {
-                    if (have)
-                        acc.add(v[j]);
-                    else
-                        acc.set(v[j]);
+#pragma unroll
+                    for (int u = 0; u < kPos; ++u) {
+                        if (have)
+                            acc[u].add(v[j][u]);
+                        else
+                            acc[u].set(v[j][u]);
+                    }
                     have = true;
                 }
             }
         }
-        uint4 out = make_uint4(0, 0, 0, 0);
-        if (have)
-            out = acc.to_bf16();
-        ptx::st_v4(dst + static_cast<int64_t>(i) * 16, out);
+        uint8_t* const q = dst + off;
+        unroll<kPos>([&](auto u) {
+            if (i0 + u.value * kWarpSize < kVecs)
+                ptx::st_v4_at<u.value * kStride>(q, have ? acc[u.value].to_bf16() : make_uint4(0, 0, 0, 0));
+        });
     }
     __syncwarp();
 }

@@ -46,4 +46,31 @@ __host__ __device__ constexpr T const_min(T a, T b) {
     return a < b ? a : b;
 }
 
+/// Compile-time index for `unroll<N>(f)`: `f(Index<0>{}) ... f(Index<N-1>{})`, so the body can use the index as a
+/// template argument (an immediate offset) where `#pragma unroll` gives only a runtime value.
+template <int V>
+struct Index {
+    static constexpr int value = V;
+};
+
+template <int I, int N>
+struct Unroller {
+    template <typename F>
+    static EP_CORE_DEVICE void run(F& f) {
+        f(Index<I>{});
+        Unroller<I + 1, N>::run(f);
+    }
+};
+
+template <int N>
+struct Unroller<N, N> {
+    template <typename F>
+    static EP_CORE_DEVICE void run(F&) {}
+};
+
+template <int N, typename F>
+EP_CORE_DEVICE void unroll(F&& f) {
+    Unroller<0, N>::run(f);
+}
+
 }  // namespace ep_core

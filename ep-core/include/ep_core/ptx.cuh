@@ -68,6 +68,34 @@ EP_CORE_DEVICE uint4 ld_cg_v4(const void* p) {
     return v;
 }
 
+/// `ld_nc_v4` / `ld_cg_v4` of `p + kOff` with the offset as an immediate (unrolled loops keep one address register
+/// per row instead of one per access).
+template <int kOff>
+EP_CORE_DEVICE uint4 ld_nc_v4_at(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "n"(kOff));
+    return v;
+}
+
+template <int kOff>
+EP_CORE_DEVICE uint4 ld_cg_v4_at(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4+%5];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p), "n"(kOff)
+                 : "memory");
+    return v;
+}
+
+template <int kOff>
+EP_CORE_DEVICE void st_v4_at(void* p, const uint4& v) {
+    asm volatile("st.global.v4.u32 [%0+%1], {%2, %3, %4, %5};" ::"l"(p), "n"(kOff), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+
 EP_CORE_DEVICE void st_v4(void* p, const uint4& v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
