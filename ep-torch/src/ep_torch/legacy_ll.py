@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_core.errors import EPValueError
 
 from .legacy_fp8 import per_token_cast_to_fp8
 
@@ -79,7 +80,7 @@ def ll_dispatch(
     recv_x, recv_idx, _, ep_handle, _ = inner.dispatch(
         x, topk_idx=topk_idx, num_experts=num_experts, do_cpu_sync=False
     )
-    if x.is_cuda if use_kernels is None else use_kernels:
+    if _kernels(x, use_kernels, "low_latency_dispatch"):
         from . import legacy_ll_kernels
 
         recv, recv_count, src_info, layout_range, lane_slot, lane_ok = legacy_ll_kernels.pack(
@@ -140,6 +141,15 @@ def ll_dispatch(
     # V1: the scales' last two dimensions are column-major
     packed_s = packed_s.transpose(1, 2).contiguous().transpose(1, 2)
     return (packed_q, packed_s), recv_count, handle
+
+
+def _kernels(x: torch.Tensor, use_kernels: bool | None, op: str) -> bool:
+    """Whether ``op`` runs ep-torch's CUDA kernels: ``use_kernels``, None = on CUDA."""
+    if use_kernels is None:
+        return x.is_cuda
+    if use_kernels and not x.is_cuda:
+        raise EPValueError(f"{op}: ll_use_kernels=True needs CUDA tensors, got x on {x.device}")
+    return bool(use_kernels)
 
 
 def _num_valid(ep_handle: Any) -> torch.Tensor:
@@ -216,7 +226,7 @@ def ll_combine_weighted(
     fused weighted-sum kernel (fp32 accumulator between groups, exact); else ``ll_combine`` +
     ``weighted_lane_sum``. The same bits either way."""
     t = int(topk_idx.shape[0])
-    if not (x.is_cuda if use_kernels is None else use_kernels):
+    if not _kernels(x, use_kernels, "low_latency_combine"):
         combined = weighted_lane_sum(ll_combine(inner, x, handle, t, group), topk_idx, topk_weights)
         if out is None:
             return combined
