@@ -1,0 +1,52 @@
+"""CPU checks of bench_ep.py's decode GPU time (issue 17): rows timed as back-to-back graph replays carry the old
+one-replay time (host submission included) beside it, in the JSON row, the progress line and a labelled last
+table column; rows without it print as before."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ep.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_ep_decode_batch_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load()
+
+
+def test_decode_row_keeps_one_replay_time():
+    r = bench.make_row(
+        1, False, "uniform", "dispatch", 16, 0.03, 10**6, 0.4, 4000.0, 8.0, decode=True, single_ms=0.04
+    )
+    assert r["time_us"] == pytest.approx(30.0)
+    assert r["time_us_1replay"] == pytest.approx(40.0)
+    assert "(1 replay incl. submit   40.0 us)" in bench.progress_line(r)
+    lines = bench.table_lines([r], decode=True)
+    assert lines[0].endswith("| x torch | 1-replay us (incl. submit) |")
+    assert lines[1].count("---") == 12
+    assert lines[2].endswith("| 30.0 | 0.2 | 33 | 0.8 | 400.0 | 13.33 | 40.0 |")
+
+
+def test_mixed_rows_and_plain_rows():
+    timed = bench.make_row(8, False, "uniform", "combine", 8, 0.1, 10**6, 0.5, 4000.0, 8.0, True, 0.11)
+    eager = bench.make_row(8, False, "uniform", "combine_eager", 8, 0.2, 10**6, 0.5, 4000.0, 8.0, True)
+    assert "time_us_1replay" not in eager
+    lines = bench.table_lines([timed, eager], decode=True)
+    assert lines[2].endswith(" 110.0 |") and lines[3].endswith(" - |")
+    plain = bench.table_lines([eager], decode=True)
+    assert "1-replay" not in plain[0]  # the table of rows without it is unchanged
+
+
+def test_batch_default():
+    assert bench.DECODE_BATCH >= 10
+    assert "back to back" in bench.__doc__
