@@ -78,7 +78,7 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
             + f"_su{config.num_scaleup_ranks}_{config.scaleout[:3]}"
         )
     elif config.is_direct_xnode:  # direct mode across nodes (direct_xnode.cuh)
-        name += f"_nvl{config.num_nvlink_ranks}_{config.scaleout[:3]}"
+        name += f"_xn{config.num_nvlink_ranks}_{config.scaleout[:3]}"  # ep_jit keeps 48 characters
     defines = config.defines()
     if phase_timing_enabled():
         defines["EP_CORE_PHASE_TIMING"] = 1
