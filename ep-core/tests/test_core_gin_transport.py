@@ -6,8 +6,9 @@ Against the recording ep_nccl_gin double of test_core_nccl_transport.py:
   connection) and hands a device copy of it to the executor's storage (`nccl_devcomm`);
 - refusals, on every rank with the same message and before any collective: GIN missing on one rank (e.g.
   EPKIT_DISABLE_GIN=1 through the real `gin_support`), NCCL too old for the traffic class, a window without
-  strict ordering, direct mode across nodes (`allow_hybrid_mode=False`), `num_nvlink_ranks` that is not the LSA
-  team;
+  strict ordering, `num_nvlink_ranks` that is not the LSA team;
+- direct mode across nodes (`allow_hybrid_mode=False`): the same GIN device communicator with a FULL connection
+  (a put to every rank of another node), GIN checked without the RAIL options;
 - the pointer reaches the packed `OpArgs` (slot `nccl_devcomm`) and the JIT picks the gin scale-out for it; the
   gin kernels of that configuration compile (test_core_kernels_compile.py::test_hybrid_gin_scaleout_compiles).
 """
@@ -125,7 +126,7 @@ def test_signal_ids_none_in_the_kernels() -> None:
     from ep_core.kernels._source import get_include
 
     inc = pathlib.Path(get_include()) / "ep_core"
-    text = (inc / "scaleout.cuh").read_text() + (inc / "hybrid.cuh").read_text()
+    text = "".join((inc / h).read_text() for h in ("scaleout.cuh", "hybrid.cuh", "direct_xnode.cuh"))
     assert "ncclGin_StrongVASignalAdd" in text
     for indexed in ("ncclGin_SignalAdd", "ncclGin_SignalInc", "ncclGin_StrongSignalAdd", "ncclGinSignal_t"):
         assert indexed not in text, indexed
@@ -239,10 +240,35 @@ def test_dev_comm_without_gin_contexts_fails_every_rank(fake) -> None:
     assert fake.executors == []
 
 
-def test_direct_mode_across_nodes_is_refused(fake) -> None:
+def test_direct_mode_across_nodes_creates_full_gin_dev_comm(fake, monkeypatch) -> None:
+    """allow_hybrid_mode=False with 2 nodes: the direct kernels across nodes (direct_xnode.cuh) put to every rank
+    of another node, so the GIN device communicator has a FULL connection; GIN is checked as direct mode."""
+    asked = []
+    real = fake.gin_support
+
+    def gin_support(*, hybrid=False):
+        asked.append(hybrid)
+        return real(hybrid=hybrid)
+
+    fake.gin_support = gin_support
+    out = _setup(4, hybrid=False)
+    for r, res in enumerate(out):
+        assert not isinstance(res, BaseException), res
+        tr, st = res
+        assert "create_dev_comm_gin" in fake.calls(r)
+        assert tr.gin_requirements["gin_connection_type"] == "full"
+        assert st.nccl_devcomm
+    assert asked == [False] * 4
+    assert sorted(fake.executors) == sorted((r, out[r][1].nccl_devcomm) for r in range(4))
+    for _, st in out:
+        st.release_local()
+
+
+def test_direct_mode_across_nodes_gin_missing_names_the_mode(fake) -> None:
+    fake.gin_missing = {1: ("no RDMA NIC with an active port under /sys/class/infiniband (test)",)}
     for r, e in enumerate(_setup(4, hybrid=False)):
         assert isinstance(e, EPConfigError), e
-        assert "allow_hybrid_mode=False with 2 nodes" in str(e) and "not supported by the kernels" in str(e)
+        assert "direct mode across nodes (2 nodes x 2 ranks) needs GIN" in str(e) and "rank(s) [1]" in str(e)
         assert "create_dev_comm_gin" not in fake.calls(r)
 
 
@@ -276,7 +302,9 @@ def test_devcomm_pointer_reaches_packed_op_args() -> None:
 
 def test_jit_picks_gin_scaleout_for_nccl_hybrid() -> None:
     res = SimpleNamespace(nccl_window=0xAB000)
-    me = SimpleNamespace(res=res, _num_warps=None, _configs={}, num_ranks=4, num_scaleup_ranks=2)
+    me = SimpleNamespace(
+        res=res, _num_warps=None, _configs={}, num_ranks=4, num_scaleup_ranks=2, num_nvlink_ranks=2
+    )
     cfg = DirectRank._config(me, 2048, 2, 0, 4)
     assert cfg.transport == "nccl" and cfg.scaleout == "gin" and cfg.num_scaleup_ranks == 2
     me.res = SimpleNamespace(nccl_window=0)
@@ -284,10 +312,27 @@ def test_jit_picks_gin_scaleout_for_nccl_hybrid() -> None:
     assert DirectRank._config(me, 2048, 2, 0, 4).scaleout == "emulated"
 
 
+def test_jit_picks_gin_for_nccl_direct_across_nodes() -> None:
+    res = SimpleNamespace(nccl_window=0xAB000)
+    me = SimpleNamespace(
+        res=res, _num_warps=None, _configs={}, num_ranks=4, num_scaleup_ranks=4, num_nvlink_ranks=2
+    )
+    cfg = DirectRank._config(me, 2048, 2, 0, 4)
+    assert cfg.is_direct_xnode and not cfg.is_hybrid and cfg.scaleout == "gin"
+    assert cfg.defines()["EP_CORE_TRANSPORT"] == "ep_core::NodeLsaTransport<2>"
+    me.res = SimpleNamespace(nccl_window=0)
+    me._configs = {}
+    assert DirectRank._config(me, 2048, 2, 0, 4).scaleout == "emulated"
+
+
 def test_hybrid_over_nccl_without_devcomm_is_refused() -> None:
     res = RankResources(0, 4, 0x7000_0000_0000, 1 << 20, 0, None, nccl_window=0xAB000)
-    with pytest.raises(EPConfigError, match="nccl_devcomm"):
+    with pytest.raises(EPConfigError, match="nccl_devcomm: hybrid mode"):
         DirectRank(res, num_max_tokens_per_rank=8, num_scaleup_ranks=2)
+    with pytest.raises(
+        EPConfigError, match=r"nccl_devcomm: direct mode across nodes over transport 'nccl' \(2 nodes"
+    ):
+        DirectRank(res, num_max_tokens_per_rank=8, num_nvlink_ranks=2)
 
 
 def test_storage_close_frees_the_devcomm_copy(fake) -> None:

@@ -28,6 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--num-ranks", type=int, required=True)
     c.add_argument("--num-scaleup-ranks", type=int, default=None, help="ranks per node (default: num-ranks)")
+    c.add_argument(
+        "--no-hybrid",
+        action="store_true",
+        help="allow_hybrid_mode=False: several nodes run direct mode across nodes (puts to every remote rank)",
+    )
     c.add_argument("--hidden", type=int, required=True)
     c.add_argument("--num-topk", type=int, required=True)
     c.add_argument("--num-experts", type=int, required=True)
@@ -62,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _mode(instances: list) -> str:
     c = instances[0].config
+    if c.is_direct_xnode:
+        return f"direct mode across nodes: {c.num_nodes} nodes x {c.num_nvlink_ranks}, scale-out put {c.scaleout}"
     if not c.is_hybrid:
         return "direct mode"
     return f"hybrid mode: {c.num_nodes} nodes x {c.num_scaleup_ranks}, scale-out put {c.scaleout}"
@@ -83,6 +90,7 @@ def _compile(args: argparse.Namespace) -> int:
             num_sf_packs=args.num_sf_packs,
             transport=args.transport,
             num_warps=args.num_warps,
+            allow_hybrid_mode=not args.no_hybrid,
         )
         if args.num_sms:
             if not 1 <= args.num_sms <= args.device_sms:

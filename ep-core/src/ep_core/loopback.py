@@ -17,6 +17,11 @@ The calls mirror `ep_core.reference.dispatch/combine` (lists indexed by rank), s
 >>> outs = dom.dispatch(xs, topk_idxs, topk_weights, num_experts=256)
 >>> comb = dom.combine([o.recv_x for o in outs], [o.handle for o in outs])
 
+Emulated nodes: `num_scaleup_ranks=S_u < N` groups ranks `r // S_u` into nodes. With `allow_hybrid_mode=True` (the
+default) they run hybrid mode (include/ep_core/hybrid.cuh); with `allow_hybrid_mode=False` direct mode across nodes
+(include/ep_core/direct_xnode.cuh: every rank of another node through the emulated scale-out put), whose results are
+direct mode's (`ep_core.reference` without `num_scaleup_ranks`).
+
 Inputs may be device arrays or numpy arrays (uploaded on the rank's stream). Outputs are `DeviceArray`s;
 `DispatchResult.to_reference()` converts to the reference's numpy form.
 
@@ -72,6 +77,20 @@ def domain_data_bytes(
     return ep_layout.align(max(need, hint), ep_layout.NUM_SYMMETRIC_ALIGN_BYTES)
 
 
+def _check_hybrid_flag(allow_hybrid_mode: Any) -> bool:
+    if not isinstance(allow_hybrid_mode, bool):
+        raise EPValueError(f"allow_hybrid_mode: expected a bool, got {allow_hybrid_mode!r}")
+    return allow_hybrid_mode
+
+
+def _logical_ranks(num_ranks: int, ranks_per_node: int, allow_hybrid_mode: bool) -> tuple[int, int]:
+    """`(S_u, ranks per node)` of the kernels (DirectRank's `num_scaleup_ranks`, `num_nvlink_ranks`): hybrid mode
+    `(S_u, S_u)`; direct mode across nodes `(N, S_u)` (the handle has N regions, as direct mode)."""
+    if allow_hybrid_mode:
+        return ranks_per_node, ranks_per_node
+    return num_ranks, ranks_per_node
+
+
 def _upload(a: Any, stream: Stream) -> Any:
     if a is None:
         return None
@@ -99,12 +118,15 @@ class LoopbackDomain:
         use_symmem: bool = False,
         num_warps: int | None = None,
         num_scaleup_ranks: int | None = None,
+        allow_hybrid_mode: bool = True,
     ) -> None:
         if not 1 <= num_ranks <= ep_layout.NUM_MAX_RANKS:
             raise EPValueError(f"num_ranks: expected 1..{ep_layout.NUM_MAX_RANKS}, got {num_ranks}")
         # Emulated nodes: ranks r // S_u form a node. S_u = N (the default) is direct mode; S_u < N runs the hybrid
-        # kernels with the emulated scale-out put (load/store between the "nodes"). Checked before any GPU work.
+        # kernels with the emulated scale-out put (load/store between the "nodes"), or with allow_hybrid_mode=False
+        # direct mode across nodes (the same put to every rank of another node). Checked before any GPU work.
         self.num_scaleup_ranks = resolve_scaleup_ranks(int(num_ranks), num_scaleup_ranks)
+        self.allow_hybrid_mode = _check_hybrid_flag(allow_hybrid_mode)
         self.num_ranks = int(num_ranks)
         self.num_max_tokens = int(num_max_tokens_per_rank)
         self.device_sms = _cuda.num_device_sms()
@@ -112,9 +134,8 @@ class LoopbackDomain:
             num_sms = default_num_sms(self.device_sms, self.num_ranks)
         check_coresident(self.num_ranks, num_sms, self.device_sms)
         self.num_sms = int(num_sms)
-        data = num_bytes or domain_data_bytes(
-            self.num_ranks, self.num_max_tokens, hidden, num_topk, self.num_scaleup_ranks
-        )
+        su, nvl = _logical_ranks(self.num_ranks, self.num_scaleup_ranks, self.allow_hybrid_mode)
+        data = num_bytes or domain_data_bytes(self.num_ranks, self.num_max_tokens, hidden, num_topk, su)
         self.buffers = IpcBuffer.create_loopback(self.num_ranks, data, use_symmem=use_symmem)
         self.streams = [Stream() for _ in range(self.num_ranks)]
         self.ranks: list[DirectRank] = []
@@ -135,7 +156,8 @@ class LoopbackDomain:
                     gpu_timeout_secs=gpu_timeout_secs,
                     cpu_timeout_secs=cpu_timeout_secs,
                     num_warps=num_warps,
-                    num_scaleup_ranks=self.num_scaleup_ranks,
+                    num_scaleup_ranks=su,
+                    num_nvlink_ranks=nvl,
                 )
             )
         self._closed = False
@@ -309,13 +331,15 @@ class ProcessRank(DirectRank):
         memory: str = "symmem",
         cooperative: bool | None = None,
         num_scaleup_ranks: int | None = None,
+        allow_hybrid_mode: bool = True,
     ) -> None:
         size = int(bootstrap.size)
-        # ranks per node: the argument, else EPKIT_SCALEUP_RANKS, else one node (direct mode)
+        # ranks per node: the argument, else EPKIT_SCALEUP_RANKS, else one node (direct mode); several nodes run
+        # hybrid mode, or direct mode across nodes with allow_hybrid_mode=False (as LoopbackDomain)
         self.num_scaleup_ranks = resolve_scaleup_ranks(size, num_scaleup_ranks, use_env=True)
-        data = num_bytes or domain_data_bytes(
-            size, num_max_tokens_per_rank, hidden, num_topk, self.num_scaleup_ranks
-        )
+        self.allow_hybrid_mode = _check_hybrid_flag(allow_hybrid_mode)
+        su, nvl = _logical_ranks(size, self.num_scaleup_ranks, self.allow_hybrid_mode)
+        data = num_bytes or domain_data_bytes(size, num_max_tokens_per_rank, hidden, num_topk, su)
         self.buffer = IpcBuffer.create_exchanged(bootstrap, data, memory)
         self.bootstrap = bootstrap
         on_device = count_ranks_on_device(self.buffer.rank_devices, int(bootstrap.rank))
@@ -335,7 +359,8 @@ class ProcessRank(DirectRank):
             cpu_timeout_secs=cpu_timeout_secs,
             num_warps=num_warps,
             cooperative=cooperative,
-            num_scaleup_ranks=self.num_scaleup_ranks,
+            num_scaleup_ranks=su,
+            num_nvlink_ranks=nvl,
         )
 
     def reset(self) -> None:

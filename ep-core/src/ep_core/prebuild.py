@@ -9,7 +9,8 @@ one instance serves them all, so the enumeration below is exactly the instances 
 The runtime compiles for the current GPU's arch (`sm_90a` on an H200): prebuild with the same `arch` or the cache
 entries are never hit. Hybrid configurations (`num_scaleup_ranks < num_ranks`) build the hybrid kernels
 (include/ep_core/hybrid.cuh) with the scale-out put of the transport: `emulated` (load/store) over ipc, `gin` (NCCL
-GIN, against NCCL's device headers) over nccl.
+GIN, against NCCL's device headers) over nccl; with `allow_hybrid_mode=False` they build direct mode across nodes
+(include/ep_core/direct_xnode.cuh) with the same scale-out put.
 """
 
 from __future__ import annotations
@@ -67,11 +68,16 @@ def plan_instances(
     num_sf_packs: tuple[int, ...] | None = None,
     transport: str = "ipc",
     num_warps: int | None = None,
+    allow_hybrid_mode: bool = True,
 ) -> list[PlannedInstance]:
     """The instances of the runtime for this configuration (module doc); raises EPConfigError for a
-    configuration the runtime would refuse (the same checks: `KernelConfig`, `plan_regions`)."""
+    configuration the runtime would refuse (the same checks: `KernelConfig`, `plan_regions`).
+    `num_scaleup_ranks`: ranks per node; several nodes run hybrid mode, or direct mode across nodes with
+    `allow_hybrid_mode=False`."""
     su = resolve_scaleup_ranks(num_ranks, num_scaleup_ranks)
     kw: dict[str, Any] = {"transport": transport, "num_scaleup_ranks": su}
+    if not allow_hybrid_mode:  # one logical domain of every rank; the nodes only decide who is reached how
+        kw = {"transport": transport, "num_scaleup_ranks": num_ranks, "num_nvlink_ranks": su}
     if num_warps is not None:
         kw["num_warps"] = int(num_warps)
     bf16 = KernelConfig(num_ranks, num_topk, hidden, 2, 0, **kw)

@@ -17,13 +17,13 @@ Setup (`NcclTransport.allocate`, every rank in the same order):
    with `lsa_barrier_count`, no GIN) whose bytes (`NcclStorage.dev_comm_bytes`, `.context_bytes`) are kept for
    kernels that use NCCL's own barriers.
 4. several nodes (`create_executor`, when the buffer's topology is known): hybrid mode (`allow_hybrid_mode=True`)
-   needs GIN. Every rank checks `gin_support(hybrid=True)` (EPKIT_DISABLE_GIN, NCCL version, an RDMA NIC), the
-   traffic-class gate and the window's strict ordering, the outcome is exchanged (no rank enters a collective
-   that another refused), then the device communicator is replaced by one with `gin_requirements(...)` and a
-   device copy of its `ncclDevComm` goes to the kernels (`OpArgs::nccl_devcomm`, the `gin` scale-out put of
-   include/ep_core/scaleout.cuh). Direct mode across nodes (`allow_hybrid_mode=False`) is refused: the
-   direct-mode kernels reach peers through LSA pointers only. The GIN path is compiled and wired but has never
-   run (no RDMA NIC on the machines this was built on).
+   and direct mode across nodes (`allow_hybrid_mode=False`: include/ep_core/direct_xnode.cuh, a put to every rank
+   of another node) need GIN. Every rank checks `gin_support(hybrid=...)` (EPKIT_DISABLE_GIN, NCCL version, an RDMA
+   NIC; hybrid mode also the RAIL connection options), the traffic-class gate and the window's strict ordering, the
+   outcome is exchanged (no rank enters a collective that another refused), then the device communicator is
+   replaced by one with `gin_requirements(...)` and a device copy of its `ncclDevComm` goes to the kernels
+   (`OpArgs::nccl_devcomm`, the `gin` scale-out put of include/ep_core/scaleout.cuh). The GIN path is compiled and
+   wired but has never run (no RDMA NIC on the machines this was built on).
 
 Teardown (`NcclStorage.close()`, called by `EPBuffer.destroy()` after its barrier): device communicator destroy,
 window deregister (both collective), `ncclMemFree`, then the communicator (owned only, once its last storage is
@@ -60,8 +60,9 @@ GIN_QUEUE_DEPTH = 1024
 """Entries per GIN queue (DeepEP's `kGinQPDepth`)."""
 
 GIN_SIGNAL_COUNT = 0
-"""GIN signal ids the hybrid kernels use: none. Every signal of include/ep_core/hybrid.cuh (the count-block signal
-per source node, the barrier's arrival adds) is a `ncclGin_StrongVASignalAdd` on a workspace word of the window
+"""GIN signal ids the kernels of several nodes use: none. Every signal of include/ep_core/hybrid.cuh and
+direct_xnode.cuh (the count-block signal per source node, the rank-count signals of direct mode across nodes, the
+barrier's arrival adds) is a `ncclGin_StrongVASignalAdd` on a workspace word of the window
 (a VA signal), and the puts are plain `put`/`putValue`; no `ncclGinSignal_t` id is ever passed. A kernel that
 starts using indexed signals must raise this (DeepEP asks for N + 4 because its barrier uses ids)."""
 
@@ -184,9 +185,12 @@ def gin_requirements(
     }
 
 
-def _gin_blockers(nccl: Any, storage: NcclStorage, requirements: dict[str, Any]) -> list[str]:
-    """What keeps this rank from a GIN device communicator with `requirements` (empty: nothing). Local."""
-    missing = list(nccl.gin_support(hybrid=True).missing)  # EPKIT_DISABLE_GIN, versions, RDMA NIC
+def _gin_blockers(
+    nccl: Any, storage: NcclStorage, requirements: dict[str, Any], hybrid: bool = True
+) -> list[str]:
+    """What keeps this rank from a GIN device communicator with `requirements` (empty: nothing). Local.
+    `hybrid`: hybrid mode (the RAIL connection options too), else direct mode across nodes."""
+    missing = list(nccl.gin_support(hybrid=hybrid).missing)  # EPKIT_DISABLE_GIN, versions, RDMA NIC
     loaded = nccl.load()
     if requirements.get("gin_traffic_class") is not None:
         since = nccl.FEATURES["gin_traffic_class"].since
@@ -499,21 +503,13 @@ class NcclTransport:
     @staticmethod
     def _check_topology(topology: Any, storage: NcclStorage, rank: int) -> None:
         """The buffer's NVLink domains must be NCCL's LSA teams (the kernels address a node's peers through LSA
-        pointers and everything else through GIN), and direct mode must stay within one of them."""
+        pointers and everything else through GIN)."""
         nvl = int(topology.num_nvlink_ranks)
         if nvl != storage.lsa_size:
             raise EPConfigError(
                 f"num_nvlink_ranks: over transport 'nccl' it must be NCCL's LSA team size {storage.lsa_size} (rank "
                 f"{rank}), got {nvl}; leave it unset (emulated nodes within one NVLink domain run over "
                 "transport='ipc')"
-            )
-        if topology.num_rdma_ranks > 1 and not topology.is_hybrid:
-            raise EPConfigError(
-                f"allow_hybrid_mode=False with {topology.num_rdma_ranks} nodes of {nvl} ranks over transport "
-                f"'nccl' (rank {rank}): direct mode across nodes is not supported by the kernels: the direct-mode "
-                "kernels reach peers through LSA (NVLink) pointers only and have no GIN put to a rank of another "
-                "node; use allow_hybrid_mode=True (the hybrid kernels, GIN between nodes), or run within one NVLink "
-                "domain"
             )
 
     def _setup_gin(self, storage: NcclStorage, config: Any, bootstrap: Any) -> None:
@@ -528,9 +524,10 @@ class NcclTransport:
             sl_idx=int(config.sl_idx),
             lsa_barrier_count=barriers,
         )
-        what = f"hybrid mode ({topology.num_rdma_ranks} nodes x {storage.lsa_size} ranks) needs GIN between nodes"
+        mode = "hybrid mode" if topology.is_hybrid else "direct mode across nodes"
+        what = f"{mode} ({topology.num_rdma_ranks} nodes x {storage.lsa_size} ranks) needs GIN between nodes"
         try:
-            missing = "; ".join(_gin_blockers(nccl, storage, reqs))
+            missing = "; ".join(_gin_blockers(nccl, storage, reqs, hybrid=topology.is_hybrid))
         except Exception as exc:  # a check that cannot run is a blocker too (every rank must hear of it)
             missing = f"the GIN check failed ({exc})"
         _agree(bootstrap, missing, what)  # no rank enters ncclDevCommCreate that another refused
