@@ -12,7 +12,8 @@ GIN's put-then-signal ordering), the ranks of its own node by load/store, as Dee
   one;
 - a node that never sends (its ranks skip the count signals to other nodes) gives EPTimeoutError naming a waiting
   rank of another node and the silent peer, nothing hangs, and reset() recovers;
-- 4 processes sharing the GPU as 2 nodes x 2 (`EPKIT_SCALEUP_RANKS=2`, `ProcessRank(allow_hybrid_mode=False)`).
+- 4 processes sharing the GPU as 2 nodes x 2: `ProcessRank(allow_hybrid_mode=False)` with `EPKIT_SCALEUP_RANKS=2`,
+  and `EPBuffer(num_nvlink_ranks=2, allow_hybrid_mode=False)` over ipc.
 """
 
 from __future__ import annotations
@@ -338,3 +339,80 @@ def test_processes_share_gpu_as_two_nodes_direct(tmp_path, monkeypatch) -> None:
     results = run_workers(PROCESS_WORKER, 4, tmp_path)
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert all(r["checks"] == 3 for r in results)
+
+
+EPBUFFER_WORKER = """
+import json, pickle, sys
+import numpy as np
+import ep_symmem
+from ep_core import EPBuffer, reference, routing
+from ep_core.device_array import DeviceArray as CoreArray
+from ep_core.kernels import _cuda
+from ep_core.transports.ipc import IpcTransport
+
+rank, size, directory = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+M, H, K, E, SU = 64, 512, 8, 32, 2
+boot = ep_symmem.FileBootstrap(directory, rank, size, timeout=120.0)
+buf = EPBuffer(boot, transport=IpcTransport("cuda_ipc"), num_max_tokens_per_rank=M, hidden=H, num_topk=K,
+               num_experts=E, num_nvlink_ranks=SU, allow_hybrid_mode=False, deterministic=True,
+               num_gpu_timeout_secs=30, num_cpu_timeout_secs=60)
+assert buf.topology.logical_domain_size == (1, size), buf.topology.logical_domain_size
+assert buf.topology.physical_domain_size == (size // SU, SU), buf.topology.physical_domain_size
+
+
+def up(a, dtype):
+    mem = _cuda.DeviceArray.from_numpy(a, 0)
+    return CoreArray(mem.ptr, a.shape, dtype, owner=mem)
+
+
+def down(a):
+    from ep_core.device_array import describe
+    info = describe(a)
+    if info.device != "cuda":
+        return np.asarray(a)
+    assert info.is_contiguous, info
+    dt = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8}.get(info.dtype, info.dtype)
+    host = np.empty(tuple(info.shape), dtype=dt)
+    _cuda.copy_to_host(host, int(info.ptr), 0)
+    _cuda.driver().cuCtxSynchronize()
+    return host
+
+
+inp = routing.make_inputs(size, [M, 40, 0, 17][:size], H, E, K, seed=21, masked_ratio=0.2)
+ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, num_max_tokens_per_rank=M)
+res = buf.dispatch(up(inp.xs[rank], "bfloat16"), up(inp.topk_idxs[rank], "int64"),
+                   up(inp.topk_weights[rank], "float32"), num_experts=E, num_sms=4)
+_cuda.driver().cuCtxSynchronize()
+recv_x = down(res.recv_x)
+h = res.handle
+meta = down(h.recv_src_metadata)
+psum = down(h.psum_num_recv_tokens_per_scaleup_rank)
+r = ref[rank]
+nv = r.num_valid_rows
+assert psum.shape == (size,), psum.shape
+assert np.array_equal(psum, r.handle.psum_num_recv_tokens_per_scaleup_rank), f"psum {psum}"
+assert np.array_equal(meta[:nv], np.asarray(r.handle.recv_src_metadata)[:nv]), "recv_src_metadata"
+assert np.array_equal(recv_x[:nv], r.recv_x[:nv]), "recv_x"
+comb = buf.combine(res.recv_x, h, res.recv_topk_weights, num_sms=4)
+_cuda.driver().cuCtxSynchronize()
+w = down(comb.combined_topk_weights)
+want = np.where(inp.topk_idxs[rank] >= 0, inp.topk_weights[rank], 0).astype(np.float32)
+assert np.array_equal(w.view(np.uint32), want.view(np.uint32)), "weights round trip"
+everyone = [pickle.loads(b) for b in boot.allgather(pickle.dumps(recv_x))]
+ref_c = reference.combine(everyone, [x.handle for x in ref])
+assert np.array_equal(down(comb.combined_x), ref_c[rank].combined_x), "combined_x"
+cfgs = list(buf.executor.rank._configs.values())  # GpuExecutor -> DirectRank: the instances it launched
+assert cfgs and all(c.is_direct_xnode and c.num_nvlink_ranks == SU for c in cfgs), cfgs
+buf.destroy()
+print(json.dumps({"rank": rank, "ok": True}))
+"""
+
+
+def test_epbuffer_processes_as_two_nodes_direct(tmp_path) -> None:
+    """EPBuffer over ipc with num_nvlink_ranks=2 and allow_hybrid_mode=False (4 processes sharing the GPU): the
+    executor runs direct mode across nodes; deterministic dispatch and combine equal the direct reference."""
+    pytest.importorskip("ep_symmem")
+    from ep_core_gpu_testing import run_workers
+
+    for result in run_workers(EPBUFFER_WORKER, 4, tmp_path):
+        assert result["ok"]
