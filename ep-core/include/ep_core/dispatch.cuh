@@ -182,6 +182,15 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     const uint8_t* const x = static_cast<const uint8_t*>(args.x);
     const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
+        // the hidden part's bulk load first: it depends on nothing below, so routing (the top-k loads, the slot's
+        // atomic or handle read) runs while it is in flight. The slot is free once the warp's previous bulk
+        // stores have read it.
+        ptx::bulk_wait_read();
+        __syncwarp();
+        if (lane == 0) {
+            ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
+            ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
+        }
         const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det);
         const int64_t word = t >> 5;
         const uint32_t below = (1u << (t & 31)) - 1u;
@@ -214,14 +223,8 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             my_dst = peer_recv[r.dst] +
                      (static_cast<int64_t>(rank) * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
 
-        // stage [hidden | sf | metadata] in this warp's shared slot: the hidden part by one bulk load, the rest
-        // by the lanes; the slot is free once the warp's previous bulk stores have read it
-        ptx::bulk_wait_read();
-        __syncwarp();
-        if (lane == 0) {
-            ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
-            ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
-        }
+        // stage [hidden | sf | metadata] in this warp's shared slot: the hidden part by the bulk load above, the
+        // rest by the lanes
         if constexpr (Tok::kNumSfPacks > 0) {
             for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
                 reinterpret_cast<uint32_t*>(slot_buf + Tok::kSfOffset)[p] =
