@@ -366,6 +366,7 @@ EP_CORE_DEVICE void direct_xnode_combine_impl(const OpArgs& args) {
                                 Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
                                 &s_abort};
     const Scaleout so(args, sync.tr);
+    // 0. guard
     if (threadIdx.x == 0)
         s_abort = entry_aborted(args, sync.ws) ? 1 : 0;
     uint8_t* const region = static_cast<uint8_t*>(args.recv_region);

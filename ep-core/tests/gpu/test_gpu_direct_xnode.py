@@ -18,7 +18,10 @@ GIN's put-then-signal ordering), the ranks of its own node by load/store, as Dee
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,7 +38,18 @@ from ep_core.kernels._cuda import num_device_sms  # noqa: E402
 from ep_core.kernels._source import compile_kernels  # noqa: E402
 from ep_core.kernels.plan import KernelConfig  # noqa: E402
 from ep_core.loopback import LoopbackDomain  # noqa: E402
-from test_gpu_hybrid import CASES, HIDDEN, PACKS, E, K, M, _eq, _token_counts, compare_dispatch  # noqa: E402
+
+# the hybrid test's matrix and comparison helpers (no test folder is on sys.path: load the module by its path)
+_spec = importlib.util.spec_from_file_location(
+    "_ep_core_gpu_hybrid_cases", Path(__file__).with_name("test_gpu_hybrid.py")
+)
+_hyb = sys.modules.get(_spec.name)
+if _hyb is None:
+    _hyb = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_hyb)
+    sys.modules[_spec.name] = _hyb
+CASES, E, HIDDEN, K, M, PACKS = _hyb.CASES, _hyb.E, _hyb.HIDDEN, _hyb.K, _hyb.M, _hyb.PACKS
+_eq, _token_counts, compare_dispatch = _hyb._eq, _hyb._token_counts, _hyb.compare_dispatch
 
 # (num_ranks, ranks per node): 2x2, 2x4, 4x2, 2x8
 TOPOLOGIES = ((4, 2), (8, 4), (8, 2), (16, 8))
