@@ -185,7 +185,7 @@ def _engram(rank: int, n: int, res: list) -> None:
     )
     if backend.engram_storage == "host":
         # the CPU sees what engram_write copied into this rank's host part
-        host = np.frombuffer(backend._host_alloc.host_view(), dtype=np.uint16, count=storages[rank].size)
+        host = np.frombuffer(backend.host_view(), dtype=np.uint16, count=storages[rank].size)
         res.append(("engram/host part holds the storage", np.array_equal(host, storages[rank].ravel()), ""))
 
 

@@ -13,6 +13,7 @@ from ep_core.handle import EPHandle
 
 from .bucket_buffer import BucketBuffer
 from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
+from .engram_buffer import EngramBuffer
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config
 from .pp_buffer import PPBuffer
@@ -26,6 +27,7 @@ __all__ = [
     "EPBuffer",
     "EPHandle",
     "ElasticBuffer",
+    "EngramBuffer",
     "EventHandle",
     "EventOverlap",
     "PPBuffer",

@@ -9,10 +9,12 @@ buffers, ordered by stream memory operations, so PP and all-gather use no SM.
 - AGRS: an all-gather copies each tensor into its place on every peer on the comm stream (after the compute
   stream), then signals the slot to every peer and waits for theirs; the handle makes the current stream wait.
   Ending a session signals and waits the same way, so the next session's copies never overwrite live results.
-- Engram: the storage lives in host NUMA memory (a ``[2 MiB GPU | num_cpu_bytes host]`` ep_symmem allocation whose
-  host part every rank of the node maps; else, when a rank cannot map host memory, at the back of each rank's data
-  region); ``engram_write`` copies into it with the copy engine, a fetch gathers from the owners' storage into the
-  front of the data region (torch gathers: this one uses SMs).
+- Engram: the storage lives in host NUMA memory: the host part of the buffer itself (the back ``num_cpu_bytes`` of
+  the data region, ``[GPU | host NUMA]`` in one VA range, mapped by every rank of the node) when the transport built
+  one, else a ``[2 MiB GPU | num_cpu_bytes host]`` ep_symmem allocation of its own; when a rank cannot map host
+  memory at all, at the back of each rank's GPU data region. ``engram_write`` copies into it with the copy engine;
+  a fetch is one gather kernel (``ep_core.engram_gather``: a warp per row, 16-byte loads, several in flight per
+  lane, on up to the rank's share of the SMs) from the owners' storage into the front of the data region.
 
 The signal words live in a separate 2 MiB symmetric allocation (ep_symmem), exchanged when the first collective of
 these primitives runs: the workspace has no region for them yet.
@@ -187,8 +189,14 @@ class CopyEngineBackend:
         self.pp_sent = [0, 0]
         self.pp_received = [0, 0]
         self._events: dict[tuple[int, int], Any] = {}
-        self._sf: torch.Tensor | None = None
-        self._tables: list[torch.Tensor] = []
+        self._sf: dict[int, torch.Tensor | None] = {}  # per Engram layer (ElasticBuffer: layer 0)
+        self._tables: dict[int, list[torch.Tensor]] = {}
+        self._bases: dict[
+            int, tuple[list[int], torch.Tensor]
+        ] = {}  # per layer: owners' storage, host + device
+        self._gather: Any = None
+        self.gather_sms = 0  # SMs of the Engram gather (0: the device's share, set by from_buffer)
+        self.last_gather: Any = None  # the last fetch's launch (kernel, grid): the benchmark reports it
         # where each rank's Engram storage starts: by default the back of its data region (the num_cpu_bytes
         # part); `from_buffer` moves it to host NUMA memory when it can
         self.storage = [d + num_gpu_buffer_bytes for d in data]
@@ -229,9 +237,30 @@ class CopyEngineBackend:
             barrier,
         )
         out._sig_alloc = alloc  # mapped by the peers: lives as long as the backend
+        ex = getattr(rt, "executor", None)
+        out.gather_sms = int(getattr(ex, "num_device_sms", 0) or 0) or int(
+            torch.cuda.get_device_properties(buf.device).multi_processor_count
+        )
         if buf.num_cpu_bytes > 0:
-            out._host_storage(buf)
+            if int(getattr(rt.storage, "num_host_bytes", 0) or 0) >= buf.num_cpu_bytes:
+                # the buffer's own host part (the default storage address): one VA range, no second allocation
+                out.engram_storage = "host"
+                out._buffer_alloc = rt.storage._buffer._owners[0]
+            else:
+                out._host_storage(buf)
         return out
+
+    def place_storage(self, offset: int) -> None:
+        """Engram storage at `offset` bytes into every rank's data region (EngramBuffer with GPU storage)."""
+        self.storage = [d + int(offset) for d in self.data]
+        self.engram_storage = "gpu"
+
+    def host_view(self) -> memoryview:
+        """A CPU view of this rank's Engram storage in host memory (tests): the host part it lives in."""
+        alloc = self.__dict__.get("_host_alloc") or self.__dict__.get("_buffer_alloc")
+        if alloc is None:
+            raise EPConfigError(f"host_view: the Engram storage is in {self.engram_storage} memory")
+        return alloc.host_view()
 
     def _host_storage(self, buf: Any) -> None:
         """Engram storage in host NUMA memory (the elastic part): an ep_symmem allocation `[2 MiB GPU | num_cpu_bytes
@@ -278,7 +307,8 @@ class CopyEngineBackend:
 
     def close(self) -> None:
         """Release the signal words, the host storage and the waiter (the caller synchronized the device)."""
-        self._tables, self._sf, self._events = [], None, {}
+        self._tables, self._sf, self._events, self._bases = {}, {}, {}, {}
+        self.__dict__.pop("_buffer_alloc", None)
         self.__dict__.pop("_keep_bucket", None)
         self.__dict__.pop("_peer_regions", None)
         for name in ("_sig_alloc", "_host_alloc"):
@@ -324,36 +354,88 @@ class CopyEngineBackend:
     # ----------------------------------------------------------------------------------------------------------
     # Engram
 
-    def engram_write(self, table: engram.EngramTable, storage: torch.Tensor, sf: torch.Tensor | None) -> None:
-        self.barrier()  # checks
-        dst = self.storage[self.rank]
-        self.ops.copy(dst, storage.data_ptr(), storage.nbytes, self.ops.current_stream())
-        self._sf = None if sf is None else sf.detach().clone()
+    def engram_write(
+        self,
+        table: engram.EngramTable,
+        storage: torch.Tensor,
+        sf: torch.Tensor | None,
+        layer: int = 0,
+        offset: int = 0,
+        barriers: bool = True,
+    ) -> None:
+        """This rank's entries into its storage at `offset` (copy engine); `layer` keys the table (EngramBuffer
+        writes several; ElasticBuffer one). `barriers=False`: the caller brackets several writes itself."""
+        if barriers:
+            self.barrier()  # checks
+        s = self.ops.current_stream()
+        self.ops.copy(self.storage[self.rank] + offset, storage.data_ptr(), storage.nbytes, s)
+        self._sf[layer] = None if sf is None else sf.detach().clone()
         rows = table.num_entries_per_rank * table.entry_bytes
-        self._tables = [
-            self.ops.view(self.storage[r], rows).view(table.num_entries_per_rank, -1) for r in range(self.n)
-        ]
-        self.barrier()
+        bases = [st + offset for st in self.storage]
+        self._tables[layer] = [self.ops.view(b, rows).view(table.num_entries_per_rank, -1) for b in bases]
+        dev = torch.tensor(bases, dtype=torch.int64).to(self._region.device, non_blocking=False)
+        self._bases[layer] = (bases, dev)
+        if barriers:
+            self.barrier()
 
-    def engram_fetch(self, table: engram.EngramTable, indices: torch.Tensor, col_major: bool) -> Any:
+    def _gather_rows(
+        self, table: engram.EngramTable, layer: int, idx: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        bases, dev = self._bases[layer]
+        if out.device.type != "cuda":  # the host model of the tests: torch gathers
+            flat = idx.to(torch.int64)
+            owner = (flat // table.num_entries_per_rank).clamp(0, self.n - 1)
+            local = flat % table.num_entries_per_rank
+            for r, peer in enumerate(self._tables[layer]):
+                torch.where((owner == r)[:, None], peer.index_select(0, local), out, out=out)
+            out[(flat < 0) | (flat >= table.num_total_entries)] = 0  # as the kernel: a zero row
+            return
+        if self._gather is None:
+            from ep_core.engram_gather import EngramGather
+
+            self._gather = EngramGather()
+        self.last_gather = self._gather.launch(
+            dev.data_ptr(),
+            bases,
+            idx.data_ptr(),
+            out.data_ptr(),
+            idx.numel(),
+            table.num_entries_per_rank,
+            table.entry_bytes,
+            self.ops.current_stream(),
+            self.gather_sms,
+        )
+
+    def engram_fetch(
+        self,
+        table: engram.EngramTable,
+        indices: torch.Tensor,
+        col_major: bool,
+        layer: int = 0,
+        front: int = 0,
+    ) -> Any:
+        """Gather the entries `indices [T, k]` of table `layer` into the data region at `front` (one kernel on the
+        current stream); returns the hook giving `(data [T * k, hidden], sf)`."""
         self.ops.check()
         t, k = indices.shape
-        flat = indices.reshape(-1).to(torch.int64)
-        n_local = table.num_entries_per_rank
-        owner, local = flat // n_local, (flat % n_local).clamp(0, n_local - 1)
+        idx = indices.reshape(-1)
+        if idx.dtype != torch.int32:
+            idx = idx.to(torch.int32)
+        idx = idx.contiguous()
         e = table.entry_bytes
-        front = self._region[: t * k * e].view(t * k, e)
-        for r, peer in enumerate(self._tables):  # each owner's storage, read over NVLink
-            torch.where((owner == r)[:, None], peer.index_select(0, local), front, out=front)
+        out = self._region[front : front + t * k * e].view(t * k, e)
+        self._gather_rows(table, layer, idx, out)
         dtype = torch.bfloat16 if table.dtype == "bfloat16" else torch.float8_e4m3fn
-        data = front.view(dtype).view(t * k, table.hidden)
+        data = out.view(dtype).view(t * k, table.hidden)
         sf = None
-        if self._sf is not None:
+        table_sf = self._sf.get(layer)
+        if table_sf is not None:
             p = table.num_sf_packs
-            rows = self._sf.index_select(0, flat.to(self._sf.device)).reshape(t, k * p)
+            flat = idx.to(torch.int64).to(table_sf.device)
+            rows = table_sf.index_select(0, flat).reshape(t, k * p)
             shape, transposed = engram.sf_layout(t, k, p, col_major)
             if transposed:
-                store = torch.zeros(shape, dtype=self._sf.dtype, device=self._sf.device)
+                store = torch.zeros(shape, dtype=table_sf.dtype, device=table_sf.device)
                 store[:, :t] = rows.t()
                 sf = store.t()[:t]
             else:

@@ -53,8 +53,8 @@ class ReferenceBackend:
         self._region = torch.from_numpy(np.asarray(data))  # the buffer's data region, uint8
         self._fifos: dict[tuple[int, int], _Fifo] = {}
         self._release_works: list = []
-        self._replica: torch.Tensor | None = None
-        self._sf: torch.Tensor | None = None
+        self._replica: dict[int, torch.Tensor] = {}  # per Engram layer (ElasticBuffer: layer 0)
+        self._sf: dict[int, torch.Tensor | None] = {}
 
     # ----------------------------------------------------------------------------------------------------------
     def _global(self, r: int) -> int:
@@ -167,31 +167,48 @@ class ReferenceBackend:
     # ----------------------------------------------------------------------------------------------------------
     # Engram
 
-    def engram_write(self, table: Any, storage: torch.Tensor, sf: torch.Tensor | None) -> None:
-        self.barrier()
+    def engram_write(
+        self,
+        table: Any,
+        storage: torch.Tensor,
+        sf: torch.Tensor | None,
+        layer: int = 0,
+        offset: int = 0,
+        barriers: bool = True,
+    ) -> None:
+        """All-gather the tables of `layer` (a replica per rank: fetches stay local and one-sided). `offset` (where
+        the GPU keeps the layer in the storage) has no meaning here."""
+        if barriers:
+            self.barrier()
         mine = storage.detach().reshape(-1).view(torch.uint8).contiguous()
         parts = [torch.empty_like(mine) for _ in range(table.num_ranks)]
         work = dist.all_gather(parts, mine, group=self.group, async_op=True)
         self._wait(work, "engram_write", "the tables of every rank", 0)
-        self._replica = torch.cat(parts).view(storage.dtype).view(table.num_total_entries, table.hidden)
-        self._sf = None if sf is None else sf.detach().clone()
-        self.barrier()
+        self._replica[layer] = (
+            torch.cat(parts).view(storage.dtype).view(table.num_total_entries, table.hidden)
+        )
+        self._sf[layer] = None if sf is None else sf.detach().clone()
+        if barriers:
+            self.barrier()
 
-    def engram_fetch(self, table: Any, indices: torch.Tensor, col_major: bool) -> Any:
-        assert self._replica is not None
+    def engram_fetch(
+        self, table: Any, indices: torch.Tensor, col_major: bool, layer: int = 0, front: int = 0
+    ) -> Any:
+        replica = self._replica[layer]
         t, k = indices.shape
         flat = indices.reshape(-1).to(torch.int64)
         nbytes = t * k * table.entry_bytes
-        dtype = self._replica.dtype
-        data = self._region[:nbytes].view(dtype).view(t * k, table.hidden)
-        data.copy_(self._replica.index_select(0, flat))
+        dtype = replica.dtype
+        data = self._region[front : front + nbytes].view(dtype).view(t * k, table.hidden)
+        data.copy_(replica.index_select(0, flat))
         sf = None
-        if self._sf is not None:
+        table_sf = self._sf.get(layer)
+        if table_sf is not None:
             p = table.num_sf_packs
-            rows = self._sf.index_select(0, flat).reshape(t, k * p)
+            rows = table_sf.index_select(0, flat).reshape(t, k * p)
             shape, transposed = engram.sf_layout(t, k, p, col_major)
             if transposed:
-                store = torch.zeros(shape, dtype=self._sf.dtype)
+                store = torch.zeros(shape, dtype=table_sf.dtype)
                 store[:, :t] = rows.t()
                 sf = store.t()[:t]
             else:
