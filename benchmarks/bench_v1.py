@@ -14,6 +14,8 @@ upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 exper
 - ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
   ep combine (``ll_lanes_per_combine``; the automatic choice, 2, 4 and all K: wider rows mean fewer launches but
   fewer warps per block in ep's kernels), gather and weighted sum as kernels; ``torch-ops`` rows: the torch ops;
+- ``... nondet``: the same (kernels) over ep's non-deterministic dispatch (``ll_deterministic=False``: no count /
+  prefix phases; the packing orders rows by their source key);
 - ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine`` (run
   first, so their rows survive a V1 failure; a failing op is reported and the run goes on).
 
@@ -196,6 +198,28 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
             break
         if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
             failures.append(f"rank {rank}: {op} differs from ll_combine_reference")
+        ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
+    # ep's non-deterministic dispatch underneath (the packing orders rows by key): a rebuilt inner buffer
+    v1.ll_use_kernels, v1.ll_lanes_per_combine, v1.ll_deterministic = None, 0, False
+    for fp8 in (False, True):
+        if not ok:
+            break
+
+        def v1_dispatch_nd(fp8=fp8):
+            return v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
+
+        v1_dispatch_nd()
+        ok = row(
+            f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} nondet", lambda: timer(torch, v1_dispatch_nd, iters)
+        )
+    if ok:
+        recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+        y = recv.clone()
+        comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
+        _sync(torch)
+        if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
+            failures.append(f"rank {rank}: v1 ll_combine nondet differs from ll_combine_reference")
+        op = f"v1 ll_combine lanes={auto} (auto) nondet"
         ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
     if ok:
         _sync(torch)

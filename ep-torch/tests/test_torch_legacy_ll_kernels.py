@@ -5,7 +5,9 @@ conversion, the scale, NaN-propagating amax), compiled for the host, equal ``leg
 GPU (marker ``gpu``): every output of the kernel path (packed rows, FP8 bytes and scales, recv_count, src_info,
 layout_range, lane_slot/lane_ok, the weighted combine for every lane grouping) bitwise equal to the torch
 composition (``ll_use_kernels=False``), at the test's small sizes and at the benchmark's (T=128, hidden 7168, top-8
-of 256), EP1 loopback, two processes sharing the GPU, and four as two emulated nodes (hybrid rows).
+of 256), EP1 loopback, two processes sharing the GPU, and four as two emulated nodes (hybrid rows); with ep's
+deterministic dispatch underneath and without (``ll_deterministic=False``), bf16 rows also against
+``legacy_reference.ll_expected_rows``.
 """
 
 from __future__ import annotations
@@ -150,15 +152,29 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     )
 
 
-def _compare(rank: int, n: int, cfg: dict, idx_dtype: torch.dtype) -> None:
+def _check_reference(recv: torch.Tensor, cnt: torch.Tensor, rank: int, n: int, cfg: dict, what: str) -> None:
+    """bf16 packed rows against legacy_reference.ll_expected_rows (V1's order), independent of either path."""
+    from ep_torch.legacy_reference import ll_expected_rows
+
+    inputs = [_inputs(r, cfg, 0, torch.int64) for r in range(n)]
+    want = ll_expected_rows([i[1].numpy() for i in inputs], rank, cfg["E"])
+    for j, rows in enumerate(want):
+        assert int(cnt[j]) == len(rows), f"{what}: recv_count[{j}]={int(cnt[j])}, want {len(rows)}"
+        if rows:
+            ref = torch.stack([inputs[s][0][tok] for s, tok in rows])
+            _same(recv[j, : len(rows)], ref, f"{what}: expert {j} rows vs ll_expected_rows")
+
+
+def _compare(rank: int, n: int, cfg: dict, idx_dtype: torch.dtype, det: bool = True) -> None:
     from ep_torch.legacy import Buffer
 
     dev = torch.device("cuda", 0)
     t, h, k, e, m = cfg["T"], cfg["H"], cfg["K"], cfg["E"], cfg["M"]
     epr = e // n
-    buf = Buffer(None, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, transport="ipc")
+    buf = Buffer(None, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, transport="ipc",
+                 ll_deterministic=det)  # fmt: skip
     x, idx, w = (a.to(dev) for a in _inputs(rank, cfg, 0, idx_dtype))
-    where = f"EP{n} rank {rank} T={t} H={h} K={k} E={e} idx {idx_dtype}"
+    where = f"EP{n} rank {rank} T={t} H={h} K={k} E={e} idx {idx_dtype} deterministic={det}"
     for fp8, rs, ue in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         out = {}
         for use in (False, True):
@@ -168,6 +184,8 @@ def _compare(rank: int, n: int, cfg: dict, idx_dtype: torch.dtype) -> None:
         (r0, c0, h0, _, _), (r1, c1, h1, _, _) = out[False], out[True]
         what = f"{where} fp8={fp8} round_scale={rs} ue8m0={ue}"
         _same(c0, c1, f"{what}: recv_count")
+        if not fp8:
+            _check_reference(r1, c1, rank, n, cfg, what)
         for i, name in enumerate(("src_info", "layout_range")):
             _same(h0[i], h1[i], f"{what}: {name}")
         assert tuple(h0[2:]) == tuple(h1[2:]), what
@@ -210,13 +228,40 @@ def _compare(rank: int, n: int, cfg: dict, idx_dtype: torch.dtype) -> None:
     buf.destroy()
 
 
+def _by_key_cpu(rank: int, n: int) -> None:
+    """CPU reference backend: the torch packing with rows ordered by key (``ll_deterministic=False``) equals V1's
+    order and the deterministic buffer's results (layout, handle, combine)."""
+    from ep_torch.legacy import Buffer
+
+    cfg = SMALL
+    x, idx, w = _inputs(rank, cfg, 0, torch.int64)
+    res = {}
+    for det in (True, False):
+        buf = Buffer(None, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, ll_deterministic=det)
+        recv, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, cfg["M"], cfg["E"], use_fp8=False)
+        _check_reference(recv, cnt, rank, n, cfg, f"cpu deterministic={det}")
+        y = (recv.float() * 1.5).to(torch.bfloat16)
+        comb = buf.low_latency_combine(y, idx, w, handle)[0]
+        res[det] = (handle[0], handle[1], handle.lane_slot, comb)
+        dist.barrier()
+        buf.destroy()
+    for a, b, name in zip(res[True], res[False], ("src_info", "layout_range", "lane_slot", "combine")):
+        _same(a, b, f"cpu rank {rank}: {name} with and without ep's deterministic rows")
+
+
+def test_ll_rows_by_key_cpu():
+    _spawn("_by_key_cpu", 2)
+
+
 def _kernels_vs_torch_gpu(rank: int, n: int) -> None:
     torch.cuda.set_device(0)
     os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # no NVLink to detect between processes on one GPU
     _compare(rank, n, SMALL, torch.int64)
     _compare(rank, n, SMALL, torch.int32)
+    _compare(rank, n, SMALL, torch.int64, det=False)  # ep's rows in any order: the packing orders them by key
     if n <= 2:
         _compare(rank, n, BENCH, torch.int64)
+        _compare(rank, n, BENCH, torch.int64, det=False)
 
 
 def _spawn(worker: str, ranks: int, env: dict | None = None, limit: float = 600.0) -> None:

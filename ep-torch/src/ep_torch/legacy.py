@@ -29,7 +29,9 @@ and ``hidden`` size the normal-mode buffer up front; without them each non-cache
 (tokens, hidden) to size it (one small collective); ``ll_lanes_per_combine`` (0 = automatic) sets how many top-k
 lanes one low-latency combine carries (``legacy_ll.lanes_per_combine``); ``ll_use_kernels`` (None = on CUDA) runs
 low-latency mode's packing, gather and weighted sum as CUDA kernels (``legacy_ll_kernels``) instead of torch ops
-(the same bits; False keeps the torch composition, the tests' reference).
+(the same bits; False keeps the torch composition, the tests' reference); ``ll_deterministic=False`` runs ep's
+non-deterministic dispatch underneath (no count/prefix phases) and orders the packed rows by their source key
+instead (the same results).
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class Buffer:
         transport: str | None = None,
         ll_lanes_per_combine: int = 0,
         ll_use_kernels: bool | None = None,
+        ll_deterministic: bool = True,
     ) -> None:
         if group is None and comm is not None:
             raise NotImplementedError(
@@ -189,12 +192,13 @@ class Buffer:
         self._transport = transport
         self.ll_lanes_per_combine = int(ll_lanes_per_combine)
         self.ll_use_kernels = ll_use_kernels
+        self.ll_deterministic = bool(ll_deterministic)
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
         self._destroyed = False
         self._ll_combine_buffers: list[torch.Tensor | None] = [None, None]
         self._ll_inner: ElasticBuffer | None = None
-        self._ll_key: tuple[int, int, int] | None = None
+        self._ll_key: tuple[int, int, int, bool] | None = None
         self._ll_idx = 0
         self._user_sized = num_max_tokens_per_rank > 0 and hidden > 0
         # S_u before the inner buffer exists: get_dispatch_layout's num_tokens_per_rdma_rank needs the node size
@@ -510,7 +514,7 @@ class Buffer:
         hidden, K equal on every rank) makes a rebuild collective without a collective to agree first."""
         if self._destroyed:
             raise EPStateError("Buffer: used after destroy(); create a new buffer")
-        key = (m, hidden, num_topk)
+        key = (m, hidden, num_topk, self.ll_deterministic)
         if self._ll_inner is None or self._ll_key != key:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise EPStateError(
@@ -525,7 +529,9 @@ class Buffer:
                 num_max_tokens_per_rank=m,
                 hidden=num_topk * hidden,
                 num_topk=num_topk,
-                deterministic=True,  # rows in (source rank, source token) order: V1's packed order
+                # deterministic: rows in (source rank, source token) order, V1's packed order; without, the packing
+                # orders rows by their source key (legacy_ll)
+                deterministic=self.ll_deterministic,
                 explicitly_destroy=True,
                 transport=self._transport,
             )
@@ -616,8 +622,9 @@ class Buffer:
 
         def run() -> tuple:
             recv, count, handle = ll_dispatch(
-                inner, x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, self.ll_use_kernels
-            )
+                inner, x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, self.ll_use_kernels,
+                rows_ordered=self._ll_key is not None and self._ll_key[3],
+            )  # fmt: skip
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count.to(cumulative_local_expert_recv_stats.dtype))
             return recv, count, handle

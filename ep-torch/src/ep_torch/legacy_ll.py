@@ -69,9 +69,12 @@ def ll_dispatch(
     round_scale: bool,
     use_ue8m0: bool,
     use_kernels: bool | None = None,
+    rows_ordered: bool = True,
 ) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
     """The packed masked layout of this rank's received rows (no host sync: capturable). ``use_kernels``: the
-    CUDA epilogue (``legacy_ll_kernels.pack``) instead of the torch ops; None = on CUDA."""
+    CUDA epilogue (``legacy_ll_kernels.pack``) instead of the torch ops; None = on CUDA. ``rows_ordered``: ``inner``
+    is deterministic (direct-mode rows already in V1's order); else (and in hybrid mode) rows are ordered by their
+    source key (source rank, token)."""
     n = inner.num_ranks
     epr = num_experts // n
     h = int(x.shape[1])
@@ -91,7 +94,7 @@ def ll_dispatch(
             num_ranks=n,
             epr=epr,
             tokens_per_rank=int(inner.num_max_tokens_per_rank),
-            hybrid=int(inner.num_scaleup_ranks) < n,
+            by_key=int(inner.num_scaleup_ranks) < n or not rows_ordered,
             use_fp8=use_fp8,
             round_scale=round_scale,
             use_ue8m0=use_ue8m0,
@@ -108,9 +111,10 @@ def ll_dispatch(
     lane_e = torch.where(lane_ok, lanes, torch.full_like(lanes, epr))  # epr: the dump column
     member = torch.zeros(rows, epr + 1, dtype=torch.int64, device=dev).scatter_(1, lane_e, 1)[:, :epr]
     meta = ep_handle.recv_src_metadata[:, 0].to(torch.int64)
-    if int(inner.num_scaleup_ranks) < n:
-        # hybrid rows are grouped by scale-up region: count positions in (source rank, token) order, V1's packing
-        # (a fixed-shape sort, no host sync; direct mode's deterministic rows are in that order already)
+    if int(inner.num_scaleup_ranks) < n or not rows_ordered:
+        # hybrid rows are grouped by scale-up region (and non-deterministic rows are in any order): count positions
+        # in (source rank, token) order, V1's packing (a fixed-shape sort, no host sync; direct mode's
+        # deterministic rows are in that order already)
         key = torch.where(valid_row, meta, n * inner.num_max_tokens_per_rank + torch.arange(rows, device=dev))
         order = torch.argsort(key)
         pos = torch.empty_like(member).index_put_((order,), member[order].cumsum(0) - 1)

@@ -1,7 +1,7 @@
 """CUDA kernels of V1 low-latency mode (``include/ep_torch/ll_pack.cuh``), JIT-compiled through ep_jit like
 ep-core's, and their launches on torch's current stream (capturable: fixed shapes, counts read on the GPU).
 
-``pack`` is the dispatch epilogue (layout + row copy or FP8 cast in three launches, four in hybrid mode),
+``pack`` is the dispatch epilogue (layout + row copy or FP8 cast: two launches, three when rows are ordered by key),
 ``gather_lanes`` builds the wide combine rows, ``weighted_sum`` the fused fp32 lane sum. Each is bit for bit the
 torch composition in ``legacy_ll`` (kept as the CPU path and as the reference of the GPU tests).
 """
@@ -110,7 +110,7 @@ def pack(
     num_ranks: int,
     epr: int,
     tokens_per_rank: int,
-    hybrid: bool,
+    by_key: bool,
     use_fp8: bool,
     round_scale: bool,
     use_ue8m0: bool,
@@ -118,7 +118,8 @@ def pack(
     """The masked layout of ep's dispatch output: ``(recv (bf16 [epr, N*M, H] or (fp8, scales column-major)),
     recv_count [epr] int32, src_info [epr, N*M] int32, layout_range [epr, N] int64, lane_slot [R, K] int64,
     lane_ok [R, K] bool)``. ``meta`` is ``recv_src_metadata`` ([R, *] int32, column 0 = src_rank*M + token),
-    ``num_valid`` a one-element int32 device tensor (the true row count)."""
+    ``num_valid`` a one-element int32 device tensor (the true row count). ``by_key``: the rows are not in V1's
+    order (hybrid regions, a non-deterministic dispatch); the layout scans them through their source keys."""
     rows, h = int(recv_x.shape[0]), int(recv_x.shape[1])
     k = int(recv_idx.shape[1])
     if k > MAX_TOPK:
@@ -138,7 +139,7 @@ def pack(
     stream = _stream()
     order = None
     scan_len = rows
-    if hybrid:  # rows grouped by region: scan them in (source rank, token) order
+    if by_key:  # rows grouped by region (hybrid) or in any order: scan them in (source rank, token) order
         order = torch.empty(slots, dtype=torch.int32, device=dev)
         _k("ep_ll_order").launch(
             1, 1024, [meta, _i32(meta.stride(0)), num_valid, _i32(slots), order], stream=stream

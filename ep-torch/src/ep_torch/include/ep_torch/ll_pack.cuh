@@ -2,8 +2,9 @@
 // Bit for bit the torch composition in ep_torch.legacy_ll (its reference in the tests): the same packed order,
 // the same FP8 cast (torch's float -> e4m3 conversion), the same fp32 lane sum (separate multiply and add).
 //
-// Dispatch epilogue, after ep's deterministic non-expand dispatch (rows `r < num_valid` are real):
-//   ep_ll_order   (hybrid only, one block) order[key] = r for key = src_rank * M + src_token: rows in V1's order
+// Dispatch epilogue, after ep's non-expand dispatch (rows `r < num_valid` are real):
+//   ep_ll_order   (rows not in V1's order: hybrid, non-deterministic; one block) order[key] = r for
+//                 key = src_rank * M + src_token: scanning `order` visits rows in V1's order
 //   ep_ll_layout  (one block per local expert) the expert's packed positions by a block-wide prefix over rows
 //                 in (source rank, source token) order; lane_slot, lane_ok, src_info, recv_count, layout_range
 //   ep_ll_pack_bf16 / ep_ll_pack_fp8 (one block row per received row) the row copied (or cast once) into the
