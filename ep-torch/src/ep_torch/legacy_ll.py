@@ -1,10 +1,11 @@
 """V1 low-latency mode on ep's direct dispatch/combine: fixed shapes, no host sync, so it can be captured in a CUDA
 graph; the numerics are ``ep_torch.legacy_reference``'s, bit for bit.
 
-Dispatch: one deterministic non-expand dispatch without CPU sync (worst-case ``N*M`` rows, true count on the GPU),
-then an epilogue of fixed-shape torch ops scatters every (row, lane) into the packed masked layout ``[E_local, N*M,
-H]`` (each slot written once; rows past ``recv_count`` are unspecified, as in V1). FP8 is cast on the ``N*M`` rows
-before the scatter.
+Dispatch: one non-expand dispatch without CPU sync (worst-case ``N*M`` rows, true count on the GPU), then an
+epilogue of fixed-shape ops scatters every (row, lane) into the packed masked layout ``[E_local, N*M, H]`` (each
+slot written once; rows past ``recv_count`` are unspecified, as in V1). FP8 is cast once per received row. Positions
+count rows in (source rank, source token) order: a deterministic direct-mode dispatch delivers them in that order;
+hybrid rows (grouped by region) and a non-deterministic dispatch's rows are ordered by their source key.
 
 Combine: the expert rank gathers, for each received row, the K lanes' expert outputs into one wide row ``[K*H]``
 (zeros for lanes that are not its own) and runs ep's unweighted combine on the wide rows: every lane slot has exactly
