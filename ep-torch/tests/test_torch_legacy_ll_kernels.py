@@ -289,7 +289,7 @@ def test_ll_kernels_equal_torch_gpu(ranks):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_ll_kernels_equal_torch_hybrid_gpu():
     """Four processes on one GPU as two emulated nodes: hybrid rows (grouped by region), V1's packed order."""
-    _spawn("_kernels_vs_torch_gpu", 4, {"EPKIT_SCALEUP_RANKS": "2"})
+    _spawn("_kernels_vs_torch_gpu", 4, {"EPKIT_SCALEUP_RANKS": "2"}, limit=300.0)
 
 
 if __name__ == "__main__":
