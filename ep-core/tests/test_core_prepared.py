@@ -83,9 +83,12 @@ def _handle(rows=T * K, idx_dtype="int64"):
 
 
 def _fields(req):
-    """Every field, arrays as (pointer, layout) and the caller's object by identity."""
+    """Every compared field, arrays as (pointer, layout) and the caller's object by identity (the entry's token,
+    `prepared`, is checked by its own test)."""
     out = {}
     for f in dataclasses.fields(req):
+        if not f.compare:
+            continue
         v = getattr(req, f.name)
         if isinstance(v, ec.ArrayInfo):
             v = (v.ptr, v.shape, v.dtype, v.strides, v.device, v.device_id, id(v.obj))
@@ -303,3 +306,24 @@ def test_epbuffer_uses_the_cache_and_stays_exact():
     assert ec.to_numpy(first.recv_x).tobytes() == ec.to_numpy(second.recv_x).tobytes()
     with pytest.raises(ec.EPTypeError, match="num_experts: expected an int"):
         buf.dispatch(x, idx, num_experts=float(E))
+
+
+def test_requests_of_one_entry_share_its_token():
+    """`request.prepared` names the entry that served it (an executor keeps its per-shape plan there): the same
+    token for every request of one key, a new one for another key, none for the validation alone."""
+    config, target = _config(), _Target()
+    prepared = PreparedOps(config)
+    kw = _dispatch_args()
+    x, idx, w = kw.pop("x"), kw.pop("topk_idx"), kw.pop("topk_weights")
+    first = prepared.dispatch_request(target, x, idx, w, **kw)
+    again = prepared.dispatch_request(target, _arr((T, H), "bfloat16"), _arr((T, K), "int64"), w, **kw)
+    assert isinstance(first.prepared, ec.requests.PreparedToken) and again.prepared is first.prepared
+    other = prepared.dispatch_request(target, x, idx, None, **kw)
+    assert other.prepared is not None and other.prepared is not first.prepared
+    assert make_dispatch_request(config, target, x, idx, w, **kw).prepared is None
+    handle = _handle()
+    recv = _arr((T * K, H), "bfloat16")
+    c1 = prepared.combine_request(target, recv, handle)
+    c2 = prepared.combine_request(target, _arr((T * K, H), "bfloat16"), handle)
+    assert c1.prepared is c2.prepared is not None
+    assert make_combine_request(config, target, recv, handle).prepared is None

@@ -403,3 +403,140 @@ def test_direct_rank_takes_the_handle_arrays_from_one_block(launches, do_cpu_syn
     x, _, idx, w = inputs()
     h2 = rank.dispatch(x, idx, w, num_experts=EXPERTS, do_cpu_sync=False, num_sms=8).handle
     assert alloc.blocks == 2 and h2.dst_buffer_slot_idx.owner is not h.dst_buffer_slot_idx.owner
+
+
+# ------------------------------------------------------------------------------------ repeated calls (kernels.repeat)
+def _same_call(rank, alloc, log, run):
+    """`run(repeat)` twice from the same launch number and allocation mark: through the recorded repeat (True) and
+    through the full path (False); returns both (launches, result)."""
+    step, mark = rank._num_collective_launches, alloc.next
+    out = []
+    for repeat in (True, False):
+        rank._num_collective_launches, alloc.next = step, mark
+        n = len(log)
+        res = run(repeat)
+        out.append((log[n:], res))
+    return out
+
+
+def _fields(res) -> tuple:
+    h = getattr(res, "handle", None)
+    arrays = tuple(getattr(res, f) for f in res.__dataclass_fields__ if f not in ("handle", "event"))
+    return arrays, None if h is None else tuple(vars(h).items())
+
+
+_REPEAT_DISPATCHES = {
+    "bf16": ({}, {}),
+    "fp8": ({"fp8": True}, {}),
+    "fp8 col-major scales": ({"fp8": True}, {"use_tma_aligned_col_major_sf": True}),
+    "expand": ({}, {"do_expand": True, "expert_alignment": 4}),
+    "zero padding": ({}, {"do_expand": True, "do_zero_padding": True}),
+    "int32 ids": ({"idx_dtype": np.int32}, {}),
+    "no weights": ({}, {"weights": False}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_REPEAT_DISPATCHES))
+def test_a_repeat_equals_the_full_path(launches, case: str) -> None:
+    """A recorded repeat (ep_core.kernels.repeat) launches the same bytes and returns the same outputs and handle
+    as the full path: for a dispatch without CPU sync, a cached dispatch with its handle, and a combine."""
+    from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
+
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    shape, kw = _REPEAT_DISPATCHES[case]
+    kw = dict(kw)
+    weights = kw.pop("weights", True)
+    kw.update(num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    x, sf, idx, w = inputs(**shape)
+    w = w if weights else None
+    first = rank.dispatch(x, idx, w, sf=sf, record=True, **kw)
+    plan = rank.last_repeat
+    assert isinstance(plan, RepeatDispatch)
+    for _ in range(2):
+        x, sf, idx, w = inputs(**shape)
+        w = w if weights else None
+
+        def run(repeat, x=x, sf=sf, idx=idx, w=w):
+            if repeat:
+                ptr = [0 if a is None else a.ptr for a in (sf, idx, w)]
+                return plan.run(x.ptr, ptr[0], ptr[1], ptr[2], 0, None, idx)
+            return rank.dispatch(x, idx, w, sf=sf, **kw)
+
+        (rep, a), (full, b) = _same_call(rank, alloc, launches, run)
+        assert rep == full and [e[0] for e in rep] == ["dispatch", "epilogue"]
+        assert _fields(a) == _fields(b)
+        assert (
+            a.handle in rank._unconfirmed and rank._handle_launch[a.handle] == rank._num_collective_launches
+        )
+    # the cached dispatch of that handle
+    handle = first.handle
+    ckw = {k: v for k, v in kw.items() if k in ("num_sms", "use_tma_aligned_col_major_sf", "do_zero_padding")}
+    x2, sf2, _, _ = inputs(**shape)
+    rank.dispatch(x2, handle=handle, sf=sf2, record=True, **ckw)
+    cplan = rank.last_repeat
+    assert isinstance(cplan, RepeatDispatch) and cplan.cached
+
+    def cached(repeat):
+        if repeat:
+            return cplan.run(x2.ptr, 0 if sf2 is None else sf2.ptr, 0, 0, 0, handle, None)
+        return rank.dispatch(x2, handle=handle, sf=sf2, **ckw)
+
+    (rep, a), (full, b) = _same_call(rank, alloc, launches, cached)
+    assert rep == full and _fields(a) == _fields(b) and a.handle is handle
+    # the combine, with weights and a bias
+    rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+    recv = arr((rows, HIDDEN), np.uint16)
+    cw = arr((rows,) if handle.do_expand else (rows, TOPK), np.float32)
+    bias = arr((handle.num_tokens, HIDDEN), np.uint16)
+    rank.combine(recv, handle, topk_weights=cw, bias=bias, record=True)
+    comb = rank.last_repeat
+    assert isinstance(comb, RepeatCombine)
+
+    def combine(repeat):
+        if repeat:
+            return comb.run(recv.ptr, cw.ptr, bias.ptr, 0, handle)
+        return rank.combine(recv, handle, topk_weights=cw, bias=bias)
+
+    (rep, a), (full, b) = _same_call(rank, alloc, launches, combine)
+    assert rep == full and [e[0] for e in rep] == ["combine"] and _fields(a) == _fields(b)
+
+
+def test_a_repeat_declines_what_its_key_does_not_cover(launches) -> None:
+    """A changed scratch, the skip-signal test flag, a handle whose topk_idx changed dtype or became strided, and
+    a CPU-sync dispatch: the repeat does nothing (None) and leaves the call to the full path."""
+    from ep_layout import ErrorKind
+
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    kw = dict(num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    x, _, idx, w = inputs()
+    handle = rank.dispatch(x, idx, w, record=True, **kw).handle
+    plan = rank.last_repeat
+    rank.dispatch(x, handle=handle, num_sms=8, record=True)
+    cplan = rank.last_repeat
+    n = len(launches)
+    rank._last_scratch += 4096
+    assert plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx) is None
+    rank._last_scratch -= 4096
+    rank.debug_skip_scaleout_signal = True
+    assert plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx) is None
+    rank.debug_skip_scaleout_signal = False
+    handle.topk_idx = arr(idx.shape, np.int32)
+    assert cplan.run(x.ptr, 0, 0, 0, 0, handle, None) is None
+    handle.topk_idx = arr(idx.shape, np.int64, (2 * TOPK, 1))  # strided rows: the full path refuses it
+    assert cplan.run(x.ptr, 0, 0, 0, 0, handle, None) is None
+    assert len(launches) == n  # nothing was launched
+    handle.topk_idx = idx
+    assert cplan.run(x.ptr, 0, 0, 0, 0, handle, None) is not None
+    # the failure guard and a failed handle still raise on a repeat
+    rank.fail_unconfirmed_handles()
+    from ep_core.errors import EPStateError
+
+    with pytest.raises(EPStateError, match="no-sync dispatch"):
+        cplan.run(x.ptr, 0, 0, 0, 0, handle, None)
+    rank.dispatch(x, idx, w, record=True, num_experts=EXPERTS, num_sms=8)  # CPU sync: never repeated
+    assert rank.last_repeat is None
+    rank._status.array[0] = int(ErrorKind.TIMEOUT)
+    with pytest.raises(Exception, match=r"kernel|timed out|failed"):
+        plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx)

@@ -20,7 +20,7 @@ from typing import Any
 
 from ep_core.device_array import ArrayInfo, describe
 from ep_core.handle import EPHandle
-from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest
+from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest, PreparedToken
 from ep_core.validation import (
     check_allocator,
     check_handle,
@@ -124,8 +124,12 @@ class PreparedOps:
         )
 
     def _store(self, table: dict, key: tuple, req: Any, per_call: tuple) -> None:
+        """Keep a validated request's fields under its key, with a new `PreparedToken` that this request and
+        every later one served from the entry carry."""
         if len(table) >= _MAX_ENTRIES:
             table.clear()
+        token = PreparedToken()
+        _set(req, "prepared", token)
         table[key] = {k: v for k, v in req.__dict__.items() if k not in per_call}
 
     def _hit(

@@ -5,7 +5,7 @@ the reference executor, the GPU executor and the kernels' `DirectRank`; no behav
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ep_core.device_array import ArrayInfo, host_copy
@@ -20,10 +20,26 @@ __all__ = [
     "CombineResult",
     "DispatchRequest",
     "DispatchResult",
+    "PreparedToken",
 ]
 
 Allocator = Callable[[tuple[int, ...], str], Any]
 """`allocator(shape, dtype) -> array`: a new (contiguous, row-major) array on the executor's device."""
+
+
+class PreparedToken:
+    """The identity of one prepared-operation entry (`ep_core.prepared`): every request served from that entry
+    carries the same token (`request.prepared`; None for a request built by the validation alone), so an executor
+    may keep on it what it derived from the entry's shapes for the first of them (`plan`: see
+    `ep_core.kernels.repeat`)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self) -> None:
+        self.plan: Any = None
+
+    def __repr__(self) -> str:
+        return f"PreparedToken(plan={type(self.plan).__name__})"
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,7 @@ class DispatchRequest:
     previous_event_before_epilogue: Any = None
     async_with_compute_stream: bool = False
     allocate_on_comm_stream: bool = False
+    prepared: PreparedToken | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_cached(self) -> bool:
@@ -158,6 +175,7 @@ class CombineRequest:
     previous_event_before_epilogue: Any = None
     async_with_compute_stream: bool = False
     allocate_on_comm_stream: bool = False
+    prepared: PreparedToken | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(eq=False)

@@ -76,6 +76,7 @@ from ep_core.kernels.plan import (
     plan_regions,
 )
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, PreparedOp
+from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
 from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = [
@@ -200,6 +201,7 @@ class _PendingDispatch:
     launch_number: int = 0
     prepared: PreparedOp | None = None
     dynamic: tuple = ()  # the dispatch launch's per-call words (the epilogue's start with them, then its outputs)
+    repeat: dict | None = None  # what a `RepeatDispatch` needs beyond these fields (`record=True`)
 
 
 def _check_2d(view: DeviceView, what: str) -> None:
@@ -288,6 +290,11 @@ class DirectRank:
         # number of the dispatch behind each handle (a combine's envelope names its handle)
         self._num_collective_launches = 0
         self._handle_launch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # repeated calls (ep_core.kernels.repeat): the last full call's plan when it was asked to record one, and
+        # the verdict on each handle's topk_idx
+        self.last_repeat: RepeatDispatch | RepeatCombine | None = None
+        self._handle_idx: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last_scratch: int | None = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -352,7 +359,7 @@ class DirectRank:
                 buf = _cuda.DeviceBuffer(plan.scratch_bytes)
                 self.res.scratch_buffers[plan.scratch_bytes] = buf
             scratch = buf.ptr
-        previous = getattr(self, "_last_scratch", None)
+        previous = getattr(self, "_last_scratch", None)  # (tests drive _regions on stand-ins)
         if previous is not None and previous != scratch:
             # The barrier epoch lives in the scratch but counts arrivals in the workspace, which every op shares:
             # carry it to the new scratch, or the barrier's `arrivals >= epoch * N` test would pass at once.
@@ -570,8 +577,11 @@ class DirectRank:
         handle: EPHandle | None = None,
         num_sms: int = 0,
         cumulative_local_expert_recv_stats: Any = None,
+        record: bool = False,
     ) -> _PendingDispatch:
-        """Validate and launch the dispatch kernel; `finish_dispatch` completes the call."""
+        """Validate and launch the dispatch kernel; `finish_dispatch` completes the call. `record`: leave the
+        call's `RepeatDispatch` in `last_repeat` (a dispatch without CPU sync; ep_core.kernels.repeat)."""
+        self.last_repeat = None
         self.guard()
         self._check_handle(handle)
         keep: list = []
@@ -725,6 +735,15 @@ class DirectRank:
             raise EPValueError("handle: not made by a hybrid dispatch (no token_metadata_at_forward)")
         psum_rank_ptr = view_ptr(arrays["psum_rank"], "psum_rank")
         unaligned_ptr = view_ptr(arrays["unaligned"], "unaligned")
+        env_fields = (
+            hidden * elem,
+            cfg.num_sf_packs,
+            cfg.num_topk,
+            num_experts,
+            self.num_max_tokens,
+            expert_alignment,
+            flags & (FLAGS["expand"] | FLAGS["cached"] | FLAGS["deterministic"]),
+        )
         dynamic = (
             xv.ptr,
             sfv.ptr if sfv is not None else 0,
@@ -736,19 +755,7 @@ class DirectRank:
             view_ptr(arrays["psum_expert"], "psum_expert"),
             unaligned_ptr,
             stats_ptr,
-            self._envelope(
-                OP_DISPATCH,
-                (
-                    hidden * elem,
-                    cfg.num_sf_packs,
-                    cfg.num_topk,
-                    num_experts,
-                    self.num_max_tokens,
-                    expert_alignment,
-                    flags & (FLAGS["expand"] | FLAGS["cached"] | FLAGS["deterministic"]),
-                    self._handle_launch.get(handle, -1) if cached else -1,
-                ),
-            ),
+            self._envelope(OP_DISPATCH, (*env_fields, self._handle_launch.get(handle, -1) if cached else -1)),
         )
         args = None
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
@@ -800,6 +807,16 @@ class DirectRank:
             prepared=prepared,
             dynamic=dynamic,
         )
+        if record and not do_cpu_sync:
+            pending.repeat = {
+                "scratch": scratch,
+                "skip_signal": self.debug_skip_scaleout_signal,
+                "hybrid": cfg.is_hybrid,
+                "idx32": bool(flags & FLAGS["topk_idx32"]),
+                "topk": topk,
+                "int32_shapes": None if cached else shapes,
+                "env_fields": env_fields,
+            }
         if do_cpu_sync:
             host = self._host.array
             n = self.num_ranks
@@ -922,6 +939,27 @@ class DirectRank:
             self._handle_launch[handle] = p.launch_number
         if not p.cached and not p.do_cpu_sync:
             self._unconfirmed.add(handle)
+        if p.repeat is not None and (p.prepared.epilogue is not None or not (rows > 0 or p.zero_padding)):
+            self.last_repeat = RepeatDispatch(
+                rank=self,
+                prepared=p.prepared,
+                cached=p.cached,
+                expand=p.expand,
+                num_tokens=p.num_tokens,
+                hidden=hidden,
+                x_dtype=p.x.dtype,
+                sf_dtype=None if p.sf is None else p.sf.dtype,
+                packs=0 if p.sf is None else p.sf.shape[1],
+                col_major_sf=p.col_major_sf,
+                has_weights=p.has_weights,
+                zero_padding=p.zero_padding,
+                num_experts=p.num_experts,
+                alignment=a,
+                num_sms=p.num_sms,
+                num_recv=num_recv,
+                num_expanded=num_expanded,
+                **p.repeat,
+            )
         self._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
@@ -940,9 +978,12 @@ class DirectRank:
         allow_multiple_reduction: bool = True,
         num_sms: int = 0,
         report_input_error: bool = True,
+        record: bool = False,
     ) -> CombineResult:
         """Launch the combine kernel. `report_input_error=False` leaves `_report_input_error` to a caller that
-        launches several ranks (the loopback domain reports once every rank has launched)."""
+        launches several ranks (the loopback domain reports once every rank has launched). `record`: leave the
+        call's `RepeatCombine` in `last_repeat` (ep_core.kernels.repeat)."""
+        self.last_repeat = None
         self.guard()
         if handle is None:
             raise EPValueError("handle: combine needs the handle of a dispatch")
@@ -1015,6 +1056,13 @@ class DirectRank:
             kernels = load_kernels(cfg)
         combined = self._alloc((t, hidden), np.uint16)
         combined_w = self._alloc((t, k), np.float32) if wv is not None else None
+        env_fields = (
+            hidden,
+            k,
+            handle.num_experts,
+            self.num_max_tokens,
+            flags & (FLAGS["expand"] | FLAGS["multiple_reduction"] | FLAGS["rank_layout"]),
+        )
         dynamic = (
             iv.ptr,
             view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
@@ -1026,17 +1074,7 @@ class DirectRank:
             bias_views[1].ptr if len(bias_views) > 1 else 0,
             view_ptr(combined, "combined_x"),
             view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
-            self._envelope(
-                OP_COMBINE,
-                (
-                    hidden,
-                    k,
-                    handle.num_experts,
-                    self.num_max_tokens,
-                    flags & (FLAGS["expand"] | FLAGS["multiple_reduction"] | FLAGS["rank_layout"]),
-                    self._handle_launch.get(handle, -1),
-                ),
-            ),
+            self._envelope(OP_COMBINE, (*env_fields, self._handle_launch.get(handle, -1))),
         )
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, handle.num_experts)
@@ -1050,6 +1088,19 @@ class DirectRank:
         else:
             fresh = False
         self._launch_prepared(prepared.main, dynamic, fresh, bool(dynamic[-1]))
+        if record:
+            self.last_repeat = RepeatCombine(
+                rank=self,
+                prepared=prepared,
+                scratch=scratch,
+                hybrid=cfg.is_hybrid,
+                idx32=bool(flags & FLAGS["topk_idx32"]),
+                num_tokens=t,
+                hidden=hidden,
+                topk=k,
+                has_weights=wv is not None,
+                env_fields=env_fields,
+            )
         if report_input_error:
             self._report_input_error()
         return CombineResult(combined, combined_w)
@@ -1072,7 +1123,8 @@ class DirectRank:
 
     def _any_scratch(self) -> int:
         """The scratch of the last operation (the workspace's reserved region unless it was too small)."""
-        return getattr(self, "_last_scratch", self.res.base + ep_layout.WorkspaceLayout.RESERVED_OFFSET)
+        last = self._last_scratch
+        return self.res.base + ep_layout.WorkspaceLayout.RESERVED_OFFSET if last is None else last
 
     def check_errors(self, synchronize: bool = True) -> None:
         """Raise EPTimeoutError / EPDeviceError if a kernel of this rank recorded an error (an abort stays recorded,

@@ -213,26 +213,31 @@ class GpuExecutor:
 
     def dispatch(self, req: Any) -> Any:
         self._enter(req.stream)
-        self.rank._allocator = self._allocator(req, req.x.dtype)
+        rank = self.rank
+        rank._allocator = self._allocator(req, req.x.dtype)
+        token = req.prepared
         try:
-            res = self.rank.dispatch(
-                _view(req.x),
-                _view(req.topk_idx),
-                _view(req.topk_weights),
-                sf=_view(req.sf),
-                num_experts=req.num_experts,
-                expert_alignment=req.expert_alignment,
-                do_expand=req.do_expand,
-                do_cpu_sync=req.do_cpu_sync,
-                deterministic=req.deterministic,
-                do_zero_padding=req.do_zero_padding,
-                use_tma_aligned_col_major_sf=req.use_tma_aligned_col_major_sf,
-                handle=req.handle,
-                num_sms=req.num_sms,
-                cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
-            )
+            res = None
+            plan = None if token is None else token.plan
+            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it: the full path
+            if plan is not None and plan.rank is rank:
+                sf, idx, w = req.sf, req.topk_idx, req.topk_weights
+                stats = req.cumulative_local_expert_recv_stats
+                res = plan.run(
+                    req.x.ptr,
+                    0 if sf is None else sf.ptr,
+                    0 if idx is None else idx.ptr,
+                    0 if w is None else w.ptr,
+                    0 if stats is None else stats.ptr,
+                    req.handle,
+                    None if idx is None else idx.obj,
+                )
+            if res is None:
+                res = self._dispatch(req, record=token is not None)
+                if token is not None:
+                    token.plan = rank.last_repeat
         finally:
-            self.rank._allocator = None
+            rank._allocator = None
         if res.handle is not req.handle and req.topk_idx is not None:
             res.handle.topk_idx = req.topk_idx.obj
         ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
@@ -245,21 +250,54 @@ class GpuExecutor:
             ev if req.async_with_compute_stream else None,
         )
 
+    def _dispatch(self, req: Any, record: bool) -> Any:
+        """The full path of `DirectRank.dispatch` (views of every argument, every check)."""
+        return self.rank.dispatch(
+            _view(req.x),
+            _view(req.topk_idx),
+            _view(req.topk_weights),
+            sf=_view(req.sf),
+            num_experts=req.num_experts,
+            expert_alignment=req.expert_alignment,
+            do_expand=req.do_expand,
+            do_cpu_sync=req.do_cpu_sync,
+            deterministic=req.deterministic,
+            do_zero_padding=req.do_zero_padding,
+            use_tma_aligned_col_major_sf=req.use_tma_aligned_col_major_sf,
+            handle=req.handle,
+            num_sms=req.num_sms,
+            cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
+            record=record,
+        )
+
     def combine(self, req: Any) -> Any:
         self._enter(req.stream)
-        self.rank._allocator = self._allocator(req, "bfloat16")
-        bias = tuple(_view(b) for b in req.bias)
+        rank = self.rank
+        rank._allocator = self._allocator(req, "bfloat16")
+        token = req.prepared
         try:
-            res = self.rank.combine(
-                _view(req.x),
-                req.handle,
-                topk_weights=_view(req.topk_weights),
-                bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
-                allow_multiple_reduction=req.allow_multiple_reduction,
-                num_sms=req.num_sms,
-            )
+            res = None
+            plan = None if token is None else token.plan
+            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it: the full path
+            if plan is not None and plan.rank is rank:
+                w = req.topk_weights
+                bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
+                res = plan.run(req.x.ptr, 0 if w is None else w.ptr, bias[0], bias[1], req.handle)
+            if res is None:
+                bias = tuple(_view(b) for b in req.bias)
+                res = rank.combine(
+                    _view(req.x),
+                    req.handle,
+                    topk_weights=_view(req.topk_weights),
+                    bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
+                    allow_multiple_reduction=req.allow_multiple_reduction,
+                    num_sms=req.num_sms,
+                    record=token is not None,
+                )
+                if token is not None:
+                    token.plan = rank.last_repeat
         finally:
-            self.rank._allocator = None
+            rank._allocator = None
         ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
         return CombineResult(
             res.combined_x, res.combined_topk_weights, ev if req.async_with_compute_stream else None

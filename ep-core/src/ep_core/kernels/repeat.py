@@ -1,0 +1,262 @@
+"""The straight road of a repeated call: a dispatch without CPU sync, a cached dispatch or a combine whose request
+came from the same prepared-operation entry (`ep_core.prepared`) as an earlier call of this rank.
+
+That entry's key holds every array's dtype, shape, strides and device, every scalar and flag, the handle's layout
+fields and the executor's device attributes, and the request passed the full validation when the entry was made.
+So everything `DirectRank` derives from those (kernel configuration, buffer regions, SM count, flags, launch shape,
+the prepared launches, the output shapes, the envelope's fields) is what the first call derived: `DirectRank`
+keeps it here (`RepeatDispatch`, `RepeatCombine`, made by its full path with `record=True`) and the entry's token
+(`requests.PreparedToken.plan`) holds it for the next request. A repeat does only what changes per call: the
+failure guard and the handle's state, the pointers (the handle's arrays are read every time), the allocations,
+the envelope's sequence number, the launches, the new handle and the error report.
+
+What the key does not cover is checked on every call and, when it differs, the repeat returns None having done
+nothing, and the caller takes the full path (which raises what an uncached call raises): the scratch of the last
+operation (a switch copies the barrier epoch), the test flag `debug_skip_scaleout_signal`, the dtype, shape and
+contiguity of the handle's `topk_idx` (int32 or int64: a launch flag), the hybrid handle's forward metadata, and
+a prepared epilogue when rows are to be copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import ep_layout
+import numpy as np
+
+from ep_core.handle import EPHandle
+from ep_core.kernels._cuda import as_view, view_ptr
+from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, pack_envelope
+from ep_core.kernels.prepared_launch import PreparedOp
+from ep_core.requests import CombineResult, DispatchResult
+
+__all__ = ["RepeatCombine", "RepeatDispatch", "handle_topk_idx"]
+
+_I32, _I64, _F32, _U16 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.uint16)
+
+
+def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, bool] | None:
+    """`(pointer, is_int32)` of a handle's `topk_idx` when it is a contiguous int64/int32 `[num_tokens, K]` array
+    (what the full path's checks accept), else None. The verdict is kept per handle while the same array object
+    with the same shape is there (as `validation.check_handle` keeps its own); the pointer is read every time."""
+    idx = handle.topk_idx
+    seen = rank._handle_idx.get(handle)
+    if seen is None or seen[0] is not idx or seen[1] != idx.shape:
+        iv = as_view(idx, "topk_idx")
+        ok = (
+            len(iv.shape) == 2 and iv.shape[0] == num_tokens and iv.is_contiguous and iv.dtype in (_I64, _I32)
+        )
+        seen = (idx, idx.shape, ok, iv.dtype == _I32)
+        with contextlib.suppress(TypeError):  # not weak-referenceable: checked every time
+            rank._handle_idx[handle] = seen
+    if not seen[2]:
+        return None
+    return view_ptr(idx, "topk_idx"), seen[3]
+
+
+@dataclass(eq=False)
+class RepeatDispatch:
+    """A dispatch without CPU sync (cached or not) as its first call resolved it (module doc)."""
+
+    rank: Any  # the DirectRank
+    prepared: PreparedOp
+    scratch: int
+    skip_signal: bool
+    cached: bool
+    expand: bool
+    hybrid: bool
+    idx32: bool
+    num_tokens: int
+    hidden: int
+    topk: int
+    x_dtype: np.dtype
+    sf_dtype: np.dtype | None
+    packs: int
+    col_major_sf: bool
+    has_weights: bool
+    zero_padding: bool
+    num_experts: int
+    alignment: int
+    num_sms: int
+    int32_shapes: dict | None  # a new handle's int32 arrays (None: cached, they are the handle's)
+    num_recv: int  # rows and counts of a new handle (a cached dispatch reads its handle's)
+    num_expanded: int
+    env_fields: tuple  # the envelope's fields but the handle's launch number
+
+    def run(
+        self,
+        x_ptr: int,
+        sf_ptr: int,
+        idx_ptr: int,
+        w_ptr: int,
+        stats_ptr: int,
+        handle: EPHandle | None,
+        topk_idx: Any,
+    ) -> DispatchResult | None:
+        """The dispatch, or None (nothing done: the caller takes the full path). `idx_ptr` / `topk_idx`: the
+        caller's routing (ignored when cached: the handle's)."""
+        rank = self.rank
+        if rank._last_scratch != self.scratch or rank.debug_skip_scaleout_signal != self.skip_signal:
+            return None
+        rank.guard()
+        cached = self.cached
+        if cached:
+            rank._check_handle(handle)
+            seen = handle_topk_idx(rank, handle, self.num_tokens)
+            if seen is None or seen[1] != self.idx32:
+                return None
+            idx_ptr = seen[0]
+            topk_idx = handle.topk_idx
+            num_recv = handle.num_recv_tokens
+            num_expanded = handle.num_expanded_tokens
+            fwd = handle.token_metadata_at_forward
+            if self.hybrid and fwd is None:
+                return None
+        else:
+            num_recv, num_expanded = self.num_recv, self.num_expanded
+        rows = num_expanded if self.expand else num_recv
+        epilogue = self.prepared.epilogue
+        if epilogue is None and (rows > 0 or self.zero_padding):
+            return None
+        if cached:
+            dst_slot = handle.dst_buffer_slot_idx
+            psum_rank = handle.psum_num_recv_tokens_per_scaleup_rank
+            psum_expert = handle.psum_num_recv_tokens_per_expert
+            unaligned = handle.num_unaligned_recv_tokens_per_expert
+            meta = handle.recv_src_metadata
+            launch = rank._handle_launch.get(handle, -1)
+        else:
+            arrays = rank._alloc_int32(self.int32_shapes)
+            dst_slot, psum_rank = arrays["dst_slot"], arrays["psum_rank"]
+            psum_expert, unaligned = arrays["psum_expert"], arrays["unaligned"]
+            fwd = arrays.get("fwd")
+            meta = arrays.get("src_metadata")
+            launch = -1
+        dynamic = (
+            x_ptr,
+            sf_ptr,
+            idx_ptr,
+            w_ptr,
+            view_ptr(dst_slot, "dst_slot"),
+            view_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
+            view_ptr(psum_rank, "psum_rank"),
+            view_ptr(psum_expert, "psum_expert"),
+            view_ptr(unaligned, "unaligned"),
+            stats_ptr,
+            pack_envelope(OP_DISPATCH, rank._num_collective_launches + 1, (*self.env_fields, launch)),
+        )
+        rank._launch_prepared(self.prepared.main, dynamic, False, True)
+        launch_number = rank._num_collective_launches
+        # the outputs, exactly as `finish_dispatch` allocates them
+        alloc = rank._alloc
+        recv_x = alloc((rows, self.hidden), self.x_dtype)
+        recv_sf = None
+        sf_strides = (0, 0)
+        if self.sf_dtype is not None:
+            packs = self.packs
+            if self.col_major_sf:
+                ld = ep_layout.align(max(rows, 1), 4)
+                sf_strides = (1, ld)
+                recv_sf = alloc((rows, packs), self.sf_dtype, sf_strides)
+            else:
+                sf_strides = (packs, 1)
+                recv_sf = alloc((rows, packs), self.sf_dtype)
+        k = self.topk
+        recv_idx = None if self.expand else alloc((rows, k), _I64)
+        recv_w = None
+        if self.has_weights:
+            recv_w = alloc((rows,) if self.expand else (rows, k), _F32)
+        if meta is None:
+            meta = alloc((num_recv, k + 2), _I32)
+        if rows > 0 or self.zero_padding:
+            outputs = (
+                0,
+                view_ptr(meta, "recv_src_metadata"),
+                view_ptr(recv_x, "recv_x"),
+                view_ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
+                sf_strides[0],
+                sf_strides[1],
+                view_ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
+                view_ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
+                rows,
+            )
+            rank._launch_prepared(epilogue, dynamic + outputs, False, False)
+        if not cached:
+            handle = EPHandle(
+                self.expand,
+                self.num_experts,
+                self.alignment,
+                rank.num_max_tokens,
+                self.num_sms,
+                topk_idx,
+                num_recv,
+                num_expanded,
+                [],
+                psum_rank,
+                psum_expert,
+                unaligned,
+                meta,
+                dst_slot,
+                token_metadata_at_forward=fwd,
+                num_ranks=rank.num_ranks,
+                rank=rank.rank,
+            )
+            rank._handle_launch[handle] = launch_number
+            rank._unconfirmed.add(handle)
+        rank._report_input_error()
+        return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
+
+
+@dataclass(eq=False)
+class RepeatCombine:
+    """A combine as its first call resolved it (module doc)."""
+
+    rank: Any  # the DirectRank
+    prepared: PreparedOp
+    scratch: int
+    hybrid: bool
+    idx32: bool
+    num_tokens: int
+    hidden: int
+    topk: int
+    has_weights: bool
+    env_fields: tuple  # the envelope's fields but the handle's launch number
+
+    def run(self, x_ptr: int, w_ptr: int, bias0: int, bias1: int, handle: EPHandle) -> CombineResult | None:
+        """The combine, or None (nothing done: the caller takes the full path)."""
+        rank = self.rank
+        if rank._last_scratch != self.scratch:
+            return None
+        rank.guard()
+        rank._check_handle(handle)
+        seen = handle_topk_idx(rank, handle, self.num_tokens)
+        if seen is None or seen[1] != self.idx32:
+            return None
+        fwd = handle.token_metadata_at_forward
+        if self.hybrid and fwd is None:
+            return None
+        t, hidden, k = self.num_tokens, self.hidden, self.topk
+        combined = rank._alloc((t, hidden), _U16)
+        combined_w = rank._alloc((t, k), _F32) if self.has_weights else None
+        dynamic = (
+            seen[0],
+            view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
+            view_ptr(handle.recv_src_metadata, "recv_src_metadata"),
+            view_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
+            x_ptr,
+            w_ptr,
+            bias0,
+            bias1,
+            view_ptr(combined, "combined_x"),
+            view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
+            pack_envelope(
+                OP_COMBINE,
+                rank._num_collective_launches + 1,
+                (*self.env_fields, rank._handle_launch.get(handle, -1)),
+            ),
+        )
+        rank._launch_prepared(self.prepared.main, dynamic, False, True)
+        rank._report_input_error()
+        return CombineResult(combined, combined_w)
