@@ -61,6 +61,89 @@ struct SyncContext {
         return *s_abort == 0;
     }
 
+    /// All threads of every block call this where a grid barrier would be followed by work of one block only:
+    /// each block arrives (after a system fence, as in `grid_sync`) and nobody waits. Returns true in every thread
+    /// of the block that arrived last, which has then acquired every block's writes before their arrival; the
+    /// others return false and may leave (they must not touch what the last block works on). No wait: nothing to
+    /// time out.
+    EP_CORE_DEVICE bool grid_arrive_is_last() {
+        __shared__ int s_last;
+        __syncthreads();
+        ++grid_phase;
+        if (threadIdx.x == 0) {
+            int last = 0;
+            if (*s_abort == 0) {
+                ptx::fence_sys();
+                if (atomicAdd(sc.grid_arrive(), 1u) + 1u == grid_phase * gridDim.x) {
+                    ptx::fence_gpu();  // with the read above: acquire of every block's fenced arrival
+                    last = 1;
+#if EP_PHASE_ON
+                    phase::mark(args.rank, phase_kernel, kPhaseGridLast + static_cast<int>(grid_phase));
+#endif
+                }
+            }
+            s_last = last;
+        }
+        __syncthreads();
+        return s_last != 0;
+    }
+
+    /// `grid_sync(); if (block 0) cross_rank_barrier(tag); grid_sync();` in one step, with the same ordering:
+    /// every block arrives at the grid counter (after a system fence), the block that arrives last arrives at
+    /// every rank for the whole grid (the arrivals of `cross_rank_barrier`, same epoch and counters), and every
+    /// block waits for every rank's arrival itself. Two hops fewer than the three barriers (no wait for block 0 to
+    /// learn of the last block, none for the other blocks to learn of block 0). All threads of every block call it;
+    /// returns false (in every thread of the block) after a failed wait. No envelope check.
+    EP_CORE_DEVICE bool grid_cross_rank_barrier(int32_t tag) {
+        __shared__ int s_last;
+        __shared__ uint64_t s_epoch;
+        __syncthreads();
+        ++grid_phase;
+        if (threadIdx.x == 0) {
+            int last = 0;
+            if (*s_abort == 0) {
+                // read before arriving: the last block writes the new epoch only after every block's arrival
+                const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(sc.barrier_epoch()) + 1;
+                s_epoch = epoch;
+                ptx::fence_sys();
+                if (atomicAdd(sc.grid_arrive(), 1u) + 1u == grid_phase * gridDim.x) {
+                    ptx::fence_gpu();  // with the read above: acquire of every block's fenced arrival
+                    *sc.barrier_epoch() = epoch;
+                    last = 1;
+#if EP_PHASE_ON
+                    phase::mark(args.rank, phase_kernel, kPhaseGridLast + static_cast<int>(grid_phase));
+#endif
+                }
+            }
+            s_last = last;
+        }
+        __syncthreads();
+        if (s_last != 0) {
+            // as in cross_rank_barrier: one system fence per arriving thread, then a release per rank
+            if (threadIdx.x < num_ranks)
+                ptx::fence_sys();
+            for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
+                ptx::red_add_release_sys(tr.sym_ptr(ws.barrier_arrivals(), p), 1ull);
+        }
+        if (threadIdx.x == 0 && *s_abort == 0) {
+            const uint64_t epoch = s_epoch;
+            const int64_t target = static_cast<int64_t>(epoch) * num_ranks;
+            uint64_t* counter = ws.barrier_arrivals();
+            const bool ok = wait_until(
+                args, ws, tag, -1, static_cast<int64_t>(epoch), target,
+                [&] { return static_cast<int64_t>(ptx::ld_acquire_sys(counter)); },
+                [&](int64_t v) { return v >= target; }, [&] { raise_abort(); });
+            if (!ok)
+                *s_abort = 1;
+#if EP_PHASE_ON
+            if (blockIdx.x == 0)
+                phase::mark(args.rank, phase_kernel, kPhaseGridExit + static_cast<int>(grid_phase));
+#endif
+        }
+        __syncthreads();
+        return *s_abort == 0;
+    }
+
     /// All threads of ONE block call this: every rank arrives (after a system fence), then waits for all ranks.
     /// With `check_envelope`, each rank first leaves its `OpArgs::envelope` in every peer's workspace (ordered
     /// before its arrival by the same thread's fence and release), and after the barrier compares every rank's

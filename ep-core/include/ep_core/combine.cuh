@@ -9,7 +9,8 @@
 ///  2. send    warp per received token i: slot on the source = [rank layout ? own rank : master lane][src token]
 ///             (expand without multiple reduction: one slot per lane). Expand with multiple reduction sums the
 ///             token's rows first (fp32, ascending lane, one bf16 rounding; a single row is sent as is).
-///  3. exit    grid barrier + system fence, block 0 meets every rank (all rows have landed), grid barrier.
+///  3. exit    every block arrives (system fence), the last one meets every rank for the grid, every block waits
+///             for every rank (all rows have landed): `grid_cross_rank_barrier`, one hop instead of three.
 ///  4. reduce  warp per own token t: acc = bias0, + bias1, then the operands in ascending order of their
 ///             representative (highest) lane, in fp32, one bf16 rounding; combined weights gathered per lane.
 #pragma once
@@ -241,13 +242,9 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     // 3. exit: every rank's rows have landed here
     EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
     EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
-    if (!sync.grid_sync())
-        return;
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineExit))
+    if (!sync.grid_cross_rank_barrier(kTagCombineExit))
         return;
     EP_PHASE_MARK(kPhaseCombine, kCbExit);
-    if (!sync.grid_sync())
-        return;
 
     // 4. reduce
     uint8_t* const out = static_cast<uint8_t*>(args.combined_x);

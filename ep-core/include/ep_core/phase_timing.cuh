@@ -36,10 +36,10 @@ enum DispatchPhase : int {
     kDpPrefix = 4,       ///< block 0: prefix done (deterministic)
     kDpSendB0 = 5,       ///< block 0: its send loop issued
     kDpFlush = 6,        ///< block 0: bulk stores complete, counts flushed
-    kDpExpertPub = 7,    ///< block 0: per-expert counts stored to every destination
-    kDpRankPub = 8,      ///< block 0: per-rank counts released
-    kDpRecv = 9,         ///< block 0: every source's count seen
-    kDpHandle = 10,      ///< block 0: handle written
+    kDpExpertPub = 7,    ///< publisher (last block): per-expert counts stored to every destination
+    kDpRankPub = 8,      ///< publisher: per-rank counts released
+    kDpRecv = 9,         ///< publisher: every source's count seen
+    kDpHandle = 10,      ///< publisher: handle written
     kDpSendLast = 11,    ///< last block: send loop and flush done
     kDpEnd = kPhaseEnd,         ///< last block leaves
 };
@@ -112,6 +112,12 @@ __device__ __forceinline__ void last(long long rank, int kernel, int s) {
         if (blockIdx.x == 0 && threadIdx.x == 0)              \
             ::ep_core::phase::mark(args.rank, (k), (s));      \
     } while (0)
+/// Thread 0 of the calling block stamps `slot` (for work that one block, not always block 0, does).
+#define EP_PHASE_STAMP(k, s)                                  \
+    do {                                                      \
+        if (threadIdx.x == 0)                                 \
+            ::ep_core::phase::mark(args.rank, (k), (s));      \
+    } while (0)
 /// Thread 0 of the first block to get here stamps `slot`.
 #define EP_PHASE_FIRST(k, s)                                  \
     do {                                                      \
@@ -130,6 +136,9 @@ __device__ __forceinline__ void last(long long rank, int kernel, int s) {
 #define EP_PHASE_ON 0
 #define EP_PHASE_MARK(k, s) \
     do {                    \
+    } while (0)
+#define EP_PHASE_STAMP(k, s) \
+    do {                     \
     } while (0)
 #define EP_PHASE_FIRST(k, s) \
     do {                     \

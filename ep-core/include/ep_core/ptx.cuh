@@ -49,6 +49,8 @@ EP_CORE_DEVICE void red_add_release_sys(uint64_t* p, uint64_t v) {
 
 EP_CORE_DEVICE void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+EP_CORE_DEVICE void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 /// 16-byte read of input data that no one writes during the kernel (non-coherent path, no L1 allocation).
 EP_CORE_DEVICE uint4 ld_nc_v4(const void* p) {
     uint4 v;
