@@ -10,10 +10,10 @@
 ///  4. send    each warp is a channel taking tokens by stride: route (dedup per destination rank, master lane =
 ///             highest lane), claim the slot (atomic / prefix / cached), store [hidden | sf | metadata] into
 ///             every destination's region [own rank][slot] with 16-byte stores, count in shared memory.
-///  5. publish block 0, after a grid barrier (all stores done, system fence): per-expert counts to each
-///             destination's workspace, then the per-rank count with release (`kCountValidFlag | count`: nonzero =
-///             arrived).
-///  6. receive block 0 waits for every source's count (acquire), writes the handle's prefix sums, resets the
+///  5. publish the block that arrives last at the grid counter (all stores done, system fence; the others leave):
+///             per-expert counts to each destination's workspace, then the per-rank count with release
+///             (`kCountValidFlag | count`: nonzero = arrived).
+///  6. receive the same block waits for every source's count (acquire), writes the handle's prefix sums, resets the
 ///             receive words. Completion of the launch therefore means every token for this rank has arrived.
 #pragma once
 
@@ -265,16 +265,13 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     EP_PHASE_LAST(kPhaseDispatch, kDpSendLast);
 #endif
 
-    // 5. publish (after every block's stores)
-    if (!sync.grid_sync())
-        return;
-    if (det) {
-        const int64_t total = static_cast<int64_t>(kNumRanks + num_experts) * W;
-        for (int64_t i = static_cast<int64_t>(blockIdx.x) * num_threads + threadIdx.x; i < total;
-             i += static_cast<int64_t>(gridDim.x) * num_threads)
-            bits[i] = 0u;
-    }
-    if (blockIdx.x == 0) {
+    // 5. publish (after every block's stores): the block that arrives last does it, the others leave at once
+    if (sync.grid_arrive_is_last()) {
+        if (det) {
+            const int64_t total = static_cast<int64_t>(kNumRanks + num_experts) * W;
+            for (int64_t i = threadIdx.x; i < total; i += num_threads)
+                bits[i] = 0u;
+        }
         if (!cached) {
             for (int i = threadIdx.x; i < num_experts; i += num_threads) {
                 const int d = i / epr;
@@ -284,7 +281,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             }
         }
         __syncthreads();
-        EP_PHASE_MARK(kPhaseDispatch, kDpExpertPub);
+        EP_PHASE_STAMP(kPhaseDispatch, kDpExpertPub);
         // one system fence per thread makes the whole block's stores (ordered by the barrier above) visible before
         // its first release; a fence before each later release would be redundant (a release orders what precedes)
         if (threadIdx.x < kNumRanks)
@@ -296,7 +293,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             sc.sent_total()[d] = 0;
             sc.send_slot()[d] = 0;
         }
-        EP_PHASE_MARK(kPhaseDispatch, kDpRankPub);
+        EP_PHASE_STAMP(kPhaseDispatch, kDpRankPub);
 
         // 6. receive: wait for every source's count, then write the handle
         for (int src = threadIdx.x; src < kNumRanks; src += num_threads) {
@@ -320,7 +317,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         __syncthreads();
         if (s_abort != 0)
             return;
-        EP_PHASE_MARK(kPhaseDispatch, kDpRecv);
+        EP_PHASE_STAMP(kPhaseDispatch, kDpRecv);
         if (!cached) {
             const int64_t A = args.expert_alignment;
             // expert starts: aligned counts in parallel (one 64-bit division per thread, not a serial chain of
@@ -360,7 +357,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         }
 #if EP_PHASE_ON
         __syncthreads();
-        EP_PHASE_MARK(kPhaseDispatch, kDpHandle);
+        EP_PHASE_STAMP(kPhaseDispatch, kDpHandle);
 #endif
     }
     sync.grid_exit();
