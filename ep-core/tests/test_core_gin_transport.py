@@ -99,17 +99,27 @@ def test_gin_requirements_hybrid() -> None:
         "gin_exclusive_contexts": True,
         "gin_queue_depth": nccl_transport.GIN_QUEUE_DEPTH,
         "gin_signal_count": nccl_transport.GIN_SIGNAL_COUNT,
-        "gin_connection_type": "full",  # the hybrid barrier signals every remote rank (GIN_KERNEL_PEERS)
+        "gin_connection_type": "rail",  # the hybrid kernels (barrier included) reach rail peers only
         "gin_traffic_class": 5,
     }
-    assert nccl_transport.GIN_QUEUE_DEPTH == 1024 and nccl_transport.GIN_KERNEL_PEERS == "world"
+    assert nccl_transport.GIN_QUEUE_DEPTH == 1024 and nccl_transport.GIN_KERNEL_PEERS == "rail"
+    direct = gin_requirements(Topology(16, 8, False), num_allocated_qps=17, sl_idx=5, lsa_barrier_count=132)
+    assert direct["gin_connection_type"] == "full"  # direct mode across nodes puts to every rank
 
 
-def test_gin_requirements_rail_once_kernels_reach_rail_peers_only(monkeypatch) -> None:
-    monkeypatch.setattr(nccl_transport, "GIN_KERNEL_PEERS", "rail")
+def test_hybrid_barrier_is_rail_only_under_gin() -> None:
+    """The RAIL connection holds only while the hybrid kernels meet node + rail peers in their barrier."""
+    inc = pathlib.Path(nccl_transport.__file__).resolve().parents[3] / "include" / "ep_core"
+    hybrid = (inc / "hybrid.cuh").read_text()
+    assert hybrid.count("hybrid_barrier<kSu, true>(") == 4 and "hybrid_barrier<kSu>(" not in hybrid
+    assert "hybrid_barrier<kNvl>(" in (inc / "direct_xnode.cuh").read_text()  # full barrier, FULL connection
+
+
+def test_gin_requirements_full_when_kernels_reach_every_rank(monkeypatch) -> None:
+    monkeypatch.setattr(nccl_transport, "GIN_KERNEL_PEERS", "world")
     hybrid = gin_requirements(Topology(16, 8, True), num_allocated_qps=65, sl_idx=3, lsa_barrier_count=1)
     direct = gin_requirements(Topology(16, 8, False), num_allocated_qps=17, sl_idx=3, lsa_barrier_count=1)
-    assert hybrid["gin_connection_type"] == "rail" and direct["gin_connection_type"] == "full"
+    assert hybrid["gin_connection_type"] == "full" and direct["gin_connection_type"] == "full"
 
 
 def test_gin_requirements_default_qps_from_planner(monkeypatch) -> None:
@@ -158,7 +168,7 @@ def test_hybrid_creates_gin_dev_comm_and_uploads_it(fake) -> None:
                 "gin_exclusive_contexts": True,
                 "gin_queue_depth": 1024,
                 "gin_signal_count": 0,
-                "gin_connection_type": "full",
+                "gin_connection_type": "rail",
                 "gin_traffic_class": 2,
             }
         )
@@ -384,19 +394,18 @@ def test_requirements_accepted_by_real_create_dev_comm(monkeypatch) -> None:
         False,
         None,
     )
-    reqs = gin_requirements(Topology(16, 8, True), num_allocated_qps=65, sl_idx=3, lsa_barrier_count=132)
+    reqs = gin_requirements(Topology(16, 8, False), num_allocated_qps=65, sl_idx=3, lsa_barrier_count=132)
     dev = comm.create_dev_comm(**reqs)
     assert dev.gin_available and dev.gin_contexts == 65
     (req,) = sent
     assert req["lsa_barrier_count"] == 132 and req["gin_context_count"] == 65
     assert req["gin_exclusive_contexts"] is True and req["gin_queue_depth"] == 1024
     assert req["gin_traffic_class"] == 3 and req["gin_signal_count"] == 0
-    assert req["gin_connection_type"] == 1  # NCCL_GIN_CONNECTION_FULL
-    monkeypatch.setattr(nccl_transport, "GIN_KERNEL_PEERS", "rail")
+    assert req["gin_connection_type"] == 1  # NCCL_GIN_CONNECTION_FULL (direct mode across nodes)
     comm.create_dev_comm(
         **gin_requirements(Topology(16, 8, True), num_allocated_qps=65, sl_idx=3, lsa_barrier_count=1)
     )
-    assert sent[-1]["gin_connection_type"] == 2  # NCCL_GIN_CONNECTION_RAIL
+    assert sent[-1]["gin_connection_type"] == 2  # NCCL_GIN_CONNECTION_RAIL (hybrid mode)
     # an NCCL without the traffic class refuses it (a version gate, never silently dropped)
     old = NcclVersion.parse("2.29.7")
     comm._nccl = SimpleNamespace(runtime=old, header=old)

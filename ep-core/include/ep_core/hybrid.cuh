@@ -103,12 +103,21 @@ EP_CORE_DEVICE uint64_t* scaleout_signals(const Workspace& ws) {
     return reinterpret_cast<uint64_t*>(ws.base + ep_layout::WorkspaceLayout::kScaleoutRankCountRecvOffset);
 }
 
-/// The cross-rank barrier of the hybrid kernels (barrier.cuh `cross_rank_barrier`, every rank of every node). With
-/// a load/store scale-out (emulated: every rank reachable) it is that barrier itself. With GIN, peers of other nodes
-/// get this rank's envelope by `put_value` and its arrival by a `signal` add on their arrival word (strong signals:
-/// the envelope put lands first); peers of this node as in direct mode. Only this node's abort flags can be raised
-/// (remote ranks then time out on their own).
-template <int kNumScaleupRanks, typename Transport, typename Scaleout>
+/// The cross-rank barrier of the kernels of several nodes (barrier.cuh `cross_rank_barrier`). With a load/store
+/// scale-out (emulated: every rank reachable) it is that barrier itself, over every rank. With GIN, peers of other
+/// nodes get this rank's envelope by `put_value` and its arrival by a `signal` add on their arrival word (strong
+/// signals: the envelope put lands first); peers of this node as in direct mode. Only this node's abort flags can be
+/// raised (remote ranks then time out on their own).
+///
+/// `kRailOnly` (hybrid mode): under GIN each rank meets only the ranks it exchanges data with, its node and its rail
+/// (the ranks of the same local index, `p % S_u == rank % S_u`): every byte a hybrid kernel puts to another node goes
+/// to a rail peer, so "every writer into my regions has arrived" needs no other rank, and the GIN device communicator
+/// can use a RAIL connection (DeepEP's scale-up + rail scale-out barrier). The node and the rail are cliques (every
+/// member meets every other), and each has its own arrival word (node: `barrier_arrivals`, rail: the word after
+/// it), so neither count can pass an epoch before all of its members arrived (one shared count could: a rail peer
+/// already in the next epoch would stand in for a node peer still missing). The envelopes are checked over the
+/// same peers. Direct mode across nodes puts to every rank and keeps the full barrier (FULL connection).
+template <int kNumScaleupRanks, bool kRailOnly = false, typename Transport, typename Scaleout>
 EP_CORE_DEVICE bool hybrid_barrier(SyncContext<Transport>& sync, const Scaleout& so, int32_t tag,
                                    bool check_envelope = false) {
     if constexpr (!Scaleout::kStaged) {
@@ -124,9 +133,16 @@ EP_CORE_DEVICE bool hybrid_barrier(SyncContext<Transport>& sync, const Scaleout&
             *sync.sc.barrier_epoch() = epoch;
         const int rank = static_cast<int>(args.rank);
         const int node = rank / kNumScaleupRanks;
+        const int local = rank % kNumScaleupRanks;
+        // rail-only: this node's ranks (node word) and one rank per other node (rail word)
+        auto meets = [&](int p) { return !kRailOnly || p / kNumScaleupRanks == node || p % kNumScaleupRanks == local; };
+        uint64_t* const node_word = ws.barrier_arrivals();
+        uint64_t* const remote_word = kRailOnly ? ws.barrier_arrivals() + 1 : node_word;
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
             if (!check_envelope)
                 break;
+            if (!meets(p))
+                continue;
             if (p / kNumScaleupRanks == node)
                 *reinterpret_cast<volatile uint64_t*>(sync.tr.sym_ptr(ws.envelopes(), p) + rank) = args.envelope;
             else
@@ -135,24 +151,36 @@ EP_CORE_DEVICE bool hybrid_barrier(SyncContext<Transport>& sync, const Scaleout&
         if (threadIdx.x < num_ranks)
             ptx::fence_sys();
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x) {
+            if (!meets(p))
+                continue;
             if (p / kNumScaleupRanks == node)
-                ptx::red_add_release_sys(sync.tr.sym_ptr(ws.barrier_arrivals(), p), 1ull);
+                ptx::red_add_release_sys(sync.tr.sym_ptr(node_word, p), 1ull);
             else
-                so.signal(ws.barrier_arrivals(), 1ull, p);
+                so.signal(remote_word, 1ull, p);
         }
         if (threadIdx.x == 0 && *sync.s_abort == 0) {
-            const int64_t target = static_cast<int64_t>(epoch) * num_ranks;
-            uint64_t* counter = ws.barrier_arrivals();
-            const bool ok = wait_until(
-                args, ws, tag, -1, static_cast<int64_t>(epoch), target,
-                [&] { return static_cast<int64_t>(ptx::ld_acquire_sys(counter)); },
-                [&](int64_t v) { return v >= target; }, [&] { sync.raise_abort(); });
-            if (!ok)
-                *sync.s_abort = 1;
+            const int num_nodes = num_ranks / kNumScaleupRanks;
+            // full: every rank on one word; rail-only: the node clique, then the rail clique (this rank excluded)
+            const int64_t counts[2] = {kRailOnly ? kNumScaleupRanks : num_ranks, kRailOnly ? num_nodes - 1 : 0};
+            uint64_t* const words[2] = {node_word, remote_word};
+            for (int w = 0; w < 2 && *sync.s_abort == 0; ++w) {
+                if (counts[w] == 0)
+                    continue;
+                const int64_t target = static_cast<int64_t>(epoch) * counts[w];
+                uint64_t* counter = words[w];
+                const bool ok = wait_until(
+                    args, ws, tag, -1, static_cast<int64_t>(epoch), target,
+                    [&] { return static_cast<int64_t>(ptx::ld_acquire_sys(counter)); },
+                    [&](int64_t v) { return v >= target; }, [&] { sync.raise_abort(); });
+                if (!ok)
+                    *sync.s_abort = 1;
+            }
         }
         __syncthreads();
         if (check_envelope && *sync.s_abort == 0) {
             for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
+                if (!meets(src))
+                    continue;
                 const uint64_t seen = *reinterpret_cast<volatile uint64_t*>(ws.envelopes() + src);
                 if (seen != args.envelope) {
                     record_error(ws, ErrorKind::kEnvelopeMismatch, args.rank, src, tag,
@@ -255,7 +283,7 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
     }
 
     // 2. entry barrier (every rank of every node)
-    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagDispatchEntry, true))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu, true>(sync, so, kTagDispatchEntry, true))
         return;
     if (!sync.grid_sync())
         return;
@@ -606,7 +634,7 @@ EP_CORE_DEVICE void hybrid_combine_impl(const OpArgs& args) {
         return;
 
     // 1. entry
-    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagCombineEntry, true))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu, true>(sync, so, kTagCombineEntry, true))
         return;
     if (!sync.grid_sync())
         return;
@@ -663,7 +691,7 @@ EP_CORE_DEVICE void hybrid_combine_impl(const OpArgs& args) {
     // 3. every stage of this node is complete
     if (!sync.grid_sync())
         return;
-    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagCombineForward))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu, true>(sync, so, kTagCombineForward))
         return;
     if (!sync.grid_sync())
         return;
@@ -732,7 +760,7 @@ EP_CORE_DEVICE void hybrid_combine_impl(const OpArgs& args) {
     // 5. exit: every partial has landed at its source
     if (!sync.grid_sync())
         return;
-    if (blockIdx.x == 0 && !hybrid_barrier<kSu>(sync, so, kTagCombineExit))
+    if (blockIdx.x == 0 && !hybrid_barrier<kSu, true>(sync, so, kTagCombineExit))
         return;
     if (!sync.grid_sync())
         return;

@@ -66,11 +66,12 @@ barrier's arrival adds) is a `ncclGin_StrongVASignalAdd` on a workspace word of 
 (a VA signal), and the puts are plain `put`/`putValue`; no `ncclGinSignal_t` id is ever passed. A kernel that
 starts using indexed signals must raise this (DeepEP asks for N + 4 because its barrier uses ids)."""
 
-GIN_KERNEL_PEERS = "world"
-"""Which peers the gin kernels reach over GIN: the data puts and count signals go to the rail peer only (same
-local index on the other node), but `hybrid_barrier` signals EVERY rank of the other nodes through
-`ncclTeamWorld`. A RAIL connection connects same-rail peers only, so it cannot carry that barrier: the
-connection asked for is FULL until the barrier is rail-only (then set this to "rail")."""
+GIN_KERNEL_PEERS = "rail"
+"""Which peers the hybrid gin kernels reach over GIN: the rail only. The data puts, count signals and the barrier
+(`hybrid_barrier<S_u, true>`: node clique + rail clique) go to the ranks of the same local index on the other
+nodes (addressed through `ncclTeamWorld`, which NCCL maps onto the rail connections), so hybrid mode asks for a
+RAIL connection, as DeepEP. Direct mode across nodes puts to every rank: FULL ("world" here would make hybrid
+mode FULL too)."""
 
 _GATE_FEATURE = "gin"
 _INSTALL_HINT = "pip install 'ep-core[nccl]' (ep-nccl-gin) with nvidia-nccl-cu12/cu13 >= 2.28.7"
@@ -163,9 +164,8 @@ def gin_requirements(
     """`Communicator.create_dev_comm` keyword arguments for a buffer of `topology` (several nodes):
     contexts = the allocated QPs (DeepEP: one GIN context per QP; `num_allocated_qps` as `EPBuffer` resolved it,
     0 = the planner's default), exclusive contexts, `GIN_QUEUE_DEPTH`, traffic class = `sl_idx`, the signal ids the
-    kernels use (`GIN_SIGNAL_COUNT`), and the connection: RAIL in hybrid mode when the kernels reach rail peers
-    only, else FULL (direct mode across nodes puts to every rank; today's hybrid barrier does too:
-    `GIN_KERNEL_PEERS`)."""
+    kernels use (`GIN_SIGNAL_COUNT`), and the connection: RAIL in hybrid mode (the kernels reach rail peers only:
+    `GIN_KERNEL_PEERS`), FULL in direct mode across nodes (a put to every rank)."""
     from ep_core import planner
 
     if topology.num_rdma_ranks <= 1:
