@@ -372,9 +372,11 @@ class ElasticBuffer(ElasticOps):
             return fn(*args, **kwargs)
 
     def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
+        if op != "dispatch" or handle is not None or do_cpu_sync is False:
+            return  # nothing this check refuses (and no capture query: it costs a microsecond per call)
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             return
-        if op == "dispatch" and handle is None and (do_cpu_sync is None or bool(do_cpu_sync)):
+        if do_cpu_sync is None or bool(do_cpu_sync):
             raise EPValueError(
                 "do_cpu_sync: a dispatch inside CUDA-graph capture must not sync with the CPU; pass "
                 "do_cpu_sync=False (worst-case shapes) or a cached handle"

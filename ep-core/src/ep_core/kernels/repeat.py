@@ -26,6 +26,7 @@ from typing import Any
 import ep_layout
 import numpy as np
 
+from ep_core import device_array as _device_array
 from ep_core.handle import EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, pack_envelope
@@ -35,6 +36,14 @@ from ep_core.requests import CombineResult, DispatchResult
 __all__ = ["RepeatCombine", "RepeatDispatch", "handle_topk_idx"]
 
 _I32, _I64, _F32, _U16 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.uint16)
+
+
+def _ptr(obj: Any, what: str) -> int:
+    """`view_ptr` of an array whose type and dtype are known good (the handle's arrays, validated by this call's
+    `check_handle`; outputs of this call's allocator): a torch tensor's `data_ptr()` without the dtype lookup."""
+    if type(obj) is _device_array._torch_tensor_type:
+        return obj.data_ptr()
+    return view_ptr(obj, what)
 
 
 def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, bool] | None:
@@ -53,7 +62,7 @@ def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, 
             rank._handle_idx[handle] = seen
     if not seen[2]:
         return None
-    return view_ptr(idx, "topk_idx"), seen[3]
+    return _ptr(idx, "topk_idx"), seen[3]
 
 
 @dataclass(eq=False)
@@ -139,11 +148,11 @@ class RepeatDispatch:
             sf_ptr,
             idx_ptr,
             w_ptr,
-            view_ptr(dst_slot, "dst_slot"),
-            view_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
-            view_ptr(psum_rank, "psum_rank"),
-            view_ptr(psum_expert, "psum_expert"),
-            view_ptr(unaligned, "unaligned"),
+            _ptr(dst_slot, "dst_slot"),
+            _ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
+            _ptr(psum_rank, "psum_rank"),
+            _ptr(psum_expert, "psum_expert"),
+            _ptr(unaligned, "unaligned"),
             stats_ptr,
             pack_envelope(OP_DISPATCH, rank._num_collective_launches + 1, (*self.env_fields, launch)),
         )
@@ -173,13 +182,13 @@ class RepeatDispatch:
         if rows > 0 or self.zero_padding:
             outputs = (
                 0,
-                view_ptr(meta, "recv_src_metadata"),
-                view_ptr(recv_x, "recv_x"),
-                view_ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
+                _ptr(meta, "recv_src_metadata"),
+                _ptr(recv_x, "recv_x"),
+                _ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
                 sf_strides[0],
                 sf_strides[1],
-                view_ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
-                view_ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
+                _ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
+                _ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
                 rows,
             )
             rank._launch_prepared(epilogue, dynamic + outputs, False, False)
@@ -242,15 +251,15 @@ class RepeatCombine:
         combined_w = rank._alloc((t, k), _F32) if self.has_weights else None
         dynamic = (
             seen[0],
-            view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
-            view_ptr(handle.recv_src_metadata, "recv_src_metadata"),
-            view_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
+            _ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
+            _ptr(handle.recv_src_metadata, "recv_src_metadata"),
+            _ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
             x_ptr,
             w_ptr,
             bias0,
             bias1,
-            view_ptr(combined, "combined_x"),
-            view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
+            _ptr(combined, "combined_x"),
+            _ptr(combined_w, "combined_w") if combined_w is not None else 0,
             pack_envelope(
                 OP_COMBINE,
                 rank._num_collective_launches + 1,
