@@ -275,6 +275,7 @@ def _pp_buffer(rank: int, n: int, out: dict) -> None:
         ok = ok and bool(torch.equal(got, want))
     out["ring"] = ok
     out["too_big"] = _raises(lambda: buf.send(torch.zeros(65), nxt))
+    out["storage"] = [str(buf.storage.dtype), int(buf.storage.numel()) >= 256 * 2 * 4]
     buf.destroy()
     out["after_destroy"] = _raises(lambda: buf.send(torch.zeros(4), nxt))
 
@@ -311,6 +312,7 @@ def _bucket_case(rank: int, n: int, out: dict) -> None:
     plan.tensor("ag", (n * 8,), "float32")
     plan.tensor("rs", (n * 6, 4), "float32")
     plan.tensor("ar", (10,), "bfloat16")
+    plan.tensor("spare", (1024,), "float32")  # room for the session below (it allocates from the front)
     buf = BucketBuffer(None, plan, explicitly_destroy=True, transport="reference", num_cpu_timeout_secs=30)
 
     def val(r: int, shape, dtype=torch.float32):
@@ -348,6 +350,25 @@ def _bucket_case(rank: int, n: int, out: dict) -> None:
     out["outside"] = _raises(lambda: buf.all_reduce(torch.zeros(4)))
     out["precision"] = _raises(lambda: buf.reduce_scatter(rs, comm_precision="bf16"))
     out["int"] = _raises(lambda: buf.all_reduce(buf.storage[:8]))
+    # a session: the collectives take tensors outside the storage (staged in session storage)
+    with buf.session():
+        ext = torch.empty(n * 3)
+        got = buf.all_gather(val(rank, (3,)), ext).wait()
+        want = torch.cat([val(r, (3,)) for r in range(n)])
+        sess = bool(got is ext and torch.equal(ext, want))
+        got = buf.reduce_scatter(val(rank, (n * 2,)), scale=2.0).wait()
+        acc = sum(val(r, (n * 2,)) for r in range(n))
+        sess = sess and torch.equal(got, (acc * 2.0)[rank * 2 : (rank + 1) * 2])
+        got = buf.all_reduce([val(rank, (4,)), val(rank + 7, (3,))]).wait()
+        sess = sess and torch.equal(got[0], sum(val(r, (4,)) for r in range(n)))
+        sess = sess and torch.equal(got[1], sum(val(r + 7, (3,)) for r in range(n)))
+        out["nested"] = _raises(lambda: buf.session().__enter__())
+    out["session"] = bool(sess)
+    out["outside_after_session"] = _raises(lambda: buf.all_reduce(torch.zeros(4)))
+    out["sms"] = [
+        buf.get_theoretical_num_sms("all_gather"),
+        _raises(lambda: buf.get_theoretical_num_sms("x")),
+    ]
     buf.destroy()
 
 
@@ -433,6 +454,7 @@ def test_pp_buffer_ring(n: int, tmp_path: Path) -> None:
         assert out["ring"], out
         assert "exceed num_max_tensor_bytes (256" in out["too_big"]
         assert out["after_destroy"].startswith("EPStateError")
+        assert out["storage"] == ["torch.uint8", True], out
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -477,6 +499,10 @@ def test_bucket_buffer_collectives(n: int, tmp_path: Path) -> None:
         assert "inside this BucketBuffer" in out["outside"]
         assert "'fp32' only" in out["precision"]
         assert out["int"].startswith("EPTypeError")
+        assert out["session"], out
+        assert "do not nest" in out["nested"], out
+        assert "inside this BucketBuffer" in out["outside_after_session"]
+        assert out["sms"][0] == 0 and "op: expected" in out["sms"][1]
 
 
 if __name__ == "__main__":

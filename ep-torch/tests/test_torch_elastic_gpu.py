@@ -224,6 +224,19 @@ def _bucket(rank: int, n: int, res: list) -> None:
         )
     )
     torch.cuda.synchronize()
+    with buf.session():  # tensors outside the storage, staged in session storage
+        ext = torch.empty(n * 1024, device="cuda")
+        got = buf.all_gather(val(rank, 1024), ext).wait()
+        want = torch.cat([val(r, 1024) for r in range(n)])
+        res.append(
+            ("bucket/session all_gather (unregistered)", got is ext and bool(torch.equal(ext, want)), "")
+        )
+        got = buf.all_reduce(val(rank, 777)).wait()
+        acc = val(0, 777)
+        for r in range(1, n):
+            acc = acc + val(r, 777)
+        res.append(("bucket/session all_reduce (unregistered)", bool(torch.equal(got, acc)), ""))
+    torch.cuda.synchronize()
 
 
 _CASES = {"pp": _pp, "pp_timeout": _pp_timeout, "agrs": _agrs, "engram": _engram, "bucket": _bucket}

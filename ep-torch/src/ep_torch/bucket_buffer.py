@@ -17,12 +17,23 @@ tensor(s) (1-D views with the srcs' dtype; one tensor for a tensor argument). Su
 Transports as ``ElasticBuffer``'s. On the GPU (ipc) the all-gather is copy-engine copies into every peer's
 storage (no SM); the reductions read the peers' shards over NVLink with torch kernels, between two stream
 barriers (every src written before anyone reads; every read done before anyone overwrites). Ours, not DeepEP's:
-one group only, ``comm_precision="fp32"`` only, no hybrid (RDMA) path, and ``session()`` offers ``allocate`` only
-(collectives need registered tensors). ``get_theoretical_num_sms`` is not provided.
+one group only, ``comm_precision="fp32"`` only, no hybrid (RDMA) path.
+
+``with buffer.session() as s:`` (DeepEP's ``BucketSession``): ``s.allocate(shapes, dtype)`` hands out storage front
+to back, and inside the session the three collectives also accept tensors outside the storage: each is staged in
+session storage (the src copied into its shard on the current stream; a registered dst's storage is used when the
+src is not registered), the collective runs on the staged tensor, and ``wait()`` copies the result into external
+``dsts`` (without ``dsts`` it returns the staged result). Every rank must make the same calls in a session (the
+staging offsets are then the same everywhere). Sessions do not nest.
+
+``get_theoretical_num_sms(op)``: DeepEP's NVLink model (all-gather 0; reduce-scatter / all-reduce from the NVLink
+bandwidth per rank and the SM read/write rates). Ours: the reductions are torch kernels, which take no SM count
+(``num_sms`` is accepted and ignored), so the number is what DeepEP's kernels would use, not what ours do.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -61,16 +72,86 @@ class BucketSession:
     """``with buffer.session() as s:`` a bump allocator over the storage (``s.allocate(shapes, dtype)``); the caller
     makes sure nothing allocated earlier is still in use."""
 
+    _METHODS = ("all_gather", "reduce_scatter", "all_reduce")
+
     def __init__(self, buffer: BucketBuffer) -> None:
         self.buffer = buffer
         self.num_allocated_bytes = 0
 
     def __enter__(self) -> BucketSession:
+        if any(name in self.buffer.__dict__ for name in self._METHODS):
+            raise EPStateError(f"BucketBuffer.session: sessions do not nest (rank {self.buffer.rank_idx})")
         self.num_allocated_bytes = 0
+        for name in self._METHODS:  # the collectives accept unregistered tensors until the session ends
+            self.buffer.__dict__[name] = lambda *a, _name=name, **kw: self._collective(_name, *a, **kw)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for name in self._METHODS:
+            self.buffer.__dict__.pop(name, None)
         return None
+
+    def _stage(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.allocate((nbytes // dtype.itemsize,), dtype)
+
+    def _collective(self, name: str, *args: Any, **kwargs: Any) -> _Handle:
+        """`name` on staged copies of unregistered tensors (module doc)."""
+        buf = self.buffer
+        n, r = buf.num_ranks, buf.rank_idx
+        bound = inspect.signature(getattr(type(buf), name)).bind(buf, *args, **kwargs).arguments
+        bound.pop("self")
+        srcs, dsts = bound.pop("srcs"), bound.pop("dsts", None)
+        shards = {"all_gather": (n, 1), "reduce_scatter": (1, n), "all_reduce": (1, 1)}[name]
+        packed, xs = buf._pack(srcs)
+        ds = None if dsts is None else buf._pack(dsts)[1]
+        if ds is not None and len(ds) != len(xs):
+            raise EPValueError(f"dsts: expected {len(xs)} tensors, got {len(ds)} (rank {r})")
+        staged, results_at, copies = [], [], []
+        for i, x in enumerate(xs):
+            x = buf._buf()._check_tensor(f"srcs[{i}]", x)
+            d = None if ds is None else buf._buf()._check_tensor(f"dsts[{i}]", ds[i])
+            if d is not None and (d.dtype != x.dtype or d.nbytes * shards[1] != x.nbytes * shards[0]):
+                raise EPValueError(
+                    f"dsts[{i}]: expected {x.nbytes * shards[0] // shards[1]} bytes of {x.dtype}, got {d.nbytes} "
+                    f"of {d.dtype} (rank {r})"
+                )
+            total = x.nbytes * shards[0]
+            start = None
+            if buf._inside(x):
+                start = buf._offset(f"srcs[{i}]", x) - (r % shards[0]) * x.nbytes
+            elif d is not None and buf._inside(d):
+                start = buf._offset(f"dsts[{i}]", d) - (r % shards[1]) * d.nbytes
+            if start is None:
+                region = self._stage(total, torch.uint8)
+            elif start < 0 or start + total > buf.num_bytes:
+                raise EPValueError(
+                    f"srcs[{i}]: the {name} around this registered tensor would leave the storage (rank {r})"
+                )
+            else:
+                region = buf.storage[start : start + total]
+            region = region.view(x.dtype)
+            src_part = region.view(shards[0], -1)[r % shards[0]]
+            if src_part.data_ptr() != x.data_ptr():
+                copies.append((src_part, x.reshape(-1)))
+            staged.append(src_part)
+            results_at.append(d)
+        for dst, src in copies:
+            dst.copy_(src)
+        inner = getattr(type(buf), name)(buf, staged[0] if packed else staged, **bound)
+
+        def wait() -> Any:
+            res = inner.wait()
+            outs = [res] if packed else list(res)
+            final = []
+            for out, d in zip(outs, results_at, strict=True):
+                if d is not None and d.data_ptr() != out.data_ptr():
+                    d.view(-1).copy_(out.view(-1))
+                final.append(out if d is None else d)
+            return final[0] if packed else final
+
+        handle = _Handle(inner.event, None)
+        handle.wait = wait  # type: ignore[method-assign]
+        return handle
 
     def allocate(
         self, shapes: Any, dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None
@@ -165,6 +246,31 @@ class BucketBuffer:
         self._buf().destroy()
         self._buffer = None
         self._backend = None  # closed by the buffer's destroy()
+
+    def _inside(self, t: torch.Tensor) -> bool:
+        off = t.data_ptr() - self.storage.data_ptr()
+        return off >= 0 and off + t.nbytes <= self.num_bytes and t.device == self.storage.device
+
+    def get_theoretical_num_sms(self, op: str, group: Any = None) -> int:
+        """DeepEP's SM model on one NVLink domain (module doc: ours ignores it, the reductions are torch kernels)."""
+        from ep_core import planner
+
+        if op == "all_gather":
+            return 0
+        if op not in ("reduce_scatter", "all_reduce"):
+            raise EPValueError(
+                f"op: expected 'all_gather', 'reduce_scatter' or 'all_reduce', got {op!r} (rank {self.rank_idx})"
+            )
+        if self.num_ranks == 1:
+            return 0
+        nvl, _ = planner.detect_scaleup_gbs(self.num_ranks)
+        dst = nvl / self.num_ranks
+        sms = max(dst / 200, dst / 50)  # the planner's SM read / write GB/s
+        return _align(max(6 if op == "reduce_scatter" else 4, math.ceil(sms)), 2)
+
+    def print_memory_usage(self) -> None:
+        """This rank's storage bytes."""
+        print(f"BucketBuffer rank {self.rank_idx}: storage {self.num_bytes} bytes")
 
     def _offset(self, name: str, t: torch.Tensor) -> int:
         off = t.data_ptr() - self.storage.data_ptr()

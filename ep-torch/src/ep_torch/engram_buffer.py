@@ -379,6 +379,15 @@ class EngramBuffer:
         """The ep-core buffer underneath (None after ``destroy()``)."""
         return None if self._buffer is None else self._buffer.runtime
 
+    def print_memory_usage(self) -> None:
+        """This rank's fetch area and storage bytes (DeepEP's BufferBase method)."""
+        self._buf()
+        where = "host NUMA" if self.use_cpu_rdma_storage else "GPU"
+        print(
+            f"EngramBuffer rank {self.rank_idx}: fetch area {self.num_gpu_bytes} bytes (GPU), storage "
+            f"{self.num_rdma_storage_bytes} bytes ({where})"
+        )
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._buf().barrier(*args, **kwargs)
 

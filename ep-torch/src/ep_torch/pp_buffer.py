@@ -45,6 +45,8 @@ class PPBuffer:
             transport=transport,
         )
         self._buffer.pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors)
+        # DeepEP's attribute: the symmetric storage (the PP slots), a uint8 tensor over the data region
+        self.storage: torch.Tensor | None = self._buffer._elastic().backend.region()
         self.group = self._buffer.group
         self.rank_idx, self.num_ranks = self._buffer.rank_idx, self._buffer.num_ranks
         self.num_bytes = num_bytes
@@ -73,7 +75,13 @@ class PPBuffer:
     def barrier(self) -> None:
         self._buf().barrier()
 
+    def print_memory_usage(self) -> None:
+        """This rank's storage bytes (DeepEP's BufferBase method)."""
+        self._buf()
+        print(f"PPBuffer rank {self.rank_idx}: storage {self.num_bytes} bytes")
+
     def destroy(self) -> None:
         """Release the storage (a collective; needs ``explicitly_destroy=True``, like DeepEP)."""
         self._buf().destroy()
         self._buffer = None
+        self.storage = None
