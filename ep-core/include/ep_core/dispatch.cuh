@@ -265,7 +265,10 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     EP_PHASE_LAST(kPhaseDispatch, kDpSendLast);
 #endif
 
-    // 5. publish (after every block's stores): the block that arrives last does it, the others leave at once
+    // 5. publish (after every block's stores): the block that arrives last does it, the others leave at once.
+    // A copy epilogue launched with programmatic dependent launch may start now (it waits for this grid to
+    // complete before reading): its launch overlaps the publish and receive phase, on the SMs the others free.
+    ptx::griddep_launch_dependents();
     if (sync.grid_arrive_is_last()) {
         if (det) {
             const int64_t total = static_cast<int64_t>(kNumRanks + num_experts) * W;

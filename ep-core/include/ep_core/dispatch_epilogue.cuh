@@ -9,6 +9,8 @@
 /// Zero padding rows are written after the data rows. The true row count is always read on the device
 /// (psum_rank[N-1]), so the same launch serves CPU-sync and no-sync calls. A block that finds this rank's abort
 /// flag raised (the dispatch before it failed: its counts are not valid) leaves at once (timeout.cuh, failure rule).
+/// It may be launched with programmatic dependent launch after the dispatch (the dispatch releases it when its
+/// blocks are done sending); it then waits for the dispatch to complete before reading anything.
 /// Hybrid mode (`kNumScaleupRanks < kNumRanks`): the regions are the same, walked in region order (source rank
 /// s = j * S_u + g for g = 0..S_u-1, then j), through the per-source prefix the dispatch left in the scratch.
 #pragma once
@@ -48,6 +50,9 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     const Scratch sc(args.scratch, kNumRanks, num_experts, M);
     constexpr int kMetaCols = kNumTopk + 2;
 
+    // launched with programmatic dependent launch, this grid may start while the dispatch runs: nothing the
+    // dispatch writes (abort flag, counts, receive region) is read before it has completed
+    ptx::griddep_wait();
     EP_PHASE_FIRST(kPhaseEpilogue, kEpStart);
     if (threadIdx.x == 0)
         s_abort = entry_aborted(args, Workspace{static_cast<uint8_t*>(args.workspace)}) ? 1 : 0;

@@ -111,6 +111,22 @@ EP_CORE_DEVICE void st_cs_v4(void* p, const uint4& v) {
 
 EP_CORE_DEVICE int64_t clock() { return clock64(); }
 
+/// Programmatic dependent launch (sm_90+). `griddep_wait`: wait until the grid this one was launched to overlap
+/// with (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) has completed and its writes are visible.
+/// `griddep_launch_dependents`: this block no longer holds the dependent grid back. Both are no-ops for a
+/// kernel launched without the attribute (or with no dependent).
+EP_CORE_DEVICE void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+EP_CORE_DEVICE void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Bulk (TMA) copies between global and shared memory, completed on an mbarrier (loads) or a bulk group (stores).
 // Sizes and addresses are multiples of 16 bytes.
