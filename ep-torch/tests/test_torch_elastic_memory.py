@@ -60,7 +60,10 @@ def _np(t) -> np.ndarray:
 
 
 def _case(rank: int, mode: str, seen: dict) -> None:
+    import dataclasses
+
     import torch
+    import torch.distributed as dist
     from ep_core import reference, routing
     from ep_torch import ElasticBuffer
     from ep_torch._convert import from_numpy
@@ -105,9 +108,22 @@ def _case(rank: int, mode: str, seen: dict) -> None:
         host = np.frombuffer(alloc.host_view(), dtype=np.uint8)
         seen["host_part_written"] = bool(host.any())  # source rank 1's rows landed in host memory
     comb_x, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w, **kw)
-    want_c = reference.combine(
-        [v.recv_x for v in want], [v.handle for v in want], topk_weights=[v.recv_topk_weights for v in want]
+    # the reference combines what the kernels received, read through their metadata (as the hybrid GPU test)
+    mine = (
+        _np(recv_x),
+        _np(recv_w),
+        _np(handle.recv_src_metadata),
+        _np(handle.psum_num_recv_tokens_per_scaleup_rank),
     )
+    everyone: list = [None] * N
+    dist.all_gather_object(everyone, mine)
+    handles = [
+        dataclasses.replace(
+            want[d].handle, recv_src_metadata=e[2], psum_num_recv_tokens_per_scaleup_rank=e[3]
+        )
+        for d, e in enumerate(everyone)
+    ]
+    want_c = reference.combine([e[0] for e in everyone], handles, topk_weights=[e[1] for e in everyone])
     seen["combined_x"] = bool(np.array_equal(_np(comb_x), want_c[rank].combined_x))
     buf.destroy()
 
