@@ -34,6 +34,11 @@ Measured, each with its baseline in the same run (CUDA-event times on rank 0, me
 SMs (``sms``): the SMs that move bytes. PP and all-gather: 0 (copy engine, ordered by signal words); each wait for a
 peer's signal holds one thread block of one thread while it waits (``waits_hold``). Engram: the gather's grid.
 Reduce-scatter: the copy engine moves the chunks, the sum is torch kernels (``torch``: as many SMs as they take).
+
+4. Elastic memory (``1proc`` and ``gpus``; ``EPKIT_ELASTIC_BENCH_SPILL=0`` skips it): dispatch + combine (hidden
+   7168, top-8) on a buffer of the size hint, all in HBM, then with half of it as the host part (``num_cpu_bytes``):
+   the measured extra time against ``explain_memory()``'s prediction for the spilled bytes (expected under uniform
+   routing, at the host link's bandwidth, minus their HBM time).
 Writes DIR/bench_elastic_<setup>_n{N}[_stream].json and prints a table. Exit status 0 (also without a GPU: "skipped").
 """
 
@@ -201,6 +206,65 @@ def _agrs(n: int, setup: str, sizes: list[int], reps: int, rows: list[dict]) -> 
     torch.cuda.synchronize()
 
 
+def _spill(rank: int, n: int, setup: str, quick: bool, reps: int, rows: list[dict]) -> None:
+    """Dispatch + combine with the receive region all in HBM, then with half of it in the host part
+    (``num_cpu_bytes``), against what ``explain_memory()`` predicts for the spilled bytes."""
+    import torch
+    import torch.distributed as dist
+    from ep_torch import ElasticBuffer
+
+    m, h, k, e = (1024 if quick else 4096), 7168, 8, 8 * n
+    hint = ElasticBuffer.get_buffer_size_hint(None, m, h, k)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(m)])
+    w = torch.rand(m, k, device="cuda", generator=g)
+    times = {}
+    plan = None
+    for name, cpu in (("hbm", 0), ("spill", hint // 2 // (2 << 20) * (2 << 20))):
+        buf = ElasticBuffer(
+            None,
+            num_bytes=hint,
+            num_cpu_bytes=cpu,
+            num_max_tokens_per_rank=m,
+            hidden=h,
+            num_topk=k,
+            transport="ipc",
+        )
+
+        def step(buf=buf) -> None:
+            recv_x, _, recv_w, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e)
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+
+        dist.barrier()
+        times[name] = _time(step, reps)
+        if cpu:
+            plan = buf.explain_memory(num_experts=e)
+        buf = None  # released before the next buffer allocates
+        torch.cuda.synchronize()
+        dist.barrier()
+    assert plan is not None
+    exp_d = plan.expected_dispatch_host_bytes
+    exp_c = plan.combine_host_bytes * exp_d / max(1, plan.dispatch_host_bytes)
+    per_byte = (1 / plan.host_gbs - 1 / plan.hbm_gbs) if plan.host_memory else 0.0
+    rows.append(
+        {
+            "setup": setup,
+            "op": "dispatch+combine spill",
+            "bytes": plan.dispatch_bytes,
+            "hbm_us": times["hbm"] * 1e6,
+            "spill_us": times["spill"] * 1e6,
+            "measured_extra_us": (times["spill"] - times["hbm"]) * 1e6,
+            "host_bytes": plan.dispatch_host_bytes + plan.combine_host_bytes,
+            "expected_host_bytes": plan.expected_dispatch_host_bytes,
+            "predicted_extra_us": 2 * (exp_d + exp_c) * per_byte / 1e3,  # written once, read once
+            "host_gbs": plan.host_gbs,
+            "host_memory": plan.host_memory,
+            "sms": "dispatch kernels",
+        }
+    )
+
+
 def _worker(rank: int, n: int, shared: bool, quick: bool, out: str) -> None:
     import torch
 
@@ -214,6 +278,8 @@ def _worker(rank: int, n: int, shared: bool, quick: bool, out: str) -> None:
     _engram(n, setup, quick, reps, rows)
     if n > 1:
         _agrs(n, setup, sizes, reps, rows)
+    if setup != "shared" and os.environ.get("EPKIT_ELASTIC_BENCH_SPILL", "1") != "0":
+        _spill(rank, n, setup, quick, reps, rows)
     torch.cuda.synchronize()
     if rank == 0:
         wait = os.environ.get("EPKIT_ELASTIC_WAIT", "kernel") or "kernel"
