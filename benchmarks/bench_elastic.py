@@ -246,7 +246,7 @@ def _spill(rank: int, n: int, setup: str, quick: bool, reps: int, rows: list[dic
     assert plan is not None
     exp_d = plan.expected_dispatch_host_bytes
     exp_c = plan.combine_host_bytes * exp_d / max(1, plan.dispatch_host_bytes)
-    per_byte = (1 / plan.host_gbs - 1 / plan.hbm_gbs) if plan.host_memory else 0.0
+    per_byte = (1 / plan.host_gbs - 1 / plan.hbm_gbs) if plan.host_memory and plan.host_gbs > 0 else 0.0
     rows.append(
         {
             "setup": setup,
