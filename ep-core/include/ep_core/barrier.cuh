@@ -46,10 +46,12 @@ struct SyncContext {
 #endif
             const int64_t target = static_cast<int64_t>(grid_phase) * gridDim.x;
             uint32_t* counter = sc.grid_arrive();
+            // twice the budget: when block 0 is late because it waits on a peer (entry barrier), its own wait
+            // times out first and its record names the peer wait, not this barrier
             const bool ok = wait_until(
                 args, ws, kTagGridBarrier, -1, grid_phase, target,
                 [&] { return static_cast<int64_t>(ptx::ld_acquire_gpu(counter)); },
-                [&](int64_t v) { return v >= target; }, [&] { raise_abort(); });
+                [&](int64_t v) { return v >= target; }, [&] { raise_abort(); }, 2);
             if (!ok)
                 *s_abort = 1;
 #if EP_PHASE_ON

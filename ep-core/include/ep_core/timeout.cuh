@@ -61,10 +61,15 @@ EP_CORE_DEVICE bool entry_aborted(const OpArgs& args, const Workspace& ws) {
 
 /// Spin until `cond(value)` holds. `load()` returns the watched value (int64). Returns false on timeout or abort.
 /// Must be called by one thread (the others wait at a block barrier and read the outcome from shared memory).
-/// `peer`/`counter`/`expected` only describe the wait in the error record.
+/// `peer`/`counter`/`expected` only describe the wait in the error record. `budget_scale` multiplies the budget
+/// (grid barriers: a block that waits for block 0 should not time out before block 0's own wait on a peer, whose
+/// record names the real cause).
 template <typename Load, typename Cond, typename RaiseAbort>
 EP_CORE_DEVICE bool wait_until(const OpArgs& args, const Workspace& ws, int32_t tag, int32_t peer, int64_t counter,
-                               int64_t expected, Load load, Cond cond, RaiseAbort raise_abort) {
+                               int64_t expected, Load load, Cond cond, RaiseAbort raise_abort, int budget_scale = 1) {
+    constexpr int64_t kMaxBudget = 0x7fffffffffffffffll;
+    const int64_t budget =
+        args.timeout_cycles > kMaxBudget / budget_scale ? kMaxBudget : args.timeout_cycles * budget_scale;
     const int64_t start = ptx::clock();
     int64_t value = 0;
     for (uint32_t iter = 0;; ++iter) {
@@ -76,7 +81,7 @@ EP_CORE_DEVICE bool wait_until(const OpArgs& args, const Workspace& ws, int32_t 
                 publish_failure(args, ws);
                 return false;
             }
-            if (ptx::clock() - start > args.timeout_cycles) {
+            if (ptx::clock() - start > budget) {
                 record_error(ws, ErrorKind::kTimeout, args.rank, peer, tag, counter, value, expected, -1, -1);
                 raise_abort();
                 publish_failure(args, ws);
