@@ -51,7 +51,7 @@ def compile_engram_gather(arch: str | None = None) -> Any:
         name="ep_core_engram_gather",
         include_dirs=[get_include()],
         arch=arch,
-        flags=("-std=c++17", "-O3"),
+        flags=("-std=c++17",),
     )
 
 
