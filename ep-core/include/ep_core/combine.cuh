@@ -5,7 +5,8 @@
 ///
 /// Roles, in order (grid barriers between phases):
 ///  0. guard   a block that finds this rank's abort flag raised leaves at once (timeout.cuh, failure rule).
-///  1. entry   block 0 meets every rank (peers are done reading their regions: the same bytes hold dispatch tokens).
+///  1. entry   block 0 meets every rank (peers are done reading their regions: the same bytes hold dispatch tokens),
+///             then a grid barrier; none with one rank.
 ///  2. send    warp per received token i: slot on the source = [rank layout ? own rank : master lane][src token]
 ///             (expand without multiple reduction: one slot per lane). Expand with multiple reduction sums the
 ///             token's rows first (fp32, ascending lane, one bf16 rounding; a single row is sent as is).
@@ -181,12 +182,14 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         return;
     EP_PHASE_MARK(kPhaseCombine, kCbSetup);
 
-    // 1. entry
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
-        return;
-    EP_PHASE_MARK(kPhaseCombine, kCbEntry);
-    if (!sync.grid_sync())
-        return;
+    // 1. entry (one rank alone: no peer reads its region, its own epilogue is stream-ordered: no barrier)
+    if constexpr (kNumRanks > 1) {
+        if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
+            return;
+        EP_PHASE_MARK(kPhaseCombine, kCbEntry);
+        if (!sync.grid_sync())
+            return;
+    }
 
     const int global_warp = blockIdx.x * kNumWarps + warp;
     const int num_global_warps = gridDim.x * kNumWarps;
@@ -242,8 +245,13 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     // 3. exit: every rank's rows have landed here
     EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
     EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
-    if (!sync.grid_cross_rank_barrier(kTagCombineExit))
-        return;
+    if constexpr (kNumRanks == 1) {
+        if (!sync.grid_sync())  // one rank: the rows came from its own blocks
+            return;
+    } else {
+        if (!sync.grid_cross_rank_barrier(kTagCombineExit))
+            return;
+    }
     EP_PHASE_MARK(kPhaseCombine, kCbExit);
 
     // 4. reduce

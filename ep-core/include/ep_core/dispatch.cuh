@@ -149,13 +149,19 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         }
     }
 
-    // 2. entry barrier: peers have finished with their receive regions
+    // 2. entry barrier: peers have finished with their receive regions. One rank alone has no peer (its own
+    // earlier kernels are stream-ordered) and could only compare its envelope with itself: no barrier, and a
+    // grid barrier only where the prefix needs the complete bitmaps.
     EP_PHASE_MARK(kPhaseDispatch, kDpCount);
-    if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry, true))
-        return;
+    if constexpr (kNumRanks > 1) {
+        if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry, true))
+            return;
+    }
     EP_PHASE_MARK(kPhaseDispatch, kDpEntry);
-    if (!sync.grid_sync())
-        return;
+    if (kNumRanks > 1 || det) {
+        if (!sync.grid_sync())
+            return;
+    }
 
     // 3. prefix (deterministic): exclusive popcount prefix per bitmap row
     if (det) {
@@ -285,21 +291,31 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         }
         __syncthreads();
         EP_PHASE_STAMP(kPhaseDispatch, kDpExpertPub);
-        // one system fence per thread makes the whole block's stores (ordered by the barrier above) visible before
-        // its first release; a fence before each later release would be redundant (a release orders what precedes)
-        if (threadIdx.x < kNumRanks)
-            ptx::fence_sys();
-        for (int d = threadIdx.x; d < kNumRanks; d += num_threads) {
-            const int count = sc.sent_total()[d];
-            ptx::st_release_sys(sync.tr.sym_ptr(ws.recv_rank_count(), d) + rank,
-                                kCountValidFlag | static_cast<uint32_t>(count));
-            sc.sent_total()[d] = 0;
-            sc.send_slot()[d] = 0;
+        if constexpr (kNumRanks == 1) {
+            // one rank: its count is its own (this block acquired every block's flush): no release, no wait
+            if (threadIdx.x == 0) {
+                s_sent[0] = sc.sent_total()[0];
+                sc.sent_total()[0] = 0;
+                sc.send_slot()[0] = 0;
+            }
+        } else {
+            // one system fence per thread makes the whole block's stores (ordered by the barrier above) visible
+            // before its first release; a fence before each later release would be redundant (a release orders
+            // what precedes)
+            if (threadIdx.x < kNumRanks)
+                ptx::fence_sys();
+            for (int d = threadIdx.x; d < kNumRanks; d += num_threads) {
+                const int count = sc.sent_total()[d];
+                ptx::st_release_sys(sync.tr.sym_ptr(ws.recv_rank_count(), d) + rank,
+                                    kCountValidFlag | static_cast<uint32_t>(count));
+                sc.sent_total()[d] = 0;
+                sc.send_slot()[d] = 0;
+            }
         }
         EP_PHASE_STAMP(kPhaseDispatch, kDpRankPub);
 
         // 6. receive: wait for every source's count, then write the handle
-        for (int src = threadIdx.x; src < kNumRanks; src += num_threads) {
+        for (int src = threadIdx.x; kNumRanks > 1 && src < kNumRanks; src += num_threads) {
             uint64_t* word_ptr = ws.recv_rank_count() + src;
             uint64_t seen = 0;
             const bool ok = wait_until(
