@@ -51,9 +51,9 @@ class FakeKernel:
     def max_active_blocks_per_sm(self, block: int, shared_mem: int = 0) -> int:
         return 1
 
-    def launch(self, grid, block, args, shared_mem=0, stream=0, cooperative=False):
+    def launch(self, grid, block, args, shared_mem=0, stream=0, cooperative=False, pdl=False):
         (arg,) = args
-        self.log.append((self.name, grid, block, shared_mem, stream, cooperative, bytes(arg.value)))
+        self.log.append((self.name, grid, block, shared_mem, stream, cooperative, pdl, bytes(arg.value)))
 
 
 @pytest.fixture
@@ -540,3 +540,30 @@ def test_a_repeat_declines_what_its_key_does_not_cover(launches) -> None:
     rank._status.array[0] = int(ErrorKind.TIMEOUT)
     with pytest.raises(Exception, match=r"kernel|timed out|failed"):
         plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx)
+
+
+def test_the_epilogue_is_a_programmatic_dependent_launch_where_safe(launches, monkeypatch) -> None:
+    """No CPU sync between the two launches and every rank's dispatch and epilogue grids fit the GPU together
+    (helper-latency's request, issue 17): the epilogue launches with PDL; after a CPU sync, with ranks sharing the
+    GPU whose grids would not fit twice, or with EPKIT_EPILOGUE_PDL=0, it does not."""
+
+    def pdl_of_epilogue(rank, **kw):
+        n = len(launches)
+        rank.dispatch(*inputs()[0:1], inputs()[2], inputs()[3], num_experts=EXPERTS, num_sms=8, **kw)
+        (epi,) = [e for e in launches[n:] if e[0] == "epilogue"]
+        return epi[6]
+
+    rank = make_rank(Allocator())
+    assert pdl_of_epilogue(rank, do_cpu_sync=False) is True
+    assert pdl_of_epilogue(rank, do_cpu_sync=False) is True  # the kept launch (a hit) too
+    assert pdl_of_epilogue(rank) is False  # CPU sync
+    shared = make_rank(Allocator())
+    shared.num_ranks_on_device, shared.cooperative = 2, False
+    assert pdl_of_epilogue(shared, do_cpu_sync=False) is True  # 2 ranks x 2 grids of 8 blocks fit 132 SMs
+    monkeypatch.setattr(FakeKernel, "max_active_blocks_per_sm", lambda self, block, shared_mem=0: 1)
+    crowded = make_rank(Allocator())
+    crowded.num_ranks_on_device, crowded.cooperative = 16, False
+    monkeypatch.setattr(crowded, "device_sms", 200)  # 16 ranks x 8 SMs fit, twice that does not
+    assert pdl_of_epilogue(crowded, do_cpu_sync=False) is False
+    monkeypatch.setattr(executor_mod, "EPILOGUE_PDL", False)
+    assert pdl_of_epilogue(make_rank(Allocator()), do_cpu_sync=False) is False

@@ -64,8 +64,9 @@ def test_patched_launch_writes_its_words(env):
     base = struct.pack("<6q", out, 10, 11, 12, 13, 14)
     err, stream = drv.cuStreamCreate(0)
     assert not err
-    for cooperative in (False, True):
-        launch = ep_launch.Launch(int(k._func), 2, 32, 0, cooperative, base, [2, 4])
+    for cooperative, pdl in ((False, False), (True, False), (False, True)):
+        launch = ep_launch.Launch(int(k._func), 2, 32, 0, cooperative, base, [2, 4], pdl)
+        assert launch.pdl is pdl
         assert launch(int(stream), (-5, (1 << 64) - 1)) == 0
         assert not drv.cuStreamSynchronize(stream)[0]
         assert _read(drv, out, 10) == [10, -5, 12, -1, 14] * 2

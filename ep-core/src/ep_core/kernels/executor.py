@@ -41,6 +41,7 @@ streams occupy SMs.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,11 @@ _ERR_OFF = ep_layout.WorkspaceLayout.ERROR_RECORD_OFFSET
 _FIELD = {f.name: f for f in ep_layout.ERROR_RECORD_FIELDS}
 
 Allocator = Callable[[tuple, Any, "tuple | None"], Any]
+
+# The copy epilogue as a programmatic dependent launch of the dispatch (its blocks wait in griddepcontrol.wait, the
+# dispatch's blocks release them once done sending): on by default where it is safe (`_epilogue_pdl`);
+# EPKIT_EPILOGUE_PDL=0 launches it after the dispatch as before.
+EPILOGUE_PDL = os.environ.get("EPKIT_EPILOGUE_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 _RESET_HINT = (
     "every later call on this rank raises this until the domain is reset (reset() on every rank, together)"
@@ -463,10 +469,32 @@ class DirectRank:
         cooperative: bool,
         args: dict,
         dynamic,
+        pdl: bool = False,
     ) -> PreparedLaunch:
         """A launch shape's first call: the occupancy verdict (raises: nothing is stored), then the full pack."""
         self._check_fits(kernel, name, geo.grid, geo.block, shared_mem)
-        return PreparedLaunch.pack(kernel, name, geo.grid, geo.block, shared_mem, cooperative, args, dynamic)
+        return PreparedLaunch.pack(
+            kernel, name, geo.grid, geo.block, shared_mem, cooperative, args, dynamic, pdl
+        )
+
+    def _epilogue_pdl(self, p: _PendingDispatch) -> bool:
+        """Whether this dispatch's copy epilogue is launched as a programmatic dependent of its dispatch kernel: not
+        after a CPU sync (the count copy sits between them), and only when its early blocks cannot keep a dispatch
+        grid of a rank sharing this GPU from becoming resident (every rank's dispatch and epilogue grids fit the
+        device together; a rank alone on its GPU always: its dispatch blocks are all resident before any of them
+        releases the epilogue)."""
+        if not EPILOGUE_PDL or p.do_cpu_sync:
+            return False
+        n = self.num_ranks_on_device
+        if n == 1:
+            return True
+        geo = p.geometry
+        kernels = p.prepared.kernels
+        per_sm = min(
+            self._occupancy(kernels.dispatch, geo.block, geo.shared_mem),
+            self._occupancy(kernels.epilogue, geo.block, geo.shared_mem),
+        )
+        return n * 2 * geo.grid <= per_sm * self.device_sms
 
     def _launch_prepared(self, launch: PreparedLaunch, values: tuple, fresh: bool, collective: bool) -> None:
         """Launch a prepared launch: its kept words as they are (`fresh`: this call packed them), else with the
@@ -891,9 +919,10 @@ class DirectRank:
             view_ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
             rows,
         )
+        pdl = self._epilogue_pdl(p)
         if rows > 0 or p.zero_padding:
-            # no grid barrier in the epilogue: a plain launch
-            epilogue = p.prepared.epilogue
+            # no grid barrier in the epilogue: a plain launch (or a programmatic dependent one)
+            epilogue = p.prepared.epilogue_pdl if pdl else p.prepared.epilogue
             fresh = epilogue is None or p.args is not None  # its first use, or a new shape: a fresh pack
             if fresh:
                 if p.args is not None:
@@ -909,8 +938,12 @@ class DirectRank:
                     False,
                     args,
                     _EPILOGUE_DYNAMIC_ALL,
+                    pdl,
                 )
-                p.prepared.epilogue = epilogue
+                if pdl:
+                    p.prepared.epilogue_pdl = epilogue
+                else:
+                    p.prepared.epilogue = epilogue
             # its words are the dispatch's (this call's pointers) with the epilogue's outputs, envelope 0
             self._launch_prepared(epilogue, p.dynamic + outputs, fresh, False)
         if p.cached:
@@ -939,7 +972,8 @@ class DirectRank:
             self._handle_launch[handle] = p.launch_number
         if not p.cached and not p.do_cpu_sync:
             self._unconfirmed.add(handle)
-        if p.repeat is not None and (p.prepared.epilogue is not None or not (rows > 0 or p.zero_padding)):
+        kept = p.prepared.epilogue_pdl if pdl else p.prepared.epilogue
+        if p.repeat is not None and (kept is not None or not (rows > 0 or p.zero_padding)):
             self.last_repeat = RepeatDispatch(
                 rank=self,
                 prepared=p.prepared,
@@ -958,6 +992,7 @@ class DirectRank:
                 num_sms=p.num_sms,
                 num_recv=num_recv,
                 num_expanded=num_expanded,
+                epilogue_pdl=pdl,
                 **p.repeat,
             )
         self._report_input_error()

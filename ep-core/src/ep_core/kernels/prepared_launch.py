@@ -54,6 +54,7 @@ class PreparedLaunch:
         "kernel",
         "name",
         "native",
+        "pdl",
         "shared_mem",
         "slots",
         "words",
@@ -69,6 +70,7 @@ class PreparedLaunch:
         cooperative: bool,
         words: list[int],
         dynamic: Sequence[str],
+        pdl: bool = False,
     ) -> None:
         self.kernel = kernel
         self.name = name
@@ -76,6 +78,9 @@ class PreparedLaunch:
         self.block = block
         self.shared_mem = shared_mem
         self.cooperative = bool(cooperative)
+        self.pdl = bool(
+            pdl
+        )  # programmatic dependent launch (it may start before the stream's previous kernel ends)
         self.words = words
         self.dynamic = tuple(dynamic)
         self.slots = field_slots(self.dynamic)
@@ -92,10 +97,11 @@ class PreparedLaunch:
         cooperative: bool,
         args: dict,
         dynamic: Sequence[str],
+        pdl: bool = False,
     ) -> PreparedLaunch:
         """A prepared launch from the full argument dict of a first call (packed by `pack_op_args`)."""
         words = list(OP_ARGS_STRUCT.unpack(pack_op_args(**args)))
-        return cls(kernel, name, grid, block, shared_mem, cooperative, words, dynamic)
+        return cls(kernel, name, grid, block, shared_mem, cooperative, words, dynamic, pdl)
 
     def patch(self, values: Sequence[int], words: list[int] | None = None) -> list[int]:
         out = (self.words if words is None else words).copy()
@@ -122,6 +128,7 @@ class PreparedLaunch:
             shared_mem=self.shared_mem,
             stream=stream,
             cooperative=self.cooperative,
+            **({"pdl": True} if self.pdl else {}),
         )
 
 
@@ -146,6 +153,7 @@ def _native_launch(launch: PreparedLaunch) -> Any:
         launch.cooperative,
         OP_ARGS_STRUCT.pack(*launch.words),
         list(launch.slots),
+        launch.pdl,
     )
 
 
@@ -177,10 +185,12 @@ class PreparedOp:
     """What one dispatch or combine shape resolved: its launch geometry, kernel set, main launch (checked) and,
     for a dispatch, the copy epilogue's launch (prepared and checked at its first use)."""
 
-    __slots__ = ("epilogue", "geometry", "kernels", "main")
+    __slots__ = ("epilogue", "epilogue_pdl", "geometry", "kernels", "main")
 
     def __init__(self, geometry: Any, kernels: Any, main: PreparedLaunch) -> None:
         self.geometry = geometry
         self.kernels = kernels
         self.main = main
         self.epilogue: PreparedLaunch | None = None
+        # the epilogue launched as a programmatic dependent of the dispatch (no CPU sync between them)
+        self.epilogue_pdl: PreparedLaunch | None = None

@@ -93,6 +93,9 @@ class RepeatDispatch:
     num_recv: int  # rows and counts of a new handle (a cached dispatch reads its handle's)
     num_expanded: int
     env_fields: tuple  # the envelope's fields but the handle's launch number
+    epilogue_pdl: bool = (
+        False  # the copy epilogue as a programmatic dependent launch (`DirectRank._epilogue_pdl`)
+    )
 
     def run(
         self,
@@ -126,7 +129,7 @@ class RepeatDispatch:
         else:
             num_recv, num_expanded = self.num_recv, self.num_expanded
         rows = num_expanded if self.expand else num_recv
-        epilogue = self.prepared.epilogue
+        epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl else self.prepared.epilogue
         if epilogue is None and (rows > 0 or self.zero_padding):
             return None
         if cached:
