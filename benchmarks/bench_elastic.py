@@ -13,7 +13,8 @@ GPU 0). Every row says its ``setup``:
 - ``shared``: N processes on one GPU. The driver time-slices their contexts, and a hand-off between ranks waits
   until the waiting process's slice ends (a bounded wait is a spinning kernel that keeps its context on the GPU):
   ~ms per hand-off whatever the size. ``--wait stream`` (``EPKIT_ELASTIC_WAIT=stream``) queues
-  ``cuStreamWaitValue64`` instead (no kernel, no timeout) to show how much of that is the spinning wait.
+  ``cuStreamWaitValue64`` instead (no kernel; bounded by a host watchdog) to show how much of that is the spinning
+  wait.
 - ``gpus``: one GPU per rank (the real configuration).
 
 Measured, each with its baseline in the same run (CUDA-event times on rank 0, median of repetitions):

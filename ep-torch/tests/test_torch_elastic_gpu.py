@@ -26,10 +26,13 @@ pytestmark = [
 MiB = 1 << 20
 
 
-def _run(mode: str, n: int, tmp_path: Path, limit: float = 180.0) -> list[list]:
+def _run(mode: str, n: int, tmp_path: Path, limit: float = 180.0, wait: str = "kernel") -> list[list]:
     from ep_torch_testing import run_script  # loaded by conftest.py
 
-    code, out = run_script(__file__, [mode, str(n), str(tmp_path)], limit, what=f"{mode}: ")
+    env = dict(
+        os.environ, EPKIT_ELASTIC_WAIT=wait
+    )  # the bounded wait kernel, or stream waits + host watchdog
+    code, out = run_script(__file__, [mode, str(n), str(tmp_path)], limit, env=env, what=f"{mode}: ")
     assert code == 0, out[-3000:]
     per_rank = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(n)]
     failures = [
@@ -261,6 +264,16 @@ def test_pp_on_shared_gpu(n: int, tmp_path: Path) -> None:
 
 def test_pp_recv_without_sender_times_out_on_the_gpu(tmp_path: Path) -> None:
     _run("pp_timeout", 2, tmp_path, limit=120.0)
+
+
+@pytest.mark.parametrize("mode", ["pp", "agrs", "bucket"])
+def test_stream_waits_on_shared_gpu(mode: str, tmp_path: Path) -> None:
+    """EPKIT_ELASTIC_WAIT=stream: cuStreamWaitValue64 bounded by the host watchdog (elastic_stream_wait)."""
+    _run(mode, 2, tmp_path, wait="stream")
+
+
+def test_stream_wait_without_sender_times_out_on_the_gpu(tmp_path: Path) -> None:
+    _run("pp_timeout", 2, tmp_path, limit=120.0, wait="stream")
 
 
 @pytest.mark.parametrize("n", [2, 4])

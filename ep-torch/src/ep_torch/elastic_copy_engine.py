@@ -25,9 +25,9 @@ times out records itself in host-mapped memory, later waits return at once, and 
 primitives on the buffer raises ``EPTimeoutError`` naming the rank, the peer and what it waited for (and keeps
 raising it). The cost: one thread block on one SM while a wait spins (a stream wait holds none).
 
-``EPKIT_ELASTIC_WAIT=stream`` (ours, for measurements) queues ``cuStreamWaitValue64`` instead: no SM and, between
-processes time-sliced on one GPU, no spinning kernel that keeps its context on the GPU until the slice ends, but
-**no timeout** (a peer that never signals stalls the stream for good). Default ``kernel`` (bounded).
+``EPKIT_ELASTIC_WAIT=stream`` (ours) queues ``cuStreamWaitValue64`` instead, bounded by a host watchdog
+(``elastic_stream_wait``): no SM and, between processes time-sliced on one GPU, no spinning kernel that keeps its
+context on the GPU until its slice ends. Default ``kernel``.
 """
 
 from __future__ import annotations
@@ -119,14 +119,19 @@ class DriverOps:
         self._cuda = _cuda
         self.drv = _cuda.driver()
         self._comm = None
-        self.waiter = SignalWaiter(rank, timeout_secs)
         mode = os.environ.get("EPKIT_ELASTIC_WAIT", "kernel") or "kernel"
         if mode not in ("kernel", "stream"):
             raise EPConfigError(
-                f"EPKIT_ELASTIC_WAIT: expected 'kernel' (bounded, default) or 'stream' (cuStreamWaitValue64, no "
-                f"timeout), got {mode!r} (rank {rank})"
+                f"EPKIT_ELASTIC_WAIT: expected 'kernel' (the bounded wait kernel, default) or 'stream' "
+                f"(cuStreamWaitValue64 bounded by a host watchdog), got {mode!r} (rank {rank})"
             )
         self.wait_mode = mode
+        if mode == "stream":
+            from .elastic_stream_wait import StreamWaiter
+
+            self.waiter: Any = StreamWaiter(rank, timeout_secs)
+        else:
+            self.waiter = SignalWaiter(rank, timeout_secs)
 
     def current_stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
@@ -141,10 +146,6 @@ class DriverOps:
 
     def wait(self, addr: int, value: int, stream: int, peer: int, what: str) -> None:
         """The stream waits until the word at `addr` is >= `value` (written by `peer`), bounded (module doc)."""
-        if self.wait_mode == "stream":
-            flags = self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-            self._cuda.check(self.drv.cuStreamWaitValue64(stream, addr, value, flags), "cuStreamWaitValue64")
-            return
         self.waiter.wait(addr, value, stream, peer, what)
 
     def check(self) -> None:

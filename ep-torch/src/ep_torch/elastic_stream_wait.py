@@ -1,0 +1,148 @@
+"""Bounded stream waits without a kernel: ``cuStreamWaitValue64`` plus a host watchdog (``EPKIT_ELASTIC_WAIT=stream``).
+
+The default wait of the copy-engine backend (``ep_core.signal_wait``) is a one-thread kernel that polls the signal
+word with a deadline. Between processes time-sliced on one GPU that kernel keeps its context busy, so a hand-off
+costs up to a time slice. This waiter queues a stream memory wait instead (no SM, nothing on the GPU spins) and
+bounds it from the host: a watchdog thread reads the words of the waits whose deadline passed (an 8-byte
+device-to-host copy each, on its own non-blocking stream) and, when one is still short of its value, records the
+timeout exactly as the kernel would (`TimeoutRecord`: the next host call raises ``EPTimeoutError`` naming the rank,
+the peer and the signal, and keeps raising it) and releases every pending wait by writing its value into its word
+(the streams drain; the data in flight is undefined, as after a kernel timeout). Later waits are not queued.
+
+Differences from the kernel: the bound counts from when the wait is queued (a wait whose peer signalled in time
+never times out, even when its stream reaches it late), and the watchdog looks every ``min(50 ms, bound / 20)``.
+`WaitWatch` is the bookkeeping without CUDA (unit tested); `StreamWaiter` binds it to the driver.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from ep_core.signal_wait import (
+    RECORD_ELAPSED_NS,
+    RECORD_EXPECTED,
+    RECORD_STATE,
+    RECORD_VALUE,
+    RECORD_WAIT_ID,
+    RECORD_WORDS,
+    STATE_TIMED_OUT,
+    TimeoutRecord,
+)
+
+__all__ = ["StreamWaiter", "WaitWatch"]
+
+
+class WaitWatch(TimeoutRecord):
+    """Pending waits `(addr, value, queued, wait id)` and what a poll does with them. `read(addrs)` returns the
+    words' current values; `release(addr, value)` writes a word (both supplied by the caller)."""
+
+    def __init__(self, rank: int, timeout_secs: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(np.zeros(RECORD_WORDS, dtype=np.int64), rank, timeout_secs)
+        self.clock = clock
+        self.pending: list[tuple[int, int, float, int]] = []
+        self.lock = threading.Lock()
+
+    @property
+    def timed_out(self) -> bool:
+        return int(self.words[RECORD_STATE]) == STATE_TIMED_OUT
+
+    def add(self, addr: int, value: int, peer: int, what: str) -> bool:
+        """Register a wait; False when an earlier wait timed out (the caller then queues nothing: drain)."""
+        if self.timed_out:
+            return False
+        wid = self.log.add(peer, what)
+        with self.lock:
+            self.pending.append((int(addr), int(value), self.clock(), wid))
+        return True
+
+    def poll(self, read: Callable[[list[int]], list[int]], release: Callable[[int, int], None]) -> None:
+        """Drop the satisfied waits among those past their deadline; on the first one still short, record the
+        timeout and release every pending wait."""
+        now = self.clock()
+        with self.lock:
+            late = [p for p in self.pending if now - p[2] > self.timeout_secs]
+        if not late:
+            return
+        addrs = sorted({p[0] for p in late})
+        values = dict(zip(addrs, read(addrs), strict=True))
+        short = next((p for p in late if values[p[0]] < p[1]), None)
+        with self.lock:
+            if short is None:
+                done = {(p[0], p[1], p[3]) for p in late}
+                self.pending = [p for p in self.pending if (p[0], p[1], p[3]) not in done]
+                return
+            addr, value, queued, wid = short
+            self.words[RECORD_WAIT_ID] = wid
+            self.words[RECORD_VALUE] = values[addr]
+            self.words[RECORD_EXPECTED] = value
+            self.words[RECORD_ELAPSED_NS] = int((now - queued) * 1e9)
+            self.words[RECORD_STATE] = STATE_TIMED_OUT
+            release_to: dict[int, int] = {}
+            for a, v, _, _ in self.pending:
+                release_to[a] = max(release_to.get(a, 0), v)
+            self.pending = []
+        for a, v in release_to.items():
+            release(a, v)
+
+
+class StreamWaiter:
+    """`wait` / `check` / `close` as `ep_core.signal_wait.SignalWaiter`, with stream memory waits (module doc)."""
+
+    def __init__(self, rank: int, timeout_secs: float) -> None:
+        from ep_core.kernels import _cuda
+
+        self._cuda = _cuda
+        self.drv = _cuda.driver()
+        self.watch = WaitWatch(rank, timeout_secs)
+        self._ctx = _cuda.check(self.drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self._side: Any = None  # the watchdog's own non-blocking stream (created by the thread)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._interval = min(0.05, float(timeout_secs) / 20)
+
+    def wait(self, addr: int, value: int, stream: int, peer: int, what: str) -> None:
+        if not self.watch.add(addr, value, peer, what):
+            return
+        flags = self.drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self._cuda.check(self.drv.cuStreamWaitValue64(stream, addr, value, flags), "cuStreamWaitValue64")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ep-elastic-watchdog", daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        self.watch.check()
+
+    def _read(self, addrs: list[int]) -> list[int]:
+        out = np.zeros(len(addrs), dtype=np.uint64)
+        for i, a in enumerate(addrs):
+            self._cuda.check(
+                self.drv.cuMemcpyDtoHAsync(out.ctypes.data + 8 * i, a, 8, self._side.handle),
+                "cuMemcpyDtoHAsync",
+            )
+        self._cuda.check(self.drv.cuStreamSynchronize(self._side.handle), "cuStreamSynchronize")
+        return [int(v) for v in out]
+
+    def _release(self, addr: int, value: int) -> None:
+        flags = self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self._cuda.check(
+            self.drv.cuStreamWriteValue64(self._side.handle, addr, value, flags), "cuStreamWriteValue64"
+        )
+
+    def _run(self) -> None:
+        self._cuda.check(self.drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        self._side = self._cuda.Stream()
+        while not self._stop.wait(self._interval):
+            try:
+                self.watch.poll(self._read, self._release)
+            except Exception:  # a failing context: nothing left to bound
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
