@@ -100,6 +100,7 @@ class StreamWaiter:
         self.watch = WaitWatch(rank, timeout_secs)
         self._ctx = _cuda.check(self.drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self._side: Any = None  # the watchdog's own non-blocking stream (created by the thread)
+        self._staging: Any = None  # pinned words the reads land in
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._interval = min(0.05, float(timeout_secs) / 20)
@@ -116,15 +117,23 @@ class StreamWaiter:
     def check(self) -> None:
         self.watch.check()
 
+    _CHUNK = 64  # words read per copy batch (pinned staging: no pageable copy path)
+
     def _read(self, addrs: list[int]) -> list[int]:
-        out = np.zeros(len(addrs), dtype=np.uint64)
-        for i, a in enumerate(addrs):
-            self._cuda.check(
-                self.drv.cuMemcpyDtoHAsync(out.ctypes.data + 8 * i, a, 8, self._side.handle),
-                "cuMemcpyDtoHAsync",
-            )
-        self._cuda.check(self.drv.cuStreamSynchronize(self._side.handle), "cuStreamSynchronize")
-        return [int(v) for v in out]
+        if self._staging is None:
+            self._staging = self._cuda.MappedWords(2 * self._CHUNK)
+        host = self._staging.array.view(np.uint64)
+        base = self._staging.array.ctypes.data
+        out: list[int] = []
+        for start in range(0, len(addrs), self._CHUNK):
+            part = addrs[start : start + self._CHUNK]
+            for i, a in enumerate(part):
+                self._cuda.check(
+                    self.drv.cuMemcpyDtoHAsync(base + 8 * i, a, 8, self._side.handle), "cuMemcpyDtoHAsync"
+                )
+            self._cuda.check(self.drv.cuStreamSynchronize(self._side.handle), "cuStreamSynchronize")
+            out += [int(v) for v in host[: len(part)]]
+        return out
 
     def _release(self, addr: int, value: int) -> None:
         flags = self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
