@@ -28,7 +28,8 @@ Measured, each with its baseline in the same run (CUDA-event times on rank 0, me
    host NUMA memory (``storage``: ``host``, or ``gpu`` where host memory could not be mapped), against a plain
    pinned host-to-device copy of the same bytes (``h2d_gbs``, copy engine). The fetch is one gather kernel
    (``ep_core.engram_gather``); ``sms`` is its grid (one block of 512 threads per SM).
-3. AGRS (N > 1): ``all_gather`` of 1-64 MiB per rank inside a session, and ep's ``reduce_scatter`` of the same bytes
+3. AGRS (N > 1; ``1proc``: the all-gather of 2 ranks looped back inside the process, each rank on its own stream,
+   ``setup`` ``1proc loopback``): ``all_gather`` of 1-64 MiB per rank inside a session, and ep's ``reduce_scatter`` of the same bytes
    per rank. Baselines: ``torch.distributed.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on an NCCL group of the
    same ranks (only with one GPU per rank). Bus GB/s: bytes * (N - 1) / time (reduce-scatter: bytes * (N - 1) / N).
 
@@ -207,6 +208,81 @@ def _agrs(n: int, setup: str, sizes: list[int], reps: int, rows: list[dict]) -> 
     torch.cuda.synchronize()
 
 
+def _agrs_loopback(sizes: list[int], reps: int, rows: list[dict], n: int = 2) -> None:
+    """The all-gather mechanism of N ranks inside one process (no time slicing): N copy-engine backends over plain
+    device buffers, each rank on its own stream, driven directly (the session bookkeeping is ElasticBuffer's)."""
+    import torch
+    from ep_torch.elastic_copy_engine import CopyEngineBackend, DriverOps
+
+    class _Ops(DriverOps):  # every rank of the loopback on its own stream
+        def __init__(self, rank: int, stream: torch.cuda.Stream) -> None:
+            super().__init__(torch.device("cuda", torch.cuda.current_device()), rank, 30.0)
+            self.mine = stream
+
+        def current_stream(self) -> int:
+            return self.mine.cuda_stream
+
+        def comm_stream(self) -> int:
+            self._comm = self.mine
+            return self.mine.cuda_stream
+
+        def wait_event(self, event) -> None:
+            self.mine.wait_event(event)
+
+    big = max(sizes)
+    data = [torch.zeros(n * big, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    sig = [torch.zeros(1 << 20, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    streams = [torch.cuda.Stream() for _ in range(n)]
+    backends = [
+        CopyEngineBackend(
+            r,
+            n,
+            [d.data_ptr() for d in data],
+            [x.data_ptr() for x in sig],
+            data[r],
+            n * big,
+            _Ops(r, streams[r]),
+            torch.cuda.synchronize,
+        )
+        for r in range(n)
+    ]
+    session = [0]
+    for b in sizes:
+        xs = [torch.randn(b // 4, device="cuda") for _ in range(n)]
+
+        def ag(xs=xs) -> None:
+            session[0] += 1
+            cur = torch.cuda.current_stream()
+            for s in streams:
+                s.wait_stream(cur)
+            for r, be in enumerate(backends):
+                be.all_gather([xs[r]], [0], [None], 0, session[0])
+                be.agrs_wait(0, session[0])
+                be.agrs_end_session(session[0])
+            for s in streams:
+                cur.wait_stream(s)
+
+        t = _time(ag, reps)
+        ok = all(
+            torch.equal(data[0][: n * b].view(torch.float32)[r * (b // 4) : (r + 1) * (b // 4)], xs[r])
+            for r in range(n)
+        )
+        rows.append(
+            {
+                "setup": "1proc loopback",
+                "op": "all_gather",
+                "bytes": b,
+                "gbs": b * (n - 1) / t / 1e9,
+                "us": t * 1e6,
+                "ranks": n,
+                "correct": bool(ok),
+                "sms": 0,
+            }
+        )
+    for be in backends:
+        be.close()
+
+
 def _spill(rank: int, n: int, setup: str, quick: bool, reps: int, rows: list[dict]) -> None:
     """Dispatch + combine with the receive region all in HBM, then with half of it in the host part
     (``num_cpu_bytes``), against what ``explain_memory()`` predicts for the spilled bytes."""
@@ -279,6 +355,13 @@ def _worker(rank: int, n: int, shared: bool, quick: bool, out: str) -> None:
     _engram(n, setup, quick, reps, rows)
     if n > 1:
         _agrs(n, setup, sizes, reps, rows)
+    else:
+        try:
+            _agrs_loopback(sizes, reps, rows)
+        except Exception as exc:  # a measurement of its own: report it, keep the other rows
+            rows.append(
+                {"setup": "1proc loopback", "op": "all_gather", "error": f"{type(exc).__name__}: {exc}"}
+            )
     if setup != "shared" and os.environ.get("EPKIT_ELASTIC_BENCH_SPILL", "1") != "0":
         _spill(rank, n, setup, quick, reps, rows)
     torch.cuda.synchronize()
