@@ -562,6 +562,12 @@ class ElasticBuffer(ElasticOps):
         return res.combined_x, res.combined_topk_weights, event
 
     @property
+    def launch_path(self) -> str | None:
+        """How this buffer's kernels and stream-order events reach the driver: ep_launch's C++ calls, or the
+        cuda-python fallback and why (announced once with a RuntimeWarning); None on the CPU reference backend."""
+        return getattr(self._core.executor, "launch_path", None)
+
+    @property
     def nccl_comm_handle(self) -> Any:
         """DeepEP's name for the buffer's NCCL communicator: the ``ep_nccl_gin`` communicator the nccl transport
         runs on (owned, or borrowed from the group), None with the ipc or reference transport and after
