@@ -868,7 +868,12 @@ class DirectRank:
                     f"rank {self.rank}: the dispatch did not finish within the CPU timeout "
                     f"({self.cpu_timeout_secs} s)",
                 )
-            self.check_errors(synchronize=False)
+            # drained: a kernel of this stream that failed (or found the abort flag raised) published its abort
+            # kind, an invalid input its kind, into the mapped words; the record is read (two copies and a
+            # sync) only then. (A peer's abort raised after this rank's kernels completed is raised by the next
+            # call, whose kernels find it at entry.)
+            if any(self._status.read()):
+                self.check_errors(synchronize=False)
             self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
             host = self._host.array
             psum = host[: 4 * self.num_scaleup_ranks].view(np.int32).copy()
