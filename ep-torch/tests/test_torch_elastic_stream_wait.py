@@ -58,3 +58,22 @@ def test_a_timeout_releases_every_pending_wait_to_its_largest_value():
     assert sorted(released) == [(0x10, 3), (0x20, 5)]
     with pytest.raises(EPTimeoutError, match="tensor 0 from rank 1"):
         w.check()
+
+
+def test_satisfied_waits_are_dropped_before_their_deadline():
+    clock = _Clock()
+    w = WaitWatch(rank=0, timeout_secs=100.0, clock=clock)
+    words = {0x10: 0}
+    for v in range(1, 1001):  # a long run of hand-offs on one word
+        w.add(0x10, v, 1, f"pp_recv: tensor {v - 1} from rank 1")
+    words[0x10] = 998
+    reads: list = []
+
+    def read(addrs):
+        reads.append(list(addrs))
+        return [words[a] for a in addrs]
+
+    w.poll(read, lambda a, v: None)
+    assert reads == [[0x10]]  # one read per distinct word
+    assert [p[1] for p in w.pending] == [999, 1000]
+    w.check()

@@ -3,8 +3,9 @@
 The default wait of the copy-engine backend (``ep_core.signal_wait``) is a one-thread kernel that polls the signal
 word with a deadline. Between processes time-sliced on one GPU that kernel keeps its context busy, so a hand-off
 costs up to a time slice. This waiter queues a stream memory wait instead (no SM, nothing on the GPU spins) and
-bounds it from the host: a watchdog thread reads the words of the waits whose deadline passed (an 8-byte
-device-to-host copy each, on its own non-blocking stream) and, when one is still short of its value, records the
+bounds it from the host: a watchdog thread reads the words of the pending waits (an 8-byte device-to-host copy per
+distinct word, on its own non-blocking stream), drops the satisfied ones and, when one past its deadline is still
+short of its value, records the
 timeout exactly as the kernel would (`TimeoutRecord`: the next host call raises ``EPTimeoutError`` naming the rank,
 the peer and the signal, and keeps raising it) and releases every pending wait by writing its value into its word
 (the streams drain; the data in flight is undefined, as after a kernel timeout). Later waits are not queued.
@@ -60,20 +61,21 @@ class WaitWatch(TimeoutRecord):
         return True
 
     def poll(self, read: Callable[[list[int]], list[int]], release: Callable[[int, int], None]) -> None:
-        """Drop the satisfied waits among those past their deadline; on the first one still short, record the
-        timeout and release every pending wait."""
-        now = self.clock()
+        """Read the words of every pending wait and drop the satisfied ones (the list stays as short as the waits
+        in flight); on the first one still short past its deadline, record the timeout and release every pending
+        wait."""
         with self.lock:
-            late = [p for p in self.pending if now - p[2] > self.timeout_secs]
-        if not late:
+            snapshot = list(self.pending)
+        if not snapshot:
             return
-        addrs = sorted({p[0] for p in late})
+        addrs = sorted({p[0] for p in snapshot})
         values = dict(zip(addrs, read(addrs), strict=True))
-        short = next((p for p in late if values[p[0]] < p[1]), None)
+        now = self.clock()
+        satisfied = {id(p) for p in snapshot if values[p[0]] >= p[1]}
+        short = next((p for p in snapshot if id(p) not in satisfied and now - p[2] > self.timeout_secs), None)
         with self.lock:
             if short is None:
-                done = {(p[0], p[1], p[3]) for p in late}
-                self.pending = [p for p in self.pending if (p[0], p[1], p[3]) not in done]
+                self.pending = [p for p in self.pending if id(p) not in satisfied]
                 return
             addr, value, queued, wid = short
             self.words[RECORD_WAIT_ID] = wid
