@@ -14,6 +14,9 @@
 ///             for every rank (all rows have landed): `grid_cross_rank_barrier`, one hop instead of three.
 ///  4. reduce  warp per own token t: acc = bias0, + bias1, then the operands in ascending order of their
 ///             representative (highest) lane, in fp32, one bf16 rounding; combined weights gathered per lane.
+/// With dynamic shared memory (KernelConfig.combine_dynamic_smem_bytes: one row per warp), rows that are copied as
+/// they are go through bulk copies (load into the warp's slot, store from it) and the reduction stages its terms
+/// there by bulk copies (`warp_staged_sum`); the arithmetic and its order are the same, so are the bits.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -144,6 +147,74 @@ EP_CORE_DEVICE void warp_ordered_sum(const uint8_t* my_src, uint32_t mask, const
     __syncwarp();
 }
 
+/// Bytes of one warp's shared-memory slot in the staged combine (ep_core.kernels.plan
+/// `KernelConfig.combine_dynamic_smem_bytes` gives the launch kNumWarps of them, or none).
+template <int kBytes>
+__host__ __device__ constexpr int combine_slot_bytes() {
+    return align_up(kBytes, 128);
+}
+
+/// `warp_ordered_sum` staged through this warp's shared-memory slot: the terms (bias0, bias1, then the operand rows
+/// in ascending lane order) are brought in by bulk copies, chunk by chunk (a chunk of every term fills the slot),
+/// then summed from shared memory exactly as `warp_ordered_sum` does: first term widened, the others added in order
+/// in fp32, one bf16 rounding; no term: zeros. Far more bytes in flight per warp than registers allow (a 7168-wide
+/// row with one term is one round trip instead of seven). Returns false, having done nothing, when a chunk of
+/// every term cannot fit the slot (more than kSlot / 16 terms); the caller then uses `warp_ordered_sum`.
+/// `phase`: the warp's mbarrier parity, flipped per chunk.
+template <int kBytes>
+EP_CORE_DEVICE bool warp_staged_sum(const uint8_t* my_src, uint32_t mask, const uint8_t* bias0, const uint8_t* bias1,
+                                    uint8_t* dst, const uint8_t** s_ops, uint8_t* slot, uint64_t* bar,
+                                    uint32_t& phase, int lane) {
+    constexpr int kSlot = combine_slot_bytes<kBytes>();
+    const int nb = (bias0 != nullptr ? 1 : 0) + (bias1 != nullptr ? 1 : 0);
+    const int num_ops = __popc(mask);
+    const int terms = nb + num_ops;
+    if (terms * 16 > kSlot)
+        return false;
+    if (mask & (1u << lane))
+        s_ops[__popc(mask & ((1u << lane) - 1u))] = my_src;
+    __syncwarp();
+    if (terms == 0) {
+        warp_zero<kBytes>(dst, lane);
+        return true;
+    }
+    auto term = [&](int j) -> const uint8_t* {
+        if (j < nb)
+            return j == 0 ? (bias0 != nullptr ? bias0 : bias1) : bias1;
+        return s_ops[j - nb];
+    };
+    int n = (terms * kBytes + kSlot - 1) / kSlot;
+    int chunk = align_up((kBytes + n - 1) / n, 16);
+    while (terms * chunk > kSlot) {
+        ++n;
+        chunk = align_up((kBytes + n - 1) / n, 16);
+    }
+#pragma unroll 1
+    for (int c0 = 0; c0 < kBytes; c0 += chunk) {
+        const int bytes = const_min(chunk, kBytes - c0);
+        // the previous chunk's shared reads are done before the bulk copies overwrite the slot
+        ptx::fence_async_shared();
+        __syncwarp();
+        if (lane == 0) {
+            ptx::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(terms * bytes));
+            for (int j = 0; j < terms; ++j)
+                ptx::bulk_load(slot + j * chunk, term(j) + c0, static_cast<uint32_t>(bytes), bar);
+        }
+        ptx::mbarrier_wait(bar, phase);
+        phase ^= 1u;
+#pragma unroll 1
+        for (int i = lane; i < bytes / 16; i += kWarpSize) {
+            Acc8 acc;
+            acc.set(ptx::ld_shared_v4(slot + i * 16));
+            for (int j = 1; j < terms; ++j)
+                acc.add(ptx::ld_shared_v4(slot + j * chunk + i * 16));
+            ptx::st_v4(dst + c0 + static_cast<int64_t>(i) * 16, acc.to_bf16());
+        }
+    }
+    __syncwarp();
+    return true;
+}
+
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumWarps, typename Transport>
 EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, 0, kNumTopk, false>;
@@ -151,6 +222,8 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     __shared__ int s_abort;
     __shared__ const uint8_t* s_ops[kNumWarps][kWarpSize];
     __shared__ uint8_t* s_peer_region[PeerPointers<kNumRanks, Transport>::kTableSize];
+    __shared__ __align__(8) uint64_t s_bars[kNumWarps];
+    extern __shared__ __align__(128) uint8_t ep_dyn_smem[];
 
     const int lane = threadIdx.x % kWarpSize;
     const int warp = threadIdx.x / kWarpSize;
@@ -177,6 +250,14 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     uint8_t* const region = static_cast<uint8_t*>(args.recv_region);
     const PeerPointers<kNumRanks, Transport> peer_region{s_peer_region, sync.tr, region};
     peer_region.fill();
+    // staged path (bulk copies through one shared slot per warp) when the launch gave the shared memory
+    constexpr int kSlot = combine_slot_bytes<Tok::kHiddenBytes>();
+    const bool staged = ptx::dynamic_smem_size() >= static_cast<uint32_t>(kNumWarps * kSlot);
+    uint8_t* const slot_buf = ep_dyn_smem + warp * kSlot;
+    uint64_t* const bar = &s_bars[warp];
+    uint32_t phase = 0;
+    if (staged && lane == 0)
+        ptx::mbarrier_init(bar, 1);
     __syncthreads();
     if (s_abort != 0)
         return;
@@ -196,6 +277,27 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
     const int64_t R = args.psum_rank[kNumRanks - 1];
 
+    // a row as it is to one destination: bulk load into the slot, bulk store from it (staged), else by registers
+    auto send_row = [&](const uint8_t* src, uint8_t* dst) {
+        if (staged) {
+            ptx::bulk_wait_read();  // the slot is free once the previous row's store has read it
+            __syncwarp();
+            if (lane == 0) {
+                ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
+                ptx::bulk_load(slot_buf, src, Tok::kHiddenBytes, bar);
+            }
+            ptx::mbarrier_wait(bar, phase);
+            phase ^= 1u;
+            if (lane == 0) {
+                ptx::bulk_store(dst, slot_buf, Tok::kHiddenBytes);
+                ptx::bulk_commit();
+            }
+        } else {
+            uint8_t* dsts[kFanout] = {dst};
+            warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
+        }
+    };
+
     // 2. send
     for (int64_t i = global_warp; i < R; i += num_global_warps) {
         const int32_t* meta = args.src_metadata + i * kMetaCols;
@@ -209,8 +311,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         };
         if (!expand) {
             uint8_t* dst = slot_ptr(rank_layout ? rank : master);
-            uint8_t* dsts[kFanout] = {dst};
-            warp_copy_fanout<Tok::kHiddenBytes>(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dsts, 1, lane);
+            send_row(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dst);
             if (args.comb_weights != nullptr && lane < kNumTopk)
                 reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = args.comb_weights[i * kNumTopk + lane];
         } else {
@@ -222,8 +323,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
                 if (__popc(rows) == 1) {
                     const uint8_t* src = reinterpret_cast<const uint8_t*>(
                         __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), __ffs(rows) - 1));
-                    uint8_t* dsts[kFanout] = {dst};
-                    warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
+                    send_row(src, dst);
                 } else {
                     warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst, s_ops[warp], lane);
                 }
@@ -235,14 +335,14 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
                     const int l = __ffs(m) - 1;
                     const uint8_t* src = reinterpret_cast<const uint8_t*>(
                         __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), l));
-                    uint8_t* dsts[kFanout] = {slot_ptr(l)};
-                    warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
+                    send_row(src, slot_ptr(l));
                 }
             }
         }
     }
 
-    // 3. exit: every rank's rows have landed here
+    // 3. exit: every rank's rows have landed here (this warp's bulk stores complete before its block arrives)
+    ptx::bulk_wait_all();
     EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
     EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
     if constexpr (kNumRanks == 1) {
@@ -254,7 +354,9 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     }
     EP_PHASE_MARK(kPhaseCombine, kCbExit);
 
-    // 4. reduce
+    // 4. reduce (staged: the rows peers wrote, acquired above, are read by bulk copies: order the acquire first)
+    if (staged)
+        ptx::fence_async_global();
     uint8_t* const out = static_cast<uint8_t*>(args.combined_x);
     const uint8_t* const bias0 = static_cast<const uint8_t*>(args.bias0);
     const uint8_t* const bias1 = static_cast<const uint8_t*>(args.bias1);
@@ -276,9 +378,11 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         const uint8_t* my_src =
             is_operand ? region + (slot_of(lane) * M + t) * static_cast<int64_t>(Tok::kNumBytes) : nullptr;
         const int64_t row_off = t * static_cast<int64_t>(Tok::kHiddenBytes);
-        warp_ordered_sum<Tok::kHiddenBytes, true>(my_src, operands, bias0 != nullptr ? bias0 + row_off : nullptr,
-                                                   bias1 != nullptr ? bias1 + row_off : nullptr, out + row_off, s_ops[warp],
-                                                   lane);
+        const uint8_t* const b0 = bias0 != nullptr ? bias0 + row_off : nullptr;
+        const uint8_t* const b1 = bias1 != nullptr ? bias1 + row_off : nullptr;
+        if (!staged || !warp_staged_sum<Tok::kHiddenBytes>(my_src, operands, b0, b1, out + row_off, s_ops[warp],
+                                                           slot_buf, bar, phase, lane))
+            warp_ordered_sum<Tok::kHiddenBytes, true>(my_src, operands, b0, b1, out + row_off, s_ops[warp], lane);
         if (args.combined_weights != nullptr && lane < kNumTopk) {
             float w = 0.0f;
             if (valid) {

@@ -133,6 +133,27 @@ EP_CORE_DEVICE void griddep_launch_dependents() {
 
 EP_CORE_DEVICE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+/// Bytes of dynamic shared memory this launch was given (kernels with an optional shared-memory path check it).
+EP_CORE_DEVICE uint32_t dynamic_smem_size() {
+    uint32_t v;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v;
+}
+
+/// 16-byte read of shared memory (data a bulk load completed on an mbarrier the reader waited for).
+EP_CORE_DEVICE uint4 ld_shared_v4(const void* p) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(smem_addr(p))
+                 : "memory");
+    return v;
+}
+
+/// Order this thread's earlier generic-proxy accesses (acquired peer data) before its later bulk copies of global
+/// memory.
+EP_CORE_DEVICE void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
 EP_CORE_DEVICE void mbarrier_init(uint64_t* bar, uint32_t count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

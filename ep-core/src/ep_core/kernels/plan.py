@@ -181,6 +181,15 @@ class KernelConfig:
         """Dynamic shared memory of the dispatch and epilogue kernels (one token slot per warp)."""
         return self.num_warps * self.smem_slot_bytes
 
+    @property
+    def combine_dynamic_smem_bytes(self) -> int:
+        """Dynamic shared memory that lets the direct combine stage rows with bulk (TMA) copies: one bf16 row per
+        warp (combine.cuh `kCombineSlotBytes`), or 0 when that does not fit next to the static reserve (the
+        kernel then keeps its register path; it checks the launch's dynamic size itself, so 0 is always valid).
+        Hybrid and cross-node combines ignore it."""
+        need = self.num_warps * ep_layout.align(self.hidden * 2, 128)
+        return need if need + STATIC_SMEM_RESERVE_BYTES <= SMEM_PER_BLOCK_BYTES else 0
+
     def defines(self) -> dict[str, object]:
         """The -D constants of the generated source."""
         transport = "ep_core::IpcTransport" if self.transport == "ipc" else "ep_core::NcclTransport"
