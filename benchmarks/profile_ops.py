@@ -8,6 +8,7 @@ graph). It is the measurement behind issue 17's levers.
 
     python benchmarks/profile_ops.py --out OUTDIR [--ranks 1] [--tokens 128] [--sms 16] [--iters 20]
     python benchmarks/profile_ops.py --out OUTDIR --phases [--ranks N --sms S]   # EP1 @16 and EP8 @8 by default
+    python benchmarks/profile_ops.py ... --staged-combine   # combine launched with its shared memory (staged path)
 
 Writes OUTDIR/profile_ops_ep<N>.json and prints a table per op: activity name, count per replay, mean us, and the
 replay's span (first start to last end on the device).
@@ -22,6 +23,7 @@ previous boundary, the kernel's span and the gap between the dispatch kernel and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -139,6 +141,32 @@ for _names in PHASE_NAMES.values():
     for _n in range(1, 8):
         _names[16 + _n] = f"grid barrier {_n}: last arrival"
         _names[24 + _n] = f"grid barrier {_n}: b0 leaves"
+
+
+@contextlib.contextmanager
+def staged_combine_launches(enabled: bool = True):
+    """While active, every direct combine launch prepared by a DirectRank gets `KernelConfig.combine_dynamic_smem_bytes`
+    of dynamic shared memory, which makes the kernel take its staged (bulk-copy) path; a stand-in for the executor
+    change requested in /work/latency-host-requests.md (ep-core/tests/gpu/test_gpu_combine_staged.py does the same)."""
+    if not enabled:
+        yield
+        return
+    from ep_core.kernels import _source, executor
+
+    orig = executor.DirectRank._prepare
+
+    def _prepare(self, kernel, name, geo, shared_mem, cooperative, args, dynamic):
+        if name == "ep_combine_impl" and shared_mem == 0:
+            cfg = next((c for c, ks in _source._loaded.items() if ks.combine is kernel), None)
+            if cfg is not None and not cfg.is_hybrid:
+                shared_mem = cfg.combine_dynamic_smem_bytes
+        return orig(self, kernel, name, geo, shared_mem, cooperative, args, dynamic)
+
+    executor.DirectRank._prepare = _prepare
+    try:
+        yield
+    finally:
+        executor.DirectRank._prepare = orig
 
 
 class PhaseReader:
@@ -325,6 +353,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--phases", action="store_true", help="phase timing of every kernel (instrumented build)")
+    ap.add_argument(
+        "--staged-combine",
+        action="store_true",
+        help="launch the combine with KernelConfig.combine_dynamic_smem_bytes (its staged bulk-copy path)",
+    )
     args = ap.parse_args(argv)
     if args.phases:
         os.environ["EP_CORE_PHASE_TIMING"] = "1"  # before the first kernel load (ep_core.kernels._source)
@@ -338,7 +371,8 @@ def main(argv=None) -> int:
         n = args.ranks or 1
         configs = [(n, args.sms or 16)]
     for n, sms in configs:
-        run_config(torch, n, args.tokens, sms, args.iters, args.phases, Path(args.out))
+        with staged_combine_launches(args.staged_combine):
+            run_config(torch, n, args.tokens, sms, args.iters, args.phases, Path(args.out))
         torch.cuda.empty_cache()
     return 0
 
