@@ -433,6 +433,8 @@ _REPEAT_DISPATCHES = {
     "zero padding": ({}, {"do_expand": True, "do_zero_padding": True}),
     "int32 ids": ({"idx_dtype": np.int32}, {}),
     "no weights": ({}, {"weights": False}),
+    "cpu sync": ({}, {"do_cpu_sync": True}),
+    "cpu sync, expand": ({}, {"do_cpu_sync": True, "do_expand": True, "expert_alignment": 4}),
 }
 
 
@@ -447,7 +449,8 @@ def test_a_repeat_equals_the_full_path(launches, case: str) -> None:
     shape, kw = _REPEAT_DISPATCHES[case]
     kw = dict(kw)
     weights = kw.pop("weights", True)
-    kw.update(num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
+    kw.setdefault("do_cpu_sync", False)
+    kw.update(num_experts=EXPERTS, num_sms=8)
     x, sf, idx, w = inputs(**shape)
     w = w if weights else None
     first = rank.dispatch(x, idx, w, sf=sf, record=True, **kw)
@@ -466,9 +469,8 @@ def test_a_repeat_equals_the_full_path(launches, case: str) -> None:
         (rep, a), (full, b) = _same_call(rank, alloc, launches, run)
         assert rep == full and [e[0] for e in rep] == ["dispatch", "epilogue"]
         assert _fields(a) == _fields(b)
-        assert (
-            a.handle in rank._unconfirmed and rank._handle_launch[a.handle] == rank._num_collective_launches
-        )
+        assert (a.handle in rank._unconfirmed) is not kw["do_cpu_sync"]
+        assert rank._handle_launch[a.handle] == rank._num_collective_launches
     # the cached dispatch of that handle
     handle = first.handle
     ckw = {k: v for k, v in kw.items() if k in ("num_sms", "use_tma_aligned_col_major_sf", "do_zero_padding")}
@@ -535,8 +537,8 @@ def test_a_repeat_declines_what_its_key_does_not_cover(launches) -> None:
 
     with pytest.raises(EPStateError, match="no-sync dispatch"):
         cplan.run(x.ptr, 0, 0, 0, 0, handle, None)
-    rank.dispatch(x, idx, w, record=True, num_experts=EXPERTS, num_sms=8)  # CPU sync: never repeated
-    assert rank.last_repeat is None
+    rank.dispatch(x, idx, w, record=True, num_experts=EXPERTS, num_sms=8)  # CPU sync: repeated too
+    assert rank.last_repeat.cpu_sync
     rank._status.array[0] = int(ErrorKind.TIMEOUT)
     with pytest.raises(Exception, match=r"kernel|timed out|failed"):
         plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx)

@@ -835,7 +835,7 @@ class DirectRank:
             prepared=prepared,
             dynamic=dynamic,
         )
-        if record and not do_cpu_sync:
+        if record:
             pending.repeat = {
                 "scratch": scratch,
                 "skip_signal": self.debug_skip_scaleout_signal,
@@ -846,12 +846,42 @@ class DirectRank:
                 "env_fields": env_fields,
             }
         if do_cpu_sync:
-            host = self._host.array
-            n = self.num_ranks
-            _cuda.copy_to_host(host[: 4 * self.num_scaleup_ranks], psum_rank_ptr, self.stream)
-            _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], unaligned_ptr, self.stream)
+            self._copy_counts(psum_rank_ptr, unaligned_ptr, epr)
             pending.host = self._host
         return pending
+
+    def _copy_counts(self, psum_rank_ptr: int, unaligned_ptr: int, epr: int) -> None:
+        """Queue the copies of a CPU-sync dispatch's counts into the page-locked host words (`_sync_counts`)."""
+        host = self._host.array
+        n = self.num_ranks
+        _cuda.copy_to_host(host[: 4 * self.num_scaleup_ranks], psum_rank_ptr, self.stream)
+        _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], unaligned_ptr, self.stream)
+
+    def _sync_counts(self, epr: int, a: int) -> tuple[int, int, list]:
+        """Wait for a CPU-sync dispatch (CPU timeout), raise what its kernels reported, and read its counts:
+        `(num_recv, num_expanded, aligned per-expert counts)`."""
+        if not self.stream.synchronize(self.cpu_timeout_secs):
+            raise EPTimeoutError(
+                self.rank,
+                "cpu.dispatch_wait",
+                "stream",
+                "not drained",
+                f"rank {self.rank}: the dispatch did not finish within the CPU timeout "
+                f"({self.cpu_timeout_secs} s)",
+            )
+        # drained: a kernel of this stream that failed (or found the abort flag raised) published its abort kind,
+        # an invalid input its kind, into the mapped words; the record is read (two copies and a sync) only then.
+        # (A peer's abort raised after this rank's kernels completed is raised by the next call, whose kernels find
+        # it at entry.)
+        if any(self._status.read()):
+            self.check_errors(synchronize=False)
+        self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
+        host = self._host.array
+        n = self.num_ranks
+        psum = host[: 4 * self.num_scaleup_ranks].view(np.int32).copy()
+        counts = host[4 * n : 4 * n + 4 * epr].view(np.int32).copy()
+        aligned = ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()  # one numpy op, Python ints
+        return int(psum[-1]), int(sum(aligned)), aligned
 
     def finish_dispatch(self, p: _PendingDispatch) -> DispatchResult:
         """Wait for the counts (CPU sync), allocate the outputs and launch the copy epilogue."""
@@ -859,29 +889,7 @@ class DirectRank:
         epr = p.num_experts // n
         a = p.alignment
         if p.do_cpu_sync:
-            if not self.stream.synchronize(self.cpu_timeout_secs):
-                raise EPTimeoutError(
-                    self.rank,
-                    "cpu.dispatch_wait",
-                    "stream",
-                    "not drained",
-                    f"rank {self.rank}: the dispatch did not finish within the CPU timeout "
-                    f"({self.cpu_timeout_secs} s)",
-                )
-            # drained: a kernel of this stream that failed (or found the abort flag raised) published its abort
-            # kind, an invalid input its kind, into the mapped words; the record is read (two copies and a
-            # sync) only then. (A peer's abort raised after this rank's kernels completed is raised by the next
-            # call, whose kernels find it at entry.)
-            if any(self._status.read()):
-                self.check_errors(synchronize=False)
-            self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
-            host = self._host.array
-            psum = host[: 4 * self.num_scaleup_ranks].view(np.int32).copy()
-            counts = host[4 * n : 4 * n + 4 * epr].view(np.int32).copy()
-            num_recv = int(psum[-1])
-            aligned = ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()  # one numpy op, Python ints
-            num_expanded = int(sum(aligned))
-            expert_list = aligned
+            num_recv, num_expanded, expert_list = self._sync_counts(epr, a)
         elif p.cached:
             num_recv = p.handle.num_recv_tokens
             num_expanded = p.handle.num_expanded_tokens
@@ -978,7 +986,8 @@ class DirectRank:
         if not p.cached and not p.do_cpu_sync:
             self._unconfirmed.add(handle)
         kept = p.prepared.epilogue_pdl if pdl else p.prepared.epilogue
-        if p.repeat is not None and (kept is not None or not (rows > 0 or p.zero_padding)):
+        # a CPU-sync repeat learns its rows after launching: it needs the epilogue kept already
+        if p.repeat is not None and (kept is not None or not (rows > 0 or p.zero_padding or p.do_cpu_sync)):
             self.last_repeat = RepeatDispatch(
                 rank=self,
                 prepared=p.prepared,
@@ -998,6 +1007,7 @@ class DirectRank:
                 num_recv=num_recv,
                 num_expanded=num_expanded,
                 epilogue_pdl=pdl,
+                cpu_sync=p.do_cpu_sync,
                 **p.repeat,
             )
         self._report_input_error()

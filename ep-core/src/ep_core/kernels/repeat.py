@@ -1,5 +1,5 @@
-"""The straight road of a repeated call: a dispatch without CPU sync, a cached dispatch or a combine whose request
-came from the same prepared-operation entry (`ep_core.prepared`) as an earlier call of this rank.
+"""The straight road of a repeated call: a dispatch (with or without CPU sync), a cached dispatch or a combine whose
+request came from the same prepared-operation entry (`ep_core.prepared`) as an earlier call of this rank.
 
 That entry's key holds every array's dtype, shape, strides and device, every scalar and flag, the handle's layout
 fields and the executor's device attributes, and the request passed the full validation when the entry was made.
@@ -8,7 +8,8 @@ the prepared launches, the output shapes, the envelope's fields) is what the fir
 keeps it here (`RepeatDispatch`, `RepeatCombine`, made by its full path with `record=True`) and the entry's token
 (`requests.PreparedToken.plan`) holds it for the next request. A repeat does only what changes per call: the
 failure guard and the handle's state, the pointers (the handle's arrays are read every time), the allocations,
-the envelope's sequence number, the launches, the new handle and the error report.
+the envelope's sequence number, the launches, the new handle and the error report. A CPU-sync dispatch learns its
+rows from its counts after the dispatch kernel, exactly as the full path does (`DirectRank._sync_counts`).
 
 What the key does not cover is checked on every call and, when it differs, the repeat returns None having done
 nothing, and the caller takes the full path (which raises what an uncached call raises): the scratch of the last
@@ -67,7 +68,7 @@ def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, 
 
 @dataclass(eq=False)
 class RepeatDispatch:
-    """A dispatch without CPU sync (cached or not) as its first call resolved it (module doc)."""
+    """A dispatch (cached or not, with or without CPU sync) as its first call resolved it (module doc)."""
 
     rank: Any  # the DirectRank
     prepared: PreparedOp
@@ -93,9 +94,9 @@ class RepeatDispatch:
     num_recv: int  # rows and counts of a new handle (a cached dispatch reads its handle's)
     num_expanded: int
     env_fields: tuple  # the envelope's fields but the handle's launch number
-    epilogue_pdl: bool = (
-        False  # the copy epilogue as a programmatic dependent launch (`DirectRank._epilogue_pdl`)
-    )
+    # the copy epilogue as a programmatic dependent launch (`DirectRank._epilogue_pdl`)
+    epilogue_pdl: bool = False
+    cpu_sync: bool = False  # rows from the counts, read after the dispatch kernel (`DirectRank._sync_counts`)
 
     def run(
         self,
@@ -130,7 +131,7 @@ class RepeatDispatch:
             num_recv, num_expanded = self.num_recv, self.num_expanded
         rows = num_expanded if self.expand else num_recv
         epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl else self.prepared.epilogue
-        if epilogue is None and (rows > 0 or self.zero_padding):
+        if epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
             return None
         if cached:
             dst_slot = handle.dst_buffer_slot_idx
@@ -146,6 +147,8 @@ class RepeatDispatch:
             fwd = arrays.get("fwd")
             meta = arrays.get("src_metadata")
             launch = -1
+        psum_rank_ptr = _ptr(psum_rank, "psum_rank")
+        unaligned_ptr = _ptr(unaligned, "unaligned")
         dynamic = (
             x_ptr,
             sf_ptr,
@@ -153,14 +156,20 @@ class RepeatDispatch:
             w_ptr,
             _ptr(dst_slot, "dst_slot"),
             _ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
-            _ptr(psum_rank, "psum_rank"),
+            psum_rank_ptr,
             _ptr(psum_expert, "psum_expert"),
-            _ptr(unaligned, "unaligned"),
+            unaligned_ptr,
             stats_ptr,
             pack_envelope(OP_DISPATCH, rank._num_collective_launches + 1, (*self.env_fields, launch)),
         )
         rank._launch_prepared(self.prepared.main, dynamic, False, True)
         launch_number = rank._num_collective_launches
+        expert_list: list = []
+        if self.cpu_sync:
+            epr = self.num_experts // rank.num_ranks
+            rank._copy_counts(psum_rank_ptr, unaligned_ptr, epr)
+            num_recv, num_expanded, expert_list = rank._sync_counts(epr, self.alignment)
+            rows = num_expanded if self.expand else num_recv
         # the outputs, exactly as `finish_dispatch` allocates them
         alloc = rank._alloc
         recv_x = alloc((rows, self.hidden), self.x_dtype)
@@ -205,7 +214,7 @@ class RepeatDispatch:
                 topk_idx,
                 num_recv,
                 num_expanded,
-                [],
+                expert_list,
                 psum_rank,
                 psum_expert,
                 unaligned,
@@ -216,7 +225,8 @@ class RepeatDispatch:
                 rank=rank.rank,
             )
             rank._handle_launch[handle] = launch_number
-            rank._unconfirmed.add(handle)
+            if not self.cpu_sync:
+                rank._unconfirmed.add(handle)
         rank._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
