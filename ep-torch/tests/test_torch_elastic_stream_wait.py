@@ -77,3 +77,15 @@ def test_satisfied_waits_are_dropped_before_their_deadline():
     assert reads == [[0x10]]  # one read per distinct word
     assert [p[1] for p in w.pending] == [999, 1000]
     w.check()
+
+
+def test_the_knob(monkeypatch):
+    from ep_torch import _env
+
+    monkeypatch.delenv("EPKIT_ELASTIC_WAIT", raising=False)
+    assert _env.elastic_wait() == "kernel"
+    monkeypatch.setenv("EPKIT_ELASTIC_WAIT", "Stream")
+    assert _env.elastic_wait() == "stream"
+    monkeypatch.setenv("EPKIT_ELASTIC_WAIT", "spin")
+    with pytest.raises(ValueError, match="EPKIT_ELASTIC_WAIT='spin'"):
+        _env.elastic_wait()

@@ -9,6 +9,7 @@
 | ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
 | ``EPKIT_SCALEUP_RANKS`` | int | ``0`` | ranks per (emulated) node, S_u: a divisor of N below N runs hybrid mode with ranks ``r // S_u`` forming a node, on the reference backend and over ``ipc`` (emulated nodes on one host: processes sharing a GPU or one per GPU); across hosts it overrides NCCL's LSA team size; 0 = the transport's own NVLink domain. Shared with ep-core |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | the old name of ``EPKIT_SCALEUP_RANKS``, read on the CPU reference backend only |
+| ``EPKIT_ELASTIC_WAIT`` | str | ``kernel`` | how PP/AGRS/BucketBuffer streams wait for a peer's signal on the GPU: ``kernel`` (a bounded one-thread wait kernel) or ``stream`` (``cuStreamWaitValue64`` bounded by a host watchdog, nothing spinning on the GPU); read when a buffer's elastic backend is made |
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 __all__ = [
     "Knob",
     "avoid_record_stream",
+    "elastic_wait",
     "knobs",
     "reference_num_sms",
     "reference_nvlink_gbs",
@@ -71,6 +73,11 @@ knobs: dict[str, Knob] = {
             "EPKIT_TORCH_REFERENCE_NVLINK_RANKS",
             "0",
             "old name of EPKIT_SCALEUP_RANKS, on the CPU reference backend only",
+        ),
+        Knob(
+            "EPKIT_ELASTIC_WAIT",
+            "kernel",
+            "GPU waits of PP/AGRS/BucketBuffer: kernel (bounded wait kernel) or stream (stream wait + host watchdog)",
         ),
     )
 }
@@ -149,3 +156,14 @@ def scaleup_ranks(*, reference: bool) -> tuple[str, int]:
             "disagree; set only EPKIT_SCALEUP_RANKS"
         )
     return found[0] if found else ("EPKIT_SCALEUP_RANKS", 0)
+
+
+def elastic_wait() -> str:
+    """``EPKIT_ELASTIC_WAIT`` (lower case): ``kernel`` or ``stream``."""
+    value = knobs["EPKIT_ELASTIC_WAIT"].raw().strip().lower() or "kernel"
+    if value not in ("kernel", "stream"):
+        raise ValueError(
+            f"EPKIT_ELASTIC_WAIT={value!r}: expected kernel (the bounded wait kernel) or stream (cuStreamWaitValue64 "
+            "bounded by a host watchdog)"
+        )
+    return value

@@ -33,7 +33,6 @@ context on the GPU until its slice ends. Default ``kernel``.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import torch
@@ -119,12 +118,12 @@ class DriverOps:
         self._cuda = _cuda
         self.drv = _cuda.driver()
         self._comm = None
-        mode = os.environ.get("EPKIT_ELASTIC_WAIT", "kernel") or "kernel"
-        if mode not in ("kernel", "stream"):
-            raise EPConfigError(
-                f"EPKIT_ELASTIC_WAIT: expected 'kernel' (the bounded wait kernel, default) or 'stream' "
-                f"(cuStreamWaitValue64 bounded by a host watchdog), got {mode!r} (rank {rank})"
-            )
+        from . import _env
+
+        try:
+            mode = _env.elastic_wait()
+        except ValueError as exc:
+            raise EPConfigError(f"{exc} (rank {rank})") from None
         self.wait_mode = mode
         if mode == "stream":
             from .elastic_stream_wait import StreamWaiter
