@@ -325,7 +325,16 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
                         __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), __ffs(rows) - 1));
                     send_row(src, dst);
                 } else {
-                    warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst, s_ops[warp], lane);
+                    bool done = false;
+                    if (staged) {
+                        ptx::bulk_wait_read();  // the slot is free once the previous row's store has read it
+                        __syncwarp();
+                        done = warp_staged_sum<Tok::kHiddenBytes>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
+                                                                  slot_buf, bar, phase, lane);
+                    }
+                    if (!done)
+                        warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
+                                                                   lane);
                 }
                 if (args.comb_weights != nullptr && lane < kNumTopk)
                     reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] =
