@@ -285,6 +285,14 @@ class _FakeNative:
     def record_wait(event, on, waiter) -> int:
         return 0
 
+    @staticmethod
+    def copy_to_host(dst, src, nbytes, stream) -> int:
+        return 0
+
+    @staticmethod
+    def stream_query(stream) -> int:
+        return 0
+
 
 class _FakeKernels:
     dispatch = epilogue = combine = _FakeKernel()

@@ -34,6 +34,8 @@ struct Api {
   decltype(&::cuEventRecord) event_record = nullptr;
   decltype(&::cuStreamWaitEvent) stream_wait_event = nullptr;
   decltype(&::cuGetErrorName) get_error_name = nullptr;
+  decltype(&::cuMemcpyDtoHAsync) memcpy_dtoh_async = nullptr;
+  decltype(&::cuStreamQuery) stream_query = nullptr;
 };
 
 using GetProcAddressFn = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
@@ -89,7 +91,9 @@ void load_once() {
   if (!resolve(get_proc, flags, "cuLaunchKernelEx", api.launch_kernel_ex) ||
       !resolve(get_proc, flags, "cuEventRecord", api.event_record) ||
       !resolve(get_proc, flags, "cuStreamWaitEvent", api.stream_wait_event) ||
-      !resolve(get_proc, flags, "cuGetErrorName", api.get_error_name)) {
+      !resolve(get_proc, flags, "cuGetErrorName", api.get_error_name) ||
+      !resolve(get_proc, flags, "cuMemcpyDtoHAsync", api.memcpy_dtoh_async) ||
+      !resolve(get_proc, flags, "cuStreamQuery", api.stream_query)) {
     return;
   }
   g_api = api;
@@ -232,6 +236,20 @@ int record_wait(uintptr_t event, uintptr_t on, uintptr_t waiter) {
   return static_cast<int>(a.stream_wait_event(reinterpret_cast<CUstream>(waiter), ev, 0));
 }
 
+// Queue a device-to-host copy of `nbytes` on `stream` (the caller synchronizes); returns the CUresult.
+int copy_to_host(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) {
+  const Api& a = api();
+  py::gil_scoped_release release;
+  return static_cast<int>(a.memcpy_dtoh_async(reinterpret_cast<void*>(dst), static_cast<CUdeviceptr>(src), nbytes,
+                                              reinterpret_cast<CUstream>(stream)));
+}
+
+// cuStreamQuery: 0 when everything queued on `stream` has finished, CUDA_ERROR_NOT_READY (600) while it runs.
+int stream_query(uintptr_t stream) {
+  const Api& a = api();
+  return static_cast<int>(a.stream_query(reinterpret_cast<CUstream>(stream)));
+}
+
 std::string error_name(int code) {
   const char* name = nullptr;
   if (api().get_error_name(static_cast<CUresult>(code), &name) != CUDA_SUCCESS || name == nullptr)
@@ -267,6 +285,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("cooperative", &Launch::cooperative)
       .def_property_readonly("pdl", &Launch::pdl);
   m.def("record_wait", &record_wait, py::arg("event"), py::arg("on"), py::arg("waiter"));
+  m.def("copy_to_host", &copy_to_host, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
+  m.def("stream_query", &stream_query, py::arg("stream"));
   m.def("error_name", &error_name, py::arg("code"));
   m.def("available", &available);
   m.def("unavailable_reason", &unavailable_reason);

@@ -221,13 +221,22 @@ class Stream:
         deadline = start + timeout
         spin_until = start + SYNC_SPIN_SECONDS
         success, not_ready = drv.CUresult.CUDA_SUCCESS, drv.CUresult.CUDA_ERROR_NOT_READY
+        native = native_launch()
+        if native is not None:  # C++ cuStreamQuery: the poll's step is the driver's, not cuda-python's
+            query, handle = native.stream_query, self.handle
+            success, not_ready = 0, int(not_ready)
         delay = 1e-5
         while True:
-            (err,) = drv.cuStreamQuery(self._stream)
+            err = query(handle) if native is not None else drv.cuStreamQuery(self._stream)[0]
             if err == success:
                 return True
             if err != not_ready:
-                check((err,), "cuStreamQuery")
+                if native is not None:  # the driver's error by name (an error of the stream is sticky)
+                    err = drv.cuStreamQuery(self._stream)[0]
+                    if err == drv.CUresult.CUDA_SUCCESS:
+                        return True
+                if err != drv.CUresult.CUDA_ERROR_NOT_READY:
+                    check((err,), "cuStreamQuery")
             now = time.monotonic()
             if now > deadline:
                 return False

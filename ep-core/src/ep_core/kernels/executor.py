@@ -852,9 +852,17 @@ class DirectRank:
 
     def _copy_counts(self, psum_rank_ptr: int, unaligned_ptr: int, epr: int) -> None:
         """Queue the copies of a CPU-sync dispatch's counts into the page-locked host words (`_sync_counts`)."""
+        n, su = self.num_ranks, self.num_scaleup_ranks
+        native = _cuda.native_launch()
+        base = getattr(self._host, "_ptr", None)
+        if native is not None and type(base) is int:  # C++ copies; on a failure both are queued again below
+            stream = self.stream.handle
+            if not native.copy_to_host(base, psum_rank_ptr, 4 * su, stream) and not native.copy_to_host(
+                base + 4 * n, unaligned_ptr, 4 * epr, stream
+            ):
+                return
         host = self._host.array
-        n = self.num_ranks
-        _cuda.copy_to_host(host[: 4 * self.num_scaleup_ranks], psum_rank_ptr, self.stream)
+        _cuda.copy_to_host(host[: 4 * su], psum_rank_ptr, self.stream)
         _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], unaligned_ptr, self.stream)
 
     def _sync_counts(self, epr: int, a: int) -> tuple[int, int, list]:
