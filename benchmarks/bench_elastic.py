@@ -294,7 +294,9 @@ def _spill(rank: int, n: int, setup: str, quick: bool, reps: int, rows: list[dic
     hint = ElasticBuffer.get_buffer_size_hint(None, m, h, k)
     g = torch.Generator(device="cuda").manual_seed(rank)
     x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(e, device="cuda", generator=g)[:k] for _ in range(m)])
+    idx = (
+        torch.rand(m, e, device="cuda", generator=g).argsort(dim=1)[:, :k].contiguous()
+    )  # k distinct experts
     w = torch.rand(m, k, device="cuda", generator=g)
     times = {}
     plan = None
