@@ -569,3 +569,48 @@ def test_the_epilogue_is_a_programmatic_dependent_launch_where_safe(launches, mo
     assert pdl_of_epilogue(crowded, do_cpu_sync=False) is False
     monkeypatch.setattr(executor_mod, "EPILOGUE_PDL", False)
     assert pdl_of_epilogue(make_rank(Allocator()), do_cpu_sync=False) is False
+
+
+# ------------------------------------------------------------------------------------ the native launch path
+def test_the_cuda_python_fallback_is_announced_once(monkeypatch) -> None:
+    """Without a usable ep_launch the executor says so once (a RuntimeWarning naming the reason) and
+    `native_launch_status()` keeps the reason; EPKIT_NATIVE_LAUNCH=0 chooses that path without a warning."""
+    import warnings
+
+    ep_launch = pytest.importorskip("ep_launch")
+    monkeypatch.setattr(_cuda, "_native", [])
+    monkeypatch.setattr(ep_launch, "available", lambda: False)
+    monkeypatch.setattr(ep_launch, "unavailable_reason", lambda: "no driver here")
+    monkeypatch.delenv("EPKIT_NATIVE_LAUNCH", raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert _cuda.native_launch() is None
+        assert _cuda.native_launch() is None
+    assert len(seen) == 1 and issubclass(seen[0].category, RuntimeWarning)
+    assert "no driver here" in str(seen[0].message) and "cuda-python" in str(seen[0].message)
+    assert _cuda.native_launch_status().startswith("cuda-python fallback") and "no driver here" in (
+        _cuda.native_launch_status()
+    )
+    monkeypatch.setattr(_cuda, "_native", [])
+    monkeypatch.setenv("EPKIT_NATIVE_LAUNCH", "0")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert _cuda.native_launch() is None
+    assert not seen and "EPKIT_NATIVE_LAUNCH=0" in _cuda.native_launch_status()
+    monkeypatch.setattr(_cuda, "_native", [])
+    monkeypatch.delenv("EPKIT_NATIVE_LAUNCH")
+    monkeypatch.setattr(ep_launch, "available", lambda: True)
+    assert _cuda.native_launch() is ep_launch and _cuda.native_launch_status().startswith("ep_launch")
+
+
+def test_native_words_equal_the_python_patch() -> None:
+    """The C++ `Launch` patches the words exactly as `PreparedLaunch.patch` (what a hit launches either way)."""
+    ep_launch = pytest.importorskip("ep_launch")
+    rng = random.Random(11)
+    dynamic = ("x", "topk_idx", "recv_x", "envelope", "num_out_rows", "x")
+    args = {name: rng.randrange(0, 1 << 40) for name in OP_ARGS_FIELDS}
+    launch = PreparedLaunch.pack(None, "k", 1, 1, 0, False, args, dynamic)
+    native = ep_launch.Launch(0, 1, 1, 0, False, OP_ARGS_STRUCT.pack(*launch.words), list(launch.slots))
+    for _ in range(20):
+        values = tuple(rng.randrange(0, 1 << 64) for _ in dynamic)
+        assert native.patched(values) == OP_ARGS_STRUCT.pack(*launch.patch(values))

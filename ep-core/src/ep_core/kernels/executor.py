@@ -853,9 +853,9 @@ class DirectRank:
     def _copy_counts(self, psum_rank_ptr: int, unaligned_ptr: int, epr: int) -> None:
         """Queue the copies of a CPU-sync dispatch's counts into the page-locked host words (`_sync_counts`)."""
         n, su = self.num_ranks, self.num_scaleup_ranks
-        native = _cuda.native_launch()
         base = getattr(self._host, "_ptr", None)
-        if native is not None and type(base) is int:  # C++ copies; on a failure both are queued again below
+        native = _cuda.native_launch() if type(base) is int else None
+        if native is not None:  # C++ copies; on a failure both are queued again below
             stream = self.stream.handle
             if not native.copy_to_host(base, psum_rank_ptr, 4 * su, stream) and not native.copy_to_host(
                 base + 4 * n, unaligned_ptr, 4 * epr, stream
