@@ -54,10 +54,11 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     // dispatch writes (abort flag, counts, receive region) is read before it has completed
     ptx::griddep_wait();
     EP_PHASE_FIRST(kPhaseEpilogue, kEpStart);
-    // the abort check, the mbarrier and the handle's counts in one step (one block barrier, the loads in flight
-    // together): reading the counts of an aborted dispatch is harmless, only outputs must stay untouched
     if (threadIdx.x == 0)
         s_abort = entry_aborted(args, Workspace{static_cast<uint8_t*>(args.workspace)}) ? 1 : 0;
+    __syncthreads();
+    if (s_abort != 0)
+        return;
     if (lane == 0)
         ptx::mbarrier_init(&s_bars[warp], 1);
     uint8_t* const buf = ep_dyn_smem + warp * Tok::kSmemSlotBytes;
@@ -77,8 +78,6 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         block_exclusive_scan(s_start, epr, s_scan);
     }
     __syncthreads();
-    if (s_abort != 0)
-        return;
     EP_PHASE_MARK(kPhaseEpilogue, kEpSetup);
     const int64_t R = s_psum[kNumRanks - 1];
     const int global_warp = blockIdx.x * kNumWarps + warp;
