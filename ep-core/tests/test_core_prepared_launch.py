@@ -614,3 +614,72 @@ def test_native_words_equal_the_python_patch() -> None:
     for _ in range(20):
         values = tuple(rng.randrange(0, 1 << 64) for _ in dynamic)
         assert native.patched(values) == OP_ARGS_STRUCT.pack(*launch.patch(values))
+
+
+def test_a_repeats_envelope_equals_pack_envelope() -> None:
+    """The repeat keeps each envelope's digest by the handle's launch number and sets the sequence number into it:
+    the same word as `pack_envelope` for any sequence number."""
+    from ep_core.kernels._envelope import OP_COMBINE, pack_envelope
+    from ep_core.kernels.repeat import _Envelopes
+
+    rng = random.Random(3)
+    fields = (7168, 8, 256, 128, 5)
+    env = _Envelopes(OP_COMBINE, fields)
+    for _ in range(200):
+        seq, launch = rng.randrange(0, 1 << 30), rng.choice([-1, 0, 1, 77, 1 << 20])
+        assert env.word(seq, launch) == pack_envelope(OP_COMBINE, seq, (*fields, launch))
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp8 col-major scales", "cpu sync, expand"])
+def test_a_repeat_through_the_requests_allocator_equals_the_full_path(launches, case: str) -> None:
+    """GpuExecutor hands the repeat the request's own allocator (`allocate(shape, dtype_name)`) instead of its
+    numpy-dtype wrapper: the same allocations (shapes, names, the scales' [P, ld] storage), bytes and results."""
+    from ep_core.kernels.gpu_executor import GpuExecutor
+
+    names = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8}
+    calls: list = []
+    alloc = Allocator()
+
+    def raw(shape, name):
+        calls.append((tuple(shape), name))
+        return alloc(tuple(shape), names.get(name, name))
+
+    x_name = "float8_e4m3fn" if "fp8" in case else "bfloat16"
+    gex = GpuExecutor.__new__(GpuExecutor)
+    gex._allocators = {}
+    rank = make_rank(alloc)
+    rank._allocator = gex._allocator(SimpleNamespace(allocator=raw), x_name)
+    shape, kw = _REPEAT_DISPATCHES[case]
+    kw = dict(kw)
+    kw.setdefault("do_cpu_sync", False)
+    kw.update(num_experts=EXPERTS, num_sms=8)
+    x, sf, idx, w = inputs(**shape)
+    first = rank.dispatch(x, idx, w, sf=sf, record=True, **kw)
+    plan = rank.last_repeat
+    x, sf, idx, w = inputs(**shape)
+
+    def run(repeat):
+        n = len(calls)
+        if repeat:
+            res = plan.run(x.ptr, 0 if sf is None else sf.ptr, idx.ptr, w.ptr, 0, None, idx, raw, x_name)
+        else:
+            res = rank.dispatch(x, idx, w, sf=sf, **kw)
+        return res, calls[n:]
+
+    (rep, (a, ca)), (full, (b, cb)) = _same_call(rank, alloc, launches, run)
+    assert rep == full and ca == cb and _fields(a) == _fields(b)
+    handle = first.handle
+    rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+    recv = arr((rows, HIDDEN), np.uint16)
+    cw = arr((rows,) if handle.do_expand else (rows, TOPK), np.float32)
+    rank.combine(recv, handle, topk_weights=cw, record=True)
+    comb = rank.last_repeat
+
+    def combine(repeat):
+        n = len(calls)
+        if repeat:
+            return comb.run(recv.ptr, cw.ptr, 0, 0, handle, raw), calls[n:]
+        return rank.combine(recv, handle, topk_weights=cw), calls[n:]
+
+    (rep, (a, ca)), (full, (b, cb)) = _same_call(rank, alloc, launches, combine)
+    assert rep == full and ca == cb and _fields(a) == _fields(b)

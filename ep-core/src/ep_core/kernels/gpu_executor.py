@@ -25,7 +25,6 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import int32_block, use_block
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
-from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = ["GpuExecutor"]
 
@@ -231,6 +230,8 @@ class GpuExecutor:
                     0 if stats is None else stats.ptr,
                     req.handle,
                     None if idx is None else idx.obj,
+                    req.allocator,
+                    req.x.dtype,
                 )
             if res is None:
                 res = self._dispatch(req, record=token is not None)
@@ -241,14 +242,8 @@ class GpuExecutor:
         if res.handle is not req.handle and req.topk_idx is not None:
             res.handle.topk_idx = req.topk_idx.obj
         ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
-        return DispatchResult(
-            res.recv_x,
-            res.recv_sf,
-            res.recv_topk_idx,
-            res.recv_topk_weights,
-            res.handle,
-            ev if req.async_with_compute_stream else None,
-        )
+        res.event = ev if req.async_with_compute_stream else None  # this call's own result object
+        return res
 
     def _dispatch(self, req: Any, record: bool) -> Any:
         """The full path of `DirectRank.dispatch` (views of every argument, every check)."""
@@ -282,7 +277,9 @@ class GpuExecutor:
             if plan is not None and plan.rank is rank:
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
-                res = plan.run(req.x.ptr, 0 if w is None else w.ptr, bias[0], bias[1], req.handle)
+                res = plan.run(
+                    req.x.ptr, 0 if w is None else w.ptr, bias[0], bias[1], req.handle, req.allocator
+                )
             if res is None:
                 bias = tuple(_view(b) for b in req.bias)
                 res = rank.combine(
@@ -299,9 +296,8 @@ class GpuExecutor:
         finally:
             rank._allocator = None
         ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
-        return CombineResult(
-            res.combined_x, res.combined_topk_weights, ev if req.async_with_compute_stream else None
-        )
+        res.event = ev if req.async_with_compute_stream else None  # this call's own result object
+        return res
 
     def barrier(self) -> None:
         self.stream.synchronize()

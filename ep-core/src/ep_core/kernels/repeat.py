@@ -39,6 +39,24 @@ __all__ = ["RepeatCombine", "RepeatDispatch", "handle_topk_idx"]
 _I32, _I64, _F32, _U16 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.uint16)
 
 
+class _Envelopes:
+    """The envelope words of one plan by the handle's launch number: `pack_envelope(kind, seq, fields + (launch,))`
+    is the digest of the fields (kept per launch number) with the sequence number in its bits 32-55."""
+
+    __slots__ = ("digests", "fields", "kind")
+
+    def __init__(self, kind: int, fields: tuple) -> None:
+        self.kind, self.fields, self.digests = kind, fields, {}
+
+    def word(self, seq: int, launch: int) -> int:
+        base = self.digests.get(launch)
+        if base is None:
+            if len(self.digests) >= 64:  # cached dispatches of many handles: keep recent ones
+                self.digests.clear()
+            base = self.digests[launch] = pack_envelope(self.kind, 0, (*self.fields, launch))
+        return base | ((seq & 0xFFFFFF) << 32)
+
+
 def _ptr(obj: Any, what: str) -> int:
     """`view_ptr` of an array whose type and dtype are known good (the handle's arrays, validated by this call's
     `check_handle`; outputs of this call's allocator): a torch tensor's `data_ptr()` without the dtype lookup."""
@@ -98,6 +116,10 @@ class RepeatDispatch:
     epilogue_pdl: bool = False
     cpu_sync: bool = False  # rows from the counts, read after the dispatch kernel (`DirectRank._sync_counts`)
 
+    def __post_init__(self) -> None:
+        self._envelopes = _Envelopes(OP_DISPATCH, self.env_fields)
+        self._sf_name = None if self.sf_dtype is None else self.sf_dtype.name
+
     def run(
         self,
         x_ptr: int,
@@ -107,9 +129,13 @@ class RepeatDispatch:
         stats_ptr: int,
         handle: EPHandle | None,
         topk_idx: Any,
+        allocate: Any = None,
+        x_name: str = "",
     ) -> DispatchResult | None:
         """The dispatch, or None (nothing done: the caller takes the full path). `idx_ptr` / `topk_idx`: the
-        caller's routing (ignored when cached: the handle's)."""
+        caller's routing (ignored when cached: the handle's). `allocate(shape, dtype_name)`: the request's
+        allocator for the outputs, called as `GpuExecutor`'s wrapper of it calls it (`x_name`: x's dtype name);
+        None: the rank's allocator (numpy dtypes)."""
         rank = self.rank
         if rank._last_scratch != self.scratch or rank.debug_skip_scaleout_signal != self.skip_signal:
             return None
@@ -160,7 +186,7 @@ class RepeatDispatch:
             _ptr(psum_expert, "psum_expert"),
             unaligned_ptr,
             stats_ptr,
-            pack_envelope(OP_DISPATCH, rank._num_collective_launches + 1, (*self.env_fields, launch)),
+            self._envelopes.word(rank._num_collective_launches + 1, launch),
         )
         rank._launch_prepared(self.prepared.main, dynamic, False, True)
         launch_number = rank._num_collective_launches
@@ -171,8 +197,17 @@ class RepeatDispatch:
             num_recv, num_expanded, expert_list = rank._sync_counts(epr, self.alignment)
             rows = num_expanded if self.expand else num_recv
         # the outputs, exactly as `finish_dispatch` allocates them
-        alloc = rank._alloc
-        recv_x = alloc((rows, self.hidden), self.x_dtype)
+        if allocate is None:
+            alloc = rank._alloc
+            x_dt, sf_dt, i64, f32, i32 = self.x_dtype, self.sf_dtype, _I64, _F32, _I32
+        else:
+
+            def alloc(shape: tuple, name: str, strides: tuple | None = None) -> Any:
+                # column-major scales: the storage [P, ld] (EPBuffer's contract), as GpuExecutor's wrapper
+                return allocate(shape if strides is None else (shape[1], strides[1]), name)
+
+            x_dt, sf_dt, i64, f32, i32 = x_name, self._sf_name, "int64", "float32", "int32"
+        recv_x = alloc((rows, self.hidden), x_dt)
         recv_sf = None
         sf_strides = (0, 0)
         if self.sf_dtype is not None:
@@ -180,17 +215,17 @@ class RepeatDispatch:
             if self.col_major_sf:
                 ld = ep_layout.align(max(rows, 1), 4)
                 sf_strides = (1, ld)
-                recv_sf = alloc((rows, packs), self.sf_dtype, sf_strides)
+                recv_sf = alloc((rows, packs), sf_dt, sf_strides)
             else:
                 sf_strides = (packs, 1)
-                recv_sf = alloc((rows, packs), self.sf_dtype)
+                recv_sf = alloc((rows, packs), sf_dt)
         k = self.topk
-        recv_idx = None if self.expand else alloc((rows, k), _I64)
+        recv_idx = None if self.expand else alloc((rows, k), i64)
         recv_w = None
         if self.has_weights:
-            recv_w = alloc((rows,) if self.expand else (rows, k), _F32)
+            recv_w = alloc((rows,) if self.expand else (rows, k), f32)
         if meta is None:
-            meta = alloc((num_recv, k + 2), _I32)
+            meta = alloc((num_recv, k + 2), i32)
         if rows > 0 or self.zero_padding:
             outputs = (
                 0,
@@ -246,8 +281,14 @@ class RepeatCombine:
     has_weights: bool
     env_fields: tuple  # the envelope's fields but the handle's launch number
 
-    def run(self, x_ptr: int, w_ptr: int, bias0: int, bias1: int, handle: EPHandle) -> CombineResult | None:
-        """The combine, or None (nothing done: the caller takes the full path)."""
+    def __post_init__(self) -> None:
+        self._envelopes = _Envelopes(OP_COMBINE, self.env_fields)
+
+    def run(
+        self, x_ptr: int, w_ptr: int, bias0: int, bias1: int, handle: EPHandle, allocate: Any = None
+    ) -> CombineResult | None:
+        """The combine, or None (nothing done: the caller takes the full path). `allocate(shape, dtype_name)`:
+        the request's allocator (None: the rank's, numpy dtypes)."""
         rank = self.rank
         if rank._last_scratch != self.scratch:
             return None
@@ -260,8 +301,12 @@ class RepeatCombine:
         if self.hybrid and fwd is None:
             return None
         t, hidden, k = self.num_tokens, self.hidden, self.topk
-        combined = rank._alloc((t, hidden), _U16)
-        combined_w = rank._alloc((t, k), _F32) if self.has_weights else None
+        if allocate is None:
+            combined = rank._alloc((t, hidden), _U16)
+            combined_w = rank._alloc((t, k), _F32) if self.has_weights else None
+        else:
+            combined = allocate((t, hidden), "bfloat16")
+            combined_w = allocate((t, k), "float32") if self.has_weights else None
         dynamic = (
             seen[0],
             _ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
@@ -273,11 +318,7 @@ class RepeatCombine:
             bias1,
             _ptr(combined, "combined_x"),
             _ptr(combined_w, "combined_w") if combined_w is not None else 0,
-            pack_envelope(
-                OP_COMBINE,
-                rank._num_collective_launches + 1,
-                (*self.env_fields, rank._handle_launch.get(handle, -1)),
-            ),
+            self._envelopes.word(rank._num_collective_launches + 1, rank._handle_launch.get(handle, -1)),
         )
         rank._launch_prepared(self.prepared.main, dynamic, False, True)
         rank._report_input_error()
