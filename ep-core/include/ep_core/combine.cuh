@@ -268,7 +268,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
             return;
         EP_PHASE_MARK(kPhaseCombine, kCbEntry);
-        if (!sync.grid_sync())
+        if (!sync.grid_sync(false))  // nothing written yet
             return;
     }
 
@@ -355,7 +355,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
     EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
     if constexpr (kNumRanks == 1) {
-        if (!sync.grid_sync())  // one rank: the rows came from its own blocks
+        if (!sync.grid_sync(false))  // one rank: the rows came from its own blocks, to its own memory
             return;
     } else {
         if (!sync.grid_cross_rank_barrier(kTagCombineExit))

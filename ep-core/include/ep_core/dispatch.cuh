@@ -159,7 +159,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     }
     EP_PHASE_MARK(kPhaseDispatch, kDpEntry);
     if (kNumRanks > 1 || det) {
-        if (!sync.grid_sync())
+        if (!sync.grid_sync(false))  // only local bitmaps written so far
             return;
     }
 
@@ -180,7 +180,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             }
         }
         EP_PHASE_MARK(kPhaseDispatch, kDpPrefix);
-        if (!sync.grid_sync())
+        if (!sync.grid_sync(false))  // local prefix only
             return;
     }
 
@@ -299,11 +299,8 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
                 sc.send_slot()[0] = 0;
             }
         } else {
-            // one system fence per thread makes the whole block's stores (ordered by the barrier above) visible
-            // before its first release; a fence before each later release would be redundant (a release orders
-            // what precedes)
-            if (threadIdx.x < kNumRanks)
-                ptx::fence_sys();
+            // each count is a system-scope release, cumulative over the block's expert-count stores (ordered by
+            // the barrier above): no separate fence before it
             for (int d = threadIdx.x; d < kNumRanks; d += num_threads) {
                 const int count = sc.sent_total()[d];
                 ptx::st_release_sys(sync.tr.sym_ptr(ws.recv_rank_count(), d) + rank,
