@@ -16,9 +16,10 @@ executor's device attributes are part of every key.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
-from ep_core.device_array import ArrayInfo, describe
+from ep_core.device_array import describe
 from ep_core.handle import EPHandle
 from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest, PreparedToken
 from ep_core.validation import (
@@ -63,27 +64,25 @@ _new = object.__new__
 _set = object.__setattr__
 
 
-def _layout(info: ArrayInfo) -> tuple:
-    """What the checks read from an array (everything but the pointer and the object)."""
-    return (info.dtype, info.shape, info.strides, info.device, info.device_id)
+# What the checks read from an array (everything but the pointer and the object).
+_layout = operator.attrgetter("dtype", "shape", "strides", "device", "device_id")
+_handle_fields = operator.attrgetter(
+    "do_expand",
+    "num_experts",
+    "num_max_tokens_per_rank",
+    "expert_alignment",
+    "num_sms",
+    "num_recv_tokens",
+    "num_expanded_tokens",
+    "num_ranks",
+    "rank",
+)
 
 
 def _handle_layout(h: EPHandle) -> tuple:
-    """The handle fields the dispatch / combine rules and resolved defaults read (its arrays are checked by
-    `check_handle` on every call)."""
-    return (
-        h.do_expand,
-        h.num_experts,
-        h.num_max_tokens_per_rank,
-        h.expert_alignment,
-        h.num_sms,
-        h.num_recv_tokens,
-        h.num_expanded_tokens,
-        h.num_topk,
-        h.num_tokens,
-        h.num_ranks,
-        h.rank,
-    )
+    """The handle fields the dispatch / combine rules and resolved defaults read, and the shape of its `topk_idx`
+    (num_tokens, num_topk); its arrays are checked by `check_handle` on every call."""
+    return (*_handle_fields(h), tuple(h.topk_idx.shape))
 
 
 def _typed(values: tuple) -> tuple:
