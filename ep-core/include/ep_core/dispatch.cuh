@@ -22,6 +22,12 @@
 
 namespace ep_core {
 
+/// Local fast path: a token's copy for this rank itself carries only its tail ([sf | metadata]) into the own
+/// receive region; the copy epilogue reads the hidden part from `args.x` (its launch has the dispatch's x), so the
+/// rows a rank keeps cost no 14 KB store and reload. kernels.cuh passes this to the direct-mode epilogue; the
+/// hybrid and cross-node dispatches store whole tokens and their epilogues read whole tokens.
+static constexpr bool kDirectOwnRowsTailOnly = true;
+
 /// Per-token routing of one warp: lane k < K holds lane k's expert.
 struct Route {
     int expert;   ///< global expert id, -1 if none
@@ -247,9 +253,14 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         __syncwarp();
         ptx::mbarrier_wait(bar, phase);
         phase ^= 1u;
-        // one bulk store per destination rank, issued by the master lane of that rank
+        // one bulk store per destination rank, issued by the master lane of that rank (this rank's own copy:
+        // the tail only, kDirectOwnRowsTailOnly)
         if (r.master) {
-            ptx::bulk_store(my_dst, slot_buf, Tok::kNumBytes);
+            if (kDirectOwnRowsTailOnly && r.dst == rank)
+                ptx::bulk_store(my_dst + Tok::kHiddenBytes, slot_buf + Tok::kHiddenBytes,
+                                Tok::kNumBytes - Tok::kHiddenBytes);
+            else
+                ptx::bulk_store(my_dst, slot_buf, Tok::kNumBytes);
             ptx::bulk_commit();
         }
     }

@@ -25,8 +25,10 @@ EP_CORE_DEVICE const int32_t* epilogue_psum_src(const Scratch& sc) {
                                             static_cast<int64_t>(sc.num_ranks + sc.num_experts) * sc.num_words);
 }
 
+/// `kOwnRowsFromX`: rows this rank sent to itself hold only their tail in the region (dispatch.cuh
+/// `kDirectOwnRowsTailOnly`); their hidden part is read from `args.x` at the source token the tail names.
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport,
-          int kNumScaleupRanks = kNumRanks>
+          int kNumScaleupRanks = kNumRanks, bool kOwnRowsFromX = false>
 EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
     __shared__ int s_abort;
@@ -99,11 +101,25 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         const int src_rank = kHybrid ? (lo % kNodes) * kNumScaleupRanks + lo / kNodes : lo;
         const int64_t slot = i - (lo > 0 ? s_psum[lo - 1] : 0);
         const uint8_t* gtok = region + (src_rank * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
-        // the whole token into this warp's shared slot (free once the previous row's stores have read it)
+        // the whole token into this warp's shared slot (free once the previous row's stores have read it); a row
+        // this rank kept: its tail from the region, then its hidden part from x at the source token it names
         ptx::bulk_wait_read();
         ptx::fence_async_shared();
         __syncwarp();
-        if (lane == 0) {
+        if (kOwnRowsFromX && src_rank == rank) {
+            constexpr int kTail = Tok::kNumBytes - Tok::kHiddenBytes;
+            if (lane == 0) {
+                ptx::mbarrier_arrive_expect_tx(bar, kTail);
+                ptx::bulk_load(buf + Tok::kHiddenBytes, gtok + Tok::kHiddenBytes, kTail, bar);
+            }
+            ptx::mbarrier_wait(bar, phase);
+            phase ^= 1u;
+            const int64_t t = *reinterpret_cast<const int32_t*>(buf + Tok::kSrcIdxOffset) - rank * M;
+            if (lane == 0) {
+                ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
+                ptx::bulk_load(buf, static_cast<const uint8_t*>(args.x) + t * args.x_stride, Tok::kHiddenBytes, bar);
+            }
+        } else if (lane == 0) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kNumBytes);
             ptx::bulk_load(buf, gtok, Tok::kNumBytes, bar);
         }

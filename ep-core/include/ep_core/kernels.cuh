@@ -55,8 +55,10 @@ extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
 
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
     ep_dispatch_copy_epilogue_impl(const __grid_constant__ ep_core::OpArgs args) {
+    // direct mode's dispatch keeps only the tail of a rank's own rows in its region (dispatch.cuh)
     ep_core::dispatch_epilogue_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_HIDDEN_BYTES, EP_CORE_NUM_SF_PACKS,
-                                    EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT, EP_CORE_NUM_SCALEUP_RANKS>(args);
+                                    EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT, EP_CORE_NUM_SCALEUP_RANKS,
+                                    !EP_CORE_HYBRID && !EP_CORE_DIRECT_XNODE && ep_core::kDirectOwnRowsTailOnly>(args);
 }
 
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
