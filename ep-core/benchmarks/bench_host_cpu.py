@@ -278,7 +278,7 @@ class _FakeNative:
         def __init__(self, *args) -> None:
             pass
 
-        def __call__(self, stream, values) -> int:
+        def __call__(self, stream, values, wait_event=0, wait_on=0, signal_event=0, signal_to=0) -> int:
             return 0
 
     @staticmethod

@@ -683,3 +683,67 @@ def test_a_repeat_through_the_requests_allocator_equals_the_full_path(launches, 
 
     (rep, (a, ca)), (full, (b, cb)) = _same_call(rank, alloc, launches, combine)
     assert rep == full and ca == cb and _fields(a) == _fields(b)
+
+
+def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launches, monkeypatch) -> None:
+    """GpuExecutor's enter / leave pairs ride on a repeat's native launches: the dispatch kernel first waits for the
+    caller's stream, the caller's stream waits for the last launch (the epilogue's; the combine's own)."""
+    calls: list = []
+
+    class Native:
+        class Launch:
+            def __init__(self, func, grid, block, smem, coop, words, slots, pdl=False) -> None:
+                self.name = "?"
+
+            def __call__(self, stream, values, wait_event=0, wait_on=0, signal_event=0, signal_to=0):
+                calls.append((self.name, stream, wait_event, wait_on, signal_event, signal_to))
+                return 0
+
+        @staticmethod
+        def record_wait(event, on, waiter):
+            calls.append(("record_wait", event, on, waiter))
+            return 0
+
+    class NativeKernel(FakeKernel):
+        _func = 1
+
+        def _opt_in_smem(self, shared_mem) -> None:
+            pass
+
+    kernels = SimpleNamespace(
+        dispatch=NativeKernel("dispatch", launches),
+        epilogue=NativeKernel("epilogue", launches),
+        combine=NativeKernel("combine", launches),
+    )
+    monkeypatch.setattr(executor_mod, "load_kernels", lambda config: kernels)
+    monkeypatch.setattr(_cuda, "native_launch", lambda: Native)
+    rank = make_rank(Allocator())
+    x, _, idx, w = inputs()
+    kw = dict(num_experts=EXPERTS, num_sms=8)
+    first = rank.dispatch(x, idx, w, record=True, do_cpu_sync=False, **kw)
+    plan = rank.last_repeat
+    prepared = plan.prepared
+    prepared.main.native.name = "dispatch"
+    prepared.epilogue_pdl.native.name = "epilogue"
+    enter, leave = SimpleNamespace(handle=0xE1), SimpleNamespace(handle=0xE2)
+    comm, caller = rank.stream.handle, 0x7777
+    assert plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx, None, "", (enter, caller), (leave, caller))
+    assert calls == [
+        ("dispatch", comm, 0xE1, caller, 0, 0),
+        ("epilogue", comm, 0, 0, 0xE2, caller),
+    ]
+    calls.clear()
+    recv = arr((first.handle.num_recv_tokens, HIDDEN), np.uint16)
+    rank.combine(recv, first.handle, record=True)
+    comb = rank.last_repeat
+    comb.prepared.main.native.name = "combine"
+    assert comb.run(recv.ptr, 0, 0, 0, first.handle, None, (enter, caller), (leave, caller))
+    assert calls == [("combine", comm, 0xE1, caller, 0xE2, caller)]
+    # a CPU-sync dispatch that received no rows: the leave pair after the dispatch kernel, on its own
+    rank.dispatch(x, idx, w, record=True, **kw)  # the full path, with rows: it keeps the epilogue
+    sync = rank.last_repeat
+    monkeypatch.setattr(executor_mod.DirectRank, "_sync_counts", lambda self, epr, a: (0, 0, [0] * epr))
+    sync.prepared.main.native.name = "dispatch"
+    calls.clear()
+    assert sync.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx, None, "", (enter, caller), (leave, caller))
+    assert calls == [("dispatch", comm, 0xE1, caller, 0, 0), ("record_wait", 0xE2, comm, caller)]

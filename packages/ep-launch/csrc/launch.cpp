@@ -160,7 +160,12 @@ class Launch {
   }
 
   // Copy the words, set slot i to values[i] (ints; values may hold fewer entries than slots), launch on `stream`.
-  int call(uintptr_t stream, py::handle values) const {
+  // With `wait_event`, `stream` first waits for everything queued on `wait_on` (cuEventRecord + cuStreamWaitEvent);
+  // with `signal_event`, `signal_to` then waits for the launch. Returns 0; a positive CUresult when a step up to
+  // and including the launch failed (nothing was launched); minus the CUresult when the launch went out and the
+  // signal pair failed.
+  int call(uintptr_t stream, py::handle values, uintptr_t wait_event, uintptr_t wait_on, uintptr_t signal_event,
+           uintptr_t signal_to) const {
     if (!PyTuple_Check(values.ptr())) throw py::type_error("values: expected a tuple of ints");
     const Py_ssize_t count = PyTuple_GET_SIZE(values.ptr());
     if (static_cast<size_t>(count) > slots_.size())
@@ -192,9 +197,23 @@ class Launch {
     CUresult result;
     {
       py::gil_scoped_release release;
+      CUstream s = reinterpret_cast<CUstream>(stream);
+      if (wait_event != 0) {
+        CUevent ev = reinterpret_cast<CUevent>(wait_event);
+        result = a.event_record(ev, reinterpret_cast<CUstream>(wait_on));
+        if (result == CUDA_SUCCESS) result = a.stream_wait_event(s, ev, 0);
+        if (result != CUDA_SUCCESS) return static_cast<int>(result);
+      }
       result = a.launch_kernel_ex(&cfg, function_, params, nullptr);
+      if (result != CUDA_SUCCESS) return static_cast<int>(result);
+      if (signal_event != 0) {
+        CUevent ev = reinterpret_cast<CUevent>(signal_event);
+        result = a.event_record(ev, s);
+        if (result == CUDA_SUCCESS) result = a.stream_wait_event(reinterpret_cast<CUstream>(signal_to), ev, 0);
+        if (result != CUDA_SUCCESS) return -static_cast<int>(result);
+      }
     }
-    return static_cast<int>(result);
+    return 0;
   }
 
   // The words a call with `values` would launch (tests compare them with a fresh pack).
@@ -275,7 +294,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<uintptr_t, unsigned, unsigned, unsigned, bool, py::bytes, std::vector<int>, bool>(),
            py::arg("function"), py::arg("grid"), py::arg("block"), py::arg("shared_mem"), py::arg("cooperative"),
            py::arg("words"), py::arg("slots"), py::arg("pdl") = false)
-      .def("__call__", &Launch::call, py::arg("stream"), py::arg("values"))
+      .def("__call__", &Launch::call, py::arg("stream"), py::arg("values"), py::arg("wait_event") = 0,
+           py::arg("wait_on") = 0, py::arg("signal_event") = 0, py::arg("signal_to") = 0)
       .def("patched", &Launch::patched, py::arg("values"))
       .def_property_readonly("words", &Launch::words)
       .def_property_readonly("slots", &Launch::slots)

@@ -496,13 +496,24 @@ class DirectRank:
         )
         return n * 2 * geo.grid <= per_sm * self.device_sms
 
-    def _launch_prepared(self, launch: PreparedLaunch, values: tuple, fresh: bool, collective: bool) -> None:
+    def _launch_prepared(
+        self,
+        launch: PreparedLaunch,
+        values: tuple,
+        fresh: bool,
+        collective: bool,
+        wait: Any = None,
+        signal: Any = None,
+    ) -> None:
         """Launch a prepared launch: its kept words as they are (`fresh`: this call packed them), else with the
-        per-call `values` patched in (natively when ep_launch is usable). `collective`: it carries an envelope."""
+        per-call `values` patched in (natively when ep_launch is usable). `collective`: it carries an envelope.
+        `wait` / `signal`: the stream-order pairs before and after it (`PreparedLaunch.run`; repeats only)."""
         if fresh:
             launch.launch(launch.words, self.stream.handle)
-        else:
+        elif wait is None and signal is None:
             launch.run(values, self.stream.handle)
+        else:
+            launch.run(values, self.stream.handle, wait, signal)
         if collective:
             self._num_collective_launches += 1
 

@@ -210,16 +210,39 @@ class GpuExecutor:
             self._allocators[key] = alloc
         return alloc
 
+    def _pairs(self, stream: int, fresh: bool) -> tuple:
+        """A repeat's stream-order pairs (`_enter`, `_leave`), issued together with its first and last launch
+        (`PreparedLaunch.run`: one native call each): `(wait, signal, leave event)`."""
+        if self._destroyed:
+            raise EPStateError("the executor was destroyed")
+        comm = self.stream.handle
+        wait = None
+        if stream != comm:
+            ev = self._enter_event
+            if ev is None:
+                ev = self._enter_event = Event(timing=False)
+            wait = (ev, stream)
+        if fresh:
+            leave = Event(timing=False)
+        elif stream == comm:
+            return wait, None, None
+        else:
+            leave = self._leave_event
+            if leave is None:
+                leave = self._leave_event = Event(timing=False)
+        return wait, (leave, stream), leave
+
     def dispatch(self, req: Any) -> Any:
-        self._enter(req.stream)
         rank = self.rank
-        rank._allocator = self._allocator(req, req.x.dtype)
         token = req.prepared
+        plan = None if token is None else token.plan
+        fresh = req.async_with_compute_stream
+        res = None
+        rank._allocator = self._allocator(req, req.x.dtype)
         try:
-            res = None
-            plan = None if token is None else token.plan
-            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it: the full path
+            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
             if plan is not None and plan.rank is rank:
+                wait, signal, ev = self._pairs(req.stream, fresh)
                 sf, idx, w = req.sf, req.topk_idx, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
                 res = plan.run(
@@ -232,17 +255,20 @@ class GpuExecutor:
                     None if idx is None else idx.obj,
                     req.allocator,
                     req.x.dtype,
+                    wait,
+                    signal,
                 )
             if res is None:
+                self._enter(req.stream)
                 res = self._dispatch(req, record=token is not None)
                 if token is not None:
                     token.plan = rank.last_repeat
+                ev = self._leave(req.stream, fresh=fresh)
         finally:
             rank._allocator = None
         if res.handle is not req.handle and req.topk_idx is not None:
             res.handle.topk_idx = req.topk_idx.obj
-        ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
-        res.event = ev if req.async_with_compute_stream else None  # this call's own result object
+        res.event = ev if fresh else None  # this call's own result object
         return res
 
     def _dispatch(self, req: Any, record: bool) -> Any:
@@ -266,21 +292,30 @@ class GpuExecutor:
         )
 
     def combine(self, req: Any) -> Any:
-        self._enter(req.stream)
         rank = self.rank
-        rank._allocator = self._allocator(req, "bfloat16")
         token = req.prepared
+        plan = None if token is None else token.plan
+        fresh = req.async_with_compute_stream
+        res = None
+        rank._allocator = self._allocator(req, "bfloat16")
         try:
-            res = None
-            plan = None if token is None else token.plan
-            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it: the full path
+            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
             if plan is not None and plan.rank is rank:
+                wait, signal, ev = self._pairs(req.stream, fresh)
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
                 res = plan.run(
-                    req.x.ptr, 0 if w is None else w.ptr, bias[0], bias[1], req.handle, req.allocator
+                    req.x.ptr,
+                    0 if w is None else w.ptr,
+                    bias[0],
+                    bias[1],
+                    req.handle,
+                    req.allocator,
+                    wait,
+                    signal,
                 )
             if res is None:
+                self._enter(req.stream)
                 bias = tuple(_view(b) for b in req.bias)
                 res = rank.combine(
                     _view(req.x),
@@ -293,10 +328,10 @@ class GpuExecutor:
                 )
                 if token is not None:
                     token.plan = rank.last_repeat
+                ev = self._leave(req.stream, fresh=fresh)
         finally:
             rank._allocator = None
-        ev = self._leave(req.stream, fresh=req.async_with_compute_stream)
-        res.event = ev if req.async_with_compute_stream else None  # this call's own result object
+        res.event = ev if fresh else None  # this call's own result object
         return res
 
     def barrier(self) -> None:

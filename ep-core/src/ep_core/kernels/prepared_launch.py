@@ -109,14 +109,30 @@ class PreparedLaunch:
             out[i] = v - _WRAP if v >= _TOP else v
         return out
 
-    def run(self, values: tuple, stream: int) -> None:
-        """Launch the kept words with the per-call fields set to `values` (a tuple, in `dynamic` order)."""
+    def run(self, values: tuple, stream: int, wait: Any = None, signal: Any = None) -> None:
+        """Launch the kept words with the per-call fields set to `values` (a tuple, in `dynamic` order).
+
+        `wait = (event, other)`: the launch first waits for everything queued on stream `other`; `signal =
+        (event, other)`: stream `other` then waits for the launch (`_cuda.Event`s; both in the same native call)."""
         native = self.native
-        if native is not None and not native(stream, values):
-            return
-        self.launch(
-            self.patch(values), stream
-        )  # no native path, or its launch failed: the Python path raises
+        if native is not None:
+            if wait is None and signal is None:
+                code = native(stream, values)
+            else:
+                w_ev, w_on = wait if wait is not None else _NO_PAIR
+                s_ev, s_to = signal if signal is not None else _NO_PAIR
+                code = native(stream, values, w_ev.handle, w_on, s_ev.handle, s_to)
+            if code == 0:
+                return
+            if code < 0:  # launched; the signal pair failed: the Python pair raises the driver's error
+                record_wait(signal[0], stream, signal[1])
+                return
+        # no native path, or the native call failed before launching: the Python path (it raises the error)
+        if wait is not None:
+            record_wait(wait[0], wait[1], stream)
+        self.launch(self.patch(values), stream)
+        if signal is not None:
+            record_wait(signal[0], stream, signal[1])
 
     def launch(self, words: list[int], stream: Any) -> None:
         import ep_jit  # loaded by then (the kernels came from it); not needed to import ep_core
@@ -130,6 +146,25 @@ class PreparedLaunch:
             cooperative=self.cooperative,
             **({"pdl": True} if self.pdl else {}),
         )
+
+
+class _NoEvent:
+    handle = 0
+
+
+_NO_PAIR = (_NoEvent, 0)
+
+
+def record_wait(event: Any, on: int, waiter: int) -> None:
+    """`waiter` waits for everything queued on `on` so far (`event`: a `_cuda.Event`), through ep_launch when it
+    is usable, else (or when that fails, to raise the driver's error) through cuda-python."""
+    from ep_core.kernels import _cuda
+
+    native = _cuda.native_launch()
+    if native is not None and not native.record_wait(event.handle, on, waiter):
+        return
+    event.record(on)
+    _cuda.check(_cuda.driver().cuStreamWaitEvent(int(waiter), event._event, 0), "cuStreamWaitEvent")
 
 
 def _native_launch(launch: PreparedLaunch) -> Any:

@@ -31,7 +31,7 @@ from ep_core import device_array as _device_array
 from ep_core.handle import EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, pack_envelope
-from ep_core.kernels.prepared_launch import PreparedOp
+from ep_core.kernels.prepared_launch import PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = ["RepeatCombine", "RepeatDispatch", "handle_topk_idx"]
@@ -131,11 +131,14 @@ class RepeatDispatch:
         topk_idx: Any,
         allocate: Any = None,
         x_name: str = "",
+        wait: Any = None,
+        signal: Any = None,
     ) -> DispatchResult | None:
         """The dispatch, or None (nothing done: the caller takes the full path). `idx_ptr` / `topk_idx`: the
         caller's routing (ignored when cached: the handle's). `allocate(shape, dtype_name)`: the request's
         allocator for the outputs, called as `GpuExecutor`'s wrapper of it calls it (`x_name`: x's dtype name);
-        None: the rank's allocator (numpy dtypes)."""
+        None: the rank's allocator (numpy dtypes). `wait` / `signal`: the executor's stream-order pairs, issued
+        with the dispatch launch and with the last launch (`PreparedLaunch.run`)."""
         rank = self.rank
         if rank._last_scratch != self.scratch or rank.debug_skip_scaleout_signal != self.skip_signal:
             return None
@@ -188,7 +191,8 @@ class RepeatDispatch:
             stats_ptr,
             self._envelopes.word(rank._num_collective_launches + 1, launch),
         )
-        rank._launch_prepared(self.prepared.main, dynamic, False, True)
+        copies = self.cpu_sync or rows > 0 or self.zero_padding  # the epilogue follows (CPU sync: if rows)
+        rank._launch_prepared(self.prepared.main, dynamic, False, True, wait, None if copies else signal)
         launch_number = rank._num_collective_launches
         expert_list: list = []
         if self.cpu_sync:
@@ -238,7 +242,9 @@ class RepeatDispatch:
                 _ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
                 rows,
             )
-            rank._launch_prepared(epilogue, dynamic + outputs, False, False)
+            rank._launch_prepared(epilogue, dynamic + outputs, False, False, None, signal)
+        elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
+            record_wait(signal[0], rank.stream.handle, signal[1])
         if not cached:
             handle = EPHandle(
                 self.expand,
@@ -285,7 +291,15 @@ class RepeatCombine:
         self._envelopes = _Envelopes(OP_COMBINE, self.env_fields)
 
     def run(
-        self, x_ptr: int, w_ptr: int, bias0: int, bias1: int, handle: EPHandle, allocate: Any = None
+        self,
+        x_ptr: int,
+        w_ptr: int,
+        bias0: int,
+        bias1: int,
+        handle: EPHandle,
+        allocate: Any = None,
+        wait: Any = None,
+        signal: Any = None,
     ) -> CombineResult | None:
         """The combine, or None (nothing done: the caller takes the full path). `allocate(shape, dtype_name)`:
         the request's allocator (None: the rank's, numpy dtypes)."""
@@ -320,6 +334,6 @@ class RepeatCombine:
             _ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelopes.word(rank._num_collective_launches + 1, rank._handle_launch.get(handle, -1)),
         )
-        rank._launch_prepared(self.prepared.main, dynamic, False, True)
+        rank._launch_prepared(self.prepared.main, dynamic, False, True, wait, signal)
         rank._report_input_error()
         return CombineResult(combined, combined_w)
