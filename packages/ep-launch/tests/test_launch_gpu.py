@@ -108,3 +108,27 @@ def test_record_wait_orders_streams(env):
     # when b finished, a had finished too (the wait), so the flag is set
     assert drv.cuStreamQuery(a)[0] == drv.CUresult.CUDA_SUCCESS
     assert _read(drv, flag, 1) == [1]
+
+
+def test_launch_with_wait_and_signal_pairs(env):
+    """A launch that first waits for stream `a` (a slow kernel there) and then makes stream `c` wait for it: when
+    `c` drains, both earlier kernels have run."""
+    import ep_jit
+    import ep_launch
+
+    drv, mod = env
+    spin = mod.function("spin_then_set")
+    copy = mod.function("copy_words")
+    flag = _alloc(drv, 8)
+    out = _alloc(drv, 8 * 5)
+    a, b, c = (int(drv.cuStreamCreate(1)[1]) for _ in range(3))
+    e1 = int(drv.cuEventCreate(2)[1])
+    e2 = int(drv.cuEventCreate(2)[1])
+    spin.launch(1, 1, [ep_jit.pointer(flag), ep_jit.int64(50_000_000)], stream=a)
+    words = struct.pack("<6q", out, 1, 2, 3, 4, 5)
+    launch = ep_launch.Launch(int(copy._func), 1, 32, 0, False, words, [1])
+    assert launch(b, (42,), e1, a, e2, c) == 0
+    assert not drv.cuStreamSynchronize(c)[0]  # c waited for b, which waited for a
+    assert drv.cuStreamQuery(a)[0] == drv.CUresult.CUDA_SUCCESS
+    assert drv.cuStreamQuery(b)[0] == drv.CUresult.CUDA_SUCCESS
+    assert _read(drv, out, 5) == [42, 2, 3, 4, 5] and _read(drv, flag, 1) == [1]
