@@ -210,6 +210,15 @@ class _PendingDispatch:
     repeat: dict | None = None  # what a `RepeatDispatch` needs beyond these fields (`record=True`)
 
 
+def _combine_smem(cfg: KernelConfig) -> int:
+    """The combine launch's dynamic shared memory: the direct combine stages rows through it with bulk copies
+    (`KernelConfig.combine_dynamic_smem_bytes`, 0 when it does not fit: the register path); hybrid and cross-node
+    combines do not use it (helper-latency's request 3, issue 17)."""
+    if cfg.is_hybrid or cfg.is_direct_xnode:
+        return 0
+    return cfg.combine_dynamic_smem_bytes
+
+
 def _check_2d(view: DeviceView, what: str) -> None:
     if len(view.shape) != 2:
         raise EPValueError(f"{what}: expected a 2-D array, got shape {view.shape}")
@@ -818,7 +827,7 @@ class DirectRank:
                 _DISPATCH_DYNAMIC,
             )
             # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
-            self._occupancy(kernels.combine, geo.block, 0)
+            self._occupancy(kernels.combine, geo.block, _combine_smem(cfg))
             prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
         self._launch_prepared(prepared.main, dynamic, args is not None, bool(dynamic[-1]))
         keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
@@ -1150,7 +1159,13 @@ class DirectRank:
             args.update(num_tokens=t, flags=flags)
             args.update(zip(_COMBINE_DYNAMIC, dynamic))
             main = self._prepare(
-                kernels.combine, "ep_combine_impl", geo, 0, self.cooperative, args, _COMBINE_DYNAMIC
+                kernels.combine,
+                "ep_combine_impl",
+                geo,
+                _combine_smem(cfg),
+                self.cooperative,
+                args,
+                _COMBINE_DYNAMIC,
             )
             prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
             fresh = True
