@@ -1,0 +1,136 @@
+"""GPU (marker gpu): repeated eager calls of one shape take ep_core's repeated-call road (ep_core.kernels.repeat)
+and ep_launch's C++ launches, and stay exact.
+
+One rank over nccl, in a child process (this file run as a script): dispatches without and with CPU sync,
+cached dispatches and combines, each several times with new inputs of the same shapes, synchronous, async
+(`async_with_compute_stream`) and on the comm stream (`allocate_on_comm_stream`). With one rank each token is
+received once (the non-expand layout: one row per token and destination rank), so `combine(dispatch(x))` is
+exactly `x`, a CPU-sync handle holds T rows and the routing's per-expert counts, and a cached dispatch of the
+handle does the same with new data. The same script runs once with `EPKIT_NATIVE_LAUNCH=0` (the announced
+cuda-python path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+T, HIDDEN, E, K = 128, 7168, 256, 8  # the shapes of benchmarks/bench_host_overhead.py (its JIT cache entries)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_repeated_calls_stay_exact(tmp_path: Path, native: str) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    env = dict(os.environ, EPKIT_NATIVE_LAUNCH=native)
+    code, out = run_script(__file__, [str(tmp_path)], 300.0, what=f"native={native}: ", env=env)
+    assert code == 0, out[-4000:]
+    seen = json.loads((tmp_path / "out.json").read_text())
+    assert seen["failures"] == [], seen["failures"][:10]
+    assert seen["checks"] >= 30
+    assert seen["launch_path"].startswith("ep_launch" if native == "1" else "off")
+    assert seen["repeats"] > 0  # the repeated-call road ran
+
+
+def _main(out_dir: str) -> int:
+    import torch
+    import torch.distributed as dist
+    from ep_torch import ElasticBuffer
+    from ep_torch.launch import free_port, init_rank
+
+    init_rank(0, 1, free_port(), "nccl")
+    buf = ElasticBuffer(None, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=K, explicitly_destroy=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    failures: list[str] = []
+    checks = [0]
+
+    def check(ok: bool, what: str) -> None:
+        checks[0] += 1
+        if not ok:
+            failures.append(what)
+
+    def inputs():
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+        idx = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=1).indices
+        w = torch.rand(T, K, device="cuda", generator=g)
+        return x, idx, w
+
+    def counts(idx):
+        return torch.bincount(idx.flatten(), minlength=E).tolist()
+
+    kw = {"num_experts": E, "num_sms": 16}
+    for mode in ("plain", "async", "comm"):
+        extra = {
+            "plain": {},
+            "async": {"async_with_compute_stream": True},
+            "comm": {"allocate_on_comm_stream": True},
+        }[mode]
+
+        def done(ev):
+            if ev is not None and ev.event is not None:
+                ev.current_stream_wait()
+
+        for sync in (True, False):
+            for i in range(4):  # the first call of each shape takes the full path, the others repeat it
+                x, idx, w = inputs()
+                recv_x, recv_idx, recv_w, handle, ev = buf.dispatch(
+                    x, topk_idx=idx, topk_weights=w, do_cpu_sync=sync, **kw, **extra
+                )
+                done(ev)
+                tag = f"{mode} sync={sync} #{i}"
+                if sync:
+                    check(handle.num_recv_tokens == T, f"{tag}: rows {handle.num_recv_tokens}")
+                    check(
+                        list(handle.num_recv_tokens_per_expert_list) == counts(idx), f"{tag}: expert counts"
+                    )
+                # one rank: the received rows are the tokens in some order, with their routing and weights
+                check(recv_x.shape[0] == T and recv_idx.shape == (T, K), f"{tag}: shapes {recv_x.shape}")
+                check(
+                    torch.equal(recv_idx.flatten().sort().values, idx.flatten().sort().values), f"{tag}: ids"
+                )
+                check(
+                    torch.equal(recv_w.flatten().sort().values, w.flatten().sort().values), f"{tag}: weights"
+                )
+                comb, _, ev = buf.combine(recv_x, handle, num_sms=16, **extra)
+                done(ev)
+                check(torch.equal(comb, x), f"{tag}: combine(dispatch(x)) != x")
+                check(
+                    torch.equal(handle.topk_idx, idx) and handle.topk_idx is not idx,
+                    f"{tag}: handle.topk_idx",
+                )
+                for j in range(3):  # cached dispatches of this handle, then their combines
+                    x2 = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+                    r2, _, _, h2, ev = buf.dispatch(x2, handle=handle, num_sms=16, **extra)
+                    done(ev)
+                    check(h2 is handle, f"{tag} cached #{j}: handle")
+                    c2, _, ev = buf.combine(r2, handle, num_sms=16, **extra)
+                    done(ev)
+                    check(torch.equal(c2, x2), f"{tag} cached #{j}: combine(dispatch(x)) != x")
+    torch.cuda.synchronize()
+    ex = buf.runtime.executor
+    repeats = sum(1 for e in buf.runtime._prepared._dispatch.values() if e["prepared"].plan is not None)
+    repeats += sum(1 for e in buf.runtime._prepared._combine.values() if e["prepared"].plan is not None)
+    Path(out_dir, "out.json").write_text(
+        json.dumps(
+            {
+                "failures": failures,
+                "checks": checks[0],
+                "launch_path": ex.launch_path,
+                "repeats": repeats,
+            }
+        )
+    )
+    buf.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1]))
