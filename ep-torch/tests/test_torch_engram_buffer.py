@@ -135,10 +135,13 @@ def _case(rank: int, n: int, mode: str, seen: dict) -> None:
             backend = buf._buf()._elastic().backend
             seen[f"{tag}.storage"] = backend.engram_storage
             if backend.engram_storage == "host":
-                host = np.frombuffer(backend.host_view(), dtype=bits, count=LAYERS[0] * HIDDEN)
-                seen[f"{tag}.host_holds_layer0"] = bool(
-                    np.array_equal(host, shard(rank, 0, LAYERS[0]).ravel())
-                )
+                try:  # the CPU reads the host part (where the system lets it map it)
+                    host = np.frombuffer(backend.host_view(), dtype=bits, count=LAYERS[0] * HIDDEN)
+                    seen[f"{tag}.host_holds_layer0"] = bool(
+                        np.array_equal(host, shard(rank, 0, LAYERS[0]).ravel())
+                    )
+                except Exception as exc:
+                    seen[f"{tag}.host_holds_layer0"] = f"{type(exc).__name__}: {exc}"
         buf.destroy()
         seen[f"{tag}.after_destroy"] = _raises(
             lambda buf=buf, idx=idx: buf.fetch(torch.from_numpy(idx).to(dev))
@@ -215,7 +218,7 @@ def test_engram_buffer_on_shared_gpu(mode: str, tmp_path: Path) -> None:
     for s in seen:
         assert s["bf16.storage"] == ("gpu" if mode == "gpu_gpu_storage" else "host"), s
         if mode == "gpu":
-            assert s["bf16.host_holds_layer0"] and s["fp8.host_holds_layer0"], s
+            assert s["bf16.host_holds_layer0"] is True and s["fp8.host_holds_layer0"] is True, s
 
 
 if __name__ == "__main__":
