@@ -353,19 +353,24 @@ def _worker(rank: int, n: int, shared: bool, quick: bool, out: str) -> None:
     reps = 3 if quick else 10
     rows: list[dict] = []
     sizes = [1 * MiB, 16 * MiB] if quick else [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
-    _pp(rank, n, setup, sizes, reps, rows)
-    _engram(n, setup, quick, reps, rows)
-    if n > 1:
-        _agrs(n, setup, sizes, reps, rows)
-    else:
+
+    def section(op: str, fn, *args) -> None:
+        """One measurement; a failure becomes an error row and the others still run (with several ranks a
+        failure on one rank may leave its peers waiting: the launcher's limit ends them)."""
         try:
-            _agrs_loopback(sizes, reps, rows)
-        except Exception as exc:  # a measurement of its own: report it, keep the other rows
-            rows.append(
-                {"setup": "1proc loopback", "op": "all_gather", "error": f"{type(exc).__name__}: {exc}"}
-            )
+            fn(*args)
+        except Exception as exc:
+            rows.append({"setup": setup, "op": op, "error": f"{type(exc).__name__}: {exc}"})
+            torch.cuda.synchronize()
+
+    section("pp", _pp, rank, n, setup, sizes, reps, rows)
+    section("engram_fetch", _engram, n, setup, quick, reps, rows)
+    if n > 1:
+        section("agrs", _agrs, n, setup, sizes, reps, rows)
+    else:
+        section("all_gather loopback", _agrs_loopback, sizes, reps, rows)
     if setup != "shared" and os.environ.get("EPKIT_ELASTIC_BENCH_SPILL", "1") != "0":
-        _spill(rank, n, setup, quick, reps, rows)
+        section("dispatch+combine spill", _spill, rank, n, setup, quick, reps, rows)
     torch.cuda.synchronize()
     if rank == 0:
         wait = os.environ.get("EPKIT_ELASTIC_WAIT", "kernel") or "kernel"
