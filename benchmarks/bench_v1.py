@@ -2,7 +2,7 @@
 """Decode benchmark of the DeepEP V1 surface (``ep_torch.Buffer`` low-latency mode) next to the V2 path
 (``ep_torch.ElasticBuffer`` dispatch without CPU sync + combine), in the same run, CUDA-graph replay timing.
 
-    python benchmarks/bench_v1.py [--ranks 1 8] [--tokens 128] [--iters 50] [--json PATH]
+    python benchmarks/bench_v1.py [--ranks 1 8] [--tokens 128] [--iters 50] [--json PATH] [--quick]
 
 Per EP size N (one process per rank over a gloo group, ep's ipc transport; one GPU per rank when the machine has N
 GPUs, else every rank on GPU 0, labelled ``shared``: processes on one GPU are time-sliced, so those times are an
@@ -12,7 +12,7 @@ upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 exper
   layout ``[E_local, N*T, H]`` (ep-torch's CUDA epilogue, ``legacy_ll_kernels``); ``... torch-ops``: the same
   through the torch composition (``ll_use_kernels=False``, the bitwise reference of the kernels);
 - ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
-  ep combine (``ll_lanes_per_combine``; the automatic choice, 2, 4 and all K: wider rows mean fewer launches but
+  ep combine (``ll_lanes_per_combine``; 1, 2, 4 and all K (automatic when it fits): wider rows mean fewer launches but
   fewer warps per block in ep's kernels), gather and weighted sum as kernels; ``torch-ops`` rows: the torch ops;
 - ``... nondet``: the same (kernels) over ep's non-deterministic dispatch (``ll_deterministic=False``: no count /
   prefix phases; the packing orders rows by their source key);
@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=50, help="graph replays timed per op")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the kernels' rows (no torch-ops rows)",
+    )
     ap.add_argument(
         "--dry-run-cpu",
         action="store_true",
@@ -163,7 +168,8 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     v1 = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
                 num_qps_per_rank=epr, explicitly_destroy=True, transport=transport)  # fmt: skip
     ok = True
-    for use, tag in ((None, ""), (False, " torch-ops")):  # ep-torch's kernels (on CUDA), then the torch ops
+    paths = ((None, ""),) if cfg["quick"] else ((None, ""), (False, " torch-ops"))
+    for use, tag in paths:  # ep-torch's kernels (on CUDA), then the torch ops
         v1.ll_use_kernels = use
         for fp8 in (False, True):
             if not ok:
@@ -182,8 +188,10 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
     ref = ll_combine_reference(np.repeat(xb[:, None, :], k, axis=1), idx.cpu().numpy(), w.cpu().numpy())
     auto = lanes_per_combine(k, h)
-    lane_rows = [(g, None) for g in sorted({auto, k} | {g for g in (2, 4) if g < k})]
-    for lanes, use in dict.fromkeys([*lane_rows, (auto, False), (k, False)]):
+    lane_rows = [(g, None) for g in sorted({auto, k} | {g for g in (1, 2, 4) if g < k})]
+    if not cfg["quick"]:
+        lane_rows += [(1, False), (k, False)]
+    for lanes, use in dict.fromkeys(lane_rows):
         if not ok:
             break  # after a failure the buffer may be unusable
         v1.ll_lanes_per_combine = lanes
@@ -249,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     from ep_torch.launch import spawn
 
     cfg = {"tokens": args.tokens, "hidden": args.hidden, "experts": args.experts, "topk": args.topk,
-           "iters": args.iters, "seed": args.seed, "dry_run_cpu": args.dry_run_cpu}  # fmt: skip
+           "iters": args.iters, "seed": args.seed, "dry_run_cpu": args.dry_run_cpu,
+           "quick": args.quick}  # fmt: skip
     rows: list[dict] = []
     failures: list[str] = []
     for n in args.ranks:
