@@ -170,7 +170,11 @@ class RepeatDispatch:
             meta = handle.recv_src_metadata
             launch = rank._handle_launch.get(handle, -1)
         else:
-            arrays = rank._alloc_int32(self.int32_shapes)
+            if allocate is not None and getattr(rank._allocator, "int32_block", None) is None:
+                # the request's allocator by name, as GpuExecutor's wrapper calls it (no block to carve)
+                arrays = {name: allocate(shape, "int32") for name, shape in self.int32_shapes.items()}
+            else:
+                arrays = rank._alloc_int32(self.int32_shapes)
             dst_slot, psum_rank = arrays["dst_slot"], arrays["psum_rank"]
             psum_expert, unaligned = arrays["psum_expert"], arrays["unaligned"]
             fwd = arrays.get("fwd")
