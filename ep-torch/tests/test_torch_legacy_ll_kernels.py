@@ -201,8 +201,8 @@ def _compare(rank: int, n: int, cfg: dict, idx_dtype: torch.dtype, det: bool = T
                 cnt = int(c0[j])
                 _same(p0[j, :cnt], p1[j, :cnt], f"{what}: {name} of expert {j}")
     # combine: random expert outputs, every lane grouping, kernels vs torch (each on its own dispatch's handle)
-    g = torch.Generator().manual_seed(77 + rank)
-    y = (torch.randn(epr, n * m, h, generator=g) * 3).to(torch.bfloat16).to(dev)
+    g = torch.Generator(device=dev).manual_seed(77 + rank)
+    y = (torch.randn(epr, n * m, h, generator=g, device=dev) * 3).to(torch.bfloat16)
     handles = {}
     for use in (False, True):
         buf.ll_use_kernels = use
