@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from ep_core import engram_gather
@@ -37,3 +39,19 @@ def test_grid_is_the_sms_or_one_warp_per_row():
 def test_the_kernels_compile_for_sm_90():
     art = engram_gather.compile_engram_gather("sm_90")
     assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_the_gather_indexing_on_the_host(tmp_path: Path):
+    """The kernel's threads are independent (no barrier, no shared memory), so running every (block, thread) one
+    after another on the host with CUDA's names shimmed (engram_gather_emu.cpp) checks its indexing: rows over the
+    grid, lanes and unrolled loads over a row, the tail, each id's owner and row, zero rows for ids outside."""
+    from ep_core.kernels._source import get_include
+
+    src = Path(__file__).with_name("engram_gather_emu.cpp")
+    exe = tmp_path / "emu"
+    subprocess.run(
+        ["g++", "-std=c++17", "-O1", f"-I{get_include()}", str(src), "-o", str(exe)], check=True, timeout=120
+    )
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout
