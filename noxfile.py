@@ -280,6 +280,7 @@ BENCHMARKS = [
     ("benchmarks/bench_ep.py",),
     ("benchmarks/bench_ep.py", "--decode"),
     ("benchmarks/bench_host_overhead.py", "--profile"),
+    ("benchmarks/bench_host_calls.py",),
     ("ep-jit/benchmarks/bench_jit.py",),
     ("packages/ep-symmem/benchmarks/bench_symmem.py",),
 ]
