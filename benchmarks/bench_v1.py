@@ -14,6 +14,7 @@ upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 exper
 - ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
   ep combine (``ll_lanes_per_combine``; 1, 2, 4 and all K (automatic when it fits): wider rows mean fewer launches but
   fewer warps per block in ep's kernels), gather and weighted sum as kernels; ``torch-ops`` rows: the torch ops;
+- ``... sms=S``: the automatic combine on all S SMs (``ll_combine_num_sms``; ep's default is the dispatch's count);
 - ``... nondet``: the same (kernels) over ep's non-deterministic dispatch (``ll_deterministic=False``: no count /
   prefix phases; the packing orders rows by their source key);
 - ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine`` (run
@@ -207,6 +208,20 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
         if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
             failures.append(f"rank {rank}: {op} differs from ll_combine_reference")
         ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
+    if ok and not cpu and not shared:  # the wide combine rows leave few warps per block: every SM instead
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        v1.ll_use_kernels, v1.ll_lanes_per_combine, v1.ll_combine_num_sms = None, 0, sms
+        op = f"v1 ll_combine lanes={auto} (auto) sms={sms}"
+        try:
+            comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
+            _sync(torch)
+            if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
+                failures.append(f"rank {rank}: {op} differs from ll_combine_reference")
+            ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
+        except Exception as exc:
+            failures.append(f"rank {rank}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
+            ok = False
+        v1.ll_combine_num_sms = 0
     # ep's non-deterministic dispatch underneath (the packing orders rows by key): a rebuilt inner buffer
     v1.ll_use_kernels, v1.ll_lanes_per_combine, v1.ll_deterministic = None, 0, False
     for fp8 in (False, True):

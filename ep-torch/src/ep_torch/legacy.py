@@ -31,7 +31,8 @@ lanes one low-latency combine carries (``legacy_ll.lanes_per_combine``); ``ll_us
 low-latency mode's packing, gather and weighted sum as CUDA kernels (``legacy_ll_kernels``) instead of torch ops
 (the same bits; False keeps the torch composition, the tests' reference); ``ll_deterministic=False`` runs ep's
 non-deterministic dispatch underneath (no count/prefix phases) and orders the packed rows by their source key
-instead (the same results).
+instead (the same results); ``ll_combine_num_sms`` (0 = ep's choice) sets the SMs of the low-latency combine (its
+wide rows leave few warps per block).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ class Buffer:
         ll_lanes_per_combine: int = 0,
         ll_use_kernels: bool | None = None,
         ll_deterministic: bool = True,
+        ll_combine_num_sms: int = 0,
     ) -> None:
         if group is None and comm is not None:
             raise NotImplementedError(
@@ -193,6 +195,7 @@ class Buffer:
         self.ll_lanes_per_combine = int(ll_lanes_per_combine)
         self.ll_use_kernels = ll_use_kernels
         self.ll_deterministic = bool(ll_deterministic)
+        self.ll_combine_num_sms = int(ll_combine_num_sms)
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
         self._destroyed = False
@@ -694,8 +697,9 @@ class Buffer:
 
         def run() -> torch.Tensor:
             return ll_combine_weighted(
-                inner, x, handle, topk_idx, topk_weights, self.ll_lanes_per_combine, out, self.ll_use_kernels
-            )
+                inner, x, handle, topk_idx, topk_weights, self.ll_lanes_per_combine, out, self.ll_use_kernels,
+                self.ll_combine_num_sms,
+            )  # fmt: skip
 
         return self._on_comm(x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, topk_weights, out), run)
 

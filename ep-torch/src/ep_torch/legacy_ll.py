@@ -193,7 +193,7 @@ def lanes_per_combine(num_topk: int, hidden: int, group: int = 0) -> int:
 
 
 def ll_combine(
-    inner: Any, x: torch.Tensor, handle: LowLatencyHandle, num_tokens: int, group: int = 0
+    inner: Any, x: torch.Tensor, handle: LowLatencyHandle, num_tokens: int, group: int = 0, num_sms: int = 0
 ) -> torch.Tensor:
     """Every lane's bf16 expert output back at its source token: ``[T, K, H]`` (exact copies; 0 for -1 lanes).
     The K lanes travel in wide rows of ``lanes_per_combine`` lanes, one ep combine per group of lanes."""
@@ -208,7 +208,7 @@ def ll_combine(
         g1 = min(k, g0 + g)
         idx = slot[:, g0:g1].reshape(-1)
         wide = torch.where(handle.lane_ok[:, g0:g1].reshape(-1, 1), flat.index_select(0, idx), zero)
-        out, _, _ = inner.combine(wide.view(-1, (g1 - g0) * h), handle.ep_handle)
+        out, _, _ = inner.combine(wide.view(-1, (g1 - g0) * h), handle.ep_handle, num_sms=num_sms)
         if y is None:
             return out.view(num_tokens, k, h)
         y[:, g0:g1] = out.view(num_tokens, g1 - g0, h)
@@ -238,14 +238,16 @@ def ll_combine_weighted(
     group: int = 0,
     out: torch.Tensor | None = None,
     use_kernels: bool | None = None,
+    num_sms: int = 0,
 ) -> torch.Tensor:
-    """V1's weighted combine of the packed ``x``: ``[T, H]`` bf16 (written into ``out`` when given). With
+    """V1's weighted combine of the packed ``x``: ``[T, H]`` bf16 (written into ``out`` when given; ``num_sms``
+    goes to ep's combine, 0 = ep's choice). With
     ``use_kernels`` (None = on CUDA): per group of lanes, one gather kernel into the wide rows, ep's combine and one
     fused weighted-sum kernel (fp32 accumulator between groups, exact); else ``ll_combine`` +
     ``weighted_lane_sum``. The same bits either way."""
     t = int(topk_idx.shape[0])
     if not _kernels(x, use_kernels, "low_latency_combine"):
-        combined = weighted_lane_sum(ll_combine(inner, x, handle, t, group), topk_idx, topk_weights)
+        combined = weighted_lane_sum(ll_combine(inner, x, handle, t, group, num_sms), topk_idx, topk_weights)
         if out is None:
             return combined
         out.copy_(combined)
@@ -264,7 +266,7 @@ def ll_combine_weighted(
     for g0 in range(0, k, g):
         g1 = min(k, g0 + g)
         wide = legacy_ll_kernels.gather_lanes(x, handle.lane_slot, handle.lane_ok, num_valid, g0, g1 - g0)
-        y, _, _ = inner.combine(wide, handle.ep_handle)
+        y, _, _ = inner.combine(wide, handle.ep_handle, num_sms=num_sms)
         legacy_ll_kernels.weighted_sum(y, topk_idx, topk_weights, g0, g1 - g0, acc, dest)
     if out is not None and dest is not out:
         out.copy_(dest)
