@@ -22,6 +22,7 @@ bit for bit the torch composition here, which stays the CPU path and the GPU tes
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -179,6 +180,11 @@ def lanes_per_combine(num_topk: int, hidden: int, group: int = 0) -> int:
     2: 359, 4: 309, all 8: 266."""
     if group > 0:
         return min(int(group), num_topk)
+    return _lanes_that_fit(int(num_topk), int(hidden))
+
+
+@functools.lru_cache(maxsize=64)
+def _lanes_that_fit(num_topk: int, hidden: int) -> int:
     from ep_core.errors import EPConfigError
     from ep_core.kernels.plan import KernelConfig
 
