@@ -1,7 +1,9 @@
 """V1 low-latency mode's CUDA kernels (``ep_torch.legacy_ll_kernels``, ``include/ep_torch/ll_pack.cuh``).
 
 CPU: the kernels compile for sm_90a through ep_jit with nvcc; the FP8 helpers the pack kernel uses (torch's e4m3
-conversion, the scale, NaN-propagating amax), compiled for the host, equal ``legacy_reference.fp8_cast_reference``.
+conversion, the scale, NaN-propagating amax), compiled for the host, equal ``legacy_reference.fp8_cast_reference``;
+every kernel's own code, run on host threads with CUDA's names shimmed (``ll_pack_emulation.cpp``, g++), equals the
+torch composition on emulated dispatch outputs (rows in V1's order and shuffled by key).
 GPU (marker ``gpu``): every output of the kernel path (packed rows, FP8 bytes and scales, recv_count, src_info,
 layout_range, lane_slot/lane_ok, the weighted combine for every lane grouping) bitwise equal to the torch
 composition (``ll_use_kernels=False``), at the test's small sizes and at the benchmark's (T=128, hidden 7168, top-8
@@ -118,6 +120,130 @@ def test_ll_fp8_helpers_equal_reference(round_scale, tmp_path):
     assert np.array_equal(s.view(np.int32), rs.view(np.int32)), "scales differ"
     bad = np.argwhere(q != rq)
     assert not bad.size, f"e4m3 byte {tuple(bad[0])}: {q[tuple(bad[0])]:#x} != {rq[tuple(bad[0])]:#x}"
+
+
+def _emulator(tmp_path_factory) -> str:
+    """ll_pack_emulation.cpp (the kernels on host threads, CUDA's names shimmed) built with g++ -std=c++20."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found")
+    from ep_torch.legacy_ll_kernels import get_include
+
+    exe = tmp_path_factory.mktemp("ll_emu") / "ll_emu"
+    src = os.path.join(os.path.dirname(__file__), "ll_pack_emulation.cpp")
+    proc = subprocess.run(
+        [gxx, "-std=c++20", "-O1", "-pthread", "-I", get_include(), src, "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0 and "barrier" in proc.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(exe)
+
+
+@pytest.fixture(scope="module")
+def ll_emulator(tmp_path_factory):
+    return _emulator(tmp_path_factory)
+
+
+def _emulated_dispatch_inputs(rng, by_key: bool, n: int, m: int, k: int, h: int, epr: int, nv: int):
+    """What ep's dispatch hands the epilogue: rows [n*m, h], local lanes (-1 = not here, distinct per row), source
+    keys (V1's order, or shuffled like hybrid / non-deterministic rows), garbage past the true count ``nv``."""
+    rows = n * m
+    keys = np.sort(rng.choice(rows, size=nv, replace=False))
+    if by_key:
+        keys = rng.permutation(keys)
+    meta = np.full((rows, k + 2), -7, dtype=np.int32)
+    meta[:nv, 0] = keys
+    meta[nv:, 0] = rng.integers(0, rows, rows - nv)
+    idx = rng.integers(-1, epr, size=(rows, k)).astype(np.int64)
+    for r in range(rows):
+        seen: set = set()
+        for j in range(k):
+            if idx[r, j] in seen:
+                idx[r, j] = -1
+            seen.add(int(idx[r, j]))
+    mag = 2.0 ** rng.integers(-20, 20, size=(rows, h // 128, 1))
+    x = (rng.standard_normal((rows, h // 128, 128)) * mag).reshape(rows, h).astype(np.float32)
+    return torch.from_numpy(x).to(torch.bfloat16), idx, meta
+
+
+@pytest.mark.parametrize("by_key", [False, True], ids=["rows-in-order", "rows-by-key"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ll_kernels_emulated_equal_torch(ll_emulator, tmp_path, seed, by_key):
+    """The kernels' own code run on the CPU (ll_pack_emulation.cpp) against the torch composition: layout
+    (lane_slot, lane_ok, src_info, recv_count, layout_range), bf16 rows, FP8 rows and scales in all three modes,
+    the wide-row gather, and the weighted sum in one group and in two chained through the fp32 accumulator."""
+    import types
+
+    from ep_torch.legacy_ll import ll_dispatch, weighted_lane_sum
+
+    n, m, k, h, epr, nv, t = 2, 8, 4, 512, 4, 12, 6
+    rows = slots = n * m
+    rng = np.random.default_rng(seed)
+    x, idx, meta = _emulated_dispatch_inputs(rng, by_key, n, m, k, h, epr, nv)
+    ep_handle = types.SimpleNamespace(
+        psum_num_recv_tokens_per_scaleup_rank=torch.tensor([nv - 3, nv], dtype=torch.int32),
+        recv_src_metadata=torch.from_numpy(meta),
+    )
+    inner = types.SimpleNamespace(
+        num_ranks=n,
+        num_max_tokens_per_rank=m,
+        num_scaleup_ranks=n,
+        dispatch=lambda *a, **kw: (x, torch.from_numpy(idx), None, ep_handle, None),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    y = (torch.randn(epr, slots, h, generator=gen) * 5).to(torch.bfloat16)
+    yc = (torch.randn(t, k, h, generator=gen) * 50).to(torch.bfloat16)
+    tk = torch.from_numpy(rng.integers(-1, 16, size=(t, k)).astype(np.int64))
+    tk[0] = -1
+    w = torch.rand(t, k, generator=gen)
+    arrays = {"recv_x": x.view(torch.int16), "recv_idx": torch.from_numpy(idx), "meta": torch.from_numpy(meta),
+              "y": y.view(torch.int16), "yc": yc.view(torch.int16), "topk": tk, "w": w}  # fmt: skip
+    for name, a in arrays.items():
+        a.contiguous().numpy().tofile(tmp_path / name)
+    args = [rows, k, h, epr, n, m, nv, int(by_key), t]
+    subprocess.run([ll_emulator, str(tmp_path), *map(str, args)], check=True, timeout=300)
+
+    def got(name: str, dtype) -> np.ndarray:
+        return np.fromfile(tmp_path / name, dtype=dtype)
+
+    def dispatch(fp8: bool, rs: bool, ue: bool):
+        dummy = torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.int64)
+        return ll_dispatch(inner, *dummy, m, epr * n, fp8, rs, ue, use_kernels=False, rows_ordered=not by_key)
+
+    recv, cnt, hd = dispatch(False, False, False)
+    assert np.array_equal(got("recv_count", np.int32), cnt.numpy()), "recv_count"
+    assert np.array_equal(got("src_info", np.int32), hd[0].numpy().ravel()), "src_info"
+    assert np.array_equal(got("layout_range", np.int64), hd[1].numpy().ravel()), "layout_range"
+    assert np.array_equal(got("lane_slot", np.int64), hd.lane_slot.numpy().ravel()), "lane_slot"
+    assert np.array_equal(got("lane_ok", np.uint8), hd.lane_ok.numpy().ravel().astype(np.uint8)), "lane_ok"
+    packed = got("packed", np.uint16).reshape(epr, slots, h)
+    for e in range(epr):
+        c = int(cnt[e])
+        assert np.array_equal(packed[e, :c], _u8(recv[e, :c]).view(np.uint16)), f"bf16 rows of expert {e}"
+    for mode, (rs, ue) in enumerate(((False, False), (True, False), (True, True))):
+        (q, s), cnt2, _ = dispatch(True, rs, ue)
+        groups = h // 512 if ue else h // 128
+        gq = got(f"q{mode}", np.uint8).reshape(epr, slots, h)
+        gs = got(f"s{mode}", np.uint32).reshape(epr, groups, slots).transpose(0, 2, 1)
+        for e in range(epr):
+            c = int(cnt2[e])
+            assert np.array_equal(gq[e, :c], _u8(q[e, :c])), f"fp8 mode {mode} expert {e}"
+            assert np.array_equal(gs[e, :c], _u8(s[e, :c]).view(np.uint32)), f"scales mode {mode} expert {e}"
+    slot = hd.lane_slot.clamp(max=epr * slots - 1)
+    want = torch.where(
+        hd.lane_ok[:, 1:].reshape(-1, 1),
+        y.reshape(-1, h).index_select(0, slot[:, 1:].reshape(-1)),
+        torch.zeros((), dtype=torch.bfloat16),
+    )  # lanes [1, K) of each real row (the emulator gathers lane0 = 1)
+    wide = got("wide", np.uint16).reshape(rows, k - 1, h)[:nv]
+    assert np.array_equal(wide, _u8(want.view(rows, k - 1, h)[:nv]).view(np.uint16)), "gather"
+    ref = _u8(weighted_lane_sum(yc, tk, w)).view(np.uint16).ravel()
+    assert np.array_equal(got("wsum", np.uint16), ref), "weighted sum, one group"
+    assert np.array_equal(got("wsum2", np.uint16), ref), "weighted sum, two groups through the accumulator"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,8 +15,14 @@
 // Shapes are fixed (worst case) and counts are read on the GPU: no host sync, capturable in a CUDA graph.
 #pragma once
 
+#ifndef EP_LL_HOST_EMULATION  // the CPU tests run these kernels on host threads with CUDA's names shimmed
 #include <cuda_bf16.h>
+#endif
 #include <stdint.h>
+
+#ifndef EP_LL_DYNAMIC_SMEM
+#define EP_LL_DYNAMIC_SMEM(type, name) extern __shared__ type name[]
+#endif
 
 #ifndef EP_LL_MAX_TOPK
 #define EP_LL_MAX_TOPK 128  // lanes of one row kept in shared memory (ep-torch checks num_topk against it)
@@ -157,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(256)
                  int scan_len, int tokens_per_rank, int num_ranks, int slots, int64_t* __restrict__ lane_slot,
                  bool* __restrict__ lane_ok, int* __restrict__ src_info, int* __restrict__ recv_count,
                  int64_t* __restrict__ layout_range) {
-  extern __shared__ int per_src[];  // [num_ranks]: this expert's rows from each source rank
+  EP_LL_DYNAMIC_SMEM(int, per_src);  // [num_ranks]: this expert's rows from each source rank
   __shared__ int warp_sums[32];
   const int e = blockIdx.x, epr = gridDim.x;
   const int nv = *num_valid;
