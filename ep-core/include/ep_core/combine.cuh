@@ -280,7 +280,10 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     // a row as it is to one destination: bulk load into the slot, bulk store from it (staged), else by registers
     auto send_row = [&](const uint8_t* src, uint8_t* dst) {
         if (staged) {
-            ptx::bulk_wait_read();  // the slot is free once the previous row's store has read it
+            // the slot is free once the previous row's store has read it (and, after a staged sum, once the
+            // lanes' shared reads are ordered before the bulk copy's writes)
+            ptx::bulk_wait_read();
+            ptx::fence_async_shared();
             __syncwarp();
             if (lane == 0) {
                 ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
