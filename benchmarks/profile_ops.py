@@ -146,8 +146,8 @@ for _names in PHASE_NAMES.values():
 @contextlib.contextmanager
 def staged_combine_launches(enabled: bool = True):
     """While active, every direct combine launch prepared by a DirectRank gets `KernelConfig.combine_dynamic_smem_bytes`
-    of dynamic shared memory, which makes the kernel take its staged (bulk-copy) path; a stand-in for the executor
-    change requested in /work/latency-host-requests.md (ep-core/tests/gpu/test_gpu_combine_staged.py does the same)."""
+    of dynamic shared memory, which makes the kernel take its staged (bulk-copy) path. Since c5fd13a the executor
+    does this itself (`_combine_smem`), so the flag only matters for older checkouts."""
     if not enabled:
         yield
         return
@@ -155,12 +155,12 @@ def staged_combine_launches(enabled: bool = True):
 
     orig = executor.DirectRank._prepare
 
-    def _prepare(self, kernel, name, geo, shared_mem, cooperative, args, dynamic):
+    def _prepare(self, kernel, name, geo, shared_mem, *rest, **kw):
         if name == "ep_combine_impl" and shared_mem == 0:
             cfg = next((c for c, ks in _source._loaded.items() if ks.combine is kernel), None)
             if cfg is not None and not cfg.is_hybrid:
                 shared_mem = cfg.combine_dynamic_smem_bytes
-        return orig(self, kernel, name, geo, shared_mem, cooperative, args, dynamic)
+        return orig(self, kernel, name, geo, shared_mem, *rest, **kw)
 
     executor.DirectRank._prepare = _prepare
     try:
