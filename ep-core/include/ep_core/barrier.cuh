@@ -165,13 +165,16 @@ struct SyncContext {
         __syncthreads();
         if (threadIdx.x == 0)
             *sc.barrier_epoch() = epoch;
-        // each arrival is a system-scope release, cumulative over what its thread observed: the block's writes
-        // (ordered by the barrier above) and the thread's envelope store become visible before it (an explicit
-        // fence before the release would be a second one)
+        // one system fence per arriving thread (the block's writes, ordered by the barrier above, become visible
+        // before its first arrival); each arrival is a release, so a fence before every later one is redundant.
+        // (The release already fences; the explicit fence is kept here because the hybrid kernels, which meet
+        // through this barrier, were verified with it; the direct-only barriers below do without.)
         const int rank = static_cast<int>(args.rank);
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
             if (check_envelope)
                 *reinterpret_cast<volatile uint64_t*>(tr.sym_ptr(ws.envelopes(), p) + rank) = args.envelope;
+        if (threadIdx.x < num_ranks)
+            ptx::fence_sys();
         for (int p = threadIdx.x; p < num_ranks; p += blockDim.x)
             ptx::red_add_release_sys(tr.sym_ptr(ws.barrier_arrivals(), p), 1ull);
         if (threadIdx.x == 0 && *s_abort == 0) {
