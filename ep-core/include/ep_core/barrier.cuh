@@ -76,14 +76,18 @@ struct SyncContext {
     /// of the block that arrived last, which has then acquired every block's writes before their arrival; the
     /// others return false and may leave (they must not touch what the last block works on). No wait: nothing to
     /// time out.
-    EP_CORE_DEVICE bool grid_arrive_is_last() {
+    /// `system_fence` as in `grid_sync` (false only where no block wrote anything a peer GPU must see).
+    EP_CORE_DEVICE bool grid_arrive_is_last(bool system_fence = true) {
         __shared__ int s_last;
         __syncthreads();
         ++grid_phase;
         if (threadIdx.x == 0) {
             int last = 0;
             if (*s_abort == 0) {
-                ptx::fence_sys();
+                if (system_fence)
+                    ptx::fence_sys();
+                else
+                    ptx::fence_gpu();
                 if (atomicAdd(sc.grid_arrive(), 1u) + 1u == grid_phase * gridDim.x) {
                     ptx::fence_gpu();  // with the read above: acquire of every block's fenced arrival
                     last = 1;

@@ -286,7 +286,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     // A copy epilogue launched with programmatic dependent launch may start now (it waits for this grid to
     // complete before reading): its launch overlaps the publish and receive phase, on the SMs the others free.
     ptx::griddep_launch_dependents();
-    if (sync.grid_arrive_is_last()) {
+    if (sync.grid_arrive_is_last(kNumRanks > 1)) {  // one rank: every store went to its own memory
         if (det) {
             const int64_t total = static_cast<int64_t>(kNumRanks + num_experts) * W;
             for (int64_t i = threadIdx.x; i < total; i += num_threads)
