@@ -81,7 +81,9 @@ class Kernel:
         self._configs: dict[tuple, Any] = {}
         self._layouts: dict[tuple, ArgLayout] = {}
         self._lock = threading.Lock()
-        self._smem_optin = _DEFAULT_SMEM_LIMIT
+        self._smem_optin: int | None = (
+            None  # dynamic bytes usable without opting in (48 KiB minus the static part)
+        )
         self.param_sizes = self._query_param_sizes()
 
     def __repr__(self) -> str:
@@ -129,6 +131,10 @@ class Kernel:
         )
 
     def _opt_in_smem(self, shared_mem: int) -> None:
+        # the 48 KiB default bounds static + dynamic shared memory together: a kernel with a static part must opt in
+        # below 48 KiB of dynamic memory already (else its occupancy is 0 and its launch fails)
+        if self._smem_optin is None:
+            self._smem_optin = max(0, _DEFAULT_SMEM_LIMIT - self.attribute("shared_size_bytes"))
         if shared_mem > self._smem_optin:
             drv = driver()
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
