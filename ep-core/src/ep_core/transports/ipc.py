@@ -213,7 +213,12 @@ class IpcBuffer:
         alloc = cls._create_elastic(bootstrap, total, host) if host else None
         if alloc is None:
             alloc, host = ep_symmem.SymmetricAllocation.create(total, device=_current_device()), 0
-        _cuda.memset(int(alloc.ptr), total, 0)
+        # one memset may not cross from the GPU part's physical allocation into the host part's (the H200 driver
+        # answers CUDA_ERROR_INVALID_VALUE): zero each part on its own
+        gpu = min(total, int(alloc.num_gpu_bytes)) if host else total
+        _cuda.memset(int(alloc.ptr), gpu, 0)
+        if total > gpu:
+            _cuda.memset(int(alloc.ptr) + gpu, total - gpu, 0)
         _cuda.check(_cuda.driver().cuCtxSynchronize(), "cuCtxSynchronize")
         bootstrap.barrier()
         ep_symmem.exchange(alloc, bootstrap)
