@@ -267,7 +267,10 @@ def _inputs(rank: int, cfg: dict, seed: int, idx_dtype: torch.dtype):
 
 
 def _u8(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().view(torch.uint8).cpu().numpy()
+    # copied into fresh row-major strides first: a slice whose last dimension has size 1 counts as contiguous with
+    # any stride there (so .contiguous() keeps it), and a dtype view needs stride 1
+    t = t.detach().cpu()
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).view(torch.uint8).numpy()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
