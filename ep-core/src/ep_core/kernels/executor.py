@@ -77,7 +77,7 @@ from ep_core.kernels.plan import (
     plan_regions,
 )
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, PreparedOp
-from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
+from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs
 from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = [
@@ -948,18 +948,7 @@ class DirectRank:
         meta = p.arrays.get("src_metadata")
         if meta is None:
             meta = self._alloc((num_recv, k + 2), np.int32)
-        # the copy epilogue meets no peer: no envelope, and not a collective launch
-        outputs = (
-            0,
-            view_ptr(meta, "recv_src_metadata"),
-            view_ptr(recv_x, "recv_x"),
-            view_ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
-            sf_strides[0],
-            sf_strides[1],
-            view_ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
-            view_ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
-            rows,
-        )
+        outputs = epilogue_outputs(view_ptr, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
         pdl = self._epilogue_pdl(p)
         if rows > 0 or p.zero_padding:
             # no grid barrier in the epilogue: a plain launch (or a programmatic dependent one)

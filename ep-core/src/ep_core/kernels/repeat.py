@@ -65,6 +65,24 @@ def _ptr(obj: Any, what: str) -> int:
     return view_ptr(obj, what)
 
 
+def epilogue_outputs(
+    ptr: Any, meta: Any, recv_x: Any, recv_sf: Any, sf_strides: tuple, recv_idx: Any, recv_w: Any, rows: int
+) -> tuple:
+    """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order (executor.py); the envelope is 0: the
+    epilogue meets no peer and is not a collective launch. `ptr` is `view_ptr` (full path) or `_ptr` (a repeat)."""
+    return (
+        0,
+        ptr(meta, "recv_src_metadata"),
+        ptr(recv_x, "recv_x"),
+        ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
+        sf_strides[0],
+        sf_strides[1],
+        ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
+        ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
+        rows,
+    )
+
+
 def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, bool] | None:
     """`(pointer, is_int32)` of a handle's `topk_idx` when it is a contiguous int64/int32 `[num_tokens, K]` array
     (what the full path's checks accept), else None. The verdict is kept per handle while the same array object
@@ -235,17 +253,7 @@ class RepeatDispatch:
         if meta is None:
             meta = alloc((num_recv, k + 2), i32)
         if rows > 0 or self.zero_padding:
-            outputs = (
-                0,
-                _ptr(meta, "recv_src_metadata"),
-                _ptr(recv_x, "recv_x"),
-                _ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
-                sf_strides[0],
-                sf_strides[1],
-                _ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
-                _ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
-                rows,
-            )
+            outputs = epilogue_outputs(_ptr, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
             rank._launch_prepared(epilogue, dynamic + outputs, False, False, None, signal)
         elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
             record_wait(signal[0], rank.stream.handle, signal[1])
