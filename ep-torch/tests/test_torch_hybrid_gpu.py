@@ -2,7 +2,9 @@
 
 4 processes share GPU 0 (a gloo group, the ipc transport) as 2 nodes x 2 ranks with ``EPKIT_SCALEUP_RANKS=2``: the
 buffer runs the hybrid kernels (emulated scale-out put). Deterministic dispatch and combine, non-expand and expand,
-are bitwise equal to ``ep_core.reference`` with ``num_scaleup_ranks=2``. The ranks run in a child process group
+are bitwise equal to ``ep_core.reference`` with ``num_scaleup_ranks=2``. With ``allow_hybrid_mode=False`` the same
+2 x 2 nodes run direct mode across nodes (a put straight to every remote rank; issue 15, item 5): the reference is
+then plain direct mode (``num_scaleup_ranks=N``) and the logical domain ``(1, N)``. The ranks run in a child process group
 started by this file as a script, under a wall-clock limit (a hang fails the test); each writes what it saw to a
 JSON file. Device arrays come back with ``.cpu()``.
 """
@@ -20,7 +22,7 @@ import pytest
 N, SU, M, H, K, E = 4, 2, 64, 512, 8, 32
 
 
-def _run(tmp_path: Path, limit: float = 400.0) -> list[dict]:
+def _run(tmp_path: Path, hybrid: bool, limit: float = 400.0) -> list[dict]:
     from ep_torch_testing import run_script  # loaded by conftest.py
 
     env = dict(os.environ, EPKIT_SCALEUP_RANKS=str(SU))
@@ -29,7 +31,7 @@ def _run(tmp_path: Path, limit: float = 400.0) -> list[dict]:
     env.setdefault("EPKIT_RDMA_GBS", "50")
     for name in ("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", "EPKIT_TORCH_TRANSPORT"):
         env.pop(name, None)
-    code, text = run_script(__file__, [str(tmp_path)], limit, env=env)
+    code, text = run_script(__file__, [str(tmp_path), "hybrid" if hybrid else "direct"], limit, env=env)
     seen = [
         json.loads(p.read_text()) if p.exists() else {} for p in (tmp_path / f"{r}.json" for r in range(N))
     ]
@@ -68,7 +70,7 @@ def _diff(name: str, got: np.ndarray, want: np.ndarray) -> str:
     )
 
 
-def _case(rank: int, do_expand: bool, seen: dict) -> None:
+def _case(rank: int, do_expand: bool, hybrid: bool, seen: dict) -> None:
     import dataclasses
 
     import torch
@@ -78,6 +80,7 @@ def _case(rank: int, do_expand: bool, seen: dict) -> None:
     from ep_torch._convert import from_numpy
 
     tag = "expand" if do_expand else "rank"
+    su = SU if hybrid else N  # the reference's scale-up domain: direct mode across nodes is plain direct mode
     dev = torch.device("cuda", 0)
     buf = ElasticBuffer(
         None,
@@ -89,6 +92,7 @@ def _case(rank: int, do_expand: bool, seen: dict) -> None:
         num_gpu_timeout_secs=30,
         num_cpu_timeout_secs=60,
         transport="ipc",
+        allow_hybrid_mode=hybrid,
     )
     seen[f"{tag}.setup"] = [
         buf.transport,
@@ -111,7 +115,7 @@ def _case(rank: int, do_expand: bool, seen: dict) -> None:
         num_max_tokens_per_rank=M,
         do_expand=do_expand,
         deterministic=True,
-        num_scaleup_ranks=SU,
+        num_scaleup_ranks=su,
     )
     want = ref[rank]
     nv = want.num_valid_rows
@@ -148,7 +152,7 @@ def _case(rank: int, do_expand: bool, seen: dict) -> None:
         for d, e in enumerate(everyone)
     ]
     want_c = reference.combine(
-        [e[0] for e in everyone], handles, topk_weights=[e[1] for e in everyone], num_scaleup_ranks=SU
+        [e[0] for e in everyone], handles, topk_weights=[e[1] for e in everyone], num_scaleup_ranks=su
     )[rank]
     problems += [
         _diff("combined_x", _np(comb_x), want_c.combined_x),
@@ -158,7 +162,7 @@ def _case(rank: int, do_expand: bool, seen: dict) -> None:
     buf.destroy()
 
 
-def _worker(rank: int, world: int, out: str) -> None:
+def _worker(rank: int, world: int, out: str, mode: str) -> None:
     import traceback
 
     import torch
@@ -166,8 +170,8 @@ def _worker(rank: int, world: int, out: str) -> None:
     torch.cuda.set_device(0)
     seen: dict = {}
     try:
-        _case(rank, False, seen)
-        _case(rank, True, seen)
+        _case(rank, False, mode == "hybrid", seen)
+        _case(rank, True, mode == "hybrid", seen)
     except Exception as exc:
         seen["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
     finally:
@@ -182,19 +186,21 @@ def _worker(rank: int, world: int, out: str) -> None:
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+@pytest.fixture(scope="module", params=[True, False], ids=["hybrid", "direct-xnode"])
+def ranks(request, tmp_path_factory) -> tuple[bool, list[dict]]:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     pytest.importorskip("ep_symmem")
-    return _run(tmp_path_factory.mktemp("hybrid-gpu"))
+    return request.param, _run(tmp_path_factory.mktemp("hybrid-gpu"), request.param)
 
 
 @pytest.mark.parametrize("tag", ["rank", "expand"])
 def test_processes_share_gpu_as_two_nodes(ranks, tag):
+    hybrid, ranks = ranks
+    logical = [N // SU, SU] if hybrid else [1, N]
     for r, seen in enumerate(ranks):
-        assert seen[f"{tag}.setup"] == ["ipc", SU, [N // SU, SU], [N // SU, SU]], (r, seen[f"{tag}.setup"])
+        assert seen[f"{tag}.setup"] == ["ipc", SU, [N // SU, SU], logical], (r, seen[f"{tag}.setup"])
         assert not seen[f"{tag}.problems"], f"rank {r} ({tag}):\n" + "\n".join(seen[f"{tag}.problems"])
 
 
@@ -217,4 +223,4 @@ def test_conformance_modes_on_emulated_nodes(monkeypatch):
 if __name__ == "__main__":
     from ep_torch import launch
 
-    launch.spawn(_worker, N, sys.argv[1])
+    launch.spawn(_worker, N, sys.argv[1], sys.argv[2])
