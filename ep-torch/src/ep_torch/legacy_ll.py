@@ -143,9 +143,11 @@ def ll_dispatch(
     packed_q = (
         _scatter_rows(q.view(torch.uint8), lane_slot, dump).view(torch.float8_e4m3fn).view(epr, slots, h)
     )
-    packed_s = _scatter_rows(s, lane_slot, dump).view(epr, slots, s.shape[1])
-    # V1: the scales' last two dimensions are column-major
-    packed_s = packed_s.transpose(1, 2).contiguous().transpose(1, 2)
+    rows_s = _scatter_rows(s, lane_slot, dump).view(epr, slots, s.shape[1])
+    # V1: the scales' last two dimensions are column-major, strides (groups * slots, 1, slots) as DeepEP allocates
+    # them (not .contiguous() of the transpose, which keeps the row-major strides when there is one scale column)
+    packed_s = torch.empty(epr, s.shape[1], slots, dtype=s.dtype, device=s.device).transpose(1, 2)
+    packed_s.copy_(rows_s)
     return (packed_q, packed_s), recv_count, handle
 
 
