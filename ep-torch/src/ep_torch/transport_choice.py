@@ -125,9 +125,12 @@ def _group_comm(group: dist.ProcessGroup) -> tuple[int, str]:
     ptr = int(backend._comm_ptr())
     if ptr == 0:
         return 0, "the group's NCCL communicator does not exist on this device"
-    import ep_nccl_gin
+    from ep_core.transports.nccl import load_nccl_gin  # ep-nccl-gin comes through ep-core (its `nccl` extra)
 
-    loaded = ep_nccl_gin.load()
+    try:
+        loaded = load_nccl_gin().load()
+    except EPConfigError as exc:
+        return 0, str(exc)
     torch_version = tuple(int(v) for v in torch.cuda.nccl.version())
     ours = (loaded.runtime.major, loaded.runtime.minor, loaded.runtime.patch)
     if torch_version != ours:
