@@ -216,6 +216,7 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
     __shared__ int s_sent[kNumRanks];
     __shared__ int s_expert[ep_layout::kNumMaxExperts];
     __shared__ int s_start[256];
+    __shared__ int s_scan[kWarpSize];
     __shared__ int s_fwd[kNodes];
     __shared__ __align__(8) uint64_t s_bars[kNumWarps];
     __shared__ uint8_t* s_peer_recv[PeerPointers<kNumRanks, Transport>::kTableSize];
@@ -554,21 +555,16 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
         }
         if (!cached) {
             const int64_t A = args.expert_alignment;
+            // expert starts as direct mode's receive phase: aligned counts in parallel (one 64-bit division per
+            // thread, not a serial chain of epr of them in thread 0), then a block scan (same integers)
             for (int j = threadIdx.x; j < epr; j += num_threads) {
                 int total = 0;
                 for (int src = 0; src < kNumRanks; ++src)
                     total += static_cast<int>(ws.recv_expert_count()[src * epr + j] & 0xffffffffull);
                 s_expert[j] = total;
+                s_start[j] = static_cast<int>(align_up<int64_t>(total, A));
             }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int start = 0;
-                for (int j = 0; j < epr; ++j) {
-                    s_start[j] = start;
-                    start += static_cast<int>(align_up<int64_t>(s_expert[j], A));
-                }
-            }
-            __syncthreads();
+            block_exclusive_scan(s_start, epr, s_scan);
             for (int j = threadIdx.x; j < epr; j += num_threads) {
                 const int count = s_expert[j];
                 const int start = s_start[j];
