@@ -13,9 +13,12 @@ overrides it), EP8 at 4/8/16 SMs per rank and EP1 at 8/16/32, bf16 and FP8 dispa
 routing, 30 timed iterations by default. Times are printed in microseconds, next to the floor (bytes moved / copy
 ceiling, in us) and the torch-native baseline at the same T; JSON rows keep every default column (`time_ms`, ...)
 and add `time_us`, `floor_us` and `torch_us`. A decode row's GPU time of a graph-replayed op is the mean over
-DECODE_BATCH replays launched back to back between two events (the device runs them one after another, so the
-host's submission latency of cuGraphLaunch, ~10 us, is hidden); the old measurement, one replay between two events
-(submission included), stays in `time_us_1replay` and the table's last column.
+DECODE_BATCH replays launched back to back between two events, queued while a spinning kernel holds the stream
+(so the device runs them one after another without waiting for the host: the ~10 us submission latency of
+cuGraphLaunch and the host's launch rate are both hidden; `batch_submit_hidden` in the JSON row is the fraction of
+timed batches whose every launch was queued before the start event ran, 1.0 unless the hold was too short, and the
+progress line flags it otherwise); the old measurement, one replay between two events (submission included), stays
+in `time_us_1replay` and the table's last column.
 
 Ops: `dispatch` (no CPU sync), `dispatch_cached`, `dispatch_deterministic` and `combine` are timed as CUDA-graph
 replays of all ranks' launches (GPU time: N ranks launched from one Python thread would otherwise measure the
@@ -43,6 +46,7 @@ baseline) and an NVIDIA GPU; without one it prints "skipped" and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -58,6 +62,11 @@ ITERS, DECODE_ITERS = 10, 30  # timed iterations per op (medians)
 DECODE_BATCH = (
     20  # decode: graph replays launched back to back per timed iteration (GPU time without submission)
 )
+# decode: before a batch's start event the stream is held busy (a spinning kernel) for at least this long, and for
+# 2x the longest host time one batch's launches took so far, so every launch is queued before timing starts
+HOLD_MIN_US = 200.0
+# clock64 ticks per us for the hold (H200: at most 1.98 GHz, so the hold lasts rather longer than asked)
+HOLD_CYCLES_PER_US = 2000
 TORCH_ITERS, DECODE_TORCH_ITERS = 3, 10  # timed iterations of the torch-native baseline
 
 
@@ -105,6 +114,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, e.g. `8,16,132`."""
+    values = tuple(_positive_int(part) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive integers, got {text!r}"
+        )
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
@@ -145,6 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"tokens per rank (default: {DEFAULT_TOKENS}, {DECODE_TOKENS} with --decode); a T other than the "
         "mode's default adds _t<T> to the output file names",
     )
+    ap.add_argument(
+        "--ranks",
+        type=_int_list,
+        default=None,
+        metavar="N[,N]",
+        help="keep only the mode's domains of these rank counts (e.g. 1); adds _ep<N> to the output file names",
+    )
+    ap.add_argument(
+        "--sms",
+        type=_int_list,
+        default=None,
+        metavar="S[,S]",
+        help="SMs per rank to sweep instead of the mode's (e.g. 8,16,32,132 with --ranks 1: the decode optimum "
+        "against the planner's count); adds _sms<S> to the output file names",
+    )
     return ap
 
 
@@ -174,9 +208,20 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             for kind in ("uniform", "unbalanced"):
                 configs.append(Config(8, fp8, kind, (4, 8, 16)))
                 configs.append(Config(1, fp8, kind, (4, 8, 16, 32, 64)))
+    ranks, sms = getattr(args, "ranks", None), getattr(args, "sms", None)
+    if ranks is not None:
+        configs = [c for c in configs if c.ranks in ranks]
+        if not configs:
+            raise SystemExit(f"bench_ep: --ranks {','.join(map(str, ranks))}: no domain of this run has them")
+    if sms is not None:
+        configs = [dataclasses.replace(c, sms=tuple(sms)) for c in configs]
     stem = "bench_ep_decode" if decode else ("bench_ep_hybrid" if hybrid else "bench_ep")
     if tokens != mode_tokens:
         stem += f"_t{tokens}"
+    if ranks is not None:
+        stem += "_ep" + "-".join(map(str, ranks))
+    if sms is not None:
+        stem += "_sms" + "-".join(map(str, sms))
     return BenchPlan(
         decode=decode,
         quick=bool(args.quick),
@@ -271,6 +316,7 @@ class Timer:
         self.main = Stream()
         self.Event = Event
         self.flush = torch.empty(512 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+        self.last_batch: dict = {}  # run_graph_pair's batch diagnostics (JSON row columns)
 
     def run(self, fn, iters: int, warmup: int = 2) -> float:
         torch = self.torch
@@ -303,8 +349,11 @@ class Timer:
         self, fn, iters: int, warmup: int = 2, batch: int = DECODE_BATCH
     ) -> tuple[float, float]:
         """`run_graph`'s median of one replay, and the median over `iters` of the mean time of `batch` replays
-        launched back to back between two events (no flush between them): the device time per op without the
-        submission latency that a single replay's events see (nan when `batch` is 0)."""
+        launched back to back between two events (no flush between them) behind a spinning kernel
+        (`time_back_to_back`): the device time per op without the submission latency that a single replay's events
+        see (nan when `batch` is 0). `self.last_batch` then holds `batch_submit_hidden` and
+        `batch_host_us_per_launch` (the host's cuGraphLaunch time per replay: above the device time, a real stream
+        of such ops would be host-bound)."""
         from ep_core.kernels import _cuda
 
         drv = _cuda.driver()
@@ -335,21 +384,79 @@ class Timer:
             stop.synchronize()
             if i >= warmup:
                 times.append(start.elapsed_ms(stop))
-        batched = []
+        batched, hidden, host = [], [], []
+        hold_us = 5 * HOLD_MIN_US
+        ext = torch.cuda.ExternalStream(int(self.main))  # torch's view of the main stream, for the hold
+
+        def hold(us):
+            with torch.cuda.stream(ext):
+                torch.cuda._sleep(int(us * HOLD_CYCLES_PER_US))
+
+        def launch():
+            _cuda.check(drv.cuGraphLaunch(exe, self.main.handle), "cuGraphLaunch")
+
         for i in range(warmup + iters if batch > 0 else 0):
             self.flush.zero_()
             torch.cuda.synchronize()
             start, stop = self.Event(), self.Event()
-            start.record(self.main)
-            for _ in range(batch):
-                _cuda.check(drv.cuGraphLaunch(exe, self.main.handle), "cuGraphLaunch")
-            stop.record(self.main)
-            stop.synchronize()
+
+            def elapsed(start=start, stop=stop):
+                stop.synchronize()
+                return start.elapsed_ms(stop)
+
+            ms, host_us, ok = time_back_to_back(
+                hold,
+                lambda start=start: start.record(self.main),
+                launch,
+                lambda stop=stop: stop.record(self.main),
+                lambda start=start: event_done(start),
+                elapsed,
+                batch,
+                hold_us,
+            )
+            hold_us = max(hold_us, HOLD_MIN_US, 2 * host_us)
             if i >= warmup:
-                batched.append(start.elapsed_ms(stop) / batch)
+                batched.append(ms)
+                hidden.append(ok)
+                host.append(host_us / batch)
+        self.last_batch = (
+            {
+                "batch_submit_hidden": sum(hidden) / len(hidden),
+                "batch_host_us_per_launch": statistics.median(host),
+            }
+            if batched
+            else {}
+        )
         _cuda.check(drv.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
         _cuda.check(drv.cuGraphDestroy(graph), "cuGraphDestroy")
         return statistics.median(times), (statistics.median(batched) if batched else float("nan"))
+
+
+def time_back_to_back(
+    hold, record_start, launch, record_stop, start_done, elapsed_ms, batch: int, hold_us: float
+):
+    """One timed batch of a decode row: the stream held busy for `hold_us` (a spinning kernel, not timed), the start
+    event, `batch` launches back to back, the stop event. The device then runs every launch one after another with
+    no idle gap waiting for the host, and the events see device time only. Returns (ms per launch, host us taken to
+    queue the launches, hidden), `hidden` = the start event had not run yet when the last launch was queued (then
+    no launch can have waited for its submission; False means the hold was too short to tell)."""
+    hold(hold_us)
+    record_start()
+    t0 = time.perf_counter()
+    for _ in range(batch):
+        launch()
+    host_us = (time.perf_counter() - t0) * 1e6
+    hidden = not start_done()
+    record_stop()
+    return elapsed_ms() / batch, host_us, hidden
+
+
+def event_done(event) -> bool:
+    """Whether a recorded event has run (cuEventQuery: CUDA_SUCCESS; CUDA_ERROR_NOT_READY while pending)."""
+    from ep_core.kernels import _cuda
+
+    drv = _cuda.driver()
+    return drv.cuEventQuery(event._event)[0] == drv.CUresult.CUDA_SUCCESS
 
 
 def copy_ceiling_gbs() -> float:
@@ -500,6 +607,8 @@ def progress_line(r: dict) -> str:
         )
         if "time_us_1replay" in r:
             line += f"  (1 replay incl. submit {r['time_us_1replay']:6.1f} us)"
+        if r.get("batch_submit_hidden", 1.0) < 1.0:  # some batch may have waited for the host: an upper bound
+            line += f"  [submission hidden in {100 * r['batch_submit_hidden']:.0f}% of batches]"
         return line
     return (
         f"{head}{ms:8.3f} ms  {r['gbs']:7.0f} GB/s  "
@@ -690,17 +799,23 @@ def bench_config(
             )
 
         # decode: GPU time = back-to-back replays (no host submission), the one-replay time kept beside it
-        graph = (
-            (lambda f: timer.run_graph_pair(f, iters)[::-1])
-            if decode
-            else (lambda f: (timer.run_graph(f, iters), None))
-        )
+        batch_info = {}
+
+        def graph(f, op, batch_info=batch_info):
+            if not decode:
+                return timer.run_graph(f, iters), None
+            one, many = timer.run_graph_pair(f, iters)
+            batch_info[op] = timer.last_batch
+            return many, one
+
         single = {}
-        t_nosync, single["dispatch"] = graph(disp)
+        t_nosync, single["dispatch"] = graph(disp, "dispatch")
         t_nosync_eager = timer.run(disp, iters)
         t_sync = timer.run(disp_sync, iters)
-        t_cached, single["dispatch_cached"] = graph(disp_cached)
-        t_det, single["dispatch_deterministic"] = graph(disp_det) if not quick else (float("nan"), None)
+        t_cached, single["dispatch_cached"] = graph(disp_cached, "dispatch_cached")
+        t_det, single["dispatch_deterministic"] = (
+            graph(disp_det, "dispatch_deterministic") if not quick else (float("nan"), None)
+        )
         dom.synchronize()
         outs = state["sync"]
         ys = [torch.randn(o.recv_x.shape[0], HIDDEN, dtype=torch.bfloat16, device="cuda") for o in outs]
@@ -710,7 +825,7 @@ def bench_config(
                 a.reset("comb")
             dom.combine(ys, [o.handle for o in outs], num_sms=sms)
 
-        t_comb_ours, single["combine"] = graph(comb) if not fp8 else (float("nan"), None)
+        t_comb_ours, single["combine"] = graph(comb, "combine") if not fp8 else (float("nan"), None)
         t_comb_eager = timer.run(comb, iters) if not fp8 else float("nan")
         dom.synchronize()
         for op, ms, nbytes, base in (
@@ -741,6 +856,7 @@ def bench_config(
                 )
             )
             rows[-1].update(hybrid_cols)
+            rows[-1].update(batch_info.get(op, {}))
             print(progress_line(rows[-1]), flush=True)
     dom.close()
     torch.cuda.empty_cache()

@@ -50,3 +50,48 @@ def test_mixed_rows_and_plain_rows():
 def test_batch_default():
     assert bench.DECODE_BATCH >= 10
     assert "back to back" in bench.__doc__
+
+
+def test_back_to_back_batch_is_queued_behind_the_hold():
+    """The hold comes first, then the start event, every launch, the check, the stop event; ms is per launch."""
+    calls = []
+    ms, host_us, hidden = bench.time_back_to_back(
+        lambda us: calls.append(("hold", us)),
+        lambda: calls.append("start"),
+        lambda: calls.append("launch"),
+        lambda: calls.append("stop"),
+        lambda: calls.append("query") or False,  # the start event has not run yet: submission hidden
+        lambda: calls.append("elapsed") or 2.0,
+        4,
+        300.0,
+    )
+    assert calls == [("hold", 300.0), "start"] + ["launch"] * 4 + ["query", "stop", "elapsed"]
+    assert ms == pytest.approx(0.5) and host_us >= 0 and hidden is True
+    _, _, late = bench.time_back_to_back(
+        lambda us: None, lambda: None, lambda: None, lambda: None, lambda: True, lambda: 1.0, 2, 1.0
+    )
+    assert late is False  # the start event ran before the last launch was queued: flagged
+
+
+def test_partly_hidden_batches_are_flagged():
+    r = bench.make_row(1, False, "uniform", "combine", 16, 0.012, 10**6, 0.07, 4000.0, 8.0, True, 0.024)
+    assert "submission hidden" not in bench.progress_line(r)
+    r.update({"batch_submit_hidden": 0.5, "batch_host_us_per_launch": 14.0})
+    assert "[submission hidden in 50% of batches]" in bench.progress_line(r)
+
+
+def _plan(*argv):
+    return bench.plan_from_args(bench.build_parser().parse_args(list(argv)))
+
+
+def test_ranks_and_sms_select_the_sweep():
+    p = _plan("--decode", "--quick", "--ranks", "1", "--sms", "8,16,32,132")
+    assert [(c.ranks, c.fp8, c.sms) for c in p.configs] == [(1, False, (8, 16, 32, 132))]
+    assert p.json_name == "bench_ep_decode_ep1_sms8-16-32-132.json"
+    full = _plan("--decode", "--ranks", "8", "--sms", "8")
+    assert [(c.ranks, c.fp8, c.sms) for c in full.configs] == [(8, False, (8,)), (8, True, (8,))]
+    assert _plan("--decode").json_name == "bench_ep_decode.json"  # unchanged without them
+    with pytest.raises(SystemExit):
+        _plan("--decode", "--ranks", "4")
+    with pytest.raises(SystemExit):
+        _plan("--decode", "--sms", "0")
