@@ -326,10 +326,14 @@ def run_config(torch, n, t, sms, iters, phases, out):
     else:
         for name, fn in ops:
             r = profile_op(torch, _capture(timer, fn), iters)
-            r["graph_us"] = timer.run_graph(fn, iters) * 1e3
+            one, many = timer.run_graph_pair(fn, iters)
+            r["graph_us"], r["batch_us"] = one * 1e3, many * 1e3
+            r.update(timer.last_batch)
             result["ops"][name] = r
             print(
-                f"== EP{n} {name}: graph replay {r['graph_us']:.1f} us (events), "
+                f"== EP{n} {name}: graph replay {r['graph_us']:.1f} us (events, 1 replay), "
+                f"{r['batch_us']:.1f} us per replay back to back (bench_ep's GPU us; host "
+                f"{r.get('batch_host_us_per_launch', float('nan')):.1f} us per cuGraphLaunch), "
                 f"device span {r['span_us_median']:.1f} us"
             )
             for a in r["activities"]:
