@@ -10,7 +10,7 @@ exposing `__cuda_array_interface__` and ep_core `DeviceArray`s; and whole `EPBuf
 through the GPU executor with the CUDA driver mocked (kernel launches and driver calls are no-ops, so what is left
 is the host work of ep_core itself; the C++ launch path of ep_launch is mocked too, so its Python side is timed).
 
-    python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json] [--fail-above-us US]
+    python ep-core/benchmarks/bench_host_cpu.py [--iters 2000] [--json OUT.json] [--fail-above-us US] [--breakdown]
 
 Prints microseconds per call (best of 5 rounds). To compare with another revision, run this same script with
 PYTHONPATH pointing at that revision's package sources (it uses only public ep_core entry points, plus the driver
@@ -412,9 +412,10 @@ class _CpuMockedTransport(_MockedTransport):
         return ex
 
 
-def run_torch(iters: int) -> list[tuple[str, float]]:
+def run_torch(iters: int, steps: list | None = None) -> list[tuple[str, float]]:
     """ep_torch.ElasticBuffer.dispatch / combine (torch CPU tensors, a gloo group of one) over the mocked GPU
-    executor: ep_torch's own host work plus everything above; CUDA stream and event handling are not in it."""
+    executor: ep_torch's own host work plus everything above; CUDA stream and event handling are not in it.
+    `steps`: a list to which each op's per-step breakdown (`host_steps.format_rows`) is appended."""
     try:
         import torch
         import torch.distributed as dist
@@ -451,6 +452,10 @@ def run_torch(iters: int) -> list[tuple[str, float]]:
             for name, fn in ops.items():
                 fn()
                 out.append((name, _time(fn, iters)))
+                if steps is not None:
+                    from host_steps import breakdown, format_rows
+
+                    steps.append(format_rows(name, out[-1][1], breakdown(fn, iters)))
     finally:
         tbuf.make_core_transport = saved
         if own_group:
@@ -463,15 +468,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--json", default=None)
     ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the steps of each ElasticBuffer call (host_steps.py)",
+    )
+    ap.add_argument(
         "--fail-above-us",
         type=float,
         default=None,
         help="exit 1 if a whole EPBuffer / ElasticBuffer call takes longer (a generous regression bound for CI)",
     )
     args = ap.parse_args(argv)
-    rows = run(args.iters) + run_executor(args.iters) + run_torch(args.iters)
+    steps: list | None = [] if args.breakdown else None
+    rows = run(args.iters) + run_executor(args.iters) + run_torch(args.iters, steps)
     for name, us in rows:
         print(f"{name:62s} {us:9.2f} us/call")
+    for block in steps or ():
+        print(block)
     if args.json:
         Path(args.json).write_text(json.dumps([{"op": n, "us_per_call": u} for n, u in rows], indent=1))
     if args.fail_above_us is not None:
