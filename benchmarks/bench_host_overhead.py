@@ -8,6 +8,10 @@ per call is reported (median over 5 rounds). `--profile` adds a cProfile of the 
 
     python benchmarks/bench_host_overhead.py --out OUTDIR [--tokens 128] [--iters 200] [--profile]
 
+After the table, each ep_torch op is run once more under `ep-core/benchmarks/host_steps.py`'s timing wrappers
+(per-step inclusive / own us per call: validation, the repeat road, torch allocations, launches, the handle), and
+the single torch calls the path makes are timed on their own (`--no-breakdown` skips both).
+
 Writes OUTDIR/bench_host_overhead.json (and bench_host_overhead.prof.txt with --profile). The launch path (ep_launch's
 C++ launches and events, or cuda-python) is printed and recorded; `EPKIT_NATIVE_LAUNCH=0` times the cuda-python one.
 """
@@ -20,8 +24,11 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ep-core" / "benchmarks"))
 
 HIDDEN, NUM_EXPERTS, TOPK = 7168, 256, 8
 
@@ -41,12 +48,41 @@ def _rounds(fn, iters: int, rounds: int = 5) -> float:
     return statistics.median(per_call)
 
 
+def _single_calls(torch, x, idx, iters: int) -> list[dict]:
+    """Host us of the single torch calls an eager call makes (the outputs' and handle arrays' allocations, the
+    handle's topk_idx copy, the stream query, pointer reads), each in a loop of its own."""
+    from ep_torch.buffer import _current_stream
+
+    block = torch.empty(1 << 16, dtype=torch.int32, device="cuda")
+    rows = []
+    calls = {
+        "torch.empty((1024, 7168), bf16, cuda)": lambda: torch.empty(
+            (1024, 7168), dtype=torch.bfloat16, device="cuda"
+        ),
+        "torch.empty((1024, 8), int32, cuda)": lambda: torch.empty(
+            (1024, 8), dtype=torch.int32, device="cuda"
+        ),
+        "block.as_strided((1024, 8), (8, 1), off) (a handle array carved)": lambda: block.as_strided(
+            (1024, 8), (8, 1), 4096
+        ),
+        "topk_idx.clone() [128, 8] int64": idx.clone,
+        "ep_torch _current_stream()": _current_stream,
+        "x.data_ptr()": x.data_ptr,
+    }
+    for name, fn in calls.items():
+        us = _rounds(fn, iters)
+        rows.append({"call": name, "host_us_per_call": us})
+        print(f"   single call: {name:66s} {us:7.2f} us")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-step and single-call rows")
     args = ap.parse_args(argv)
 
     import torch
@@ -93,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:55s} {us:9.1f} us/call (host)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    steps: dict = {}
+    singles: list = []
+    if not args.no_breakdown:
+        from host_steps import breakdown, format_rows
+
+        for (name, fn), row in zip(ops.items(), results):
+            if name.startswith("torch"):
+                continue
+            n = args.iters if "CPU sync)" not in name else max(20, args.iters // 5)
+            steps[name] = breakdown(fn, n)
+            torch.cuda.synchronize()
+            print(format_rows(name, row["host_us_per_call"], steps[name]))
+        singles = _single_calls(torch, x, idx, args.iters)
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -109,7 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         print(s.getvalue()[:6000])
     (out / "bench_host_overhead.json").write_text(
         json.dumps(
-            {"tokens": t, "hidden": HIDDEN, "iters": args.iters, "launch_path": launch_path, "rows": results},
+            {
+                "tokens": t,
+                "hidden": HIDDEN,
+                "iters": args.iters,
+                "launch_path": launch_path,
+                "rows": results,
+                "steps": steps,
+                "single_calls": singles,
+            },
             indent=1,
         )
     )
