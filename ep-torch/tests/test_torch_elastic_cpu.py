@@ -297,6 +297,11 @@ def _reduce_scatter_case(rank: int, n: int, out: dict) -> None:
             got = buf.reduce_scatter(inp(rank, dtype))
             want = agrs.reduce_scatter_reference([inp(r, dtype).float().numpy() for r in range(n)], rank)
             ok = ok and got.shape == (3, 5) and torch.equal(got, torch.from_numpy(want).to(dtype))
+        kept = buf.reduce_scatter(inp(rank, torch.float32))
+        # the session's space overwritten: the result is not a view of it (float32 once aliased it)
+        buf.__dict__["_elastic_state"].backend.region().fill_(0xFF)
+        want = agrs.reduce_scatter_reference([inp(r, torch.float32).numpy() for r in range(n)], rank)
+        out["owned"] = bool(torch.equal(kept, torch.from_numpy(want)))
         out["indivisible"] = _raises(lambda: buf.reduce_scatter(torch.zeros(3 * n + 1)))
         out["int"] = _raises(lambda: buf.reduce_scatter(torch.zeros(n, dtype=torch.int32)))
     out["values"] = bool(ok)
@@ -488,6 +493,7 @@ def test_agrs_sessions_match_reference(n: int, tmp_path: Path) -> None:
 def test_reduce_scatter_matches_reference(n: int, tmp_path: Path) -> None:
     for out in _run("reduce_scatter", n, tmp_path):
         assert out["values"], out
+        assert out["owned"], out
         assert "divisible" in out["indivisible"] and out["int"].startswith("EPTypeError")
         assert "not inside" in out["outside"]
 

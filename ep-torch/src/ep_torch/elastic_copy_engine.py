@@ -125,6 +125,9 @@ class DriverOps:
         except ValueError as exc:
             raise EPConfigError(f"{exc} (rank {rank})") from None
         self.wait_mode = mode
+        self._write_flags = (
+            self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        )  # fences earlier copies
         if mode == "stream":
             from .elastic_stream_wait import StreamWaiter
 
@@ -140,8 +143,9 @@ class DriverOps:
             self._cuda.check(self.drv.cuMemcpyDtoDAsync(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
 
     def write(self, addr: int, value: int, stream: int) -> None:
-        flags = self.drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT  # fences the copies before it
-        self._cuda.check(self.drv.cuStreamWriteValue64(stream, addr, value, flags), "cuStreamWriteValue64")
+        self._cuda.check(
+            self.drv.cuStreamWriteValue64(stream, addr, value, self._write_flags), "cuStreamWriteValue64"
+        )
 
     def wait(self, addr: int, value: int, stream: int, peer: int, what: str) -> None:
         """The stream waits until the word at `addr` is >= `value` (written by `peer`), bounded (module doc)."""

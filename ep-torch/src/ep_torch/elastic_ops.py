@@ -437,7 +437,7 @@ class ElasticOps:
         session_idx = st.session.session_idx
         parts = st.backend.reduce_scatter(t, offsets[0], cb, slot, session_idx)
         st.backend.agrs_wait(slot, session_idx)
-        acc = parts[0].float()
+        acc = parts[0].to(torch.float32, copy=True)  # float32 parts: .float() would alias the session region
         for r in range(1, n):
             acc += parts[r].float()
         return acc.to(t.dtype).view(chunk)
