@@ -161,11 +161,12 @@ __host__ __device__ constexpr int combine_slot_bytes() {
 /// row with one term is one round trip instead of seven). Returns false, having done nothing, when a chunk of
 /// every term cannot fit the slot (more than kSlot / 16 terms); the caller then uses `warp_ordered_sum`.
 /// `phase`: the warp's mbarrier parity, flipped per chunk.
-template <int kBytes>
+/// `kSlotBytes`: the slot's size (a row's by default; a part of a row may use the whole slot).
+template <int kBytes, int kSlotBytes = combine_slot_bytes<kBytes>()>
 EP_CORE_DEVICE bool warp_staged_sum(const uint8_t* my_src, uint32_t mask, const uint8_t* bias0, const uint8_t* bias1,
                                     uint8_t* dst, const uint8_t** s_ops, uint8_t* slot, uint64_t* bar,
                                     uint32_t& phase, int lane) {
-    constexpr int kSlot = combine_slot_bytes<kBytes>();
+    constexpr int kSlot = kSlotBytes;
     const int nb = (bias0 != nullptr ? 1 : 0) + (bias1 != nullptr ? 1 : 0);
     const int num_ops = __popc(mask);
     const int terms = nb + num_ops;
@@ -214,6 +215,18 @@ EP_CORE_DEVICE bool warp_staged_sum(const uint8_t* my_src, uint32_t mask, const 
     __syncwarp();
     return true;
 }
+
+/// Column parts of one token's reduction, a JIT switch (`EP_CORE_COMBINE_REDUCE_PARTS`, ep_core.kernels._source;
+/// issue 17): 1 (default) reduces whole rows, one token per warp. With P > 1, when the grid has fewer warps W than
+/// tokens T but T <= P x W (decode: EP8 at 8 SMs is 120 warps for 128 tokens, so 8 warps reduce a second token
+/// alone, a latency-bound tail as long as the first round), the unit of work is (token, part of its columns): T x P
+/// units over W warps, ceil(T P / W) / P row-times instead of ceil(T / W). Every element still sums the same terms
+/// in the same order (the parts only choose which warp does which columns): the same bits.
+#ifdef EP_CORE_COMBINE_REDUCE_PARTS
+constexpr int kCombineReduceParts = EP_CORE_COMBINE_REDUCE_PARTS;
+#else
+constexpr int kCombineReduceParts = 1;
+#endif
 
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumWarps, typename Transport>
 EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
@@ -372,7 +385,16 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     uint8_t* const out = static_cast<uint8_t*>(args.combined_x);
     const uint8_t* const bias0 = static_cast<const uint8_t*>(args.bias0);
     const uint8_t* const bias1 = static_cast<const uint8_t*>(args.bias1);
-    for (int64_t t = global_warp; t < T; t += num_global_warps) {
+    constexpr int kParts = kCombineReduceParts;
+    static_assert(kParts >= 1 && Tok::kHiddenBytes % (16 * kParts) == 0, "reduce parts: whole 16-byte vectors");
+    constexpr int kPartBytes = Tok::kHiddenBytes / kParts;
+    // split only for a tail: more tokens than warps, at most kParts per warp, not a whole number of rounds
+    const bool split = kParts > 1 && num_global_warps < T && T <= kParts * static_cast<int64_t>(num_global_warps) &&
+                       T % num_global_warps != 0;
+    const int64_t num_units = split ? T * kParts : T;
+    for (int64_t u = global_warp; u < num_units; u += num_global_warps) {
+        const int64_t t = split ? u / kParts : u;
+        const int part = split ? static_cast<int>(u % kParts) : 0;
         int64_t e = -1;
         if (lane < kNumTopk) {
             if (args.flags & kFlagTopkIdx32)
@@ -392,10 +414,26 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         const int64_t row_off = t * static_cast<int64_t>(Tok::kHiddenBytes);
         const uint8_t* const b0 = bias0 != nullptr ? bias0 + row_off : nullptr;
         const uint8_t* const b1 = bias1 != nullptr ? bias1 + row_off : nullptr;
-        if (!staged || !warp_staged_sum<Tok::kHiddenBytes>(my_src, operands, b0, b1, out + row_off, s_ops[warp],
-                                                           slot_buf, bar, phase, lane))
-            warp_ordered_sum<Tok::kHiddenBytes, true>(my_src, operands, b0, b1, out + row_off, s_ops[warp], lane);
-        if (args.combined_weights != nullptr && lane < kNumTopk) {
+        if constexpr (kParts > 1) {
+            if (split) {
+                // this unit's columns [part x kPartBytes, + kPartBytes) of every term (the whole slot stages them)
+                const int64_t po = static_cast<int64_t>(part) * kPartBytes;
+                const uint8_t* const src_p = my_src != nullptr ? my_src + po : nullptr;
+                const uint8_t* const b0_p = b0 != nullptr ? b0 + po : nullptr;
+                const uint8_t* const b1_p = b1 != nullptr ? b1 + po : nullptr;
+                uint8_t* const dst_p = out + row_off + po;
+                if (!staged || !warp_staged_sum<kPartBytes, kSlot>(src_p, operands, b0_p, b1_p, dst_p, s_ops[warp],
+                                                                   slot_buf, bar, phase, lane))
+                    warp_ordered_sum<kPartBytes, true>(src_p, operands, b0_p, b1_p, dst_p, s_ops[warp], lane);
+            }
+        }
+        if (!split) {
+            if (!staged || !warp_staged_sum<Tok::kHiddenBytes>(my_src, operands, b0, b1, out + row_off,
+                                                               s_ops[warp], slot_buf, bar, phase, lane))
+                warp_ordered_sum<Tok::kHiddenBytes, true>(my_src, operands, b0, b1, out + row_off, s_ops[warp],
+                                                          lane);
+        }
+        if (args.combined_weights != nullptr && part == 0 && lane < kNumTopk) {
             float w = 0.0f;
             if (valid) {
                 const int owner = lane_level ? lane : (rank_layout ? dst_rank : master);

@@ -64,6 +64,31 @@ def phase_timing_enabled() -> bool:
     return os.environ.get(PHASE_TIMING_ENV, "") not in ("", "0")
 
 
+COMBINE_REDUCE_PARTS_ENV = "EP_CORE_COMBINE_REDUCE_PARTS"
+"""Column parts per token in the direct combine's reduction when the grid has fewer warps than tokens (combine.cuh
+`kCombineReduceParts`; issue 17, decode tail: EP8 at 8 SMs is 120 warps for 128 tokens). Unset, empty or 1: whole
+rows, the default build. P > 1 builds a separate JIT instance (`_rp<P>`); P must divide the combine row into whole
+16-byte vectors. Same bits either way. Read when a process first compiles an instance."""
+
+
+def combine_reduce_parts(config: KernelConfig) -> int:
+    """The validated `EP_CORE_COMBINE_REDUCE_PARTS` for `config` (1 when unset)."""
+    text = os.environ.get(COMBINE_REDUCE_PARTS_ENV, "").strip()
+    if text in ("", "1"):
+        return 1
+    try:
+        parts = int(text)
+    except ValueError:
+        parts = 0
+    row = config.hidden * 2
+    if parts < 1 or parts > 32 or row % (16 * parts) != 0:
+        raise EPConfigError(
+            f"{COMBINE_REDUCE_PARTS_ENV}: expected an integer in 1..32 that splits the combine row of {row} bytes "
+            f"into whole 16-byte vectors, got {text!r}"
+        )
+    return parts
+
+
 def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     """Compile (or fetch from the cache) the instance of `config`; returns the ep_jit Artifact."""
     import ep_jit
@@ -80,6 +105,10 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     elif config.is_direct_xnode:  # direct mode across nodes (direct_xnode.cuh)
         name += f"_xn{config.num_nvlink_ranks}_{config.scaleout[:3]}"  # ep_jit keeps 48 characters
     defines = config.defines()
+    parts = combine_reduce_parts(config)
+    if parts > 1:
+        defines["EP_CORE_COMBINE_REDUCE_PARTS"] = parts
+        name += f"_rp{parts}"
     if phase_timing_enabled():
         defines["EP_CORE_PHASE_TIMING"] = 1
         name += "_phases"

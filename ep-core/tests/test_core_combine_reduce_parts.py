@@ -1,0 +1,58 @@
+"""CPU: the combine reduction's column-parts switch (EP_CORE_COMBINE_REDUCE_PARTS, issue 17): unset or 1 is the
+default build (no define, same instance name), P > 1 a separate instance `_rp<P>` that compiles for sm_90a; invalid
+values are refused naming the variable and the rule."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from ep_core.errors import EPConfigError
+from ep_core.kernels import _source
+from ep_core.kernels.plan import KernelConfig
+
+ENV = _source.COMBINE_REDUCE_PARTS_ENV
+
+
+@pytest.mark.parametrize("value", [None, "", "1", " 1 "])
+def test_default_is_whole_rows(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    assert _source.combine_reduce_parts(KernelConfig(8, 8, 7168)) == 1
+
+
+@pytest.mark.parametrize("value", ["2", "4", "8"])
+def test_parts_accepted(monkeypatch, value):
+    monkeypatch.setenv(ENV, value)
+    assert _source.combine_reduce_parts(KernelConfig(8, 8, 7168)) == int(value)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "x", "33", "3"])
+def test_parts_refused(monkeypatch, value):
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(EPConfigError, match=ENV):
+        _source.combine_reduce_parts(
+            KernelConfig(8, 8, 7168)
+        )  # 3 does not divide 14336 bytes into 16-byte vectors
+
+
+def _have_nvcc() -> bool:
+    return shutil.which("nvcc") is not None
+
+
+@pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
+def test_parts_instance_compiles(monkeypatch, tmp_path):
+    ep_jit = pytest.importorskip("ep_jit")
+    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    ep_jit.clear_memo()
+    cfg = KernelConfig(8, 8, 7168)
+    monkeypatch.delenv(ENV, raising=False)
+    plain = _source.compile_kernels(cfg, arch="sm_90a")
+    monkeypatch.setenv(ENV, "2")
+    split = _source.compile_kernels(cfg, arch="sm_90a")
+    assert "_rp2" in split.cubin_path.parent.name and "_rp" not in plain.cubin_path.parent.name
+    assert split.cubin_path.read_bytes()[:4] == b"\x7fELF"
+    assert split.cubin_path.read_bytes() != plain.cubin_path.read_bytes()
+    assert set(_source.KERNEL_NAMES) <= set(split.kernel_names)
