@@ -348,17 +348,29 @@ def test_other_array_types_fall_back() -> None:
     assert int32_block(lambda shape, dtype: object(), SHAPES) is None
 
 
-def test_block_is_off_by_default() -> None:
-    assert os.environ.get("EPKIT_HANDLE_BLOCK") is not None or array_block.MODE == "0"
+def test_default_carves_only_offered_blocks() -> None:
+    """By default the executor carves no block itself (its DeviceArray views' owner is the block); an allocator's
+    own `int32_block` (ep_torch's torch allocator) is used."""
+    if os.environ.get("EPKIT_HANDLE_BLOCK") is None:
+        assert array_block.MODE == "offered"
+        assert not array_block.use_block(True) and not array_block.use_block(False)
+        assert array_block.use_offered()
 
 
 @pytest.mark.parametrize(
-    ("mode", "own", "want"),
-    [("auto", True, True), ("auto", False, False), ("1", False, True), ("0", True, False)],
+    ("mode", "own", "want", "offered"),
+    [
+        ("offered", True, False, True),
+        ("auto", True, True, True),
+        ("auto", False, False, True),
+        ("1", False, True, True),
+        ("0", True, False, False),
+    ],
 )
-def test_mode(monkeypatch, mode: str, own: bool, want: bool) -> None:
+def test_mode(monkeypatch, mode: str, own: bool, want: bool, offered: bool) -> None:
     monkeypatch.setattr(array_block, "MODE", mode)
     assert array_block.use_block(own) is want
+    assert array_block.use_offered() is offered
 
 
 class BlockAllocator(Allocator):

@@ -78,12 +78,15 @@ def _plain(a: Any) -> Any:
     return a
 
 
-def _current_stream() -> int:
-    """The raw handle of the current CUDA stream (the stream the operation is ordered after), read without building
-    a ``torch.cuda.Stream`` object when torch offers it (``torch.cuda.current_stream().cuda_stream`` otherwise)."""
+def _current_stream(index: int | None = None) -> int:
+    """The raw handle of the current CUDA stream of device ``index`` (None: the current device), the stream the
+    operation is ordered after, read without building a ``torch.cuda.Stream`` object when torch offers it
+    (``torch.cuda.current_stream(index).cuda_stream`` otherwise)."""
+    if index is None:
+        index = torch.cuda.current_device()
     if _raw_stream is not None:
-        return _raw_stream(torch.cuda.current_device())
-    return torch.cuda.current_stream().cuda_stream
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 # torch's own accessor of the raw current stream (what torch.compile's generated code calls); None if absent
@@ -138,6 +141,11 @@ class ElasticBuffer(ElasticOps):
             transport, self.bootstrap, self.group, explicitly_destroy=bool(explicitly_destroy)
         )
         self.transport, self.device = self.transport_choice.name, self.transport_choice.device
+        # read on every call: whether operations are CUDA ones, the device whose current stream they follow, and
+        # the output allocators by device (`_allocator`)
+        self._cuda = self.device.type == "cuda"
+        self._device_index: int | None = self.device.index
+        self._allocators: dict = {}
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
@@ -350,7 +358,8 @@ class ElasticBuffer(ElasticOps):
 
     def _allocator(self, device: torch.device) -> Any:
         """Outputs as torch tensors on ``device``, from the caching allocator of the current stream (one allocator
-        per device, reused by every call)."""
+        per device, reused by every call). It offers ``int32_block``: a new handle's int32 arrays as disjoint views
+        of one ``torch.empty`` (``ep_core.kernels.array_block``; they all belong to the one handle returned)."""
         allocators = self.__dict__.setdefault("_allocators", {})
         allocate = allocators.get(device)
         if allocate is None:
@@ -358,6 +367,9 @@ class ElasticBuffer(ElasticOps):
             def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
                 return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
 
+            from ep_core.kernels.array_block import int32_block
+
+            allocate.int32_block = lambda shapes: int32_block(allocate, shapes)  # type: ignore[attr-defined]
             allocators[device] = allocate
         return allocate
 
@@ -400,6 +412,14 @@ class ElasticBuffer(ElasticOps):
             if comm is not None:
                 t.record_stream(comm)
         return EventOverlap(event)
+
+    def _dispatch_event(
+        self, async_with_compute_stream: Any, x: Any, idx: Any, w: Any, res: Any
+    ) -> EventOverlap:
+        if not async_with_compute_stream:
+            return EventOverlap(None)
+        keep = (x, idx, w, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
+        return self._event(True, keep)
 
     def _streams(
         self, allocate_on_comm_stream: Any, previous_event: Any, async_with_compute_stream: Any
@@ -448,58 +468,58 @@ class ElasticBuffer(ElasticOps):
         """
         with self._core.announcing("dispatch"):
             rt = self._rt()
-            self._check_capture("dispatch", do_cpu_sync, handle)
+            if handle is None and do_cpu_sync is not False:
+                self._check_capture("dispatch", do_cpu_sync, handle)
             if handle is not None and not do_expand and isinstance(handle, EPHandle):
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
-            scope, cuda = self._streams(allocate_on_comm_stream, previous_event, async_with_compute_stream)
             data = x[0] if isinstance(x, tuple) and len(x) == 2 else x
             device = data.device if isinstance(data, torch.Tensor) else self.device
-            with scope:
-                res = rt.dispatch(
-                    x=_plain(x),
-                    topk_idx=_plain(topk_idx),
-                    topk_weights=_plain(topk_weights),
-                    cumulative_local_expert_recv_stats=_plain(cumulative_local_expert_recv_stats),
-                    num_experts=num_experts,
-                    num_max_tokens_per_rank=num_max_tokens_per_rank,
-                    expert_alignment=expert_alignment,
-                    num_sms=num_sms,
-                    num_qps=num_qps,
-                    previous_event=previous_event,
-                    previous_event_before_epilogue=previous_event_before_epilogue,
-                    async_with_compute_stream=bool(async_with_compute_stream),
-                    allocate_on_comm_stream=bool(allocate_on_comm_stream),
-                    handle=handle,
-                    do_handle_copy=bool(do_handle_copy),
-                    do_cpu_sync=None if do_cpu_sync is None else bool(do_cpu_sync),
-                    do_expand=bool(do_expand),
-                    do_zero_padding=bool(do_zero_padding),
-                    use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),
-                    allocator=self._allocator(device),
-                    stream=_current_stream() if cuda else 0,
+            kw = {
+                "cumulative_local_expert_recv_stats": _plain(cumulative_local_expert_recv_stats),
+                "num_experts": num_experts,
+                "num_max_tokens_per_rank": num_max_tokens_per_rank,
+                "expert_alignment": expert_alignment,
+                "num_sms": num_sms,
+                "num_qps": num_qps,
+                "previous_event": previous_event,
+                "previous_event_before_epilogue": previous_event_before_epilogue,
+                "async_with_compute_stream": bool(async_with_compute_stream),
+                "allocate_on_comm_stream": bool(allocate_on_comm_stream),
+                "handle": handle,
+                "do_handle_copy": bool(do_handle_copy),
+                "do_cpu_sync": None if do_cpu_sync is None else bool(do_cpu_sync),
+                "do_expand": bool(do_expand),
+                "do_zero_padding": bool(do_zero_padding),
+                "use_tma_aligned_col_major_sf": bool(use_tma_aligned_col_major_sf),
+                "allocator": self._allocators.get(device) or self._allocator(device),
+            }
+            plain_x = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
+            plain_idx = _plain(topk_idx) if topk_idx is not None else None
+            plain_w = _plain(topk_weights) if topk_weights is not None else None
+            if (
+                previous_event is None and not allocate_on_comm_stream
+            ):  # no comm-stream scope: the common case
+                if self._cuda:
+                    kw["stream"] = _current_stream(self._device_index)
+                res = rt.dispatch(plain_x, plain_idx, plain_w, **kw)
+                event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
+            else:
+                scope, cuda = self._streams(
+                    allocate_on_comm_stream, previous_event, async_with_compute_stream
                 )
-                event = (
-                    self._event(
-                        True,
-                        (
-                            x,
-                            topk_idx,
-                            topk_weights,
-                            res.recv_x,
-                            res.recv_sf,
-                            res.recv_topk_idx,
-                            res.recv_topk_weights,
-                        ),
-                    )
-                    if async_with_compute_stream
-                    else EventOverlap(None)
-                )
+                with scope:
+                    if cuda:
+                        kw["stream"] = _current_stream(self._device_index)
+                    res = rt.dispatch(plain_x, plain_idx, plain_w, **kw)
+                    event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
         if handle is None:
             held = res.handle.topk_idx
             if not do_handle_copy:
                 res.handle.topk_idx = (
                     topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
                 )
+            elif held is topk_idx and type(held) is torch.Tensor:  # the caller's tensor: copied unless empty
+                res.handle.topk_idx = held.clone() if held.numel() else held.detach()
             elif isinstance(held, torch.Tensor) and held.numel() and held.data_ptr() == topk_idx.data_ptr():
                 res.handle.topk_idx = (
                     held.clone()

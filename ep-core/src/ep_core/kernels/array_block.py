@@ -20,20 +20,27 @@ from typing import Any
 
 from ep_core.device_array import DeviceArray as CoreArray
 
-__all__ = ["ALIGN_WORDS", "MODE", "int32_block", "use_block"]
+__all__ = ["ALIGN_WORDS", "MODE", "int32_block", "use_block", "use_offered"]
 
 ALIGN_WORDS = 64  # 256 bytes of int32
-# Which allocators carve one block (`GpuExecutor` asks `use_block`): "0" (default) none; "auto" only the executor's
-# own (ep_core arrays: one stream-ordered driver allocation instead of five, and views that cost less than one);
-# "1" every allocator (torch tensors: one torch.empty and five as_strided views, on the CPU no cheaper than five
-# torch.empty). Off by default: on the H200 (2026-12-02) a carved view's `owner` is the block, not an array of the
-# view's own shape, which broke callers that copy a handle array back through its owner; and the saving is not
-# measured on a GPU yet.
-MODE = os.environ.get("EPKIT_HANDLE_BLOCK", "0")
+# Which allocators carve one block (`GpuExecutor` asks `use_block`): "offered" (default): an allocator that offers
+# its own `int32_block` (ep_torch's torch allocator: one torch.empty and five `as_strided` views, which skips four
+# trips through torch's CUDA caching allocator; on the CPU, where torch.empty is cheap, it costs about the same); "auto": also the executor's own (ep_core arrays: one
+# stream-ordered driver allocation instead of five); "1": every allocator; "0": none. The executor's own is not
+# carved by default: on the H200 (2026-12-02) a carved `DeviceArray`'s `owner` was the block, not an array of the
+# view's own shape, which broke callers that copy a handle array back through its owner (torch views have no
+# owner: each is a tensor of its own shape).
+MODE = os.environ.get("EPKIT_HANDLE_BLOCK", "offered")
 
 
 def use_block(is_default_allocator: bool) -> bool:
+    """Whether `GpuExecutor` carves the handle arrays itself for an allocator that offers no block of its own."""
     return MODE == "1" or (MODE == "auto" and is_default_allocator)
+
+
+def use_offered() -> bool:
+    """Whether an allocator's own `int32_block` is used."""
+    return MODE != "0"
 
 
 def _offsets(shapes: Sequence[tuple]) -> tuple[list[int], list[int], int]:
@@ -68,18 +75,38 @@ def _core_view(block: CoreArray, off: int, shape: tuple) -> CoreArray:
     return a
 
 
+_layouts: dict = {}  # shapes -> (offsets, sizes, total words, torch as_strided arguments per view)
+
+
+def _layout(shapes: Sequence[tuple]) -> tuple:
+    key = tuple([tuple(s) for s in shapes])
+    got = _layouts.get(key)
+    if got is None:
+        if len(_layouts) >= 64:
+            _layouts.clear()
+        offsets, sizes, total = _offsets(key)
+        strided = tuple(
+            [
+                (shape, tuple([st // 4 for st in _byte_strides(shape)]), off)
+                for shape, off in zip(key, offsets)
+            ]
+        )
+        got = _layouts[key] = (offsets, sizes, total, strided)
+    return got
+
+
 def int32_block(allocate: Callable[[tuple, str], Any], shapes: Sequence[tuple]) -> list[Any] | None:
     """One int32 allocation carved into C-contiguous arrays of `shapes` (None: the block's type cannot be
     carved; the block is dropped and the caller allocates each array)."""
-    offsets, sizes, total = _offsets(shapes)
+    offsets, sizes, total, strided = _layout(shapes)
     block = allocate((max(total, 1),), "int32")
     if type(block) is CoreArray:
         return [_core_view(block, off, shape) for off, shape in zip(offsets, shapes)]
-    if type(block).__module__ == "torch":  # a view without the two dispatches of slice + reshape
-        return [
-            block.as_strided(shape, [st // 4 for st in _byte_strides(tuple(shape))], off)
-            for off, shape in zip(offsets, shapes)
-        ]
+    if (
+        type(block).__module__ == "torch"
+    ):  # one as_strided each (a split_with_sizes costs more: a tensor per part)
+        view = block.as_strided
+        return [view(shape, strides, off) for shape, strides, off in strided]
     if hasattr(block, "reshape") and hasattr(block, "__getitem__"):
         return [block[off : off + n].reshape(shape) for off, n, shape in zip(offsets, sizes, shapes)]
     return None

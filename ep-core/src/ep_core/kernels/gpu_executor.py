@@ -23,7 +23,7 @@ import numpy as np
 from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
-from ep_core.kernels.array_block import int32_block, use_block
+from ep_core.kernels.array_block import int32_block, use_block, use_offered
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
 
 __all__ = ["GpuExecutor"]
@@ -200,7 +200,10 @@ class GpuExecutor:
         own = getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
             GpuExecutor.default_allocator
         )
-        if use_block(own):
+        offered = getattr(allocate, "int32_block", None)  # the allocator's own (ep_torch's: torch views)
+        if offered is not None and use_offered():
+            alloc.int32_block = offered
+        elif use_block(own):
             alloc.int32_block = lambda shapes: int32_block(allocate, shapes)
         if key is not None:
             if (
