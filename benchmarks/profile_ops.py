@@ -9,6 +9,7 @@ graph). It is the measurement behind issue 17's levers.
     python benchmarks/profile_ops.py --out OUTDIR [--ranks 1] [--tokens 128] [--sms 16] [--iters 20]
     python benchmarks/profile_ops.py --out OUTDIR --phases [--ranks N --sms S]   # EP1 @16 and EP8 @8 by default
     python benchmarks/profile_ops.py ... --staged-combine   # combine launched with its shared memory (staged path)
+    python benchmarks/profile_ops.py ... --register-combine # combine without it (register path; staged is default)
 
 Writes OUTDIR/profile_ops_ep<N>.json and prints a table per op: activity name, count per replay, mean us, and the
 replay's span (first start to last end on the device).
@@ -167,6 +168,23 @@ def staged_combine_launches(enabled: bool = True):
         yield
     finally:
         executor.DirectRank._prepare = orig
+
+
+@contextlib.contextmanager
+def register_combine_launches(enabled: bool = True):
+    """While active, direct combines launch without dynamic shared memory (executor `_combine_smem` -> 0), so the
+    kernel takes its register path: A/B of the staged combine (the default since c5fd13a) on the same build."""
+    if not enabled:
+        yield
+        return
+    from ep_core.kernels import executor
+
+    orig = executor._combine_smem
+    executor._combine_smem = lambda cfg: 0
+    try:
+        yield
+    finally:
+        executor._combine_smem = orig
 
 
 class PhaseReader:
@@ -362,6 +380,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="launch the combine with KernelConfig.combine_dynamic_smem_bytes (its staged bulk-copy path)",
     )
+    ap.add_argument(
+        "--register-combine",
+        action="store_true",
+        help="launch the combine without shared memory (its register path), to compare with the staged default",
+    )
     args = ap.parse_args(argv)
     if args.phases:
         os.environ["EP_CORE_PHASE_TIMING"] = "1"  # before the first kernel load (ep_core.kernels._source)
@@ -375,7 +398,10 @@ def main(argv=None) -> int:
         n = args.ranks or 1
         configs = [(n, args.sms or 16)]
     for n, sms in configs:
-        with staged_combine_launches(args.staged_combine):
+        with (
+            staged_combine_launches(args.staged_combine),
+            register_combine_launches(args.register_combine),
+        ):
             run_config(torch, n, args.tokens, sms, args.iters, args.phases, Path(args.out))
         torch.cuda.empty_cache()
     return 0
