@@ -2,11 +2,18 @@
 """Decode benchmark of the DeepEP V1 surface (``ep_torch.Buffer`` low-latency mode) next to the V2 path
 (``ep_torch.ElasticBuffer`` dispatch without CPU sync + combine), in the same run, CUDA-graph replay timing.
 
-    python benchmarks/bench_v1.py [--ranks 1 8] [--tokens 128] [--iters 50] [--json PATH] [--quick]
+    python benchmarks/bench_v1.py [--ranks 1 8] [--tokens 128] [--iters 50] [--json PATH] [--quick] [--procs]
 
-Per EP size N (one process per rank over a gloo group, ep's ipc transport; one GPU per rank when the machine has N
-GPUs, else every rank on GPU 0, labelled ``shared``: processes on one GPU are time-sliced, so those times are an
-upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 experts (uniform random routing):
+Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform random routing):
+
+- EP1: one process (gloo group of one, ep's ipc transport), labelled ``own``;
+- N > 1: the loopback group (``ep_torch.loopback.LoopbackGroup``), labelled ``loopback``: the N ranks are N streams
+  of this process on one GPU, each a real ``ElasticBuffer`` / V1 ``Buffer`` over ep-core's loopback domain (its own
+  symmetric buffer, executor and stream; the device's SMs split between the ranks), so the rows run exactly the
+  kernels and host code a V1/V2 user gets; every rank's op is captured in ONE CUDA graph and the time is that of
+  all N ranks' op together (as ``bench_ep``'s loopback rows);
+- ``--procs``: N > 1 as one process per rank instead (one GPU each when the machine has N, else time-sliced on
+  GPU 0, labelled ``shared``: an upper bound that means little).
 
 - ``v1 ll_dispatch bf16`` / ``v1 ll_dispatch fp8``: ``low_latency_dispatch(use_fp8=...)`` into the packed masked
   layout ``[E_local, N*T, H]`` (ep-torch's CUDA epilogue, ``legacy_ll_kernels``); ``... torch-ops``: the same
@@ -21,9 +28,11 @@ upper bound and mean little), T tokens per rank, hidden 7168, top-8 of 256 exper
   first, so their rows survive a V1 failure; a failing op is reported and the run goes on).
 
 Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters`` times back to back between two CUDA
-events; the reported time is the mean per replay, the max over ranks. The first replay's outputs are checked once:
-V1 combine bitwise against ``legacy_reference.ll_combine_reference``. Exit status 0 (also "skipped" without a GPU),
-1 if a check failed.
+events; the reported time is the mean per replay (processes: the max over ranks). Checks on every rank, before the
+op's row: each V1 combine bitwise against ``legacy_reference.ll_combine_reference``, each V1 dispatch's
+``recv_count`` against the routing (``CHECK FAILED`` lines). ``--dry-run-cpu`` runs the same harness on the CPU
+reference backend (tiny sizes, host timer; the loopback group in one thread per rank). Exit status 0 (also
+"skipped" without a GPU), 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -53,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="only the kernels' rows (no torch-ops rows)",
     )
     ap.add_argument(
+        "--procs",
+        action="store_true",
+        help="EP sizes > 1 as one process per rank (one GPU each when there are enough, else time-sliced on GPU 0, "
+        "labelled shared) instead of the loopback group",
+    )
+    ap.add_argument(
         "--dry-run-cpu",
         action="store_true",
         help="development: run the harness on CPU over the reference backend (tiny sizes, host timer, no graphs)",
@@ -64,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _time_graph(torch, fn, iters: int) -> float:
+def _time_graph(torch, fn, iters: int, barrier) -> float:
     """Capture ``fn()`` (already warmed up), replay ``iters`` times; mean ms per replay."""
     from ep_torch.cuda_graph import avoid_record_stream
 
@@ -79,11 +94,9 @@ def _time_graph(torch, fn, iters: int) -> float:
         with torch.cuda.graph(graph):
             fn()
     torch.cuda.synchronize()
-    import torch.distributed as dist
-
     graph.replay()  # one untimed replay
     torch.cuda.synchronize()
-    dist.barrier()
+    barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -93,101 +106,206 @@ def _time_graph(torch, fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def _time_host(torch, fn, iters: int) -> float:
+def _time_host(torch, fn, iters: int, barrier) -> float:
     """--dry-run-cpu: host wall time per call (checks the harness, not a measurement)."""
-    import torch.distributed as dist
-
-    dist.barrier()
+    barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def _sync(torch) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+class _Procs:
+    """This process is rank ``rank`` of ``n`` (a gloo group; ep's ipc transport on CUDA)."""
+
+    def __init__(self, torch, rank: int, n: int, cpu: bool) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.torch, self.n, self.cpu = dist, torch, n, cpu
+        self.ranks = [rank]
+        shared = not cpu and torch.cuda.device_count() < n
+        if not cpu:
+            torch.cuda.set_device(0 if shared else rank)
+        if shared:
+            os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # nothing to detect between processes on one GPU
+        self.label = "cpu" if cpu else ("shared" if shared else "own")
+        self.row_rank = rank
+        self.transport = None if cpu else "ipc"
+
+    def each(self, fn):
+        return [fn(self.ranks[0])]
+
+    def barrier(self) -> None:
+        if not self.cpu:
+            self.torch.cuda.synchronize()
+        self.dist.barrier()
+
+    def v2(self, **kw):
+        from ep_torch import ElasticBuffer
+
+        return [ElasticBuffer(None, explicitly_destroy=True, transport=self.transport, **kw)]
+
+    def v1(self, *args, **kw):
+        from ep_torch.legacy import Buffer
+
+        return [Buffer(None, *args, explicitly_destroy=True, transport=self.transport, **kw)]
 
 
-def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    from ep_torch import ElasticBuffer
-    from ep_torch.legacy import Buffer
-    from ep_torch.legacy_ll import lanes_per_combine
-    from ep_torch.legacy_reference import ll_combine_reference
+class _Loopback:
+    """All ``n`` ranks in this process: ``ep_torch.loopback.LoopbackGroup`` (ep-core's loopback domain on the GPU,
+    one stream per rank; the reference executor in one thread per rank on the CPU)."""
 
-    cpu = cfg["dry_run_cpu"]
-    transport = None if cpu else "ipc"
-    shared = not cpu and torch.cuda.device_count() < n
-    if not cpu:
-        torch.cuda.set_device(0 if shared else rank)
-    if shared:
-        os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # nothing to detect between processes on one GPU
-    dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
-    timer = _time_host if cpu else _time_graph
-    t, h, e, k, iters = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"], cfg["iters"]
-    epr = e // n
+    def __init__(self, torch, n: int, cpu: bool) -> None:
+        from ep_torch.loopback import LoopbackGroup
+
+        self.torch, self.n, self.cpu = torch, n, cpu
+        if not cpu:
+            os.environ.setdefault(
+                "EPKIT_NVLINK_GBS", "450"
+            )  # the planner's figure, as for processes on one GPU
+        self.group = LoopbackGroup(n, device="cpu" if cpu else "cuda", gpu_timeout_secs=20.0)
+        self.ranks = list(range(n))
+        self.label = "loopback"
+        self.row_rank = "all"
+
+    def each(self, fn):
+        return self.group.run(fn)
+
+    def barrier(self) -> None:
+        if not self.cpu:
+            self.torch.cuda.synchronize()
+
+    def v2(self, **kw):
+        return self.group.elastic_buffers(**kw)
+
+    def v1(self, *args, **kw):
+        return self.group.v1_buffers(*args, explicitly_destroy=True, **kw)
+
+
+def _inputs(torch, rank: int, cfg: dict, dev):
+    t, h, e, k = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
     g = torch.Generator().manual_seed(cfg["seed"] * 1000 + rank)
     x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(dev)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(dev)
     w = torch.rand(t, k, generator=g).to(dev)
+    return x, idx, w
+
+
+def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
+    """Every row on ``ctx``'s ranks (one per process, or all of a loopback group): ``(rows, failures)``."""
+    import numpy as np
+    from ep_torch.legacy import Buffer
+    from ep_torch.legacy_ll import lanes_per_combine
+    from ep_torch.legacy_reference import ll_combine_reference
+
+    cpu, n = ctx.cpu, ctx.n
+    dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    t, h, e, k, iters = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"], cfg["iters"]
+    timer = _time_host if cpu else _time_graph
+    epr = e // n
+    R = ctx.ranks
+    inp = {r: _inputs(torch, r, cfg, dev) for r in R}
     rows: list[dict] = []
     failures: list[str] = []
-
-    if shared:
+    who = "loopback" if ctx.label == "loopback" else f"rank {R[0]}"
+    if ctx.label == "shared":
         iters = min(iters, 20)  # time-sliced processes: every op takes several scheduler slices
 
     def row(op: str, fn) -> bool:
-        """Time one op; an error is recorded (and announced to the peers by ep, so every rank lands here)."""
+        """Time ``fn`` on every rank here; an error is recorded (announced to the peers by ep in processes)."""
         try:
-            ms = fn()
+            ms = timer(torch, lambda: ctx.each(fn), iters, ctx.barrier)
         except Exception as exc:  # keep the other rows
-            failures.append(f"rank {rank}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
+            failures.append(f"{who}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
             return False
-        rows.append({"ep": n, "shared_gpu": shared, "tokens": t, "op": op, "ms": ms, "rank": rank})
+        rows.append({"ep": n, "gpu": ctx.label, "tokens": t, "op": op, "ms": ms, "rank": ctx.row_rank})
         return True
 
     # V2 first: its rows survive a V1 failure
-    v2 = ElasticBuffer(
-        None, num_max_tokens_per_rank=t, hidden=h, num_topk=k, explicitly_destroy=True, transport=transport
-    )
+    v2 = dict(zip(R, ctx.v2(num_max_tokens_per_rank=t, hidden=h, num_topk=k)))
 
-    def v2_dispatch():
-        return v2.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False)
+    def v2_dispatch(r):
+        x, idx, w = inp[r]
+        return v2[r].dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False)
 
-    v2_dispatch()
-    row("v2 dispatch bf16", lambda: timer(torch, v2_dispatch, iters))
-    rx, _, _, h2, _ = v2_dispatch()
-    v2.combine(rx, h2)
-    row("v2 combine", lambda: timer(torch, lambda: v2.combine(rx, h2), iters))
-    _sync(torch)
-    dist.barrier()
-    v2.destroy()
+    ctx.each(v2_dispatch)
+    row("v2 dispatch bf16", v2_dispatch)
+    d2 = dict(zip(R, ctx.each(v2_dispatch)))
+    ctx.each(lambda r: v2[r].combine(d2[r][0], d2[r][3]))
+    row("v2 combine", lambda r: v2[r].combine(d2[r][0], d2[r][3]))
+    ctx.barrier()
+    ctx.each(lambda r: v2[r].destroy())
 
-    v1 = Buffer(None, 0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
-                num_qps_per_rank=epr, explicitly_destroy=True, transport=transport)  # fmt: skip
+    v1 = dict(zip(R, ctx.v1(0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
+                            num_qps_per_rank=epr)))  # fmt: skip
+
+    def setall(**kw):
+        for b in v1.values():
+            for key, val in kw.items():
+                setattr(b, key, val)
+
+    def v1_dispatch(r, fp8=False):
+        x, idx, _ = inp[r]
+        return v1[r].low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
+
+    # the check of the dispatch's counts: recv_count[e] of rank r = (token, lane) pairs of every rank choosing
+    # r's local expert e
+    all_idx = torch.cat([_inputs(torch, s, cfg, "cpu")[1] for s in range(n)]).flatten()
+    want_counts = torch.bincount(all_idx[all_idx >= 0], minlength=e).to(torch.int32)
     ok = True
     paths = ((None, ""),) if cfg["quick"] else ((None, ""), (False, " torch-ops"))
     for use, tag in paths:  # ep-torch's kernels (on CUDA), then the torch ops
-        v1.ll_use_kernels = use
+        setall(ll_use_kernels=use)
         for fp8 in (False, True):
             if not ok:
                 break
-
-            def v1_dispatch(fp8=fp8):
-                return v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
-
-            v1_dispatch()  # builds the buffer, compiles the kernels
-            ok = ok and row(
-                f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'}{tag}", lambda: timer(torch, v1_dispatch, iters)
+            try:
+                # the first call builds the buffers and compiles the kernels
+                outs = ctx.each(lambda r, fp8=fp8: v1_dispatch(r, fp8))
+            except Exception as exc:
+                failures.append(f"{who}: v1 ll_dispatch: {type(exc).__name__}: {str(exc)[:300]}")
+                ok = False
+                break
+            for r, out in zip(R, outs):
+                got = out[1].cpu()
+                if not torch.equal(got, want_counts[r * epr : (r + 1) * epr]):
+                    failures.append(
+                        f"rank {r}: v1 ll_dispatch{tag} fp8={fp8}: recv_count {got.tolist()} is wrong"
+                    )
+            op = f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'}{tag}"
+            ok = ok and row(op, lambda r, fp8=fp8: v1_dispatch(r, fp8))
+    setall(ll_use_kernels=None)
+    state: dict = {}
+    refs: dict = {}
+    if ok:
+        for r, out in zip(R, ctx.each(v1_dispatch)):
+            recv, _cnt, handle, _, _ = out
+            state[r] = (recv.clone(), handle)  # the "experts": identity
+            x, idx, w = inp[r]
+            xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
+            refs[r] = ll_combine_reference(
+                np.repeat(xb[:, None, :], k, axis=1), idx.cpu().numpy(), w.cpu().numpy()
             )
-    v1.ll_use_kernels = None
-    recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
-    y = recv.clone()  # the "experts": identity
-    xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
-    ref = ll_combine_reference(np.repeat(xb[:, None, :], k, axis=1), idx.cpu().numpy(), w.cpu().numpy())
+
+    def v1_combine(r):
+        _, idx, w = inp[r]
+        y, handle = state[r]
+        return v1[r].low_latency_combine(y, idx, w, handle)[0]
+
+    def checked(op: str) -> bool:
+        """One combine on every rank, bitwise against ll_combine_reference, then its row."""
+        try:
+            combs = ctx.each(v1_combine)
+            if not cpu:
+                torch.cuda.synchronize()
+        except Exception as exc:
+            failures.append(f"{who}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
+            return False
+        for r, comb in zip(R, combs):
+            if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
+                failures.append(f"rank {r}: {op} differs from ll_combine_reference")
+        return row(op, v1_combine)
+
     auto = lanes_per_combine(k, h)
     lane_rows = [(g, None) for g in sorted({auto, k} | {g for g in (1, 2, 4) if g < k})]
     if not cfg["quick"]:
@@ -195,59 +313,42 @@ def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
     for lanes, use in dict.fromkeys(lane_rows):
         if not ok:
             break  # after a failure the buffer may be unusable
-        v1.ll_lanes_per_combine = lanes
-        v1.ll_use_kernels = use
+        setall(ll_lanes_per_combine=lanes, ll_use_kernels=use)
         op = f"v1 ll_combine lanes={lanes}{' (auto)' if lanes == auto else ''}{' torch-ops' if use is False else ''}"
-        try:
-            comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
-            _sync(torch)
-        except Exception as exc:
-            failures.append(f"rank {rank}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
-            ok = False
-            break
-        if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
-            failures.append(f"rank {rank}: {op} differs from ll_combine_reference")
-        ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
-    if ok and not cpu and not shared:  # the wide combine rows leave few warps per block: every SM instead
+        ok = checked(op)
+    if ok and ctx.label == "own":  # the wide combine rows leave few warps per block: every SM instead
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        v1.ll_use_kernels, v1.ll_lanes_per_combine, v1.ll_combine_num_sms = None, 0, sms
-        op = f"v1 ll_combine lanes={auto} (auto) sms={sms}"
-        try:
-            comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
-            _sync(torch)
-            if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
-                failures.append(f"rank {rank}: {op} differs from ll_combine_reference")
-            ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
-        except Exception as exc:
-            failures.append(f"rank {rank}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
-            ok = False
-        v1.ll_combine_num_sms = 0
-    # ep's non-deterministic dispatch underneath (the packing orders rows by key): a rebuilt inner buffer
-    v1.ll_use_kernels, v1.ll_lanes_per_combine, v1.ll_deterministic = None, 0, False
+        setall(ll_use_kernels=None, ll_lanes_per_combine=0, ll_combine_num_sms=sms)
+        ok = checked(f"v1 ll_combine lanes={auto} (auto) sms={sms}")
+        setall(ll_combine_num_sms=0)
+    # ep's non-deterministic dispatch underneath (the packing orders rows by key): rebuilt inner buffers
+    setall(ll_use_kernels=None, ll_lanes_per_combine=0, ll_deterministic=False)
     for fp8 in (False, True):
         if not ok:
             break
-
-        def v1_dispatch_nd(fp8=fp8):
-            return v1.low_latency_dispatch(x, idx, t, e, use_fp8=fp8)
-
-        v1_dispatch_nd()
-        ok = row(
-            f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} nondet", lambda: timer(torch, v1_dispatch_nd, iters)
-        )
+        try:
+            ctx.each(lambda r, fp8=fp8: v1_dispatch(r, fp8))
+        except Exception as exc:
+            failures.append(f"{who}: v1 ll_dispatch nondet: {type(exc).__name__}: {str(exc)[:300]}")
+            ok = False
+            break
+        ok = row(f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} nondet", lambda r, fp8=fp8: v1_dispatch(r, fp8))
     if ok:
-        recv, _cnt, handle, _, _ = v1.low_latency_dispatch(x, idx, t, e, use_fp8=False)
-        y = recv.clone()
-        comb, _, _ = v1.low_latency_combine(y, idx, w, handle)
-        _sync(torch)
-        if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), ref):
-            failures.append(f"rank {rank}: v1 ll_combine nondet differs from ll_combine_reference")
-        op = f"v1 ll_combine lanes={auto} (auto) nondet"
-        ok = row(op, lambda: timer(torch, lambda: v1.low_latency_combine(y, idx, w, handle), iters))
+        for r, out in zip(R, ctx.each(v1_dispatch)):
+            state[r] = (out[0].clone(), out[2])
+        ok = checked(f"v1 ll_combine lanes={auto} (auto) nondet")
     if ok:
-        _sync(torch)
-        dist.barrier()
-        v1.destroy()
+        ctx.barrier()
+        ctx.each(lambda r: v1[r].destroy())
+    return rows, failures
+
+
+def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:
+    """One process of an EP group (``spawn``): its rows, gathered on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    rows, failures = _measure(torch, _Procs(torch, rank, n, cfg["dry_run_cpu"]), cfg)
     gathered: list = [None] * n
     dist.all_gather_object(gathered, (rows, failures))
     if rank == 0:
@@ -277,31 +378,33 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     failures: list[str] = []
     for n in args.ranks:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
-            path = tmp.name
         t0 = time.time()
-        spawn(_rank, n, cfg, path)
-        with open(path) as f:
-            per_rank = json.load(f)
-        os.unlink(path)
+        if n == 1 or args.procs:  # one process per rank
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+                path = tmp.name
+            spawn(_rank, n, cfg, path)
+            with open(path) as f:
+                per_rank = json.load(f)
+            os.unlink(path)
+        else:  # the loopback group: every rank in this process, one stream each
+            per_rank = [_measure(torch, _Loopback(torch, n, args.dry_run_cpu), cfg)]
         for r_rows, r_fail in per_rank:
             rows.extend(r_rows)
             failures.extend(r_fail)
         print(f"bench_v1: EP{n} done in {time.time() - t0:.1f} s", file=sys.stderr)
     table: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["ep"], r["op"])
-        agg = table.setdefault(key, {"ep": r["ep"], "op": r["op"], "shared_gpu": r["shared_gpu"], "ms": []})
+        key = (r["ep"], r["gpu"], r["op"])
+        agg = table.setdefault(key, {"ep": r["ep"], "op": r["op"], "gpu": r["gpu"], "ms": []})
         agg["ms"].append(r["ms"])
     how = "CPU dry run, host timer" if args.dry_run_cpu else "CUDA-graph replay"
     print(f"\nDecode, T={args.tokens} tokens per rank, hidden {args.hidden}, top-{args.topk} of {args.experts} "
-          f"experts, {how} (mean of {args.iters}), max over ranks")  # fmt: skip
-    print(f"{'EP':>4} {'GPU':<8} {'op':<42} {'us (max rank)':>14} {'us (mean)':>10}")
+          f"experts, {how} (mean of {args.iters}); processes: max over ranks; loopback: all ranks in one graph")  # fmt: skip
+    print(f"{'EP':>4} {'GPU':<9} {'op':<42} {'us (max rank)':>14} {'us (mean)':>10}")
     for agg in table.values():
         ms = agg["ms"]
-        gpu = "shared" if agg["shared_gpu"] else "own"
         print(
-            f"{agg['ep']:>4} {gpu:<8} {agg['op']:<42} {max(ms) * 1e3:>14.1f} {sum(ms) / len(ms) * 1e3:>10.1f}"
+            f"{agg['ep']:>4} {agg['gpu']:<9} {agg['op']:<42} {max(ms) * 1e3:>14.1f} {sum(ms) / len(ms) * 1e3:>10.1f}"
         )
     for msg in failures:
         print(f"CHECK FAILED: {msg}")

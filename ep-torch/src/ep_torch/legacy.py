@@ -184,9 +184,7 @@ class Buffer:
             )
         if enable_shrink:
             raise NotImplementedError("Buffer: enable_shrink=True (elastic shrink of V1 low-latency mode)")
-        self.group = dist.group.WORLD if group is None else group
-        self.rank = dist.get_rank(self.group)
-        self.group_size = dist.get_world_size(self.group)
+        self._bind_group(group, transport)
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = int(num_qps_per_rank)
@@ -204,10 +202,22 @@ class Buffer:
         self._ll_key: tuple[int, int, int, bool] | None = None
         self._ll_idx = 0
         self._user_sized = num_max_tokens_per_rank > 0 and hidden > 0
-        # S_u before the inner buffer exists: get_dispatch_layout's num_tokens_per_rdma_rank needs the node size
-        self._nvl_ranks = predicted_nvl_ranks(self.group, transport)
         if self._user_sized:
             self._ensure(int(num_max_tokens_per_rank), int(hidden))
+
+    def _bind_group(self, group: dist.ProcessGroup | None, transport: str | None) -> None:
+        """``group``, ``rank``, ``group_size`` and the predicted node size (``ep_torch.loopback`` binds a rank of a
+        loopback group instead)."""
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        # S_u before the inner buffer exists: get_dispatch_layout's num_tokens_per_rdma_rank needs the node size
+        self._nvl_ranks = predicted_nvl_ranks(self.group, transport)
+
+    def _new_inner(self, **kwargs: Any) -> ElasticBuffer:
+        """A new inner ``ElasticBuffer`` over this buffer's group (a collective; ``ep_torch.loopback`` builds the
+        ranks of a loopback group together instead)."""
+        return ElasticBuffer(self.group, transport=self._transport, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     # lifecycle and static helpers
@@ -220,13 +230,11 @@ class Buffer:
             if self._inner is not None:
                 self._inner.destroy()
             tokens = max(tokens, self._sized[0], 1)
-            self._inner = ElasticBuffer(
-                self.group,
+            self._inner = self._new_inner(
                 num_max_tokens_per_rank=tokens,
                 hidden=hidden,
                 deterministic=True,  # V1 row order: source rank, then source token
                 explicitly_destroy=True,
-                transport=self._transport,
             )
             self._sized = (tokens, hidden)
         return self._inner
@@ -527,8 +535,7 @@ class Buffer:
                 )
             if self._ll_inner is not None:
                 self._ll_inner.destroy()
-            self._ll_inner = ElasticBuffer(
-                self.group,
+            self._ll_inner = self._new_inner(
                 num_max_tokens_per_rank=m,
                 hidden=num_topk * hidden,
                 num_topk=num_topk,
@@ -536,7 +543,6 @@ class Buffer:
                 # orders rows by their source key (legacy_ll)
                 deterministic=self.ll_deterministic,
                 explicitly_destroy=True,
-                transport=self._transport,
             )
             self._ll_key = key
         return self._ll_inner

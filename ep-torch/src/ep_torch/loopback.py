@@ -1,0 +1,402 @@
+"""N ranks of ep_torch's buffers in one process: ep-core's loopback domain (DESIGN §4) under the torch surfaces.
+
+``LoopbackGroup(n)`` builds ``n`` ranks of ``ElasticBuffer`` (V2) or of V1's ``Buffer`` in this process: on a GPU
+every rank is a real ``ep_core.EPBuffer`` with its own symmetric buffer (one ``IpcBuffer.create_loopback`` per
+group of buffers, the peer table listing them), its own GPU executor (comm stream, ``DirectRank``) and its own torch
+stream, so the calls run exactly the kernels and host code a user of the ipc transport gets, only with the N ranks
+sharing one GPU (their executors see N ranks on the device: each gets its share of the SMs, every grid fits at
+once). On the CPU the ranks run ep-core's reference executor (bit-identical to the kernels' oracle).
+
+    group = LoopbackGroup(8)
+    v1 = group.v1_buffers(low_latency_mode=True)
+    outs = group.run(lambda r: v1[r].low_latency_dispatch(xs[r], idxs[r], 128, 256, use_fp8=False))
+
+``run(fn)`` calls ``fn(rank)`` for every rank: on the GPU one after another in this thread, each on its rank's
+stream (forked from the current stream and joined back to it, so ``torch.cuda.graph`` captures all ranks' work
+in one graph); on the CPU in one thread per rank (the reference executor's exchanges are host collectives).
+Nothing a rank launches may wait on the host for a peer: low-latency mode and ``do_cpu_sync=False`` dispatches
+qualify, a CPU-synced dispatch does not (it would wait for ranks not yet launched).
+
+Host collectives (building and destroying buffers) run in one thread per rank over ``ep_core.ThreadGroup``
+bootstraps, hidden from the caller: the first rank that needs a new inner buffer (V1 builds them lazily) builds
+every rank's, the others take theirs; a destroyed buffer is released once every rank of its group destroyed it.
+V1 normal mode needs host collectives per call and is refused here (use processes, ``ep_torch.launch.spawn``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from ep_core.bootstrap import ThreadGroup
+from ep_core.errors import EPStateError, EPValueError
+
+from .buffer import ElasticBuffer
+from .legacy import Buffer
+from .transport_choice import TransportChoice
+
+__all__ = ["LoopbackBuffer", "LoopbackElasticBuffer", "LoopbackGroup"]
+
+
+class _LoopbackStorage:
+    """Rank ``rank``'s ``[workspace | data]`` in the group's loopback allocation (an ``IpcStorage`` look-alike)."""
+
+    array_device = "cuda"
+    num_host_bytes = 0
+
+    def __init__(self, owner: _LoopbackTransport, rank: int) -> None:
+        buf = owner.buffer
+        self._owner = owner
+        self.ptr = int(buf.bases[rank])
+        self.num_bytes = owner.total_bytes
+        self.peer_table = buf.peer_table
+        self.device = owner.device
+        self.rank_devices = owner.rank_devices  # every rank on this GPU: executors split its SMs between them
+
+    def peer_bases(self, num_ranks: int) -> list[int]:
+        return [int(b) for b in self._owner.buffer.bases[: int(num_ranks)]]
+
+    def close(self) -> None:
+        if self._owner is not None:
+            self._owner.release()
+            self._owner = None
+
+
+class _LoopbackTransport:
+    """ep-core ``Transport`` of one group of N buffers: the first rank to allocate creates all N buffers (the
+    construction's envelope made every rank ask for the same size); freed when the last rank's storage closes."""
+
+    supports_host_memory = False
+
+    def __init__(self, num_ranks: int, device: int) -> None:
+        self.num_ranks = num_ranks
+        self.device = device
+        self.buffer: Any = None
+        self.total_bytes = 0
+        self.rank_devices: list[str] = []
+        self._refs = 0
+        self._lock = threading.Lock()
+
+    def num_nvlink_ranks(self, bootstrap: Any) -> int:
+        return int(bootstrap.size)
+
+    def allocate(self, bootstrap: Any, num_bytes: int) -> _LoopbackStorage:
+        from ep_core.kernels import _cuda
+        from ep_core.transports.ipc import IpcBuffer
+
+        data = int(num_bytes) - IpcBuffer.total_bytes(0)  # the workspace comes first (IpcBuffer's layout)
+        with self._lock:
+            if self.buffer is None:
+                # plain allocations (no VMM needed inside one process), zeroed, and the peer table of all N
+                self.buffer = IpcBuffer.create_loopback(self.num_ranks, data, use_symmem=False)
+                self.total_bytes = IpcBuffer.total_bytes(data)
+                self.rank_devices = [_cuda.device_identity()] * self.num_ranks
+                self._refs = self.num_ranks
+        return _LoopbackStorage(self, int(bootstrap.rank))
+
+    def create_executor(self, config: Any, buffer: Any) -> Any:
+        from ep_core.kernels.gpu_executor import GpuExecutor
+
+        return GpuExecutor(config, buffer.storage, buffer.bootstrap)
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            if self._refs == 0 and self.buffer is not None:
+                self.buffer.close()
+                self.buffer = None
+
+
+class _Members:
+    """The N buffers built together (one collective); released together once every rank destroyed its own."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.released: set[int] = set()
+
+
+# the rank whose ElasticBuffer.__init__ runs in this thread: (bootstrap, choice, transport)
+_seam = threading.local()
+_seam_lock = threading.Lock()
+
+
+def _install_seams() -> None:
+    """Route ``ElasticBuffer.__init__``'s three group-facing calls (``ep_torch.buffer``'s ``ProcessGroupBootstrap``,
+    ``choose_transport``, ``make_core_transport``) through this module: in a thread building a loopback rank they
+    answer with that rank's thread bootstrap, transport choice and loopback transport; in every other thread they are
+    the originals. So the loopback ranks run ElasticBuffer's own constructor (no copy of it to drift from it)."""
+    from . import buffer as mod
+
+    with _seam_lock:
+        if getattr(mod, "_loopback_seams", False):
+            return
+        boot0, choose0, make0 = mod.ProcessGroupBootstrap, mod.choose_transport, mod.make_core_transport
+
+        def bootstrap(group: Any) -> Any:
+            parts = getattr(_seam, "parts", None)
+            return boot0(group) if parts is None else parts[0]
+
+        def choose(*args: Any, **kwargs: Any) -> Any:
+            parts = getattr(_seam, "parts", None)
+            return choose0(*args, **kwargs) if parts is None else parts[1]
+
+        def make(choice: Any) -> Any:
+            parts = getattr(_seam, "parts", None)
+            return make0(choice) if parts is None else parts[2]
+
+        mod.ProcessGroupBootstrap, mod.choose_transport, mod.make_core_transport = bootstrap, choose, make
+        mod._loopback_seams = True
+
+
+class LoopbackElasticBuffer(ElasticBuffer):
+    """One rank of a loopback group's ``ElasticBuffer``: ``ElasticBuffer.__init__`` itself, over a thread bootstrap
+    and the group's transport instead of a ProcessGroup and the transport choice; every method is
+    ``ElasticBuffer``'s. ``destroy()`` releases it; the group frees the N buffers when all are released."""
+
+    def __init__(
+        self, loopback: LoopbackGroup, members: _Members, bootstrap: Any, core_transport: Any, **kwargs: Any
+    ) -> None:
+        self._loopback, self._members = loopback, members
+        cuda = loopback.device.type == "cuda"
+        n = int(bootstrap.size)
+        choice = TransportChoice(
+            "ipc" if cuda else "reference",
+            loopback.device,
+            f"loopback group: {n} ranks in one process"
+            + (" on one GPU (ep-core's loopback domain)" if cuda else " (reference executor)"),
+        )
+        _install_seams()
+        _seam.parts = (bootstrap, choice, core_transport)
+        try:
+            super().__init__(None, **kwargs)
+        finally:
+            _seam.parts = None
+        self.group = None  # no ProcessGroup (torch.distributed's WORLD, if any, is not this group)
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """This rank's own comm stream (the process-wide one would put the ranks, which wait for each other, on one
+        stream)."""
+        return self._loopback.comm_streams[self.rank_idx]
+
+    def destroy(self) -> None:
+        """Release this rank's buffer; the group frees the N buffers once every rank released its own."""
+        if self.runtime is None or self.runtime.destroyed:
+            raise EPStateError(f"{type(self).__name__}: used after destroy(); create a new buffer")
+        self._loopback._release(self._members, self.rank_idx)
+        self.runtime = None
+
+    def _collective_destroy(self) -> None:
+        self.runtime = self._core
+        ElasticBuffer.destroy(self)
+
+
+class LoopbackBuffer(Buffer):
+    """One rank of a loopback group's V1 ``Buffer`` (low-latency mode): V1's code with the inner buffers built by
+    the group. Normal-mode ``dispatch``/``combine`` exchange host data per call and are refused."""
+
+    def __init__(self, loopback: LoopbackGroup, rank: int, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("num_max_tokens_per_rank") or kwargs.get("hidden"):
+            raise EPValueError(
+                "LoopbackBuffer: num_max_tokens_per_rank/hidden size normal mode, which a loopback group does not run"
+            )
+        if kwargs.get("transport") is not None:
+            raise EPValueError("LoopbackBuffer: transport is the loopback group's (leave it None)")
+        self._loopback, self._rank = loopback, int(rank)
+        super().__init__(None, *args, **kwargs)
+
+    def _bind_group(self, group: Any, transport: str | None) -> None:
+        self.group = None
+        self.rank, self.group_size = self._rank, self._loopback.num_ranks
+        self._nvl_ranks = self.group_size  # one domain
+
+    def _new_inner(self, **kwargs: Any) -> ElasticBuffer:
+        return self._loopback._inner(self.rank, kwargs)
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        return self._loopback.comm_streams[self.rank]
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "LoopbackBuffer.dispatch: V1 normal mode over a loopback group (host collectives per call); run it in "
+            "processes (ep_torch.launch.spawn)"
+        )
+
+    def combine(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "LoopbackBuffer.combine: V1 normal mode over a loopback group (host collectives per call); run it in "
+            "processes (ep_torch.launch.spawn)"
+        )
+
+
+class LoopbackGroup:
+    """``num_ranks`` ranks of ep_torch buffers in this process (see the module docstring). ``device``: ``"cuda"``
+    (the current GPU) or ``"cpu"``; None = CUDA when available. ``timeout_secs`` bounds the rank threads' host
+    exchanges, ``gpu_timeout_secs`` is the buffers' default ``num_gpu_timeout_secs``."""
+
+    def __init__(
+        self,
+        num_ranks: int,
+        *,
+        device: str | torch.device | None = None,
+        timeout_secs: float = 120.0,
+        gpu_timeout_secs: float = 100.0,
+    ) -> None:
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise EPValueError(f"num_ranks: expected an int >= 1, got {num_ranks!r}")
+        kind = (
+            torch.device(device).type
+            if device is not None
+            else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        if kind not in ("cuda", "cpu"):
+            raise EPValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+        self.num_ranks = num_ranks
+        self.timeout_secs = float(timeout_secs)  # host waits: the rank threads' bootstraps
+        # the kernels' wait for peers (every buffer's num_gpu_timeout_secs unless given): a rank that raised before
+        # launching leaves the others' kernels waiting this long
+        self.gpu_timeout_secs = gpu_timeout_secs
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+        )
+        cuda = kind == "cuda"
+        self.streams: list[Any] = [torch.cuda.Stream(self.device) for _ in range(num_ranks)] if cuda else []
+        self.comm_streams: list[Any] = (
+            [torch.cuda.Stream(self.device, priority=-1) for _ in range(num_ranks)]
+            if cuda
+            else [None] * num_ranks
+        )
+        self._ctx = None
+        if cuda:
+            from ep_core.kernels import _cuda
+
+            drv = _cuda.driver()
+            _cuda.native_launch()  # decided once per process: here, not in the first rank thread
+            # this process's context, made current in the rank threads
+            self._ctx = _cuda.check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        self._lock = threading.Lock()
+        self._asked: list[dict] = [{} for _ in range(num_ranks)]  # rank -> key -> inner buffers asked so far
+        self._built: dict = {}  # (key, n-th) -> _Members
+
+    # --------------------------------------------------------------------------------------------------------------
+    # running the ranks
+
+    def run(self, fn: Callable[[int], Any]) -> list[Any]:
+        """``[fn(0), ..., fn(N-1)]``: on the GPU in this thread, each on its rank's stream (forked from and joined to
+        the current stream: capturable); on the CPU in one thread per rank."""
+        if self.device.type != "cuda":
+            return self._threads(fn)
+        cur = torch.cuda.current_stream()
+        out = []
+        for r, s in enumerate(self.streams):
+            s.wait_stream(cur)
+            with torch.cuda.stream(s):
+                out.append(fn(r))
+        for s in self.streams:
+            cur.wait_stream(s)
+        return out
+
+    def _threads(self, fn: Callable[[int], Any]) -> list[Any]:
+        """``fn(rank)`` in one thread per rank (on the GPU with this process's context and the rank's stream);
+        the first error is raised, naming its rank."""
+        out: list[Any] = [None] * self.num_ranks
+        errors: list[tuple[int, BaseException]] = []
+
+        def body(r: int) -> None:
+            try:
+                if self.device.type == "cuda":
+                    from ep_core.kernels import _cuda
+
+                    _cuda.check(_cuda.driver().cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+                    torch.cuda.set_device(self.device)
+                    with torch.cuda.stream(self.streams[r]):
+                        out[r] = fn(r)
+                else:
+                    out[r] = fn(r)
+            except BaseException as exc:  # re-raised in the caller's thread
+                errors.append((r, exc))
+
+        threads = [
+            threading.Thread(target=body, args=(r,), name=f"loopback-rank{r}") for r in range(self.num_ranks)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            r, exc = min(errors, key=lambda e: e[0])
+            exc.add_note(f"(raised by loopback rank {r} of {self.num_ranks})")
+            raise exc
+        return out
+
+    # --------------------------------------------------------------------------------------------------------------
+    # buffers
+
+    def elastic_buffers(self, **kwargs: Any) -> list[LoopbackElasticBuffer]:
+        """N ranks of ``ElasticBuffer`` (its keywords; ``explicitly_destroy`` is always True), built together."""
+        members = _Members()
+        self._build(members, kwargs)
+        return list(members.buffers)
+
+    def v1_buffers(self, *args: Any, **kwargs: Any) -> list[LoopbackBuffer]:
+        """N ranks of V1's ``Buffer`` (its arguments after ``group``); their inner buffers are built on first use."""
+        return [LoopbackBuffer(self, r, *args, **kwargs) for r in range(self.num_ranks)]
+
+    def _build(self, members: _Members, kwargs: dict) -> None:
+        kwargs = {k: v for k, v in kwargs.items() if k != "explicitly_destroy"}
+        kwargs.setdefault("num_gpu_timeout_secs", self.gpu_timeout_secs)
+        boots = ThreadGroup(self.num_ranks, timeout_secs=self.timeout_secs).bootstraps()
+        if self.device.type == "cuda":
+            transport: Any = _LoopbackTransport(self.num_ranks, int(self.device.index or 0))
+        else:
+            transport = "reference"
+        try:
+            members.buffers = self._threads(
+                lambda r: LoopbackElasticBuffer(
+                    self, members, boots[r], transport, explicitly_destroy=True, **kwargs
+                )
+            )
+        except BaseException as exc:
+            members.error = exc
+            raise
+        finally:
+            members.ready.set()
+
+    def _inner(self, rank: int, kwargs: dict) -> LoopbackElasticBuffer:
+        """Rank ``rank``'s next inner buffer of these keywords: built for every rank by the first rank to ask."""
+        key = tuple(sorted(kwargs.items()))
+        with self._lock:
+            nth = self._asked[rank].get(key, 0)
+            self._asked[rank][key] = nth + 1
+            members = self._built.get((key, nth))
+            build = members is None
+            if build:
+                members = self._built[(key, nth)] = _Members()
+        assert members is not None
+        if build:
+            self._build(members, kwargs)
+        elif not members.ready.wait(self.timeout_secs):
+            raise EPStateError(f"loopback rank {rank}: the group's inner buffer was not built in time")
+        if members.error is not None:
+            raise EPStateError(
+                f"loopback rank {rank}: building the group's inner buffers failed: {members.error}"
+            )
+        return members.buffers[rank]
+
+    def _release(self, members: _Members, rank: int) -> None:
+        with self._lock:
+            members.released.add(rank)
+            last = len(members.released) == self.num_ranks
+            if last:
+                for k in [k for k, m in self._built.items() if m is members]:
+                    del self._built[k]
+        if last:
+            self._threads(lambda r: members.buffers[r]._collective_destroy())
+
+    def close(self) -> None:
+        """Synchronize the GPU (the buffers are freed by their ``destroy()``)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
