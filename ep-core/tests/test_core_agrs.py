@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from ep_core import agrs
@@ -79,21 +77,9 @@ def test_reduce_scatter_reference_sums_in_rank_order() -> None:
 
 
 def _threads(n: int, fn) -> list:
-    boots = ThreadGroup(n, timeout_secs=30).bootstraps()
-    out: list = [None] * n
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(boots[r])
-        except Exception as exc:
-            out[r] = exc
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    return out
+    return ThreadGroup(n, timeout_secs=30).run(
+        lambda r, boot: fn(boot), raise_first=False, join_timeout_secs=60
+    )
 
 
 @pytest.mark.parametrize("n", [2, 3])

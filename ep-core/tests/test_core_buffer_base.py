@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import time
 
 import ep_core as ec
 import numpy as np
@@ -11,21 +11,9 @@ from ep_core.errors import EPConfigError, EPPlanMismatchError, EPStateError, EPT
 
 
 def run_threads(n, fn):
-    group = ec.ThreadGroup(n, timeout_secs=30)
-    out, errors = [None] * n, []
-
-    def body(r, boot):
-        try:
-            out[r] = fn(r, boot)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(r, b)) for r, b in enumerate(group.bootstraps())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out, errors
+    """Each rank's result (an exception in its place) and the exceptions raised."""
+    out = ec.ThreadGroup(n, timeout_secs=30).run(fn, raise_first=False)
+    return out, [x for x in out if isinstance(x, BaseException)]
 
 
 def test_plan_offsets_and_alignment():
@@ -122,6 +110,24 @@ def test_bootstraps():
     assert ec.LocalBootstrap().allgather(b"x") == [b"x"]
     out, errors = run_threads(4, lambda r, boot: boot.allgather(bytes([r])))
     assert not errors and out == [[b"\x00", b"\x01", b"\x02", b"\x03"]] * 4
+    # run(): results by rank; the exception raised first is re-raised once every thread ended, or kept in place
+    assert ec.ThreadGroup(3).run(lambda r, boot: (r, boot.rank, boot.size)) == [
+        (0, 0, 3),
+        (1, 1, 3),
+        (2, 2, 3),
+    ]
+
+    def one_fails(r, boot):
+        if r == 1:
+            raise EPValueError("rank 1 fails")
+        boot.barrier()  # its peer never arrives: a ThreadGroup timeout
+
+    with pytest.raises(EPValueError, match="rank 1 fails"):
+        ec.ThreadGroup(2, timeout_secs=0.2).run(one_fails)
+    kept = ec.ThreadGroup(2, timeout_secs=0.2).run(one_fails, raise_first=False)
+    assert isinstance(kept[0], EPTimeoutError) and isinstance(kept[1], EPValueError)
+    with pytest.raises(EPTimeoutError, match="still runs"):  # a rank that never returns: the join bound
+        ec.ThreadGroup(1).run(lambda r, boot: time.sleep(0.5), join_timeout_secs=0.05)
     group = ec.ThreadGroup(2, timeout_secs=0.2)
     with pytest.raises(EPTimeoutError) as err:
         group.bootstraps()[0].barrier()

@@ -4,7 +4,6 @@ backend (threads) against ep_core.reference, the planner's arithmetic, the ipc t
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import ep_core as ec
@@ -21,24 +20,7 @@ N, M, H, E, K = 2, 512, 2048, 8, 2
 
 
 def run_ranks(fn, n=N):
-    group = ec.ThreadGroup(n, timeout_secs=120)
-    out: list = [None] * n
-    errors: list = []
-
-    def body(r, boot):
-        try:
-            out[r] = fn(r, boot)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(r, b)) for r, b in enumerate(group.bootstraps())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    return ec.ThreadGroup(n, timeout_secs=120).run(fn)
 
 
 def _need() -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from ep_core import engram
@@ -71,21 +69,15 @@ def test_fetch_reference_rows_and_factors(col_major: bool) -> None:
 
 def test_host_engram_over_a_bootstrap() -> None:
     n = 3
-    boots = ThreadGroup(n, timeout_secs=30).bootstraps()
     storages = [np.random.default_rng(r).integers(0, 1 << 15, (4, 8)).astype(np.uint16) for r in range(n)]
     idx = np.random.default_rng(7).integers(0, 4 * n, (5, 2)).astype(np.int32)
-    out: list = [None] * n
 
-    def run(r: int) -> None:
-        e = engram.HostEngram(boots[r], MiB, MiB)
+    def run(r: int, boot) -> tuple:
+        e = engram.HostEngram(boot, MiB, MiB)
         e.write(storages[r])
-        out[r] = e.fetch(idx)()
+        return e.fetch(idx)()
 
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
+    out = ThreadGroup(n, timeout_secs=30).run(run, join_timeout_secs=60)
     want, _ = engram.fetch_reference(storages, idx)
     for data, sf in out:
         assert sf is None and np.array_equal(data, want)

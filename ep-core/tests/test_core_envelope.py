@@ -4,7 +4,6 @@ disagreement raises on every rank, a one-rank error is announced to the peers, w
 from __future__ import annotations
 
 import pickle
-import threading
 import time
 
 import ep_core as ec
@@ -19,24 +18,9 @@ H, K, E = 32, 2, 8
 
 def run_ranks(fn, n=2, timeout_secs=10.0):
     """fn(rank, bootstrap) in n threads, each rank's result or the exception it raised; bounded (no hang)."""
-    group = ec.ThreadGroup(n, timeout_secs=timeout_secs)
-    out: list = [None] * n
-
-    def body(r, boot):
-        try:
-            out[r] = fn(r, boot)
-        except BaseException as exc:
-            out[r] = exc
-
-    threads = [
-        threading.Thread(target=body, args=(r, b), daemon=True) for r, b in enumerate(group.bootstraps())
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_secs * 3)
-        assert not t.is_alive(), "a rank is still waiting (a hang)"
-    return out
+    return ec.ThreadGroup(n, timeout_secs=timeout_secs).run(
+        fn, raise_first=False, join_timeout_secs=timeout_secs * 3
+    )
 
 
 def _buf(boot, m=8):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import ep_core as ec
 import numpy as np
 import pytest
@@ -16,25 +14,8 @@ TOKENS = [8, 5, 0, 7]
 
 
 def run_ranks(fn, n=N):
-    """Run fn(rank, bootstrap) in n threads; return the results (re-raise the first error)."""
-    group = ec.ThreadGroup(n, timeout_secs=60)
-    out: list = [None] * n
-    errors: list = []
-
-    def body(r, boot):
-        try:
-            out[r] = fn(r, boot)
-        except BaseException as exc:  # surface in the main thread (peers time out if they wait on it)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=body, args=(r, b)) for r, b in enumerate(group.bootstraps())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out
+    """fn(rank, bootstrap) in n threads; the results (the first error re-raised)."""
+    return ec.ThreadGroup(n, timeout_secs=60).run(fn)
 
 
 def _np(a):

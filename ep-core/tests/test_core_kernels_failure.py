@@ -289,48 +289,35 @@ def test_gpu_executor_reset_is_collective(fake_driver, monkeypatch) -> None:
     lock = threading.Lock()
     monkeypatch.setattr(_cuda, "device_identity", lambda: "host/gpu-uuid-" + threading.current_thread().name)
     monkeypatch.setattr(gpu_executor_mod, "Stream", lambda high_priority=False: FakeStream(log))
-    group = ec.ThreadGroup(2, timeout_secs=30)
-    boots = group.bootstraps()
     executors: list = [None, None]
-    errors: list = []
 
-    def body(r: int) -> None:
-        try:
-            config = SimpleNamespace(
-                rank=r,
-                num_ranks=2,
-                num_workspace_bytes=ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES,
-                num_cpu_bytes=0,
-                num_max_tokens_per_rank=64,
-                num_gpu_timeout_secs=1.0,
-                num_cpu_timeout_secs=1.0,
-            )
-            storage = SimpleNamespace(
-                ptr=0x1000_0000 * (r + 1), num_bytes=1 << 30, peer_table=0x2000, device=r
-            )
-            ex = gpu_executor_mod.GpuExecutor(config, storage, boots[r])
-            ex.rank._status.array[0] = 1
-            executors[r] = ex
-            orig = boots[r].barrier
+    def body(r: int, boot) -> None:
+        config = SimpleNamespace(
+            rank=r,
+            num_ranks=2,
+            num_workspace_bytes=ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES,
+            num_cpu_bytes=0,
+            num_max_tokens_per_rank=64,
+            num_gpu_timeout_secs=1.0,
+            num_cpu_timeout_secs=1.0,
+        )
+        storage = SimpleNamespace(ptr=0x1000_0000 * (r + 1), num_bytes=1 << 30, peer_table=0x2000, device=r)
+        ex = gpu_executor_mod.GpuExecutor(config, storage, boot)
+        ex.rank._status.array[0] = 1
+        executors[r] = ex
+        orig = boot.barrier
 
-            def barrier() -> None:
-                with lock:
-                    log.append(("enter", r))
-                orig()
-                with lock:
-                    log.append(("exit", r))
+        def barrier() -> None:
+            with lock:
+                log.append(("enter", r))
+            orig()
+            with lock:
+                log.append(("exit", r))
 
-            ex.bootstrap = SimpleNamespace(barrier=barrier)
-            ex.reset()
-        except BaseException as exc:
-            errors.append(exc)
+        ex.bootstrap = SimpleNamespace(barrier=barrier)
+        ex.reset()
 
-    threads = [threading.Thread(target=body, args=(r,), name=str(r)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    ec.ThreadGroup(2, timeout_secs=30).run(body)
     events = [e[0] for e in log if isinstance(e, tuple) and e[0] in ("enter", "exit", "memset")]
     assert events.count("enter") == 4 and events.count("exit") == 4 and events.count("memset") == 2
     enters = [i for i, e in enumerate(events) if e == "enter"]
@@ -529,21 +516,14 @@ def test_check_peer_access_raises_on_every_rank() -> None:
     """Only rank 1's row fails; both ranks raise the same error (nobody goes on to wait for the other)."""
     ids = ["h/u0", "h/u1"]
     table = {(0, 1): (True, True), (1, 0): (True, False)}
-    group = ec.ThreadGroup(2, timeout_secs=30)
-    results: list = [None, None]
 
     def body(r, boot):
-        try:
-            ipc.check_peer_access(boot, ids, visible={"u0": 0, "u1": 1}, p2p=p2p_table(table))
-            results[r] = "ok"
-        except EPConfigError as exc:
-            results[r] = str(exc)
+        ipc.check_peer_access(boot, ids, visible={"u0": 0, "u1": 1}, p2p=p2p_table(table))
+        return "ok"
 
-    threads = [threading.Thread(target=body, args=(r, b)) for r, b in enumerate(group.bootstraps())]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out = ec.ThreadGroup(2, timeout_secs=30).run(body, raise_first=False)
+    assert all(isinstance(x, EPConfigError) for x in out), out
+    results = [str(x) for x in out]
     assert results[0] == results[1]
     assert "GPU 1 (rank 1) -> GPU 0 (rank 0)" in results[0]
     ok = ec.ThreadGroup(1).bootstraps()[0]

@@ -5,13 +5,16 @@ order) and `barrier()`. ep_torch implements it with a ProcessGroup; a custom fra
 A bootstrap may also offer `set_timeout(secs)`: the reference executor then bounds its waits by the buffer's
 `num_cpu_timeout_secs` (ep_torch's does; a `ThreadGroup` keeps its own `timeout_secs`). `LocalBootstrap` is the
 one-rank group; `ThreadGroup(n).bootstraps()` gives n bootstraps for n threads of one
-process (CPU tests and the loopback domain).
+process (CPU tests and the loopback domain), and `ThreadGroup(n).run(fn)` runs `fn(rank, bootstrap)` in those
+threads.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Protocol, runtime_checkable
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 from ep_core.errors import EPTimeoutError, EPValueError
 
@@ -76,6 +79,52 @@ class ThreadGroup:
 
     def bootstraps(self) -> list[_ThreadBootstrap]:
         return [_ThreadBootstrap(self, r) for r in range(self.size)]
+
+    def run(
+        self,
+        fn: Callable[[int, Any], Any],
+        *,
+        raise_first: bool = True,
+        join_timeout_secs: float | None = None,
+    ) -> list[Any]:
+        """`fn(rank, bootstrap)` for every rank, each in its own thread (named `rank<r>`), joined; returns the
+        results by rank. An exception raised by a rank is kept in its place; `raise_first` re-raises, once every
+        thread ended, the one raised first (the cause: the peers then usually time out waiting for that rank).
+        `join_timeout_secs`: a rank still running that long after the start is a hang (`EPTimeoutError`; its
+        thread is a daemon and is left behind)."""
+        out: list[Any] = [None] * self.size
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def body(rank: int, boot: _ThreadBootstrap) -> None:
+            try:
+                out[rank] = fn(rank, boot)
+            except BaseException as exc:  # handed to the caller's thread
+                out[rank] = exc
+                with lock:
+                    errors.append(exc)
+
+        threads = [
+            threading.Thread(target=body, args=(r, b), name=f"rank{r}", daemon=True)
+            for r, b in enumerate(self.bootstraps())
+        ]
+        for t in threads:
+            t.start()
+        deadline = None if join_timeout_secs is None else time.monotonic() + join_timeout_secs
+        for r, t in enumerate(threads):
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise EPTimeoutError(
+                    r,
+                    "ThreadGroup.run",
+                    "thread",
+                    "running",
+                    f"rank {r} of a ThreadGroup of {self.size} still runs after join_timeout_secs="
+                    f"{join_timeout_secs:g} (a hang: it waits for a peer that never arrives, or never returns)",
+                )
+        if raise_first and errors:
+            raise errors[0]
+        return out
 
     def _wait(self, rank: int, tag: str) -> None:
         try:
