@@ -127,6 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         us = _rounds(fn, args.iters if "CPU sync)" not in name else max(20, args.iters // 5))
         results.append({"op": name, "host_us_per_call": us})
         print(f"{name:55s} {us:9.1f} us/call (host)")
+    # A/B of the handle block: the no-sync dispatch with a new handle's int32 arrays allocated one by one
+    from ep_core.kernels import array_block
+
+    executor, mode = buf.runtime.executor, array_block.MODE
+    array_block.MODE = "0"
+    executor._allocators.clear()  # the executor's allocator wrappers picked the block when made
+    try:
+        name = "dispatch (no CPU sync), handle arrays one by one (EPKIT_HANDLE_BLOCK=0)"
+        ops["dispatch (no CPU sync)"]()
+        us = _rounds(ops["dispatch (no CPU sync)"], args.iters)
+        results.append({"op": name, "host_us_per_call": us})
+        print(f"{name:55s} {us:9.1f} us/call (host)")
+    finally:
+        array_block.MODE = mode
+        executor._allocators.clear()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps: dict = {}

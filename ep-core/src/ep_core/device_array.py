@@ -440,6 +440,16 @@ def _make_info(
     return info
 
 
+_contiguous: dict = {}  # (shape, itemsize) -> (C-contiguous byte strides, whether it has elements)
+
+
+def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
+    if len(_contiguous) >= 1024:  # many distinct shapes: keep recent ones
+        _contiguous.clear()
+    got = _contiguous[(shape, itemsize)] = (_c_strides(shape, itemsize), math.prod(shape) > 0)
+    return got
+
+
 def _from_torch(t: Any) -> ArrayInfo | None:
     """The fast path for a plain torch tensor, or None when the slow path must decide."""
     entry = _torch_dtypes.get(t.dtype)
@@ -451,9 +461,12 @@ def _from_torch(t: Any) -> ArrayInfo | None:
         index = t.get_device()
         # as torch's __cuda_array_interface__: no strides when contiguous, a null pointer when empty
         if via_cai:
-            ptr = t.data_ptr() if math.prod(shape) > 0 else 0
+            got = _contiguous.get((shape, itemsize))
+            if got is None:
+                got = _contiguous_layout(shape, itemsize)
+            ptr = t.data_ptr() if got[1] else 0
             if t.is_contiguous():
-                return _make_info(ptr, shape, name, _c_strides(shape, itemsize), "cuda", index, t)
+                return _make_info(ptr, shape, name, got[0], "cuda", index, t)
         else:
             ptr = t.data_ptr()
         return _make_info(ptr, shape, name, tuple([s * itemsize for s in t.stride()]), "cuda", index, t)

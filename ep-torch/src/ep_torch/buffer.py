@@ -421,6 +421,13 @@ class ElasticBuffer(ElasticOps):
         keep = (x, idx, w, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
         return self._event(True, keep)
 
+    def _combine_event(
+        self, async_with_compute_stream: Any, x: Any, w: Any, bias: Any, res: Any
+    ) -> EventOverlap:
+        if not async_with_compute_stream:
+            return EventOverlap(None)
+        return self._event(True, (x, w, bias, res.combined_x, res.combined_topk_weights))
+
     def _streams(
         self, allocate_on_comm_stream: Any, previous_event: Any, async_with_compute_stream: Any
     ) -> tuple[Any, bool]:
@@ -557,28 +564,35 @@ class ElasticBuffer(ElasticOps):
         """
         with self._core.announcing("combine"):
             rt = self._rt()
-            scope, cuda = self._streams(allocate_on_comm_stream, previous_event, async_with_compute_stream)
             device = x.device if isinstance(x, torch.Tensor) else self.device
-            with scope:
-                res = rt.combine(
-                    x=_plain(x),
-                    handle=handle,
-                    topk_weights=_plain(topk_weights),
-                    bias=_plain(bias),
-                    num_sms=num_sms,
-                    num_qps=num_qps,
-                    previous_event=previous_event,
-                    previous_event_before_epilogue=previous_event_before_epilogue,
-                    async_with_compute_stream=bool(async_with_compute_stream),
-                    allocate_on_comm_stream=bool(allocate_on_comm_stream),
-                    allocator=self._allocator(device),
-                    stream=_current_stream() if cuda else 0,
+            kw = {
+                "num_sms": num_sms,
+                "num_qps": num_qps,
+                "previous_event": previous_event,
+                "previous_event_before_epilogue": previous_event_before_epilogue,
+                "async_with_compute_stream": bool(async_with_compute_stream),
+                "allocate_on_comm_stream": bool(allocate_on_comm_stream),
+                "allocator": self._allocators.get(device) or self._allocator(device),
+            }
+            plain_x = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
+            plain_w = _plain(topk_weights) if topk_weights is not None else None
+            plain_bias = _plain(bias) if bias is not None else None
+            if (
+                previous_event is None and not allocate_on_comm_stream
+            ):  # no comm-stream scope: the common case
+                if self._cuda:
+                    kw["stream"] = _current_stream(self._device_index)
+                res = rt.combine(plain_x, handle, plain_w, plain_bias, **kw)
+                event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
+            else:
+                scope, cuda = self._streams(
+                    allocate_on_comm_stream, previous_event, async_with_compute_stream
                 )
-                event = (
-                    self._event(True, (x, topk_weights, bias, res.combined_x, res.combined_topk_weights))
-                    if async_with_compute_stream
-                    else EventOverlap(None)
-                )
+                with scope:  # the event is recorded inside: on the stream the operation ended on
+                    if cuda:
+                        kw["stream"] = _current_stream(self._device_index)
+                    res = rt.combine(plain_x, handle, plain_w, plain_bias, **kw)
+                    event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
         return res.combined_x, res.combined_topk_weights, event
 
     @property
