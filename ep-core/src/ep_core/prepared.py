@@ -66,6 +66,7 @@ _set = object.__setattr__
 
 # What the checks read from an array (everything but the pointer and the object).
 _layout = operator.attrgetter("dtype", "shape", "strides", "device", "device_id")
+_device_attrs = operator.attrgetter("array_device", "device_id", "num_device_sms", "nvlink_gbs", "rdma_gbs")
 _handle_fields = operator.attrgetter(
     "do_expand",
     "num_experts",
@@ -114,6 +115,10 @@ class PreparedOps:
     @staticmethod
     def _device(target: Any) -> tuple:
         """The executor attributes the rules and the SM planner read."""
+        try:  # an executor with all five (GpuExecutor): one attrgetter
+            return _device_attrs(target)
+        except AttributeError:
+            pass
         return (
             getattr(target, "array_device", "cuda"),
             getattr(target, "device_id", 0),

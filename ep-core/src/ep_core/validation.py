@@ -165,6 +165,8 @@ def _resolve_num_qps(config: BufferConfig, num_qps: Any, num_sms: int) -> int:
 def check_stream(stream: Any) -> int:
     """The caller's stream handle: an int (0 = the default stream), or an object with an int `cuda_stream`
     (a torch / cupy stream)."""
+    if type(stream) is int and stream >= 0:  # the raw handle ep_torch passes: no attribute lookup
+        return stream
     if stream is None:
         return 0
     handle = getattr(stream, "cuda_stream", stream)

@@ -79,9 +79,11 @@ _layouts: dict = {}  # shapes -> (offsets, sizes, total words, torch as_strided 
 
 
 def _layout(shapes: Sequence[tuple]) -> tuple:
-    key = tuple([tuple(s) for s in shapes])
+    # a tuple of tuples (a repeat's, made once) is its own key; other sequences are converted
+    key = shapes if type(shapes) is tuple else tuple([tuple(s) for s in shapes])
     got = _layouts.get(key)
     if got is None:
+        key = tuple([tuple(s) for s in shapes])
         if len(_layouts) >= 64:
             _layouts.clear()
         offsets, sizes, total = _offsets(key)

@@ -137,6 +137,10 @@ class RepeatDispatch:
     def __post_init__(self) -> None:
         self._envelopes = _Envelopes(OP_DISPATCH, self.env_fields)
         self._sf_name = None if self.sf_dtype is None else self.sf_dtype.name
+        # a new handle's int32 shapes as one tuple of tuples: the key of an allocator's `int32_block` layout
+        shapes = self.int32_shapes or {}
+        self._int32_names = tuple(shapes)
+        self._int32_key = tuple([tuple(s) for s in shapes.values()])
 
     def run(
         self,
@@ -188,7 +192,11 @@ class RepeatDispatch:
             meta = handle.recv_src_metadata
             launch = rank._handle_launch.get(handle, -1)
         else:
-            if allocate is not None and getattr(rank._allocator, "int32_block", None) is None:
+            block = getattr(rank._allocator, "int32_block", None)
+            views = None if block is None else block(self._int32_key)
+            if views is not None:  # one allocation (`DirectRank._alloc_int32`'s block, by the shapes' key)
+                arrays = dict(zip(self._int32_names, views))
+            elif allocate is not None:
                 # the request's allocator by name, as GpuExecutor's wrapper calls it (no block to carve)
                 arrays = {name: allocate(shape, "int32") for name, shape in self.int32_shapes.items()}
             else:
