@@ -228,6 +228,19 @@ constexpr int kCombineReduceParts = EP_CORE_COMBINE_REDUCE_PARTS;
 constexpr int kCombineReduceParts = 1;
 #endif
 
+/// Local rows by reference, a JIT switch (`EP_CORE_COMBINE_LOCAL_REF`, ep_core.kernels._source; issue 17): off
+/// (default) copies every row that is sent as it is into its slot on the source, also when the source is this
+/// rank. On: a row whose source token is on this rank (every row at EP1) and that is sent as it is (not expanded,
+/// or expanded without multiple reduction: one row per lane) leaves only its address (8 bytes at the slot's start;
+/// the weights as before); the reduce of that operand (dst rank == own rank, same two layouts) reads the address
+/// and sums the caller's row itself. The terms, their order and the arithmetic are unchanged: the same bits, without
+/// the 14 KB store and reload per such row (EP1: the whole send phase's traffic; EP8: about 1/8 of it).
+#ifdef EP_CORE_COMBINE_LOCAL_REF
+constexpr bool kCombineLocalRef = EP_CORE_COMBINE_LOCAL_REF != 0;
+#else
+constexpr bool kCombineLocalRef = false;
+#endif
+
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumWarps, typename Transport>
 EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, 0, kNumTopk, false>;
@@ -325,9 +338,18 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         auto slot_ptr = [&](int slot) {
             return src_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
         };
+        // a local row (kCombineLocalRef): its address in the slot instead of its bytes
+        auto send_or_refer = [&](const uint8_t* src, uint8_t* dst) {
+            if (kCombineLocalRef && src_rank == rank) {
+                if (lane == 0)
+                    *reinterpret_cast<const uint8_t**>(dst) = src;
+            } else {
+                send_row(src, dst);
+            }
+        };
         if (!expand) {
             uint8_t* dst = slot_ptr(rank_layout ? rank : master);
-            send_row(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dst);
+            send_or_refer(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dst);
             if (args.comb_weights != nullptr && lane < kNumTopk)
                 reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = args.comb_weights[i * kNumTopk + lane];
         } else {
@@ -360,7 +382,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
                     const int l = __ffs(m) - 1;
                     const uint8_t* src = reinterpret_cast<const uint8_t*>(
                         __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), l));
-                    send_row(src, slot_ptr(l));
+                    send_or_refer(src, slot_ptr(l));
                 }
             }
         }
@@ -411,6 +433,12 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         auto slot_of = [&](int l) { return lane_level ? l : (rank_layout ? dst_rank : l); };
         const uint8_t* my_src =
             is_operand ? region + (slot_of(lane) * M + t) * static_cast<int64_t>(Tok::kNumBytes) : nullptr;
+        if constexpr (kCombineLocalRef) {
+            // this rank's own row was left by reference (send phase, same rule): its address, written before the
+            // exit barrier by a block of this grid
+            if (is_operand && dst_rank == rank && !(expand && amr))
+                my_src = reinterpret_cast<const uint8_t*>(*reinterpret_cast<const volatile uint64_t*>(my_src));
+        }
         const int64_t row_off = t * static_cast<int64_t>(Tok::kHiddenBytes);
         const uint8_t* const b0 = bias0 != nullptr ? bias0 + row_off : nullptr;
         const uint8_t* const b1 = bias1 != nullptr ? bias1 + row_off : nullptr;

@@ -1,10 +1,17 @@
-"""GPU: the combine reduction split into column parts (EP_CORE_COMBINE_REDUCE_PARTS, combine.cuh
-`kCombineReduceParts`, issue 17) gives the reference's bits. One block per rank (W = 16 warps) and token counts
-inside the split window W < T <= P x W, T % W != 0 (24 and 40 tokens: split at P = 4, 24 also at P = 2) and outside
-it (16 = W, 48 a multiple of W: whole rows); biases 0/1/2, multiple reduction on/off, expanded layout, weights. A
-hidden size no other GPU test uses, so this process loads the P instance for it alone."""
+"""GPU: the combine's JIT switches of issue 17 give the reference's bits.
+
+- EP_CORE_COMBINE_REDUCE_PARTS (combine.cuh `kCombineReduceParts`): the reduction split into column parts. One block
+  per rank (W = 16 warps) and token counts inside the split window W < T <= P x W, T % W != 0 (24 and 40 tokens:
+  split at P = 4, 24 also at P = 2) and outside it (16 = W, 48 a multiple of W: whole rows).
+- EP_CORE_COMBINE_LOCAL_REF (`kCombineLocalRef`): rows whose source token is on the sending rank left by address
+  (every row at EP1), at 1, 2 and 4 ranks, expanded or not, multiple reduction on/off (rank layout and lane slots).
+
+Biases 0/1/2, weights round trip. A hidden size no other GPU test uses, and the instance is dropped from the process
+cache afterwards, so no other test loads a switched build."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -26,14 +33,15 @@ E = 32
 M = 48
 
 
-@pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize("n", [1, 2])
-def test_split_reduce_is_bitwise(monkeypatch, n: int, parts: int) -> None:
-    monkeypatch.setenv(_source.COMBINE_REDUCE_PARTS_ENV, str(parts))
+@contextlib.contextmanager
+def switched_domain(monkeypatch, n: int, env: dict[str, str], suffix: str):
+    """A loopback domain whose kernels are the instance built with `env` (checked by its name suffix)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     cfg = KernelConfig(n, K, HIDDEN)
     saved = _source._loaded.pop(cfg, None)
     try:
-        assert f"_rp{parts}" in _source.compile_kernels(cfg).cubin_path.parent.name
+        assert suffix in _source.compile_kernels(cfg).cubin_path.parent.name
         dom = LoopbackDomain(
             n,
             num_max_tokens_per_rank=M,
@@ -43,28 +51,54 @@ def test_split_reduce_is_bitwise(monkeypatch, n: int, parts: int) -> None:
             cpu_timeout_secs=30.0,
         )
         try:
-            for case, tokens in enumerate((24, 40, 16, 48)):
-                _one_case(dom, n, case, [tokens] + [M - tokens] * (n - 1))
+            yield dom
         finally:
             dom.close()
     finally:
-        _source._loaded.pop(cfg, None)  # the P instance stays out of the other tests' way
+        _source._loaded.pop(cfg, None)
         if saved is not None:
             _source._loaded[cfg] = saved
 
 
-def _one_case(dom, n: int, case: int, counts: list[int]) -> None:
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("n", [1, 2])
+def test_split_reduce_is_bitwise(monkeypatch, n: int, parts: int) -> None:
+    env = {_source.COMBINE_REDUCE_PARTS_ENV: str(parts)}
+    with switched_domain(monkeypatch, n, env, f"_rp{parts}") as dom:
+        for case, tokens in enumerate((24, 40, 16, 48)):
+            _one_case(
+                dom, n, case, [tokens] + [M - tokens] * (n - 1), expand=case % 2 == 1, amr=case % 3 != 2
+            )
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_local_ref_is_bitwise(monkeypatch, n: int) -> None:
+    with switched_domain(monkeypatch, n, {_source.COMBINE_LOCAL_REF_ENV: "1"}, "_lr") as dom:
+        rng = np.random.default_rng(5 + n)
+        case = 0
+        for expand in (False, True):
+            for amr in (True, False):
+                for _ in range(2):
+                    counts = [int(c) for c in rng.integers(0, M + 1, size=n)]
+                    counts[0] = M
+                    if n > 1 and case % 3 == 1:
+                        counts[-1] = 0
+                    _one_case(dom, n, 100 + case, counts, expand=expand, amr=amr, num_sms=(1, 3)[case % 2])
+                    case += 1
+
+
+def _one_case(
+    dom, n: int, case: int, counts: list[int], *, expand: bool, amr: bool, num_sms: int = 1
+) -> None:
     rng = np.random.default_rng(77 + 10 * n + case)
     inp = routing.make_inputs(n, counts, HIDDEN, E, K, seed=int(rng.integers(1 << 30)), masked_ratio=0.25)
-    expand = case % 2 == 1
-    amr = case % 3 != 2
     outs = dom.dispatch(
         inp.x_args,
         inp.topk_idxs,
         inp.topk_weights,
         num_experts=E,
         do_cpu_sync=True,
-        num_sms=1,
+        num_sms=num_sms,
         do_expand=expand,
     )
     handles = [o.handle for o in outs]
@@ -81,13 +115,13 @@ def _one_case(dom, n: int, case: int, counts: list[int]) -> None:
             for i in inp.topk_idxs
         ]
     comb = dom.combine(
-        xs, handles, topk_weights=weights, bias=biases, allow_multiple_reduction=amr, num_sms=1
+        xs, handles, topk_weights=weights, bias=biases, allow_multiple_reduction=amr, num_sms=num_sms
     )
     ref_w = None if weights is None else [w.numpy() for w in weights]
     ref = reference.combine(xs, k_handles, topk_weights=ref_w, bias=biases, allow_multiple_reduction=amr)
     for r in range(n):
         kc = comb[r].to_reference()
-        what = f"r{r} tokens {counts[r]} expand={expand} amr={amr} biases={nb}"
+        what = f"r{r} tokens {counts[r]} expand={expand} amr={amr} biases={nb} sms={num_sms}"
         got, want = bits(kc.combined_x), bits(ref[r].combined_x)
         assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
         if not np.array_equal(got, want):

@@ -71,6 +71,20 @@ rows, the default build. P > 1 builds a separate JIT instance (`_rp<P>`); P must
 16-byte vectors. Same bits either way. Read when a process first compiles an instance."""
 
 
+COMBINE_LOCAL_REF_ENV = "EP_CORE_COMBINE_LOCAL_REF"
+"""1: the direct combine leaves a row whose source token is on the sending rank (every row at EP1) in its slot by
+address, and the reduce reads the caller's row itself (combine.cuh `kCombineLocalRef`; issue 17). Unset, empty or 0:
+rows copied as before, the default build. 1 builds a separate JIT instance (`_lr`). Same bits either way."""
+
+
+def combine_local_ref() -> bool:
+    """The validated `EP_CORE_COMBINE_LOCAL_REF` (False when unset)."""
+    text = os.environ.get(COMBINE_LOCAL_REF_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise EPConfigError(f"{COMBINE_LOCAL_REF_ENV}: expected 0 or 1, got {text!r}")
+    return text == "1"
+
+
 def combine_reduce_parts(config: KernelConfig) -> int:
     """The validated `EP_CORE_COMBINE_REDUCE_PARTS` for `config` (1 when unset)."""
     text = os.environ.get(COMBINE_REDUCE_PARTS_ENV, "").strip()
@@ -109,6 +123,9 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     if parts > 1:
         defines["EP_CORE_COMBINE_REDUCE_PARTS"] = parts
         name += f"_rp{parts}"
+    if combine_local_ref():
+        defines["EP_CORE_COMBINE_LOCAL_REF"] = 1
+        name += "_lr"
     if phase_timing_enabled():
         defines["EP_CORE_PHASE_TIMING"] = 1
         name += "_phases"

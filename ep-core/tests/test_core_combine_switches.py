@@ -1,6 +1,6 @@
-"""CPU: the combine reduction's column-parts switch (EP_CORE_COMBINE_REDUCE_PARTS, issue 17): unset or 1 is the
-default build (no define, same instance name), P > 1 a separate instance `_rp<P>` that compiles for sm_90a; invalid
-values are refused naming the variable and the rule."""
+"""CPU: the combine's JIT switches (issue 17). EP_CORE_COMBINE_REDUCE_PARTS: unset or 1 is the default build (no
+define, same instance name), P > 1 a separate instance `_rp<P>`; EP_CORE_COMBINE_LOCAL_REF: unset or 0 default, 1 an
+instance `_lr`. Both compile for sm_90a, alone and together; invalid values are refused naming the variable."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ep_core.kernels import _source
 from ep_core.kernels.plan import KernelConfig
 
 ENV = _source.COMBINE_REDUCE_PARTS_ENV
+LR = _source.COMBINE_LOCAL_REF_ENV
 
 
 @pytest.mark.parametrize("value", [None, "", "1", " 1 "])
@@ -56,3 +57,36 @@ def test_parts_instance_compiles(monkeypatch, tmp_path):
     assert split.cubin_path.read_bytes()[:4] == b"\x7fELF"
     assert split.cubin_path.read_bytes() != plain.cubin_path.read_bytes()
     assert set(_source.KERNEL_NAMES) <= set(split.kernel_names)
+
+
+@pytest.mark.parametrize(
+    ("value", "on"), [(None, False), ("", False), ("0", False), ("1", True), (" 1", True)]
+)
+def test_local_ref_values(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(LR, raising=False)
+    else:
+        monkeypatch.setenv(LR, value)
+    assert _source.combine_local_ref() is on
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "-1"])
+def test_local_ref_refused(monkeypatch, value):
+    monkeypatch.setenv(LR, value)
+    with pytest.raises(EPConfigError, match=LR):
+        _source.combine_local_ref()
+
+
+@pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
+@pytest.mark.parametrize("parts", ["1", "2"])
+def test_local_ref_instance_compiles(monkeypatch, tmp_path, parts):
+    ep_jit = pytest.importorskip("ep_jit")
+    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    ep_jit.clear_memo()
+    monkeypatch.setenv(ENV, parts)
+    monkeypatch.setenv(LR, "1")
+    art = _source.compile_kernels(KernelConfig(1, 8, 7168), arch="sm_90a")
+    name = art.cubin_path.parent.name
+    assert "_lr" in name and (("_rp2" in name) == (parts == "2"))
+    assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+    assert set(_source.KERNEL_NAMES) <= set(art.kernel_names)
