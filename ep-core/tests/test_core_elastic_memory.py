@@ -127,6 +127,35 @@ def test_explain_memory_places_the_tail_in_host_memory_and_costs_it():
     assert p.host_path == "argument" and p.as_dict()["host_gbs"] == 50
 
 
+def test_explain_memory_counts_a_ranks_own_rows_as_tails():
+    """The direct dispatch stores a row its rank keeps without the hidden part: with `rank`, that source block's
+    expected host bytes shrink to the tails; the combine's slots are used with a token's chance to visit a rank."""
+    t = Topology(N, N, True)
+    num_bytes = ep_layout.align(_need(), 2 * MiB)
+    cpu = num_bytes - 2 * MiB
+    kw = dict(num_experts=E, hbm_gbs=4000, host_gbs=50)
+    whole = planner.explain_memory(t, M, H, K, num_bytes, cpu, **kw)
+    tok = _tok()
+    tail = (tok - ep_layout.get_sizing_dispatch_token(H, K, False).num_hidden_bytes) / tok
+    rows = M * planner.expected_num_groups(E, K, N) / N * tok
+    for rank in range(N):
+        p = planner.explain_memory(t, M, H, K, num_bytes, cpu, rank=rank, **kw)
+        own = max(0.0, min(rank * M * tok + rows, p.dispatch_bytes) - max(rank * M * tok, 2 * MiB))
+        assert p.expected_dispatch_host_bytes == pytest.approx(
+            whole.expected_dispatch_host_bytes - own * (1 - tail)
+        )
+    p_visit = planner.expected_num_groups(E, K, N) / N
+    assert whole.expected_combine_host_bytes == pytest.approx(whole.combine_host_bytes * p_visit)
+    one = Topology(1, 1, True)  # EP1: every row is kept, only tails are stored
+    m1 = planner.get_buffer_size_hint(one, M, H, K)
+    p1 = planner.explain_memory(one, M, H, K, m1, m1 - 2 * MiB, rank=0, **kw)
+    assert p1.dispatch_host_bytes > 0
+    assert p1.expected_dispatch_host_bytes == pytest.approx(p1.dispatch_host_bytes * tail)
+    assert p1.expected_combine_host_bytes == p1.combine_host_bytes
+    with pytest.raises(EPConfigError, match="rank: expected"):
+        planner.explain_memory(t, M, H, K, num_bytes, cpu, rank=N, **kw)
+
+
 def test_explain_memory_without_host_memory_costs_nothing():
     t = Topology(N, N, True)
     num_bytes = ep_layout.align(_need(), 2 * MiB)

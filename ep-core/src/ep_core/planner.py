@@ -522,7 +522,11 @@ class MemoryPlan:
     direct mode is `[N sources][M rows]` filled from the front of each source's rows, so under uniformly random
     routing it expects `M * ekt / N` rows per source (`expected_dispatch_host_bytes`; worst case when
     `num_experts` is not given). Each byte in host memory is written once over the host link and read once by the
-    epilogue: `*_host_us` = `2 * bytes / host_gbs`, against `2 * bytes / hbm_gbs` had it fit in HBM.
+    epilogue: `*_host_us` = `2 * bytes / host_gbs`, against `2 * bytes / hbm_gbs` had it fit in HBM. With the
+    rank given (one NVLink domain), its own source block counts only the rows' tails: the direct dispatch stores a
+    row a rank keeps without its hidden part (the copy epilogue reads that from `x`), so at EP1 almost nothing of the dispatch
+    crosses the link. The combine's slots are indexed by source token: under uniform routing the fraction of them
+    used is a token's chance to visit a rank (`expected_combine_host_bytes`; worst case without `num_experts`).
     """
 
     num_bytes: int
@@ -534,6 +538,7 @@ class MemoryPlan:
     dispatch_host_bytes: int
     combine_host_bytes: int
     expected_dispatch_host_bytes: float
+    expected_combine_host_bytes: float
     hbm_gbs: float
     host_gbs: float
     host_path: str  # "argument", "pcie", "" (no host bytes or no host memory)
@@ -561,9 +566,11 @@ def explain_memory(
     host_memory: bool = True,
     hbm_gbs: float | None = None,
     host_gbs: float | None = None,
+    rank: int | None = None,
 ) -> MemoryPlan:
     """The receive regions' placement in `[GPU num_bytes - num_cpu_bytes | host num_cpu_bytes]` (`MemoryPlan`).
     `hbm_gbs` / `host_gbs`: None = detect (device copy bandwidth; the PCIe link x 0.9), only when needed.
+    `rank`: whose regions (its own rows are stored as tails only); None counts every block whole.
     A region larger than `num_bytes` raises (EPConfigError), as the dispatch would."""
     import ep_layout
 
@@ -592,13 +599,22 @@ def explain_memory(
     if num_experts and not topology.is_hybrid:
         topology.check_num_experts(num_experts)
         p = expected_num_groups(num_experts, num_topk, n) / n
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < n):
+        raise EPConfigError(f"rank: expected an int in [0, {n}), got {rank!r}")
     if topology.is_hybrid:
         expected = float(d_host)  # the hybrid regions fill by node: worst case
+        expected_c = float(c_host)
     else:
         rows = m * p * tok
-        expected = float(
-            sum(max(0.0, min(r * m * tok + rows, dispatch) - max(r * m * tok, gpu)) for r in range(n))
-        )
+        # of a kept row only [sf | metadata] is stored (one NVLink domain: direct mode across nodes stores whole rows)
+        tail = (tok - dtok.num_hidden_bytes) / tok if topology.num_nvlink_ranks == n else 1.0
+
+        def block(r: int) -> float:
+            spilled = max(0.0, min(r * m * tok + rows, dispatch) - max(r * m * tok, gpu))
+            return spilled * tail if r == rank else spilled
+
+        expected = float(sum(block(r) for r in range(n)))
+        expected_c = float(c_host) * p
     spill = host_memory and (d_host or c_host)
     hbm = host = 0.0
     path = ""
@@ -632,6 +648,7 @@ def explain_memory(
         dispatch_host_bytes=d_host,
         combine_host_bytes=c_host,
         expected_dispatch_host_bytes=expected,
+        expected_combine_host_bytes=expected_c,
         hbm_gbs=hbm,
         host_gbs=host,
         host_path=path,

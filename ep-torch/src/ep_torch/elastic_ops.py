@@ -107,7 +107,8 @@ class ElasticOps:
     ) -> Any:
         """(Ours) Where dispatch/combine receive regions live in ``[GPU | host num_cpu_bytes]`` and what the host
         part costs (``ep_core.planner.MemoryPlan``): bytes past the GPU part (worst case; expected under uniform
-        routing with ``num_experts``), and their time at the host link's bandwidth against HBM's. Sizes default to
+        routing with ``num_experts``; this rank's own rows count as the tails the dispatch stores of them), and their
+        time at the host link's bandwidth against HBM's. Sizes default to
         the buffer's (``num_max_tokens_per_rank``, ``hidden``, ``num_topk``: 0 = the buffer's; ``num_topk`` 0 on
         both = 8). A region that needs the host part spills there instead of being refused."""
         from ep_core import elastic_memory, planner
@@ -127,6 +128,7 @@ class ElasticOps:
             host_memory=elastic_memory.host_bytes(rt.storage) > 0,
             hbm_gbs=hbm_gbs,
             host_gbs=host_gbs,
+            rank=self.rank_idx,  # its own rows are stored as tails only
         )
 
     # ---------------------------------------------------------------------------------------------------------
