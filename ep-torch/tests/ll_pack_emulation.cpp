@@ -1,4 +1,4 @@
-// Host emulation of ep_torch/ll_pack.cuh for test_torch_legacy_ll_kernels.py: one std::thread per CUDA thread, std::barrier
+// Host emulation of ep_core/ll_pack.cuh for test_torch_legacy_ll_kernels.py: one std::thread per CUDA thread, std::barrier
 // for __syncthreads and the warp collectives (every use in these kernels is reached by the whole block / warp).
 #include <atomic>
 #include <barrier>
@@ -66,7 +66,7 @@ inline uint16_t bf16_rn(float f) {  // cvt.rn.bf16.f32
 }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {bf16_rn(a), bf16_rn(b)}; }
 
-#include <ep_torch/ll_pack.cuh>
+#include <ep_core/ll_pack.cuh>
 
 template <class F>
 void launch(dim3e grid, unsigned block, F body) {

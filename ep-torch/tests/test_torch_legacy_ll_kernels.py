@@ -1,4 +1,4 @@
-"""V1 low-latency mode's CUDA kernels (``ep_torch.legacy_ll_kernels``, ``include/ep_torch/ll_pack.cuh``).
+"""V1 low-latency mode's CUDA kernels (``ep_torch.legacy_ll_kernels``, ``ep_core.ll_pack``, ``include/ep_core/ll_pack.cuh``).
 
 CPU: the kernels compile for sm_90a through ep_jit with nvcc; the FP8 helpers the pack kernel uses (torch's e4m3
 conversion, the scale, NaN-propagating amax), compiled for the host, equal ``legacy_reference.fp8_cast_reference``;
@@ -55,7 +55,7 @@ def test_ll_kernels_compile(arch, tmp_path, monkeypatch):
 
 
 _HOST_CAST = r"""
-#include <ep_torch/ll_pack.cuh>
+#include <ep_core/ll_pack.cuh>
 #include <cstdio>
 #include <vector>
 // stdin: rows, hidden, round_scale (int32), then rows*hidden bf16 bits; stdout: e4m3 bytes, then fp32 scales

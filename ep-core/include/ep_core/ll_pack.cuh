@@ -1,4 +1,5 @@
-// V1 low-latency mode's kernels around ep's dispatch and combine (ep_torch.legacy_ll_kernels launches them).
+// V1 low-latency mode's kernels around ep's dispatch and combine (ep_core.ll_pack compiles and launches them for
+// ep_torch.legacy_ll_kernels, which passes its tensors' addresses; framework-agnostic: pointers and ints only).
 // Bit for bit the torch composition in ep_torch.legacy_ll (its reference in the tests): the same packed order,
 // the same FP8 cast (torch's float -> e4m3 conversion), the same fp32 lane sum (separate multiply and add).
 //
@@ -25,7 +26,7 @@
 #endif
 
 #ifndef EP_LL_MAX_TOPK
-#define EP_LL_MAX_TOPK 128  // lanes of one row kept in shared memory (ep-torch checks num_topk against it)
+#define EP_LL_MAX_TOPK 128  // lanes of one row kept in shared memory (ep_core.ll_pack.MAX_TOPK; callers check num_topk)
 #endif
 
 namespace ep_ll {

@@ -1,5 +1,6 @@
-"""CUDA kernels of V1 low-latency mode (``include/ep_torch/ll_pack.cuh``), JIT-compiled through ep_jit like
-ep-core's, and their launches on torch's current stream (capturable: fixed shapes, counts read on the GPU).
+"""Launches of V1 low-latency mode's CUDA kernels (``ep_core.ll_pack``, ``include/ep_core/ll_pack.cuh``; ep-core
+compiles them through ep_jit like its other kernels) on torch's current stream with the tensors' addresses
+(capturable: fixed shapes, counts read on the GPU).
 
 ``pack`` is the dispatch epilogue (layout + row copy or FP8 cast: two launches, three when rows are ordered by key),
 ``gather_lanes`` builds the wide combine rows, ``weighted_sum`` the fused fp32 lane sum. Each is bit for bit the
@@ -8,12 +9,12 @@ torch composition in ``legacy_ll`` (kept as the CPU path and as the reference of
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
 from typing import Any
 
 import torch
-from ep_core.errors import EPConfigError, EPValueError
+from ep_core import ll_pack
+from ep_core.errors import EPValueError
+from ep_core.ll_pack import KERNEL_NAMES, MAX_TOPK, compile_ll_kernels
 
 __all__ = [
     "KERNEL_NAMES",
@@ -25,80 +26,41 @@ __all__ = [
     "weighted_sum",
 ]
 
-KERNEL_NAMES = (
-    "ep_ll_order",
-    "ep_ll_layout",
-    "ep_ll_pack_bf16",
-    "ep_ll_pack_fp8",
-    "ep_ll_gather",
-    "ep_ll_weighted_sum",
-)
-MAX_TOPK = 128  # EP_LL_MAX_TOPK: a row's lane slots are staged in shared memory
-SOURCE = "#include <ep_torch/ll_pack.cuh>\n"
-
 
 def get_include() -> str:
-    """Directory holding ``ep_torch/ll_pack.cuh`` (inside the package, in a wheel and in a checkout)."""
-    inc = Path(__file__).resolve().parent / "include"
-    if not (inc / "ep_torch" / "ll_pack.cuh").is_file():
-        raise EPConfigError(f"ep_torch kernel header not found under {inc}; reinstall ep-torch")
-    return str(inc)
+    """Directory holding ``ep_core/ll_pack.cuh`` (ep-core's kernel headers)."""
+    from ep_core.kernels._source import get_include as core_include
+
+    return core_include()
 
 
-def compile_ll_kernels(arch: str | None = None) -> Any:
-    """Compile (or fetch from ep_jit's cache) the low-latency kernels; returns the ep_jit Artifact. One
-    configuration: sizes, the index dtype and the FP8 options are kernel arguments."""
-    import ep_jit
+class _Launch:
+    """``ll_pack.launch`` on torch's current stream and device; tensors are passed as their addresses (kept alive
+    by the caller until the launch returns: the kernel is stream-ordered before any reuse of their memory)."""
 
-    return ep_jit.compile(
-        SOURCE,
-        name="ep_torch_ll_pack",
-        include_dirs=[get_include()],
-        defines={"EP_LL_MAX_TOPK": MAX_TOPK},
-        arch=arch,
-        flags=("-std=c++17",),
-    )
+    __slots__ = ("device", "stream")
 
+    def __init__(self) -> None:
+        self.device = torch.cuda.current_device()
+        self.stream = torch.cuda.current_stream().cuda_stream
 
-_kernels: dict[int, dict[str, Any]] = {}
-_lock = threading.Lock()
+    def __call__(self, name: str, grid: Any, block: int, args: list, shared_mem: int = 0) -> None:
+        values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        ll_pack.launch(
+            name, grid, block, values, device=self.device, stream=self.stream, shared_mem=shared_mem
+        )
 
 
-def _k(name: str) -> Any:
-    dev = torch.cuda.current_device()
-    ks = _kernels.get(dev)
-    if ks is None:
-        import ep_jit
-
-        with _lock:
-            ks = _kernels.get(dev)
-            if ks is None:
-                module = ep_jit.load(compile_ll_kernels())
-                ks = {n: module.function(n) for n in KERNEL_NAMES}
-                _kernels[dev] = ks
-    return ks[name]
-
-
-def _i32(v: int) -> Any:
-    import ep_jit
-
-    return ep_jit.int32(int(v))
-
-
-def _idx64(t: torch.Tensor, what: str) -> Any:
+def _idx64(t: torch.Tensor, what: str) -> int:
     if t.dtype not in (torch.int64, torch.int32):
         raise EPValueError(f"{what}: expected int64 or int32 expert ids, got {t.dtype}")
-    return _i32(t.dtype == torch.int64)
+    return int(t.dtype == torch.int64)
 
 
 def _vec(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous and 16-byte aligned (the kernels move rows in 16-byte vectors)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _stream() -> Any:
-    return torch.cuda.current_stream()
 
 
 def pack(
@@ -136,29 +98,22 @@ def pack(
     src_info = torch.empty(epr, slots, dtype=torch.int32, device=dev)
     recv_count = torch.empty(epr, dtype=torch.int32, device=dev)
     layout_range = torch.empty(epr, num_ranks, dtype=torch.int64, device=dev)
-    stream = _stream()
+    run = _Launch()
     order = None
     scan_len = rows
     if by_key:  # rows grouped by region (hybrid) or in any order: scan them in (source rank, token) order
         order = torch.empty(slots, dtype=torch.int32, device=dev)
-        _k("ep_ll_order").launch(
-            1, 1024, [meta, _i32(meta.stride(0)), num_valid, _i32(slots), order], stream=stream
-        )
+        run("ep_ll_order", 1, 1024, [meta, meta.stride(0), num_valid, slots, order])
         scan_len = slots
-    args = [recv_idx, idx64, _i32(k), meta, _i32(meta.stride(0)), num_valid, order, _i32(rows), _i32(scan_len),
-            _i32(tokens_per_rank), _i32(num_ranks), _i32(slots), lane_slot, lane_ok, src_info, recv_count,
-            layout_range]  # fmt: skip
-    _k("ep_ll_layout").launch(epr, 256, args, shared_mem=4 * num_ranks, stream=stream)
+    args = [recv_idx, idx64, k, meta, meta.stride(0), num_valid, order, rows, scan_len, tokens_per_rank,
+            num_ranks, slots, lane_slot, lane_ok, src_info, recv_count, layout_range]  # fmt: skip
+    run("ep_ll_layout", epr, 256, args, shared_mem=4 * num_ranks)
     if not use_fp8:
         out = torch.empty(epr, slots, h, dtype=torch.bfloat16, device=dev)
         vecs = h * 2 // 16
         if rows:
-            _k("ep_ll_pack_bf16").launch(
-                (rows, -(-vecs // 256)),
-                256,
-                [recv_x, _i32(vecs), lane_slot, lane_ok, _i32(k), num_valid, out],
-                stream=stream,
-            )
+            args = [recv_x, vecs, lane_slot, lane_ok, k, num_valid, out]
+            run("ep_ll_pack_bf16", (rows, -(-vecs // 256)), 256, args)
         return out, recv_count, src_info, layout_range, lane_slot, lane_ok
     groups = h // 128
     q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -167,9 +122,20 @@ def pack(
     else:
         s_store = torch.empty(epr, groups, slots, dtype=torch.float32, device=dev)
     if rows:
-        args = [recv_x, _i32(h), lane_slot, lane_ok, _i32(k), num_valid, q, s_store, _i32(slots),
-                _i32(round_scale), _i32(use_ue8m0)]  # fmt: skip
-        _k("ep_ll_pack_fp8").launch((rows, -(-groups // 8)), 256, args, stream=stream)
+        args = [
+            recv_x,
+            h,
+            lane_slot,
+            lane_ok,
+            k,
+            num_valid,
+            q,
+            s_store,
+            slots,
+            int(round_scale),
+            int(use_ue8m0),
+        ]
+        run("ep_ll_pack_fp8", (rows, -(-groups // 8)), 256, args)
     # V1: the scales' last two dimensions are column-major
     return (q, s_store.transpose(1, 2)), recv_count, src_info, layout_range, lane_slot, lane_ok
 
@@ -190,12 +156,8 @@ def gather_lanes(
     wide = torch.empty(rows, lanes * h, dtype=x.dtype, device=x.device)
     vecs = h * 2 // 16
     if rows:
-        _k("ep_ll_gather").launch(
-            (rows, -(-vecs // 256)),
-            256,
-            [x, _i32(vecs), lane_slot, lane_ok, _i32(k), _i32(lane0), _i32(lanes), num_valid, wide],
-            stream=_stream(),
-        )
+        args = [x, vecs, lane_slot, lane_ok, k, lane0, lanes, num_valid, wide]
+        _Launch()("ep_ll_gather", (rows, -(-vecs // 256)), 256, args)
     return wide
 
 
@@ -217,6 +179,6 @@ def weighted_sum(
     if t == 0:
         return
     vecs = h // 8
-    args = [_vec(y), _i32(h), topk_idx.contiguous(), _idx64(topk_idx, "low_latency_combine: topk_idx"),
-            topk_weights.contiguous(), _i32(k), _i32(lane0), _i32(lanes), acc, _i32(first), _i32(last), out]  # fmt: skip
-    _k("ep_ll_weighted_sum").launch((-(-vecs // 128), t), 128, args, stream=_stream())
+    args = [_vec(y), h, topk_idx.contiguous(), _idx64(topk_idx, "low_latency_combine: topk_idx"),
+            topk_weights.contiguous(), k, lane0, lanes, acc, int(first), int(last), out]  # fmt: skip
+    _Launch()("ep_ll_weighted_sum", (-(-vecs // 128), t), 128, args)
