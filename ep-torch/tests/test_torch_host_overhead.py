@@ -57,3 +57,60 @@ def test_handle_topk_idx_is_never_the_callers_object(one_rank_group, tokens):
     for _ in range(2):
         again, _, _, h3, _ = buf.dispatch(x, handle=handle)
         assert h3 is handle and torch.equal(again, recv_x)
+
+
+def test_allocator_block_views_are_disjoint_aligned_tensors():
+    """ep_torch's allocator offers `int32_block`: one torch.empty carved into C-contiguous int32 tensors of the
+    requested shapes, each on a 256-byte boundary, disjoint (writing one leaves the others)."""
+    from ep_core.kernels.array_block import ALIGN_WORDS
+    from ep_torch import ElasticBuffer
+
+    buf = ElasticBuffer.__new__(ElasticBuffer)
+    buf._allocators = {}
+    allocate = buf._allocator(torch.device("cpu"))
+    assert buf._allocator(torch.device("cpu")) is allocate  # one per device
+    shapes = ((6, 4), (1,), (8,), (8,), (0, 6), (24, 6))
+    for key in (shapes, [list(s) for s in shapes]):  # a repeat's tuple key, or the full path's list
+        views = allocate.int32_block(key)
+        assert [tuple(v.shape) for v in views] == [tuple(s) for s in shapes]
+        assert all(v.dtype == torch.int32 and v.is_contiguous() for v in views)
+        base = views[0].data_ptr()
+        assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one allocation
+        for v in views:
+            assert v.numel() == 0 or (v.data_ptr() - base) % (4 * ALIGN_WORDS) == 0
+        for v in views:
+            v.fill_(-1)
+        views[2].fill_(7)
+        assert all((v == -1).all() for i, v in enumerate(views) if i != 2) and (views[2] == 7).all()
+
+
+@pytest.mark.parametrize("mode", ["offered", "0"])
+def test_mocked_gpu_dispatch_takes_handle_arrays_from_one_block(one_rank_group, monkeypatch, mode):
+    """Through the GPU executor (driver mocked, bench_host_cpu's), a new handle's int32 arrays are views of one
+    torch allocation by default, one allocation each with EPKIT_HANDLE_BLOCK=0; first call (full path) and repeats."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ep-core" / "benchmarks"))
+    import bench_host_cpu as b
+    from ep_core.kernels import array_block
+    from ep_torch import buffer as tbuf
+
+    monkeypatch.setattr(array_block, "MODE", mode)
+    monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
+    with b._MockedGpu():
+        buf = tbuf.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=64, num_topk=2)
+        x = torch.ones(8, 64, dtype=torch.bfloat16)
+        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % 8
+        for do_cpu_sync in (False, False, False):  # the full path, then repeats
+            h = buf.dispatch(x, topk_idx=idx, num_experts=8, num_sms=4, do_cpu_sync=do_cpu_sync)[3]
+            arrays = [
+                h.psum_num_recv_tokens_per_scaleup_rank,
+                h.psum_num_recv_tokens_per_expert,
+                h.num_unaligned_recv_tokens_per_expert,
+                h.recv_src_metadata,
+                h.dst_buffer_slot_idx,
+            ]
+            storages = {a.untyped_storage().data_ptr() for a in arrays}
+            assert len(storages) == (1 if mode == "offered" else 5)
+            assert all(a.dtype == torch.int32 and a.is_contiguous() for a in arrays)
