@@ -49,6 +49,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -67,6 +68,8 @@ DECODE_BATCH = (
 HOLD_MIN_US = 200.0
 # clock64 ticks per us for the hold (H200: at most 1.98 GHz, so the hold lasts rather longer than asked)
 HOLD_CYCLES_PER_US = 2000
+# BENCH_EP_HOLD=0: no hold (the batch then starts right after the start event, as before 8ee6ac3)
+HOLD = os.environ.get("BENCH_EP_HOLD", "1").strip() != "0"
 TORCH_ITERS, DECODE_TORCH_ITERS = 3, 10  # timed iterations of the torch-native baseline
 
 
@@ -386,11 +389,12 @@ class Timer:
                 times.append(start.elapsed_ms(stop))
         batched, hidden, host = [], [], []
         hold_us = 5 * HOLD_MIN_US
-        ext = torch.cuda.ExternalStream(int(self.main))  # torch's view of the main stream, for the hold
+        ext = torch.cuda.ExternalStream(int(self.main)) if HOLD else None  # torch's view of the main stream
 
         def hold(us):
-            with torch.cuda.stream(ext):
-                torch.cuda._sleep(int(us * HOLD_CYCLES_PER_US))
+            if HOLD:
+                with torch.cuda.stream(ext):
+                    torch.cuda._sleep(int(us * HOLD_CYCLES_PER_US))
 
         def launch():
             _cuda.check(drv.cuGraphLaunch(exe, self.main.handle), "cuGraphLaunch")
