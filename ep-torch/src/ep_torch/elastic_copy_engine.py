@@ -11,13 +11,14 @@ buffers, ordered by stream memory operations, so PP and all-gather use no SM.
   Ending a session signals and waits the same way, so the next session's copies never overwrite live results.
 - Engram: the storage lives in host NUMA memory: the host part of the buffer itself (the back ``num_cpu_bytes`` of
   the data region, ``[GPU | host NUMA]`` in one VA range, mapped by every rank of the node) when the transport built
-  one, else a ``[2 MiB GPU | num_cpu_bytes host]`` ep_symmem allocation of its own; when a rank cannot map host
-  memory at all, at the back of each rank's GPU data region. ``engram_write`` copies into it with the copy engine;
-  a fetch is one gather kernel (``ep_core.engram_gather``: a warp per row, 16-byte loads, several in flight per
-  lane, on up to the rank's share of the SMs) from the owners' storage into the front of the data region.
+  one, else a ``[2 MiB GPU | num_cpu_bytes host]`` symmetric allocation of its own (``ep_core.side_allocation``);
+  when a rank cannot map host memory at all, at the back of each rank's GPU data region. ``engram_write`` copies
+  into it with the copy engine; a fetch is one gather kernel (``ep_core.engram_gather``: a warp per row, 16-byte
+  loads, several in flight per lane, on up to the rank's share of the SMs) from the owners' storage into the front
+  of the data region.
 
-The signal words live in a separate 2 MiB symmetric allocation (ep_symmem), exchanged when the first collective of
-these primitives runs: the workspace has no region for them yet.
+The signal words live in a separate 2 MiB symmetric allocation (``ep_core.side_allocation``), exchanged when the
+first collective of these primitives runs: the workspace has no region for them yet.
 
 Every stream wait on a peer's signal is bounded by the buffer's ``num_gpu_timeout_secs``: a one-thread kernel
 polls the word with a deadline (``ep_core.signal_wait``; ``cuStreamWaitValue64`` has no timeout). A wait that
@@ -225,18 +226,22 @@ class CopyEngineBackend:
     @classmethod
     def from_buffer(cls, buf: Any) -> CopyEngineBackend:
         """A collective: maps the peers' data regions and creates and exchanges the signal words."""
-        import ep_symmem
+        from ep_core.side_allocation import create_exchanged
 
         rt = buf._rt()
         n = buf.num_ranks
         ops = DriverOps(buf.device, buf.rank_idx, rt.config.num_gpu_timeout_secs)
         data = [b + rt.num_workspace_bytes for b in _peer_bases(rt.storage, n)]
         torch.cuda.synchronize()
-        alloc = ep_symmem.SymmetricAllocation.create(_SIGNAL_BYTES, device=torch.cuda.current_device())
-        ops._cuda.memset(int(alloc.ptr), _SIGNAL_BYTES, 0)
-        ops._cuda.synchronize_context()
-        buf.bootstrap.barrier()
-        ep_symmem.exchange(alloc, buf.bootstrap)
+        alloc, why = create_exchanged(
+            buf.bootstrap, _SIGNAL_BYTES, device=torch.cuda.current_device(), zero=True
+        )
+        if alloc is None:
+            ops.close()
+            raise EPConfigError(
+                f"PP/AGRS/Engram signal words: {_SIGNAL_BYTES} bytes of symmetric memory could not be allocated "
+                f"({why}); every rank raises this (rank {buf.rank_idx})"
+            )
         sig = [int(alloc.peer_ptr(r)) for r in range(n)]
 
         boot = buf.bootstrap  # not the buffer: the buffer owns this backend
@@ -283,33 +288,22 @@ class CopyEngineBackend:
         return alloc.host_view()
 
     def _host_storage(self, buf: Any) -> None:
-        """Engram storage in host NUMA memory (the elastic part): an ep_symmem allocation `[2 MiB GPU | num_cpu_bytes
+        """Engram storage in host NUMA memory (the elastic part): a symmetric allocation `[2 MiB GPU | num_cpu_bytes
         host]` exchanged like the data buffer, its host part mapped by every rank of the node. A collective; when
         any rank cannot build it, every rank keeps the storage at the back of its GPU data region (with a
         warning naming the rank and the reason)."""
         import warnings
 
-        import ep_symmem
+        from ep_core.side_allocation import create_exchanged
 
-        alloc, why = None, ""
-        try:
-            alloc = ep_symmem.SymmetricAllocation.create(
-                2 << 20, num_host_bytes=buf.num_cpu_bytes, device=torch.cuda.current_device()
-            )
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-        verdicts = buf.bootstrap.allgather(why.encode())
-        bad = [(r, v.decode()) for r, v in enumerate(verdicts) if v]
-        if bad:
-            if alloc is not None:
-                alloc.close()
+        alloc, why = create_exchanged(
+            buf.bootstrap, 2 << 20, num_host_bytes=buf.num_cpu_bytes, device=torch.cuda.current_device()
+        )
+        if alloc is None:
             warnings.warn(
-                f"Engram storage stays in GPU memory: rank {bad[0][0]} cannot map host memory ({bad[0][1]})",
-                stacklevel=3,
+                f"Engram storage stays in GPU memory: host memory could not be mapped ({why})", stacklevel=3
             )
             return
-        assert alloc is not None
-        ep_symmem.exchange(alloc, buf.bootstrap)
         self._host_alloc = alloc
         self.storage = [int(alloc.peer_ptr(r)) + int(alloc.num_gpu_bytes) for r in range(self.n)]
         self.engram_storage = "host"
