@@ -195,7 +195,15 @@ def tests(session: nox.Session) -> None:
     _pytest(session, "tests", *(i for n in names for i in _needs_more(n)))
     # the host path's CPU benchmark (GPU calls mocked at the driver): a few seconds; the bound only catches a
     # call gone an order of magnitude slower, timings on shared CI machines vary too much for more
-    session.run("python", "ep-core/benchmarks/bench_host_cpu.py", "--iters", "200", "--fail-above-us", "2000")
+    session.run(
+        "python",
+        "ep-core/benchmarks/bench_host_cpu.py",
+        "--iters",
+        "200",
+        "--fail-above-us",
+        "2000",
+        "--breakdown",
+    )
 
 
 @nox.session(default=False, tags=["ci"])
