@@ -11,7 +11,7 @@ Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform ran
   of this process on one GPU, each a real ``ElasticBuffer`` / V1 ``Buffer`` over ep-core's loopback domain (its own
   symmetric buffer, executor and stream; the device's SMs split between the ranks), so the rows run exactly the
   kernels and host code a V1/V2 user gets; every rank's op is captured in ONE CUDA graph and the time is that of
-  all N ranks' op together (as ``bench_ep``'s loopback rows);
+  all N ranks' op together (as ``bench_ep``'s loopback rows); no ``torch-ops`` rows there (see ``_measure``);
 - ``--procs``: N > 1 as one process per rank instead (one GPU each when the machine has N, else time-sliced on
   GPU 0, labelled ``shared``: an upper bound that means little).
 
@@ -253,7 +253,10 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
     all_idx = torch.cat([_inputs(torch, s, cfg, "cpu")[1] for s in range(n)]).flatten()
     want_counts = torch.bincount(all_idx[all_idx >= 0], minlength=e).to(torch.int32)
     ok = True
-    paths = ((None, ""),) if cfg["quick"] else ((None, ""), (False, " torch-ops"))
+    # torch-ops rows only in processes: in a loopback group a torch kernel's first (lazy) load inside a rank's call
+    # could wait for the kernels of the ranks before it (ep_torch.loopback)
+    torch_ops = not cfg["quick"] and ctx.label != "loopback"
+    paths = ((None, ""), (False, " torch-ops")) if torch_ops else ((None, ""),)
     for use, tag in paths:  # ep-torch's kernels (on CUDA), then the torch ops
         setall(ll_use_kernels=use)
         for fp8 in (False, True):
@@ -308,7 +311,7 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
 
     auto = lanes_per_combine(k, h)
     lane_rows = [(g, None) for g in sorted({auto, k} | {g for g in (1, 2, 4) if g < k})]
-    if not cfg["quick"]:
+    if torch_ops:
         lane_rows += [(1, False), (k, False)]
     for lanes, use in dict.fromkeys(lane_rows):
         if not ok:

@@ -237,6 +237,10 @@ def test_loopback_v1_ll_cuda_graph_gpu(ranks, monkeypatch):
         comb, _, _ = v1[r].low_latency_combine(ll._expert(recv, r, epr), idx, w, handle)
         result[r] = (recv, cnt, handle, comb)
 
+    # the test's "expert" runs between dispatch and combine: its torch kernels loaded before any rank's call (a
+    # first, lazy load there could wait for the kernels of the ranks before it)
+    ll._expert(torch.zeros(epr, 1, H, dtype=torch.bfloat16, device=dev), 0, epr)
+    torch.cuda.synchronize()
     group.run(step)  # builds the buffers and compiles the kernels (outside capture)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -15,7 +15,7 @@ from typing import Any
 
 from ep_core.errors import EPValueError
 
-__all__ = ["KERNEL_NAMES", "MAX_TOPK", "SIGNATURES", "compile_ll_kernels", "launch"]
+__all__ = ["KERNEL_NAMES", "MAX_TOPK", "SIGNATURES", "compile_ll_kernels", "launch", "load"]
 
 MAX_TOPK = 128  # EP_LL_MAX_TOPK: a row's lane slots are staged in shared memory
 
@@ -65,6 +65,15 @@ def _function(device: int, name: str) -> Any:
                 fns = {n: module.function(n) for n in KERNEL_NAMES}
                 _functions[device] = fns
     return fns[name]
+
+
+def load(device: int) -> None:
+    """Load every kernel on ``device`` now (compiling on first use). Launches load them anyway; call this first
+    where a load must not happen later: several ranks of one process whose kernels wait for each other (a load, or
+    CUDA's lazy loading of a function, may wait for the kernels already running, which wait for a rank not yet
+    launched)."""
+    for name in KERNEL_NAMES:
+        _function(int(device), name)
 
 
 def _args(name: str, values: Sequence[Any]) -> list[Any]:

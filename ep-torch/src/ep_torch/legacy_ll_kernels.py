@@ -23,6 +23,7 @@ __all__ = [
     "gather_lanes",
     "get_include",
     "pack",
+    "preload",
     "weighted_sum",
 ]
 
@@ -32,6 +33,11 @@ def get_include() -> str:
     from ep_core.kernels._source import get_include as core_include
 
     return core_include()
+
+
+def preload() -> None:
+    """Compile and load the kernels on the current device now (``ep_core.ll_pack.load``)."""
+    ll_pack.load(torch.cuda.current_device())
 
 
 class _Launch:

@@ -14,8 +14,13 @@ once). On the CPU the ranks run ep-core's reference executor (bit-identical to t
 ``run(fn)`` calls ``fn(rank)`` for every rank: on the GPU one after another in this thread, each on its rank's
 stream (forked from the current stream and joined back to it, so ``torch.cuda.graph`` captures all ranks' work
 in one graph); on the CPU in one thread per rank (the reference executor's exchanges are host collectives).
-Nothing a rank launches may wait on the host for a peer: low-latency mode and ``do_cpu_sync=False`` dispatches
-qualify, a CPU-synced dispatch does not (it would wait for ranks not yet launched).
+Nothing a rank does on the host may wait for its GPU work while later ranks have not launched theirs (that work
+waits for them): low-latency mode and ``do_cpu_sync=False`` dispatches qualify, a CPU-synced dispatch does not. Nor
+may it load GPU code there: CUDA loads a kernel lazily at its first launch, and the load can wait for the running
+kernels. ep-core's kernels are loaded before their first launch and V1's (``ep_core.ll_pack``) when the group
+builds V1's inner buffers; torch kernels that a rank's work runs after its communication kernel (V1's
+``ll_use_kernels=False`` composition, ``cumulative_local_expert_recv_stats``, the caller's own ops) must have run
+once before in the process.
 
 Host collectives (building and destroying buffers) run in one thread per rank over ``ep_core.ThreadGroup``
 bootstraps, hidden from the caller: the first rank that needs a new inner buffer (V1 builds them lazily) builds
@@ -328,7 +333,8 @@ class LoopbackGroup:
             t.join()
         if errors:
             r, exc = min(errors, key=lambda e: e[0])
-            exc.add_note(f"(raised by loopback rank {r} of {self.num_ranks})")
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"(raised by loopback rank {r} of {self.num_ranks})")
             raise exc
         return out
 
@@ -377,6 +383,12 @@ class LoopbackGroup:
                 members = self._built[(key, nth)] = _Members()
         assert members is not None
         if build:
+            if self.device.type == "cuda":
+                # V1's kernels loaded before any rank launches: a load inside a rank's call (after its kernel that
+                # waits for the next ranks) could wait for that kernel
+                from . import legacy_ll_kernels
+
+                legacy_ll_kernels.preload()
             self._build(members, kwargs)
         elif not members.ready.wait(self.timeout_secs):
             raise EPStateError(f"loopback rank {rank}: the group's inner buffer was not built in time")
