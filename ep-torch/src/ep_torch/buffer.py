@@ -504,9 +504,8 @@ class ElasticBuffer(ElasticOps):
             plain_x = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
             plain_idx = _plain(topk_idx) if topk_idx is not None else None
             plain_w = _plain(topk_weights) if topk_weights is not None else None
-            if (
-                previous_event is None and not allocate_on_comm_stream
-            ):  # no comm-stream scope: the common case
+            # no comm-stream scope (the common case): no context objects
+            if previous_event is None and not allocate_on_comm_stream:
                 if self._cuda:
                     kw["stream"] = _current_stream(self._device_index)
                 res = rt.dispatch(plain_x, plain_idx, plain_w, **kw)
@@ -578,9 +577,8 @@ class ElasticBuffer(ElasticOps):
             plain_x = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
             plain_w = _plain(topk_weights) if topk_weights is not None else None
             plain_bias = _plain(bias) if bias is not None else None
-            if (
-                previous_event is None and not allocate_on_comm_stream
-            ):  # no comm-stream scope: the common case
+            # no comm-stream scope (the common case): no context objects
+            if previous_event is None and not allocate_on_comm_stream:
                 if self._cuda:
                     kw["stream"] = _current_stream(self._device_index)
                 res = rt.combine(plain_x, handle, plain_w, plain_bias, **kw)

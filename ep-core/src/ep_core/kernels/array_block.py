@@ -23,13 +23,14 @@ from ep_core.device_array import DeviceArray as CoreArray
 __all__ = ["ALIGN_WORDS", "MODE", "int32_block", "use_block", "use_offered"]
 
 ALIGN_WORDS = 64  # 256 bytes of int32
-# Which allocators carve one block (`GpuExecutor` asks `use_block`): "offered" (default): an allocator that offers
-# its own `int32_block` (ep_torch's torch allocator: one torch.empty and five `as_strided` views, which skips four
-# trips through torch's CUDA caching allocator; on the CPU, where torch.empty is cheap, it costs about the same); "auto": also the executor's own (ep_core arrays: one
-# stream-ordered driver allocation instead of five); "1": every allocator; "0": none. The executor's own is not
-# carved by default: on the H200 (2026-12-02) a carved `DeviceArray`'s `owner` was the block, not an array of the
-# view's own shape, which broke callers that copy a handle array back through its owner (torch views have no
-# owner: each is a tensor of its own shape).
+# Which allocators carve one block (`GpuExecutor` asks `use_block` / `use_offered`): "offered" (default): an
+# allocator that offers its own `int32_block` (ep_torch's torch allocator: one torch.empty and five `as_strided`
+# views, which skips four trips through torch's CUDA caching allocator; on the CPU, where torch.empty is cheap, it
+# costs about the same); "auto": also the executor's own (ep_core arrays: one stream-ordered driver allocation
+# instead of five); "1": every allocator; "0": none. The executor's own is not carved by default: on the H200
+# (2026-12-02) a carved `DeviceArray`'s `owner` was the block, not an array of the view's own shape, which broke
+# callers that copy a handle array back through its owner (torch views have no owner: each is a tensor of its own
+# shape).
 MODE = os.environ.get("EPKIT_HANDLE_BLOCK", "offered")
 
 
@@ -104,10 +105,8 @@ def int32_block(allocate: Callable[[tuple, str], Any], shapes: Sequence[tuple]) 
     block = allocate((max(total, 1),), "int32")
     if type(block) is CoreArray:
         return [_core_view(block, off, shape) for off, shape in zip(offsets, shapes)]
-    if (
-        type(block).__module__ == "torch"
-    ):  # one as_strided each (a split_with_sizes costs more: a tensor per part)
-        view = block.as_strided
+    if type(block).__module__ == "torch":
+        view = block.as_strided  # one call per view (a split_with_sizes costs more: a tensor per part)
         return [view(shape, strides, off) for shape, strides, off in strided]
     if hasattr(block, "reshape") and hasattr(block, "__getitem__"):
         return [block[off : off + n].reshape(shape) for off, n, shape in zip(offsets, sizes, shapes)]
