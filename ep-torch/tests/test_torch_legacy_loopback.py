@@ -261,3 +261,48 @@ def test_loopback_v1_ll_cuda_graph_gpu(ranks, monkeypatch):
     del graph
     group.run(lambda r: v1[r].destroy())
     group.close()
+
+
+def test_loopback_transport_storage(monkeypatch):
+    """The GPU group's transport without a GPU (IpcBuffer.create_loopback and the device identity faked): one
+    allocation for all ranks, created by the first rank to allocate, each rank's storage at its own base with every
+    rank on one device, freed when the last rank's storage closes."""
+    from ep_core.kernels import _cuda
+    from ep_core.transports import ipc
+    from ep_torch.loopback import _LoopbackTransport
+
+    made = []
+
+    class FakeBuffer:
+        def __init__(self, n, data):
+            self.bases = [0x10000000 * (r + 1) for r in range(n)]
+            self.peer_table = 0xABC000
+            self.data, self.closed = data, 0
+            made.append(self)
+
+        def close(self):
+            self.closed += 1
+
+    monkeypatch.setattr(
+        ipc.IpcBuffer, "create_loopback", classmethod(lambda cls, n, d, use_symmem: FakeBuffer(n, d))
+    )
+    monkeypatch.setattr(_cuda, "device_identity", lambda: "host/gpu0")
+
+    class Boot:
+        def __init__(self, r):
+            self.rank, self.size = r, 3
+
+    tr = _LoopbackTransport(3, 0)
+    assert tr.num_nvlink_ranks(Boot(0)) == 3 and not tr.supports_host_memory
+    total = ipc.IpcBuffer.total_bytes(4 << 20)
+    stores = [tr.allocate(Boot(r), total) for r in (1, 0, 2)]
+    assert len(made) == 1 and made[0].data == 4 << 20
+    assert [s.ptr for s in stores] == [0x20000000, 0x10000000, 0x30000000]
+    assert all(s.num_bytes == total and s.peer_table == 0xABC000 and s.device == 0 for s in stores)
+    assert stores[0].rank_devices == ["host/gpu0"] * 3 and stores[0].peer_bases(3) == made[0].bases
+    for s in stores[:2]:
+        s.close()
+    assert made[0].closed == 0
+    stores[2].close()
+    stores[2].close()  # a second close is a no-op
+    assert made[0].closed == 1 and tr.buffer is None
