@@ -25,7 +25,9 @@ Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform ran
 - ``... nondet``: the same (kernels) over ep's non-deterministic dispatch (``ll_deterministic=False``: no count /
   prefix phases; the packing orders rows by their source key);
 - ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine`` (run
-  first, so their rows survive a V1 failure; a failing op is reported and the run goes on).
+  first, so their rows survive a V1 failure; a failing op is reported and the run goes on);
+- ``... dispatch+combine``: a decode step's communication in one graph (V2: dispatch then combine of its rows;
+  V1: low-latency dispatch, identity "experts", weighted combine, checked bitwise too).
 
 Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters`` times back to back between two CUDA
 events; the reported time is the mean per replay (processes: the max over ranks). Checks on every rank, before the
@@ -233,6 +235,12 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
     d2 = dict(zip(R, ctx.each(v2_dispatch)))
     ctx.each(lambda r: v2[r].combine(d2[r][0], d2[r][3]))
     row("v2 combine", lambda r: v2[r].combine(d2[r][0], d2[r][3]))
+
+    def v2_step(r):  # a decode step's communication: dispatch, then combine of the received rows
+        rx, _, _, handle, _ = v2_dispatch(r)
+        return v2[r].combine(rx, handle)
+
+    row("v2 dispatch+combine bf16", v2_step)
     ctx.barrier()
     ctx.each(lambda r: v2[r].destroy())
 
@@ -319,6 +327,25 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
         setall(ll_lanes_per_combine=lanes, ll_use_kernels=use)
         op = f"v1 ll_combine lanes={lanes}{' (auto)' if lanes == auto else ''}{' torch-ops' if use is False else ''}"
         ok = checked(op)
+    setall(ll_use_kernels=None, ll_lanes_per_combine=0)
+
+    def v1_step(r):  # a decode step's communication: dispatch, the "experts" (identity), weighted combine
+        _, idx, w = inp[r]
+        recv, _, handle, _, _ = v1_dispatch(r)
+        return v1[r].low_latency_combine(recv, idx, w, handle)[0]
+
+    if ok:
+        try:
+            steps = ctx.each(v1_step)
+            if not cpu:
+                torch.cuda.synchronize()
+            for r, comb in zip(R, steps):
+                if not np.array_equal(comb.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
+                    failures.append(f"rank {r}: v1 ll_dispatch+combine differs from ll_combine_reference")
+            ok = row(f"v1 ll_dispatch+combine bf16 lanes={auto} (auto)", v1_step)
+        except Exception as exc:
+            failures.append(f"{who}: v1 ll_dispatch+combine: {type(exc).__name__}: {str(exc)[:300]}")
+            ok = False
     if ok and ctx.label == "own":  # the wide combine rows leave few warps per block: every SM instead
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         setall(ll_use_kernels=None, ll_lanes_per_combine=0, ll_combine_num_sms=sms)
