@@ -165,7 +165,9 @@ class _Loopback:
             os.environ.setdefault(
                 "EPKIT_NVLINK_GBS", "450"
             )  # the planner's figure, as for processes on one GPU
-        self.group = LoopbackGroup(n, device="cpu" if cpu else "cuda", gpu_timeout_secs=20.0)
+        self.group = LoopbackGroup(
+            n, device="cpu" if cpu else "cuda", gpu_timeout_secs=20.0, timeout_secs=60.0
+        )
         self.ranks = list(range(n))
         self.label = "loopback"
         self.row_rank = "all"

@@ -58,7 +58,7 @@ def _fp8_checks(outs, n: int, round_scale: bool, use_ue8m0: bool) -> None:
 def _loopback_ll_checks(n: int, device: str) -> None:
     """Every rank's dispatch (bf16, FP8 in three modes, hooks) and weighted combine (lane groups, non-deterministic
     dispatch underneath) over one loopback group; all ranks launch before anything is read back."""
-    group = LoopbackGroup(n, device=device, gpu_timeout_secs=20.0)
+    group = LoopbackGroup(n, device=device, gpu_timeout_secs=20.0, timeout_secs=60.0)
     dev = group.device
     epr = E // n
     v1 = group.v1_buffers(0, int(1e8), low_latency_mode=True, explicitly_destroy=True)
@@ -226,7 +226,7 @@ def test_loopback_v1_ll_cuda_graph_gpu(ranks, monkeypatch):
     torch.cuda.set_device(0)
     n, dev = ranks, torch.device("cuda", 0)
     epr = E // n
-    group = LoopbackGroup(n, device="cuda", gpu_timeout_secs=20.0)
+    group = LoopbackGroup(n, device="cuda", gpu_timeout_secs=20.0, timeout_secs=60.0)
     v1 = group.v1_buffers(0, int(1e8), low_latency_mode=True, explicitly_destroy=True)
     static = [tuple(a.to(dev) for a in ll._inputs(r, 0)) for r in range(n)]
     result: list = [None] * n
