@@ -1,6 +1,7 @@
-"""CPU: the combine's JIT switches (issue 17). EP_CORE_COMBINE_REDUCE_PARTS: unset or 1 is the default build (no
-define, same instance name), P > 1 a separate instance `_rp<P>`; EP_CORE_COMBINE_LOCAL_REF: unset or 0 default, 1 an
-instance `_lr`. Both compile for sm_90a, alone and together; invalid values are refused naming the variable."""
+"""CPU: the kernels' JIT switches of issue 17. EP_CORE_COMBINE_REDUCE_PARTS: unset or 1 is the default build (no
+define, same instance name), P > 1 a separate instance `_rp<P>`; EP_CORE_COMBINE_LOCAL_REF and EP_CORE_WARP_MAJOR:
+unset or 0 default, 1 an instance `_lr` / `_wm`. They compile for sm_90a, alone and together; invalid values are
+refused naming the variable."""
 
 from __future__ import annotations
 
@@ -89,4 +90,27 @@ def test_local_ref_instance_compiles(monkeypatch, tmp_path, parts):
     name = art.cubin_path.parent.name
     assert "_lr" in name and (("_rp2" in name) == (parts == "2"))
     assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+    assert set(_source.KERNEL_NAMES) <= set(art.kernel_names)
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, False), ("0", False), ("1", True)])
+def test_warp_major_values(monkeypatch, value, on):
+    if value is None:
+        monkeypatch.delenv(_source.WARP_MAJOR_ENV, raising=False)
+    else:
+        monkeypatch.setenv(_source.WARP_MAJOR_ENV, value)
+    assert _source.warp_major() is on
+    monkeypatch.setenv(_source.WARP_MAJOR_ENV, "on")
+    with pytest.raises(EPConfigError, match=_source.WARP_MAJOR_ENV):
+        _source.warp_major()
+
+
+@pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
+def test_warp_major_instance_compiles(monkeypatch, tmp_path):
+    ep_jit = pytest.importorskip("ep_jit")
+    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    ep_jit.clear_memo()
+    monkeypatch.setenv(_source.WARP_MAJOR_ENV, "1")
+    art = _source.compile_kernels(KernelConfig(8, 8, 7168), arch="sm_90a")
+    assert "_wm" in art.cubin_path.parent.name
     assert set(_source.KERNEL_NAMES) <= set(art.kernel_names)

@@ -298,7 +298,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
             return;
     }
 
-    const int global_warp = blockIdx.x * kNumWarps + warp;
+    const int global_warp = work_warp_index(warp, kNumWarps);
     const int num_global_warps = gridDim.x * kNumWarps;
     const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
     const int64_t R = args.psum_rank[kNumRanks - 1];

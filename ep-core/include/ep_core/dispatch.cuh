@@ -139,7 +139,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         return;
     EP_PHASE_MARK(kPhaseDispatch, kDpSetup);
 
-    const int global_warp = blockIdx.x * kNumWarps + warp;
+    const int global_warp = work_warp_index(warp, kNumWarps);
     const int num_global_warps = gridDim.x * kNumWarps;
 
     // 1. count (deterministic): bitmaps of (destination rank, token) and (expert, token)

@@ -82,7 +82,7 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     __syncthreads();
     EP_PHASE_MARK(kPhaseEpilogue, kEpSetup);
     const int64_t R = s_psum[kNumRanks - 1];
-    const int global_warp = blockIdx.x * kNumWarps + warp;
+    const int global_warp = work_warp_index(warp, kNumWarps);
     const int num_global_warps = gridDim.x * kNumWarps;
     const uint8_t* const region = static_cast<const uint8_t*>(args.recv_region);
     uint8_t* const recv_x = static_cast<uint8_t*>(args.recv_x);

@@ -5,6 +5,9 @@
   split at P = 4, 24 also at P = 2) and outside it (16 = W, 48 a multiple of W: whole rows).
 - EP_CORE_COMBINE_LOCAL_REF (`kCombineLocalRef`): rows whose source token is on the sending rank left by address
   (every row at EP1), at 1, 2 and 4 ranks, expanded or not, multiple reduction on/off (rank layout and lane slots).
+- EP_CORE_WARP_MAJOR (token.cuh `work_warp_index`): tokens and rows handed out warp-major in dispatch, copy
+  epilogue and combine; dispatch (deterministic: slots too; otherwise in canonical order), cached dispatch and
+  combine against the reference, at 1, 2 and 4 ranks, 1 and 3 SMs (partial last rounds).
 
 Biases 0/1/2, weights round trip. A hidden size no other GPU test uses, and the instance is dropped from the process
 cache afterwards, so no other test loads a switched build."""
@@ -87,6 +90,48 @@ def test_local_ref_is_bitwise(monkeypatch, n: int) -> None:
                     case += 1
 
 
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_warp_major_is_bitwise(monkeypatch, n: int) -> None:
+    with switched_domain(monkeypatch, n, {_source.WARP_MAJOR_ENV: "1"}, "_wm") as dom:
+        rng = np.random.default_rng(9 + n)
+        for case in range(6):
+            counts = [int(c) for c in rng.integers(1, M + 1, size=n)]
+            counts[0] = M - 1 if case % 2 else M
+            det, sms, expand = case % 2 == 0, (1, 3)[case % 2], case >= 4
+            inp = routing.make_inputs(
+                n, counts, HIDDEN, E, K, seed=int(rng.integers(1 << 30)), masked_ratio=0.25
+            )
+            kw = dict(num_experts=E, do_cpu_sync=True, do_expand=expand)
+            ref = reference.dispatch(
+                inp.x_args, inp.topk_idxs, inp.topk_weights, num_max_tokens_per_rank=M, **kw
+            )
+            outs = dom.dispatch(
+                inp.x_args, inp.topk_idxs, inp.topk_weights, deterministic=det, num_sms=sms, **kw
+            )
+            first = [o.to_reference() for o in outs]
+            for r in range(n):
+                k_out, r_out = first[r], ref[r]
+                what = f"r{r} det={det} sms={sms} expand={expand}"
+                if det:
+                    assert np.array_equal(
+                        k_out.handle.dst_buffer_slot_idx, r_out.handle.dst_buffer_slot_idx
+                    ), what
+                else:
+                    k_out, r_out = reference.canonical_order(k_out), reference.canonical_order(r_out)
+                n_recv = r_out.num_valid_rows
+                meta_k = np.asarray(k_out.handle.recv_src_metadata)[:n_recv]
+                assert np.array_equal(meta_k, np.asarray(r_out.handle.recv_src_metadata)[:n_recv]), what
+                if not expand:
+                    assert np.array_equal(k_out.recv_x[:n_recv], r_out.recv_x[:n_recv]), f"{what}: recv_x"
+            if not expand:  # cached: the same rows again
+                again = dom.dispatch(inp.x_args, None, inp.topk_weights, handles=[o.handle for o in outs])
+                for r in range(n):
+                    assert np.array_equal(again[r].to_reference().recv_x, first[r].recv_x), f"r{r} cached"
+            _combine_check(
+                dom, n, 200 + case, counts, outs, rng, expand=expand, amr=case % 3 != 2, num_sms=sms
+            )
+
+
 def _one_case(
     dom, n: int, case: int, counts: list[int], *, expand: bool, amr: bool, num_sms: int = 1
 ) -> None:
@@ -101,6 +146,10 @@ def _one_case(
         num_sms=num_sms,
         do_expand=expand,
     )
+    _combine_check(dom, n, case, counts, outs, rng, expand=expand, amr=amr, num_sms=num_sms)
+
+
+def _combine_check(dom, n, case, counts, outs, rng, *, expand: bool, amr: bool, num_sms: int) -> None:
     handles = [o.handle for o in outs]
     k_handles = [o.to_reference().handle for o in outs]
     xs = [routing.random_bf16((o.recv_x.shape[0], HIDDEN), rng) for o in outs]
@@ -108,11 +157,10 @@ def _one_case(
     nb = case % 3
     biases = None
     if nb == 1:
-        biases = [routing.random_bf16((len(i), HIDDEN), rng) for i in inp.topk_idxs]
+        biases = [routing.random_bf16((c, HIDDEN), rng) for c in counts]
     elif nb == 2:
         biases = [
-            (routing.random_bf16((len(i), HIDDEN), rng), routing.random_bf16((len(i), HIDDEN), rng))
-            for i in inp.topk_idxs
+            (routing.random_bf16((c, HIDDEN), rng), routing.random_bf16((c, HIDDEN), rng)) for c in counts
         ]
     comb = dom.combine(
         xs, handles, topk_weights=weights, bias=biases, allow_multiple_reduction=amr, num_sms=num_sms

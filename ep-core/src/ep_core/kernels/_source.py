@@ -85,6 +85,21 @@ def combine_local_ref() -> bool:
     return text == "1"
 
 
+WARP_MAJOR_ENV = "EP_CORE_WARP_MAJOR"
+"""1: the direct dispatch, copy epilogue and combine hand out their tokens / rows in warp-major order (token.cuh
+`work_warp_index`; issue 17: a partial last round spreads over SMs instead of block 0's). Unset, empty or 0: the
+default build. 1 builds a separate JIT instance (`_wm`). Same bytes either way (each unit's work does not depend on
+the warp; the non-deterministic slot order was never fixed)."""
+
+
+def warp_major() -> bool:
+    """The validated `EP_CORE_WARP_MAJOR` (False when unset)."""
+    text = os.environ.get(WARP_MAJOR_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise EPConfigError(f"{WARP_MAJOR_ENV}: expected 0 or 1, got {text!r}")
+    return text == "1"
+
+
 def combine_reduce_parts(config: KernelConfig) -> int:
     """The validated `EP_CORE_COMBINE_REDUCE_PARTS` for `config` (1 when unset)."""
     text = os.environ.get(COMBINE_REDUCE_PARTS_ENV, "").strip()
@@ -126,6 +141,9 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     if combine_local_ref():
         defines["EP_CORE_COMBINE_LOCAL_REF"] = 1
         name += "_lr"
+    if warp_major():
+        defines["EP_CORE_WARP_MAJOR"] = 1
+        name += "_wm"
     if phase_timing_enabled():
         defines["EP_CORE_PHASE_TIMING"] = 1
         name += "_phases"
