@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import re
@@ -79,3 +80,34 @@ def test_one_license_for_every_package() -> None:
         dist: load_pyproject(ROOT / path)["project"].get("license") for dist, (path, *_) in GRAPH.items()
     }
     assert set(map(str, licenses.values())) == {str({"text": "Apache-2.0"})}, licenses
+
+
+def _imported_siblings(src: Path) -> dict[str, set[str]]:
+    """Sibling packages' import names each module under ``src`` imports (any scope: lazy imports count too)."""
+    names = {imp for _, imp, *_ in GRAPH.values()}
+    found: dict[str, set[str]] = {}
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods = [node.module]
+            else:
+                continue
+            for mod in mods:
+                top = mod.split(".")[0]
+                if top in names:
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+@pytest.mark.parametrize("dist", list(GRAPH))
+def test_sources_import_only_declared_siblings(dist: str) -> None:
+    """The graph holds for the code too, not only for pyproject: a package imports itself and the siblings it
+    declares (runtime or optional), nothing else, so installing it with only its dependencies works."""
+    path, imp, deps, optional = GRAPH[dist]
+    allowed = {imp} | {GRAPH[d][1] for d in deps | optional}
+    stray = {
+        m: sorted(files) for m, files in _imported_siblings(ROOT / path / "src").items() if m not in allowed
+    }
+    assert not stray, f"{dist} imports undeclared siblings: {stray}"
