@@ -191,8 +191,8 @@ class LoopbackElasticBuffer(ElasticBuffer):
         """Release this rank's buffer; the group frees the N buffers once every rank released its own."""
         if self.runtime is None or self.runtime.destroyed:
             raise EPStateError(f"{type(self).__name__}: used after destroy(); create a new buffer")
+        self.runtime = None  # before the release: the last rank's release destroys every rank's buffer
         self._loopback._release(self._members, self.rank_idx)
-        self.runtime = None
 
     def _collective_destroy(self) -> None:
         self.runtime = self._core
