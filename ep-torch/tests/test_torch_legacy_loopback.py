@@ -157,6 +157,16 @@ def test_loopback_seams_exist():
     for name in ("ProcessGroupBootstrap", "choose_transport", "make_core_transport"):
         assert name in called, f"ElasticBuffer.__init__ no longer calls {name}: update ep_torch.loopback"
         assert hasattr(mod, name)
+    # installed, they answer as the originals outside a loopback rank's construction
+    from ep_torch import transport_choice
+    from ep_torch.loopback import _install_seams
+
+    _install_seams()
+    _install_seams()  # idempotent
+    assert getattr(mod.make_core_transport, "_ep_loopback_seam", False)
+    choice = transport_choice.TransportChoice("reference", torch.device("cpu"), "test")
+    got, want = mod.make_core_transport(choice), transport_choice.make_core_transport(choice)
+    assert type(got) is type(want)
 
 
 def test_loopback_refusals():

@@ -137,24 +137,17 @@ def _install_seams() -> None:
     from . import buffer as mod
 
     with _seam_lock:
-        if getattr(mod, "_loopback_seams", False):
-            return
-        boot0, choose0, make0 = mod.ProcessGroupBootstrap, mod.choose_transport, mod.make_core_transport
+        for name, part in (("ProcessGroupBootstrap", 0), ("choose_transport", 1), ("make_core_transport", 2)):
+            original = getattr(mod, name)
+            if getattr(original, "_ep_loopback_seam", False):
+                continue  # installed (checked per name: a test may have patched and restored one since)
 
-        def bootstrap(group: Any) -> Any:
-            parts = getattr(_seam, "parts", None)
-            return boot0(group) if parts is None else parts[0]
+            def seam(*args: Any, _original: Any = original, _part: int = part, **kwargs: Any) -> Any:
+                parts = getattr(_seam, "parts", None)
+                return _original(*args, **kwargs) if parts is None else parts[_part]
 
-        def choose(*args: Any, **kwargs: Any) -> Any:
-            parts = getattr(_seam, "parts", None)
-            return choose0(*args, **kwargs) if parts is None else parts[1]
-
-        def make(choice: Any) -> Any:
-            parts = getattr(_seam, "parts", None)
-            return make0(choice) if parts is None else parts[2]
-
-        mod.ProcessGroupBootstrap, mod.choose_transport, mod.make_core_transport = bootstrap, choose, make
-        mod._loopback_seams = True
+            seam._ep_loopback_seam = True  # type: ignore[attr-defined]
+            setattr(mod, name, seam)
 
 
 class LoopbackElasticBuffer(ElasticBuffer):
