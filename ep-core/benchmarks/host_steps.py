@@ -14,34 +14,31 @@ import importlib
 import time
 from typing import Any
 
-# (label, module, attribute path, parent label): a step's parent is the step its calls are nested in
-STEPS: tuple[tuple[str, str, str, str | None], ...] = (
-    ("ep_torch ElasticBuffer.dispatch", "ep_torch.buffer", "ElasticBuffer.dispatch", None),
-    ("ep_torch ElasticBuffer.combine", "ep_torch.buffer", "ElasticBuffer.combine", None),
-    ("current stream", "ep_torch.buffer", "_current_stream", "ep_torch"),
-    ("torch clone (handle's topk_idx copy)", "torch", "Tensor.clone", "ep_torch"),
-    ("ep_core EPBuffer.dispatch", "ep_core.buffer", "EPBuffer.dispatch", "ep_torch"),
-    ("ep_core EPBuffer.combine", "ep_core.buffer", "EPBuffer.combine", "ep_torch"),
-    (
-        "validate: PreparedOps.dispatch_request",
-        "ep_core.prepared",
-        "PreparedOps.dispatch_request",
-        "EPBuffer",
-    ),
-    ("validate: PreparedOps.combine_request", "ep_core.prepared", "PreparedOps.combine_request", "EPBuffer"),
-    ("validate: check_handle", "ep_core.prepared", "check_handle", "validate"),
-    ("launch: GpuExecutor.dispatch", "ep_core.kernels.gpu_executor", "GpuExecutor.dispatch", "EPBuffer"),
-    ("launch: GpuExecutor.combine", "ep_core.kernels.gpu_executor", "GpuExecutor.combine", "EPBuffer"),
-    ("repeat: RepeatDispatch.run", "ep_core.kernels.repeat", "RepeatDispatch.run", "GpuExecutor"),
-    ("repeat: RepeatCombine.run", "ep_core.kernels.repeat", "RepeatCombine.run", "GpuExecutor"),
-    ("full path: DirectRank.dispatch", "ep_core.kernels.executor", "DirectRank.dispatch", "GpuExecutor"),
-    ("full path: DirectRank.combine", "ep_core.kernels.executor", "DirectRank.combine", "GpuExecutor"),
-    ("handle state: DirectRank._check_handle", "ep_core.kernels.executor", "DirectRank._check_handle", "run"),
-    ("CPU sync: DirectRank._sync_counts", "ep_core.kernels.executor", "DirectRank._sync_counts", "run"),
-    ("handle arrays: one block", "ep_core.kernels.array_block", "int32_block", "run"),
-    ("outputs: torch.empty", "torch", "empty", "run"),
-    ("launches (+ event pairs)", "ep_core.kernels.executor", "DirectRank._launch_prepared", "run"),
-    ("new EPHandle", "ep_core.kernels.repeat", "EPHandle", "run"),
+# (label, module, attribute path); a step's own time is its time minus that of the steps called inside it (timed
+# on a stack: nesting is what happened, not declared)
+STEPS: tuple[tuple[str, str, str], ...] = (
+    ("ep_torch ElasticBuffer.dispatch", "ep_torch.buffer", "ElasticBuffer.dispatch"),
+    ("ep_torch ElasticBuffer.combine", "ep_torch.buffer", "ElasticBuffer.combine"),
+    ("current stream", "ep_torch.buffer", "_current_stream"),
+    ("torch clone (handle's topk_idx copy)", "torch", "Tensor.clone"),
+    ("ep_core EPBuffer.dispatch", "ep_core.buffer", "EPBuffer.dispatch"),
+    ("ep_core EPBuffer.combine", "ep_core.buffer", "EPBuffer.combine"),
+    ("validate: PreparedOps.dispatch_request", "ep_core.prepared", "PreparedOps.dispatch_request"),
+    ("validate: PreparedOps.combine_request", "ep_core.prepared", "PreparedOps.combine_request"),
+    ("validate: describe (pointer, layout)", "ep_core.prepared", "describe"),
+    ("validate: check_handle", "ep_core.prepared", "check_handle"),
+    ("launch: GpuExecutor.dispatch", "ep_core.kernels.gpu_executor", "GpuExecutor.dispatch"),
+    ("launch: GpuExecutor.combine", "ep_core.kernels.gpu_executor", "GpuExecutor.combine"),
+    ("repeat: RepeatDispatch.run", "ep_core.kernels.repeat", "RepeatDispatch.run"),
+    ("repeat: RepeatCombine.run", "ep_core.kernels.repeat", "RepeatCombine.run"),
+    ("full path: DirectRank.dispatch", "ep_core.kernels.executor", "DirectRank.dispatch"),
+    ("full path: DirectRank.combine", "ep_core.kernels.executor", "DirectRank.combine"),
+    ("handle state: DirectRank._check_handle", "ep_core.kernels.executor", "DirectRank._check_handle"),
+    ("CPU sync: DirectRank._sync_counts", "ep_core.kernels.executor", "DirectRank._sync_counts"),
+    ("handle arrays: one block", "ep_core.kernels.array_block", "int32_block"),
+    ("outputs: torch.empty", "torch", "empty"),
+    ("launches (+ event pairs)", "ep_core.kernels.executor", "DirectRank._launch_prepared"),
+    ("new EPHandle", "ep_core.kernels.repeat", "EPHandle"),
 )
 
 
@@ -59,10 +56,12 @@ def _resolve(module: str, path: str) -> tuple[Any, str] | None:
 
 
 def breakdown(fn: Any, iters: int, steps: tuple = STEPS) -> list[dict]:
-    """Rows `{"step", "parent", "calls", "incl_us", "own_us"}` per call of `fn` (module doc)."""
-    acc: dict[str, list] = {}
+    """Rows `{"step", "calls", "incl_us", "own_us"}` per call of `fn` (module doc)."""
+    acc: dict[str, list] = {}  # label -> [calls, inclusive seconds, seconds inside nested steps]
+    stack: list[list] = []
     saved = []
-    for label, module, path, parent in steps:
+    clock = time.perf_counter
+    for label, module, path in steps:
         where = _resolve(module, path)
         if where is None:
             continue
@@ -71,18 +70,21 @@ def breakdown(fn: Any, iters: int, steps: tuple = STEPS) -> list[dict]:
         orig = vars(owner)[attr] if own else getattr(owner, attr)
         if isinstance(orig, (staticmethod, classmethod)):
             continue
-        cell = acc[label] = [0, 0.0, parent]
+        cell = acc[label] = [0, 0.0, 0.0]
 
         def wrap(f: Any, cell: list = cell) -> Any:
-            clock = time.perf_counter
-
             def timed(*args: Any, **kwargs: Any) -> Any:
+                stack.append(cell)
                 t0 = clock()
                 try:
                     return f(*args, **kwargs)
                 finally:
-                    cell[1] += clock() - t0
+                    dt = clock() - t0
+                    stack.pop()
                     cell[0] += 1
+                    cell[1] += dt
+                    if stack:
+                        stack[-1][2] += dt
 
             return timed
 
@@ -92,7 +94,7 @@ def breakdown(fn: Any, iters: int, steps: tuple = STEPS) -> list[dict]:
         for _ in range(3):  # warm up through the wrappers
             fn()
         for cell in acc.values():
-            cell[0], cell[1] = 0, 0.0
+            cell[:] = [0, 0.0, 0.0]
         for _ in range(iters):
             fn()
     finally:
@@ -101,21 +103,16 @@ def breakdown(fn: Any, iters: int, steps: tuple = STEPS) -> list[dict]:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, orig)
-    ran = {label: c for label, c in acc.items() if c[0]}
-    rows = []
-    for label, (calls, total, parent) in ran.items():
-        # children: ran steps whose parent tag is a prefix-word of this label
-        child = sum(c[1] for other, c in ran.items() if other != label and c[2] is not None and c[2] in label)
-        rows.append(
-            {
-                "step": label,
-                "parent": parent,
-                "calls": calls / iters,
-                "incl_us": total / iters * 1e6,
-                "own_us": (total - child) / iters * 1e6,
-            }
-        )
-    return rows
+    return [
+        {
+            "step": label,
+            "calls": c[0] / iters,
+            "incl_us": c[1] / iters * 1e6,
+            "own_us": (c[1] - c[2]) / iters * 1e6,
+        }
+        for label, c in acc.items()
+        if c[0]
+    ]
 
 
 def format_rows(title: str, total_us: float, rows: list[dict]) -> str:
