@@ -318,8 +318,13 @@ def _compare(rank: int, n: int, cfg: dict, idx_dtype: torch.dtype, det: bool = T
         for i, name in enumerate(("src_info", "layout_range")):
             _same(h0[i], h1[i], f"{what}: {name}")
         assert tuple(h0[2:]) == tuple(h1[2:]), what
-        _same(h0.lane_slot, h1.lane_slot, f"{what}: lane_slot")
-        _same(h0.lane_ok, h1.lane_ok, f"{what}: lane_ok")
+        if det:
+            _same(h0.lane_slot, h1.lane_slot, f"{what}: lane_slot")
+            _same(h0.lane_ok, h1.lane_ok, f"{what}: lane_ok")
+        else:  # lane_slot is indexed by received row, whose order differs between two non-deterministic dispatches:
+            # the slots the lanes fill (each once) must be the same set
+            filled = [torch.sort(h.lane_slot[h.lane_ok].flatten()).values for h in (h0, h1)]
+            _same(filled[0], filled[1], f"{what}: slots filled by the lanes")
         parts0 = r0 if fp8 else (r0,)
         parts1 = r1 if fp8 else (r1,)
         for p0, p1, name in zip(parts0, parts1, ("rows", "scales")):
