@@ -483,19 +483,26 @@ def _agrs_loopback(sizes: list[int], reps: int, rows: list[dict], n: int = 2) ->
         # reduce-scatter of b bytes per rank, as ElasticOps.reduce_scatter: chunks by the copy engine, fp32 sum
         res: list = [None] * n
 
-        def rs_rank(r: int, xs=xs, b=b, res=res) -> None:
-            be = backends[r]
-            parts = be.reduce_scatter(xs[r], 0, b // n, 0, session[0])
-            be.agrs_wait(0, session[0])
-            acc = parts[0].to(torch.float32, copy=True)
-            for q in range(1, n):
-                acc += parts[q]
-            res[r] = acc
-            be.agrs_end_session(session[0])
+        parts: list = [None] * n
 
-        def rs(rs_rank=rs_rank) -> None:
+        def rs_send(r: int, xs=xs, b=b, parts=parts) -> None:
+            parts[r] = backends[r].reduce_scatter(xs[r], 0, b // n, 0, session[0])
+            backends[r].agrs_wait(0, session[0])
+
+        def rs_sum(r: int, res=res, parts=parts) -> None:
+            acc = parts[r][0].to(torch.float32, copy=True)
+            for q in range(1, n):
+                acc += parts[r][q]
+            res[r] = acc
+            backends[r].agrs_end_session(session[0])
+
+        def rs(rs_send=rs_send, rs_sum=rs_sum) -> None:
+            # every rank's chunks are queued before any rank's torch sum: the first launch of a torch kernel may
+            # load its module, which waits for running kernels, here rank 0's bounded wait for rank 1's chunks,
+            # which this one host thread would queue only afterwards (a 30 s timeout on the H200)
             session[0] += 1
-            on_ranks(rs_rank)
+            on_ranks(rs_send)
+            on_ranks(rs_sum)
 
         def torch_rs(
             xs=xs,
