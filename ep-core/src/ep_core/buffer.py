@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -90,6 +91,9 @@ class _Announcing:
         if self.outer and isinstance(exc, Exception):
             buf.announce_error(self.op, exc, self.step)
         return False
+
+
+_NESTED = contextlib.nullcontext()  # `announcing` nested in an outer block of the same buffer (reusable)
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -412,6 +416,8 @@ class EPBuffer(BufferBase):
         (`announce_error`, with the step counter read on entry). The one layer of announcement: a block nested in
         another one of the same buffer (ep_torch's call around this buffer's own `dispatch`) passes its exception
         on to the outermost, which announces it once."""
+        if self._announcing_depth:  # inside another block of this buffer: that one announces, this is a no-op
+            return _NESTED
         return _Announcing(self, op)
 
     def _step(self) -> int | None:
