@@ -131,3 +131,23 @@ def test_cli_nccl_transport(capsys) -> None:
     hybrid = "compile --num-ranks 4 --num-scaleup-ranks 2 --hidden 256 --num-topk 2 --num-experts 8 --transport nccl"
     assert _run(hybrid) == 0
     assert "_nccl_su2_gin." in capsys.readouterr().out
+
+
+@needs_nvcc
+def test_cli_builds_the_switched_instance_the_runtime_loads(capsys, monkeypatch) -> None:
+    # the issue-17 JIT switches come from the environment, read by the same compile_kernels as the runtime's
+    monkeypatch.delenv("EP_CORE_COMBINE_REDUCE_PARTS", raising=False)
+    monkeypatch.delenv("EP_CORE_WARP_MAJOR", raising=False)
+    monkeypatch.setenv("EP_CORE_COMBINE_LOCAL_REF", "0")
+    assert _run("compile --num-ranks 2 --hidden 256 --num-topk 2 --num-experts 8") == 0
+    out = capsys.readouterr().out
+    assert "EP_CORE_COMBINE_REDUCE_PARTS=4 EP_CORE_COMBINE_LOCAL_REF=0 EP_CORE_WARP_MAJOR=1" in out
+    assert "_lr0." in out and "_wm0" not in out and "_rp" not in out
+    ep_jit.clear_memo()
+    assert compile_kernels(KernelConfig(2, 2, 256), arch="sm_90a").from_cache
+
+
+def test_cli_refuses_an_invalid_switch(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("EP_CORE_WARP_MAJOR", "2")
+    assert _run("compile --num-ranks 2 --hidden 256 --num-topk 2 --num-experts 8") == 2
+    assert "EP_CORE_WARP_MAJOR: expected 0 or 1" in capsys.readouterr().err

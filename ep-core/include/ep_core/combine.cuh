@@ -217,7 +217,8 @@ EP_CORE_DEVICE bool warp_staged_sum(const uint8_t* my_src, uint32_t mask, const 
 }
 
 /// Column parts of one token's reduction, a JIT switch (`EP_CORE_COMBINE_REDUCE_PARTS`, ep_core.kernels._source;
-/// issue 17): 1 (default) reduces whole rows, one token per warp. With P > 1, when the grid has fewer warps W than
+/// issue 17; the JIT build always defines it, by default 4 where the row splits into 4 whole 16-byte vectors, else
+/// 1; undefined here: 1): 1 reduces whole rows, one token per warp. With P > 1, when the grid has fewer warps W than
 /// tokens T but T <= P x W (decode: EP8 at 8 SMs is 120 warps for 128 tokens, so 8 warps reduce a second token
 /// alone, a latency-bound tail as long as the first round), the unit of work is (token, part of its columns): T x P
 /// units over W warps, ceil(T P / W) / P row-times instead of ceil(T / W). Every element still sums the same terms
@@ -228,13 +229,14 @@ constexpr int kCombineReduceParts = EP_CORE_COMBINE_REDUCE_PARTS;
 constexpr int kCombineReduceParts = 1;
 #endif
 
-/// Local rows by reference, a JIT switch (`EP_CORE_COMBINE_LOCAL_REF`, ep_core.kernels._source; issue 17): off
-/// (default) copies every row that is sent as it is into its slot on the source, also when the source is this
-/// rank. On: a row whose source token is on this rank (every row at EP1) and that is sent as it is (not expanded,
-/// or expanded without multiple reduction: one row per lane) leaves only its address (8 bytes at the slot's start;
-/// the weights as before); the reduce of that operand (dst rank == own rank, same two layouts) reads the address
-/// and sums the caller's row itself. The terms, their order and the arithmetic are unchanged: the same bits, without
-/// the 14 KB store and reload per such row (EP1: the whole send phase's traffic; EP8: about 1/8 of it).
+/// Local rows by reference, a JIT switch (`EP_CORE_COMBINE_LOCAL_REF`, ep_core.kernels._source; issue 17; the JIT build
+/// always defines it, on by default; undefined here: off): off copies every row that is sent as it is into its slot on
+/// the source, also when the source is this rank. On: a row whose source token is on this rank (every row at EP1) and
+/// that is sent as it is (not expanded, or expanded without multiple reduction: one row per lane) leaves only its
+/// address (8 bytes at the slot's start; the weights as before); the reduce of that operand (dst rank == own rank, same
+/// two layouts) reads the address and sums the caller's row itself. The terms, their order and the arithmetic are
+/// unchanged: the same bits, without the 14 KB store and reload per such row (EP1: the whole send phase's traffic; EP8:
+/// about 1/8 of it).
 #ifdef EP_CORE_COMBINE_LOCAL_REF
 constexpr bool kCombineLocalRef = EP_CORE_COMBINE_LOCAL_REF != 0;
 #else

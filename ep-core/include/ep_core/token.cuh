@@ -105,11 +105,12 @@ EP_CORE_DEVICE int warp_inclusive_scan(int v, int lane) {
     return v;
 }
 
-/// This warp's index in the grid's work order (units: tokens, rows). Default: block-major, `block * warps + warp`.
-/// `EP_CORE_WARP_MAJOR` (JIT switch, ep_core.kernels._source; issue 17): warp-major, `warp * blocks + block`, so a
-/// partial last round (units not a multiple of the grid's warps: EP8 decode at 8 SMs has 128 tokens for 120 warps)
-/// falls on one warp of each of several SMs instead of on the first warps of block 0, whose one SM would carry all
-/// of the tail's bulk traffic. Each unit's work, and so every output byte, does not depend on the warp doing it.
+/// This warp's index in the grid's work order (units: tokens, rows). Off: block-major, `block * warps + warp`.
+/// `EP_CORE_WARP_MAJOR` (JIT switch, ep_core.kernels._source; issue 17; the JIT build always defines it, on by default;
+/// undefined here: off): warp-major, `warp * blocks + block`, so a partial last round (units not a multiple of the
+/// grid's warps: EP8 decode at 8 SMs has 128 tokens for 120 warps) falls on one warp of each of several SMs instead of
+/// on the first warps of block 0, whose one SM would carry all of the tail's bulk traffic. Each unit's work, and so
+/// every output byte, does not depend on the warp doing it.
 EP_CORE_DEVICE int work_warp_index(int warp, int num_warps) {
 #if defined(EP_CORE_WARP_MAJOR) && EP_CORE_WARP_MAJOR
     (void)num_warps;

@@ -78,6 +78,7 @@ def _compile(args: argparse.Namespace) -> int:
     import ep_jit
 
     from ep_core import prebuild
+    from ep_core.kernels._source import jit_switches
 
     try:
         instances = prebuild.plan_instances(
@@ -100,6 +101,7 @@ def _compile(args: argparse.Namespace) -> int:
             sms, source = prebuild.planned_num_sms(
                 args.num_ranks, args.num_experts, args.num_topk, args.device_sms, args.nvlink_gbs
             )
+        switches = jit_switches(instances[0].config)[0]  # from the environment, part of every instance's key
     except (EPConfigError, EPValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -109,6 +111,11 @@ def _compile(args: argparse.Namespace) -> int:
         f"num_experts={args.num_experts}, fp8={args.fp8}"
     )
     print(f"  num_sms={sms} ({source}; a launch parameter, not part of the JIT key)")
+    print(
+        "  switches "
+        + " ".join(f"{k}={v}" for k, v in switches.items())
+        + " (from the environment; the runtime builds the same only under the same values)"
+    )
     print(f"  {len(instances)} instance(s), each with kernels {', '.join(prebuild.KERNEL_NAMES)}")
 
     def report(b: prebuild.BuiltInstance) -> None:

@@ -1,16 +1,19 @@
-"""GPU: the combine's JIT switches of issue 17 give the reference's bits.
+"""GPU: the kernels' JIT switches of issue 17 give the reference's bits, both on (the default build) and off, each
+build chosen by its environment variable set explicitly (the other two switches at their defaults).
 
-- EP_CORE_COMBINE_REDUCE_PARTS (combine.cuh `kCombineReduceParts`): the reduction split into column parts. One block
-  per rank (W = 16 warps) and token counts inside the split window W < T <= P x W, T % W != 0 (24 and 40 tokens:
-  split at P = 4, 24 also at P = 2) and outside it (16 = W, 48 a multiple of W: whole rows).
-- EP_CORE_COMBINE_LOCAL_REF (`kCombineLocalRef`): rows whose source token is on the sending rank left by address
-  (every row at EP1), at 1, 2 and 4 ranks, expanded or not, multiple reduction on/off (rank layout and lane slots).
-- EP_CORE_WARP_MAJOR (token.cuh `work_warp_index`): tokens and rows handed out warp-major in dispatch, copy
+- EP_CORE_COMBINE_REDUCE_PARTS (combine.cuh `kCombineReduceParts`; default 4 here): the reduction split into column
+  parts, P = 1 (whole rows), 2 and 4. One block per rank (W = 16 warps) and token counts inside the split window
+  W < T <= P x W, T % W != 0 (24 and 40 tokens: split at P = 4, 24 also at P = 2) and outside it (16 = W, 48 a
+  multiple of W: whole rows).
+- EP_CORE_COMBINE_LOCAL_REF (`kCombineLocalRef`; 1 and 0): rows whose source token is on the sending rank left by
+  address (every row at EP1), at 1, 2 and 4 ranks, expanded or not, multiple reduction on/off (rank layout and lane
+  slots).
+- EP_CORE_WARP_MAJOR (token.cuh `work_warp_index`; 1 and 0): tokens and rows handed out warp-major in dispatch, copy
   epilogue and combine; dispatch (deterministic: slots too; otherwise in canonical order), cached dispatch and
   combine against the reference, at 1, 2 and 4 ranks, 1 and 3 SMs (partial last rounds).
 
 Biases 0/1/2, weights round trip. A hidden size no other GPU test uses, and the instance is dropped from the process
-cache afterwards, so no other test loads a switched build."""
+cache afterwards, so no other test loads a build of this module's environment."""
 
 from __future__ import annotations
 
@@ -36,15 +39,26 @@ E = 32
 M = 48
 
 
+SWITCHES = (_source.COMBINE_REDUCE_PARTS_ENV, _source.COMBINE_LOCAL_REF_ENV, _source.WARP_MAJOR_ENV)
+OFF_SUFFIXES = ("_rp", "_lr0", "_wm0")
+
+
 @contextlib.contextmanager
 def switched_domain(monkeypatch, n: int, env: dict[str, str], suffix: str):
-    """A loopback domain whose kernels are the instance built with `env` (checked by its name suffix)."""
+    """A loopback domain whose kernels are the instance built with `env` (the other switches unset: defaults),
+    checked by its name suffix ("": the default build, no switch suffix)."""
+    for k in SWITCHES:
+        monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     cfg = KernelConfig(n, K, HIDDEN)
     saved = _source._loaded.pop(cfg, None)
     try:
-        assert suffix in _source.compile_kernels(cfg).cubin_path.parent.name
+        name = _source.compile_kernels(cfg).name
+        if suffix:
+            assert name.endswith(suffix), name
+        else:
+            assert not any(s in name for s in OFF_SUFFIXES), name
         dom = LoopbackDomain(
             n,
             num_max_tokens_per_rank=M,
@@ -63,20 +77,21 @@ def switched_domain(monkeypatch, n: int, env: dict[str, str], suffix: str):
             _source._loaded[cfg] = saved
 
 
-@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize(("parts", "suffix"), [(1, "_rp1"), (2, "_rp2"), (4, "")])
 @pytest.mark.parametrize("n", [1, 2])
-def test_split_reduce_is_bitwise(monkeypatch, n: int, parts: int) -> None:
+def test_split_reduce_is_bitwise(monkeypatch, n: int, parts: int, suffix: str) -> None:
     env = {_source.COMBINE_REDUCE_PARTS_ENV: str(parts)}
-    with switched_domain(monkeypatch, n, env, f"_rp{parts}") as dom:
+    with switched_domain(monkeypatch, n, env, suffix) as dom:
         for case, tokens in enumerate((24, 40, 16, 48)):
             _one_case(
                 dom, n, case, [tokens] + [M - tokens] * (n - 1), expand=case % 2 == 1, amr=case % 3 != 2
             )
 
 
+@pytest.mark.parametrize(("value", "suffix"), [("1", ""), ("0", "_lr0")], ids=["on", "off"])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_local_ref_is_bitwise(monkeypatch, n: int) -> None:
-    with switched_domain(monkeypatch, n, {_source.COMBINE_LOCAL_REF_ENV: "1"}, "_lr") as dom:
+def test_local_ref_is_bitwise(monkeypatch, n: int, value: str, suffix: str) -> None:
+    with switched_domain(monkeypatch, n, {_source.COMBINE_LOCAL_REF_ENV: value}, suffix) as dom:
         rng = np.random.default_rng(5 + n)
         case = 0
         for expand in (False, True):
@@ -90,9 +105,10 @@ def test_local_ref_is_bitwise(monkeypatch, n: int) -> None:
                     case += 1
 
 
+@pytest.mark.parametrize(("value", "suffix"), [("1", ""), ("0", "_wm0")], ids=["on", "off"])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_warp_major_is_bitwise(monkeypatch, n: int) -> None:
-    with switched_domain(monkeypatch, n, {_source.WARP_MAJOR_ENV: "1"}, "_wm") as dom:
+def test_warp_major_is_bitwise(monkeypatch, n: int, value: str, suffix: str) -> None:
+    with switched_domain(monkeypatch, n, {_source.WARP_MAJOR_ENV: value}, suffix) as dom:
         rng = np.random.default_rng(9 + n)
         for case in range(6):
             counts = [int(c) for c in rng.integers(1, M + 1, size=n)]

@@ -66,56 +66,86 @@ def phase_timing_enabled() -> bool:
 
 COMBINE_REDUCE_PARTS_ENV = "EP_CORE_COMBINE_REDUCE_PARTS"
 """Column parts per token in the direct combine's reduction when the grid has fewer warps than tokens (combine.cuh
-`kCombineReduceParts`; issue 17, decode tail: EP8 at 8 SMs is 120 warps for 128 tokens). Unset, empty or 1: whole
-rows, the default build. P > 1 builds a separate JIT instance (`_rp<P>`); P must divide the combine row into whole
-16-byte vectors. Same bits either way. Read when a process first compiles an instance."""
+`kCombineReduceParts`; issue 17, decode tail: EP8 at 8 SMs is 120 warps for 128 tokens; EP8 decode combine 121.2 ->
+109.7 us at 4). Unset or empty: the default build, `DEFAULT_COMBINE_REDUCE_PARTS` where it splits the config's
+combine row into whole 16-byte vectors, else 1 (`default_combine_reduce_parts`). Any other P in 1..32 that splits the
+row so (1: whole rows, one token per warp) builds a separate JIT instance (`_rp<P>`) when it differs from the
+default. Same bits either way. Read when a process first compiles an instance."""
 
+DEFAULT_COMBINE_REDUCE_PARTS = 4
 
 COMBINE_LOCAL_REF_ENV = "EP_CORE_COMBINE_LOCAL_REF"
-"""1: the direct combine leaves a row whose source token is on the sending rank (every row at EP1) in its slot by
-address, and the reduce reads the caller's row itself (combine.cuh `kCombineLocalRef`; issue 17). Unset, empty or 0:
-rows copied as before, the default build. 1 builds a separate JIT instance (`_lr`). Same bits either way."""
+"""1 (unset or empty: the default build): the direct combine leaves a row whose source token is on the sending rank
+(every row at EP1) in its slot by address, and the reduce reads the caller's row itself (combine.cuh
+`kCombineLocalRef`; issue 17: EP1 decode combine 16.9 -> 11.2 us). 0: every row copied into its slot, a separate JIT
+instance (`_lr0`). Same bits either way."""
+
+
+def _on_off(env: str) -> bool:
+    text = os.environ.get(env, "").strip()
+    if text not in ("", "0", "1"):
+        raise EPConfigError(f"{env}: expected 0 or 1, got {text!r}")
+    return text != "0"
 
 
 def combine_local_ref() -> bool:
-    """The validated `EP_CORE_COMBINE_LOCAL_REF` (False when unset)."""
-    text = os.environ.get(COMBINE_LOCAL_REF_ENV, "").strip()
-    if text not in ("", "0", "1"):
-        raise EPConfigError(f"{COMBINE_LOCAL_REF_ENV}: expected 0 or 1, got {text!r}")
-    return text == "1"
+    """The validated `EP_CORE_COMBINE_LOCAL_REF` (True when unset)."""
+    return _on_off(COMBINE_LOCAL_REF_ENV)
 
 
 WARP_MAJOR_ENV = "EP_CORE_WARP_MAJOR"
-"""1: the direct dispatch, copy epilogue and combine hand out their tokens / rows in warp-major order (token.cuh
-`work_warp_index`; issue 17: a partial last round spreads over SMs instead of block 0's). Unset, empty or 0: the
-default build. 1 builds a separate JIT instance (`_wm`). Same bytes either way (each unit's work does not depend on
-the warp; the non-deterministic slot order was never fixed)."""
+"""1 (unset or empty: the default build): the direct dispatch, copy epilogue (also hybrid's and direct mode across
+nodes', which run direct mode's) and combine hand out their tokens / rows in warp-major order (token.cuh
+`work_warp_index`; issue 17: a partial last round spreads over SMs instead of block 0's; EP1 decode dispatch 15.0 ->
+12.5 us). 0: block-major, a separate JIT instance (`_wm0`). Same bytes either way (each unit's work does not depend
+on the warp; the non-deterministic slot order was never fixed)."""
 
 
 def warp_major() -> bool:
-    """The validated `EP_CORE_WARP_MAJOR` (False when unset)."""
-    text = os.environ.get(WARP_MAJOR_ENV, "").strip()
-    if text not in ("", "0", "1"):
-        raise EPConfigError(f"{WARP_MAJOR_ENV}: expected 0 or 1, got {text!r}")
-    return text == "1"
+    """The validated `EP_CORE_WARP_MAJOR` (True when unset)."""
+    return _on_off(WARP_MAJOR_ENV)
+
+
+def _splits_row(config: KernelConfig, parts: int) -> bool:
+    return (config.hidden * 2) % (16 * parts) == 0  # bf16 combine row into whole 16-byte vectors
+
+
+def default_combine_reduce_parts(config: KernelConfig) -> int:
+    """`DEFAULT_COMBINE_REDUCE_PARTS` where it splits `config`'s combine row into whole 16-byte vectors, else 1."""
+    return DEFAULT_COMBINE_REDUCE_PARTS if _splits_row(config, DEFAULT_COMBINE_REDUCE_PARTS) else 1
 
 
 def combine_reduce_parts(config: KernelConfig) -> int:
-    """The validated `EP_CORE_COMBINE_REDUCE_PARTS` for `config` (1 when unset)."""
+    """The validated `EP_CORE_COMBINE_REDUCE_PARTS` for `config` (`default_combine_reduce_parts` when unset)."""
     text = os.environ.get(COMBINE_REDUCE_PARTS_ENV, "").strip()
-    if text in ("", "1"):
-        return 1
+    if text == "":
+        return default_combine_reduce_parts(config)
     try:
         parts = int(text)
     except ValueError:
         parts = 0
-    row = config.hidden * 2
-    if parts < 1 or parts > 32 or row % (16 * parts) != 0:
+    if parts < 1 or parts > 32 or not _splits_row(config, parts):
         raise EPConfigError(
-            f"{COMBINE_REDUCE_PARTS_ENV}: expected an integer in 1..32 that splits the combine row of {row} bytes "
-            f"into whole 16-byte vectors, got {text!r}"
+            f"{COMBINE_REDUCE_PARTS_ENV}: expected an integer in 1..32 that splits the combine row of "
+            f"{config.hidden * 2} bytes into whole 16-byte vectors, got {text!r}"
         )
     return parts
+
+
+def jit_switches(config: KernelConfig) -> tuple[dict[str, int], str]:
+    """The defines of the issue-17 switches for `config` (always all three, explicit: the headers' fallbacks are
+    off) and the instance-name suffix, which names only a switch that differs from its default (ep_jit keeps 48
+    characters of a name: the default names stay as short as before the switches)."""
+    parts, local_ref, wm = combine_reduce_parts(config), combine_local_ref(), warp_major()
+    defines = {
+        "EP_CORE_COMBINE_REDUCE_PARTS": parts,
+        "EP_CORE_COMBINE_LOCAL_REF": int(local_ref),
+        "EP_CORE_WARP_MAJOR": int(wm),
+    }
+    suffix = f"_rp{parts}" if parts != default_combine_reduce_parts(config) else ""
+    suffix += "" if local_ref else "_lr0"
+    suffix += "" if wm else "_wm0"
+    return defines, suffix
 
 
 def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
@@ -134,16 +164,9 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     elif config.is_direct_xnode:  # direct mode across nodes (direct_xnode.cuh)
         name += f"_xn{config.num_nvlink_ranks}_{config.scaleout[:3]}"  # ep_jit keeps 48 characters
     defines = config.defines()
-    parts = combine_reduce_parts(config)
-    if parts > 1:
-        defines["EP_CORE_COMBINE_REDUCE_PARTS"] = parts
-        name += f"_rp{parts}"
-    if combine_local_ref():
-        defines["EP_CORE_COMBINE_LOCAL_REF"] = 1
-        name += "_lr"
-    if warp_major():
-        defines["EP_CORE_WARP_MAJOR"] = 1
-        name += "_wm"
+    switches, suffix = jit_switches(config)
+    defines.update(switches)
+    name += suffix
     if phase_timing_enabled():
         defines["EP_CORE_PHASE_TIMING"] = 1
         name += "_phases"
