@@ -147,26 +147,18 @@ def test_loopback_elastic_buffer_cpu():
     group.run(lambda r: bufs[r].destroy())
 
 
-def test_loopback_seams_exist():
-    """LoopbackElasticBuffer runs ElasticBuffer.__init__ with its three group-facing calls answered per thread
-    (ep_torch.loopback._install_seams): __init__ must still make exactly those calls by those module-level names."""
-    import ep_torch.buffer as mod
-
+def test_loopback_binds_through_connect():
+    """LoopbackElasticBuffer runs ElasticBuffer.__init__ itself, bound to its rank through the ``_connect`` hook: the
+    constructor makes no group-facing call of its own outside it (a new one would bypass the loopback group)."""
     tree = ast.parse(inspect.getsource(ElasticBuffer.__init__).lstrip().replace("\n    ", "\n"))
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    for name in ("ProcessGroupBootstrap", "choose_transport", "make_core_transport"):
-        assert name in called, f"ElasticBuffer.__init__ no longer calls {name}: update ep_torch.loopback"
-        assert hasattr(mod, name)
-    # installed, they answer as the originals outside a loopback rank's construction
-    from ep_torch import transport_choice
-    from ep_torch.loopback import _install_seams
-
-    _install_seams()
-    _install_seams()  # idempotent
-    assert getattr(mod.make_core_transport, "_ep_loopback_seam", False)
-    choice = transport_choice.TransportChoice("reference", torch.device("cpu"), "test")
-    got, want = mod.make_core_transport(choice), transport_choice.make_core_transport(choice)
-    assert type(got) is type(want)
+    assert not called & {"ProcessGroupBootstrap", "choose_transport", "make_core_transport"}, called
+    assert "_connect" in LoopbackElasticBuffer.__dict__
+    group = LoopbackGroup(2, device="cpu")
+    bufs = group.elastic_buffers(num_max_tokens_per_rank=4, hidden=H, num_topk=K)
+    assert [b.group for b in bufs] == [None, None]
+    assert all("loopback group: 2 ranks" in b.transport_choice.reason for b in bufs)
+    group.run(lambda r: bufs[r].destroy())
 
 
 def test_loopback_refusals():

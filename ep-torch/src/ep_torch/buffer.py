@@ -135,13 +135,9 @@ class ElasticBuffer(ElasticOps):
         *,
         transport: str | None = None,
     ) -> None:
-        self.group = dist.group.WORLD if group is None else group
-        self.bootstrap = ProcessGroupBootstrap(self.group)
+        core_transport = self._connect(group, transport, bool(explicitly_destroy))
         self.rank_idx = self.bootstrap.rank
         self.num_ranks = self.bootstrap.size
-        self.transport_choice = choose_transport(
-            transport, self.bootstrap, self.group, explicitly_destroy=bool(explicitly_destroy)
-        )
         self.transport, self.device = self.transport_choice.name, self.transport_choice.device
         # read on every call: whether operations are CUDA ones, the device whose current stream they follow, and
         # the output allocators by device (`_allocator`)
@@ -153,7 +149,6 @@ class ElasticBuffer(ElasticOps):
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
         self.deterministic = bool(deterministic)
         self.explicitly_destroy = bool(explicitly_destroy)
-        core_transport = make_core_transport(self.transport_choice)
         self.runtime: ep_core.EPBuffer | None = ep_core.EPBuffer(
             self.bootstrap,
             transport=core_transport,
@@ -190,6 +185,19 @@ class ElasticBuffer(ElasticOps):
         self._functional_id: int | None = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _connect(
+        self, group: dist.ProcessGroup | None, transport: str | None, explicitly_destroy: bool
+    ) -> Any:
+        """Bind this buffer to its ranks: sets ``group``, ``bootstrap`` (the host collectives) and
+        ``transport_choice``, and returns ep-core's transport for them. ``ep_torch.loopback`` overrides it to bind one
+        rank of a loopback group (a thread bootstrap and the group's transport) to the same constructor."""
+        self.group = dist.group.WORLD if group is None else group
+        self.bootstrap = ProcessGroupBootstrap(self.group)
+        self.transport_choice = choose_transport(
+            transport, self.bootstrap, self.group, explicitly_destroy=explicitly_destroy
+        )
+        return make_core_transport(self.transport_choice)
 
     # ----------------------------------------------------------------------------------------------------------------
     # lifecycle
