@@ -114,7 +114,7 @@ int main(int argc, char** argv) {
   auto idx = rd<int64_t>("recv_idx", (size_t)R * K);
   auto meta = rd<int32_t>("meta", (size_t)R * (K + 2));
   std::vector<int32_t> order(slots);
-  std::vector<int64_t> lane_slot((size_t)R * K);
+  std::vector<int64_t> lane_slot((size_t)R * K, -99);  // -99: never written (every lane must be)
   std::vector<uint8_t> lane_ok_b((size_t)R * K);
   bool* lane_ok = reinterpret_cast<bool*>(lane_ok_b.data());
   std::vector<int32_t> src_info((size_t)epr * slots), recv_count(epr);

@@ -126,6 +126,12 @@ __device__ inline int64_t load_idx(const void* p, int64_t i, int idx64) {
 __device__ inline float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ inline float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
+// A row's source key (src_rank * M + src_token) is in range. Rows whose key or lanes are out of range (only an
+// aborted dispatch leaves such garbage: its outputs are undefined) get no slot, so nothing is written out of bounds.
+__host__ __device__ inline bool key_ok(int key, int tokens_per_rank, int num_ranks) {
+  return key >= 0 && (int64_t)key < (int64_t)tokens_per_rank * num_ranks;
+}
+
 // The slots of row r's lanes on this rank, compacted into shared memory; returns how many (all threads).
 __device__ inline int row_slots(const int64_t* lane_slot, const bool* lane_ok, int num_topk, int r,
                                 int64_t* s_slot, int* s_n) {
@@ -176,6 +182,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const int p = p0 + threadIdx.x;
     int r = -1;
     if (p < scan_len) r = order != nullptr ? order[p] : (p < nv ? p : -1);
+    if (r >= 0 && !ep_ll::key_ok(meta[(int64_t)r * meta_stride], tokens_per_rank, num_ranks)) r = -1;
     bool member = false;
     if (r >= 0)
       for (int k = 0; k < num_topk; ++k) member |= ep_ll::load_idx(recv_idx, (int64_t)r * num_topk + k, idx64) == e;
@@ -221,7 +228,8 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int64_t i = threadIdx.x; i < (int64_t)owned * num_topk; i += blockDim.x) {
     const int64_t r = e + (i / num_topk) * epr;
     const int64_t li = r * num_topk + i % num_topk;
-    if (!(r < nv && ep_ll::load_idx(recv_idx, li, idx64) >= 0)) {
+    const int64_t x = r < nv ? ep_ll::load_idx(recv_idx, li, idx64) : -1;
+    if (!(x >= 0 && x < epr && ep_ll::key_ok(meta[r * meta_stride], tokens_per_rank, num_ranks))) {
       lane_slot[li] = dump;
       lane_ok[li] = false;
     }
