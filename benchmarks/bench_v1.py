@@ -46,6 +46,9 @@ import sys
 import time
 
 HIDDEN, NUM_EXPERTS, TOPK = 7168, 256, 8
+# the loopback group's ranks need a hardware queue per stream (ep_torch.loopback); CUDA reads the count when the
+# context is created, which the EP1 rows do first
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,8 +9,13 @@ folder, and it registers the helper module in sys.modules under that unique name
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
+
+# The GPU loopback tests run N ranks' streams in this process; CUDA reads its hardware queue count when the context is
+# created (before any test runs): enough queues for 8 ranks (ep_torch.loopback refuses too few)
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 _HELPERS = "ep_torch_testing"
 

@@ -22,9 +22,17 @@ builds V1's inner buffers; torch kernels that a rank's work runs after its commu
 ``ll_use_kernels=False`` composition, ``cumulative_local_expert_recv_stats``, the caller's own ops) must have run
 once before in the process.
 
+The ranks' streams need hardware work queues of their own: CUDA maps streams onto ``CUDA_DEVICE_MAX_CONNECTIONS``
+in-order queues (default 8), and two ranks' streams sharing one are falsely ordered (a rank's dispatch queued behind
+another rank's epilogue, which waits for that rank's dispatch, which waits for this one: a deadlock, seen at 8
+ranks). A GPU group raises the variable to 32 when it is created before CUDA starts, and refuses (``EPConfigError``)
+a context created with fewer queues than its ranks' 2N streams.
+
 Host collectives (building and destroying buffers) run in one thread per rank over ``ep_core.ThreadGroup``
 bootstraps, hidden from the caller: the first rank that needs a new inner buffer (V1 builds them lazily) builds
-every rank's, the others take theirs; a destroyed buffer is released once every rank of its group destroyed it.
+every rank's, the others take theirs; a destroyed buffer is released once every rank of its group destroyed it,
+and, when that happens inside a GPU ``run()``, after every rank's call was made (the destruction synchronizes the
+GPU, which inside the loop would wait for the kernels of the ranks launched so far, which wait for the rest).
 V1 normal mode needs host collectives per call and is refused here (use processes, ``ep_torch.launch.spawn``).
 """
 
@@ -36,7 +44,7 @@ from typing import Any
 
 import torch
 from ep_core.bootstrap import ThreadGroup
-from ep_core.errors import EPStateError, EPValueError
+from ep_core.errors import EPConfigError, EPStateError, EPValueError
 
 from .buffer import ElasticBuffer
 from .legacy import Buffer
@@ -124,56 +132,32 @@ class _Members:
         self.released: set[int] = set()
 
 
-# the rank whose ElasticBuffer.__init__ runs in this thread: (bootstrap, choice, transport)
-_seam = threading.local()
-_seam_lock = threading.Lock()
-
-
-def _install_seams() -> None:
-    """Route ``ElasticBuffer.__init__``'s three group-facing calls (``ep_torch.buffer``'s ``ProcessGroupBootstrap``,
-    ``choose_transport``, ``make_core_transport``) through this module: in a thread building a loopback rank they
-    answer with that rank's thread bootstrap, transport choice and loopback transport; in every other thread they are
-    the originals. So the loopback ranks run ElasticBuffer's own constructor (no copy of it to drift from it)."""
-    from . import buffer as mod
-
-    with _seam_lock:
-        for name, part in (("ProcessGroupBootstrap", 0), ("choose_transport", 1), ("make_core_transport", 2)):
-            original = getattr(mod, name)
-            if getattr(original, "_ep_loopback_seam", False):
-                continue  # installed (checked per name: a test may have patched and restored one since)
-
-            def seam(*args: Any, _original: Any = original, _part: int = part, **kwargs: Any) -> Any:
-                parts = getattr(_seam, "parts", None)
-                return _original(*args, **kwargs) if parts is None else parts[_part]
-
-            seam._ep_loopback_seam = True  # type: ignore[attr-defined]
-            setattr(mod, name, seam)
-
-
 class LoopbackElasticBuffer(ElasticBuffer):
-    """One rank of a loopback group's ``ElasticBuffer``: ``ElasticBuffer.__init__`` itself, over a thread bootstrap
-    and the group's transport instead of a ProcessGroup and the transport choice; every method is
+    """One rank of a loopback group's ``ElasticBuffer``: ``ElasticBuffer.__init__`` itself, bound (``_connect``) to a
+    thread bootstrap and the group's transport instead of a ProcessGroup and the transport choice; every method is
     ``ElasticBuffer``'s. ``destroy()`` releases it; the group frees the N buffers when all are released."""
 
     def __init__(
         self, loopback: LoopbackGroup, members: _Members, bootstrap: Any, core_transport: Any, **kwargs: Any
     ) -> None:
         self._loopback, self._members = loopback, members
-        cuda = loopback.device.type == "cuda"
+        self._parts = (bootstrap, core_transport)
+        super().__init__(None, **kwargs)
+
+    def _connect(self, group: Any, transport: str | None, explicitly_destroy: bool) -> Any:
+        """This rank of the group: its thread bootstrap and the group's transport (no ProcessGroup:
+        torch.distributed's WORLD, if any, is not this group)."""
+        bootstrap, core_transport = self._parts
+        cuda = self._loopback.device.type == "cuda"
         n = int(bootstrap.size)
-        choice = TransportChoice(
+        self.group, self.bootstrap = None, bootstrap
+        self.transport_choice = TransportChoice(
             "ipc" if cuda else "reference",
-            loopback.device,
+            self._loopback.device,
             f"loopback group: {n} ranks in one process"
             + (" on one GPU (ep-core's loopback domain)" if cuda else " (reference executor)"),
         )
-        _install_seams()
-        _seam.parts = (bootstrap, choice, core_transport)
-        try:
-            super().__init__(None, **kwargs)
-        finally:
-            _seam.parts = None
-        self.group = None  # no ProcessGroup (torch.distributed's WORLD, if any, is not this group)
+        return core_transport
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
         """This rank's own comm stream (the process-wide one would put the ranks, which wait for each other, on one
@@ -230,6 +214,26 @@ class LoopbackBuffer(Buffer):
         )
 
 
+def _reserve_queues(num_ranks: int, device: Any) -> None:
+    """Enough hardware work queues for the ranks' streams (``ep_core.kernels._cuda.reserve_connections``): a
+    compute and a comm stream per rank, plus V1's comm stream per rank and the caller's stream where they fit. Past
+    the queues, ranks' streams share one and the kernels that wait for each other deadlock: refused, before any
+    kernel could hang, when the context already exists with too few (DeepEP-style ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    or CUDA's default 8 for 8 ranks)."""
+    from ep_core.kernels import _cuda
+
+    index = torch.device(device).index if device is not None else None
+    have = _cuda.reserve_connections(3 * num_ranks + 1, int(index or 0))
+    if 2 * num_ranks > have:
+        raise EPConfigError(
+            f"LoopbackGroup({num_ranks}): its {2 * num_ranks} streams (a compute and a comm stream per rank) exceed "
+            f"the {have} hardware work queues this process's CUDA context was created with "
+            "(CUDA_DEVICE_MAX_CONNECTIONS); streams that share a queue are falsely ordered, and the ranks' kernels, "
+            "which wait for each other, would deadlock. Create the group before CUDA starts (it raises the variable "
+            f"then) or set CUDA_DEVICE_MAX_CONNECTIONS={_cuda.MAX_CONNECTIONS} in the environment"
+        )
+
+
 class LoopbackGroup:
     """``num_ranks`` ranks of ep_torch buffers in this process (see the module docstring). ``device``: ``"cuda"``
     (the current GPU) or ``"cpu"``; None = CUDA when available. ``timeout_secs`` bounds the rank threads' host
@@ -252,6 +256,8 @@ class LoopbackGroup:
         )
         if kind not in ("cuda", "cpu"):
             raise EPValueError(f"device: expected 'cuda' or 'cpu', got {device!r}")
+        if kind == "cuda":
+            _reserve_queues(num_ranks, device)
         self.num_ranks = num_ranks
         self.timeout_secs = float(timeout_secs)  # host waits: the rank threads' bootstraps
         # the kernels' wait for peers (every buffer's num_gpu_timeout_secs unless given): a rank that raised before
@@ -278,6 +284,11 @@ class LoopbackGroup:
         self._lock = threading.Lock()
         self._asked: list[dict] = [{} for _ in range(num_ranks)]  # rank -> key -> inner buffers asked so far
         self._built: dict = {}  # (key, n-th) -> _Members
+        # inside a GPU run(): buffers released by their last rank wait here until every rank has launched (their
+        # destruction synchronizes the GPU, which would wait for the kernels of the ranks launched so far, which
+        # wait for the ranks not launched yet: V1 rebuilds its inner buffer inside a rank's call)
+        self._running = False
+        self._deferred: list[_Members] = []
 
     # --------------------------------------------------------------------------------------------------------------
     # running the ranks
@@ -289,12 +300,17 @@ class LoopbackGroup:
             return self._threads(fn)
         cur = torch.cuda.current_stream()
         out = []
-        for r, s in enumerate(self.streams):
-            s.wait_stream(cur)
-            with torch.cuda.stream(s):
-                out.append(fn(r))
-        for s in self.streams:
-            cur.wait_stream(s)
+        self._running = True
+        try:
+            for r, s in enumerate(self.streams):
+                s.wait_stream(cur)
+                with torch.cuda.stream(s):
+                    out.append(fn(r))
+        finally:
+            self._running = False
+            for s in self.streams:
+                cur.wait_stream(s)
+            self._destroy_deferred()
         return out
 
     def _threads(self, fn: Callable[[int], Any]) -> list[Any]:
@@ -399,7 +415,15 @@ class LoopbackGroup:
                 for k in [k for k, m in self._built.items() if m is members]:
                     del self._built[k]
         if last:
-            self._threads(lambda r: members.buffers[r]._collective_destroy())
+            if self._running:
+                self._deferred.append(members)
+            else:
+                self._threads(lambda r: members.buffers[r]._collective_destroy())
+
+    def _destroy_deferred(self) -> None:
+        while self._deferred:
+            members = self._deferred.pop(0)
+            self._threads(lambda r, m=members: m.buffers[r]._collective_destroy())
 
     def close(self) -> None:
         """Synchronize the GPU (the buffers are freed by their ``destroy()``)."""

@@ -68,6 +68,39 @@ def driver() -> Any:
     return _drv
 
 
+MAX_CONNECTIONS = (
+    32  # the most hardware work queues CUDA_DEVICE_MAX_CONNECTIONS may ask for (CUDA's default: 8)
+)
+
+
+def reserve_connections(num_streams: int, device: int = 0) -> int:
+    """Hardware work queues for `num_streams` streams whose kernels wait on each other; returns the count in effect.
+
+    CUDA maps streams onto `CUDA_DEVICE_MAX_CONNECTIONS` in-order hardware queues (default 8). Streams sharing a
+    queue are falsely ordered: a kernel queued behind another stream's kernel that waits for its own stream's
+    running kernel does not start. Ranks of one process that wait for each other inside their kernels (the loopback
+    domain, N ranks with a compute stream and a comm stream each) deadlock once their streams outnumber the queues.
+    The count is read when the device's context is created: before that (no current context, `device`'s primary
+    context inactive) this raises the variable to fit `num_streams` (at most `MAX_CONNECTIONS`, never lowering it);
+    after, it only reports what the context was created with."""
+    from cuda.bindings import driver as drv
+
+    have = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "") or 8)
+    if have >= num_streams:
+        return have
+    (err,) = drv.cuInit(0)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return have
+    ctx = _check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    dev = _check(drv, drv.cuDeviceGet(int(device)), "cuDeviceGet")
+    _flags, active = _check(drv, drv.cuDevicePrimaryCtxGetState(dev), "cuDevicePrimaryCtxGetState")
+    if int(ctx) != 0 or active:
+        return have
+    want = min(MAX_CONNECTIONS, int(num_streams))
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(want)
+    return want
+
+
 _native: list = []  # [ep_launch module or None, status line], set by the first native_launch()
 
 
