@@ -759,3 +759,20 @@ def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launche
     calls.clear()
     assert sync.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx, None, "", (enter, caller), (leave, caller))
     assert calls == [("dispatch", comm, 0xE1, caller, 0, 0), ("record_wait", 0xE2, comm, caller)]
+
+
+def test_epilogue_pdl_only_where_every_block_fits_at_one_per_sm():
+    """The copy epilogue runs as a programmatic dependent launch only where its early blocks cannot keep a rank that
+    shares the GPU out: all ranks' dispatch + epilogue blocks within the device's SMs (EP8 at 16 SMs per rank on a
+    132-SM GPU is not), always for a rank alone on its GPU, never after a CPU sync."""
+    from types import SimpleNamespace as NS
+
+    from ep_core.kernels import executor
+
+    def pdl(n: int, grid: int, sync: bool = False) -> bool:
+        rank = NS(num_ranks_on_device=n, device_sms=132)
+        return executor.DirectRank._epilogue_pdl(rank, NS(do_cpu_sync=sync, geometry=NS(grid=grid)))
+
+    assert executor.EPILOGUE_PDL
+    assert pdl(1, 132) and pdl(8, 8) and pdl(4, 16)
+    assert not pdl(8, 16) and not pdl(2, 67) and not pdl(1, 16, sync=True)

@@ -489,21 +489,15 @@ class DirectRank:
     def _epilogue_pdl(self, p: _PendingDispatch) -> bool:
         """Whether this dispatch's copy epilogue is launched as a programmatic dependent of its dispatch kernel: not
         after a CPU sync (the count copy sits between them), and only when its early blocks cannot keep a dispatch
-        grid of a rank sharing this GPU from becoming resident (every rank's dispatch and epilogue grids fit the
-        device together; a rank alone on its GPU always: its dispatch blocks are all resident before any of them
-        releases the epilogue)."""
+        grid of a rank sharing this GPU from becoming resident: every rank's dispatch and epilogue blocks together
+        fit the device at one block per SM, so that any placement leaves every pending block an SM. (Per-kernel
+        occupancy is no such guarantee: a dispatch block and an epilogue block may not share an SM even where two of
+        either would.) A rank alone on its GPU always: its dispatch blocks are all resident before any of them
+        releases the epilogue."""
         if not EPILOGUE_PDL or p.do_cpu_sync:
             return False
         n = self.num_ranks_on_device
-        if n == 1:
-            return True
-        geo = p.geometry
-        kernels = p.prepared.kernels
-        per_sm = min(
-            self._occupancy(kernels.dispatch, geo.block, geo.shared_mem),
-            self._occupancy(kernels.epilogue, geo.block, geo.shared_mem),
-        )
-        return n * 2 * geo.grid <= per_sm * self.device_sms
+        return n == 1 or n * 2 * p.geometry.grid <= self.device_sms
 
     def _launch_prepared(
         self,
