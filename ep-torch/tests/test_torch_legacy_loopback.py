@@ -308,3 +308,39 @@ def test_loopback_transport_storage(monkeypatch):
     stores[2].close()
     stores[2].close()  # a second close is a no-op
     assert made[0].closed == 1 and tr.buffer is None
+
+
+def test_loopback_refuses_too_few_hardware_queues(monkeypatch):
+    """A GPU group needs a hardware queue per rank stream (2N): a context created with fewer is refused with the
+    variable to set, before any kernel could deadlock; enough (or the variable raised before CUDA starts) passes."""
+    from ep_core.errors import EPConfigError
+    from ep_core.kernels import _cuda
+    from ep_torch import loopback
+
+    asked = []
+
+    def have(queues):
+        def reserve(num_streams, device=0):
+            asked.append(num_streams)
+            return queues
+
+        return reserve
+
+    monkeypatch.setattr(_cuda, "reserve_connections", have(8))
+    loopback._reserve_queues(4, None)  # 8 streams, 8 queues
+    with pytest.raises(EPConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS=32") as err:
+        loopback._reserve_queues(8, "cuda:0")
+    assert "LoopbackGroup(8)" in str(err.value) and "16 streams" in str(err.value)
+    monkeypatch.setattr(_cuda, "reserve_connections", have(32))
+    loopback._reserve_queues(8, "cuda:0")
+    assert asked == [13, 25, 25]  # asks for V1's comm streams and the caller's too
+
+
+def test_reserve_connections_never_lowers(monkeypatch):
+    """Enough queues already: nothing asked of the driver, the variable unchanged."""
+    from ep_core.kernels import _cuda
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "24")
+    assert _cuda.reserve_connections(9) == 24
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert _cuda.reserve_connections(8) == 8
