@@ -129,6 +129,9 @@ class LoopbackDomain:
         self.allow_hybrid_mode = _check_hybrid_flag(allow_hybrid_mode)
         self.num_ranks = int(num_ranks)
         self.num_max_tokens = int(num_max_tokens_per_rank)
+        # a hardware queue per rank stream and per captured branch where the context is not made yet (one kernel at a
+        # time per stream runs on fewer, but a graph's chained branches may not)
+        _cuda.reserve_connections(2 * self.num_ranks + 1)
         self.device_sms = _cuda.num_device_sms()
         if num_sms == 0:
             num_sms = default_num_sms(self.device_sms, self.num_ranks)

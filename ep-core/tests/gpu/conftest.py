@@ -9,8 +9,14 @@ folder, and it registers the helper module in sys.modules under that unique name
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
+
+# Loopback ranks wait for each other inside their kernels, so their streams (and a captured graph's branches) need
+# hardware queues of their own: CUDA reads the count when the context is created, before any test runs
+# (`ep_core.kernels._cuda.reserve_connections`)
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 _HELPERS = "ep_core_gpu_testing"
 

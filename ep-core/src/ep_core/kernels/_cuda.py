@@ -83,17 +83,22 @@ def reserve_connections(num_streams: int, device: int = 0) -> int:
     The count is read when the device's context is created: before that (no current context, `device`'s primary
     context inactive) this raises the variable to fit `num_streams` (at most `MAX_CONNECTIONS`, never lowering it);
     after, it only reports what the context was created with."""
-    from cuda.bindings import driver as drv
-
     have = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "") or 8)
     if have >= num_streams:
         return have
-    (err,) = drv.cuInit(0)
-    if err != drv.CUresult.CUDA_SUCCESS:
+    try:
+        from cuda.bindings import driver as drv
+
+        (err,) = drv.cuInit(0)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            return have
+        ctx = _check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        dev = _check(drv, drv.cuDeviceGet(int(device)), "cuDeviceGet")
+        _flags, active = _check(drv, drv.cuDevicePrimaryCtxGetState(dev), "cuDevicePrimaryCtxGetState")
+    except (
+        Exception
+    ):  # no driver or no such device: nothing to reserve (the caller's own GPU work fails clearly)
         return have
-    ctx = _check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    dev = _check(drv, drv.cuDeviceGet(int(device)), "cuDeviceGet")
-    _flags, active = _check(drv, drv.cuDevicePrimaryCtxGetState(dev), "cuDevicePrimaryCtxGetState")
     if int(ctx) != 0 or active:
         return have
     want = min(MAX_CONNECTIONS, int(num_streams))
