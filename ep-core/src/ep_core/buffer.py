@@ -345,34 +345,37 @@ class EPBuffer(BufferBase):
         stream: int = 0,
     ) -> DispatchResult:
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`."""
+        return self.dispatch_positional(
+            x,
+            topk_idx,
+            topk_weights,
+            cumulative_local_expert_recv_stats,
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            handle,
+            do_handle_copy,
+            do_cpu_sync,
+            do_expand,
+            do_zero_padding,
+            use_tma_aligned_col_major_sf,
+            allocator,
+            stream,
+        )
+
+    def dispatch_positional(self, *args: Any) -> DispatchResult:
+        """`dispatch` with every argument positional, in its order (x .. stream): the road of ep_torch and of
+        `dispatch` itself (keywords cost over a microsecond per layer at this many parameters)."""
         with self.announcing("dispatch"):
             self._check_alive()
-            req = self._prepared.dispatch_request(
-                self._executor,
-                x,
-                topk_idx,
-                topk_weights,
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                num_experts=num_experts,
-                num_max_tokens_per_rank=num_max_tokens_per_rank,
-                expert_alignment=expert_alignment,
-                num_sms=num_sms,
-                num_qps=num_qps,
-                previous_event=previous_event,
-                previous_event_before_epilogue=previous_event_before_epilogue,
-                async_with_compute_stream=async_with_compute_stream,
-                allocate_on_comm_stream=allocate_on_comm_stream,
-                handle=handle,
-                do_handle_copy=do_handle_copy,
-                do_cpu_sync=do_cpu_sync,
-                do_expand=do_expand,
-                do_zero_padding=do_zero_padding,
-                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-                allocator=allocator,
-                stream=stream,
-                sm_cache=self._sm_cache,
-            )
-            return self._executor.dispatch(req)
+            ex = self._executor
+            return ex.dispatch(self._prepared.dispatch_positional(ex, *args, self._sm_cache))
 
     def combine(
         self,
@@ -391,24 +394,27 @@ class EPBuffer(BufferBase):
         stream: int = 0,
     ) -> CombineResult:
         """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`."""
+        return self.combine_positional(
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            allocator,
+            stream,
+        )
+
+    def combine_positional(self, *args: Any) -> CombineResult:
+        """`combine` with every argument positional, in its order (x .. stream; ep_torch's road)."""
         with self.announcing("combine"):
             self._check_alive()
-            req = self._prepared.combine_request(
-                self._executor,
-                x,
-                handle,
-                topk_weights,
-                bias,
-                num_sms=num_sms,
-                num_qps=num_qps,
-                previous_event=previous_event,
-                previous_event_before_epilogue=previous_event_before_epilogue,
-                async_with_compute_stream=async_with_compute_stream,
-                allocate_on_comm_stream=allocate_on_comm_stream,
-                allocator=allocator,
-                stream=stream,
-            )
-            return self._executor.combine(req)
+            ex = self._executor
+            return ex.combine(self._prepared.combine_positional(ex, *args))
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------
     def announcing(self, op: str) -> _Announcing:

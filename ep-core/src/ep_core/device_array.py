@@ -450,8 +450,21 @@ def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
     return got
 
 
+_byte_strides: dict = {}  # (element strides, itemsize) -> byte strides: a dict hit costs less than the multiplications
+
+
+def _strides_in_bytes(strides: tuple, itemsize: int) -> tuple:
+    got = _byte_strides.get((strides, itemsize))
+    if got is None:
+        if len(_byte_strides) >= 1024:  # many distinct layouts: keep recent ones
+            _byte_strides.clear()
+        got = _byte_strides[(strides, itemsize)] = tuple([s * itemsize for s in strides])
+    return got
+
+
 def _from_torch(t: Any) -> ArrayInfo | None:
-    """The fast path for a plain torch tensor, or None when the slow path must decide."""
+    """The fast path for a plain torch tensor, or None when the slow path must decide. The `ArrayInfo` is built
+    inline (as `_make_info` does): this runs for every array of every call."""
     entry = _torch_dtypes.get(t.dtype)
     if entry is None or t.requires_grad or t.layout is not _torch_strided or t.is_nested or t.is_neg():
         return None
@@ -465,14 +478,30 @@ def _from_torch(t: Any) -> ArrayInfo | None:
             if got is None:
                 got = _contiguous_layout(shape, itemsize)
             ptr = t.data_ptr() if got[1] else 0
-            if t.is_contiguous():
-                return _make_info(ptr, shape, name, got[0], "cuda", index, t)
+            strides = got[0] if t.is_contiguous() else _strides_in_bytes(t.stride(), itemsize)
         else:
             ptr = t.data_ptr()
-        return _make_info(ptr, shape, name, tuple([s * itemsize for s in t.stride()]), "cuda", index, t)
-    if t.is_cpu:  # DLPack: the tensor's own strides
-        return _make_info(t.data_ptr(), shape, name, tuple([s * itemsize for s in t.stride()]), "cpu", 0, t)
-    return None
+            strides = _strides_in_bytes(t.stride(), itemsize)
+        device = "cuda"
+    elif t.is_cpu:  # DLPack: the tensor's own strides
+        ptr, strides, device, index = t.data_ptr(), _strides_in_bytes(t.stride(), itemsize), "cpu", 0
+    else:
+        return None
+    info = _new_object(ArrayInfo)
+    _set_attr(
+        info,
+        "__dict__",
+        {
+            "ptr": ptr,
+            "shape": shape,
+            "dtype": name,
+            "strides": strides,
+            "device": device,
+            "device_id": index,
+            "obj": t,
+        },
+    )
+    return info
 
 
 def describe(obj: Any, name: str = "array") -> ArrayInfo:

@@ -231,16 +231,11 @@ class RepeatDispatch:
             num_recv, num_expanded, expert_list = rank._sync_counts(epr, self.alignment)
             rows = num_expanded if self.expand else num_recv
         # the outputs, exactly as `finish_dispatch` allocates them
+        # (the request's allocator is called directly: no wrapper per call)
         if allocate is None:
-            alloc = rank._alloc
-            x_dt, sf_dt, i64, f32, i32 = self.x_dtype, self.sf_dtype, _I64, _F32, _I32
+            alloc, x_dt, sf_dt, i64, f32, i32 = rank._alloc, self.x_dtype, self.sf_dtype, _I64, _F32, _I32
         else:
-
-            def alloc(shape: tuple, name: str, strides: tuple | None = None) -> Any:
-                # column-major scales: the storage [P, ld] (EPBuffer's contract), as GpuExecutor's wrapper
-                return allocate(shape if strides is None else (shape[1], strides[1]), name)
-
-            x_dt, sf_dt, i64, f32, i32 = x_name, self._sf_name, "int64", "float32", "int32"
+            alloc, x_dt, sf_dt, i64, f32, i32 = allocate, x_name, self._sf_name, "int64", "float32", "int32"
         recv_x = alloc((rows, self.hidden), x_dt)
         recv_sf = None
         sf_strides = (0, 0)
@@ -249,7 +244,10 @@ class RepeatDispatch:
             if self.col_major_sf:
                 ld = ep_layout.align(max(rows, 1), 4)
                 sf_strides = (1, ld)
-                recv_sf = alloc((rows, packs), sf_dt, sf_strides)
+                if allocate is None:
+                    recv_sf = alloc((rows, packs), sf_dt, sf_strides)
+                else:  # column-major scales: the storage [P, ld] (EPBuffer's contract), as GpuExecutor's wrapper
+                    recv_sf = allocate((packs, ld), sf_dt)
             else:
                 sf_strides = (packs, 1)
                 recv_sf = alloc((rows, packs), sf_dt)
