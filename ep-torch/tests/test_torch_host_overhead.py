@@ -114,3 +114,88 @@ def test_mocked_gpu_dispatch_takes_handle_arrays_from_one_block(one_rank_group, 
             storages = {a.untyped_storage().data_ptr() for a in arrays}
             assert len(storages) == (1 if mode == "offered" else 5)
             assert all(a.dtype == torch.int32 and a.is_contiguous() for a in arrays)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _recording_buffer():
+    """An ElasticBuffer whose ep_core runtime only records the positional arguments it is given (then stops)."""
+    import contextlib
+    import types
+
+    from ep_torch import ElasticBuffer
+
+    calls: list = []
+
+    def record(*args):
+        calls.append(args)
+        raise _Stop
+
+    core = types.SimpleNamespace(
+        announcing=lambda op: contextlib.nullcontext(),
+        destroyed=False,
+        dispatch_positional=record,
+        combine_positional=record,
+    )
+    buf = ElasticBuffer.__new__(ElasticBuffer)
+    buf.__dict__.update(
+        _core=core, runtime=core, _cuda=False, _device_index=None, device=torch.device("cpu"), _allocators={}
+    )
+    return buf, calls
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
+    """`ElasticBuffer.dispatch` / `combine` call ep_core's `dispatch_positional` / `combine_positional` with ~20
+    positional arguments in `ep_core.EPBuffer.dispatch` / `combine`'s order (issue 18): changing any one argument
+    must change exactly the argument at its name's position there (a swap of num_sms / num_qps or of two flags
+    fails here)."""
+    import inspect
+
+    import ep_core
+    from ep_torch import ElasticBuffer
+    from ep_torch.event import EventHandle
+
+    core_names = list(inspect.signature(getattr(ep_core.EPBuffer, op)).parameters)[1:]
+    names = list(inspect.signature(getattr(ElasticBuffer, op)).parameters)[1:]
+    assert names == core_names[:-2]  # DeepEP's order is ep_core's, plus ep_core's allocator and stream
+    buf, calls = _recording_buffer()
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    base = (
+        {"x": x, "topk_idx": torch.zeros(4, 2, dtype=torch.int64)}
+        if op == "dispatch"
+        else {"x": x, "handle": object()}
+    )
+    changed = {
+        "topk_idx": torch.ones(4, 2, dtype=torch.int64),
+        "handle": object(),
+        "topk_weights": torch.ones(4, 2),
+        "cumulative_local_expert_recv_stats": torch.zeros(4, dtype=torch.int32),
+        "bias": torch.zeros(4, 64, dtype=torch.bfloat16),
+        "num_experts": 8,
+        "num_max_tokens_per_rank": 9,
+        "expert_alignment": 3,
+        "num_sms": 5,
+        "num_qps": 6,
+        "previous_event": EventHandle(device="cpu"),
+        "previous_event_before_epilogue": object(),
+        "do_cpu_sync": False,
+    }
+
+    def positional(**kwargs) -> tuple:
+        with pytest.raises(_Stop):
+            getattr(buf, op)(**{**base, **kwargs})
+        return calls.pop()
+
+    ref = positional()
+    assert len(ref) == len(core_names)
+    assert callable(ref[core_names.index("allocator")]) and ref[core_names.index("stream")] == 0
+    for name in names[1:]:
+        default = inspect.signature(getattr(ElasticBuffer, op)).parameters[name].default
+        value = changed.get(name, not default if isinstance(default, bool) else None)
+        assert value is not None, name
+        got = positional(**{name: value})
+        moved = [core_names[i] for i, (a, b) in enumerate(zip(ref, got)) if a is not b]
+        assert moved == [name], (name, moved)
