@@ -114,12 +114,27 @@ def _torch_cases(torch, device="cpu"):
 def test_describe_torch_fast_path_equals_slow_path(monkeypatch):
     torch = pytest.importorskip("torch")
     n = 0
-    for t in _torch_cases(torch):
-        fast = _outcome(t)
-        slow = _slow(t, monkeypatch)
-        assert fast == slow, (t.dtype, tuple(t.shape), t.stride(), fast, slow)
-        n += 1
-    assert n > 200
+    for _ in range(2):  # the second round from the fast path's per-dtype layout cache
+        for t in _torch_cases(torch):
+            fast = _outcome(t)
+            slow = _slow(t, monkeypatch)
+            assert fast == slow, (t.dtype, tuple(t.shape), t.stride(), fast, slow)
+            n += 1
+    assert n > 400
+
+
+def test_describe_torch_layout_cache_follows_each_tensors_strides():
+    """Tensors of one dtype and shape, contiguous or not, alternating: each gets its own strides (the layout cache
+    is keyed by sizes and strides, never by the shape alone), also after the tensor itself is re-strided in place."""
+    torch = pytest.importorskip("torch")
+    a = torch.zeros(4, 6)
+    b = torch.zeros(6, 4).t()
+    for _ in range(3):
+        assert describe(a).strides == (24, 4) and describe(b).strides == (4, 16)
+    a.as_strided_((4, 6), (1, 4))
+    assert describe(a).strides == (4, 16) and not describe(a).is_contiguous
+    a.resize_(2, 3)
+    assert describe(a).shape == (2, 3) and describe(a).strides == (12, 4)
 
 
 def test_describe_torch_fast_path_is_taken(monkeypatch):

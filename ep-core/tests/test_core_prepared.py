@@ -327,3 +327,72 @@ def test_requests_of_one_entry_share_its_token():
     c2 = prepared.combine_request(target, _arr((T * K, H), "bfloat16"), handle)
     assert c1.prepared is c2.prepared is not None
     assert make_combine_request(config, target, recv, handle).prepared is None
+
+
+# the previous call's key is compared first (PreparedOps._last_dispatch / _last_combine): a change right after a
+# repeat (a hit, which sets it) must still be validated like an uncached call, and so must the repeat after it
+@pytest.mark.parametrize("change", sorted(_DISPATCH_CHANGES))
+def test_a_change_after_a_repeated_dispatch_is_validated_like_an_uncached_call(change):
+    config, target = _config(), _Target()
+    prepared = PreparedOps(config)
+    for _ in range(2):
+        assert _both_dispatch(config, target, prepared, _dispatch_args())[0][0] == "ok"
+    assert prepared.hits == 1
+    for _ in range(2):  # changed, warm, changed again (now possibly an entry of its own), warm
+        cached, full = _both_dispatch(config, target, prepared, _dispatch_args() | _DISPATCH_CHANGES[change])
+        assert cached == full
+        cached, full = _both_dispatch(config, target, prepared, _dispatch_args())
+        assert cached == full and cached[0] == "ok"
+
+
+@pytest.mark.parametrize("change", sorted(_CACHED_CHANGES))
+def test_a_change_after_a_repeated_cached_dispatch_is_validated_like_an_uncached_call(change):
+    config, target = _config(), _Target()
+    prepared = PreparedOps(config)
+    h = _handle()
+    for _ in range(2):
+        assert _both_dispatch(config, target, prepared, _cached_args(h))[0][0] == "ok"
+    for _ in range(2):
+        cached, full = _both_dispatch(config, target, prepared, _cached_args(h) | _CACHED_CHANGES[change])
+        assert cached == full
+        cached, full = _both_dispatch(config, target, prepared, _cached_args(h))
+        assert cached == full and cached[0] == "ok"
+
+
+@pytest.mark.parametrize("change", sorted(_COMBINE_CHANGES))
+def test_a_change_after_a_repeated_combine_is_validated_like_an_uncached_call(change):
+    config, target = _config(), _Target()
+    prepared = PreparedOps(config)
+    h = _handle()
+    for _ in range(2):
+        assert _both_combine(config, target, prepared, _combine_args(h))[0][0] == "ok"
+    assert prepared.hits == 1
+    for _ in range(2):
+        cached, full = _both_combine(config, target, prepared, _combine_args(h) | _COMBINE_CHANGES[change])
+        assert cached == full
+        cached, full = _both_combine(config, target, prepared, _combine_args(h))
+        assert cached == full and cached[0] == "ok"
+
+
+def test_a_handle_changed_after_a_repeat_is_validated_again():
+    """The handle's fingerprint (validation.check_handle) after a hit: a re-shaped array, a replaced one, a scalar."""
+    config, target = _config(), _Target()
+    prepared = PreparedOps(config)
+    h = _handle()
+    for _ in range(2):
+        assert _both_combine(config, target, prepared, _combine_args(h))[0][0] == "ok"
+    good = h.recv_src_metadata
+    for field, value in (
+        ("recv_src_metadata", _arr((T * K, K + 3), "int32")),
+        ("recv_src_metadata", _arr((T * K, K + 2), "float32")),
+        ("num_recv_tokens", T * K - 1),
+    ):
+        old = getattr(h, field)
+        setattr(h, field, value)
+        cached, full = _both_combine(
+            config, target, prepared, _combine_args(h) | {"x": _arr((T * K, H), "bfloat16")}
+        )
+        assert cached == full and cached[0] == "raised", field
+        setattr(h, field, old)
+        assert _both_combine(config, target, prepared, _combine_args(h))[0][0] == "ok"
+    assert h.recv_src_metadata is good

@@ -373,8 +373,8 @@ def _from_numpy_interface(obj: Any, ai: dict) -> ArrayInfo:
 # its result or its error is unchanged.
 _torch_tensor_type: Any = None
 _torch_strided: Any = None
-# torch dtype -> (name, itemsize, read through CAI on cuda)
-_torch_dtypes: dict[Any, tuple[str, int, bool]] = {}
+# torch dtype -> (name, read through CAI on cuda, its layouts: (torch.Size, element strides) -> `_TorchLayout`)
+_torch_dtypes: dict[Any, tuple[str, bool, dict]] = {}
 # dtypes whose CUDA tensors torch exports through __cuda_array_interface__ (a typestr the table names); bf16 ('<V2')
 # and FP8 (no typestr) go through DLPack
 _TORCH_CAI_DTYPES = (
@@ -408,7 +408,7 @@ def _arm_torch(cls: type) -> bool:
     for name in _TORCH_CAI_DTYPES + _TORCH_DLPACK_DTYPES:
         dt = getattr(torch, name, None)
         if dt is not None:
-            table[dt] = (name, DTYPE_SIZES[name], name in _TORCH_CAI_DTYPES)
+            table[dt] = (name, name in _TORCH_CAI_DTYPES, {})
     _torch_dtypes.update(table)
     _torch_strided = torch.strided
     _torch_tensor_type = cls
@@ -440,51 +440,42 @@ def _make_info(
     return info
 
 
-_contiguous: dict = {}  # (shape, itemsize) -> (C-contiguous byte strides, whether it has elements)
-
-
-def _contiguous_layout(shape: tuple, itemsize: int) -> tuple:
-    if len(_contiguous) >= 1024:  # many distinct shapes: keep recent ones
-        _contiguous.clear()
-    got = _contiguous[(shape, itemsize)] = (_c_strides(shape, itemsize), math.prod(shape) > 0)
-    return got
-
-
-_byte_strides: dict = {}  # (element strides, itemsize) -> byte strides: a dict hit costs less than the multiplications
-
-
-def _strides_in_bytes(strides: tuple, itemsize: int) -> tuple:
-    got = _byte_strides.get((strides, itemsize))
-    if got is None:
-        if len(_byte_strides) >= 1024:  # many distinct layouts: keep recent ones
-            _byte_strides.clear()
-        got = _byte_strides[(strides, itemsize)] = tuple([s * itemsize for s in strides])
+def _torch_layout(t: Any, layouts: dict, size: Any, stride: tuple, name: str, via_cai: bool) -> tuple:
+    """What `describe` reports for a torch tensor of this dtype, sizes and element strides, a pure function of
+    them (torch's contiguity is too): `(shape, byte strides on the CPU, byte strides on CUDA, pointer read on
+    CUDA)`. On CUDA through `__cuda_array_interface__` as torch exports it: no strides when contiguous (so C
+    strides), a null pointer when empty; through DLPack (and on the CPU) the tensor's own strides."""
+    if len(layouts) >= 256:  # many distinct layouts: keep recent ones
+        layouts.clear()
+    itemsize = DTYPE_SIZES[name]
+    shape = tuple(size)
+    own = tuple([s * itemsize for s in stride])
+    cuda, read_ptr = own, True
+    if via_cai:
+        if t.is_contiguous():
+            cuda = _c_strides(shape, itemsize)
+        read_ptr = math.prod(shape) > 0
+    got = layouts[(size, stride)] = (shape, own, cuda, read_ptr)
     return got
 
 
 def _from_torch(t: Any) -> ArrayInfo | None:
-    """The fast path for a plain torch tensor, or None when the slow path must decide. The `ArrayInfo` is built
-    inline (as `_make_info` does): this runs for every array of every call."""
+    """The fast path for a plain torch tensor, or None when the slow path must decide. Per dtype, the layout part
+    is looked up by (sizes, strides) (`_torch_layout`); the `ArrayInfo` is built inline (as `_make_info` does):
+    this runs for every array of every call."""
     entry = _torch_dtypes.get(t.dtype)
     if entry is None or t.requires_grad or t.layout is not _torch_strided or t.is_nested or t.is_neg():
         return None
-    name, itemsize, via_cai = entry
-    shape = tuple(t.shape)
+    name, via_cai, layouts = entry
+    size = t.shape
+    stride = t.stride()
+    got = layouts.get((size, stride))
+    if got is None:
+        got = _torch_layout(t, layouts, size, stride, name, via_cai)
     if t.is_cuda:
-        index = t.get_device()
-        # as torch's __cuda_array_interface__: no strides when contiguous, a null pointer when empty
-        if via_cai:
-            got = _contiguous.get((shape, itemsize))
-            if got is None:
-                got = _contiguous_layout(shape, itemsize)
-            ptr = t.data_ptr() if got[1] else 0
-            strides = got[0] if t.is_contiguous() else _strides_in_bytes(t.stride(), itemsize)
-        else:
-            ptr = t.data_ptr()
-            strides = _strides_in_bytes(t.stride(), itemsize)
-        device = "cuda"
+        ptr, strides, device, index = t.data_ptr() if got[3] else 0, got[2], "cuda", t.get_device()
     elif t.is_cpu:  # DLPack: the tensor's own strides
-        ptr, strides, device, index = t.data_ptr(), _strides_in_bytes(t.stride(), itemsize), "cpu", 0
+        ptr, strides, device, index = t.data_ptr(), got[1], "cpu", 0
     else:
         return None
     info = _new_object(ArrayInfo)
@@ -493,7 +484,7 @@ def _from_torch(t: Any) -> ArrayInfo | None:
         "__dict__",
         {
             "ptr": ptr,
-            "shape": shape,
+            "shape": got[0],
             "dtype": name,
             "strides": strides,
             "device": device,

@@ -82,13 +82,14 @@ _handle_fields = operator.attrgetter(
 
 def _handle_layout(h: EPHandle) -> tuple:
     """The handle fields the dispatch / combine rules and resolved defaults read, and the shape of its `topk_idx`
-    (num_tokens, num_topk); its arrays are checked by `check_handle` on every call."""
-    return (*_handle_fields(h), tuple(h.topk_idx.shape))
+    (num_tokens, num_topk; a torch.Size compares and hashes as its tuple); its arrays are checked by `check_handle`
+    on every call."""
+    return _handle_fields(h), h.topk_idx.shape
 
 
 def _typed(values: tuple) -> tuple:
     """Scalars with their types (so that 1 and True, or 16 and 16.0, are different keys)."""
-    return values + tuple(map(type, values))
+    return values, tuple(map(type, values))
 
 
 def _build(cls: type, fields: dict, per_call: dict) -> Any:
@@ -105,12 +106,18 @@ class PreparedOps:
         self.config = config
         self._dispatch: dict[tuple, dict] = {}
         self._combine: dict[tuple, dict] = {}
+        # the key and entry of the last hit of each op: a call repeating the previous call's shapes (the common
+        # case) compares its key with that one instead of hashing it and probing the table; the key is built in
+        # full either way, so the match covers everything the checks read
+        self._last_dispatch: tuple = (None, None)
+        self._last_combine: tuple = (None, None)
         self.hits = 0
         self.misses = 0
 
     def clear(self) -> None:
         self._dispatch.clear()
         self._combine.clear()
+        self._last_dispatch = self._last_combine = (None, None)
 
     @staticmethod
     def _device(target: Any) -> tuple:
@@ -132,28 +139,10 @@ class PreparedOps:
         every later one served from the entry carry."""
         if len(table) >= _MAX_ENTRIES:
             table.clear()
+            self._last_dispatch = self._last_combine = (None, None)
         token = PreparedToken()
         _set(req, "prepared", token)
         table[key] = {k: v for k, v in req.__dict__.items() if k not in per_call}
-
-    def _hit(
-        self,
-        cls: type,
-        entry: dict,
-        target: Any,
-        arrays: dict,
-        allocator: Any,
-        stream: Any,
-        previous_event: Any,
-        previous_event_before_epilogue: Any,
-    ) -> Any:
-        """The cached request with this call's arrays (`arrays`, in field order), allocator, stream and events."""
-        arrays["allocator"] = check_allocator(allocator, target)
-        arrays["stream"] = check_stream(stream)
-        arrays["previous_event"] = previous_event
-        arrays["previous_event_before_epilogue"] = previous_event_before_epilogue
-        self.hits += 1
-        return _build(cls, entry, arrays)
 
     # ------------------------------------------------------------------------------------------------- dispatch
     def dispatch_request(
@@ -283,29 +272,31 @@ class PreparedOps:
                     )
                 ),
             )
-            entry = self._dispatch.get(key)
+            last = self._last_dispatch
+            # the previous call's shapes again (the common repeat): one tuple comparison, no hash and probe
+            entry = last[1] if key == last[0] else self._dispatch.get(key)
         except Exception:  # not describable here: the full validation raises (or accepts) it
             entry = key = None
         if entry is not None:
             if handle is not None:
                 check_handle(self.config, target, handle)
-            arrays = {
-                "x": xi,
-                "sf": sfi,
-                "topk_idx": ti,
-                "topk_weights": wi,
-                "handle": handle,
-                "cumulative_local_expert_recv_stats": si,
-            }
-            return self._hit(
+            self.hits += 1
+            self._last_dispatch = (key, entry)
+            return _build(
                 DispatchRequest,
                 entry,
-                target,
-                arrays,
-                allocator,
-                stream,
-                previous_event,
-                previous_event_before_epilogue,
+                {
+                    "x": xi,
+                    "sf": sfi,
+                    "topk_idx": ti,
+                    "topk_weights": wi,
+                    "handle": handle,
+                    "cumulative_local_expert_recv_stats": si,
+                    "allocator": check_allocator(allocator, target),
+                    "stream": check_stream(stream),
+                    "previous_event": previous_event,
+                    "previous_event_before_epilogue": previous_event_before_epilogue,
+                },
             )
         self.misses += 1
         req = make_dispatch_request(
@@ -417,21 +408,27 @@ class PreparedOps:
                 self._device(target),
                 _typed((num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream)),
             )
-            entry = self._combine.get(key)
+            last = self._last_combine
+            entry = last[1] if key == last[0] else self._combine.get(key)
         except Exception:  # not describable here: the full validation raises (or accepts) it
             entry = key = None
         if entry is not None:
             check_handle(self.config, target, handle)
-            arrays = {"x": xi, "handle": handle, "topk_weights": wi, "bias": bi}
-            return self._hit(
+            self.hits += 1
+            self._last_combine = (key, entry)
+            return _build(
                 CombineRequest,
                 entry,
-                target,
-                arrays,
-                allocator,
-                stream,
-                previous_event,
-                previous_event_before_epilogue,
+                {
+                    "x": xi,
+                    "handle": handle,
+                    "topk_weights": wi,
+                    "bias": bi,
+                    "allocator": check_allocator(allocator, target),
+                    "stream": check_stream(stream),
+                    "previous_event": previous_event,
+                    "previous_event_before_epilogue": previous_event_before_epilogue,
+                },
             )
         self.misses += 1
         req = make_combine_request(

@@ -204,30 +204,36 @@ _handle_arrays = operator.attrgetter(
 )
 
 
+_handle_scalars = operator.attrgetter("num_ranks", "rank", "num_experts", "num_recv_tokens")
+_target_device = operator.attrgetter("array_device", "device_id")
+_shape = operator.attrgetter("shape")
+
+
 def _handle_fingerprint(config: BufferConfig, target: Any, h: EPHandle) -> tuple:
+    """`(compared by value, the arrays, the config)`: the target's device, the scalars and the arrays' shapes in
+    one tuple (one comparison); the arrays and the buffer's config (frozen), compared by identity (kept alive with
+    the entry, so that no other array can take an array's place)."""
     arrays = _handle_arrays(h)
-    scalars = (
-        getattr(target, "array_device", "cuda"),
-        getattr(target, "device_id", 0),
-        h.num_ranks,
-        h.rank,
-        h.num_experts,
-        h.num_recv_tokens,
-    )
-    return config, scalars, arrays, tuple([getattr(a, "shape", None) for a in arrays])
+    try:
+        device = _target_device(target)
+    except AttributeError:
+        device = (getattr(target, "array_device", "cuda"), getattr(target, "device_id", 0))
+    try:
+        shapes = tuple(map(_shape, arrays))
+    except AttributeError:  # an absent array (None) or one without a shape
+        shapes = tuple([getattr(a, "shape", None) for a in arrays])
+    return (device, _handle_scalars(h), shapes), arrays, config
 
 
 def _cacheable(fingerprint: tuple) -> bool:
     """Shapes that compare by value (tuple, torch.Size) for every array present: anything else is validated every
     time."""
-    return all(a is None or isinstance(shape, tuple) for a, shape in zip(fingerprint[2], fingerprint[3]))
+    return all(a is None or isinstance(shape, tuple) for a, shape in zip(fingerprint[1], fingerprint[0][2]))
 
 
 def _fingerprint_matches(old: tuple, new: tuple) -> bool:
-    # arrays by identity (never `==`: arrays compare elementwise); scalars and shapes (tuples) by value
-    return (
-        old[0] is new[0] and old[1] == new[1] and all(map(operator.is_, old[2], new[2])) and old[3] == new[3]
-    )
+    # arrays and config by identity (never `==`: arrays compare elementwise), everything else by value
+    return old[2] is new[2] and old[0] == new[0] and all(map(operator.is_, old[1], new[1]))
 
 
 def check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
