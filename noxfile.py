@@ -289,6 +289,7 @@ BENCHMARKS = [
     ("benchmarks/bench_ep.py", "--decode"),
     ("benchmarks/bench_host_overhead.py", "--profile"),
     ("benchmarks/bench_host_calls.py",),
+    ("benchmarks/bench_sm_copy.py",),
     ("ep-jit/benchmarks/bench_jit.py",),
     ("packages/ep-symmem/benchmarks/bench_symmem.py",),
 ]
@@ -297,8 +298,8 @@ BENCHMARKS = [
 
 @nox.session(default=False, tags=["gpu"])
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks: loopback kernels (throughput and decode latency), host time per call, ep-jit launch
-    overhead, ep-symmem exchange. `nox -s bench -- OUTDIR` (default bench-out); skips cleanly without a GPU."""
+    """GPU benchmarks: loopback kernels (throughput and decode latency), host time per call, what few SMs copy,
+    ep-jit launch overhead, ep-symmem exchange. `nox -s bench -- OUTDIR` (default bench-out); skips cleanly without a GPU."""
     if not _has_gpu():
         session.skip("no NVIDIA GPU on this machine (benchmarks need one; see scripts/gpu-suite.sh)")
     _install(session, list(PACKAGES), extras=ALL_EXTRAS, torch=TORCH_GPU)
