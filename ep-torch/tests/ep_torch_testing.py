@@ -15,7 +15,31 @@ import sys
 
 import pytest
 
-__all__ = ["run_script"]
+__all__ = ["BENCH_V1_ROWS", "bench_v1_dry_run", "run_script"]
+
+BENCH_V1_ROWS = (
+    "v2 dispatch bf16",
+    "v2 combine",
+    "v1 ll_dispatch bf16",
+    "v1 ll_dispatch fp8",
+    "v1 ll_combine",
+)
+"""Rows every domain of benchmarks/bench_v1.py reports (its table's op column starts with one of these)."""
+
+
+def bench_v1_dry_run(*args: str) -> list[str]:
+    """benchmarks/bench_v1.py on the CPU reference backend (`--dry-run-cpu`, tiny sizes) with `args`: checks that it
+    exits 0 with no failed bitwise check and returns its output's lines."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_v1.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--dry-run-cpu", *args], capture_output=True, text=True, timeout=300
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "CHECK FAILED" not in out, out[-3000:]
+    return out.splitlines()
 
 
 def run_script(

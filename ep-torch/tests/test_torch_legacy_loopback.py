@@ -8,8 +8,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -175,29 +173,15 @@ def test_loopback_refusals():
 def test_bench_v1_loopback_dry_run():
     """benchmarks/bench_v1.py: EP1 in a process and EP2 as a loopback group, on the CPU reference backend; every
     row and the bitwise checks pass, the EP2 rows are labelled loopback."""
-    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_v1.py"
-    proc = subprocess.run(
-        [sys.executable, str(bench), "--dry-run-cpu", "--quick", "--ranks", "1", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    assert "CHECK FAILED" not in out
-    lines = [line.split() for line in out.splitlines()]
-    labelled = {(w[0], w[1]) for w in lines if len(w) > 2 and w[0] in ("1", "2")}
-    assert ("2", "loopback") in labelled and ("1", "cpu") in labelled, out[-2000:]
-    for op in (
-        "v2 dispatch bf16",
-        "v2 combine",
-        "v1 ll_dispatch bf16",
-        "v1 ll_dispatch fp8",
-        "v1 ll_combine",
-    ):
-        assert sum(op in line for line in out.splitlines()) >= 2, (
-            f"{op!r} missing for EP1 or EP2:\n{out[-2000:]}"
-        )
+    from ep_torch_testing import BENCH_V1_ROWS, bench_v1_dry_run
+
+    lines = bench_v1_dry_run("--quick", "--ranks", "1", "2")
+    words = [line.split() for line in lines]
+    labelled = {(w[0], w[1]) for w in words if len(w) > 2 and w[0] in ("1", "2")}
+    tail = "\n".join(lines[-40:])
+    assert ("2", "loopback") in labelled and ("1", "cpu") in labelled, tail
+    for op in BENCH_V1_ROWS:
+        assert sum(op in line for line in lines) >= 2, f"{op!r} missing for EP1 or EP2:\n{tail}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
