@@ -372,6 +372,11 @@ class EPBuffer(BufferBase):
     def dispatch_positional(self, *args: Any) -> DispatchResult:
         """`dispatch` with every argument positional, in its order (x .. stream): the road of ep_torch and of
         `dispatch` itself (keywords cost over a microsecond per layer at this many parameters)."""
+        # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
+        if self._announcing_depth:
+            self._check_alive()
+            ex = self._executor
+            return ex.dispatch(self._prepared.dispatch_positional(ex, *args, self._sm_cache))
         with self.announcing("dispatch"):
             self._check_alive()
             ex = self._executor
@@ -411,6 +416,11 @@ class EPBuffer(BufferBase):
 
     def combine_positional(self, *args: Any) -> CombineResult:
         """`combine` with every argument positional, in its order (x .. stream; ep_torch's road)."""
+        # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
+        if self._announcing_depth:
+            self._check_alive()
+            ex = self._executor
+            return ex.combine(self._prepared.combine_positional(ex, *args))
         with self.announcing("combine"):
             self._check_alive()
             ex = self._executor
