@@ -77,7 +77,7 @@ from ep_core.kernels.plan import (
     plan_regions,
 )
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, PreparedOp
-from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs, view_ptrs
+from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs
 from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = [
@@ -942,7 +942,7 @@ class DirectRank:
         meta = p.arrays.get("src_metadata")
         if meta is None:
             meta = self._alloc((num_recv, k + 2), np.int32)
-        outputs = epilogue_outputs(view_ptrs, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
+        outputs = epilogue_outputs(view_ptr, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
         pdl = self._epilogue_pdl(p)
         if rows > 0 or p.zero_padding:
             # no grid barrier in the epilogue: a plain launch (or a programmatic dependent one)

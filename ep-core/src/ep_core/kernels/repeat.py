@@ -65,32 +65,22 @@ def _ptr(obj: Any, what: str) -> int:
     return view_ptr(obj, what)
 
 
-def _ptrs(objs: tuple, names: tuple) -> list[int]:
-    """`_ptr` of several arrays in one call (None: 0); a repeat reads up to ten pointers per call."""
-    tensor = _device_array._torch_tensor_type
-    return [
-        0 if o is None else o.data_ptr() if type(o) is tensor else view_ptr(o, n) for o, n in zip(objs, names)
-    ]
-
-
-def view_ptrs(objs: tuple, names: tuple) -> list[int]:
-    """`view_ptr` of several arrays (None: 0): the full path's reading, every dtype looked up."""
-    return [0 if o is None else view_ptr(o, n) for o, n in zip(objs, names)]
-
-
-_EPILOGUE_NAMES = ("recv_src_metadata", "recv_x", "recv_sf", "recv_topk_idx", "recv_topk_weights")
-_DISPATCH_NAMES = ("dst_slot", "token_metadata_at_forward", "psum_rank", "psum_expert", "unaligned")
-_COMBINE_NAMES = ("psum", "recv_src_metadata", "token_metadata_at_forward", "combined_x", "combined_w")
-
-
 def epilogue_outputs(
-    ptrs: Any, meta: Any, recv_x: Any, recv_sf: Any, sf_strides: tuple, recv_idx: Any, recv_w: Any, rows: int
+    ptr: Any, meta: Any, recv_x: Any, recv_sf: Any, sf_strides: tuple, recv_idx: Any, recv_w: Any, rows: int
 ) -> tuple:
     """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order (executor.py); the envelope is 0: the
-    epilogue meets no peer and is not a collective launch. `ptrs` is `view_ptrs` (full path) or `_ptrs` (a
-    repeat)."""
-    m, rx, rs, ri, rw = ptrs((meta, recv_x, recv_sf, recv_idx, recv_w), _EPILOGUE_NAMES)
-    return (0, m, rx, rs, sf_strides[0], sf_strides[1], ri, rw, rows)
+    epilogue meets no peer and is not a collective launch. `ptr` is `view_ptr` (full path) or `_ptr` (a repeat)."""
+    return (
+        0,
+        ptr(meta, "recv_src_metadata"),
+        ptr(recv_x, "recv_x"),
+        ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
+        sf_strides[0],
+        sf_strides[1],
+        ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
+        ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
+        rows,
+    )
 
 
 def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, bool] | None:
@@ -216,18 +206,17 @@ class RepeatDispatch:
             fwd = arrays.get("fwd")
             meta = arrays.get("src_metadata")
             launch = -1
-        dst_ptr, fwd_ptr, psum_rank_ptr, psum_expert_ptr, unaligned_ptr = _ptrs(
-            (dst_slot, fwd if self.hybrid else None, psum_rank, psum_expert, unaligned), _DISPATCH_NAMES
-        )
+        psum_rank_ptr = _ptr(psum_rank, "psum_rank")
+        unaligned_ptr = _ptr(unaligned, "unaligned")
         dynamic = (
             x_ptr,
             sf_ptr,
             idx_ptr,
             w_ptr,
-            dst_ptr,
-            fwd_ptr,
+            _ptr(dst_slot, "dst_slot"),
+            _ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
             psum_rank_ptr,
-            psum_expert_ptr,
+            _ptr(psum_expert, "psum_expert"),
             unaligned_ptr,
             stats_ptr,
             self._envelopes.word(rank._num_collective_launches + 1, launch),
@@ -270,7 +259,7 @@ class RepeatDispatch:
         if meta is None:
             meta = alloc((num_recv, k + 2), i32)
         if rows > 0 or self.zero_padding:
-            outputs = epilogue_outputs(_ptrs, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
+            outputs = epilogue_outputs(_ptr, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
             rank._launch_prepared(epilogue, dynamic + outputs, False, False, None, signal)
         elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
             record_wait(signal[0], rank.stream.handle, signal[1])
@@ -350,27 +339,17 @@ class RepeatCombine:
         else:
             combined = allocate((t, hidden), "bfloat16")
             combined_w = allocate((t, k), "float32") if self.has_weights else None
-        psum, meta, fwd_ptr, out, out_w = _ptrs(
-            (
-                handle.psum_num_recv_tokens_per_scaleup_rank,
-                handle.recv_src_metadata,
-                fwd if self.hybrid else None,
-                combined,
-                combined_w,
-            ),
-            _COMBINE_NAMES,
-        )
         dynamic = (
             seen[0],
-            psum,
-            meta,
-            fwd_ptr,
+            _ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
+            _ptr(handle.recv_src_metadata, "recv_src_metadata"),
+            _ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
             x_ptr,
             w_ptr,
             bias0,
             bias1,
-            out,
-            out_w,
+            _ptr(combined, "combined_x"),
+            _ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelopes.word(rank._num_collective_launches + 1, rank._handle_launch.get(handle, -1)),
         )
         rank._launch_prepared(self.prepared.main, dynamic, False, True, wait, signal)
