@@ -374,25 +374,40 @@ def test_a_change_after_a_repeated_combine_is_validated_like_an_uncached_call(ch
         assert cached == full and cached[0] == "ok"
 
 
-def test_a_handle_changed_after_a_repeat_is_validated_again():
-    """The handle's fingerprint (validation.check_handle) after a hit: a re-shaped array, a replaced one, a scalar."""
+@pytest.mark.parametrize(
+    "field, value, raises",
+    [
+        ("recv_src_metadata", _arr((T * K, K + 3), "int32"), True),
+        ("recv_src_metadata", _arr((T * K, K + 2), "float32"), True),
+        ("topk_idx", _arr((T, K + 1), "int64"), True),
+        ("num_recv_tokens", T * K - 1, True),
+        ("rank", 3, True),
+        ("do_expand", True, None),
+        ("num_sms", 0, None),
+        ("num_expanded_tokens", T * K + 4, None),
+        ("expert_alignment", 4, None),
+        ("num_max_tokens_per_rank", T + 1, None),
+    ],
+)
+def test_a_handle_changed_after_a_repeat_is_validated_again(field, value, raises):
+    """The handle's part of the key and its fingerprint (`validation.handle_fingerprint`, read once per call) after
+    a hit: a re-shaped or replaced array, a scalar field; then the original handle is served again."""
     config, target = _config(), _Target()
     prepared = PreparedOps(config)
     h = _handle()
     for _ in range(2):
         assert _both_combine(config, target, prepared, _combine_args(h))[0][0] == "ok"
-    good = h.recv_src_metadata
-    for field, value in (
-        ("recv_src_metadata", _arr((T * K, K + 3), "int32")),
-        ("recv_src_metadata", _arr((T * K, K + 2), "float32")),
-        ("num_recv_tokens", T * K - 1),
-    ):
-        old = getattr(h, field)
-        setattr(h, field, value)
-        cached, full = _both_combine(
-            config, target, prepared, _combine_args(h) | {"x": _arr((T * K, H), "bfloat16")}
-        )
-        assert cached == full and cached[0] == "raised", field
-        setattr(h, field, old)
-        assert _both_combine(config, target, prepared, _combine_args(h))[0][0] == "ok"
-    assert h.recv_src_metadata is good
+        assert _both_dispatch(config, target, prepared, _cached_args(h))[0][0] == "ok"
+    old = getattr(h, field)
+    setattr(h, field, value)
+    for _ in range(2):
+        for cached, full in (
+            _both_combine(config, target, prepared, _combine_args(h)),
+            _both_dispatch(config, target, prepared, _cached_args(h)),
+        ):
+            assert cached == full
+            if raises:
+                assert cached[0] == "raised", field
+    setattr(h, field, old)
+    assert _both_combine(config, target, prepared, _combine_args(h))[0][0] == "ok"
+    assert _both_dispatch(config, target, prepared, _cached_args(h))[0][0] == "ok"

@@ -26,6 +26,7 @@ from ep_core.validation import (
     check_allocator,
     check_handle,
     check_stream,
+    handle_fingerprint,
     make_combine_request,
     make_dispatch_request,
 )
@@ -67,24 +68,16 @@ _set = object.__setattr__
 # What the checks read from an array (everything but the pointer and the object).
 _layout = operator.attrgetter("dtype", "shape", "strides", "device", "device_id")
 _device_attrs = operator.attrgetter("array_device", "device_id", "num_device_sms", "nvlink_gbs", "rdma_gbs")
-_handle_fields = operator.attrgetter(
-    "do_expand",
-    "num_experts",
-    "num_max_tokens_per_rank",
-    "expert_alignment",
-    "num_sms",
-    "num_recv_tokens",
-    "num_expanded_tokens",
-    "num_ranks",
-    "rank",
-)
 
 
-def _handle_layout(h: EPHandle) -> tuple:
-    """The handle fields the dispatch / combine rules and resolved defaults read, and the shape of its `topk_idx`
-    (num_tokens, num_topk; a torch.Size compares and hashes as its tuple); its arrays are checked by `check_handle`
-    on every call."""
-    return _handle_fields(h), h.topk_idx.shape
+def _handle_key(fingerprint: tuple) -> tuple:
+    """The handle's part of a key, from its `validation.handle_fingerprint`: the scalar fields the dispatch /
+    combine rules and resolved defaults read, and the shape of its `topk_idx` (num_tokens, num_topk; a torch.Size
+    compares and hashes as its tuple); its arrays are checked by `check_handle` on every call."""
+    shape = fingerprint[0][2][0]
+    if shape is None:
+        raise TypeError  # no topk_idx shape: the full validation names the rule
+    return fingerprint[0][1], shape
 
 
 def _typed(values: tuple) -> tuple:
@@ -247,12 +240,13 @@ class PreparedOps:
             )
             if handle is not None and type(handle) is not EPHandle:
                 raise TypeError  # the full validation names the rule
+            hfp = None if handle is None else handle_fingerprint(self.config, target, handle)
             key = (
                 x_key,
                 None if ti is None else _layout(ti),
                 None if wi is None else _layout(wi),
                 None if si is None else _layout(si),
-                None if handle is None else _handle_layout(handle),
+                None if hfp is None else _handle_key(hfp),
                 previous_event is None,
                 self._device(target),
                 _typed(
@@ -279,7 +273,7 @@ class PreparedOps:
             entry = key = None
         if entry is not None:
             if handle is not None:
-                check_handle(self.config, target, handle)
+                check_handle(self.config, target, handle, hfp)
             self.hits += 1
             self._last_dispatch = (key, entry)
             return _build(
@@ -384,6 +378,7 @@ class PreparedOps:
         try:
             if type(handle) is not EPHandle or type(x) in (tuple, list):
                 raise TypeError  # the full validation names the rule
+            hfp = handle_fingerprint(self.config, target, handle)
             xi = describe(x)
             wi = None if topk_weights is None else describe(topk_weights)
             if bias is None:
@@ -403,7 +398,7 @@ class PreparedOps:
                 _layout(xi),
                 None if wi is None else _layout(wi),
                 bias_key,
-                _handle_layout(handle),
+                _handle_key(hfp),
                 previous_event is None,
                 self._device(target),
                 _typed((num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream)),
@@ -413,7 +408,7 @@ class PreparedOps:
         except Exception:  # not describable here: the full validation raises (or accepts) it
             entry = key = None
         if entry is not None:
-            check_handle(self.config, target, handle)
+            check_handle(self.config, target, handle, hfp)
             self.hits += 1
             self._last_combine = (key, entry)
             return _build(

@@ -58,6 +58,7 @@ __all__ = [
     "check_array",
     "check_handle",
     "check_stream",
+    "handle_fingerprint",
     "make_combine_request",
     "make_dispatch_request",
     "resolve_num_sms",
@@ -204,15 +205,27 @@ _handle_arrays = operator.attrgetter(
 )
 
 
-_handle_scalars = operator.attrgetter("num_ranks", "rank", "num_experts", "num_recv_tokens")
+# every scalar field a rule or a resolved default reads (`ep_core.prepared` keys its entries by them too)
+_handle_scalars = operator.attrgetter(
+    "do_expand",
+    "num_experts",
+    "num_max_tokens_per_rank",
+    "expert_alignment",
+    "num_sms",
+    "num_recv_tokens",
+    "num_expanded_tokens",
+    "num_ranks",
+    "rank",
+)
 _target_device = operator.attrgetter("array_device", "device_id")
 _shape = operator.attrgetter("shape")
 
 
-def _handle_fingerprint(config: BufferConfig, target: Any, h: EPHandle) -> tuple:
-    """`(compared by value, the arrays, the config)`: the target's device, the scalars and the arrays' shapes in
-    one tuple (one comparison); the arrays and the buffer's config (frozen), compared by identity (kept alive with
-    the entry, so that no other array can take an array's place)."""
+def handle_fingerprint(config: BufferConfig, target: Any, h: EPHandle) -> tuple:
+    """What `check_handle` compares (no check made): `(by value, the arrays, the config)`: the target's device, the
+    scalar fields and the arrays' shapes (`topk_idx`'s first) in one tuple (one comparison); the arrays and the
+    buffer's config (frozen), compared by identity (kept alive with the entry, so that no other array can take an
+    array's place)."""
     arrays = _handle_arrays(h)
     try:
         device = _target_device(target)
@@ -236,11 +249,16 @@ def _fingerprint_matches(old: tuple, new: tuple) -> bool:
     return old[2] is new[2] and old[0] == new[0] and all(map(operator.is_, old[1], new[1]))
 
 
-def check_handle(config: BufferConfig, target: Any, handle: Any) -> EPHandle:
+def check_handle(
+    config: BufferConfig, target: Any, handle: Any, fingerprint: tuple | None = None
+) -> EPHandle:
+    """Validate `handle`'s fields and arrays for this buffer and target (D11), once per fingerprint. `fingerprint`:
+    `handle_fingerprint(config, target, handle)` read by the caller in this same call (`PreparedOps` keys by it)."""
     if not isinstance(handle, EPHandle):
         raise EPTypeError(f"handle: expected the EPHandle returned by dispatch, got {type(handle).__name__}")
     try:
-        fingerprint: tuple | None = _handle_fingerprint(config, target, handle)
+        if fingerprint is None:
+            fingerprint = handle_fingerprint(config, target, handle)
         old = _validated_handles.get(handle)
         if old is not None and _fingerprint_matches(old, fingerprint):
             return handle
