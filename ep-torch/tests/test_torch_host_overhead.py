@@ -84,6 +84,29 @@ def test_allocator_block_views_are_disjoint_aligned_tensors():
         assert all((v == -1).all() for i, v in enumerate(views) if i != 2) and (views[2] == 7).all()
 
 
+@pytest.mark.parametrize(
+    "shapes",
+    [((), (3,), (2, 5)), ((0,), (0, 6)), ((0, 4), (64,), (1,), (65, 1))],
+)
+def test_allocator_block_edge_shapes(shapes):
+    """The block's split (`array_block.int32_block`): 0-D, empty and all-empty shapes, sizes at and past a multiple
+    of the 64-word alignment; every view has its shape, is contiguous, starts aligned and is disjoint."""
+    from ep_core.kernels.array_block import ALIGN_WORDS
+    from ep_torch import ElasticBuffer
+
+    buf = ElasticBuffer.__new__(ElasticBuffer)
+    buf._allocators = {}
+    views = buf._allocator(torch.device("cpu")).int32_block(shapes)
+    assert [tuple(v.shape) for v in views] == [tuple(s) for s in shapes]
+    assert all(v.dtype == torch.int32 and v.is_contiguous() for v in views)
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1
+    base = views[0].data_ptr()
+    for i, v in enumerate(views):
+        assert v.numel() == 0 or (v.data_ptr() - base) % (4 * ALIGN_WORDS) == 0
+        v.fill_(i)
+    assert all((v == i).all() for i, v in enumerate(views))
+
+
 @pytest.mark.parametrize("mode", ["offered", "0"])
 def test_mocked_gpu_dispatch_takes_handle_arrays_from_one_block(one_rank_group, monkeypatch, mode):
     """Through the GPU executor (driver mocked, bench_host_cpu's), a new handle's int32 arrays are views of one
