@@ -9,7 +9,9 @@ launches that fit the device together are what runs verified (DirectRank: `num_r
 
 Errors: after a failed wait every rank refuses to launch until `reset()` (all ranks at once: drain every stream,
 zero every rank's workspace and scratch, drain again); `dispatch`/`combine` check every rank before launching any,
-so no rank's kernel waits for a peer that was refused.
+so no rank's kernel waits for a peer that was refused. A free that waits for the whole device (`cuMemFree` of an
+earlier domain the cycle collector finds, say) would wait, between two ranks' launches, for kernels that wait for the
+ranks not launched yet: `dispatch`/`combine` hold such frees until every rank has launched (`_cuda.frees_deferred`).
 
 The calls mirror `ep_core.reference.dispatch/combine` (lists indexed by rank), so tests compare the two directly:
 
@@ -207,32 +209,34 @@ class LoopbackDomain:
         sfs = self._check("sf", sf)
         stats = self._check("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats)
         sms = 0 if (handles is not None and num_sms == 0) else self._sms(num_sms)
-        pend = []
-        for r, rank in enumerate(self.ranks):
-            s = self.streams[r]
-            pend.append(
-                rank.launch_dispatch(
-                    _upload(xs[r], s),
-                    _upload(idxs[r], s),
-                    _upload(ws[r], s),
-                    sf=_upload(sfs[r], s),
-                    num_experts=num_experts,
-                    expert_alignment=expert_alignment,
-                    do_expand=do_expand,
-                    do_cpu_sync=do_cpu_sync,
-                    deterministic=deterministic,
-                    do_zero_padding=do_zero_padding,
-                    use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-                    handle=hs[r],
-                    num_sms=sms,
-                    cumulative_local_expert_recv_stats=stats[r],
+        # no free waits for the device between the ranks' launches (the ranks launched so far wait for the rest)
+        with _cuda.frees_deferred():
+            pend = []
+            for r, rank in enumerate(self.ranks):
+                s = self.streams[r]
+                pend.append(
+                    rank.launch_dispatch(
+                        _upload(xs[r], s),
+                        _upload(idxs[r], s),
+                        _upload(ws[r], s),
+                        sf=_upload(sfs[r], s),
+                        num_experts=num_experts,
+                        expert_alignment=expert_alignment,
+                        do_expand=do_expand,
+                        do_cpu_sync=do_cpu_sync,
+                        deterministic=deterministic,
+                        do_zero_padding=do_zero_padding,
+                        use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+                        handle=hs[r],
+                        num_sms=sms,
+                        cumulative_local_expert_recv_stats=stats[r],
+                    )
                 )
-            )
-        try:
-            return [rank.finish_dispatch(p) for rank, p in zip(self.ranks, pend)]
-        except EPTimeoutError:
-            self._drain()
-            raise
+            try:
+                return [rank.finish_dispatch(p) for rank, p in zip(self.ranks, pend)]
+            except EPTimeoutError:
+                self._drain()
+                raise
 
     def combine(
         self,
@@ -252,22 +256,24 @@ class LoopbackDomain:
         xs = self._check("xs", xs)
         ws = self._check("topk_weights", topk_weights)
         bs = self._check("bias", bias)
-        out = []
-        for r, rank in enumerate(self.ranks):
-            s = self.streams[r]
-            out.append(
-                rank.combine(
-                    _upload(xs[r], s),
-                    hs[r],
-                    topk_weights=_upload(ws[r], s),
-                    bias=_upload(bs[r], s),
-                    allow_multiple_reduction=allow_multiple_reduction,
-                    num_sms=num_sms,
-                    report_input_error=False,
+        # as in dispatch: no synchronizing free between the ranks' launches
+        with _cuda.frees_deferred():
+            out = []
+            for r, rank in enumerate(self.ranks):
+                s = self.streams[r]
+                out.append(
+                    rank.combine(
+                        _upload(xs[r], s),
+                        hs[r],
+                        topk_weights=_upload(ws[r], s),
+                        bias=_upload(bs[r], s),
+                        allow_multiple_reduction=allow_multiple_reduction,
+                        num_sms=num_sms,
+                        report_input_error=False,
+                    )
                 )
-            )
-        for rank in self.ranks:  # every rank has launched: a report now leaves no rank waiting
-            rank._report_input_error()
+            for rank in self.ranks:  # every rank has launched: a report now leaves no rank waiting
+                rank._report_input_error()
         return out
 
     def _guard(self, handles: list) -> None:

@@ -20,7 +20,8 @@ may it load GPU code there: CUDA loads a kernel lazily at its first launch, and 
 kernels. ep-core's kernels are loaded before their first launch and V1's (``ep_core.ll_pack``) when the group
 builds V1's inner buffers; torch kernels that a rank's work runs after its communication kernel (V1's
 ``ll_use_kernels=False`` composition, ``cumulative_local_expert_recv_stats``, the caller's own ops) must have run
-once before in the process.
+once before in the process. Frees that wait for the whole device (``cuMemFree``, ``cuMemFreeHost``, what the cycle
+collector finds) are held until every rank has launched (``ep_core.kernels._cuda.frees_deferred``).
 
 The ranks' streams need hardware work queues of their own: CUDA maps streams onto ``CUDA_DEVICE_MAX_CONNECTIONS``
 in-order queues (default 8), and two ranks' streams sharing one are falsely ordered (a rank's dispatch queued behind
@@ -298,14 +299,19 @@ class LoopbackGroup:
         the current stream: capturable); on the CPU in one thread per rank."""
         if self.device.type != "cuda":
             return self._threads(fn)
+        from ep_core.kernels._cuda import frees_deferred
+
         cur = torch.cuda.current_stream()
         out = []
         self._running = True
         try:
-            for r, s in enumerate(self.streams):
-                s.wait_stream(cur)
-                with torch.cuda.stream(s):
-                    out.append(fn(r))
+            with (
+                frees_deferred()
+            ):  # no free that waits for the device (cuMemFree, a collected buffer) between ranks
+                for r, s in enumerate(self.streams):
+                    s.wait_stream(cur)
+                    with torch.cuda.stream(s):
+                        out.append(fn(r))
         finally:
             self._running = False
             for s in self.streams:

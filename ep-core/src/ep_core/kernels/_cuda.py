@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ __all__ = [
     "device_attribute",
     "device_identity",
     "driver",
+    "frees_deferred",
     "native_launch",
     "native_launch_status",
     "num_device_sms",
@@ -41,6 +43,45 @@ __all__ = [
 
 _lock = threading.Lock()
 _drv: Any = None
+# (free function, its arguments) held while frees_deferred() is open; None when frees run at once
+_deferred_frees: list[tuple[Any, tuple]] | None = None
+
+
+@contextlib.contextmanager
+def frees_deferred() -> Any:
+    """Hold the synchronizing frees (`cuMemFree`, `cuMemFreeHost`) and the cycle collector until the block ends.
+
+    Those frees wait for the whole device. Inside a loopback domain's launch sequence (N ranks launched one after
+    another from this thread) that waits for the ranks launched so far, whose kernels wait for the ranks not launched
+    yet: a deadlock until the GPU timeout. Python frees whenever a last reference drops or the cycle collector runs
+    (an earlier domain's ranks, say), so the sequence holds every such free and releases them after its last
+    launch. Stream-ordered frees (`cuMemFreeAsync`) do not wait and run at once. Nested blocks join the outer one.
+    """
+    global _deferred_frees
+    if _deferred_frees is not None:
+        yield
+        return
+    collecting = gc.isenabled()
+    _deferred_frees = []
+    gc.disable()
+    try:
+        yield
+    finally:
+        pending, _deferred_frees = _deferred_frees, None
+        if collecting:
+            gc.enable()
+        for free, args in pending:
+            with contextlib.suppress(Exception):
+                free(*args)
+
+
+def _free_now_or_later(free: Any, *args: Any) -> None:
+    """`free(*args)`, or after the open frees_deferred() block."""
+    held = _deferred_frees
+    if held is not None:
+        held.append((free, args))
+    else:
+        free(*args)
 
 
 def driver() -> Any:
@@ -426,7 +467,7 @@ class DeviceArray:
         if ptr and _drv is not None:
             with contextlib.suppress(Exception):
                 if getattr(self, "_sync", False):
-                    _drv.cuMemFree(ptr)
+                    _free_now_or_later(_drv.cuMemFree, ptr)
                 else:
                     _drv.cuMemFreeAsync(ptr, self._stream)
 
@@ -552,7 +593,7 @@ class PinnedBuffer:
     def __del__(self) -> None:
         if self._ptr and _drv is not None:
             with contextlib.suppress(Exception):
-                _drv.cuMemFreeHost(self._ptr)
+                _free_now_or_later(_drv.cuMemFreeHost, self._ptr)
             self._ptr = 0
 
 
@@ -579,7 +620,7 @@ class MappedWords:
     def __del__(self) -> None:
         if getattr(self, "_ptr", 0) and _drv is not None:
             with contextlib.suppress(Exception):
-                _drv.cuMemFreeHost(self._ptr)
+                _free_now_or_later(_drv.cuMemFreeHost, self._ptr)
             self._ptr = 0
 
 
@@ -595,7 +636,7 @@ class DeviceBuffer:
     def close(self) -> None:
         if self.ptr and _drv is not None:
             with contextlib.suppress(Exception):
-                _drv.cuMemFree(self.ptr)
+                _free_now_or_later(_drv.cuMemFree, self.ptr)
         self.ptr = 0
 
     def __del__(self) -> None:
