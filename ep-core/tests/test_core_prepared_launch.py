@@ -769,10 +769,51 @@ def test_epilogue_pdl_only_where_every_block_fits_at_one_per_sm():
 
     from ep_core.kernels import executor
 
-    def pdl(n: int, grid: int, sync: bool = False) -> bool:
+    def pdl(n: int, grid: int, sync: bool = False, alone: bool = False) -> bool:
         rank = NS(num_ranks_on_device=n, device_sms=132)
-        return executor.DirectRank._epilogue_pdl(rank, NS(do_cpu_sync=sync, geometry=NS(grid=grid)))
+        p = NS(do_cpu_sync=sync, geometry=NS(grid=grid), epilogue_only=alone)
+        return executor.DirectRank._epilogue_pdl(rank, p)
 
     assert executor.EPILOGUE_PDL
     assert pdl(1, 132) and pdl(8, 8) and pdl(4, 16)
     assert not pdl(8, 16) and not pdl(2, 67) and not pdl(1, 16, sync=True)
+    assert not pdl(1, 16, alone=True)  # no dispatch kernel to depend on
+
+
+def test_a_lone_ranks_cached_dispatch_is_its_copy_epilogue_alone(launches, monkeypatch) -> None:
+    """A rank with no peer: a cached dispatch launches only the copy epilogue (a plain launch: there is no dispatch
+    kernel to depend on) with the words the epilogue of the two-launch form gets, through the full path and the
+    recorded repeat alike, and counts the dispatch launch it skipped. Nothing to copy, a peer, or no handle: the
+    dispatch kernel is launched as before."""
+    alloc = Allocator()
+    stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
+    res = RankResources(0, 1, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
+    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc)
+    rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
+    assert rank.epilogue_only(True, 5, False) and rank.epilogue_only(True, 0, True)
+    assert not rank.epilogue_only(True, 0, False) and not rank.epilogue_only(False, 5, False)
+    assert not make_rank(Allocator()).epilogue_only(True, 5, False)  # a rank with a peer
+    x, sf, idx, w = inputs(fp8=True)
+    n = len(launches)
+    handle = rank.dispatch(x, idx, w, sf=sf, num_experts=EXPERTS, do_cpu_sync=False, num_sms=8).handle
+    assert [(e[0], e[6]) for e in launches[n:]] == [("dispatch", False), ("epilogue", True)]
+    x2, sf2, _, _ = inputs(fp8=True)
+    rank.dispatch(x2, handle=handle, sf=sf2, num_sms=8, record=True)
+    plan = rank.last_repeat
+    assert plan is not None and plan.cached
+
+    def cached(repeat):
+        if repeat:
+            return plan.run(x2.ptr, sf2.ptr, 0, 0, 0, handle, None)
+        return rank.dispatch(x2, handle=handle, sf=sf2, num_sms=8)
+
+    step, mark = rank._num_collective_launches, alloc.next
+    (rep, a), (full, b) = _same_call(rank, alloc, launches, cached)
+    assert rep == full and [(e[0], e[6]) for e in full] == [("epilogue", False)]
+    assert _fields(a) == _fields(b) and a.handle is handle
+    assert rank._num_collective_launches == step + 1  # the skipped dispatch launch still counts
+    # the two-launch form of the same call: its epilogue gets the same words
+    monkeypatch.setattr(DirectRank, "epilogue_only", lambda self, cached, rows, zero_padding: False)
+    rank._num_collective_launches, alloc.next = step, mark
+    (_, _), (two, _) = _same_call(rank, alloc, launches, cached)
+    assert [e[0] for e in two] == ["dispatch", "epilogue"] and two[1][7] == full[0][7]

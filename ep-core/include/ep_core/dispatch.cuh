@@ -193,13 +193,16 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     // 4. send
     const uint8_t* const x = static_cast<const uint8_t*>(args.x);
     const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
+    // a rank alone sends every token only to itself, whose copy is the tail (kDirectOwnRowsTailOnly): the hidden
+    // part is never loaded (the copy epilogue reads it from x)
+    constexpr bool kLoadHidden = !(kDirectOwnRowsTailOnly && kNumRanks == 1);
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
         // the hidden part's bulk load first: it depends on nothing below, so routing (the top-k loads, the slot's
         // atomic or handle read) runs while it is in flight. The slot is free once the warp's previous bulk
         // stores have read it.
         ptx::bulk_wait_read();
         __syncwarp();
-        if (lane == 0) {
+        if (kLoadHidden && lane == 0) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
@@ -251,8 +254,10 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             *reinterpret_cast<int32_t*>(slot_buf + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
         ptx::fence_async_shared();
         __syncwarp();
-        ptx::mbarrier_wait(bar, phase);
-        phase ^= 1u;
+        if constexpr (kLoadHidden) {
+            ptx::mbarrier_wait(bar, phase);
+            phase ^= 1u;
+        }
         // one bulk store per destination rank, issued by the master lane of that rank (this rank's own copy:
         // the tail only, kDirectOwnRowsTailOnly)
         if (r.master) {

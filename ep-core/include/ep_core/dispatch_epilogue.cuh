@@ -106,7 +106,45 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         ptx::bulk_wait_read();
         ptx::fence_async_shared();
         __syncwarp();
-        if (kOwnRowsFromX && src_rank == rank) {
+        if (kOwnRowsFromX && kNumRanks == 1 && cached) {
+            // a lone rank's cached dispatch launches no dispatch kernel (DirectRank.epilogue_only): the row's tail
+            // is staged here from the call's inputs exactly as the dispatch would have staged it, for the source
+            // token the handle's metadata names (rank 0: the source id is the token)
+            const int64_t t = args.src_metadata[i * kMetaCols];
+            if (lane == 0) {
+                ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
+                ptx::bulk_load(buf, static_cast<const uint8_t*>(args.x) + t * args.x_stride, Tok::kHiddenBytes, bar);
+            }
+            if constexpr (Tok::kNumSfPacks > 0) {
+                const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
+                for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
+                    reinterpret_cast<uint32_t*>(buf + Tok::kSfOffset)[p] =
+                        sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
+            }
+            if (lane < kNumTopk) {
+                const int64_t e = (args.flags & kFlagTopkIdx32)
+                                      ? static_cast<const int32_t*>(args.topk_idx)[t * kNumTopk + lane]
+                                      : static_cast<const int64_t*>(args.topk_idx)[t * kNumTopk + lane];
+                reinterpret_cast<int32_t*>(buf + Tok::kTopkIdxOffset)[lane] =
+                    e >= 0 && e < num_experts ? static_cast<int>(e) : -1;
+                reinterpret_cast<float*>(buf + Tok::kWeightsOffset)[lane] =
+                    args.topk_weights != nullptr ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
+                reinterpret_cast<int32_t*>(buf + Tok::kPositionOffset)[lane] = -1;
+            }
+            if (lane == 0)
+                *reinterpret_cast<int32_t*>(buf + Tok::kSrcIdxOffset) = static_cast<int32_t>(t);
+            __syncwarp();
+        } else if (kOwnRowsFromX && src_rank == rank && cached) {
+            // a cached dispatch's handle names the row's source token (its metadata, written by the dispatch that
+            // made the handle): the tail and the hidden part load together, not one after the other
+            constexpr int kTail = Tok::kNumBytes - Tok::kHiddenBytes;
+            if (lane == 0) {
+                const int64_t t = args.src_metadata[i * kMetaCols] - rank * M;
+                ptx::mbarrier_arrive_expect_tx(bar, Tok::kNumBytes);
+                ptx::bulk_load(buf + Tok::kHiddenBytes, gtok + Tok::kHiddenBytes, kTail, bar);
+                ptx::bulk_load(buf, static_cast<const uint8_t*>(args.x) + t * args.x_stride, Tok::kHiddenBytes, bar);
+            }
+        } else if (kOwnRowsFromX && src_rank == rank) {
             constexpr int kTail = Tok::kNumBytes - Tok::kHiddenBytes;
             if (lane == 0) {
                 ptx::mbarrier_arrive_expect_tx(bar, kTail);

@@ -208,6 +208,8 @@ class _PendingDispatch:
     prepared: PreparedOp | None = None
     dynamic: tuple = ()  # the dispatch launch's per-call words (the epilogue's start with them, then its outputs)
     repeat: dict | None = None  # what a `RepeatDispatch` needs beyond these fields (`record=True`)
+    # a lone rank's cached dispatch: no dispatch kernel, the copy epilogue does it all (`DirectRank.epilogue_only`)
+    epilogue_only: bool = False
 
 
 def _combine_smem(cfg: KernelConfig) -> int:
@@ -486,6 +488,14 @@ class DirectRank:
             kernel, name, geo.grid, geo.block, shared_mem, cooperative, args, dynamic, pdl
         )
 
+    def epilogue_only(self, cached: bool, rows: int, zero_padding: bool) -> bool:
+        """Whether a dispatch is its copy epilogue alone: a cached dispatch of a rank with no peer, whose rows the
+        handle fixes. The dispatch kernel would only store each row's tail (its routing, weights and scales) into
+        the rank's own region for the epilogue to read back (dispatch.cuh, kDirectOwnRowsTailOnly); the epilogue
+        builds the tail from the same inputs instead (dispatch_epilogue.cuh), one kernel instead of two. A call
+        with nothing to copy keeps the dispatch launch (the epilogue is not launched then)."""
+        return cached and self.num_ranks == 1 and (rows > 0 or zero_padding)
+
     def _epilogue_pdl(self, p: _PendingDispatch) -> bool:
         """Whether this dispatch's copy epilogue is launched as a programmatic dependent of its dispatch kernel: not
         after a CPU sync (the count copy sits between them), and only when its early blocks cannot keep a dispatch
@@ -494,7 +504,7 @@ class DirectRank:
         occupancy is no such guarantee: a dispatch block and an epilogue block may not share an SM even where two of
         either would.) A rank alone on its GPU always: its dispatch blocks are all resident before any of them
         releases the epilogue."""
-        if not EPILOGUE_PDL or p.do_cpu_sync:
+        if not EPILOGUE_PDL or p.do_cpu_sync or p.epilogue_only:
             return False
         n = self.num_ranks_on_device
         return n == 1 or n * 2 * p.geometry.grid <= self.device_sms
@@ -823,7 +833,12 @@ class DirectRank:
             # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
             self._occupancy(kernels.combine, geo.block, _combine_smem(cfg))
             prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
-        self._launch_prepared(prepared.main, dynamic, args is not None, bool(dynamic[-1]))
+        rows = (handle.num_expanded_tokens if do_expand else handle.num_recv_tokens) if cached else 0
+        epilogue_only = self.epilogue_only(cached, rows, bool(do_zero_padding))
+        if epilogue_only:  # prepared (its words start the epilogue's) but not launched; counted as launched
+            self._num_collective_launches += bool(dynamic[-1])
+        else:
+            self._launch_prepared(prepared.main, dynamic, args is not None, bool(dynamic[-1]))
         keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
         pending = _PendingDispatch(
             cfg,
@@ -848,6 +863,7 @@ class DirectRank:
             launch_number=self._num_collective_launches,
             prepared=prepared,
             dynamic=dynamic,
+            epilogue_only=epilogue_only,
         )
         if record:
             pending.repeat = {

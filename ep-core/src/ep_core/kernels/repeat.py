@@ -181,7 +181,9 @@ class RepeatDispatch:
         else:
             num_recv, num_expanded = self.num_recv, self.num_expanded
         rows = num_expanded if self.expand else num_recv
-        epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl else self.prepared.epilogue
+        # a lone rank's cached dispatch is its epilogue alone, never a dependent launch
+        alone = rank.epilogue_only(cached, rows, self.zero_padding)
+        epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl and not alone else self.prepared.epilogue
         if epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
             return None
         if cached:
@@ -222,7 +224,11 @@ class RepeatDispatch:
             self._envelopes.word(rank._num_collective_launches + 1, launch),
         )
         copies = self.cpu_sync or rows > 0 or self.zero_padding  # the epilogue follows (CPU sync: if rows)
-        rank._launch_prepared(self.prepared.main, dynamic, False, True, wait, None if copies else signal)
+        if alone:  # counted as launched, as the full path does; the epilogue takes the stream-order wait
+            rank._num_collective_launches += 1
+        else:
+            rank._launch_prepared(self.prepared.main, dynamic, False, True, wait, None if copies else signal)
+            wait = None
         launch_number = rank._num_collective_launches
         expert_list: list = []
         if self.cpu_sync:
@@ -260,7 +266,7 @@ class RepeatDispatch:
             meta = alloc((num_recv, k + 2), i32)
         if rows > 0 or self.zero_padding:
             outputs = epilogue_outputs(_ptr, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
-            rank._launch_prepared(epilogue, dynamic + outputs, False, False, None, signal)
+            rank._launch_prepared(epilogue, dynamic + outputs, False, False, wait, signal)
         elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
             record_wait(signal[0], rank.stream.handle, signal[1])
         if not cached:
