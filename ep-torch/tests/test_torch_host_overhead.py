@@ -222,3 +222,47 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
         got = positional(**{name: value})
         moved = [core_names[i] for i, (a, b) in enumerate(zip(ref, got)) if a is not b]
         assert moved == [name], (name, moved)
+
+
+@pytest.mark.parametrize("tokens", [0, 8])
+def test_mocked_gpu_dispatch_copies_the_routing_into_the_handle(one_rank_group, monkeypatch, tokens):
+    """Through the GPU executor (driver mocked, bench_host_cpu's), the handle's topk_idx is ep-core's copy of the
+    caller's (an allocator tensor of its own, copied on the call's stream through ep_launch's copy_device) for the
+    full path and the repeats, CPU sync or not; do_handle_copy=False keeps the caller's tensor; an empty routing is
+    an alias, never the caller's object."""
+    import ctypes
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ep-core" / "benchmarks"))
+    import bench_host_cpu as b
+    from ep_torch import buffer as tbuf
+
+    copies: list = []
+
+    def copy_device(dst, src, nbytes, stream):  # the mocked tensors are CPU tensors: copy for real
+        copies.append((dst, src, nbytes))
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    monkeypatch.setattr(b._FakeNative, "copy_device", staticmethod(copy_device))
+    monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
+    with b._MockedGpu():
+        buf = tbuf.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=64, num_topk=2)
+        x = torch.ones(tokens, 64, dtype=torch.bfloat16)
+        for do_cpu_sync in (False, False, True, True):  # the full path, then a repeat, of each
+            idx = torch.arange(2 * tokens, dtype=torch.int64).reshape(tokens, 2) % 8
+            copies.clear()
+            h = buf.dispatch(x, topk_idx=idx, num_experts=8, num_sms=4, do_cpu_sync=do_cpu_sync)[3]
+            assert h.topk_idx is not idx and torch.equal(h.topk_idx, idx)
+            if tokens:
+                assert h.topk_idx.untyped_storage().data_ptr() != idx.untyped_storage().data_ptr()
+                assert copies == [(h.topk_idx.data_ptr(), idx.data_ptr(), idx.numel() * 8)]
+                idx.fill_(-1)  # the caller's tensor changes after the call: the handle's does not
+                assert not torch.equal(h.topk_idx, idx)
+            else:
+                assert copies == []
+            h2 = buf.dispatch(
+                x, topk_idx=idx, num_experts=8, num_sms=4, do_cpu_sync=False, do_handle_copy=False
+            )[3]
+            assert h2.topk_idx is idx

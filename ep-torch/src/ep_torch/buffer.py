@@ -531,21 +531,14 @@ class ElasticBuffer(ElasticOps):
                 )
                 event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
         if handle is None:
-            held = res.handle.topk_idx
             if not do_handle_copy:
                 res.handle.topk_idx = (
                     topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
                 )
-            elif held is topk_idx and type(held) is torch.Tensor:  # the caller's tensor: copied unless empty
-                res.handle.topk_idx = held.clone() if held.numel() else held.detach()
-            elif isinstance(held, torch.Tensor) and held.numel() and held.data_ptr() == topk_idx.data_ptr():
-                res.handle.topk_idx = (
-                    held.clone()
-                )  # do_handle_copy: the handle must not alias the caller's tensor
-            elif held is topk_idx and isinstance(held, torch.Tensor):
-                res.handle.topk_idx = (
-                    held.detach()
-                )  # empty: an alias, never the caller's tensor object itself
+            elif res.handle.topk_idx is topk_idx:
+                # ep-core copied every non-empty routing into the handle (on the call's stream, before a CPU-sync
+                # dispatch waits for its counts); an empty one stays an alias, never the caller's tensor object
+                res.handle.topk_idx = topk_idx.detach()
         recv_x: Any = res.recv_x
         if res.recv_sf is not None:
             sf = res.recv_sf

@@ -241,6 +241,10 @@ class GpuExecutor:
         plan = None if token is None else token.plan
         fresh = req.async_with_compute_stream
         res = None
+        idx = req.topk_idx
+        # the handle's own copy of the routing (`do_handle_copy`), queued before the dispatch so that a CPU-sync
+        # dispatch does this work while its counts are on their way
+        copy = self._copy_routing(req, idx) if req.do_handle_copy and idx is not None and idx.nbytes else None
         rank._allocator = self._allocator(req, req.x.dtype)
         try:
             # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
@@ -269,10 +273,27 @@ class GpuExecutor:
                 ev = self._leave(req.stream, fresh=fresh)
         finally:
             rank._allocator = None
-        if res.handle is not req.handle and req.topk_idx is not None:
-            res.handle.topk_idx = req.topk_idx.obj
+        if res.handle is not req.handle and idx is not None:
+            res.handle.topk_idx = idx.obj if copy is None else copy
         res.event = ev if fresh else None  # this call's own result object
         return res
+
+    def _copy_routing(self, req: Any, idx: Any) -> Any:
+        """A new handle's copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor after the call),
+        from the request's allocator, copied on the stream the call is ordered after: the same readiness as the
+        dispatch's own read of it, and the stream the allocator allocates on. The executor's own allocator
+        allocates on the comm stream: the copy runs there, after the comm stream waits for the caller."""
+        allocate = req.allocator
+        copy = allocate(idx.shape, idx.dtype)
+        dst = _cuda.view_ptr(copy, "handle.topk_idx")
+        stream = req.stream
+        if getattr(allocate, "__self__", None) is self:
+            self._enter(stream)
+            stream = self.stream.handle
+        native = self._native
+        if native is None or native.copy_device(dst, idx.ptr, idx.nbytes, stream):
+            _cuda.copy_device(dst, idx.ptr, idx.nbytes, stream)  # the Python path (raises the driver's error)
+        return copy
 
     def _dispatch(self, req: Any, record: bool) -> Any:
         """The full path of `DirectRank.dispatch` (views of every argument, every check)."""
