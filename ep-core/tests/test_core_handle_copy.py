@@ -23,6 +23,10 @@ def Out(shape, dtype):  # an allocator's output: a device array by pointer
 class Executor:
     """What `_copy_routing` reads of a GpuExecutor."""
 
+    default_allocator = GpuExecutor.default_allocator  # its own allocator, as the executor recognizes it
+    _is_default_allocator = GpuExecutor._is_default_allocator
+    device_id = 0
+
     def __init__(self, native) -> None:
         self._native = native
         self.stream = SimpleNamespace(handle=COMM)
@@ -30,9 +34,6 @@ class Executor:
 
     def _enter(self, stream) -> None:
         self.log.append(("enter", stream))
-
-    def default_allocator(self, shape, dtype):
-        return _cuda.DeviceView(0x6000, tuple(shape), dtype)
 
 
 class Native:
@@ -71,7 +72,10 @@ def test_a_callers_allocator_gets_the_copy_on_the_callers_stream(python_copies) 
     assert ex.log == [("native", 0x5000, 0x7000, 8192, CALLER)] and python_copies == []
 
 
-def test_the_executors_own_allocator_copies_on_the_comm_stream_after_the_caller(python_copies) -> None:
+def test_the_executors_own_allocator_copies_on_the_comm_stream_after_the_caller(
+    python_copies, monkeypatch
+) -> None:
+    monkeypatch.setattr(_cuda, "DeviceArray", lambda shape, dtype, stream: SimpleNamespace(ptr=0x6000))
     ex = Executor(None)
     ex._native = Native(ex.log)
     req = SimpleNamespace(allocator=ex.default_allocator, stream=CALLER)

@@ -305,9 +305,8 @@ class LoopbackGroup:
         out = []
         self._running = True
         try:
-            with (
-                frees_deferred()
-            ):  # no free that waits for the device (cuMemFree, a collected buffer) between ranks
+            # no free that waits for the device (cuMemFree, a collected buffer) between ranks
+            with frees_deferred():
                 for r, s in enumerate(self.streams):
                     s.wait_stream(cur)
                     with torch.cuda.stream(s):

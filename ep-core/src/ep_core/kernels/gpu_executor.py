@@ -197,9 +197,7 @@ class GpuExecutor:
             return allocate(tuple(shape), name)
 
         # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block)
-        own = getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
-            GpuExecutor.default_allocator
-        )
+        own = self._is_default_allocator(allocate)
         offered = getattr(allocate, "int32_block", None)  # the allocator's own (ep_torch's: torch views)
         if offered is not None and use_offered():
             alloc.int32_block = offered
@@ -278,6 +276,12 @@ class GpuExecutor:
         res.event = ev if fresh else None  # this call's own result object
         return res
 
+    def _is_default_allocator(self, allocate: Any) -> bool:
+        """Whether `allocate` is this executor's own `default_allocator` (DeviceArrays on the comm stream)."""
+        return getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
+            GpuExecutor.default_allocator
+        )
+
     def _copy_routing(self, req: Any, idx: Any) -> Any:
         """A new handle's copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor after the call),
         from the request's allocator, copied on the stream the call is ordered after: the same readiness as the
@@ -287,7 +291,7 @@ class GpuExecutor:
         copy = allocate(idx.shape, idx.dtype)
         dst = _cuda.view_ptr(copy, "handle.topk_idx")
         stream = req.stream
-        if getattr(allocate, "__self__", None) is self:
+        if self._is_default_allocator(allocate):
             self._enter(stream)
             stream = self.stream.handle
         native = self._native
