@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = torch.randperm(t, device="cuda", generator=g)
 
     recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
+    # a no-sync handle has the worst-case rows: its combine takes that many
+    recv_ns = buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[0]
     launch_path = getattr(buf.runtime.executor, "launch_path", "?")
     print(f"launch path: {launch_path}")
     ops = {
@@ -114,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "dispatch (cached)": lambda: buf.dispatch(x, handle=handle, num_sms=16),
         "combine": lambda: buf.combine(recv_x, handle, num_sms=16),
+        # a training step's pattern: every combine meets the handle its dispatch has just made
+        "dispatch (no CPU sync) + combine of its new handle": lambda: buf.combine(
+            recv_ns,
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[3],
+            num_sms=16,
+        ),
         "torch: x.index_select + index_add_ (reference point)": lambda: torch.zeros_like(x).index_add_(
             0, rows, x.index_select(0, rows)
         ),
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     results = []
     for name, fn in ops.items():
-        us = _rounds(fn, args.iters if "CPU sync)" not in name else max(20, args.iters // 5))
+        us = _rounds(fn, args.iters if name != "dispatch (CPU sync)" else max(20, args.iters // 5))
         results.append({"op": name, "host_us_per_call": us})
         print(f"{name:55s} {us:9.1f} us/call (host)")
     # A/B of the handle block: the no-sync dispatch with a new handle's int32 arrays allocated one by one
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for (name, fn), row in zip(ops.items(), results):
             if name.startswith("torch"):
                 continue
-            n = args.iters if "CPU sync)" not in name else max(20, args.iters // 5)
+            n = args.iters if name != "dispatch (CPU sync)" else max(20, args.iters // 5)
             steps[name] = breakdown(fn, n)
             torch.cuda.synchronize()
             print(format_rows(name, row["host_us_per_call"], steps[name]))

@@ -452,6 +452,14 @@ def run_torch(iters: int, steps: list | None = None) -> list[tuple[str, float]]:
                 "ElasticBuffer.combine (torch CPU, mocked GPU)": lambda: buf.combine(
                     recv, handle, num_sms=16
                 ),
+                # a training step's pattern: every combine meets the handle its dispatch has just made
+                "ElasticBuffer.dispatch + combine of its new handle (torch CPU, mocked GPU, no CPU sync)": lambda: (
+                    buf.combine(
+                        recv,
+                        buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[3],
+                        num_sms=16,
+                    )
+                ),
             }
             for name, fn in ops.items():
                 fn()

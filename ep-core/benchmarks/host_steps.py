@@ -29,7 +29,7 @@ STEPS: tuple[tuple[str, str, str], ...] = (
     ("validate: check_handle", "ep_core.prepared", "check_handle"),
     ("launch: GpuExecutor.dispatch", "ep_core.kernels.gpu_executor", "GpuExecutor.dispatch"),
     ("launch: GpuExecutor.combine", "ep_core.kernels.gpu_executor", "GpuExecutor.combine"),
-    ("handle's topk_idx copy", "ep_core.kernels.gpu_executor", "GpuExecutor._copy_routing"),
+    ("handle's topk_idx copy (its allocation)", "ep_core.kernels.gpu_executor", "GpuExecutor._routing_copy"),
     ("repeat: RepeatDispatch.run", "ep_core.kernels.repeat", "RepeatDispatch.run"),
     ("repeat: RepeatCombine.run", "ep_core.kernels.repeat", "RepeatCombine.run"),
     ("full path: DirectRank.dispatch", "ep_core.kernels.executor", "DirectRank.dispatch"),

@@ -1,95 +1,102 @@
-"""CPU: the GPU executor's copy of a new handle's routing (`do_handle_copy`), `GpuExecutor._copy_routing`.
+"""CPU: a new handle's copy of the routing (`do_handle_copy`) through the GPU executor, driver mocked
+(`ep-core/benchmarks/bench_host_cpu.py`'s).
 
-The copy comes from the request's allocator with topk_idx's shape and dtype and is queued on the stream the call
-is ordered after (where that allocator allocates, and where topk_idx is ready); with the executor's own allocator,
-which allocates on the comm stream, the comm stream first waits for the caller and the copy runs there. The C++
-copy (ep_launch) is taken when usable; a failed or missing one falls back to cuda-python, which raises."""
+The copy is an array of topk_idx's shape and dtype from the request's allocator (`GpuExecutor._routing_copy`),
+and the dispatch kernel fills it in its send phase: the launch carries its pointer in `OpArgs::topk_idx_copy`
+(no copy of its own on the stream). Checked here: the words of the full path's launch and of the repeats, CPU sync
+or not, int64 and int32 routing; a cached dispatch carries none; `DirectRank.launch_dispatch` refuses a copy of
+another shape or dtype, or one given with a handle, naming `topk_idx_copy`."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import sys
+from pathlib import Path
 
+import ep_core
 import pytest
-from ep_core.kernels import _cuda
-from ep_core.kernels.gpu_executor import GpuExecutor
+from ep_core.kernels import prepared_launch as pl
+from ep_core.kernels._args import OP_ARGS_FIELDS
 
-COMM, CALLER = 0xC0, 0xCA
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_host_cpu as b
 
-
-def Out(shape, dtype):  # an allocator's output: a device array by pointer
-    return _cuda.DeviceView(0x5000, tuple(shape), dtype)
-
-
-class Executor:
-    """What `_copy_routing` reads of a GpuExecutor."""
-
-    default_allocator = GpuExecutor.default_allocator  # its own allocator, as the executor recognizes it
-    _is_default_allocator = GpuExecutor._is_default_allocator
-    device_id = 0
-
-    def __init__(self, native) -> None:
-        self._native = native
-        self.stream = SimpleNamespace(handle=COMM)
-        self.log: list = []
-
-    def _enter(self, stream) -> None:
-        self.log.append(("enter", stream))
-
-
-class Native:
-    def __init__(self, log, code=0) -> None:
-        self.log, self.code = log, code
-
-    def copy_device(self, dst, src, nbytes, stream) -> int:
-        self.log.append(("native", dst, src, nbytes, stream))
-        return self.code
+SLOT_COPY, SLOT_IDX = OP_ARGS_FIELDS.index("topk_idx_copy"), OP_ARGS_FIELDS.index("topk_idx")
+T, H, K, E = 8, 64, 2, 8
 
 
 @pytest.fixture
-def python_copies(monkeypatch):
-    log: list = []
-    monkeypatch.setattr(
-        _cuda, "copy_device", lambda dst, src, n, stream: log.append(("python", dst, src, n, stream))
-    )
-    return log
+def mocked(monkeypatch):
+    """An EPBuffer over the mocked GPU executor, and the words of every dispatch launch it makes."""
+    launched: list = []
+    run = pl.PreparedLaunch.run
+
+    def record(self, words):
+        if self.name == "ep_dispatch_impl":
+            launched.append(words)
+
+    def recorded_run(self, values, stream, wait=None, signal=None):
+        record(self, self.patch(values))
+        return run(self, values, stream, wait, signal)
+
+    monkeypatch.setattr(pl.PreparedLaunch, "run", recorded_run)
+    monkeypatch.setattr(pl.PreparedLaunch, "launch", lambda self, words, stream: record(self, words))
+    counter = [1 << 40]
+
+    def alloc(shape, dtype):
+        counter[0] += 1 << 24
+        return ep_core.DeviceArray(counter[0], shape, dtype, device="cuda")
+
+    with b._MockedGpu():
+        buf = ep_core.EPBuffer(
+            ep_core.LocalBootstrap(),
+            transport=b._MockedTransport(),
+            num_max_tokens_per_rank=T,
+            hidden=H,
+            num_topk=K,
+        )
+        yield buf, alloc, launched
 
 
-IDX = SimpleNamespace(shape=(128, 8), dtype="int64", ptr=0x7000, nbytes=128 * 8 * 8)
+@pytest.mark.parametrize("idx_dtype", ["int64", "int32"])
+def test_the_dispatch_launch_carries_the_handles_copy(mocked, idx_dtype: str) -> None:
+    buf, alloc, launched = mocked
+    x, w = alloc((T, H), "bfloat16"), alloc((T, K), "float32")
+    for do_cpu_sync in (False, False, True, True):  # the full path, then a repeat, of each
+        idx = alloc((T, K), idx_dtype)
+        launched.clear()
+        h = buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=do_cpu_sync, allocator=alloc).handle
+        copy = h.topk_idx
+        assert copy is not idx and copy.ptr != idx.ptr
+        assert (copy.shape, copy.dtype) == ((T, K), idx_dtype)
+        assert [(wd[SLOT_COPY], wd[SLOT_IDX]) for wd in launched] == [(copy.ptr, idx.ptr)]
+        launched.clear()
+        buf.dispatch(x, handle=h, num_sms=4, allocator=alloc)  # cached: no new handle, no copy
+        assert [wd[SLOT_COPY] for wd in launched] in ([], [0])  # a lone rank's cached dispatch: epilogue only
+        launched.clear()
+        h2 = buf.dispatch(
+            x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False, do_handle_copy=False, allocator=alloc
+        ).handle
+        assert h2.topk_idx is idx and [wd[SLOT_COPY] for wd in launched] == [0]
 
 
-def test_a_callers_allocator_gets_the_copy_on_the_callers_stream(python_copies) -> None:
-    ex = Executor(None)
-    ex._native = Native(ex.log)
-    made: list = []
-
-    def allocate(shape, dtype):
-        made.append((shape, dtype))
-        return Out(shape, dtype)
-
-    req = SimpleNamespace(allocator=allocate, stream=CALLER)
-    copy = GpuExecutor._copy_routing(ex, req, IDX)
-    assert made == [((128, 8), "int64")] and copy.ptr == 0x5000
-    assert ex.log == [("native", 0x5000, 0x7000, 8192, CALLER)] and python_copies == []
-
-
-def test_the_executors_own_allocator_copies_on_the_comm_stream_after_the_caller(
-    python_copies, monkeypatch
-) -> None:
-    monkeypatch.setattr(_cuda, "DeviceArray", lambda shape, dtype, stream: SimpleNamespace(ptr=0x6000))
-    ex = Executor(None)
-    ex._native = Native(ex.log)
-    req = SimpleNamespace(allocator=ex.default_allocator, stream=CALLER)
-    idx32 = SimpleNamespace(shape=(4, 2), dtype="int32", ptr=0x7100, nbytes=32)
-    copy = GpuExecutor._copy_routing(ex, req, idx32)
-    assert copy.shape == (4, 2) and copy.dtype == "int32"
-    assert ex.log == [("enter", CALLER), ("native", 0x6000, 0x7100, 32, COMM)]
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (((T, K + 1), "int64"), r"topk_idx_copy: expected a contiguous int64 \(8, 2\) array"),
+        (((T, K), "int32"), r"topk_idx_copy: expected a contiguous int64"),
+    ],
+)
+def test_launch_dispatch_refuses_a_copy_of_another_shape_or_dtype(mocked, bad, match: str) -> None:
+    buf, alloc, _ = mocked
+    rank = buf._executor.rank
+    x, idx = alloc((T, H), "bfloat16"), alloc((T, K), "int64")
+    with pytest.raises(ep_core.EPValueError, match=match):
+        rank.dispatch(x, idx, num_experts=E, do_cpu_sync=False, topk_idx_copy=alloc(*bad))
 
 
-@pytest.mark.parametrize("native", ["missing", "failing"])
-def test_without_the_cpp_copy_the_python_path_copies(python_copies, native) -> None:
-    ex = Executor(None)
-    if native == "failing":
-        ex._native = Native(ex.log, code=1)  # CUDA_ERROR_INVALID_VALUE: retried through cuda-python
-    req = SimpleNamespace(allocator=lambda shape, dtype: Out(shape, dtype), stream=CALLER)
-    GpuExecutor._copy_routing(ex, req, IDX)
-    assert python_copies == [("python", 0x5000, 0x7000, 8192, CALLER)]
+def test_launch_dispatch_refuses_a_copy_with_a_handle(mocked) -> None:
+    buf, alloc, _ = mocked
+    x, idx = alloc((T, H), "bfloat16"), alloc((T, K), "int64")
+    h = buf.dispatch(x, idx, num_experts=E, num_sms=4, do_cpu_sync=False, allocator=alloc).handle
+    with pytest.raises(ep_core.EPValueError, match="topk_idx_copy: a cached dispatch makes no new handle"):
+        buf._executor.rank.dispatch(x, handle=h, num_sms=4, topk_idx_copy=alloc((T, K), "int64"))

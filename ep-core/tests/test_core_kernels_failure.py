@@ -124,7 +124,7 @@ def test_op_args_mirror_follows_args_cuh() -> None:
     assert tuple(names) == OP_ARGS_FIELDS
     m = re.search(r"static_assert\(sizeof\(OpArgs\) == (\d+) \* 8", text)
     assert m is not None and int(m.group(1)) == len(OP_ARGS_FIELDS)
-    assert OP_ARGS_FIELDS[-2:] == ("host_error", "envelope")
+    assert OP_ARGS_FIELDS[-3:] == ("host_error", "envelope", "topk_idx_copy")
 
 
 @pytest.mark.parametrize(

@@ -81,9 +81,9 @@ def test_launch_geometry_and_coresidency() -> None:
 
 
 def test_op_args_mirror() -> None:
-    assert len(OP_ARGS_FIELDS) == 43 and len(set(OP_ARGS_FIELDS)) == 43
+    assert len(OP_ARGS_FIELDS) == 44 and len(set(OP_ARGS_FIELDS)) == 44
     raw = pack_op_args(rank=3, flags=FLAGS["expand"] | FLAGS["cached"], workspace=0xFFFF_FFFF_FFFF_FFF0)
-    assert len(raw) == 43 * 8
+    assert len(raw) == 44 * 8
     assert int.from_bytes(raw[6 * 8 : 7 * 8], "little") == 3
     assert int.from_bytes(raw[11 * 8 : 12 * 8], "little") == 3
     with pytest.raises(KeyError):

@@ -397,9 +397,9 @@ def test_failed_setup_releases_locally(fake, monkeypatch) -> None:
 
 # --- kernel argument plumbing --------------------------------------------------------------------------------
 def test_op_args_nccl_window_slot() -> None:
-    assert OP_ARGS_FIELDS.index("nccl_window") == 5 and len(OP_ARGS_FIELDS) == 43
+    assert OP_ARGS_FIELDS.index("nccl_window") == 5 and len(OP_ARGS_FIELDS) == 44
     raw = pack_op_args(nccl_window=0xDEADBEEF000, own_base=0x7000_0000_0000, peer_bases=0)
-    assert len(raw) == 43 * 8
+    assert len(raw) == 44 * 8
     assert int.from_bytes(raw[40:48], "little") == 0xDEADBEEF000
     assert int.from_bytes(raw[32:40], "little") == 0x7000_0000_0000
     assert raw[24:32] == b"\0" * 8
@@ -408,7 +408,7 @@ def test_op_args_nccl_window_slot() -> None:
 PLUMBING = r"""
 #include <cstddef>
 #include <ep_core/kernels.cuh>
-static_assert(sizeof(ep_core::OpArgs) == 43 * 8, "OpArgs size");
+static_assert(sizeof(ep_core::OpArgs) == 44 * 8, "OpArgs size");
 static_assert(offsetof(ep_core::OpArgs, own_base) == 32, "own_base offset");
 static_assert(offsetof(ep_core::OpArgs, nccl_window) == 40, "nccl_window offset");
 static_assert(sizeof(ncclWindow_t) == 8, "ncclWindow_t is one pointer");

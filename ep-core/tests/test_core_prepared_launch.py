@@ -629,8 +629,8 @@ def test_native_words_equal_the_python_patch() -> None:
 
 
 def test_a_repeats_envelope_equals_pack_envelope() -> None:
-    """The repeat keeps each envelope's digest by the handle's launch number and sets the sequence number into it:
-    the same word as `pack_envelope` for any sequence number."""
+    """The repeat continues its fields' CRC over the handle's launch number and sets the sequence number into it:
+    the same word as `pack_envelope` for any sequence and launch number."""
     from ep_core.kernels._envelope import OP_COMBINE, pack_envelope
     from ep_core.kernels.repeat import _Envelopes
 
@@ -638,7 +638,10 @@ def test_a_repeats_envelope_equals_pack_envelope() -> None:
     fields = (7168, 8, 256, 128, 5)
     env = _Envelopes(OP_COMBINE, fields)
     for _ in range(200):
-        seq, launch = rng.randrange(0, 1 << 30), rng.choice([-1, 0, 1, 77, 1 << 20])
+        seq, launch = (
+            rng.randrange(0, 1 << 30),
+            rng.choice([-1, 0, 1, 77, 1 << 20, rng.randrange(-(1 << 40), 1 << 40)]),
+        )
         assert env.word(seq, launch) == pack_envelope(OP_COMBINE, seq, (*fields, launch))
 
 

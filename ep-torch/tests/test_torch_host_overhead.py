@@ -227,25 +227,34 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
 @pytest.mark.parametrize("tokens", [0, 8])
 def test_mocked_gpu_dispatch_copies_the_routing_into_the_handle(one_rank_group, monkeypatch, tokens):
     """Through the GPU executor (driver mocked, bench_host_cpu's), the handle's topk_idx is ep-core's copy of the
-    caller's (an allocator tensor of its own, copied on the call's stream through ep_launch's copy_device) for the
-    full path and the repeats, CPU sync or not; do_handle_copy=False keeps the caller's tensor; an empty routing is
-    an alias, never the caller's object."""
+    caller's (an allocator tensor of its own, whose pointer the dispatch launch carries in `OpArgs::topk_idx_copy`:
+    the kernel fills it, emulated here) for the full path and the repeats, CPU sync or not; do_handle_copy=False
+    keeps the caller's tensor; an empty routing is an alias, never the caller's object."""
     import ctypes
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ep-core" / "benchmarks"))
     import bench_host_cpu as b
+    from ep_core.kernels import prepared_launch as pl
+    from ep_core.kernels._args import OP_ARGS_FIELDS
     from ep_torch import buffer as tbuf
 
     copies: list = []
+    slot_copy, slot_idx = OP_ARGS_FIELDS.index("topk_idx_copy"), OP_ARGS_FIELDS.index("topk_idx")
+    run = pl.PreparedLaunch.run
 
-    def copy_device(dst, src, nbytes, stream):  # the mocked tensors are CPU tensors: copy for real
-        copies.append((dst, src, nbytes))
-        ctypes.memmove(dst, src, nbytes)
-        return 0
+    def kernel(name, words):  # the dispatch kernel's send phase, on the mocked (CPU) tensors
+        if name == "ep_dispatch_impl" and words[slot_copy]:
+            copies.append((words[slot_copy], words[slot_idx]))
+            ctypes.memmove(words[slot_copy], words[slot_idx], tokens * 2 * 8)
 
-    monkeypatch.setattr(b._FakeNative, "copy_device", staticmethod(copy_device))
+    def emulated_run(self, values, stream, wait=None, signal=None):
+        kernel(self.name, self.patch(values))
+        return run(self, values, stream, wait, signal)
+
+    monkeypatch.setattr(pl.PreparedLaunch, "run", emulated_run)
+    monkeypatch.setattr(pl.PreparedLaunch, "launch", lambda self, words, stream: kernel(self.name, words))
     monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
     with b._MockedGpu():
         buf = tbuf.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=64, num_topk=2)
@@ -257,7 +266,7 @@ def test_mocked_gpu_dispatch_copies_the_routing_into_the_handle(one_rank_group, 
             assert h.topk_idx is not idx and torch.equal(h.topk_idx, idx)
             if tokens:
                 assert h.topk_idx.untyped_storage().data_ptr() != idx.untyped_storage().data_ptr()
-                assert copies == [(h.topk_idx.data_ptr(), idx.data_ptr(), idx.numel() * 8)]
+                assert copies == [(h.topk_idx.data_ptr(), idx.data_ptr())]
                 idx.fill_(-1)  # the caller's tensor changes after the call: the handle's does not
                 assert not torch.equal(h.topk_idx, idx)
             else:

@@ -97,9 +97,12 @@ struct OpArgs {
     // --- collective safety (barrier.cuh `cross_rank_barrier`)
     uint64_t envelope;       ///< (op kind << 56) | (sequence number & 0xffffff) << 32 | configuration digest; every
                              ///< rank of one operation must pass the same value (0 = not checked)
+    // --- the new handle's copy of the routing (`do_handle_copy`)
+    void* topk_idx_copy;     ///< [T, K] of topk_idx's dtype, or null: a non-cached dispatch's send phase stores
+                             ///< every lane's routing word there as it reads it (no copy of its own on the stream)
 };
 
-static_assert(sizeof(OpArgs) == 43 * 8, "OpArgs changed: update ep_core.kernels._args");
+static_assert(sizeof(OpArgs) == 44 * 8, "OpArgs changed: update ep_core.kernels._args");
 
 /// View of this rank's symmetric workspace (ep_layout::WorkspaceLayout): the words that peers write.
 /// - barrier arrivals: one uint64 at the start of the barrier-signal region, bumped by every rank per barrier

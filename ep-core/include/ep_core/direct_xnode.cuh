@@ -146,7 +146,7 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
     const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
     uint8_t* const send_stage = recv_region + static_cast<int64_t>(kNumRanks) * M * Tok::kNumBytes;
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
-        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det);
+        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det, true);
         const int64_t word = t >> 5;
         const uint32_t below = (1u << (t & 31)) - 1u;
         int slot = -1;

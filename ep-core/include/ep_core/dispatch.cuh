@@ -50,15 +50,25 @@ EP_CORE_DEVICE void report_input_error(const OpArgs& args, const Scratch& sc, Er
     }
 }
 
+/// `send`: the call of the send phase, which routes every token exactly once; it also stores the lane's routing
+/// word, as read, into the new handle's copy (`OpArgs::topk_idx_copy`, when there is one).
 template <int kNumTopk>
 EP_CORE_DEVICE Route route_token(const OpArgs& args, const Scratch& sc, int64_t t, int lane, int num_experts,
-                                 int experts_per_rank, bool report) {
+                                 int experts_per_rank, bool report, bool send = false) {
     int64_t e = -1;
     if (lane < kNumTopk) {
-        if (args.flags & kFlagTopkIdx32)
-            e = static_cast<const int32_t*>(args.topk_idx)[t * kNumTopk + lane];
-        else
-            e = static_cast<const int64_t*>(args.topk_idx)[t * kNumTopk + lane];
+        const int64_t i = t * kNumTopk + lane;
+        void* const copy = send ? args.topk_idx_copy : nullptr;
+        if (args.flags & kFlagTopkIdx32) {
+            const int32_t v = static_cast<const int32_t*>(args.topk_idx)[i];
+            if (copy != nullptr)
+                static_cast<int32_t*>(copy)[i] = v;
+            e = v;
+        } else {
+            e = static_cast<const int64_t*>(args.topk_idx)[i];
+            if (copy != nullptr)
+                static_cast<int64_t*>(copy)[i] = e;
+        }
     }
     Route r;
     r.valid = e >= 0;
@@ -206,7 +216,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
-        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det);
+        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det, true);
         const int64_t word = t >> 5;
         const uint32_t below = (1u << (t & 31)) - 1u;
         int slot = -1;

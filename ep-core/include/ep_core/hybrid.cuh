@@ -313,7 +313,7 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
     const uint8_t* const x = static_cast<const uint8_t*>(args.x);
     const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
-        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det);
+        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det, true);
         const int64_t word = t >> 5;
         const uint32_t below = (1u << (t & 31)) - 1u;
         int slot = -1;

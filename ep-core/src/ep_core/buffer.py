@@ -32,6 +32,7 @@ from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.prepared import PreparedOps
 from ep_core.topology import MAX_TOPK, Topology
+from ep_core.validation import is_trusted_allocator, trust_handle
 
 __all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
 
@@ -374,13 +375,20 @@ class EPBuffer(BufferBase):
         `dispatch` itself (keywords cost over a microsecond per layer at this many parameters)."""
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
-            self._check_alive()
-            ex = self._executor
-            return ex.dispatch(self._prepared.dispatch_positional(ex, *args, self._sm_cache))
+            return self._dispatch(args)
         with self.announcing("dispatch"):
-            self._check_alive()
-            ex = self._executor
-            return ex.dispatch(self._prepared.dispatch_positional(ex, *args, self._sm_cache))
+            return self._dispatch(args)
+
+    def _dispatch(self, args: tuple) -> DispatchResult:
+        self._check_alive()
+        ex = self._executor
+        req = self._prepared.dispatch_positional(ex, *args, self._sm_cache)
+        res = ex.dispatch(req)
+        # a new handle from the library's own allocator passes the handle checks by construction: recorded as
+        # validated, so that its combine does not check every array again (`validation.trust_handle`)
+        if req.handle is None and is_trusted_allocator(req.allocator):
+            trust_handle(self.config, ex, res.handle)
+        return res
 
     def combine(
         self,

@@ -292,3 +292,5 @@ class ReferenceExecutor:
     @staticmethod
     def default_allocator(shape: tuple[int, ...], dtype: str) -> DeviceArray:
         return host_allocator(shape, dtype)
+
+    default_allocator.__func__.ep_core_trusted = True  # exact shapes and dtypes (`validation.trust_handle`)

@@ -383,6 +383,8 @@ class ElasticBuffer(ElasticOps):
 
             # through the module attribute: benchmarks' step timers (ep-core/benchmarks/host_steps.py) see it
             allocate.int32_block = lambda shapes: array_block.int32_block(allocate, shapes)  # type: ignore[attr-defined]
+            # exact shapes and dtypes on `device`: ep-core records the handles made from it as validated
+            allocate.ep_core_trusted = True  # type: ignore[attr-defined]
             allocators[device] = allocate
         return allocate
 
@@ -536,8 +538,8 @@ class ElasticBuffer(ElasticOps):
                     topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
                 )
             elif res.handle.topk_idx is topk_idx:
-                # ep-core copied every non-empty routing into the handle (on the call's stream, before a CPU-sync
-                # dispatch waits for its counts); an empty one stays an alias, never the caller's tensor object
+                # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
+                # empty one stays an alias, never the caller's tensor object
                 res.handle.topk_idx = topk_idx.detach()
         recv_x: Any = res.recv_x
         if res.recv_sf is not None:

@@ -1,4 +1,4 @@
-"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 43 eight-byte fields in declaration order."""
+"""Python mirror of `ep_core::OpArgs` (include/ep_core/args.cuh): 44 eight-byte fields in declaration order."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ OP_ARGS_FIELDS: tuple[str, ...] = (
     "nccl_devcomm",
     "host_error",
     "envelope",
+    "topk_idx_copy",
 )
 
 FLAGS: dict[str, int] = {

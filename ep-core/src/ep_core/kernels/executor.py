@@ -151,6 +151,7 @@ _DISPATCH_DYNAMIC = (
     "psum_expert",
     "unaligned_expert",
     "cum_stats",
+    "topk_idx_copy",
     "envelope",
 )
 _EPILOGUE_DYNAMIC = (
@@ -630,9 +631,12 @@ class DirectRank:
         num_sms: int = 0,
         cumulative_local_expert_recv_stats: Any = None,
         record: bool = False,
+        topk_idx_copy: Any = None,
     ) -> _PendingDispatch:
         """Validate and launch the dispatch kernel; `finish_dispatch` completes the call. `record`: leave the
-        call's `RepeatDispatch` in `last_repeat` (a dispatch without CPU sync; ep_core.kernels.repeat)."""
+        call's `RepeatDispatch` in `last_repeat` (a dispatch without CPU sync; ep_core.kernels.repeat).
+        `topk_idx_copy`: a contiguous array of topk_idx's shape and dtype that the kernel fills with the routing
+        as it reads it (the new handle's copy, `do_handle_copy`; not with a handle)."""
         self.last_repeat = None
         self.guard()
         self._check_handle(handle)
@@ -709,6 +713,18 @@ class DirectRank:
         if iv.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
             raise EPTypeError(f"topk_idx: expected int64 (or int32), got {iv.dtype}")
         topk = iv.shape[1]
+        copy_ptr = 0
+        if topk_idx_copy is not None:
+            if cached:
+                raise EPValueError(
+                    "topk_idx_copy: a cached dispatch makes no new handle to copy the routing into"
+                )
+            cv = as_view(topk_idx_copy, "topk_idx_copy")
+            if cv.shape != iv.shape or cv.dtype != iv.dtype or not cv.is_contiguous:
+                raise EPValueError(
+                    f"topk_idx_copy: expected a contiguous {iv.dtype} {iv.shape} array, got {cv.shape} {cv.dtype}"
+                )
+            copy_ptr = cv.ptr
         wv = None
         if topk_weights is not None:
             wv = as_view(topk_weights, "topk_weights")
@@ -807,6 +823,7 @@ class DirectRank:
             view_ptr(arrays["psum_expert"], "psum_expert"),
             unaligned_ptr,
             stats_ptr,
+            copy_ptr,
             self._envelope(OP_DISPATCH, (*env_fields, self._handle_launch.get(handle, -1) if cached else -1)),
         )
         args = None
@@ -839,7 +856,7 @@ class DirectRank:
             self._num_collective_launches += bool(dynamic[-1])
         else:
             self._launch_prepared(prepared.main, dynamic, args is not None, bool(dynamic[-1]))
-        keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats])
+        keep.extend([x, sf, topk_idx, topk_weights, cumulative_local_expert_recv_stats, topk_idx_copy])
         pending = _PendingDispatch(
             cfg,
             args,

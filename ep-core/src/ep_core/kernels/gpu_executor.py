@@ -25,6 +25,8 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import int32_block, use_block, use_offered
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
+from ep_core.kernels.repeat import note_handle_topk_idx
+from ep_core.validation import is_trusted_allocator
 
 __all__ = ["GpuExecutor"]
 
@@ -131,6 +133,10 @@ class GpuExecutor:
 
         mem = _cuda.DeviceArray(tuple(shape), _NP.get(dtype, np.uint8), self.stream)
         return CoreArray(mem.ptr, tuple(shape), dtype, device="cuda", device_id=self.device_id, owner=mem)
+
+    default_allocator.ep_core_trusted = (
+        True  # exact shapes and dtypes on this GPU (`validation.trust_handle`)
+    )
 
     def _enter(self, stream: int) -> None:
         """The comm stream waits for the caller's stream. One event serves every call: a stream wait binds to the
@@ -240,9 +246,9 @@ class GpuExecutor:
         fresh = req.async_with_compute_stream
         res = None
         idx = req.topk_idx
-        # the handle's own copy of the routing (`do_handle_copy`), queued before the dispatch so that a CPU-sync
-        # dispatch does this work while its counts are on their way
-        copy = self._copy_routing(req, idx) if req.do_handle_copy and idx is not None and idx.nbytes else None
+        # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
+        # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`)
+        copy = self._routing_copy(req, idx) if req.do_handle_copy and idx is not None and idx.nbytes else None
         rank._allocator = self._allocator(req, req.x.dtype)
         try:
             # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
@@ -262,17 +268,23 @@ class GpuExecutor:
                     req.x.dtype,
                     wait,
                     signal,
+                    0 if copy is None else _cuda.view_ptr(copy, "handle.topk_idx"),
                 )
             if res is None:
                 self._enter(req.stream)
-                res = self._dispatch(req, record=token is not None)
+                res = self._dispatch(req, token is not None, copy)
                 if token is not None:
                     token.plan = rank.last_repeat
                 ev = self._leave(req.stream, fresh=fresh)
         finally:
             rank._allocator = None
         if res.handle is not req.handle and idx is not None:
-            res.handle.topk_idx = idx.obj if copy is None else copy
+            if copy is None:
+                res.handle.topk_idx = idx.obj
+            else:
+                res.handle.topk_idx = copy
+                if is_trusted_allocator(req.allocator):
+                    note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         res.event = ev if fresh else None  # this call's own result object
         return res
 
@@ -282,25 +294,15 @@ class GpuExecutor:
             GpuExecutor.default_allocator
         )
 
-    def _copy_routing(self, req: Any, idx: Any) -> Any:
-        """A new handle's copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor after the call),
-        from the request's allocator, copied on the stream the call is ordered after: the same readiness as the
-        dispatch's own read of it, and the stream the allocator allocates on. The executor's own allocator
-        allocates on the comm stream: the copy runs there, after the comm stream waits for the caller."""
-        allocate = req.allocator
-        copy = allocate(idx.shape, idx.dtype)
-        dst = _cuda.view_ptr(copy, "handle.topk_idx")
-        stream = req.stream
-        if self._is_default_allocator(allocate):
-            self._enter(stream)
-            stream = self.stream.handle
-        native = self._native
-        if native is None or native.copy_device(dst, idx.ptr, idx.nbytes, stream):
-            _cuda.copy_device(dst, idx.ptr, idx.nbytes, stream)  # the Python path (raises the driver's error)
-        return copy
+    def _routing_copy(self, req: Any, idx: Any) -> Any:
+        """A new handle's array for its copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor
+        after the call), from the request's allocator with the routing's shape and dtype; the dispatch kernel
+        fills it (`DirectRank.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
+        return req.allocator(idx.shape, idx.dtype)
 
-    def _dispatch(self, req: Any, record: bool) -> Any:
-        """The full path of `DirectRank.dispatch` (views of every argument, every check)."""
+    def _dispatch(self, req: Any, record: bool, copy: Any = None) -> Any:
+        """The full path of `DirectRank.dispatch` (views of every argument, every check); `copy`: the new
+        handle's copy of the routing, filled by the kernel."""
         return self.rank.dispatch(
             _view(req.x),
             _view(req.topk_idx),
@@ -317,6 +319,7 @@ class GpuExecutor:
             num_sms=req.num_sms,
             cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
             record=record,
+            topk_idx_copy=copy,
         )
 
     def combine(self, req: Any) -> Any:

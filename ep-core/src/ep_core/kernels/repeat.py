@@ -21,6 +21,8 @@ a prepared epilogue when rows are to be copied.
 from __future__ import annotations
 
 import contextlib
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,31 +32,31 @@ import numpy as np
 from ep_core import device_array as _device_array
 from ep_core.handle import EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
-from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, pack_envelope
+from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
 from ep_core.kernels.prepared_launch import PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
 
-__all__ = ["RepeatCombine", "RepeatDispatch", "handle_topk_idx"]
+__all__ = ["RepeatCombine", "RepeatDispatch", "handle_topk_idx", "note_handle_topk_idx"]
 
+_Q = struct.Struct("<q")
 _I32, _I64, _F32, _U16 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.uint16)
 
 
 class _Envelopes:
-    """The envelope words of one plan by the handle's launch number: `pack_envelope(kind, seq, fields + (launch,))`
-    is the digest of the fields (kept per launch number) with the sequence number in its bits 32-55."""
+    """The envelope words of one plan by the handle's launch number: `pack_envelope(kind, seq, fields + (launch,))`.
+    Its digest is the CRC-32 of the packed fields, and a CRC-32 continues over appended bytes
+    (`crc32(b, crc32(a)) == crc32(a + b)`), so the fields' CRC is computed once and each launch number (a new one
+    for every handle) only appends its eight bytes; the word is bit for bit `pack_envelope`'s."""
 
-    __slots__ = ("digests", "fields", "kind")
+    __slots__ = ("crc", "kind", "top")
 
     def __init__(self, kind: int, fields: tuple) -> None:
-        self.kind, self.fields, self.digests = kind, fields, {}
+        self.kind = kind
+        self.crc = zlib.crc32(struct.pack(f"<{len(fields)}q", *fields))
+        self.top = kind << 56
 
     def word(self, seq: int, launch: int) -> int:
-        base = self.digests.get(launch)
-        if base is None:
-            if len(self.digests) >= 64:  # cached dispatches of many handles: keep recent ones
-                self.digests.clear()
-            base = self.digests[launch] = pack_envelope(self.kind, 0, (*self.fields, launch))
-        return base | ((seq & 0xFFFFFF) << 32)
+        return self.top | ((seq & 0xFFFFFF) << 32) | zlib.crc32(_Q.pack(launch), self.crc)
 
 
 def _ptr(obj: Any, what: str) -> int:
@@ -100,6 +102,14 @@ def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, 
     if not seen[2]:
         return None
     return _ptr(idx, "topk_idx"), seen[3]
+
+
+def note_handle_topk_idx(rank: Any, handle: EPHandle, idx: Any, is_int32: bool) -> None:
+    """Keep `handle_topk_idx`'s verdict for a new handle whose `topk_idx` is `idx`, a copy of the dispatch's
+    validated routing from an allocator that returns what it is asked for (C-contiguous, the routing's shape and
+    dtype), so that its combine does not describe it again."""
+    with contextlib.suppress(TypeError):  # not weak-referenceable: checked at first use
+        rank._handle_idx[handle] = (idx, idx.shape, True, is_int32)
 
 
 @dataclass(eq=False)
@@ -155,12 +165,14 @@ class RepeatDispatch:
         x_name: str = "",
         wait: Any = None,
         signal: Any = None,
+        copy_ptr: int = 0,
     ) -> DispatchResult | None:
         """The dispatch, or None (nothing done: the caller takes the full path). `idx_ptr` / `topk_idx`: the
         caller's routing (ignored when cached: the handle's). `allocate(shape, dtype_name)`: the request's
         allocator for the outputs, called as `GpuExecutor`'s wrapper of it calls it (`x_name`: x's dtype name);
         None: the rank's allocator (numpy dtypes). `wait` / `signal`: the executor's stream-order pairs, issued
-        with the dispatch launch and with the last launch (`PreparedLaunch.run`)."""
+        with the dispatch launch and with the last launch (`PreparedLaunch.run`). `copy_ptr`: the new handle's
+        copy of the routing, which the kernel fills (`DirectRank.launch_dispatch`'s `topk_idx_copy`; 0: none)."""
         rank = self.rank
         if rank._last_scratch != self.scratch or rank.debug_skip_scaleout_signal != self.skip_signal:
             return None
@@ -221,6 +233,7 @@ class RepeatDispatch:
             _ptr(psum_expert, "psum_expert"),
             unaligned_ptr,
             stats_ptr,
+            0 if cached else copy_ptr,
             self._envelopes.word(rank._num_collective_launches + 1, launch),
         )
         copies = self.cpu_sync or rows > 0 or self.zero_padding  # the epilogue follows (CPU sync: if rows)
