@@ -37,9 +37,11 @@ STEPS: tuple[tuple[str, str, str], ...] = (
     ("handle state: DirectRank._check_handle", "ep_core.kernels.executor", "DirectRank._check_handle"),
     ("CPU sync: DirectRank._sync_counts", "ep_core.kernels.executor", "DirectRank._sync_counts"),
     ("handle arrays: one block", "ep_core.kernels.array_block", "int32_block"),
+    ("handle arrays: one block, no view", "ep_core.kernels.array_block", "carve"),
     ("outputs: torch.empty", "torch", "empty"),
     ("launches (+ event pairs)", "ep_core.kernels.executor", "DirectRank._launch_prepared"),
     ("new EPHandle", "ep_core.kernels.repeat", "EPHandle"),
+    ("new EPHandle over its block", "ep_core.kernels.repeat", "RepeatDispatch._block_handle"),
 )
 
 

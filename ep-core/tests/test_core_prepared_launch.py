@@ -20,11 +20,12 @@ import ep_layout
 import numpy as np
 import pytest
 from ep_core.device_array import DeviceArray as CoreArray
+from ep_core.handle import BLOCK_PARTS
 from ep_core.kernels import _cuda, array_block
 from ep_core.kernels import executor as executor_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 from ep_core.kernels._cuda import DeviceView
-from ep_core.kernels.array_block import ALIGN_WORDS, int32_block
+from ep_core.kernels.array_block import ALIGN_WORDS, carve, int32_block
 from ep_core.kernels.executor import DirectRank, RankResources
 from ep_core.kernels.prepared_launch import OP_ARGS_STRUCT, PreparedLaunch
 
@@ -820,3 +821,87 @@ def test_a_lone_ranks_cached_dispatch_is_its_copy_epilogue_alone(launches, monke
     rank._num_collective_launches, alloc.next = step, mark
     (_, _), (two, _) = _same_call(rank, alloc, launches, cached)
     assert [e[0] for e in two] == ["dispatch", "epilogue"] and two[1][7] == full[0][7]
+
+
+# ------------------------------------------------------- a repeat's new handle over one unviewed block (ep_core.handle)
+def _offering(alloc: Allocator):
+    """The request-side allocator of GpuExecutor's wrapper: ep_core arrays over `alloc`'s pointers, offering both
+    the eager block (the full path's) and the unviewed one (a repeat's)."""
+
+    def raw(shape, dtype):
+        return CoreArray(alloc(tuple(shape), np.int32).ptr, tuple(shape), dtype, device="cuda")
+
+    class Wrapper:
+        def __call__(self, shape, dtype, strides=None):
+            return alloc(shape, dtype, strides)
+
+        def int32_block(self, shapes):
+            return int32_block(raw, shapes)
+
+        def handle_block(self, shapes):
+            return carve(raw, shapes)
+
+    return Wrapper()
+
+
+_BLOCK_FIELDS = (
+    "dst_buffer_slot_idx",
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
+)
+
+
+def _arrays(h) -> tuple:
+    return tuple((getattr(h, f).ptr, tuple(getattr(h, f).shape)) for f in _BLOCK_FIELDS)
+
+
+@pytest.mark.parametrize("do_cpu_sync", [False, True])
+def test_a_repeats_new_handle_keeps_its_block_and_launches_the_full_paths_bytes(
+    launches, do_cpu_sync
+) -> None:
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    rank._allocator = _offering(alloc)
+    kw = dict(num_experts=EXPERTS, num_sms=8, do_cpu_sync=do_cpu_sync)
+    x, _, idx, w = inputs()
+    rank.dispatch(x, idx, w, record=True, **kw)
+    plan = rank.last_repeat
+    x, _, idx, w = inputs()
+
+    def run(repeat):
+        if repeat:
+            return plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx)
+        return rank.dispatch(x, idx, w, **kw)
+
+    (rep, a), (full, b) = _same_call(rank, alloc, launches, run)
+    assert rep == full and [e[0] for e in rep] == ["dispatch", "epilogue"]
+    parts = vars(a.handle)[BLOCK_PARTS]
+    assert parts[0].views == [None] * len(parts[0].shapes)  # nothing viewed by the dispatch
+    assert ("recv_src_metadata" in vars(a.handle)) is do_cpu_sync  # a CPU-sync handle's rows came later
+    handle = a.handle
+    assert rank._handle_launch[handle] == rank._handle_launch[b.handle]
+    # its combine and cached dispatch read the block's pointers, as the full path reads the views
+    recv = arr((handle.num_recv_tokens, HIDDEN), np.uint16)
+    rank.combine(recv, b.handle, record=True)
+    comb = rank.last_repeat
+    rep_c = _run_logged(rank, alloc, launches, lambda: comb.run(recv.ptr, 0, 0, 0, handle))
+    full_c = _run_logged(rank, alloc, launches, lambda: comb.run(recv.ptr, 0, 0, 0, b.handle))
+    assert rep_c == full_c and parts[0].views == [None] * len(parts[0].shapes)
+    x2, _, _, _ = inputs()
+    rank.dispatch(x2, handle=b.handle, num_sms=8, record=True)
+    cplan = rank.last_repeat
+    assert cplan.cached
+    rep_d = _run_logged(rank, alloc, launches, lambda: cplan.run(x2.ptr, 0, 0, 0, 0, handle, None))
+    full_d = _run_logged(rank, alloc, launches, lambda: cplan.run(x2.ptr, 0, 0, 0, 0, b.handle, None))
+    assert rep_d == full_d and parts[0].views == [None] * len(parts[0].shapes)
+    assert _arrays(handle) == _arrays(b.handle)  # read now: the same pointers and shapes as the full path's
+
+
+def _run_logged(rank, alloc, log: list, fn) -> list:
+    """`fn()`'s launch bytes, from one launch number and allocation mark (the same envelopes and outputs)."""
+    rank._num_collective_launches, alloc.next = 1000, 1 << 46
+    n = len(log)
+    fn()
+    return [entry[-1] for entry in log[n:]]

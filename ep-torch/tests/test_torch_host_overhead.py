@@ -275,3 +275,48 @@ def test_mocked_gpu_dispatch_copies_the_routing_into_the_handle(one_rank_group, 
                 x, topk_idx=idx, num_experts=8, num_sms=4, do_cpu_sync=False, do_handle_copy=False
             )[3]
             assert h2.topk_idx is idx
+
+
+def test_mocked_gpu_repeat_handle_keeps_its_block_until_a_field_is_read(one_rank_group, monkeypatch):
+    """Through the GPU executor (driver mocked, bench_host_cpu's), a repeated dispatch's new handle keeps its int32
+    arrays in one block with no view made (`ep_core.handle`), through its combine and cached dispatch; a field read
+    is a view of that block, and reading keeps the handle's validated record; a field replaced by a wrong array is
+    checked again at the next combine, which names it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ep-core" / "benchmarks"))
+    import bench_host_cpu as b
+    from ep_core import validation
+    from ep_core.errors import EPValueError
+    from ep_core.handle import BLOCK_PARTS
+    from ep_torch import buffer as tbuf
+
+    monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
+    checks: list = []
+    real = validation._check_handle_arrays
+    monkeypatch.setattr(validation, "_check_handle_arrays", lambda *a: checks.append(a[2]) or real(*a))
+    with b._MockedGpu():
+        buf = tbuf.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=64, num_topk=2)
+        x = torch.ones(8, 64, dtype=torch.bfloat16)
+        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % 8
+        kw = dict(num_experts=8, num_sms=4, do_cpu_sync=False)
+        first = buf.dispatch(x, topk_idx=idx, **kw)[3]
+        assert BLOCK_PARTS not in vars(first)  # the full path views its block at once
+        recv = torch.ones(first.num_recv_tokens, 64, dtype=torch.bfloat16)
+        buf.combine(recv, first, num_sms=4)  # the full paths of the combine and the cached dispatch
+        buf.dispatch(x, handle=first, num_sms=4)
+        h = buf.dispatch(x, topk_idx=idx, **kw)[3]
+        block = vars(h)[BLOCK_PARTS][0]
+        buf.combine(recv, h, num_sms=4)
+        buf.dispatch(x, handle=h, num_sms=4)
+        assert block.views == [None] * len(block.shapes) and h not in checks
+        meta = h.recv_src_metadata
+        assert meta.dtype == torch.int32 and meta.data_ptr() in block.ptrs
+        assert meta.untyped_storage().data_ptr() == block.array.untyped_storage().data_ptr()
+        buf.combine(recv, h, num_sms=4)
+        assert h not in checks  # reading a field kept the record
+        h.psum_num_recv_tokens_per_expert = torch.zeros(3, dtype=torch.int32)
+        with pytest.raises(EPValueError, match="psum_num_recv_tokens_per_expert"):
+            buf.combine(recv, h, num_sms=4)
+        assert h in checks

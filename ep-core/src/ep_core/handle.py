@@ -25,7 +25,16 @@ import numpy as np
 
 from ep_core.errors import EPTypeError, EPValueError
 
-__all__ = ["EPHandle"]
+__all__ = ["BLOCK_PARTS", "MISSING", "EPHandle"]
+
+# A new handle of a repeated dispatch keeps its int32 arrays in one block (`ep_core.kernels.array_block`) and sets
+# `handle.__dict__[BLOCK_PARTS] = (block, {field name: part}, keys, shapes)` instead of those fields: the kernels
+# read the parts' pointers (`block.ptrs`), and a field's view is made the first time it is read
+# (`EPHandle.__getattr__`), then kept as the field's value. Replacing a field is an ordinary attribute write.
+# `keys`: the size of the handle's `__dict__` as the dispatch left it; `shapes`: the shapes of the five arrays
+# `validation.handle_fingerprint` reads after `topk_idx` when all five are in the block, else None.
+BLOCK_PARTS = "_block_parts"
+MISSING = object()  # `dict.get`'s default for an absent field
 
 # DeepEP's expand-mode sort key: expert * 1e10, minus 5e9 plus the source id for a valid row (so valid rows come
 # first inside their expert, by source), padding rows keep expert * 1e10.
@@ -87,6 +96,16 @@ class EPHandle:
     num_ranks: int = 0
     rank: int = -1
     cached_recv_src_metadata_before_sort: Any = field(default=None, repr=False)
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for a name the instance lacks: an array field still in the handle's block (module doc)
+        parts = self.__dict__.get(BLOCK_PARTS)
+        if parts is not None:
+            part = parts[1].get(name)
+            if part is not None:
+                view = self.__dict__[name] = parts[0].view(part)
+                return view
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def num_topk(self) -> int:

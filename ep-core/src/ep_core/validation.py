@@ -49,7 +49,7 @@ from typing import Any
 from ep_core import planner
 from ep_core.device_array import ArrayInfo, describe
 from ep_core.errors import EPTypeError, EPValueError
-from ep_core.handle import EPHandle
+from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest
 from ep_core.topology import MAX_TOPK
 
@@ -196,7 +196,7 @@ def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_
 _validated_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-_handle_arrays = operator.attrgetter(
+_HANDLE_ARRAY_NAMES = (
     "topk_idx",
     "psum_num_recv_tokens_per_scaleup_rank",
     "psum_num_recv_tokens_per_expert",
@@ -204,6 +204,7 @@ _handle_arrays = operator.attrgetter(
     "recv_src_metadata",
     "dst_buffer_slot_idx",
 )
+_handle_arrays = operator.attrgetter(*_HANDLE_ARRAY_NAMES)
 
 
 # every scalar field a rule or a resolved default reads (`ep_core.prepared` keys its entries by them too)
@@ -228,16 +229,47 @@ def handle_fingerprint(config: BufferConfig, target: Any, h: EPHandle) -> tuple:
     scalar fields and the arrays' shapes (`topk_idx`'s first) in one tuple (one comparison); the arrays and the
     buffer's config (frozen), compared by identity (kept alive with the entry, so that no other array can take an
     array's place)."""
-    arrays = _handle_arrays(h)
+    parts = h.__dict__.get(BLOCK_PARTS)
+    if parts is None:
+        arrays = _handle_arrays(h)
+        try:
+            shapes = tuple(map(_shape, arrays))
+        except AttributeError:  # an absent array (None) or one without a shape
+            shapes = tuple([getattr(a, "shape", None) for a in arrays])
+    else:
+        arrays, shapes = _block_arrays(h, parts)
     try:
         device = _target_device(target)
     except AttributeError:
         device = (getattr(target, "array_device", "cuda"), getattr(target, "device_id", 0))
-    try:
-        shapes = tuple(map(_shape, arrays))
-    except AttributeError:  # an absent array (None) or one without a shape
-        shapes = tuple([getattr(a, "shape", None) for a in arrays])
     return (device, _handle_scalars(h), shapes), arrays, config
+
+
+def _block_arrays(h: EPHandle, parts: tuple) -> tuple[tuple, tuple]:
+    """`handle_fingerprint`'s arrays and shapes of a handle whose int32 arrays are in one block (`ep_core.handle`):
+    a field still in the block, or read from it (the view the block made), counts as the block itself with the
+    part's shape, so reading a field changes no fingerprint; a field replaced by another array counts as that
+    array."""
+    d = h.__dict__
+    block, fields, size, shapes_in_block = parts
+    if len(d) == size and shapes_in_block is not None:
+        # as the dispatch left it (no field read or set since: that adds a key) and every array but topk_idx in
+        # the block: the common case, without the loop
+        idx = d["topk_idx"]
+        return (idx, block, block, block, block, block), (idx.shape, *shapes_in_block)
+    arrays, shapes = [], []
+    for name in _HANDLE_ARRAY_NAMES:
+        a = d.get(name, MISSING)
+        part = fields.get(name)
+        if part is not None and (a is MISSING or a is block.views[part]):
+            arrays.append(block)
+            shapes.append(block.shapes[part])
+        else:
+            if a is MISSING:
+                a = getattr(h, name)
+            arrays.append(a)
+            shapes.append(getattr(a, "shape", None))
+    return tuple(arrays), tuple(shapes)
 
 
 def _cacheable(fingerprint: tuple) -> bool:

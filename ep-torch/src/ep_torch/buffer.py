@@ -369,7 +369,8 @@ class ElasticBuffer(ElasticOps):
     def _allocator(self, device: torch.device) -> Any:
         """Outputs as torch tensors on ``device``, from the caching allocator of the current stream (one allocator
         per device, reused by every call). It offers ``int32_block``: a new handle's int32 arrays as disjoint views
-        of one ``torch.empty`` (``ep_core.kernels.array_block``; they all belong to the one handle returned)."""
+        of one ``torch.empty`` (``ep_core.kernels.array_block``; they all belong to the one handle returned), and
+        ``handle_block``: the same block, each view made when the handle's field is first read."""
         allocators = self.__dict__.setdefault("_allocators", {})
         allocate = allocators.get(device)
         if allocate is None:
@@ -383,6 +384,8 @@ class ElasticBuffer(ElasticOps):
 
             # through the module attribute: benchmarks' step timers (ep-core/benchmarks/host_steps.py) see it
             allocate.int32_block = lambda shapes: array_block.int32_block(allocate, shapes)  # type: ignore[attr-defined]
+            # the same block with no view made: a repeated dispatch's new handle views a field when it is read
+            allocate.handle_block = lambda shapes: array_block.carve(allocate, shapes)  # type: ignore[attr-defined]
             # exact shapes and dtypes on `device`: ep-core records the handles made from it as validated
             allocate.ep_core_trusted = True  # type: ignore[attr-defined]
             allocators[device] = allocate

@@ -2,13 +2,16 @@
 source metadata; six in hybrid mode), and each allocation through the caller's allocator (torch's caching allocator,
 ep_core's stream-ordered one) costs microseconds of host time.
 
-`int32_block(allocate, shapes)` allocates one int32 array through `allocate(shape, dtype_name)` and returns one
-view of it per shape, each starting on a 256-byte boundary (the alignment of a separate allocation, which the kernels'
-loads may assume), as the same array type as the block: ep_core `DeviceArray`s over the block's memory (owning
-it), or slices of an array that slices and reshapes (torch tensors, CuPy and numpy arrays: `block[a:b].reshape`).
-The views are disjoint, so they are as independent as separate allocations: every one belongs to the one handle
-that is returned to the caller and none is reused by a later call. Another block type returns None (the caller
-then allocates each array separately). `EPKIT_HANDLE_BLOCK` picks the allocators that use it (`use_block`).
+`carve(allocate, shapes)` allocates one int32 array through `allocate(shape, dtype_name)` and lays it out for
+`shapes`, each part starting on a 256-byte boundary (the alignment of a separate allocation, which the kernels' loads
+may assume): an `Int32Block`, which knows every part's pointer at once and makes a part's view on first use, as the
+block's array type: ep_core `DeviceArray`s over the block's memory (owning it), torch views, or slices of an array
+that slices and reshapes (CuPy and numpy arrays: `block[a:b].reshape`). A new handle keeps its block so
+(`ep_core.handle`): the kernels read only the pointers, and a view is made when the caller reads the field.
+`int32_block(allocate, shapes)` is the same block with every view made at once. The parts are disjoint, so they
+are as independent as separate allocations: every one belongs to the one handle that is returned to the caller
+and none is reused by a later call. Another block type gives None (the caller then allocates each array
+separately). `EPKIT_HANDLE_BLOCK` picks the allocators that use it (`use_block`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 from ep_core.device_array import DeviceArray as CoreArray
 
-__all__ = ["ALIGN_WORDS", "MODE", "int32_block", "use_block", "use_offered"]
+__all__ = ["ALIGN_WORDS", "MODE", "Int32Block", "carve", "int32_block", "use_block", "use_offered"]
 
 ALIGN_WORDS = 64  # 256 bytes of int32
 # Which allocators carve one block (`GpuExecutor` asks `use_block` / `use_offered`): "offered" (default): an
@@ -98,16 +101,69 @@ def _layout(shapes: Sequence[tuple]) -> tuple:
     return got
 
 
-def int32_block(allocate: Callable[[tuple, str], Any], shapes: Sequence[tuple]) -> list[Any] | None:
-    """One int32 allocation carved into C-contiguous arrays of `shapes` (None: the block's type cannot be
-    carved; the block is dropped and the caller allocates each array)."""
-    offsets, sizes, total, strided = _layout(shapes)
-    block = allocate((max(total, 1),), "int32")
-    if type(block) is CoreArray:
-        return [_core_view(block, off, shape) for off, shape in zip(offsets, shapes)]
-    if type(block).__module__ == "torch":
-        view = block.as_strided  # one call per view (a split_with_sizes costs more: a tensor per part)
-        return [view(shape, strides, off) for shape, strides, off in strided]
-    if hasattr(block, "reshape") and hasattr(block, "__getitem__"):
-        return [block[off : off + n].reshape(shape) for off, n, shape in zip(offsets, sizes, shapes)]
+class Int32Block:
+    """One int32 allocation (`array`) and its layout: the pointer of each part is known at once, its view is made
+    on first use (`view(i)`, then kept: the same object every time). A new handle holds its block this way
+    (`ep_core.handle`), so a dispatch whose handle arrays are only read by the kernels makes no view at all."""
+
+    __slots__ = ("_kind", "_strided", "array", "ptrs", "shapes", "views")
+
+    def __init__(self, array: Any, shapes: tuple, kind: str) -> None:
+        offsets, _sizes, _total, strided = _layout(shapes)
+        self.array = array
+        self.shapes = shapes
+        self._strided = strided
+        self._kind = kind
+        # the parts' pointers (None for a sliced host or foreign array: its views are made and read instead)
+        self.ptrs: tuple | None = None
+        if kind != "sliced":
+            base = array.data_ptr() if kind == "torch" else array.ptr
+            self.ptrs = tuple([base + 4 * off for off in offsets])
+        self.views: list = [None] * len(shapes)
+
+    def view(self, i: int) -> Any:
+        """Part `i` as the block's array type (C-contiguous int32, the shape `shapes[i]`)."""
+        got = self.views[i]
+        if got is None:
+            shape, strides, off = self._strided[i]
+            if self._kind == "torch":
+                got = self.array.as_strided(shape, strides, off)
+            elif self._kind == "core":
+                got = _core_view(self.array, off, shape)
+            else:
+                got = self.array[off : off + math.prod(shape)].reshape(shape)
+            self.views[i] = got
+        return got
+
+    def __reduce__(self) -> tuple:
+        # a copy (copy.deepcopy of a handle) reads its own array's pointers; views are made again
+        return (Int32Block, (self.array, self.shapes, self._kind))
+
+
+def _kind(array: Any) -> str | None:
+    if type(array) is CoreArray:
+        return "core"
+    if type(array).__module__ == "torch":
+        return "torch"
+    if hasattr(array, "reshape") and hasattr(array, "__getitem__"):
+        return "sliced"  # an array type that slices and reshapes (CuPy, numpy)
     return None
+
+
+def carve(allocate: Callable[[tuple, str], Any], shapes: Sequence[tuple]) -> Int32Block | None:
+    """One int32 allocation through `allocate` laid out for `shapes` (None: the block's type cannot be carved;
+    it is dropped and the caller allocates each array)."""
+    key = shapes if type(shapes) is tuple else tuple([tuple(s) for s in shapes])
+    total = _layout(key)[2]
+    array = allocate((max(total, 1),), "int32")
+    kind = _kind(array)
+    return None if kind is None else Int32Block(array, key, kind)
+
+
+def int32_block(allocate: Callable[[tuple, str], Any], shapes: Sequence[tuple]) -> list[Any] | None:
+    """One int32 allocation carved into C-contiguous arrays of `shapes`, every view made now (None: the block's
+    type cannot be carved; the caller allocates each array)."""
+    block = carve(allocate, shapes)
+    if block is None:
+        return None
+    return [block.view(i) for i in range(len(block.shapes))]

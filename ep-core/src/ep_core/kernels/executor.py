@@ -975,7 +975,9 @@ class DirectRank:
         meta = p.arrays.get("src_metadata")
         if meta is None:
             meta = self._alloc((num_recv, k + 2), np.int32)
-        outputs = epilogue_outputs(view_ptr, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
+        outputs = epilogue_outputs(
+            view_ptr, view_ptr(meta, "recv_src_metadata"), recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
+        )
         pdl = self._epilogue_pdl(p)
         if rows > 0 or p.zero_padding:
             # no grid barrier in the epilogue: a plain launch (or a programmatic dependent one)

@@ -23,9 +23,9 @@ import numpy as np
 from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
-from ep_core.kernels.array_block import int32_block, use_block, use_offered
+from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
 from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
-from ep_core.kernels.repeat import note_handle_topk_idx
+from ep_core.kernels.repeat import array_ptr, note_handle_topk_idx
 from ep_core.validation import is_trusted_allocator
 
 __all__ = ["GpuExecutor"]
@@ -67,6 +67,9 @@ class GpuExecutor:
     """`Executor` of one rank: validated requests in, kernels launched on the comm stream."""
 
     array_device = "cuda"
+    channel = (
+        None  # no host channel: the kernels meet their peers on the device (`EPBuffer._step` reads this)
+    )
 
     def __init__(self, config: Any, storage: Any, bootstrap: Any) -> None:  # an IpcStorage or NcclStorage
         self.config = config
@@ -202,13 +205,18 @@ class GpuExecutor:
                 return allocate((packs, strides[1]), name)
             return allocate(tuple(shape), name)
 
-        # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block)
+        # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block): viewed at once by the full
+        # path (`int32_block`), left in the block by a repeat (`handle_block`: the handle views a field when read)
         own = self._is_default_allocator(allocate)
         offered = getattr(allocate, "int32_block", None)  # the allocator's own (ep_torch's: torch views)
         if offered is not None and use_offered():
             alloc.int32_block = offered
+            lazy = getattr(allocate, "handle_block", None)
+            if lazy is not None:
+                alloc.handle_block = lazy
         elif use_block(own):
             alloc.int32_block = lambda shapes: int32_block(allocate, shapes)
+            alloc.handle_block = lambda shapes: carve(allocate, shapes)
         if key is not None:
             if (
                 len(self._allocators) >= 16
@@ -268,7 +276,7 @@ class GpuExecutor:
                     req.x.dtype,
                     wait,
                     signal,
-                    0 if copy is None else _cuda.view_ptr(copy, "handle.topk_idx"),
+                    0 if copy is None else array_ptr(copy, "handle.topk_idx"),
                 )
             if res is None:
                 self._enter(req.stream)

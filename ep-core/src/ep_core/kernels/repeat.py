@@ -30,13 +30,13 @@ import ep_layout
 import numpy as np
 
 from ep_core import device_array as _device_array
-from ep_core.handle import EPHandle
+from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
 from ep_core.kernels.prepared_launch import PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
 
-__all__ = ["RepeatCombine", "RepeatDispatch", "handle_topk_idx", "note_handle_topk_idx"]
+__all__ = ["RepeatCombine", "RepeatDispatch", "array_ptr", "handle_topk_idx", "note_handle_topk_idx"]
 
 _Q = struct.Struct("<q")
 _I32, _I64, _F32, _U16 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.uint16)
@@ -59,7 +59,7 @@ class _Envelopes:
         return self.top | ((seq & 0xFFFFFF) << 32) | zlib.crc32(_Q.pack(launch), self.crc)
 
 
-def _ptr(obj: Any, what: str) -> int:
+def array_ptr(obj: Any, what: str) -> int:
     """`view_ptr` of an array whose type and dtype are known good (the handle's arrays, validated by this call's
     `check_handle`; outputs of this call's allocator): a torch tensor's `data_ptr()` without the dtype lookup."""
     if type(obj) is _device_array._torch_tensor_type:
@@ -68,13 +68,21 @@ def _ptr(obj: Any, what: str) -> int:
 
 
 def epilogue_outputs(
-    ptr: Any, meta: Any, recv_x: Any, recv_sf: Any, sf_strides: tuple, recv_idx: Any, recv_w: Any, rows: int
+    ptr: Any,
+    meta_ptr: int,
+    recv_x: Any,
+    recv_sf: Any,
+    sf_strides: tuple,
+    recv_idx: Any,
+    recv_w: Any,
+    rows: int,
 ) -> tuple:
     """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order (executor.py); the envelope is 0: the
-    epilogue meets no peer and is not a collective launch. `ptr` is `view_ptr` (full path) or `_ptr` (a repeat)."""
+    epilogue meets no peer and is not a collective launch. `ptr` is `view_ptr` (full path) or `array_ptr` (a repeat);
+    `meta_ptr`: the handle's `recv_src_metadata`."""
     return (
         0,
-        ptr(meta, "recv_src_metadata"),
+        meta_ptr,
         ptr(recv_x, "recv_x"),
         ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
         sf_strides[0],
@@ -83,6 +91,32 @@ def epilogue_outputs(
         ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
         rows,
     )
+
+
+# `DirectRank`'s names of a new handle's int32 arrays -> the handle's fields
+_HANDLE_FIELD = {
+    "dst_slot": "dst_buffer_slot_idx",
+    "psum_rank": "psum_num_recv_tokens_per_scaleup_rank",
+    "fwd": "token_metadata_at_forward",
+    "psum_expert": "psum_num_recv_tokens_per_expert",
+    "unaligned": "num_unaligned_recv_tokens_per_expert",
+    "src_metadata": "recv_src_metadata",
+}
+_HANDLE_TYPE = (
+    EPHandle  # for `object.__new__` (the name `EPHandle` may be wrapped by a benchmark's step timer)
+)
+
+
+def _field_ptr(handle: EPHandle, parts: tuple | None, name: str) -> int:
+    """The pointer of a handle's array field: the field's own array when it is set (a view read from the block,
+    one the caller put there), else its part of the handle's block (`ep_core.handle`), without making a view."""
+    a = handle.__dict__.get(name, MISSING)
+    if a is MISSING:
+        part = None if parts is None else parts[1].get(name)
+        if part is not None:
+            return parts[0].ptrs[part]
+        a = getattr(handle, name)  # raises AttributeError
+    return array_ptr(a, name)
 
 
 def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, bool] | None:
@@ -101,15 +135,17 @@ def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, 
             rank._handle_idx[handle] = seen
     if not seen[2]:
         return None
-    return _ptr(idx, "topk_idx"), seen[3]
+    return array_ptr(idx, "topk_idx"), seen[3]
 
 
 def note_handle_topk_idx(rank: Any, handle: EPHandle, idx: Any, is_int32: bool) -> None:
     """Keep `handle_topk_idx`'s verdict for a new handle whose `topk_idx` is `idx`, a copy of the dispatch's
     validated routing from an allocator that returns what it is asked for (C-contiguous, the routing's shape and
     dtype), so that its combine does not describe it again."""
-    with contextlib.suppress(TypeError):  # not weak-referenceable: checked at first use
+    try:  # noqa: SIM105 (every new handle passes here: a `with` costs about half a microsecond more)
         rank._handle_idx[handle] = (idx, idx.shape, True, is_int32)
+    except TypeError:  # not weak-referenceable: checked at first use
+        pass
 
 
 @dataclass(eq=False)
@@ -151,6 +187,56 @@ class RepeatDispatch:
         shapes = self.int32_shapes or {}
         self._int32_names = tuple(shapes)
         self._int32_key = tuple([tuple(s) for s in shapes.values()])
+        self._part = {name: i for i, name in enumerate(self._int32_names)}
+        self._fields = {_HANDLE_FIELD[name]: i for i, name in enumerate(self._int32_names)}
+        # the block's shapes in `validation.handle_fingerprint`'s order after topk_idx, when all five are there
+        order = ("psum_rank", "psum_expert", "unaligned", "src_metadata", "dst_slot")
+        self._shapes_in_block = (
+            tuple([tuple(shapes[name]) for name in order]) if all(name in shapes for name in order) else None
+        )
+        rank = self.rank
+        # the fields every new handle of this plan has (`_block_handle`)
+        self._fixed = {
+            "do_expand": self.expand,
+            "num_experts": self.num_experts,
+            "expert_alignment": self.alignment,
+            "num_max_tokens_per_rank": rank.num_max_tokens,
+            "num_sms": self.num_sms,
+            "channel_linked_list": None,
+            "num_ranks": rank.num_ranks,
+            "rank": rank.rank,
+            "cached_recv_src_metadata_before_sort": None,
+        }
+        if not self.hybrid:
+            self._fixed["token_metadata_at_forward"] = None
+
+    def _alloc_arrays(self, rank: Any, allocate: Any) -> dict:
+        """A new handle's int32 arrays, viewed (an allocator that carves no `handle_block`)."""
+        block = getattr(rank._allocator, "int32_block", None)
+        views = None if block is None else block(self._int32_key)
+        if views is not None:  # one allocation (`DirectRank._alloc_int32`'s block, by the shapes' key)
+            return dict(zip(self._int32_names, views))
+        if allocate is not None:
+            # the request's allocator by name, as GpuExecutor's wrapper calls it (no block to carve)
+            return {name: allocate(shape, "int32") for name, shape in self.int32_shapes.items()}
+        return rank._alloc_int32(self.int32_shapes)
+
+    def _block_handle(
+        self, block: Any, topk_idx: Any, num_recv: int, num_expanded: int, expert_list: list, meta: Any
+    ) -> EPHandle:
+        """The new handle, its int32 arrays left in their block (`ep_core.handle`): the fields are set directly,
+        the block's are read through `EPHandle.__getattr__` when the caller asks for them."""
+        handle = object.__new__(_HANDLE_TYPE)
+        d = handle.__dict__
+        d.update(self._fixed)
+        d["topk_idx"] = topk_idx
+        d["num_recv_tokens"] = num_recv
+        d["num_expanded_tokens"] = num_expanded
+        d["num_recv_tokens_per_expert_list"] = expert_list
+        if meta is not None:  # a CPU-sync dispatch's, allocated once its rows were known
+            d["recv_src_metadata"] = meta
+        d[BLOCK_PARTS] = (block, self._fields, len(d) + 1, self._shapes_in_block)
+        return handle
 
     def run(
         self,
@@ -187,8 +273,7 @@ class RepeatDispatch:
             topk_idx = handle.topk_idx
             num_recv = handle.num_recv_tokens
             num_expanded = handle.num_expanded_tokens
-            fwd = handle.token_metadata_at_forward
-            if self.hybrid and fwd is None:
+            if self.hybrid and handle.__dict__.get("token_metadata_at_forward", MISSING) is None:
                 return None
         else:
             num_recv, num_expanded = self.num_recv, self.num_expanded
@@ -198,39 +283,54 @@ class RepeatDispatch:
         epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl and not alone else self.prepared.epilogue
         if epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
             return None
+        new_block = None  # a new handle's block, its arrays not viewed (`ep_core.handle`)
+        meta = None
         if cached:
-            dst_slot = handle.dst_buffer_slot_idx
-            psum_rank = handle.psum_num_recv_tokens_per_scaleup_rank
-            psum_expert = handle.psum_num_recv_tokens_per_expert
-            unaligned = handle.num_unaligned_recv_tokens_per_expert
-            meta = handle.recv_src_metadata
+            held = handle.__dict__.get(BLOCK_PARTS)
+            dst_ptr = _field_ptr(handle, held, "dst_buffer_slot_idx")
+            psum_rank_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank")
+            psum_expert_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_expert")
+            unaligned_ptr = _field_ptr(handle, held, "num_unaligned_recv_tokens_per_expert")
+            meta_ptr = _field_ptr(handle, held, "recv_src_metadata")
+            fwd_ptr = _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0
             launch = rank._handle_launch.get(handle, -1)
         else:
-            block = getattr(rank._allocator, "int32_block", None)
-            views = None if block is None else block(self._int32_key)
-            if views is not None:  # one allocation (`DirectRank._alloc_int32`'s block, by the shapes' key)
-                arrays = dict(zip(self._int32_names, views))
-            elif allocate is not None:
-                # the request's allocator by name, as GpuExecutor's wrapper calls it (no block to carve)
-                arrays = {name: allocate(shape, "int32") for name, shape in self.int32_shapes.items()}
+            carve = getattr(rank._allocator, "handle_block", None)
+            block = None if carve is None else carve(self._int32_key)
+            if block is not None and block.ptrs is not None:
+                # one allocation, no view: the handle keeps the block (`ep_core.handle`)
+                new_block = block
+                ptrs, at = block.ptrs, self._part
+                dst_ptr, psum_rank_ptr = ptrs[at["dst_slot"]], ptrs[at["psum_rank"]]
+                psum_expert_ptr, unaligned_ptr = ptrs[at["psum_expert"]], ptrs[at["unaligned"]]
+                fwd_ptr = ptrs[at["fwd"]] if self.hybrid else 0
+                meta_ptr = ptrs[at["src_metadata"]] if "src_metadata" in at else None
             else:
-                arrays = rank._alloc_int32(self.int32_shapes)
-            dst_slot, psum_rank = arrays["dst_slot"], arrays["psum_rank"]
-            psum_expert, unaligned = arrays["psum_expert"], arrays["unaligned"]
-            fwd = arrays.get("fwd")
-            meta = arrays.get("src_metadata")
+                if block is not None:  # a block type without pointers of its own: its views
+                    arrays = dict(zip(self._int32_names, map(block.view, range(len(block.shapes)))))
+                else:
+                    arrays = self._alloc_arrays(rank, allocate)
+                dst_slot, psum_rank = arrays["dst_slot"], arrays["psum_rank"]
+                psum_expert, unaligned = arrays["psum_expert"], arrays["unaligned"]
+                fwd = arrays.get("fwd")
+                meta = arrays.get("src_metadata")
+                dst_ptr, psum_rank_ptr = array_ptr(dst_slot, "dst_slot"), array_ptr(psum_rank, "psum_rank")
+                psum_expert_ptr, unaligned_ptr = (
+                    array_ptr(psum_expert, "psum_expert"),
+                    array_ptr(unaligned, "unaligned"),
+                )
+                fwd_ptr = array_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0
+                meta_ptr = None if meta is None else array_ptr(meta, "recv_src_metadata")
             launch = -1
-        psum_rank_ptr = _ptr(psum_rank, "psum_rank")
-        unaligned_ptr = _ptr(unaligned, "unaligned")
         dynamic = (
             x_ptr,
             sf_ptr,
             idx_ptr,
             w_ptr,
-            _ptr(dst_slot, "dst_slot"),
-            _ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
+            dst_ptr,
+            fwd_ptr,
             psum_rank_ptr,
-            _ptr(psum_expert, "psum_expert"),
+            psum_expert_ptr,
             unaligned_ptr,
             stats_ptr,
             0 if cached else copy_ptr,
@@ -275,14 +375,22 @@ class RepeatDispatch:
         recv_w = None
         if self.has_weights:
             recv_w = alloc((rows,) if self.expand else (rows, k), f32)
-        if meta is None:
+        if meta_ptr is None:  # a new handle of a CPU-sync dispatch: its rows are known now
             meta = alloc((num_recv, k + 2), i32)
+            meta_ptr = array_ptr(meta, "recv_src_metadata")
         if rows > 0 or self.zero_padding:
-            outputs = epilogue_outputs(_ptr, meta, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows)
+            outputs = epilogue_outputs(
+                array_ptr, meta_ptr, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
+            )
             rank._launch_prepared(epilogue, dynamic + outputs, False, False, wait, signal)
         elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
             record_wait(signal[0], rank.stream.handle, signal[1])
-        if not cached:
+        if new_block is not None:
+            handle = self._block_handle(new_block, topk_idx, num_recv, num_expanded, expert_list, meta)
+            rank._handle_launch[handle] = launch_number
+            if not self.cpu_sync:
+                rank._unconfirmed.add(handle)
+        elif not cached:
             handle = EPHandle(
                 self.expand,
                 self.num_experts,
@@ -348,8 +456,9 @@ class RepeatCombine:
         seen = handle_topk_idx(rank, handle, self.num_tokens)
         if seen is None or seen[1] != self.idx32:
             return None
-        fwd = handle.token_metadata_at_forward
-        if self.hybrid and fwd is None:
+        d = handle.__dict__
+        held = d.get(BLOCK_PARTS)
+        if self.hybrid and d.get("token_metadata_at_forward", MISSING) is None:
             return None
         t, hidden, k = self.num_tokens, self.hidden, self.topk
         if allocate is None:
@@ -360,15 +469,15 @@ class RepeatCombine:
             combined_w = allocate((t, k), "float32") if self.has_weights else None
         dynamic = (
             seen[0],
-            _ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
-            _ptr(handle.recv_src_metadata, "recv_src_metadata"),
-            _ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0,
+            _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank"),
+            _field_ptr(handle, held, "recv_src_metadata"),
+            _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0,
             x_ptr,
             w_ptr,
             bias0,
             bias1,
-            _ptr(combined, "combined_x"),
-            _ptr(combined_w, "combined_w") if combined_w is not None else 0,
+            array_ptr(combined, "combined_x"),
+            array_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelopes.word(rank._num_collective_launches + 1, rank._handle_launch.get(handle, -1)),
         )
         rank._launch_prepared(self.prepared.main, dynamic, False, True, wait, signal)
