@@ -3,10 +3,11 @@
 
 One rank on one GPU (an nccl group of size 1, the automatic transport), a small batch (T tokens, default 128) so
 that the GPU is never the bottleneck: each op is issued `--iters` times without synchronizing, and the host time
-per call is reported (median over 5 rounds). `--profile` adds a cProfile of the cached dispatch + combine loop
-(top functions by own time), which is where host overhead hides.
+per call is reported: the median and the minimum over `--rounds` rounds, each round running every op in turn, and
+the median ratio to the torch reference of the same round (the steadier figure on a shared host). `--profile` adds
+a cProfile of the cached dispatch + combine loop (top functions by own time), which is where host overhead hides.
 
-    python benchmarks/bench_host_overhead.py --out OUTDIR [--tokens 128] [--iters 200] [--profile]
+    python benchmarks/bench_host_overhead.py --out OUTDIR [--tokens 128] [--iters 200] [--rounds 5] [--profile]
 
 After the table, each ep_torch op is run once more under `ep-core/benchmarks/host_steps.py`'s timing wrappers
 (per-step inclusive / own us per call: validation, the repeat road, torch allocations, launches, the handle), and
@@ -48,6 +49,25 @@ def _rounds(fn, iters: int, rounds: int = 5) -> float:
     return statistics.median(per_call)
 
 
+def _interleaved(ops: dict, iters: int, rounds: int) -> dict:
+    """Host us per call of every op, per round: each round runs every op in turn (`iters` calls, a fifth of that
+    for the CPU-sync dispatch), so a drift of the host's speed meets every op of a round alike and the ratio of an
+    op to the torch reference of the same round is steadier than either alone (a shared host varies by 2x)."""
+    import torch
+
+    out: dict = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, fn in ops.items():
+            n = iters if name != "dispatch (CPU sync)" else max(20, iters // 5)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out[name].append((time.perf_counter() - t0) / n * 1e6)
+            torch.cuda.synchronize()
+    return out
+
+
 def _single_calls(torch, x, idx, iters: int) -> list[dict]:
     """Host us of the single torch calls an eager call makes (the outputs' and handle arrays' allocations, the
     handle's topk_idx copy, the stream query, pointer reads), each in a loop of its own."""
@@ -81,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of every op in turn (median, min, ratio)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-step and single-call rows")
     args = ap.parse_args(argv)
@@ -131,10 +152,21 @@ def main(argv: list[str] | None = None) -> int:
             fn()
     torch.cuda.synchronize()
     results = []
-    for name, fn in ops.items():
-        us = _rounds(fn, args.iters if name != "dispatch (CPU sync)" else max(20, args.iters // 5))
-        results.append({"op": name, "host_us_per_call": us})
-        print(f"{name:55s} {us:9.1f} us/call (host)")
+    ref = "torch: x.index_select + index_add_ (reference point)"
+    per_round = _interleaved(ops, args.iters, args.rounds)
+    for name, times in per_round.items():
+        ratios = [a / b for a, b in zip(times, per_round[ref])]
+        row = {
+            "op": name,
+            "host_us_per_call": statistics.median(times),
+            "min_us": min(times),
+            "x_torch_reference": statistics.median(ratios),
+        }
+        results.append(row)
+        print(
+            f"{name:55s} {row['host_us_per_call']:9.1f} us/call (host)  min {row['min_us']:7.1f}  "
+            f"{row['x_torch_reference']:5.2f}x the reference"
+        )
     # A/B of the handle block: the no-sync dispatch with a new handle's int32 arrays allocated one by one
     from ep_core.kernels import array_block
 
