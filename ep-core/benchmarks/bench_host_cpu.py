@@ -290,10 +290,6 @@ class _FakeNative:
         return 0
 
     @staticmethod
-    def copy_device(dst, src, nbytes, stream) -> int:
-        return 0
-
-    @staticmethod
     def stream_query(stream) -> int:
         return 0
 

@@ -35,7 +35,6 @@ struct Api {
   decltype(&::cuStreamWaitEvent) stream_wait_event = nullptr;
   decltype(&::cuGetErrorName) get_error_name = nullptr;
   decltype(&::cuMemcpyDtoHAsync) memcpy_dtoh_async = nullptr;
-  decltype(&::cuMemcpyDtoDAsync) memcpy_dtod_async = nullptr;
   decltype(&::cuStreamQuery) stream_query = nullptr;
 };
 
@@ -94,7 +93,6 @@ void load_once() {
       !resolve(get_proc, flags, "cuStreamWaitEvent", api.stream_wait_event) ||
       !resolve(get_proc, flags, "cuGetErrorName", api.get_error_name) ||
       !resolve(get_proc, flags, "cuMemcpyDtoHAsync", api.memcpy_dtoh_async) ||
-      !resolve(get_proc, flags, "cuMemcpyDtoDAsync", api.memcpy_dtod_async) ||
       !resolve(get_proc, flags, "cuStreamQuery", api.stream_query)) {
     return;
   }
@@ -265,14 +263,6 @@ int copy_to_host(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) 
                                               reinterpret_cast<CUstream>(stream)));
 }
 
-// Queue a device-to-device copy of `nbytes` on `stream`; returns the CUresult.
-int copy_device(uintptr_t dst, uintptr_t src, size_t nbytes, uintptr_t stream) {
-  const Api& a = api();
-  py::gil_scoped_release release;
-  return static_cast<int>(a.memcpy_dtod_async(static_cast<CUdeviceptr>(dst), static_cast<CUdeviceptr>(src), nbytes,
-                                              reinterpret_cast<CUstream>(stream)));
-}
-
 // cuStreamQuery: 0 when everything queued on `stream` has finished, CUDA_ERROR_NOT_READY (600) while it runs.
 int stream_query(uintptr_t stream) {
   const Api& a = api();
@@ -316,7 +306,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("pdl", &Launch::pdl);
   m.def("record_wait", &record_wait, py::arg("event"), py::arg("on"), py::arg("waiter"));
   m.def("copy_to_host", &copy_to_host, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
-  m.def("copy_device", &copy_device, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("stream"));
   m.def("stream_query", &stream_query, py::arg("stream"));
   m.def("error_name", &error_name, py::arg("code"));
   m.def("available", &available);

@@ -132,19 +132,3 @@ def test_launch_with_wait_and_signal_pairs(env):
     assert drv.cuStreamQuery(a)[0] == drv.CUresult.CUDA_SUCCESS
     assert drv.cuStreamQuery(b)[0] == drv.CUresult.CUDA_SUCCESS
     assert _read(drv, out, 5) == [42, 2, 3, 4, 5] and _read(drv, flag, 1) == [1]
-
-
-def test_copy_device_is_stream_ordered(env):
-    import ep_launch
-
-    drv, mod = env
-    copy = mod.function("copy_words")
-    src = _alloc(drv, 8 * 5)
-    dst = _alloc(drv, 8 * 5)
-    stream = int(drv.cuStreamCreate(1)[1])
-    # the copy runs after the launch that fills `src` on the same stream
-    fill = ep_launch.Launch(int(copy._func), 1, 32, 0, False, struct.pack("<6q", src, 1, 2, 3, 4, 5), [])
-    assert fill(stream, ()) == 0
-    assert ep_launch.copy_device(dst, src, 8 * 5, stream) == 0
-    assert not drv.cuStreamSynchronize(stream)[0]
-    assert _read(drv, dst, 5) == [1, 2, 3, 4, 5]
