@@ -880,6 +880,13 @@ def test_a_repeats_new_handle_keeps_its_block_and_launches_the_full_paths_bytes(
     parts = vars(a.handle)[BLOCK_PARTS]
     assert parts[0].views == [None] * len(parts[0].shapes)  # nothing viewed by the dispatch
     assert ("recv_src_metadata" in vars(a.handle)) is do_cpu_sync  # a CPU-sync handle's rows came later
+    # the fingerprint's shortcut (no field read or set since the dispatch) reads what its loop reads
+    from ep_core import validation
+
+    assert parts[3] is not None
+    fast = validation._block_arrays(a.handle, parts)
+    slow = validation._block_arrays(a.handle, (*parts[:2], -1, parts[3]))
+    assert fast[1] == slow[1] and all(x is y for x, y in zip(fast[0], slow[0]))
     handle = a.handle
     assert rank._handle_launch[handle] == rank._handle_launch[b.handle]
     # its combine and cached dispatch read the block's pointers, as the full path reads the views

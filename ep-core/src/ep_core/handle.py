@@ -31,8 +31,9 @@ __all__ = ["BLOCK_PARTS", "MISSING", "EPHandle"]
 # `handle.__dict__[BLOCK_PARTS] = (block, {field name: part}, keys, shapes)` instead of those fields: the kernels
 # read the parts' pointers (`block.ptrs`), and a field's view is made the first time it is read
 # (`EPHandle.__getattr__`), then kept as the field's value. Replacing a field is an ordinary attribute write.
-# `keys`: the size of the handle's `__dict__` as the dispatch left it; `shapes`: the shapes of the five arrays
-# `validation.handle_fingerprint` reads after `topk_idx` when all five are in the block, else None.
+# `keys`: the size of the handle's `__dict__` as the dispatch left it; `shapes`: `(the shapes of the arrays
+# `validation.handle_fingerprint` reads after `topk_idx` that are in the block, whether `recv_src_metadata` is the
+# handle's own array)`, or None.
 BLOCK_PARTS = "_block_parts"
 MISSING = object()  # `dict.get`'s default for an absent field
 

@@ -251,12 +251,16 @@ def _block_arrays(h: EPHandle, parts: tuple) -> tuple[tuple, tuple]:
     part's shape, so reading a field changes no fingerprint; a field replaced by another array counts as that
     array."""
     d = h.__dict__
-    block, fields, size, shapes_in_block = parts
-    if len(d) == size and shapes_in_block is not None:
-        # as the dispatch left it (no field read or set since: that adds a key) and every array but topk_idx in
-        # the block: the common case, without the loop
+    block, fields, size, in_block = parts
+    if len(d) == size and in_block is not None:
+        # as the dispatch left it (no field read or set since: that adds a key): the common case, without the loop;
+        # `in_block[1]`: the metadata is the handle's own array (a CPU-sync dispatch's), else in the block too
         idx = d["topk_idx"]
-        return (idx, block, block, block, block, block), (idx.shape, *shapes_in_block)
+        s = in_block[0]
+        if not in_block[1]:
+            return (idx, block, block, block, block, block), (idx.shape, *s)
+        meta = d["recv_src_metadata"]
+        return (idx, block, block, block, meta, block), (idx.shape, s[0], s[1], s[2], meta.shape, s[3])
     arrays, shapes = [], []
     for name in _HANDLE_ARRAY_NAMES:
         a = d.get(name, MISSING)

@@ -189,10 +189,14 @@ class RepeatDispatch:
         self._int32_key = tuple([tuple(s) for s in shapes.values()])
         self._part = {name: i for i, name in enumerate(self._int32_names)}
         self._fields = {_HANDLE_FIELD[name]: i for i, name in enumerate(self._int32_names)}
-        # the block's shapes in `validation.handle_fingerprint`'s order after topk_idx, when all five are there
+        # the block's shapes in `validation.handle_fingerprint`'s order after topk_idx, and whether the metadata
+        # is apart (a CPU-sync dispatch allocates it once its rows are known)
         order = ("psum_rank", "psum_expert", "unaligned", "src_metadata", "dst_slot")
+        apart = "src_metadata" not in shapes
         self._shapes_in_block = (
-            tuple([tuple(shapes[name]) for name in order]) if all(name in shapes for name in order) else None
+            (tuple([tuple(shapes[name]) for name in order if name in shapes]), apart)
+            if all(name in shapes for name in order if name != "src_metadata")
+            else None
         )
         rank = self.rank
         # the fields every new handle of this plan has (`_block_handle`)
