@@ -78,11 +78,12 @@ def launches(monkeypatch):
 
 
 def _fake_counts(host: np.ndarray, ptr: int, stream) -> None:
-    """CPU-sync counts: 3 rows per expert (the last psum entry is the total)."""
+    """CPU-sync counts: 3 rows per expert (the last psum entry is the total). A copy longer than the prefix sums
+    spans a handle block from them to the counts (`DirectRank._copy_counts`' one copy): the sums first."""
     words = host.view(np.int32)
     words[:] = 3
-    if len(words) == N:  # the scale-up prefix sums
-        words[:] = np.arange(1, N + 1) * 12
+    if len(words) >= N and len(words) != EXPERTS // N:  # the scale-up prefix sums (alone, or a block's span)
+        words[:N] = np.arange(1, N + 1) * 12
 
 
 class Allocator:
@@ -875,9 +876,24 @@ def test_a_repeats_new_handle_keeps_its_block_and_launches_the_full_paths_bytes(
             return plan.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx)
         return rank.dispatch(x, idx, w, **kw)
 
-    (rep, a), (full, b) = _same_call(rank, alloc, launches, run)
+    copies: list = []
+    real_copy = _cuda.copy_to_host
+
+    def counted(host, ptr, stream):
+        copies.append((ptr, host.nbytes))
+        real_copy(host, ptr, stream)
+
+    _cuda.copy_to_host = counted
+    try:
+        (rep, a), (full, b) = _same_call(rank, alloc, launches, run)
+    finally:
+        _cuda.copy_to_host = real_copy
     assert rep == full and [e[0] for e in rep] == ["dispatch", "epilogue"]
     parts = vars(a.handle)[BLOCK_PARTS]
+    if do_cpu_sync:  # the repeat copies its block's prefix sums and counts at once, the full path one by one
+        assert len(copies) == 3 and copies[0][0] == parts[0].ptrs[1]
+        assert a.handle.num_recv_tokens == b.handle.num_recv_tokens == 24
+        assert a.handle.num_recv_tokens_per_expert_list == b.handle.num_recv_tokens_per_expert_list
     assert parts[0].views == [None] * len(parts[0].shapes)  # nothing viewed by the dispatch
     assert ("recv_src_metadata" in vars(a.handle)) is do_cpu_sync  # a CPU-sync handle's rows came later
     # the fingerprint's shortcut (no field read or set since the dispatch) reads what its loop reads

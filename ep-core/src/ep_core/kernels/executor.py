@@ -80,6 +80,10 @@ from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, Pr
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs
 from ep_core.requests import CombineResult, DispatchResult
 
+# the page-locked words of a CPU-sync dispatch's counts: room for one copy that spans a handle block's prefix sums
+# and per-expert counts (`DirectRank._copy_counts`; 256 local experts take 2.3 KiB)
+_ONE_COPY_BYTES = 16384
+
 __all__ = [
     "TAG_NAMES",
     "CombineResult",
@@ -272,7 +276,10 @@ class DirectRank:
         self.timeout_cycles = max(int(self.gpu_timeout_secs * clock_khz * 1000.0), 1)
         self._allocator = allocator
         self._num_warps = num_warps
-        self._host = PinnedBuffer(4 * (2 * self.num_ranks + 2 * 256) + 64 + 32)
+        # a CPU-sync dispatch's counts: the prefix sums at 0, the per-expert counts at `_counts_at` (`_copy_counts`)
+        self._host_bytes = max(4 * (2 * self.num_ranks + 2 * 256) + 64 + 32, _ONE_COPY_BYTES)
+        self._host = PinnedBuffer(self._host_bytes)
+        self._counts_at = 4 * self.num_ranks
         # the error record and the input-error words, read through page-locked memory (`read_error`)
         self._error_host = PinnedBuffer(ep_layout.NUM_ERROR_RECORD_BYTES + 32)
         self.num_ranks_on_device = int(resources.num_ranks_on_device or resources.num_ranks)
@@ -897,18 +904,30 @@ class DirectRank:
             pending.host = self._host
         return pending
 
-    def _copy_counts(self, psum_rank_ptr: int, unaligned_ptr: int, epr: int) -> None:
-        """Queue the copies of a CPU-sync dispatch's counts into the page-locked host words (`_sync_counts`)."""
+    def _copy_counts(self, psum_rank_ptr: int, unaligned_ptr: int, epr: int, one_block: bool = False) -> None:
+        """Queue the copies of a CPU-sync dispatch's counts into the page-locked host words (`_sync_counts`).
+        `one_block`: both arrays are parts of one allocation (`kernels.array_block`: the prefix sums first), so
+        one copy spanning them (and what lies between, the same allocation's) replaces two driver calls."""
         n, su = self.num_ranks, self.num_scaleup_ranks
+        gap = unaligned_ptr - psum_rank_ptr
+        span = gap + 4 * epr
+        one = one_block and gap >= 4 * su and span <= self._host_bytes
+        self._counts_at = gap if one else 4 * n
         base = getattr(self._host, "_ptr", None)
         native = _cuda.native_launch() if type(base) is int else None
-        if native is not None:  # C++ copies; on a failure both are queued again below
+        if native is not None:  # C++ copies; on a failure they are queued again below
             stream = self.stream.handle
-            if not native.copy_to_host(base, psum_rank_ptr, 4 * su, stream) and not native.copy_to_host(
+            if one:
+                if not native.copy_to_host(base, psum_rank_ptr, span, stream):
+                    return
+            elif not native.copy_to_host(base, psum_rank_ptr, 4 * su, stream) and not native.copy_to_host(
                 base + 4 * n, unaligned_ptr, 4 * epr, stream
             ):
                 return
         host = self._host.array
+        if one:
+            _cuda.copy_to_host(host[:span], psum_rank_ptr, self.stream)
+            return
         _cuda.copy_to_host(host[: 4 * su], psum_rank_ptr, self.stream)
         _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], unaligned_ptr, self.stream)
 
@@ -932,9 +951,9 @@ class DirectRank:
             self.check_errors(synchronize=False)
         self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
         host = self._host.array
-        n = self.num_ranks
         psum = host[: 4 * self.num_scaleup_ranks].view(np.int32).copy()
-        counts = host[4 * n : 4 * n + 4 * epr].view(np.int32).copy()
+        at = self._counts_at
+        counts = host[at : at + 4 * epr].view(np.int32).copy()
         aligned = ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()  # one numpy op, Python ints
         return int(psum[-1]), int(sum(aligned)), aligned
 

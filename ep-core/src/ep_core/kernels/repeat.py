@@ -350,7 +350,7 @@ class RepeatDispatch:
         expert_list: list = []
         if self.cpu_sync:
             epr = self.num_experts // rank.num_ranks
-            rank._copy_counts(psum_rank_ptr, unaligned_ptr, epr)
+            rank._copy_counts(psum_rank_ptr, unaligned_ptr, epr, new_block is not None)
             num_recv, num_expanded, expert_list = rank._sync_counts(epr, self.alignment)
             rows = num_expanded if self.expand else num_recv
         # the outputs, exactly as `finish_dispatch` allocates them
