@@ -95,6 +95,10 @@ def test_a_field_in_the_block_is_viewed_when_read() -> None:
         fresh.psum_num_recv_tokens_per_expert == "replaced" and vars(fresh)[BLOCK_PARTS][0].views[2] is None
     )
     assert "dst_buffer_slot_idx" in repr(h)  # repr reads (views) every field
+    # a plain handle's fields are its own; the class attributes are the dataclass defaults
+    plain = EPHandle(False, 16, 1, 64, 8, None, 0, 0, [], *([np.zeros(1)] * 5))
+    assert plain.token_metadata_at_forward is None and plain.recv_src_metadata.shape == (1,)
+    assert EPHandle.token_metadata_at_forward is None and not hasattr(EPHandle, "recv_src_metadata")
 
 
 class _Target:

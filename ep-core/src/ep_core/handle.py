@@ -30,7 +30,7 @@ __all__ = ["BLOCK_PARTS", "MISSING", "EPHandle"]
 # A new handle of a repeated dispatch keeps its int32 arrays in one block (`ep_core.kernels.array_block`) and sets
 # `handle.__dict__[BLOCK_PARTS] = (block, {field name: part}, keys, shapes)` instead of those fields: the kernels
 # read the parts' pointers (`block.ptrs`), and a field's view is made the first time it is read
-# (`EPHandle.__getattr__`), then kept as the field's value. Replacing a field is an ordinary attribute write.
+# (`_InBlock`, each such field's class attribute), then kept as the field's value. Replacing a field is an ordinary attribute write.
 # `keys`: the size of the handle's `__dict__` as the dispatch left it; `shapes`: `(the shapes of the arrays
 # `validation.handle_fingerprint` reads after `topk_idx` that are in the block, whether `recv_src_metadata` is the
 # handle's own array)`, or None.
@@ -97,16 +97,6 @@ class EPHandle:
     num_ranks: int = 0
     rank: int = -1
     cached_recv_src_metadata_before_sort: Any = field(default=None, repr=False)
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached for a name the instance lacks: an array field still in the handle's block (module doc)
-        parts = self.__dict__.get(BLOCK_PARTS)
-        if parts is not None:
-            part = parts[1].get(name)
-            if part is not None:
-                view = self.__dict__[name] = parts[0].view(part)
-                return view
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def num_topk(self) -> int:
@@ -215,3 +205,44 @@ class EPHandle:
         lanes = meta[:, 2:]
         lanes[valid] = inv[lanes[valid]]
         _assign(self.recv_src_metadata, meta)
+
+
+class _InBlock:
+    """The class attribute of an array field that a new handle may hold in its block (module doc). A non-data
+    descriptor: a field set on the instance (every handle's, but a block handle's unread ones) is found in the
+    instance's `__dict__` first and never reaches it, so reading a field costs what a plain attribute does; only a
+    field still in the block comes here, and is viewed and kept as the field's value. (An `EPHandle.__getattr__`
+    would do the same, but would slow down every attribute read of every handle.)"""
+
+    __slots__ = ("default", "name")
+
+    def __init__(self, name: str, default: Any) -> None:
+        self.name = name
+        self.default = default
+
+    def __get__(self, handle: Any, owner: Any = None) -> Any:
+        if handle is None:  # the class attribute: the dataclass default, if any
+            if self.default is MISSING:
+                raise AttributeError(self.name)
+            return self.default
+        d = handle.__dict__
+        parts = d.get(BLOCK_PARTS)
+        part = None if parts is None else parts[1].get(self.name)
+        if part is None:
+            if self.default is not MISSING:
+                return self.default
+            raise AttributeError(f"{type(handle).__name__!r} object has no attribute {self.name!r}")
+        view = d[self.name] = parts[0].view(part)
+        return view
+
+
+for _name in (
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
+    "dst_buffer_slot_idx",
+    "token_metadata_at_forward",
+):
+    setattr(EPHandle, _name, _InBlock(_name, EPHandle.__dict__.get(_name, MISSING)))
+del _name

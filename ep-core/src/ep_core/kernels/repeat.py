@@ -229,7 +229,7 @@ class RepeatDispatch:
         self, block: Any, topk_idx: Any, num_recv: int, num_expanded: int, expert_list: list, meta: Any
     ) -> EPHandle:
         """The new handle, its int32 arrays left in their block (`ep_core.handle`): the fields are set directly,
-        the block's are read through `EPHandle.__getattr__` when the caller asks for them."""
+        the block's are viewed (`ep_core.handle._InBlock`) when the caller reads them."""
         handle = object.__new__(_HANDLE_TYPE)
         d = handle.__dict__
         d.update(self._fixed)
@@ -291,12 +291,21 @@ class RepeatDispatch:
         meta = None
         if cached:
             held = handle.__dict__.get(BLOCK_PARTS)
-            dst_ptr = _field_ptr(handle, held, "dst_buffer_slot_idx")
-            psum_rank_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank")
-            psum_expert_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_expert")
-            unaligned_ptr = _field_ptr(handle, held, "num_unaligned_recv_tokens_per_expert")
-            meta_ptr = _field_ptr(handle, held, "recv_src_metadata")
-            fwd_ptr = _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0
+            if held is None:  # every array a field of its own
+                dst_ptr = array_ptr(handle.dst_buffer_slot_idx, "dst_slot")
+                psum_rank_ptr = array_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum_rank")
+                psum_expert_ptr = array_ptr(handle.psum_num_recv_tokens_per_expert, "psum_expert")
+                unaligned_ptr = array_ptr(handle.num_unaligned_recv_tokens_per_expert, "unaligned")
+                meta_ptr = array_ptr(handle.recv_src_metadata, "recv_src_metadata")
+                fwd = handle.token_metadata_at_forward
+                fwd_ptr = array_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0
+            else:  # a repeat's new handle: the fields still in its block have no view to read
+                dst_ptr = _field_ptr(handle, held, "dst_buffer_slot_idx")
+                psum_rank_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank")
+                psum_expert_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_expert")
+                unaligned_ptr = _field_ptr(handle, held, "num_unaligned_recv_tokens_per_expert")
+                meta_ptr = _field_ptr(handle, held, "recv_src_metadata")
+                fwd_ptr = _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0
             launch = rank._handle_launch.get(handle, -1)
         else:
             carve = getattr(rank._allocator, "handle_block", None)
@@ -462,8 +471,19 @@ class RepeatCombine:
             return None
         d = handle.__dict__
         held = d.get(BLOCK_PARTS)
-        if self.hybrid and d.get("token_metadata_at_forward", MISSING) is None:
-            return None
+        if held is None:  # every array a field of its own
+            fwd = handle.token_metadata_at_forward
+            if self.hybrid and fwd is None:
+                return None
+            psum_ptr = array_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum")
+            meta_ptr = array_ptr(handle.recv_src_metadata, "recv_src_metadata")
+            fwd_ptr = array_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0
+        else:  # a repeat's new handle: the fields still in its block have no view to read
+            if self.hybrid and d.get("token_metadata_at_forward", MISSING) is None:
+                return None
+            psum_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank")
+            meta_ptr = _field_ptr(handle, held, "recv_src_metadata")
+            fwd_ptr = _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0
         t, hidden, k = self.num_tokens, self.hidden, self.topk
         if allocate is None:
             combined = rank._alloc((t, hidden), _U16)
@@ -473,9 +493,9 @@ class RepeatCombine:
             combined_w = allocate((t, k), "float32") if self.has_weights else None
         dynamic = (
             seen[0],
-            _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank"),
-            _field_ptr(handle, held, "recv_src_metadata"),
-            _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0,
+            psum_ptr,
+            meta_ptr,
+            fwd_ptr,
             x_ptr,
             w_ptr,
             bias0,
