@@ -25,7 +25,7 @@ import numpy as np
 
 from ep_core.errors import EPTypeError, EPValueError
 
-__all__ = ["BLOCK_PARTS", "MISSING", "EPHandle"]
+__all__ = ["ARRAY_FIELDS", "BLOCK_PARTS", "MISSING", "EPHandle"]
 
 # A new handle of a repeated dispatch keeps its int32 arrays in one block (`ep_core.kernels.array_block`) and sets
 # `handle.__dict__[BLOCK_PARTS] = (block, {field name: part}, keys, shapes)` instead of those fields: the kernels
@@ -35,6 +35,15 @@ __all__ = ["BLOCK_PARTS", "MISSING", "EPHandle"]
 # `validation.handle_fingerprint` reads after `topk_idx` that are in the block, whether `recv_src_metadata` is the
 # handle's own array)`, or None.
 BLOCK_PARTS = "_block_parts"
+# the array fields the validation checks (`topk_idx` first; every one but it may be in a block)
+ARRAY_FIELDS = (
+    "topk_idx",
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
+    "dst_buffer_slot_idx",
+)
 MISSING = object()  # `dict.get`'s default for an absent field
 
 # DeepEP's expand-mode sort key: expert * 1e10, minus 5e9 plus the source id for a valid row (so valid rows come
@@ -236,13 +245,6 @@ class _InBlock:
         return view
 
 
-for _name in (
-    "psum_num_recv_tokens_per_scaleup_rank",
-    "psum_num_recv_tokens_per_expert",
-    "num_unaligned_recv_tokens_per_expert",
-    "recv_src_metadata",
-    "dst_buffer_slot_idx",
-    "token_metadata_at_forward",
-):
+for _name in (*ARRAY_FIELDS[1:], "token_metadata_at_forward"):
     setattr(EPHandle, _name, _InBlock(_name, EPHandle.__dict__.get(_name, MISSING)))
 del _name

@@ -49,7 +49,7 @@ from typing import Any
 from ep_core import planner
 from ep_core.device_array import ArrayInfo, describe
 from ep_core.errors import EPTypeError, EPValueError
-from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
+from ep_core.handle import ARRAY_FIELDS, BLOCK_PARTS, MISSING, EPHandle
 from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest
 from ep_core.topology import MAX_TOPK
 
@@ -196,15 +196,7 @@ def _check_events(previous_event: Any, allocate_on_comm_stream: Any, async_with_
 _validated_handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-_HANDLE_ARRAY_NAMES = (
-    "topk_idx",
-    "psum_num_recv_tokens_per_scaleup_rank",
-    "psum_num_recv_tokens_per_expert",
-    "num_unaligned_recv_tokens_per_expert",
-    "recv_src_metadata",
-    "dst_buffer_slot_idx",
-)
-_handle_arrays = operator.attrgetter(*_HANDLE_ARRAY_NAMES)
+_handle_arrays = operator.attrgetter(*ARRAY_FIELDS)
 
 
 # every scalar field a rule or a resolved default reads (`ep_core.prepared` keys its entries by them too)
@@ -262,7 +254,7 @@ def _block_arrays(h: EPHandle, parts: tuple) -> tuple[tuple, tuple]:
         meta = d["recv_src_metadata"]
         return (idx, block, block, block, meta, block), (idx.shape, s[0], s[1], s[2], meta.shape, s[3])
     arrays, shapes = [], []
-    for name in _HANDLE_ARRAY_NAMES:
+    for name in ARRAY_FIELDS:
         a = d.get(name, MISSING)
         part = fields.get(name)
         if part is not None and (a is MISSING or a is block.views[part]):
