@@ -320,3 +320,21 @@ def test_mocked_gpu_repeat_handle_keeps_its_block_until_a_field_is_read(one_rank
         with pytest.raises(EPValueError, match="psum_num_recv_tokens_per_expert"):
             buf.combine(recv, h, num_sms=4)
         assert h in checks
+
+
+def test_an_async_dispatch_keeps_its_handles_tensors_with_the_outputs():
+    """`async_with_compute_stream=True` records the new handle's tensors on the streams like the outputs: the routing
+    copy the kernel writes and the int32 arrays, a repeated dispatch's still in their block."""
+    from ep_core.handle import BLOCK_PARTS, EPHandle
+    from ep_core.kernels.array_block import carve
+    from ep_torch.buffer import _handle_tensors
+
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    plain = EPHandle(False, 8, 1, 4, 4, idx, 0, 0, [], *[torch.zeros(2, dtype=torch.int32)] * 5)
+    got = _handle_tensors(plain)
+    assert got[0] is idx and len(got) == 6
+    block = carve(lambda shape, dtype: torch.zeros(shape, dtype=getattr(torch, dtype)), ((2,), (3,)))
+    lazy = EPHandle.__new__(EPHandle)
+    vars(lazy).update(topk_idx=idx, token_metadata_at_forward=None)
+    vars(lazy)[BLOCK_PARTS] = (block, {"recv_src_metadata": 0}, 3, None)
+    assert _handle_tensors(lazy) == (idx, block.array)

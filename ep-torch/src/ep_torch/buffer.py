@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from ep_core import planner
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
-from ep_core.handle import EPHandle
+from ep_core.handle import BLOCK_PARTS, EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.topology import Topology
 
@@ -93,6 +93,16 @@ _NO_SCOPE = contextlib.nullcontext()  # reusable: the scope of a call that needs
 
 # torch's own accessor of the raw current stream (what torch.compile's generated code calls); None if absent
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _handle_tensors(handle: Any) -> tuple:
+    """The tensors a dispatch's kernels wrote into its new handle (the routing copy, the int32 arrays; a repeated
+    dispatch's still in their one block): an async call records them on the streams like its outputs, so that a
+    handle dropped before the comm stream is done cannot give their memory back early."""
+    fields = getattr(handle, "__dict__", {})
+    found = tuple([v for v in fields.values() if isinstance(v, torch.Tensor)])
+    parts = fields.get(BLOCK_PARTS)
+    return found if parts is None else (*found, parts[0].array)
 
 
 def _flat(items: Any) -> Iterator[Any]:
@@ -437,7 +447,7 @@ class ElasticBuffer(ElasticOps):
         if not async_with_compute_stream:
             return EventOverlap(None)
         keep = (x, idx, w, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
-        return self._event(True, keep)
+        return self._event(True, (*keep, *_handle_tensors(res.handle)))
 
     def _combine_event(
         self, async_with_compute_stream: Any, x: Any, w: Any, bias: Any, res: Any
