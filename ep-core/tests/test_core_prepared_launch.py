@@ -895,6 +895,13 @@ def test_a_repeats_new_handle_keeps_its_block_and_launches_the_full_paths_bytes(
         assert a.handle.num_recv_tokens == b.handle.num_recv_tokens == 24
         assert a.handle.num_recv_tokens_per_expert_list == b.handle.num_recv_tokens_per_expert_list
     assert parts[0].views == [None] * len(parts[0].shapes)  # nothing viewed by the dispatch
+    # every EPHandle field is set on the block handle or held in its block (a field added to EPHandle must be
+    # added to `RepeatDispatch._block_handle`'s too, which bypasses the dataclass constructor)
+    import dataclasses
+
+    from ep_core.handle import EPHandle
+
+    assert {f.name for f in dataclasses.fields(EPHandle)} <= set(vars(a.handle)) | set(parts[1])
     assert ("recv_src_metadata" in vars(a.handle)) is do_cpu_sync  # a CPU-sync handle's rows came later
     # the fingerprint's shortcut (no field read or set since the dispatch) reads what its loop reads
     from ep_core import validation
