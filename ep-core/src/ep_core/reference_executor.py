@@ -11,7 +11,7 @@ from ep_core import reference
 from ep_core.device_array import DeviceArray, describe, host_allocator, host_copy, to_numpy
 from ep_core.envelope import Channel
 from ep_core.errors import EPTypeError, EPValueError
-from ep_core.handle import EPHandle
+from ep_core.handle import ARRAY_FIELDS, EPHandle
 from ep_core.requests import BufferConfig, CombineRequest, CombineResult, DispatchRequest, DispatchResult
 
 __all__ = ["ReferenceExecutor", "ReferenceTransport"]
@@ -63,14 +63,7 @@ def _handle_np(h: EPHandle) -> EPHandle:
     import dataclasses
 
     fields = {}
-    for name in (
-        "topk_idx",
-        "psum_num_recv_tokens_per_scaleup_rank",
-        "psum_num_recv_tokens_per_expert",
-        "num_unaligned_recv_tokens_per_expert",
-        "recv_src_metadata",
-        "dst_buffer_slot_idx",
-    ):
+    for name in ARRAY_FIELDS:
         v = getattr(h, name)
         fields[name] = v if isinstance(v, np.ndarray) else host_copy(v)
     return dataclasses.replace(

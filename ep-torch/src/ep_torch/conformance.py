@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from ep_core import reference
 from ep_core.errors import EPError
-from ep_core.handle import EPHandle
+from ep_core.handle import ARRAY_FIELDS, EPHandle
 from ep_core.routing import make_inputs
 
 from . import functional
@@ -115,14 +115,7 @@ def _rng_bf16(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return random_bf16(shape, np.random.default_rng(seed))
 
 
-_HANDLE_ARRAYS = (
-    "topk_idx",
-    "psum_num_recv_tokens_per_scaleup_rank",
-    "psum_num_recv_tokens_per_expert",
-    "num_unaligned_recv_tokens_per_expert",
-    "recv_src_metadata",
-    "dst_buffer_slot_idx",
-)
+_HANDLE_ARRAYS = ARRAY_FIELDS
 
 
 def _as_output(recv_x: Any, recv_idx: Any, recv_w: Any, handle: EPHandle) -> reference.DispatchOutput:
