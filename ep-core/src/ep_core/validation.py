@@ -211,7 +211,7 @@ _handle_scalars = operator.attrgetter(
     "num_ranks",
     "rank",
 )
-_TUPLE_PER_ARRAY = (tuple,) * 6  # one per `_handle_arrays` field
+_TUPLE_PER_ARRAY = (tuple,) * len(ARRAY_FIELDS)  # one per `_handle_arrays` field
 _target_device = operator.attrgetter("array_device", "device_id")
 _shape = operator.attrgetter("shape")
 

@@ -115,13 +115,10 @@ def _rng_bf16(seed: int, shape: tuple[int, ...]) -> np.ndarray:
     return random_bf16(shape, np.random.default_rng(seed))
 
 
-_HANDLE_ARRAYS = ARRAY_FIELDS
-
-
 def _as_output(recv_x: Any, recv_idx: Any, recv_w: Any, handle: EPHandle) -> reference.DispatchOutput:
     """Torch outputs as an ``ep_core.reference.DispatchOutput`` of numpy arrays (bits for bf16 / FP8)."""
     data, sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-    h = dataclasses.replace(handle, **{f: _bits(getattr(handle, f)) for f in _HANDLE_ARRAYS})
+    h = dataclasses.replace(handle, **{f: _bits(getattr(handle, f)) for f in ARRAY_FIELDS})
     return reference.DispatchOutput(
         _bits(data),
         None if sf is None else _bits(sf),

@@ -67,9 +67,8 @@ class GpuExecutor:
     """`Executor` of one rank: validated requests in, kernels launched on the comm stream."""
 
     array_device = "cuda"
-    channel = (
-        None  # no host channel: the kernels meet their peers on the device (`EPBuffer._step` reads this)
-    )
+    # no host channel: the kernels meet their peers on the device (`EPBuffer._step` reads this)
+    channel = None
 
     def __init__(self, config: Any, storage: Any, bootstrap: Any) -> None:  # an IpcStorage or NcclStorage
         self.config = config
@@ -137,9 +136,8 @@ class GpuExecutor:
         mem = _cuda.DeviceArray(tuple(shape), _NP.get(dtype, np.uint8), self.stream)
         return CoreArray(mem.ptr, tuple(shape), dtype, device="cuda", device_id=self.device_id, owner=mem)
 
-    default_allocator.ep_core_trusted = (
-        True  # exact shapes and dtypes on this GPU (`validation.trust_handle`)
-    )
+    # exact shapes and dtypes on this GPU (`validation.trust_handle`)
+    default_allocator.ep_core_trusted = True
 
     def _enter(self, stream: int) -> None:
         """The comm stream waits for the caller's stream. One event serves every call: a stream wait binds to the

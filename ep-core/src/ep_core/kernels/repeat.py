@@ -102,21 +102,39 @@ _HANDLE_FIELD = {
     "unaligned": "num_unaligned_recv_tokens_per_expert",
     "src_metadata": "recv_src_metadata",
 }
-_HANDLE_TYPE = (
-    EPHandle  # for `object.__new__` (the name `EPHandle` may be wrapped by a benchmark's step timer)
+# for `object.__new__` (the name `EPHandle` may be wrapped by a benchmark's step timer)
+_HANDLE_TYPE = EPHandle
+
+
+def _handle_ptrs(handle: EPHandle, names: tuple) -> list[int]:
+    """The pointers of a handle's array fields `names`: a field's own array when it is set (every field of a plain
+    handle; of a block handle, a view read from its block or an array the caller put there), else its part of the
+    handle's block (`ep_core.handle`), without making a view."""
+    d = handle.__dict__
+    held = d.get(BLOCK_PARTS)
+    out = []
+    for name in names:
+        a = d.get(name, MISSING)
+        if a is MISSING:
+            part = None if held is None else held[1].get(name)
+            if part is not None:
+                out.append(held[0].ptrs[part])
+                continue
+            a = getattr(handle, name)  # raises AttributeError
+        out.append(array_ptr(a, name))
+    return out
+
+
+# the handle arrays a cached dispatch / a combine reads (the forward metadata in hybrid mode only)
+_DISPATCH_FIELDS = (
+    "dst_buffer_slot_idx",
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
 )
-
-
-def _field_ptr(handle: EPHandle, parts: tuple | None, name: str) -> int:
-    """The pointer of a handle's array field: the field's own array when it is set (a view read from the block,
-    one the caller put there), else its part of the handle's block (`ep_core.handle`), without making a view."""
-    a = handle.__dict__.get(name, MISSING)
-    if a is MISSING:
-        part = None if parts is None else parts[1].get(name)
-        if part is not None:
-            return parts[0].ptrs[part]
-        a = getattr(handle, name)  # raises AttributeError
-    return array_ptr(a, name)
+_COMBINE_FIELDS = ("psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata")
+_FWD = ("token_metadata_at_forward",)
 
 
 def handle_topk_idx(rank: Any, handle: EPHandle, num_tokens: int) -> tuple[int, bool] | None:
@@ -192,11 +210,9 @@ class RepeatDispatch:
         # the block's shapes in `validation.handle_fingerprint`'s order after topk_idx, and whether the metadata
         # is apart (a CPU-sync dispatch allocates it once its rows are known)
         order = ("psum_rank", "psum_expert", "unaligned", "src_metadata", "dst_slot")
-        apart = "src_metadata" not in shapes
         self._shapes_in_block = (
-            (tuple([tuple(shapes[name]) for name in order if name in shapes]), apart)
-            if all(name in shapes for name in order if name != "src_metadata")
-            else None
+            tuple([tuple(shapes[name]) for name in order if name in shapes]),
+            "src_metadata" not in shapes,
         )
         rank = self.rank
         # the fields every new handle of this plan has (`_block_handle`)
@@ -290,22 +306,10 @@ class RepeatDispatch:
         new_block = None  # a new handle's block, its arrays not viewed (`ep_core.handle`)
         meta = None
         if cached:
-            held = handle.__dict__.get(BLOCK_PARTS)
-            if held is None:  # every array a field of its own
-                dst_ptr = array_ptr(handle.dst_buffer_slot_idx, "dst_slot")
-                psum_rank_ptr = array_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum_rank")
-                psum_expert_ptr = array_ptr(handle.psum_num_recv_tokens_per_expert, "psum_expert")
-                unaligned_ptr = array_ptr(handle.num_unaligned_recv_tokens_per_expert, "unaligned")
-                meta_ptr = array_ptr(handle.recv_src_metadata, "recv_src_metadata")
-                fwd = handle.token_metadata_at_forward
-                fwd_ptr = array_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0
-            else:  # a repeat's new handle: the fields still in its block have no view to read
-                dst_ptr = _field_ptr(handle, held, "dst_buffer_slot_idx")
-                psum_rank_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank")
-                psum_expert_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_expert")
-                unaligned_ptr = _field_ptr(handle, held, "num_unaligned_recv_tokens_per_expert")
-                meta_ptr = _field_ptr(handle, held, "recv_src_metadata")
-                fwd_ptr = _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0
+            names = _DISPATCH_FIELDS + _FWD if self.hybrid else _DISPATCH_FIELDS
+            ptrs = _handle_ptrs(handle, names)
+            dst_ptr, psum_rank_ptr, psum_expert_ptr, unaligned_ptr, meta_ptr = ptrs[:5]
+            fwd_ptr = ptrs[5] if self.hybrid else 0
             launch = rank._handle_launch.get(handle, -1)
         else:
             carve = getattr(rank._allocator, "handle_block", None)
@@ -469,21 +473,11 @@ class RepeatCombine:
         seen = handle_topk_idx(rank, handle, self.num_tokens)
         if seen is None or seen[1] != self.idx32:
             return None
-        d = handle.__dict__
-        held = d.get(BLOCK_PARTS)
-        if held is None:  # every array a field of its own
-            fwd = handle.token_metadata_at_forward
-            if self.hybrid and fwd is None:
-                return None
-            psum_ptr = array_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum")
-            meta_ptr = array_ptr(handle.recv_src_metadata, "recv_src_metadata")
-            fwd_ptr = array_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0
-        else:  # a repeat's new handle: the fields still in its block have no view to read
-            if self.hybrid and d.get("token_metadata_at_forward", MISSING) is None:
-                return None
-            psum_ptr = _field_ptr(handle, held, "psum_num_recv_tokens_per_scaleup_rank")
-            meta_ptr = _field_ptr(handle, held, "recv_src_metadata")
-            fwd_ptr = _field_ptr(handle, held, "token_metadata_at_forward") if self.hybrid else 0
+        if self.hybrid and handle.__dict__.get("token_metadata_at_forward", MISSING) is None:
+            return None
+        ptrs = _handle_ptrs(handle, _COMBINE_FIELDS + _FWD if self.hybrid else _COMBINE_FIELDS)
+        psum_ptr, meta_ptr = ptrs[:2]
+        fwd_ptr = ptrs[2] if self.hybrid else 0
         t, hidden, k = self.num_tokens, self.hidden, self.topk
         if allocate is None:
             combined = rank._alloc((t, hidden), _U16)
