@@ -29,11 +29,11 @@ __all__ = ["ARRAY_FIELDS", "BLOCK_PARTS", "MISSING", "EPHandle"]
 
 # A new handle of a repeated dispatch keeps its int32 arrays in one block (`ep_core.kernels.array_block`) and sets
 # `handle.__dict__[BLOCK_PARTS] = (block, {field name: part}, keys, shapes)` instead of those fields: the kernels
-# read the parts' pointers (`block.ptrs`), and a field's view is made the first time it is read
-# (`_InBlock`, each such field's class attribute), then kept as the field's value. Replacing a field is an ordinary attribute write.
+# read the parts' pointers (`block.ptrs`), and a field's view is made the first time it is read (`_InBlock`, each
+# such field's class attribute), then kept as the field's value. Replacing a field is an ordinary attribute write.
 # `keys`: the size of the handle's `__dict__` as the dispatch left it; `shapes`: `(the shapes of the arrays
 # `validation.handle_fingerprint` reads after `topk_idx` that are in the block, whether `recv_src_metadata` is the
-# handle's own array)`, or None.
+# handle's own array)`, or None (no shortcut: the fingerprint reads every field).
 BLOCK_PARTS = "_block_parts"
 # the array fields the validation checks (`topk_idx` first; every one but it may be in a block)
 ARRAY_FIELDS = (
@@ -106,6 +106,15 @@ class EPHandle:
     num_ranks: int = 0
     rank: int = -1
     cached_recv_src_metadata_before_sort: Any = field(default=None, repr=False)
+
+    def held(self) -> list:
+        """Every value this handle holds in its fields, and the block of a repeated dispatch's handle whose arrays
+        are not all viewed: what keeps the handle's memory (a caller records the tensors among them on streams)."""
+        d = self.__dict__
+        parts = d.get(BLOCK_PARTS)
+        if parts is None:
+            return list(d.values())
+        return [v for k, v in d.items() if k != BLOCK_PARTS] + [parts[0].array]
 
     @property
     def num_topk(self) -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from ep_core import planner
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
-from ep_core.handle import BLOCK_PARTS, EPHandle
+from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.topology import Topology
 
@@ -99,10 +99,7 @@ def _handle_tensors(handle: Any) -> tuple:
     """The tensors a dispatch's kernels wrote into its new handle (the routing copy, the int32 arrays; a repeated
     dispatch's still in their one block): an async call records them on the streams like its outputs, so that a
     handle dropped before the comm stream is done cannot give their memory back early."""
-    fields = getattr(handle, "__dict__", {})
-    found = tuple([v for v in fields.values() if isinstance(v, torch.Tensor)])
-    parts = fields.get(BLOCK_PARTS)
-    return found if parts is None else (*found, parts[0].array)
+    return tuple([v for v in handle.held() if isinstance(v, torch.Tensor)])
 
 
 def _flat(items: Any) -> Iterator[Any]:

@@ -42,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
-from ep_core.handle import BLOCK_PARTS
 
 from . import _env
 from .buffer import ElasticBuffer
@@ -792,14 +791,8 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
         elif isinstance(o, (tuple, list)):
             stack.extend(o)
             stack.extend(v for v in getattr(o, "__dict__", {}).values() if not isinstance(v, (tuple, list)))
-            if hasattr(o, "ep_handle"):
-                fields = vars(o.ep_handle)
-                stack.extend(v for v in fields.values() if isinstance(v, torch.Tensor))
-                parts = fields.get(
-                    BLOCK_PARTS
-                )  # the int32 arrays a repeated dispatch left unviewed in one block
-                if parts is not None:
-                    stack.append(parts[0].array)
+            if hasattr(o, "ep_handle"):  # its tensors, the unviewed block of a repeated dispatch's included
+                stack.extend(v for v in o.ep_handle.held() if isinstance(v, torch.Tensor))
     return found
 
 
