@@ -41,6 +41,25 @@ def test_comm_stream_is_one_high_priority_stream():
     assert a is b and a.priority <= torch.cuda.Stream().priority
 
 
+def test_host_extension_on_cuda():
+    """The host extension (built here against this torch) allocates on the given CUDA device from the current
+    stream's caching allocator, as torch.empty does, and reads a CUDA tensor's facts."""
+    from ep_torch import host_extension
+
+    mod = host_extension.module()
+    assert mod is not None, host_extension.status()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        t = mod.empty((64, 7168), torch.bfloat16, 0)
+        assert t.device == torch.device("cuda", 0) and t.dtype == torch.bfloat16 and t.shape == (64, 7168)
+        t.fill_(1.5)
+        del t
+        again = mod.empty((64, 7168), torch.bfloat16, 0)
+    s.synchronize()
+    v = again[3:, 128:]
+    assert mod.facts(v) == (v.dtype, tuple(v.shape), v.stride(), v.data_ptr(), 0)
+
+
 # (backend, ranks, extra cfg). One rank over nccl picks the nccl transport by itself (its own GPU, NCCL 2.28.9) and
 # a collectively destroyed buffer borrows torch's communicator (torch and ep-nccl-gin share one libnccl there).
 CONFORMANCE = [

@@ -9,6 +9,7 @@
 | ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
 | ``EPKIT_SCALEUP_RANKS`` | int | ``0`` | ranks per (emulated) node, S_u: a divisor of N below N runs hybrid mode with ranks ``r // S_u`` forming a node, on the reference backend and over ``ipc`` (emulated nodes on one host: processes sharing a GPU or one per GPU); across hosts it overrides NCCL's LSA team size; 0 = the transport's own NVLink domain. Shared with ep-core |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | the old name of ``EPKIT_SCALEUP_RANKS``, read on the CPU reference backend only |
+| ``EPKIT_TORCH_HOST_EXTENSION`` | str | ``auto`` | the host extension (``ep_torch.host_extension``: ``torch.empty`` and describe through torch's C++ API): ``auto`` builds it at first CUDA use and warns once and keeps the Python calls if it cannot, ``0`` off, ``1`` required (an error if it cannot be built) |
 | ``EPKIT_ELASTIC_WAIT`` | str | ``kernel`` | how PP/AGRS/BucketBuffer streams wait for a peer's signal on the GPU: ``kernel`` (a bounded one-thread wait kernel) or ``stream`` (``cuStreamWaitValue64`` bounded by a host watchdog, nothing spinning on the GPU); read when a buffer's elastic backend is made |
 """
 
@@ -21,6 +22,7 @@ __all__ = [
     "Knob",
     "avoid_record_stream",
     "elastic_wait",
+    "host_extension",
     "knobs",
     "reference_num_sms",
     "reference_nvlink_gbs",
@@ -73,6 +75,11 @@ knobs: dict[str, Knob] = {
             "EPKIT_TORCH_REFERENCE_NVLINK_RANKS",
             "0",
             "old name of EPKIT_SCALEUP_RANKS, on the CPU reference backend only",
+        ),
+        Knob(
+            "EPKIT_TORCH_HOST_EXTENSION",
+            "auto",
+            "host extension (torch.empty and describe in C++): auto (fall back with a warning), 0 off, 1 required",
         ),
         Knob(
             "EPKIT_ELASTIC_WAIT",
@@ -165,5 +172,17 @@ def elastic_wait() -> str:
         raise ValueError(
             f"EPKIT_ELASTIC_WAIT={value!r}: expected kernel (the bounded wait kernel) or stream (cuStreamWaitValue64 "
             "bounded by a host watchdog)"
+        )
+    return value
+
+
+def host_extension() -> str:
+    """``EPKIT_TORCH_HOST_EXTENSION``: ``auto``, ``0`` or ``1``."""
+    value = knobs["EPKIT_TORCH_HOST_EXTENSION"].raw().strip().lower() or "auto"
+    value = {"false": "0", "no": "0", "off": "0", "true": "1", "yes": "1", "on": "1"}.get(value, value)
+    if value not in ("auto", "0", "1"):
+        raise ValueError(
+            f"EPKIT_TORCH_HOST_EXTENSION={value!r}: expected auto (build it, warn and use torch's Python API if it "
+            "cannot), 0 (off) or 1 (required)"
         )
     return value

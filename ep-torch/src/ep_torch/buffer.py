@@ -24,13 +24,13 @@ from typing import Any
 import ep_core
 import torch
 import torch.distributed as dist
-from ep_core import planner
+from ep_core import device_array, planner
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.topology import Topology
 
-from . import _env
+from . import _env, host_extension
 from .bootstrap import ProcessGroupBootstrap
 from .elastic_ops import ElasticOps
 from .event import EventHandle, EventOverlap
@@ -381,11 +381,25 @@ class ElasticBuffer(ElasticOps):
         allocators = self.__dict__.setdefault("_allocators", {})
         allocate = allocators.get(device)
         if allocate is None:
+            native = host_extension.module() if device.type == "cuda" else None
+            if native is not None:
+                # at::empty in one C call (torch's Python argument parser skipped); the extension also reads the
+                # tensors' facts for ep_core's describe from now on
+                device_array.set_torch_reader(native.facts)
+                empty, index = (
+                    native.empty,
+                    torch.cuda.current_device() if device.index is None else device.index,
+                )
 
-            def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-                # `size=` by keyword: torch's argument parser then skips the varargs-size overload it otherwise
-                # tries first on a tuple (about half a microsecond of every allocation)
-                return torch.empty(size=shape, dtype=_TORCH_DTYPES[dtype], device=device)
+                def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+                    return empty(shape, _TORCH_DTYPES[dtype], index)
+
+            else:
+
+                def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+                    # `size=` by keyword: torch's argument parser then skips the varargs-size overload it otherwise
+                    # tries first on a tuple (about half a microsecond of every allocation)
+                    return torch.empty(size=shape, dtype=_TORCH_DTYPES[dtype], device=device)
 
             from ep_core.kernels import array_block
 
