@@ -62,7 +62,7 @@ PACKAGES: dict[str, Package] = {
     "ep-nccl-gin": Package("packages/ep-nccl-gin", extras=("cu13",)),
     "ep-launch": Package("packages/ep-launch"),
     "ep-core": Package("ep-core", deps=("ep-layout", "ep-jit", "ep-symmem", "ep-launch")),
-    "ep-torch": Package("ep-torch", deps=("ep-core", "ep-jit"), extras=("demo",), needs_torch=True),
+    "ep-torch": Package("ep-torch", deps=("ep-core",), extras=("demo",), needs_torch=True),
 }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ep_core.errors import EPConfigError, EPValueError
@@ -27,7 +28,23 @@ from ep_core.kernels._source import KERNEL_NAMES, compile_kernels
 from ep_core.kernels.plan import KernelConfig, default_num_sms, plan_regions
 from ep_core.topology import resolve_scaleup_ranks
 
-__all__ = ["BuiltInstance", "PlannedInstance", "fp8_sf_pack_counts", "plan_instances", "prebuild"]
+__all__ = [
+    "BuiltInstance",
+    "PlannedInstance",
+    "cache_root",
+    "fp8_sf_pack_counts",
+    "plan_instances",
+    "prebuild",
+]
+
+
+def cache_root() -> Path:
+    """The root of the JIT cache the kernels are compiled into (`EPKIT_JIT_CACHE_DIR`, default
+    `~/.cache/ep/jit`): ep_torch keeps its host extension's builds under it too (`host/`), one cache to clear."""
+    import ep_jit
+
+    return Path(ep_jit.cache().root)
+
 
 DEFAULT_ARCH = "sm_90a"
 DEFAULT_DEVICE_SMS = 132  # H200 / H100 SXM

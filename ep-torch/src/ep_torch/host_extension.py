@@ -101,9 +101,9 @@ def _key(cxx: str) -> str:
 
 
 def _cache_root() -> Path:
-    import ep_jit
+    from ep_core import prebuild
 
-    return Path(ep_jit.cache().root) / "host"
+    return prebuild.cache_root() / "host"
 
 
 def _locked(path: Path) -> int:
