@@ -951,11 +951,13 @@ class DirectRank:
             self.check_errors(synchronize=False)
         self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
         host = self._host.array
-        psum = host[: 4 * self.num_scaleup_ranks].view(np.int32).copy()
+        n = self.num_scaleup_ranks
+        num_recv = int(host[4 * (n - 1) : 4 * n].view(np.int32)[0])  # the last inclusive prefix sum
         at = self._counts_at
-        counts = host[at : at + 4 * epr].view(np.int32).copy()
-        aligned = ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()  # one numpy op, Python ints
-        return int(psum[-1]), int(sum(aligned)), aligned
+        counts = host[at : at + 4 * epr].view(np.int32)
+        # Python ints, read before the next dispatch's copy lands (tolist copies); one numpy op when aligning
+        aligned = counts.tolist() if a == 1 else ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()
+        return num_recv, sum(aligned), aligned
 
     def finish_dispatch(self, p: _PendingDispatch) -> DispatchResult:
         """Wait for the counts (CPU sync), allocate the outputs and launch the copy epilogue."""
