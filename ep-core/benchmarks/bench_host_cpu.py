@@ -173,6 +173,36 @@ def _time_requests(add, label: str, make, config, target) -> None:
     )
 
 
+def _time_host_extension(add, x_t, i_t) -> None:
+    """The same describes through ep_torch's host extension (`ep_torch.host_extension`, built here against this
+    torch if need be), and one allocation through it against `torch.empty`: what ep_torch's CUDA path uses."""
+    import warnings
+
+    import ep_core
+    import torch
+    from ep_core import device_array
+
+    try:
+        from ep_torch import host_extension
+    except ImportError:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        native = host_extension.module()
+    if native is None:
+        print(f"(no host extension rows: {host_extension.status()})")
+        return
+    saved = device_array._torch_reader
+    device_array.set_torch_reader(native.facts)
+    try:
+        add("describe: torch CPU bf16 [T, H], host extension reader", lambda: ep_core.describe(x_t))
+        add("describe: torch CPU int64 [T, K], host extension reader", lambda: ep_core.describe(i_t))
+    finally:
+        device_array.set_torch_reader(saved)
+    add("torch.empty(size=(T, K), dtype=int64), CPU", lambda: torch.empty(size=(T, TOPK), dtype=torch.int64))
+    add("host extension empty((T, K), int64, CPU)", lambda: native.empty((T, TOPK), torch.int64, -1))
+
+
 def run(iters: int) -> list[tuple[str, float]]:
     import ep_core
     from ep_core.kernels._cuda import as_view
@@ -213,6 +243,7 @@ def run(iters: int) -> list[tuple[str, float]]:
         add("describe: torch CPU bf16 [T, H]", lambda: ep_core.describe(x_t))
         add("describe: torch CPU int64 [T, K]", lambda: ep_core.describe(i_t))
         add("as_view: torch CPU bf16 [T, H]", lambda: as_view(x_t, "x"))
+        _time_host_extension(add, x_t, i_t)
 
     for label, make in makers:
         _time_requests(add, label, make, config, target)
