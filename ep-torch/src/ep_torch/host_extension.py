@@ -157,13 +157,14 @@ def build(*, quiet: bool = False) -> Path:
                 flush=True,
             )
         tmp = entry / f"{_NAME}.{os.getpid()}.tmp.so"
+        command = _command(cxx, tmp)
         started = time.monotonic()
         try:
-            done = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=_LOCK_TIMEOUT_S)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=_LOCK_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise HostExtensionError(f"running the compiler {cxx} failed: {exc}") from exc
         log = entry / "build.log"
-        log.write_text(f"$ {' '.join(_command(cxx, tmp))}\n{done.stdout}{done.stderr}")
+        log.write_text(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
             message = f"the compiler exited with {done.returncode} (full log: {log}):\n{tail}"
