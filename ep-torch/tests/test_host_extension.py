@@ -1,6 +1,6 @@
 """ep_torch's host extension (`ep_torch.host_extension`): built with the host compiler against this torch, its
-`empty` and `facts` agree with torch's Python API, describe reads the same `ArrayInfo` through it, and the knob's
-three modes (auto: warn and fall back; 0: off; 1: an error) behave as documented."""
+`empty`, `empty_many` and `facts` agree with torch's Python API, describe reads the same `ArrayInfo` through it,
+`signature` matches exactly the layouts describe would key, and the knob's three modes (auto: warn and fall back; 0: off; 1: an error) behave as documented."""
 
 from __future__ import annotations
 
@@ -116,6 +116,79 @@ def test_describe_slow_path_cases_through_the_reader(native, monkeypatch):
     with pytest.raises(Exception) as without:
         device_array.describe(x, "x")
     assert type(with_reader.value) is type(without.value) and str(with_reader.value) == str(without.value)
+
+
+@pytest.mark.parametrize("name", list(_tensors()))
+def test_signature_matches_exactly_the_recorded_layouts(native, name):
+    """`signature(...).match(...)` returns the pointers for arguments with the recorded dtype, sizes, strides and
+    device (another tensor of that layout included, None slots as None), and None for any other layout."""
+    t = _tensors()[name]
+    other = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    sig = native.signature(t, None, other)
+    assert isinstance(sig, native.Signature)
+    assert sig.match(t, None, other) == (t.data_ptr(), 0, other.data_ptr())
+    assert sig.match(other, None, t) == (other.data_ptr(), 0, t.data_ptr())
+    for name2, u in _tensors().items():
+        same = (u.dtype, u.shape, u.stride()) == (t.dtype, t.shape, t.stride())
+        assert (sig.match(u, None, other) is not None) == same, name2
+    assert sig.match(t, t, other) is None  # a tensor where None was recorded
+    assert sig.match(None, None, other) is None
+    assert sig.match(t.to(torch.int16 if t.dtype != torch.int16 else torch.int32), None, other) is None
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_signature_turns_down_what_describe_decides_itself(native):
+    x = torch.ones(3, 4)
+    sig = native.signature(x)
+    assert sig.match(x.clone().requires_grad_()) is None
+    assert sig.match(x._neg_view()) is None
+    assert (
+        sig.match(torch.nn.Parameter(x.clone(), requires_grad=False)) is None
+    )  # a subclass: describe decides
+    assert sig.match(x.to("meta")) is None
+    assert sig.match([1, 2]) is None
+    with pytest.raises(TypeError, match="expected 1 arguments, got 2"):
+        sig.match(x, x)
+    with pytest.raises(ValueError, match="argument 0"):
+        native.signature(x.clone().requires_grad_())
+    with pytest.raises(TypeError, match="argument 1"):
+        native.signature(x, torch.nn.Parameter(x.clone()))
+    with pytest.raises(TypeError, match="argument 0"):
+        native.signature([1])
+    assert native.signature().match() == ()
+
+
+def test_empty_many_matches_empty(native):
+    specs = (
+        ((4, 7168), torch.bfloat16),
+        ((128, 8), torch.int64),
+        ((0, 8), torch.float32),
+        ((17,), torch.int32),
+    )
+    tensors, ptrs = native.empty_many(specs, -1)
+    assert len(tensors) == len(ptrs) == len(specs)
+    for t, p, (shape, dtype) in zip(tensors, ptrs, specs):
+        ref = native.empty(shape, dtype, -1)
+        assert type(t) is torch.Tensor and (t.shape, t.dtype, t.stride(), t.device) == (
+            ref.shape,
+            ref.dtype,
+            ref.stride(),
+            ref.device,
+        )
+        assert p == t.data_ptr()
+    assert len({t.data_ptr() for t in tensors if t.numel()}) == 3  # separate allocations
+    assert native.empty_many((), -1) == ((), ())
+
+
+def test_empty_many_bad_arguments(native):
+    with pytest.raises(TypeError, match="specs"):
+        native.empty_many([((2,), torch.float32)], -1)
+    with pytest.raises(TypeError, match=r"specs\[1\]"):
+        native.empty_many((((2,), torch.float32), ((2,), "float32")), -1)
+    with pytest.raises(TypeError, match="sequence of int"):
+        native.empty_many(((5, torch.float32),), -1)
+    with pytest.raises(RuntimeError, match="negative"):
+        native.empty_many((((2, -1), torch.float32),), -1)
 
 
 def test_mode_off(monkeypatch, fresh_state):

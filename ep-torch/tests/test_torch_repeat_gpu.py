@@ -7,7 +7,8 @@ cached dispatches and combines, each several times with new inputs of the same s
 received once (the non-expand layout: one row per token and destination rank), so `combine(dispatch(x))` is
 exactly `x`, a CPU-sync handle holds T rows and the routing's per-expert counts, and a cached dispatch of the
 handle does the same with new data. The same script runs once with `EPKIT_NATIVE_LAUNCH=0` (the announced
-cuda-python path)."""
+cuda-python path). Where ep_torch's host extension is loaded, the plain repeats of the no-sync dispatch take the
+express lane (`ep_core.kernels.express`), and the test counts them."""
 
 from __future__ import annotations
 
@@ -37,14 +38,27 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str) -> None:
     assert seen["checks"] >= 40
     assert seen["launch_path"].startswith("ep_launch" if native == "1" else "off")
     assert seen["repeats"] > 0  # the repeated-call road ran
+    if seen["host_extension"].startswith("built"):
+        # plain and int32-routing modes: three repeats of the no-sync dispatch each took the express lane
+        assert seen["express"] >= 6, seen
 
 
 def _main(out_dir: str) -> int:
     import torch
     import torch.distributed as dist
-    from ep_torch import ElasticBuffer
+    from ep_core.kernels import express
+    from ep_torch import ElasticBuffer, host_extension
     from ep_torch.launch import free_port, init_rank
 
+    served = [0]  # no-sync dispatches the express lane served (ep_core.kernels.express)
+    lane_call = express.ExpressDispatch.__call__
+
+    def counted(self, *args):
+        got = lane_call(self, *args)
+        served[0] += got is not None
+        return got
+
+    express.ExpressDispatch.__call__ = counted
     init_rank(0, 1, free_port(), "nccl")
     buf = ElasticBuffer(None, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=K, explicitly_destroy=True)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -133,6 +147,8 @@ def _main(out_dir: str) -> int:
                 "checks": checks[0],
                 "launch_path": ex.launch_path,
                 "repeats": repeats,
+                "express": served[0],
+                "host_extension": host_extension.status(),
             }
         )
     )

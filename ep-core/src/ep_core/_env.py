@@ -55,6 +55,12 @@ KNOBS: dict[str, Knob] = {
             "ranks per node (S_u, a divisor of the group size) overriding the detected NVLink domain; ranks r // S_u "
             "form a node; 0 = not set",
         ),
+        Knob(
+            "EPKIT_EXPRESS_LANE",
+            bool,
+            True,
+            "0: a repeated plain no-sync dispatch walks every layer (ep_core.kernels.express is not used)",
+        ),
     )
 }
 
@@ -79,6 +85,10 @@ class _Knobs:
     @property
     def scaleup_ranks(self) -> int:
         return KNOBS["EPKIT_SCALEUP_RANKS"].get()
+
+    @property
+    def express_lane(self) -> bool:
+        return KNOBS["EPKIT_EXPRESS_LANE"].get()
 
 
 knobs = _Knobs()

@@ -384,11 +384,49 @@ class EPBuffer(BufferBase):
         ex = self._executor
         req = self._prepared.dispatch_positional(ex, *args, self._sm_cache)
         res = ex.dispatch(req)
+        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `express_dispatch`'s
         # a new handle from the library's own allocator passes the handle checks by construction: recorded as
         # validated, so that its combine does not check every array again (`validation.trust_handle`)
         if req.handle is None and is_trusted_allocator(req.allocator):
             trust_handle(self.config, ex, res.handle)
         return res
+
+    def express_dispatch(self, match: Any) -> Any:
+        """The express lane (`ep_core.kernels.express.ExpressDispatch`) of this buffer's last dispatch, whose
+        arrays `match(x, topk_idx, topk_weights)` compares later calls' with, or None where that call was not one
+        the lane serves (a handle, CPU sync, FP8 scales, an empty routing, no repeat yet, an allocator without
+        `batch`). The caller must have made that call with no handle, events or comm-stream allocation, and
+        compares every scalar of a later call with that call's by identity before taking the lane."""
+        last = getattr(self, "_last_dispatch", None)
+        if last is None or self._destroyed:
+            return None
+        from ep_core.kernels.express import express_dispatch
+
+        return express_dispatch(self, self._executor, last[0], last[1], last[2], match)
+
+    def express_combine(self, match: Any, handle: EPHandle) -> Any:
+        """The express lane (`ep_core.kernels.express.ExpressCombine`) of this buffer's last combine, made with
+        `handle` and no bias, events or comm-stream allocation; `match(x, topk_weights)` compares a later call's
+        arrays. None where that call was not one the lane serves."""
+        last = getattr(self, "_last_combine", None)
+        if last is None or self._destroyed:
+            return None
+        from ep_core.kernels.express import express_with_handle
+
+        return express_with_handle(
+            "combine", self, self._executor, last[0], "bfloat16", last[1], match, handle
+        )
+
+    def express_cached(self, match: Any, handle: EPHandle) -> Any:
+        """The express lane (`ep_core.kernels.express.ExpressCached`) of this buffer's last dispatch, a cached one
+        of `handle` with no events or comm-stream allocation; `match(x, topk_weights)` compares a later call's
+        arrays. None where that call was not one the lane serves."""
+        last = getattr(self, "_last_dispatch", None)
+        if last is None or self._destroyed:
+            return None
+        from ep_core.kernels.express import express_with_handle
+
+        return express_with_handle("dispatch", self, self._executor, last[0], last[1], last[2], match, handle)
 
     def combine(
         self,
@@ -426,13 +464,17 @@ class EPBuffer(BufferBase):
         """`combine` with every argument positional, in its order (x .. stream; ep_torch's road)."""
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
-            self._check_alive()
-            ex = self._executor
-            return ex.combine(self._prepared.combine_positional(ex, *args))
+            return self._combine(args)
         with self.announcing("combine"):
-            self._check_alive()
-            ex = self._executor
-            return ex.combine(self._prepared.combine_positional(ex, *args))
+            return self._combine(args)
+
+    def _combine(self, args: tuple) -> CombineResult:
+        self._check_alive()
+        ex = self._executor
+        req = self._prepared.combine_positional(ex, *args)
+        res = ex.combine(req)
+        self._last_combine = (req.prepared, req.allocator)  # `express_combine`'s
+        return res
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------
     def announcing(self, op: str) -> _Announcing:

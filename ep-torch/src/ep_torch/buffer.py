@@ -18,6 +18,8 @@ when the nccl transport borrows the group's communicator, are :mod:`ep_torch.tra
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,6 +112,38 @@ def _flat(items: Any) -> Iterator[Any]:
             yield a
 
 
+class _ExpressLane:
+    """One of ep-core's express lanes (`ep_core.kernels.express`) and the scalars of the call it was made from,
+    which `dispatch` / `combine` compare with a later call's by identity: never equal-but-other objects (16.0 for
+    16, True for 1), which are other keys for ep-core's validation; an equal int that is another object (above
+    256, computed anew) only takes the ordinary road. `run` is the lane itself."""
+
+    __slots__ = ("run", "scalars")
+
+    def __init__(self, run: Any, scalars: tuple) -> None:
+        self.run = run
+        self.scalars = scalars
+
+    @classmethod
+    def make(cls, make: Any, arrays: tuple, scalars: tuple, *extra: Any) -> _ExpressLane | None:
+        """`make(match, *extra)` (an `ep_core.EPBuffer.express_*` method) for the call just run with these
+        arrays, or None: no host extension (the allocator offers no `batch`), arrays a signature cannot hold, or
+        a call ep-core's lane does not serve."""
+        native = host_extension.module()
+        if native is None or type(arrays[0]) is not torch.Tensor:
+            return None
+        try:
+            match = native.signature(*arrays).match
+        except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
+            return None
+        lane = make(match, *extra)
+        return None if lane is None else cls(lane, scalars)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return all(map(operator.is_, a, b))
+
+
 class ElasticBuffer(ElasticOps):
     """An expert-parallel communication buffer over ``group`` (DeepEP V2's ``ElasticBuffer``).
 
@@ -118,6 +152,11 @@ class ElasticBuffer(ElasticOps):
     for nccl groups ``nccl`` when every rank has its own GPU and NCCL >= 2.28.7, else ``ipc``;
     ``EPKIT_TORCH_TRANSPORT`` overrides the default). ``transport_choice`` says what was picked and why.
     """
+
+    # the express lanes (set per buffer in __init__; None here for buffers made without it)
+    _express: _ExpressLane | None = None
+    _express_cached: _ExpressLane | None = None
+    _express_combine: _ExpressLane | None = None
 
     policy: PlannerPolicy = PlannerPolicy.V2
 
@@ -151,6 +190,10 @@ class ElasticBuffer(ElasticOps):
         self._cuda = self.device.type == "cuda"
         self._device_index: int | None = self.device.index
         self._allocators: dict = {}
+        # the express lanes of the last plain no-sync dispatch, cached dispatch and combine (`dispatch`, `combine`)
+        self._express: _ExpressLane | None = None
+        self._express_cached: _ExpressLane | None = None
+        self._express_combine: _ExpressLane | None = None
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
@@ -222,6 +265,7 @@ class ElasticBuffer(ElasticOps):
                 "pass explicitly_destroy=True to the constructor to manage its lifetime yourself"
             )
         rt = self._rt()
+        self._express = self._express_cached = self._express_combine = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         rt.destroy()  # a barrier first: no peer copies into this rank's signal words any more
@@ -377,22 +421,35 @@ class ElasticBuffer(ElasticOps):
         """Outputs as torch tensors on ``device``, from the caching allocator of the current stream (one allocator
         per device, reused by every call). It offers ``int32_block``: a new handle's int32 arrays as disjoint views
         of one ``torch.empty`` (``ep_core.kernels.array_block``; they all belong to the one handle returned), and
-        ``handle_block``: the same block, each view made when the handle's field is first read."""
+        ``handle_block``: the same block, each view made when the handle's field is first read; with the host
+        extension also ``batch``: a callable making several outputs in one C call (ep-core's express lane)."""
         allocators = self.__dict__.setdefault("_allocators", {})
         allocate = allocators.get(device)
         if allocate is None:
-            native = host_extension.module() if device.type == "cuda" else None
+            # on the CPU only when asked for (EPKIT_TORCH_HOST_EXTENSION=1): the CPU reference backend has no use
+            # for it, and a CPU-only install should not compile anything
+            wanted = device.type == "cuda" or _env.host_extension() == "1"
+            native = host_extension.module() if wanted else None
             if native is not None:
                 # at::empty in one C call (torch's Python argument parser skipped); the extension also reads the
                 # tensors' facts for ep_core's describe from now on
                 device_array.set_torch_reader(native.facts)
                 empty, index = (
                     native.empty,
-                    torch.cuda.current_device() if device.index is None else device.index,
+                    (torch.cuda.current_device() if device.index is None else device.index)
+                    if device.type == "cuda"
+                    else -1,
                 )
 
                 def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
                     return empty(shape, _TORCH_DTYPES[dtype], index)
+
+                def batch(specs: tuple) -> Any:
+                    # ep-core's express lane: one call that makes every (shape, dtype name) of `specs`
+                    made = tuple([(tuple(shape), _TORCH_DTYPES[name]) for shape, name in specs])
+                    return functools.partial(native.empty_many, made, index)
+
+                allocate.batch = batch  # type: ignore[attr-defined]
 
             else:
 
@@ -512,6 +569,68 @@ class ElasticBuffer(ElasticOps):
         ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
         returned handle is the one given.
         """
+        if handle is not None:
+            lane = self._express_cached
+            scalars = (
+                topk_idx,
+                cumulative_local_expert_recv_stats,
+                num_experts,
+                num_max_tokens_per_rank,
+                expert_alignment,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                async_with_compute_stream,
+                allocate_on_comm_stream,
+                do_handle_copy,
+                do_cpu_sync,
+                do_expand,
+                do_zero_padding,
+                use_tma_aligned_col_major_sf,
+            )
+            if lane is not None and _same(scalars, lane.scalars):
+                got = lane.run(
+                    x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0
+                )
+                if got is not None:
+                    return (
+                        got.recv_x,
+                        got.recv_topk_idx,
+                        got.recv_topk_weights,
+                        got.handle,
+                        EventOverlap(None),
+                    )
+        lane = self._express
+        # the express lane (`ep_core.kernels.express`): a repeat of the last plain no-sync dispatch, every scalar
+        # the same object as that call's (so the same prepared entry), the arrays compared by `lane.match`
+        plain = (
+            handle is None
+            and do_cpu_sync is False
+            and previous_event is None
+            and previous_event_before_epilogue is None
+            and cumulative_local_expert_recv_stats is None
+            and async_with_compute_stream is False
+            and allocate_on_comm_stream is False
+            and do_handle_copy is True
+            and do_expand is False
+            and do_zero_padding is False
+            and use_tma_aligned_col_major_sf is False
+        )
+        if (
+            plain
+            and lane is not None
+            and num_experts is lane.scalars[0]
+            and num_max_tokens_per_rank is lane.scalars[1]
+            and expert_alignment is lane.scalars[2]
+            and num_sms is lane.scalars[3]
+            and num_qps is lane.scalars[4]
+        ):
+            got = lane.run(
+                x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
+            )
+            if got is not None:
+                return got[0], got[1], got[2], got[3], EventOverlap(None)
         with self._core.announcing("dispatch"):
             rt = self._rt()
             if handle is None and do_cpu_sync is not False:
@@ -556,6 +675,27 @@ class ElasticBuffer(ElasticOps):
                     _current_stream(self._device_index) if cuda else 0,
                 )
                 event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
+            # the express lane of this call, for the next one (the allocator offers `batch` where the host
+            # extension is loaded)
+            lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
+            if lanes and plain:
+                self._express = _ExpressLane.make(
+                    rt.express_dispatch,
+                    (x, topk_idx, topk_weights),
+                    (num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps),
+                )
+            elif (
+                lanes
+                and handle is not None
+                and topk_idx is None
+                and cumulative_local_expert_recv_stats is None
+                and previous_event is None
+                and previous_event_before_epilogue is None
+                and not async_with_compute_stream
+            ):
+                self._express_cached = _ExpressLane.make(
+                    rt.express_cached, (x, topk_weights), scalars, handle
+                )
         if handle is None:
             if not do_handle_copy:
                 res.handle.topk_idx = (
@@ -592,6 +732,18 @@ class ElasticBuffer(ElasticOps):
 
         Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         """
+        lane = self._express_combine
+        plain = (
+            bias is None
+            and previous_event is None
+            and previous_event_before_epilogue is None
+            and async_with_compute_stream is False
+            and allocate_on_comm_stream is False
+        )
+        if plain and lane is not None and num_sms is lane.scalars[0] and num_qps is lane.scalars[1]:
+            got = lane.run(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+            if got is not None:
+                return got.combined_x, got.combined_topk_weights, EventOverlap(None)
         with self._core.announcing("combine"):
             rt = self._rt()
             device = x.device if isinstance(x, torch.Tensor) else self.device
@@ -618,6 +770,14 @@ class ElasticBuffer(ElasticOps):
                     _current_stream(self._device_index) if cuda else 0,
                 )
                 event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
+            if (
+                plain
+                and scope is _NO_SCOPE
+                and getattr(self._allocators.get(device), "batch", None) is not None
+            ):
+                self._express_combine = _ExpressLane.make(
+                    rt.express_combine, (x, topk_weights), (num_sms, num_qps), handle
+                )
         return res.combined_x, res.combined_topk_weights, event
 
     @property

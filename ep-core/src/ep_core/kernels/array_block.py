@@ -121,6 +121,25 @@ class Int32Block:
             self.ptrs = tuple([base + 4 * off for off in offsets])
         self.views: list = [None] * len(shapes)
 
+    @staticmethod
+    def layout(shapes: tuple) -> tuple:
+        """`(word offsets, word sizes, total words, as_strided arguments per part)` of a block for `shapes`."""
+        return _layout(shapes)
+
+    @classmethod
+    def adopt(cls, array: Any, shapes: tuple, base: int) -> Int32Block:
+        """The block of an `array` allocated for `shapes` (a tuple of tuples) whose data pointer `base` the caller
+        has read already (ep_core.kernels.express): what `carve` makes, without its pointer read."""
+        offsets, _sizes, _total, strided = _layout(shapes)
+        block = cls.__new__(cls)
+        block.array = array
+        block.shapes = shapes
+        block._strided = strided
+        block._kind = _kind(array) or "sliced"
+        block.ptrs = tuple([base + 4 * off for off in offsets])
+        block.views = [None] * len(shapes)
+        return block
+
     def view(self, i: int) -> Any:
         """Part `i` as the block's array type (C-contiguous int32, the shape `shapes[i]`)."""
         got = self.views[i]

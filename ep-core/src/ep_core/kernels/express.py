@@ -1,0 +1,306 @@
+"""The express road: a repeated no-sync dispatch (no handle), combine or cached dispatch as one call from the
+framework layer to the launches.
+
+A repeat (`ep_core.kernels.repeat`) still walks every layer above it on each call: `EPBuffer` -> `PreparedOps`
+(describe each array, build the key, compare it, build the request) -> `GpuExecutor` (the routing copy, the
+allocator wrapper, the stream pairs) -> `RepeatDispatch.run` (five allocations, the block, the handle). On a host
+where a Python call costs 100-200 ns that is most of a dispatch's host time (issue 18). `ExpressDispatch` is that
+road for one prepared entry, made once the entry has its repeat, with everything the layers derive per call
+resolved ahead:
+
+- the key check is `match(x, topk_idx, topk_weights)`: the framework's native comparison of each array with the
+  layout of the call the entry was made from (ep_torch: its host extension's `Signature.match`, one C call that
+  returns the pointers or None). The caller compares the scalar arguments by identity with the recorded ones, so
+  a call reaching `__call__` has the key that call had: the same entry, the same validated request.
+- the outputs, the handle's routing copy and its int32 block come from one call of the allocator's `batch`
+  (`allocate.batch(specs)`: a callable that makes them all; ep_torch's is one `at::empty` loop in C++);
+- the new handle is recorded as validated with the fingerprint `validation.handle_fingerprint` gives it (its
+  by-value part is the same for every handle of the entry and is read from the first one);
+- the rest is the repeat's own per-call work (failure guard, envelope, launches with their stream-order pairs,
+  the handle's launch number, the input-error report), through the same helpers.
+
+A combine or cached dispatch (`ExpressCombine`, `ExpressCached`) keeps its repeat as it is: the lane replaces the
+layers above it (the caller's match for the arrays, the handle's key part and `check_handle` as `PreparedOps`
+checks them, the stream pairs) and calls `RepeatCombine.run` / `RepeatDispatch.run` as `GpuExecutor` does.
+
+An error before the launch gives up the call's device sequence number, as `EPBuffer.announcing` does, so that a
+rank refusing a call can never be paired with its peers' next one. Anything the express lane does not cover (a
+handle, CPU sync, FP8 scales, events, another stream context, a changed rank state) is the caller's cue to take
+the ordinary road: `__call__` returns None having done nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ep_core._env import knobs
+from ep_core.handle import EPHandle
+from ep_core.kernels.array_block import Int32Block
+from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs, note_handle_topk_idx
+from ep_core.validation import check_handle, handle_fingerprint, is_trusted_allocator, trust_fingerprint
+
+__all__ = ["ExpressCached", "ExpressCombine", "ExpressDispatch", "express_dispatch", "express_with_handle"]
+
+
+def _same(ptr: int, _what: str) -> int:
+    return ptr
+
+
+# `DirectRank`'s names of a new handle's int32 arrays, in the dispatch kernel's argument order after the routing
+_KERNEL_PARTS = ("dst_slot", "fwd", "psum_rank", "psum_expert", "unaligned")
+
+
+def express_dispatch(
+    buffer: Any, executor: Any, token: Any, x_dtype: str, allocator: Any, match: Any
+) -> ExpressDispatch | None:
+    """The express lane of the entry whose request carried `token` (`PreparedToken`; `x_dtype`: its x's dtype
+    name), or None where it cannot
+    serve it: no repeat of a plain no-sync dispatch on `executor`'s rank, an allocator that is not trusted or
+    offers no `batch`, an empty routing (no copy to fill: the handle aliases it), or `EPKIT_EXPRESS_LANE=0`."""
+    if not knobs.express_lane:
+        return None
+    plan = None if token is None else token.plan
+    rank = getattr(executor, "rank", None)
+    if type(plan) is not RepeatDispatch or plan.rank is not rank:
+        return None
+    if plan.cached or plan.cpu_sync or plan.sf_dtype is not None or not plan.int32_shapes:
+        return None
+    if "src_metadata" not in plan.int32_shapes or plan.num_tokens == 0 or plan.topk == 0:
+        return None
+    rows = plan.num_expanded if plan.expand else plan.num_recv
+    epilogue = plan.prepared.epilogue_pdl if plan.epilogue_pdl else plan.prepared.epilogue
+    if epilogue is None and (rows > 0 or plan.zero_padding):
+        return None
+    batch = getattr(allocator, "batch", None)
+    if batch is None or not is_trusted_allocator(allocator):
+        return None
+    return ExpressDispatch(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
+
+
+class ExpressDispatch:
+    """One prepared no-sync dispatch's whole road (module doc)."""
+
+    __slots__ = (
+        "_alloc",
+        "_block_at",
+        "_by_value",
+        "_epilogue",
+        "_executor",
+        "_has_idx",
+        "_has_w",
+        "_plan",
+        "_rows",
+        "allocator",
+        "buffer",
+        "match",
+    )
+
+    def __init__(
+        self,
+        buffer: Any,
+        executor: Any,
+        plan: RepeatDispatch,
+        epilogue: Any,
+        x_dtype: str,
+        allocator: Any,
+        batch: Any,
+        match: Any,
+    ) -> None:
+        self.buffer = buffer
+        self.allocator = allocator
+        self.match = match
+        self._executor = executor
+        self._plan = plan
+        self._epilogue = epilogue
+        self._rows = plan.num_expanded if plan.expand else plan.num_recv
+        rows, k = self._rows, plan.topk
+        # what `RepeatDispatch.run` allocates, in its order, then the routing copy and the handle's block
+        specs: list = [((rows, plan.hidden), x_dtype)]
+        self._has_idx = not plan.expand
+        if self._has_idx:
+            specs.append(((rows, k), "int64"))
+        self._has_w = plan.has_weights
+        if self._has_w:
+            specs.append(((rows,) if plan.expand else (rows, k), "float32"))
+        specs.append(((plan.num_tokens, k), "int32" if plan.idx32 else "int64"))
+        offsets, _sizes, total, _strided = Int32Block.layout(plan._int32_key)
+        specs.append(((max(total, 1),), "int32"))
+        self._alloc = batch(tuple(specs))
+        at = plan._part
+        # byte offsets of the block's parts the dispatch kernel takes (-1: absent, a null pointer)
+        parts = [4 * offsets[at[name]] if name in at else -1 for name in _KERNEL_PARTS]
+        self._block_at = (*parts, 4 * offsets[at["src_metadata"]])
+        self._by_value: tuple | None = None  # the handles' fingerprint by value, read from the first
+
+    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
+        """`(recv_x, recv_topk_idx, recv_topk_weights, handle)` of the dispatch, or None (nothing done: take the
+        ordinary road). The caller has compared every other argument with the recorded call's; the outputs come
+        from that call's allocator, on `stream`'s order as the ordinary road's do."""
+        ptrs = self.match(x, topk_idx, topk_weights)
+        if ptrs is None:
+            return None
+        plan = self._plan
+        rank = plan.rank
+        if rank._last_scratch != plan.scratch or rank.debug_skip_scaleout_signal != plan.skip_signal:
+            return None
+        buffer = self.buffer
+        if buffer._destroyed:
+            return None  # the ordinary road raises the caller's own error
+        step = rank._num_collective_launches
+        try:
+            wait, signal, _leave = self._executor._pairs(stream, False)
+            rank.guard()
+            arrays, aptrs = self._alloc()
+            base = aptrs[-1]
+            at = self._block_at
+            dynamic = (
+                ptrs[0],
+                0,
+                ptrs[1],
+                ptrs[2],
+                base + at[0],
+                base + at[1] if at[1] >= 0 else 0,
+                base + at[2],
+                base + at[3],
+                base + at[4],
+                0,
+                aptrs[-2],
+                plan._envelopes.word(step + 1, -1),
+            )
+            rows = self._rows
+            copies = rows > 0 or plan.zero_padding
+            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, None if copies else signal)
+        except Exception as exc:
+            buffer.announce_error("dispatch", exc, step)
+            raise
+        launch_number = rank._num_collective_launches
+        recv_x = arrays[0]
+        recv_idx = arrays[1] if self._has_idx else None
+        recv_w = arrays[1 + self._has_idx] if self._has_w else None
+        if copies:
+            # `epilogue_outputs` over the batch's own pointers (no pointer read per array)
+            idx_ptr = aptrs[1] if self._has_idx else None
+            w_ptr = aptrs[1 + self._has_idx] if self._has_w else None
+            outputs = epilogue_outputs(_same, base + at[5], aptrs[0], None, (0, 0), idx_ptr, w_ptr, rows)
+            rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
+        copy = arrays[-2]
+        block = Int32Block.adopt(arrays[-1], plan._int32_key, base)
+        handle = plan._block_handle(block, copy, plan.num_recv, plan.num_expanded, [], None)
+        rank._handle_launch[handle] = launch_number
+        rank._unconfirmed.add(handle)
+        note_handle_topk_idx(rank, handle, copy, plan.idx32)
+        self._trust(handle, copy, block)
+        rank._report_input_error()
+        return recv_x, recv_idx, recv_w, handle
+
+    def _trust(self, handle: EPHandle, copy: Any, block: Int32Block) -> None:
+        """`validation.trust_handle` for a handle of this entry: the fingerprint by value is every handle's."""
+        config = self.buffer.config
+        by_value = self._by_value
+        if by_value is None:
+            fingerprint = handle_fingerprint(config, self._executor, handle)
+            if fingerprint[1] != (copy, block, block, block, block, block):
+                return  # not the block form (never for the lane's handles): validated at first use
+            by_value = self._by_value = fingerprint[0]
+        trust_fingerprint(handle, (by_value, (copy, block, block, block, block, block), config))
+
+
+class _HandleLane:
+    """A prepared op that reads a handle (a combine, a cached dispatch): the caller matched its arrays and
+    scalars; the handle is checked here as `PreparedOps` checks it (its key part, then `check_handle`, which
+    compares a trusted handle's fingerprint), and the repeat (`RepeatCombine.run` / `RepeatDispatch.run`) does
+    the rest, called as `GpuExecutor` calls it."""
+
+    __slots__ = ("_executor", "_handle_key", "_plan", "allocator", "buffer", "match", "op")
+
+    def __init__(self, op: str, buffer: Any, executor: Any, plan: Any, allocator: Any, match: Any) -> None:
+        self.op = op
+        self.buffer = buffer
+        self.allocator = allocator
+        self.match = match
+        self._executor = executor
+        self._plan = plan
+        self._handle_key: tuple | None = None  # the handle's part of the entry's key, from the recorded call
+
+    def record_handle(self, handle: EPHandle) -> bool:
+        """Take the handle part of the key from the recorded call's handle; False for a handle that has none."""
+        try:
+            fp = handle_fingerprint(self.buffer.config, self._executor, handle)
+            self._handle_key = (fp[0][1], fp[0][2][0])
+        except Exception:
+            return False
+        return self._handle_key[1] is not None
+
+    def _checked(self, handle: Any) -> bool:
+        """Whether `handle` has the entry's key part; raises what `check_handle` raises for a bad one."""
+        if type(handle) is not EPHandle:
+            return False
+        config = self.buffer.config
+        fp = handle_fingerprint(config, self._executor, handle)
+        if fp[0][1] != self._handle_key[0] or fp[0][2][0] != self._handle_key[1]:
+            return False
+        check_handle(config, self._executor, handle, fp)
+        return True
+
+    def __call__(self, x: Any, handle: Any, weights: Any, stream: int) -> Any:
+        """The repeat's result (`CombineResult` / `DispatchResult`), or None (nothing done: the ordinary road)."""
+        ptrs = self.match(x, weights)
+        buffer = self.buffer
+        if ptrs is None or buffer._destroyed:
+            return None
+        rank = self._plan.rank
+        step = rank._num_collective_launches
+        try:
+            if not self._checked(handle):
+                return None
+            wait, signal, _leave = self._executor._pairs(stream, False)
+            return self._run(ptrs, handle, wait, signal)
+        except Exception as exc:
+            buffer.announce_error(self.op, exc, step)
+            raise
+
+    def _run(self, ptrs: tuple, handle: EPHandle, wait: Any, signal: Any) -> Any:
+        raise NotImplementedError
+
+
+class ExpressCombine(_HandleLane):
+    """A prepared combine's road without the layers: `RepeatCombine.run` after the caller's match (no bias)."""
+
+    __slots__ = ()
+
+    def _run(self, ptrs: tuple, handle: EPHandle, wait: Any, signal: Any) -> Any:
+        return self._plan.run(ptrs[0], ptrs[1], 0, 0, handle, self.allocator, wait, signal)
+
+
+class ExpressCached(_HandleLane):
+    """A prepared cached dispatch's road without the layers: `RepeatDispatch.run` with the handle's routing."""
+
+    __slots__ = ("x_dtype",)
+
+    def _run(self, ptrs: tuple, handle: EPHandle, wait: Any, signal: Any) -> Any:
+        return self._plan.run(
+            ptrs[0], 0, 0, ptrs[1], 0, handle, None, self.allocator, self.x_dtype, wait, signal
+        )
+
+
+def express_with_handle(
+    op: str, buffer: Any, executor: Any, token: Any, x_dtype: str, allocator: Any, match: Any, handle: Any
+) -> _HandleLane | None:
+    """The lane of a combine (`op="combine"`) or cached dispatch (`"dispatch"`) whose request carried `token`
+    and `handle`, or None (no repeat of that op yet, CPU sync, FP8 scales, an untrusted allocator, the knob)."""
+    if not knobs.express_lane or not is_trusted_allocator(allocator):
+        return None
+    plan = None if token is None else token.plan
+    rank = getattr(executor, "rank", None)
+    if plan is None or plan.rank is not rank:
+        return None
+    if op == "combine":
+        if type(plan) is not RepeatCombine:
+            return None
+        lane: _HandleLane = ExpressCombine(op, buffer, executor, plan, allocator, match)
+    else:
+        if type(plan) is not RepeatDispatch or not plan.cached or plan.cpu_sync or plan.sf_dtype is not None:
+            return None
+        lane = ExpressCached(op, buffer, executor, plan, allocator, match)
+        lane.x_dtype = x_dtype
+    return lane if lane.record_handle(handle) else None

@@ -1,0 +1,356 @@
+"""The express lane (`ep_core.kernels.express`, issue 18): a repeat of the last plain no-sync dispatch goes from
+`ElasticBuffer.dispatch` to the launches in one call, and launches exactly what the ordinary road launches.
+
+Through the GPU executor with the driver mocked (bench_host_cpu's), on CPU tensors, with ep_torch's host
+extension loaded for them (`EPKIT_TORCH_HOST_EXTENSION=1`; it builds with the host compiler): each launch's
+argument words, with every pointer named by the array it points into, are compared between a buffer that takes
+the lane and one that does not (`EPKIT_EXPRESS_LANE=0`); the lane's handles carry the fingerprint validation
+would give them; any argument that differs from the recorded call's takes the ordinary road; an error before the
+launch gives up the step as the ordinary road's announcement does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ep-core" / "benchmarks"))
+
+HIDDEN, EXPERTS, K = 64, 8, 2
+_FIELDS = (
+    "topk_idx",
+    "dst_buffer_slot_idx",
+    "psum_num_recv_tokens_per_scaleup_rank",
+    "psum_num_recv_tokens_per_expert",
+    "num_unaligned_recv_tokens_per_expert",
+    "recv_src_metadata",
+)
+
+
+@pytest.fixture
+def mocked(monkeypatch):
+    """`make(lane)`: an ElasticBuffer on the mocked GPU executor with the host extension loaded, the lane on or
+    off; `launches`: every launch as (kernel name, words); `served`: the dispatches the lane served."""
+    if not shutil_which_cxx():
+        pytest.skip("no C++ compiler for the host extension")
+    import bench_host_cpu as b
+    import torch.distributed as dist
+    from ep_core.kernels import express
+    from ep_core.kernels import prepared_launch as pl
+    from ep_torch import buffer as tbuf
+    from ep_torch import host_extension
+    from ep_torch.launch import free_port, init_rank
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    monkeypatch.setenv("EPKIT_TORCH_HOST_EXTENSION", "1")
+    monkeypatch.setattr(host_extension, "_state", [])
+    monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
+    launches: list = []
+    served = [0]
+    run = pl.PreparedLaunch.run
+
+    def recorded_run(self, values, stream, wait=None, signal=None):
+        launches.append((self.name, self.patch(values)))
+        return run(self, values, stream, wait, signal)
+
+    def recorded_launch(self, words, stream):
+        launches.append((self.name, list(words)))
+
+    monkeypatch.setattr(pl.PreparedLaunch, "run", recorded_run)
+    monkeypatch.setattr(pl.PreparedLaunch, "launch", recorded_launch)
+    served_by: dict = {"dispatch": 0, "cached": 0, "combine": 0}
+
+    def counting(cls, kind):
+        call = cls.__call__
+
+        def counted(self, *args):
+            got = call(self, *args)
+            if got is not None:
+                served_by[kind] += 1
+                if kind == "dispatch":
+                    served[0] += 1
+            return got
+
+        monkeypatch.setattr(cls, "__call__", counted)
+
+    counting(express.ExpressDispatch, "dispatch")
+    for cls, kind in ((express.ExpressCached, "cached"), (express.ExpressCombine, "combine")):
+        lane_run = cls._run
+
+        def counted_run(self, *args, _run=lane_run, _kind=kind):
+            got = _run(self, *args)
+            served_by[_kind] += got is not None
+            return got
+
+        monkeypatch.setattr(cls, "_run", counted_run)
+
+    init_rank(0, 1, free_port(), "gloo")
+
+    def make(lane: bool):
+        monkeypatch.setenv("EPKIT_EXPRESS_LANE", "1" if lane else "0")
+        return tbuf.ElasticBuffer(None, num_max_tokens_per_rank=8, hidden=HIDDEN, num_topk=K)
+
+    with b._MockedGpu():
+        yield make, launches, served, served_by
+    dist.destroy_process_group()
+
+
+def shutil_which_cxx() -> bool:
+    import os
+    import shutil
+
+    return bool(os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"))
+
+
+def _named(words: list, names: dict) -> list:
+    return [names.get(w, w) for w in words]
+
+
+def _pointer_names(x, idx, w, out) -> dict:
+    """Every pointer of a call's arrays -> the names of what it points at (handle parts by field)."""
+    from ep_core.kernels.repeat import _handle_ptrs
+
+    recv_x, recv_idx, recv_w, handle, _ = out
+    named: dict = {}
+    arrays = {"x": x, "idx": idx, "w": w, "recv_x": recv_x, "recv_idx": recv_idx, "recv_w": recv_w}
+    for name, a in arrays.items():
+        if a is not None and a.numel():
+            named.setdefault(a.data_ptr(), []).append(name)
+    for name, ptr in zip(_FIELDS, _handle_ptrs(handle, _FIELDS)):
+        named.setdefault(ptr, []).append(name)
+    return {p: "+".join(sorted(n)) for p, n in named.items()}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "weights", "idx_dtype"),
+    [(8, True, torch.int64), (1, True, torch.int64), (8, False, torch.int64), (5, True, torch.int32)],
+)
+def test_lane_launches_what_the_ordinary_road_launches(mocked, tokens, weights, idx_dtype):
+    make, launches, served, _by = mocked
+    g = torch.Generator().manual_seed(tokens)
+    calls = []
+    for _ in range(4):
+        x = torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16)
+        idx = torch.rand(tokens, EXPERTS, generator=g).topk(K, dim=1).indices.to(idx_dtype)
+        w = torch.rand(tokens, K, generator=g) if weights else None
+        calls.append((x, idx, w))
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        served[0] = 0
+        per_call = []
+        for x, idx, w in calls:
+            launches.clear()
+            out = buf.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False
+            )
+            names = _pointer_names(x, idx, w, out)
+            recv_x, recv_idx, recv_w, handle, event = out
+            assert event.event is None
+            assert recv_x.shape == (handle.num_recv_tokens, HIDDEN) and recv_x.dtype == torch.bfloat16
+            assert recv_idx.shape == (handle.num_recv_tokens, K) and recv_idx.dtype == torch.int64
+            assert (recv_w is None) == (w is None)
+            assert handle.topk_idx is not idx and handle.topk_idx.dtype == idx.dtype
+            assert handle.topk_idx.shape == idx.shape
+            per_call.append(
+                (
+                    [(name, _named(words, names)) for name, words in launches],
+                    {
+                        k: v
+                        for k, v in vars(handle).items()
+                        if not k.startswith("_") and not torch.is_tensor(v)
+                    },
+                )
+            )
+        seen[lane] = per_call
+        assert served[0] == (3 if lane else 0)  # the first call makes the entry; the lane serves the others
+        assert (buf._express is not None) == lane
+    assert seen[True] == seen[False]
+
+
+def test_lane_handles_carry_the_fingerprint_validation_gives(mocked, monkeypatch):
+    from ep_core import validation
+
+    make, _launches, served, _by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+    buf.dispatch(x, **kw)
+    checks: list = []
+    real = validation._check_handle_arrays
+    monkeypatch.setattr(validation, "_check_handle_arrays", lambda *a: checks.append(a[2]) or real(*a))
+    rt = buf.runtime
+    for _ in range(3):
+        h = buf.dispatch(x, **kw)[3]
+        fp = validation.handle_fingerprint(rt.config, rt.executor, h)
+        assert validation._fingerprint_matches(validation._validated_handles[h], fp)
+        recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+        buf.combine(recv, h, num_sms=4)
+        buf.dispatch(x, handle=h, num_sms=4)
+    assert served[0] == 3 and checks == []  # trusted: no handle was checked array by array
+
+
+def test_any_other_argument_takes_the_ordinary_road(mocked):
+    from ep_core.errors import EPValueError
+
+    make, _launches, served, _by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+    h = buf.dispatch(x, **kw)[3]
+    buf.dispatch(x, **kw)
+    assert served[0] == 1
+    lane = buf._express
+    others = [
+        dict(kw, num_sms=8),  # another scalar: another entry (and a new lane)
+        dict(kw, do_cpu_sync=None),
+        dict(kw, do_cpu_sync=True),
+        dict(kw, do_handle_copy=False),
+        dict(kw, do_expand=True),
+        dict(kw, async_with_compute_stream=True),
+        dict(kw, num_qps=0, expert_alignment=1),
+    ]
+    for extra in others:
+        buf._express = lane
+        buf.dispatch(x, **extra)
+        assert served[0] == 1, extra
+    buf._express = lane
+    buf.dispatch(x[:4].clone(), **dict(kw, topk_idx=idx[:4].clone()))  # other shapes
+    buf._express = lane
+    buf.dispatch(x.clone().requires_grad_(), **kw)  # autograd: ep_torch detaches it on the ordinary road
+    buf._express = lane
+    with pytest.raises(EPValueError, match="contiguous"):  # other strides: validation's error, as without it
+        buf.dispatch(x.t().contiguous().t(), **kw)
+    buf._express = lane
+    buf.dispatch(x, handle=h, num_sms=4)
+    assert served[0] == 1
+    buf._express = lane
+    buf.dispatch(x, **kw)
+    assert served[0] == 2
+
+
+def test_a_bad_scalar_of_another_type_is_never_served(mocked):
+    """`num_sms=4.0` equals the recorded 4 but is another key: it must meet validation's error, as without the
+    lane."""
+    from ep_core.errors import EPError
+
+    make, _launches, served, _by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+    buf.dispatch(x, **kw)
+    with pytest.raises(EPError, match="num_sms"):
+        buf.dispatch(x, **dict(kw, num_sms=4.0))
+    assert served[0] == 0
+
+
+def test_a_refused_call_gives_up_its_step_as_the_ordinary_road_does(mocked, monkeypatch):
+    make, _launches, served, _by = mocked
+    outcomes = {}
+    for lane in (False, True):
+        buf = make(lane)
+        x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+        buf.dispatch(x, **kw)
+        buf.dispatch(x, **kw)
+        rank = buf.runtime.executor.rank
+        before = rank.launch_step
+        monkeypatch.setattr(rank._status, "read", lambda: (3, 0))  # a kernel of this rank published a failure
+        with pytest.raises(Exception) as err:
+            buf.dispatch(x, **kw)
+        outcomes[lane] = (type(err.value), str(err.value), rank.launch_step - before)
+    assert served[0] == 1  # the lane's second call; the refused one raised
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True][2] == 1  # the step was given up
+
+
+def test_lane_off_by_knob(mocked):
+    make, _launches, served, _by = mocked
+    buf = make(False)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    for _ in range(3):
+        buf.dispatch(x, topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+    assert buf._express is None and served[0] == 0
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_combine_and_cached_lanes_launch_what_the_ordinary_road_launches(mocked, weights):
+    """A training step's pattern: dispatch, combine of its new handle, cached dispatch of that handle; the lanes
+    serve the repeats of all three and launch the same words as the ordinary road."""
+    make, launches, _served, served_by = mocked
+    g = torch.Generator().manual_seed(7)
+    calls = []
+    for _ in range(4):
+        x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+        idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+        w = torch.rand(8, K, generator=g) if weights else None
+        calls.append((x, idx, w))
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        for kind in served_by:
+            served_by[kind] = 0
+        per_call = []
+        for x, idx, w in calls:
+            launches.clear()
+            out = buf.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False
+            )
+            names = _pointer_names(x, idx, w, out)
+            recv = torch.randn(out[3].num_recv_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+            rw = out[2]
+            names[recv.data_ptr()] = "recv"
+            comb, comb_w, ev = buf.combine(recv, out[3], topk_weights=rw, num_sms=4)
+            assert ev.event is None and comb.shape == (8, HIDDEN) and (comb_w is None) == (rw is None)
+            names[comb.data_ptr()] = "combined"
+            if comb_w is not None:
+                names[comb_w.data_ptr()] = "combined_w"
+            again = buf.dispatch(x, handle=out[3], num_sms=4)
+            assert again[3] is out[3] and again[0].shape == out[0].shape
+            names[again[0].data_ptr()] = "cached recv_x"
+            for a, tag in ((again[1], "cached recv_idx"), (again[2], "cached recv_w")):
+                if a is not None:
+                    names[a.data_ptr()] = tag
+            per_call.append([(name, _named(words, names)) for name, words in launches])
+        seen[lane] = per_call
+        want = (
+            {"dispatch": 3, "cached": 3, "combine": 3} if lane else {"dispatch": 0, "cached": 0, "combine": 0}
+        )
+        assert served_by == want
+    assert seen[True] == seen[False]
+
+
+def test_handle_lanes_check_the_handle(mocked, monkeypatch):
+    """A handle of other shapes takes the ordinary road; a handle whose array was replaced by a wrong one meets
+    validation's error on the lane, named as without it."""
+    from ep_core.errors import EPValueError
+
+    make, _launches, _served, served_by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+    h = buf.dispatch(x, **kw)[3]
+    recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+    buf.combine(recv, h, num_sms=4)
+    buf.dispatch(x, handle=h, num_sms=4)
+    h2 = buf.dispatch(x, **kw)[3]
+    buf.combine(recv, h2, num_sms=4)
+    buf.dispatch(x, handle=h2, num_sms=4)
+    assert served_by == {"dispatch": 1, "cached": 1, "combine": 1}
+    h2.psum_num_recv_tokens_per_expert = torch.zeros(3, dtype=torch.int32)
+    for call in (lambda: buf.combine(recv, h2, num_sms=4), lambda: buf.dispatch(x, handle=h2, num_sms=4)):
+        with pytest.raises(EPValueError, match="psum_num_recv_tokens_per_expert"):
+            call()
+    small = buf.dispatch(x[:4].clone(), **dict(kw, topk_idx=idx[:4].clone()))[3]  # another handle key
+    buf.combine(torch.ones(small.num_recv_tokens, HIDDEN, dtype=torch.bfloat16), small, num_sms=4)
+    assert served_by == {"dispatch": 1, "cached": 1, "combine": 1}
