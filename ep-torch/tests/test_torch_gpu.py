@@ -58,6 +58,13 @@ def test_host_extension_on_cuda():
     s.synchronize()
     v = again[3:, 128:]
     assert mod.facts(v) == (v.dtype, tuple(v.shape), v.stride(), v.data_ptr(), 0)
+    # the express lane's two calls: a batch of allocations, and a signature that reads CUDA pointers as describe
+    # does (an empty CUDA tensor's is 0) and tells the device apart
+    tensors, ptrs = mod.empty_many((((128, 7168), torch.bfloat16), ((0, 8), torch.int64)), 0)
+    assert [t.device for t in tensors] == [torch.device("cuda", 0)] * 2 and ptrs[0] == tensors[0].data_ptr()
+    sig = mod.signature(tensors[0], tensors[1], None)
+    assert sig.match(*tensors, None) == (tensors[0].data_ptr(), 0, 0)
+    assert sig.match(tensors[0].cpu(), tensors[1], None) is None
 
 
 # (backend, ranks, extra cfg). One rank over nccl picks the nccl transport by itself (its own GPU, NCCL 2.28.9) and
