@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -443,17 +444,38 @@ class _CpuMockedTransport(_MockedTransport):
         return ex
 
 
-def run_torch(iters: int, steps: list | None = None) -> list[tuple[str, float]]:
+def run_torch(iters: int, steps: list | None = None, express: bool = False) -> list[tuple[str, float]]:
     """ep_torch.ElasticBuffer.dispatch / combine (torch CPU tensors, a gloo group of one) over the mocked GPU
     executor: ep_torch's own host work plus everything above; CUDA stream and event handling are not in it.
-    `steps`: a list to which each op's per-step breakdown (`host_steps.format_rows`) is appended."""
+    `steps`: a list to which each op's per-step breakdown (`host_steps.format_rows`) is appended. `express`: with
+    ep_torch's host extension loaded for the CPU tensors (`EPKIT_TORCH_HOST_EXTENSION=1`, built with the host
+    compiler), so that the repeats take the express lanes (`ep_core.kernels.express`); no rows if it cannot be
+    built."""
     try:
         import torch
         import torch.distributed as dist
         from ep_torch import buffer as tbuf
+        from ep_torch import host_extension
         from ep_torch.launch import free_port, init_rank
     except ImportError:
         return []
+    if express:
+        saved_env = os.environ.get("EPKIT_TORCH_HOST_EXTENSION")
+        saved_state = list(host_extension._state)
+        os.environ["EPKIT_TORCH_HOST_EXTENSION"] = "1"
+        host_extension._state.clear()
+        try:
+            host_extension.module()
+            return _renamed(run_torch(iters, steps), "express lane")
+        except Exception as exc:
+            print(f"bench_host_cpu: no express-lane rows (the host extension cannot be had here: {exc})")
+            return []
+        finally:
+            host_extension._state[:] = saved_state
+            if saved_env is None:
+                os.environ.pop("EPKIT_TORCH_HOST_EXTENSION", None)
+            else:
+                os.environ["EPKIT_TORCH_HOST_EXTENSION"] = saved_env
     out: list[tuple[str, float]] = []
     own_group = not dist.is_initialized()
     if own_group:
@@ -502,6 +524,10 @@ def run_torch(iters: int, steps: list | None = None) -> list[tuple[str, float]]:
     return out
 
 
+def _renamed(rows: list[tuple[str, float]], tag: str) -> list[tuple[str, float]]:
+    return [(name.replace("mocked GPU", f"mocked GPU, {tag}"), us) for name, us in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=2000)
@@ -519,7 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     steps: list | None = [] if args.breakdown else None
-    rows = run(args.iters) + run_executor(args.iters) + run_torch(args.iters, steps)
+    rows = (
+        run(args.iters)
+        + run_executor(args.iters)
+        + run_torch(args.iters, steps)
+        + run_torch(args.iters, None, True)
+    )
     for name, us in rows:
         print(f"{name:62s} {us:9.2f} us/call")
     for block in steps or ():
