@@ -233,8 +233,9 @@ PyObject* signature_match(PyObject* self, PyObject* const* args, Py_ssize_t narg
             if (!is_tensor_itself(obj))
                 Py_RETURN_NONE;
             const at::Tensor& t = THPVariable_Unpack(obj);
-            if (t.scalar_type() != slot.dtype || plain_device(t) != slot.device || t.sizes() != slot.sizes ||
-                t.strides() != slot.strides)
+            // ArrayRef::equals: older torch headers have no != between an IntArrayRef and a SmallVector
+            if (t.scalar_type() != slot.dtype || plain_device(t) != slot.device || !t.sizes().equals(slot.sizes) ||
+                !t.strides().equals(slot.strides))
                 Py_RETURN_NONE;
             ptrs[static_cast<size_t>(i)] = (slot.device >= 0 && t.numel() == 0)
                                                ? 0
