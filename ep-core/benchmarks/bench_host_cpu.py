@@ -495,6 +495,10 @@ def run_torch(iters: int, steps: list | None = None, express: bool = False) -> l
                 "ElasticBuffer.dispatch (torch CPU, mocked GPU, no CPU sync)": lambda: buf.dispatch(
                     x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw
                 ),
+                # the count round trip mocked: the host's side of it (copy, wait, read) and the second allocation
+                "ElasticBuffer.dispatch (torch CPU, mocked GPU, CPU sync)": lambda: buf.dispatch(
+                    x, topk_idx=idx, topk_weights=w, **kw
+                ),
                 "ElasticBuffer.dispatch (torch CPU, mocked GPU, cached)": lambda: buf.dispatch(
                     x, handle=handle, num_sms=16
                 ),

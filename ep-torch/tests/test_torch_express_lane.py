@@ -354,3 +354,148 @@ def test_handle_lanes_check_the_handle(mocked, monkeypatch):
     small = buf.dispatch(x[:4].clone(), **dict(kw, topk_idx=idx[:4].clone()))[3]  # another handle key
     buf.combine(torch.ones(small.num_recv_tokens, HIDDEN, dtype=torch.bfloat16), small, num_sms=4)
     assert served_by == {"dispatch": 1, "cached": 1, "combine": 1}
+
+
+@pytest.fixture
+def sync_served(monkeypatch):
+    """The CPU-sync dispatches the sync lane served (`ExpressSyncDispatch`)."""
+    from ep_core.kernels import express
+
+    served = [0]
+    call = express.ExpressSyncDispatch.__call__
+
+    def counted(self, *args):
+        got = call(self, *args)
+        served[0] += got is not None
+        return got
+
+    monkeypatch.setattr(express.ExpressSyncDispatch, "__call__", counted)
+    return served
+
+
+@pytest.mark.parametrize(
+    ("cpu_sync", "weights", "idx_dtype"),
+    [(True, True, torch.int64), (None, True, torch.int64), (True, False, torch.int32)],
+)
+def test_sync_lane_launches_what_the_ordinary_road_launches(
+    mocked, sync_served, cpu_sync, weights, idx_dtype
+):
+    """A repeated CPU-sync dispatch (`do_cpu_sync=True`, or the default None) takes the sync lane: the same
+    launches, the same counts in the handle, the handle confirmed (drained) and trusted."""
+    from ep_core import validation
+
+    make, launches, _served, _by = mocked
+    g = torch.Generator().manual_seed(11)
+    calls = []
+    for _ in range(4):
+        x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+        idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices.to(idx_dtype)
+        w = torch.rand(8, K, generator=g) if weights else None
+        calls.append((x, idx, w))
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        sync_served[0] = 0
+        per_call = []
+        for x, idx, w in calls:
+            launches.clear()
+            kw = dict(topk_weights=w, num_experts=EXPERTS, num_sms=4)
+            if cpu_sync is not None:
+                kw["do_cpu_sync"] = cpu_sync
+            out = buf.dispatch(x, topk_idx=idx, **kw)
+            names = _pointer_names(x, idx, w, out)
+            recv_x, recv_idx, recv_w, handle, event = out
+            rank = buf.runtime.executor.rank
+            assert event.event is None and handle not in rank._unconfirmed
+            assert recv_x.shape == (handle.num_recv_tokens, HIDDEN) and recv_x.dtype == torch.bfloat16
+            assert recv_idx.shape == (handle.num_recv_tokens, K) and recv_idx.dtype == torch.int64
+            assert (recv_w is None) == (w is None)
+            assert handle.recv_src_metadata.shape == (handle.num_recv_tokens, K + 2)
+            assert handle.topk_idx is not idx and handle.topk_idx.dtype == idx.dtype
+            rt = buf.runtime
+            fp = validation.handle_fingerprint(rt.config, rt.executor, handle)
+            assert validation._fingerprint_matches(validation._validated_handles[handle], fp)
+            per_call.append(
+                (
+                    [(name, _named(words, names)) for name, words in launches],
+                    {
+                        k: v
+                        for k, v in vars(handle).items()
+                        if not k.startswith("_") and not torch.is_tensor(v)
+                    },
+                )
+            )
+            # its combine and cached dispatch take their lanes as after a no-sync dispatch
+            recv = torch.ones(handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+            assert buf.combine(recv, handle, num_sms=4)[0].shape == (8, HIDDEN)
+        seen[lane] = per_call
+        assert sync_served[0] == (3 if lane else 0)
+        assert (buf._express_sync is not None) == lane and buf._express is None
+    assert seen[True] == seen[False]
+    assert seen[True][0][1]["num_recv_tokens_per_expert_list"]  # the counts the CPU sync read
+
+
+def test_sync_lane_keys_on_the_do_cpu_sync_object(mocked, sync_served):
+    """`do_cpu_sync=True` after a call with the default None (or the reverse) is another entry, as is a no-sync
+    call: each takes the ordinary road once and makes its own lane."""
+    make, _launches, served, _by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4)
+    buf.dispatch(x, **kw)
+    buf.dispatch(x, **kw)
+    assert sync_served[0] == 1
+    buf.dispatch(x, **kw, do_cpu_sync=True)  # another object: the ordinary road, then its lane
+    assert sync_served[0] == 1
+    buf.dispatch(x, **kw, do_cpu_sync=True)
+    assert sync_served[0] == 2
+    buf.dispatch(x, **kw, do_cpu_sync=False)
+    buf.dispatch(x, **kw, do_cpu_sync=False)
+    assert sync_served[0] == 2 and served[0] == 1  # the no-sync lane, not the sync one
+    buf.dispatch(x[:4].clone(), **dict(kw, topk_idx=idx[:4].clone(), do_cpu_sync=True))  # other shapes
+    assert sync_served[0] == 2
+
+
+def test_sync_lane_refused_call_gives_up_its_step_as_the_ordinary_road_does(mocked, sync_served, monkeypatch):
+    make, _launches, _served, _by = mocked
+    outcomes = {}
+    for lane in (False, True):
+        buf = make(lane)
+        x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=True)
+        buf.dispatch(x, **kw)
+        buf.dispatch(x, **kw)
+        rank = buf.runtime.executor.rank
+        before = rank.launch_step
+        monkeypatch.setattr(rank._status, "read", lambda: (3, 0))  # a kernel of this rank published a failure
+        with pytest.raises(Exception) as err:
+            buf.dispatch(x, **kw)
+        outcomes[lane] = (type(err.value), str(err.value), rank.launch_step - before)
+    assert sync_served[0] == 1
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True][2] == 1
+
+
+def test_sync_lane_times_out_as_the_ordinary_road_does(mocked, sync_served, monkeypatch):
+    """The count wait keeps its CPU timeout on the lane: the same EPTimeoutError, after the launch."""
+    from ep_core.errors import EPTimeoutError
+
+    make, _launches, _served, _by = mocked
+    outcomes = {}
+    for lane in (False, True):
+        buf = make(lane)
+        x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=True)
+        buf.dispatch(x, **kw)
+        buf.dispatch(x, **kw)
+        rank = buf.runtime.executor.rank
+        before = rank.launch_step
+        monkeypatch.setattr(rank.stream, "synchronize", lambda timeout=None: False)
+        with pytest.raises(EPTimeoutError) as err:
+            buf.dispatch(x, **kw)
+        outcomes[lane] = (str(err.value), rank.launch_step - before)
+    assert outcomes[True] == outcomes[False]
+    assert outcomes[True][1] == 1  # launched: the step is the call's

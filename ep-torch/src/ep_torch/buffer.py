@@ -157,6 +157,7 @@ class ElasticBuffer(ElasticOps):
     _express: _ExpressLane | None = None
     _express_cached: _ExpressLane | None = None
     _express_combine: _ExpressLane | None = None
+    _express_sync: _ExpressLane | None = None
 
     policy: PlannerPolicy = PlannerPolicy.V2
 
@@ -194,6 +195,7 @@ class ElasticBuffer(ElasticOps):
         self._express: _ExpressLane | None = None
         self._express_cached: _ExpressLane | None = None
         self._express_combine: _ExpressLane | None = None
+        self._express_sync: _ExpressLane | None = None  # the same for a plain CPU-sync dispatch
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
@@ -265,7 +267,7 @@ class ElasticBuffer(ElasticOps):
                 "pass explicitly_destroy=True to the constructor to manage its lifetime yourself"
             )
         rt = self._rt()
-        self._express = self._express_cached = self._express_combine = None
+        self._express = self._express_cached = self._express_combine = self._express_sync = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         rt.destroy()  # a barrier first: no peer copies into this rank's signal words any more
@@ -601,12 +603,12 @@ class ElasticBuffer(ElasticOps):
                         got.handle,
                         EventOverlap(None),
                     )
-        lane = self._express
-        # the express lane (`ep_core.kernels.express`): a repeat of the last plain no-sync dispatch, every scalar
-        # the same object as that call's (so the same prepared entry), the arrays compared by `lane.match`
+        # the express lane (`ep_core.kernels.express`): a repeat of the last plain dispatch (no-sync, or CPU-sync
+        # with the same `do_cpu_sync` object), every scalar the same object as that call's (so the same prepared
+        # entry), the arrays compared by `lane.match`
+        lane = self._express if do_cpu_sync is False else self._express_sync
         plain = (
             handle is None
-            and do_cpu_sync is False
             and previous_event is None
             and previous_event_before_epilogue is None
             and cumulative_local_expert_recv_stats is None
@@ -625,7 +627,12 @@ class ElasticBuffer(ElasticOps):
             and expert_alignment is lane.scalars[2]
             and num_sms is lane.scalars[3]
             and num_qps is lane.scalars[4]
+            and do_cpu_sync is lane.scalars[5]
         ):
+            if do_cpu_sync is not False:
+                self._check_capture(
+                    "dispatch", do_cpu_sync, None
+                )  # a CPU sync inside capture: the caller's error
             got = lane.run(
                 x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
             )
@@ -679,11 +686,15 @@ class ElasticBuffer(ElasticOps):
             # extension is loaded)
             lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
             if lanes and plain:
-                self._express = _ExpressLane.make(
+                made = _ExpressLane.make(
                     rt.express_dispatch,
                     (x, topk_idx, topk_weights),
-                    (num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps),
+                    (num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, do_cpu_sync),
                 )
+                if do_cpu_sync is False:
+                    self._express = made
+                else:
+                    self._express_sync = made
             elif (
                 lanes
                 and handle is not None

@@ -1,5 +1,5 @@
-"""The express road: a repeated no-sync dispatch (no handle), combine or cached dispatch as one call from the
-framework layer to the launches.
+"""The express road: a repeated dispatch (no handle; with or without CPU sync), combine or cached dispatch as one
+call from the framework layer to the launches.
 
 A repeat (`ep_core.kernels.repeat`) still walks every layer above it on each call: `EPBuffer` -> `PreparedOps`
 (describe each array, build the key, compare it, build the request) -> `GpuExecutor` (the routing copy, the
@@ -19,13 +19,19 @@ resolved ahead:
 - the rest is the repeat's own per-call work (failure guard, envelope, launches with their stream-order pairs,
   the handle's launch number, the input-error report), through the same helpers.
 
+A CPU-sync dispatch (`ExpressSyncDispatch`) is the same road with the count round trip between its launches: the
+dispatch kernel, the count copy and the wait (`DirectRank._copy_counts` / `_sync_counts`, the CPU timeout and the
+kernels' error record included), then its outputs and the handle's metadata in one `batch` call for the rows the
+counts gave (one prepared call per row count seen, a few kept), the copy epilogue, and the handle recorded with
+the fingerprint `validation.trust_handle` gives it (its counts are its own).
+
 A combine or cached dispatch (`ExpressCombine`, `ExpressCached`) keeps its repeat as it is: the lane replaces the
 layers above it (the caller's match for the arrays, the handle's key part and `check_handle` as `PreparedOps`
 checks them, the stream pairs) and calls `RepeatCombine.run` / `RepeatDispatch.run` as `GpuExecutor` does.
 
 An error before the launch gives up the call's device sequence number, as `EPBuffer.announcing` does, so that a
 rank refusing a call can never be paired with its peers' next one. Anything the express lane does not cover (a
-handle, CPU sync, FP8 scales, events, another stream context, a changed rank state) is the caller's cue to take
+handle, FP8 scales, events, another stream context, a changed rank state) is the caller's cue to take
 the ordinary road: `__call__` returns None having done nothing.
 """
 
@@ -36,10 +42,24 @@ from typing import Any
 from ep_core._env import knobs
 from ep_core.handle import EPHandle
 from ep_core.kernels.array_block import Int32Block
+from ep_core.kernels.prepared_launch import record_wait
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs, note_handle_topk_idx
-from ep_core.validation import check_handle, handle_fingerprint, is_trusted_allocator, trust_fingerprint
+from ep_core.validation import (
+    check_handle,
+    handle_fingerprint,
+    is_trusted_allocator,
+    trust_fingerprint,
+    trust_handle,
+)
 
-__all__ = ["ExpressCached", "ExpressCombine", "ExpressDispatch", "express_dispatch", "express_with_handle"]
+__all__ = [
+    "ExpressCached",
+    "ExpressCombine",
+    "ExpressDispatch",
+    "ExpressSyncDispatch",
+    "express_dispatch",
+    "express_with_handle",
+]
 
 
 def _same(ptr: int, _what: str) -> int:
@@ -54,27 +74,37 @@ def express_dispatch(
     buffer: Any, executor: Any, token: Any, x_dtype: str, allocator: Any, match: Any
 ) -> ExpressDispatch | None:
     """The express lane of the entry whose request carried `token` (`PreparedToken`; `x_dtype`: its x's dtype
-    name), or None where it cannot
-    serve it: no repeat of a plain no-sync dispatch on `executor`'s rank, an allocator that is not trusted or
-    offers no `batch`, an empty routing (no copy to fill: the handle aliases it), or `EPKIT_EXPRESS_LANE=0`."""
+    name): an `ExpressDispatch`, an `ExpressSyncDispatch` for a CPU-sync one, or None where it cannot serve it: no
+    repeat of a plain dispatch (no handle, no expand, no FP8 scales) on `executor`'s rank, an allocator that is
+    not trusted or offers no `batch`, an empty routing (no copy to fill: the handle aliases it), or
+    `EPKIT_EXPRESS_LANE=0`."""
     if not knobs.express_lane:
         return None
     plan = None if token is None else token.plan
     rank = getattr(executor, "rank", None)
     if type(plan) is not RepeatDispatch or plan.rank is not rank:
         return None
-    if plan.cached or plan.cpu_sync or plan.sf_dtype is not None or not plan.int32_shapes:
+    if (
+        plan.cached
+        or plan.sf_dtype is not None
+        or not plan.int32_shapes
+        or plan.num_tokens == 0
+        or plan.topk == 0
+    ):
         return None
-    if "src_metadata" not in plan.int32_shapes or plan.num_tokens == 0 or plan.topk == 0:
+    # a CPU-sync dispatch's metadata is allocated once its rows are known (`RepeatDispatch.run`), else it is in
+    # the block; the sync lane makes no expanded layout
+    if ("src_metadata" in plan.int32_shapes) is plan.cpu_sync or (plan.cpu_sync and plan.expand):
         return None
     rows = plan.num_expanded if plan.expand else plan.num_recv
     epilogue = plan.prepared.epilogue_pdl if plan.epilogue_pdl else plan.prepared.epilogue
-    if epilogue is None and (rows > 0 or plan.zero_padding):
+    if epilogue is None and (rows > 0 or plan.zero_padding or plan.cpu_sync):
         return None
     batch = getattr(allocator, "batch", None)
     if batch is None or not is_trusted_allocator(allocator):
         return None
-    return ExpressDispatch(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
+    lane = ExpressSyncDispatch if plan.cpu_sync else ExpressDispatch
+    return lane(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
 
 
 class ExpressDispatch:
@@ -82,6 +112,7 @@ class ExpressDispatch:
 
     __slots__ = (
         "_alloc",
+        "_batch",
         "_block_at",
         "_by_value",
         "_epilogue",
@@ -114,7 +145,8 @@ class ExpressDispatch:
         self._epilogue = epilogue
         self._rows = plan.num_expanded if plan.expand else plan.num_recv
         rows, k = self._rows, plan.topk
-        # what `RepeatDispatch.run` allocates, in its order, then the routing copy and the handle's block
+        # what `RepeatDispatch.run` allocates, in its order, then the routing copy and the handle's block (a
+        # CPU-sync dispatch: the copy and the block alone, its outputs follow the counts)
         specs: list = [((rows, plan.hidden), x_dtype)]
         self._has_idx = not plan.expand
         if self._has_idx:
@@ -122,20 +154,23 @@ class ExpressDispatch:
         self._has_w = plan.has_weights
         if self._has_w:
             specs.append(((rows,) if plan.expand else (rows, k), "float32"))
+        if plan.cpu_sync:
+            specs.clear()
         specs.append(((plan.num_tokens, k), "int32" if plan.idx32 else "int64"))
         offsets, _sizes, total, _strided = Int32Block.layout(plan._int32_key)
         specs.append(((max(total, 1),), "int32"))
+        self._batch = batch
         self._alloc = batch(tuple(specs))
         at = plan._part
-        # byte offsets of the block's parts the dispatch kernel takes (-1: absent, a null pointer)
+        # byte offsets of the block's parts the dispatch kernel takes (-1: absent, a null pointer; the metadata
+        # of a CPU-sync dispatch is apart)
         parts = [4 * offsets[at[name]] if name in at else -1 for name in _KERNEL_PARTS]
-        self._block_at = (*parts, 4 * offsets[at["src_metadata"]])
+        self._block_at = (*parts, 4 * offsets[at["src_metadata"]] if "src_metadata" in at else -1)
         self._by_value: tuple | None = None  # the handles' fingerprint by value, read from the first
 
-    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
-        """`(recv_x, recv_topk_idx, recv_topk_weights, handle)` of the dispatch, or None (nothing done: take the
-        ordinary road). The caller has compared every other argument with the recorded call's; the outputs come
-        from that call's allocator, on `stream`'s order as the ordinary road's do."""
+    def _start(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
+        """The per-call checks and the one allocation before the dispatch kernel: `(step, wait, signal, arrays,
+        pointers, the kernel's dynamic words)`, or None (nothing done)."""
         ptrs = self.match(x, topk_idx, topk_weights)
         if ptrs is None:
             return None
@@ -151,28 +186,46 @@ class ExpressDispatch:
             wait, signal, _leave = self._executor._pairs(stream, False)
             rank.guard()
             arrays, aptrs = self._alloc()
-            base = aptrs[-1]
-            at = self._block_at
-            dynamic = (
-                ptrs[0],
-                0,
-                ptrs[1],
-                ptrs[2],
-                base + at[0],
-                base + at[1] if at[1] >= 0 else 0,
-                base + at[2],
-                base + at[3],
-                base + at[4],
-                0,
-                aptrs[-2],
-                plan._envelopes.word(step + 1, -1),
-            )
-            rows = self._rows
-            copies = rows > 0 or plan.zero_padding
-            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, None if copies else signal)
         except Exception as exc:
             buffer.announce_error("dispatch", exc, step)
             raise
+        base = aptrs[-1]
+        at = self._block_at
+        dynamic = (
+            ptrs[0],
+            0,
+            ptrs[1],
+            ptrs[2],
+            base + at[0],
+            base + at[1] if at[1] >= 0 else 0,
+            base + at[2],
+            base + at[3],
+            base + at[4],
+            0,
+            aptrs[-2],
+            plan._envelopes.word(step + 1, -1),
+        )
+        return step, wait, signal, arrays, aptrs, dynamic
+
+    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
+        """`(recv_x, recv_topk_idx, recv_topk_weights, handle)` of the dispatch, or None (nothing done: take the
+        ordinary road). The caller has compared every other argument with the recorded call's; the outputs come
+        from that call's allocator, on `stream`'s order as the ordinary road's do."""
+        started = self._start(x, topk_idx, topk_weights, stream)
+        if started is None:
+            return None
+        step, wait, signal, arrays, aptrs, dynamic = started
+        plan = self._plan
+        rank = plan.rank
+        rows = self._rows
+        copies = rows > 0 or plan.zero_padding
+        try:
+            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, None if copies else signal)
+        except Exception as exc:
+            self.buffer.announce_error("dispatch", exc, step)
+            raise
+        base = aptrs[-1]
+        at = self._block_at
         launch_number = rank._num_collective_launches
         recv_x = arrays[0]
         recv_idx = arrays[1] if self._has_idx else None
@@ -203,6 +256,84 @@ class ExpressDispatch:
                 return  # not the block form (never for the lane's handles): validated at first use
             by_value = self._by_value = fingerprint[0]
         trust_fingerprint(handle, (by_value, (copy, block, block, block, block, block), config))
+
+
+class ExpressSyncDispatch(ExpressDispatch):
+    """One prepared CPU-sync dispatch's whole road (module doc): the lane of `ExpressDispatch` with the count
+    round trip between the dispatch kernel and its outputs."""
+
+    __slots__ = ("_by_rows", "_epr", "_out_specs")
+
+    _KEEP = 16  # prepared output batches kept (one per row count seen; a training step's counts vary)
+
+    def __init__(
+        self,
+        buffer: Any,
+        executor: Any,
+        plan: RepeatDispatch,
+        epilogue: Any,
+        x_dtype: str,
+        allocator: Any,
+        batch: Any,
+        match: Any,
+    ) -> None:
+        super().__init__(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
+        self._epr = plan.num_experts // plan.rank.num_ranks
+        # the outputs as `RepeatDispatch.run` allocates them, then the handle's metadata, for `rows` rows
+        k = plan.topk
+        w = (("float32", k),) if plan.has_weights else ()
+        self._out_specs = ((x_dtype, plan.hidden), ("int64", k), *w, ("int32", k + 2))
+        self._by_rows: dict = {}
+
+    def _outputs(self, rows: int) -> tuple:
+        """`(arrays, pointers)` of one call's outputs for `rows` received rows, from one `batch` call."""
+        made = self._by_rows.get(rows)
+        if made is None:
+            if len(self._by_rows) >= self._KEEP:
+                self._by_rows.clear()
+            made = self._by_rows[rows] = self._batch(tuple([((rows, n), dt) for dt, n in self._out_specs]))
+        return made()
+
+    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
+        """`ExpressDispatch.__call__` for a CPU-sync dispatch: the handle carries its counts (and its per-expert
+        list), and it is confirmed (drained) when this returns."""
+        started = self._start(x, topk_idx, topk_weights, stream)
+        if started is None:
+            return None
+        step, wait, signal, arrays, aptrs, dynamic = started
+        plan = self._plan
+        rank = plan.rank
+        base = aptrs[-1]
+        at = self._block_at
+        try:
+            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, None)
+            launch_number = rank._num_collective_launches
+            rank._copy_counts(base + at[2], base + at[4], self._epr, True)
+            num_recv, num_expanded, expert_list = rank._sync_counts(self._epr, plan.alignment)
+        except Exception as exc:
+            self.buffer.announce_error(
+                "dispatch", exc, step
+            )  # launched: nothing to announce (no step to give up)
+            raise
+        outs, optrs = self._outputs(num_recv)
+        has_w = self._has_w
+        recv_w = outs[2] if has_w else None
+        meta = outs[-1]
+        if num_recv > 0:
+            outputs = epilogue_outputs(
+                _same, optrs[-1], optrs[0], None, (0, 0), optrs[1], optrs[2] if has_w else None, num_recv
+            )
+            rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
+        elif signal is not None:  # no rows: nothing to copy, the stream order alone
+            record_wait(signal[0], rank.stream.handle, signal[1])
+        copy = arrays[-2]
+        block = Int32Block.adopt(arrays[-1], plan._int32_key, base)
+        handle = plan._block_handle(block, copy, num_recv, num_expanded, expert_list, meta)
+        rank._handle_launch[handle] = launch_number
+        note_handle_topk_idx(rank, handle, copy, plan.idx32)
+        trust_handle(self.buffer.config, self._executor, handle)
+        rank._report_input_error()
+        return outs[0], outs[1], recv_w, handle
 
 
 class _HandleLane:
