@@ -7,8 +7,8 @@ cached dispatches and combines, each several times with new inputs of the same s
 received once (the non-expand layout: one row per token and destination rank), so `combine(dispatch(x))` is
 exactly `x`, a CPU-sync handle holds T rows and the routing's per-expert counts, and a cached dispatch of the
 handle does the same with new data. The same script runs once with `EPKIT_NATIVE_LAUNCH=0` (the announced
-cuda-python path). Where ep_torch's host extension is loaded, the plain repeats of the no-sync dispatch take the
-express lane (`ep_core.kernels.express`), and the test counts them."""
+cuda-python path). Where ep_torch's host extension is loaded, the plain repeats of the no-sync and the CPU-sync
+dispatch take their express lanes (`ep_core.kernels.express`), and the test counts them."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str) -> None:
     assert seen["launch_path"].startswith("ep_launch" if native == "1" else "off")
     assert seen["repeats"] > 0  # the repeated-call road ran
     if seen["host_extension"].startswith("built"):
-        # plain and int32-routing modes: three repeats of the no-sync dispatch each took the express lane
+        # plain and int32-routing modes: three repeats of the no-sync dispatch each took the express lane, and
+        # three of the CPU-sync one the sync lane
         assert seen["express"] >= 6, seen
+        assert seen["express_sync"] >= 6, seen
 
 
 def _main(out_dir: str) -> int:
@@ -50,15 +52,20 @@ def _main(out_dir: str) -> int:
     from ep_torch import ElasticBuffer, host_extension
     from ep_torch.launch import free_port, init_rank
 
-    served = [0]  # no-sync dispatches the express lane served (ep_core.kernels.express)
-    lane_call = express.ExpressDispatch.__call__
+    served = [0, 0]  # no-sync and CPU-sync dispatches the express lanes served (ep_core.kernels.express)
 
-    def counted(self, *args):
-        got = lane_call(self, *args)
-        served[0] += got is not None
-        return got
+    def counting(cls, at):
+        lane_call = cls.__call__
 
-    express.ExpressDispatch.__call__ = counted
+        def counted(self, *args):
+            got = lane_call(self, *args)
+            served[at] += got is not None
+            return got
+
+        cls.__call__ = counted
+
+    counting(express.ExpressDispatch, 0)
+    counting(express.ExpressSyncDispatch, 1)
     init_rank(0, 1, free_port(), "nccl")
     buf = ElasticBuffer(None, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=K, explicitly_destroy=True)
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -148,6 +155,7 @@ def _main(out_dir: str) -> int:
                 "launch_path": ex.launch_path,
                 "repeats": repeats,
                 "express": served[0],
+                "express_sync": served[1],
                 "host_extension": host_extension.status(),
             }
         )
