@@ -152,9 +152,9 @@ def staged_combine_launches(enabled: bool = True):
     if not enabled:
         yield
         return
-    from ep_core.kernels import _source, executor
+    from ep_core.kernels import _source, direct_rank
 
-    orig = executor.DirectRank._prepare
+    orig = direct_rank.DirectRank._prepare
 
     def _prepare(self, kernel, name, geo, shared_mem, *rest, **kw):
         if name == "ep_combine_impl" and shared_mem == 0:
@@ -163,11 +163,11 @@ def staged_combine_launches(enabled: bool = True):
                 shared_mem = cfg.combine_dynamic_smem_bytes
         return orig(self, kernel, name, geo, shared_mem, *rest, **kw)
 
-    executor.DirectRank._prepare = _prepare
+    direct_rank.DirectRank._prepare = _prepare
     try:
         yield
     finally:
-        executor.DirectRank._prepare = orig
+        direct_rank.DirectRank._prepare = orig
 
 
 @contextlib.contextmanager
@@ -177,14 +177,14 @@ def register_combine_launches(enabled: bool = True):
     if not enabled:
         yield
         return
-    from ep_core.kernels import executor
+    from ep_core.kernels import direct_rank
 
-    orig = executor._combine_smem
-    executor._combine_smem = lambda cfg: 0
+    orig = direct_rank._combine_smem
+    direct_rank._combine_smem = lambda cfg: 0
     try:
         yield
     finally:
-        executor._combine_smem = orig
+        direct_rank._combine_smem = orig
 
 
 class PhaseReader:

@@ -20,15 +20,15 @@ def _load():
 
 
 def test_register_combine_context():
-    from ep_core.kernels import executor
+    from ep_core.kernels import direct_rank
     from ep_core.kernels.plan import KernelConfig
 
     prof = _load()
     cfg = KernelConfig(1, 8, 7168)
-    staged = executor._combine_smem(cfg)
+    staged = direct_rank._combine_smem(cfg)
     assert staged == cfg.combine_dynamic_smem_bytes > 0
     with prof.register_combine_launches(True):
-        assert executor._combine_smem(cfg) == 0
-    assert executor._combine_smem(cfg) == staged
+        assert direct_rank._combine_smem(cfg) == 0
+    assert direct_rank._combine_smem(cfg) == staged
     with prof.register_combine_launches(False):
-        assert executor._combine_smem(cfg) == staged
+        assert direct_rank._combine_smem(cfg) == staged

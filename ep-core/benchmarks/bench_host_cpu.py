@@ -335,7 +335,7 @@ class _MockedGpu:
 
     def __enter__(self):
         from ep_core.kernels import _cuda
-        from ep_core.kernels import executor as kex
+        from ep_core.kernels import direct_rank as kex
         from ep_core.kernels import gpu_executor as gex
 
         self._saved = []

@@ -25,7 +25,7 @@ from ep_core import planner
 from ep_core.errors import EPConfigError
 from ep_core.kernels import gpu_executor
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
-from ep_core.kernels.executor import DirectRank, RankResources
+from ep_core.kernels.direct_rank import DirectRank, RankResources
 from ep_core.topology import Topology
 from ep_core.transports import nccl as nccl_transport
 from ep_core.transports.nccl import NcclStorage, NcclTransport, gin_requirements

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ep_core.kernels._source import KERNEL_NAMES, get_include
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels" / "executor.py"
+SRC = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels" / "direct_rank.py"
 
 # DeepEP's substring -> the ep kernel it must find. DeepEP's combine reduce epilogue (`combine_reduce_epilogue_impl`)
 # has no ep counterpart: ep's combine reduces in its one kernel.

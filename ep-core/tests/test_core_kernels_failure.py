@@ -18,11 +18,11 @@ import pytest
 from ep_core import planner
 from ep_core.errors import EPConfigError, EPDeviceError, EPStateError, EPTimeoutError
 from ep_core.kernels import _cuda
-from ep_core.kernels import executor as executor_mod
+from ep_core.kernels import direct_rank as direct_rank_mod
 from ep_core.kernels import gpu_executor as gpu_executor_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, describe_envelope, pack_envelope
-from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
+from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
 from ep_core.kernels.plan import SCRATCH_INPUT_ERROR_OFFSET, LaunchGeometry, check_occupancy, default_num_sms
 from ep_core.topology import Topology
 from ep_core.transports import ipc
@@ -76,7 +76,9 @@ def fake_driver(monkeypatch):
     monkeypatch.setattr(_cuda, "num_device_sms", lambda: 132)
     monkeypatch.setattr(_cuda, "device_attribute", lambda name: 1_980_000)
     monkeypatch.setattr(_cuda, "MappedWords", FakeWords)
-    monkeypatch.setattr(executor_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8)))
+    monkeypatch.setattr(
+        direct_rank_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8))
+    )
     monkeypatch.setattr(_cuda, "memset", lambda ptr, n, stream=0: log.append(("memset", ptr, n)))
     monkeypatch.setattr(_cuda, "synchronize_context", lambda: log.append("context drained"))
     return log

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import ep_layout
 from ep_core.kernels import KernelConfig, _cuda, scratch_bytes
-from ep_core.kernels.executor import DirectRank
+from ep_core.kernels.direct_rank import DirectRank
 from ep_core.kernels.plan import SCRATCH_BARRIER_EPOCH_OFFSET, SCRATCH_INPUT_ERROR_OFFSET
 
 ARGS_CUH = Path(__file__).resolve().parents[1] / "include" / "ep_core" / "args.cuh"

@@ -22,11 +22,11 @@ import pytest
 from ep_core.device_array import DeviceArray as CoreArray
 from ep_core.handle import BLOCK_PARTS
 from ep_core.kernels import _cuda, array_block
-from ep_core.kernels import executor as executor_mod
+from ep_core.kernels import direct_rank as direct_rank_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 from ep_core.kernels._cuda import DeviceView
 from ep_core.kernels.array_block import ALIGN_WORDS, carve, int32_block
-from ep_core.kernels.executor import DirectRank, RankResources
+from ep_core.kernels.direct_rank import DirectRank, RankResources
 from ep_core.kernels.prepared_launch import OP_ARGS_STRUCT, PreparedLaunch
 
 N, M, HIDDEN, TOPK, EXPERTS = 2, 64, 256, 4, 16
@@ -68,12 +68,14 @@ def launches(monkeypatch):
     monkeypatch.setattr(_cuda, "num_device_sms", lambda: 132)
     monkeypatch.setattr(_cuda, "device_attribute", lambda name: 1_980_000)
     monkeypatch.setattr(_cuda, "MappedWords", FakeWords)
-    monkeypatch.setattr(executor_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8)))
+    monkeypatch.setattr(
+        direct_rank_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8))
+    )
     monkeypatch.setattr(_cuda, "memset", lambda *a, **k: None)
     monkeypatch.setattr(_cuda, "copy_device", lambda *a, **k: None)
     monkeypatch.setattr(_cuda, "copy_to_host", _fake_counts)
     monkeypatch.setattr(_cuda, "DeviceBuffer", lambda nbytes: SimpleNamespace(ptr=0x6000_0000, nbytes=nbytes))
-    monkeypatch.setattr(executor_mod, "load_kernels", lambda config: kernels)
+    monkeypatch.setattr(direct_rank_mod, "load_kernels", lambda config: kernels)
     return log
 
 
@@ -581,7 +583,7 @@ def test_the_epilogue_is_a_programmatic_dependent_launch_where_safe(launches, mo
     crowded.num_ranks_on_device, crowded.cooperative = 16, False
     monkeypatch.setattr(crowded, "device_sms", 200)  # 16 ranks x 8 SMs fit, twice that does not
     assert pdl_of_epilogue(crowded, do_cpu_sync=False) is False
-    monkeypatch.setattr(executor_mod, "EPILOGUE_PDL", False)
+    monkeypatch.setattr(direct_rank_mod, "EPILOGUE_PDL", False)
     assert pdl_of_epilogue(make_rank(Allocator()), do_cpu_sync=False) is False
 
 
@@ -732,7 +734,7 @@ def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launche
         epilogue=NativeKernel("epilogue", launches),
         combine=NativeKernel("combine", launches),
     )
-    monkeypatch.setattr(executor_mod, "load_kernels", lambda config: kernels)
+    monkeypatch.setattr(direct_rank_mod, "load_kernels", lambda config: kernels)
     monkeypatch.setattr(_cuda, "native_launch", lambda: Native)
     rank = make_rank(Allocator())
     x, _, idx, w = inputs()
@@ -759,7 +761,7 @@ def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launche
     # a CPU-sync dispatch that received no rows: the leave pair after the dispatch kernel, on its own
     rank.dispatch(x, idx, w, record=True, **kw)  # the full path, with rows: it keeps the epilogue
     sync = rank.last_repeat
-    monkeypatch.setattr(executor_mod.DirectRank, "_sync_counts", lambda self, epr, a: (0, 0, [0] * epr))
+    monkeypatch.setattr(direct_rank_mod.DirectRank, "_sync_counts", lambda self, epr, a: (0, 0, [0] * epr))
     sync.prepared.main.native.name = "dispatch"
     calls.clear()
     assert sync.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx, None, "", (enter, caller), (leave, caller))
@@ -772,14 +774,14 @@ def test_epilogue_pdl_only_where_every_block_fits_at_one_per_sm():
     132-SM GPU is not), always for a rank alone on its GPU, never after a CPU sync."""
     from types import SimpleNamespace as NS
 
-    from ep_core.kernels import executor
+    from ep_core.kernels import direct_rank
 
     def pdl(n: int, grid: int, sync: bool = False, alone: bool = False) -> bool:
         rank = NS(num_ranks_on_device=n, device_sms=132)
         p = NS(do_cpu_sync=sync, geometry=NS(grid=grid), epilogue_only=alone)
-        return executor.DirectRank._epilogue_pdl(rank, p)
+        return direct_rank.DirectRank._epilogue_pdl(rank, p)
 
-    assert executor.EPILOGUE_PDL
+    assert direct_rank.EPILOGUE_PDL
     assert pdl(1, 132) and pdl(8, 8) and pdl(4, 16)
     assert not pdl(8, 16) and not pdl(2, 67) and not pdl(1, 16, sync=True)
     assert not pdl(1, 16, alone=True)  # no dispatch kernel to depend on

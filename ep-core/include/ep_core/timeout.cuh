@@ -8,7 +8,7 @@
 /// a CAS from 0 to kPeerAbort, so a peer's own record survives) and returns false; the caller
 /// then leaves the kernel. No trap: the context stays usable, the host reads the record and raises EPTimeoutError.
 ///
-/// Failure rule (the host side is `ep_core.kernels.executor`): an operation whose kernels did not complete their
+/// Failure rule (the host side is `ep_core.kernels.direct_rank`): an operation whose kernels did not complete their
 /// work never looks complete to the host.
 ///  - The abort flag of a rank stays raised until the host resets the rank (`reset_state`: a collective memset).
 ///  - Every kernel checks the local abort flag at entry (`entry_aborted`) and, if it is raised, does nothing: its

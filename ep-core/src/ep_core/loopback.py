@@ -42,7 +42,7 @@ import numpy as np
 from ep_core.errors import EPConfigError, EPStateError, EPTimeoutError, EPValueError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceArray, DeviceBuffer, Stream
-from ep_core.kernels.executor import (
+from ep_core.kernels.direct_rank import (
     CombineResult,
     DirectRank,
     DispatchResult,

@@ -16,10 +16,10 @@ if num_gpus() == 0:
 
 
 def test_direct_combine_launch_carries_the_staging_memory() -> None:
-    from ep_core.kernels import executor
+    from ep_core.kernels import direct_rank
     from ep_core.kernels.plan import KernelConfig
 
     cfg = KernelConfig(8, 8, 7168)
     assert cfg.combine_dynamic_smem_bytes == cfg.num_warps * 2 * 7168
-    assert executor._combine_smem(cfg) == cfg.combine_dynamic_smem_bytes
-    assert executor._combine_smem(KernelConfig(4, 8, 1024, num_scaleup_ranks=2)) == 0
+    assert direct_rank._combine_smem(cfg) == cfg.combine_dynamic_smem_bytes
+    assert direct_rank._combine_smem(KernelConfig(4, 8, 1024, num_scaleup_ranks=2)) == 0

@@ -18,7 +18,7 @@ if num_gpus() == 0:
 
 from ep_core.kernels import _cuda  # noqa: E402
 from ep_core.kernels._cuda import DeviceBuffer  # noqa: E402
-from ep_core.kernels.executor import DirectRank  # noqa: E402
+from ep_core.kernels.direct_rank import DirectRank  # noqa: E402
 from ep_core.loopback import LoopbackDomain  # noqa: E402
 
 M, HIDDEN, K, E = 64, 512, 8, 64

@@ -1,4 +1,5 @@
-"""The GPU side of ep_core: kernel planning (`plan`), JIT instantiation (`_source`) and the direct-mode executor.
+"""The GPU side of ep_core: kernel planning (`plan`), JIT instantiation (`_source`), direct mode's rank (`direct_rank`)
+and its executor (`gpu_executor`).
 
 Importing this package needs no GPU; the driver is loaded on first use.
 """

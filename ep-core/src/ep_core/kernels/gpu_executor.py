@@ -11,7 +11,7 @@ Ranks per GPU: the executor learns which ranks drive its GPU from the device ide
 the ranks sharing it, so the planner's count and the validation's bound keep every rank's grid resident together.
 
 Errors: a failed kernel makes every later call raise until `reset()`, which every rank calls together
-(`ep_core.kernels.executor`, "Failures").
+(`ep_core.kernels.direct_rank`, "Failures").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
-from ep_core.kernels.executor import DirectRank, RankResources, count_ranks_on_device
+from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
 from ep_core.kernels.repeat import array_ptr, note_handle_topk_idx
 from ep_core.validation import is_trusted_allocator
 

@@ -39,7 +39,7 @@ import warnings
 from typing import Any
 
 from ep_core.errors import EPConfigError, EPDeviceError
-from ep_core.kernels.executor import DirectRank, RankResources
+from ep_core.kernels.direct_rank import DirectRank, RankResources
 
 __all__ = [
     "GIN_QUEUE_DEPTH",

@@ -1,4 +1,5 @@
-"""The GPU executor of direct mode: one `DirectRank` per rank drives the three kernels of ep_core.
+"""Direct mode's rank: one `DirectRank` per rank drives the three kernels of ep_core (`GpuExecutor`,
+`ep_core.kernels.gpu_executor`, is the executor `EPBuffer` calls; it drives a `DirectRank`).
 
 A dispatch is two phases so that several ranks of one process (the loopback domain) can be driven together:
 `launch_dispatch` validates, allocates the handle arrays and launches the dispatch kernel (it returns at once);
