@@ -251,25 +251,36 @@ def test_a_bad_scalar_of_another_type_is_never_served(mocked):
     assert served[0] == 0
 
 
-def test_a_refused_call_gives_up_its_step_as_the_ordinary_road_does(mocked, monkeypatch):
+@pytest.mark.parametrize(("failure", "cpu_sync"), [("kernel", False), ("kernel", True), ("timeout", True)])
+def test_a_refused_call_fails_as_the_ordinary_road_does(mocked, sync_served, monkeypatch, failure, cpu_sync):
+    """A kernel's published failure (found before the launch: the step is given up), or a CPU-sync dispatch's
+    count wait running out of its CPU timeout (after the launch: the step is the call's): the same error and the
+    same step on the lanes as on the ordinary road."""
     make, _launches, served, _by = mocked
     outcomes = {}
     for lane in (False, True):
         buf = make(lane)
         x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
         idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
-        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=cpu_sync)
         buf.dispatch(x, **kw)
         buf.dispatch(x, **kw)
         rank = buf.runtime.executor.rank
         before = rank.launch_step
-        monkeypatch.setattr(rank._status, "read", lambda: (3, 0))  # a kernel of this rank published a failure
+        if failure == "kernel":  # a kernel of this rank published a failure
+            monkeypatch.setattr(rank._status, "read", lambda: (3, 0))
+        else:
+            monkeypatch.setattr(rank.stream, "synchronize", lambda timeout=None: False)
         with pytest.raises(Exception) as err:
             buf.dispatch(x, **kw)
         outcomes[lane] = (type(err.value), str(err.value), rank.launch_step - before)
-    assert served[0] == 1  # the lane's second call; the refused one raised
+    assert served[0] + sync_served[0] == 1  # the lane's second call; the refused one raised
     assert outcomes[True] == outcomes[False]
-    assert outcomes[True][2] == 1  # the step was given up
+    assert outcomes[True][2] == 1  # given up (kernel) or launched (timeout): one step either way
+    if failure == "timeout":
+        from ep_core.errors import EPTimeoutError
+
+        assert outcomes[True][0] is EPTimeoutError
 
 
 def test_lane_off_by_knob(mocked):
@@ -455,47 +466,3 @@ def test_sync_lane_keys_on_the_do_cpu_sync_object(mocked, sync_served):
     assert sync_served[0] == 2 and served[0] == 1  # the no-sync lane, not the sync one
     buf.dispatch(x[:4].clone(), **dict(kw, topk_idx=idx[:4].clone(), do_cpu_sync=True))  # other shapes
     assert sync_served[0] == 2
-
-
-def test_sync_lane_refused_call_gives_up_its_step_as_the_ordinary_road_does(mocked, sync_served, monkeypatch):
-    make, _launches, _served, _by = mocked
-    outcomes = {}
-    for lane in (False, True):
-        buf = make(lane)
-        x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
-        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
-        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=True)
-        buf.dispatch(x, **kw)
-        buf.dispatch(x, **kw)
-        rank = buf.runtime.executor.rank
-        before = rank.launch_step
-        monkeypatch.setattr(rank._status, "read", lambda: (3, 0))  # a kernel of this rank published a failure
-        with pytest.raises(Exception) as err:
-            buf.dispatch(x, **kw)
-        outcomes[lane] = (type(err.value), str(err.value), rank.launch_step - before)
-    assert sync_served[0] == 1
-    assert outcomes[True] == outcomes[False]
-    assert outcomes[True][2] == 1
-
-
-def test_sync_lane_times_out_as_the_ordinary_road_does(mocked, sync_served, monkeypatch):
-    """The count wait keeps its CPU timeout on the lane: the same EPTimeoutError, after the launch."""
-    from ep_core.errors import EPTimeoutError
-
-    make, _launches, _served, _by = mocked
-    outcomes = {}
-    for lane in (False, True):
-        buf = make(lane)
-        x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
-        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
-        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=True)
-        buf.dispatch(x, **kw)
-        buf.dispatch(x, **kw)
-        rank = buf.runtime.executor.rank
-        before = rank.launch_step
-        monkeypatch.setattr(rank.stream, "synchronize", lambda timeout=None: False)
-        with pytest.raises(EPTimeoutError) as err:
-            buf.dispatch(x, **kw)
-        outcomes[lane] = (str(err.value), rank.launch_step - before)
-    assert outcomes[True] == outcomes[False]
-    assert outcomes[True][1] == 1  # launched: the step is the call's

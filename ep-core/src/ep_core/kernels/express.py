@@ -121,6 +121,7 @@ class ExpressDispatch:
         "_has_w",
         "_plan",
         "_rows",
+        "_x_dtype",
         "allocator",
         "buffer",
         "match",
@@ -160,6 +161,7 @@ class ExpressDispatch:
         offsets, _sizes, total, _strided = Int32Block.layout(plan._int32_key)
         specs.append(((max(total, 1),), "int32"))
         self._batch = batch
+        self._x_dtype = x_dtype
         self._alloc = batch(tuple(specs))
         at = plan._part
         # byte offsets of the block's parts the dispatch kernel takes (-1: absent, a null pointer; the metadata
@@ -266,23 +268,14 @@ class ExpressSyncDispatch(ExpressDispatch):
 
     _KEEP = 16  # prepared output batches kept (one per row count seen; a training step's counts vary)
 
-    def __init__(
-        self,
-        buffer: Any,
-        executor: Any,
-        plan: RepeatDispatch,
-        epilogue: Any,
-        x_dtype: str,
-        allocator: Any,
-        batch: Any,
-        match: Any,
-    ) -> None:
-        super().__init__(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)  # `ExpressDispatch`'s arguments
+        plan = self._plan
         self._epr = plan.num_experts // plan.rank.num_ranks
         # the outputs as `RepeatDispatch.run` allocates them, then the handle's metadata, for `rows` rows
         k = plan.topk
         w = (("float32", k),) if plan.has_weights else ()
-        self._out_specs = ((x_dtype, plan.hidden), ("int64", k), *w, ("int32", k + 2))
+        self._out_specs = ((self._x_dtype, plan.hidden), ("int64", k), *w, ("int32", k + 2))
         self._by_rows: dict = {}
 
     def _outputs(self, rows: int) -> tuple:
