@@ -251,11 +251,13 @@ def test_a_bad_scalar_of_another_type_is_never_served(mocked):
     assert served[0] == 0
 
 
-@pytest.mark.parametrize(("failure", "cpu_sync"), [("kernel", False), ("kernel", True), ("timeout", True)])
+@pytest.mark.parametrize(
+    ("failure", "cpu_sync"), [("kernel", False), ("kernel", True), ("timeout", True), ("capture", None)]
+)
 def test_a_refused_call_fails_as_the_ordinary_road_does(mocked, sync_served, monkeypatch, failure, cpu_sync):
-    """A kernel's published failure (found before the launch: the step is given up), or a CPU-sync dispatch's
-    count wait running out of its CPU timeout (after the launch: the step is the call's): the same error and the
-    same step on the lanes as on the ordinary road."""
+    """A kernel's published failure or ep_torch's capture check refusing a CPU sync (before the launch: the step
+    is given up), or a CPU-sync dispatch's count wait running out of its CPU timeout (after the launch: the step is
+    the call's): the same error and the same step on the lanes as on the ordinary road."""
     make, _launches, served, _by = mocked
     outcomes = {}
     for lane in (False, True):
@@ -269,6 +271,13 @@ def test_a_refused_call_fails_as_the_ordinary_road_does(mocked, sync_served, mon
         before = rank.launch_step
         if failure == "kernel":  # a kernel of this rank published a failure
             monkeypatch.setattr(rank._status, "read", lambda: (3, 0))
+        elif failure == "capture":  # ep_torch's CUDA-graph capture check refuses the CPU sync
+            from ep_core.errors import EPValueError
+
+            def refuse(*_args):
+                raise EPValueError("do_cpu_sync: refused inside capture (test)")
+
+            monkeypatch.setattr(buf, "_check_capture", refuse)
         else:
             monkeypatch.setattr(rank.stream, "synchronize", lambda timeout=None: False)
         with pytest.raises(Exception) as err:

@@ -630,9 +630,12 @@ class ElasticBuffer(ElasticOps):
             and do_cpu_sync is lane.scalars[5]
         ):
             if do_cpu_sync is not False:
-                self._check_capture(
-                    "dispatch", do_cpu_sync, None
-                )  # a CPU sync inside capture: the caller's error
+                try:  # a CPU sync inside CUDA-graph capture: the caller's error
+                    self._check_capture("dispatch", do_cpu_sync, None)
+                except Exception:
+                    # refused before any launch: announced (the step given up) as on the ordinary road
+                    with self._core.announcing("dispatch"):
+                        raise
             got = lane.run(
                 x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
             )
