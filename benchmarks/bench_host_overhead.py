@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     w = torch.rand(t, TOPK, device="cuda", generator=g)
     kw = {"num_experts": NUM_EXPERTS, "num_sms": 16}
     rows = torch.randperm(t, device="cuda", generator=g)
+    # FP8 x: e4m3 data and one float32 scale per 128 channels
+    x8 = (x.to(torch.float8_e4m3fn), torch.rand(t, HIDDEN // 128, device="cuda", generator=g))
 
     recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
     # a no-sync handle has the worst-case rows: its combine takes that many
@@ -134,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         "dispatch (CPU sync)": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw),
         "dispatch (no CPU sync)": lambda: buf.dispatch(
             x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw
+        ),
+        "dispatch (FP8, no CPU sync)": lambda: buf.dispatch(
+            x8, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw
         ),
         "dispatch (cached)": lambda: buf.dispatch(x, handle=handle, num_sms=16),
         "combine": lambda: buf.combine(recv_x, handle, num_sms=16),

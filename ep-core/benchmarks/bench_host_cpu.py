@@ -491,9 +491,13 @@ def run_torch(iters: int, steps: list | None = None, express: bool = False) -> l
             kw = dict(num_experts=NUM_EXPERTS, num_sms=16)
             handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[3]
             recv = torch.ones(handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+            x8 = (torch.ones(T, HIDDEN, dtype=torch.float8_e4m3fn), torch.ones(T, HIDDEN // 128))
             ops = {
                 "ElasticBuffer.dispatch (torch CPU, mocked GPU, no CPU sync)": lambda: buf.dispatch(
                     x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw
+                ),
+                "ElasticBuffer.dispatch (torch CPU, mocked GPU, FP8, no CPU sync)": lambda: buf.dispatch(
+                    x8, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw
                 ),
                 # the count round trip mocked: the host's side of it (copy, wait, read) and the second allocation
                 "ElasticBuffer.dispatch (torch CPU, mocked GPU, CPU sync)": lambda: buf.dispatch(

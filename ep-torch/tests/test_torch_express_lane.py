@@ -475,3 +475,52 @@ def test_sync_lane_keys_on_the_do_cpu_sync_object(mocked, sync_served):
     assert sync_served[0] == 2 and served[0] == 1  # the no-sync lane, not the sync one
     buf.dispatch(x[:4].clone(), **dict(kw, topk_idx=idx[:4].clone(), do_cpu_sync=True))  # other shapes
     assert sync_served[0] == 2
+
+
+@pytest.mark.parametrize("cpu_sync", [False, True])
+@pytest.mark.parametrize("col_major", [False, True])
+def test_fp8_lanes_launch_what_the_ordinary_road_launches(mocked, sync_served, cpu_sync, col_major):
+    """An FP8 dispatch (`x = (data, scales)`, row- or TMA-aligned column-major received scales), no-sync or
+    CPU-sync: the lane launches the ordinary road's words and returns the same layouts."""
+    make, launches, served, _by = mocked
+    g = torch.Generator().manual_seed(13)
+    packs = 3
+    calls = []
+    for _ in range(4):
+        data = torch.randn(8, HIDDEN, generator=g).to(torch.float8_e4m3fn)
+        sf = torch.rand(8, packs, generator=g)
+        idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+        w = torch.rand(8, K, generator=g)
+        calls.append(((data, sf), idx, w))
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        served[0] = sync_served[0] = 0
+        per_call = []
+        for x, idx, w in calls:
+            launches.clear()
+            out = buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_experts=EXPERTS,
+                num_sms=4,
+                do_cpu_sync=cpu_sync,
+                use_tma_aligned_col_major_sf=col_major,
+            )
+            (recv_data, recv_sf), recv_idx, recv_w, handle, _ = out
+            rows = handle.num_recv_tokens
+            assert recv_data.dtype == torch.float8_e4m3fn and recv_data.shape == (rows, HIDDEN)
+            assert recv_sf.dtype == torch.float32 and recv_sf.shape == (rows, packs)
+            if col_major:
+                assert recv_sf.stride() == (1, (max(rows, 1) + 3) // 4 * 4)
+            else:
+                assert recv_sf.stride() == (packs, 1)
+            names = _pointer_names(x[0], idx, w, (recv_data, recv_idx, recv_w, handle, None))
+            names.setdefault(x[1].data_ptr(), "x_sf")
+            if recv_sf.numel():
+                names.setdefault(recv_sf.data_ptr(), "recv_sf")
+            per_call.append(([(name, _named(words, names)) for name, words in launches], rows))
+        seen[lane] = per_call
+        assert (sync_served if cpu_sync else served)[0] == (3 if lane else 0)
+    assert seen[True] == seen[False]

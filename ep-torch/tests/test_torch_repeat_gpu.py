@@ -3,7 +3,8 @@ and ep_launch's C++ launches, and stay exact.
 
 One rank over nccl, in a child process (this file run as a script): dispatches without and with CPU sync,
 cached dispatches and combines, each several times with new inputs of the same shapes, synchronous, async
-(`async_with_compute_stream`) and on the comm stream (`allocate_on_comm_stream`). With one rank each token is
+(`async_with_compute_stream`) and on the comm stream (`allocate_on_comm_stream`), and FP8 dispatches (compared as
+their dequantized rows). With one rank each token is
 received once (the non-expand layout: one row per token and destination rank), so `combine(dispatch(x))` is
 exactly `x`, a CPU-sync handle holds T rows and the routing's per-expert counts, and a cached dispatch of the
 handle does the same with new data. The same script runs once with `EPKIT_NATIVE_LAUNCH=0` (the announced
@@ -39,10 +40,10 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str) -> None:
     assert seen["launch_path"].startswith("ep_launch" if native == "1" else "off")
     assert seen["repeats"] > 0  # the repeated-call road ran
     if seen["host_extension"].startswith("built"):
-        # plain and int32-routing modes: three repeats of the no-sync dispatch each took the express lane, and
-        # three of the CPU-sync one the sync lane
-        assert seen["express"] >= 6, seen
-        assert seen["express_sync"] >= 6, seen
+        # plain, int32-routing and FP8 modes: three repeats of the no-sync dispatch each took the express lane,
+        # and three of the CPU-sync one the sync lane
+        assert seen["express"] >= 9, seen
+        assert seen["express_sync"] >= 9, seen
 
 
 def _main(out_dir: str) -> int:
@@ -87,12 +88,17 @@ def _main(out_dir: str) -> int:
         return torch.bincount(idx.flatten(), minlength=E).tolist()
 
     kw = {"num_experts": E, "num_sms": 16}
-    for mode in ("plain", "async", "comm", "int32 routing"):
+
+    def dequantized(data, sf):  # FP8 rows times their per-128-channel scales, as bf16 (exact per element)
+        return (data.float() * sf.repeat_interleave(128, dim=1)).to(torch.bfloat16)
+
+    for mode in ("plain", "async", "comm", "int32 routing", "fp8"):
         extra = {
             "plain": {},
             "async": {"async_with_compute_stream": True},
             "comm": {"allocate_on_comm_stream": True},
             "int32 routing": {},
+            "fp8": {},
         }[mode]
 
         def done(ev):
@@ -104,10 +110,20 @@ def _main(out_dir: str) -> int:
                 x, idx, w = inputs()
                 if mode == "int32 routing":
                     idx = idx.int()
+                sent = x
+                if mode == "fp8":
+                    sent = (x.to(torch.float8_e4m3fn), torch.rand(T, HIDDEN // 128, device="cuda") + 0.5)
                 recv_x, recv_idx, recv_w, handle, ev = buf.dispatch(
-                    x, topk_idx=idx, topk_weights=w, do_cpu_sync=sync, **kw, **extra
+                    sent, topk_idx=idx, topk_weights=w, do_cpu_sync=sync, **kw, **extra
                 )
                 done(ev)
+                if mode == "fp8":  # compared (and combined) as the dequantized rows
+                    data, sf = recv_x
+                    check(
+                        data.dtype == torch.float8_e4m3fn and sf.shape == (data.shape[0], HIDDEN // 128),
+                        f"fp8 sync={sync} #{i}: received layouts",
+                    )
+                    recv_x, x = dequantized(data, sf), dequantized(*sent)
                 # the caller overwrites its routing after the call: the handle keeps its own copy (the dispatch
                 # kernel fills it), which the combine and the cached dispatches below read
                 ref = idx.clone()
@@ -135,7 +151,7 @@ def _main(out_dir: str) -> int:
                     torch.equal(handle.topk_idx, ref) and handle.topk_idx.dtype == ref.dtype,
                     f"{tag}: handle.topk_idx",
                 )
-                for j in range(3):  # cached dispatches of this handle, then their combines
+                for j in range(0 if mode == "fp8" else 3):  # cached dispatches of this handle, then combines
                     x2 = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
                     r2, _, _, h2, ev = buf.dispatch(x2, handle=handle, num_sms=16, **extra)
                     done(ev)

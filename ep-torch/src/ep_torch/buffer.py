@@ -128,12 +128,23 @@ class _ExpressLane:
     def make(cls, make: Any, arrays: tuple, scalars: tuple, *extra: Any) -> _ExpressLane | None:
         """`make(match, *extra)` (an `ep_core.EPBuffer.express_*` method) for the call just run with these
         arrays, or None: no host extension (the allocator offers no `batch`), arrays a signature cannot hold, or
-        a call ep-core's lane does not serve."""
+        a call ep-core's lane does not serve. An FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two
+        tensors: `match` returns both pointers, then the others'."""
         native = host_extension.module()
-        if native is None or type(arrays[0]) is not torch.Tensor:
+        x = arrays[0]
+        if native is None:
             return None
         try:
-            match = native.signature(*arrays).match
+            if type(x) is torch.Tensor:
+                match = native.signature(*arrays).match
+            elif type(x) is tuple and len(x) == 2 and type(x[0]) is type(x[1]) is torch.Tensor:
+                pair = native.signature(x[0], x[1], *arrays[1:]).match
+
+                def match(x: Any, *rest: Any) -> Any:
+                    return pair(x[0], x[1], *rest) if type(x) is tuple and len(x) == 2 else None
+
+            else:
+                return None
         except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
             return None
         lane = make(match, *extra)
@@ -617,7 +628,6 @@ class ElasticBuffer(ElasticOps):
             and do_handle_copy is True
             and do_expand is False
             and do_zero_padding is False
-            and use_tma_aligned_col_major_sf is False
         )
         if (
             plain
@@ -628,6 +638,7 @@ class ElasticBuffer(ElasticOps):
             and num_sms is lane.scalars[3]
             and num_qps is lane.scalars[4]
             and do_cpu_sync is lane.scalars[5]
+            and use_tma_aligned_col_major_sf is lane.scalars[6]
         ):
             if do_cpu_sync is not False:
                 try:  # a CPU sync inside CUDA-graph capture: the caller's error
@@ -640,7 +651,12 @@ class ElasticBuffer(ElasticOps):
                 x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
             )
             if got is not None:
-                return got[0], got[1], got[2], got[3], EventOverlap(None)
+                sf = got[1]
+                if sf is None:
+                    return got[0], got[2], got[3], got[4], EventOverlap(None)
+                if use_tma_aligned_col_major_sf:  # storage [P, align(R, 4)] -> the logical [R, P] view
+                    sf = sf.t()[: got[0].shape[0]]
+                return (got[0], sf), got[2], got[3], got[4], EventOverlap(None)
         with self._core.announcing("dispatch"):
             rt = self._rt()
             if handle is None and do_cpu_sync is not False:
@@ -692,7 +708,15 @@ class ElasticBuffer(ElasticOps):
                 made = _ExpressLane.make(
                     rt.express_dispatch,
                     (x, topk_idx, topk_weights),
-                    (num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps, do_cpu_sync),
+                    (
+                        num_experts,
+                        num_max_tokens_per_rank,
+                        expert_alignment,
+                        num_sms,
+                        num_qps,
+                        do_cpu_sync,
+                        use_tma_aligned_col_major_sf,
+                    ),
                 )
                 if do_cpu_sync is False:
                     self._express = made

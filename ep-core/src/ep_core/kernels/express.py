@@ -31,13 +31,15 @@ checks them, the stream pairs) and calls `RepeatCombine.run` / `RepeatDispatch.r
 
 An error before the launch gives up the call's device sequence number, as `EPBuffer.announcing` does, so that a
 rank refusing a call can never be paired with its peers' next one. Anything the express lane does not cover (a
-handle, FP8 scales, events, another stream context, a changed rank state) is the caller's cue to take
+handle, events, another stream context, a changed rank state) is the caller's cue to take
 the ordinary road: `__call__` returns None having done nothing.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import ep_layout
 
 from ep_core._env import knobs
 from ep_core.handle import EPHandle
@@ -75,22 +77,17 @@ def express_dispatch(
 ) -> ExpressDispatch | None:
     """The express lane of the entry whose request carried `token` (`PreparedToken`; `x_dtype`: its x's dtype
     name): an `ExpressDispatch`, an `ExpressSyncDispatch` for a CPU-sync one, or None where it cannot serve it: no
-    repeat of a plain dispatch (no handle, no expand, no FP8 scales) on `executor`'s rank, an allocator that is
+    repeat of a dispatch without a handle on `executor`'s rank (a CPU-sync one: not expanded), an allocator that is
     not trusted or offers no `batch`, an empty routing (no copy to fill: the handle aliases it), or
-    `EPKIT_EXPRESS_LANE=0`."""
+    `EPKIT_EXPRESS_LANE=0`. With FP8 scales, `match(x, topk_idx, topk_weights)` returns four pointers: x's data,
+    its scales, the routing, the weights."""
     if not knobs.express_lane:
         return None
     plan = None if token is None else token.plan
     rank = getattr(executor, "rank", None)
     if type(plan) is not RepeatDispatch or plan.rank is not rank:
         return None
-    if (
-        plan.cached
-        or plan.sf_dtype is not None
-        or not plan.int32_shapes
-        or plan.num_tokens == 0
-        or plan.topk == 0
-    ):
+    if plan.cached or not plan.int32_shapes or plan.num_tokens == 0 or plan.topk == 0:
         return None
     # a CPU-sync dispatch's metadata is allocated once its rows are known (`RepeatDispatch.run`), else it is in
     # the block; the sync lane makes no expanded layout
@@ -112,6 +109,7 @@ class ExpressDispatch:
 
     __slots__ = (
         "_alloc",
+        "_at",
         "_batch",
         "_block_at",
         "_by_value",
@@ -121,6 +119,7 @@ class ExpressDispatch:
         "_has_w",
         "_plan",
         "_rows",
+        "_sf_name",
         "_x_dtype",
         "allocator",
         "buffer",
@@ -145,23 +144,23 @@ class ExpressDispatch:
         self._plan = plan
         self._epilogue = epilogue
         self._rows = plan.num_expanded if plan.expand else plan.num_recv
-        rows, k = self._rows, plan.topk
-        # what `RepeatDispatch.run` allocates, in its order, then the routing copy and the handle's block (a
-        # CPU-sync dispatch: the copy and the block alone, its outputs follow the counts)
-        specs: list = [((rows, plan.hidden), x_dtype)]
+        self._x_dtype = x_dtype
+        self._sf_name = plan._sf_name
         self._has_idx = not plan.expand
-        if self._has_idx:
-            specs.append(((rows, k), "int64"))
         self._has_w = plan.has_weights
-        if self._has_w:
-            specs.append(((rows,) if plan.expand else (rows, k), "float32"))
-        if plan.cpu_sync:
-            specs.clear()
-        specs.append(((plan.num_tokens, k), "int32" if plan.idx32 else "int64"))
+        # the outputs' places in a batch (0: absent; recv_x is first): scales, recv_topk_idx, recv_topk_weights
+        sf = self._sf_name is not None
+        self._at = (
+            1 if sf else 0,
+            1 + sf if self._has_idx else 0,
+            1 + sf + self._has_idx if self._has_w else 0,
+        )
+        # the outputs (a CPU-sync dispatch: none, they follow the counts), then the routing copy and the block
+        specs = [] if plan.cpu_sync else self._output_specs(self._rows)
+        specs.append(((plan.num_tokens, plan.topk), "int32" if plan.idx32 else "int64"))
         offsets, _sizes, total, _strided = Int32Block.layout(plan._int32_key)
         specs.append(((max(total, 1),), "int32"))
         self._batch = batch
-        self._x_dtype = x_dtype
         self._alloc = batch(tuple(specs))
         at = plan._part
         # byte offsets of the block's parts the dispatch kernel takes (-1: absent, a null pointer; the metadata
@@ -169,6 +168,53 @@ class ExpressDispatch:
         parts = [4 * offsets[at[name]] if name in at else -1 for name in _KERNEL_PARTS]
         self._block_at = (*parts, 4 * offsets[at["src_metadata"]] if "src_metadata" in at else -1)
         self._by_value: tuple | None = None  # the handles' fingerprint by value, read from the first
+
+    def _output_specs(self, rows: int) -> list:
+        """What `RepeatDispatch.run` allocates for `rows` received rows, in its order: recv_x, the scales (FP8;
+        column-major: the storage `[packs, align(rows, 4)]`), recv_topk_idx (not expanded), recv_topk_weights."""
+        plan = self._plan
+        k = plan.topk
+        specs: list = [((rows, plan.hidden), self._x_dtype)]
+        if self._sf_name is not None:
+            shape = (
+                (plan.packs, ep_layout.align(max(rows, 1), 4)) if plan.col_major_sf else (rows, plan.packs)
+            )
+            specs.append((shape, self._sf_name))
+        if self._has_idx:
+            specs.append(((rows, k), "int64"))
+        if self._has_w:
+            specs.append(((rows,) if plan.expand else (rows, k), "float32"))
+        return specs
+
+    def _received(self, arrays: tuple, aptrs: tuple, meta_ptr: int, rows: int) -> tuple:
+        """`(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the copy epilogue's words)` of a batch whose
+        first arrays are the outputs of `rows` rows (`_output_specs`); the words from the batch's own pointers."""
+        s, i, w = self._at
+        plan = self._plan
+        strides = (
+            (0, 0)
+            if not s
+            else (1, ep_layout.align(max(rows, 1), 4))
+            if plan.col_major_sf
+            else (plan.packs, 1)
+        )
+        words = epilogue_outputs(
+            _same,
+            meta_ptr,
+            aptrs[0],
+            aptrs[s] if s else None,
+            strides,
+            aptrs[i] if i else None,
+            aptrs[w] if w else None,
+            rows,
+        )
+        return (
+            arrays[0],
+            arrays[s] if s else None,
+            arrays[i] if i else None,
+            arrays[w] if w else None,
+            words,
+        )
 
     def _start(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
         """The per-call checks and the one allocation before the dispatch kernel: `(step, wait, signal, arrays,
@@ -191,13 +237,18 @@ class ExpressDispatch:
         except Exception as exc:
             buffer.announce_error("dispatch", exc, step)
             raise
+        if self._sf_name is None:
+            x_ptr, idx_ptr, w_ptr = ptrs
+            sf_ptr = 0
+        else:
+            x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
         base = aptrs[-1]
         at = self._block_at
         dynamic = (
-            ptrs[0],
-            0,
-            ptrs[1],
-            ptrs[2],
+            x_ptr,
+            sf_ptr,
+            idx_ptr,
+            w_ptr,
             base + at[0],
             base + at[1] if at[1] >= 0 else 0,
             base + at[2],
@@ -210,7 +261,8 @@ class ExpressDispatch:
         return step, wait, signal, arrays, aptrs, dynamic
 
     def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
-        """`(recv_x, recv_topk_idx, recv_topk_weights, handle)` of the dispatch, or None (nothing done: take the
+        """`(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, handle)` of the dispatch (`recv_sf`: None without
+        FP8 scales; column-major ones as their storage `[packs, align(rows, 4)]`), or None (nothing done: take the
         ordinary road). The caller has compared every other argument with the recorded call's; the outputs come
         from that call's allocator, on `stream`'s order as the ordinary road's do."""
         started = self._start(x, topk_idx, topk_weights, stream)
@@ -229,14 +281,8 @@ class ExpressDispatch:
         base = aptrs[-1]
         at = self._block_at
         launch_number = rank._num_collective_launches
-        recv_x = arrays[0]
-        recv_idx = arrays[1] if self._has_idx else None
-        recv_w = arrays[1 + self._has_idx] if self._has_w else None
+        recv_x, recv_sf, recv_idx, recv_w, outputs = self._received(arrays, aptrs, base + at[5], rows)
         if copies:
-            # `epilogue_outputs` over the batch's own pointers (no pointer read per array)
-            idx_ptr = aptrs[1] if self._has_idx else None
-            w_ptr = aptrs[1 + self._has_idx] if self._has_w else None
-            outputs = epilogue_outputs(_same, base + at[5], aptrs[0], None, (0, 0), idx_ptr, w_ptr, rows)
             rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
         copy = arrays[-2]
         block = Int32Block.adopt(arrays[-1], plan._int32_key, base)
@@ -246,7 +292,7 @@ class ExpressDispatch:
         note_handle_topk_idx(rank, handle, copy, plan.idx32)
         self._trust(handle, copy, block)
         rank._report_input_error()
-        return recv_x, recv_idx, recv_w, handle
+        return recv_x, recv_sf, recv_idx, recv_w, handle
 
     def _trust(self, handle: EPHandle, copy: Any, block: Int32Block) -> None:
         """`validation.trust_handle` for a handle of this entry: the fingerprint by value is every handle's."""
@@ -264,7 +310,7 @@ class ExpressSyncDispatch(ExpressDispatch):
     """One prepared CPU-sync dispatch's whole road (module doc): the lane of `ExpressDispatch` with the count
     round trip between the dispatch kernel and its outputs."""
 
-    __slots__ = ("_by_rows", "_epr", "_out_specs")
+    __slots__ = ("_by_rows", "_epr")
 
     _KEEP = 16  # prepared output batches kept (one per row count seen; a training step's counts vary)
 
@@ -272,19 +318,18 @@ class ExpressSyncDispatch(ExpressDispatch):
         super().__init__(*args)  # `ExpressDispatch`'s arguments
         plan = self._plan
         self._epr = plan.num_experts // plan.rank.num_ranks
-        # the outputs as `RepeatDispatch.run` allocates them, then the handle's metadata, for `rows` rows
-        k = plan.topk
-        w = (("float32", k),) if plan.has_weights else ()
-        self._out_specs = ((self._x_dtype, plan.hidden), ("int64", k), *w, ("int32", k + 2))
         self._by_rows: dict = {}
 
     def _outputs(self, rows: int) -> tuple:
-        """`(arrays, pointers)` of one call's outputs for `rows` received rows, from one `batch` call."""
+        """`(arrays, pointers)` of one call's outputs for `rows` received rows, then the handle's metadata, from
+        one `batch` call."""
         made = self._by_rows.get(rows)
         if made is None:
             if len(self._by_rows) >= self._KEEP:
                 self._by_rows.clear()
-            made = self._by_rows[rows] = self._batch(tuple([((rows, n), dt) for dt, n in self._out_specs]))
+            specs = self._output_specs(rows)
+            specs.append(((rows, self._plan.topk + 2), "int32"))
+            made = self._by_rows[rows] = self._batch(tuple(specs))
         return made()
 
     def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
@@ -304,18 +349,13 @@ class ExpressSyncDispatch(ExpressDispatch):
             rank._copy_counts(base + at[2], base + at[4], self._epr, True)
             num_recv, num_expanded, expert_list = rank._sync_counts(self._epr, plan.alignment)
         except Exception as exc:
-            self.buffer.announce_error(
-                "dispatch", exc, step
-            )  # launched: nothing to announce (no step to give up)
+            # after the launch (a timeout, a kernel's error): the step is the call's, nothing is given up
+            self.buffer.announce_error("dispatch", exc, step)
             raise
         outs, optrs = self._outputs(num_recv)
-        has_w = self._has_w
-        recv_w = outs[2] if has_w else None
+        recv_x, recv_sf, recv_idx, recv_w, outputs = self._received(outs, optrs, optrs[-1], num_recv)
         meta = outs[-1]
         if num_recv > 0:
-            outputs = epilogue_outputs(
-                _same, optrs[-1], optrs[0], None, (0, 0), optrs[1], optrs[2] if has_w else None, num_recv
-            )
             rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
         elif signal is not None:  # no rows: nothing to copy, the stream order alone
             record_wait(signal[0], rank.stream.handle, signal[1])
@@ -326,7 +366,7 @@ class ExpressSyncDispatch(ExpressDispatch):
         note_handle_topk_idx(rank, handle, copy, plan.idx32)
         trust_handle(self.buffer.config, self._executor, handle)
         rank._report_input_error()
-        return outs[0], outs[1], recv_w, handle
+        return recv_x, recv_sf, recv_idx, recv_w, handle
 
 
 class _HandleLane:
