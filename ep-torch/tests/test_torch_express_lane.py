@@ -524,3 +524,66 @@ def test_fp8_lanes_launch_what_the_ordinary_road_launches(mocked, sync_served, c
         seen[lane] = per_call
         assert (sync_served if cpu_sync else served)[0] == (3 if lane else 0)
     assert seen[True] == seen[False]
+
+
+@pytest.mark.parametrize(
+    ("cpu_sync", "expand", "zero_padding", "alignment", "fp8"),
+    [
+        (False, True, False, 1, False),
+        (True, True, False, 4, False),
+        (False, True, True, 4, False),
+        (True, True, True, 2, False),
+        (False, False, False, 4, False),
+        (True, False, False, 4, False),
+        (True, True, False, 4, True),
+        (False, True, True, 2, True),
+    ],
+)
+def test_expanded_and_padded_lanes_launch_what_the_ordinary_road_launches(
+    mocked, sync_served, cpu_sync, expand, zero_padding, alignment, fp8
+):
+    """The expanded layout (`do_expand`), zero padding and expert alignment through the dispatch lanes, bf16 and
+    FP8 (column-major scales, as DeepGEMM reads the expanded layout): the ordinary road's words and layouts."""
+    make, launches, served, _by = mocked
+    g = torch.Generator().manual_seed(17)
+    calls = []
+    for _ in range(4):
+        data = torch.randn(8, HIDDEN, generator=g)
+        x = (data.to(torch.float8_e4m3fn), torch.rand(8, 3, generator=g)) if fp8 else data.to(torch.bfloat16)
+        idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+        calls.append((x, idx, torch.rand(8, K, generator=g)))
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        served[0] = sync_served[0] = 0
+        per_call = []
+        for x, idx, w in calls:
+            launches.clear()
+            out = buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_experts=EXPERTS,
+                expert_alignment=alignment,
+                num_sms=4,
+                do_cpu_sync=cpu_sync,
+                do_expand=expand,
+                do_zero_padding=zero_padding,
+                use_tma_aligned_col_major_sf=fp8,
+            )
+            recv_x, recv_idx, recv_w, handle, _ = out
+            data = recv_x[0] if fp8 else recv_x
+            rows = handle.num_expanded_tokens if expand else handle.num_recv_tokens
+            assert data.shape == (rows, HIDDEN) and (recv_idx is None) == expand
+            assert recv_w.shape == ((rows,) if expand else (rows, K))
+            names = _pointer_names(x[0] if fp8 else x, idx, w, (data, recv_idx, recv_w, handle, None))
+            if fp8:
+                names.setdefault(x[1].data_ptr(), "x_sf")
+                if recv_x[1].numel():
+                    names.setdefault(recv_x[1].data_ptr(), "recv_sf")
+                    assert recv_x[1].stride() == (1, (max(rows, 1) + 3) // 4 * 4)
+            layout = (tuple(data.shape), None if recv_w is None else tuple(recv_w.shape))
+            per_call.append(([(name, _named(words, names)) for name, words in launches], layout))
+        seen[lane] = per_call
+        assert (sync_served if cpu_sync else served)[0] == (3 if lane else 0)
+    assert seen[True] == seen[False]

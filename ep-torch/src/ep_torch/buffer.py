@@ -614,9 +614,9 @@ class ElasticBuffer(ElasticOps):
                         got.handle,
                         EventOverlap(None),
                     )
-        # the express lane (`ep_core.kernels.express`): a repeat of the last plain dispatch (no-sync, or CPU-sync
-        # with the same `do_cpu_sync` object), every scalar the same object as that call's (so the same prepared
-        # entry), the arrays compared by `lane.match`
+        # the express lane (`ep_core.kernels.express`): a repeat of the last dispatch without a handle, events,
+        # stats or comm-stream scope (no-sync, or CPU-sync with the same `do_cpu_sync` object), every scalar the
+        # same object as that call's (so the same prepared entry), the arrays compared by `lane.match`
         lane = self._express if do_cpu_sync is False else self._express_sync
         plain = (
             handle is None
@@ -626,8 +626,6 @@ class ElasticBuffer(ElasticOps):
             and async_with_compute_stream is False
             and allocate_on_comm_stream is False
             and do_handle_copy is True
-            and do_expand is False
-            and do_zero_padding is False
         )
         if (
             plain
@@ -639,6 +637,8 @@ class ElasticBuffer(ElasticOps):
             and num_qps is lane.scalars[4]
             and do_cpu_sync is lane.scalars[5]
             and use_tma_aligned_col_major_sf is lane.scalars[6]
+            and do_expand is lane.scalars[7]
+            and do_zero_padding is lane.scalars[8]
         ):
             if do_cpu_sync is not False:
                 try:  # a CPU sync inside CUDA-graph capture: the caller's error
@@ -716,6 +716,8 @@ class ElasticBuffer(ElasticOps):
                         num_qps,
                         do_cpu_sync,
                         use_tma_aligned_col_major_sf,
+                        do_expand,
+                        do_zero_padding,
                     ),
                 )
                 if do_cpu_sync is False:

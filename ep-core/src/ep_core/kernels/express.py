@@ -77,8 +77,7 @@ def express_dispatch(
 ) -> ExpressDispatch | None:
     """The express lane of the entry whose request carried `token` (`PreparedToken`; `x_dtype`: its x's dtype
     name): an `ExpressDispatch`, an `ExpressSyncDispatch` for a CPU-sync one, or None where it cannot serve it: no
-    repeat of a dispatch without a handle on `executor`'s rank (a CPU-sync one: not expanded), an allocator that is
-    not trusted or offers no `batch`, an empty routing (no copy to fill: the handle aliases it), or
+    repeat of a dispatch without a handle on `executor`'s rank, an allocator that is not trusted or offers no `batch`, an empty routing (no copy to fill: the handle aliases it), or
     `EPKIT_EXPRESS_LANE=0`. With FP8 scales, `match(x, topk_idx, topk_weights)` returns four pointers: x's data,
     its scales, the routing, the weights."""
     if not knobs.express_lane:
@@ -90,8 +89,8 @@ def express_dispatch(
     if plan.cached or not plan.int32_shapes or plan.num_tokens == 0 or plan.topk == 0:
         return None
     # a CPU-sync dispatch's metadata is allocated once its rows are known (`RepeatDispatch.run`), else it is in
-    # the block; the sync lane makes no expanded layout
-    if ("src_metadata" in plan.int32_shapes) is plan.cpu_sync or (plan.cpu_sync and plan.expand):
+    # the block
+    if ("src_metadata" in plan.int32_shapes) is plan.cpu_sync:
         return None
     rows = plan.num_expanded if plan.expand else plan.num_recv
     epilogue = plan.prepared.epilogue_pdl if plan.epilogue_pdl else plan.prepared.epilogue
@@ -320,16 +319,17 @@ class ExpressSyncDispatch(ExpressDispatch):
         self._epr = plan.num_experts // plan.rank.num_ranks
         self._by_rows: dict = {}
 
-    def _outputs(self, rows: int) -> tuple:
-        """`(arrays, pointers)` of one call's outputs for `rows` received rows, then the handle's metadata, from
-        one `batch` call."""
-        made = self._by_rows.get(rows)
+    def _outputs(self, rows: int, num_recv: int) -> tuple:
+        """`(arrays, pointers)` of one call's outputs for `rows` output rows (the expanded ones, or the received
+        tokens), then the handle's metadata (one row per received token), from one `batch` call."""
+        key = (rows, num_recv)
+        made = self._by_rows.get(key)
         if made is None:
             if len(self._by_rows) >= self._KEEP:
                 self._by_rows.clear()
             specs = self._output_specs(rows)
-            specs.append(((rows, self._plan.topk + 2), "int32"))
-            made = self._by_rows[rows] = self._batch(tuple(specs))
+            specs.append(((num_recv, self._plan.topk + 2), "int32"))
+            made = self._by_rows[key] = self._batch(tuple(specs))
         return made()
 
     def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
@@ -352,10 +352,11 @@ class ExpressSyncDispatch(ExpressDispatch):
             # after the launch (a timeout, a kernel's error): the step is the call's, nothing is given up
             self.buffer.announce_error("dispatch", exc, step)
             raise
-        outs, optrs = self._outputs(num_recv)
-        recv_x, recv_sf, recv_idx, recv_w, outputs = self._received(outs, optrs, optrs[-1], num_recv)
+        rows = num_expanded if plan.expand else num_recv
+        outs, optrs = self._outputs(rows, num_recv)
+        recv_x, recv_sf, recv_idx, recv_w, outputs = self._received(outs, optrs, optrs[-1], rows)
         meta = outs[-1]
-        if num_recv > 0:
+        if rows > 0 or plan.zero_padding:
             rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
         elif signal is not None:  # no rows: nothing to copy, the stream order alone
             record_wait(signal[0], rank.stream.handle, signal[1])
