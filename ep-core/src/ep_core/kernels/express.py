@@ -349,7 +349,7 @@ class ExpressSyncDispatch(ExpressDispatch):
             rank._copy_counts(base + at[2], base + at[4], self._epr, True)
             num_recv, num_expanded, expert_list = rank._sync_counts(self._epr, plan.alignment)
         except Exception as exc:
-            # after the launch (a timeout, a kernel's error): the step is the call's, nothing is given up
+            # a launch that failed gives up its step; after it (a timeout, a kernel's error) there is none to give up
             self.buffer.announce_error("dispatch", exc, step)
             raise
         rows = num_expanded if plan.expand else num_recv
