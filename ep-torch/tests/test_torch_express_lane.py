@@ -587,3 +587,28 @@ def test_expanded_and_padded_lanes_launch_what_the_ordinary_road_launches(
         seen[lane] = per_call
         assert (sync_served if cpu_sync else served)[0] == (3 if lane else 0)
     assert seen[True] == seen[False]
+
+
+def test_an_equal_int_computed_anew_is_served(mocked, sync_served):
+    """A count computed anew on each call (an int above CPython's small-int cache: another object each time) is the
+    same key: the lanes serve it, and an equal value of another type still takes the ordinary road."""
+    make, _launches, served, _by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+
+    def align():  # 1000, a new object on each call
+        return int("1000")
+
+    assert align() is not align()
+    for sync in (False, True):
+        for _ in range(3):
+            buf.dispatch(
+                x, topk_idx=idx, num_experts=EXPERTS, expert_alignment=align(), num_sms=4, do_cpu_sync=sync
+            )
+    assert served[0] == 2 and sync_served[0] == 2
+    with pytest.raises(Exception, match="expert_alignment"):
+        buf.dispatch(
+            x, topk_idx=idx, num_experts=EXPERTS, expert_alignment=1000.0, num_sms=4, do_cpu_sync=True
+        )
+    assert sync_served[0] == 2

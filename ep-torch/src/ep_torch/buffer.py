@@ -114,9 +114,9 @@ def _flat(items: Any) -> Iterator[Any]:
 
 class _ExpressLane:
     """One of ep-core's express lanes (`ep_core.kernels.express`) and the scalars of the call it was made from,
-    which `dispatch` / `combine` compare with a later call's by identity: never equal-but-other objects (16.0 for
-    16, True for 1), which are other keys for ep-core's validation; an equal int that is another object (above
-    256, computed anew) only takes the ordinary road. `run` is the lane itself."""
+    which `dispatch` / `combine` compare with a later call's (`_same`: by identity, or as equal ints; never
+    equal-but-other objects, 16.0 for 16, True for 1, which are other keys for ep-core's validation). `run` is the
+    lane itself."""
 
     __slots__ = ("run", "scalars")
 
@@ -152,7 +152,14 @@ class _ExpressLane:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return all(map(operator.is_, a, b))
+    """Whether a call's scalars are the recorded call's (`_ExpressLane`): each the same object, or an int equal to
+    a recorded int (a count computed anew on each call, such as ``x.shape[0]`` above the small-int cache). Never
+    an equal value of another type (``16.0`` for ``16``, ``True`` for ``1``): validation keys those apart."""
+    return all(map(operator.is_, a, b)) or all(map(_same_scalar, a, b))
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is int and type(b) is int and a == b)
 
 
 class ElasticBuffer(ElasticOps):
@@ -627,19 +634,18 @@ class ElasticBuffer(ElasticOps):
             and allocate_on_comm_stream is False
             and do_handle_copy is True
         )
-        if (
-            plain
-            and lane is not None
-            and num_experts is lane.scalars[0]
-            and num_max_tokens_per_rank is lane.scalars[1]
-            and expert_alignment is lane.scalars[2]
-            and num_sms is lane.scalars[3]
-            and num_qps is lane.scalars[4]
-            and do_cpu_sync is lane.scalars[5]
-            and use_tma_aligned_col_major_sf is lane.scalars[6]
-            and do_expand is lane.scalars[7]
-            and do_zero_padding is lane.scalars[8]
-        ):
+        lane_scalars = (
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            do_cpu_sync,
+            use_tma_aligned_col_major_sf,
+            do_expand,
+            do_zero_padding,
+        )
+        if plain and lane is not None and _same(lane_scalars, lane.scalars):
             if do_cpu_sync is not False:
                 try:  # a CPU sync inside CUDA-graph capture: the caller's error
                     self._check_capture("dispatch", do_cpu_sync, None)
@@ -705,21 +711,7 @@ class ElasticBuffer(ElasticOps):
             # extension is loaded)
             lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
             if lanes and plain:
-                made = _ExpressLane.make(
-                    rt.express_dispatch,
-                    (x, topk_idx, topk_weights),
-                    (
-                        num_experts,
-                        num_max_tokens_per_rank,
-                        expert_alignment,
-                        num_sms,
-                        num_qps,
-                        do_cpu_sync,
-                        use_tma_aligned_col_major_sf,
-                        do_expand,
-                        do_zero_padding,
-                    ),
-                )
+                made = _ExpressLane.make(rt.express_dispatch, (x, topk_idx, topk_weights), lane_scalars)
                 if do_cpu_sync is False:
                     self._express = made
                 else:
@@ -780,7 +772,7 @@ class ElasticBuffer(ElasticOps):
             and async_with_compute_stream is False
             and allocate_on_comm_stream is False
         )
-        if plain and lane is not None and num_sms is lane.scalars[0] and num_qps is lane.scalars[1]:
+        if plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
             got = lane.run(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
             if got is not None:
                 return got.combined_x, got.combined_topk_weights, EventOverlap(None)
