@@ -477,79 +477,41 @@ def test_sync_lane_keys_on_the_do_cpu_sync_object(mocked, sync_served):
     assert sync_served[0] == 2
 
 
-@pytest.mark.parametrize("cpu_sync", [False, True])
-@pytest.mark.parametrize("col_major", [False, True])
-def test_fp8_lanes_launch_what_the_ordinary_road_launches(mocked, sync_served, cpu_sync, col_major):
-    """An FP8 dispatch (`x = (data, scales)`, row- or TMA-aligned column-major received scales), no-sync or
-    CPU-sync: the lane launches the ordinary road's words and returns the same layouts."""
+@pytest.mark.parametrize(
+    ("cpu_sync", "expand", "zero_padding", "alignment", "fp8", "col_major"),
+    [
+        # FP8 in the plain layout, row-major and TMA-aligned column-major received scales
+        (False, False, False, 1, True, False),
+        (True, False, False, 1, True, False),
+        (False, False, False, 1, True, True),
+        (True, False, False, 1, True, True),
+        # the expanded layout, expert alignment, zero padding (FP8: column-major, as DeepGEMM reads it)
+        (False, True, False, 1, False, False),
+        (True, True, False, 4, False, False),
+        (False, True, True, 4, False, False),
+        (True, True, True, 2, False, False),
+        (False, False, False, 4, False, False),
+        (True, False, False, 4, False, False),
+        (True, True, False, 4, True, True),
+        (False, True, True, 2, True, True),
+    ],
+)
+def test_dispatch_layouts_launch_what_the_ordinary_road_launches(
+    mocked, sync_served, cpu_sync, expand, zero_padding, alignment, fp8, col_major
+):
+    """FP8 (`x = (data, scales)`), the expanded layout (`do_expand`), zero padding and expert alignment through
+    the dispatch lanes, no-sync and CPU-sync: the ordinary road's words and layouts."""
     make, launches, served, _by = mocked
-    g = torch.Generator().manual_seed(13)
+    g = torch.Generator().manual_seed(17)
     packs = 3
     calls = []
     for _ in range(4):
-        data = torch.randn(8, HIDDEN, generator=g).to(torch.float8_e4m3fn)
-        sf = torch.rand(8, packs, generator=g)
-        idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
-        w = torch.rand(8, K, generator=g)
-        calls.append(((data, sf), idx, w))
-    seen = {}
-    for lane in (False, True):
-        buf = make(lane)
-        served[0] = sync_served[0] = 0
-        per_call = []
-        for x, idx, w in calls:
-            launches.clear()
-            out = buf.dispatch(
-                x,
-                topk_idx=idx,
-                topk_weights=w,
-                num_experts=EXPERTS,
-                num_sms=4,
-                do_cpu_sync=cpu_sync,
-                use_tma_aligned_col_major_sf=col_major,
-            )
-            (recv_data, recv_sf), recv_idx, recv_w, handle, _ = out
-            rows = handle.num_recv_tokens
-            assert recv_data.dtype == torch.float8_e4m3fn and recv_data.shape == (rows, HIDDEN)
-            assert recv_sf.dtype == torch.float32 and recv_sf.shape == (rows, packs)
-            if col_major:
-                assert recv_sf.stride() == (1, (max(rows, 1) + 3) // 4 * 4)
-            else:
-                assert recv_sf.stride() == (packs, 1)
-            names = _pointer_names(x[0], idx, w, (recv_data, recv_idx, recv_w, handle, None))
-            names.setdefault(x[1].data_ptr(), "x_sf")
-            if recv_sf.numel():
-                names.setdefault(recv_sf.data_ptr(), "recv_sf")
-            per_call.append(([(name, _named(words, names)) for name, words in launches], rows))
-        seen[lane] = per_call
-        assert (sync_served if cpu_sync else served)[0] == (3 if lane else 0)
-    assert seen[True] == seen[False]
-
-
-@pytest.mark.parametrize(
-    ("cpu_sync", "expand", "zero_padding", "alignment", "fp8"),
-    [
-        (False, True, False, 1, False),
-        (True, True, False, 4, False),
-        (False, True, True, 4, False),
-        (True, True, True, 2, False),
-        (False, False, False, 4, False),
-        (True, False, False, 4, False),
-        (True, True, False, 4, True),
-        (False, True, True, 2, True),
-    ],
-)
-def test_expanded_and_padded_lanes_launch_what_the_ordinary_road_launches(
-    mocked, sync_served, cpu_sync, expand, zero_padding, alignment, fp8
-):
-    """The expanded layout (`do_expand`), zero padding and expert alignment through the dispatch lanes, bf16 and
-    FP8 (column-major scales, as DeepGEMM reads the expanded layout): the ordinary road's words and layouts."""
-    make, launches, served, _by = mocked
-    g = torch.Generator().manual_seed(17)
-    calls = []
-    for _ in range(4):
         data = torch.randn(8, HIDDEN, generator=g)
-        x = (data.to(torch.float8_e4m3fn), torch.rand(8, 3, generator=g)) if fp8 else data.to(torch.bfloat16)
+        x = (
+            (data.to(torch.float8_e4m3fn), torch.rand(8, packs, generator=g))
+            if fp8
+            else data.to(torch.bfloat16)
+        )
         idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
         calls.append((x, idx, torch.rand(8, K, generator=g)))
     seen = {}
@@ -569,7 +531,7 @@ def test_expanded_and_padded_lanes_launch_what_the_ordinary_road_launches(
                 do_cpu_sync=cpu_sync,
                 do_expand=expand,
                 do_zero_padding=zero_padding,
-                use_tma_aligned_col_major_sf=fp8,
+                use_tma_aligned_col_major_sf=col_major,
             )
             recv_x, recv_idx, recv_w, handle, _ = out
             data = recv_x[0] if fp8 else recv_x
@@ -578,10 +540,16 @@ def test_expanded_and_padded_lanes_launch_what_the_ordinary_road_launches(
             assert recv_w.shape == ((rows,) if expand else (rows, K))
             names = _pointer_names(x[0] if fp8 else x, idx, w, (data, recv_idx, recv_w, handle, None))
             if fp8:
+                recv_sf = recv_x[1]
+                assert data.dtype == torch.float8_e4m3fn
+                assert recv_sf.dtype == torch.float32 and recv_sf.shape == (rows, packs)
+                if col_major:
+                    assert recv_sf.stride() == (1, (max(rows, 1) + 3) // 4 * 4)
+                else:
+                    assert recv_sf.stride() == (packs, 1)
                 names.setdefault(x[1].data_ptr(), "x_sf")
-                if recv_x[1].numel():
-                    names.setdefault(recv_x[1].data_ptr(), "recv_sf")
-                    assert recv_x[1].stride() == (1, (max(rows, 1) + 3) // 4 * 4)
+                if recv_sf.numel():
+                    names.setdefault(recv_sf.data_ptr(), "recv_sf")
             layout = (tuple(data.shape), None if recv_w is None else tuple(recv_w.shape))
             per_call.append(([(name, _named(words, names)) for name, words in launches], layout))
         seen[lane] = per_call

@@ -395,9 +395,9 @@ class EPBuffer(BufferBase):
         """The express lane (`ep_core.kernels.express.ExpressDispatch`; `ExpressSyncDispatch` for a CPU-sync
         call) of this buffer's last dispatch, whose arrays `match(x, topk_idx, topk_weights)` compares later
         calls' with (for FP8 x: the data's and the scales' pointers first), or None where that call was not one
-        the lane serves (a handle, an expanded CPU-sync layout, an empty routing, no repeat yet, an allocator
-        without `batch`). The caller must have made that call with no handle, events or comm-stream allocation, and
-        compares every scalar of a later call with that call's by identity before taking the lane."""
+        the lane serves (a handle, an empty routing, no repeat yet, an allocator without `batch`). The caller must
+        have made that call with no handle, events or comm-stream allocation, and compares every scalar of a later
+        call with that call's (the same object, or an equal int) before taking the lane."""
         last = getattr(self, "_last_dispatch", None)
         if last is None or self._destroyed:
             return None

@@ -151,6 +151,16 @@ class _ExpressLane:
         return None if lane is None else cls(lane, scalars)
 
 
+def _received(recv_x: Any, recv_sf: Any, col_major: Any) -> Any:
+    """A dispatch's ``recv_x`` as DeepEP returns it: ``(data, scales)`` iff it received FP8 scales; column-major
+    scales as the logical ``[R, P]`` view of their storage ``[P, align(R, 4)]``."""
+    if recv_sf is None:
+        return recv_x
+    if col_major:
+        recv_sf = recv_sf.t()[: recv_x.shape[0]]
+    return recv_x, recv_sf
+
+
 def _same(a: tuple, b: tuple) -> bool:
     """Whether a call's scalars are the recorded call's (`_ExpressLane`): each the same object, or an int equal to
     a recorded int (a count computed anew on each call, such as ``x.shape[0]`` above the small-int cache). Never
@@ -657,12 +667,8 @@ class ElasticBuffer(ElasticOps):
                 x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
             )
             if got is not None:
-                sf = got[1]
-                if sf is None:
-                    return got[0], got[2], got[3], got[4], EventOverlap(None)
-                if use_tma_aligned_col_major_sf:  # storage [P, align(R, 4)] -> the logical [R, P] view
-                    sf = sf.t()[: got[0].shape[0]]
-                return (got[0], sf), got[2], got[3], got[4], EventOverlap(None)
+                recv_x = _received(got[0], got[1], use_tma_aligned_col_major_sf)
+                return recv_x, got[2], got[3], got[4], EventOverlap(None)
         with self._core.announcing("dispatch"):
             rt = self._rt()
             if handle is None and do_cpu_sync is not False:
@@ -737,14 +743,7 @@ class ElasticBuffer(ElasticOps):
                 # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
                 # empty one stays an alias, never the caller's tensor object
                 res.handle.topk_idx = topk_idx.detach()
-        recv_x: Any = res.recv_x
-        if res.recv_sf is not None:
-            sf = res.recv_sf
-            if (
-                use_tma_aligned_col_major_sf
-            ):  # storage [P, align(R, 4)] -> the logical [R, P] column-major view
-                sf = sf.t()[: recv_x.shape[0]]
-            recv_x = (recv_x, sf)
+        recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
 
     def combine(

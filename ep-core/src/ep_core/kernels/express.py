@@ -39,8 +39,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ep_layout
-
 from ep_core._env import knobs
 from ep_core.handle import EPHandle
 from ep_core.kernels.array_block import Int32Block
@@ -77,8 +75,8 @@ def express_dispatch(
 ) -> ExpressDispatch | None:
     """The express lane of the entry whose request carried `token` (`PreparedToken`; `x_dtype`: its x's dtype
     name): an `ExpressDispatch`, an `ExpressSyncDispatch` for a CPU-sync one, or None where it cannot serve it: no
-    repeat of a dispatch without a handle on `executor`'s rank, an allocator that is not trusted or offers no `batch`, an empty routing (no copy to fill: the handle aliases it), or
-    `EPKIT_EXPRESS_LANE=0`. With FP8 scales, `match(x, topk_idx, topk_weights)` returns four pointers: x's data,
+    repeat of a dispatch without a handle on `executor`'s rank, an allocator that is not trusted or offers no
+    `batch`, an empty routing (no copy to fill: the handle aliases it), or `EPKIT_EXPRESS_LANE=0`. With FP8 scales, `match(x, topk_idx, topk_weights)` returns four pointers: x's data,
     its scales, the routing, the weights."""
     if not knobs.express_lane:
         return None
@@ -175,10 +173,7 @@ class ExpressDispatch:
         k = plan.topk
         specs: list = [((rows, plan.hidden), self._x_dtype)]
         if self._sf_name is not None:
-            shape = (
-                (plan.packs, ep_layout.align(max(rows, 1), 4)) if plan.col_major_sf else (rows, plan.packs)
-            )
-            specs.append((shape, self._sf_name))
+            specs.append((plan.sf_layout(rows)[0], self._sf_name))
         if self._has_idx:
             specs.append(((rows, k), "int64"))
         if self._has_w:
@@ -189,14 +184,7 @@ class ExpressDispatch:
         """`(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the copy epilogue's words)` of a batch whose
         first arrays are the outputs of `rows` rows (`_output_specs`); the words from the batch's own pointers."""
         s, i, w = self._at
-        plan = self._plan
-        strides = (
-            (0, 0)
-            if not s
-            else (1, ep_layout.align(max(rows, 1), 4))
-            if plan.col_major_sf
-            else (plan.packs, 1)
-        )
+        strides = self._plan.sf_layout(rows)[1] if s else (0, 0)
         words = epilogue_outputs(
             _same,
             meta_ptr,

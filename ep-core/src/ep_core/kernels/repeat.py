@@ -230,6 +230,16 @@ class RepeatDispatch:
         if not self.hybrid:
             self._fixed["token_metadata_at_forward"] = None
 
+    def sf_layout(self, rows: int) -> tuple:
+        """The received FP8 scales of `rows` rows: `(storage shape, element strides)`: column-major as the storage
+        `[packs, align(rows, 4)]` (what a request's allocator is asked for, as GpuExecutor's wrapper asks), else
+        `[rows, packs]` row-major."""
+        packs = self.packs
+        if self.col_major_sf:
+            ld = ep_layout.align(max(rows, 1), 4)
+            return (packs, ld), (1, ld)
+        return (rows, packs), (packs, 1)
+
     def _alloc_arrays(self, rank: Any, allocate: Any) -> dict:
         """A new handle's int32 arrays, viewed (an allocator that carves no `handle_block`)."""
         block = getattr(rank._allocator, "int32_block", None)
@@ -376,17 +386,13 @@ class RepeatDispatch:
         recv_sf = None
         sf_strides = (0, 0)
         if self.sf_dtype is not None:
-            packs = self.packs
-            if self.col_major_sf:
-                ld = ep_layout.align(max(rows, 1), 4)
-                sf_strides = (1, ld)
-                if allocate is None:
-                    recv_sf = alloc((rows, packs), sf_dt, sf_strides)
-                else:  # column-major scales: the storage [P, ld] (EPBuffer's contract), as GpuExecutor's wrapper
-                    recv_sf = allocate((packs, ld), sf_dt)
+            storage, sf_strides = self.sf_layout(rows)
+            if allocate is not None:  # column-major scales: the storage [P, ld] (EPBuffer's contract)
+                recv_sf = allocate(storage, sf_dt)
+            elif self.col_major_sf:
+                recv_sf = alloc((rows, self.packs), sf_dt, sf_strides)
             else:
-                sf_strides = (packs, 1)
-                recv_sf = alloc((rows, packs), sf_dt)
+                recv_sf = alloc(storage, sf_dt)
         k = self.topk
         recv_idx = None if self.expand else alloc((rows, k), i64)
         recv_w = None
