@@ -97,6 +97,7 @@ class BenchPlan:
     out: str  # output directory
     stem: str  # output file name without suffix
     hybrid: bool = False  # emulated nodes (`--hybrid`)
+    overlap: bool = True  # prefer_overlap_with_compute (`--no-overlap`: False)
 
     @property
     def json_name(self) -> str:
@@ -158,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="emulated nodes: EP8 as 2x4 and 4x2 (num_scaleup_ranks 4 and 2) next to direct EP8, T=4096, 16 SMs "
         "per rank, bf16 and FP8; rows add the bytes that cross node boundaries; writes bench_ep_hybrid.json/.png",
+    )
+    ap.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="prefer_overlap_with_compute=False: each rank's dispatch copy epilogue runs on its share of the GPU "
+        "(device SMs // ranks), not on the op's SMs per rank, as DeepEP V2 runs its epilogues on every SM; "
+        "adds _no-overlap to the output file names",
     )
     ap.add_argument(
         "--tokens",
@@ -225,6 +233,9 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         stem += "_ep" + "-".join(map(str, ranks))
     if sms is not None:
         stem += "_sms" + "-".join(map(str, sms))
+    overlap = not getattr(args, "no_overlap", False)
+    if not overlap:
+        stem += "_no-overlap"
     return BenchPlan(
         decode=decode,
         quick=bool(args.quick),
@@ -235,6 +246,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         out=str(args.out),
         stem=stem,
         hybrid=hybrid,
+        overlap=overlap,
     )
 
 
@@ -722,6 +734,7 @@ def bench_config(
     decode=False,
     scaleup=None,
     hybrid_run=False,
+    overlap=True,
 ):
     torch = _torch()
     from ep_core.loopback import LoopbackDomain
@@ -766,6 +779,7 @@ def bench_config(
         num_topk=TOPK,
         num_sms=max(sms_list),
         gpu_timeout_secs=20.0,
+        prefer_overlap_with_compute=overlap,
         **({} if scaleup is None else {"num_scaleup_ranks": scaleup}),
     )
     allocs = [CachingAllocator(s) for s in dom.streams]
@@ -860,6 +874,7 @@ def bench_config(
                 )
             )
             rows[-1].update(hybrid_cols)
+            rows[-1]["prefer_overlap_with_compute"] = overlap
             rows[-1].update(batch_info.get(op, {}))
             print(progress_line(rows[-1]), flush=True)
     dom.close()
@@ -995,11 +1010,13 @@ def main(argv=None) -> int:
             decode=plan.decode,
             scaleup=c.scaleup,
             hybrid_run=plan.hybrid,
+            overlap=plan.overlap,
         )
     result = {
         "device": props.name,
         "sms": props.multi_processor_count,
         "copy_ceiling_gbs": ceiling,
+        "prefer_overlap_with_compute": plan.overlap,
         "tokens_per_rank": plan.tokens,
         "hidden": HIDDEN,
         "num_experts": NUM_EXPERTS,

@@ -10,6 +10,7 @@ graph). It is the measurement behind issue 17's levers.
     python benchmarks/profile_ops.py --out OUTDIR --phases [--ranks N --sms S]   # EP1 @16 and EP8 @8 by default
     python benchmarks/profile_ops.py ... --staged-combine   # combine launched with its shared memory (staged path)
     python benchmarks/profile_ops.py ... --register-combine # combine without it (register path; staged is default)
+    python benchmarks/profile_ops.py ... --fp8              # FP8 dispatch (row-major scales), as bench_ep.py
 
 Writes OUTDIR/profile_ops_ep<N>.json and prints a table per op: activity name, count per replay, mean us, and the
 replay's span (first start to last end on the device).
@@ -283,10 +284,12 @@ def print_phases(n, sms, op, phases) -> None:
             prev = v["mean_us"]
 
 
-def run_config(torch, n, t, sms, iters, phases, out):
+def run_config(torch, n, t, sms, iters, phases, out, fp8=False):
     from ep_core.loopback import LoopbackDomain
 
-    xs, _sfs, idxs, ws = bench_ep.make_inputs(n, False, "uniform", seed=7, tokens=t)
+    xs, sfs, idxs, ws = bench_ep.make_inputs(n, fp8, "uniform", seed=7, tokens=t)
+    if fp8:
+        xs = [(x, sf) for x, sf in zip(xs, sfs)]
     dom = LoopbackDomain(
         n,
         num_max_tokens_per_rank=t,
@@ -332,7 +335,7 @@ def run_config(torch, n, t, sms, iters, phases, out):
         dom.combine(ys, handles, num_sms=sms)
 
     ops = [("dispatch", disp), ("dispatch_cached", cached), ("combine", comb)]
-    result = {"ranks": n, "tokens": t, "sms": sms, "ops": {}}
+    result = {"ranks": n, "tokens": t, "sms": sms, "dtype": "fp8" if fp8 else "bf16", "ops": {}}
     if phases:
         ops.insert(2, ("dispatch_deterministic", disp_det))
         reader = PhaseReader(n)
@@ -340,7 +343,7 @@ def run_config(torch, n, t, sms, iters, phases, out):
             ph = phase_op(torch, _capture(timer, fn), iters, reader, n)
             result["ops"][name] = ph
             print_phases(n, sms, name, ph)
-        path = out / f"profile_phases_ep{n}.json"
+        path = out / f"profile_phases_ep{n}{'_fp8' if fp8 else ''}.json"
     else:
         for name, fn in ops:
             r = profile_op(torch, _capture(timer, fn), iters)
@@ -359,7 +362,7 @@ def run_config(torch, n, t, sms, iters, phases, out):
                     f"   {a['per_replay']:5.1f} x {a['mean_us']:8.2f} us (max {a['max_us']:8.2f})  "
                     f"{a['name'][:90]}"
                 )
-        path = out / f"profile_ops_ep{n}.json"
+        path = out / f"profile_ops_ep{n}{'_fp8' if fp8 else ''}.json"
     dom.close()
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str))
@@ -374,6 +377,9 @@ def main(argv=None) -> int:
         "--sms", type=int, default=None, help="SMs per rank (default 16; --phases: 16 at EP1, 8 at EP8)"
     )
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument(
+        "--fp8", action="store_true", help="FP8 dispatch (data + row-major scales), as bench_ep's"
+    )
     ap.add_argument("--phases", action="store_true", help="phase timing of every kernel (instrumented build)")
     ap.add_argument(
         "--staged-combine",
@@ -402,7 +408,7 @@ def main(argv=None) -> int:
             staged_combine_launches(args.staged_combine),
             register_combine_launches(args.register_combine),
         ):
-            run_config(torch, n, args.tokens, sms, args.iters, args.phases, Path(args.out))
+            run_config(torch, n, args.tokens, sms, args.iters, args.phases, Path(args.out), fp8=args.fp8)
         torch.cuda.empty_cache()
     return 0
 

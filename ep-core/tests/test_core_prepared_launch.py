@@ -776,8 +776,8 @@ def test_epilogue_pdl_only_where_every_block_fits_at_one_per_sm():
 
     from ep_core.kernels import direct_rank
 
-    def pdl(n: int, grid: int, sync: bool = False, alone: bool = False) -> bool:
-        rank = NS(num_ranks_on_device=n, device_sms=132)
+    def pdl(n: int, grid: int, sync: bool = False, alone: bool = False, epilogue_sms: int = 0) -> bool:
+        rank = NS(num_ranks_on_device=n, device_sms=132, epilogue_sms=epilogue_sms)
         p = NS(do_cpu_sync=sync, geometry=NS(grid=grid), epilogue_only=alone)
         return direct_rank.DirectRank._epilogue_pdl(rank, p)
 
@@ -785,6 +785,47 @@ def test_epilogue_pdl_only_where_every_block_fits_at_one_per_sm():
     assert pdl(1, 132) and pdl(8, 8) and pdl(4, 16)
     assert not pdl(8, 16) and not pdl(2, 67) and not pdl(1, 16, sync=True)
     assert not pdl(1, 16, alone=True)  # no dispatch kernel to depend on
+    # a wider epilogue (prefer_overlap_with_compute=False) counts with its own grid
+    assert pdl(1, 8, epilogue_sms=132) and pdl(2, 8, epilogue_sms=58) and pdl(8, 4, epilogue_sms=4)
+    assert not pdl(8, 8, epilogue_sms=16) and not pdl(2, 8, epilogue_sms=66)
+
+
+def test_the_epilogue_runs_on_the_ranks_share_without_overlap(launches) -> None:
+    """`epilogue_sms` (a buffer's prefer_overlap_with_compute=False: the rank's share of the GPU) widens only the
+    copy epilogue's grid, never below the op's; its words are the same as on the op's grid, so are the dispatch's
+    and the combine's launches. 0 keeps every kernel on the op's SMs; a count outside 0..share is refused."""
+    from ep_core.errors import EPValueError
+    from ep_core.kernels.plan import check_epilogue_sms, epilogue_share
+
+    assert epilogue_share(True, 132, 1) == 0 and epilogue_share(False, 132, 1) == 132
+    assert epilogue_share(False, 132, 8) == 16 and epilogue_share(False, 132, 3) == 44
+    for bad in (-1, 133, True, 8.0):
+        with pytest.raises(EPValueError, match="epilogue_sms"):
+            check_epilogue_sms(bad, 132, 1)
+    with pytest.raises(EPValueError, match="at most this rank's share"):
+        check_epilogue_sms(17, 132, 8)
+
+    def grids(epilogue_sms: int, num_sms: int) -> dict:
+        stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
+        res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
+        rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=Allocator(), epilogue_sms=epilogue_sms)
+        rank.read_error = lambda: (
+            np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8),
+            np.zeros(4, np.int64),
+        )
+        x, _, idx, w = inputs()
+        n = len(launches)
+        first = rank.dispatch(x, idx, w, num_experts=EXPERTS, num_sms=num_sms, do_cpu_sync=False)
+        rank.combine(arr((first.handle.num_recv_tokens, HIDDEN), np.uint16), first.handle)
+        return {e[0]: (e[1], e[2], e[3], e[6]) for e in launches[n:]}
+
+    op = grids(0, 8)
+    assert {k: v[0] for k, v in op.items()} == {"dispatch": 8, "epilogue": 8, "combine": 8}
+    wide = grids(132, 8)
+    assert {k: v[0] for k, v in wide.items()} == {"dispatch": 8, "epilogue": 132, "combine": 8}
+    assert wide["epilogue"][1:] == op["epilogue"][1:]  # same block, shared memory and PDL
+    assert wide["dispatch"] == op["dispatch"] and wide["combine"] == op["combine"]
+    assert grids(4, 8)["epilogue"][0] == 8  # never fewer than the op's SMs
 
 
 def test_a_lone_ranks_cached_dispatch_is_its_copy_epilogue_alone(launches, monkeypatch) -> None:

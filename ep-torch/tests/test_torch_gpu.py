@@ -74,11 +74,22 @@ CONFORMANCE = [
     ("cuda", 1, {"transport": "ipc"}),
     ("cuda-shared", 2, {}),
     ("cuda-shared", 4, {}),
+    ("cuda", 1, {"transport": "ipc", "prefer_overlap_with_compute": False}),
+    ("cuda-shared", 2, {"prefer_overlap_with_compute": False}),
 ]
 
 
 @pytest.mark.parametrize(
-    "backend,ranks,extra", CONFORMANCE, ids=["cuda-1-auto", "cuda-1-ipc", "cuda-shared-2", "cuda-shared-4"]
+    "backend,ranks,extra",
+    CONFORMANCE,
+    ids=[
+        "cuda-1-auto",
+        "cuda-1-ipc",
+        "cuda-shared-2",
+        "cuda-shared-4",
+        "cuda-1-no-overlap",
+        "cuda-shared-2-no-overlap",
+    ],
 )
 def test_conformance_on_gpu(backend, ranks, extra):
     from ep_torch.conformance import run_spawned

@@ -39,7 +39,7 @@ from typing import Any
 import ep_layout
 import numpy as np
 
-from ep_core.errors import EPConfigError, EPStateError, EPTimeoutError, EPValueError
+from ep_core.errors import EPConfigError, EPStateError, EPTimeoutError, EPTypeError, EPValueError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceArray, DeviceBuffer, Stream
 from ep_core.kernels.direct_rank import (
@@ -49,7 +49,7 @@ from ep_core.kernels.direct_rank import (
     RankResources,
     count_ranks_on_device,
 )
-from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, plan_regions
+from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, epilogue_share, plan_regions
 from ep_core.topology import resolve_scaleup_ranks
 from ep_core.transports.ipc import IpcBuffer
 
@@ -104,7 +104,8 @@ def _upload(a: Any, stream: Stream) -> Any:
 
 
 class LoopbackDomain:
-    """N ranks of a direct-mode domain in this process, on the current GPU."""
+    """N ranks of a direct-mode domain in this process, on the current GPU. `prefer_overlap_with_compute` as in
+    `EPBuffer`: False runs each rank's copy epilogue on its share of the GPU instead of the op's `num_sms`."""
 
     def __init__(
         self,
@@ -121,7 +122,12 @@ class LoopbackDomain:
         num_warps: int | None = None,
         num_scaleup_ranks: int | None = None,
         allow_hybrid_mode: bool = True,
+        prefer_overlap_with_compute: bool = True,
     ) -> None:
+        if not isinstance(prefer_overlap_with_compute, bool):
+            raise EPTypeError(
+                f"prefer_overlap_with_compute: expected a bool, got {type(prefer_overlap_with_compute).__name__}"
+            )
         if not 1 <= num_ranks <= ep_layout.NUM_MAX_RANKS:
             raise EPValueError(f"num_ranks: expected 1..{ep_layout.NUM_MAX_RANKS}, got {num_ranks}")
         # Emulated nodes: ranks r // S_u form a node. S_u = N (the default) is direct mode; S_u < N runs the hybrid
@@ -163,6 +169,9 @@ class LoopbackDomain:
                     num_warps=num_warps,
                     num_scaleup_ranks=su,
                     num_nvlink_ranks=nvl,
+                    # False: each rank's copy epilogue on its share of the GPU (device SMs // ranks), as the
+                    # epilogue of one rank per GPU would run on the whole device
+                    epilogue_sms=epilogue_share(prefer_overlap_with_compute, self.device_sms, self.num_ranks),
                 )
             )
         self._closed = False

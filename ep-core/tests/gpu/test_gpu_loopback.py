@@ -36,7 +36,7 @@ CASES = list(
     itertools.product((False, True), (1, 128), (False, True), ("sync", "nosync", "cached"), (True, False))
 )
 
-_domains: dict[int, LoopbackDomain] = {}
+_domains: dict[tuple[int, bool], LoopbackDomain] = {}
 
 
 def _precompile() -> None:
@@ -47,19 +47,21 @@ def _precompile() -> None:
         list(pool.map(compile_kernels, cfgs))
 
 
-def domain(n: int) -> LoopbackDomain:
+def domain(n: int, overlap: bool = True) -> LoopbackDomain:
+    """`overlap=False`: prefer_overlap_with_compute=False, each rank's copy epilogue on its share of the GPU."""
     if not _domains:
         _precompile()
-    if n not in _domains:
-        _domains[n] = LoopbackDomain(
+    if (n, overlap) not in _domains:
+        _domains[n, overlap] = LoopbackDomain(
             n,
             num_max_tokens_per_rank=M,
             hidden=HIDDEN,
             num_topk=K,
             gpu_timeout_secs=10.0,
             cpu_timeout_secs=30.0,
+            prefer_overlap_with_compute=overlap,
         )
-    return _domains[n]
+    return _domains[n, overlap]
 
 
 def _eq(name: str, got, want) -> None:
@@ -145,10 +147,23 @@ def _token_counts(n: int, case: int, rng: np.random.Generator) -> list[int]:
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda c: "-".join(map(str, CASES[c])))
 @pytest.mark.parametrize("n", RANKS)
 def test_dispatch_combine(n: int, case: int) -> None:
+    check_dispatch_combine(n, case, domain(n))
+
+
+@pytest.mark.parametrize("case", range(0, len(CASES), 2), ids=lambda c: "-".join(map(str, CASES[c])))
+@pytest.mark.parametrize("n", (1, 2, 8))
+def test_dispatch_combine_epilogue_on_the_ranks_share(n: int, case: int) -> None:
+    """prefer_overlap_with_compute=False: the copy epilogue on device SMs // n blocks, more than the op's 1 or 3 SMs
+    of most cases; the same bits as the reference."""
+    dom = domain(n, overlap=False)
+    assert all(r.epilogue_sms == num_device_sms() // n for r in dom.ranks)
+    check_dispatch_combine(n, case, dom)
+
+
+def check_dispatch_combine(n: int, case: int, dom: LoopbackDomain) -> None:
     if n * 1 > num_device_sms():
         pytest.skip("device too small")
     expand, align, fp8, mode, det = CASES[case]
-    dom = domain(n)
     rng = np.random.default_rng(1000 * n + case)
     kind = ("uniform", "unbalanced", "uniform", "uniform")[case % 4]
     empty = (n - 1,) if (n > 1 and kind == "uniform" and case % 4 == 2) else ()

@@ -958,6 +958,18 @@ def check_planner(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[
 
     checks.run("planner/buffers use ep-core's planner with their policy", check)
 
+    def placement() -> None:
+        # the copy epilogue's SMs follow prefer_overlap_with_compute (GPU executors only: the reference has none)
+        for buf in buffers.values():
+            rank = getattr(buf.runtime.executor, "rank", None)
+            if rank is None:
+                continue
+            ex = buf.runtime.executor
+            want = 0 if buf.prefer_overlap_with_compute else ex.num_device_sms
+            assert rank.epilogue_sms == want, (type(buf).__name__, rank.epilogue_sms, want)
+
+    checks.run("planner/the copy epilogue's SMs follow prefer_overlap_with_compute", placement)
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # CUDA only: streams, events, CUDA-graph capture
@@ -1121,6 +1133,8 @@ def run_all(rank: int, world: int, cfg: dict[str, Any]) -> list[Result]:
         "num_topk": cfg["topk"],
         "transport": transport,
     }
+    if "prefer_overlap_with_compute" in cfg:  # False: each rank's copy epilogue on its share of the GPU
+        size["prefer_overlap_with_compute"] = bool(cfg["prefer_overlap_with_compute"])
     buffers = {
         "Elastic": ElasticBuffer(group, **size),
         "EP-deterministic-single-reduction": EPBuffer(

@@ -72,6 +72,7 @@ from ep_core.kernels.plan import (
     LaunchGeometry,
     RegionPlan,
     check_coresident,
+    check_epilogue_sms,
     check_occupancy,
     default_num_sms,
     launch_geometry,
@@ -247,6 +248,7 @@ class DirectRank:
         cooperative: bool | None = None,
         num_scaleup_ranks: int | None = None,
         num_nvlink_ranks: int | None = None,
+        epilogue_sms: int = 0,
     ) -> None:
         from ep_core.topology import resolve_scaleup_ranks
 
@@ -289,6 +291,7 @@ class DirectRank:
                 f"num_ranks_on_device: expected 1..{self.num_ranks} (ranks of the domain), got "
                 f"{self.num_ranks_on_device}"
             )
+        self.epilogue_sms = check_epilogue_sms(epilogue_sms, self.device_sms, self.num_ranks_on_device)
         # Cooperative launches guarantee that all blocks of one grid are resident together, which a grid that waits
         # in grid barriers needs when compute kernels of other streams share the SMs. Ranks sharing a GPU are
         # different: their grids wait for each other across launches, which no launch mode guarantees; today's
@@ -509,14 +512,24 @@ class DirectRank:
         """Whether this dispatch's copy epilogue is launched as a programmatic dependent of its dispatch kernel: not
         after a CPU sync (the count copy sits between them), and only when its early blocks cannot keep a dispatch
         grid of a rank sharing this GPU from becoming resident: every rank's dispatch and epilogue blocks together
-        fit the device at one block per SM, so that any placement leaves every pending block an SM. (Per-kernel
+        fit the device at one block per SM (the epilogue's grid as `epilogue_geometry` widens it), so that any
+        placement leaves every pending block an SM. (Per-kernel
         occupancy is no such guarantee: a dispatch block and an epilogue block may not share an SM even where two of
         either would.) A rank alone on its GPU always: its dispatch blocks are all resident before any of them
         releases the epilogue."""
         if not EPILOGUE_PDL or p.do_cpu_sync or p.epilogue_only:
             return False
         n = self.num_ranks_on_device
-        return n == 1 or n * 2 * p.geometry.grid <= self.device_sms
+        epilogue_grid = max(p.geometry.grid, self.epilogue_sms)  # `epilogue_geometry`
+        return n == 1 or n * (p.geometry.grid + epilogue_grid) <= self.device_sms
+
+    def epilogue_geometry(self, geo: LaunchGeometry) -> LaunchGeometry:
+        """The copy epilogue's grid: the op's, or `epilogue_sms` blocks where that is more. The epilogue has no
+        grid barrier and reads only this rank's memory (its rows are handed out by grid stride), so any grid is
+        correct; a wider one copies out of the receive region on more SMs (DeepEP V2 runs it on every SM)."""
+        if self.epilogue_sms <= geo.grid:
+            return geo
+        return LaunchGeometry(self.epilogue_sms, geo.block, geo.shared_mem)
 
     def _launch_prepared(
         self,
@@ -1014,7 +1027,7 @@ class DirectRank:
                 epilogue = self._prepare(
                     p.prepared.kernels.epilogue,
                     "ep_dispatch_copy_epilogue_impl",
-                    p.geometry,
+                    self.epilogue_geometry(p.geometry),
                     p.geometry.shared_mem,
                     False,
                     args,

@@ -25,6 +25,7 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
 from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
+from ep_core.kernels.plan import epilogue_share
 from ep_core.kernels.repeat import array_ptr, note_handle_topk_idx
 from ep_core.validation import is_trusted_allocator
 
@@ -112,6 +113,11 @@ class GpuExecutor:
             cpu_timeout_secs=config.num_cpu_timeout_secs,
             num_scaleup_ranks=su,
             num_nvlink_ranks=nvl,
+            epilogue_sms=epilogue_share(
+                bool(getattr(config, "prefer_overlap_with_compute", True)),
+                self.device_sms,
+                self.num_ranks_on_device,
+            ),
         )
         self._destroyed = False
         self._enter_event: Event | None = None

@@ -21,9 +21,11 @@ __all__ = [
     "LaunchGeometry",
     "RegionPlan",
     "check_coresident",
+    "check_epilogue_sms",
     "check_occupancy",
     "default_num_sms",
     "default_num_warps",
+    "epilogue_share",
     "launch_geometry",
     "plan_regions",
     "scratch_bytes",
@@ -419,6 +421,27 @@ def _launch_geometry(config: KernelConfig, num_sms: int, device_sms: int) -> Lau
     if not 1 <= num_sms <= device_sms:
         raise EPValueError(f"num_sms: expected 1..{device_sms} (device SMs), got {num_sms}")
     return LaunchGeometry(num_sms, config.num_threads, config.dynamic_smem_bytes)
+
+
+def check_epilogue_sms(epilogue_sms: int, device_sms: int, num_ranks_on_device: int = 1) -> int:
+    """The copy epilogue's SM count of a rank (`DirectRank.epilogue_geometry`): 0 runs it on the op's `num_sms`;
+    n > 0 on at least n SMs, at most this rank's share of the device (`device SMs // ranks on it`)."""
+    share = max(1, device_sms // max(1, num_ranks_on_device))
+    if type(epilogue_sms) is not int or not 0 <= epilogue_sms <= share:
+        raise EPValueError(
+            f"epilogue_sms: expected an int in 0..{share} (0: the op's num_sms; at most this rank's share of the "
+            f"{device_sms} device SMs, {num_ranks_on_device} rank(s) on it), got {epilogue_sms!r}"
+        )
+    return epilogue_sms
+
+
+def epilogue_share(prefer_overlap_with_compute: bool, device_sms: int, num_ranks_on_device: int = 1) -> int:
+    """`epilogue_sms` for a buffer's `prefer_overlap_with_compute`: True keeps the copy epilogue on the op's SMs (the
+    rest stay free for compute the whole time); False runs it on the rank's share of the device, as DeepEP V2 runs
+    its epilogues on every SM."""
+    if prefer_overlap_with_compute:
+        return 0
+    return max(1, device_sms // max(1, num_ranks_on_device))
 
 
 def check_coresident(num_ranks_on_device: int, num_sms: int, device_sms: int) -> None:
