@@ -17,8 +17,7 @@ from ep_core.kernels.plan import KernelConfig
 ENV = _source.COMBINE_REDUCE_PARTS_ENV
 LR = _source.COMBINE_LOCAL_REF_ENV
 WM = _source.WARP_MAJOR_ENV
-PF = _source.DISPATCH_PREFETCH_ENV
-SWITCHES = (ENV, LR, WM, PF)
+SWITCHES = (ENV, LR, WM)
 
 
 @pytest.fixture(autouse=True)
@@ -62,20 +61,6 @@ def test_explicit_parts_refused_where_the_default_falls_back(monkeypatch):
         _source.combine_reduce_parts(KernelConfig(1, 8, 528))
 
 
-@pytest.mark.parametrize(("value", "on"), [(None, False), ("", False), ("0", False), (" 1 ", True)])
-def test_prefetch_values(monkeypatch, value, on):
-    if value is not None:
-        monkeypatch.setenv(PF, value)
-    assert _source.dispatch_prefetch() is on
-
-
-@pytest.mark.parametrize("value", ["2", "yes", "on"])
-def test_prefetch_refused(monkeypatch, value):
-    monkeypatch.setenv(PF, value)
-    with pytest.raises(EPConfigError, match=PF):
-        _source.dispatch_prefetch()
-
-
 @pytest.mark.parametrize(
     ("value", "on"), [(None, True), ("", True), ("1", True), (" 1", True), ("0", False), (" 0 ", False)]
 )
@@ -99,19 +84,16 @@ def test_on_off_refused(monkeypatch, env, value):
 @pytest.mark.parametrize(
     ("env", "hidden", "want_defines", "suffix"),
     [
-        ({}, 7168, (4, 1, 1, 0), ""),
-        ({}, 528, (1, 1, 1, 0), ""),  # the default P of this row is 1: no `_rp1`
-        ({ENV: "4"}, 7168, (4, 1, 1, 0), ""),  # explicitly the default: the same instance
-        ({ENV: "1"}, 7168, (1, 1, 1, 0), "_rp1"),
-        ({ENV: "2"}, 7168, (2, 1, 1, 0), "_rp2"),
-        ({ENV: "2"}, 528, (2, 1, 1, 0), "_rp2"),
-        ({LR: "0"}, 7168, (4, 0, 1, 0), "_lr0"),
-        ({WM: "0"}, 7168, (4, 1, 0, 0), "_wm0"),
-        ({ENV: "1", LR: "0", WM: "0"}, 7168, (1, 0, 0, 0), "_rp1_lr0_wm0"),
-        ({LR: "1", WM: "1"}, 7168, (4, 1, 1, 0), ""),
-        ({PF: "1"}, 7168, (4, 1, 1, 1), "_pf1"),
-        ({PF: "0"}, 7168, (4, 1, 1, 0), ""),
-        ({ENV: "1", PF: "1"}, 7168, (1, 1, 1, 1), "_rp1_pf1"),
+        ({}, 7168, (4, 1, 1), ""),
+        ({}, 528, (1, 1, 1), ""),  # the default P of this row is 1: no `_rp1`
+        ({ENV: "4"}, 7168, (4, 1, 1), ""),  # explicitly the default: the same instance
+        ({ENV: "1"}, 7168, (1, 1, 1), "_rp1"),
+        ({ENV: "2"}, 7168, (2, 1, 1), "_rp2"),
+        ({ENV: "2"}, 528, (2, 1, 1), "_rp2"),
+        ({LR: "0"}, 7168, (4, 0, 1), "_lr0"),
+        ({WM: "0"}, 7168, (4, 1, 0), "_wm0"),
+        ({ENV: "1", LR: "0", WM: "0"}, 7168, (1, 0, 0), "_rp1_lr0_wm0"),
+        ({LR: "1", WM: "1"}, 7168, (4, 1, 1), ""),
     ],
 )
 def test_switch_defines_and_suffix(monkeypatch, env, hidden, want_defines, suffix):
@@ -119,15 +101,7 @@ def test_switch_defines_and_suffix(monkeypatch, env, hidden, want_defines, suffi
         monkeypatch.setenv(k, v)
     defines, got = _source.jit_switches(KernelConfig(8, 8, hidden))
     assert defines == dict(
-        zip(
-            (
-                "EP_CORE_COMBINE_REDUCE_PARTS",
-                "EP_CORE_COMBINE_LOCAL_REF",
-                "EP_CORE_WARP_MAJOR",
-                "EP_CORE_DISPATCH_PREFETCH",
-            ),
-            want_defines,
-        )
+        zip(("EP_CORE_COMBINE_REDUCE_PARTS", "EP_CORE_COMBINE_LOCAL_REF", "EP_CORE_WARP_MAJOR"), want_defines)
     )
     assert got == suffix
 
@@ -167,10 +141,8 @@ def test_default_instance_compiles(jit_cache):
         ({ENV: "1"}, KernelConfig(8, 8, 7168), "_rp1"),
         ({LR: "0"}, KernelConfig(1, 8, 7168), "_lr0"),
         ({WM: "0"}, KernelConfig(8, 8, 7168), "_wm0"),
-        ({PF: "1"}, KernelConfig(8, 8, 7168), "_pf1"),
-        ({PF: "1"}, KernelConfig(8, 8, 7168, 1, 56), "_pf1"),
     ],
-    ids=["reduce-parts-1", "local-ref-0", "warp-major-0", "prefetch-1", "prefetch-1-fp8"],
+    ids=["reduce-parts-1", "local-ref-0", "warp-major-0"],
 )
 def test_switch_off_instance_compiles(jit_cache, monkeypatch, env, cfg, suffix):
     default = _source.compile_kernels(cfg, arch="sm_90a")

@@ -50,29 +50,25 @@ EP_CORE_DEVICE void report_input_error(const OpArgs& args, const Scratch& sc, Er
     }
 }
 
-/// Lane `lane`'s routing word of token `t` as read (int32 or int64 top-k), -1 for lanes >= K.
-template <int kNumTopk>
-EP_CORE_DEVICE int64_t load_topk_word(const OpArgs& args, int64_t t, int lane) {
-    if (lane >= kNumTopk)
-        return -1;
-    const int64_t i = t * kNumTopk + lane;
-    if (args.flags & kFlagTopkIdx32)
-        return static_cast<const int32_t*>(args.topk_idx)[i];
-    return static_cast<const int64_t*>(args.topk_idx)[i];
-}
-
-/// Routing of token `t` from lane `lane`'s word `e` (`load_topk_word`, which may have been loaded ahead).
 /// `send`: the call of the send phase, which routes every token exactly once; it also stores the lane's routing
 /// word, as read, into the new handle's copy (`OpArgs::topk_idx_copy`, when there is one).
 template <int kNumTopk>
-EP_CORE_DEVICE Route route_word(const OpArgs& args, const Scratch& sc, int64_t t, int lane, int64_t e,
-                                int num_experts, int experts_per_rank, bool report, bool send) {
-    if (send && lane < kNumTopk && args.topk_idx_copy != nullptr) {
+EP_CORE_DEVICE Route route_token(const OpArgs& args, const Scratch& sc, int64_t t, int lane, int num_experts,
+                                 int experts_per_rank, bool report, bool send = false) {
+    int64_t e = -1;
+    if (lane < kNumTopk) {
         const int64_t i = t * kNumTopk + lane;
-        if (args.flags & kFlagTopkIdx32)
-            static_cast<int32_t*>(args.topk_idx_copy)[i] = static_cast<int32_t>(e);
-        else
-            static_cast<int64_t*>(args.topk_idx_copy)[i] = e;
+        void* const copy = send ? args.topk_idx_copy : nullptr;
+        if (args.flags & kFlagTopkIdx32) {
+            const int32_t v = static_cast<const int32_t*>(args.topk_idx)[i];
+            if (copy != nullptr)
+                static_cast<int32_t*>(copy)[i] = v;
+            e = v;
+        } else {
+            e = static_cast<const int64_t*>(args.topk_idx)[i];
+            if (copy != nullptr)
+                static_cast<int64_t*>(copy)[i] = e;
+        }
     }
     Route r;
     r.valid = e >= 0;
@@ -91,48 +87,6 @@ EP_CORE_DEVICE Route route_word(const OpArgs& args, const Scratch& sc, int64_t t
             report_input_error(args, sc, ErrorKind::kDuplicateExpert, t, lane, r.expert);
     }
     return r;
-}
-
-/// `EP_CORE_DISPATCH_PREFETCH` (JIT switch, ep_core.kernels._source; issue 17): the direct dispatch loads each
-/// token's per-lane inputs one round ahead (`LaneInputs`). The JIT build always defines it; the same bits either way.
-#if defined(EP_CORE_DISPATCH_PREFETCH) && EP_CORE_DISPATCH_PREFETCH
-static constexpr bool kPrefetchRouting = true;
-#else
-static constexpr bool kPrefetchRouting = false;
-#endif
-
-/// What one lane of a sending warp reads for one token besides its hidden part: the top-k word (-1 past K), the
-/// weight (0 past K or without weights), `kSfPerLane` scale packs (pack lane + 32 j) and, for a cached dispatch,
-/// the handle's slot word.
-template <int kSfPerLane>
-struct LaneInputs {
-    int64_t topk = -1;
-    float weight = 0.0f;
-    int64_t slot = 0;
-    uint32_t sf[kSfPerLane > 0 ? kSfPerLane : 1] = {};
-
-    template <int kNumTopk, int kNumSfPacks>
-    EP_CORE_DEVICE void load(const OpArgs& args, int64_t t, int lane, bool cached) {
-        topk = load_topk_word<kNumTopk>(args, t, lane);
-        weight = (lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
-        if (cached && lane < kNumTopk)
-            slot = args.dst_slot[t * kNumTopk + lane];
-        const uint32_t* const sfp = static_cast<const uint32_t*>(args.sf);
-#pragma unroll
-        for (int j = 0; j < kSfPerLane; ++j) {
-            const int p = lane + j * kWarpSize;
-            if (p < kNumSfPacks)
-                sf[j] = sfp[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
-        }
-    }
-};
-
-/// `route_word` of the word loaded now.
-template <int kNumTopk>
-EP_CORE_DEVICE Route route_token(const OpArgs& args, const Scratch& sc, int64_t t, int lane, int num_experts,
-                                 int experts_per_rank, bool report, bool send = false) {
-    return route_word<kNumTopk>(args, sc, t, lane, load_topk_word<kNumTopk>(args, t, lane), num_experts,
-                                experts_per_rank, report, send);
 }
 
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
@@ -252,13 +206,6 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     // a rank alone sends every token only to itself, whose copy is the tail (kDirectOwnRowsTailOnly): the hidden
     // part is never loaded (the copy epilogue reads it from x)
     constexpr bool kLoadHidden = !(kDirectOwnRowsTailOnly && kNumRanks == 1);
-    // kPrefetchRouting: a token's per-lane inputs (its top-k word, weight, scale packs and, cached, its slot) are
-    // loaded one round ahead, so their latency overlaps the previous token's slot claim, staging and stores
-    // instead of following its hidden load in a chain of dependent loads
-    constexpr int kSfPerLane = (Tok::kNumSfPacks + kWarpSize - 1) / kWarpSize;
-    LaneInputs<kSfPerLane> ahead;
-    if (kPrefetchRouting && global_warp < T)
-        ahead.template load<kNumTopk, Tok::kNumSfPacks>(args, global_warp, lane, cached);
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
         // the hidden part's bulk load first: it depends on nothing below, so routing (the top-k loads, the slot's
         // atomic or handle read) runs while it is in flight. The slot is free once the warp's previous bulk
@@ -269,22 +216,13 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
-        LaneInputs<kSfPerLane> in;
-        if constexpr (kPrefetchRouting) {
-            in = ahead;
-            if (t + num_global_warps < T)
-                ahead.template load<kNumTopk, Tok::kNumSfPacks>(args, t + num_global_warps, lane, cached);
-        } else {
-            in.topk = load_topk_word<kNumTopk>(args, t, lane);
-        }
-        const Route r = route_word<kNumTopk>(args, sc, t, lane, in.topk, num_experts, epr, !det, true);
+        const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det, true);
         const int64_t word = t >> 5;
         const uint32_t below = (1u << (t & 31)) - 1u;
         int slot = -1;
         if (r.master) {
             if (cached) {
-                const int64_t held = kPrefetchRouting ? in.slot : args.dst_slot[t * kNumTopk + lane];
-                slot = static_cast<int>(held - static_cast<int64_t>(rank) * M);
+                slot = static_cast<int>(args.dst_slot[t * kNumTopk + lane] - static_cast<int64_t>(rank) * M);
             } else if (det) {
                 const int64_t at = static_cast<int64_t>(r.dst) * W + word;
                 slot = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
@@ -303,9 +241,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             position = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
         }
         const float weight =
-            kPrefetchRouting
-                ? in.weight
-                : ((lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f);
+            (lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
 
         uint8_t* my_dst = nullptr;
         if (r.master)
@@ -314,12 +250,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
 
         // stage [hidden | sf | metadata] in this warp's shared slot: the hidden part by the bulk load above, the
         // rest by the lanes
-        if constexpr (Tok::kNumSfPacks > 0 && kPrefetchRouting) {
-#pragma unroll
-            for (int j = 0; j < kSfPerLane; ++j)
-                if (lane + j * kWarpSize < Tok::kNumSfPacks)
-                    reinterpret_cast<uint32_t*>(slot_buf + Tok::kSfOffset)[lane + j * kWarpSize] = in.sf[j];
-        } else if constexpr (Tok::kNumSfPacks > 0) {
+        if constexpr (Tok::kNumSfPacks > 0) {
             for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
                 reinterpret_cast<uint32_t*>(slot_buf + Tok::kSfOffset)[p] =
                     sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];

@@ -106,21 +106,6 @@ def warp_major() -> bool:
     return _on_off(WARP_MAJOR_ENV)
 
 
-DISPATCH_PREFETCH_ENV = "EP_CORE_DISPATCH_PREFETCH"
-"""1: the direct dispatch loads each token's per-lane inputs (top-k word, weight, scale packs, a cached dispatch's
-slot) one round ahead (dispatch.cuh `kPrefetchRouting`; issue 17: the per-token chain of dependent loads behind the
-hidden part's bulk load). Unset, empty or 0 (the default build): loaded when the token is routed. 1 builds a
-separate JIT instance (`_pf1`). Same bits either way."""
-
-
-def dispatch_prefetch() -> bool:
-    """The validated `EP_CORE_DISPATCH_PREFETCH` (False when unset)."""
-    text = os.environ.get(DISPATCH_PREFETCH_ENV, "").strip()
-    if text not in ("", "0", "1"):
-        raise EPConfigError(f"{DISPATCH_PREFETCH_ENV}: expected 0 or 1, got {text!r}")
-    return text == "1"
-
-
 def _splits_row(config: KernelConfig, parts: int) -> bool:
     return (config.hidden * 2) % (16 * parts) == 0  # bf16 combine row into whole 16-byte vectors
 
@@ -148,21 +133,18 @@ def combine_reduce_parts(config: KernelConfig) -> int:
 
 
 def jit_switches(config: KernelConfig) -> tuple[dict[str, int], str]:
-    """The defines of the issue-17 switches for `config` (always all four, explicit: the headers' fallbacks are
+    """The defines of the issue-17 switches for `config` (always all three, explicit: the headers' fallbacks are
     off) and the instance-name suffix, which names only a switch that differs from its default (ep_jit keeps 48
     characters of a name: the default names stay as short as before the switches)."""
     parts, local_ref, wm = combine_reduce_parts(config), combine_local_ref(), warp_major()
-    prefetch = dispatch_prefetch()
     defines = {
         "EP_CORE_COMBINE_REDUCE_PARTS": parts,
         "EP_CORE_COMBINE_LOCAL_REF": int(local_ref),
         "EP_CORE_WARP_MAJOR": int(wm),
-        "EP_CORE_DISPATCH_PREFETCH": int(prefetch),
     }
     suffix = f"_rp{parts}" if parts != default_combine_reduce_parts(config) else ""
     suffix += "" if local_ref else "_lr0"
     suffix += "" if wm else "_wm0"
-    suffix += "_pf1" if prefetch else ""
     return defines, suffix
 
 
