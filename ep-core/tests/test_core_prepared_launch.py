@@ -758,6 +758,16 @@ def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launche
     comb.prepared.main.native.name = "combine"
     assert comb.run(recv.ptr, 0, 0, 0, first.handle, None, (enter, caller), (leave, caller))
     assert calls == [("combine", comm, 0xE1, caller, 0xE2, caller)]
+    # a split combine (its reduce on a wider grid): the send launch waits, the reduce launch signals
+    rank.epilogue_sms = 132
+    rank._launches.clear()
+    rank.combine(recv, first.handle, record=True)
+    split = rank.last_repeat
+    split.prepared.main.native.name, split.prepared.epilogue.native.name = "send", "reduce"
+    calls.clear()
+    assert split.run(recv.ptr, 0, 0, 0, first.handle, None, (enter, caller), (leave, caller))
+    assert calls == [("send", comm, 0xE1, caller, 0, 0), ("reduce", comm, 0, 0, 0xE2, caller)]
+    rank.epilogue_sms = 0
     # a CPU-sync dispatch that received no rows: the leave pair after the dispatch kernel, on its own
     rank.dispatch(x, idx, w, record=True, **kw)  # the full path, with rows: it keeps the epilogue
     sync = rank.last_repeat
@@ -791,9 +801,9 @@ def test_epilogue_pdl_only_where_every_block_fits_at_one_per_sm():
 
 
 def test_the_epilogue_runs_on_the_ranks_share_without_overlap(launches) -> None:
-    """`epilogue_sms` (a buffer's prefer_overlap_with_compute=False: the rank's share of the GPU) widens only the
-    copy epilogue's grid, never below the op's; its words are the same as on the op's grid, so are the dispatch's
-    and the combine's launches. 0 keeps every kernel on the op's SMs; a count outside 0..share is refused."""
+    """`epilogue_sms` (a buffer's prefer_overlap_with_compute=False: the rank's share of the GPU) widens the copy
+    epilogue's grid, never below the op's; its launch is otherwise the same, so is the dispatch's (the combine's
+    reduce moves too: the next test). 0 keeps every kernel on the op's SMs; a count outside 0..share is refused."""
     from ep_core.errors import EPValueError
     from ep_core.kernels.plan import check_epilogue_sms, epilogue_share
 
@@ -817,15 +827,15 @@ def test_the_epilogue_runs_on_the_ranks_share_without_overlap(launches) -> None:
         n = len(launches)
         first = rank.dispatch(x, idx, w, num_experts=EXPERTS, num_sms=num_sms, do_cpu_sync=False)
         rank.combine(arr((first.handle.num_recv_tokens, HIDDEN), np.uint16), first.handle)
-        return {e[0]: (e[1], e[2], e[3], e[6]) for e in launches[n:]}
+        return [(e[0], e[1], e[2], e[3], e[6]) for e in launches[n:]]
 
     op = grids(0, 8)
-    assert {k: v[0] for k, v in op.items()} == {"dispatch": 8, "epilogue": 8, "combine": 8}
+    assert [e[:2] for e in op] == [("dispatch", 8), ("epilogue", 8), ("combine", 8)]
     wide = grids(132, 8)
-    assert {k: v[0] for k, v in wide.items()} == {"dispatch": 8, "epilogue": 132, "combine": 8}
-    assert wide["epilogue"][1:] == op["epilogue"][1:]  # same block, shared memory and PDL
-    assert wide["dispatch"] == op["dispatch"] and wide["combine"] == op["combine"]
-    assert grids(4, 8)["epilogue"][0] == 8  # never fewer than the op's SMs
+    assert [e[:2] for e in wide] == [("dispatch", 8), ("epilogue", 132), ("combine", 8), ("combine", 132)]
+    assert wide[1][2:] == op[1][2:]  # the epilogue's block, shared memory and PDL
+    assert wide[0] == op[0] and wide[2] == op[2]
+    assert [e[1] for e in grids(4, 8)] == [8, 8, 8]  # never fewer than the op's SMs: no wider grid, no split
 
 
 def test_a_lone_ranks_cached_dispatch_is_its_copy_epilogue_alone(launches, monkeypatch) -> None:
@@ -865,6 +875,57 @@ def test_a_lone_ranks_cached_dispatch_is_its_copy_epilogue_alone(launches, monke
     rank._num_collective_launches, alloc.next = step, mark
     (_, _), (two, _) = _same_call(rank, alloc, launches, cached)
     assert [e[0] for e in two] == ["dispatch", "epilogue"] and two[1][7] == full[0][7]
+
+
+def test_the_combine_splits_its_reduce_onto_the_ranks_share_without_overlap(launches) -> None:
+    """With `epilogue_sms` wider than the op's grid the direct combine is two launches on the rank's stream: entry,
+    send and exit on the op's grid (the send-only flag, the envelope: collective), then the reduce on the wider grid
+    (the reduce-only flag, envelope 0). Every other word equals the one-launch combine's; a recorded repeat issues
+    the same two launches as the full path. Without a wider grid: one launch, no split flag."""
+    from ep_core.kernels._args import FLAGS
+
+    idx = OP_ARGS_FIELDS.index
+    split_flags = FLAGS["combine_send_only"] | FLAGS["combine_reduce_only"]
+
+    def combine_launches(epilogue_sms: int) -> tuple[list, list, int]:
+        stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
+        res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
+        alloc = Allocator()
+        rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, epilogue_sms=epilogue_sms)
+        rank.read_error = lambda: (
+            np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8),
+            np.zeros(4, np.int64),
+        )
+        x, _, ti, w = inputs()
+        handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
+        recv = arr((handle.num_recv_tokens, HIDDEN), np.uint16)
+        rank.combine(recv, handle, record=True)  # the launch shape's first call (a fresh pack)
+        plan = rank.last_repeat
+        step = rank._num_collective_launches
+        (rep, _), (full, _) = _same_call(
+            rank,
+            alloc,
+            launches,
+            lambda r: plan.run(recv.ptr, 0, 0, 0, handle) if r else rank.combine(recv, handle),
+        )
+        assert rep == full
+        return full, [OP_ARGS_STRUCT.unpack(e[7]) for e in full], rank._num_collective_launches - step
+
+    one, one_words, one_step = combine_launches(0)
+    assert [(e[0], e[1]) for e in one] == [("combine", 8)] and one_words[0][idx("flags")] & split_flags == 0
+    two, words, step = combine_launches(132)
+    assert [(e[0], e[1]) for e in two] == [("combine", 8), ("combine", 132)]
+    assert step == one_step == 1  # only the send launch is collective
+    send, reduce = words
+    assert send[idx("flags")] == one_words[0][idx("flags")] | FLAGS["combine_send_only"]
+    assert reduce[idx("flags")] == one_words[0][idx("flags")] | FLAGS["combine_reduce_only"]
+    assert send[idx("envelope")] == one_words[0][idx("envelope")] != 0 and reduce[idx("envelope")] == 0
+    for (
+        name
+    ) in OP_ARGS_FIELDS:  # one call's words: the same pointers, outputs included (the reduce writes them)
+        if name not in ("flags", "envelope"):
+            assert send[idx(name)] == reduce[idx(name)], name
+    assert two[1][2:4] == two[0][2:4] and two[1][5] is False  # same block and shared memory; not cooperative
 
 
 # ------------------------------------------------------- a repeat's new handle over one unviewed block (ep_core.handle)

@@ -26,6 +26,8 @@ enum OpFlags : int64_t {
     kFlagSkipScaleoutSignal = 1 << 8,  ///< hybrid dispatch, tests only: this rank never signals its rail peers
     kFlagCombineWeights = 1 << 9,  ///< combine: the call sends weights back (set on every rank alike, even one whose
                                    ///< weights array is empty, so a forwarder never judges by its own pointer)
+    kFlagCombineSendOnly = 1 << 10,    ///< direct combine: entry, send and exit only (the reduce is launched apart)
+    kFlagCombineReduceOnly = 1 << 11,  ///< direct combine: the reduce only, after a send-only launch on the stream
 };
 
 /// Error kinds are ep_layout::ErrorKind (values pinned; the host decodes them).

@@ -14,6 +14,9 @@
 ///             for every rank (all rows have landed): `grid_cross_rank_barrier`, one hop instead of three.
 ///  4. reduce  warp per own token t: acc = bias0, + bias1, then the operands in ascending order of their
 ///             representative (highest) lane, in fp32, one bf16 rounding; combined weights gathered per lane.
+/// Split launch (prefer_overlap_with_compute=False, DirectRank.combine): `kFlagCombineSendOnly` runs roles 0-3 on the
+/// op's SMs and leaves; `kFlagCombineReduceOnly`, launched after it on the same stream on a wider grid, runs roles
+/// 0 and 4 (the rows and local references it reads were complete when the send-only launch completed).
 /// With dynamic shared memory (KernelConfig.combine_dynamic_smem_bytes: one row per warp), rows that are copied as
 /// they are go through bulk copies (load into the warp's slot, store from it) and the reduction stages its terms
 /// there by bulk copies (`warp_staged_sum`); the arithmetic and its order are the same, so are the bits.
@@ -264,6 +267,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     const bool amr = (args.flags & kFlagMultipleReduction) != 0;
     const bool rank_layout = (args.flags & kFlagRankLayout) != 0;
     const bool lane_level = expand && !amr;
+    const bool reduce_only = (args.flags & kFlagCombineReduceOnly) != 0;
 
     SyncContext<Transport> sync{args, Workspace{static_cast<uint8_t*>(args.workspace)},
                                 Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
@@ -291,116 +295,122 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         return;
     EP_PHASE_MARK(kPhaseCombine, kCbSetup);
 
-    // 1. entry (one rank alone: no peer reads its region, its own epilogue is stream-ordered: no barrier)
-    if constexpr (kNumRanks > 1) {
-        if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
-            return;
-        EP_PHASE_MARK(kPhaseCombine, kCbEntry);
-        if (!sync.grid_sync(false))  // nothing written yet
-            return;
-    }
-
     const int global_warp = work_warp_index(warp, kNumWarps);
     const int num_global_warps = gridDim.x * kNumWarps;
-    const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
-    const int64_t R = args.psum_rank[kNumRanks - 1];
-
-    // a row as it is to one destination: bulk load into the slot, bulk store from it (staged), else by registers
-    auto send_row = [&](const uint8_t* src, uint8_t* dst) {
-        if (staged) {
-            // the slot is free once the previous row's store has read it (and, after a staged sum, once the
-            // lanes' shared reads are ordered before the bulk copy's writes)
-            ptx::bulk_wait_read();
-            ptx::fence_async_shared();
-            __syncwarp();
-            if (lane == 0) {
-                ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
-                ptx::bulk_load(slot_buf, src, Tok::kHiddenBytes, bar);
-            }
-            ptx::mbarrier_wait(bar, phase);
-            phase ^= 1u;
-            if (lane == 0) {
-                ptx::bulk_store(dst, slot_buf, Tok::kHiddenBytes);
-                ptx::bulk_commit();
-            }
-        } else {
-            uint8_t* dsts[kFanout] = {dst};
-            warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
+    if (!reduce_only) {  // roles 1-3 (a reduce-only launch follows a send-only one that ran them)
+        // 1. entry (one rank alone: no peer reads its region, its own epilogue is stream-ordered: no barrier)
+        if constexpr (kNumRanks > 1) {
+            if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
+                return;
+            EP_PHASE_MARK(kPhaseCombine, kCbEntry);
+            if (!sync.grid_sync(false))  // nothing written yet
+                return;
         }
-    };
 
-    // 2. send
-    for (int64_t i = global_warp; i < R; i += num_global_warps) {
-        const int32_t* meta = args.src_metadata + i * kMetaCols;
-        const int m0 = meta[0], m1 = meta[1];
-        const int src_rank = static_cast<int>(m0 / M);
-        const int64_t src_token = m0 % M;
-        const int master = m1 % kNumTopk;
-        uint8_t* const src_region = peer_region[src_rank];
-        auto slot_ptr = [&](int slot) {
-            return src_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
-        };
-        // a local row (kCombineLocalRef): its address in the slot instead of its bytes
-        auto send_or_refer = [&](const uint8_t* src, uint8_t* dst) {
-            if (kCombineLocalRef && src_rank == rank) {
-                if (lane == 0)
-                    *reinterpret_cast<const uint8_t**>(dst) = src;
+        const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
+        const int64_t R = args.psum_rank[kNumRanks - 1];
+
+        // a row as it is to one destination: bulk load into the slot, bulk store from it (staged), else by registers
+        auto send_row = [&](const uint8_t* src, uint8_t* dst) {
+            if (staged) {
+                // the slot is free once the previous row's store has read it (and, after a staged sum, once the
+                // lanes' shared reads are ordered before the bulk copy's writes)
+                ptx::bulk_wait_read();
+                ptx::fence_async_shared();
+                __syncwarp();
+                if (lane == 0) {
+                    ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
+                    ptx::bulk_load(slot_buf, src, Tok::kHiddenBytes, bar);
+                }
+                ptx::mbarrier_wait(bar, phase);
+                phase ^= 1u;
+                if (lane == 0) {
+                    ptx::bulk_store(dst, slot_buf, Tok::kHiddenBytes);
+                    ptx::bulk_commit();
+                }
             } else {
-                send_row(src, dst);
+                uint8_t* dsts[kFanout] = {dst};
+                warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
             }
         };
-        if (!expand) {
-            uint8_t* dst = slot_ptr(rank_layout ? rank : master);
-            send_or_refer(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dst);
-            if (args.comb_weights != nullptr && lane < kNumTopk)
-                reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = args.comb_weights[i * kNumTopk + lane];
-        } else {
-            const int row = lane < kNumTopk ? meta[2 + lane] : -1;
-            const uint32_t rows = __ballot_sync(kFullMask, row >= 0);
-            const uint8_t* my_src = row >= 0 ? x + static_cast<int64_t>(row) * Tok::kHiddenBytes : nullptr;
-            if (amr) {
-                uint8_t* dst = slot_ptr(rank_layout ? rank : master);
-                if (__popc(rows) == 1) {
-                    const uint8_t* src = reinterpret_cast<const uint8_t*>(
-                        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), __ffs(rows) - 1));
-                    send_row(src, dst);
+
+        // 2. send
+        for (int64_t i = global_warp; i < R; i += num_global_warps) {
+            const int32_t* meta = args.src_metadata + i * kMetaCols;
+            const int m0 = meta[0], m1 = meta[1];
+            const int src_rank = static_cast<int>(m0 / M);
+            const int64_t src_token = m0 % M;
+            const int master = m1 % kNumTopk;
+            uint8_t* const src_region = peer_region[src_rank];
+            auto slot_ptr = [&](int slot) {
+                return src_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
+            };
+            // a local row (kCombineLocalRef): its address in the slot instead of its bytes
+            auto send_or_refer = [&](const uint8_t* src, uint8_t* dst) {
+                if (kCombineLocalRef && src_rank == rank) {
+                    if (lane == 0)
+                        *reinterpret_cast<const uint8_t**>(dst) = src;
                 } else {
-                    bool done = false;
-                    if (staged) {
-                        ptx::bulk_wait_read();  // the slot is free once the previous row's store has read it
-                        __syncwarp();
-                        done = warp_staged_sum<Tok::kHiddenBytes>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
-                                                                  slot_buf, bar, phase, lane);
-                    }
-                    if (!done)
-                        warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
-                                                                   lane);
+                    send_row(src, dst);
                 }
+            };
+            if (!expand) {
+                uint8_t* dst = slot_ptr(rank_layout ? rank : master);
+                send_or_refer(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dst);
                 if (args.comb_weights != nullptr && lane < kNumTopk)
-                    reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] =
-                        row >= 0 ? args.comb_weights[row] : 0.0f;
+                    reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = args.comb_weights[i * kNumTopk + lane];
             } else {
-                for (uint32_t m = rows; m != 0; m &= m - 1) {
-                    const int l = __ffs(m) - 1;
-                    const uint8_t* src = reinterpret_cast<const uint8_t*>(
-                        __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), l));
-                    send_or_refer(src, slot_ptr(l));
+                const int row = lane < kNumTopk ? meta[2 + lane] : -1;
+                const uint32_t rows = __ballot_sync(kFullMask, row >= 0);
+                const uint8_t* my_src = row >= 0 ? x + static_cast<int64_t>(row) * Tok::kHiddenBytes : nullptr;
+                if (amr) {
+                    uint8_t* dst = slot_ptr(rank_layout ? rank : master);
+                    if (__popc(rows) == 1) {
+                        const uint8_t* src = reinterpret_cast<const uint8_t*>(
+                            __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), __ffs(rows) - 1));
+                        send_row(src, dst);
+                    } else {
+                        bool done = false;
+                        if (staged) {
+                            ptx::bulk_wait_read();  // the slot is free once the previous row's store has read it
+                            __syncwarp();
+                            done = warp_staged_sum<Tok::kHiddenBytes>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
+                                                                      slot_buf, bar, phase, lane);
+                        }
+                        if (!done)
+                            warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
+                                                                       lane);
+                    }
+                    if (args.comb_weights != nullptr && lane < kNumTopk)
+                        reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] =
+                            row >= 0 ? args.comb_weights[row] : 0.0f;
+                } else {
+                    for (uint32_t m = rows; m != 0; m &= m - 1) {
+                        const int l = __ffs(m) - 1;
+                        const uint8_t* src = reinterpret_cast<const uint8_t*>(
+                            __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), l));
+                        send_or_refer(src, slot_ptr(l));
+                    }
                 }
             }
         }
-    }
 
-    // 3. exit: every rank's rows have landed here (this warp's bulk stores complete before its block arrives)
-    ptx::bulk_wait_all();
-    EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
-    EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
-    if constexpr (kNumRanks == 1) {
-        if (!sync.grid_sync(false))  // one rank: the rows came from its own blocks, to its own memory
+        // 3. exit: every rank's rows have landed here (this warp's bulk stores complete before its block arrives)
+        ptx::bulk_wait_all();
+        EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
+        EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
+        if constexpr (kNumRanks == 1) {
+            if (!sync.grid_sync(false))  // one rank: the rows came from its own blocks, to its own memory
+                return;
+        } else {
+            if (!sync.grid_cross_rank_barrier(kTagCombineExit))
+                return;
+        }
+        if (args.flags & kFlagCombineSendOnly) {
+            sync.grid_exit();
             return;
-    } else {
-        if (!sync.grid_cross_rank_barrier(kTagCombineExit))
-            return;
-    }
+        }
+    }  // !reduce_only
     EP_PHASE_MARK(kPhaseCombine, kCbExit);
 
     // 4. reduce (staged: the rows peers wrote, acquired above, are read by bulk copies: order the acquire first)

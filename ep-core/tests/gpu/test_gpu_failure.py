@@ -143,6 +143,41 @@ def test_nosync_timeout_is_sticky_until_reset() -> None:
     dom.close()
 
 
+def test_a_split_combine_alone_times_out_and_its_reduce_writes_nothing() -> None:
+    """prefer_overlap_with_compute=False: a combine is a send-only launch on the op's SMs and a reduce-only launch on
+    the rank's share. Rank 0 combining alone: the send launch times out at the entry barrier, the reduce launch
+    behind it finds the abort flag and writes nothing; after reset() the domain is exact again."""
+    dom = LoopbackDomain(
+        2,
+        num_max_tokens_per_rank=M,
+        hidden=HIDDEN,
+        num_topk=K,
+        num_sms=4,
+        gpu_timeout_secs=0.5,
+        cpu_timeout_secs=30.0,
+        prefer_overlap_with_compute=False,
+    )
+    r0, _ = dom.ranks
+    assert r0.epilogue_sms == _cuda.num_device_sms() // 2
+    inp = routing.make_inputs(2, M, HIDDEN, E, K, seed=5)
+    first = dom.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E)
+    dom.synchronize()
+    alloc = _PatternAllocator()
+    r0._allocator = alloc
+    res = r0.combine(first[0].recv_x, first[0].handle)
+    r0._allocator = None
+    assert _wait_status(r0, 0) == TIMEOUT_KIND
+    dom.streams[0].synchronize()
+    assert np.all(res.combined_x.numpy().view(np.uint8) == 0xAB), (
+        "the reduce wrote outputs after a failed send"
+    )
+    with pytest.raises(EPTimeoutError, match=r"combine\.entry_barrier"):
+        r0.guard()
+    dom.reset()
+    _check_dispatch_and_combine(dom, inp)
+    dom.close()
+
+
 def test_nosync_invalid_expert_raised_at_next_call() -> None:
     dom = LoopbackDomain(2, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=K, gpu_timeout_secs=10.0)
     inp = routing.make_inputs(2, M, HIDDEN, E, K, seed=5)

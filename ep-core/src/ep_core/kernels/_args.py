@@ -65,6 +65,8 @@ FLAGS: dict[str, int] = {
     "rank_layout": 1 << 7,
     "skip_scaleout_signal": 1 << 8,
     "combine_weights": 1 << 9,
+    "combine_send_only": 1 << 10,
+    "combine_reduce_only": 1 << 11,
 }
 
 _STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))

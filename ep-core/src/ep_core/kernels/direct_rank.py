@@ -523,6 +523,13 @@ class DirectRank:
         epilogue_grid = max(p.geometry.grid, self.epilogue_sms)  # `epilogue_geometry`
         return n == 1 or n * (p.geometry.grid + epilogue_grid) <= self.device_sms
 
+    def combine_split(self, cfg: KernelConfig, geo: LaunchGeometry) -> bool:
+        """Whether a direct combine runs as two launches: entry, send and exit on the op's grid, then the reduce on
+        `epilogue_geometry`'s wider one (combine.cuh `kFlagCombineSendOnly` / `kFlagCombineReduceOnly`), as DeepEP
+        V2 runs its combine's reduce epilogue on every SM. Only where that grid is wider; hybrid and cross-node
+        combines keep one launch."""
+        return self.epilogue_sms > geo.grid and not cfg.is_hybrid and not cfg.is_direct_xnode
+
     def epilogue_geometry(self, geo: LaunchGeometry) -> LaunchGeometry:
         """The copy epilogue's grid: the op's, or `epilogue_sms` blocks where that is more. The epilogue has no
         grid barrier and reads only this rank's memory (its rows are handed out by grid stride), so any grid is
@@ -1209,7 +1216,8 @@ class DirectRank:
         )
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, handle.num_experts)
-            args.update(num_tokens=t, flags=flags)
+            split = self.combine_split(cfg, geo)
+            args.update(num_tokens=t, flags=flags | (FLAGS["combine_send_only"] if split else 0))
             args.update(zip(_COMBINE_DYNAMIC, dynamic))
             main = self._prepare(
                 kernels.combine,
@@ -1220,11 +1228,27 @@ class DirectRank:
                 args,
                 _COMBINE_DYNAMIC,
             )
-            prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
+            reduce = None
+            if split:  # the reduce on the wider grid: the same words, its flag, no envelope (not collective)
+                args.update(flags=flags | FLAGS["combine_reduce_only"], envelope=0)
+                reduce = self._prepare(
+                    kernels.combine,
+                    "ep_combine_impl",
+                    self.epilogue_geometry(geo),
+                    _combine_smem(cfg),
+                    False,
+                    args,
+                    _COMBINE_DYNAMIC,
+                )
+            prepared = PreparedOp(geo, kernels, main)
+            prepared.epilogue = reduce
+            prepared = self._launches.put(key, prepared)
             fresh = True
         else:
             fresh = False
         self._launch_prepared(prepared.main, dynamic, fresh, bool(dynamic[-1]))
+        if prepared.epilogue is not None:
+            self._launch_prepared(prepared.epilogue, (*dynamic[:-1], 0), fresh, False)
         if record:
             self.last_repeat = RepeatCombine(
                 rank=self,

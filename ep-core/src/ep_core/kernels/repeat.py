@@ -504,6 +504,11 @@ class RepeatCombine:
             array_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelopes.word(rank._num_collective_launches + 1, rank._handle_launch.get(handle, -1)),
         )
-        rank._launch_prepared(self.prepared.main, dynamic, False, True, wait, signal)
+        reduce = self.prepared.epilogue  # a split combine's reduce launch (DirectRank.combine_split), or None
+        rank._launch_prepared(
+            self.prepared.main, dynamic, False, True, wait, signal if reduce is None else None
+        )
+        if reduce is not None:
+            rank._launch_prepared(reduce, (*dynamic[:-1], 0), False, False, None, signal)
         rank._report_input_error()
         return CombineResult(combined, combined_w)
