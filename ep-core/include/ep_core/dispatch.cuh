@@ -89,6 +89,63 @@ EP_CORE_DEVICE Route route_token(const OpArgs& args, const Scratch& sc, int64_t 
     return r;
 }
 
+/// Lanes per token of the count phase: top-k rounded up to a power of two, so that 32 / lanes tokens share a warp.
+template <int kNumTopk>
+static constexpr int kCountLanes =
+    kNumTopk <= 1 ? 1 : (kNumTopk <= 2 ? 2 : (kNumTopk <= 4 ? 4 : (kNumTopk <= 8 ? 8 : (kNumTopk <= 16 ? 16 : 32))));
+
+/// Count phase of a deterministic dispatch: the bitmaps of (destination rank, token) and (expert, token), and the
+/// input checks of `route_token` (invalid and duplicate experts). A warp takes kWarpSize / kCountLanes tokens at a
+/// time (group g = lane / kCountLanes, top-k lane = lane % kCountLanes), two such units per round with both units'
+/// loads issued first: the phase is a chain of top-k loads, which this shortens 2 x 32 / kCountLanes times. The
+/// bits are the same as one token per warp: a lane's dedup (master = highest lane of its destination) and duplicate
+/// check see only its own token's lanes (the match keys carry the group).
+template <int kNumRanks, int kNumTopk>
+EP_CORE_DEVICE void count_bitmaps(const OpArgs& args, const Scratch& sc, uint32_t* bits, int W, int64_t T,
+                                  int global_warp, int num_global_warps, int lane, int num_experts, int epr) {
+    constexpr int kLanes = kCountLanes<kNumTopk>;
+    constexpr int kGroup = kWarpSize / kLanes;
+    const int g = lane / kLanes;
+    const int k = lane % kLanes;
+    const int64_t num_units = (T + kGroup - 1) / kGroup;
+    for (int64_t u0 = global_warp; u0 < num_units; u0 += 2 * static_cast<int64_t>(num_global_warps)) {
+        int64_t e[2];
+        int64_t t[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            t[j] = (u0 + j * static_cast<int64_t>(num_global_warps)) * kGroup + g;
+            e[j] = -1;
+            if (k < kNumTopk && t[j] < T) {
+                const int64_t i = t[j] * kNumTopk + k;
+                e[j] = (args.flags & kFlagTopkIdx32) ? static_cast<const int32_t*>(args.topk_idx)[i]
+                                                     : static_cast<const int64_t*>(args.topk_idx)[i];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            bool valid = e[j] >= 0;
+            if (valid && e[j] >= num_experts) {
+                report_input_error(args, sc, ErrorKind::kInvalidExpert, t[j], k, e[j]);
+                valid = false;
+            }
+            const int expert = valid ? static_cast<int>(e[j]) : -1;
+            const int dst = valid ? expert / epr : -1;
+            // keys unique per group: valid lanes by (group, destination) / (group, expert), the others by lane
+            const uint32_t same_dst = __match_any_sync(kFullMask, valid ? g * kNumRanks + dst : -1 - lane);
+            const uint32_t same_expert = __match_any_sync(kFullMask, valid ? g * num_experts + expert : -1 - lane);
+            if (valid && __popc(same_expert) > 1 && (31 - __clz(same_expert)) == lane)
+                report_input_error(args, sc, ErrorKind::kDuplicateExpert, t[j], k, expert);
+            if (!valid)
+                continue;
+            const uint32_t bit = 1u << (t[j] & 31);
+            const int64_t word = t[j] >> 5;
+            if ((31 - __clz(same_dst)) == lane)
+                atomicOr(bits + static_cast<int64_t>(dst) * W + word, bit);
+            atomicOr(bits + static_cast<int64_t>(kNumRanks + expert) * W + word, bit);
+        }
+    }
+}
+
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
 EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
@@ -153,17 +210,9 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     const int num_global_warps = gridDim.x * kNumWarps;
 
     // 1. count (deterministic): bitmaps of (destination rank, token) and (expert, token)
-    if (det) {
-        for (int64_t t = global_warp; t < T; t += num_global_warps) {
-            const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, true);
-            const uint32_t bit = 1u << (t & 31);
-            const int64_t word = t >> 5;
-            if (r.master)
-                atomicOr(bits + static_cast<int64_t>(r.dst) * W + word, bit);
-            if (r.valid)
-                atomicOr(bits + static_cast<int64_t>(kNumRanks + r.expert) * W + word, bit);
-        }
-    }
+    if (det)
+        count_bitmaps<kNumRanks, kNumTopk>(args, sc, bits, W, T, global_warp, num_global_warps, lane, num_experts,
+                                           epr);
 
     // 2. entry barrier: peers have finished with their receive regions. One rank alone has no peer (its own
     // earlier kernels are stream-ordered) and could only compare its envelope with itself: no barrier, and a

@@ -272,3 +272,38 @@ def check_dispatch_combine(n: int, case: int, dom: LoopbackDomain) -> None:
                 want = np.where(inp.topk_idxs[r] >= 0, inp.topk_weights[r], np.float32(0))
                 _eq(f"r{r} weights round trip", bits(kc.combined_topk_weights), bits(want))
     dom.synchronize()
+
+
+@pytest.mark.parametrize("det", (True, False), ids=("det", "atomic"))
+@pytest.mark.parametrize("k", (1, 3, 12, 32))
+def test_topk_other_than_8(k: int, det: bool) -> None:
+    """Top-k 1, 3, 12 and 32 (the deterministic count phase packs 32 // 1, 8, 2 and 1 tokens per warp), with -1
+    lanes and a rank that sends nothing, at 4 ranks on 2 SMs each: dispatch and combine equal the reference."""
+    n, e = 4, 128
+    dom = LoopbackDomain(
+        n, num_max_tokens_per_rank=M, hidden=HIDDEN, num_topk=k, num_sms=2, gpu_timeout_secs=10.0
+    )
+    rng = np.random.default_rng(77 + k)
+    counts = [M, 0, 37, 64]
+    inp = routing.make_inputs(
+        n, counts, HIDDEN, e, k, seed=int(rng.integers(1 << 30)), masked_ratio=0.25 if k > 1 else 0.0
+    )
+    ref = reference.dispatch(
+        inp.x_args,
+        inp.topk_idxs,
+        inp.topk_weights,
+        num_experts=e,
+        num_max_tokens_per_rank=M,
+        do_cpu_sync=True,
+    )
+    outs = dom.dispatch(inp.x_args, inp.topk_idxs, inp.topk_weights, num_experts=e, deterministic=det)
+    for r in range(n):
+        compare_dispatch(outs[r].to_reference(), ref[r], det=det, zero_pad=False, sync=True, rank=r)
+    xs = [routing.random_bf16((o.recv_x.shape[0], HIDDEN), rng) for o in outs]
+    comb = dom.combine(xs, [o.handle for o in outs], topk_weights=[o.recv_topk_weights for o in outs])
+    ref_c = reference.combine(
+        xs, [o.to_reference().handle for o in outs], topk_weights=[o.recv_topk_weights.numpy() for o in outs]
+    )
+    for r in range(n):
+        _eq(f"r{r} combined_x", comb[r].to_reference().combined_x, ref_c[r].combined_x)
+    dom.close()
