@@ -11,6 +11,7 @@ graph). It is the measurement behind issue 17's levers.
     python benchmarks/profile_ops.py ... --staged-combine   # combine launched with its shared memory (staged path)
     python benchmarks/profile_ops.py ... --register-combine # combine without it (register path; staged is default)
     python benchmarks/profile_ops.py ... --fp8              # FP8 dispatch (row-major scales), as bench_ep.py
+    python benchmarks/profile_ops.py ... --no-overlap       # prefer_overlap_with_compute=False, as bench_ep.py
 
 Writes OUTDIR/profile_ops_ep<N>.json and prints a table per op: activity name, count per replay, mean us, and the
 replay's span (first start to last end on the device).
@@ -284,7 +285,7 @@ def print_phases(n, sms, op, phases) -> None:
             prev = v["mean_us"]
 
 
-def run_config(torch, n, t, sms, iters, phases, out, fp8=False):
+def run_config(torch, n, t, sms, iters, phases, out, fp8=False, overlap=True):
     from ep_core.loopback import LoopbackDomain
 
     xs, sfs, idxs, ws = bench_ep.make_inputs(n, fp8, "uniform", seed=7, tokens=t)
@@ -297,6 +298,7 @@ def run_config(torch, n, t, sms, iters, phases, out, fp8=False):
         num_topk=bench_ep.TOPK,
         num_sms=sms,
         gpu_timeout_secs=20.0,
+        prefer_overlap_with_compute=overlap,
     )
     allocs = [bench_ep.CachingAllocator(s) for s in dom.streams]
     for rank, a in zip(dom.ranks, allocs):
@@ -335,7 +337,14 @@ def run_config(torch, n, t, sms, iters, phases, out, fp8=False):
         dom.combine(ys, handles, num_sms=sms)
 
     ops = [("dispatch", disp), ("dispatch_cached", cached), ("combine", comb)]
-    result = {"ranks": n, "tokens": t, "sms": sms, "dtype": "fp8" if fp8 else "bf16", "ops": {}}
+    result = {
+        "ranks": n,
+        "tokens": t,
+        "sms": sms,
+        "dtype": "fp8" if fp8 else "bf16",
+        "prefer_overlap_with_compute": overlap,
+        "ops": {},
+    }
     if phases:
         ops.insert(2, ("dispatch_deterministic", disp_det))
         reader = PhaseReader(n)
@@ -380,6 +389,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--fp8", action="store_true", help="FP8 dispatch (data + row-major scales), as bench_ep's"
     )
+    ap.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="prefer_overlap_with_compute=False: the copy epilogue and the combine's reduce on each rank's share",
+    )
     ap.add_argument("--phases", action="store_true", help="phase timing of every kernel (instrumented build)")
     ap.add_argument(
         "--staged-combine",
@@ -408,7 +422,17 @@ def main(argv=None) -> int:
             staged_combine_launches(args.staged_combine),
             register_combine_launches(args.register_combine),
         ):
-            run_config(torch, n, args.tokens, sms, args.iters, args.phases, Path(args.out), fp8=args.fp8)
+            run_config(
+                torch,
+                n,
+                args.tokens,
+                sms,
+                args.iters,
+                args.phases,
+                Path(args.out),
+                fp8=args.fp8,
+                overlap=not args.no_overlap,
+            )
         torch.cuda.empty_cache()
     return 0
 
