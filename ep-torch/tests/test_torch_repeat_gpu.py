@@ -24,14 +24,20 @@ T, HIDDEN, E, K = 128, 7168, 256, 8  # the shapes of benchmarks/bench_host_overh
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_repeated_calls_stay_exact(tmp_path: Path, native: str) -> None:
+@pytest.mark.parametrize(
+    ("native", "overlap"),
+    [("1", "1"), ("0", "1"), ("1", "0")],
+    ids=["native", "cuda-python", "native-no-overlap"],
+)
+def test_repeated_calls_stay_exact(tmp_path: Path, native: str, overlap: str) -> None:
+    """overlap "0": a buffer with prefer_overlap_with_compute=False (the copy epilogue and the combine's reduce on
+    the whole GPU: a combine is two launches, through the repeat and the express lane alike)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     from ep_torch_testing import run_script  # loaded by conftest.py
 
-    env = dict(os.environ, EPKIT_NATIVE_LAUNCH=native)
+    env = dict(os.environ, EPKIT_NATIVE_LAUNCH=native, EP_TEST_PREFER_OVERLAP=overlap)
     code, out = run_script(__file__, [str(tmp_path)], 300.0, what=f"native={native}: ", env=env)
     assert code == 0, out[-4000:]
     seen = json.loads((tmp_path / "out.json").read_text())
@@ -68,7 +74,15 @@ def _main(out_dir: str) -> int:
     counting(express.ExpressDispatch, 0)
     counting(express.ExpressSyncDispatch, 1)
     init_rank(0, 1, free_port(), "nccl")
-    buf = ElasticBuffer(None, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=K, explicitly_destroy=True)
+    overlap = os.environ.get("EP_TEST_PREFER_OVERLAP", "1") == "1"
+    buf = ElasticBuffer(
+        None,
+        num_max_tokens_per_rank=T,
+        hidden=HIDDEN,
+        num_topk=K,
+        explicitly_destroy=True,
+        prefer_overlap_with_compute=overlap,
+    )
     g = torch.Generator(device="cuda").manual_seed(5)
     failures: list[str] = []
     checks = [0]

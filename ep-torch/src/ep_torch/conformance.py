@@ -948,7 +948,7 @@ def check_planner(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[
                     num_device_sms=ex.num_device_sms,
                     nvlink_gbs=getattr(ex, "nvlink_gbs", None),
                     rdma_gbs=getattr(ex, "rdma_gbs", None),
-                    prefer_overlap_with_compute=True,
+                    prefer_overlap_with_compute=buf.prefer_overlap_with_compute,
                     policy=type(buf).policy,
                 )
                 assert got == ref, (type(buf).__name__, e, k, got, ref)
