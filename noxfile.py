@@ -287,6 +287,7 @@ def _has_gpu() -> bool:
 BENCHMARKS = [
     ("benchmarks/bench_ep.py",),
     ("benchmarks/bench_ep.py", "--decode"),
+    ("benchmarks/bench_ep.py", "--ranks", "8", "--no-overlap"),
     ("benchmarks/bench_host_overhead.py", "--profile"),
     ("benchmarks/bench_host_calls.py",),
     ("benchmarks/bench_sm_copy.py",),

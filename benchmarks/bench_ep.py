@@ -28,6 +28,11 @@ host); `*_eager` are the same ops launched eagerly, `dispatch_cpu_sync` waits on
     python benchmarks/bench_ep.py --out OUTDIR --decode [--quick]     # latency, T=128
     python benchmarks/bench_ep.py --out OUTDIR [--decode] --tokens T  # another T
     python benchmarks/bench_ep.py --out OUTDIR --hybrid [--quick]     # emulated nodes, T=4096
+    python benchmarks/bench_ep.py --out OUTDIR --ranks 8 --no-overlap # epilogues on each rank's share of the GPU
+
+`--no-overlap` builds the domains with prefer_overlap_with_compute=False: the dispatch's copy epilogue and the
+combine's reduce run on device SMs // ranks per rank (DeepEP V2's placement: every SM of a rank's GPU), the dispatch
+and combine kernels on the swept SMs per rank. Rows carry `prefer_overlap_with_compute`.
 
 Hybrid run, `--hybrid`: loopback EP8 as emulated nodes, 2 nodes x 4 ranks and 4 nodes x 2 (`num_scaleup_ranks`
 4 and 2), next to direct-mode EP8 on the same inputs, bf16 and FP8 dispatch, bf16 combine, uniform routing, 16

@@ -45,7 +45,8 @@ fi
 
 if [[ " $stages " == *" bench "* ]]; then
   # An entry is a script, optionally with arguments joined by commas: "benchmarks/bench_ep.py,--decode".
-  default_benches="benchmarks/bench_ep.py benchmarks/bench_ep.py,--decode benchmarks/bench_host_overhead.py,--profile"
+  default_benches="benchmarks/bench_ep.py benchmarks/bench_ep.py,--decode benchmarks/bench_ep.py,--ranks,8,--no-overlap"
+  default_benches+=" benchmarks/bench_host_overhead.py,--profile"
   default_benches+=" benchmarks/bench_host_calls.py benchmarks/bench_sm_copy.py"
   default_benches+=" ep-jit/benchmarks/bench_jit.py packages/ep-symmem/benchmarks/bench_symmem.py"
   for entry in ${GPU_BENCHES:-$default_benches}; do

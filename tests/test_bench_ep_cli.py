@@ -242,3 +242,14 @@ def test_hybrid_table_names_topology_and_crossing_bytes():
     assert lines[3].startswith("| direct | bf16 | dispatch | 16 | 0.400 |") and lines[3].endswith(
         "| - | - | - | - |"
     )
+
+
+def test_no_overlap_names_its_files_and_keeps_the_domains():
+    """`--no-overlap` (prefer_overlap_with_compute=False) benchmarks the same domains and SM counts under other
+    file names; the default run keeps the overlap placement."""
+    assert plan().overlap is True
+    p = plan("--ranks", "8", "--no-overlap")
+    assert p.overlap is False and p.json_name == "bench_ep_ep8_no-overlap.json"
+    assert as_tuples(p) == as_tuples(plan("--ranks", "8"))
+    d = plan("--decode", "--ranks", "8", "--sms", "8", "--no-overlap")
+    assert (d.overlap, d.json_name) == (False, "bench_ep_decode_ep8_sms8_no-overlap.json")
