@@ -928,6 +928,29 @@ def test_the_combine_splits_its_reduce_onto_the_ranks_share_without_overlap(laun
     assert two[1][2:4] == two[0][2:4] and two[1][5] is False  # same block and shared memory; not cooperative
 
 
+def test_a_lone_rank_splits_its_combine_only_past_one_round_of_tokens() -> None:
+    """A rank without peers reduces its own rows in place: its combine is split only when the op's warps cannot take
+    every token in one round; a rank with peers always (where the wider grid is wider); never for hybrid or
+    cross-node combines, nor without a wider grid."""
+    from types import SimpleNamespace as NS
+
+    from ep_core.kernels.plan import KernelConfig, LaunchGeometry
+
+    cfg = KernelConfig(1, 8, 7168)
+    geo = LaunchGeometry(16, cfg.num_threads, 0)
+    warps = 16 * cfg.num_warps
+
+    def split(num_ranks: int, tokens: int, epilogue_sms: int = 132, config=cfg) -> bool:
+        rank = NS(epilogue_sms=epilogue_sms, num_ranks=num_ranks)
+        return DirectRank.combine_split(rank, config, geo, tokens)
+
+    assert not split(1, 128) and not split(1, warps) and split(1, warps + 1) and split(1, 4096)
+    assert split(8, 128) and split(2, 1)
+    assert not split(8, 4096, epilogue_sms=16) and not split(8, 4096, epilogue_sms=0)
+    assert not split(4, 4096, config=KernelConfig(4, 8, 1024, num_scaleup_ranks=2))
+    assert not split(4, 4096, config=KernelConfig(4, 8, 1024, num_nvlink_ranks=2))
+
+
 # ------------------------------------------------------- a repeat's new handle over one unviewed block (ep_core.handle)
 def _offering(alloc: Allocator):
     """The request-side allocator of GpuExecutor's wrapper: ep_core arrays over `alloc`'s pointers, offering both

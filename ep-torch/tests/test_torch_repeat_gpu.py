@@ -30,8 +30,9 @@ T, HIDDEN, E, K = 128, 7168, 256, 8  # the shapes of benchmarks/bench_host_overh
     ids=["native", "cuda-python", "native-no-overlap"],
 )
 def test_repeated_calls_stay_exact(tmp_path: Path, native: str, overlap: str) -> None:
-    """overlap "0": a buffer with prefer_overlap_with_compute=False (the copy epilogue and the combine's reduce on
-    the whole GPU: a combine is two launches, through the repeat and the express lane alike)."""
+    """overlap "0": a buffer with prefer_overlap_with_compute=False at 4 SMs per op (the copy epilogue and the
+    combine's reduce on the whole GPU; 128 tokens are more than one round of the op's warps, so a combine is two
+    launches, through the repeat and the express lane alike)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
@@ -45,6 +46,7 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str, overlap: str) ->
     assert seen["checks"] >= 40
     assert seen["launch_path"].startswith("ep_launch" if native == "1" else "off")
     assert seen["repeats"] > 0  # the repeated-call road ran
+    assert (seen["split_combines"] > 0) == (overlap == "0"), seen
     if seen["host_extension"].startswith("built"):
         # plain, int32-routing and FP8 modes: three repeats of the no-sync dispatch each took the express lane,
         # and three of the CPU-sync one the sync lane
@@ -101,7 +103,10 @@ def _main(out_dir: str) -> int:
     def counts(idx):
         return torch.bincount(idx.flatten(), minlength=E).tolist()
 
-    kw = {"num_experts": E, "num_sms": 16}
+    sms = (
+        16 if overlap else 4
+    )  # no overlap: fewer warps than tokens, the combine splits (DirectRank.combine_split)
+    kw = {"num_experts": E, "num_sms": sms}
 
     def dequantized(data, sf):  # FP8 rows times their per-128-channel scales, as bf16 (exact per element)
         return (data.float() * sf.repeat_interleave(128, dim=1)).to(torch.bfloat16)
@@ -158,7 +163,7 @@ def _main(out_dir: str) -> int:
                 check(
                     torch.equal(recv_w.flatten().sort().values, w.flatten().sort().values), f"{tag}: weights"
                 )
-                comb, _, ev = buf.combine(recv_x, handle, num_sms=16, **extra)
+                comb, _, ev = buf.combine(recv_x, handle, num_sms=sms, **extra)
                 done(ev)
                 check(torch.equal(comb, x), f"{tag}: combine(dispatch(x)) != x")
                 check(
@@ -167,16 +172,22 @@ def _main(out_dir: str) -> int:
                 )
                 for j in range(0 if mode == "fp8" else 3):  # cached dispatches of this handle, then combines
                     x2 = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
-                    r2, _, _, h2, ev = buf.dispatch(x2, handle=handle, num_sms=16, **extra)
+                    r2, _, _, h2, ev = buf.dispatch(x2, handle=handle, num_sms=sms, **extra)
                     done(ev)
                     check(h2 is handle, f"{tag} cached #{j}: handle")
-                    c2, _, ev = buf.combine(r2, handle, num_sms=16, **extra)
+                    c2, _, ev = buf.combine(r2, handle, num_sms=sms, **extra)
                     done(ev)
                     check(torch.equal(c2, x2), f"{tag} cached #{j}: combine(dispatch(x)) != x")
     torch.cuda.synchronize()
     ex = buf.runtime.executor
     repeats = sum(1 for e in buf.runtime._prepared._dispatch.values() if e["prepared"].plan is not None)
     repeats += sum(1 for e in buf.runtime._prepared._combine.values() if e["prepared"].plan is not None)
+    # combine shapes prepared as two launches (send, then the reduce on the wider grid)
+    split = sum(
+        1
+        for p in ex.rank._launches._entries.values()
+        if p.epilogue is not None and p.main.name == "ep_combine_impl"
+    )
     Path(out_dir, "out.json").write_text(
         json.dumps(
             {
@@ -186,6 +197,7 @@ def _main(out_dir: str) -> int:
                 "repeats": repeats,
                 "express": served[0],
                 "express_sync": served[1],
+                "split_combines": split,
                 "host_extension": host_extension.status(),
             }
         )

@@ -512,23 +512,26 @@ class DirectRank:
         """Whether this dispatch's copy epilogue is launched as a programmatic dependent of its dispatch kernel: not
         after a CPU sync (the count copy sits between them), and only when its early blocks cannot keep a dispatch
         grid of a rank sharing this GPU from becoming resident: every rank's dispatch and epilogue blocks together
-        fit the device at one block per SM (the epilogue's grid as `epilogue_geometry` widens it), so that any
-        placement leaves every pending block an SM. (Per-kernel
-        occupancy is no such guarantee: a dispatch block and an epilogue block may not share an SM even where two of
-        either would.) A rank alone on its GPU always: its dispatch blocks are all resident before any of them
-        releases the epilogue."""
+        (the epilogue's grid as `epilogue_geometry` widens it) fit the device at one block per SM, so that any
+        placement leaves every pending block an SM. (Per-kernel occupancy is no such guarantee: a dispatch block and
+        an epilogue block may not share an SM even where two of either would.) A rank alone on its GPU always: its
+        dispatch blocks are all resident before any of them releases the epilogue."""
         if not EPILOGUE_PDL or p.do_cpu_sync or p.epilogue_only:
             return False
         n = self.num_ranks_on_device
         epilogue_grid = max(p.geometry.grid, self.epilogue_sms)  # `epilogue_geometry`
         return n == 1 or n * (p.geometry.grid + epilogue_grid) <= self.device_sms
 
-    def combine_split(self, cfg: KernelConfig, geo: LaunchGeometry) -> bool:
+    def combine_split(self, cfg: KernelConfig, geo: LaunchGeometry, num_tokens: int) -> bool:
         """Whether a direct combine runs as two launches: entry, send and exit on the op's grid, then the reduce on
         `epilogue_geometry`'s wider one (combine.cuh `kFlagCombineSendOnly` / `kFlagCombineReduceOnly`), as DeepEP
-        V2 runs its combine's reduce epilogue on every SM. Only where that grid is wider; hybrid and cross-node
-        combines keep one launch."""
-        return self.epilogue_sms > geo.grid and not cfg.is_hybrid and not cfg.is_direct_xnode
+        V2 runs its combine's reduce epilogue on every SM. Only where that grid is wider, and not for a lone rank
+        whose tokens the op's warps reduce in one round (its operands are its own rows, read in place: the second
+        launch would only add its latency, EP1 decode 9.6 -> 11.0 us); hybrid and cross-node combines keep one
+        launch."""
+        if self.epilogue_sms <= geo.grid or cfg.is_hybrid or cfg.is_direct_xnode:
+            return False
+        return self.num_ranks > 1 or num_tokens > geo.grid * cfg.num_warps
 
     def epilogue_geometry(self, geo: LaunchGeometry) -> LaunchGeometry:
         """The copy epilogue's grid: the op's, or `epilogue_sms` blocks where that is more. The epilogue has no
@@ -1216,7 +1219,7 @@ class DirectRank:
         )
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, handle.num_experts)
-            split = self.combine_split(cfg, geo)
+            split = self.combine_split(cfg, geo, t)
             args.update(num_tokens=t, flags=flags | (FLAGS["combine_send_only"] if split else 0))
             args.update(zip(_COMBINE_DYNAMIC, dynamic))
             main = self._prepare(
