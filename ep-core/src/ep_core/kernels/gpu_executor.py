@@ -25,7 +25,7 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
 from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
-from ep_core.kernels.plan import epilogue_share
+from ep_core.kernels.plan import epilogue_share, rank_sm_share
 from ep_core.kernels.repeat import array_ptr, note_handle_topk_idx
 from ep_core.validation import is_trusted_allocator
 
@@ -81,7 +81,7 @@ class GpuExecutor:
         self.num_ranks_on_device = count_ranks_on_device(list(devices), int(config.rank))
         self.device_sms = _cuda.num_device_sms()
         # the SMs this rank may use: the device's, split between the ranks that share it
-        self.num_device_sms = max(1, self.device_sms // self.num_ranks_on_device)
+        self.num_device_sms = rank_sm_share(self.device_sms, self.num_ranks_on_device)
         self.nvlink_gbs: float | None = None
         self.rdma_gbs: float | None = None
         # the whole data region, its host part included: receive regions may spill into it (ep_core.elastic_memory)

@@ -28,6 +28,7 @@ __all__ = [
     "epilogue_share",
     "launch_geometry",
     "plan_regions",
+    "rank_sm_share",
     "scratch_bytes",
 ]
 
@@ -423,10 +424,15 @@ def _launch_geometry(config: KernelConfig, num_sms: int, device_sms: int) -> Lau
     return LaunchGeometry(num_sms, config.num_threads, config.dynamic_smem_bytes)
 
 
+def rank_sm_share(device_sms: int, num_ranks_on_device: int = 1) -> int:
+    """The SMs one rank may use: its device's, split between the ranks that share it (at least 1)."""
+    return max(1, device_sms // max(1, num_ranks_on_device))
+
+
 def check_epilogue_sms(epilogue_sms: int, device_sms: int, num_ranks_on_device: int = 1) -> int:
     """The copy epilogue's SM count of a rank (`DirectRank.epilogue_geometry`): 0 runs it on the op's `num_sms`;
-    n > 0 on at least n SMs, at most this rank's share of the device (`device SMs // ranks on it`)."""
-    share = max(1, device_sms // max(1, num_ranks_on_device))
+    n > 0 on at least n SMs, at most this rank's share of the device (`rank_sm_share`)."""
+    share = rank_sm_share(device_sms, num_ranks_on_device)
     if type(epilogue_sms) is not int or not 0 <= epilogue_sms <= share:
         raise EPValueError(
             f"epilogue_sms: expected an int in 0..{share} (0: the op's num_sms; at most this rank's share of the "
@@ -441,7 +447,7 @@ def epilogue_share(prefer_overlap_with_compute: bool, device_sms: int, num_ranks
     its epilogues on every SM."""
     if prefer_overlap_with_compute:
         return 0
-    return max(1, device_sms // max(1, num_ranks_on_device))
+    return rank_sm_share(device_sms, num_ranks_on_device)
 
 
 def check_coresident(num_ranks_on_device: int, num_sms: int, device_sms: int) -> None:
@@ -471,7 +477,7 @@ def default_num_sms(device_sms: int, num_ranks_on_device: int, planner_sms: int 
     if num_ranks_on_device < 1:
         raise EPConfigError(f"num_ranks_on_device: expected >= 1, got {num_ranks_on_device}")
     if num_ranks_on_device > 1:
-        return max(1, min(DEFAULT_SHARED_NUM_SMS, device_sms // num_ranks_on_device))
+        return min(DEFAULT_SHARED_NUM_SMS, rank_sm_share(device_sms, num_ranks_on_device))
     if planner_sms > 0:
         return max(1, min(int(planner_sms), device_sms))
     return max(1, min(DEFAULT_SHARED_NUM_SMS, device_sms))
