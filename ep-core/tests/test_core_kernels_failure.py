@@ -302,6 +302,7 @@ def test_gpu_executor_reset_is_collective(fake_driver, monkeypatch) -> None:
             num_max_tokens_per_rank=64,
             num_gpu_timeout_secs=1.0,
             num_cpu_timeout_secs=1.0,
+            prefer_overlap_with_compute=True,
         )
         storage = SimpleNamespace(ptr=0x1000_0000 * (r + 1), num_bytes=1 << 30, peer_table=0x2000, device=r)
         ex = gpu_executor_mod.GpuExecutor(config, storage, boot)

@@ -114,9 +114,7 @@ class GpuExecutor:
             num_scaleup_ranks=su,
             num_nvlink_ranks=nvl,
             epilogue_sms=epilogue_share(
-                bool(getattr(config, "prefer_overlap_with_compute", True)),
-                self.device_sms,
-                self.num_ranks_on_device,
+                config.prefer_overlap_with_compute, self.device_sms, self.num_ranks_on_device
             ),
         )
         self._destroyed = False
