@@ -18,7 +18,10 @@ DECODE_BATCH replays launched back to back between two events, queued while a sp
 cuGraphLaunch and the host's launch rate are both hidden; `batch_submit_hidden` in the JSON row is the fraction of
 timed batches whose every launch was queued before the start event ran, 1.0 unless the hold was too short, and the
 progress line flags it otherwise); the old measurement, one replay between two events (submission included), stays
-in `time_us_1replay` and the table's last column.
+in `time_us_1replay` and its own table column. Each graph-replayed decode row also has `graph_floor_us`: the same
+back-to-back replays of a graph of the same shape with nothing in it (on every rank stream, as many one-block
+kernels as the op's graph holds per rank, `graph_kernels` in all), the part of the row's time that the fork / join
+of N rank streams and the kernel launches cost before any kernel does work.
 
 Ops: `dispatch` (no CPU sync), `dispatch_cached`, `dispatch_deterministic` and `combine` are timed as CUDA-graph
 replays of all ranks' launches (GPU time: N ranks launched from one Python thread would otherwise measure the
@@ -392,6 +395,7 @@ class Timer:
             ev.record(s)
             self.main.wait_event(ev)
         graph = _cuda.check(drv.cuStreamEndCapture(self.main.handle), "cuStreamEndCapture")
+        kernels = graph_kernel_count(drv, graph)
         exe = _cuda.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         times = []
         for i in range(warmup + iters):
@@ -444,6 +448,7 @@ class Timer:
             {
                 "batch_submit_hidden": sum(hidden) / len(hidden),
                 "batch_host_us_per_launch": statistics.median(host),
+                "graph_kernels": kernels,
             }
             if batched
             else {}
@@ -451,6 +456,35 @@ class Timer:
         _cuda.check(drv.cuGraphExecDestroy(exe), "cuGraphExecDestroy")
         _cuda.check(drv.cuGraphDestroy(graph), "cuGraphDestroy")
         return statistics.median(times), (statistics.median(batched) if batched else float("nan"))
+
+
+def graph_kernel_count(drv, graph) -> int:
+    """Kernel nodes of a captured graph (memsets, event and wait nodes not counted); `drv` is cuda.bindings.driver."""
+
+    def ok(result, what):
+        if result[0] != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{what} failed: {result[0]}")
+        return result[1:]
+
+    count = ok(drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")[1]
+    nodes = ok(drv.cuGraphGetNodes(graph, count), "cuGraphGetNodes")[0]
+    kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    return sum(ok(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")[0] == kernel for node in nodes)
+
+
+def graph_floor_fn(torch, streams, kernels_per_stream: int):
+    """The decode graph's structure with nothing in it: on every rank stream, `kernels_per_stream` one-block
+    kernels (an in-place add on 256 floats) where an op launches its dispatch, epilogue or combine kernels."""
+    bufs = [torch.zeros(256, device="cuda") for _ in streams]
+    views = [torch.cuda.ExternalStream(int(s)) for s in streams]
+
+    def fn():
+        for view, buf in zip(views, bufs):
+            with torch.cuda.stream(view):
+                for _ in range(kernels_per_stream):
+                    buf.add_(1.0)
+
+    return fn
 
 
 def time_back_to_back(
@@ -628,6 +662,8 @@ def progress_line(r: dict) -> str:
         )
         if "time_us_1replay" in r:
             line += f"  (1 replay incl. submit {r['time_us_1replay']:6.1f} us)"
+        if "graph_floor_us" in r:
+            line += f"  graph floor {r['graph_floor_us']:5.1f} us"
         if r.get("batch_submit_hidden", 1.0) < 1.0:  # some batch may have waited for the host: an upper bound
             line += f"  [submission hidden in {100 * r['batch_submit_hidden']:.0f}% of batches]"
         return line
@@ -672,10 +708,14 @@ def table_lines(rows: list[dict], decode: bool = False) -> list[str]:
     if decode:
         # rows timed as back-to-back graph replays also carry the one-replay time (host submission included)
         single = any("time_us_1replay" in r for r in rows)
+        graph = any("graph_floor_us" in r for r in rows)
         lines = [
             "| EP | dtype | routing | op | SMs/rank | us | floor us | GB/s | % ceiling | torch us | x torch |"
-            + (" 1-replay us (incl. submit) |" if single else ""),
-            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if single else ""),
+            + (" 1-replay us (incl. submit) |" if single else "")
+            + (" graph floor us |" if graph else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|"
+            + ("---|" if single else "")
+            + ("---|" if graph else ""),
         ]
         for r in rows:
             sp = r["speedup_vs_torch"]
@@ -685,9 +725,10 @@ def table_lines(rows: list[dict], decode: bool = False) -> list[str]:
                 f"{r['time_us']:.1f} | {r['floor_us']:.1f} | {r['gbs']:.0f} | {100 * r['frac_ceiling']:.1f} | "
                 f"{torch_cols} |"
             )
-            if single:
-                one = r.get("time_us_1replay")
-                line += f" {one:.1f} |" if one is not None else " - |"
+            for on, key in ((single, "time_us_1replay"), (graph, "graph_floor_us")):
+                if on:
+                    v = r.get(key)
+                    line += f" {v:.1f} |" if v is not None else " - |"
             lines.append(line)
         return lines
     lines = [
@@ -791,6 +832,7 @@ def bench_config(
     for rank, a in zip(dom.ranks, allocs):
         rank._allocator = a
     timer = Timer(dom.streams)
+    graph_floors: dict[int, float | None] = {}  # decode: graph floor us by kernels per rank stream
     x_args = [(x, sf) for x, sf in zip(xs, sfs)] if fp8 else xs
     for sms in sms_list:
         state = {}
@@ -821,14 +863,28 @@ def bench_config(
                 x_args, idxs, ws, num_experts=NUM_EXPERTS, do_cpu_sync=False, num_sms=sms, deterministic=True
             )
 
-        # decode: GPU time = back-to-back replays (no host submission), the one-replay time kept beside it
+        # decode: GPU time = back-to-back replays (no host submission), the one-replay time kept beside it, and
+        # the graph floor: the same replays with one-block kernels in the op's kernels' places
         batch_info = {}
 
         def graph(f, op, batch_info=batch_info):
             if not decode:
                 return timer.run_graph(f, iters), None
             one, many = timer.run_graph_pair(f, iters)
-            batch_info[op] = timer.last_batch
+            info = batch_info[op] = dict(timer.last_batch)
+            k = -(-info.get("graph_kernels", 0) // n)
+            if k and k not in graph_floors:
+                try:
+                    graph_floors[k] = (
+                        timer.run_graph_pair(graph_floor_fn(torch, dom.streams, k), iters)[1] * 1e3
+                    )
+                except Exception as exc:  # a diagnostic column: the op's own row stands without it
+                    print(
+                        f"graph floor of {k} kernel(s) per rank: not measured ({type(exc).__name__}: {exc})"
+                    )
+                    graph_floors[k] = None
+            if graph_floors.get(k) is not None:
+                info["graph_floor_us"] = graph_floors[k]
             return many, one
 
         single = {}

@@ -95,3 +95,45 @@ def test_ranks_and_sms_select_the_sweep():
         _plan("--decode", "--ranks", "4")
     with pytest.raises(SystemExit):
         _plan("--decode", "--sms", "0")
+
+
+def test_graph_floor_column():
+    """A row with the graph floor (a graph of the op's shape with one-block kernels) prints it on the progress line
+    and in the last column; rows without it print '-' there, a table without any has no such column."""
+    r = bench.make_row(8, False, "uniform", "dispatch", 8, 0.093, 10**6, 3.0, 4000.0, 8.0, True, 0.1)
+    r.update({"graph_kernels": 16, "graph_floor_us": 12.34})
+    assert "graph floor  12.3 us" in bench.progress_line(r)
+    eager = bench.make_row(8, False, "uniform", "dispatch_eager", 8, 0.8, 10**6, 3.0, 4000.0, 8.0, True)
+    lines = bench.table_lines([r, eager], decode=True)
+    assert lines[0].endswith("| 1-replay us (incl. submit) | graph floor us |")
+    assert lines[1].count("---") == 13
+    assert lines[2].endswith("| 100.0 | 12.3 |") and lines[3].endswith("| - | - |")
+    assert "graph floor" not in bench.table_lines([eager], decode=True)[0]
+
+
+class _FakeDriver:
+    """cuGraphGetNodes / cuGraphNodeGetType as cuda.bindings returns them: (CUresult, ...)."""
+
+    class CUgraphNodeType:
+        CU_GRAPH_NODE_TYPE_KERNEL = "kernel"
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, kinds):
+        self.kinds = kinds
+
+    def cuGraphGetNodes(self, graph, count):
+        nodes = list(range(len(self.kinds)))[:count]
+        return 0, nodes, len(self.kinds)
+
+    def cuGraphNodeGetType(self, node):
+        return 0, self.kinds[node]
+
+
+def test_graph_kernel_count_counts_kernel_nodes_only():
+    fake = _FakeDriver(["kernel", "event", "kernel", "memset", "kernel"])
+    assert bench.graph_kernel_count(fake, object()) == 3
+    fake.cuGraphNodeGetType = lambda node: (1, None)
+    with pytest.raises(RuntimeError, match="cuGraphNodeGetType failed"):
+        bench.graph_kernel_count(fake, object())
