@@ -10,7 +10,14 @@ slot), and next to it a plain register copy (16-byte loads, `unroll` in flight p
 of the best of 5 timed runs, per kernel and per SM, and as a fraction of a device-wide `cudaMemcpy` of the same bytes
 (the ceiling `bench_ep.py` measures).
 
-    python benchmarks/bench_sm_copy.py --out OUTDIR [--sms 32,64,128]
+The fan-out rows (kernel "fanout") copy like the dispatch's send: each row is loaded once and stored `fanout` times,
+copy f into region f of a destination `fanout` times the source's size (regions 235 MB apart, so every store goes
+to other pages; a token of top-8 of 256 experts at EP8 goes to about 5.25 ranks). They report read and write GB/s
+apart: if an SM's write rate stays near 48-50 GB/s (what the FP8 dispatch send wrote per SM at 8 SMs per rank, and
+DeepEP's `sm_write_gbs`) whatever the fan-out, a send on few SMs is at that limit; if it grows with the fan-out,
+an SM can write faster and the send is short of it. The stores go to this GPU's memory, not over NVLink.
+
+    python benchmarks/bench_sm_copy.py --out OUTDIR [--sms 32,64,128] [--fanout 1,2,4,5,8]
 
 Writes OUTDIR/bench_sm_copy.json. Needs torch and an NVIDIA GPU (sm_90); without one it prints "skipped".
 """
@@ -51,9 +58,10 @@ extern __shared__ __align__(128) uint8_t smem[];
 
 // Lane 0 of every warp copies its rows (round robin over the grid's warps) in pieces of `chunk` bytes through a
 // ring of `depth` slots: piece k lands in slot k % depth; before loading piece k + ahead, the store that last read
-// that slot has finished reading it (wait_group.read 1: all but the newest store; 0 with one slot).
+// that slot has finished reading it (wait_group.read 1: all but the newest store; 0 with one slot). Each piece is
+// stored `fanout` times, copy f into region f of dst (rows * row_bytes each), in one bulk group, so the waits hold.
 extern "C" __global__ void tma_ring(const uint8_t* src, uint8_t* dst, long long rows, int row_bytes, int depth,
-                                    int chunk) {
+                                    int chunk, int fanout) {
     __shared__ __align__(8) uint64_t bars[32 * 16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (lane != 0)
@@ -65,7 +73,7 @@ extern "C" __global__ void tma_ring(const uint8_t* src, uint8_t* dst, long long 
     const long long gw = static_cast<long long>(blockIdx.x) * nw + warp, ngw = static_cast<long long>(gridDim.x) * nw;
     const int pieces = (row_bytes + chunk - 1) / chunk;
     const long long my_rows = gw < rows ? (rows - 1 - gw) / ngw + 1 : 0;
-    const long long n = my_rows * pieces;
+    const long long n = my_rows * pieces, region = rows * row_bytes;
     auto at = [&](long long k, long long& off, int& len) {
         const long long r = gw + (k / pieces) * ngw;
         const int p = static_cast<int>(k % pieces);
@@ -91,7 +99,8 @@ extern "C" __global__ void tma_ring(const uint8_t* src, uint8_t* dst, long long 
         at(k, off, len);
         mb_wait(bar + s, (parity >> s) & 1u);
         parity ^= 1u << s;
-        bulk_store(dst + off, slots + static_cast<size_t>(s) * chunk, len);
+        for (int f = 0; f < fanout; ++f)
+            bulk_store(dst + f * region + off, slots + static_cast<size_t>(s) * chunk, len);
         bulk_commit();
         if (depth > 1)
             asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
@@ -144,6 +153,9 @@ TMA_CASES = [
     (7424, 14, 2, 7424),
     (7424, 7, 4, 7424),
 ]
+# (row bytes, warps, depth) of the fan-out rows, whole rows per slot: bf16 with ep's 15 warps (16 slots of 14336
+# bytes do not fit), FP8 with the dispatch's 16; and two slots, the next row's load under this row's stores
+FANOUT_CASES = [(14336, 15, 1), (14336, 7, 2), (7424, 16, 1), (7424, 14, 2)]
 REG_WARPS = (16, 32)
 
 
@@ -155,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--sms", type=_int_list, default=[32, 64, 128], help="blocks (one per SM) per run")
+    ap.add_argument(
+        "--fanout",
+        type=_int_list,
+        default=[1, 2, 4, 5, 8],
+        help="stores per loaded row of the fan-out rows ('' for none; the largest sizes a destination of that many "
+        "235 MB buffers)",
+    )
     args = ap.parse_args(argv)
     try:
         import torch
@@ -171,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     tma, reg = mod.function("tma_ring"), mod.function("reg_copy")
     src = torch.ones(BUFFER_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
+    fan_dst = torch.empty(max(args.fanout, default=0) * BUFFER_BYTES, dtype=torch.uint8, device="cuda")
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def best_ms(fn) -> float:
@@ -190,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     rows_out = []
 
     def record(kind: str, sms: int, ms: float, nbytes: int, **cols) -> None:
-        gbs = 2 * nbytes / ms / 1e6
+        # nbytes read, written once (`fanout` times in a fan-out row)
+        read, write = nbytes / ms / 1e6, cols.get("fanout", 1) * nbytes / ms / 1e6
+        gbs = read + write
         row = {
             "kernel": kind,
             "sms": sms,
@@ -199,10 +221,26 @@ def main(argv: list[str] | None = None) -> int:
             "gbs_per_sm": gbs / sms,
             "frac_ceiling": gbs / ceiling,
         }
-        rows_out.append(row)
         desc = " ".join(f"{k}={v}" for k, v in cols.items())
-        print(
-            f"{kind:8s} sms={sms:3d} {desc:44s} {gbs:7.0f} GB/s {gbs / sms:6.1f} per SM {100 * gbs / ceiling:5.1f}%"
+        line = f"{kind:8s} sms={sms:3d} {desc:44s} {gbs:7.0f} GB/s {gbs / sms:6.1f} per SM {100 * gbs / ceiling:5.1f}%"
+        if "fanout" in cols:
+            row |= {"read_gbs": read, "write_gbs": write}
+            line += f"  read {read / sms:5.1f} write {write / sms:5.1f} per SM"
+        rows_out.append(row)
+        print(line)
+
+    def tma_ms(sms: int, out, row_bytes: int, warps: int, depth: int, chunk: int, fanout: int) -> float:
+        words = [
+            src,
+            out,
+            ep_jit.int64(BUFFER_BYTES // row_bytes),
+            ep_jit.int32(row_bytes),
+            ep_jit.int32(depth),
+            ep_jit.int32(chunk),
+            ep_jit.int32(fanout),
+        ]
+        return best_ms(
+            functools.partial(tma.launch, sms, warps * 32, words, shared_mem=warps * depth * chunk)
         )
 
     for sms in args.sms:
@@ -210,26 +248,14 @@ def main(argv: list[str] | None = None) -> int:
             smem = warps * depth * chunk
             if smem > SMEM_LIMIT:
                 continue
-            rows = BUFFER_BYTES // row_bytes
-            words = [
-                src,
-                dst,
-                ep_jit.int64(rows),
-                ep_jit.int32(row_bytes),
-                ep_jit.int32(depth),
-                ep_jit.int32(chunk),
-            ]
-            run = functools.partial(tma.launch, sms, warps * 32, words, shared_mem=smem)
-            record(
-                "tma",
-                sms,
-                best_ms(run),
-                rows * row_bytes,
-                row=row_bytes,
-                warps=warps,
-                depth=depth,
-                chunk=chunk,
-            )
+            ms = tma_ms(sms, dst, row_bytes, warps, depth, chunk, 1)
+            nbytes = BUFFER_BYTES // row_bytes * row_bytes
+            record("tma", sms, ms, nbytes, row=row_bytes, warps=warps, depth=depth, chunk=chunk)
+        for row_bytes, warps, depth in FANOUT_CASES:
+            for fanout in args.fanout:
+                ms = tma_ms(sms, fan_dst, row_bytes, warps, depth, row_bytes, fanout)
+                nbytes = BUFFER_BYTES // row_bytes * row_bytes
+                record("fanout", sms, ms, nbytes, row=row_bytes, warps=warps, depth=depth, fanout=fanout)
         for warps in REG_WARPS:
             rows = BUFFER_BYTES // 14336
             run = functools.partial(
