@@ -99,10 +99,10 @@ class Allocator:
         return DeviceView(self.next, tuple(shape), np.dtype(dtype), strides)
 
 
-def make_rank(alloc: Allocator) -> DirectRank:
+def make_rank(alloc: Allocator, *, num_ranks: int = N, on_device: int = 1, **kw) -> DirectRank:
     stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
-    res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
-    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc)
+    res = RankResources(0, num_ranks, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=on_device)
+    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, **kw)
     rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
     return rank
 
@@ -949,6 +949,30 @@ def test_a_lone_rank_splits_its_combine_only_past_one_round_of_tokens() -> None:
     assert not split(8, 4096, epilogue_sms=16) and not split(8, 4096, epilogue_sms=0)
     assert not split(4, 4096, config=KernelConfig(4, 8, 1024, num_scaleup_ranks=2))
     assert not split(4, 4096, config=KernelConfig(4, 8, 1024, num_nvlink_ranks=2))
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "direct_xnode"])
+def test_hybrid_and_cross_node_widen_the_epilogue_but_keep_one_combine_launch(launches, mode: str) -> None:
+    """2 emulated nodes x 2 ranks sharing the GPU without overlap (`epilogue_sms` = 132 // 4): the copy epilogue on
+    that share instead of the op's 2 SMs, with the dispatch's block and shared memory; the hybrid or cross-node
+    combine one launch on the op's grid, without the split flags (`DirectRank.combine_split`)."""
+    from ep_core.kernels._args import FLAGS
+    from ep_core.kernels.plan import epilogue_share
+
+    share = epilogue_share(False, 132, 4)
+    nodes = {"hybrid": {"num_scaleup_ranks": 2}, "direct_xnode": {"num_nvlink_ranks": 2}}[mode]
+    rank = make_rank(Allocator(), num_ranks=4, on_device=4, epilogue_sms=share, **nodes)
+    x, _, idx, w = inputs()
+    n = len(launches)
+    handle = rank.dispatch(x, idx, w, num_experts=EXPERTS, num_sms=2, do_cpu_sync=False).handle
+    rank.combine(arr((handle.num_recv_tokens, HIDDEN), np.uint16), handle)
+    (cfg,) = rank._configs.values()
+    assert getattr(cfg, f"is_{mode}"), cfg
+    got = launches[n:]
+    assert [e[:2] for e in got] == [("dispatch", 2), ("epilogue", share), ("combine", 2)]
+    assert got[1][2:4] == got[0][2:4]
+    flags = OP_ARGS_STRUCT.unpack(got[2][7])[OP_ARGS_FIELDS.index("flags")]
+    assert flags & (FLAGS["combine_send_only"] | FLAGS["combine_reduce_only"]) == 0
 
 
 # ------------------------------------------------------- a repeat's new handle over one unviewed block (ep_core.handle)

@@ -8,6 +8,8 @@ GIN's put-then-signal ordering), the ranks of its own node by load/store, as Dee
 - the hybrid test's matrix per topology (2x2, 2x4, 4x2, and 2x8 at <= 8 SMs): {expand, non-expand} x {A = 1, 128}
   x {bf16, FP8} x {sync, no sync, cached} x {deterministic or not}, 0/1/2 biases and multiple reduction on/off,
   bitwise equal to the direct reference (N psum regions, one per source rank);
+- prefer_overlap_with_compute=False (each rank's copy epilogue on device SMs // N blocks, wider than the op's 1 or
+  2 SMs; the combine stays one launch): the hybrid test's 5 cases per topology, bitwise equal to the reference;
 - the direct-mode order is observable: on an input where the hybrid reference differs, the kernels equal the direct
   one;
 - a node that never sends (its ranks skip the count signals to other nodes) gives EPTimeoutError naming a waiting
@@ -50,11 +52,12 @@ if _hyb is None:
     sys.modules[_spec.name] = _hyb
 CASES, E, HIDDEN, K, M, PACKS = _hyb.CASES, _hyb.E, _hyb.HIDDEN, _hyb.K, _hyb.M, _hyb.PACKS
 _eq, _token_counts, compare_dispatch = _hyb._eq, _hyb._token_counts, _hyb.compare_dispatch
+share_cases = _hyb.share_cases
 
 # (num_ranks, ranks per node): 2x2, 2x4, 4x2, 2x8
 TOPOLOGIES = ((4, 2), (8, 4), (8, 2), (16, 8))
 
-_domains: dict[tuple[int, int], LoopbackDomain] = {}
+_domains: dict[tuple[int, int, bool], LoopbackDomain] = {}
 
 
 def _precompile() -> None:
@@ -69,7 +72,8 @@ def _precompile() -> None:
         list(pool.map(compile_kernels, cfgs))
 
 
-def _new_domain(n: int, su: int, gpu_timeout_secs: float = 10.0) -> LoopbackDomain:
+def _new_domain(n: int, su: int, gpu_timeout_secs: float = 10.0, overlap: bool = True) -> LoopbackDomain:
+    """`overlap=False`: prefer_overlap_with_compute=False, each rank's copy epilogue on its share of the GPU."""
     return LoopbackDomain(
         n,
         num_max_tokens_per_rank=M,
@@ -79,15 +83,16 @@ def _new_domain(n: int, su: int, gpu_timeout_secs: float = 10.0) -> LoopbackDoma
         cpu_timeout_secs=30.0,
         num_scaleup_ranks=su,
         allow_hybrid_mode=False,
+        prefer_overlap_with_compute=overlap,
     )
 
 
-def domain(n: int, su: int) -> LoopbackDomain:
+def domain(n: int, su: int, overlap: bool = True) -> LoopbackDomain:
     if not _domains:
         _precompile()
-    if (n, su) not in _domains:
-        _domains[(n, su)] = _new_domain(n, su)
-    return _domains[(n, su)]
+    if (n, su, overlap) not in _domains:
+        _domains[n, su, overlap] = _new_domain(n, su, overlap=overlap)
+    return _domains[n, su, overlap]
 
 
 def _check_kernels(dom: LoopbackDomain, su: int) -> None:
@@ -105,11 +110,24 @@ def _topo_id(t: tuple[int, int]) -> str:
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda c: "-".join(map(str, CASES[c])))
 @pytest.mark.parametrize("topo", TOPOLOGIES, ids=_topo_id)
 def test_direct_xnode_dispatch_combine(topo: tuple[int, int], case: int) -> None:
+    _check_case(*topo, case, (0, 1, 3)[case % 3])
+
+
+@pytest.mark.parametrize(("topo", "case", "num_sms"), share_cases(TOPOLOGIES))
+def test_direct_xnode_no_overlap_epilogue_on_share(topo: tuple[int, int], case: int, num_sms: int) -> None:
+    """prefer_overlap_with_compute=False: the cross-node copy epilogue on device SMs // N blocks, more than the
+    op's num_sms (the combine keeps one launch); the same bits as the direct reference."""
     n, su = topo
-    num_sms = (0, 1, 3)[case % 3]
+    if num_device_sms() // n <= num_sms:
+        pytest.skip("device too small: the epilogue's share is not wider than the op's grid")
+    assert all(r.epilogue_sms == num_device_sms() // n for r in domain(n, su, overlap=False).ranks)
+    _check_case(n, su, case, num_sms, overlap=False)
+
+
+def _check_case(n: int, su: int, case: int, num_sms: int, overlap: bool = True) -> None:
     if n * max(num_sms, 1) > num_device_sms():
         pytest.skip("device too small")
-    dom = domain(n, su)
+    dom = domain(n, su, overlap)
     try:
         _run_case(dom, n, su, case, num_sms)
     except BaseException:
@@ -117,7 +135,7 @@ def test_direct_xnode_dispatch_combine(topo: tuple[int, int], case: int) -> None
         try:
             dom.reset()
         except Exception:
-            _domains.pop((n, su), None)
+            _domains.pop((n, su, overlap), None)
         raise
 
 

@@ -9,6 +9,9 @@ with the same local index, which forwards it inside its node; combine reduces pe
   {expand, non-expand} x {A = 1, 128} x {bf16, FP8} x {sync, no sync, cached} x {deterministic or not}, with
   0/1/2 biases and multiple reduction on/off spread over the cases, bitwise equal to the reference (deterministic:
   the exact row order; otherwise through `reference.canonical_order`);
+- prefer_overlap_with_compute=False (each rank's copy epilogue on device SMs // N blocks, wider than the op's 1 or
+  2 SMs; the combine stays one launch): 5 cases of the matrix per topology, together every value of each axis,
+  bitwise equal to the reference;
 - rail alignment and deduplication, counted from the handle's `token_metadata_at_forward` (what each forwarder
   received, per source node): exactly one message per (token, destination node), only from the source rank with
   the forwarder's local index, so the messages that cross node boundaries equal the deduplicated count;
@@ -49,7 +52,7 @@ CASES = list(
     itertools.product((False, True), (1, 128), (False, True), ("sync", "nosync", "cached"), (True, False))
 )
 
-_domains: dict[tuple[int, int], LoopbackDomain] = {}
+_domains: dict[tuple[int, int, bool], LoopbackDomain] = {}
 
 
 def _precompile() -> None:
@@ -64,11 +67,12 @@ def _precompile() -> None:
         list(pool.map(compile_kernels, cfgs))
 
 
-def domain(n: int, su: int) -> LoopbackDomain:
+def domain(n: int, su: int, overlap: bool = True) -> LoopbackDomain:
+    """`overlap=False`: prefer_overlap_with_compute=False, each rank's copy epilogue on its share of the GPU."""
     if not _domains:
         _precompile()
-    if (n, su) not in _domains:
-        _domains[(n, su)] = LoopbackDomain(
+    if (n, su, overlap) not in _domains:
+        _domains[n, su, overlap] = LoopbackDomain(
             n,
             num_max_tokens_per_rank=M,
             hidden=HIDDEN,
@@ -76,8 +80,9 @@ def domain(n: int, su: int) -> LoopbackDomain:
             gpu_timeout_secs=10.0,
             cpu_timeout_secs=30.0,
             num_scaleup_ranks=su,
+            prefer_overlap_with_compute=overlap,
         )
-    return _domains[(n, su)]
+    return _domains[n, su, overlap]
 
 
 def _eq(name: str, got, want) -> None:
@@ -214,14 +219,40 @@ def _topo_id(t: tuple[int, int]) -> str:
     return f"{t[0] // t[1]}x{t[1]}"
 
 
+def share_cases(topologies) -> list:
+    """(topology, case, num_sms) of the no-overlap tests: every 11th case from the topology's index, which gives
+    each topology both values of expand, alignment, FP8 and determinism and all three modes, at 1 and 2 SMs per
+    rank in turn: fewer than the epilogue's share, device SMs // N (8 at 2x8 on a 132-SM H200). The epilogue has no
+    grid barrier, so only the ops' grids must be co-resident (`check_coresident`): 16 x 2 SMs at most."""
+    return [
+        pytest.param(topo, case, sms, id=f"{_topo_id(topo)}-{'-'.join(map(str, CASES[case]))}-{sms}sm")
+        for i, topo in enumerate(topologies)
+        for j, case in enumerate(range(i, len(CASES), 11))
+        for sms in (1 + j % 2,)
+    ]
+
+
 @pytest.mark.parametrize("case", range(len(CASES)), ids=lambda c: "-".join(map(str, CASES[c])))
 @pytest.mark.parametrize("topo", TOPOLOGIES, ids=_topo_id)
 def test_hybrid_dispatch_combine(topo: tuple[int, int], case: int) -> None:
+    _check_case(*topo, case, (0, 1, 3)[case % 3])
+
+
+@pytest.mark.parametrize(("topo", "case", "num_sms"), share_cases(TOPOLOGIES))
+def test_hybrid_no_overlap_epilogue_on_share(topo: tuple[int, int], case: int, num_sms: int) -> None:
+    """prefer_overlap_with_compute=False: the hybrid copy epilogue on device SMs // N blocks, more than the op's
+    num_sms (the combine keeps one launch); the same bits as the reference."""
     n, su = topo
-    num_sms = (0, 1, 3)[case % 3]
+    if num_device_sms() // n <= num_sms:
+        pytest.skip("device too small: the epilogue's share is not wider than the op's grid")
+    assert all(r.epilogue_sms == num_device_sms() // n for r in domain(n, su, overlap=False).ranks)
+    _check_case(n, su, case, num_sms, overlap=False)
+
+
+def _check_case(n: int, su: int, case: int, num_sms: int, overlap: bool = True) -> None:
     if n * max(num_sms, 1) > num_device_sms():
         pytest.skip("device too small")
-    dom = domain(n, su)
+    dom = domain(n, su, overlap)
     try:
         _run_case(dom, n, su, case, num_sms)
     except BaseException:
@@ -229,7 +260,7 @@ def test_hybrid_dispatch_combine(topo: tuple[int, int], case: int) -> None:
         try:
             dom.reset()
         except Exception:
-            _domains.pop((n, su), None)
+            _domains.pop((n, su, overlap), None)
         raise
 
 
