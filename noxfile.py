@@ -44,6 +44,9 @@ DIST = ROOT / "dist"
 TORCH_CPU = "torch==2.13.0"
 TORCH_GPU = "torch"
 
+# The disassembler of scripts/sass_diff.py (found with cuda.pathfinder), for the CUDA 13 toolkit's cubins.
+NVDISASM = "nvidia-cuda-nvdisasm>=13,<14"
+
 
 @dataclass(frozen=True)
 class Package:
@@ -192,6 +195,7 @@ def tests(session: nox.Session) -> None:
     with every package; the rest of each package's suite runs in its tests-<package> session."""
     names = list(PACKAGES)
     _install(session, names, extras=ALL_EXTRAS)
+    session.install(NVDISASM)  # tests/test_sass_diff.py builds and disassembles
     _pytest(session, "tests", *(i for n in names for i in _needs_more(n)))
     # the host path's CPU benchmark (GPU calls mocked at the driver): a few seconds; the bound only catches a
     # call gone an order of magnitude slower, timings on shared CI machines vary too much for more
@@ -204,6 +208,15 @@ def tests(session: nox.Session) -> None:
         "2000",
         "--breakdown",
     )
+
+
+@nox.session(name="sass-diff", default=False)
+def sass_diff(session: nox.Session) -> None:
+    """Machine code of every kernel family, working tree against a revision: `nox -s sass-diff -- --base REV`
+    (default HEAD; `--quick`, `--config SPEC`, `--show N`). Identical SASS proves a device-code refactor without a GPU."""
+    _install(session, [*_closure("ep-core"), "ep-nccl-gin"], extras=ALL_EXTRAS, with_tests=False)
+    session.install(NVDISASM)
+    session.run("python", "scripts/sass_diff.py", *session.posargs)
 
 
 @nox.session(default=False, tags=["ci"])

@@ -46,8 +46,8 @@ def kernel_source(config: KernelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _include_dirs(config: KernelConfig) -> list[str]:
-    dirs = [get_include(), ep_layout.get_include()]
+def _include_dirs(config: KernelConfig, headers: tuple[str, str] | None = None) -> list[str]:
+    dirs = list(headers) if headers is not None else [get_include(), ep_layout.get_include()]
     if config.transport == "nccl":
         import ep_nccl_gin  # optional extra
 
@@ -148,8 +148,12 @@ def jit_switches(config: KernelConfig) -> tuple[dict[str, int], str]:
     return defines, suffix
 
 
-def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
-    """Compile (or fetch from the cache) the instance of `config`; returns the ep_jit Artifact."""
+def compile_kernels(
+    config: KernelConfig, arch: str | None = None, *, headers: tuple[str, str] | None = None
+) -> Any:
+    """Compile (or fetch from the cache) the instance of `config`; returns the ep_jit Artifact. `headers`: the
+    include directories of ep-core's and ep-layout's headers to build from instead of the installed ones (another
+    tree's: scripts/sass_diff.py compares the machine code of two revisions)."""
     import ep_jit
 
     name = (
@@ -173,7 +177,7 @@ def compile_kernels(config: KernelConfig, arch: str | None = None) -> Any:
     return ep_jit.compile(
         kernel_source(config),
         name=name,
-        include_dirs=_include_dirs(config),
+        include_dirs=_include_dirs(config, headers),
         defines=defines,
         arch=arch,
         flags=("-std=c++17",),
