@@ -123,20 +123,7 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
 
     // 3. prefix (deterministic)
     if (det) {
-        const int num_rows = kNumRanks + num_experts;
-        const int words = static_cast<int>((T + 31) / 32);
-        for (int row = global_warp; row < num_rows; row += num_global_warps) {
-            int carry = 0;
-            for (int base = 0; base < words; base += kWarpSize) {
-                const int w = base + lane;
-                const uint32_t v = w < words ? bits[static_cast<int64_t>(row) * W + w] : 0u;
-                const int c = __popc(v);
-                const int incl = warp_inclusive_scan(c, lane);
-                if (w < words)
-                    prefix[static_cast<int64_t>(row) * W + w] = carry + incl - c;
-                carry += __shfl_sync(kFullMask, incl, kWarpSize - 1);
-            }
-        }
+        bitmap_prefix(bits, prefix, W, T, kNumRanks + num_experts, global_warp, num_global_warps, lane);
         if (!sync.grid_sync())
             return;
     }
@@ -190,18 +177,7 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
-        if constexpr (Tok::kNumSfPacks > 0) {
-            for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
-                reinterpret_cast<uint32_t*>(slot_buf + Tok::kSfOffset)[p] =
-                    sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
-        }
-        if (lane < kNumTopk) {
-            reinterpret_cast<int32_t*>(slot_buf + Tok::kTopkIdxOffset)[lane] = r.expert;
-            reinterpret_cast<float*>(slot_buf + Tok::kWeightsOffset)[lane] = weight;
-            reinterpret_cast<int32_t*>(slot_buf + Tok::kPositionOffset)[lane] = position;
-        }
-        if (lane == 0)
-            *reinterpret_cast<int32_t*>(slot_buf + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
+        stage_tail<Tok>(slot_buf, args, sf, t, lane, r.expert, weight, position, rank, M);
         ptx::fence_async_shared();
         __syncwarp();
         ptx::mbarrier_wait(bar, phase);
@@ -223,14 +199,7 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
     ptx::bulk_wait_all();
 
     // flush the block's counts
-    __syncthreads();
-    for (int i = threadIdx.x; i < kNumRanks; i += num_threads)
-        if (s_sent[i] != 0)
-            atomicAdd(sc.sent_total() + i, s_sent[i]);
-    if (!cached)
-        for (int i = threadIdx.x; i < num_experts; i += num_threads)
-            if (s_expert[i] != 0)
-                atomicAdd(sc.expert_total() + i, s_expert[i]);
+    flush_block_counts(sc, s_sent, s_expert, kNumRanks, num_experts, cached, num_threads);
 
     // 5. publish (after every block's stores and puts): expert counts, then the rank count (release / signal)
     if (!sync.grid_sync())
@@ -271,24 +240,7 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
         }
 
         // 6. receive: wait for every source's count, then write the handle (as direct mode)
-        for (int src = threadIdx.x; src < kNumRanks; src += num_threads) {
-            uint64_t* word_ptr = ws.recv_rank_count() + src;
-            uint64_t seen = 0;
-            const bool ok = wait_until(
-                args, ws, kTagDispatchCounts, src,
-                ep_layout::WorkspaceLayout::kRankCountRecvOffset + 8 * src, static_cast<int64_t>(kCountValidFlag),
-                [&] {
-                    seen = ptx::ld_acquire_sys(word_ptr);
-                    return static_cast<int64_t>(seen);
-                },
-                [&](int64_t v) { return v != 0; }, [&] { sync.raise_abort(); });
-            if (ok) {
-                s_sent[src] = static_cast<int>(seen & 0xffffffffull);
-                *word_ptr = 0;
-            } else {
-                s_abort = 1;
-            }
-        }
+        wait_source_counts<kNumRanks>(args, sync, s_sent, &s_abort, num_threads);
         __syncthreads();
         if (s_abort != 0)
             return;

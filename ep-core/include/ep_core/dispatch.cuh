@@ -146,6 +146,139 @@ EP_CORE_DEVICE void count_bitmaps(const OpArgs& args, const Scratch& sc, uint32_
     }
 }
 
+/// Prefix phase of a deterministic dispatch: the exclusive popcount prefix of every bitmap word, one warp per row
+/// (`num_rows` rows of `W` words: the destination ranks, then the experts), so that the send phase finds a token's
+/// slot as `prefix[word] + popc(bits[word] & below)` without atomics.
+EP_CORE_DEVICE void bitmap_prefix(const uint32_t* bits, uint32_t* prefix, int W, int64_t T, int num_rows,
+                                  int global_warp, int num_global_warps, int lane) {
+    const int words = static_cast<int>((T + 31) / 32);
+    for (int row = global_warp; row < num_rows; row += num_global_warps) {
+        int carry = 0;
+        for (int base = 0; base < words; base += kWarpSize) {
+            const int w = base + lane;
+            const uint32_t v = w < words ? bits[static_cast<int64_t>(row) * W + w] : 0u;
+            const int c = __popc(v);
+            const int incl = warp_inclusive_scan(c, lane);
+            if (w < words)
+                prefix[static_cast<int64_t>(row) * W + w] = carry + incl - c;
+            carry += __shfl_sync(kFullMask, incl, kWarpSize - 1);
+        }
+    }
+}
+
+/// Stage the token's tail [sf | top-k ids | weights | positions | source id] in the warp's shared slot `buf` (the
+/// hidden part arrives there by bulk load). A lane of an invalid expert stores -1, as the receivers expect.
+template <typename Tok>
+EP_CORE_DEVICE void stage_tail(uint8_t* buf, const OpArgs& args, const uint32_t* sf, int64_t t, int lane, int expert,
+                               float weight, int position, int rank, int64_t M) {
+    if constexpr (Tok::kNumSfPacks > 0) {
+        for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
+            reinterpret_cast<uint32_t*>(buf + Tok::kSfOffset)[p] =
+                sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
+    }
+    if (lane < Tok::kNumTopk) {
+        reinterpret_cast<int32_t*>(buf + Tok::kTopkIdxOffset)[lane] = expert;
+        reinterpret_cast<float*>(buf + Tok::kWeightsOffset)[lane] = weight;
+        reinterpret_cast<int32_t*>(buf + Tok::kPositionOffset)[lane] = position;
+    }
+    if (lane == 0)
+        *reinterpret_cast<int32_t*>(buf + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
+}
+
+/// After the send loop: the block's counts per destination rank and per expert into the grid's totals (scratch).
+EP_CORE_DEVICE void flush_block_counts(const Scratch& sc, const int* s_sent, const int* s_expert, int num_ranks,
+                                       int num_experts, bool cached, int num_threads) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_ranks; i += num_threads)
+        if (s_sent[i] != 0)
+            atomicAdd(sc.sent_total() + i, s_sent[i]);
+    if (!cached)
+        for (int i = threadIdx.x; i < num_experts; i += num_threads)
+            if (s_expert[i] != 0)
+                atomicAdd(sc.expert_total() + i, s_expert[i]);
+}
+
+/// Receive phase: wait (acquire, under the timeout) for every source rank's count word of this rank's workspace,
+/// keep the count in `s_sent[src]` and reset the word for the next operation. A wait that fails raises the abort
+/// flag (its diagnostic recorded) and sets `*s_abort`.
+template <int kNumRanks, typename Transport>
+EP_CORE_DEVICE void wait_source_counts(const OpArgs& args, SyncContext<Transport>& sync, int* s_sent, int* s_abort,
+                                       int num_threads) {
+    const Workspace& ws = sync.ws;
+    for (int src = threadIdx.x; src < kNumRanks; src += num_threads) {
+        uint64_t* word_ptr = ws.recv_rank_count() + src;
+        uint64_t seen = 0;
+        const bool ok = wait_until(
+            args, ws, kTagDispatchCounts, src, ep_layout::WorkspaceLayout::kRankCountRecvOffset + 8 * src,
+            static_cast<int64_t>(kCountValidFlag),
+            [&] {
+                seen = ptx::ld_acquire_sys(word_ptr);
+                return static_cast<int64_t>(seen);
+            },
+            [&](int64_t v) { return v != 0; }, [&] { sync.raise_abort(); });
+        if (ok) {
+            s_sent[src] = static_cast<int>(seen & 0xffffffffull);
+            *word_ptr = 0;
+        } else {
+            *s_abort = 1;
+        }
+    }
+}
+
+/// The handle's prefix sum over source ranks of the received token counts (`s_sent`), by thread 0.
+template <int kNumRanks>
+EP_CORE_DEVICE void write_rank_psum(const OpArgs& args, const int* s_sent) {
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int src = 0; src < kNumRanks; ++src) {
+            acc += s_sent[src];
+            args.psum_rank[src] = acc;
+        }
+    }
+}
+
+/// Each local expert's received tokens, summed over the sources' published counts, into `s_expert`, and their
+/// count aligned to `A` into `s_start` (`write_expert_layout` scans it): one 64-bit division per thread, not a
+/// serial chain of `epr` of them in thread 0.
+template <int kNumRanks>
+EP_CORE_DEVICE void sum_expert_counts(const Workspace& ws, int* s_expert, int* s_start, int epr, int64_t A,
+                                      int num_threads) {
+    for (int j = threadIdx.x; j < epr; j += num_threads) {
+        int total = 0;
+        for (int src = 0; src < kNumRanks; ++src)
+            total += static_cast<int>(ws.recv_expert_count()[src * epr + j] & 0xffffffffull);
+        s_expert[j] = total;
+        s_start[j] = static_cast<int>(align_up<int64_t>(total, A));
+    }
+}
+
+/// The handle's expert layout from `sum_expert_counts`: expert starts by a block scan of the aligned counts, the
+/// counts and prefix sums, the cumulative statistics, the copy epilogue's cursors and per-(source, expert) bases;
+/// the received per-expert count words are reset for the next operation.
+template <int kNumRanks>
+EP_CORE_DEVICE void write_expert_layout(const OpArgs& args, const Workspace& ws, const Scratch& sc,
+                                        const int* s_expert, int* s_start, int* s_scan, int epr, int64_t A,
+                                        bool expand, int num_threads) {
+    block_exclusive_scan(s_start, epr, s_scan);
+    for (int j = threadIdx.x; j < epr; j += num_threads) {
+        const int count = s_expert[j];
+        const int start = s_start[j];
+        args.unaligned_expert[j] = count;
+        args.psum_expert[j] = expand ? start + count : start + static_cast<int>(align_up<int64_t>(count, A));
+        if (args.cum_stats != nullptr)
+            atomicAdd(args.cum_stats + j, count);
+        sc.expert_cursor()[j] = start;
+        sc.expert_start()[j] = start;
+        int running = start;
+        for (int src = 0; src < kNumRanks; ++src) {
+            uint64_t* c = ws.recv_expert_count() + src * epr + j;
+            sc.expert_src_base()[src * epr + j] = running;
+            running += static_cast<int>(*c & 0xffffffffull);
+            *c = 0;
+        }
+    }
+}
+
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
 EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
@@ -230,20 +363,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
 
     // 3. prefix (deterministic): exclusive popcount prefix per bitmap row
     if (det) {
-        const int num_rows = kNumRanks + num_experts;
-        const int words = static_cast<int>((T + 31) / 32);
-        for (int row = global_warp; row < num_rows; row += num_global_warps) {
-            int carry = 0;
-            for (int base = 0; base < words; base += kWarpSize) {
-                const int w = base + lane;
-                const uint32_t v = w < words ? bits[static_cast<int64_t>(row) * W + w] : 0u;
-                const int c = __popc(v);
-                const int incl = warp_inclusive_scan(c, lane);
-                if (w < words)
-                    prefix[static_cast<int64_t>(row) * W + w] = carry + incl - c;
-                carry += __shfl_sync(kFullMask, incl, kWarpSize - 1);
-            }
-        }
+        bitmap_prefix(bits, prefix, W, T, kNumRanks + num_experts, global_warp, num_global_warps, lane);
         EP_PHASE_MARK(kPhaseDispatch, kDpPrefix);
         if (!sync.grid_sync(false))  // local prefix only
             return;
@@ -299,18 +419,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
 
         // stage [hidden | sf | metadata] in this warp's shared slot: the hidden part by the bulk load above, the
         // rest by the lanes
-        if constexpr (Tok::kNumSfPacks > 0) {
-            for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
-                reinterpret_cast<uint32_t*>(slot_buf + Tok::kSfOffset)[p] =
-                    sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
-        }
-        if (lane < kNumTopk) {
-            reinterpret_cast<int32_t*>(slot_buf + Tok::kTopkIdxOffset)[lane] = r.expert;
-            reinterpret_cast<float*>(slot_buf + Tok::kWeightsOffset)[lane] = weight;
-            reinterpret_cast<int32_t*>(slot_buf + Tok::kPositionOffset)[lane] = position;
-        }
-        if (lane == 0)
-            *reinterpret_cast<int32_t*>(slot_buf + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
+        stage_tail<Tok>(slot_buf, args, sf, t, lane, r.expert, weight, position, rank, M);
         ptx::fence_async_shared();
         __syncwarp();
         if constexpr (kLoadHidden) {
@@ -332,14 +441,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     ptx::bulk_wait_all();
 
     // flush the block's counts
-    __syncthreads();
-    for (int i = threadIdx.x; i < kNumRanks; i += num_threads)
-        if (s_sent[i] != 0)
-            atomicAdd(sc.sent_total() + i, s_sent[i]);
-    if (!cached)
-        for (int i = threadIdx.x; i < num_experts; i += num_threads)
-            if (s_expert[i] != 0)
-                atomicAdd(sc.expert_total() + i, s_expert[i]);
+    flush_block_counts(sc, s_sent, s_expert, kNumRanks, num_experts, cached, num_threads);
 #if EP_PHASE_ON
     __syncthreads();
     EP_PHASE_MARK(kPhaseDispatch, kDpFlush);
@@ -387,64 +489,17 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         EP_PHASE_STAMP(kPhaseDispatch, kDpRankPub);
 
         // 6. receive: wait for every source's count, then write the handle
-        for (int src = threadIdx.x; kNumRanks > 1 && src < kNumRanks; src += num_threads) {
-            uint64_t* word_ptr = ws.recv_rank_count() + src;
-            uint64_t seen = 0;
-            const bool ok = wait_until(
-                args, ws, kTagDispatchCounts, src,
-                ep_layout::WorkspaceLayout::kRankCountRecvOffset + 8 * src, static_cast<int64_t>(kCountValidFlag),
-                [&] {
-                    seen = ptx::ld_acquire_sys(word_ptr);
-                    return static_cast<int64_t>(seen);
-                },
-                [&](int64_t v) { return v != 0; }, [&] { sync.raise_abort(); });
-            if (ok) {
-                s_sent[src] = static_cast<int>(seen & 0xffffffffull);
-                *word_ptr = 0;
-            } else {
-                s_abort = 1;
-            }
-        }
+        if constexpr (kNumRanks > 1)
+            wait_source_counts<kNumRanks>(args, sync, s_sent, &s_abort, num_threads);
         __syncthreads();
         if (s_abort != 0)
             return;
         EP_PHASE_STAMP(kPhaseDispatch, kDpRecv);
         if (!cached) {
             const int64_t A = args.expert_alignment;
-            // expert starts: aligned counts in parallel (one 64-bit division per thread, not a serial chain of
-            // epr of them in thread 0), then a block scan
-            for (int j = threadIdx.x; j < epr; j += num_threads) {
-                int total = 0;
-                for (int src = 0; src < kNumRanks; ++src)
-                    total += static_cast<int>(ws.recv_expert_count()[src * epr + j] & 0xffffffffull);
-                s_expert[j] = total;
-                s_start[j] = static_cast<int>(align_up<int64_t>(total, A));
-            }
-            if (threadIdx.x == 0) {
-                int acc = 0;
-                for (int src = 0; src < kNumRanks; ++src) {
-                    acc += s_sent[src];
-                    args.psum_rank[src] = acc;
-                }
-            }
-            block_exclusive_scan(s_start, epr, s_scan);
-            for (int j = threadIdx.x; j < epr; j += num_threads) {
-                const int count = s_expert[j];
-                const int start = s_start[j];
-                args.unaligned_expert[j] = count;
-                args.psum_expert[j] = expand ? start + count : start + static_cast<int>(align_up<int64_t>(count, A));
-                if (args.cum_stats != nullptr)
-                    atomicAdd(args.cum_stats + j, count);
-                sc.expert_cursor()[j] = start;
-                sc.expert_start()[j] = start;
-                int running = start;
-                for (int src = 0; src < kNumRanks; ++src) {
-                    uint64_t* c = ws.recv_expert_count() + src * epr + j;
-                    sc.expert_src_base()[src * epr + j] = running;
-                    running += static_cast<int>(*c & 0xffffffffull);
-                    *c = 0;
-                }
-            }
+            sum_expert_counts<kNumRanks>(ws, s_expert, s_start, epr, A, num_threads);
+            write_rank_psum<kNumRanks>(args, s_sent);
+            write_expert_layout<kNumRanks>(args, ws, sc, s_expert, s_start, s_scan, epr, A, expand, num_threads);
         }
 #if EP_PHASE_ON
         __syncthreads();

@@ -291,20 +291,7 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
 
     // 3. prefix (deterministic)
     if (det) {
-        const int num_rows = kNumRanks + num_experts;
-        const int words = static_cast<int>((T + 31) / 32);
-        for (int row = global_warp; row < num_rows; row += num_global_warps) {
-            int carry = 0;
-            for (int base = 0; base < words; base += kWarpSize) {
-                const int w = base + lane;
-                const uint32_t v = w < words ? bits[static_cast<int64_t>(row) * W + w] : 0u;
-                const int c = __popc(v);
-                const int incl = warp_inclusive_scan(c, lane);
-                if (w < words)
-                    prefix[static_cast<int64_t>(row) * W + w] = carry + incl - c;
-                carry += __shfl_sync(kFullMask, incl, kWarpSize - 1);
-            }
-        }
+        bitmap_prefix(bits, prefix, W, T, kNumRanks + num_experts, global_warp, num_global_warps, lane);
         if (!sync.grid_sync())
             return;
     }
@@ -361,19 +348,9 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
-        if constexpr (Tok::kNumSfPacks > 0) {
-            for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
-                reinterpret_cast<uint32_t*>(slot_buf + Tok::kSfOffset)[p] =
-                    sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
-        }
-        if (lane < kNumTopk) {
-            reinterpret_cast<int32_t*>(slot_buf + Tok::kTopkIdxOffset)[lane] = r.expert;
-            reinterpret_cast<float*>(slot_buf + Tok::kWeightsOffset)[lane] = weight;
-            reinterpret_cast<int32_t*>(slot_buf + Tok::kPositionOffset)[lane] = position;
+        stage_tail<Tok>(slot_buf, args, sf, t, lane, r.expert, weight, position, rank, M);
+        if (lane < kNumTopk)  // the message's destination slots, after the token
             reinterpret_cast<int32_t*>(slot_buf + Tok::kNumBytes)[lane] = r.master ? slot : -1;
-        }
-        if (lane == 0)
-            *reinterpret_cast<int32_t*>(slot_buf + Tok::kSrcIdxOffset) = static_cast<int32_t>(rank * M + t);
         ptx::fence_async_shared();
         __syncwarp();
         ptx::mbarrier_wait(bar, phase);
@@ -389,14 +366,7 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
     }
     ptx::bulk_wait_all();
 
-    __syncthreads();
-    for (int i = threadIdx.x; i < kNumRanks; i += num_threads)
-        if (s_sent[i] != 0)
-            atomicAdd(sc.sent_total() + i, s_sent[i]);
-    if (!cached)
-        for (int i = threadIdx.x; i < num_experts; i += num_threads)
-            if (s_expert[i] != 0)
-                atomicAdd(sc.expert_total() + i, s_expert[i]);
+    flush_block_counts(sc, s_sent, s_expert, kNumRanks, num_experts, cached, num_threads);
 
     // 5. signal: count block, then put-then-signal per destination node
     if (!sync.grid_sync())
@@ -520,24 +490,7 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
         }
 
         // 8. receive: as direct mode, then the region prefix sums
-        for (int src = threadIdx.x; src < kNumRanks; src += num_threads) {
-            uint64_t* word_ptr = ws.recv_rank_count() + src;
-            uint64_t seen = 0;
-            const bool ok = wait_until(
-                args, ws, kTagDispatchCounts, src,
-                ep_layout::WorkspaceLayout::kRankCountRecvOffset + 8 * src, static_cast<int64_t>(kCountValidFlag),
-                [&] {
-                    seen = ptx::ld_acquire_sys(word_ptr);
-                    return static_cast<int64_t>(seen);
-                },
-                [&](int64_t v) { return v != 0; }, [&] { sync.raise_abort(); });
-            if (ok) {
-                s_sent[src] = static_cast<int>(seen & 0xffffffffull);
-                *word_ptr = 0;
-            } else {
-                s_abort = 1;
-            }
-        }
+        wait_source_counts<kNumRanks>(args, sync, s_sent, &s_abort, num_threads);
         __syncthreads();
         if (s_abort != 0)
             return;
@@ -555,33 +508,8 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
         }
         if (!cached) {
             const int64_t A = args.expert_alignment;
-            // expert starts as direct mode's receive phase: aligned counts in parallel (one 64-bit division per
-            // thread, not a serial chain of epr of them in thread 0), then a block scan (same integers)
-            for (int j = threadIdx.x; j < epr; j += num_threads) {
-                int total = 0;
-                for (int src = 0; src < kNumRanks; ++src)
-                    total += static_cast<int>(ws.recv_expert_count()[src * epr + j] & 0xffffffffull);
-                s_expert[j] = total;
-                s_start[j] = static_cast<int>(align_up<int64_t>(total, A));
-            }
-            block_exclusive_scan(s_start, epr, s_scan);
-            for (int j = threadIdx.x; j < epr; j += num_threads) {
-                const int count = s_expert[j];
-                const int start = s_start[j];
-                args.unaligned_expert[j] = count;
-                args.psum_expert[j] = expand ? start + count : start + static_cast<int>(align_up<int64_t>(count, A));
-                if (args.cum_stats != nullptr)
-                    atomicAdd(args.cum_stats + j, count);
-                sc.expert_cursor()[j] = start;
-                sc.expert_start()[j] = start;
-                int running = start;
-                for (int src = 0; src < kNumRanks; ++src) {
-                    uint64_t* c = ws.recv_expert_count() + src * epr + j;
-                    sc.expert_src_base()[src * epr + j] = running;
-                    running += static_cast<int>(*c & 0xffffffffull);
-                    *c = 0;
-                }
-            }
+            sum_expert_counts<kNumRanks>(ws, s_expert, s_start, epr, A, num_threads);
+            write_expert_layout<kNumRanks>(args, ws, sc, s_expert, s_start, s_scan, epr, A, expand, num_threads);
         }
     }
     sync.grid_exit();
