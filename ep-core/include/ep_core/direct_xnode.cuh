@@ -43,6 +43,7 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
     __shared__ int s_sent[kNumRanks];
     __shared__ int s_expert[ep_layout::kNumMaxExperts];
     __shared__ int s_start[256];
+    __shared__ int s_scan[kWarpSize];
     __shared__ __align__(8) uint64_t s_bars[kNumWarps];
     __shared__ uint8_t* s_peer_recv[PeerPointers<kNumNodeRanks, Transport>::kTableSize];
     extern __shared__ __align__(128) uint8_t ep_dyn_smem[];
@@ -102,18 +103,10 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
     const int global_warp = blockIdx.x * kNumWarps + warp;
     const int num_global_warps = gridDim.x * kNumWarps;
 
-    // 1. count (deterministic)
-    if (det) {
-        for (int64_t t = global_warp; t < T; t += num_global_warps) {
-            const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, true);
-            const uint32_t bit = 1u << (t & 31);
-            const int64_t word = t >> 5;
-            if (r.master)
-                atomicOr(bits + static_cast<int64_t>(r.dst) * W + word, bit);
-            if (r.valid)
-                atomicOr(bits + static_cast<int64_t>(kNumRanks + r.expert) * W + word, bit);
-        }
-    }
+    // 1. count (deterministic): direct mode's bitmaps and input checks
+    if (det)
+        count_bitmaps<kNumRanks, kNumTopk>(args, sc, bits, W, T, global_warp, num_global_warps, lane, num_experts,
+                                           epr);
 
     // 2. entry barrier (every rank of every node)
     if (blockIdx.x == 0 && !hybrid_barrier<kNvl>(sync, so, kTagDispatchEntry, true))
@@ -244,45 +237,11 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
         __syncthreads();
         if (s_abort != 0)
             return;
-        if (!cached) {
+        if (!cached) {  // direct mode's handle: expert starts by a block scan of the aligned counts
             const int64_t A = args.expert_alignment;
-            for (int j = threadIdx.x; j < epr; j += num_threads) {
-                int total = 0;
-                for (int src = 0; src < kNumRanks; ++src)
-                    total += static_cast<int>(ws.recv_expert_count()[src * epr + j] & 0xffffffffull);
-                s_expert[j] = total;
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int acc = 0;
-                for (int src = 0; src < kNumRanks; ++src) {
-                    acc += s_sent[src];
-                    args.psum_rank[src] = acc;
-                }
-                int start = 0;
-                for (int j = 0; j < epr; ++j) {
-                    s_start[j] = start;
-                    start += static_cast<int>(align_up<int64_t>(s_expert[j], A));
-                }
-            }
-            __syncthreads();
-            for (int j = threadIdx.x; j < epr; j += num_threads) {
-                const int count = s_expert[j];
-                const int start = s_start[j];
-                args.unaligned_expert[j] = count;
-                args.psum_expert[j] = expand ? start + count : start + static_cast<int>(align_up<int64_t>(count, A));
-                if (args.cum_stats != nullptr)
-                    atomicAdd(args.cum_stats + j, count);
-                sc.expert_cursor()[j] = start;
-                sc.expert_start()[j] = start;
-                int running = start;
-                for (int src = 0; src < kNumRanks; ++src) {
-                    uint64_t* c = ws.recv_expert_count() + src * epr + j;
-                    sc.expert_src_base()[src * epr + j] = running;
-                    running += static_cast<int>(*c & 0xffffffffull);
-                    *c = 0;
-                }
-            }
+            sum_expert_counts<kNumRanks>(ws, s_expert, s_start, epr, A, num_threads);
+            write_rank_psum<kNumRanks>(args, s_sent);
+            write_expert_layout<kNumRanks>(args, ws, sc, s_expert, s_start, s_scan, epr, A, expand, num_threads);
         }
     }
     sync.grid_exit();

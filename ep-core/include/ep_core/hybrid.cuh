@@ -270,18 +270,10 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
     const int global_warp = blockIdx.x * kNumWarps + warp;
     const int num_global_warps = gridDim.x * kNumWarps;
 
-    // 1. count (deterministic)
-    if (det) {
-        for (int64_t t = global_warp; t < T; t += num_global_warps) {
-            const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, true);
-            const uint32_t bit = 1u << (t & 31);
-            const int64_t word = t >> 5;
-            if (r.master)
-                atomicOr(bits + static_cast<int64_t>(r.dst) * W + word, bit);
-            if (r.valid)
-                atomicOr(bits + static_cast<int64_t>(kNumRanks + r.expert) * W + word, bit);
-        }
-    }
+    // 1. count (deterministic): direct mode's bitmaps and input checks
+    if (det)
+        count_bitmaps<kNumRanks, kNumTopk>(args, sc, bits, W, T, global_warp, num_global_warps, lane, num_experts,
+                                           epr);
 
     // 2. entry barrier (every rank of every node)
     if (blockIdx.x == 0 && !hybrid_barrier<kSu, true>(sync, so, kTagDispatchEntry, true))
