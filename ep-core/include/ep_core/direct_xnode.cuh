@@ -127,34 +127,11 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
     uint8_t* const send_stage = recv_region + static_cast<int64_t>(kNumRanks) * M * Tok::kNumBytes;
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
         const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det, true);
-        const int64_t word = t >> 5;
-        const uint32_t below = (1u << (t & 31)) - 1u;
-        int slot = -1;
-        if (r.master) {
-            if (cached) {
-                slot = static_cast<int>(args.dst_slot[t * kNumTopk + lane] - static_cast<int64_t>(rank) * M);
-            } else if (det) {
-                const int64_t at = static_cast<int64_t>(r.dst) * W + word;
-                slot = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
-            } else {
-                slot = atomicAdd(sc.send_slot() + r.dst, 1);
-            }
-            atomicAdd(&s_sent[r.dst], 1);
-        }
-        if (!cached && lane < kNumTopk)
-            args.dst_slot[t * kNumTopk + lane] = r.master ? static_cast<int32_t>(rank * M + slot) : -1;
-        if (!cached && r.valid)
-            atomicAdd(&s_expert[r.expert], 1);
-        int position = -1;
-        if (det && r.valid) {
-            const int64_t at = static_cast<int64_t>(kNumRanks + r.expert) * W + word;
-            position = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
-        }
-        const float weight =
-            (lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
+        const Claim c = claim_token<kNumRanks, kNumTopk>(args, sc, r, t, lane, rank, M, cached, det, bits, prefix, W,
+                                                         s_sent, s_expert);
 
         const bool remote = r.master && r.dst / kNvl != node;
-        const int64_t tok_off = (static_cast<int64_t>(rank) * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
+        const int64_t tok_off = (static_cast<int64_t>(rank) * M + c.slot) * static_cast<int64_t>(Tok::kNumBytes);
         uint8_t* const stage_row = send_stage + t * static_cast<int64_t>(Tok::kNumBytes);
         uint8_t* my_dst = nullptr;
         if (r.master)
@@ -170,7 +147,7 @@ EP_CORE_DEVICE void direct_xnode_dispatch_impl(const OpArgs& args) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
-        stage_tail<Tok>(slot_buf, args, sf, t, lane, r.expert, weight, position, rank, M);
+        stage_tail<Tok>(slot_buf, args, sf, t, lane, r.expert, c.weight, c.position, rank, M);
         ptx::fence_async_shared();
         __syncwarp();
         ptx::mbarrier_wait(bar, phase);

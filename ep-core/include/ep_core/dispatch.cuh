@@ -166,6 +166,51 @@ EP_CORE_DEVICE void bitmap_prefix(const uint32_t* bits, uint32_t* prefix, int W,
     }
 }
 
+/// What the send phase decides for one lane of a routed token (`claim_token`).
+struct Claim {
+    int slot;      ///< master lane: the token's slot in its destination's region [own rank]; else -1
+    int position;  ///< deterministic, valid lane: the token's index among the expert's tokens from this rank; else -1
+    float weight;  ///< the lane's top-k weight (0 without weights)
+};
+
+/// The send phase's bookkeeping of one routed token (`r`, from `route_token`): the master lane's slot (cached: from
+/// the handle; deterministic: from the bitmap prefix; else an atomic on the destination's send counter), the block's
+/// counts per destination (`s_sent`) and per expert (`s_expert`), the new handle's slot record (`args.dst_slot`),
+/// the deterministic expert position and the lane's weight. The hybrid and cross-node dispatches call it; direct
+/// mode's send loop has the same steps written out (as a call the compiler schedules that loop differently, and its
+/// machine code is the measured one: scripts/sass_diff.py tells the two apart): change both together.
+template <int kNumRanks, int kNumTopk>
+EP_CORE_DEVICE Claim claim_token(const OpArgs& args, const Scratch& sc, const Route& r, int64_t t, int lane, int rank,
+                                 int64_t M, bool cached, bool det, const uint32_t* bits, const uint32_t* prefix, int W,
+                                 int* s_sent, int* s_expert) {
+    const int64_t word = t >> 5;
+    const uint32_t below = (1u << (t & 31)) - 1u;
+    int slot = -1;
+    if (r.master) {
+        if (cached) {
+            slot = static_cast<int>(args.dst_slot[t * kNumTopk + lane] - static_cast<int64_t>(rank) * M);
+        } else if (det) {
+            const int64_t at = static_cast<int64_t>(r.dst) * W + word;
+            slot = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
+        } else {
+            slot = atomicAdd(sc.send_slot() + r.dst, 1);
+        }
+        atomicAdd(&s_sent[r.dst], 1);
+    }
+    if (!cached && lane < kNumTopk)
+        args.dst_slot[t * kNumTopk + lane] = r.master ? static_cast<int32_t>(rank * M + slot) : -1;
+    if (!cached && r.valid)
+        atomicAdd(&s_expert[r.expert], 1);
+    int position = -1;
+    if (det && r.valid) {
+        const int64_t at = static_cast<int64_t>(kNumRanks + r.expert) * W + word;
+        position = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
+    }
+    const float weight =
+        (lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
+    return Claim{slot, position, weight};
+}
+
 /// Stage the token's tail [sf | top-k ids | weights | positions | source id] in the warp's shared slot `buf` (the
 /// hidden part arrives there by bulk load). A lane of an invalid expert stores -1, as the receivers expect.
 template <typename Tok>
@@ -386,6 +431,7 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
         const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det, true);
+        // claim_token's steps, written out (its comment says why)
         const int64_t word = t >> 5;
         const uint32_t below = (1u << (t & 31)) - 1u;
         int slot = -1;

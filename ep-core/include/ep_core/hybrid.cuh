@@ -293,31 +293,8 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
     const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
         const Route r = route_token<kNumTopk>(args, sc, t, lane, num_experts, epr, !det, true);
-        const int64_t word = t >> 5;
-        const uint32_t below = (1u << (t & 31)) - 1u;
-        int slot = -1;
-        if (r.master) {
-            if (cached) {
-                slot = static_cast<int>(args.dst_slot[t * kNumTopk + lane] - static_cast<int64_t>(rank) * M);
-            } else if (det) {
-                const int64_t at = static_cast<int64_t>(r.dst) * W + word;
-                slot = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
-            } else {
-                slot = atomicAdd(sc.send_slot() + r.dst, 1);
-            }
-            atomicAdd(&s_sent[r.dst], 1);
-        }
-        if (!cached && lane < kNumTopk)
-            args.dst_slot[t * kNumTopk + lane] = r.master ? static_cast<int32_t>(rank * M + slot) : -1;
-        if (!cached && r.valid)
-            atomicAdd(&s_expert[r.expert], 1);
-        int position = -1;
-        if (det && r.valid) {
-            const int64_t at = static_cast<int64_t>(kNumRanks + r.expert) * W + word;
-            position = static_cast<int>(prefix[at]) + __popc(bits[at] & below);
-        }
-        const float weight =
-            (lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
+        const Claim c = claim_token<kNumRanks, kNumTopk>(args, sc, r, t, lane, rank, M, cached, det, bits, prefix, W,
+                                                         s_sent, s_expert);
 
         // node groups: the highest lane of each destination node sends the one message of that node
         const int dnode = r.valid ? r.dst / kSu : -1 - lane;
@@ -340,9 +317,9 @@ EP_CORE_DEVICE void hybrid_dispatch_impl(const OpArgs& args) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
             ptx::bulk_load(slot_buf, x + t * args.x_stride, Tok::kHiddenBytes, bar);
         }
-        stage_tail<Tok>(slot_buf, args, sf, t, lane, r.expert, weight, position, rank, M);
+        stage_tail<Tok>(slot_buf, args, sf, t, lane, r.expert, c.weight, c.position, rank, M);
         if (lane < kNumTopk)  // the message's destination slots, after the token
-            reinterpret_cast<int32_t*>(slot_buf + Tok::kNumBytes)[lane] = r.master ? slot : -1;
+            reinterpret_cast<int32_t*>(slot_buf + Tok::kNumBytes)[lane] = r.master ? c.slot : -1;
         ptx::fence_async_shared();
         __syncwarp();
         ptx::mbarrier_wait(bar, phase);
