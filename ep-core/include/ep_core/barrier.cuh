@@ -192,22 +192,31 @@ struct SyncContext {
                 *s_abort = 1;
         }
         __syncthreads();
-        if (check_envelope && *s_abort == 0) {
-            for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
-                const uint64_t seen = *reinterpret_cast<volatile uint64_t*>(ws.envelopes() + src);
-                if (seen != args.envelope) {
-                    record_error(ws, ErrorKind::kEnvelopeMismatch, args.rank, src, tag,
-                                 ep_layout::WorkspaceLayout::kBarrierSignalsOffset + Workspace::kEnvelopesOffset +
-                                     8 * src,
-                                 static_cast<int64_t>(seen), static_cast<int64_t>(args.envelope), -1, -1);
-                    *s_abort = 1;
-                }
-            }
-            __syncthreads();
-            if (*s_abort != 0 && threadIdx.x == 0)
-                publish_failure(args, ws);
-        }
+        if (check_envelope && *s_abort == 0)
+            check_envelopes(tag, [](int) { return true; });
         return *s_abort == 0;
+    }
+
+    /// The envelope check after an entry barrier: every rank `meets(src)` names left its envelope in this rank's
+    /// workspace before arriving; one that differs from this rank's own is recorded (kEnvelopeMismatch, naming the
+    /// peer and both envelopes) and the failure published, and every thread of the block sees `*s_abort` set. All
+    /// threads of the barrier's block call it.
+    template <typename Meets>
+    EP_CORE_DEVICE void check_envelopes(int32_t tag, Meets meets) {
+        for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
+            if (!meets(src))
+                continue;
+            const uint64_t seen = *reinterpret_cast<volatile uint64_t*>(ws.envelopes() + src);
+            if (seen != args.envelope) {
+                record_error(ws, ErrorKind::kEnvelopeMismatch, args.rank, src, tag,
+                             ep_layout::WorkspaceLayout::kBarrierSignalsOffset + Workspace::kEnvelopesOffset + 8 * src,
+                             static_cast<int64_t>(seen), static_cast<int64_t>(args.envelope), -1, -1);
+                *s_abort = 1;
+            }
+        }
+        __syncthreads();
+        if (*s_abort != 0 && threadIdx.x == 0)
+            publish_failure(args, ws);
     }
 
     /// Every block calls this once as its last action: the last block out resets the grid barrier counters.

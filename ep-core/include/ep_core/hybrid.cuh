@@ -177,23 +177,8 @@ EP_CORE_DEVICE bool hybrid_barrier(SyncContext<Transport>& sync, const Scaleout&
             }
         }
         __syncthreads();
-        if (check_envelope && *sync.s_abort == 0) {
-            for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {
-                if (!meets(src))
-                    continue;
-                const uint64_t seen = *reinterpret_cast<volatile uint64_t*>(ws.envelopes() + src);
-                if (seen != args.envelope) {
-                    record_error(ws, ErrorKind::kEnvelopeMismatch, args.rank, src, tag,
-                                 ep_layout::WorkspaceLayout::kBarrierSignalsOffset + Workspace::kEnvelopesOffset +
-                                     8 * src,
-                                 static_cast<int64_t>(seen), static_cast<int64_t>(args.envelope), -1, -1);
-                    *sync.s_abort = 1;
-                }
-            }
-            __syncthreads();
-            if (*sync.s_abort != 0 && threadIdx.x == 0)
-                publish_failure(args, ws);
-        }
+        if (check_envelope && *sync.s_abort == 0)
+            sync.check_envelopes(tag, meets);  // over the same peers
         return *sync.s_abort == 0;
     }
 }
