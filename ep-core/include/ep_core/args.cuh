@@ -106,6 +106,13 @@ struct OpArgs {
 
 static_assert(sizeof(OpArgs) == 44 * 8, "OpArgs changed: update ep_core.kernels._args");
 
+/// Element `i` of the call's top-k ids (`OpArgs::topk_idx`): int32 or int64, as `kFlagTopkIdx32` says.
+EP_CORE_DEVICE int64_t topk_id(const OpArgs& args, int64_t i) {
+    if (args.flags & kFlagTopkIdx32)
+        return static_cast<const int32_t*>(args.topk_idx)[i];
+    return static_cast<const int64_t*>(args.topk_idx)[i];
+}
+
 /// View of this rank's symmetric workspace (ep_layout::WorkspaceLayout): the words that peers write.
 /// - barrier arrivals: one uint64 at the start of the barrier-signal region, bumped by every rank per barrier
 ///   (monotonic; the barrier epoch lives in the rank-private scratch);

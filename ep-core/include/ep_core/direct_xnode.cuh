@@ -370,12 +370,8 @@ EP_CORE_DEVICE void direct_xnode_combine_impl(const OpArgs& args) {
     const uint8_t* const bias1 = static_cast<const uint8_t*>(args.bias1);
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
         int64_t e = -1;
-        if (lane < kNumTopk) {
-            if (args.flags & kFlagTopkIdx32)
-                e = static_cast<const int32_t*>(args.topk_idx)[t * kNumTopk + lane];
-            else
-                e = static_cast<const int64_t*>(args.topk_idx)[t * kNumTopk + lane];
-        }
+        if (lane < kNumTopk)
+            e = topk_id(args, t * kNumTopk + lane);
         const bool valid = e >= 0 && e < num_experts;
         const int dst_rank = valid ? static_cast<int>(e) / epr : -1 - lane;
         const uint32_t same = __match_any_sync(kFullMask, dst_rank);

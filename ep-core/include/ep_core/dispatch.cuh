@@ -117,8 +117,7 @@ EP_CORE_DEVICE void count_bitmaps(const OpArgs& args, const Scratch& sc, uint32_
             e[j] = -1;
             if (k < kNumTopk && t[j] < T) {
                 const int64_t i = t[j] * kNumTopk + k;
-                e[j] = (args.flags & kFlagTopkIdx32) ? static_cast<const int32_t*>(args.topk_idx)[i]
-                                                     : static_cast<const int64_t*>(args.topk_idx)[i];
+                e[j] = topk_id(args, i);
             }
         }
 #pragma unroll

@@ -122,9 +122,7 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
                         sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
             }
             if (lane < kNumTopk) {
-                const int64_t e = (args.flags & kFlagTopkIdx32)
-                                      ? static_cast<const int32_t*>(args.topk_idx)[t * kNumTopk + lane]
-                                      : static_cast<const int64_t*>(args.topk_idx)[t * kNumTopk + lane];
+                const int64_t e = topk_id(args, t * kNumTopk + lane);
                 reinterpret_cast<int32_t*>(buf + Tok::kTopkIdxOffset)[lane] =
                     e >= 0 && e < num_experts ? static_cast<int>(e) : -1;
                 reinterpret_cast<float*>(buf + Tok::kWeightsOffset)[lane] =
