@@ -10,9 +10,11 @@ change in one kernel does not show in the next).
     python3 scripts/sass_diff.py [--base REV] [--quick | --config SPEC ...] [--show N] [--arch sm_90a] [--jobs N]
     nox -s sass-diff -- [ARGS]        # installs what it needs, nvdisasm and the NCCL headers included
 
-SPEC names one `KernelConfig`: `n8.k8.h7168` (ranks, top-k, hidden; bf16) with optional fields `.fp8` (FP8 data with
-one scale per 128 elements, `.p14` another pack count), `.su4` (hybrid: 4 ranks per node), `.xn4` (direct mode
-across nodes of 4 ranks), `.nccl` (the nccl transport; with `.su`/`.xn` the GIN scale-out put).
+SPEC names one `KernelConfig` of the dispatch/combine instance: `n8.k8.h7168` (ranks, top-k, hidden; bf16) with
+optional fields `.fp8` (FP8 data with one scale per 128 elements, `.p14` another pack count), `.su4` (hybrid: 4 ranks
+per node), `.xn4` (direct mode across nodes of 4 ranks), `.nccl` (the nccl transport; with `.su`/`.xn` the GIN
+scale-out put); or one of the other JIT instances, which have no configuration: `ll` (V1 low-latency packing,
+ll_pack.cuh), `engram` (engram_gather.cuh), `wait` (the bounded signal wait, signal_wait.cuh).
 
 Both sides are built with the working tree's Python (the defines of a `KernelConfig`, ep_jit's flags): a change of
 the defines themselves is not what this compares. Exit status: 0 every kernel identical, 1 some kernel differs
@@ -53,8 +55,19 @@ DEFAULT_SPECS = (
     "n8.k8.h7168.nccl",
     "n8.k8.h7168.nccl.su4",
     "n8.k8.h7168.nccl.xn4",
+    "ll",
+    "engram",
+    "wait",
 )
-"""Every kernel family (direct, hybrid, direct across nodes; ipc and nccl; bf16 and FP8) at the shapes in use."""
+"""Every kernel family (direct, hybrid, direct across nodes; ipc and nccl; bf16 and FP8) at the shapes in use, and
+the JIT instances beside them."""
+
+SIDE_INSTANCES = {
+    "ll": ("ep_core.ll_pack", "compile_ll_kernels"),
+    "engram": ("ep_core.engram_gather", "compile_engram_gather"),
+    "wait": ("ep_core.signal_wait", "compile_signal_wait"),
+}
+"""SPEC -> (module, compile function taking `arch` and `headers`) of the instances without a configuration."""
 
 QUICK_SPECS = ("n2.k8.h2048", "n4.k8.h2048.su2", "n4.k8.h2048.xn2")
 """One configuration of each family over ipc, small: what the CPU test builds."""
@@ -63,8 +76,12 @@ _SPEC_FIELD = re.compile(r"^(n|k|h|p|su|xn)(\d+)$")
 
 
 def parse_spec(spec: str):
-    """The `KernelConfig` a SPEC names (module doc); ValueError naming the field for anything else."""
+    """The `KernelConfig` a SPEC names, or the SPEC itself for an instance of SIDE_INSTANCES (module doc);
+    ValueError naming the field for anything else."""
     from ep_core.kernels.plan import KernelConfig
+
+    if spec in SIDE_INSTANCES:
+        return spec
 
     fields: dict[str, int] = {}
     fp8 = nccl = False
@@ -78,7 +95,8 @@ def parse_spec(spec: str):
             nccl = True
         else:
             raise ValueError(
-                f"--config {spec!r}: unknown field {part!r} (expected nN, kN, hN, fp8, pN, suN, xnN, nccl)"
+                f"--config {spec!r}: unknown field {part!r} (expected nN, kN, hN, fp8, pN, suN, xnN, nccl; "
+                f"or one of {', '.join(SIDE_INSTANCES)} alone)"
             )
     missing = [f for f in ("n", "k", "h") if f not in fields]
     if missing:
@@ -185,9 +203,16 @@ class KernelDiff:
 
 
 def build(spec: str, headers: tuple[str, str], arch: str, tool: str) -> dict[str, list[str]]:
+    import importlib
+
     from ep_core.kernels._source import compile_kernels
 
-    art = compile_kernels(parse_spec(spec), arch=arch, headers=headers)
+    config = parse_spec(spec)
+    if isinstance(config, str):
+        module, function = SIDE_INSTANCES[config]
+        art = getattr(importlib.import_module(module), function)(arch=arch, headers=headers)
+    else:
+        art = compile_kernels(config, arch=arch, headers=headers)
     return disassemble(Path(art.cubin_path), tool)
 
 

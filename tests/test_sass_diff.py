@@ -38,6 +38,17 @@ def test_specs_name_every_kernel_family():
     assert xnode.is_direct_xnode and xnode.scaleout == "gin" and xnode.transport == "nccl"
     for spec in (*sass_diff.DEFAULT_SPECS, *sass_diff.QUICK_SPECS):
         sass_diff.parse_spec(spec)
+    assert set(sass_diff.SIDE_INSTANCES) <= set(sass_diff.DEFAULT_SPECS)
+
+
+def test_every_other_instance_builds_from_given_headers():
+    pytest.importorskip("ep_core")
+    import importlib
+    import inspect
+
+    for name, (module, function) in sass_diff.SIDE_INSTANCES.items():
+        assert sass_diff.parse_spec(name) == name
+        assert "headers" in inspect.signature(getattr(importlib.import_module(module), function)).parameters
 
 
 @pytest.mark.parametrize(

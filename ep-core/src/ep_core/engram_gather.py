@@ -40,8 +40,9 @@ def plan_launch(rows: int, entry_bytes: int, addresses: list[int], num_sms: int)
     return GatherLaunch(f"ep_engram_gather_{vec}", vec, grid, BLOCK_THREADS)
 
 
-def compile_engram_gather(arch: str | None = None) -> Any:
-    """Compile (or fetch from ep_jit's cache) the gather kernels; returns the ep_jit Artifact."""
+def compile_engram_gather(arch: str | None = None, *, headers: tuple[str, str] | None = None) -> Any:
+    """Compile (or fetch from ep_jit's cache) the gather kernels; returns the ep_jit Artifact. `headers`: as
+    `kernels._source.compile_kernels`'s."""
     import ep_jit
 
     from ep_core.kernels._source import get_include
@@ -49,7 +50,7 @@ def compile_engram_gather(arch: str | None = None) -> Any:
     return ep_jit.compile(
         "// ep_core Engram gather\n#include <ep_core/engram_gather.cuh>\n",
         name="ep_core_engram_gather",
-        include_dirs=[get_include()],
+        include_dirs=list(headers) if headers is not None else [get_include()],
         arch=arch,
         flags=("-std=c++17",),
     )

@@ -32,9 +32,10 @@ KERNEL_NAMES = tuple(SIGNATURES)
 SOURCE = "// ep_core V1 low-latency kernels\n#include <ep_core/ll_pack.cuh>\n"
 
 
-def compile_ll_kernels(arch: str | None = None) -> Any:
+def compile_ll_kernels(arch: str | None = None, *, headers: tuple[str, str] | None = None) -> Any:
     """Compile (or fetch from ep_jit's cache) the low-latency kernels; returns the ep_jit Artifact. One
-    configuration: sizes, the index dtype and the FP8 options are kernel arguments."""
+    configuration: sizes, the index dtype and the FP8 options are kernel arguments. `headers`: as
+    `kernels._source.compile_kernels`'s (another tree's ep-core and ep-layout include directories)."""
     import ep_jit
 
     from ep_core.kernels._source import get_include
@@ -42,7 +43,7 @@ def compile_ll_kernels(arch: str | None = None) -> Any:
     return ep_jit.compile(
         SOURCE,
         name="ep_core_ll_pack",
-        include_dirs=[get_include()],
+        include_dirs=list(headers) if headers is not None else [get_include()],
         defines={"EP_LL_MAX_TOPK": MAX_TOPK},
         arch=arch,
         flags=("-std=c++17",),

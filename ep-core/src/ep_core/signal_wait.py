@@ -113,15 +113,15 @@ def signal_wait_source() -> str:
     return "// ep_core bounded signal wait\n#include <ep_core/signal_wait.cuh>\n"
 
 
-def compile_signal_wait(arch: str | None = None) -> Any:
+def compile_signal_wait(arch: str | None = None, *, headers: tuple[str, str] | None = None) -> Any:
     """Compile (or fetch from ep_jit's cache) the wait kernel; returns the ep_jit Artifact. Needs nvcc, and a
-    driver only when `arch` is None (the current GPU's)."""
+    driver only when `arch` is None (the current GPU's). `headers`: as `kernels._source.compile_kernels`'s."""
     import ep_jit
 
     return ep_jit.compile(
         signal_wait_source(),
         name="ep_core_signal_wait",
-        include_dirs=[get_include()],
+        include_dirs=list(headers) if headers is not None else [get_include()],
         arch=arch,
         flags=("-std=c++17",),
     )
