@@ -25,6 +25,7 @@ __all__ = [
     "DTYPE_SIZES",
     "ArrayInfo",
     "DeviceArray",
+    "bytes_capsule",
     "describe",
     "host_allocator",
     "host_array",
@@ -260,41 +261,6 @@ def _cuda_device_of(obj: Any) -> int:
     return dev_id if isinstance(dev_id, int) else 0
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    _fields_ = [
-        ("version", _DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", ctypes.c_void_p),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", _DLTensor),
-    ]
-
-
-_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 _DL_CODES = {
     (0, 8): "int8",
     (0, 16): "int16",
@@ -314,32 +280,27 @@ _DL_CODES = {
 }
 
 
-def _capsule_pointer(capsule: Any) -> tuple[int, bool]:
-    get_name = ctypes.pythonapi.PyCapsule_GetName
-    get_name.restype = ctypes.c_char_p
-    get_name.argtypes = [ctypes.py_object]
-    get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
-    get_ptr.restype = ctypes.c_void_p
-    get_ptr.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    name = get_name(capsule)
-    if name not in (b"dltensor", b"dltensor_versioned"):
-        raise EPTypeError(f"array: __dlpack__ returned a capsule named {name!r}; it was already consumed")
-    return get_ptr(capsule, name), name == b"dltensor_versioned"
+def bytes_capsule(ptr: int, nbytes: int, device_type: int, device_id: int) -> Any:
+    """A DLPack capsule of a 1-D uint8 tensor over `nbytes` at `ptr` (`ep_jit.dlpack.bytes_capsule`): how a framework
+    layer wraps symmetric memory in its own tensor type without a copy. `device_type`: 2 (CUDA) or 1 (CPU)."""
+    from ep_jit.dlpack import bytes_capsule as make  # ep_jit's package is imported on first use only
+
+    return make(ptr, nbytes, device_type, device_id)
 
 
 def _from_dlpack(obj: Any) -> ArrayInfo:
+    from ep_jit.dlpack import DL_CUDA, DL_CUDA_MANAGED, capsule_tensor
+
     device_type = None
     if hasattr(obj, "__dlpack_device__"):
         device_type = int(obj.__dlpack_device__()[0])
     try:
-        capsule = obj.__dlpack__(stream=-1) if device_type == _DL_CUDA else obj.__dlpack__()
+        capsule = obj.__dlpack__(stream=-1) if device_type == DL_CUDA else obj.__dlpack__()
     except TypeError:
         capsule = obj.__dlpack__()
-    ptr, versioned = _capsule_pointer(capsule)
-    if versioned:
-        t = _DLManagedTensorVersioned.from_address(ptr).dl_tensor
-    else:
-        t = _DLTensor.from_address(ptr)  # DLManagedTensor starts with its DLTensor
+    t = capsule_tensor(capsule)  # read while `capsule` lives
+    if t is None:
+        raise EPTypeError("array: __dlpack__ returned a capsule that was consumed already")
     dtype = _DL_CODES.get((t.dtype.code, t.dtype.bits))
     if dtype is None or t.dtype.lanes != 1:
         raise EPTypeError(f"array: unsupported DLPack dtype (code {t.dtype.code}, bits {t.dtype.bits})")
@@ -350,7 +311,7 @@ def _from_dlpack(obj: Any) -> ArrayInfo:
     else:
         strides = _c_strides(shape, itemsize)
     dev = t.device.device_type
-    device = "cuda" if dev in (_DL_CUDA, _DL_CUDA_MANAGED) else "cpu"
+    device = "cuda" if dev in (DL_CUDA, DL_CUDA_MANAGED) else "cpu"
     data = (t.data or 0) + int(t.byte_offset)
     # the capsule is not consumed: its destructor calls the producer's deleter; obj keeps the memory alive
     return ArrayInfo(data, shape, dtype, strides, device, int(t.device.device_id), obj)

@@ -13,6 +13,8 @@ import struct as _struct
 import threading
 from typing import Any
 
+from .dlpack import DL_CPU, capsule_tensor
+
 __all__ = [
     "ArgLayout",
     "KernelArg",
@@ -179,42 +181,13 @@ def resolve_address(obj: Any, position: int | None) -> int:
     )
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
 def _dlpack_address(obj: Any) -> int:
     """Address of a DLPack tensor: data + byte_offset. The capsule is not consumed (it is left unused)."""
-    capsule = obj.__dlpack__()
-    get_name = ctypes.pythonapi.PyCapsule_GetName
-    get_name.restype = ctypes.c_char_p
-    get_name.argtypes = [ctypes.py_object]
-    name = get_name(capsule)
-    get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-    get_pointer.restype = ctypes.c_void_p
-    get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    managed = get_pointer(capsule, name)
-    # DLManagedTensor and DLManagedTensorVersioned both start with (or, versioned, follow a
-    # version + manager ctx + deleter + flags header by) a DLTensor.
-    offset = 0 if name == b"dltensor" else 8 + 8 + 8 + 8
-    tensor = _DLTensor.from_address(managed + offset)
-    if tensor.device.device_type == 1:  # kDLCPU: pageable host memory is not a device address
+    capsule = obj.__dlpack__()  # held while its tensor is read
+    tensor = capsule_tensor(capsule)
+    if tensor is None:
+        raise TypeError("ep_jit.pointer: __dlpack__ returned a capsule that was consumed already")
+    if tensor.device.device_type == DL_CPU:  # pageable host memory is not a device address
         raise TypeError("ep_jit.pointer: the DLPack tensor lives in host (CPU) memory; pass a device tensor")
     return int(tensor.data or 0) + int(tensor.byte_offset)
 

@@ -33,12 +33,12 @@ context on the GPU until its slice ends. Default ``kernel``.
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
 import torch.utils.dlpack
 from ep_core import engram, pp
+from ep_core.device_array import bytes_capsule
 from ep_core.errors import EPConfigError
 
 __all__ = ["CopyEngineBackend"]
@@ -50,52 +50,13 @@ _AGRS_ENDED = _AGRS_ARRIVED + 32 * 1024  # u64 words [src]
 _BUCKET_GATHERED, _BUCKET_READY, _BUCKET_DONE = (_AGRS_ENDED + 1024 * (i + 1) for i in range(3))  # [src]
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
-
-
-_KEEP: list = []  # the DLPack structs of byte views: tiny, kept for the process's life (views outlive no buffer)
-
-
 def byte_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over ``nbytes`` at ``ptr`` labelled ``device``, whatever GPU the memory sits on: a peer GPU's
     memory mapped into this process stays addressable by this device's kernels (``__cuda_array_interface__`` would
     label it with the owner's GPU, and torch would then copy it). Built as a DLPack capsule, no copy."""
-    shape = (ctypes.c_int64 * 1)(nbytes)
     kind = 2 if device.type == "cuda" else 1  # kDLCUDA, kDLCPU
     index = device.index if device.index is not None else (torch.cuda.current_device() if kind == 2 else 0)
-    managed = _DLManagedTensor()
-    managed.dl_tensor = _DLTensor(
-        ctypes.c_void_p(ptr), _DLDevice(kind, index), 1, _DLDataType(1, 8, 1), shape, None, 0
-    )
-    managed.manager_ctx = None
-    managed.deleter = None
-    _KEEP.append((managed, shape))
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
-    return torch.utils.dlpack.from_dlpack(capsule)
+    return torch.utils.dlpack.from_dlpack(bytes_capsule(ptr, nbytes, kind, index))
 
 
 def _peer_bases(storage: Any, num_ranks: int) -> list[int]:
