@@ -17,9 +17,9 @@ scale-out put); or one of the other JIT instances, which have no configuration: 
 ll_pack.cuh), `engram` (engram_gather.cuh), `wait` (the bounded signal wait, signal_wait.cuh).
 
 Both sides are built with the working tree's Python (the defines of a `KernelConfig`, ep_jit's flags): a change of
-the defines themselves is not what this compares. Exit status: 0 every kernel identical, 1 some kernel differs
-(named, with the count of changed instruction lines and, with --show, the start of the diff), 2 the tools or a
-build failed.
+the defines themselves is not what this compares. Exit status: 0 every kernel of the base identical (kernels the
+base lacks are listed as new), 1 some kernel differs or is gone (named, with the count of changed instruction lines
+and, with --show, the start of the diff), 2 the tools or a build failed.
 """
 
 from __future__ import annotations
@@ -119,11 +119,14 @@ def parse_spec(spec: str):
 _SECTION = re.compile(r"^//-+ \.text\.(\S+)\s+-+$")
 _ADDRESS = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s*")
 _LABEL = re.compile(r"\.L_x_\d+")
+_INTERNAL = re.compile(r"\$__internal_\d+_\$")  # compiler helpers, numbered across the whole cubin
 
 
 def kernels_of(listing: str) -> dict[str, list[str]]:
     """Each function of an `nvdisasm -c` listing: its instruction and label lines, addresses dropped, white space
-    folded, labels renumbered in order of first appearance (`.L0`, `.L1`, ...)."""
+    folded, labels renumbered in order of first appearance (`.L0`, `.L1`, ...), the cubin-wide number dropped from
+    compiler helpers' names (`$__internal_3_$__cuda_sm20_rem_s64` -> `$__internal_$__cuda_sm20_rem_s64`: another
+    kernel in the cubin renumbers them)."""
     out: dict[str, list[str]] = {}
     lines: list[str] | None = None
     labels: dict[str, str] = {}
@@ -134,7 +137,7 @@ def kernels_of(listing: str) -> dict[str, list[str]]:
     for raw in listing.splitlines():
         m = _SECTION.match(raw.strip())
         if m:
-            lines, labels = out.setdefault(m.group(1), []), {}
+            lines, labels = out.setdefault(_INTERNAL.sub("$__internal_$", m.group(1)), []), {}
             continue
         if lines is None:
             continue
@@ -143,7 +146,7 @@ def kernels_of(listing: str) -> dict[str, list[str]]:
             text = _ADDRESS.sub("", raw)
         elif not (text.startswith(".L_x_") and text.endswith(":")):
             continue  # directives, section labels, blank lines
-        lines.append(_LABEL.sub(label, " ".join(text.split())))
+        lines.append(_INTERNAL.sub("$__internal_$", _LABEL.sub(label, " ".join(text.split()))))
     return out
 
 
@@ -192,6 +195,8 @@ class KernelDiff:
     work_lines: int
     diff: tuple[str, ...]  # unified diff lines, empty when identical
 
+    new: bool = False  # the base has no such kernel (an added entry point changes none of the others)
+
     @property
     def identical(self) -> bool:
         return not self.diff
@@ -220,6 +225,9 @@ def compare(spec: str, base: dict[str, list[str]], work: dict[str, list[str]]) -
     out = []
     for kernel in sorted(set(base) | set(work)):
         a, b = base.get(kernel, []), work.get(kernel, [])
+        if kernel not in base:
+            out.append(KernelDiff(spec, kernel, 0, len(b), (), new=True))
+            continue
         diff = () if a == b else tuple(difflib.unified_diff(a, b, "base", "work", n=2, lineterm=""))
         out.append(KernelDiff(spec, kernel, len(a), len(b), diff))
     return out
@@ -240,7 +248,13 @@ def run(specs: list[str], base_headers, work_headers, arch: str, jobs: int, log=
         for spec in specs:
             rows = compare(spec, futures[spec, "base"].result(), futures[spec, "work"].result())
             for row in rows:
-                state = "identical" if row.identical else f"DIFFERS: {row.changed} lines changed"
+                state = (
+                    "new (not in the base)"
+                    if row.new
+                    else "identical"
+                    if row.identical
+                    else f"DIFFERS: {row.changed} lines changed"
+                )
                 log(f"{spec:24s} {row.kernel:34s} {row.work_lines:6d} lines  {state}")
             results.extend(rows)
     return results
@@ -273,10 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sass_diff: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     changed = [r for r in rows if not r.identical]
+    added = [r for r in rows if r.new]
     for r in changed if args.show else ():
         print(f"\n== {r.spec} {r.kernel}")
         print("\n".join(r.diff[: args.show]))
-    print(f"{len(rows) - len(changed)} kernels identical, {len(changed)} differ")
+    print(
+        f"{len(rows) - len(changed) - len(added)} kernels identical, {len(changed)} differ"
+        + (f", {len(added)} new" if added else "")
+    )
     return 1 if changed else 0
 
 
