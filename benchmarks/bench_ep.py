@@ -26,6 +26,9 @@ of N rank streams and the kernel launches cost before any kernel does work.
 Ops: `dispatch` (no CPU sync), `dispatch_cached`, `dispatch_deterministic` and `combine` are timed as CUDA-graph
 replays of all ranks' launches (GPU time: N ranks launched from one Python thread would otherwise measure the
 host); `*_eager` are the same ops launched eagerly, `dispatch_cpu_sync` waits on the host for the counts (eager).
+`combine_zero_copy` (direct mode, bf16) is the combine of the same rows written into the ranks' combine buffers
+(`LoopbackDomain.combine_buffers`, `zero_copy=True`): its bytes are one pass (each expert row read where it is, each
+token written), so its % of the ceiling is its own; compare its time with `combine`'s.
 
     python benchmarks/bench_ep.py --out OUTDIR [--quick]              # throughput, T=4096
     python benchmarks/bench_ep.py --out OUTDIR --decode [--quick]     # latency, T=128
@@ -799,6 +802,8 @@ def bench_config(
     dispatch_bytes = n * tokens * hb + 2 * S * d_tok + S * (hb + packs * 4)
     # combine: read each expert row, write it to its source slot, read it back, write the reduced token
     combine_bytes = S * 2 * HIDDEN + 2 * S * c_tok + n * tokens * 2 * HIDDEN
+    # zero-copy combine: read each expert row where it is (its rank's combine buffer), write the reduced token
+    zero_copy_bytes = S * 2 * HIDDEN + n * tokens * 2 * HIDDEN
     t_disp = t_comb = float("nan")
     if torch_iters:
         t_disp, t_comb = torch_baseline(xs, sfs, idxs, n, torch_iters, do_combine=not fp8)
@@ -907,6 +912,25 @@ def bench_config(
         t_comb_ours, single["combine"] = graph(comb, "combine") if not fp8 else (float("nan"), None)
         t_comb_eager = timer.run(comb, iters) if not fp8 else float("nan")
         dom.synchronize()
+        t_comb_zc = float("nan")
+        if (
+            not fp8 and scaleup is None
+        ):  # zero-copy: direct mode; the same rows, written into the ranks' buffers
+            from ep_core.kernels import _cuda
+
+            handles = [o.handle for o in outs]
+            bufs = dom.combine_buffers(handles, HIDDEN)
+            torch.cuda.synchronize()  # ys complete on torch's stream
+            for b, y, st in zip(bufs, ys, dom.streams):  # once: a zero-copy combine only reads them
+                _cuda.copy_device(b.ptr, y.data_ptr(), y.numel() * 2, st)
+
+            def comb_zc(sms=sms, handles=handles, bufs=bufs):
+                for a in allocs:
+                    a.reset("comb_zc")
+                dom.combine(bufs, handles, num_sms=sms, zero_copy=True)
+
+            t_comb_zc, single["combine_zero_copy"] = graph(comb_zc, "combine_zero_copy")
+            dom.synchronize()
         for op, ms, nbytes, base in (
             ("dispatch", t_nosync, dispatch_bytes, t_disp),
             ("dispatch_eager", t_nosync_eager, dispatch_bytes, t_disp),
@@ -915,6 +939,7 @@ def bench_config(
             ("dispatch_deterministic", t_det, dispatch_bytes, t_disp),
             ("combine", t_comb_ours, combine_bytes, t_comb),
             ("combine_eager", t_comb_eager, combine_bytes, t_comb),
+            ("combine_zero_copy", t_comb_zc, zero_copy_bytes, t_comb),
         ):
             if math.isnan(ms):
                 continue

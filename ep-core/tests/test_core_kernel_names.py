@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ep_core.kernels._source import KERNEL_NAMES, get_include
+from ep_core.kernels._source import KERNEL_NAMES, ZERO_COPY_KERNEL, get_include
+
+ALL = (*KERNEL_NAMES, ZERO_COPY_KERNEL)  # the zero-copy combine: direct-mode instances only
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels" / "direct_rank.py"
 
@@ -22,14 +24,14 @@ DEEPEP = {
 
 def test_each_deepep_substring_finds_exactly_its_kernel():
     for sub, kernel in DEEPEP.items():
-        assert [n for n in KERNEL_NAMES if sub in n] == [kernel], sub
-    assert all(n.startswith("ep_") for n in KERNEL_NAMES)
-    assert not any("combine_reduce_epilogue_impl" in n for n in KERNEL_NAMES)
+        assert [n for n in ALL if sub in n] == [kernel], sub
+    assert all(n.startswith("ep_") for n in ALL)
+    assert not any("combine_reduce_epilogue_impl" in n for n in ALL)
 
 
 def test_header_defines_and_executor_launches_those_names():
     header = (Path(get_include()) / "ep_core" / "kernels.cuh").read_text()
     defined = re.findall(r"__global__ void __launch_bounds__\([^)]*\)\s+(\w+)\(", header)
-    assert sorted(defined) == sorted(KERNEL_NAMES)
+    assert sorted(defined) == sorted(ALL)
     launched = set(re.findall(r'"(ep_\w+_impl)"', SRC.read_text()))
-    assert launched == set(KERNEL_NAMES)
+    assert launched == set(ALL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from ep_core.kernels._source import KERNEL_NAMES, compile_kernels, kernel_source
+from ep_core.kernels._source import KERNEL_NAMES, ZERO_COPY_KERNEL, compile_kernels, kernel_source
 from ep_core.kernels.plan import KernelConfig
 
 ep_jit = pytest.importorskip("ep_jit")
@@ -44,6 +44,7 @@ def test_kernels_compile_sm90a(cfg: KernelConfig) -> None:
     for name in KERNEL_NAMES:  # the names DeepEP-style profilers look up (test_core_kernel_names)
         assert name.encode() in data
     assert set(KERNEL_NAMES) <= set(art.kernel_names)
+    assert ZERO_COPY_KERNEL in art.kernel_names  # direct mode: the zero-copy combine too
 
 
 def test_nccl_transport_compiles() -> None:
@@ -77,6 +78,7 @@ def test_hybrid_kernels_compile_sm90a(cfg: KernelConfig) -> None:
     art = compile_kernels(cfg, arch="sm_90a")
     assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
     assert set(KERNEL_NAMES) <= set(art.kernel_names)
+    assert ZERO_COPY_KERNEL not in art.kernel_names  # direct mode only
     assert "_su" in art.cubin_path.parent.name
 
 

@@ -64,8 +64,10 @@ def launches(monkeypatch):
         dispatch=FakeKernel("dispatch", log),
         epilogue=FakeKernel("epilogue", log),
         combine=FakeKernel("combine", log),
+        combine_zero_copy=FakeKernel("combine_zero_copy", log),
     )
     monkeypatch.setattr(_cuda, "num_device_sms", lambda: 132)
+    monkeypatch.setattr(_cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_cuda, "device_attribute", lambda name: 1_980_000)
     monkeypatch.setattr(_cuda, "MappedWords", FakeWords)
     monkeypatch.setattr(
@@ -1086,3 +1088,85 @@ def _run_logged(rank, alloc, log: list, fn) -> list:
     n = len(log)
     fn()
     return [entry[-1] for entry in log[n:]]
+
+
+def test_a_zero_copy_combine_reads_the_combine_buffer_in_one_launch(launches) -> None:
+    """`combine(buffer, handle, zero_copy=True)`: the zero-copy kernel, one launch even where the ordinary combine
+    splits its reduce off (nothing is sent), `comb_x` = the buffer (the receive region's start, one bf16 row per
+    received row), `dst_slot` = the handle's slots, the zero-copy flag in the flags and the envelope (ranks that
+    disagree meet a mismatch, not each other's buffers); repeats hit the prepared launch and equal a fresh pack."""
+    from ep_core.kernels._args import FLAGS
+
+    idx = OP_ARGS_FIELDS.index
+    stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
+    res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
+    alloc = Allocator()
+    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, epilogue_sms=132)
+    rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
+    x, _, ti, w = inputs()
+    handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
+    buf = rank.combine_buffer(handle, HIDDEN)
+    assert buf.shape == (handle.recv_src_metadata.shape[0], HIDDEN) and buf.dtype == "bfloat16"
+    assert buf.ptr == res.base + ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES  # the receive region
+    plain = rank.combine(arr(buf.shape, np.uint16), handle)
+    n = len(launches)
+    out = replay(rank, alloc, launches, lambda: rank.combine(buf, handle, zero_copy=True))
+    assert [(e[0], e[1]) for e in out] == [("combine_zero_copy", 8)]
+    words = OP_ARGS_STRUCT.unpack(out[0][7])
+    assert words[idx("comb_x")] == buf.ptr
+    assert words[idx("dst_slot")] == handle.dst_buffer_slot_idx.ptr
+    assert words[idx("flags")] & FLAGS["combine_zero_copy"]
+    assert not words[idx("flags")] & (FLAGS["combine_send_only"] | FLAGS["combine_reduce_only"])
+    plain_words = [OP_ARGS_STRUCT.unpack(e[7]) for e in launches[n - 2 : n]]
+    assert [e[0] for e in launches[n - 2 : n]] == ["combine", "combine"]  # the ordinary one splits here
+    assert words[idx("envelope")] not in (0, plain_words[0][idx("envelope")])
+    assert plain.combined_x is not None and rank.last_repeat is None
+    misses = rank._launches.misses
+    rank.combine(buf, handle, zero_copy=True)
+    assert rank._launches.misses == misses
+
+
+def test_zero_copy_refusals_name_the_argument(launches) -> None:
+    """Before any launch: weights (nothing comes back to gather them from), an array that is not the buffer, an
+    expanded handle, a hidden size the receive region cannot hold."""
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    x, _, ti, w = inputs()
+    handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
+    buf = rank.combine_buffer(handle, HIDDEN)
+    n = len(launches)
+    with pytest.raises(ValueError, match="topk_weights: a zero-copy combine"):
+        rank.combine(buf, handle, topk_weights=arr((buf.shape[0], TOPK), np.float32), zero_copy=True)
+    with pytest.raises(ValueError, match="x: a zero-copy combine reads rank 0's combine buffer"):
+        rank.combine(arr(buf.shape, np.uint16), handle, zero_copy=True)
+    with pytest.raises(ValueError, match=r"got \(\d+, 256\) at a ndarray"):  # host memory: the same message
+        rank.check_zero_copy(np.zeros(buf.shape, np.uint16), handle)
+    assert len(launches) == n
+    expanded = rank.dispatch(
+        x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False, do_expand=True
+    ).handle
+    n = len(launches)
+    with pytest.raises(ValueError, match="handle: a zero-copy combine needs the handle of a non-expanded"):
+        rank.combine_buffer(expanded, HIDDEN)
+    with pytest.raises(ValueError, match="hidden: expected a positive int"):
+        rank.combine_buffer(handle, 0)
+    small = DirectRank(
+        RankResources(0, N, 0x1000_0000, 1 << 12, 0x2000, rank.stream, num_ranks_on_device=1),
+        num_max_tokens_per_rank=M,
+        allocator=alloc,
+    )
+    with pytest.raises(ValueError, match=r"zero_copy: \d+ rows of 256 bf16 need"):
+        small.combine_buffer(handle, HIDDEN)
+    assert len(launches) == n
+
+
+def test_zero_copy_is_direct_mode_only(launches) -> None:
+    alloc = Allocator()
+    stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
+    res = RankResources(0, 4, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
+    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, num_scaleup_ranks=2)
+    rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
+    x, _, ti, w = inputs()
+    handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
+    with pytest.raises(ValueError, match="zero_copy: direct mode within one NVLink domain only"):
+        rank.combine_buffer(handle, HIDDEN)

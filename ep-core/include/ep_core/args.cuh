@@ -28,6 +28,7 @@ enum OpFlags : int64_t {
                                    ///< weights array is empty, so a forwarder never judges by its own pointer)
     kFlagCombineSendOnly = 1 << 10,    ///< direct combine: entry, send and exit only (the reduce is launched apart)
     kFlagCombineReduceOnly = 1 << 11,  ///< direct combine: the reduce only, after a send-only launch on the stream
+    kFlagCombineZeroCopy = 1 << 12,    ///< direct combine from the ranks' combine buffers (`ep_combine_zero_copy_impl`)
 };
 
 /// Error kinds are ep_layout::ErrorKind (values pinned; the host decodes them).
@@ -42,6 +43,7 @@ enum WaitTag : int32_t {
     kTagCombineExit = 5,
     kTagScaleoutSignal = 6,  ///< hybrid dispatch: a forwarder waits for a source node's put-then-signal
     kTagCombineForward = 7,  ///< hybrid combine: every rank's level-1 rows have reached their forwarders
+    kTagCombineRead = 8,     ///< zero-copy combine: every rank has read what it needs from its peers' buffers
 };
 
 struct OpArgs {
@@ -119,6 +121,7 @@ EP_CORE_DEVICE int64_t topk_id(const OpArgs& args, int64_t i) {
 /// - envelopes: uint64 [kNumMaxRanks] at byte 4096 of the barrier-signal region (which has 32 KiB; the arrivals
 ///   use its first 8 bytes): `[src]` is the `OpArgs::envelope` that rank src entered its last checked barrier with.
 ///   Like the arrivals, these words keep their last value between operations (they are compared, never waited on).
+/// - combine row bases: uint64 [kNumMaxRanks] at byte 16384 of the same region (zero-copy combine), kept likewise.
 /// - error record: `abort_flag` is the flag every wait watches (the first failure claims it by CAS);
 /// - rank / expert count receive areas: int64 `kCountValidFlag | count` written by each source (0 = not arrived),
 ///   experts source-major `[src * epr + local expert]`; reset to 0 by the receiver.
@@ -135,6 +138,18 @@ struct Workspace {
     static_assert(kEnvelopesOffset + 8 * ep_layout::kNumMaxRanks <=
                       ep_layout::WorkspaceLayout::kBarrierSignalsNumElems * 4,
                   "the envelopes must fit the barrier-signal region");
+    /// Zero-copy combine: `[src]` is the first row of this rank's combine buffer that holds a token of rank src (the
+    /// handle's prefix over sources), published before the entry barrier and read by src after it. Like the
+    /// envelopes, kept between operations (read only after the barrier that follows each publication).
+    EP_CORE_DEVICE uint64_t* combine_row_base() const {
+        return reinterpret_cast<uint64_t*>(base + ep_layout::WorkspaceLayout::kBarrierSignalsOffset +
+                                           kCombineRowBaseOffset);
+    }
+    static constexpr int64_t kCombineRowBaseOffset = 16384;
+    static_assert(kCombineRowBaseOffset >= kEnvelopesOffset + 8 * ep_layout::kNumMaxRanks &&
+                      kCombineRowBaseOffset + 8 * ep_layout::kNumMaxRanks <=
+                          ep_layout::WorkspaceLayout::kBarrierSignalsNumElems * 4,
+                  "the combine row bases must fit the barrier-signal region after the envelopes");
     EP_CORE_DEVICE ep_layout::ErrorRecord* error_record() const {
         return reinterpret_cast<ep_layout::ErrorRecord*>(base + ep_layout::WorkspaceLayout::kErrorRecordOffset);
     }

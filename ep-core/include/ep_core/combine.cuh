@@ -20,6 +20,13 @@
 /// With dynamic shared memory (KernelConfig.combine_dynamic_smem_bytes: one row per warp), rows that are copied as
 /// they are go through bulk copies (load into the warp's slot, store from it) and the reduction stages its terms
 /// there by bulk copies (`warp_staged_sum`); the arithmetic and its order are the same, so are the bits.
+/// Zero-copy (`kZeroCopy`, entry point `ep_combine_zero_copy_impl`; direct mode, non-expanded handles): every rank's
+/// rows already sit in its combine buffer (the first rows of its receive region, in its received order, written
+/// there by the caller instead of passed as `comb_x`). Role 1 first publishes where each source's rows start
+/// (`Workspace::combine_row_base`, the handle's prefix), roles 2-3 are skipped (nothing moves), the reduce reads each
+/// operand from its rank's buffer at that base plus the slot the dispatch gave the token (`dst_slot`), and a last
+/// `grid_cross_rank_barrier` keeps every buffer unchanged until all ranks have read it. One pass over the rows
+/// instead of two; the same operands in the same order, so the same bits.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -246,7 +253,7 @@ constexpr bool kCombineLocalRef = EP_CORE_COMBINE_LOCAL_REF != 0;
 constexpr bool kCombineLocalRef = false;
 #endif
 
-template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumWarps, typename Transport>
+template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumWarps, typename Transport, bool kZeroCopy = false>
 EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, 0, kNumTopk, false>;
     constexpr int kMetaCols = kNumTopk + 2;
@@ -284,7 +291,8 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     peer_region.fill();
     // staged path (bulk copies through one shared slot per warp) when the launch gave the shared memory
     constexpr int kSlot = combine_slot_bytes<Tok::kHiddenBytes>();
-    const bool staged = ptx::dynamic_smem_size() >= static_cast<uint32_t>(kNumWarps * kSlot);
+    // (zero-copy: the register path, whose loads read peers' memory the way they read this rank's)
+    const bool staged = !kZeroCopy && ptx::dynamic_smem_size() >= static_cast<uint32_t>(kNumWarps * kSlot);
     uint8_t* const slot_buf = ep_dyn_smem + warp * kSlot;
     uint64_t* const bar = &s_bars[warp];
     uint32_t phase = 0;
@@ -300,6 +308,12 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     if (!reduce_only) {  // roles 1-3 (a reduce-only launch follows a send-only one that ran them)
         // 1. entry (one rank alone: no peer reads its region, its own epilogue is stream-ordered: no barrier)
         if constexpr (kNumRanks > 1) {
+            if constexpr (kZeroCopy) {
+                // where each source's rows start in this rank's buffer, for that source to read after the barrier
+                if (blockIdx.x == 0)
+                    for (int src = threadIdx.x; src < kNumRanks; src += blockDim.x)
+                        sync.ws.combine_row_base()[src] = src == 0 ? 0 : static_cast<uint64_t>(args.psum_rank[src - 1]);
+            }
             if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagCombineEntry, true))
                 return;
             EP_PHASE_MARK(kPhaseCombine, kCbEntry);
@@ -307,108 +321,112 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
                 return;
         }
 
-        const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
-        const int64_t R = args.psum_rank[kNumRanks - 1];
+        if constexpr (!kZeroCopy) {  // roles 2-3 (zero-copy: the rows stay where they are)
+            const uint8_t* const x = static_cast<const uint8_t*>(args.comb_x);
+            const int64_t R = args.psum_rank[kNumRanks - 1];
 
-        // a row as it is to one destination: bulk load into the slot, bulk store from it (staged), else by registers
-        auto send_row = [&](const uint8_t* src, uint8_t* dst) {
-            if (staged) {
-                // the slot is free once the previous row's store has read it (and, after a staged sum, once the
-                // lanes' shared reads are ordered before the bulk copy's writes)
-                ptx::bulk_wait_read();
-                ptx::fence_async_shared();
-                __syncwarp();
-                if (lane == 0) {
-                    ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
-                    ptx::bulk_load(slot_buf, src, Tok::kHiddenBytes, bar);
-                }
-                ptx::mbarrier_wait(bar, phase);
-                phase ^= 1u;
-                if (lane == 0) {
-                    ptx::bulk_store(dst, slot_buf, Tok::kHiddenBytes);
-                    ptx::bulk_commit();
-                }
-            } else {
-                uint8_t* dsts[kFanout] = {dst};
-                warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
-            }
-        };
-
-        // 2. send
-        for (int64_t i = global_warp; i < R; i += num_global_warps) {
-            const int32_t* meta = args.src_metadata + i * kMetaCols;
-            const int m0 = meta[0], m1 = meta[1];
-            const int src_rank = static_cast<int>(m0 / M);
-            const int64_t src_token = m0 % M;
-            const int master = m1 % kNumTopk;
-            uint8_t* const src_region = peer_region[src_rank];
-            auto slot_ptr = [&](int slot) {
-                return src_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
-            };
-            // a local row (kCombineLocalRef): its address in the slot instead of its bytes
-            auto send_or_refer = [&](const uint8_t* src, uint8_t* dst) {
-                if (kCombineLocalRef && src_rank == rank) {
-                    if (lane == 0)
-                        *reinterpret_cast<const uint8_t**>(dst) = src;
-                } else {
-                    send_row(src, dst);
-                }
-            };
-            if (!expand) {
-                uint8_t* dst = slot_ptr(rank_layout ? rank : master);
-                send_or_refer(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dst);
-                if (args.comb_weights != nullptr && lane < kNumTopk)
-                    reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] = args.comb_weights[i * kNumTopk + lane];
-            } else {
-                const int row = lane < kNumTopk ? meta[2 + lane] : -1;
-                const uint32_t rows = __ballot_sync(kFullMask, row >= 0);
-                const uint8_t* my_src = row >= 0 ? x + static_cast<int64_t>(row) * Tok::kHiddenBytes : nullptr;
-                if (amr) {
-                    uint8_t* dst = slot_ptr(rank_layout ? rank : master);
-                    if (__popc(rows) == 1) {
-                        const uint8_t* src = reinterpret_cast<const uint8_t*>(
-                            __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), __ffs(rows) - 1));
-                        send_row(src, dst);
-                    } else {
-                        bool done = false;
-                        if (staged) {
-                            ptx::bulk_wait_read();  // the slot is free once the previous row's store has read it
-                            __syncwarp();
-                            done = warp_staged_sum<Tok::kHiddenBytes>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
-                                                                      slot_buf, bar, phase, lane);
-                        }
-                        if (!done)
-                            warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst, s_ops[warp],
-                                                                       lane);
+            // a row as it is to one destination: bulk load into the slot, bulk store from it (staged), else by
+            // registers
+            auto send_row = [&](const uint8_t* src, uint8_t* dst) {
+                if (staged) {
+                    // the slot is free once the previous row's store has read it (and, after a staged sum, once the
+                    // lanes' shared reads are ordered before the bulk copy's writes)
+                    ptx::bulk_wait_read();
+                    ptx::fence_async_shared();
+                    __syncwarp();
+                    if (lane == 0) {
+                        ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
+                        ptx::bulk_load(slot_buf, src, Tok::kHiddenBytes, bar);
                     }
+                    ptx::mbarrier_wait(bar, phase);
+                    phase ^= 1u;
+                    if (lane == 0) {
+                        ptx::bulk_store(dst, slot_buf, Tok::kHiddenBytes);
+                        ptx::bulk_commit();
+                    }
+                } else {
+                    uint8_t* dsts[kFanout] = {dst};
+                    warp_copy_fanout<Tok::kHiddenBytes>(src, dsts, 1, lane);
+                }
+            };
+
+            // 2. send
+            for (int64_t i = global_warp; i < R; i += num_global_warps) {
+                const int32_t* meta = args.src_metadata + i * kMetaCols;
+                const int m0 = meta[0], m1 = meta[1];
+                const int src_rank = static_cast<int>(m0 / M);
+                const int64_t src_token = m0 % M;
+                const int master = m1 % kNumTopk;
+                uint8_t* const src_region = peer_region[src_rank];
+                auto slot_ptr = [&](int slot) {
+                    return src_region + (slot * M + src_token) * static_cast<int64_t>(Tok::kNumBytes);
+                };
+                // a local row (kCombineLocalRef): its address in the slot instead of its bytes
+                auto send_or_refer = [&](const uint8_t* src, uint8_t* dst) {
+                    if (kCombineLocalRef && src_rank == rank) {
+                        if (lane == 0)
+                            *reinterpret_cast<const uint8_t**>(dst) = src;
+                    } else {
+                        send_row(src, dst);
+                    }
+                };
+                if (!expand) {
+                    uint8_t* dst = slot_ptr(rank_layout ? rank : master);
+                    send_or_refer(x + i * static_cast<int64_t>(Tok::kHiddenBytes), dst);
                     if (args.comb_weights != nullptr && lane < kNumTopk)
                         reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] =
-                            row >= 0 ? args.comb_weights[row] : 0.0f;
+                            args.comb_weights[i * kNumTopk + lane];
                 } else {
-                    for (uint32_t m = rows; m != 0; m &= m - 1) {
-                        const int l = __ffs(m) - 1;
-                        const uint8_t* src = reinterpret_cast<const uint8_t*>(
-                            __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), l));
-                        send_or_refer(src, slot_ptr(l));
+                    const int row = lane < kNumTopk ? meta[2 + lane] : -1;
+                    const uint32_t rows = __ballot_sync(kFullMask, row >= 0);
+                    const uint8_t* my_src = row >= 0 ? x + static_cast<int64_t>(row) * Tok::kHiddenBytes : nullptr;
+                    if (amr) {
+                        uint8_t* dst = slot_ptr(rank_layout ? rank : master);
+                        if (__popc(rows) == 1) {
+                            const uint8_t* src = reinterpret_cast<const uint8_t*>(
+                                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), __ffs(rows) - 1));
+                            send_row(src, dst);
+                        } else {
+                            bool done = false;
+                            if (staged) {
+                                ptx::bulk_wait_read();  // the slot is free once the previous row's store has read it
+                                __syncwarp();
+                                done = warp_staged_sum<Tok::kHiddenBytes>(my_src, rows, nullptr, nullptr, dst,
+                                                                          s_ops[warp], slot_buf, bar, phase, lane);
+                            }
+                            if (!done)
+                                warp_ordered_sum<Tok::kHiddenBytes, false>(my_src, rows, nullptr, nullptr, dst,
+                                                                           s_ops[warp], lane);
+                        }
+                        if (args.comb_weights != nullptr && lane < kNumTopk)
+                            reinterpret_cast<float*>(dst + Tok::kWeightsOffset)[lane] =
+                                row >= 0 ? args.comb_weights[row] : 0.0f;
+                    } else {
+                        for (uint32_t m = rows; m != 0; m &= m - 1) {
+                            const int l = __ffs(m) - 1;
+                            const uint8_t* src = reinterpret_cast<const uint8_t*>(
+                                __shfl_sync(kFullMask, reinterpret_cast<unsigned long long>(my_src), l));
+                            send_or_refer(src, slot_ptr(l));
+                        }
                     }
                 }
             }
-        }
 
-        // 3. exit: every rank's rows have landed here (this warp's bulk stores complete before its block arrives)
-        ptx::bulk_wait_all();
-        EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
-        EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
-        if constexpr (kNumRanks == 1) {
-            if (!sync.grid_sync(false))  // one rank: the rows came from its own blocks, to its own memory
+            // 3. exit: every rank's rows have landed here (this warp's bulk stores complete before its block arrives)
+            ptx::bulk_wait_all();
+            EP_PHASE_MARK(kPhaseCombine, kCbSendB0);
+            EP_PHASE_LAST(kPhaseCombine, kCbSendLast);
+            if constexpr (kNumRanks == 1) {
+                if (!sync.grid_sync(false))  // one rank: the rows came from its own blocks, to its own memory
+                    return;
+            } else {
+                if (!sync.grid_cross_rank_barrier(kTagCombineExit))
+                    return;
+            }
+            if (args.flags & kFlagCombineSendOnly) {
+                sync.grid_exit();
                 return;
-        } else {
-            if (!sync.grid_cross_rank_barrier(kTagCombineExit))
-                return;
-        }
-        if (args.flags & kFlagCombineSendOnly) {
-            sync.grid_exit();
-            return;
+            }
         }
     }  // !reduce_only
     EP_PHASE_MARK(kPhaseCombine, kCbExit);
@@ -441,7 +459,19 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
         auto slot_of = [&](int l) { return lane_level ? l : (rank_layout ? dst_rank : l); };
         const uint8_t* my_src =
             is_operand ? region + (slot_of(lane) * M + t) * static_cast<int64_t>(Tok::kNumBytes) : nullptr;
-        if constexpr (kCombineLocalRef) {
+        if constexpr (kZeroCopy) {
+            // one operand per destination rank (non-expanded), at its master lane: the token's row in that rank's
+            // buffer, its base for this rank plus the slot the dispatch gave the token there
+            if (is_operand) {
+                const int64_t slot = args.dst_slot[t * kNumTopk + lane] - static_cast<int64_t>(rank) * M;
+                int64_t base = 0;
+                if constexpr (kNumRanks > 1)
+                    base = static_cast<int64_t>(*reinterpret_cast<const volatile uint64_t*>(
+                        sync.tr.sym_ptr(sync.ws.combine_row_base(), dst_rank) + rank));
+                my_src = peer_region[dst_rank] + (base + slot) * static_cast<int64_t>(Tok::kHiddenBytes);
+            }
+        }
+        if constexpr (kCombineLocalRef && !kZeroCopy) {
             // this rank's own row was left by reference (send phase, same rule): its address, written before the
             // exit barrier by a block of this grid
             if (is_operand && dst_rank == rank && !(expand && amr))
@@ -469,7 +499,7 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
                 warp_ordered_sum<Tok::kHiddenBytes, true>(my_src, operands, b0, b1, out + row_off, s_ops[warp],
                                                           lane);
         }
-        if (args.combined_weights != nullptr && part == 0 && lane < kNumTopk) {
+        if (!kZeroCopy && args.combined_weights != nullptr && part == 0 && lane < kNumTopk) {
             float w = 0.0f;
             if (valid) {
                 const int owner = lane_level ? lane : (rank_layout ? dst_rank : master);
@@ -484,6 +514,11 @@ EP_CORE_DEVICE void combine_impl(const OpArgs& args) {
     EP_PHASE_MARK(kPhaseCombine, kCbReduceB0);
     EP_PHASE_LAST(kPhaseCombine, kCbReduceLast);
 #endif
+    if constexpr (kZeroCopy && kNumRanks > 1) {
+        // 5. (zero-copy) every rank has read its operands: the buffers are their owners' again
+        if (!sync.grid_cross_rank_barrier(kTagCombineRead))
+            return;
+    }
     sync.grid_exit();
 }
 

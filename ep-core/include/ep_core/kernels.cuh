@@ -61,6 +61,15 @@ extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
                                     !EP_CORE_HYBRID && !EP_CORE_DIRECT_XNODE && ep_core::kDirectOwnRowsTailOnly>(args);
 }
 
+#if !EP_CORE_HYBRID && !EP_CORE_DIRECT_XNODE
+/// The direct combine from the ranks' combine buffers (combine.cuh, zero-copy): direct mode only.
+extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
+    ep_combine_zero_copy_impl(const __grid_constant__ ep_core::OpArgs args) {
+    ep_core::combine_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_COMBINE_HIDDEN_BYTES, EP_CORE_NUM_WARPS,
+                          EP_CORE_TRANSPORT, true>(args);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
     ep_combine_impl(const __grid_constant__ ep_core::OpArgs args) {
 #if EP_CORE_HYBRID

@@ -256,8 +256,11 @@ class LoopbackDomain:
         bias: Sequence[Any] | None = None,
         allow_multiple_reduction: bool = True,
         num_sms: int = 0,
+        zero_copy: bool = False,
     ) -> list[CombineResult]:
-        """Combine on every rank (same keywords as `ep_core.reference.combine`)."""
+        """Combine on every rank (same keywords as `ep_core.reference.combine`). `zero_copy`: each `xs[r]` is rank
+        r's `combine_buffers(handles, hidden)[r]` with its rows written in place; the kernels read them there
+        (one pass less; `DirectRank.combine_buffer`)."""
         if self._closed:
             raise EPStateError("combine: the domain is closed")
         hs = self._check("handles", handles)
@@ -265,6 +268,11 @@ class LoopbackDomain:
         xs = self._check("xs", xs)
         ws = self._check("topk_weights", topk_weights)
         bs = self._check("bias", bias)
+        if (
+            zero_copy
+        ):  # every rank's buffer before any rank launches (a launched rank would wait for the others)
+            for rank, x, h, w in zip(self.ranks, xs, hs, ws):
+                rank.check_zero_copy(x, h, w)
         # as in dispatch: no synchronizing free between the ranks' launches
         with _cuda.frees_deferred():
             out = []
@@ -279,11 +287,20 @@ class LoopbackDomain:
                         allow_multiple_reduction=allow_multiple_reduction,
                         num_sms=num_sms,
                         report_input_error=False,
+                        zero_copy=zero_copy,
                     )
                 )
             for rank in self.ranks:  # every rank has launched: a report now leaves no rank waiting
                 rank._report_input_error()
         return out
+
+    def combine_buffers(self, handles: Sequence[Any], hidden: int) -> list[Any]:
+        """Every rank's zero-copy combine buffer for its handle (`DirectRank.combine_buffer`): bf16 [received rows,
+        hidden] device arrays to write the expert outputs into, then `combine(buffers, handles, zero_copy=True)`."""
+        if self._closed:
+            raise EPStateError("combine_buffers: the domain is closed")
+        hs = self._check("handles", handles)
+        return [rank.combine_buffer(h, hidden) for rank, h in zip(self.ranks, hs)]
 
     def _guard(self, handles: list) -> None:
         """Every rank's failure check (and its handle's) before any rank launches (a rank that raised would leave

@@ -30,6 +30,7 @@ __all__ = [
     "Stream",
     "as_view",
     "check",
+    "current_device",
     "device_attribute",
     "device_identity",
     "driver",
@@ -216,6 +217,11 @@ def device_attribute(name: str) -> int:
     dev = check(drv.cuCtxGetDevice(), "cuCtxGetDevice")
     attr = getattr(drv.CUdevice_attribute, name)
     return int(check(drv.cuDeviceGetAttribute(attr, dev), f"cuDeviceGetAttribute({name})"))
+
+
+def current_device() -> int:
+    """The ordinal of the current context's device."""
+    return int(check(driver().cuCtxGetDevice(), "cuCtxGetDevice"))
 
 
 def num_device_sms() -> int:

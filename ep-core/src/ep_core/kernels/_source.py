@@ -13,9 +13,19 @@ import ep_layout
 from ep_core.errors import EPConfigError
 from ep_core.kernels.plan import KernelConfig
 
-__all__ = ["KERNEL_NAMES", "KernelSet", "compile_kernels", "get_include", "kernel_source", "load_kernels"]
+__all__ = [
+    "KERNEL_NAMES",
+    "ZERO_COPY_KERNEL",
+    "KernelSet",
+    "compile_kernels",
+    "get_include",
+    "kernel_source",
+    "load_kernels",
+]
 
 KERNEL_NAMES = ("ep_dispatch_impl", "ep_dispatch_copy_epilogue_impl", "ep_combine_impl")
+ZERO_COPY_KERNEL = "ep_combine_zero_copy_impl"
+"""The combine from the ranks' combine buffers (combine.cuh, zero-copy): in direct-mode instances only."""
 
 
 def get_include() -> str:
@@ -191,6 +201,7 @@ class KernelSet:
     dispatch: Any
     epilogue: Any
     combine: Any
+    combine_zero_copy: Any = None  # direct-mode instances only (ZERO_COPY_KERNEL)
 
 
 _loaded: dict[KernelConfig, KernelSet] = {}
@@ -210,5 +221,7 @@ def load_kernels(config: KernelConfig) -> KernelSet:
         if ks is None:
             module = ep_jit.load(artifact)
             ks = KernelSet(config, *(module.function(n) for n in KERNEL_NAMES))
+            if not (config.is_hybrid or config.is_direct_xnode):
+                ks.combine_zero_copy = module.function(ZERO_COPY_KERNEL)
             _loaded[config] = ks
     return ks

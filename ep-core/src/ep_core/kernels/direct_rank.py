@@ -51,6 +51,7 @@ from typing import Any
 import ep_layout
 import numpy as np
 
+from ep_core.device_array import DeviceArray as CoreArray
 from ep_core.errors import (
     EPConfigError,
     EPDeviceError,
@@ -103,6 +104,7 @@ TAG_NAMES = {
     5: "combine.exit_barrier",
     6: "dispatch.scaleout_signal",
     7: "combine.forward_barrier",
+    8: "combine.read_barrier",
 }
 _EK = ep_layout.ErrorKind
 _ERR_OFF = ep_layout.WorkspaceLayout.ERROR_RECORD_OFFSET
@@ -186,6 +188,8 @@ _COMBINE_DYNAMIC = (
     "combined_weights",
     "envelope",
 )
+# a zero-copy combine also reads the dispatch's slots (the envelope stays last: it says whether a launch is collective)
+_COMBINE_ZERO_COPY_DYNAMIC = (*_COMBINE_DYNAMIC[:-1], "dst_slot", "envelope")
 
 
 @dataclass
@@ -1109,6 +1113,64 @@ class DirectRank:
         return self.finish_dispatch(self.launch_dispatch(*args, **kwargs))
 
     # ------------------------------------------------------------------ combine
+    def check_zero_copy(self, x: Any, handle: EPHandle, topk_weights: Any = None) -> None:
+        """What `combine(x, handle, topk_weights=..., zero_copy=True)` checks of its arguments, without launching
+        (the loopback domain checks every rank before the first launches)."""
+        if topk_weights is not None:
+            raise EPValueError(
+                "topk_weights: a zero-copy combine sends nothing back, so it returns no combined weights; "
+                "pass None (or combine without zero_copy)"
+            )
+        shape = tuple(getattr(x, "shape", ()))
+        if len(shape) != 2:
+            raise EPValueError(f"x: expected rank {self.rank}'s 2-D combine buffer, got shape {shape}")
+        buffer = self.combine_buffer(handle, int(shape[1]))
+        try:
+            where = f"{as_view(x, 'x').ptr:#x}"
+        except TypeError:  # host memory, or no array at all
+            where = f"a {type(x).__name__}"
+        if where != f"{buffer.ptr:#x}" or shape != buffer.shape:
+            raise EPValueError(
+                f"x: a zero-copy combine reads rank {self.rank}'s combine buffer in place; pass "
+                f"combine_buffer(handle, hidden) ({buffer.shape} at {buffer.ptr:#x}) with the expert outputs "
+                f"written into it, got {shape} at {where}"
+            )
+
+    def combine_buffer(self, handle: EPHandle, hidden: int) -> CoreArray:
+        """Where a zero-copy combine (`combine(..., zero_copy=True)`) reads this rank's rows: bf16 [received rows,
+        hidden] at the start of the receive region, one row per row of the dispatch's `recv_x`, in its order. The
+        caller writes its expert outputs there instead of into an array of its own. Valid from the end of the
+        dispatch's copy epilogue (the region held the received tokens until then) until the next dispatch or combine
+        on this buffer, which writes the region; direct mode within one NVLink domain, non-expanded handles."""
+        self._check_handle(handle)
+        if handle.do_expand:
+            raise EPValueError(
+                "handle: a zero-copy combine needs the handle of a non-expanded dispatch (do_expand=False); "
+                "an expanded layout's rows are per (token, expert) and travel with the ordinary combine"
+            )
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0:
+            raise EPValueError(f"hidden: expected a positive int, got {hidden!r}")
+        cfg = self._config(hidden, 2, 0, handle.num_topk)
+        if cfg.is_hybrid or cfg.is_direct_xnode:
+            raise EPValueError(
+                f"zero_copy: direct mode within one NVLink domain only; this buffer's {self.num_ranks} ranks span "
+                f"nodes of {self.num_nvlink_ranks} (combine without zero_copy)"
+            )
+        rows = int(handle.recv_src_metadata.shape[0])
+        if rows * hidden * 2 > self.res.data_bytes:
+            raise EPValueError(
+                f"zero_copy: {rows} rows of {hidden} bf16 need {rows * hidden * 2} bytes, rank {self.rank}'s receive "
+                f"region has {self.res.data_bytes}; allocate the buffer with get_buffer_size_hint()"
+            )
+        plan = plan_regions(cfg, handle.num_experts, self.num_max_tokens, self.res.data_bytes, op="combine")
+        return CoreArray(
+            self.res.base + plan.recv_offset,
+            (rows, hidden),
+            "bfloat16",
+            device_id=_cuda.current_device(),
+            owner=self,
+        )
+
     def combine(
         self,
         x: Any,
@@ -1120,10 +1182,13 @@ class DirectRank:
         num_sms: int = 0,
         report_input_error: bool = True,
         record: bool = False,
+        zero_copy: bool = False,
     ) -> CombineResult:
         """Launch the combine kernel. `report_input_error=False` leaves `_report_input_error` to a caller that
         launches several ranks (the loopback domain reports once every rank has launched). `record`: leave the
-        call's `RepeatCombine` in `last_repeat` (ep_core.kernels.repeat)."""
+        call's `RepeatCombine` in `last_repeat` (ep_core.kernels.repeat). `zero_copy`: `x` is this rank's
+        `combine_buffer(handle, hidden)`, which every rank's kernel reads in place (module doc of combine.cuh);
+        every rank of the call passes it alike (the envelope checks)."""
         self.last_repeat = None
         self.guard()
         if handle is None:
@@ -1143,6 +1208,9 @@ class DirectRank:
             raise EPValueError(
                 f"x: expected {handle.recv_src_metadata.shape[0]} rows (one per received token), got {xv.shape[0]}"
             )
+        zero_copy = bool(zero_copy)
+        if zero_copy:
+            self.check_zero_copy(xv, handle, topk_weights)
         wv = None
         if topk_weights is not None:
             if handle.do_expand and not amr:
@@ -1190,6 +1258,8 @@ class DirectRank:
             flags |= FLAGS["rank_layout"]
         if iv.dtype == np.int32:
             flags |= FLAGS["topk_idx32"]
+        if zero_copy:
+            flags |= FLAGS["combine_zero_copy"]
         key = ("combine", cfg, handle.num_experts, t, flags, self._shape_key(plan, scratch, num_sms))
         prepared = self._launches.get(key)
         if prepared is None:
@@ -1197,13 +1267,11 @@ class DirectRank:
             kernels = load_kernels(cfg)
         combined = self._alloc((t, hidden), np.uint16)
         combined_w = self._alloc((t, k), np.float32) if wv is not None else None
-        env_fields = (
-            hidden,
-            k,
-            handle.num_experts,
-            self.num_max_tokens,
-            flags & (FLAGS["expand"] | FLAGS["multiple_reduction"] | FLAGS["rank_layout"]),
+        # ranks that differ in zero_copy would read buffers nobody filled, or fill slots nobody reads
+        env_mask = (
+            FLAGS["expand"] | FLAGS["multiple_reduction"] | FLAGS["rank_layout"] | FLAGS["combine_zero_copy"]
         )
+        env_fields = (hidden, k, handle.num_experts, self.num_max_tokens, flags & env_mask)
         dynamic = (
             iv.ptr,
             view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
@@ -1217,19 +1285,29 @@ class DirectRank:
             view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelope(OP_COMBINE, (*env_fields, self._handle_launch.get(handle, -1))),
         )
+        names = _COMBINE_DYNAMIC
+        if zero_copy:  # the dispatch's slots, before the envelope
+            names = _COMBINE_ZERO_COPY_DYNAMIC
+            dynamic = (
+                *dynamic[:-1],
+                view_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx"),
+                dynamic[-1],
+            )
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, handle.num_experts)
-            split = self.combine_split(cfg, geo, t)
+            split = not zero_copy and self.combine_split(
+                cfg, geo, t
+            )  # zero-copy: one launch, nothing to send
             args.update(num_tokens=t, flags=flags | (FLAGS["combine_send_only"] if split else 0))
-            args.update(zip(_COMBINE_DYNAMIC, dynamic))
+            args.update(zip(names, dynamic))
             main = self._prepare(
-                kernels.combine,
-                "ep_combine_impl",
+                kernels.combine_zero_copy if zero_copy else kernels.combine,
+                "ep_combine_zero_copy_impl" if zero_copy else "ep_combine_impl",
                 geo,
                 _combine_smem(cfg),
                 self.cooperative,
                 args,
-                _COMBINE_DYNAMIC,
+                names,
             )
             reduce = None
             if split:  # the reduce on the wider grid: the same words, its flag, no envelope (not collective)
@@ -1241,7 +1319,7 @@ class DirectRank:
                     _combine_smem(cfg),
                     False,
                     args,
-                    _COMBINE_DYNAMIC,
+                    names,
                 )
             prepared = PreparedOp(geo, kernels, main)
             prepared.epilogue = reduce
@@ -1252,7 +1330,7 @@ class DirectRank:
         self._launch_prepared(prepared.main, dynamic, fresh, bool(dynamic[-1]))
         if prepared.epilogue is not None:
             self._launch_prepared(prepared.epilogue, (*dynamic[:-1], 0), fresh, False)
-        if record:
+        if record and not zero_copy:  # a zero-copy combine takes this road every time
             self.last_repeat = RepeatCombine(
                 rank=self,
                 prepared=prepared,
