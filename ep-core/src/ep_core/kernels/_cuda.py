@@ -379,12 +379,6 @@ class DeviceView:
     @property
     def is_contiguous(self) -> bool:
         return self.strides is None or is_c_contiguous(self.shape, self.strides, 1)
-        expected = 1
-        for dim, stride in zip(reversed(self.shape), reversed(self.strides)):
-            if dim != 1 and stride != expected:
-                return False
-            expected *= dim
-        return True
 
 
 class DeviceArray:
