@@ -1295,9 +1295,8 @@ class DirectRank:
             )
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, handle.num_experts)
-            split = not zero_copy and self.combine_split(
-                cfg, geo, t
-            )  # zero-copy: one launch, nothing to send
+            # zero-copy: one launch (nothing is sent, the reduce is the whole kernel)
+            split = not zero_copy and self.combine_split(cfg, geo, t)
             args.update(num_tokens=t, flags=flags | (FLAGS["combine_send_only"] if split else 0))
             args.update(zip(names, dynamic))
             main = self._prepare(
