@@ -32,7 +32,7 @@ from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.prepared import PreparedOps
 from ep_core.topology import MAX_TOPK, Topology
-from ep_core.validation import is_trusted_allocator, trust_handle
+from ep_core.validation import is_trusted_allocator, make_combine_request, trust_handle
 
 __all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
 
@@ -444,8 +444,22 @@ class EPBuffer(BufferBase):
         allocate_on_comm_stream: bool = False,
         allocator: Any = None,
         stream: int = 0,
+        zero_copy: bool = False,
     ) -> CombineResult:
-        """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`."""
+        """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`. `zero_copy=True`: `x` is
+        `combine_buffer(handle)` with the expert outputs written in place (`combine_buffer`)."""
+        if zero_copy is not False:  # its own road (validation C7 refuses a zero_copy that is not a bool)
+            kw = {
+                "num_sms": num_sms,
+                "num_qps": num_qps,
+                "previous_event": previous_event,
+                "previous_event_before_epilogue": previous_event_before_epilogue,
+                "async_with_compute_stream": async_with_compute_stream,
+                "allocate_on_comm_stream": allocate_on_comm_stream,
+                "allocator": allocator,
+                "stream": stream,
+            }
+            return self._combine_zero_copy(x, handle, topk_weights, bias, zero_copy, kw)
         return self.combine_positional(
             x,
             handle,
@@ -460,6 +474,32 @@ class EPBuffer(BufferBase):
             allocator,
             stream,
         )
+
+    def combine_buffer(self, handle: EPHandle, hidden: int | None = None) -> Any:
+        """This rank's combine buffer for `handle`: bf16 `[received rows, hidden]` (default hidden: the buffer's)
+        where the caller writes its expert outputs, then `combine(buffer, handle, zero_copy=True)` reads them in
+        place (one pass over the rows instead of two; direct mode, non-expanded handles). Valid from the end of the
+        dispatch until the next dispatch or combine on this buffer. The array type is the executor's
+        (`DeviceArray` on the GPU, numpy on the reference backend)."""
+        self._check_alive()
+        if hidden is None:
+            hidden = self.config.hidden
+        ex = self._executor
+        if not hasattr(ex, "combine_buffer"):
+            raise EPConfigError(f"zero_copy: the executor {type(ex).__name__} has no combine buffer")
+        return ex.combine_buffer(handle, hidden)
+
+    def _combine_zero_copy(
+        self, x: Any, handle: EPHandle, topk_weights: Any, bias: Any, zero_copy: Any, kw: dict
+    ) -> CombineResult:
+        """`combine(..., zero_copy=True)`: validated in full on every call (no request cache, no express lane)."""
+        with self.announcing("combine"):
+            self._check_alive()
+            ex = self._executor
+            req = make_combine_request(
+                self.config, ex, x, handle, topk_weights, bias, zero_copy=zero_copy, **kw
+            )
+            return ex.combine(req)
 
     def combine_positional(self, *args: Any) -> CombineResult:
         """`combine` with every argument positional, in its order (x .. stream; ep_torch's road)."""

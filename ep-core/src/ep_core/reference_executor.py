@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ep_core import reference
-from ep_core.device_array import DeviceArray, describe, host_allocator, host_copy, to_numpy
+from ep_core.device_array import DeviceArray, describe, host_allocator, host_array, host_copy, to_numpy
 from ep_core.envelope import Channel
 from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import ARRAY_FIELDS, EPHandle
@@ -237,8 +237,38 @@ class ReferenceExecutor:
                 stats += h.num_unaligned_recv_tokens_per_expert.astype(stats.dtype)
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
+    def combine_buffer(self, handle: Any, hidden: int) -> DeviceArray:
+        """The zero-copy combine buffer (`EPBuffer.combine_buffer`): a bf16 host `DeviceArray` `[received rows,
+        hidden]` at the start of one host allocation kept by this executor, as the GPU's sits at the start of the
+        receive region (the same memory for every handle: the next call's buffer overwrites this one's rows)."""
+        if getattr(handle, "do_expand", False):
+            raise EPValueError(
+                "handle: a zero-copy combine needs the handle of a non-expanded dispatch (do_expand=False); an "
+                "expanded layout's rows travel with the ordinary combine"
+            )
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0:
+            raise EPValueError(f"hidden: expected a positive int, got {hidden!r}")
+        rows = int(np.asarray(handle.recv_src_metadata).shape[0])
+        need = rows * hidden
+        store = getattr(self, "_combine_store", None)
+        if store is None or store.size < need:
+            store = self._combine_store = np.zeros(max(need, 1), np.uint16)
+        return host_array(store[:need].reshape(rows, hidden), "bfloat16")
+
+    def _check_zero_copy(self, req: CombineRequest) -> None:
+        store = getattr(self, "_combine_store", None)
+        if req.x.shape[0] == 0:  # no rows: nothing is read (an empty view may carry no address)
+            return
+        if store is None or req.x.ptr != store.ctypes.data:
+            raise EPValueError(
+                f"x: a zero-copy combine reads rank {self.config.rank}'s combine buffer in place; pass "
+                "combine_buffer(handle) with the expert outputs written into it"
+            )
+
     def combine(self, req: CombineRequest) -> CombineResult:
         self.num_combines += 1
+        if req.zero_copy:  # the same sum: the rows are read where the caller wrote them
+            self._check_zero_copy(req)
         mine = {
             "x": host_copy(req.x.obj),
             "handle": _handle_np(req.handle),
@@ -252,6 +282,7 @@ class ReferenceExecutor:
             "topk_weights": req.topk_weights is not None,
             "bias": len(req.bias),
             "allow_multiple_reduction": req.allow_multiple_reduction,
+            "zero_copy": req.zero_copy,
         }
         everyone = self.channel.exchange("combine", config, mine)
         weights = [e["topk_weights"] for e in everyone]

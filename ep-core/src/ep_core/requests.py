@@ -175,6 +175,7 @@ class CombineRequest:
     previous_event_before_epilogue: Any = None
     async_with_compute_stream: bool = False
     allocate_on_comm_stream: bool = False
+    zero_copy: bool = False  # `x` is the executor's combine buffer, read in place (`EPBuffer.combine_buffer`)
     prepared: PreparedToken | None = field(default=None, compare=False, repr=False)
 
 

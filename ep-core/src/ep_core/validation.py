@@ -35,6 +35,8 @@ combine
       contiguous, [num_tokens, hidden], on the device
   C5  num_tokens (handle) <= num_max_tokens_per_rank
   C6  num_sms / num_qps as D14 (0 = the handle's SMs); previous_event as D15; capacity of the combine buffers
+  C7  zero_copy: a bool; True needs a non-expanded handle and no topk_weights (the executor checks that x is its
+      combine buffer)
 """
 
 from __future__ import annotations
@@ -609,11 +611,23 @@ def make_combine_request(
     allocate_on_comm_stream: bool = False,
     allocator: Any = None,
     stream: int = 0,
+    zero_copy: bool = False,
 ) -> CombineRequest:
-    """Validate a combine (rules C1-C6 of the module doc) and resolve its defaults."""
+    """Validate a combine (rules C1-C7 of the module doc) and resolve its defaults."""
     if handle is None:
         raise EPValueError("handle: required (the handle returned by dispatch)")
     h = check_handle(config, target, handle)  # C2
+    if not isinstance(zero_copy, bool):  # C7
+        raise EPTypeError(f"zero_copy: expected a bool, got {zero_copy!r}")
+    if zero_copy and h.do_expand:
+        raise EPValueError(
+            "zero_copy: needs the handle of a non-expanded dispatch (do_expand=False); an expanded layout's rows "
+            "travel with the ordinary combine"
+        )
+    if zero_copy and topk_weights is not None:
+        raise EPValueError(
+            "topk_weights: a zero-copy combine sends nothing back, so it returns no combined weights; pass None"
+        )
     if isinstance(x, (tuple, list)):
         raise EPTypeError(f"x: expected one bf16 array, got a {type(x).__name__}")
     xi = check_array("x", x, target, dtypes=("bfloat16",), ndim=2)  # C1
@@ -679,4 +693,5 @@ def make_combine_request(
         previous_event_before_epilogue=previous_event_before_epilogue,
         async_with_compute_stream=async_with_compute_stream,
         allocate_on_comm_stream=allocate_on_comm_stream,
+        zero_copy=zero_copy,
     )

@@ -758,11 +758,43 @@ class ElasticBuffer(ElasticOps):
         previous_event_before_epilogue: EventHandle | None = None,
         async_with_compute_stream: bool = False,
         allocate_on_comm_stream: bool = False,
+        *,
+        zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """Send expert outputs back and sum them per token, unweighted (SPEC §3).
 
         Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
+        ``zero_copy=True`` (an ep extension): ``x`` is :meth:`get_combine_buffer`'s tensor with the expert outputs
+        written into it, read in place (one pass over the rows instead of two; non-expanded handles, no
+        ``topk_weights``, direct mode). Every rank of the call passes it alike.
         """
+        if zero_copy is not False:  # its own road: validated in full, no express lane
+            with self._core.announcing("combine"):
+                if previous_event is None and not allocate_on_comm_stream:  # as on the ordinary road below
+                    scope, cuda = _NO_SCOPE, self._cuda
+                else:
+                    scope, cuda = self._streams(
+                        allocate_on_comm_stream, previous_event, async_with_compute_stream
+                    )
+                device = x.device if isinstance(x, torch.Tensor) else self.device
+                with scope:
+                    res = self._rt().combine(
+                        _plain(x),
+                        handle,
+                        _plain(topk_weights) if topk_weights is not None else None,
+                        _plain(bias) if bias is not None else None,
+                        num_sms=num_sms,
+                        num_qps=num_qps,
+                        previous_event=previous_event,
+                        previous_event_before_epilogue=previous_event_before_epilogue,
+                        async_with_compute_stream=bool(async_with_compute_stream),
+                        allocate_on_comm_stream=bool(allocate_on_comm_stream),
+                        allocator=self._allocators.get(device) or self._allocator(device),
+                        stream=_current_stream(self._device_index) if cuda else 0,
+                        zero_copy=zero_copy,
+                    )
+                    event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
+            return res.combined_x, res.combined_topk_weights, event
         lane = self._express_combine
         plain = (
             bias is None
@@ -810,6 +842,19 @@ class ElasticBuffer(ElasticOps):
                     rt.express_combine, (x, topk_weights), (num_sms, num_qps), handle
                 )
         return res.combined_x, res.combined_topk_weights, event
+
+    def get_combine_buffer(self, handle: EPHandle) -> torch.Tensor:
+        """Where this rank's expert outputs go for ``combine(..., zero_copy=True)`` (an ep extension, in the spirit of
+        DeepEP V1's ``get_next_low_latency_combine_buffer``): a bf16 ``[received rows, hidden]`` view of the buffer's
+        own memory (the start of its receive region on the GPU), one row per row of the dispatch's ``recv_x``.
+        Write the expert outputs into it and pass it as ``combine``'s ``x``. Valid from the end of the dispatch
+        until the next dispatch or combine on this buffer; non-expanded handles, direct mode."""
+        arr = self._rt().combine_buffer(handle)
+        rows, hidden = arr.shape
+        if arr.device == "cpu":
+            return torch.from_numpy(device_array.to_numpy(arr)).view(torch.bfloat16).view(rows, hidden)
+        # the rank's own memory, on its own device: torch reads the bf16 bits as uint16, then reinterprets them
+        return torch.as_tensor(arr, device=self.device).view(torch.bfloat16).view(rows, hidden)
 
     @property
     def launch_path(self) -> str | None:

@@ -447,6 +447,27 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
 
             checks.run(f"{name}/combine/bias{num_bias}", check_combine)
 
+        if not expand and buf.get_physical_domain_size()[0] == 1:
+            # zero-copy (an ep extension): the same expert outputs written into the rank's combine buffer, read there
+            zc = buf.get_combine_buffer(handle)
+            zc.copy_(
+                from_numpy(
+                    _combine_input(_as_output(recv_x, None, None, handle).handle, table, topk),
+                    torch.bfloat16,
+                    device,
+                )
+            )
+            zx, zw, _ = buf.combine(zc, handle, zero_copy=True)
+            ref_zc = reference.combine(
+                ys, ref_handles, allow_multiple_reduction=amr, num_scaleup_ranks=buf.num_scaleup_ranks
+            )[rank]
+
+            def check_zero_copy(zx=zx, zw=zw, ref_zc=ref_zc) -> None:
+                _same("zero-copy combined_x", zx, ref_zc.combined_x)
+                assert zw is None
+
+            checks.run(f"{name}/combine/zero_copy", check_zero_copy)
+
 
 def check_stats(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> None:
     rank, n, device = cfg["rank"], cfg["world"], cfg["device"]

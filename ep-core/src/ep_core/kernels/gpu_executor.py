@@ -332,6 +332,10 @@ class GpuExecutor:
             topk_idx_copy=copy,
         )
 
+    def combine_buffer(self, handle: Any, hidden: int) -> Any:
+        """This rank's zero-copy combine buffer (`DirectRank.combine_buffer`)."""
+        return self.rank.combine_buffer(handle, hidden)
+
     def combine(self, req: Any) -> Any:
         rank = self.rank
         token = req.prepared
@@ -341,7 +345,7 @@ class GpuExecutor:
         rank._allocator = self._allocator(req, "bfloat16")
         try:
             # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
-            if plan is not None and plan.rank is rank:
+            if plan is not None and plan.rank is rank and not req.zero_copy:
                 wait, signal, ev = self._pairs(req.stream, fresh)
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
@@ -366,6 +370,7 @@ class GpuExecutor:
                     allow_multiple_reduction=req.allow_multiple_reduction,
                     num_sms=req.num_sms,
                     record=token is not None,
+                    zero_copy=req.zero_copy,
                 )
                 if token is not None:
                     token.plan = rank.last_repeat
