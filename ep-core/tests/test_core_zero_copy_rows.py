@@ -34,13 +34,8 @@ def _zero_copy_rows(outs, s: int, t: int) -> list[tuple[int, int, int]]:
     return rows
 
 
-@pytest.mark.parametrize("n", (1, 2, 3, 8))
-def test_each_operand_row_is_the_row_its_rank_received(n: int) -> None:
-    rng = np.random.default_rng(n)
-    counts = [M, *(int(c) for c in rng.integers(0, M + 1, size=n - 1))]
-    if n > 2:
-        counts[-1] = 0
-    inp = routing.make_inputs(n, counts, HIDDEN, E, K, seed=7 * n, masked_ratio=0.3, kind="unbalanced")
+def _dispatched(n: int, counts: list[int], seed: int, **kw):
+    inp = routing.make_inputs(n, counts, HIDDEN, E, K, seed=seed, **kw)
     outs = reference.dispatch(
         inp.x_args,
         inp.topk_idxs,
@@ -49,6 +44,16 @@ def test_each_operand_row_is_the_row_its_rank_received(n: int) -> None:
         num_max_tokens_per_rank=M,
         do_cpu_sync=True,
     )
+    return inp, outs
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 8))
+def test_each_operand_row_is_the_row_its_rank_received(n: int) -> None:
+    rng = np.random.default_rng(n)
+    counts = [M, *(int(c) for c in rng.integers(0, M + 1, size=n - 1))]
+    if n > 2:
+        counts[-1] = 0
+    inp, outs = _dispatched(n, counts, 7 * n, masked_ratio=0.3, kind="unbalanced")
     epr = E // n
     for s in range(n):
         idx = inp.topk_idxs[s]
@@ -71,15 +76,7 @@ def test_the_pulled_operands_sum_to_the_reference_combine() -> None:
     lane order, one rounding) equals `reference.combine` bit for bit."""
     n = 4
     rng = np.random.default_rng(3)
-    inp = routing.make_inputs(n, [M, 30, 0, 17], HIDDEN, E, K, seed=5, masked_ratio=0.25)
-    outs = reference.dispatch(
-        inp.x_args,
-        inp.topk_idxs,
-        inp.topk_weights,
-        num_experts=E,
-        num_max_tokens_per_rank=M,
-        do_cpu_sync=True,
-    )
+    inp, outs = _dispatched(n, [M, 30, 0, 17], 5, masked_ratio=0.25)
     xs = [routing.random_bf16((o.recv_x.shape[0], HIDDEN), rng) for o in outs]
     bias = [routing.random_bf16((len(i), HIDDEN), rng) for i in inp.topk_idxs]
     want = reference.combine(xs, [o.handle for o in outs], bias=bias)
