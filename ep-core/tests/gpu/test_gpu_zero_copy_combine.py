@@ -77,7 +77,9 @@ def test_zero_copy_combine_equals_the_reference(n: int, det: bool, mode: str) ->
         plain = dom.combine(xs, handles, bias=biases)  # the ordinary road after it, same operands
         for r in range(n):
             _eq(f"ordinary r{r} combined_x", plain[r].to_reference().combined_x, want[r].combined_x)
-        again = dom.dispatch(inp.x_args, inp.topk_idxs, inp.topk_weights, num_experts=E, deterministic=det)
+        again = dom.dispatch(
+            inp.x_args, inp.topk_idxs, inp.topk_weights, num_experts=E, deterministic=det, do_cpu_sync=True
+        )
         ref = reference.dispatch(
             inp.x_args,
             inp.topk_idxs,
