@@ -32,7 +32,13 @@ from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.prepared import PreparedOps
 from ep_core.topology import MAX_TOPK, Topology
-from ep_core.validation import is_trusted_allocator, make_combine_request, trust_handle
+from ep_core.validation import (
+    check_handle,
+    check_zero_copy_args,
+    is_trusted_allocator,
+    make_combine_request,
+    trust_handle,
+)
 
 __all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
 
@@ -487,7 +493,9 @@ class EPBuffer(BufferBase):
         ex = self._executor
         if not hasattr(ex, "combine_buffer"):
             raise EPConfigError(f"zero_copy: the executor {type(ex).__name__} has no combine buffer")
-        return ex.combine_buffer(handle, hidden)
+        h = check_handle(self.config, ex, handle)
+        check_zero_copy_args(h, hidden=hidden)
+        return ex.combine_buffer(h, hidden)
 
     def _combine_zero_copy(
         self, x: Any, handle: EPHandle, topk_weights: Any, bias: Any, zero_copy: Any, kw: dict

@@ -268,9 +268,8 @@ class LoopbackDomain:
         xs = self._check("xs", xs)
         ws = self._check("topk_weights", topk_weights)
         bs = self._check("bias", bias)
-        if (
-            zero_copy
-        ):  # every rank's buffer before any rank launches (a launched rank would wait for the others)
+        # zero-copy: every rank's buffer before any rank launches (a launched rank would wait for the others)
+        if zero_copy:
             for rank, x, h, w in zip(self.ranks, xs, hs, ws):
                 rank.check_zero_copy(x, h, w)
         # as in dispatch: no synchronizing free between the ranks' launches

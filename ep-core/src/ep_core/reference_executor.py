@@ -240,14 +240,8 @@ class ReferenceExecutor:
     def combine_buffer(self, handle: Any, hidden: int) -> DeviceArray:
         """The zero-copy combine buffer (`EPBuffer.combine_buffer`): a bf16 host `DeviceArray` `[received rows,
         hidden]` at the start of one host allocation kept by this executor, as the GPU's sits at the start of the
-        receive region (the same memory for every handle: the next call's buffer overwrites this one's rows)."""
-        if getattr(handle, "do_expand", False):
-            raise EPValueError(
-                "handle: a zero-copy combine needs the handle of a non-expanded dispatch (do_expand=False); an "
-                "expanded layout's rows travel with the ordinary combine"
-            )
-        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0:
-            raise EPValueError(f"hidden: expected a positive int, got {hidden!r}")
+        receive region (the same memory for every handle: the next call's buffer overwrites this one's rows). The
+        handle and hidden size come validated (`EPBuffer.combine_buffer`)."""
         rows = int(np.asarray(handle.recv_src_metadata).shape[0])
         need = rows * hidden
         store = getattr(self, "_combine_store", None)
@@ -256,9 +250,9 @@ class ReferenceExecutor:
         return host_array(store[:need].reshape(rows, hidden), "bfloat16")
 
     def _check_zero_copy(self, req: CombineRequest) -> None:
-        store = getattr(self, "_combine_store", None)
         if req.x.shape[0] == 0:  # no rows: nothing is read (an empty view may carry no address)
             return
+        store = getattr(self, "_combine_store", None)
         if store is None or req.x.ptr != store.ctypes.data:
             raise EPValueError(
                 f"x: a zero-copy combine reads rank {self.config.rank}'s combine buffer in place; pass "

@@ -595,6 +595,24 @@ def make_dispatch_request(
     )
 
 
+def check_zero_copy_args(handle: EPHandle, topk_weights: Any = None, hidden: Any = None) -> None:
+    """Rule C7's arguments of a zero-copy combine, for `make_combine_request`, `EPBuffer.combine_buffer` and the
+    kernel layer (`DirectRank.combine_buffer`): a non-expanded handle, no weights, and (when given) a positive int
+    hidden size."""
+    if handle.do_expand:
+        raise EPValueError(
+            "handle: a zero-copy combine needs the handle of a non-expanded dispatch (do_expand=False); an expanded "
+            "layout's rows are per (token, expert) and travel with the ordinary combine"
+        )
+    if topk_weights is not None:
+        raise EPValueError(
+            "topk_weights: a zero-copy combine sends nothing back, so it returns no combined weights; pass None "
+            "(or combine without zero_copy)"
+        )
+    if hidden is not None and (isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0):
+        raise EPValueError(f"hidden: expected a positive int, got {hidden!r}")
+
+
 def make_combine_request(
     config: BufferConfig,
     target: Any,
@@ -619,15 +637,8 @@ def make_combine_request(
     h = check_handle(config, target, handle)  # C2
     if not isinstance(zero_copy, bool):  # C7
         raise EPTypeError(f"zero_copy: expected a bool, got {zero_copy!r}")
-    if zero_copy and h.do_expand:
-        raise EPValueError(
-            "zero_copy: needs the handle of a non-expanded dispatch (do_expand=False); an expanded layout's rows "
-            "travel with the ordinary combine"
-        )
-    if zero_copy and topk_weights is not None:
-        raise EPValueError(
-            "topk_weights: a zero-copy combine sends nothing back, so it returns no combined weights; pass None"
-        )
+    if zero_copy:
+        check_zero_copy_args(h, topk_weights)
     if isinstance(x, (tuple, list)):
         raise EPTypeError(f"x: expected one bf16 array, got a {type(x).__name__}")
     xi = check_array("x", x, target, dtypes=("bfloat16",), ndim=2)  # C1

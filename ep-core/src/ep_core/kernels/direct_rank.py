@@ -82,6 +82,7 @@ from ep_core.kernels.plan import (
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, PreparedOp
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs
 from ep_core.requests import CombineResult, DispatchResult
+from ep_core.validation import check_zero_copy_args
 
 # the page-locked words of a CPU-sync dispatch's counts: room for one copy that spans a handle block's prefix sums
 # and per-expert counts (`DirectRank._copy_counts`; 256 local experts take 2.3 KiB)
@@ -1116,27 +1117,22 @@ class DirectRank:
     def check_zero_copy(self, x: Any, handle: EPHandle, topk_weights: Any = None) -> None:
         """What `combine(x, handle, topk_weights=..., zero_copy=True)` checks of its arguments, without launching
         (the loopback domain checks every rank before the first launches)."""
-        if topk_weights is not None:
-            raise EPValueError(
-                "topk_weights: a zero-copy combine sends nothing back, so it returns no combined weights; "
-                "pass None (or combine without zero_copy)"
-            )
+        check_zero_copy_args(handle, topk_weights)
         shape = tuple(getattr(x, "shape", ()))
         if len(shape) != 2:
             raise EPValueError(f"x: expected rank {self.rank}'s 2-D combine buffer, got shape {shape}")
-        buffer = self.combine_buffer(handle, int(shape[1]))
+        ptr, rows = self._combine_buffer_place(handle, int(shape[1]))
+        if shape == (rows, shape[1]) and rows == 0:
+            return  # no rows: nothing is read, any address will do
         try:
             where = f"{as_view(x, 'x').ptr:#x}"
         except TypeError:  # host memory, or no array at all
             where = f"a {type(x).__name__}"
-        empty = (
-            shape == buffer.shape and buffer.shape[0] == 0
-        )  # no rows: nothing is read, any address will do
-        if not empty and (where != f"{buffer.ptr:#x}" or shape != buffer.shape):
+        if where != f"{ptr:#x}" or shape[0] != rows:
             raise EPValueError(
                 f"x: a zero-copy combine reads rank {self.rank}'s combine buffer in place; pass "
-                f"combine_buffer(handle, hidden) ({buffer.shape} at {buffer.ptr:#x}) with the expert outputs "
-                f"written into it, got {shape} at {where}"
+                f"combine_buffer(handle, hidden) ({(rows, shape[1])} at {ptr:#x}) with the expert outputs written "
+                f"into it, got {shape} at {where}"
             )
 
     def combine_buffer(self, handle: EPHandle, hidden: int) -> CoreArray:
@@ -1145,14 +1141,13 @@ class DirectRank:
         caller writes its expert outputs there instead of into an array of its own. Valid from the end of the
         dispatch's copy epilogue (the region held the received tokens until then) until the next dispatch or combine
         on this buffer, which writes the region; direct mode within one NVLink domain, non-expanded handles."""
+        ptr, rows = self._combine_buffer_place(handle, hidden)
+        return CoreArray(ptr, (rows, hidden), "bfloat16", device_id=_cuda.current_device(), owner=self)
+
+    def _combine_buffer_place(self, handle: EPHandle, hidden: int) -> tuple[int, int]:
+        """(address, rows) of the combine buffer, after the checks of `combine_buffer`."""
         self._check_handle(handle)
-        if handle.do_expand:
-            raise EPValueError(
-                "handle: a zero-copy combine needs the handle of a non-expanded dispatch (do_expand=False); "
-                "an expanded layout's rows are per (token, expert) and travel with the ordinary combine"
-            )
-        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0:
-            raise EPValueError(f"hidden: expected a positive int, got {hidden!r}")
+        check_zero_copy_args(handle, hidden=hidden)
         cfg = self._config(hidden, 2, 0, handle.num_topk)
         if cfg.is_hybrid or cfg.is_direct_xnode:
             raise EPValueError(
@@ -1166,13 +1161,7 @@ class DirectRank:
                 f"region has {self.res.data_bytes}; allocate the buffer with get_buffer_size_hint()"
             )
         plan = plan_regions(cfg, handle.num_experts, self.num_max_tokens, self.res.data_bytes, op="combine")
-        return CoreArray(
-            self.res.base + plan.recv_offset,
-            (rows, hidden),
-            "bfloat16",
-            device_id=_cuda.current_device(),
-            owner=self,
-        )
+        return self.res.base + plan.recv_offset, rows
 
     def combine(
         self,
