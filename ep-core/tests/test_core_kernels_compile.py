@@ -6,7 +6,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from ep_core.kernels._source import KERNEL_NAMES, ZERO_COPY_KERNEL, compile_kernels, kernel_source
+from ep_core.kernels._source import (
+    DISPATCH_ZERO_COPY_KERNEL,
+    KERNEL_NAMES,
+    ZERO_COPY_KERNEL,
+    compile_kernels,
+    kernel_source,
+)
 from ep_core.kernels.plan import KernelConfig
 
 ep_jit = pytest.importorskip("ep_jit")
@@ -45,6 +51,7 @@ def test_kernels_compile_sm90a(cfg: KernelConfig) -> None:
         assert name.encode() in data
     assert set(KERNEL_NAMES) <= set(art.kernel_names)
     assert ZERO_COPY_KERNEL in art.kernel_names  # direct mode: the zero-copy combine too
+    assert DISPATCH_ZERO_COPY_KERNEL in art.kernel_names  # and the zero-copy dispatch
 
 
 def test_nccl_transport_compiles() -> None:

@@ -65,6 +65,7 @@ def launches(monkeypatch):
         epilogue=FakeKernel("epilogue", log),
         combine=FakeKernel("combine", log),
         combine_zero_copy=FakeKernel("combine_zero_copy", log),
+        dispatch_zero_copy=FakeKernel("dispatch_zero_copy", log),
     )
     monkeypatch.setattr(_cuda, "num_device_sms", lambda: 132)
     monkeypatch.setattr(_cuda, "current_device", lambda: 0)
@@ -1170,3 +1171,85 @@ def test_zero_copy_is_direct_mode_only(launches) -> None:
     handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
     with pytest.raises(ValueError, match="zero_copy: direct mode within one NVLink domain only"):
         rank.combine_buffer(handle, HIDDEN)
+    n = len(launches)
+    with pytest.raises(ValueError, match="zero_copy: direct mode within one NVLink domain only"):
+        rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, zero_copy=True)
+    assert len(launches) == n
+
+
+@pytest.mark.parametrize("sync", (True, False), ids=("sync", "nosync"))
+@pytest.mark.parametrize("fp8", (False, True), ids=("bf16", "fp8"))
+def test_a_zero_copy_dispatch_is_one_launch_and_views_of_the_region(launches, fp8: bool, sync: bool) -> None:
+    """`dispatch(..., zero_copy=True)`: the zero-copy kernel alone (no copy epilogue), deterministic slots, the
+    zero-copy flag in the flags and the envelope; the outputs are views of the receive region where
+    `ZeroCopyRows` puts them (recv_x at its start: the combine buffer's rows), the handle's metadata the array the
+    kernel fills (its first rows after a CPU sync); repeats hit the prepared launch and equal a fresh pack."""
+    from ep_core.kernels._args import FLAGS
+
+    idx = OP_ARGS_FIELDS.index
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    x, sf, ti, w = inputs(fp8=fp8)
+    ordinary = dispatch(
+        rank, x, sf, ti, w, num_experts=EXPERTS, num_sms=8, deterministic=True, do_cpu_sync=sync
+    )
+    n = len(launches)
+    res: list = []
+    call = lambda: res.append(  # noqa: E731
+        dispatch(rank, x, sf, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=sync, zero_copy=True)
+    )
+    out = replay(rank, alloc, launches, call)
+    assert [(e[0], e[1]) for e in out] == [("dispatch_zero_copy", 8)]
+    words = OP_ARGS_STRUCT.unpack(out[0][7])
+    plain = OP_ARGS_STRUCT.unpack(launches[n - 2][7])  # the ordinary dispatch's kernel, then its epilogue
+    assert [e[0] for e in launches[n - 2 : n]] == ["dispatch", "epilogue"]
+    assert words[idx("flags")] & FLAGS["dispatch_zero_copy"] and words[idx("flags")] & FLAGS["deterministic"]
+    assert words[idx("envelope")] not in (0, plain[idx("envelope")])
+    got = res[-1]
+    region = words[idx("recv_region")]
+    z = rank.zero_copy_rows(rank._config(HIDDEN, 1 if fp8 else 2, HIDDEN // 128 if fp8 else 0, TOPK))
+    rows = N * 12 if sync else N * M  # _fake_counts: 12 rows per source
+    assert got.recv_x.ptr == region and got.recv_x.shape == (rows, HIDDEN)
+    assert got.recv_x.dtype == ("uint8" if fp8 else "uint16")
+    assert got.recv_topk_idx.ptr == region + z.topk_idx_offset and got.recv_topk_idx.shape == (rows, TOPK)
+    assert got.recv_topk_weights.ptr == region + z.weights_offset and got.recv_topk_weights.dtype == "float32"
+    if fp8:
+        assert got.recv_sf.ptr == region + z.sf_offset and got.recv_sf.shape == (rows, HIDDEN // 128)
+    else:
+        assert got.recv_sf is None
+    meta = got.handle.recv_src_metadata
+    assert meta.shape == (rows, TOPK + 2) and meta.ptr == words[idx("src_metadata")]
+    assert got.handle.num_recv_tokens == ordinary.handle.num_recv_tokens
+    assert rank.last_repeat is None
+    misses = rank._launches.misses
+    dispatch(rank, x, sf, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=sync, zero_copy=True)
+    assert rank._launches.misses == misses
+    buf = rank.combine_buffer(got.handle, HIDDEN)
+    assert buf.ptr == got.recv_x.ptr  # an expert writes its outputs over the rows it has read
+
+
+def test_zero_copy_dispatch_refusals_name_the_argument(launches) -> None:
+    """Before any launch: a cached handle, the expanded layout, column-major scales, a region too small."""
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    x, sf, ti, w = inputs(fp8=True)
+    handle = dispatch(rank, x, sf, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
+    n = len(launches)
+    with pytest.raises(ValueError, match="zero_copy: not with a cached dispatch"):
+        rank.dispatch((x, sf), None, w, handle=handle, zero_copy=True)
+    with pytest.raises(ValueError, match="zero_copy: the non-expanded layout only"):
+        dispatch(rank, x, sf, ti, w, num_experts=EXPERTS, do_expand=True, zero_copy=True)
+    with pytest.raises(ValueError, match="zero_copy: row-major scales only"):
+        dispatch(rank, x, sf, ti, w, num_experts=EXPERTS, use_tma_aligned_col_major_sf=True, zero_copy=True)
+    cfg = rank._config(HIDDEN, 1, HIDDEN // 128, TOPK)
+    need = rank.zero_copy_rows(cfg).num_bytes
+    small = DirectRank(  # a receive region one byte short
+        RankResources(0, N, 0x1000_0000, need - 1, 0x2000, rank.stream, num_ranks_on_device=1),
+        num_max_tokens_per_rank=M,
+        allocator=alloc,
+    )
+    with pytest.raises(
+        ValueError, match=rf"zero_copy: the outputs of 2 x 64 rows need {need} bytes, rank 0's"
+    ):
+        dispatch(small, x, sf, ti, w, num_experts=EXPERTS, zero_copy=True)
+    assert len(launches) == n

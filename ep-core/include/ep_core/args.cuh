@@ -29,6 +29,7 @@ enum OpFlags : int64_t {
     kFlagCombineSendOnly = 1 << 10,    ///< direct combine: entry, send and exit only (the reduce is launched apart)
     kFlagCombineReduceOnly = 1 << 11,  ///< direct combine: the reduce only, after a send-only launch on the stream
     kFlagCombineZeroCopy = 1 << 12,    ///< direct combine from the ranks' combine buffers (`ep_combine_zero_copy_impl`)
+    kFlagDispatchZeroCopy = 1 << 13,   ///< direct dispatch into the outputs in place (`ep_dispatch_zero_copy_impl`)
 };
 
 /// Error kinds are ep_layout::ErrorKind (values pinned; the host decodes them).
@@ -121,7 +122,8 @@ EP_CORE_DEVICE int64_t topk_id(const OpArgs& args, int64_t i) {
 /// - envelopes: uint64 [kNumMaxRanks] at byte 4096 of the barrier-signal region (which has 32 KiB; the arrivals
 ///   use its first 8 bytes): `[src]` is the `OpArgs::envelope` that rank src entered its last checked barrier with.
 ///   Like the arrivals, these words keep their last value between operations (they are compared, never waited on).
-/// - combine row bases: uint64 [kNumMaxRanks] at byte 16384 of the same region (zero-copy combine), kept likewise.
+/// - combine row bases: uint64 [kNumMaxRanks] at byte 16384 of the same region (zero-copy combine), kept likewise;
+/// - dispatch source counts: uint64 [kNumMaxRanks] at byte 24576 (zero-copy dispatch), kept likewise.
 /// - error record: `abort_flag` is the flag every wait watches (the first failure claims it by CAS);
 /// - rank / expert count receive areas: int64 `kCountValidFlag | count` written by each source (0 = not arrived),
 ///   experts source-major `[src * epr + local expert]`; reset to 0 by the receiver.
@@ -150,6 +152,19 @@ struct Workspace {
                       kCombineRowBaseOffset + 8 * ep_layout::kNumMaxRanks <=
                           ep_layout::WorkspaceLayout::kBarrierSignalsNumElems * 4,
                   "the combine row bases must fit the barrier-signal region after the envelopes");
+    /// Zero-copy dispatch: `[src]` is the number of tokens rank src sends to this rank in the current operation,
+    /// written by src before the entry barrier; a source reads the words of the sources before it after the barrier
+    /// (where its rows start). Kept between operations like the words above: a source writes the next operation's
+    /// count only after its previous operation, which every rank's reads of the last count preceded.
+    EP_CORE_DEVICE uint64_t* dispatch_src_count() const {
+        return reinterpret_cast<uint64_t*>(base + ep_layout::WorkspaceLayout::kBarrierSignalsOffset +
+                                           kDispatchSrcCountOffset);
+    }
+    static constexpr int64_t kDispatchSrcCountOffset = 24576;
+    static_assert(kDispatchSrcCountOffset >= kCombineRowBaseOffset + 8 * ep_layout::kNumMaxRanks &&
+                      kDispatchSrcCountOffset + 8 * ep_layout::kNumMaxRanks <=
+                          ep_layout::WorkspaceLayout::kBarrierSignalsNumElems * 4,
+                  "the dispatch source counts must fit the barrier-signal region after the combine row bases");
     EP_CORE_DEVICE ep_layout::ErrorRecord* error_record() const {
         return reinterpret_cast<ep_layout::ErrorRecord*>(base + ep_layout::WorkspaceLayout::kErrorRecordOffset);
     }

@@ -19,6 +19,7 @@
 
 #include "barrier.cuh"
 #include "token.cuh"
+#include "zero_copy_rows.cuh"
 
 namespace ep_core {
 
@@ -323,7 +324,105 @@ EP_CORE_DEVICE void write_expert_layout(const OpArgs& args, const Workspace& ws,
     }
 }
 
-template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport>
+/// Zero-copy dispatch, block 0 between the count and the send phase (all its threads call it): this rank's count
+/// for each destination (the popcount of its bitmap row) into that destination's `dispatch_src_count[rank]`, the
+/// entry barrier, then for each destination the sum of the counts of the sources before this rank, i.e. where its
+/// rows start there, into the scratch's send counters (unused by deterministic slots; the publishing block resets
+/// them). The grid barrier after the prefix phase hands them to the other blocks. False after a failed wait.
+template <int kNumRanks, typename Transport>
+EP_CORE_DEVICE bool zero_copy_row_bases(SyncContext<Transport>& sync, const uint32_t* bits, int W, int warp,
+                                        int lane) {
+    if constexpr (kNumRanks == 1) {
+        return true;  // the only source: its rows start at 0, and the counters are zero between operations
+    } else {
+        const int rank = static_cast<int>(sync.args.rank);
+        const int num_warps = static_cast<int>(blockDim.x) / kWarpSize;
+        for (int d = warp; d < kNumRanks; d += num_warps) {
+            uint32_t count = 0;
+            for (int w = lane; w < W; w += kWarpSize)
+                count += __popc(bits[static_cast<int64_t>(d) * W + w]);
+            count = __reduce_add_sync(kFullMask, count);
+            if (lane == 0)
+                *reinterpret_cast<volatile uint64_t*>(sync.tr.sym_ptr(sync.ws.dispatch_src_count(), d) + rank) = count;
+        }
+        // the barrier's release (after a block barrier) carries the counts written above
+        if (!sync.cross_rank_barrier(kTagDispatchEntry, true))
+            return false;
+        for (int d = warp; d < kNumRanks; d += num_warps) {
+            uint32_t before = 0;
+            for (int src = lane; src < rank; src += kWarpSize)
+                before += static_cast<uint32_t>(
+                    *reinterpret_cast<const volatile uint64_t*>(sync.tr.sym_ptr(sync.ws.dispatch_src_count(), d) + src));
+            before = __reduce_add_sync(kFullMask, before);
+            if (lane == 0)
+                sync.sc.send_slot()[d] = static_cast<int32_t>(before);
+        }
+        return true;
+    }
+}
+
+/// Zero-copy dispatch, send phase: for each destination of token `t` (its master lanes; `row` is the token's row
+/// there at the master lane), the lanes store that row's top-k ids (local expert or -1), weights, scale packs and
+/// the two metadata words straight into the destination's arrays (zero_copy_rows.cuh), as the copy epilogue would
+/// have written them. The hidden part goes by the caller's bulk store.
+template <typename Tok, typename Peers>
+EP_CORE_DEVICE void zero_copy_row_tail(const ZeroCopyRows& z, const OpArgs& args, const Peers& peer_recv,
+                                       const uint32_t* sf, const Route& r, int64_t row, int64_t t, int lane, int rank,
+                                       int epr, int64_t M, float weight) {
+    constexpr int K = Tok::kNumTopk;
+    for (uint32_t masters = __ballot_sync(kFullMask, r.master); masters != 0; masters &= masters - 1) {
+        const int m = __ffs(masters) - 1;
+        const int d = __shfl_sync(kFullMask, r.dst, m);
+        const int64_t at = __shfl_sync(kFullMask, row, m);
+        uint8_t* const region = peer_recv[d];
+        if (lane < K) {
+            reinterpret_cast<int64_t*>(region + z.topk_idx_offset())[at * K + lane] =
+                r.dst == d ? r.expert - d * epr : -1;
+            if (args.topk_weights != nullptr)
+                reinterpret_cast<float*>(region + z.weights_offset())[at * K + lane] = weight;
+        }
+        if (lane == 0)
+            reinterpret_cast<int2*>(region + z.meta_offset())[at] =
+                make_int2(static_cast<int>(rank * M + t), rank * K + m);
+        if constexpr (Tok::kNumSfPacks > 0) {
+            for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
+                reinterpret_cast<uint32_t*>(region + z.sf_offset())[at * Tok::kNumSfPacks + p] =
+                    sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
+        }
+    }
+}
+
+/// Zero-copy dispatch, receiving block after every source's count: the handle's metadata [rows, K + 2] from the
+/// two words each source left per row (columns 2.. are -1 in the non-expanded layout), since the handle outlives
+/// the region. After `write_rank_psum` (the row count).
+template <int kNumRanks, int kNumTopk>
+EP_CORE_DEVICE void zero_copy_metadata(const ZeroCopyRows& z, const OpArgs& args, const uint8_t* region,
+                                       int num_threads) {
+    constexpr int kCols = kNumTopk + 2;
+    __syncthreads();
+    const int64_t total = static_cast<int64_t>(args.psum_rank[kNumRanks - 1]) * kCols;
+    const int2* const meta = reinterpret_cast<const int2*>(region + z.meta_offset());
+    for (int64_t i = threadIdx.x; i < total; i += num_threads) {
+        const int64_t row = i / kCols;
+        const int col = static_cast<int>(i - row * kCols);
+        int32_t v = -1;
+        if (col < 2) {
+            const int2 m = __ldcg(meta + row);  // peers' stores, acquired with their counts: not through L1
+            v = col == 0 ? m.x : m.y;
+        }
+        args.src_metadata[i] = v;
+    }
+}
+
+/// Zero-copy (`kZeroCopy`, entry point `ep_dispatch_zero_copy_impl`; direct mode, non-expanded, deterministic): the
+/// send phase stores every output in its final place in the destination's receive region (zero_copy_rows.cuh), so
+/// no copy epilogue runs. That needs each token's row before it is sent: after the count phase, block 0 publishes
+/// this rank's token count for each destination (`Workspace::dispatch_src_count`) before the entry barrier, and
+/// after it sums, per destination, the counts of the sources before this rank (where its rows start there) into
+/// the scratch's send counters, which deterministic mode leaves unused. The receiving block copies the two metadata
+/// columns of its rows into the handle, which must outlive the region.
+template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport,
+          bool kZeroCopy = false>
 EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
     static_assert(kNumTopk >= 1 && kNumTopk <= 32, "top-k must be in [1, 32]");
@@ -347,8 +446,8 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     const int64_t T = args.num_tokens;
     const int rank = static_cast<int>(args.rank);
     const bool cached = (args.flags & kFlagCached) != 0;
-    const bool det = !cached && (args.flags & kFlagDeterministic) != 0;
-    const bool expand = (args.flags & kFlagExpand) != 0;
+    const bool det = kZeroCopy || (!cached && (args.flags & kFlagDeterministic) != 0);
+    const bool expand = !kZeroCopy && (args.flags & kFlagExpand) != 0;
 
     SyncContext<Transport> sync{args, Workspace{static_cast<uint8_t*>(args.workspace)},
                                 Scratch(args.scratch, kNumRanks, num_experts, M), Transport(args), kNumRanks, 0u,
@@ -395,12 +494,19 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     // earlier kernels are stream-ordered) and could only compare its envelope with itself: no barrier, and a
     // grid barrier only where the prefix needs the complete bitmaps.
     EP_PHASE_MARK(kPhaseDispatch, kDpCount);
-    if constexpr (kNumRanks > 1) {
+    if constexpr (kZeroCopy) {
+        // the counts come from the complete bitmaps; block 0 meets the ranks with them while the others start on
+        // the prefix
+        if (!sync.grid_sync(false))
+            return;
+        if (blockIdx.x == 0 && !zero_copy_row_bases<kNumRanks>(sync, bits, W, warp, lane))
+            return;
+    } else if constexpr (kNumRanks > 1) {
         if (blockIdx.x == 0 && !sync.cross_rank_barrier(kTagDispatchEntry, true))
             return;
     }
     EP_PHASE_MARK(kPhaseDispatch, kDpEntry);
-    if (kNumRanks > 1 || det) {
+    if (!kZeroCopy && (kNumRanks > 1 || det)) {
         if (!sync.grid_sync(false))  // only local bitmaps written so far
             return;
     }
@@ -417,8 +523,9 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
     const uint8_t* const x = static_cast<const uint8_t*>(args.x);
     const uint32_t* const sf = static_cast<const uint32_t*>(args.sf);
     // a rank alone sends every token only to itself, whose copy is the tail (kDirectOwnRowsTailOnly): the hidden
-    // part is never loaded (the copy epilogue reads it from x)
-    constexpr bool kLoadHidden = !(kDirectOwnRowsTailOnly && kNumRanks == 1);
+    // part is never loaded (the copy epilogue reads it from x). Zero-copy rows are whole: no epilogue runs.
+    constexpr bool kLoadHidden = kZeroCopy || !(kDirectOwnRowsTailOnly && kNumRanks == 1);
+    const ZeroCopyRows zrows{kNumRanks * M, Tok::kHiddenBytes, Tok::kNumSfPacks, kNumTopk};
     for (int64_t t = global_warp; t < T; t += num_global_warps) {
         // the hidden part's bulk load first: it depends on nothing below, so routing (the top-k loads, the slot's
         // atomic or handle read) runs while it is in flight. The slot is free once the warp's previous bulk
@@ -457,6 +564,19 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
         const float weight =
             (lane < kNumTopk && args.topk_weights != nullptr) ? args.topk_weights[t * kNumTopk + lane] : 0.0f;
 
+        if constexpr (kZeroCopy) {
+            // the outputs in place: the lanes store each destination's row of ids, weights, scales and metadata,
+            // the master lane the hidden part once it has landed in the slot
+            const int64_t row = r.master ? sc.send_slot()[r.dst] + static_cast<int64_t>(slot) : -1;
+            zero_copy_row_tail<Tok>(zrows, args, peer_recv, sf, r, row, t, lane, rank, epr, M, weight);
+            ptx::mbarrier_wait(bar, phase);
+            phase ^= 1u;
+            if (r.master) {
+                ptx::bulk_store(peer_recv[r.dst] + row * Tok::kHiddenBytes, slot_buf, Tok::kHiddenBytes);
+                ptx::bulk_commit();
+            }
+            continue;
+        }
         uint8_t* my_dst = nullptr;
         if (r.master)
             my_dst = peer_recv[r.dst] +
@@ -546,6 +666,8 @@ EP_CORE_DEVICE void dispatch_impl(const OpArgs& args) {
             write_rank_psum<kNumRanks>(args, s_sent);
             write_expert_layout<kNumRanks>(args, ws, sc, s_expert, s_start, s_scan, epr, A, expand, num_threads);
         }
+        if constexpr (kZeroCopy)
+            zero_copy_metadata<kNumRanks, kNumTopk>(zrows, args, recv_region, num_threads);
 #if EP_PHASE_ON
         __syncthreads();
         EP_PHASE_STAMP(kPhaseDispatch, kDpHandle);

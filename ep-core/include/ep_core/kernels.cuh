@@ -62,6 +62,13 @@ extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
 }
 
 #if !EP_CORE_HYBRID && !EP_CORE_DIRECT_XNODE
+/// The direct dispatch into the outputs in place (dispatch.cuh, zero-copy): direct mode only.
+extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
+    ep_dispatch_zero_copy_impl(const __grid_constant__ ep_core::OpArgs args) {
+    ep_core::dispatch_impl<EP_CORE_NUM_RANKS, EP_CORE_NUM_TOPK, EP_CORE_HIDDEN_BYTES, EP_CORE_NUM_SF_PACKS,
+                           EP_CORE_NUM_WARPS, EP_CORE_TRANSPORT, true>(args);
+}
+
 /// The direct combine from the ranks' combine buffers (combine.cuh, zero-copy): direct mode only.
 extern "C" __global__ void __launch_bounds__(EP_CORE_NUM_WARPS * 32, 1)
     ep_combine_zero_copy_impl(const __grid_constant__ ep_core::OpArgs args) {

@@ -206,8 +206,11 @@ class LoopbackDomain:
         handles: Sequence[Any] | None = None,
         num_sms: int = 0,
         cumulative_local_expert_recv_stats: Sequence[Any] | None = None,
+        zero_copy: bool = False,
     ) -> list[DispatchResult]:
-        """Dispatch on every rank (same keywords as `ep_core.reference.dispatch`)."""
+        """Dispatch on every rank (same keywords as `ep_core.reference.dispatch`). `zero_copy`: each rank's outputs
+        are views of its receive region, stored there by the dispatch kernel (no copy epilogue; deterministic row
+        order; `DirectRank.launch_dispatch`), valid until the next operation on the domain."""
         if self._closed:
             raise EPStateError("dispatch: the domain is closed")
         hs = self._check("handles", handles)
@@ -239,6 +242,7 @@ class LoopbackDomain:
                         handle=hs[r],
                         num_sms=sms,
                         cumulative_local_expert_recv_stats=stats[r],
+                        zero_copy=zero_copy,
                     )
                 )
             try:

@@ -68,6 +68,7 @@ FLAGS: dict[str, int] = {
     "combine_send_only": 1 << 10,
     "combine_reduce_only": 1 << 11,
     "combine_zero_copy": 1 << 12,
+    "dispatch_zero_copy": 1 << 13,
 }
 
 _STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))

@@ -14,6 +14,7 @@ from ep_core.errors import EPConfigError
 from ep_core.kernels.plan import KernelConfig
 
 __all__ = [
+    "DISPATCH_ZERO_COPY_KERNEL",
     "KERNEL_NAMES",
     "ZERO_COPY_KERNEL",
     "KernelSet",
@@ -26,6 +27,8 @@ __all__ = [
 KERNEL_NAMES = ("ep_dispatch_impl", "ep_dispatch_copy_epilogue_impl", "ep_combine_impl")
 ZERO_COPY_KERNEL = "ep_combine_zero_copy_impl"
 """The combine from the ranks' combine buffers (combine.cuh, zero-copy): in direct-mode instances only."""
+DISPATCH_ZERO_COPY_KERNEL = "ep_dispatch_zero_copy_impl"
+"""The dispatch into its outputs in place (dispatch.cuh, zero-copy): in direct-mode instances only."""
 
 
 def get_include() -> str:
@@ -202,6 +205,7 @@ class KernelSet:
     epilogue: Any
     combine: Any
     combine_zero_copy: Any = None  # direct-mode instances only (ZERO_COPY_KERNEL)
+    dispatch_zero_copy: Any = None  # direct-mode instances only (DISPATCH_ZERO_COPY_KERNEL)
 
 
 _loaded: dict[KernelConfig, KernelSet] = {}
@@ -223,5 +227,6 @@ def load_kernels(config: KernelConfig) -> KernelSet:
             ks = KernelSet(config, *(module.function(n) for n in KERNEL_NAMES))
             if not (config.is_hybrid or config.is_direct_xnode):
                 ks.combine_zero_copy = module.function(ZERO_COPY_KERNEL)
+                ks.dispatch_zero_copy = module.function(DISPATCH_ZERO_COPY_KERNEL)
             _loaded[config] = ks
     return ks

@@ -81,6 +81,7 @@ from ep_core.kernels.plan import (
 )
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, PreparedOp
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs
+from ep_core.kernels.zero_copy_rows import ZeroCopyRows
 from ep_core.requests import CombineResult, DispatchResult
 from ep_core.validation import check_zero_copy_args
 
@@ -163,6 +164,8 @@ _DISPATCH_DYNAMIC = (
     "topk_idx_copy",
     "envelope",
 )
+# a zero-copy dispatch's kernel also writes the handle's metadata (the envelope stays last)
+_DISPATCH_ZERO_COPY_DYNAMIC = (*_DISPATCH_DYNAMIC[:-1], "src_metadata", "envelope")
 _EPILOGUE_DYNAMIC = (
     "envelope",
     "src_metadata",
@@ -222,6 +225,8 @@ class _PendingDispatch:
     repeat: dict | None = None  # what a `RepeatDispatch` needs beyond these fields (`record=True`)
     # a lone rank's cached dispatch: no dispatch kernel, the copy epilogue does it all (`DirectRank.epilogue_only`)
     epilogue_only: bool = False
+    # the outputs are views of the receive region, written by the dispatch kernel (`zero_copy=True`): no epilogue
+    zero_copy: bool = False
 
 
 def _combine_smem(cfg: KernelConfig) -> int:
@@ -668,11 +673,15 @@ class DirectRank:
         cumulative_local_expert_recv_stats: Any = None,
         record: bool = False,
         topk_idx_copy: Any = None,
+        zero_copy: bool = False,
     ) -> _PendingDispatch:
         """Validate and launch the dispatch kernel; `finish_dispatch` completes the call. `record`: leave the
         call's `RepeatDispatch` in `last_repeat` (a dispatch without CPU sync; ep_core.kernels.repeat).
         `topk_idx_copy`: a contiguous array of topk_idx's shape and dtype that the kernel fills with the routing
-        as it reads it (the new handle's copy, `do_handle_copy`; not with a handle)."""
+        as it reads it (the new handle's copy, `do_handle_copy`; not with a handle). `zero_copy`: the kernel
+        stores the outputs in their final form in this rank's receive region and `recv_x`, its scales, ids and
+        weights are views of it (no copy epilogue; rows in deterministic order; `zero_copy_rows`); every rank of
+        the call passes it alike (the envelope checks)."""
         self.last_repeat = None
         self.guard()
         self._check_handle(handle)
@@ -769,9 +778,14 @@ class DirectRank:
                     f"topk_weights: expected a contiguous float32 [{num_tokens}, {topk}], got {wv.shape} {wv.dtype}"
                 )
         cfg = self._config(hidden, elem, packs, topk)
+        zero_copy = bool(zero_copy)
+        if zero_copy:
+            self.check_zero_copy_dispatch(cfg, cached, do_expand, bool(use_tma_aligned_col_major_sf))
         plan, scratch = self._regions(cfg, num_experts, "dispatch")
         num_sms = self._num_sms(num_sms, handle, num_experts, topk)
         flags = 0
+        if zero_copy:
+            flags |= FLAGS["dispatch_zero_copy"] | FLAGS["deterministic"]
         if do_expand:
             flags |= FLAGS["expand"]
         if cached:
@@ -823,7 +837,9 @@ class DirectRank:
                 shapes["fwd"] = (cfg.num_nodes, self.num_max_tokens + 1, topk + 1)
             shapes["psum_expert"] = (epr,)
             shapes["unaligned"] = (epr,)
-            if not do_cpu_sync:  # its rows are known now (one per slot): in the same block
+            # its rows are known now (one per slot): in the same block. A zero-copy dispatch's kernel writes it: at
+            # its largest (a CPU sync's handle keeps the first rows)
+            if not do_cpu_sync or zero_copy:
                 shapes["src_metadata"] = (self.num_ranks * self.num_max_tokens, topk + 2)
             arrays.update(self._alloc_int32(shapes))
             arrays.setdefault("fwd", None)
@@ -846,7 +862,8 @@ class DirectRank:
             num_experts,
             self.num_max_tokens,
             expert_alignment,
-            flags & (FLAGS["expand"] | FLAGS["cached"] | FLAGS["deterministic"]),
+            flags
+            & (FLAGS["expand"] | FLAGS["cached"] | FLAGS["deterministic"] | FLAGS["dispatch_zero_copy"]),
         )
         dynamic = (
             xv.ptr,
@@ -862,6 +879,10 @@ class DirectRank:
             copy_ptr,
             self._envelope(OP_DISPATCH, (*env_fields, self._handle_launch.get(handle, -1) if cached else -1)),
         )
+        fields = _DISPATCH_DYNAMIC
+        if zero_copy:
+            fields = _DISPATCH_ZERO_COPY_DYNAMIC
+            dynamic = (*dynamic[:-1], view_ptr(arrays["src_metadata"], "src_metadata"), dynamic[-1])
         args = None
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, num_experts)
@@ -873,15 +894,15 @@ class DirectRank:
                 sf_stride0=sf_strides[0],
                 sf_stride1=sf_strides[1],
             )
-            args.update(zip(_DISPATCH_DYNAMIC, dynamic))
+            args.update(zip(fields, dynamic))
             main = self._prepare(
-                kernels.dispatch,
-                "ep_dispatch_impl",
+                kernels.dispatch_zero_copy if zero_copy else kernels.dispatch,
+                "ep_dispatch_zero_copy_impl" if zero_copy else "ep_dispatch_impl",
                 geo,
                 geo.shared_mem,
                 self.cooperative,
                 args,
-                _DISPATCH_DYNAMIC,
+                fields,
             )
             # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
             self._occupancy(kernels.combine, geo.block, _combine_smem(cfg))
@@ -917,6 +938,7 @@ class DirectRank:
             prepared=prepared,
             dynamic=dynamic,
             epilogue_only=epilogue_only,
+            zero_copy=zero_copy,
         )
         if record:
             pending.repeat = {
@@ -1005,56 +1027,11 @@ class DirectRank:
             expert_list = []
         rows = num_expanded if p.expand else num_recv
         hidden = p.x.shape[1]
-        recv_x = self._alloc((rows, hidden), p.x.dtype)
-        recv_sf = None
-        sf_strides = (0, 0)
-        if p.sf is not None:
-            packs = p.sf.shape[1]
-            if p.col_major_sf:
-                ld = ep_layout.align(max(rows, 1), 4)
-                sf_strides = (1, ld)
-                recv_sf = self._alloc((rows, packs), p.sf.dtype, sf_strides)
-            else:
-                sf_strides = (packs, 1)
-                recv_sf = self._alloc((rows, packs), p.sf.dtype)
-        recv_idx = None if p.expand else self._alloc((rows, k), np.int64)
-        recv_w = None
-        if p.has_weights:
-            recv_w = self._alloc((rows,) if p.expand else (rows, k), np.float32)
-        # the handle's (cached), or allocated with the slots (no CPU sync)
-        meta = p.arrays.get("src_metadata")
-        if meta is None:
-            meta = self._alloc((num_recv, k + 2), np.int32)
-        outputs = epilogue_outputs(
-            view_ptr, view_ptr(meta, "recv_src_metadata"), recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
-        )
-        pdl = self._epilogue_pdl(p)
-        if rows > 0 or p.zero_padding:
-            # no grid barrier in the epilogue: a plain launch (or a programmatic dependent one)
-            epilogue = p.prepared.epilogue_pdl if pdl else p.prepared.epilogue
-            fresh = epilogue is None or p.args is not None  # its first use, or a new shape: a fresh pack
-            if fresh:
-                if p.args is not None:
-                    args = dict(p.args)
-                else:
-                    args = dict(zip(OP_ARGS_FIELDS, p.prepared.main.patch(p.dynamic)))
-                args.update(zip(_EPILOGUE_DYNAMIC, outputs))
-                epilogue = self._prepare(
-                    p.prepared.kernels.epilogue,
-                    "ep_dispatch_copy_epilogue_impl",
-                    self.epilogue_geometry(p.geometry),
-                    p.geometry.shared_mem,
-                    False,
-                    args,
-                    _EPILOGUE_DYNAMIC_ALL,
-                    pdl,
-                )
-                if pdl:
-                    p.prepared.epilogue_pdl = epilogue
-                else:
-                    p.prepared.epilogue = epilogue
-            # its words are the dispatch's (this call's pointers) with the epilogue's outputs, envelope 0
-            self._launch_prepared(epilogue, p.dynamic + outputs, fresh, False)
+        if p.zero_copy:
+            recv_x, recv_sf, recv_idx, recv_w, meta = self._zero_copy_outputs(p, num_recv)
+            pdl = False
+        else:
+            recv_x, recv_sf, recv_idx, recv_w, meta, pdl = self._copy_epilogue(p, rows, num_recv)
         if p.cached:
             handle = p.handle
         else:
@@ -1108,6 +1085,127 @@ class DirectRank:
             )
         self._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
+
+    def _copy_epilogue(self, p: _PendingDispatch, rows: int, num_recv: int) -> tuple:
+        """`finish_dispatch`'s outputs, allocated, and the copy epilogue that fills them: `(recv_x, recv_sf,
+        recv_topk_idx, recv_topk_weights, recv_src_metadata, whether the epilogue was a programmatic dependent)`."""
+        hidden, k = p.x.shape[1], p.config.num_topk
+        recv_x = self._alloc((rows, hidden), p.x.dtype)
+        recv_sf = None
+        sf_strides = (0, 0)
+        if p.sf is not None:
+            packs = p.sf.shape[1]
+            if p.col_major_sf:
+                ld = ep_layout.align(max(rows, 1), 4)
+                sf_strides = (1, ld)
+                recv_sf = self._alloc((rows, packs), p.sf.dtype, sf_strides)
+            else:
+                sf_strides = (packs, 1)
+                recv_sf = self._alloc((rows, packs), p.sf.dtype)
+        recv_idx = None if p.expand else self._alloc((rows, k), np.int64)
+        recv_w = None
+        if p.has_weights:
+            recv_w = self._alloc((rows,) if p.expand else (rows, k), np.float32)
+        # the handle's (cached), or allocated with the slots (no CPU sync)
+        meta = p.arrays.get("src_metadata")
+        if meta is None:
+            meta = self._alloc((num_recv, k + 2), np.int32)
+        outputs = epilogue_outputs(
+            view_ptr, view_ptr(meta, "recv_src_metadata"), recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
+        )
+        pdl = self._epilogue_pdl(p)
+        if rows > 0 or p.zero_padding:
+            # no grid barrier in the epilogue: a plain launch (or a programmatic dependent one)
+            epilogue = p.prepared.epilogue_pdl if pdl else p.prepared.epilogue
+            fresh = epilogue is None or p.args is not None  # its first use, or a new shape: a fresh pack
+            if fresh:
+                if p.args is not None:
+                    args = dict(p.args)
+                else:
+                    args = dict(zip(OP_ARGS_FIELDS, p.prepared.main.patch(p.dynamic)))
+                args.update(zip(_EPILOGUE_DYNAMIC, outputs))
+                epilogue = self._prepare(
+                    p.prepared.kernels.epilogue,
+                    "ep_dispatch_copy_epilogue_impl",
+                    self.epilogue_geometry(p.geometry),
+                    p.geometry.shared_mem,
+                    False,
+                    args,
+                    _EPILOGUE_DYNAMIC_ALL,
+                    pdl,
+                )
+                if pdl:
+                    p.prepared.epilogue_pdl = epilogue
+                else:
+                    p.prepared.epilogue = epilogue
+            # its words are the dispatch's (this call's pointers) with the epilogue's outputs, envelope 0
+            self._launch_prepared(epilogue, p.dynamic + outputs, fresh, False)
+        return recv_x, recv_sf, recv_idx, recv_w, meta, pdl
+
+    def _zero_copy_outputs(self, p: _PendingDispatch, num_recv: int) -> tuple:
+        """`finish_dispatch`'s outputs of a zero-copy dispatch: views of this rank's receive region, where the kernel
+        stored them (`ZeroCopyRows`), `num_recv` rows each (exact after a CPU sync, N * M without, as the ordinary
+        dispatch's); the handle's metadata is the first `num_recv` rows of the array the kernel filled."""
+        cfg, k = p.config, p.config.num_topk
+        z = self.zero_copy_rows(cfg)
+        base = (
+            self.res.base
+            + plan_regions(
+                cfg, p.num_experts, self.num_max_tokens, self.res.data_bytes, op="dispatch"
+            ).recv_offset
+        )
+        dev = _cuda.current_device()
+
+        def view(offset: int, shape: tuple, dtype: Any) -> CoreArray:
+            return CoreArray(base + offset, shape, np.dtype(dtype).name, device_id=dev, owner=self)
+
+        recv_x = view(0, (num_recv, p.x.shape[1]), p.x.dtype)
+        recv_sf = None if p.sf is None else view(z.sf_offset, (num_recv, p.sf.shape[1]), p.sf.dtype)
+        recv_idx = view(z.topk_idx_offset, (num_recv, k), np.int64)
+        recv_w = view(z.weights_offset, (num_recv, k), np.float32) if p.has_weights else None
+        meta = p.arrays["src_metadata"]
+        if meta.shape[0] != num_recv:  # a CPU sync's rows: the first of the kernel's array
+            meta = CoreArray(
+                view_ptr(meta, "recv_src_metadata"), (num_recv, k + 2), "int32", device_id=dev, owner=meta
+            )
+        return recv_x, recv_sf, recv_idx, recv_w, meta
+
+    def zero_copy_rows(self, cfg: KernelConfig) -> ZeroCopyRows:
+        """Where a zero-copy dispatch of `cfg` leaves its outputs in the receive region (zero_copy_rows.cuh)."""
+        return ZeroCopyRows(
+            self.num_ranks * self.num_max_tokens, cfg.hidden * cfg.elem_size, cfg.num_sf_packs, cfg.num_topk
+        )
+
+    def check_zero_copy_dispatch(
+        self, cfg: KernelConfig, cached: bool, expand: bool, col_major_sf: bool
+    ) -> None:
+        """What `dispatch(..., zero_copy=True)` asks of its call and of this buffer; raises before any launch (the
+        same on every rank of a call: nothing here depends on the rank's own tokens)."""
+        where = f"rank {self.rank}"
+        if cached:
+            raise EPValueError(
+                f"zero_copy: not with a cached dispatch ({where}): a zero-copy dispatch places rows from this "
+                "call's counts; dispatch the handle without zero_copy"
+            )
+        if expand:
+            raise EPValueError(
+                f"zero_copy: the non-expanded layout only (do_expand=False), got do_expand=True ({where})"
+            )
+        if col_major_sf:
+            raise EPValueError(
+                f"zero_copy: row-major scales only, got use_tma_aligned_col_major_sf=True ({where})"
+            )
+        if cfg.is_hybrid or cfg.is_direct_xnode:
+            raise EPValueError(
+                f"zero_copy: direct mode within one NVLink domain only; this buffer's {self.num_ranks} ranks span "
+                f"nodes of {self.num_nvlink_ranks} ({where}; dispatch without zero_copy)"
+            )
+        need = self.zero_copy_rows(cfg).num_bytes
+        if need > self.res.data_bytes:
+            raise EPValueError(
+                f"zero_copy: the outputs of {self.num_ranks} x {self.num_max_tokens} rows need {need} bytes, {where}'s "
+                f"receive region has {self.res.data_bytes}; allocate the buffer with get_buffer_size_hint()"
+            )
 
     def dispatch(self, *args: Any, **kwargs: Any) -> DispatchResult:
         """Both phases (one rank per process)."""
