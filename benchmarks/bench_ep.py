@@ -28,7 +28,9 @@ replays of all ranks' launches (GPU time: N ranks launched from one Python threa
 host); `*_eager` are the same ops launched eagerly, `dispatch_cpu_sync` waits on the host for the counts (eager).
 `combine_zero_copy` (direct mode, bf16) is the combine of the same rows written into the ranks' combine buffers
 (`LoopbackDomain.combine_buffers`, `zero_copy=True`): its bytes are one pass (each expert row read where it is, each
-token written), so its % of the ceiling is its own; compare its time with `combine`'s.
+token written), so its % of the ceiling is its own; compare its time with `combine`'s. `dispatch_zero_copy` (direct
+mode, no CPU sync) stores the outputs in place in the receive regions (`zero_copy=True`, deterministic order, no copy
+epilogue): its bytes are x read once and each copy written once; compare its time with `dispatch`'s.
 
     python benchmarks/bench_ep.py --out OUTDIR [--quick]              # throughput, T=4096
     python benchmarks/bench_ep.py --out OUTDIR --decode [--quick]     # latency, T=128
@@ -804,6 +806,8 @@ def bench_config(
     combine_bytes = S * 2 * HIDDEN + 2 * S * c_tok + n * tokens * 2 * HIDDEN
     # zero-copy combine: read each expert row where it is (its rank's combine buffer), write the reduced token
     zero_copy_bytes = S * 2 * HIDDEN + n * tokens * 2 * HIDDEN
+    # zero-copy dispatch: read x, write each copy once where the caller reads it (hidden, scales, ids, weights, ids)
+    zero_copy_dispatch_bytes = n * tokens * hb + S * (hb + packs * 4 + 12 * TOPK + 8)
     t_disp = t_comb = float("nan")
     if torch_iters:
         t_disp, t_comb = torch_baseline(xs, sfs, idxs, n, torch_iters, do_combine=not fp8)
@@ -900,6 +904,17 @@ def bench_config(
         t_det, single["dispatch_deterministic"] = (
             graph(disp_det, "dispatch_deterministic") if not quick else (float("nan"), None)
         )
+        t_disp_zc = float("nan")
+        if scaleup is None:  # zero-copy: direct mode; the outputs are views of the receive regions
+
+            def disp_zc(sms=sms):
+                for a in allocs:
+                    a.reset("disp_zc")
+                dom.dispatch(
+                    x_args, idxs, ws, num_experts=NUM_EXPERTS, do_cpu_sync=False, num_sms=sms, zero_copy=True
+                )
+
+            t_disp_zc, single["dispatch_zero_copy"] = graph(disp_zc, "dispatch_zero_copy")
         dom.synchronize()
         outs = state["sync"]
         ys = [torch.randn(o.recv_x.shape[0], HIDDEN, dtype=torch.bfloat16, device="cuda") for o in outs]
@@ -937,6 +952,7 @@ def bench_config(
             ("dispatch_cpu_sync", t_sync, dispatch_bytes, t_disp),
             ("dispatch_cached", t_cached, dispatch_bytes, t_disp),
             ("dispatch_deterministic", t_det, dispatch_bytes, t_disp),
+            ("dispatch_zero_copy", t_disp_zc, zero_copy_dispatch_bytes, t_disp),
             ("combine", t_comb_ours, combine_bytes, t_comb),
             ("combine_eager", t_comb_eager, combine_bytes, t_comb),
             ("combine_zero_copy", t_comb_zc, zero_copy_bytes, t_comb),
