@@ -1164,10 +1164,15 @@ class DirectRank:
         recv_idx = view(z.topk_idx_offset, (num_recv, k), np.int64)
         recv_w = view(z.weights_offset, (num_recv, k), np.float32) if p.has_weights else None
         meta = p.arrays["src_metadata"]
-        if meta.shape[0] != num_recv:  # a CPU sync's rows: the first of the kernel's array
-            meta = CoreArray(
-                view_ptr(meta, "recv_src_metadata"), (num_recv, k + 2), "int32", device_id=dev, owner=meta
-            )
+        if (
+            meta.shape[0] != num_recv
+        ):  # a CPU sync's rows: the first of the kernel's array, of the allocator's type
+            if hasattr(meta, "__getitem__"):  # torch, numpy-like
+                meta = meta[:num_recv]
+            else:
+                meta = CoreArray(
+                    view_ptr(meta, "recv_src_metadata"), (num_recv, k + 2), "int32", device_id=dev, owner=meta
+                )
         return recv_x, recv_sf, recv_idx, recv_w, meta
 
     def zero_copy_rows(self, cfg: KernelConfig) -> ZeroCopyRows:
