@@ -21,8 +21,9 @@ def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-DISPATCH = _params(EPBuffer.dispatch)[1:]  # x .. stream
-# x .. stream; `zero_copy` (last, keyword-only) takes its own road (`EPBuffer._combine_zero_copy`), not this one
+# x .. stream; `zero_copy` (last, keyword-only) takes its own road (`EPBuffer._dispatch_zero_copy` /
+# `_combine_zero_copy`), not this one
+DISPATCH = [n for n in _params(EPBuffer.dispatch)[1:] if n != "zero_copy"]
 COMBINE = [n for n in _params(EPBuffer.combine)[1:] if n != "zero_copy"]
 
 
@@ -51,7 +52,7 @@ def _forwarded(fn, owner_attr: str, names: list[str], *lead) -> tuple[tuple, dic
 
 
 def test_the_reference_lists_are_the_documented_ones():
-    assert _params(EPBuffer.combine)[-1] == "zero_copy"
+    assert _params(EPBuffer.dispatch)[-1] == "zero_copy" and _params(EPBuffer.combine)[-1] == "zero_copy"
     assert DISPATCH[:3] == ["x", "topk_idx", "topk_weights"] and DISPATCH[-2:] == ["allocator", "stream"]
     assert len(DISPATCH) == 21 and len(set(DISPATCH)) == 21
     assert COMBINE[:2] == ["x", "handle"] and COMBINE[-2:] == ["allocator", "stream"] and len(COMBINE) == 12

@@ -195,6 +195,24 @@ DISPATCH_CASES = [
     ),
     ("allocator", _kw(allocator=42), EPTypeError, "allocator: expected a callable"),
     ("handle_type", _kw(handle=object()), EPTypeError, "handle: expected the EPHandle"),
+    ("zero_copy_flag", _kw(zero_copy=1), EPTypeError, "zero_copy: expected a bool"),
+    (
+        "zero_copy_expand",
+        _kw(zero_copy=True, do_expand=True),
+        EPValueError,
+        "zero_copy: the non-expanded layout only (do_expand=False), got do_expand=True (rank 0)",
+    ),
+    (
+        "zero_copy_col_major_sf",
+        lambda a: (
+            _x((fp8((T, H)), f32((T, 2))))(a),
+            _kw(zero_copy=True, use_tma_aligned_col_major_sf=True)(a),
+        ),
+        EPValueError,
+        "zero_copy: row-major scales only",
+    ),
+    # an executor without the mark (`zero_copy_dispatch`): refused, never an ordinary dispatch in its place
+    ("zero_copy_executor", _kw(zero_copy=True), EPConfigError, "RecordingExecutor has no zero-copy dispatch"),
 ]
 
 HANDLE_CASES = [
@@ -214,6 +232,7 @@ HANDLE_CASES = [
     ("handle_rank", dict(), "other_rank", EPValueError, "handle: made by rank 1"),
     ("handle_tokens", dict(), "other_tokens", EPValueError, "cached handle was made for 3"),
     ("handle_psum_shape", dict(), "bad_psum", EPValueError, "handle.psum_num_recv_tokens_per_scaleup_rank"),
+    ("handle_zero_copy", dict(zero_copy=True), None, EPValueError, "zero_copy: not with a cached dispatch"),
 ]
 
 
@@ -292,6 +311,26 @@ def test_good_dispatch_request_and_defaults():
     buf.dispatch(x, None, w, handle=handle)
     req = buf.executor.requests[-1]
     assert req.is_cached and not req.do_cpu_sync and req.num_sms == handle.num_sms
+
+
+def test_zero_copy_dispatch_request():
+    """D18: a zero-copy dispatch reaches an executor that offers it (`zero_copy_dispatch`) as its own request,
+    validated in full each time (no request cache: no prepared token); several NVLink domains are refused."""
+    buf = make_buffer()
+    buf.executor.zero_copy_dispatch = True
+    x, idx, w = _inputs()
+    for _ in range(2):
+        buf.dispatch(x, idx, w, num_experts=E, zero_copy=True)
+        req = buf.executor.requests[-1]
+        assert req.zero_copy and req.prepared is None and not req.is_cached
+    buf.dispatch(x, idx, w, num_experts=E)
+    assert not buf.executor.requests[-1].zero_copy
+    for hybrid in (True, False):
+        other = make_buffer(num_nvlink_ranks=1, allow_hybrid_mode=hybrid)
+        other.executor.zero_copy_dispatch = True
+        with pytest.raises(EPValueError, match="zero_copy: direct mode within one NVLink domain only"):
+            other.dispatch(x, idx, w, num_experts=E, zero_copy=True)
+        assert other.executor.requests == []
 
 
 def test_hybrid_flag_qps():

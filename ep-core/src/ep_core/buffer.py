@@ -37,6 +37,7 @@ from ep_core.validation import (
     check_zero_copy_args,
     is_trusted_allocator,
     make_combine_request,
+    make_dispatch_request,
     trust_handle,
 )
 
@@ -350,8 +351,32 @@ class EPBuffer(BufferBase):
         use_tma_aligned_col_major_sf: bool = False,
         allocator: Any = None,
         stream: int = 0,
+        zero_copy: bool = False,
     ) -> DispatchResult:
-        """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`."""
+        """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`. `zero_copy=True`: the
+        outputs are views of this buffer's own memory where the dispatch stored them (`_dispatch_zero_copy`)."""
+        if zero_copy is not False:  # its own road (validation D18 refuses a zero_copy that is not a bool)
+            kw = {
+                "cumulative_local_expert_recv_stats": cumulative_local_expert_recv_stats,
+                "num_experts": num_experts,
+                "num_max_tokens_per_rank": num_max_tokens_per_rank,
+                "expert_alignment": expert_alignment,
+                "num_sms": num_sms,
+                "num_qps": num_qps,
+                "previous_event": previous_event,
+                "previous_event_before_epilogue": previous_event_before_epilogue,
+                "async_with_compute_stream": async_with_compute_stream,
+                "allocate_on_comm_stream": allocate_on_comm_stream,
+                "handle": handle,
+                "do_handle_copy": do_handle_copy,
+                "do_cpu_sync": do_cpu_sync,
+                "do_expand": do_expand,
+                "do_zero_padding": do_zero_padding,
+                "use_tma_aligned_col_major_sf": use_tma_aligned_col_major_sf,
+                "allocator": allocator,
+                "stream": stream,
+            }
+            return self._dispatch_zero_copy(x, topk_idx, topk_weights, zero_copy, kw)
         return self.dispatch_positional(
             x,
             topk_idx,
@@ -384,6 +409,28 @@ class EPBuffer(BufferBase):
             return self._dispatch(args)
         with self.announcing("dispatch"):
             return self._dispatch(args)
+
+    def _dispatch_zero_copy(
+        self, x: Any, topk_idx: Any, topk_weights: Any, zero_copy: Any, kw: dict
+    ) -> DispatchResult:
+        """`dispatch(..., zero_copy=True)`: validated in full on every call (no request cache, no express lane, no
+        prepared repeat). `recv_x`, `recv_sf`, `recv_topk_idx` and `recv_topk_weights` are views of this rank's
+        receive region (the executor's memory, in the deterministic row order), valid until the next dispatch or
+        combine on this buffer; bf16 `recv_x` is the memory of `combine_buffer(handle)`. The handle is an ordinary
+        one."""
+        with self.announcing("dispatch"):
+            self._check_alive()
+            ex = self._executor
+            req = make_dispatch_request(self.config, ex, x, topk_idx, topk_weights, zero_copy=zero_copy, **kw)
+            if getattr(ex, "zero_copy_dispatch", False) is not True:  # no silent ordinary dispatch
+                raise EPConfigError(
+                    f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without "
+                    "zero_copy"
+                )
+            res = ex.dispatch(req)
+            if is_trusted_allocator(req.allocator):  # a new handle (D18: never cached), as in `_dispatch`
+                trust_handle(self.config, ex, res.handle)
+            return res
 
     def _dispatch(self, args: tuple) -> DispatchResult:
         self._check_alive()

@@ -81,6 +81,8 @@ class ReferenceExecutor:
 
     array_device = "cpu"
     device_id = 0
+    # honours `DispatchRequest.zero_copy`: the outputs are views of `_region` (EPBuffer asks for this mark)
+    zero_copy_dispatch = True
 
     def __init__(self, config: BufferConfig, bootstrap: Any, *, num_device_sms: int = 132) -> None:
         self.config = config
@@ -110,6 +112,7 @@ class ReferenceExecutor:
             "expert_alignment": req.expert_alignment,
             "do_cpu_sync": req.do_cpu_sync,
             "handle": None if h is None else _handle_key(h),
+            "zero_copy": req.zero_copy,
         }
 
     def _check_routing(self, req: DispatchRequest, idx: np.ndarray | None) -> None:
@@ -188,18 +191,12 @@ class ReferenceExecutor:
             raise EPValueError(f"dispatch (reference, every rank): {exc}") from exc
         out = outs[cfg.rank]
         alloc = req.allocator
-        recv_x = self._out(alloc, out.recv_x, req.x.dtype)
-        recv_sf = None
-        if out.recv_sf is not None:
-            sf = np.ascontiguousarray(out.recv_sf)
-            if req.use_tma_aligned_col_major_sf:
-                rows = sf.shape[0]
-                storage = np.zeros((sf.shape[1], reference.align(rows, 4)), dtype=sf.dtype)
-                storage[:, :rows] = sf.T
-                sf = storage
-            recv_sf = self._out(alloc, sf, req.sf.dtype)
-        recv_idx = self._out(alloc, out.recv_topk_idx, "int64")
-        recv_w = self._out(alloc, out.recv_topk_weights, "float32")
+        if (
+            req.zero_copy
+        ):  # the reference's order is the deterministic one: the same rows, in this rank's region
+            recv_x, recv_sf, recv_idx, recv_w = self._zero_copy_outputs(req, out)
+        else:
+            recv_x, recv_sf, recv_idx, recv_w = self._outputs(req, out)
         if req.handle is not None:
             handle = req.handle
         else:
@@ -237,23 +234,76 @@ class ReferenceExecutor:
                 stats += h.num_unaligned_recv_tokens_per_expert.astype(stats.dtype)
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
+    def _outputs(self, req: DispatchRequest, out: Any) -> tuple:
+        """An ordinary dispatch's `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`: from the allocator."""
+        alloc = req.allocator
+        recv_x = self._out(alloc, out.recv_x, req.x.dtype)
+        recv_sf = None
+        if out.recv_sf is not None:
+            sf = np.ascontiguousarray(out.recv_sf)
+            if req.use_tma_aligned_col_major_sf:
+                rows = sf.shape[0]
+                storage = np.zeros((sf.shape[1], reference.align(rows, 4)), dtype=sf.dtype)
+                storage[:, :rows] = sf.T
+                sf = storage
+            recv_sf = self._out(alloc, sf, req.sf.dtype)
+        recv_idx = self._out(alloc, out.recv_topk_idx, "int64")
+        recv_w = self._out(alloc, out.recv_topk_weights, "float32")
+        return recv_x, recv_sf, recv_idx, recv_w
+
+    def _region(self, num_bytes: int) -> np.ndarray:
+        """This executor's stand-in for the GPU's receive region: one host allocation (bytes) of at least
+        `num_bytes`, where zero-copy dispatches leave their outputs and `combine_buffer` lies, both at its start
+        as on the GPU (so bf16 `recv_x` and the combine buffer are the same memory). A larger need takes a new
+        allocation; the views of the old one keep it alive."""
+        region = getattr(self, "_region_bytes", None)
+        if region is None or region.size < num_bytes:
+            region = self._region_bytes = np.zeros(max(num_bytes, 1), np.uint8)
+        return region
+
+    def _zero_copy_outputs(self, req: DispatchRequest, out: Any) -> tuple:
+        """A zero-copy dispatch's `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`: the reference's rows
+        written into `_region` where the GPU's kernel stores them (`ZeroCopyRows`: recv_x at the start, then
+        scales, ids and weights, each laid out for N * M rows), returned as host views of it. Limits: validation
+        rule D18."""
+        from ep_core.kernels.zero_copy_rows import ZeroCopyRows  # no GPU needed: the byte layout only
+
+        cfg = self.config
+        hidden_bytes = req.hidden * req.elem_size
+        z = ZeroCopyRows(
+            cfg.num_ranks * req.num_max_tokens_per_rank, hidden_bytes, req.num_sf_packs, req.num_topk
+        )
+        region = self._region(z.num_bytes)
+
+        def place(a: np.ndarray | None, offset: int, dtype: str) -> DeviceArray | None:
+            if a is None:
+                return None
+            a = np.ascontiguousarray(a)
+            view = region[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape)
+            view[...] = a
+            return host_array(view, dtype)
+
+        return (
+            place(out.recv_x, 0, req.x.dtype),
+            place(out.recv_sf, z.sf_offset, req.sf.dtype) if req.sf is not None else None,
+            place(out.recv_topk_idx, z.topk_idx_offset, "int64"),
+            place(out.recv_topk_weights, z.weights_offset, "float32"),
+        )
+
     def combine_buffer(self, handle: Any, hidden: int) -> DeviceArray:
         """The zero-copy combine buffer (`EPBuffer.combine_buffer`): a bf16 host `DeviceArray` `[received rows,
         hidden]` at the start of one host allocation kept by this executor, as the GPU's sits at the start of the
         receive region (the same memory for every handle: the next call's buffer overwrites this one's rows). The
         handle and hidden size come validated (`EPBuffer.combine_buffer`)."""
         rows = int(np.asarray(handle.recv_src_metadata).shape[0])
-        need = rows * hidden
-        store = getattr(self, "_combine_store", None)
-        if store is None or store.size < need:
-            store = self._combine_store = np.zeros(max(need, 1), np.uint16)
-        return host_array(store[:need].reshape(rows, hidden), "bfloat16")
+        need = rows * hidden * 2
+        return host_array(self._region(need)[:need].view(np.uint16).reshape(rows, hidden), "bfloat16")
 
     def _check_zero_copy(self, req: CombineRequest) -> None:
         if req.x.shape[0] == 0:  # no rows: nothing is read (an empty view may carry no address)
             return
-        store = getattr(self, "_combine_store", None)
-        if store is None or req.x.ptr != store.ctypes.data:
+        region = getattr(self, "_region_bytes", None)
+        if region is None or req.x.ptr != region.ctypes.data:
             raise EPValueError(
                 f"x: a zero-copy combine reads rank {self.config.rank}'s combine buffer in place; pass "
                 "combine_buffer(handle) with the expert outputs written into it"

@@ -104,6 +104,8 @@ class DispatchRequest:
     previous_event_before_epilogue: Any = None
     async_with_compute_stream: bool = False
     allocate_on_comm_stream: bool = False
+    # the outputs are views of the executor's own memory, in deterministic order (`EPBuffer.dispatch(zero_copy=)`)
+    zero_copy: bool = False
     prepared: PreparedToken | None = field(default=None, compare=False, repr=False)
 
     @property

@@ -25,6 +25,8 @@ dispatch
   D15 previous_event requires allocate_on_comm_stream
   D16 buffer capacity: the dispatch buffers for (hidden, packs, K, M) fit num_bytes
   D17 allocator is callable
+  D18 zero_copy: a bool; True needs no handle (not cached), do_expand=False, use_tma_aligned_col_major_sf=False and
+      one NVLink domain (direct mode); the executor must offer it (`zero_copy_dispatch`)
 combine
   C1  x: bfloat16, 2-D, contiguous, on the device; hidden * 2 % 32 == 0
   C2  handle: an EPHandle of this rank (required); x rows == handle rows (num_recv_tokens, or
@@ -60,6 +62,7 @@ __all__ = [
     "check_array",
     "check_handle",
     "check_stream",
+    "check_zero_copy_dispatch_args",
     "handle_fingerprint",
     "make_combine_request",
     "make_dispatch_request",
@@ -447,8 +450,9 @@ def make_dispatch_request(
     allocator: Any = None,
     stream: int = 0,
     sm_cache: dict | None = None,
+    zero_copy: bool = False,
 ) -> DispatchRequest:
-    """Validate a dispatch (rules D1-D17 of the module doc) and resolve its defaults."""
+    """Validate a dispatch (rules D1-D18 of the module doc) and resolve its defaults."""
     # D1, D2, D3
     if isinstance(x, tuple):
         if len(x) != 2:
@@ -480,6 +484,10 @@ def make_dispatch_request(
         ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf),
     ):
         _check_flag(name, flag)
+    if not isinstance(zero_copy, bool):  # D18
+        raise EPTypeError(f"zero_copy: expected a bool, got {zero_copy!r}")
+    if zero_copy:
+        check_zero_copy_dispatch_args(config, handle, do_expand, use_tma_aligned_col_major_sf)
     _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)  # D15
 
     if handle is not None:  # D11 (cached)
@@ -592,7 +600,38 @@ def make_dispatch_request(
         previous_event_before_epilogue=previous_event_before_epilogue,
         async_with_compute_stream=async_with_compute_stream,
         allocate_on_comm_stream=allocate_on_comm_stream,
+        zero_copy=zero_copy,
     )
+
+
+def check_zero_copy_dispatch_args(
+    config: BufferConfig, handle: Any, do_expand: bool, use_tma_aligned_col_major_sf: bool
+) -> None:
+    """Rule D18's limits of a zero-copy dispatch, for `make_dispatch_request` (the kernel layer checks the same in
+    `DirectRank.check_zero_copy_dispatch`): the dispatch places each row at its final address from this call's
+    counts, in the non-expanded layout with row-major scales, through direct NVLink stores."""
+    where = f"rank {config.rank}"
+    if handle is not None:
+        raise EPValueError(
+            f"zero_copy: not with a cached dispatch (handle given, {where}): a zero-copy dispatch places the rows "
+            "from this call's counts; dispatch the handle without zero_copy"
+        )
+    if do_expand:
+        raise EPValueError(
+            f"zero_copy: the non-expanded layout only (do_expand=False), got do_expand=True ({where}); an "
+            "expanded dispatch runs without zero_copy"
+        )
+    if use_tma_aligned_col_major_sf:
+        raise EPValueError(
+            f"zero_copy: row-major scales only, got use_tma_aligned_col_major_sf=True ({where}); column-major "
+            "scales need the copy epilogue (dispatch without zero_copy)"
+        )
+    topo = config.topology
+    if topo.num_rdma_ranks > 1:
+        raise EPValueError(
+            f"zero_copy: direct mode within one NVLink domain only; this buffer's {topo.num_ranks} ranks span "
+            f"{topo.num_rdma_ranks} NVLink domains of {topo.num_nvlink_ranks} ({where}; dispatch without zero_copy)"
+        )
 
 
 def check_zero_copy_args(handle: EPHandle, topk_weights: Any = None, hidden: Any = None) -> None:

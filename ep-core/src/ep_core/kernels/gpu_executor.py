@@ -68,6 +68,8 @@ class GpuExecutor:
     """`Executor` of one rank: validated requests in, kernels launched on the comm stream."""
 
     array_device = "cuda"
+    # honours `DispatchRequest.zero_copy` (`DirectRank.launch_dispatch(zero_copy=True)`; EPBuffer asks for this mark)
+    zero_copy_dispatch = True
     # no host channel: the kernels meet their peers on the device (`EPBuffer._step` reads this)
     channel = None
 
@@ -261,8 +263,9 @@ class GpuExecutor:
         copy = self._routing_copy(req, idx) if req.do_handle_copy and idx is not None and idx.nbytes else None
         rank._allocator = self._allocator(req, req.x.dtype)
         try:
-            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
-            if plan is not None and plan.rank is rank:
+            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path. A
+            # zero-copy dispatch has no prepared entry (EPBuffer's own road): never a repeat
+            if plan is not None and plan.rank is rank and not req.zero_copy:
                 wait, signal, ev = self._pairs(req.stream, fresh)
                 sf, idx, w = req.sf, req.topk_idx, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
@@ -312,7 +315,8 @@ class GpuExecutor:
 
     def _dispatch(self, req: Any, record: bool, copy: Any = None) -> Any:
         """The full path of `DirectRank.dispatch` (views of every argument, every check); `copy`: the new
-        handle's copy of the routing, filled by the kernel."""
+        handle's copy of the routing, filled by the kernel. A zero-copy dispatch's outputs are the rank's views of its
+        receive region, returned as they are (the allocator makes the handle's arrays only)."""
         return self.rank.dispatch(
             _view(req.x),
             _view(req.topk_idx),
@@ -328,8 +332,9 @@ class GpuExecutor:
             handle=req.handle,
             num_sms=req.num_sms,
             cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
-            record=record,
+            record=record and not req.zero_copy,
             topk_idx_copy=copy,
+            zero_copy=req.zero_copy,
         )
 
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
