@@ -181,7 +181,8 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
     from ep_torch import ElasticBuffer
     from ep_torch.event import EventHandle
 
-    # `zero_copy` (combine's last, keyword-only parameter on both) takes its own road, not the positional one
+    # `zero_copy` (the last, keyword-only parameter of dispatch and combine on both) takes its own road, not the
+    # positional one
     core_names = [n for n in inspect.signature(getattr(ep_core.EPBuffer, op)).parameters if n != "zero_copy"][
         1:
     ]
@@ -225,6 +226,40 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
         got = positional(**{name: value})
         moved = [core_names[i] for i, (a, b) in enumerate(zip(ref, got)) if a is not b]
         assert moved == [name], (name, moved)
+
+
+@pytest.mark.parametrize("op", ["dispatch", "combine"])
+def test_zero_copy_takes_ep_cores_own_road(op):
+    """`zero_copy=True` is keyword-only and last on both surfaces (DeepEP's positional order unchanged) and reaches
+    ep_core's `dispatch` / `combine` with `zero_copy=True` (its road validates in full on every call), never the
+    positional road or an express lane."""
+    import inspect
+
+    import ep_core
+    from ep_torch import ElasticBuffer
+
+    for cls in (ElasticBuffer, ep_core.EPBuffer):
+        last = list(inspect.signature(getattr(cls, op)).parameters.values())[-1]
+        assert (
+            last.name == "zero_copy" and last.kind is inspect.Parameter.KEYWORD_ONLY and last.default is False
+        )
+    buf, calls = _recording_buffer()
+    seen: list = []
+
+    def record(*args, **kwargs):
+        seen.append(kwargs)
+        raise _Stop
+
+    setattr(buf._core, op, record)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(_Stop):
+        if op == "dispatch":
+            buf.dispatch(x, torch.zeros(4, 2, dtype=torch.int64), num_experts=8, zero_copy=True)
+        else:
+            buf.combine(x, object(), zero_copy=True)
+    assert calls == [] and seen[0]["zero_copy"] is True
+    with pytest.raises(TypeError):  # keyword-only: one positional argument more is refused
+        getattr(buf, op)(*([None] * (len(inspect.signature(getattr(ElasticBuffer, op)).parameters) - 1)))
 
 
 @pytest.mark.parametrize("tokens", [0, 8])

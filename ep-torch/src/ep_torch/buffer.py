@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import ep_core
+import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core import device_array, planner
@@ -159,6 +160,20 @@ def _received(recv_x: Any, recv_sf: Any, col_major: Any) -> Any:
     if col_major:
         recv_sf = recv_sf.t()[: recv_x.shape[0]]
     return recv_x, recv_sf
+
+
+def _view_tensor(arr: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """An array of the buffer's own memory (ep-core's ``DeviceArray``: a zero-copy output, the combine buffer) as a
+    tensor of ``dtype`` over the same memory: torch reads bf16 / FP8 bits as uint16 / uint8, then reinterprets them
+    (the same item size). On the CPU reference backend through numpy's array interface, whose array keeps the
+    ``DeviceArray`` (and so the executor's host memory) alive."""
+    if arr is None:
+        return None
+    if arr.device == "cpu":
+        t = torch.from_numpy(np.asarray(arr))
+    else:  # the rank's own memory, on its own device
+        t = torch.as_tensor(arr, device=device)
+    return t if t.dtype == dtype else t.view(dtype)
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -591,6 +606,8 @@ class ElasticBuffer(ElasticOps):
         do_expand: bool = False,
         do_zero_padding: bool = False,
         use_tma_aligned_col_major_sf: bool = False,
+        *,
+        zero_copy: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
         """Send every token to the ranks of its top-k experts (SPEC §2).
 
@@ -598,7 +615,39 @@ class ElasticBuffer(ElasticOps):
         iff ``x`` was one; ``recv_topk_idx`` is None with ``do_expand=True``; ``event`` holds an event only with
         ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
         returned handle is the one given.
+
+        ``zero_copy=True`` (an ep extension): the dispatch stores every output in its final place in the buffer's own
+        memory (the receive region on the GPU) and ``recv_x``, its scales, ``recv_topk_idx`` and
+        ``recv_topk_weights`` are views of it, rows in the deterministic order, with no copy epilogue. They are valid
+        until the next dispatch or combine on this buffer; bf16 ``recv_x`` is the memory of
+        :meth:`get_combine_buffer` for the returned handle, so the expert computation may write its outputs over the
+        rows it has read, then ``combine(..., zero_copy=True)``. Non-expanded layout, no ``handle`` (not cached),
+        row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
+        call passes it alike. The handle is an ordinary one (combine, cached dispatch).
         """
+        if zero_copy is not False:  # its own road: validated in full, no express lane
+            return self._dispatch_zero_copy(
+                x,
+                topk_idx,
+                topk_weights,
+                handle,
+                zero_copy,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                num_experts=num_experts,
+                num_max_tokens_per_rank=num_max_tokens_per_rank,
+                expert_alignment=expert_alignment,
+                num_sms=num_sms,
+                num_qps=num_qps,
+                previous_event=previous_event,
+                previous_event_before_epilogue=previous_event_before_epilogue,
+                async_with_compute_stream=async_with_compute_stream,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+                do_handle_copy=do_handle_copy,
+                do_cpu_sync=do_cpu_sync,
+                do_expand=do_expand,
+                do_zero_padding=do_zero_padding,
+                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+            )
         if handle is not None:
             lane = self._express_cached
             scalars = (
@@ -746,6 +795,76 @@ class ElasticBuffer(ElasticOps):
         recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
 
+    def _dispatch_zero_copy(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: Any,
+        zero_copy: Any,
+        *,
+        previous_event: Any,
+        async_with_compute_stream: Any,
+        allocate_on_comm_stream: Any,
+        do_handle_copy: Any,
+        do_cpu_sync: Any,
+        cumulative_local_expert_recv_stats: Any,
+        do_expand: Any,
+        do_zero_padding: Any,
+        use_tma_aligned_col_major_sf: Any,
+        **scalars: Any,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
+        """``dispatch(..., zero_copy=True)`` through ep-core's zero-copy road (``ep_core.EPBuffer.dispatch``); the
+        views it returns become tensors over the same memory, of the caller's dtypes."""
+        with self._core.announcing("dispatch"):
+            if handle is None and do_cpu_sync is not False:
+                self._check_capture("dispatch", do_cpu_sync, handle)
+            data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+            device = data.device if isinstance(data, torch.Tensor) else self.device
+            if previous_event is None and not allocate_on_comm_stream:  # as on the ordinary road
+                scope, cuda = _NO_SCOPE, self._cuda
+            else:
+                scope, cuda = self._streams(
+                    allocate_on_comm_stream, previous_event, async_with_compute_stream
+                )
+            with scope:
+                res = self._rt().dispatch(
+                    _plain(x),
+                    _plain(topk_idx) if topk_idx is not None else None,
+                    _plain(topk_weights) if topk_weights is not None else None,
+                    cumulative_local_expert_recv_stats=None
+                    if cumulative_local_expert_recv_stats is None
+                    else _plain(cumulative_local_expert_recv_stats),
+                    previous_event=previous_event,
+                    async_with_compute_stream=bool(async_with_compute_stream),
+                    allocate_on_comm_stream=bool(allocate_on_comm_stream),
+                    handle=handle,
+                    do_handle_copy=bool(do_handle_copy),
+                    do_cpu_sync=None if do_cpu_sync is None else bool(do_cpu_sync),
+                    do_expand=bool(do_expand),
+                    do_zero_padding=bool(do_zero_padding),
+                    use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),
+                    allocator=self._allocators.get(device) or self._allocator(device),
+                    stream=_current_stream(self._device_index) if cuda else 0,
+                    zero_copy=zero_copy,
+                    **scalars,  # num_experts .. previous_event_before_epilogue, as given
+                )
+                # the outputs are the buffer's memory, not the caching allocator's: only the handle's tensors need
+                # recording on the streams
+                event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
+        h = res.handle
+        if not do_handle_copy:
+            h.topk_idx = topk_idx  # the caller's tensor itself, as on the ordinary road
+        elif h.topk_idx is topk_idx:
+            h.topk_idx = topk_idx.detach()
+        dev = self.device
+        recv_x = _view_tensor(res.recv_x, data.dtype, dev)
+        if sf is not None:
+            recv_x = (recv_x, _view_tensor(res.recv_sf, sf.dtype, dev))
+        recv_idx = _view_tensor(res.recv_topk_idx, torch.int64, dev)
+        recv_w = _view_tensor(res.recv_topk_weights, torch.float32, dev)
+        return recv_x, recv_idx, recv_w, h, event
+
     def combine(
         self,
         x: torch.Tensor,
@@ -849,12 +968,7 @@ class ElasticBuffer(ElasticOps):
         own memory (the start of its receive region on the GPU), one row per row of the dispatch's ``recv_x``.
         Write the expert outputs into it and pass it as ``combine``'s ``x``. Valid from the end of the dispatch
         until the next dispatch or combine on this buffer; non-expanded handles, direct mode."""
-        arr = self._rt().combine_buffer(handle)
-        rows, hidden = arr.shape
-        if arr.device == "cpu":
-            return torch.from_numpy(device_array.to_numpy(arr)).view(torch.bfloat16).view(rows, hidden)
-        # the rank's own memory, on its own device: torch reads the bf16 bits as uint16, then reinterprets them
-        return torch.as_tensor(arr, device=self.device).view(torch.bfloat16).view(rows, hidden)
+        return _view_tensor(self._rt().combine_buffer(handle), torch.bfloat16, self.device)
 
     @property
     def launch_path(self) -> str | None:

@@ -6,7 +6,9 @@ them locally, calls the torch API with its own slice and compares bit for bit. S
 - ``modes``: SPEC §9 on the torch surface: {non-expand, expand} x {A = 1, 128} x {bf16, FP8} x {0, 1, 2 biases} x
   {CPU sync, no sync, cached} x {deterministic or not, multiple reduction or not}, over routings with -1 lanes,
   unequal and zero token counts, ``num_tokens == M``, unbalanced load and ranks that receive nothing; plus events
-  (``async_with_compute_stream``, ``previous_event``) and ``cumulative_local_expert_recv_stats``;
+  (``async_with_compute_stream``, ``previous_event``) and ``cumulative_local_expert_recv_stats``; in one NVLink
+  domain every non-expanded mode also runs the zero-copy dispatch (against the reference's deterministic order),
+  the zero-copy combine, and the round trip dispatch -> expert in place -> combine through the buffer's memory;
 - ``errors``: the bad-input table of SPEC §6 (type, message fragment), and a bad input on one rank only;
 - ``autograd``: ``ep_torch.functional`` forward and gradients against a dense float64 computation on data whose
   arithmetic is exact in bf16, so equality is exact (non-expand and expand layouts);
@@ -391,6 +393,79 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
 
         checks.run(name + "/cached", check_cached)
 
+        # zero-copy (an ep extension): the same dispatch with its outputs left in the buffer's memory, in the
+        # deterministic order (the reference's) whatever the buffer's; non-expanded modes are the row-major ones
+        if not expand and buf.get_physical_domain_size()[0] == 1:
+            z_prev = buf.capture() if with_prev else None
+            z_x, z_idx, z_w, z_handle, z_event = buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                do_cpu_sync=sync,
+                previous_event=z_prev,
+                allocate_on_comm_stream=alloc_comm,
+                async_with_compute_stream=async_,
+                do_handle_copy=bool(seed % 2),
+                zero_copy=True,
+                **common,
+            )
+            if async_:
+                z_event.current_stream_wait()
+
+            def check_zero_copy_dispatch(
+                z_x=z_x,
+                z_idx=z_idx,
+                z_w=z_w,
+                z_handle=z_handle,
+                z_event=z_event,
+                ref=ref,
+                async_=async_,
+                fp8=fp8,
+                x=x,
+                exact=exact,
+            ) -> None:
+                assert isinstance(z_event, EventOverlap) and (z_event.event is not None) == async_
+                assert isinstance(z_x, tuple) == fp8, "recv_x is a tuple iff x was one"
+                data = z_x[0] if fp8 else z_x
+                assert (
+                    data.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16) and data.device == device
+                )
+                if fp8:
+                    assert z_x[1].dtype == x[1].dtype
+                assert z_idx.dtype == torch.int64 and z_w.dtype == torch.float32
+                _compare_dispatch(
+                    "zero-copy ",
+                    _as_output(z_x, z_idx, z_w, z_handle),
+                    ref,
+                    exact=exact,
+                    deterministic=True,
+                    zero_padding=False,
+                )
+
+            checks.run(name + "/dispatch/zero_copy", check_zero_copy_dispatch)
+            if not fp8:
+                # the expert (times two: exact in bf16) writes its outputs over the rows it read, which are the
+                # combine buffer's; the zero-copy combine reads them there
+                aliased = buf.get_combine_buffer(z_handle).data_ptr() == z_x.data_ptr()
+                z_x.mul_(2)
+                rx, _, _ = buf.combine(z_x, z_handle, zero_copy=True)
+                # the reference's rows, through the same expert
+                doubled = [_bits(from_numpy(o.recv_x, torch.bfloat16) * 2) for o in refs]
+                ref_rt = reference.combine(
+                    doubled,
+                    ref_handles,
+                    allow_multiple_reduction=buf.allow_multiple_reduction,
+                    num_scaleup_ranks=buf.num_scaleup_ranks,
+                )[rank]
+
+                def check_round_trip(rx=rx, ref_rt=ref_rt, aliased=aliased) -> None:
+                    assert aliased, (
+                        "bf16 recv_x of a zero-copy dispatch is get_combine_buffer(handle)'s memory"
+                    )
+                    _same("zero-copy dispatch -> expert in place -> zero-copy combine", rx, ref_rt.combined_x)
+
+                checks.run(name + "/zero_copy_round_trip", check_round_trip)
+
         if fp8:
             continue  # combine takes bf16 expert outputs
         # combine with 0, 1, 2 biases; weights round trip
@@ -582,6 +657,20 @@ def _bad_dispatch_cases(
         ("num_sms negative", with_(num_sms=-1), ValueError, "num_sms"),
         ("buffer too small", with_(num_max_tokens_per_rank=1 << 20), ValueError, "bytes"),
         ("expert_alignment 0", with_(expert_alignment=0), ValueError, "expert_alignment"),
+        # zero-copy (an ep extension): refused before anything runs, naming the argument
+        ("zero_copy not a bool", with_(zero_copy=1), TypeError, "zero_copy: expected a bool"),
+        (
+            "zero_copy expanded",
+            with_(do_expand=True, zero_copy=True),
+            ValueError,
+            "zero_copy: the non-expanded layout only",
+        ),
+        (
+            "zero_copy column-major scales",
+            with_(x=fp8, use_tma_aligned_col_major_sf=True, zero_copy=True),
+            ValueError,
+            "zero_copy: row-major scales only",
+        ),
     ]
 
 
@@ -645,6 +734,12 @@ def check_errors(checks: _Checks, buf: ElasticBuffer, other: ElasticBuffer, cfg:
     )
     expect("cached/x rows", lambda: buf.dispatch(x[:-1], handle=handle), ValueError, "tokens")
     expect("cached/handle type", lambda: buf.dispatch(x, handle=object()), TypeError, "handle")
+    expect(
+        "cached/zero_copy",
+        lambda: buf.dispatch(x, handle=handle, zero_copy=True),
+        ValueError,
+        "zero_copy: not with a cached dispatch",
+    )
     rows = recv_x.shape[0]
     t = x.shape[0]
     y = recv_x
