@@ -27,6 +27,11 @@ Contract for implementers (the GPU kernels implement `Executor`, and a `Transpor
   (row-major), i.e. the logical `[R, P]` column-major tensor is `recv_sf.T[:R]`; `recv_topk_idx` `[R, K]`
   int64 (None in expand mode); `recv_topk_weights` `[R, K]` / `[R]` float32 (None without weights).
   Handle arrays (`EPHandle`) are allocated through the allocator too; see `ep_core.handle`.
+- Zero-copy (optional): `zero_copy_dispatch = True` marks an executor that honours `DispatchRequest.zero_copy` (the
+  outputs, not the handle, are views of its own memory, in the deterministic row order, valid until its next
+  dispatch or combine); `combine_buffer(handle, hidden)` returns the bf16 array a `CombineRequest.zero_copy` combine
+  reads in place (bf16 `recv_x` of a zero-copy dispatch is that memory). `EPBuffer` refuses `zero_copy` for an
+  executor without them.
 - Failures: after a wait timed out, a GPU executor raises at its next call (`EPTimeoutError`), and at every call
   after that, launching nothing, until `reset()`: an optional method (not part of the `Executor` protocol that
   `isinstance` checks), a collective that every rank calls together (ordered through the bootstrap's barrier).
