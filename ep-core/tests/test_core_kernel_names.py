@@ -7,9 +7,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ep_core.kernels._source import KERNEL_NAMES, ZERO_COPY_KERNEL, get_include
+from ep_core.kernels._source import (
+    DISPATCH_ZERO_COPY_KERNEL,
+    KERNEL_NAMES,
+    ZERO_COPY_KERNEL,
+    get_include,
+)
 
-ALL = (*KERNEL_NAMES, ZERO_COPY_KERNEL)  # the zero-copy combine: direct-mode instances only
+# the zero-copy combine and dispatch: direct-mode instances only
+ALL = (*KERNEL_NAMES, ZERO_COPY_KERNEL, DISPATCH_ZERO_COPY_KERNEL)
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels" / "direct_rank.py"
 
