@@ -238,6 +238,24 @@ def _combine_smem(cfg: KernelConfig) -> int:
     return cfg.combine_dynamic_smem_bytes
 
 
+class RegionView(CoreArray):
+    """A zero-copy dispatch's output: a view of its rank's receive region (no allocation of its own) that copies
+    itself to the host like the rank's allocations do (`numpy()`, on the rank's stream, synchronizing)."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, ptr: int, shape: tuple, dtype: Any, stream: Stream, owner: Any) -> None:
+        super().__init__(ptr, shape, np.dtype(dtype).name, device_id=_cuda.current_device(), owner=owner)
+        self.stream = stream
+
+    def numpy(self) -> np.ndarray:
+        host = np.empty(self.shape, np.dtype(self.dtype))
+        if host.nbytes:
+            _cuda.copy_to_host(host, self.ptr, self.stream)
+            self.stream.synchronize()
+        return host
+
+
 def _check_2d(view: DeviceView, what: str) -> None:
     if len(view.shape) != 2:
         raise EPValueError(f"{what}: expected a 2-D array, got shape {view.shape}")
@@ -1154,10 +1172,9 @@ class DirectRank:
                 cfg, p.num_experts, self.num_max_tokens, self.res.data_bytes, op="dispatch"
             ).recv_offset
         )
-        dev = _cuda.current_device()
 
-        def view(offset: int, shape: tuple, dtype: Any) -> CoreArray:
-            return CoreArray(base + offset, shape, np.dtype(dtype).name, device_id=dev, owner=self)
+        def view(offset: int, shape: tuple, dtype: Any) -> RegionView:
+            return RegionView(base + offset, shape, dtype, self.stream, self)
 
         recv_x = view(0, (num_recv, p.x.shape[1]), p.x.dtype)
         recv_sf = None if p.sf is None else view(z.sf_offset, (num_recv, p.sf.shape[1]), p.sf.dtype)
@@ -1170,8 +1187,8 @@ class DirectRank:
             if hasattr(meta, "__getitem__"):  # torch, numpy-like
                 meta = meta[:num_recv]
             else:
-                meta = CoreArray(
-                    view_ptr(meta, "recv_src_metadata"), (num_recv, k + 2), "int32", device_id=dev, owner=meta
+                meta = RegionView(
+                    view_ptr(meta, "recv_src_metadata"), (num_recv, k + 2), np.int32, self.stream, meta
                 )
         return recv_x, recv_sf, recv_idx, recv_w, meta
 
