@@ -177,6 +177,15 @@ def _ll_checks(rank: int, n: int, device: str = "cpu") -> None:
             f"lanes per combine {group}"
         )
     buf.ll_lanes_per_combine = 0
+    # the other dispatch underneath (zero-copy is the default on CUDA in one NVLink domain, off on the CPU backend):
+    # the same packed rows and the same combine
+    buf.ll_zero_copy = device != "cuda"
+    recv, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    _check_dispatch(recv, cnt, handle, rank, n, 0, f"bf16 dispatch (ll_zero_copy={buf.ll_zero_copy})")
+    comb, _, _ = buf.low_latency_combine(_expert(recv, rank, epr), idx, w, handle)
+    assert np.array_equal(_bits(comb), _combine_ref(x.cpu(), idx.cpu(), w.cpu())), "combine after it"
+    _check_fp8(buf, x, idx, rank, n, True, False)
+    buf.ll_zero_copy = None
     for rs, ue in ((False, False), (True, False), (True, True)):
         _check_fp8(buf, x, idx, rank, n, rs, ue)
     # options ep does not implement, and bad inputs: before any communication, so no rank waits

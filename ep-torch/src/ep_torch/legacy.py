@@ -32,7 +32,9 @@ low-latency mode's packing, gather and weighted sum as CUDA kernels (``legacy_ll
 (the same bits; False keeps the torch composition, the tests' reference); ``ll_deterministic=False`` runs ep's
 non-deterministic dispatch underneath (no count/prefix phases) and orders the packed rows by their source key
 instead (the same results); ``ll_combine_num_sms`` (0 = ep's choice) sets the SMs of the low-latency combine (its
-wide rows leave few warps per block).
+wide rows leave few warps per block); ``ll_zero_copy`` (None = on CUDA within one NVLink domain) runs the dispatch
+underneath with ``zero_copy=True``: the packing reads the received rows where they arrived instead of a copy of them
+(the same results; rows in the deterministic order whatever ``ll_deterministic``).
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class Buffer:
         ll_use_kernels: bool | None = None,
         ll_deterministic: bool = True,
         ll_combine_num_sms: int = 0,
+        ll_zero_copy: bool | None = None,
     ) -> None:
         if group is None and comm is not None:
             raise NotImplementedError(
@@ -194,6 +197,7 @@ class Buffer:
         self.ll_use_kernels = ll_use_kernels
         self.ll_deterministic = bool(ll_deterministic)
         self.ll_combine_num_sms = int(ll_combine_num_sms)
+        self.ll_zero_copy = None if ll_zero_copy is None else bool(ll_zero_copy)
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
         self._destroyed = False
@@ -629,10 +633,14 @@ class Buffer:
             )
         inner = self._ensure_ll(m, h, int(topk_idx.shape[1]))
 
+        zero_copy = self.ll_zero_copy
+        if zero_copy is None:  # where the inner buffer offers it: its rows are read before its next operation
+            zero_copy = x.is_cuda and inner.get_physical_domain_size()[0] == 1
+
         def run() -> tuple:
             recv, count, handle = ll_dispatch(
                 inner, x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, self.ll_use_kernels,
-                rows_ordered=self._ll_key is not None and self._ll_key[3],
+                rows_ordered=self._ll_key is not None and self._ll_key[3], zero_copy=zero_copy,
             )  # fmt: skip
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count.to(cumulative_local_expert_recv_stats.dtype))

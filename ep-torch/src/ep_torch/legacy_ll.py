@@ -72,19 +72,22 @@ def ll_dispatch(
     use_ue8m0: bool,
     use_kernels: bool | None = None,
     rows_ordered: bool = True,
+    zero_copy: bool = False,
 ) -> tuple[Any, torch.Tensor, LowLatencyHandle]:
     """The packed masked layout of this rank's received rows (no host sync: capturable). ``use_kernels``: the
     CUDA epilogue (``legacy_ll_kernels.pack``) instead of the torch ops; None = on CUDA. ``rows_ordered``: ``inner``
     is deterministic (direct-mode rows already in V1's order); else (and in hybrid mode) rows are ordered by their
-    source key (source rank, token)."""
+    source key (source rank, token). ``zero_copy``: ``inner``'s dispatch leaves the rows in its buffer (one NVLink
+    domain; deterministic order) and the packing reads them there, before ``inner``'s next operation writes it."""
     n = inner.num_ranks
     epr = num_experts // n
     h = int(x.shape[1])
     k = int(topk_idx.shape[1])
     dev = x.device
     recv_x, recv_idx, _, ep_handle, _ = inner.dispatch(
-        x, topk_idx=topk_idx, num_experts=num_experts, do_cpu_sync=False
+        x, topk_idx=topk_idx, num_experts=num_experts, do_cpu_sync=False, zero_copy=bool(zero_copy)
     )
+    rows_ordered = rows_ordered or bool(zero_copy)
     if _kernels(x, use_kernels, "low_latency_dispatch"):
         from . import legacy_ll_kernels
 
