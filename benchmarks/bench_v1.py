@@ -22,6 +22,8 @@ Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform ran
   ep combine (``ll_lanes_per_combine``; 1, 2, 4 and all K (automatic when it fits): wider rows mean fewer launches but
   fewer warps per block in ep's kernels), gather and weighted sum as kernels; ``torch-ops`` rows: the torch ops;
 - ``... sms=S``: the automatic combine on all S SMs (``ll_combine_num_sms``; ep's default is the dispatch's count);
+- ``... copy``: the same over ep's copying dispatch (``ll_zero_copy=False``; by default the inner dispatch is
+  zero-copy on CUDA in one NVLink domain and the packing reads the rows where they arrived);
 - ``... nondet``: the same (kernels) over ep's non-deterministic dispatch (``ll_deterministic=False``: no count /
   prefix phases; the packing orders rows by their source key);
 - ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine`` (run
@@ -356,8 +358,14 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
         setall(ll_use_kernels=None, ll_lanes_per_combine=0, ll_combine_num_sms=sms)
         ok = checked(f"v1 ll_combine lanes={auto} (auto) sms={sms}")
         setall(ll_combine_num_sms=0)
-    # ep's non-deterministic dispatch underneath (the packing orders rows by key): rebuilt inner buffers
-    setall(ll_use_kernels=None, ll_lanes_per_combine=0, ll_deterministic=False)
+    # the copying dispatch underneath (ll_zero_copy=False: the rows copied out of the buffer first), then ep's
+    # non-deterministic one (the packing orders rows by key; rebuilt inner buffers), which copies too
+    setall(ll_use_kernels=None, ll_lanes_per_combine=0, ll_zero_copy=False)
+    for fp8 in (False, True):
+        if not ok:
+            break
+        ok = row(f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} copy", lambda r, fp8=fp8: v1_dispatch(r, fp8))
+    setall(ll_deterministic=False)
     for fp8 in (False, True):
         if not ok:
             break
