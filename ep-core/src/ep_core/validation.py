@@ -487,7 +487,16 @@ def make_dispatch_request(
     if not isinstance(zero_copy, bool):  # D18
         raise EPTypeError(f"zero_copy: expected a bool, got {zero_copy!r}")
     if zero_copy:
-        check_zero_copy_dispatch_args(config, handle, do_expand, use_tma_aligned_col_major_sf)
+        check_zero_copy_dispatch_args(
+            handle is not None, do_expand, use_tma_aligned_col_major_sf, config.rank
+        )
+        topo = config.topology
+        if topo.num_rdma_ranks > 1:
+            raise EPValueError(
+                f"zero_copy: direct mode within one NVLink domain only; this buffer's {topo.num_ranks} ranks span "
+                f"{topo.num_rdma_ranks} NVLink domains of {topo.num_nvlink_ranks} (rank {config.rank}; dispatch "
+                "without zero_copy)"
+            )
     _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)  # D15
 
     if handle is not None:  # D11 (cached)
@@ -605,13 +614,13 @@ def make_dispatch_request(
 
 
 def check_zero_copy_dispatch_args(
-    config: BufferConfig, handle: Any, do_expand: bool, use_tma_aligned_col_major_sf: bool
+    cached: bool, do_expand: bool, use_tma_aligned_col_major_sf: bool, rank: int
 ) -> None:
-    """Rule D18's limits of a zero-copy dispatch, for `make_dispatch_request` (the kernel layer checks the same in
-    `DirectRank.check_zero_copy_dispatch`): the dispatch places each row at its final address from this call's
-    counts, in the non-expanded layout with row-major scales, through direct NVLink stores."""
-    where = f"rank {config.rank}"
-    if handle is not None:
+    """Rule D18's limits of a zero-copy dispatch's arguments, for `make_dispatch_request` and the kernel layer
+    (`DirectRank.check_zero_copy_dispatch`, which adds the buffer's): the dispatch places each row at its final
+    address from this call's counts, in the non-expanded layout with row-major scales."""
+    where = f"rank {rank}"
+    if cached:
         raise EPValueError(
             f"zero_copy: not with a cached dispatch (handle given, {where}): a zero-copy dispatch places the rows "
             "from this call's counts; dispatch the handle without zero_copy"
@@ -625,12 +634,6 @@ def check_zero_copy_dispatch_args(
         raise EPValueError(
             f"zero_copy: row-major scales only, got use_tma_aligned_col_major_sf=True ({where}); column-major "
             "scales need the copy epilogue (dispatch without zero_copy)"
-        )
-    topo = config.topology
-    if topo.num_rdma_ranks > 1:
-        raise EPValueError(
-            f"zero_copy: direct mode within one NVLink domain only; this buffer's {topo.num_ranks} ranks span "
-            f"{topo.num_rdma_ranks} NVLink domains of {topo.num_nvlink_ranks} ({where}; dispatch without zero_copy)"
         )
 
 

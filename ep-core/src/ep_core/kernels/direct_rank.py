@@ -83,7 +83,7 @@ from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches, Pr
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs
 from ep_core.kernels.zero_copy_rows import ZeroCopyRows
 from ep_core.requests import CombineResult, DispatchResult
-from ep_core.validation import check_zero_copy_args
+from ep_core.validation import check_zero_copy_args, check_zero_copy_dispatch_args
 
 # the page-locked words of a CPU-sync dispatch's counts: room for one copy that spans a handle block's prefix sums
 # and per-expert counts (`DirectRank._copy_counts`; 256 local experts take 2.3 KiB)
@@ -1202,21 +1202,10 @@ class DirectRank:
         self, cfg: KernelConfig, cached: bool, expand: bool, col_major_sf: bool
     ) -> None:
         """What `dispatch(..., zero_copy=True)` asks of its call and of this buffer; raises before any launch (the
-        same on every rank of a call: nothing here depends on the rank's own tokens)."""
+        same on every rank of a call: nothing here depends on the rank's own tokens): the arguments as validation
+        rule D18 says, then this buffer's mode and room."""
+        check_zero_copy_dispatch_args(cached, expand, col_major_sf, self.rank)
         where = f"rank {self.rank}"
-        if cached:
-            raise EPValueError(
-                f"zero_copy: not with a cached dispatch ({where}): a zero-copy dispatch places rows from this "
-                "call's counts; dispatch the handle without zero_copy"
-            )
-        if expand:
-            raise EPValueError(
-                f"zero_copy: the non-expanded layout only (do_expand=False), got do_expand=True ({where})"
-            )
-        if col_major_sf:
-            raise EPValueError(
-                f"zero_copy: row-major scales only, got use_tma_aligned_col_major_sf=True ({where})"
-            )
         if cfg.is_hybrid or cfg.is_direct_xnode:
             raise EPValueError(
                 f"zero_copy: direct mode within one NVLink domain only; this buffer's {self.num_ranks} ranks span "
