@@ -191,9 +191,8 @@ class ReferenceExecutor:
             raise EPValueError(f"dispatch (reference, every rank): {exc}") from exc
         out = outs[cfg.rank]
         alloc = req.allocator
-        if (
-            req.zero_copy
-        ):  # the reference's order is the deterministic one: the same rows, in this rank's region
+        # zero-copy: the reference's order is the deterministic one, so the same rows, placed in this rank's region
+        if req.zero_copy:
             recv_x, recv_sf, recv_idx, recv_w = self._zero_copy_outputs(req, out)
         else:
             recv_x, recv_sf, recv_idx, recv_w = self._outputs(req, out)
