@@ -278,6 +278,12 @@ def test_gpu_executor_returns_the_ranks_views(mocked_gpu, cpu_sync: bool) -> Non
         assert all(
             a.owner is buf.executor.rank for a in (res.recv_x, res.recv_topk_idx, res.recv_topk_weights)
         )
+        # in the request's dtypes, as an ordinary dispatch's arrays: bf16 data is "bfloat16", not numpy's uint16
+        assert (res.recv_x.dtype, res.recv_topk_idx.dtype, res.recv_topk_weights.dtype) == (
+            "bfloat16",
+            "int64",
+            "float32",
+        )
         assert (
             res.recv_x.ptr == buf.combine_buffer(res.handle).ptr
         )  # bf16 recv_x: the combine buffer's memory

@@ -291,6 +291,12 @@ class GpuExecutor:
                 ev = self._leave(req.stream, fresh=fresh)
         finally:
             rank._allocator = None
+        if req.zero_copy:
+            # the rank's views name numpy's dtypes (bf16 data reads as uint16): the request's, as the allocator's
+            # arrays of an ordinary dispatch carry (so recv_x passes rule C1 of a combine, for one)
+            res.recv_x.dtype = req.x.dtype
+            if res.recv_sf is not None:
+                res.recv_sf.dtype = req.sf.dtype
         if res.handle is not req.handle and idx is not None:
             if copy is None:
                 res.handle.topk_idx = idx.obj
