@@ -327,7 +327,7 @@ class _FakeNative:
 
 
 class _FakeKernels:
-    dispatch = epilogue = combine = _FakeKernel()
+    dispatch = epilogue = combine = dispatch_zero_copy = combine_zero_copy = _FakeKernel()
 
 
 class _MockedGpu:
@@ -347,6 +347,7 @@ class _MockedGpu:
         patch(_cuda, "driver", lambda: _Fake())
         patch(_cuda, "check", lambda result, what: None)
         patch(_cuda, "num_device_sms", lambda: 132)
+        patch(_cuda, "current_device", lambda: 0)
         patch(_cuda, "device_attribute", lambda name: 1_000_000)
         patch(_cuda, "copy_to_host", lambda *a: None)
         patch(_cuda, "copy_device", lambda *a: None)
@@ -419,6 +420,7 @@ def run_executor(iters: int) -> list[tuple[str, float]]:
         first = buf.dispatch(x, idx, w, do_cpu_sync=False, **kw)
         handle = first.handle
         recv = arr((handle.num_recv_tokens, HIDDEN), "bfloat16")
+        zc_buf = buf.combine_buffer(handle)
         ops = {
             "EPBuffer.dispatch (mocked GPU, no CPU sync)": lambda: buf.dispatch(
                 x, idx, w, do_cpu_sync=False, **kw
@@ -428,6 +430,13 @@ def run_executor(iters: int) -> list[tuple[str, float]]:
                 x, handle=handle, num_sms=16, allocator=alloc
             ),
             "EPBuffer.combine (mocked GPU)": lambda: buf.combine(recv, handle, num_sms=16, allocator=alloc),
+            # the zero-copy roads (issue 17): validated in full on every call
+            "EPBuffer.dispatch (mocked GPU, zero-copy, no CPU sync)": lambda: buf.dispatch(
+                x, idx, w, do_cpu_sync=False, zero_copy=True, **kw
+            ),
+            "EPBuffer.combine (mocked GPU, zero-copy)": lambda: buf.combine(
+                zc_buf, handle, num_sms=16, allocator=alloc, zero_copy=True
+            ),
         }
         for name, fn in ops.items():
             fn()

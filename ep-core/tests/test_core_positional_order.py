@@ -59,7 +59,8 @@ def test_the_reference_lists_are_the_documented_ones():
 
 
 def test_positional_signatures_name_the_public_order():
-    assert _params(PreparedOps.dispatch_positional) == ["self", "target", *DISPATCH, "sm_cache"]
+    # the zero-copy road passes its flag after the SM cache (`EPBuffer._dispatch_zero_copy`)
+    assert _params(PreparedOps.dispatch_positional) == ["self", "target", *DISPATCH, "sm_cache", "zero_copy"]
     assert _params(PreparedOps.dispatch_request) == ["self", "target", *DISPATCH, "sm_cache"]
     assert _params(PreparedOps.combine_positional) == ["self", "target", *COMBINE]
     assert _params(PreparedOps.combine_request) == ["self", "target", *COMBINE]
@@ -68,6 +69,11 @@ def test_positional_signatures_name_the_public_order():
 def test_epbuffer_forwards_each_dispatch_argument_to_its_position():
     args, sent = _forwarded(EPBuffer.dispatch, "dispatch_positional", DISPATCH)
     assert args == tuple(sent[n] for n in DISPATCH)
+
+
+def test_epbuffer_forwards_each_zero_copy_dispatch_argument_to_its_position():
+    args, sent = _forwarded(EPBuffer.dispatch, "_dispatch_zero_copy", [*DISPATCH, "zero_copy"])
+    assert args == tuple(sent[n] for n in [*DISPATCH, "zero_copy"])
 
 
 def test_epbuffer_forwards_each_combine_argument_to_its_position():

@@ -523,6 +523,44 @@ def test_a_repeat_equals_the_full_path(launches, case: str) -> None:
     assert rep == full and [e[0] for e in rep] == ["combine"] and _fields(a) == _fields(b)
 
 
+@pytest.mark.parametrize("fp8", (False, True), ids=("bf16", "fp8"))
+def test_a_zero_copy_repeat_equals_the_full_path(launches, fp8: bool) -> None:
+    """A no-sync zero-copy dispatch records a repeat that launches the same bytes (the zero-copy kernel alone, the
+    handle's metadata among its words) and returns the same views and handle as the full path; a CPU-sync one
+    records none (its handle keeps a slice of the metadata)."""
+    from ep_core.kernels.repeat import RepeatDispatch
+
+    alloc = Allocator()
+    rank = make_rank(alloc)
+    kw = dict(num_experts=EXPERTS, num_sms=8, do_cpu_sync=False, zero_copy=True)
+    x, sf, idx, w = inputs(fp8=fp8)
+    rank.dispatch(x, idx, w, sf=sf, record=True, **kw)
+    plan = rank.last_repeat
+    assert isinstance(plan, RepeatDispatch) and plan.zero_copy
+
+    def views(res) -> list:
+        outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
+        return [None if v is None else (type(v), v.ptr, v.shape, v.dtype) for v in outs]
+
+    for _ in range(2):
+        x, sf, idx, w = inputs(fp8=fp8)
+
+        def run(repeat, x=x, sf=sf, idx=idx, w=w):
+            if repeat:
+                return plan.run(x.ptr, 0 if sf is None else sf.ptr, idx.ptr, w.ptr, 0, None, idx)
+            return rank.dispatch(x, idx, w, sf=sf, **kw)
+
+        (rep, a), (full, b) = _same_call(rank, alloc, launches, run)
+        assert rep == full and [e[0] for e in rep] == ["dispatch_zero_copy"]
+        assert views(a) == views(b) and a.recv_x.ptr == rank.combine_buffer(a.handle, HIDDEN).ptr
+        assert tuple(vars(a.handle).items()) == tuple(vars(b.handle).items())
+        assert (
+            a.handle in rank._unconfirmed and rank._handle_launch[a.handle] == rank._num_collective_launches
+        )
+    rank.dispatch(x, idx, w, sf=sf, record=True, **{**kw, "do_cpu_sync": True})
+    assert rank.last_repeat is None
+
+
 def test_a_repeat_declines_what_its_key_does_not_cover(launches) -> None:
     """A changed scratch, the skip-signal test flag, a handle whose topk_idx changed dtype or became strided, and
     a CPU-sync dispatch: the repeat does nothing (None) and leaves the call to the full path."""

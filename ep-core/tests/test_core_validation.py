@@ -314,17 +314,22 @@ def test_good_dispatch_request_and_defaults():
 
 
 def test_zero_copy_dispatch_request():
-    """D18: a zero-copy dispatch reaches an executor that offers it (`zero_copy_dispatch`) as its own request,
-    validated in full each time (no request cache: no prepared token); several NVLink domains are refused."""
+    """D18: a zero-copy dispatch reaches an executor that offers it (`zero_copy_dispatch`) as a request of its own
+    (the request cache keys it apart: its prepared token is not the ordinary call's); several NVLink domains are
+    refused."""
     buf = make_buffer()
     buf.executor.zero_copy_dispatch = True
     x, idx, w = _inputs()
+    tokens = []
     for _ in range(2):
         buf.dispatch(x, idx, w, num_experts=E, zero_copy=True)
         req = buf.executor.requests[-1]
-        assert req.zero_copy and req.prepared is None and not req.is_cached
+        assert req.zero_copy and not req.is_cached
+        tokens.append(req.prepared)
     buf.dispatch(x, idx, w, num_experts=E)
-    assert not buf.executor.requests[-1].zero_copy
+    plain = buf.executor.requests[-1]
+    assert not plain.zero_copy and plain.prepared is not tokens[0]
+    assert tokens[0] is tokens[1]  # the second zero-copy call hit the first one's entry
     for hybrid in (True, False):
         other = make_buffer(num_nvlink_ranks=1, allow_hybrid_mode=hybrid)
         other.executor.zero_copy_dispatch = True

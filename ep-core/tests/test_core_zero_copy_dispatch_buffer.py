@@ -264,12 +264,13 @@ def test_gpu_executor_returns_the_ranks_views(mocked_gpu, cpu_sync: bool) -> Non
     # ordinary dispatches first (the second a repeat): their prepared entry must not serve the zero-copy one
     buf.dispatch(x, idx, w, **kw)
     buf.dispatch(x, idx, w, **kw)
-    for _ in range(2):  # never a repeat: the full path each time
+    for _ in range(3):  # the first call records the repeat that serves the next (no CPU sync)
         asked.clear()
         launched.clear()
         res = buf.dispatch(x, idx, w, zero_copy=True, **kw)
-        assert launched == ["ep_dispatch_zero_copy_impl"]  # no copy epilogue
-        assert buf.executor.rank.last_repeat is None
+        assert launched == ["ep_dispatch_zero_copy_impl"]  # no copy epilogue, first call or repeat
+        # a no-sync call's repeat serves the next calls; a CPU-sync call takes the full path each time
+        assert (buf.executor.rank.last_repeat is None) is cpu_sync
         rows = res.handle.num_recv_tokens if cpu_sync else 1 * M
         assert res.recv_x.shape == (rows, H) and res.recv_topk_idx.shape == (rows, K)
         assert res.recv_topk_weights.shape == (rows, K) and res.recv_sf is None

@@ -37,7 +37,6 @@ from ep_core.validation import (
     check_zero_copy_args,
     is_trusted_allocator,
     make_combine_request,
-    make_dispatch_request,
     trust_handle,
 )
 
@@ -356,27 +355,30 @@ class EPBuffer(BufferBase):
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`. `zero_copy=True`: the
         outputs are views of this buffer's own memory where the dispatch stored them (`_dispatch_zero_copy`)."""
         if zero_copy is not False:  # its own road (validation D18 refuses a zero_copy that is not a bool)
-            kw = {
-                "cumulative_local_expert_recv_stats": cumulative_local_expert_recv_stats,
-                "num_experts": num_experts,
-                "num_max_tokens_per_rank": num_max_tokens_per_rank,
-                "expert_alignment": expert_alignment,
-                "num_sms": num_sms,
-                "num_qps": num_qps,
-                "previous_event": previous_event,
-                "previous_event_before_epilogue": previous_event_before_epilogue,
-                "async_with_compute_stream": async_with_compute_stream,
-                "allocate_on_comm_stream": allocate_on_comm_stream,
-                "handle": handle,
-                "do_handle_copy": do_handle_copy,
-                "do_cpu_sync": do_cpu_sync,
-                "do_expand": do_expand,
-                "do_zero_padding": do_zero_padding,
-                "use_tma_aligned_col_major_sf": use_tma_aligned_col_major_sf,
-                "allocator": allocator,
-                "stream": stream,
-            }
-            return self._dispatch_zero_copy(x, topk_idx, topk_weights, zero_copy, kw)
+            return self._dispatch_zero_copy(
+                x,
+                topk_idx,
+                topk_weights,
+                cumulative_local_expert_recv_stats,
+                num_experts,
+                num_max_tokens_per_rank,
+                expert_alignment,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                async_with_compute_stream,
+                allocate_on_comm_stream,
+                handle,
+                do_handle_copy,
+                do_cpu_sync,
+                do_expand,
+                do_zero_padding,
+                use_tma_aligned_col_major_sf,
+                allocator,
+                stream,
+                zero_copy,
+            )
         return self.dispatch_positional(
             x,
             topk_idx,
@@ -410,18 +412,17 @@ class EPBuffer(BufferBase):
         with self.announcing("dispatch"):
             return self._dispatch(args)
 
-    def _dispatch_zero_copy(
-        self, x: Any, topk_idx: Any, topk_weights: Any, zero_copy: Any, kw: dict
-    ) -> DispatchResult:
-        """`dispatch(..., zero_copy=True)`: validated in full on every call (no request cache, no express lane, no
-        prepared repeat). `recv_x`, `recv_sf`, `recv_topk_idx` and `recv_topk_weights` are views of this rank's
-        receive region (the executor's memory, in the deterministic row order), valid until the next dispatch or
-        combine on this buffer; bf16 `recv_x` is the memory of `combine_buffer(handle)`. The handle is an ordinary
-        one."""
+    def _dispatch_zero_copy(self, *args: Any) -> DispatchResult:
+        """`dispatch(..., zero_copy=True)`, every argument positional in `dispatch`'s order with `zero_copy` last:
+        validated as any dispatch (rule D18 too), through the request cache under keys of its own, whose repeats
+        (a no-sync call's) launch the zero-copy kernel alone; no express lane. `recv_x`, `recv_sf`, `recv_topk_idx`
+        and `recv_topk_weights` are views of this rank's receive region (the executor's memory, in the
+        deterministic row order), valid until the next dispatch or combine on this buffer; bf16 `recv_x` is the
+        memory of `combine_buffer(handle)`. The handle is an ordinary one."""
         with self.announcing("dispatch"):
             self._check_alive()
             ex = self._executor
-            req = make_dispatch_request(self.config, ex, x, topk_idx, topk_weights, zero_copy=zero_copy, **kw)
+            req = self._prepared.dispatch_positional(ex, *args[:-1], self._sm_cache, args[-1])
             if getattr(ex, "zero_copy_dispatch", False) is not True:  # no silent ordinary dispatch
                 raise EPConfigError(
                     f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without "

@@ -217,9 +217,11 @@ class PreparedOps:
         allocator: Any,
         stream: Any,
         sm_cache: dict | None,
+        zero_copy: Any = False,
     ) -> DispatchRequest:
         """`dispatch_request` with every argument positional, in its order: `EPBuffer`'s road (a call with two dozen
-        keywords costs over a microsecond more per layer)."""
+        keywords costs over a microsecond more per layer). `zero_copy` (`EPBuffer`'s zero-copy road) is part of the
+        key: its requests and their repeats are their own entries."""
         try:
             if type(x) is tuple and len(x) == 2:
                 xi = describe(x[0])
@@ -263,6 +265,7 @@ class PreparedOps:
                         do_expand,
                         do_zero_padding,
                         use_tma_aligned_col_major_sf,
+                        zero_copy,
                     )
                 ),
             )
@@ -318,6 +321,7 @@ class PreparedOps:
             allocator=allocator,
             stream=stream,
             sm_cache=sm_cache,
+            zero_copy=zero_copy,
         )
         if key is not None:
             self._store(self._dispatch, key, req, _DISPATCH_PER_CALL)

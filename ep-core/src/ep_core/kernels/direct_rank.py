@@ -238,14 +238,23 @@ def _combine_smem(cfg: KernelConfig) -> int:
     return cfg.combine_dynamic_smem_bytes
 
 
+_INT64, _INT32, _FLOAT32 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32)
+_DTYPE_NAMES: dict[np.dtype, str] = {}  # numpy's `dtype.name` is slow to compute: once per dtype
+
+
 class RegionView(CoreArray):
     """A zero-copy dispatch's output: a view of its rank's receive region (no allocation of its own) that copies
     itself to the host like the rank's allocations do (`numpy()`, on the rank's stream, synchronizing)."""
 
     __slots__ = ("stream",)
 
-    def __init__(self, ptr: int, shape: tuple, dtype: Any, stream: Stream, owner: Any) -> None:
-        super().__init__(ptr, shape, np.dtype(dtype).name, device_id=_cuda.current_device(), owner=owner)
+    def __init__(
+        self, ptr: int, shape: tuple, dtype: Any, stream: Stream, owner: Any, device_id: int
+    ) -> None:
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+        super().__init__(ptr, shape, name, device_id=device_id, owner=owner)
         self.stream = stream
 
     def numpy(self) -> np.ndarray:
@@ -1077,8 +1086,14 @@ class DirectRank:
         if not p.cached and not p.do_cpu_sync:
             self._unconfirmed.add(handle)
         kept = p.prepared.epilogue_pdl if pdl else p.prepared.epilogue
-        # a CPU-sync repeat learns its rows after launching: it needs the epilogue kept already
-        if p.repeat is not None and (kept is not None or not (rows > 0 or p.zero_padding or p.do_cpu_sync)):
+        # a CPU-sync repeat learns its rows after launching: it needs the epilogue kept already. A zero-copy
+        # dispatch has no epilogue; its repeat serves the no-sync call (a CPU sync's handle keeps a slice of the
+        # metadata, which the repeat's handle block does not make)
+        if p.zero_copy:
+            repeatable = not p.do_cpu_sync
+        else:
+            repeatable = kept is not None or not (rows > 0 or p.zero_padding or p.do_cpu_sync)
+        if p.repeat is not None and repeatable:
             self.last_repeat = RepeatDispatch(
                 rank=self,
                 prepared=p.prepared,
@@ -1099,6 +1114,8 @@ class DirectRank:
                 num_expanded=num_expanded,
                 epilogue_pdl=pdl,
                 cpu_sync=p.do_cpu_sync,
+                zero_copy=p.zero_copy,
+                config=p.config,
                 **p.repeat,
             )
         self._report_input_error()
@@ -1164,33 +1181,62 @@ class DirectRank:
         """`finish_dispatch`'s outputs of a zero-copy dispatch: views of this rank's receive region, where the kernel
         stored them (`ZeroCopyRows`), `num_recv` rows each (exact after a CPU sync, N * M without, as the ordinary
         dispatch's); the handle's metadata is the first `num_recv` rows of the array the kernel filled."""
-        cfg, k = p.config, p.config.num_topk
-        z = self.zero_copy_rows(cfg)
-        base = (
-            self.res.base
-            + plan_regions(
-                cfg, p.num_experts, self.num_max_tokens, self.res.data_bytes, op="dispatch"
-            ).recv_offset
+        k = p.config.num_topk
+        sf_dtype, packs = (None, 0) if p.sf is None else (p.sf.dtype, p.sf.shape[1])
+        recv_x, recv_sf, recv_idx, recv_w = self.zero_copy_views(
+            p.config, p.num_experts, num_recv, p.x.dtype, sf_dtype, packs, p.has_weights
         )
-
-        def view(offset: int, shape: tuple, dtype: Any) -> RegionView:
-            return RegionView(base + offset, shape, dtype, self.stream, self)
-
-        recv_x = view(0, (num_recv, p.x.shape[1]), p.x.dtype)
-        recv_sf = None if p.sf is None else view(z.sf_offset, (num_recv, p.sf.shape[1]), p.sf.dtype)
-        recv_idx = view(z.topk_idx_offset, (num_recv, k), np.int64)
-        recv_w = view(z.weights_offset, (num_recv, k), np.float32) if p.has_weights else None
+        dev, stream = self.device_id, self.stream
         meta = p.arrays["src_metadata"]
-        if (
-            meta.shape[0] != num_recv
-        ):  # a CPU sync's rows: the first of the kernel's array, of the allocator's type
+        # a CPU sync's rows: the first of the kernel's array, of the allocator's type
+        if meta.shape[0] != num_recv:
             if hasattr(meta, "__getitem__"):  # torch, numpy-like
                 meta = meta[:num_recv]
             else:
-                meta = RegionView(
-                    view_ptr(meta, "recv_src_metadata"), (num_recv, k + 2), np.int32, self.stream, meta
-                )
+                ptr = view_ptr(meta, "recv_src_metadata")
+                meta = RegionView(ptr, (num_recv, k + 2), _INT32, stream, meta, dev)
         return recv_x, recv_sf, recv_idx, recv_w, meta
+
+    def zero_copy_views(
+        self,
+        cfg: KernelConfig,
+        num_experts: int,
+        rows: int,
+        x_dtype: Any,
+        sf_dtype: Any,
+        packs: int,
+        has_weights: bool,
+    ) -> tuple:
+        """A zero-copy dispatch's `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`: `RegionView`s of `rows`
+        rows where the kernel stored them (`finish_dispatch`, and its repeat `RepeatDispatch.run`)."""
+        base, sf_at, idx_at, w_at = self._zero_copy_places(cfg, num_experts)
+        dev, stream, k = self.device_id, self.stream, cfg.num_topk
+        recv_x = RegionView(base, (rows, cfg.hidden), x_dtype, stream, self, dev)
+        recv_sf = None if sf_dtype is None else RegionView(sf_at, (rows, packs), sf_dtype, stream, self, dev)
+        recv_idx = RegionView(idx_at, (rows, k), _INT64, stream, self, dev)
+        recv_w = RegionView(w_at, (rows, k), _FLOAT32, stream, self, dev) if has_weights else None
+        return recv_x, recv_sf, recv_idx, recv_w
+
+    @property
+    def device_id(self) -> int:
+        """The CUDA device of this rank's memory (the current one when first asked; kept: no driver call per view)."""
+        dev = getattr(self, "_device_id", None)
+        if dev is None:
+            dev = self._device_id = _cuda.current_device()
+        return dev
+
+    def _zero_copy_places(self, cfg: KernelConfig, num_experts: int) -> tuple[int, int, int, int]:
+        """The addresses of a zero-copy dispatch's `recv_x`, scales, ids and weights in this rank's receive region
+        (`ZeroCopyRows`), kept per configuration: a call computes no offsets."""
+        places = self.__dict__.setdefault("_zc_places", {})
+        key = (cfg, num_experts)
+        at = places.get(key)
+        if at is None:
+            z = self.zero_copy_rows(cfg)
+            plan = plan_regions(cfg, num_experts, self.num_max_tokens, self.res.data_bytes, op="dispatch")
+            base = self.res.base + plan.recv_offset
+            at = places[key] = (base, base + z.sf_offset, base + z.topk_idx_offset, base + z.weights_offset)
+        return at
 
     def zero_copy_rows(self, cfg: KernelConfig) -> ZeroCopyRows:
         """Where a zero-copy dispatch of `cfg` leaves its outputs in the receive region (zero_copy_rows.cuh)."""
@@ -1251,7 +1297,7 @@ class DirectRank:
         dispatch's copy epilogue (the region held the received tokens until then) until the next dispatch or combine
         on this buffer, which writes the region; direct mode within one NVLink domain, non-expanded handles."""
         ptr, rows = self._combine_buffer_place(handle, hidden)
-        return CoreArray(ptr, (rows, hidden), "bfloat16", device_id=_cuda.current_device(), owner=self)
+        return CoreArray(ptr, (rows, hidden), "bfloat16", device_id=self.device_id, owner=self)
 
     def _combine_buffer_place(self, handle: EPHandle, hidden: int) -> tuple[int, int]:
         """(address, rows) of the combine buffer, after the checks of `combine_buffer`."""
@@ -1269,7 +1315,9 @@ class DirectRank:
                 f"zero_copy: {rows} rows of {hidden} bf16 need {rows * hidden * 2} bytes, rank {self.rank}'s receive "
                 f"region has {self.res.data_bytes}; allocate the buffer with get_buffer_size_hint()"
             )
-        plan = plan_regions(cfg, handle.num_experts, self.num_max_tokens, self.res.data_bytes, op="combine")
+        # the receive region's start, as the dispatch that made the handle planned it: the rows need only the bytes
+        # checked above, not the ordinary combine's receive slots of both layouts
+        plan = plan_regions(cfg, handle.num_experts, self.num_max_tokens, self.res.data_bytes, op="dispatch")
         return self.res.base + plan.recv_offset, rows
 
     def combine(

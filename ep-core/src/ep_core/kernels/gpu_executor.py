@@ -264,8 +264,8 @@ class GpuExecutor:
         rank._allocator = self._allocator(req, req.x.dtype)
         try:
             # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path. A
-            # zero-copy dispatch has no prepared entry (EPBuffer's own road): never a repeat
-            if plan is not None and plan.rank is rank and not req.zero_copy:
+            # zero-copy request has its own entries (`zero_copy` is in the request cache's key), so its plan is one
+            if plan is not None and plan.rank is rank:
                 wait, signal, ev = self._pairs(req.stream, fresh)
                 sf, idx, w = req.sf, req.topk_idx, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
@@ -322,7 +322,7 @@ class GpuExecutor:
     def _dispatch(self, req: Any, record: bool, copy: Any = None) -> Any:
         """The full path of `DirectRank.dispatch` (views of every argument, every check); `copy`: the new
         handle's copy of the routing, filled by the kernel. A zero-copy dispatch's outputs are the rank's views of its
-        receive region, returned as they are (the allocator makes the handle's arrays only)."""
+        receive region (the allocator makes the handle's arrays only)."""
         return self.rank.dispatch(
             _view(req.x),
             _view(req.topk_idx),
@@ -338,7 +338,7 @@ class GpuExecutor:
             handle=req.handle,
             num_sms=req.num_sms,
             cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
-            record=record and not req.zero_copy,
+            record=record,
             topk_idx_copy=copy,
             zero_copy=req.zero_copy,
         )

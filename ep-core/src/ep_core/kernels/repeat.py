@@ -197,6 +197,10 @@ class RepeatDispatch:
     # the copy epilogue as a programmatic dependent launch (`DirectRank._epilogue_pdl`)
     epilogue_pdl: bool = False
     cpu_sync: bool = False  # rows from the counts, read after the dispatch kernel (`DirectRank._sync_counts`)
+    # the outputs are views of the receive region (`DirectRank.zero_copy_views`), stored by the dispatch kernel,
+    # which also writes the handle's metadata: no epilogue (a no-sync call: `DirectRank.finish_dispatch`)
+    zero_copy: bool = False
+    config: Any = None  # the kernel configuration (zero-copy: where the views lie)
 
     def __post_init__(self) -> None:
         self._envelopes = _Envelopes(OP_DISPATCH, self.env_fields)
@@ -311,7 +315,8 @@ class RepeatDispatch:
         # a lone rank's cached dispatch is its epilogue alone, never a dependent launch
         alone = rank.epilogue_only(cached, rows, self.zero_padding)
         epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl and not alone else self.prepared.epilogue
-        if epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
+        zero_copy = self.zero_copy
+        if not zero_copy and epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
             return None
         new_block = None  # a new handle's block, its arrays not viewed (`ep_core.handle`)
         meta = None
@@ -363,7 +368,10 @@ class RepeatDispatch:
             0 if cached else copy_ptr,
             self._envelopes.word(rank._num_collective_launches + 1, launch),
         )
-        copies = self.cpu_sync or rows > 0 or self.zero_padding  # the epilogue follows (CPU sync: if rows)
+        if zero_copy:  # its kernel writes the metadata (`DirectRank._DISPATCH_ZERO_COPY_DYNAMIC`'s order)
+            dynamic = (*dynamic[:-1], meta_ptr, dynamic[-1])
+        # the epilogue follows (CPU sync: if rows); a zero-copy dispatch is its one launch
+        copies = not zero_copy and (self.cpu_sync or rows > 0 or self.zero_padding)
         if alone:  # counted as launched, as the full path does; the epilogue takes the stream-order wait
             rank._num_collective_launches += 1
         else:
@@ -376,38 +384,44 @@ class RepeatDispatch:
             rank._copy_counts(psum_rank_ptr, unaligned_ptr, epr, new_block is not None)
             num_recv, num_expanded, expert_list = rank._sync_counts(epr, self.alignment)
             rows = num_expanded if self.expand else num_recv
-        # the outputs, exactly as `finish_dispatch` allocates them
-        # (the request's allocator is called directly: no wrapper per call)
-        if allocate is None:
-            alloc, x_dt, sf_dt, i64, f32, i32 = rank._alloc, self.x_dtype, self.sf_dtype, _I64, _F32, _I32
-        else:
-            alloc, x_dt, sf_dt, i64, f32, i32 = allocate, x_name, self._sf_name, "int64", "float32", "int32"
-        recv_x = alloc((rows, self.hidden), x_dt)
-        recv_sf = None
-        sf_strides = (0, 0)
-        if self.sf_dtype is not None:
-            storage, sf_strides = self.sf_layout(rows)
-            if allocate is not None:  # column-major scales: the storage [P, ld] (EPBuffer's contract)
-                recv_sf = allocate(storage, sf_dt)
-            elif self.col_major_sf:
-                recv_sf = alloc((rows, self.packs), sf_dt, sf_strides)
-            else:
-                recv_sf = alloc(storage, sf_dt)
-        k = self.topk
-        recv_idx = None if self.expand else alloc((rows, k), i64)
-        recv_w = None
-        if self.has_weights:
-            recv_w = alloc((rows,) if self.expand else (rows, k), f32)
-        if meta_ptr is None:  # a new handle of a CPU-sync dispatch: its rows are known now
-            meta = alloc((num_recv, k + 2), i32)
-            meta_ptr = array_ptr(meta, "recv_src_metadata")
-        if rows > 0 or self.zero_padding:
-            outputs = epilogue_outputs(
-                array_ptr, meta_ptr, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
+        if zero_copy:  # the kernel's outputs where it stored them (the handle below)
+            recv_x, recv_sf, recv_idx, recv_w = rank.zero_copy_views(
+                self.config, self.num_experts, rows, self.x_dtype, self.sf_dtype, self.packs, self.has_weights
             )
-            rank._launch_prepared(epilogue, dynamic + outputs, False, False, wait, signal)
-        elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
-            record_wait(signal[0], rank.stream.handle, signal[1])
+        else:
+            # the outputs, exactly as `finish_dispatch` allocates them
+            # (the request's allocator is called directly: no wrapper per call)
+            if allocate is None:
+                alloc, x_dt, sf_dt, i64, f32, i32 = rank._alloc, self.x_dtype, self.sf_dtype, _I64, _F32, _I32
+            else:
+                alloc, x_dt, sf_dt = allocate, x_name, self._sf_name
+                i64, f32, i32 = "int64", "float32", "int32"
+            recv_x = alloc((rows, self.hidden), x_dt)
+            recv_sf = None
+            sf_strides = (0, 0)
+            if self.sf_dtype is not None:
+                storage, sf_strides = self.sf_layout(rows)
+                if allocate is not None:  # column-major scales: the storage [P, ld] (EPBuffer's contract)
+                    recv_sf = allocate(storage, sf_dt)
+                elif self.col_major_sf:
+                    recv_sf = alloc((rows, self.packs), sf_dt, sf_strides)
+                else:
+                    recv_sf = alloc(storage, sf_dt)
+            k = self.topk
+            recv_idx = None if self.expand else alloc((rows, k), i64)
+            recv_w = None
+            if self.has_weights:
+                recv_w = alloc((rows,) if self.expand else (rows, k), f32)
+            if meta_ptr is None:  # a new handle of a CPU-sync dispatch: its rows are known now
+                meta = alloc((num_recv, k + 2), i32)
+                meta_ptr = array_ptr(meta, "recv_src_metadata")
+            if rows > 0 or self.zero_padding:
+                outputs = epilogue_outputs(
+                    array_ptr, meta_ptr, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
+                )
+                rank._launch_prepared(epilogue, dynamic + outputs, False, False, wait, signal)
+            elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
+                record_wait(signal[0], rank.stream.handle, signal[1])
         if new_block is not None:
             handle = self._block_handle(new_block, topk_idx, num_recv, num_expanded, expert_list, meta)
             rank._handle_launch[handle] = launch_number
