@@ -62,7 +62,7 @@ def test_positional_signatures_name_the_public_order():
     # the zero-copy road passes its flag after the SM cache (`EPBuffer._dispatch_zero_copy`)
     assert _params(PreparedOps.dispatch_positional) == ["self", "target", *DISPATCH, "sm_cache", "zero_copy"]
     assert _params(PreparedOps.dispatch_request) == ["self", "target", *DISPATCH, "sm_cache"]
-    assert _params(PreparedOps.combine_positional) == ["self", "target", *COMBINE]
+    assert _params(PreparedOps.combine_positional) == ["self", "target", *COMBINE, "zero_copy"]
     assert _params(PreparedOps.combine_request) == ["self", "target", *COMBINE]
 
 
@@ -74,6 +74,11 @@ def test_epbuffer_forwards_each_dispatch_argument_to_its_position():
 def test_epbuffer_forwards_each_zero_copy_dispatch_argument_to_its_position():
     args, sent = _forwarded(EPBuffer.dispatch, "_dispatch_zero_copy", [*DISPATCH, "zero_copy"])
     assert args == tuple(sent[n] for n in [*DISPATCH, "zero_copy"])
+
+
+def test_epbuffer_forwards_each_zero_copy_combine_argument_to_its_position():
+    args, sent = _forwarded(EPBuffer.combine, "_combine_zero_copy", [*COMBINE, "zero_copy"])
+    assert args == tuple(sent[n] for n in [*COMBINE, "zero_copy"])
 
 
 def test_epbuffer_forwards_each_combine_argument_to_its_position():

@@ -561,6 +561,30 @@ def test_a_zero_copy_repeat_equals_the_full_path(launches, fp8: bool) -> None:
     assert rank.last_repeat is None
 
 
+def test_a_zero_copy_combine_repeat_equals_the_full_path(launches) -> None:
+    """A recorded zero-copy combine launches the same bytes as the full path (the zero-copy kernel, the handle's
+    slots among its words) and declines (None: the full path, which names the error) an x that is not the buffer."""
+    from ep_core.kernels.repeat import RepeatCombine
+
+    alloc = Allocator()
+    rank = make_rank(alloc, epilogue_sms=132)
+    x, _, ti, w = inputs()
+    handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
+    buf = rank.combine_buffer(handle, HIDDEN)
+    rank.combine(buf, handle, zero_copy=True, record=True)
+    plan = rank.last_repeat
+    assert isinstance(plan, RepeatCombine) and plan.zero_copy and plan.buffer_ptr == buf.ptr
+
+    def run(repeat):
+        if repeat:
+            return plan.run(buf.ptr, 0, 0, 0, handle)
+        return rank.combine(buf, handle, zero_copy=True)
+
+    (rep, a), (full, b) = _same_call(rank, alloc, launches, run)
+    assert rep == full and [e[0] for e in rep] == ["combine_zero_copy"] and _fields(a) == _fields(b)
+    assert plan.run(buf.ptr + 2, 0, 0, 0, handle) is None
+
+
 def test_a_repeat_declines_what_its_key_does_not_cover(launches) -> None:
     """A changed scratch, the skip-signal test flag, a handle whose topk_idx changed dtype or became strided, and
     a CPU-sync dispatch: the repeat does nothing (None) and leaves the call to the full path."""

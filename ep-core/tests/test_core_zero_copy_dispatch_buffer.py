@@ -285,6 +285,15 @@ def test_gpu_executor_returns_the_ranks_views(mocked_gpu, cpu_sync: bool) -> Non
             "int64",
             "float32",
         )
-        assert (
-            res.recv_x.ptr == buf.combine_buffer(res.handle).ptr
-        )  # bf16 recv_x: the combine buffer's memory
+        # bf16 recv_x: the combine buffer's memory
+        assert res.recv_x.ptr == buf.combine_buffer(res.handle).ptr
+    # the zero-copy combine of the handle: the zero-copy kernel each time, its repeat from the second call on
+    from ep_core.kernels.repeat import RepeatCombine
+
+    y = buf.combine_buffer(res.handle)
+    for _ in range(3):
+        launched.clear()
+        out = buf.combine(y, res.handle, num_sms=4, allocator=alloc, zero_copy=True)
+        assert launched == ["ep_combine_zero_copy_impl"] and out.combined_x.shape == (M, H)
+    plan = buf.executor.rank.last_repeat
+    assert isinstance(plan, RepeatCombine) and plan.zero_copy

@@ -36,7 +36,6 @@ from ep_core.validation import (
     check_handle,
     check_zero_copy_args,
     is_trusted_allocator,
-    make_combine_request,
     trust_handle,
 )
 
@@ -503,17 +502,21 @@ class EPBuffer(BufferBase):
         """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`. `zero_copy=True`: `x` is
         `combine_buffer(handle)` with the expert outputs written in place (`combine_buffer`)."""
         if zero_copy is not False:  # its own road (validation C7 refuses a zero_copy that is not a bool)
-            kw = {
-                "num_sms": num_sms,
-                "num_qps": num_qps,
-                "previous_event": previous_event,
-                "previous_event_before_epilogue": previous_event_before_epilogue,
-                "async_with_compute_stream": async_with_compute_stream,
-                "allocate_on_comm_stream": allocate_on_comm_stream,
-                "allocator": allocator,
-                "stream": stream,
-            }
-            return self._combine_zero_copy(x, handle, topk_weights, bias, zero_copy, kw)
+            return self._combine_zero_copy(
+                x,
+                handle,
+                topk_weights,
+                bias,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                async_with_compute_stream,
+                allocate_on_comm_stream,
+                allocator,
+                stream,
+                zero_copy,
+            )
         return self.combine_positional(
             x,
             handle,
@@ -545,17 +548,14 @@ class EPBuffer(BufferBase):
         check_zero_copy_args(h, hidden=hidden)
         return ex.combine_buffer(h, hidden)
 
-    def _combine_zero_copy(
-        self, x: Any, handle: EPHandle, topk_weights: Any, bias: Any, zero_copy: Any, kw: dict
-    ) -> CombineResult:
-        """`combine(..., zero_copy=True)`: validated in full on every call (no request cache, no express lane)."""
+    def _combine_zero_copy(self, *args: Any) -> CombineResult:
+        """`combine(..., zero_copy=True)`, every argument positional in `combine`'s order with `zero_copy` last:
+        validated as any combine (rule C7 too), through the request cache under keys of its own, whose repeats
+        launch the zero-copy kernel (the executor checks each call's `x` is its combine buffer); no express lane."""
         with self.announcing("combine"):
             self._check_alive()
             ex = self._executor
-            req = make_combine_request(
-                self.config, ex, x, handle, topk_weights, bias, zero_copy=zero_copy, **kw
-            )
-            return ex.combine(req)
+            return ex.combine(self._prepared.combine_positional(ex, *args))
 
     def combine_positional(self, *args: Any) -> CombineResult:
         """`combine` with every argument positional, in its order (x .. stream; ep_torch's road)."""

@@ -377,8 +377,10 @@ class PreparedOps:
         allocate_on_comm_stream: Any,
         allocator: Any,
         stream: Any,
+        zero_copy: Any = False,
     ) -> CombineRequest:
-        """`combine_request` with every argument positional, in its order (`EPBuffer`'s road)."""
+        """`combine_request` with every argument positional, in its order (`EPBuffer`'s road; `zero_copy`, part
+        of the key, `EPBuffer`'s zero-copy road)."""
         try:
             if type(handle) is not EPHandle or type(x) in (tuple, list):
                 raise TypeError  # the full validation names the rule
@@ -405,7 +407,7 @@ class PreparedOps:
                 _handle_key(hfp),
                 previous_event is None,
                 self._device(target),
-                _typed((num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream)),
+                _typed((num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream, zero_copy)),
             )
             last = self._last_combine
             entry = last[1] if key == last[0] else self._combine.get(key)
@@ -445,6 +447,7 @@ class PreparedOps:
             allocate_on_comm_stream=allocate_on_comm_stream,
             allocator=allocator,
             stream=stream,
+            zero_copy=zero_copy,
         )
         if key is not None:
             self._store(self._combine, key, req, _COMBINE_PER_CALL)

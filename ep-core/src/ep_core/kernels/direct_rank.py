@@ -1478,7 +1478,7 @@ class DirectRank:
         self._launch_prepared(prepared.main, dynamic, fresh, bool(dynamic[-1]))
         if prepared.epilogue is not None:
             self._launch_prepared(prepared.epilogue, (*dynamic[:-1], 0), fresh, False)
-        if record and not zero_copy:  # a zero-copy combine takes this road every time
+        if record:
             self.last_repeat = RepeatCombine(
                 rank=self,
                 prepared=prepared,
@@ -1490,6 +1490,8 @@ class DirectRank:
                 topk=k,
                 has_weights=wv is not None,
                 env_fields=env_fields,
+                zero_copy=zero_copy,
+                buffer_ptr=xv.ptr if zero_copy else 0,
             )
         if report_input_error:
             self._report_input_error()

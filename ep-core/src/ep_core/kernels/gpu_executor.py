@@ -356,7 +356,7 @@ class GpuExecutor:
         rank._allocator = self._allocator(req, "bfloat16")
         try:
             # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
-            if plan is not None and plan.rank is rank and not req.zero_copy:
+            if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
                 wait, signal, ev = self._pairs(req.stream, fresh)
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]

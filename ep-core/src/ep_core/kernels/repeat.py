@@ -468,6 +468,10 @@ class RepeatCombine:
     topk: int
     has_weights: bool
     env_fields: tuple  # the envelope's fields but the handle's launch number
+    # the zero-copy combine: `x` must be the rank's combine buffer (at `buffer_ptr`, else the full path names the
+    # error), the handle's slots travel among the words
+    zero_copy: bool = False
+    buffer_ptr: int = 0
 
     def __post_init__(self) -> None:
         self._envelopes = _Envelopes(OP_COMBINE, self.env_fields)
@@ -486,7 +490,7 @@ class RepeatCombine:
         """The combine, or None (nothing done: the caller takes the full path). `allocate(shape, dtype_name)`:
         the request's allocator (None: the rank's, numpy dtypes)."""
         rank = self.rank
-        if rank._last_scratch != self.scratch:
+        if rank._last_scratch != self.scratch or (self.zero_copy and x_ptr != self.buffer_ptr):
             return None
         rank.guard()
         rank._check_handle(handle)
@@ -518,6 +522,11 @@ class RepeatCombine:
             array_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelopes.word(rank._num_collective_launches + 1, rank._handle_launch.get(handle, -1)),
         )
+        if (
+            self.zero_copy
+        ):  # the dispatch's slots, before the envelope (`DirectRank._COMBINE_ZERO_COPY_DYNAMIC`)
+            slots = array_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx")
+            dynamic = (*dynamic[:-1], slots, dynamic[-1])
         reduce = self.prepared.epilogue  # a split combine's reduce launch (DirectRank.combine_split), or None
         rank._launch_prepared(
             self.prepared.main, dynamic, False, True, wait, signal if reduce is None else None
