@@ -430,7 +430,7 @@ def run_executor(iters: int) -> list[tuple[str, float]]:
                 x, handle=handle, num_sms=16, allocator=alloc
             ),
             "EPBuffer.combine (mocked GPU)": lambda: buf.combine(recv, handle, num_sms=16, allocator=alloc),
-            # the zero-copy roads (issue 17): validated in full on every call
+            # the zero-copy roads (issue 17): their own request-cache entries and repeats
             "EPBuffer.dispatch (mocked GPU, zero-copy, no CPU sync)": lambda: buf.dispatch(
                 x, idx, w, do_cpu_sync=False, zero_copy=True, **kw
             ),

@@ -625,7 +625,9 @@ class ElasticBuffer(ElasticOps):
         row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
         call passes it alike. The handle is an ordinary one (combine, cached dispatch).
         """
-        if zero_copy is not False:  # its own road: validated in full, no express lane
+        if (
+            zero_copy is not False
+        ):  # ep_core's zero-copy road (its request cache and repeats), no express lane
             return self._dispatch_zero_copy(
                 x,
                 topk_idx,
@@ -887,7 +889,9 @@ class ElasticBuffer(ElasticOps):
         written into it, read in place (one pass over the rows instead of two; non-expanded handles, no
         ``topk_weights``, direct mode). Every rank of the call passes it alike.
         """
-        if zero_copy is not False:  # its own road: validated in full, no express lane
+        if (
+            zero_copy is not False
+        ):  # ep_core's zero-copy road (its request cache and repeats), no express lane
             with self._core.announcing("combine"):
                 if previous_event is None and not allocate_on_comm_stream:  # as on the ordinary road below
                     scope, cuda = _NO_SCOPE, self._cuda
