@@ -1251,17 +1251,21 @@ class DirectRank:
         same on every rank of a call: nothing here depends on the rank's own tokens): the arguments as validation
         rule D18 says, then this buffer's mode and room."""
         check_zero_copy_dispatch_args(cached, expand, col_major_sf, self.rank)
+        self._check_one_domain(cfg, "dispatch")
         where = f"rank {self.rank}"
-        if cfg.is_hybrid or cfg.is_direct_xnode:
-            raise EPValueError(
-                f"zero_copy: direct mode within one NVLink domain only; this buffer's {self.num_ranks} ranks span "
-                f"nodes of {self.num_nvlink_ranks} ({where}; dispatch without zero_copy)"
-            )
         need = self.zero_copy_rows(cfg).num_bytes
         if need > self.res.data_bytes:
             raise EPValueError(
                 f"zero_copy: the outputs of {self.num_ranks} x {self.num_max_tokens} rows need {need} bytes, {where}'s "
                 f"receive region has {self.res.data_bytes}; allocate the buffer with get_buffer_size_hint()"
+            )
+
+    def _check_one_domain(self, cfg: KernelConfig, op: str) -> None:
+        """The zero-copy ops' mode: direct, within one NVLink domain (their kernels store and load peers' regions)."""
+        if cfg.is_hybrid or cfg.is_direct_xnode:
+            raise EPValueError(
+                f"zero_copy: direct mode within one NVLink domain only; this buffer's {self.num_ranks} ranks span "
+                f"nodes of {self.num_nvlink_ranks} (rank {self.rank}; {op} without zero_copy)"
             )
 
     def dispatch(self, *args: Any, **kwargs: Any) -> DispatchResult:
@@ -1304,21 +1308,16 @@ class DirectRank:
         self._check_handle(handle)
         check_zero_copy_args(handle, hidden=hidden)
         cfg = self._config(hidden, 2, 0, handle.num_topk)
-        if cfg.is_hybrid or cfg.is_direct_xnode:
-            raise EPValueError(
-                f"zero_copy: direct mode within one NVLink domain only; this buffer's {self.num_ranks} ranks span "
-                f"nodes of {self.num_nvlink_ranks} (combine without zero_copy)"
-            )
+        self._check_one_domain(cfg, "combine")
         rows = int(handle.recv_src_metadata.shape[0])
         if rows * hidden * 2 > self.res.data_bytes:
             raise EPValueError(
                 f"zero_copy: {rows} rows of {hidden} bf16 need {rows * hidden * 2} bytes, rank {self.rank}'s receive "
                 f"region has {self.res.data_bytes}; allocate the buffer with get_buffer_size_hint()"
             )
-        # the receive region's start, as the dispatch that made the handle planned it: the rows need only the bytes
-        # checked above, not the ordinary combine's receive slots of both layouts
-        plan = plan_regions(cfg, handle.num_experts, self.num_max_tokens, self.res.data_bytes, op="dispatch")
-        return self.res.base + plan.recv_offset, rows
+        # the receive region's start, where a zero-copy dispatch's recv_x lies too (the rows need only the bytes
+        # checked above, not the ordinary combine's receive slots of both layouts)
+        return self._zero_copy_places(cfg, handle.num_experts)[0], rows
 
     def combine(
         self,
