@@ -3,8 +3,8 @@
 device, with its duration, from CUPTI (torch.profiler) over CUDA-graph replays of the loopback domain.
 
 The decode benchmark (`bench_ep.py --decode`) reports one number per op; this script splits it: the dispatch
-kernel, its copy epilogue, the combine kernel, any memset, and the gap between them (launch latency inside the
-graph). It is the measurement behind issue 17's levers.
+kernel, its copy epilogue, the combine kernel, the zero-copy dispatch (no epilogue), any memset, and the gap between
+them (launch latency inside the graph). It is the measurement behind issue 17's levers.
 
     python benchmarks/profile_ops.py --out OUTDIR [--ranks 1] [--tokens 128] [--sms 16] [--iters 20]
     python benchmarks/profile_ops.py --out OUTDIR --phases [--ranks N --sms S]   # EP1 @16 and EP8 @8 by default
@@ -336,7 +336,16 @@ def run_config(torch, n, t, sms, iters, phases, out, fp8=False, overlap=True):
         reset("comb")
         dom.combine(ys, handles, num_sms=sms)
 
-    ops = [("dispatch", disp), ("dispatch_cached", cached), ("combine", comb)]
+    def disp_zc():  # the outputs stored in place in the receive regions (no copy epilogue)
+        reset("zc")
+        dom.dispatch(xs, idxs, ws, do_cpu_sync=False, zero_copy=True, **kw)
+
+    ops = [
+        ("dispatch", disp),
+        ("dispatch_cached", cached),
+        ("combine", comb),
+        ("dispatch_zero_copy", disp_zc),
+    ]
     result = {
         "ranks": n,
         "tokens": t,

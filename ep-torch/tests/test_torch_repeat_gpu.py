@@ -47,6 +47,8 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str, overlap: str) ->
     assert seen["launch_path"].startswith("ep_launch" if native == "1" else "off")
     assert seen["repeats"] > 0  # the repeated-call road ran
     assert (seen["split_combines"] > 0) == (overlap == "0"), seen
+    # the no-sync zero-copy dispatch repeats (a CPU-sync one takes the full path), and the zero-copy combines
+    assert seen["zero_copy_repeats"][0] >= 3 and seen["zero_copy_repeats"][1] >= 3, seen
     if seen["host_extension"].startswith("built"):
         # plain, int32-routing and FP8 modes: three repeats of the no-sync dispatch each took the express lane,
         # and three of the CPU-sync one the sync lane
@@ -57,7 +59,7 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str, overlap: str) ->
 def _main(out_dir: str) -> int:
     import torch
     import torch.distributed as dist
-    from ep_core.kernels import express
+    from ep_core.kernels import express, repeat
     from ep_torch import ElasticBuffer, host_extension
     from ep_torch.launch import free_port, init_rank
 
@@ -75,6 +77,20 @@ def _main(out_dir: str) -> int:
 
     counting(express.ExpressDispatch, 0)
     counting(express.ExpressSyncDispatch, 1)
+    zero_copy_repeats = [0, 0]  # zero-copy dispatches and combines the repeated-call road served
+
+    def counting_zero_copy(cls, at):
+        repeat_call = cls.__call__
+
+        def counted(self, *args, **kwargs):
+            got = repeat_call(self, *args, **kwargs)
+            zero_copy_repeats[at] += got is not None and self.zero_copy
+            return got
+
+        cls.__call__ = counted
+
+    counting_zero_copy(repeat.RepeatDispatch, 0)
+    counting_zero_copy(repeat.RepeatCombine, 1)
     init_rank(0, 1, free_port(), "nccl")
     overlap = os.environ.get("EP_TEST_PREFER_OVERLAP", "1") == "1"
     buf = ElasticBuffer(
@@ -111,8 +127,10 @@ def _main(out_dir: str) -> int:
     def dequantized(data, sf):  # FP8 rows times their per-128-channel scales, as bf16 (exact per element)
         return (data.float() * sf.repeat_interleave(128, dim=1)).to(torch.bfloat16)
 
-    for mode in ("plain", "async", "comm", "int32 routing", "fp8"):
+    for mode in ("plain", "async", "comm", "int32 routing", "fp8", "zero-copy"):
         extra = {
+            # dispatch and combine in the buffer's memory: recv_x is the combine buffer, combined in place
+            "zero-copy": {"zero_copy": True},
             "plain": {},
             "async": {"async_with_compute_stream": True},
             "comm": {"allocate_on_comm_stream": True},
@@ -170,7 +188,9 @@ def _main(out_dir: str) -> int:
                     torch.equal(handle.topk_idx, ref) and handle.topk_idx.dtype == ref.dtype,
                     f"{tag}: handle.topk_idx",
                 )
-                for j in range(0 if mode == "fp8" else 3):  # cached dispatches of this handle, then combines
+                for j in range(
+                    0 if mode in ("fp8", "zero-copy") else 3
+                ):  # cached dispatches of this handle, then combines
                     x2 = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
                     r2, _, _, h2, ev = buf.dispatch(x2, handle=handle, num_sms=sms, **extra)
                     done(ev)
@@ -198,6 +218,7 @@ def _main(out_dir: str) -> int:
                 "express": served[0],
                 "express_sync": served[1],
                 "split_combines": split,
+                "zero_copy_repeats": zero_copy_repeats,
                 "host_extension": host_extension.status(),
             }
         )
