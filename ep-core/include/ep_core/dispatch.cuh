@@ -370,6 +370,14 @@ EP_CORE_DEVICE void zero_copy_row_tail(const ZeroCopyRows& z, const OpArgs& args
                                        const uint32_t* sf, const Route& r, int64_t row, int64_t t, int lane, int rank,
                                        int epr, int64_t M, float weight) {
     constexpr int K = Tok::kNumTopk;
+    // the token's scale packs, loaded once for all its destinations
+    constexpr int kPacksPerLane = (Tok::kNumSfPacks + kWarpSize - 1) / kWarpSize;
+    uint32_t packs[kPacksPerLane > 0 ? kPacksPerLane : 1];
+#pragma unroll
+    for (int i = 0; i < kPacksPerLane; ++i) {
+        const int p = lane + i * kWarpSize;
+        packs[i] = p < Tok::kNumSfPacks ? sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1] : 0u;
+    }
     for (uint32_t masters = __ballot_sync(kFullMask, r.master); masters != 0; masters &= masters - 1) {
         const int m = __ffs(masters) - 1;
         const int d = __shfl_sync(kFullMask, r.dst, m);
@@ -384,33 +392,54 @@ EP_CORE_DEVICE void zero_copy_row_tail(const ZeroCopyRows& z, const OpArgs& args
         if (lane == 0)
             reinterpret_cast<int2*>(region + z.meta_offset())[at] =
                 make_int2(static_cast<int>(rank * M + t), rank * K + m);
-        if constexpr (Tok::kNumSfPacks > 0) {
-            for (int p = lane; p < Tok::kNumSfPacks; p += kWarpSize)
-                reinterpret_cast<uint32_t*>(region + z.sf_offset())[at * Tok::kNumSfPacks + p] =
-                    sf[t * args.sf_stride0 + static_cast<int64_t>(p) * args.sf_stride1];
+#pragma unroll
+        for (int i = 0; i < kPacksPerLane; ++i) {
+            const int p = lane + i * kWarpSize;
+            if (p < Tok::kNumSfPacks)
+                reinterpret_cast<uint32_t*>(region + z.sf_offset())[at * Tok::kNumSfPacks + p] = packs[i];
         }
     }
 }
 
 /// Zero-copy dispatch, receiving block after every source's count: the handle's metadata [rows, K + 2] from the
 /// two words each source left per row (columns 2.. are -1 in the non-expanded layout), since the handle outlives
-/// the region. After `write_rank_psum` (the row count).
+/// the region. After `write_rank_psum` (the row count). One block does it for every received row, so it is shaped
+/// for bytes in flight: a warp takes kChunks groups of 32 rows, loads all their words first (one coalesced load
+/// each), then stores each group's 32 * (K + 2) consecutive int32s, every lane every 32nd. (An element per thread,
+/// each store waiting for its own load, cost a few hundred microseconds at T=4096 on one block.)
 template <int kNumRanks, int kNumTopk>
 EP_CORE_DEVICE void zero_copy_metadata(const ZeroCopyRows& z, const OpArgs& args, const uint8_t* region,
                                        int num_threads) {
     constexpr int kCols = kNumTopk + 2;
+    constexpr int kChunks = 4;
     __syncthreads();
-    const int64_t total = static_cast<int64_t>(args.psum_rank[kNumRanks - 1]) * kCols;
+    const int64_t rows = args.psum_rank[kNumRanks - 1];
     const int2* const meta = reinterpret_cast<const int2*>(region + z.meta_offset());
-    for (int64_t i = threadIdx.x; i < total; i += num_threads) {
-        const int64_t row = i / kCols;
-        const int col = static_cast<int>(i - row * kCols);
-        int32_t v = -1;
-        if (col < 2) {
-            const int2 m = __ldcg(meta + row);  // peers' stores, acquired with their counts: not through L1
-            v = col == 0 ? m.x : m.y;
+    const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+    const int64_t step = static_cast<int64_t>(num_threads / kWarpSize) * kWarpSize * kChunks;
+    for (int64_t base = static_cast<int64_t>(threadIdx.x / kWarpSize) * kWarpSize * kChunks; base < rows;
+         base += step) {
+        int2 m[kChunks];
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            const int64_t row = base + c * kWarpSize + lane;
+            m[c] = row < rows ? __ldcg(meta + row) : make_int2(-1, -1);  // peers' stores, acquired with their counts
         }
-        args.src_metadata[i] = v;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+            const int64_t first = base + c * kWarpSize;
+            const int64_t n = rows - first;  // rows of this group (<= 0: none; uniform over the warp)
+            int32_t* const out = args.src_metadata + first * kCols;
+#pragma unroll
+            for (int j = lane; j < kWarpSize * kCols; j += kWarpSize) {
+                const int r = j / kCols;
+                const int col = j - r * kCols;
+                const int sid = __shfl_sync(kFullMask, m[c].x, r);
+                const int slot = __shfl_sync(kFullMask, m[c].y, r);
+                if (r < n)
+                    out[j] = col == 0 ? sid : (col == 1 ? slot : -1);
+            }
+        }
     }
 }
 
