@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **kw)
     # a no-sync handle has the worst-case rows: its combine takes that many
     recv_ns = buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[0]
+    # the zero-copy road: outputs left in the buffer's memory; recv_x is the combine buffer, combined in place
+    zc_x, _, _, zc_handle, _ = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, zero_copy=True, **kw
+    )
     launch_path = getattr(buf.runtime.executor, "launch_path", "?")
     print(f"launch path: {launch_path}")
     ops = {
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[3],
             num_sms=16,
         ),
+        "dispatch (zero-copy, no CPU sync)": lambda: buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, zero_copy=True, **kw
+        ),
+        "combine (zero-copy)": lambda: buf.combine(zc_x, zc_handle, num_sms=16, zero_copy=True),
         "torch: x.index_select + index_add_ (reference point)": lambda: torch.zeros_like(x).index_add_(
             0, rows, x.index_select(0, rows)
         ),
