@@ -21,8 +21,8 @@ def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-# x .. stream; `zero_copy` (last, keyword-only) takes its own road (`EPBuffer._dispatch_zero_copy` /
-# `_combine_zero_copy`), not this one
+# x .. stream; `zero_copy` (last, keyword-only) takes its own road (`EPBuffer.dispatch_zero_copy_positional` /
+# `combine_zero_copy_positional`), not this one
 DISPATCH = [n for n in _params(EPBuffer.dispatch)[1:] if n != "zero_copy"]
 COMBINE = [n for n in _params(EPBuffer.combine)[1:] if n != "zero_copy"]
 
@@ -59,7 +59,7 @@ def test_the_reference_lists_are_the_documented_ones():
 
 
 def test_positional_signatures_name_the_public_order():
-    # the zero-copy road passes its flag after the SM cache (`EPBuffer._dispatch_zero_copy`)
+    # the zero-copy road passes its flag after the SM cache (`EPBuffer.dispatch_zero_copy_positional`)
     assert _params(PreparedOps.dispatch_positional) == ["self", "target", *DISPATCH, "sm_cache", "zero_copy"]
     assert _params(PreparedOps.dispatch_request) == ["self", "target", *DISPATCH, "sm_cache"]
     assert _params(PreparedOps.combine_positional) == ["self", "target", *COMBINE, "zero_copy"]
@@ -72,12 +72,12 @@ def test_epbuffer_forwards_each_dispatch_argument_to_its_position():
 
 
 def test_epbuffer_forwards_each_zero_copy_dispatch_argument_to_its_position():
-    args, sent = _forwarded(EPBuffer.dispatch, "_dispatch_zero_copy", [*DISPATCH, "zero_copy"])
+    args, sent = _forwarded(EPBuffer.dispatch, "dispatch_zero_copy_positional", [*DISPATCH, "zero_copy"])
     assert args == tuple(sent[n] for n in [*DISPATCH, "zero_copy"])
 
 
 def test_epbuffer_forwards_each_zero_copy_combine_argument_to_its_position():
-    args, sent = _forwarded(EPBuffer.combine, "_combine_zero_copy", [*COMBINE, "zero_copy"])
+    args, sent = _forwarded(EPBuffer.combine, "combine_zero_copy_positional", [*COMBINE, "zero_copy"])
     assert args == tuple(sent[n] for n in [*COMBINE, "zero_copy"])
 
 

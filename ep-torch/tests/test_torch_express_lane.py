@@ -580,3 +580,54 @@ def test_an_equal_int_computed_anew_is_served(mocked, sync_served):
             x, topk_idx=idx, num_experts=EXPERTS, expert_alignment=1000.0, num_sms=4, do_cpu_sync=True
         )
     assert sync_served[0] == 2
+
+
+def _at(arr) -> torch.Tensor:
+    """A CPU bf16 tensor at the address of `arr` (the mocked executor's memory, which nothing reads)."""
+    import numpy as np
+
+    class _Interface:
+        def __init__(self) -> None:
+            self.__array_interface__ = {
+                "data": (arr.ptr, False),
+                "shape": arr.shape,
+                "typestr": "<u2",
+                "version": 3,
+            }
+
+    return torch.from_numpy(np.asarray(_Interface())).view(torch.bfloat16)
+
+
+def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
+    """`combine(..., zero_copy=True)` of the buffer's combine buffer: the repeats take the zero-copy combine's own
+    lane (ep-core's express combine over the zero-copy repeat) and launch the same words as its road; an `x` that
+    is not the combine buffer is declined by the lane and refused by the road, naming x and the combine buffer."""
+    from ep_core.errors import EPValueError
+
+    make, launches, _served, served_by = mocked
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+    idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        served_by["combine"] = 0
+        handle = buf.dispatch(x, topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)[3]
+        per_call = []
+        for _ in range(4):
+            launches.clear()
+            zx = _at(buf.runtime.combine_buffer(handle))
+            names = _pointer_names(x, idx, None, (None, None, None, handle, None))
+            names[zx.data_ptr()] = "combine buffer"
+            comb, comb_w, ev = buf.combine(zx, handle, num_sms=4, zero_copy=True)
+            assert ev.event is None and comb.shape == (8, HIDDEN) and comb_w is None
+            names[comb.data_ptr()] = "combined"
+            per_call.append([(name, _named(words, names)) for name, words in launches])
+        seen[lane] = per_call
+        assert served_by["combine"] == (3 if lane else 0)
+        assert (buf._express_combine_zero_copy is not None) == lane
+        other = torch.zeros(zx.shape, dtype=torch.bfloat16)
+        with pytest.raises(EPValueError, match="x: a zero-copy combine reads rank 0's combine buffer"):
+            buf.combine(other, handle, num_sms=4, zero_copy=True)
+        assert served_by["combine"] == (3 if lane else 0)
+    assert seen[True] == seen[False]

@@ -161,6 +161,8 @@ def _recording_buffer():
         destroyed=False,
         dispatch_positional=record,
         combine_positional=record,
+        dispatch_zero_copy_positional=lambda *args: record(*args, "zero-copy road"),
+        combine_zero_copy_positional=lambda *args: record(*args, "zero-copy road"),
     )
     buf = ElasticBuffer.__new__(ElasticBuffer)
     buf.__dict__.update(
@@ -169,12 +171,14 @@ def _recording_buffer():
     return buf, calls
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["ordinary", "zero-copy"])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
-def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
+def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op, zero_copy):
     """`ElasticBuffer.dispatch` / `combine` call ep_core's `dispatch_positional` / `combine_positional` with ~20
     positional arguments in `ep_core.EPBuffer.dispatch` / `combine`'s order (issue 18): changing any one argument
     must change exactly the argument at its name's position there (a swap of num_sms / num_qps or of two flags
-    fails here)."""
+    fails here). `zero_copy=True` calls `dispatch_zero_copy_positional` / `combine_zero_copy_positional` in the
+    same order, with `zero_copy` last."""
     import inspect
 
     import ep_core
@@ -211,10 +215,17 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
         "do_cpu_sync": False,
     }
 
+    if zero_copy:
+        base["zero_copy"] = True
+
     def positional(**kwargs) -> tuple:
         with pytest.raises(_Stop):
             getattr(buf, op)(**{**base, **kwargs})
-        return calls.pop()
+        got = calls.pop()
+        if zero_copy:  # the zero-copy road's arguments end with `zero_copy`
+            assert got[-1] == "zero-copy road" and got[-2] is True
+            got = got[:-2]
+        return got
 
     ref = positional()
     assert len(ref) == len(core_names)
@@ -231,8 +242,8 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op):
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_zero_copy_takes_ep_cores_own_road(op):
     """`zero_copy=True` is keyword-only and last on both surfaces (DeepEP's positional order unchanged) and reaches
-    ep_core's `dispatch` / `combine` with `zero_copy=True` (its road validates in full on every call), never the
-    positional road or an express lane."""
+    ep_core's zero-copy road (`dispatch_zero_copy_positional` / `combine_zero_copy_positional`: its request cache
+    and repeats), never the ordinary positional road or an express lane."""
     import inspect
 
     import ep_core
@@ -244,20 +255,13 @@ def test_zero_copy_takes_ep_cores_own_road(op):
             last.name == "zero_copy" and last.kind is inspect.Parameter.KEYWORD_ONLY and last.default is False
         )
     buf, calls = _recording_buffer()
-    seen: list = []
-
-    def record(*args, **kwargs):
-        seen.append(kwargs)
-        raise _Stop
-
-    setattr(buf._core, op, record)
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(_Stop):
         if op == "dispatch":
             buf.dispatch(x, torch.zeros(4, 2, dtype=torch.int64), num_experts=8, zero_copy=True)
         else:
             buf.combine(x, object(), zero_copy=True)
-    assert calls == [] and seen[0]["zero_copy"] is True
+    assert len(calls) == 1 and calls[0][-2:] == (True, "zero-copy road")
     with pytest.raises(TypeError):  # keyword-only: one positional argument more is refused
         getattr(buf, op)(*([None] * (len(inspect.signature(getattr(ElasticBuffer, op)).parameters) - 1)))
 

@@ -352,9 +352,9 @@ class EPBuffer(BufferBase):
         zero_copy: bool = False,
     ) -> DispatchResult:
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`. `zero_copy=True`: the
-        outputs are views of this buffer's own memory where the dispatch stored them (`_dispatch_zero_copy`)."""
+        outputs are views of this buffer's own memory where the dispatch stored them (`dispatch_zero_copy_positional`)."""
         if zero_copy is not False:  # its own road (validation D18 refuses a zero_copy that is not a bool)
-            return self._dispatch_zero_copy(
+            return self.dispatch_zero_copy_positional(
                 x,
                 topk_idx,
                 topk_weights,
@@ -411,8 +411,9 @@ class EPBuffer(BufferBase):
         with self.announcing("dispatch"):
             return self._dispatch(args)
 
-    def _dispatch_zero_copy(self, *args: Any) -> DispatchResult:
-        """`dispatch(..., zero_copy=True)`, every argument positional in `dispatch`'s order with `zero_copy` last:
+    def dispatch_zero_copy_positional(self, *args: Any) -> DispatchResult:
+        """`dispatch(..., zero_copy=True)`, every argument positional in `dispatch`'s order with `zero_copy` last
+        (ep_torch's road, as `dispatch_positional` is the ordinary one's):
         validated as any dispatch (rule D18 too), through the request cache under keys of its own, whose repeats
         (a no-sync call's) launch the zero-copy kernel alone; no express lane. `recv_x`, `recv_sf`, `recv_topk_idx`
         and `recv_topk_weights` are views of this rank's receive region (the executor's memory, in the
@@ -502,7 +503,7 @@ class EPBuffer(BufferBase):
         """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`. `zero_copy=True`: `x` is
         `combine_buffer(handle)` with the expert outputs written in place (`combine_buffer`)."""
         if zero_copy is not False:  # its own road (validation C7 refuses a zero_copy that is not a bool)
-            return self._combine_zero_copy(
+            return self.combine_zero_copy_positional(
                 x,
                 handle,
                 topk_weights,
@@ -548,14 +549,19 @@ class EPBuffer(BufferBase):
         check_zero_copy_args(h, hidden=hidden)
         return ex.combine_buffer(h, hidden)
 
-    def _combine_zero_copy(self, *args: Any) -> CombineResult:
-        """`combine(..., zero_copy=True)`, every argument positional in `combine`'s order with `zero_copy` last:
+    def combine_zero_copy_positional(self, *args: Any) -> CombineResult:
+        """`combine(..., zero_copy=True)`, every argument positional in `combine`'s order with `zero_copy` last
+        (ep_torch's road):
         validated as any combine (rule C7 too), through the request cache under keys of its own, whose repeats
-        launch the zero-copy kernel (the executor checks each call's `x` is its combine buffer); no express lane."""
+        launch the zero-copy kernel (the executor checks each call's `x` is its combine buffer). Its express lane
+        (`express_combine` right after this call) takes that repeat."""
         with self.announcing("combine"):
             self._check_alive()
             ex = self._executor
-            return ex.combine(self._prepared.combine_positional(ex, *args))
+            req = self._prepared.combine_positional(ex, *args)
+            res = ex.combine(req)
+            self._last_combine = (req.prepared, req.allocator)  # `express_combine`'s (its own entry's lane)
+            return res
 
     def combine_positional(self, *args: Any) -> CombineResult:
         """`combine` with every argument positional, in its order (x .. stream; ep_torch's road)."""

@@ -44,6 +44,7 @@ from .transport_choice import (
     ranks_per_host,
     scaleup_ranks,
 )
+from .zero_copy_tensors import ZeroCopyTensors
 
 __all__ = ["EPBuffer", "ElasticBuffer", "topk_idx_t"]
 
@@ -200,6 +201,7 @@ class ElasticBuffer(ElasticOps):
     _express: _ExpressLane | None = None
     _express_cached: _ExpressLane | None = None
     _express_combine: _ExpressLane | None = None
+    _express_combine_zero_copy: _ExpressLane | None = None
     _express_sync: _ExpressLane | None = None
 
     policy: PlannerPolicy = PlannerPolicy.V2
@@ -311,6 +313,8 @@ class ElasticBuffer(ElasticOps):
             )
         rt = self._rt()
         self._express = self._express_cached = self._express_combine = self._express_sync = None
+        self._express_combine_zero_copy = None
+        self.__dict__.pop("_zero_copy_tensors", None)  # tensors over the memory released below
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         rt.destroy()  # a barrier first: no peer copies into this rank's signal words any more
@@ -628,27 +632,27 @@ class ElasticBuffer(ElasticOps):
         if (
             zero_copy is not False
         ):  # ep_core's zero-copy road (its request cache and repeats), no express lane
-            return self._dispatch_zero_copy(
+            return self._dispatch_zero_copy(  # `ep_core.EPBuffer.dispatch`'s order, zero_copy last
                 x,
                 topk_idx,
                 topk_weights,
+                cumulative_local_expert_recv_stats,
+                num_experts,
+                num_max_tokens_per_rank,
+                expert_alignment,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                async_with_compute_stream,
+                allocate_on_comm_stream,
                 handle,
+                do_handle_copy,
+                do_cpu_sync,
+                do_expand,
+                do_zero_padding,
+                use_tma_aligned_col_major_sf,
                 zero_copy,
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                num_experts=num_experts,
-                num_max_tokens_per_rank=num_max_tokens_per_rank,
-                expert_alignment=expert_alignment,
-                num_sms=num_sms,
-                num_qps=num_qps,
-                previous_event=previous_event,
-                previous_event_before_epilogue=previous_event_before_epilogue,
-                async_with_compute_stream=async_with_compute_stream,
-                allocate_on_comm_stream=allocate_on_comm_stream,
-                do_handle_copy=do_handle_copy,
-                do_cpu_sync=do_cpu_sync,
-                do_expand=do_expand,
-                do_zero_padding=do_zero_padding,
-                use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
             )
         if handle is not None:
             lane = self._express_cached
@@ -802,22 +806,27 @@ class ElasticBuffer(ElasticOps):
         x: Any,
         topk_idx: Any,
         topk_weights: Any,
-        handle: Any,
-        zero_copy: Any,
-        *,
+        cumulative_local_expert_recv_stats: Any,
+        num_experts: Any,
+        num_max_tokens_per_rank: Any,
+        expert_alignment: Any,
+        num_sms: Any,
+        num_qps: Any,
         previous_event: Any,
+        previous_event_before_epilogue: Any,
         async_with_compute_stream: Any,
         allocate_on_comm_stream: Any,
+        handle: Any,
         do_handle_copy: Any,
         do_cpu_sync: Any,
-        cumulative_local_expert_recv_stats: Any,
         do_expand: Any,
         do_zero_padding: Any,
         use_tma_aligned_col_major_sf: Any,
-        **scalars: Any,
+        zero_copy: Any,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
-        """``dispatch(..., zero_copy=True)`` through ep-core's zero-copy road (``ep_core.EPBuffer.dispatch``); the
-        views it returns become tensors over the same memory, of the caller's dtypes."""
+        """``dispatch(..., zero_copy=True)`` through ep-core's zero-copy road
+        (``ep_core.EPBuffer.dispatch_zero_copy_positional``: its request cache and repeats; no express lane); the
+        views it returns become tensors over the same memory, of the caller's dtypes (`ZeroCopyTensors`)."""
         with self._core.announcing("dispatch"):
             if handle is None and do_cpu_sync is not False:
                 self._check_capture("dispatch", do_cpu_sync, handle)
@@ -830,26 +839,31 @@ class ElasticBuffer(ElasticOps):
                     allocate_on_comm_stream, previous_event, async_with_compute_stream
                 )
             with scope:
-                res = self._rt().dispatch(
-                    _plain(x),
+                res = self._rt().dispatch_zero_copy_positional(
+                    x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
                     _plain(topk_idx) if topk_idx is not None else None,
                     _plain(topk_weights) if topk_weights is not None else None,
-                    cumulative_local_expert_recv_stats=None
+                    None
                     if cumulative_local_expert_recv_stats is None
                     else _plain(cumulative_local_expert_recv_stats),
-                    previous_event=previous_event,
-                    async_with_compute_stream=bool(async_with_compute_stream),
-                    allocate_on_comm_stream=bool(allocate_on_comm_stream),
-                    handle=handle,
-                    do_handle_copy=bool(do_handle_copy),
-                    do_cpu_sync=None if do_cpu_sync is None else bool(do_cpu_sync),
-                    do_expand=bool(do_expand),
-                    do_zero_padding=bool(do_zero_padding),
-                    use_tma_aligned_col_major_sf=bool(use_tma_aligned_col_major_sf),
-                    allocator=self._allocators.get(device) or self._allocator(device),
-                    stream=_current_stream(self._device_index) if cuda else 0,
-                    zero_copy=zero_copy,
-                    **scalars,  # num_experts .. previous_event_before_epilogue, as given
+                    num_experts,
+                    num_max_tokens_per_rank,
+                    expert_alignment,
+                    num_sms,
+                    num_qps,
+                    previous_event,
+                    previous_event_before_epilogue,
+                    bool(async_with_compute_stream),
+                    bool(allocate_on_comm_stream),
+                    handle,
+                    bool(do_handle_copy),
+                    None if do_cpu_sync is None else bool(do_cpu_sync),
+                    bool(do_expand),
+                    bool(do_zero_padding),
+                    bool(use_tma_aligned_col_major_sf),
+                    self._allocators.get(device) or self._allocator(device),
+                    _current_stream(self._device_index) if cuda else 0,
+                    zero_copy,
                 )
                 # the outputs are the buffer's memory, not the caching allocator's: only the handle's tensors need
                 # recording on the streams
@@ -859,13 +873,28 @@ class ElasticBuffer(ElasticOps):
             h.topk_idx = topk_idx  # the caller's tensor itself, as on the ordinary road
         elif h.topk_idx is topk_idx:
             h.topk_idx = topk_idx.detach()
-        dev = self.device
-        recv_x = _view_tensor(res.recv_x, data.dtype, dev)
+        own = self._own_tensor
+        recv_x = own(res.recv_x, data.dtype)
         if sf is not None:
-            recv_x = (recv_x, _view_tensor(res.recv_sf, sf.dtype, dev))
-        recv_idx = _view_tensor(res.recv_topk_idx, torch.int64, dev)
-        recv_w = _view_tensor(res.recv_topk_weights, torch.float32, dev)
-        return recv_x, recv_idx, recv_w, h, event
+            recv_x = (recv_x, own(res.recv_sf, sf.dtype))
+        return (
+            recv_x,
+            own(res.recv_topk_idx, torch.int64),
+            own(res.recv_topk_weights, torch.float32),
+            h,
+            event,
+        )
+
+    def _own_tensor(self, arr: Any, dtype: torch.dtype) -> torch.Tensor | None:
+        """An array of the buffer's own memory (a zero-copy output, the combine buffer) as a tensor of ``dtype``:
+        on the GPU one tensor per place, sliced per call (`ZeroCopyTensors`); the reference backend's host memory
+        through numpy."""
+        if arr is None or arr.device == "cpu":
+            return _view_tensor(arr, dtype, self.device)
+        tensors = self.__dict__.get("_zero_copy_tensors")
+        if tensors is None:
+            tensors = self._zero_copy_tensors = ZeroCopyTensors(self.device)
+        return tensors.tensor(arr, dtype)
 
     def combine(
         self,
@@ -889,9 +918,21 @@ class ElasticBuffer(ElasticOps):
         written into it, read in place (one pass over the rows instead of two; non-expanded handles, no
         ``topk_weights``, direct mode). Every rank of the call passes it alike.
         """
-        if (
-            zero_copy is not False
-        ):  # ep_core's zero-copy road (its request cache and repeats), no express lane
+        plain = (
+            bias is None
+            and previous_event is None
+            and previous_event_before_epilogue is None
+            and async_with_compute_stream is False
+            and allocate_on_comm_stream is False
+        )
+        if zero_copy is not False:  # ep_core's zero-copy road (its request cache and repeats), its own lane
+            lane = self._express_combine_zero_copy
+            if zero_copy is True and plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
+                got = lane.run(
+                    x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0
+                )
+                if got is not None:
+                    return got.combined_x, got.combined_topk_weights, EventOverlap(None)
             with self._core.announcing("combine"):
                 if previous_event is None and not allocate_on_comm_stream:  # as on the ordinary road below
                     scope, cuda = _NO_SCOPE, self._cuda
@@ -901,31 +942,35 @@ class ElasticBuffer(ElasticOps):
                     )
                 device = x.device if isinstance(x, torch.Tensor) else self.device
                 with scope:
-                    res = self._rt().combine(
-                        _plain(x),
+                    res = self._rt().combine_zero_copy_positional(  # `ep_core.EPBuffer.combine`'s order
+                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
                         handle,
                         _plain(topk_weights) if topk_weights is not None else None,
                         _plain(bias) if bias is not None else None,
-                        num_sms=num_sms,
-                        num_qps=num_qps,
-                        previous_event=previous_event,
-                        previous_event_before_epilogue=previous_event_before_epilogue,
-                        async_with_compute_stream=bool(async_with_compute_stream),
-                        allocate_on_comm_stream=bool(allocate_on_comm_stream),
-                        allocator=self._allocators.get(device) or self._allocator(device),
-                        stream=_current_stream(self._device_index) if cuda else 0,
-                        zero_copy=zero_copy,
+                        num_sms,
+                        num_qps,
+                        previous_event,
+                        previous_event_before_epilogue,
+                        bool(async_with_compute_stream),
+                        bool(allocate_on_comm_stream),
+                        self._allocators.get(device) or self._allocator(device),
+                        _current_stream(self._device_index) if cuda else 0,
+                        zero_copy,
                     )
                     event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
+                if (
+                    zero_copy is True
+                    and plain
+                    and scope is _NO_SCOPE
+                    and getattr(self._allocators.get(device), "batch", None) is not None
+                ):
+                    # the lane of this zero-copy combine (ep-core's express combine over its zero-copy repeat,
+                    # which declines an x that is not the combine buffer: then this road names the error)
+                    self._express_combine_zero_copy = _ExpressLane.make(
+                        self._rt().express_combine, (x, topk_weights), (num_sms, num_qps), handle
+                    )
             return res.combined_x, res.combined_topk_weights, event
         lane = self._express_combine
-        plain = (
-            bias is None
-            and previous_event is None
-            and previous_event_before_epilogue is None
-            and async_with_compute_stream is False
-            and allocate_on_comm_stream is False
-        )
         if plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
             got = lane.run(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
             if got is not None:
@@ -972,7 +1017,7 @@ class ElasticBuffer(ElasticOps):
         own memory (the start of its receive region on the GPU), one row per row of the dispatch's ``recv_x``.
         Write the expert outputs into it and pass it as ``combine``'s ``x``. Valid from the end of the dispatch
         until the next dispatch or combine on this buffer; non-expanded handles, direct mode."""
-        return _view_tensor(self._rt().combine_buffer(handle), torch.bfloat16, self.device)
+        return self._own_tensor(self._rt().combine_buffer(handle), torch.bfloat16)
 
     @property
     def launch_path(self) -> str | None:

@@ -1,0 +1,47 @@
+"""Tensors over a buffer's own GPU memory: the outputs of a zero-copy dispatch and the combine buffer.
+
+Those arrays always lie at the same few places (per configuration: `recv_x`, its scales, the ids, the weights; the
+combine buffer is `recv_x`'s memory), with only the row count changing between calls. Turning ep-core's array into
+a tensor through the CUDA array interface costs tens of microseconds of host time per tensor, more than the GPU time a
+zero-copy decode step saves, so each place becomes a tensor once, with the most rows seen there, and each call gets
+a fresh slice of its rows (a new tensor object, as an ordinary dispatch returns: autograd state or in-place marks
+never carry from one call's tensor to the next one's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ZeroCopyTensors"]
+
+
+class ZeroCopyTensors:
+    """Per buffer: the tensor of each place of its memory, by `(address, row shape, dtype)`. Cleared when the buffer
+    is destroyed (the memory is released with it)."""
+
+    __slots__ = ("_device", "_tensors")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._tensors: dict[tuple, torch.Tensor] = {}
+
+    def tensor(self, arr: Any, dtype: torch.dtype) -> torch.Tensor | None:
+        """`arr` (an ep-core array of the buffer's own GPU memory, rows first, contiguous) as a tensor of `dtype`
+        (the same item size: bf16 / FP8 bits arrive as uint16 / uint8) over the same memory."""
+        if arr is None:
+            return None
+        shape = arr.shape
+        rows = shape[0]
+        key = (arr.ptr, shape[1:], dtype)
+        whole = self._tensors.get(key)
+        if whole is None or whole.shape[0] < rows:
+            whole = torch.as_tensor(arr, device=self._device)
+            if whole.dtype != dtype:
+                whole = whole.view(dtype)
+            self._tensors[key] = whole
+        return whole[:rows]
+
+    def clear(self) -> None:
+        self._tensors.clear()
