@@ -582,20 +582,22 @@ def test_an_equal_int_computed_anew_is_served(mocked, sync_served):
     assert sync_served[0] == 2
 
 
-def _at(arr) -> torch.Tensor:
-    """A CPU bf16 tensor at the address of `arr` (the mocked executor's memory, which nothing reads)."""
+def _at(arr, dtype=torch.bfloat16) -> torch.Tensor:
+    """A CPU tensor of `dtype` at the address of `arr` (the mocked executor's memory, which nothing reads)."""
     import numpy as np
+
+    typestr = f"<u{torch.empty((), dtype=dtype).element_size()}"
 
     class _Interface:
         def __init__(self) -> None:
             self.__array_interface__ = {
                 "data": (arr.ptr, False),
                 "shape": arr.shape,
-                "typestr": "<u2",
+                "typestr": typestr,
                 "version": 3,
             }
 
-    return torch.from_numpy(np.asarray(_Interface())).view(torch.bfloat16)
+    return torch.from_numpy(np.asarray(_Interface())).view(dtype)
 
 
 def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
@@ -630,4 +632,73 @@ def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
         with pytest.raises(EPValueError, match="x: a zero-copy combine reads rank 0's combine buffer"):
             buf.combine(other, handle, num_sms=4, zero_copy=True)
         assert served_by["combine"] == (3 if lane else 0)
+    assert seen[True] == seen[False]
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeypatch, weights):
+    """`dispatch(..., zero_copy=True, do_cpu_sync=False)`: the repeats take the zero-copy dispatch's own lane
+    (`ExpressZeroCopyDispatch`: one launch, the outputs the region's views) and launch the same words as its road
+    (the handle's metadata among them), returning the same views and an equal handle."""
+    from ep_core.kernels import express
+    from ep_torch import buffer as tbuf
+
+    make, launches, _served, _by = mocked
+    # the views as CPU tensors at their addresses (the mocked memory; ZeroCopyTensors needs CUDA)
+    monkeypatch.setattr(
+        tbuf.ElasticBuffer, "_own_tensor", lambda self, arr, dtype: None if arr is None else _at(arr, dtype)
+    )
+    served = [0]
+    call = express.ExpressZeroCopyDispatch.__call__
+
+    def counted(self, *args):
+        got = call(self, *args)
+        served[0] += got is not None
+        return got
+
+    monkeypatch.setattr(express.ExpressZeroCopyDispatch, "__call__", counted)
+    g = torch.Generator().manual_seed(11)
+    calls = []
+    for _ in range(4):
+        x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+        idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+        w = torch.rand(8, K, generator=g) if weights else None
+        calls.append((x, idx, w))
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        served[0] = 0
+        per_call = []
+        for x, idx, w in calls:
+            launches.clear()
+            out = buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_experts=EXPERTS,
+                num_sms=4,
+                do_cpu_sync=False,
+                zero_copy=True,
+            )
+            recv_x, recv_idx, recv_w, handle, event = out
+            assert event.event is None and recv_x.dtype == torch.bfloat16 and recv_idx.dtype == torch.int64
+            assert recv_x.shape == (handle.num_recv_tokens, HIDDEN) and (recv_w is None) == (w is None)
+            # the handle's own routing copy (which the kernel fills)
+            assert handle.topk_idx is not idx and handle.topk_idx.shape == idx.shape
+            names = _pointer_names(x, idx, w, out)
+            per_call.append(
+                (
+                    [(name, _named(words, names)) for name, words in launches],
+                    {
+                        k: v
+                        for k, v in vars(handle).items()
+                        if not k.startswith("_") and not torch.is_tensor(v)
+                    },
+                )
+            )
+        seen[lane] = per_call
+        assert served[0] == (3 if lane else 0)  # the first call makes the entry; the lane serves the others
+        assert (buf._express_zero_copy is not None) == lane
+    assert [launch[0][0] for launch, _ in seen[True]] == ["ep_dispatch_zero_copy_impl"] * 4
+    assert "recv_src_metadata" in seen[True][-1][0][0][1]  # the kernel writes the handle's metadata
     assert seen[True] == seen[False]

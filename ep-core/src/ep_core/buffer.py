@@ -415,7 +415,8 @@ class EPBuffer(BufferBase):
         """`dispatch(..., zero_copy=True)`, every argument positional in `dispatch`'s order with `zero_copy` last
         (ep_torch's road, as `dispatch_positional` is the ordinary one's):
         validated as any dispatch (rule D18 too), through the request cache under keys of its own, whose repeats
-        (a no-sync call's) launch the zero-copy kernel alone; no express lane. `recv_x`, `recv_sf`, `recv_topk_idx`
+        (a no-sync call's) launch the zero-copy kernel alone; `express_dispatch` right after a no-sync call gives
+        its express lane (`ExpressZeroCopyDispatch`). `recv_x`, `recv_sf`, `recv_topk_idx`
         and `recv_topk_weights` are views of this rank's receive region (the executor's memory, in the
         deterministic row order), valid until the next dispatch or combine on this buffer; bf16 `recv_x` is the
         memory of `combine_buffer(handle)`. The handle is an ordinary one."""
@@ -429,6 +430,11 @@ class EPBuffer(BufferBase):
                     "zero_copy"
                 )
             res = ex.dispatch(req)
+            self._last_dispatch = (
+                req.prepared,
+                req.x.dtype,
+                req.allocator,
+            )  # `express_dispatch`'s (its own lane)
             if is_trusted_allocator(req.allocator):  # a new handle (D18: never cached), as in `_dispatch`
                 trust_handle(self.config, ex, res.handle)
             return res

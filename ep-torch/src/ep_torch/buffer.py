@@ -202,6 +202,7 @@ class ElasticBuffer(ElasticOps):
     _express_cached: _ExpressLane | None = None
     _express_combine: _ExpressLane | None = None
     _express_combine_zero_copy: _ExpressLane | None = None
+    _express_zero_copy: _ExpressLane | None = None
     _express_sync: _ExpressLane | None = None
 
     policy: PlannerPolicy = PlannerPolicy.V2
@@ -313,7 +314,7 @@ class ElasticBuffer(ElasticOps):
             )
         rt = self._rt()
         self._express = self._express_cached = self._express_combine = self._express_sync = None
-        self._express_combine_zero_copy = None
+        self._express_combine_zero_copy = self._express_zero_copy = None
         self.__dict__.pop("_zero_copy_tensors", None)  # tensors over the memory released below
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -825,12 +826,42 @@ class ElasticBuffer(ElasticOps):
         zero_copy: Any,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
         """``dispatch(..., zero_copy=True)`` through ep-core's zero-copy road
-        (``ep_core.EPBuffer.dispatch_zero_copy_positional``: its request cache and repeats; no express lane); the
-        views it returns become tensors over the same memory, of the caller's dtypes (`ZeroCopyTensors`)."""
+        (``ep_core.EPBuffer.dispatch_zero_copy_positional``: its request cache and repeats; a plain no-sync call's
+        repeats through its express lane, ``ep_core.kernels.express.ExpressZeroCopyDispatch``); the views it
+        returns become tensors over the same memory, of the caller's dtypes (`ZeroCopyTensors`)."""
+        data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+        plain = (
+            zero_copy is True
+            and do_cpu_sync is False
+            and handle is None
+            and previous_event is None
+            and previous_event_before_epilogue is None
+            and cumulative_local_expert_recv_stats is None
+            and async_with_compute_stream is False
+            and allocate_on_comm_stream is False
+            and do_handle_copy is True
+        )
+        lane_scalars = (
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            use_tma_aligned_col_major_sf,
+            do_expand,
+            do_zero_padding,
+        )
+        lane = self._express_zero_copy
+        if plain and lane is not None and _same(lane_scalars, lane.scalars):
+            got = lane.run(
+                x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
+            )
+            if got is not None:
+                recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, got[0], got[1], got[2], got[3])
+                return recv_x, recv_idx, recv_w, got[4], EventOverlap(None)
         with self._core.announcing("dispatch"):
             if handle is None and do_cpu_sync is not False:
                 self._check_capture("dispatch", do_cpu_sync, handle)
-            data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
             device = data.device if isinstance(data, torch.Tensor) else self.device
             if previous_event is None and not allocate_on_comm_stream:  # as on the ordinary road
                 scope, cuda = _NO_SCOPE, self._cuda
@@ -868,22 +899,34 @@ class ElasticBuffer(ElasticOps):
                 # the outputs are the buffer's memory, not the caching allocator's: only the handle's tensors need
                 # recording on the streams
                 event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
+            if (
+                plain
+                and scope is _NO_SCOPE
+                and getattr(self._allocators.get(device), "batch", None) is not None
+            ):
+                self._express_zero_copy = _ExpressLane.make(
+                    self._rt().express_dispatch, (x, topk_idx, topk_weights), lane_scalars
+                )
         h = res.handle
         if not do_handle_copy:
             h.topk_idx = topk_idx  # the caller's tensor itself, as on the ordinary road
         elif h.topk_idx is topk_idx:
             h.topk_idx = topk_idx.detach()
-        own = self._own_tensor
-        recv_x = own(res.recv_x, data.dtype)
-        if sf is not None:
-            recv_x = (recv_x, own(res.recv_sf, sf.dtype))
-        return (
-            recv_x,
-            own(res.recv_topk_idx, torch.int64),
-            own(res.recv_topk_weights, torch.float32),
-            h,
-            event,
+        recv_x, recv_idx, recv_w = self._zero_copy_outputs(
+            data, sf, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights
         )
+        return recv_x, recv_idx, recv_w, h, event
+
+    def _zero_copy_outputs(
+        self, data: Any, sf: Any, recv_x: Any, recv_sf: Any, recv_idx: Any, recv_w: Any
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """A zero-copy dispatch's views as tensors of the caller's dtypes (``data`` / ``sf``: ``x``'s parts):
+        ``(recv_x, recv_topk_idx, recv_topk_weights)``, ``recv_x`` a ``(data, scales)`` tuple iff ``x`` was one."""
+        own = self._own_tensor
+        rx = own(recv_x, data.dtype)
+        if sf is not None:
+            rx = (rx, own(recv_sf, sf.dtype))
+        return rx, own(recv_idx, torch.int64), own(recv_w, torch.float32)
 
     def _own_tensor(self, arr: Any, dtype: torch.dtype) -> torch.Tensor | None:
         """An array of the buffer's own memory (a zero-copy output, the combine buffer) as a tensor of ``dtype``:

@@ -25,6 +25,10 @@ kernels' error record included), then its outputs and the handle's metadata in o
 counts gave (one prepared call per row count seen, a few kept), the copy epilogue, and the handle recorded with
 the fingerprint `validation.trust_handle` gives it (its counts are its own).
 
+A no-sync zero-copy dispatch (`ExpressZeroCopyDispatch`) is the no-sync road with nothing to allocate but the
+routing copy and the handle's block: its one launch stores the outputs in the receive region (returned as its
+views) and the handle's metadata.
+
 A combine or cached dispatch (`ExpressCombine`, `ExpressCached`) keeps its repeat as it is: the lane replaces the
 layers above it (the caller's match for the arrays, the handle's key part and `check_handle` as `PreparedOps`
 checks them, the stream pairs) and calls `RepeatCombine.run` / `RepeatDispatch.run` as `GpuExecutor` does.
@@ -57,6 +61,7 @@ __all__ = [
     "ExpressCombine",
     "ExpressDispatch",
     "ExpressSyncDispatch",
+    "ExpressZeroCopyDispatch",
     "express_dispatch",
     "express_with_handle",
 ]
@@ -92,12 +97,19 @@ def express_dispatch(
         return None
     rows = plan.num_expanded if plan.expand else plan.num_recv
     epilogue = plan.prepared.epilogue_pdl if plan.epilogue_pdl else plan.prepared.epilogue
-    if epilogue is None and (rows > 0 or plan.zero_padding or plan.cpu_sync):
+    if plan.zero_copy:  # one launch, no epilogue; a CPU-sync zero-copy dispatch is never recorded
+        if plan.cpu_sync:
+            return None
+        epilogue = None
+    elif epilogue is None and (rows > 0 or plan.zero_padding or plan.cpu_sync):
         return None
     batch = getattr(allocator, "batch", None)
     if batch is None or not is_trusted_allocator(allocator):
         return None
-    lane = ExpressSyncDispatch if plan.cpu_sync else ExpressDispatch
+    if plan.zero_copy:
+        lane: type[ExpressDispatch] = ExpressZeroCopyDispatch
+    else:
+        lane = ExpressSyncDispatch if plan.cpu_sync else ExpressDispatch
     return lane(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
 
 
@@ -271,6 +283,13 @@ class ExpressDispatch:
         recv_x, recv_sf, recv_idx, recv_w, outputs = self._received(arrays, aptrs, base + at[5], rows)
         if copies:
             rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
+        return recv_x, recv_sf, recv_idx, recv_w, self._new_handle(arrays, base, launch_number)
+
+    def _new_handle(self, arrays: tuple, base: int, launch_number: int) -> EPHandle:
+        """The call's new handle over the batch's routing copy and int32 block (`base`: its address), recorded as
+        launched, unconfirmed and trusted; the kernel's input-error report read."""
+        plan = self._plan
+        rank = plan.rank
         copy = arrays[-2]
         block = Int32Block.adopt(arrays[-1], plan._int32_key, base)
         handle = plan._block_handle(block, copy, plan.num_recv, plan.num_expanded, [], None)
@@ -279,7 +298,7 @@ class ExpressDispatch:
         note_handle_topk_idx(rank, handle, copy, plan.idx32)
         self._trust(handle, copy, block)
         rank._report_input_error()
-        return recv_x, recv_sf, recv_idx, recv_w, handle
+        return handle
 
     def _trust(self, handle: EPHandle, copy: Any, block: Int32Block) -> None:
         """`validation.trust_handle` for a handle of this entry: the fingerprint by value is every handle's."""
@@ -291,6 +310,48 @@ class ExpressDispatch:
                 return  # not the block form (never for the lane's handles): validated at first use
             by_value = self._by_value = fingerprint[0]
         trust_fingerprint(handle, (by_value, (copy, block, block, block, block, block), config))
+
+
+class ExpressZeroCopyDispatch(ExpressDispatch):
+    """One prepared no-sync zero-copy dispatch's whole road: `ExpressDispatch`'s, with the outputs left where the
+    kernel stored them (views of the receive region, `DirectRank.zero_copy_views`, relabelled with the call's
+    dtypes as `GpuExecutor` does) and the handle's metadata written by the kernel; the batch holds only the
+    routing copy and the handle's block, and the kernel is the one launch."""
+
+    __slots__ = ()
+
+    def _output_specs(self, rows: int) -> list:
+        return []  # nothing to allocate: the outputs are the region's
+
+    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
+        started = self._start(x, topk_idx, topk_weights, stream)
+        if started is None:
+            return None
+        step, wait, signal, arrays, aptrs, dynamic = started
+        plan = self._plan
+        rank = plan.rank
+        base = aptrs[-1]
+        # the metadata before the envelope word (`DirectRank._DISPATCH_ZERO_COPY_DYNAMIC`'s order)
+        dynamic = (*dynamic[:-1], base + self._block_at[5], dynamic[-1])
+        try:
+            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, signal)
+        except Exception as exc:
+            self.buffer.announce_error("dispatch", exc, step)
+            raise
+        launch_number = rank._num_collective_launches
+        recv_x, recv_sf, recv_idx, recv_w = rank.zero_copy_views(
+            plan.config,
+            plan.num_experts,
+            self._rows,
+            plan.x_dtype,
+            plan.sf_dtype,
+            plan.packs,
+            plan.has_weights,
+        )
+        recv_x.dtype = self._x_dtype
+        if recv_sf is not None:
+            recv_sf.dtype = self._sf_name
+        return recv_x, recv_sf, recv_idx, recv_w, self._new_handle(arrays, base, launch_number)
 
 
 class ExpressSyncDispatch(ExpressDispatch):
