@@ -48,12 +48,14 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str, overlap: str) ->
     assert seen["repeats"] > 0  # the repeated-call road ran
     assert (seen["split_combines"] > 0) == (overlap == "0"), seen
     # the no-sync zero-copy dispatch repeats (a CPU-sync one takes the full path), and the zero-copy combines
-    assert seen["zero_copy_repeats"][0] >= 3 and seen["zero_copy_repeats"][1] >= 3, seen
+    zero_copy_served = seen["zero_copy_repeats"][0] + seen["express_zero_copy"]
+    assert zero_copy_served >= 3 and seen["zero_copy_repeats"][1] >= 3, seen
     if seen["host_extension"].startswith("built"):
         # plain, int32-routing and FP8 modes: three repeats of the no-sync dispatch each took the express lane,
         # and three of the CPU-sync one the sync lane
         assert seen["express"] >= 9, seen
         assert seen["express_sync"] >= 9, seen
+        assert seen["express_zero_copy"] >= 3, seen  # the zero-copy dispatch's own lane
 
 
 def _main(out_dir: str) -> int:
@@ -63,7 +65,8 @@ def _main(out_dir: str) -> int:
     from ep_torch import ElasticBuffer, host_extension
     from ep_torch.launch import free_port, init_rank
 
-    served = [0, 0]  # no-sync and CPU-sync dispatches the express lanes served (ep_core.kernels.express)
+    # no-sync, CPU-sync and zero-copy dispatches the express lanes served (ep_core.kernels.express)
+    served = [0, 0, 0]
 
     def counting(cls, at):
         lane_call = cls.__call__
@@ -90,7 +93,9 @@ def _main(out_dir: str) -> int:
         cls.run = counted
 
     counting_zero_copy(repeat.RepeatDispatch, 0)
-    counting_zero_copy(repeat.RepeatCombine, 1)
+    counting_zero_copy(repeat.RepeatCombine, 1)  # also under the zero-copy combine's express lane
+    # the zero-copy dispatch's express lane launches without RepeatDispatch.run
+    counting(express.ExpressZeroCopyDispatch, 2)
     init_rank(0, 1, free_port(), "nccl")
     overlap = os.environ.get("EP_TEST_PREFER_OVERLAP", "1") == "1"
     buf = ElasticBuffer(
@@ -217,6 +222,7 @@ def _main(out_dir: str) -> int:
                 "repeats": repeats,
                 "express": served[0],
                 "express_sync": served[1],
+                "express_zero_copy": served[2],
                 "split_combines": split,
                 "zero_copy_repeats": zero_copy_repeats,
                 "host_extension": host_extension.status(),
