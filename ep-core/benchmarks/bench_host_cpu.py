@@ -24,6 +24,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -453,6 +454,32 @@ class _CpuMockedTransport(_MockedTransport):
         return ex
 
 
+def _host_zero_copy_tensors(torch: Any, base: type) -> type:
+    """ep_torch's `ZeroCopyTensors` making its tensors at the mocked executor's addresses on the host (numpy's array
+    interface; nothing reads them) instead of through the CUDA array interface: the zero-copy calls' host road
+    without a GPU."""
+
+    class HostZeroCopyTensors(base):
+        __slots__ = ()
+
+        def _whole(self, arr: Any, dtype: Any) -> Any:
+            size = torch.empty((), dtype=dtype).element_size()
+
+            class Interface:
+                def __init__(self) -> None:
+                    shape = tuple(arr.shape)
+                    self.__array_interface__ = {
+                        "data": (arr.ptr, False),
+                        "shape": shape,
+                        "typestr": f"<u{size}",
+                        "version": 3,
+                    }
+
+            return torch.from_numpy(np.asarray(Interface())).view(dtype)
+
+    return HostZeroCopyTensors
+
+
 def run_torch(iters: int, steps: list | None = None, express: bool = False) -> list[tuple[str, float]]:
     """ep_torch.ElasticBuffer.dispatch / combine (torch CPU tensors, a gloo group of one) over the mocked GPU
     executor: ep_torch's own host work plus everything above; CUDA stream and event handling are not in it.
@@ -489,8 +516,9 @@ def run_torch(iters: int, steps: list | None = None, express: bool = False) -> l
     own_group = not dist.is_initialized()
     if own_group:
         init_rank(0, 1, free_port(), "gloo")
-    saved = tbuf.make_core_transport
+    saved = tbuf.make_core_transport, tbuf.ZeroCopyTensors
     tbuf.make_core_transport = lambda choice: _CpuMockedTransport()
+    tbuf.ZeroCopyTensors = _host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors)
     try:
         with _MockedGpu():
             buf = tbuf.ElasticBuffer(None, num_max_tokens_per_rank=T, hidden=HIDDEN, num_topk=TOPK)
@@ -501,6 +529,7 @@ def run_torch(iters: int, steps: list | None = None, express: bool = False) -> l
             handle = buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw)[3]
             recv = torch.ones(handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
             x8 = (torch.ones(T, HIDDEN, dtype=torch.float8_e4m3fn), torch.ones(T, HIDDEN // 128))
+            zero_copy_x = buf.get_combine_buffer(handle)  # where the expert writes its outputs
             ops = {
                 "ElasticBuffer.dispatch (torch CPU, mocked GPU, no CPU sync)": lambda: buf.dispatch(
                     x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, **kw
@@ -517,6 +546,14 @@ def run_torch(iters: int, steps: list | None = None, express: bool = False) -> l
                 ),
                 "ElasticBuffer.combine (torch CPU, mocked GPU)": lambda: buf.combine(
                     recv, handle, num_sms=16
+                ),
+                # the zero-copy road: outputs left in the buffer's memory (tensors over the mocked executor's
+                # addresses, never read), recv_x combined where it is
+                "ElasticBuffer.dispatch (torch CPU, mocked GPU, zero-copy, no CPU sync)": lambda: (
+                    buf.dispatch(x, topk_idx=idx, topk_weights=w, do_cpu_sync=False, zero_copy=True, **kw)
+                ),
+                "ElasticBuffer.combine (torch CPU, mocked GPU, zero-copy)": lambda: buf.combine(
+                    zero_copy_x, handle, num_sms=16, zero_copy=True
                 ),
                 # a training step's pattern: every combine meets the handle its dispatch has just made
                 "ElasticBuffer.dispatch + combine of its new handle (torch CPU, mocked GPU, no CPU sync)": lambda: (
@@ -535,7 +572,7 @@ def run_torch(iters: int, steps: list | None = None, express: bool = False) -> l
 
                     steps.append(format_rows(name, out[-1][1], breakdown(fn, iters)))
     finally:
-        tbuf.make_core_transport = saved
+        tbuf.make_core_transport, tbuf.ZeroCopyTensors = saved
         if own_group:
             dist.destroy_process_group()
     return out

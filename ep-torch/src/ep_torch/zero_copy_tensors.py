@@ -4,8 +4,8 @@ Those arrays always lie at the same few places (per configuration: `recv_x`, its
 combine buffer is `recv_x`'s memory), with only the row count changing between calls. Turning ep-core's array into
 a tensor through the CUDA array interface costs tens of microseconds of host time per tensor, more than the GPU time a
 zero-copy decode step saves, so each place becomes a tensor once, with the most rows seen there, and each call gets
-a fresh slice of its rows (a new tensor object, as an ordinary dispatch returns: autograd state or in-place marks
-never carry from one call's tensor to the next one's).
+a new tensor object over its rows (an alias or a slice, as an ordinary dispatch returns new tensors: autograd state
+never carries from one call's tensor to the next one's).
 """
 
 from __future__ import annotations
@@ -37,11 +37,15 @@ class ZeroCopyTensors:
         key = (arr.ptr, shape[1:], dtype)
         whole = self._tensors.get(key)
         if whole is None or whole.shape[0] < rows:
-            whole = torch.as_tensor(arr, device=self._device)
-            if whole.dtype != dtype:
-                whole = whole.view(dtype)
-            self._tensors[key] = whole
-        return whole[:rows]
+            whole = self._tensors[key] = self._whole(arr, dtype)
+        # a new tensor object over the same memory: an alias of all rows (the no-sync calls' worst case, a third of
+        # a slice's host time) or a slice
+        return whole.detach() if whole.shape[0] == rows else whole[:rows]
+
+    def _whole(self, arr: Any, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor of all of `arr`, once per place (through the CUDA array interface)."""
+        whole = torch.as_tensor(arr, device=self._device)
+        return whole if whole.dtype == dtype else whole.view(dtype)
 
     def clear(self) -> None:
         self._tensors.clear()

@@ -316,9 +316,10 @@ class ExpressZeroCopyDispatch(ExpressDispatch):
     """One prepared no-sync zero-copy dispatch's whole road: `ExpressDispatch`'s, with the outputs left where the
     kernel stored them (views of the receive region, `DirectRank.zero_copy_views`, relabelled with the call's
     dtypes as `GpuExecutor` does) and the handle's metadata written by the kernel; the batch holds only the
-    routing copy and the handle's block, and the kernel is the one launch."""
+    routing copy and the handle's block, and the kernel is the one launch. The views are the same for every call
+    of the entry (its rows are the worst case), so they are made once and returned each time."""
 
-    __slots__ = ()
+    __slots__ = ("_views",)
 
     def _output_specs(self, rows: int) -> list:
         return []  # nothing to allocate: the outputs are the region's
@@ -339,19 +340,22 @@ class ExpressZeroCopyDispatch(ExpressDispatch):
             self.buffer.announce_error("dispatch", exc, step)
             raise
         launch_number = rank._num_collective_launches
-        recv_x, recv_sf, recv_idx, recv_w = rank.zero_copy_views(
-            plan.config,
-            plan.num_experts,
-            self._rows,
-            plan.x_dtype,
-            plan.sf_dtype,
-            plan.packs,
-            plan.has_weights,
-        )
-        recv_x.dtype = self._x_dtype
-        if recv_sf is not None:
-            recv_sf.dtype = self._sf_name
-        return recv_x, recv_sf, recv_idx, recv_w, self._new_handle(arrays, base, launch_number)
+        views = getattr(self, "_views", None)
+        if views is None:
+            views = rank.zero_copy_views(
+                plan.config,
+                plan.num_experts,
+                self._rows,
+                plan.x_dtype,
+                plan.sf_dtype,
+                plan.packs,
+                plan.has_weights,
+            )
+            views[0].dtype = self._x_dtype
+            if views[1] is not None:
+                views[1].dtype = self._sf_name
+            self._views = views
+        return (*views, self._new_handle(arrays, base, launch_number))
 
 
 class ExpressSyncDispatch(ExpressDispatch):
