@@ -352,7 +352,8 @@ class EPBuffer(BufferBase):
         zero_copy: bool = False,
     ) -> DispatchResult:
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`. `zero_copy=True`: the
-        outputs are views of this buffer's own memory where the dispatch stored them (`dispatch_zero_copy_positional`)."""
+        outputs are views of this buffer's own memory where the dispatch stored them
+        (`dispatch_zero_copy_positional`)."""
         if zero_copy is not False:  # its own road (validation D18 refuses a zero_copy that is not a bool)
             return self.dispatch_zero_copy_positional(
                 x,
@@ -413,13 +414,13 @@ class EPBuffer(BufferBase):
 
     def dispatch_zero_copy_positional(self, *args: Any) -> DispatchResult:
         """`dispatch(..., zero_copy=True)`, every argument positional in `dispatch`'s order with `zero_copy` last
-        (ep_torch's road, as `dispatch_positional` is the ordinary one's):
-        validated as any dispatch (rule D18 too), through the request cache under keys of its own, whose repeats
-        (a no-sync call's) launch the zero-copy kernel alone; `express_dispatch` right after a no-sync call gives
-        its express lane (`ExpressZeroCopyDispatch`). `recv_x`, `recv_sf`, `recv_topk_idx`
-        and `recv_topk_weights` are views of this rank's receive region (the executor's memory, in the
-        deterministic row order), valid until the next dispatch or combine on this buffer; bf16 `recv_x` is the
-        memory of `combine_buffer(handle)`. The handle is an ordinary one."""
+        (ep_torch's road, as `dispatch_positional` is the ordinary one's): validated as any dispatch (rule D18
+        too), through the request cache under keys of its own, whose repeats (a no-sync call's) launch the
+        zero-copy kernel alone; `express_dispatch` right after a no-sync call gives its express lane
+        (`ExpressZeroCopyDispatch`). `recv_x`, `recv_sf`, `recv_topk_idx` and `recv_topk_weights` are views of
+        this rank's receive region (the executor's memory, in the deterministic row order), valid until the next
+        dispatch or combine on this buffer; bf16 `recv_x` is the memory of `combine_buffer(handle)`. The handle is
+        an ordinary one."""
         with self.announcing("dispatch"):
             self._check_alive()
             ex = self._executor
@@ -430,11 +431,8 @@ class EPBuffer(BufferBase):
                     "zero_copy"
                 )
             res = ex.dispatch(req)
-            self._last_dispatch = (
-                req.prepared,
-                req.x.dtype,
-                req.allocator,
-            )  # `express_dispatch`'s (its own lane)
+            # `express_dispatch`'s, for this road's own lane
+            self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)
             if is_trusted_allocator(req.allocator):  # a new handle (D18: never cached), as in `_dispatch`
                 trust_handle(self.config, ex, res.handle)
             return res
@@ -557,10 +555,9 @@ class EPBuffer(BufferBase):
 
     def combine_zero_copy_positional(self, *args: Any) -> CombineResult:
         """`combine(..., zero_copy=True)`, every argument positional in `combine`'s order with `zero_copy` last
-        (ep_torch's road):
-        validated as any combine (rule C7 too), through the request cache under keys of its own, whose repeats
-        launch the zero-copy kernel (the executor checks each call's `x` is its combine buffer). Its express lane
-        (`express_combine` right after this call) takes that repeat."""
+        (ep_torch's road): validated as any combine (rule C7 too), through the request cache under keys of its
+        own, whose repeats launch the zero-copy kernel (the executor checks each call's `x` is its combine
+        buffer). Its express lane (`express_combine` right after this call) takes that repeat."""
         with self.announcing("combine"):
             self._check_alive()
             ex = self._executor

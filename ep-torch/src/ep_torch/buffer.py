@@ -630,9 +630,7 @@ class ElasticBuffer(ElasticOps):
         row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
         call passes it alike. The handle is an ordinary one (combine, cached dispatch).
         """
-        if (
-            zero_copy is not False
-        ):  # ep_core's zero-copy road (its request cache and repeats), no express lane
+        if zero_copy is not False:  # ep_core's zero-copy road (its request cache, repeats and lane)
             return self._dispatch_zero_copy(  # `ep_core.EPBuffer.dispatch`'s order, zero_copy last
                 x,
                 topk_idx,
@@ -968,7 +966,7 @@ class ElasticBuffer(ElasticOps):
             and async_with_compute_stream is False
             and allocate_on_comm_stream is False
         )
-        if zero_copy is not False:  # ep_core's zero-copy road (its request cache and repeats), its own lane
+        if zero_copy is not False:  # ep_core's zero-copy road (its request cache, repeats and lane)
             lane = self._express_combine_zero_copy
             if zero_copy is True and plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
                 got = lane.run(
