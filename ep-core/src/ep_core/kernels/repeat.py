@@ -204,6 +204,9 @@ class RepeatDispatch:
 
     def __post_init__(self) -> None:
         self._envelopes = _Envelopes(OP_DISPATCH, self.env_fields)
+        # a no-sync zero-copy dispatch's outputs: the same views of the region on every call (its rows are the
+        # worst case), made at the first
+        self._zero_copy_views: tuple | None = None
         self._sf_name = None if self.sf_dtype is None else self.sf_dtype.name
         # a new handle's int32 shapes as one tuple of tuples: the key of an allocator's `int32_block` layout
         shapes = self.int32_shapes or {}
@@ -385,9 +388,20 @@ class RepeatDispatch:
             num_recv, num_expanded, expert_list = rank._sync_counts(epr, self.alignment)
             rows = num_expanded if self.expand else num_recv
         if zero_copy:  # the kernel's outputs where it stored them (the handle below)
-            recv_x, recv_sf, recv_idx, recv_w = rank.zero_copy_views(
-                self.config, self.num_experts, rows, self.x_dtype, self.sf_dtype, self.packs, self.has_weights
-            )
+            views = self._zero_copy_views
+            if views is None:
+                views = rank.zero_copy_views(
+                    self.config,
+                    self.num_experts,
+                    rows,
+                    self.x_dtype,
+                    self.sf_dtype,
+                    self.packs,
+                    self.has_weights,
+                )
+                if not self.cpu_sync:  # a CPU-sync call's rows are its counts'
+                    self._zero_copy_views = views
+            recv_x, recv_sf, recv_idx, recv_w = views
         else:
             # the outputs, exactly as `finish_dispatch` allocates them
             # (the request's allocator is called directly: no wrapper per call)
