@@ -316,10 +316,10 @@ class ExpressZeroCopyDispatch(ExpressDispatch):
     """One prepared no-sync zero-copy dispatch's whole road: `ExpressDispatch`'s, with the outputs left where the
     kernel stored them (views of the receive region, `DirectRank.zero_copy_views`, relabelled with the call's
     dtypes as `GpuExecutor` does) and the handle's metadata written by the kernel; the batch holds only the
-    routing copy and the handle's block, and the kernel is the one launch. The views are the same for every call
-    of the entry (its rows are the worst case), so they are made once and returned each time."""
+    routing copy and the handle's block, and the kernel is the one launch. The views are the repeat's, kept for
+    every call of the entry (`RepeatDispatch.zero_copy_outputs`)."""
 
-    __slots__ = ("_views",)
+    __slots__ = ()
 
     def _output_specs(self, rows: int) -> list:
         return []  # nothing to allocate: the outputs are the region's
@@ -340,21 +340,7 @@ class ExpressZeroCopyDispatch(ExpressDispatch):
             self.buffer.announce_error("dispatch", exc, step)
             raise
         launch_number = rank._num_collective_launches
-        views = getattr(self, "_views", None)
-        if views is None:
-            views = rank.zero_copy_views(
-                plan.config,
-                plan.num_experts,
-                self._rows,
-                plan.x_dtype,
-                plan.sf_dtype,
-                plan.packs,
-                plan.has_weights,
-            )
-            views[0].dtype = self._x_dtype
-            if views[1] is not None:
-                views[1].dtype = self._sf_name
-            self._views = views
+        views = plan.zero_copy_outputs(self._rows, self._x_dtype)
         return (*views, self._new_handle(arrays, base, launch_number))
 
 

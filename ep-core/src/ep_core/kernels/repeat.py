@@ -237,6 +237,24 @@ class RepeatDispatch:
         if not self.hybrid:
             self._fixed["token_metadata_at_forward"] = None
 
+    def zero_copy_outputs(self, rows: int, x_name: str = "") -> tuple:
+        """A zero-copy dispatch's `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`: the rank's views of its
+        receive region (`DirectRank.zero_copy_views`), the data named `x_name` and the scales by their dtype where
+        the caller names an executor's dtypes (`GpuExecutor` and its express lane; else numpy's). A no-sync call's
+        are the same on every call (the worst-case rows): made once and kept."""
+        views = self._zero_copy_views
+        if views is None:
+            views = self.rank.zero_copy_views(
+                self.config, self.num_experts, rows, self.x_dtype, self.sf_dtype, self.packs, self.has_weights
+            )
+            if x_name:
+                views[0].dtype = x_name
+                if views[1] is not None:
+                    views[1].dtype = self._sf_name
+            if not self.cpu_sync:  # a CPU-sync call's rows are its counts'
+                self._zero_copy_views = views
+        return views
+
     def sf_layout(self, rows: int) -> tuple:
         """The received FP8 scales of `rows` rows: `(storage shape, element strides)`: column-major as the storage
         `[packs, align(rows, 4)]` (what a request's allocator is asked for, as GpuExecutor's wrapper asks), else
@@ -388,20 +406,7 @@ class RepeatDispatch:
             num_recv, num_expanded, expert_list = rank._sync_counts(epr, self.alignment)
             rows = num_expanded if self.expand else num_recv
         if zero_copy:  # the kernel's outputs where it stored them (the handle below)
-            views = self._zero_copy_views
-            if views is None:
-                views = rank.zero_copy_views(
-                    self.config,
-                    self.num_experts,
-                    rows,
-                    self.x_dtype,
-                    self.sf_dtype,
-                    self.packs,
-                    self.has_weights,
-                )
-                if not self.cpu_sync:  # a CPU-sync call's rows are its counts'
-                    self._zero_copy_views = views
-            recv_x, recv_sf, recv_idx, recv_w = views
+            recv_x, recv_sf, recv_idx, recv_w = self.zero_copy_outputs(rows, x_name)
         else:
             # the outputs, exactly as `finish_dispatch` allocates them
             # (the request's allocator is called directly: no wrapper per call)
