@@ -110,6 +110,16 @@ def _named(words: list, names: dict) -> list:
     return [names.get(w, w) for w in words]
 
 
+def _named_launches(launches: list, names: dict) -> list:
+    """Each recorded launch as (kernel, words with every known pointer named)."""
+    return [(name, _named(words, names)) for name, words in launches]
+
+
+def _handle_fields(handle) -> dict:
+    """A handle's fields but its arrays (compared by the launches' named pointers)."""
+    return {k: v for k, v in vars(handle).items() if not k.startswith("_") and not torch.is_tensor(v)}
+
+
 def _pointer_names(x, idx, w, out) -> dict:
     """Every pointer of a call's arrays -> the names of what it points at (handle parts by field)."""
     from ep_core.kernels.repeat import _handle_ptrs
@@ -156,16 +166,7 @@ def test_lane_launches_what_the_ordinary_road_launches(mocked, tokens, weights, 
             assert (recv_w is None) == (w is None)
             assert handle.topk_idx is not idx and handle.topk_idx.dtype == idx.dtype
             assert handle.topk_idx.shape == idx.shape
-            per_call.append(
-                (
-                    [(name, _named(words, names)) for name, words in launches],
-                    {
-                        k: v
-                        for k, v in vars(handle).items()
-                        if not k.startswith("_") and not torch.is_tensor(v)
-                    },
-                )
-            )
+            per_call.append((_named_launches(launches, names), _handle_fields(handle)))
         seen[lane] = per_call
         assert served[0] == (3 if lane else 0)  # the first call makes the entry; the lane serves the others
         assert (buf._express is not None) == lane
@@ -340,7 +341,7 @@ def test_combine_and_cached_lanes_launch_what_the_ordinary_road_launches(mocked,
             for a, tag in ((again[1], "cached recv_idx"), (again[2], "cached recv_w")):
                 if a is not None:
                     names[a.data_ptr()] = tag
-            per_call.append([(name, _named(words, names)) for name, words in launches])
+            per_call.append(_named_launches(launches, names))
         seen[lane] = per_call
         want = (
             {"dispatch": 3, "cached": 3, "combine": 3} if lane else {"dispatch": 0, "cached": 0, "combine": 0}
@@ -435,16 +436,7 @@ def test_sync_lane_launches_what_the_ordinary_road_launches(
             rt = buf.runtime
             fp = validation.handle_fingerprint(rt.config, rt.executor, handle)
             assert validation._fingerprint_matches(validation._validated_handles[handle], fp)
-            per_call.append(
-                (
-                    [(name, _named(words, names)) for name, words in launches],
-                    {
-                        k: v
-                        for k, v in vars(handle).items()
-                        if not k.startswith("_") and not torch.is_tensor(v)
-                    },
-                )
-            )
+            per_call.append((_named_launches(launches, names), _handle_fields(handle)))
             # its combine and cached dispatch take their lanes as after a no-sync dispatch
             recv = torch.ones(handle.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
             assert buf.combine(recv, handle, num_sms=4)[0].shape == (8, HIDDEN)
@@ -551,7 +543,7 @@ def test_dispatch_layouts_launch_what_the_ordinary_road_launches(
                 if recv_sf.numel():
                     names.setdefault(recv_sf.data_ptr(), "recv_sf")
             layout = (tuple(data.shape), None if recv_w is None else tuple(recv_w.shape))
-            per_call.append(([(name, _named(words, names)) for name, words in launches], layout))
+            per_call.append((_named_launches(launches, names), layout))
         seen[lane] = per_call
         assert (sync_served if cpu_sync else served)[0] == (3 if lane else 0)
     assert seen[True] == seen[False]
@@ -624,7 +616,7 @@ def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
             comb, comb_w, ev = buf.combine(zx, handle, num_sms=4, zero_copy=True)
             assert ev.event is None and comb.shape == (8, HIDDEN) and comb_w is None
             names[comb.data_ptr()] = "combined"
-            per_call.append([(name, _named(words, names)) for name, words in launches])
+            per_call.append(_named_launches(launches, names))
         seen[lane] = per_call
         assert served_by["combine"] == (3 if lane else 0)
         assert (buf._express_combine_zero_copy is not None) == lane
@@ -686,16 +678,7 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
             # the handle's own routing copy (which the kernel fills)
             assert handle.topk_idx is not idx and handle.topk_idx.shape == idx.shape
             names = _pointer_names(x, idx, w, out)
-            per_call.append(
-                (
-                    [(name, _named(words, names)) for name, words in launches],
-                    {
-                        k: v
-                        for k, v in vars(handle).items()
-                        if not k.startswith("_") and not torch.is_tensor(v)
-                    },
-                )
-            )
+            per_call.append((_named_launches(launches, names), _handle_fields(handle)))
         seen[lane] = per_call
         assert served[0] == (3 if lane else 0)  # the first call makes the entry; the lane serves the others
         assert (buf._express_zero_copy is not None) == lane
