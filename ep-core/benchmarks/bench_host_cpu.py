@@ -454,28 +454,32 @@ class _CpuMockedTransport(_MockedTransport):
         return ex
 
 
+def host_tensor_at(torch: Any, arr: Any, dtype: Any) -> Any:
+    """A torch CPU tensor of `dtype` over the address and shape of ep-core's `arr` (numpy's array interface):
+    the mocked executor's memory, which nothing reads."""
+    size = torch.empty((), dtype=dtype).element_size()
+
+    class Interface:
+        def __init__(self) -> None:
+            self.__array_interface__ = {
+                "data": (arr.ptr, False),
+                "shape": tuple(arr.shape),
+                "typestr": f"<u{size}",
+                "version": 3,
+            }
+
+    return torch.from_numpy(np.asarray(Interface())).view(dtype)
+
+
 def _host_zero_copy_tensors(torch: Any, base: type) -> type:
-    """ep_torch's `ZeroCopyTensors` making its tensors at the mocked executor's addresses on the host (numpy's array
-    interface; nothing reads them) instead of through the CUDA array interface: the zero-copy calls' host road
-    without a GPU."""
+    """ep_torch's `ZeroCopyTensors` making its tensors at the mocked executor's addresses on the host
+    (`host_tensor_at`) instead of through the CUDA array interface: the zero-copy calls' host road without a GPU."""
 
     class HostZeroCopyTensors(base):
         __slots__ = ()
 
         def _whole(self, arr: Any, dtype: Any) -> Any:
-            size = torch.empty((), dtype=dtype).element_size()
-
-            class Interface:
-                def __init__(self) -> None:
-                    shape = tuple(arr.shape)
-                    self.__array_interface__ = {
-                        "data": (arr.ptr, False),
-                        "shape": shape,
-                        "typestr": f"<u{size}",
-                        "version": 3,
-                    }
-
-            return torch.from_numpy(np.asarray(Interface())).view(dtype)
+            return host_tensor_at(torch, arr, dtype)
 
     return HostZeroCopyTensors
 

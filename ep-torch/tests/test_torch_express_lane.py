@@ -574,22 +574,11 @@ def test_an_equal_int_computed_anew_is_served(mocked, sync_served):
     assert sync_served[0] == 2
 
 
-def _at(arr, dtype=torch.bfloat16) -> torch.Tensor:
-    """A CPU tensor of `dtype` at the address of `arr` (the mocked executor's memory, which nothing reads)."""
-    import numpy as np
+def _at(arr) -> torch.Tensor:
+    """A CPU bf16 tensor at the address of `arr` (the mocked executor's memory, which nothing reads)."""
+    import bench_host_cpu as b
 
-    typestr = f"<u{torch.empty((), dtype=dtype).element_size()}"
-
-    class _Interface:
-        def __init__(self) -> None:
-            self.__array_interface__ = {
-                "data": (arr.ptr, False),
-                "shape": arr.shape,
-                "typestr": typestr,
-                "version": 3,
-            }
-
-    return torch.from_numpy(np.asarray(_Interface())).view(dtype)
+    return b.host_tensor_at(torch, arr, torch.bfloat16)
 
 
 def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
@@ -636,10 +625,10 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
     from ep_torch import buffer as tbuf
 
     make, launches, _served, _by = mocked
-    # the views as CPU tensors at their addresses (the mocked memory; ZeroCopyTensors needs CUDA)
-    monkeypatch.setattr(
-        tbuf.ElasticBuffer, "_own_tensor", lambda self, arr, dtype: None if arr is None else _at(arr, dtype)
-    )
+    import bench_host_cpu as b
+
+    # ZeroCopyTensors making its tensors on the host at the views' addresses (the mocked memory; it needs CUDA)
+    monkeypatch.setattr(tbuf, "ZeroCopyTensors", b._host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors))
     served = [0]
     call = express.ExpressZeroCopyDispatch.__call__
 
