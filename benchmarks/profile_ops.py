@@ -21,6 +21,10 @@ include/ep_core/phase_timing.cuh) and prints, per op and kernel, when each phase
 us after the kernel's first block started, mean over replays and ranks, and the slowest rank), the step from the
 previous boundary, the kernel's span and the gap between the dispatch kernel and its epilogue. Block-0 stamps
 ("b0 ...") time the serial path; "last" stamps the slowest block. Writes OUTDIR/profile_phases_ep<N>.json.
+Each op also gets its passes' rates (`pass_bytes`, `pass_rates`; JSON key "passes"): the bytes a pass reads and
+writes, counted from the routing as the kernels move them, all ranks together, over the pass's time (mean rank), in
+GB/s and GB/s per SM. Set beside `bench_sm_copy.py` at the same SM count (copy, fan-out 5) in the same run, they
+say whether a pass is short of what its SMs can move or at it.
 """
 
 from __future__ import annotations
@@ -270,8 +274,87 @@ def phase_op(torch, replay, iters, reader, num_ranks):
     return out
 
 
-def print_phases(n, sms, op, phases) -> None:
-    for kname, entry in phases.items():
+def own_pairs(idxs, n):
+    """(token, destination rank) pairs of all ranks (deduplicated) and those whose destination is the source
+    itself, as python ints."""
+    import torch
+
+    epr = bench_ep.NUM_EXPERTS // n
+    total = own = 0
+    for src, idx in enumerate(idxs):
+        dst = torch.where(idx >= 0, idx // epr, -1)
+        onehot = (dst.unsqueeze(-1) == torch.arange(n, device=idx.device)).any(1)  # [tokens, n]
+        per_dst = onehot.sum(0).tolist()
+        total += sum(per_dst)
+        own += per_dst[src]
+    return total, own
+
+
+# A pass of a kernel: (what it moves, phase slot where it starts, phase slot where its last block is done).
+PASS_SLOTS = {
+    ("dispatch", "send"): (0, 11),
+    ("epilogue", "copy"): (0, 3),
+    ("combine", "send"): (0, 11),
+    ("combine", "reduce"): (4, 12),
+}
+
+
+def pass_bytes(idxs, n, tokens, fp8):
+    """Bytes each pass of each op reads and writes in HBM, all ranks together, counted from the routing as the
+    kernels move them (direct mode): a rank's own copy of a token carries only its tail in the dispatch's send
+    (`kDirectOwnRowsTailOnly`; the epilogue reads the hidden part from x), and the combine leaves its own rows by
+    reference (`EP_CORE_COMBINE_LOCAL_REF`, the default). Returns {op: {(kernel, pass): (read, written)}}."""
+    import ep_layout
+
+    S, own = own_pairs(idxs, n)
+    K, H = bench_ep.TOPK, bench_ep.HIDDEN
+    hb = H * (1 if fp8 else 2)
+    packs = H // 128 if fp8 else 0
+    d_tok = ep_layout.make_dispatch_token_layout(H, 1 if fp8 else 2, packs, K).get_num_bytes()
+    c_tok = ep_layout.make_combine_token_layout(H, K).get_num_bytes()
+    x_read = n * tokens * (hb + 4 * packs) if n > 1 else 0  # a lone rank's send never loads the hidden part
+    send = (x_read, (S - own) * d_tok + own * (d_tok - hb))
+    # the epilogue reads every row (a kept row's hidden part from x) and writes hidden, scales, ids, weights, metadata
+    outputs = S * (hb + 4 * packs + 8 * K + 4 * K + 4 * (K + 2))
+    copy = (S * d_tok, outputs)
+    ordinary = {("dispatch", "send"): send, ("epilogue", "copy"): copy}
+    zero_copy = {("dispatch", "send"): (n * tokens * (hb + 4 * packs), S * (hb + 4 * packs + 12 * K + 8))}
+    comb = {
+        ("combine", "send"): ((S - own) * 2 * H, (S - own) * c_tok),
+        ("combine", "reduce"): ((S - own) * c_tok + own * 2 * H, n * tokens * 2 * H),
+    }
+    return {
+        "dispatch": ordinary,
+        "dispatch_cached": ordinary,
+        "dispatch_deterministic": ordinary,
+        "dispatch_zero_copy": zero_copy,
+        "combine": comb,
+    }
+
+
+def pass_rates(phases, moved):
+    """Per pass: bytes, its time (the mean rank's stamps: ranks run their passes side by side, so all ranks' bytes
+    over it is the GPU's rate) and GB/s read + written."""
+    rates = {}
+    for (kname, pname), (read, written) in moved.items():
+        start, end = PASS_SLOTS[(kname, pname)]
+        slots = phases.get(kname, {}).get("slots", {})
+        if end not in slots or (start and start not in slots):
+            continue
+        us = slots[end]["mean_us"] - (slots[start]["mean_us"] if start else 0.0)
+        rates[f"{kname} {pname}"] = {
+            "read_bytes": read,
+            "written_bytes": written,
+            "us": us,
+            "gbs": (read + written) / (us * 1e3) if us > 0 else float("nan"),
+            "write_gbs": written / (us * 1e3) if us > 0 else float("nan"),
+        }
+    return rates
+
+
+def print_phases(n, sms, op, phases, rates=None) -> None:
+    for kname in (k for k in PHASE_KERNELS if k in phases):
+        entry = phases[kname]
         head = f"== EP{n} @{sms} SMs {op} / {kname}: rank start skew {entry['start_skew_us']:.1f} us"
         if entry.get("gap_after_dispatch_us") is not None:
             head += f", starts {entry['gap_after_dispatch_us']:.1f} us after the dispatch kernel ended"
@@ -283,6 +366,12 @@ def print_phases(n, sms, op, phases) -> None:
                 f"[{slot:2d}] {v['name']}"
             )
             prev = v["mean_us"]
+    for name, r in (rates or {}).items():
+        print(
+            f"   pass {name}: {r['read_bytes'] / 1e6:.1f} MB read + {r['written_bytes'] / 1e6:.1f} MB written in "
+            f"{r['us']:.1f} us = {r['gbs']:.0f} GB/s (writes {r['write_gbs']:.0f}; "
+            f"{r['gbs'] / (n * sms):.1f} GB/s per SM of {n * sms})"
+        )
 
 
 def run_config(torch, n, t, sms, iters, phases, out, fp8=False, overlap=True):
@@ -357,10 +446,12 @@ def run_config(torch, n, t, sms, iters, phases, out, fp8=False, overlap=True):
     if phases:
         ops.insert(2, ("dispatch_deterministic", disp_det))
         reader = PhaseReader(n)
+        moved = pass_bytes(idxs, n, t, fp8)
         for name, fn in ops:
             ph = phase_op(torch, _capture(timer, fn), iters, reader, n)
+            ph["passes"] = pass_rates(ph, moved.get(name, {}))
             result["ops"][name] = ph
-            print_phases(n, sms, name, ph)
+            print_phases(n, sms, name, ph, ph["passes"])
         path = out / f"profile_phases_ep{n}{'_fp8' if fp8 else ''}.json"
     else:
         for name, fn in ops:

@@ -1,0 +1,69 @@
+"""CPU check of benchmarks/profile_ops.py's pass accounting: the bytes each pass moves, counted from the routing
+(own rows carry only their tail in the dispatch's send, the combine leaves them by reference), and the rates over
+the pass's phase stamps."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ep_layout = pytest.importorskip("ep_layout")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_ops.py"
+
+
+def _load():
+    sys.path.insert(0, str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("profile_ops_passes_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_own_pairs_counts_destinations_once():
+    prof = _load()
+    epr = prof.bench_ep.NUM_EXPERTS // 2
+    # rank 0: token 0 -> ranks 0 and 1 (twice to rank 1), token 1 -> rank 1 only, token 2 -> nowhere (-1)
+    idx0 = torch.tensor([[0, epr, epr + 1], [epr, -1, -1], [-1, -1, -1]])
+    # rank 1: token 0 -> rank 1 (its own) only
+    idx1 = torch.tensor([[epr + 2, -1, epr + 3], [-1, -1, -1], [-1, -1, -1]])
+    assert prof.own_pairs([idx0, idx1], 2) == (4, 2)
+
+
+def test_pass_bytes_follow_the_kernels():
+    prof = _load()
+    n, t = 2, 3
+    epr = prof.bench_ep.NUM_EXPERTS // n
+    idxs = [torch.full((t, prof.bench_ep.TOPK), -1, dtype=torch.int64) for _ in range(n)]
+    idxs[0][0, 0] = 0  # own row
+    idxs[0][1, 0] = epr  # to rank 1
+    moved = prof.pass_bytes(idxs, n, t, fp8=False)
+    H, K = prof.bench_ep.HIDDEN, prof.bench_ep.TOPK
+    d_tok = ep_layout.make_dispatch_token_layout(H, 2, 0, K).get_num_bytes()
+    read, written = moved["dispatch"][("dispatch", "send")]
+    assert read == n * t * 2 * H  # every token's hidden part is loaded
+    assert written == d_tok + (d_tok - 2 * H)  # one whole row, one tail
+    assert moved["dispatch"][("epilogue", "copy")][0] == 2 * d_tok
+    _read, zwritten = moved["dispatch_zero_copy"][("dispatch", "send")]
+    assert zwritten > 2 * 2 * H  # both rows whole
+    assert moved["combine"][("combine", "send")][0] == 2 * H  # the own row stays by reference
+    assert moved["combine"][("combine", "reduce")][1] == n * t * 2 * H
+
+
+def test_pass_rates_use_the_pass_slots():
+    prof = _load()
+    phases = {
+        "combine": {"slots": {4: {"mean_us": 10.0}, 11: {"mean_us": 8.0}, 12: {"mean_us": 30.0}}},
+    }
+    rates = prof.pass_rates(phases, {("combine", "send"): (1000, 3000), ("combine", "reduce"): (2000, 2000)})
+    assert rates["combine send"]["us"] == 8.0
+    assert rates["combine send"]["gbs"] == pytest.approx(4000 / 8e3)
+    assert rates["combine reduce"]["us"] == 20.0
+    assert rates["combine reduce"]["write_gbs"] == pytest.approx(2000 / 20e3)
+    # a kernel the op did not run has no rate
+    assert prof.pass_rates({}, {("epilogue", "copy"): (1, 1)}) == {}
