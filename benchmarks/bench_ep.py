@@ -317,19 +317,22 @@ def make_inputs(n, fp8, kind, seed, tokens):
     return xs, sfs if fp8 else None, idxs, ws
 
 
-def pairs_per_rank(idxs, n):
-    """(token, destination rank) pairs sent and received per rank (deduplicated), as python ints."""
+def pair_matrix(idxs, n):
+    """(token, destination rank) pairs (deduplicated per token; -1 lanes go nowhere) as python ints, [src][dst]."""
     torch = _torch()
     epr = NUM_EXPERTS // n
-    sent, recv = [], [0] * n
+    rows = []
     for idx in idxs:
-        onehot = torch.zeros(idx.shape[0], n, dtype=torch.bool, device=idx.device)
-        onehot.scatter_(1, (idx // epr).clamp_min(0), True)
-        per_dst = onehot.sum(0).tolist()
-        sent.append(sum(per_dst))
-        for d in range(n):
-            recv[d] += per_dst[d]
-    return sent, recv
+        dst = torch.where(idx >= 0, idx // epr, -1)
+        onehot = (dst.unsqueeze(-1) == torch.arange(n, device=idx.device)).any(1)  # [tokens, n]
+        rows.append(onehot.sum(0).tolist())
+    return rows
+
+
+def pairs_per_rank(idxs, n):
+    """(token, destination rank) pairs sent and received per rank (deduplicated), as python ints."""
+    rows = pair_matrix(idxs, n)
+    return [sum(r) for r in rows], [sum(r[d] for r in rows) for d in range(n)]
 
 
 class Timer:

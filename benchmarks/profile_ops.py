@@ -277,17 +277,8 @@ def phase_op(torch, replay, iters, reader, num_ranks):
 def own_pairs(idxs, n):
     """(token, destination rank) pairs of all ranks (deduplicated) and those whose destination is the source
     itself, as python ints."""
-    import torch
-
-    epr = bench_ep.NUM_EXPERTS // n
-    total = own = 0
-    for src, idx in enumerate(idxs):
-        dst = torch.where(idx >= 0, idx // epr, -1)
-        onehot = (dst.unsqueeze(-1) == torch.arange(n, device=idx.device)).any(1)  # [tokens, n]
-        per_dst = onehot.sum(0).tolist()
-        total += sum(per_dst)
-        own += per_dst[src]
-    return total, own
+    rows = bench_ep.pair_matrix(idxs, n)
+    return sum(map(sum, rows)), sum(rows[r][r] for r in range(n))
 
 
 # A pass of a kernel: (what it moves, phase slot where it starts, phase slot where its last block is done).

@@ -33,6 +33,8 @@ def test_own_pairs_counts_destinations_once():
     # rank 1: token 0 -> rank 1 (its own) only
     idx1 = torch.tensor([[epr + 2, -1, epr + 3], [-1, -1, -1], [-1, -1, -1]])
     assert prof.own_pairs([idx0, idx1], 2) == (4, 2)
+    # bench_ep's sent / received pairs per rank come from the same matrix (a -1 lane is no pair to rank 0)
+    assert prof.bench_ep.pairs_per_rank([idx0, idx1], 2) == ([3, 1], [1, 3])
 
 
 def test_pass_bytes_follow_the_kernels():
