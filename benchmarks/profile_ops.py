@@ -324,8 +324,8 @@ def pass_bytes(idxs, n, tokens, fp8):
 
 
 def pass_rates(phases, moved):
-    """Per pass: bytes, its time (the mean rank's stamps: ranks run their passes side by side, so all ranks' bytes
-    over it is the GPU's rate) and GB/s read + written."""
+    """Per pass: bytes, its time and GB/s read + written, all ranks' bytes over the mean rank's pass (each rank's
+    SMs moved its share in that time) and over the slowest rank's (the GPU's rate while every rank's pass ran)."""
     rates = {}
     for (kname, pname), (read, written) in moved.items():
         start, end = PASS_SLOTS[(kname, pname)]
@@ -333,14 +333,21 @@ def pass_rates(phases, moved):
         if end not in slots or (start and start not in slots):
             continue
         us = slots[end]["mean_us"] - (slots[start]["mean_us"] if start else 0.0)
+        slowest_us = slots[end]["max_rank_us"] - (slots[start]["mean_us"] if start else 0.0)
         rates[f"{kname} {pname}"] = {
             "read_bytes": read,
             "written_bytes": written,
             "us": us,
-            "gbs": (read + written) / (us * 1e3) if us > 0 else float("nan"),
-            "write_gbs": written / (us * 1e3) if us > 0 else float("nan"),
+            "slowest_rank_us": slowest_us,
+            "gbs": _gbs(read + written, us),
+            "write_gbs": _gbs(written, us),
+            "gbs_slowest_rank": _gbs(read + written, slowest_us),
         }
     return rates
+
+
+def _gbs(nbytes, us):
+    return nbytes / (us * 1e3) if us > 0 else float("nan")
 
 
 def print_phases(n, sms, op, phases, rates=None) -> None:
@@ -361,7 +368,8 @@ def print_phases(n, sms, op, phases, rates=None) -> None:
         print(
             f"   pass {name}: {r['read_bytes'] / 1e6:.1f} MB read + {r['written_bytes'] / 1e6:.1f} MB written in "
             f"{r['us']:.1f} us = {r['gbs']:.0f} GB/s (writes {r['write_gbs']:.0f}; "
-            f"{r['gbs'] / (n * sms):.1f} GB/s per SM of {n * sms})"
+            f"{r['gbs'] / (n * sms):.1f} GB/s per SM of {n * sms}); by the slowest rank ({r['slowest_rank_us']:.1f} "
+            f"us) {r['gbs_slowest_rank']:.0f} GB/s"
         )
 
 

@@ -60,11 +60,18 @@ def test_pass_bytes_follow_the_kernels():
 def test_pass_rates_use_the_pass_slots():
     prof = _load()
     phases = {
-        "combine": {"slots": {4: {"mean_us": 10.0}, 11: {"mean_us": 8.0}, 12: {"mean_us": 30.0}}},
+        "combine": {
+            "slots": {
+                4: {"mean_us": 10.0, "max_rank_us": 12.0},
+                11: {"mean_us": 8.0, "max_rank_us": 16.0},
+                12: {"mean_us": 30.0, "max_rank_us": 40.0},
+            }
+        },
     }
     rates = prof.pass_rates(phases, {("combine", "send"): (1000, 3000), ("combine", "reduce"): (2000, 2000)})
     assert rates["combine send"]["us"] == 8.0
     assert rates["combine send"]["gbs"] == pytest.approx(4000 / 8e3)
+    assert rates["combine send"]["gbs_slowest_rank"] == pytest.approx(4000 / 16e3)
     assert rates["combine reduce"]["us"] == 20.0
     assert rates["combine reduce"]["write_gbs"] == pytest.approx(2000 / 20e3)
     # a kernel the op did not run has no rate
