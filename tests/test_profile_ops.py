@@ -1,6 +1,7 @@
-"""CPU check of benchmarks/profile_ops.py's pass accounting: the bytes each pass moves, counted from the routing
-(own rows carry only their tail in the dispatch's send, the combine leaves them by reference), and the rates over
-the pass's phase stamps."""
+"""CPU checks of benchmarks/profile_ops.py: `--register-combine` (inside its context the executor launches the direct
+combine without dynamic shared memory, the register path, and the staged default comes back afterwards), and the
+`--phases` pass accounting (the bytes each pass moves, counted from the routing: own rows carry only their tail in
+the dispatch's send, the combine leaves them by reference; the rates over the pass's phase stamps)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,35 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-ep_layout = pytest.importorskip("ep_layout")
-
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_ops.py"
 
 
 def _load():
     sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("profile_ops_passes_under_test", SCRIPT)
+    spec = importlib.util.spec_from_file_location("profile_ops_under_test", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
+def test_register_combine_context():
+    from ep_core.kernels import direct_rank
+    from ep_core.kernels.plan import KernelConfig
+
+    prof = _load()
+    cfg = KernelConfig(1, 8, 7168)
+    staged = direct_rank._combine_smem(cfg)
+    assert staged == cfg.combine_dynamic_smem_bytes > 0
+    with prof.register_combine_launches(True):
+        assert direct_rank._combine_smem(cfg) == 0
+    assert direct_rank._combine_smem(cfg) == staged
+    with prof.register_combine_launches(False):
+        assert direct_rank._combine_smem(cfg) == staged
+
+
 def test_own_pairs_counts_destinations_once():
+    torch = pytest.importorskip("torch")
     prof = _load()
     epr = prof.bench_ep.NUM_EXPERTS // 2
     # rank 0: token 0 -> ranks 0 and 1 (twice to rank 1), token 1 -> rank 1 only, token 2 -> nowhere (-1)
@@ -38,6 +52,8 @@ def test_own_pairs_counts_destinations_once():
 
 
 def test_pass_bytes_follow_the_kernels():
+    torch = pytest.importorskip("torch")
+    ep_layout = pytest.importorskip("ep_layout")
     prof = _load()
     n, t = 2, 3
     epr = prof.bench_ep.NUM_EXPERTS // n
