@@ -15,7 +15,9 @@ copy f into region f of a destination `fanout` times the source's size (regions 
 to other pages; a token of top-8 of 256 experts at EP8 goes to about 5.25 ranks). They report read and write GB/s
 apart: if an SM's write rate stays near 48-50 GB/s (what the FP8 dispatch send wrote per SM at 8 SMs per rank, and
 DeepEP's `sm_write_gbs`) whatever the fan-out, a send on few SMs is at that limit; if it grows with the fan-out,
-an SM can write faster and the send is short of it. The stores go to this GPU's memory, not over NVLink.
+an SM can write faster and the send is short of it. The stores go to this GPU's memory, not over NVLink. The
+register fan-out rows (kernel "regfan") do the same through the load/store units (16-byte vectors, no shared memory):
+if they write faster per SM than the bulk stores, the dispatch's send has a lever in how it stores.
 
     python benchmarks/bench_sm_copy.py --out OUTDIR [--sms 32,64,128] [--fanout 1,2,4,5,8]
 
@@ -134,6 +136,34 @@ extern "C" __global__ void reg_copy(const uint8_t* src, uint8_t* dst, long long 
         }
     }
 }
+
+// The fan-out by registers: every warp loads `kUnroll` 16-byte vectors per lane of its row and stores them `fanout`
+// times (copy f into region f of dst) before the next ones, no shared memory: whether an SM writes faster through
+// its load/store units than through bulk (TMA) stores when each row goes to several places.
+extern "C" __global__ void reg_fanout(const uint8_t* src, uint8_t* dst, long long rows, int row_bytes, int fanout) {
+    constexpr int kUnroll = 4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const long long gw = static_cast<long long>(blockIdx.x) * nw + warp, ngw = static_cast<long long>(gridDim.x) * nw;
+    const int vecs = row_bytes / 16;
+    const long long region = rows * row_bytes;
+    for (long long r = gw; r < rows; r += ngw) {
+        const uint4* s = reinterpret_cast<const uint4*>(src + r * row_bytes);
+        for (int i0 = lane; i0 < vecs; i0 += 32 * kUnroll) {
+            uint4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (i0 + u * 32 < vecs)
+                    v[u] = __ldg(s + i0 + u * 32);
+            for (int f = 0; f < fanout; ++f) {
+                uint4* d = reinterpret_cast<uint4*>(dst + f * region + r * row_bytes);
+#pragma unroll
+                for (int u = 0; u < kUnroll; ++u)
+                    if (i0 + u * 32 < vecs)
+                        d[i0 + u * 32] = v[u];
+            }
+        }
+    }
+}
 """
 
 BUFFER_BYTES = 16384 * 14336  # 235 MB per buffer: far past L2
@@ -157,6 +187,8 @@ TMA_CASES = [
 # bytes do not fit), FP8 with the dispatch's 16; and two slots, the next row's load under this row's stores
 FANOUT_CASES = [(14336, 15, 1), (14336, 7, 2), (7424, 16, 1), (7424, 14, 2)]
 REG_WARPS = (16, 32)
+# (row bytes, warps) of the register fan-out rows
+REG_FANOUT_CASES = [(14336, 16), (14336, 32), (7424, 16)]
 
 
 def _int_list(text: str) -> list[int]:
@@ -187,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.cuda.init()
     mod = ep_jit.load(ep_jit.compile(SRC, name="bench_sm_copy"))
-    tma, reg = mod.function("tma_ring"), mod.function("reg_copy")
+    tma, reg, reg_fan = mod.function("tma_ring"), mod.function("reg_copy"), mod.function("reg_fanout")
     src = torch.ones(BUFFER_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     fan_dst = torch.empty(max(args.fanout, default=0) * BUFFER_BYTES, dtype=torch.uint8, device="cuda")
@@ -262,6 +294,14 @@ def main(argv: list[str] | None = None) -> int:
                 reg.launch, sms, warps * 32, [src, dst, ep_jit.int64(rows), ep_jit.int32(14336)]
             )
             record("register", sms, best_ms(run), rows * 14336, row=14336, warps=warps, unroll=4)
+        for row_bytes, warps in REG_FANOUT_CASES:
+            rows = BUFFER_BYTES // row_bytes
+            for fanout in args.fanout:
+                words = [src, fan_dst, ep_jit.int64(rows), ep_jit.int32(row_bytes), ep_jit.int32(fanout)]
+                run = functools.partial(reg_fan.launch, sms, warps * 32, words)
+                record(
+                    "regfan", sms, best_ms(run), rows * row_bytes, row=row_bytes, warps=warps, fanout=fanout
+                )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
