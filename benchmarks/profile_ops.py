@@ -194,8 +194,9 @@ def register_combine_launches(enabled: bool = True):
 
 
 class PhaseReader:
-    """The module global `ep_core_phase_ts[rank][kernel][slot]` of the loaded instance: zeroed before a replay,
-    read after it."""
+    """The module globals `ep_core_phase_ts[rank][kernel][slot]` of every loaded instance of `num_ranks` ranks (an
+    op may run kernels of two instances: an FP8 dispatch's and the bf16 combine's): zeroed before a replay, read
+    after it, merged (a stamp is nonzero only in the instance whose kernel wrote it)."""
 
     def __init__(self, num_ranks: int) -> None:
         from ep_core.kernels import _cuda, _source
@@ -205,30 +206,38 @@ class PhaseReader:
             raise SystemExit(f"profile_ops --phases: no loaded EP{num_ranks} kernels")
         drv = _cuda.driver()
         self.drv, self.check = drv, _cuda.check
-        lib = ks[0].dispatch.module._library
-        ptr, size = self.check(drv.cuLibraryGetGlobal(lib, b"ep_core_phase_ts"), "cuLibraryGetGlobal")
-        self.ptr, self.size = int(ptr), int(size)
-        if self.size != 8 * PHASE_MAX_RANKS * len(PHASE_KERNELS) * PHASE_SLOTS:
-            raise SystemExit(
-                f"profile_ops --phases: ep_core_phase_ts has {self.size} bytes; update the mirror"
-            )
+        self.size = 8 * PHASE_MAX_RANKS * len(PHASE_KERNELS) * PHASE_SLOTS
+        self.ptrs = []
+        for lib in {id(k.dispatch.module._library): k.dispatch.module._library for k in ks}.values():
+            ptr, size = self.check(drv.cuLibraryGetGlobal(lib, b"ep_core_phase_ts"), "cuLibraryGetGlobal")
+            if int(size) != self.size:
+                raise SystemExit(
+                    f"profile_ops --phases: ep_core_phase_ts has {int(size)} bytes; update the mirror"
+                )
+            self.ptrs.append(int(ptr))
 
     def zero(self) -> None:
-        self.check(self.drv.cuMemsetD8(self.ptr, 0, self.size), "cuMemsetD8")
+        for ptr in self.ptrs:
+            self.check(self.drv.cuMemsetD8(ptr, 0, self.size), "cuMemsetD8")
 
     def read(self):
         import numpy as np
 
-        host = np.zeros(self.size // 8, dtype=np.uint64)
-        self.check(self.drv.cuMemcpyDtoH(host.ctypes.data, self.ptr, self.size), "cuMemcpyDtoH")
-        return host.reshape(PHASE_MAX_RANKS, len(PHASE_KERNELS), PHASE_SLOTS)
+        merged = np.zeros(self.size // 8, dtype=np.uint64)
+        host = np.zeros_like(merged)
+        for ptr in self.ptrs:
+            self.check(self.drv.cuMemcpyDtoH(host.ctypes.data, ptr, self.size), "cuMemcpyDtoH")
+            np.maximum(merged, host, out=merged)
+        return merged.reshape(PHASE_MAX_RANKS, len(PHASE_KERNELS), PHASE_SLOTS)
 
 
-def phase_op(torch, replay, iters, reader, num_ranks):
-    """Replays one graph `iters` times, reading the stamps after each; returns per-kernel phase statistics."""
+def phase_op(torch, replay, iters, num_ranks):
+    """Replays one graph `iters` times, reading the stamps after each; returns per-kernel phase statistics. The
+    reader is made after the warm-up replays, when every instance the op runs is loaded."""
     for _ in range(3):
         replay()
     torch.cuda.synchronize()
+    reader = PhaseReader(num_ranks)
     samples = []
     for _ in range(iters):
         reader.zero()
@@ -444,10 +453,9 @@ def run_config(torch, n, t, sms, iters, phases, out, fp8=False, overlap=True):
     }
     if phases:
         ops.insert(2, ("dispatch_deterministic", disp_det))
-        reader = PhaseReader(n)
         moved = pass_bytes(idxs, n, t, fp8)
         for name, fn in ops:
-            ph = phase_op(torch, _capture(timer, fn), iters, reader, n)
+            ph = phase_op(torch, _capture(timer, fn), iters, n)
             ph["passes"] = pass_rates(ph, moved.get(name, {}))
             result["ops"][name] = ph
             print_phases(n, sms, name, ph, ph["passes"])

@@ -92,3 +92,53 @@ def test_pass_rates_use_the_pass_slots():
     assert rates["combine reduce"]["write_gbs"] == pytest.approx(2000 / 20e3)
     # a kernel the op did not run has no rate
     assert prof.pass_rates({}, {("epilogue", "copy"): (1, 1)}) == {}
+
+
+def test_phase_reader_merges_every_instance_of_the_domain(monkeypatch):
+    """An op may run kernels of two instances (an FP8 dispatch's, the bf16 combine's): the reader zeroes and reads
+    the stamps of every loaded instance of the rank count, each library once, and merges them."""
+    import collections
+    import ctypes
+    import types
+
+    np = pytest.importorskip("numpy")
+    from ep_core.kernels import _cuda, _source
+
+    prof = _load()
+    size = 8 * prof.PHASE_MAX_RANKS * len(prof.PHASE_KERNELS) * prof.PHASE_SLOTS
+    stamps = {lib: np.full(size // 8, 9, dtype=np.uint64) for lib in ("fp8", "bf16", "ep4")}
+
+    class Driver:
+        def cuLibraryGetGlobal(self, lib, name):
+            assert name == b"ep_core_phase_ts"
+            return stamps[lib].ctypes.data, size
+
+        def cuMemsetD8(self, ptr, value, n):
+            ctypes.memset(ptr, value, n)
+
+        def cuMemcpyDtoH(self, dst, src, n):
+            ctypes.memmove(dst, src, n)
+
+    def kernels(lib):
+        return types.SimpleNamespace(
+            dispatch=types.SimpleNamespace(module=types.SimpleNamespace(_library=lib))
+        )
+
+    Config = collections.namedtuple("Config", "num_ranks is_hybrid tag")
+    loaded = {
+        Config(8, False, 1): kernels("fp8"),
+        Config(8, False, 2): kernels("bf16"),
+        Config(8, False, 3): kernels("bf16"),  # another config of the same library: read once
+        Config(4, False, 4): kernels("ep4"),  # another domain: not read
+    }
+    monkeypatch.setattr(_cuda, "driver", lambda: Driver())
+    monkeypatch.setattr(_cuda, "check", lambda result, what: result)
+    monkeypatch.setattr(_source, "_loaded", loaded)
+    reader = prof.PhaseReader(8)
+    assert len(reader.ptrs) == 2
+    reader.zero()
+    assert not stamps["fp8"].any() and not stamps["bf16"].any() and stamps["ep4"].all()
+    stamps["fp8"].reshape(prof.PHASE_MAX_RANKS, len(prof.PHASE_KERNELS), prof.PHASE_SLOTS)[3, 0, 5] = 11
+    stamps["bf16"].reshape(prof.PHASE_MAX_RANKS, len(prof.PHASE_KERNELS), prof.PHASE_SLOTS)[3, 2, 4] = 22
+    got = reader.read()
+    assert got[3, 0, 5] == 11 and got[3, 2, 4] == 22 and int(got.sum()) == 33
