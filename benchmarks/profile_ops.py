@@ -22,8 +22,8 @@ us after the kernel's first block started, mean over replays and ranks, and the 
 previous boundary, the kernel's span and the gap between the dispatch kernel and its epilogue. Block-0 stamps
 ("b0 ...") time the serial path; "last" stamps the slowest block. Writes OUTDIR/profile_phases_ep<N>.json.
 Each op also gets its passes' rates (`pass_bytes`, `pass_rates`; JSON key "passes"): the bytes a pass reads and
-writes, counted from the routing as the kernels move them, all ranks together, over the pass's time (mean rank), in
-GB/s and GB/s per SM. Set beside `bench_sm_copy.py` at the same SM count (copy, fan-out 5) in the same run, they
+writes, counted from the routing as the kernels move them, all ranks together, over the pass's time (the mean rank's
+and the slowest rank's), in GB/s and GB/s per SM. Set beside `bench_sm_copy.py` at the same SM count (copy, fan-out 5) in the same run, they
 say whether a pass is short of what its SMs can move or at it.
 """
 
@@ -290,7 +290,8 @@ def own_pairs(idxs, n):
     return sum(map(sum, rows)), sum(rows[r][r] for r in range(n))
 
 
-# A pass of a kernel: (what it moves, phase slot where it starts, phase slot where its last block is done).
+# (kernel, pass) -> (the phase slot where the pass starts, 0 = the kernel's start; the slot where its last block is
+# done).
 PASS_SLOTS = {
     ("dispatch", "send"): (0, 11),
     ("epilogue", "copy"): (0, 3),
