@@ -251,21 +251,28 @@ def phase_op(torch, replay, iters, num_ranks):
             continue
         slots = {}
         for slot in range(PHASE_SLOTS):
-            offs, per_replay_max = [], []
+            offs, per_replay_max, slowest, by_rank = [], [], [], {}
             for s in samples:
-                row = [
-                    (s[r, k, slot] - s[r, k, 0]) / 1e3
+                row = {
+                    r: (s[r, k, slot] - s[r, k, 0]) / 1e3
                     for r in range(s.shape[0])
                     if s[r, k, slot] and s[r, k, 0]
-                ]
-                offs.extend(row)
+                }
+                offs.extend(row.values())
                 if row:
-                    per_replay_max.append(max(row))
+                    per_replay_max.append(max(row.values()))
+                    slowest.append(max(row, key=row.get))
+                for r, v in row.items():
+                    by_rank.setdefault(r, []).append(v)
             if offs and slot != 0:
                 slots[slot] = {
                     "name": PHASE_NAMES[k].get(slot, f"slot {slot}"),
                     "mean_us": statistics.mean(offs),
                     "max_rank_us": statistics.mean(per_replay_max),
+                    "rank_us": {r: statistics.mean(v) for r, v in sorted(by_rank.items())},
+                    # the rank that was slowest in most replays, and in how many of them
+                    "slowest_rank": statistics.mode(slowest),
+                    "slowest_rank_replays": slowest.count(statistics.mode(slowest)),
                 }
         skew = [
             (max(s[:, k, 0]) - min(s[:, k, 0])) / 1e3 for s in samples if all(s[:, k, 0])
@@ -374,6 +381,17 @@ def print_phases(n, sms, op, phases, rates=None) -> None:
                 f"[{slot:2d}] {v['name']}"
             )
             prev = v["mean_us"]
+        for slot in (
+            end for (kn, _), (_, end) in PASS_SLOTS.items() if kn == kname and end in entry["slots"]
+        ):
+            v = entry["slots"][slot]
+            if len(v.get("rank_us", {})) > 1:
+                print(
+                    f"   [{slot:2d}] per rank: "
+                    + " ".join(f"{us:.1f}" for us in v["rank_us"].values())
+                    + " us; "
+                    f"slowest rank {v['slowest_rank']} in {v['slowest_rank_replays']} replays"
+                )
     for name, r in (rates or {}).items():
         print(
             f"   pass {name}: {r['read_bytes'] / 1e6:.1f} MB read + {r['written_bytes'] / 1e6:.1f} MB written in "

@@ -142,3 +142,35 @@ def test_phase_reader_merges_every_instance_of_the_domain(monkeypatch):
     stamps["bf16"].reshape(prof.PHASE_MAX_RANKS, len(prof.PHASE_KERNELS), prof.PHASE_SLOTS)[3, 2, 4] = 22
     got = reader.read()
     assert got[3, 0, 5] == 11 and got[3, 2, 4] == 22 and int(got.sum()) == 33
+
+
+def test_phase_op_names_the_slowest_rank(monkeypatch, capsys):
+    import types
+
+    np = pytest.importorskip("numpy")
+    prof = _load()
+    shape = (prof.PHASE_MAX_RANKS, len(prof.PHASE_KERNELS), prof.PHASE_SLOTS)
+
+    class Reader:
+        def __init__(self, num_ranks):
+            self.replay = 0
+
+        def zero(self):
+            pass
+
+        def read(self):
+            self.replay += 1
+            ts = np.zeros(shape, dtype=np.uint64)
+            ts[:2, 0, 0] = 1000  # both ranks' dispatch kernels start at 1 us
+            ts[0, 0, 11] = 1000 + 5000  # rank 0's sends end 5 us later
+            ts[1, 0, 11] = 1000 + (9000 if self.replay != 2 else 4000)  # rank 1's 9 us later, but in replay 2
+            return ts
+
+    monkeypatch.setattr(prof, "PhaseReader", Reader)
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None))
+    out = prof.phase_op(fake_torch, lambda: None, 3, 2)
+    send = out["dispatch"]["slots"][11]
+    assert send["rank_us"] == {0: 5.0, 1: pytest.approx((9 + 4 + 9) / 3)}
+    assert (send["slowest_rank"], send["slowest_rank_replays"]) == (1, 2)
+    prof.print_phases(2, 8, "dispatch", out)
+    assert "slowest rank 1 in 2 replays" in capsys.readouterr().out
