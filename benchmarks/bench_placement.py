@@ -23,36 +23,19 @@ import statistics
 import sys
 from pathlib import Path
 
-SRC = r"""
-#include <cstdint>
-// One warp per row (round robin over the grid's warps): 4 x 16 bytes per lane loaded, then stored `fanout` times
-// (copy f into region f of dst). out[block] = {smid, start ns, end ns}.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_sm_copy  # (its register fan-out kernel body)
+
+# bench_sm_copy.py's register fan-out (`fan_out_rows`), timed and placed: out[block] = {smid, start ns, end ns}
+SRC = (
+    bench_sm_copy.SRC
+    + r"""
 extern "C" __global__ void placed_fanout(const uint8_t* src, uint8_t* dst, long long rows, int row_bytes, int fanout,
                                          unsigned long long* out) {
-    constexpr int kUnroll = 4;
     unsigned long long t0, t1;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const long long gw = static_cast<long long>(blockIdx.x) * nw + warp, ngw = static_cast<long long>(gridDim.x) * nw;
-    const int vecs = row_bytes / 16;
-    const long long region = rows * row_bytes;
-    for (long long r = gw; r < rows; r += ngw) {
-        const uint4* s = reinterpret_cast<const uint4*>(src + r * row_bytes);
-        for (int i0 = lane; i0 < vecs; i0 += 32 * kUnroll) {
-            uint4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-                if (i0 + u * 32 < vecs)
-                    v[u] = __ldg(s + i0 + u * 32);
-            for (int f = 0; f < fanout; ++f) {
-                uint4* d = reinterpret_cast<uint4*>(dst + f * region + r * row_bytes);
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-                    if (i0 + u * 32 < vecs)
-                        d[i0 + u * 32] = v[u];
-            }
-        }
-    }
+    fan_out_rows(src, dst, rows, row_bytes, fanout);
     __syncthreads();
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
     if (threadIdx.x == 0) {
@@ -64,6 +47,7 @@ extern "C" __global__ void placed_fanout(const uint8_t* src, uint8_t* dst, long 
     }
 }
 """
+)
 
 ROW_BYTES = 7424  # an FP8 dispatch token
 ROWS = 4096  # a rank's tokens at T=4096

@@ -139,8 +139,10 @@ extern "C" __global__ void reg_copy(const uint8_t* src, uint8_t* dst, long long 
 
 // The fan-out by registers: every warp loads `kUnroll` 16-byte vectors per lane of its row and stores them `fanout`
 // times (copy f into region f of dst) before the next ones, no shared memory: whether an SM writes faster through
-// its load/store units than through bulk (TMA) stores when each row goes to several places.
-extern "C" __global__ void reg_fanout(const uint8_t* src, uint8_t* dst, long long rows, int row_bytes, int fanout) {
+// its load/store units than through bulk (TMA) stores when each row goes to several places. (bench_placement.py's
+// kernel runs the same body.)
+__device__ __forceinline__ void fan_out_rows(const uint8_t* src, uint8_t* dst, long long rows, int row_bytes,
+                                             int fanout) {
     constexpr int kUnroll = 4;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const long long gw = static_cast<long long>(blockIdx.x) * nw + warp, ngw = static_cast<long long>(gridDim.x) * nw;
@@ -163,6 +165,10 @@ extern "C" __global__ void reg_fanout(const uint8_t* src, uint8_t* dst, long lon
             }
         }
     }
+}
+
+extern "C" __global__ void reg_fanout(const uint8_t* src, uint8_t* dst, long long rows, int row_bytes, int fanout) {
+    fan_out_rows(src, dst, rows, row_bytes, fanout);
 }
 """
 
