@@ -16,9 +16,9 @@ Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform ran
   GPU 0, labelled ``shared``: an upper bound that means little).
 
 - ``v1 ll_dispatch bf16`` / ``v1 ll_dispatch fp8``: ``low_latency_dispatch(use_fp8=...)`` into the packed masked
-  layout ``[E_local, N*T, H]`` (ep-torch's CUDA epilogue, ``legacy_ll_kernels``); ``... torch-ops``: the same
+  layout ``[E_local, N*T, H]`` (ep-torch's CUDA epilogue, ``legacy.ll_kernels``); ``... torch-ops``: the same
   through the torch composition (``ll_use_kernels=False``, the bitwise reference of the kernels);
-- ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy_reference) with G top-k lanes per
+- ``v1 ll_combine lanes=G``: ``low_latency_combine`` (weighted, bitwise vs legacy.reference) with G top-k lanes per
   ep combine (``ll_lanes_per_combine``; 1, 2, 4 and all K (automatic when it fits): wider rows mean fewer launches but
   fewer warps per block in ep's kernels), gather and weighted sum as kernels; ``torch-ops`` rows: the torch ops;
 - ``... sms=S``: the automatic combine on all S SMs (``ll_combine_num_sms``; ep's default is the dispatch's count);
@@ -33,7 +33,7 @@ Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform ran
 
 Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters`` times back to back between two CUDA
 events; the reported time is the mean per replay (processes: the max over ranks). Checks on every rank, before the
-op's row: each V1 combine bitwise against ``legacy_reference.ll_combine_reference``, each V1 dispatch's
+op's row: each V1 combine bitwise against ``legacy.reference.ll_combine_reference``, each V1 dispatch's
 ``recv_count`` against the routing (``CHECK FAILED`` lines). ``--dry-run-cpu`` runs the same harness on the CPU
 reference backend (tiny sizes, host timer; the loopback group in one thread per rank). Exit status 0 (also
 "skipped" without a GPU), 1 if a check failed.
@@ -204,8 +204,8 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
     """Every row on ``ctx``'s ranks (one per process, or all of a loopback group): ``(rows, failures)``."""
     import numpy as np
     from ep_torch.legacy import Buffer
-    from ep_torch.legacy_ll import lanes_per_combine
-    from ep_torch.legacy_reference import ll_combine_reference
+    from ep_torch.legacy.low_latency import lanes_per_combine
+    from ep_torch.legacy.reference import ll_combine_reference
 
     cpu, n = ctx.cpu, ctx.n
     dev = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from ep_torch.conformance import run_spawned
+from ep_torch.testing.conformance import run_spawned
 
 
 @pytest.fixture(scope="module")

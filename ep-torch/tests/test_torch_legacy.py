@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer, Config, per_token_cast_to_fp8
-from ep_torch.legacy_reference import ll_combine_reference
+from ep_torch.legacy.reference import ll_combine_reference
 
 T, H, K, E = 6, 128, 2, 8
 
@@ -128,7 +128,7 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
         out_ll[e] = (recv[e].float() * (rank * epr + e + 1)).to(torch.bfloat16)
     comb, _, hook2 = buf.low_latency_combine(out_ll, idx, w, llh)
     assert hook2 is None
-    # bitwise: fp32 multiply then add in ascending lane order, one bf16 rounding (legacy_reference)
+    # bitwise: fp32 multiply then add in ascending lane order, one bf16 rounding (legacy.reference)
     y = np.zeros((T, K, H), dtype=np.uint16)
     for t in range(T):
         for k in range(K):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ep_core import reference
 from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer, V1InternodeHandle
-from ep_torch.legacy_reference import ll_combine_reference
+from ep_torch.legacy.reference import ll_combine_reference
 
 H, K, E, SU = 128, 2, 8, 2
 

@@ -1,4 +1,4 @@
-"""V1 low-latency mode of ``ep_torch.Buffer`` bit for bit against ``ep_torch.legacy_reference`` (numpy): the packed
+"""V1 low-latency mode of ``ep_torch.Buffer`` bit for bit against ``ep_torch.legacy.reference`` (numpy): the packed
 masked layout, ``src_info``/``layout_range``, FP8 with ``round_scale``/``use_ue8m0``, the weighted combine; on gloo
 ranks (CPU reference backend) and, marker ``gpu``, on CUDA (EP1 loopback and two processes sharing one GPU), with
 CUDA-graph capture + replay and the hook's deferred wait."""
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer, per_token_cast_to_fp8
-from ep_torch.legacy_reference import (
+from ep_torch.legacy.reference import (
     bf16_to_f32,
     f32_to_bf16,
     fp8_cast_reference,
@@ -243,7 +243,7 @@ def test_fp8_reference_encoder_matches_torch():
     v = bf16_to_f32(np.arange(1 << 16, dtype=np.uint16))
     v = v[np.isfinite(v) & (np.abs(v) <= 448)]
     got = torch.from_numpy(v.copy()).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    from ep_torch.legacy_reference import fp8_e4m3_bits
+    from ep_torch.legacy.reference import fp8_e4m3_bits
 
     assert np.array_equal(fp8_e4m3_bits(v), got)
 
@@ -290,7 +290,7 @@ def test_v1_methods_and_keywords_match_deepep():
 
 
 def test_weighted_lane_sum_equals_reference():
-    from ep_torch.legacy_ll import weighted_lane_sum
+    from ep_torch.legacy.low_latency import weighted_lane_sum
 
     g = torch.Generator().manual_seed(7)
     y = (torch.randn(64, 8, 256, generator=g) * 100).to(torch.bfloat16)

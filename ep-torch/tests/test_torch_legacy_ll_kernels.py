@@ -1,7 +1,7 @@
-"""V1 low-latency mode's CUDA kernels (``ep_torch.legacy_ll_kernels``, ``ep_core.ll_pack``, ``include/ep_core/ll_pack.cuh``).
+"""V1 low-latency mode's CUDA kernels (``ep_torch.legacy.ll_kernels``, ``ep_core.ll_pack``, ``include/ep_core/ll_pack.cuh``).
 
 CPU: the kernels compile for sm_90a through ep_jit with nvcc; the FP8 helpers the pack kernel uses (torch's e4m3
-conversion, the scale, NaN-propagating amax), compiled for the host, equal ``legacy_reference.fp8_cast_reference``;
+conversion, the scale, NaN-propagating amax), compiled for the host, equal ``legacy.reference.fp8_cast_reference``;
 every kernel's own code, run on host threads with CUDA's names shimmed (``ll_pack_emulation.cpp``, g++), equals the
 torch composition on emulated dispatch outputs (rows in V1's order and shuffled by key).
 GPU (marker ``gpu``): every output of the kernel path (packed rows, FP8 bytes and scales, recv_count, src_info,
@@ -9,7 +9,7 @@ layout_range, lane_slot/lane_ok, the weighted combine for every lane grouping) b
 composition (``ll_use_kernels=False``), at the test's small sizes and at the benchmark's (T=128, hidden 7168, top-8
 of 256), EP1 loopback, two processes sharing the GPU, and four as two emulated nodes (hybrid rows); with ep's
 deterministic dispatch underneath and without (``ll_deterministic=False``), bf16 rows also against
-``legacy_reference.ll_expected_rows``.
+``legacy.reference.ll_expected_rows``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ep_torch.launch import spawn
-from ep_torch.legacy_reference import fp8_cast_reference
+from ep_torch.legacy.reference import fp8_cast_reference
 
 
 def _have_nvcc() -> bool:
@@ -45,7 +45,7 @@ needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_ll_kernels_compile(arch, tmp_path, monkeypatch):
     ep_jit = pytest.importorskip("ep_jit")
-    from ep_torch.legacy_ll_kernels import KERNEL_NAMES, compile_ll_kernels
+    from ep_torch.legacy.ll_kernels import KERNEL_NAMES, compile_ll_kernels
 
     monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
     ep_jit.clear_memo()
@@ -90,7 +90,7 @@ int main() {
 def test_ll_fp8_helpers_equal_reference(round_scale, tmp_path):
     """The pack kernel's per-group cast, its helpers compiled for the host: bitwise fp8_cast_reference on groups
     of very different magnitudes (e4m3 denormals, zeros, the 1e-4 amax floor, exact powers of two)."""
-    from ep_torch.legacy_ll_kernels import get_include
+    from ep_torch.legacy.ll_kernels import get_include
 
     src = tmp_path / "cast.cu"
     src.write_text(_HOST_CAST)
@@ -127,7 +127,7 @@ def _emulator(tmp_path_factory) -> str:
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not found")
-    from ep_torch.legacy_ll_kernels import get_include
+    from ep_torch.legacy.ll_kernels import get_include
 
     exe = tmp_path_factory.mktemp("ll_emu") / "ll_emu"
     src = os.path.join(os.path.dirname(__file__), "ll_pack_emulation.cpp")
@@ -178,7 +178,7 @@ def test_ll_kernels_emulated_equal_torch(ll_emulator, tmp_path, seed, by_key):
     the wide-row gather, and the weighted sum in one group and in two chained through the fp32 accumulator."""
     import types
 
-    from ep_torch.legacy_ll import ll_dispatch, weighted_lane_sum
+    from ep_torch.legacy.low_latency import ll_dispatch, weighted_lane_sum
 
     n, m, k, h, epr, nv, t = 2, 8, 4, 512, 4, 12, 6
     rows = slots = n * m
@@ -315,8 +315,8 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def _check_reference(recv: torch.Tensor, cnt: torch.Tensor, rank: int, n: int, cfg: dict, what: str) -> None:
-    """bf16 packed rows against legacy_reference.ll_expected_rows (V1's order), independent of either path."""
-    from ep_torch.legacy_reference import ll_expected_rows
+    """bf16 packed rows against legacy.reference.ll_expected_rows (V1's order), independent of either path."""
+    from ep_torch.legacy.reference import ll_expected_rows
 
     inputs = [_inputs(r, cfg, 0, torch.int64) for r in range(n)]
     want = ll_expected_rows([i[1].numpy() for i in inputs], rank, cfg["E"])

@@ -1,5 +1,5 @@
 """V1 low-latency mode (and V2's ElasticBuffer) over ``ep_torch.loopback.LoopbackGroup``: N ranks in one process, bit
-for bit against ``ep_torch.legacy_reference``. CPU: the reference executor, one thread per rank. GPU (marker ``gpu``):
+for bit against ``ep_torch.legacy.reference``. CPU: the reference executor, one thread per rank. GPU (marker ``gpu``):
 ep-core's loopback domain, one stream per rank, eager and captured in one CUDA graph (all ranks) and replayed.
 The checks are test_torch_legacy_ll.py's (loaded by path: the tests are imported with --import-mode=importlib)."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from ep_torch.buffer import ElasticBuffer
-from ep_torch.legacy_reference import fp8_cast_reference, ll_expected_rows
+from ep_torch.legacy.reference import fp8_cast_reference, ll_expected_rows
 from ep_torch.loopback import LoopbackBuffer, LoopbackElasticBuffer, LoopbackGroup
 
 

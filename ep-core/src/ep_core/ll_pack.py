@@ -1,6 +1,6 @@
 """V1 low-latency mode's kernels (host side of ``include/ep_core/ll_pack.cuh``): compiled through ep_jit like the
 other kernels, launched with device addresses and ints, so a front end passes its tensors' addresses and stream
-(``ep_torch.legacy_ll_kernels`` does; what the kernels compute is documented in the header).
+(``ep_torch.legacy.ll_kernels`` does; what the kernels compute is documented in the header).
 
 `SIGNATURES` gives each kernel's parameters in order, ``p`` a device address (0 = null), ``i`` an int32: the
 header's ``extern "C"`` signatures (a CPU test compares them). `launch` checks the argument count and ranges

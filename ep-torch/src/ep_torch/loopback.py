@@ -400,7 +400,7 @@ class LoopbackGroup:
             if self.device.type == "cuda":
                 # V1's kernels loaded before any rank launches: a load inside a rank's call (after its kernel that
                 # waits for the next ranks) could wait for that kernel
-                from . import legacy_ll_kernels
+                from .legacy import ll_kernels as legacy_ll_kernels
 
                 legacy_ll_kernels.preload()
             self._build(members, kwargs)

@@ -1,5 +1,5 @@
 """V1 low-latency mode on ep's direct dispatch/combine: fixed shapes, no host sync, so it can be captured in a CUDA
-graph; the numerics are ``ep_torch.legacy_reference``'s, bit for bit.
+graph; the numerics are ``ep_torch.legacy.reference``'s, bit for bit.
 
 Dispatch: one non-expand dispatch without CPU sync (worst-case ``N*M`` rows, true count on the GPU), then an
 epilogue of fixed-shape ops scatters every (row, lane) into the packed masked layout ``[E_local, N*M, H]`` (each
@@ -15,7 +15,7 @@ The price: every (token, rank) row carries all K lane slots, mostly zeros, so th
 reaches) times V1's bytes (V1 sends one message per (token, expert)). All K lanes travel in one combine when ep's
 kernels can stage such a row, else in groups (``lanes_per_combine``): one combine per group.
 
-On CUDA the epilogue, the wide-row gather and the weighted sum are kernels (``legacy_ll_kernels``: one pass each,
+On CUDA the epilogue, the wide-row gather and the weighted sum are kernels (``legacy.ll_kernels``: one pass each,
 bit for bit the torch composition here, which stays the CPU path and the GPU tests' reference); ``use_kernels``
 (None = on CUDA) picks.
 """
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from ep_core.errors import EPValueError
 
-from .legacy_fp8 import per_token_cast_to_fp8
+from .fp8 import per_token_cast_to_fp8
 
 __all__ = [
     "LowLatencyHandle",
@@ -89,7 +89,7 @@ def ll_dispatch(
     )
     rows_ordered = rows_ordered or bool(zero_copy)
     if _kernels(x, use_kernels, "low_latency_dispatch"):
-        from . import legacy_ll_kernels
+        from . import ll_kernels as legacy_ll_kernels
 
         recv, recv_count, src_info, layout_range, lane_slot, lane_ok = legacy_ll_kernels.pack(
             recv_x,
@@ -263,7 +263,7 @@ def ll_combine_weighted(
             return combined
         out.copy_(combined)
         return out
-    from . import legacy_ll_kernels
+    from . import ll_kernels as legacy_ll_kernels
 
     h = int(x.shape[2])
     k = handle.num_topk

@@ -1,4 +1,4 @@
-"""V1 low-latency FP8 cast in torch, bit for bit ``legacy_reference.fp8_cast_reference`` on CPU and GPU.
+"""V1 low-latency FP8 cast in torch, bit for bit ``legacy.reference.fp8_cast_reference`` on CPU and GPU.
 
 Only correctly rounded elementwise ops: the scale is divided by a *tensor* 448 (torch's CUDA division by a Python
 scalar multiplies by its reciprocal, which rounds differently), the power-of-two rounding works on the bits (a

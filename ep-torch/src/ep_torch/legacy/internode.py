@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .bootstrap import ProcessGroupBootstrap
-from .transport_choice import data_device, ranks_per_host, scaleup_ranks
+from ..bootstrap import ProcessGroupBootstrap
+from ..transport_choice import data_device, ranks_per_host, scaleup_ranks
 
 __all__ = ["internode_handle_tensors", "predicted_nvl_ranks", "tokens_per_rdma_rank", "v1_row_order"]
 

@@ -6,11 +6,11 @@ inner ``ElasticBuffer``: its rows are already V1's (one per (source token, this 
 ``recv_topk_idx`` local with -1). V1 differences translated here: ``recv_topk_weights`` is 0 on lanes whose expert is
 not on this rank, the handle is V1's 6-tuple (with ep's handle inside for combine), ``num_worst_tokens`` pads rows.
 Ranks on several nodes (``EPKIT_SCALEUP_RANKS`` emulates them): rows in V1's internode order and V1's internode
-10-tuple handle (``legacy_internode``), ``num_tokens_per_rdma_rank`` filled.
+10-tuple handle (``legacy.internode``), ``num_tokens_per_rdma_rank`` filled.
 It runs on the caller's stream (after ``previous_event``); ``async_finish`` returns an event recorded there.
 
-Low-latency mode (``legacy_ll``) has fixed shapes and no host sync, so dispatch + combine can be captured in a CUDA
-graph. Its numerics are defined by ``legacy_reference`` (numpy) and met bit for bit on CPU and GPU:
+Low-latency mode (``legacy.low_latency``) has fixed shapes and no host sync, so dispatch + combine can be captured in a CUDA
+graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for bit on CPU and GPU:
 - dispatch: ``recv_x[e, :recv_count[e]]`` are expert e's rows in (source rank, source token) order, exact copies;
   FP8 per 128 channels ``scale = amax / 448`` (fp32, ``amax >= 1e-4``; ``round_scale``: up to a power of two by its
   bits), ``q = e4m3(x / scale)`` round to nearest even;
@@ -27,8 +27,8 @@ chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Op
 the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). Ours, keyword only: ``num_max_tokens_per_rank``
 and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
 (tokens, hidden) to size it (one small collective); ``ll_lanes_per_combine`` (0 = automatic) sets how many top-k
-lanes one low-latency combine carries (``legacy_ll.lanes_per_combine``); ``ll_use_kernels`` (None = on CUDA) runs
-low-latency mode's packing, gather and weighted sum as CUDA kernels (``legacy_ll_kernels``) instead of torch ops
+lanes one low-latency combine carries (``legacy.low_latency.lanes_per_combine``); ``ll_use_kernels`` (None = on CUDA) runs
+low-latency mode's packing, gather and weighted sum as CUDA kernels (``legacy.ll_kernels``) instead of torch ops
 (the same bits; False keeps the torch composition, the tests' reference); ``ll_deterministic=False`` runs ep's
 non-deterministic dispatch underneath (no count/prefix phases) and orders the packed rows by their source key
 instead (the same results); ``ll_combine_num_sms`` (0 = ep's choice) sets the SMs of the low-latency combine (its
@@ -45,17 +45,17 @@ import torch
 import torch.distributed as dist
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
-from . import _env
-from .buffer import ElasticBuffer
-from .event import EventHandle, EventOverlap
-from .legacy_fp8 import per_token_cast_to_fp8
-from .legacy_internode import (
+from .. import _env
+from ..buffer import ElasticBuffer
+from ..event import EventHandle, EventOverlap
+from .fp8 import per_token_cast_to_fp8
+from .internode import (
     internode_handle_tensors,
     predicted_nvl_ranks,
     tokens_per_rdma_rank,
     v1_row_order,
 )
-from .legacy_ll import LowLatencyHandle, ll_combine_weighted, ll_dispatch
+from .low_latency import LowLatencyHandle, ll_combine_weighted, ll_dispatch
 
 __all__ = ["Buffer", "Config", "LowLatencyHandle", "V1Handle", "V1InternodeHandle", "per_token_cast_to_fp8"]
 
@@ -150,7 +150,7 @@ class V1InternodeHandle(V1Handle):
     unless noted. ep has no channels: the channel matrices are one channel (the counts, V1's inclusive prefix over
     one channel); the heads are slot positions in that channel, -1 where not sent; ``send_nvl_head`` has S_u
     columns (V1: NUM_MAX_NVL_PEERS = 8). ``recv_src_meta`` holds V1's SourceMeta bytes (int32 src_rdma_rank, int32
-    is_token_in_nvl_rank_bits). See ``legacy_internode``."""
+    is_token_in_nvl_rank_bits). See ``legacy.internode``."""
 
 
 class Buffer:
@@ -289,7 +289,7 @@ class Buffer:
         return EventOverlap(EventHandle())
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
-        from ._streams import comm_stream
+        from .._streams import comm_stream
 
         return comm_stream(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
@@ -525,7 +525,7 @@ class Buffer:
     # low-latency mode
 
     def _ensure_ll(self, m: int, hidden: int, num_topk: int) -> ElasticBuffer:
-        """The low-latency inner buffer: M tokens, combine rows of K*hidden (see ``legacy_ll``). V1's contract (M,
+        """The low-latency inner buffer: M tokens, combine rows of K*hidden (see ``legacy.low_latency``). V1's contract (M,
         hidden, K equal on every rank) makes a rebuild collective without a collective to agree first."""
         if self._destroyed:
             raise EPStateError("Buffer: used after destroy(); create a new buffer")
@@ -544,7 +544,7 @@ class Buffer:
                 hidden=num_topk * hidden,
                 num_topk=num_topk,
                 # deterministic: rows in (source rank, source token) order, V1's packed order; without, the packing
-                # orders rows by their source key (legacy_ll)
+                # orders rows by their source key (legacy.low_latency)
                 deterministic=self.ll_deterministic,
                 explicitly_destroy=True,
             )
@@ -666,7 +666,7 @@ class Buffer:
     ) -> tuple[torch.Tensor, EventOverlap, Any]:
         """V1 low-latency combine from the packed ``x [E_local, N*M, H]`` bf16: ``combined_x[t] = bf16(sum over lanes
         k ascending with topk_idx[t, k] >= 0 of fp32(expert output) * topk_weights[t, k])``, multiply then add in
-        fp32 (``legacy_reference.ll_combine_reference``, bitwise); returns ``(combined_x, event, hook)``."""
+        fp32 (``legacy.reference.ll_combine_reference``, bitwise); returns ``(combined_x, event, hook)``."""
         if use_logfmt:
             raise NotImplementedError("low_latency_combine: use_logfmt=True (LogFMT compression)")
         if combine_wait_recv_cost_stats is not None:

@@ -16,7 +16,7 @@ them locally, calls the torch API with its own slice and compares bit for bit. S
 - ``module``: ``ep_torch.nn.MoEDispatcher`` against the dense computation.
 
 ``run_all(...)`` returns ``[(name, ok, detail)]``; a check's failure never skips the collectives of the others, so
-ranks stay in step. Command line: ``python -m ep_torch.conformance --ranks 4 [--backend cuda]``.
+ranks stay in step. Command line: ``python -m ep_torch.testing.conformance --ranks 4 [--backend cuda]``.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from ep_core.errors import EPError
 from ep_core.handle import ARRAY_FIELDS, EPHandle
 from ep_core.routing import make_inputs
 
-from . import functional
-from ._convert import from_numpy, to_numpy
-from .buffer import ElasticBuffer, EPBuffer
-from .event import EventHandle, EventOverlap
+from .. import functional
+from .._convert import from_numpy, to_numpy
+from ..buffer import ElasticBuffer, EPBuffer
+from ..event import EventHandle, EventOverlap
 
 __all__ = ["SCENARIOS", "main", "run_all"]
 
@@ -995,7 +995,7 @@ def check_compile(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> N
 
 
 def check_module(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> None:
-    from .nn import MoEDispatcher
+    from ..nn import MoEDispatcher
 
     rank, device = cfg["rank"], cfg["device"]
     e, n = cfg["experts"], cfg["world"]
@@ -1092,7 +1092,7 @@ def check_planner(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[
 
 
 def check_cuda(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[str, Any]) -> None:
-    from .cuda_graph import CapturedStep
+    from ..cuda_graph import CapturedStep
 
     rank, n, device = cfg["rank"], cfg["world"], cfg["device"]
     m, hidden, e, k = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
@@ -1291,7 +1291,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], out_dir: str) -> None:
 
 def run_spawned(ranks: int, cfg: dict[str, Any]) -> list[list[Result]]:
     """Spawn ``ranks`` processes (gloo, or nccl with ``cfg["backend"] == "cuda"``) and return every rank's results."""
-    from .launch import spawn
+    from ..launch import spawn
 
     with tempfile.TemporaryDirectory(prefix="ep-torch-conformance-") as out_dir:
         spawn(_worker, ranks, cfg, out_dir, backend="nccl" if cfg.get("backend") == "cuda" else "gloo")
@@ -1305,7 +1305,9 @@ def run_spawned(ranks: int, cfg: dict[str, Any]) -> list[list[Result]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ep_torch.conformance", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m ep_torch.testing.conformance", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument(
         "--backend",

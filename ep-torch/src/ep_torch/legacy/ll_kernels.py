@@ -4,7 +4,7 @@ compiles them through ep_jit like its other kernels) on torch's current stream w
 
 ``pack`` is the dispatch epilogue (layout + row copy or FP8 cast: two launches, three when rows are ordered by key),
 ``gather_lanes`` builds the wide combine rows, ``weighted_sum`` the fused fp32 lane sum. Each is bit for bit the
-torch composition in ``legacy_ll`` (kept as the CPU path and as the reference of the GPU tests).
+torch composition in ``legacy.low_latency`` (kept as the CPU path and as the reference of the GPU tests).
 """
 
 from __future__ import annotations
