@@ -104,7 +104,7 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
         topk_idx=idx,
         num_worst_tokens=n * T,
     )
-    assert rx3.shape[0] == n * T and counts3 is None and bool((ridx3[len(want) :] == -1).all())
+    assert rx3.shape[0] == n * T and counts3 == [] and bool((ridx3[len(want) :] == -1).all())
     y3, _, _ = buf.combine(rx3, h3)
     assert torch.equal(y3, y)
 

@@ -162,7 +162,7 @@ def _ranks(rank: int, n: int) -> None:
         x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
         num_worst_tokens=worst,
     )  # fmt: skip
-    assert isinstance(h3, V1InternodeHandle) and counts3 is None and rx3.shape[0] == worst
+    assert isinstance(h3, V1InternodeHandle) and counts3 == [] and rx3.shape[0] == worst
     assert torch.equal(rx3[:rows], rx) and bool((ridx3[rows:] == -1).all())
     pad = torch.zeros(worst - rows, H, dtype=torch.bfloat16)
     y3, _, _ = buf.combine(torch.cat([_bf16(scaled(rank, _bits(rx))), pad]), h3)

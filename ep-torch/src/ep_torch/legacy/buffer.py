@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
+from ep_core.topology import MAX_TOPK as _MAX_TOPK
 
 from .. import _env
 from ..buffer import ElasticBuffer
@@ -383,18 +384,16 @@ class Buffer:
                 recv_x = _take(recv_x, handle.perm)
             done = self._done(async_finish, data.is_cuda)
             return self._rows(recv_x, handle.num_rows), None, None, None, None, done
-        if (
-            topk_idx is None
-            or num_tokens_per_expert is None
-            or num_tokens_per_rank is None
-            or is_token_in_rank is None
-        ):
+        if num_tokens_per_expert is None or num_tokens_per_rank is None or is_token_in_rank is None:
             raise EPValueError(
-                f"dispatch (rank {self.rank}): topk_idx, num_tokens_per_rank, is_token_in_rank and "
-                "num_tokens_per_expert are required without a handle (get_dispatch_layout gives them)"
+                f"dispatch (rank {self.rank}): num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert are "
+                "required without a handle (get_dispatch_layout gives them)"
             )
         num_experts = int(num_tokens_per_expert.numel())
-        _check_topk(topk_idx, num_experts, self.group_size, self.rank)
+        if topk_idx is None and topk_weights is not None:
+            raise EPValueError(f"dispatch (rank {self.rank}): topk_weights without topk_idx")
+        if topk_idx is not None:
+            _check_topk(topk_idx, num_experts, self.group_size, self.rank)
         if topk_weights is not None and topk_weights.shape != topk_idx.shape:
             raise EPValueError(
                 f"dispatch (rank {self.rank}): topk_weights shape {tuple(topk_weights.shape)} must equal "
@@ -405,11 +404,17 @@ class Buffer:
                 f"dispatch (rank {self.rank}): expert_alignment must be >= 1, got {expert_alignment}"
             )
         inner = self._size_collectively(int(data.shape[0]), int(data.shape[1]))
-        if topk_weights is None:
-            topk_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        with_topk = topk_idx is not None
+        if with_topk:
+            lanes = topk_idx
+            if topk_weights is None:
+                topk_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        else:  # V1's layout-only dispatch: each token once to each rank of is_token_in_rank
+            lanes = _rank_lanes(is_token_in_rank, num_experts // self.group_size, self.rank)
+            topk_weights = torch.zeros(lanes.shape, dtype=torch.float32, device=lanes.device)
         recv_x, recv_idx, recv_w, ep_handle, _ = inner.dispatch(
             x,
-            topk_idx=topk_idx,
+            topk_idx=lanes,
             topk_weights=topk_weights.float(),
             num_experts=num_experts,
             expert_alignment=expert_alignment,
@@ -424,29 +429,50 @@ class Buffer:
             recv_x, recv_idx, recv_w = _take(recv_x, perm), recv_idx[perm], recv_w[perm]
         # V1: a lane whose expert is not on this rank carries weight 0 (ep sends the full row)
         recv_w = torch.where(recv_idx >= 0, recv_w, torch.zeros_like(recv_w))
-        counts = list(ep_handle.num_recv_tokens_per_expert_list)
+        if with_topk:
+            counts = list(ep_handle.num_recv_tokens_per_expert_list)
+        else:  # V1 counts the experts' tokens from num_tokens_per_expert (ep's lanes above are per rank)
+            counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
         rows = num_recv
         if num_worst_tokens > 0:
             if num_recv > num_worst_tokens:
                 raise EPValueError(
                     f"dispatch (rank {self.rank}): received {num_recv} tokens > num_worst_tokens={num_worst_tokens}"
                 )
-            rows, counts = num_worst_tokens, None  # V1: no per-expert list with num_worst_tokens
+            rows, counts = num_worst_tokens, []  # V1: an empty per-expert list with num_worst_tokens
             recv_x = self._rows(recv_x, rows)
             recv_idx = _pad(recv_idx, rows, -1)
             recv_w = _pad(recv_w, rows, 0)
-        items = self._handle_tensors(ep_handle, is_token_in_rank, topk_idx)
+        items = self._handle_tensors(ep_handle, is_token_in_rank, lanes)
+        rank_prefix_matrix = items[0]
         if perm is None:
             v1: V1Handle = V1Handle(items, ep_handle, rows)
         else:
-            rank_prefix_matrix, _, _, _, itr, _ = items
+            _, _, _, _, itr, _ = items
             meta = torch.as_tensor(ep_handle.recv_src_metadata)[:num_recv, 0].to(torch.int64).to(perm.device)
             tensors = internode_handle_tensors(
                 self.group, self.rank, nvl, int(ep_handle.num_max_tokens_per_rank), itr, rank_prefix_matrix,
                 meta[perm],
             )  # fmt: skip
             v1 = V1InternodeHandle(tensors, ep_handle, rows, perm)
+        # what combine's weight reduction needs: rows per source rank (V1 rows are source rank, then token) and
+        # the tokens this rank sent to each rank
+        v1.rank_prefix_matrix, v1.is_token_in_rank = rank_prefix_matrix, items[4]
+        if not with_topk:
+            return recv_x, None, None, counts, v1, self._done(async_finish, data.is_cuda)
         return recv_x, recv_idx, recv_w, counts, v1, self._done(async_finish, data.is_cuda)
+
+    def _expert_counts(self, num_tokens_per_expert: torch.Tensor, expert_alignment: int) -> list[int]:
+        """V1's ``num_recv_tokens_per_expert_list``: every rank's ``num_tokens_per_expert`` summed (a collective),
+        this rank's experts, each aligned up to ``expert_alignment``."""
+        total = num_tokens_per_expert.to(torch.int64)
+        if dist.get_backend(self.group) != "nccl":
+            total = total.cpu()
+        total = total.clone()
+        dist.all_reduce(total, group=self.group)
+        epr = total.numel() // self.group_size
+        mine = total[self.rank * epr : (self.rank + 1) * epr].tolist()
+        return [_align(int(c), expert_alignment) for c in mine]
 
     def _handle_tensors(self, ep_handle: Any, is_token_in_rank: Any, topk_idx: torch.Tensor) -> tuple:
         n = self.group_size
@@ -487,9 +513,10 @@ class Buffer:
         allocate_on_comm_stream: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         """V1 normal combine: the unweighted sum of each source token's received rows (plus bias), returning
-        ``(combined_x, combined_topk_weights, event)``. ``combined_topk_weights[t, k]`` is the weight the owner of
-        lane k sent back; V1 sums all ranks' weights, which is the same when non-owner lanes carry 0 (as dispatch
-        returns them)."""
+        ``(combined_x, combined_topk_weights, event)``. ``combined_topk_weights[t, k]`` is V1's: the fp32 sum,
+        from 0.0 over the ranks the token went to in ascending order, of the lane-k weight each sends back (a
+        weight the caller changed on a lane whose expert is elsewhere counts too). One ``all_to_all_single`` of
+        the [rows, K] weights over the group carries them."""
         if not isinstance(handle, V1Handle):
             raise EPTypeError(f"combine: handle must come from Buffer.dispatch, got {type(handle).__name__}")
         if x.shape[0] != handle.num_rows:
@@ -508,8 +535,35 @@ class Buffer:
             x = x[inv]
             w = None if w is None else w[inv]
         num_sms = (config or self.get_combine_config(self.group_size)).num_sms
-        out, out_w, _ = self._inner.combine(x, ep_handle, topk_weights=w, bias=bias, num_sms=num_sms)
+        out, _, _ = self._inner.combine(x, ep_handle, bias=bias, num_sms=num_sms)
+        out_w = None if topk_weights is None else self._reduce_weights(handle, topk_weights[:rows].float())
         return out, out_w, self._done(async_finish, x.is_cuda)
+
+    def _reduce_weights(self, handle: V1Handle, w: torch.Tensor) -> torch.Tensor:
+        """V1's combined top-k weights: each receiving rank sends its ``[rows, K]`` weights back to the rows' source
+        ranks (V1 rows are source rank, then token), and each source adds them, from 0.0 in ascending rank order,
+        at the tokens it sent to that rank (``is_token_in_rank``'s token order)."""
+        itr = handle.is_token_in_rank
+        splits = getattr(handle, "weight_splits", None)
+        if splits is None:  # host split sizes, read once per handle
+            col = handle.rank_prefix_matrix[:, self.rank].to(torch.int64).cpu()
+            recv = torch.diff(col, prepend=col.new_zeros(1)).tolist()
+            sent = [int(v) for v in itr.sum(0).cpu().tolist()]
+            tokens = [itr[:, r].nonzero().flatten() for r in range(self.group_size)]
+            splits = handle.weight_splits = ([int(v) for v in recv], sent, tokens)
+        recv, sent, tokens = splits
+        host = dist.get_backend(self.group) != "nccl"  # gloo exchanges host tensors
+        src = w.contiguous().cpu() if host else w.contiguous()
+        back = src.new_empty((sum(sent), w.shape[1]))
+        dist.all_to_all_single(back, src, output_split_sizes=sent, input_split_sizes=recv, group=self.group)
+        back = back.to(w.device)
+        out = torch.zeros((itr.shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
+        start = 0
+        for r in range(self.group_size):
+            if sent[r]:
+                out.index_add_(0, tokens[r], back[start : start + sent[r]])
+                start += sent[r]
+        return out
 
     def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -802,6 +856,28 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
             if hasattr(o, "ep_handle"):  # its tensors, the unviewed block of a repeated dispatch's included
                 stack.extend(v for v in o.ep_handle.held() if isinstance(v, torch.Tensor))
     return found
+
+
+def _rank_lanes(is_token_in_rank: torch.Tensor, experts_per_rank: int, rank: int) -> torch.Tensor:
+    """Top-k lanes that send each token once to each rank of ``is_token_in_rank`` [T, N]: lane j of token t holds
+    the first expert of its j-th destination rank, -1 past its last (at most ``MAX_TOPK`` destinations a token)."""
+    t, n = int(is_token_in_rank.shape[0]), int(is_token_in_rank.shape[1])
+    dev = is_token_in_rank.device
+    first = torch.arange(n, dtype=torch.int64, device=dev) * experts_per_rank
+    lanes = torch.where(
+        is_token_in_rank.bool(), first.expand(t, n), torch.full((t, n), -1, dtype=torch.int64, device=dev)
+    )
+    if n <= _MAX_TOPK:
+        return lanes
+    # more ranks than lanes: each token's destinations first (a stable sort keeps them in rank order)
+    order = torch.sort((lanes < 0).to(torch.int8), dim=1, stable=True).indices
+    lanes = torch.gather(lanes, 1, order)
+    if t and not is_token_in_rank.is_cuda and bool((lanes[:, _MAX_TOPK:] >= 0).any()):
+        raise EPValueError(
+            f"dispatch (rank {rank}): without topk_idx a token may go to at most {_MAX_TOPK} ranks "
+            "(pass topk_idx)"
+        )
+    return lanes[:, :_MAX_TOPK].contiguous()
 
 
 def _take(recv_x: Any, perm: torch.Tensor) -> Any:
