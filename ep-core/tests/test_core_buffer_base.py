@@ -154,3 +154,24 @@ def test_timeout_error_pickles():
     e2 = pickle.loads(pickle.dumps(e))
     assert (e2.rank, e2.tag, e2.counter, e2.value, str(e2)) == (3, "dispatch.notify", 7, 42, str(e))
     assert isinstance(e2, TimeoutError) and isinstance(e2, ec.EPError)
+
+
+def test_alignment_constants_and_aligned_plan_size():
+    from ep_core.buffer_base import (
+        NUM_ALLOCATION_ALIGN_BYTES,
+        NUM_RDMA_ALIGN_BYTES,
+        NUM_TMA_ALIGN_BYTES,
+        BufferAllocator,
+        align,
+    )
+
+    assert (NUM_ALLOCATION_ALIGN_BYTES, NUM_RDMA_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES) == (2 << 20, 64, 32)
+    assert (
+        NUM_ALLOCATION_ALIGN_BYTES % NUM_RDMA_ALIGN_BYTES == 0
+        and NUM_RDMA_ALIGN_BYTES % NUM_TMA_ALIGN_BYTES == 0
+    )
+    plan = BufferAllocator()
+    assert plan.num_aligned_bytes == 0
+    plan.tensor("a", (3,), "float32")
+    assert plan.num_bytes == 12 and plan.num_aligned_bytes == 2 << 20
+    assert align(0, 64) == 0 and align(65, 64) == 128

@@ -18,12 +18,40 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from ep_layout import NUM_SYMMETRIC_ALIGN_BYTES
+from ep_layout import NUM_TMA_ALIGN_BYTES as _LAYOUT_TMA_ALIGN_BYTES
 
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.device_array import DTYPE_SIZES, DeviceArray
 from ep_core.errors import EPConfigError, EPPlanMismatchError, EPStateError, EPTypeError
 
-__all__ = ["BufferAllocator", "BufferBase", "HostStorage", "SymmetricStorage", "TensorSpec"]
+__all__ = [
+    "NUM_ALLOCATION_ALIGN_BYTES",
+    "NUM_RDMA_ALIGN_BYTES",
+    "NUM_TMA_ALIGN_BYTES",
+    "BufferAllocator",
+    "BufferBase",
+    "HostStorage",
+    "SymmetricStorage",
+    "TensorSpec",
+    "align",
+]
+
+NUM_ALLOCATION_ALIGN_BYTES = NUM_SYMMETRIC_ALIGN_BYTES
+"""Granularity of a buffer's storage and of each tensor of a torch allocation plan: 2 MiB (DeepEP's
+``get_num_allocation_alignment()``, ep-layout's symmetric allocation granularity)."""
+
+NUM_TMA_ALIGN_BYTES = _LAYOUT_TMA_ALIGN_BYTES
+"""Alignment of every token part and of the bytes a TMA copy moves: 32 (DeepEP's ``get_num_tma_alignment()``)."""
+
+NUM_RDMA_ALIGN_BYTES = 64
+"""Alignment of the pieces a bucket session hands out and of RDMA payloads: 64 (DeepEP's
+``get_num_rdma_alignment()``; a multiple of the TMA alignment, a divisor of the allocation alignment)."""
+
+
+def align(num_bytes: int, alignment: int) -> int:
+    """``num_bytes`` rounded up to a multiple of ``alignment``."""
+    return -(-int(num_bytes) // alignment) * alignment
 
 
 @runtime_checkable
@@ -122,6 +150,11 @@ class BufferAllocator:
     def num_bytes(self) -> int:
         """Bytes the plan needs (end of the last tensor)."""
         return self._end
+
+    @property
+    def num_aligned_bytes(self) -> int:
+        """``num_bytes`` rounded up to ``NUM_ALLOCATION_ALIGN_BYTES`` (2 MiB): the storage to allocate for it."""
+        return align(self._end, NUM_ALLOCATION_ALIGN_BYTES)
 
     def check(self, bootstrap: Bootstrap, domain: Sequence[int] | None = None) -> None:
         """Compare this rank's plan with every rank of `domain` (default: all ranks) through the bootstrap.

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from ep_core.handle import EPHandle
 
-from .bucket_buffer import BucketBuffer
+from . import comm
+from .bucket_buffer import BucketBuffer, BucketSession
 from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
+from .buffer_base import (
+    BufferAllocator,
+    BufferBase,
+    get_num_allocation_alignment,
+    get_num_rdma_alignment,
+    get_num_tma_alignment,
+)
 from .engram_buffer import EngramBuffer
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config
@@ -22,7 +30,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BucketBuffer",
+    "BucketSession",
     "Buffer",
+    "BufferAllocator",
+    "BufferBase",
     "Config",
     "EPBuffer",
     "EPHandle",
@@ -32,5 +43,9 @@ __all__ = [
     "EventOverlap",
     "PPBuffer",
     "__version__",
+    "comm",
+    "get_num_allocation_alignment",
+    "get_num_rdma_alignment",
+    "get_num_tma_alignment",
     "topk_idx_t",
 ]

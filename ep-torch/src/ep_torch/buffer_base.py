@@ -1,0 +1,124 @@
+"""DeepEP 2.5's shared buffer pieces: ``BufferBase``, ``BufferAllocator`` and the alignment queries.
+
+``BufferAllocator().allocate(shape, dtype)`` plans a tensor and returns a ``meta`` tensor of that shape and dtype at
+once; a buffer that owns the storage (``EPBuffer(lb_allocation_plan_or_num_bytes=plan)``) later ``materialize``\\ s
+the plan: every planned tensor object becomes, in place (``torch.utils.swap_tensors``), a view of its bytes in the
+storage, so references taken before materialisation see the storage. Each tensor starts on a 2 MiB boundary and
+``num_bytes`` is a multiple of 2 MiB (``get_num_allocation_alignment()``), as DeepEP lays its plans out. The plan
+itself is ep-core's ``BufferAllocator`` (offsets, the cross-rank plan check); this class adds torch dtypes and the
+meta tensors.
+
+``BufferBase`` is DeepEP's common base class. ep's buffers keep their own classes (``ElasticBuffer``, ``EPBuffer``,
+``PPBuffer``, ``EngramBuffer``, ``BucketBuffer``, V1's ``Buffer``): they are registered as its virtual subclasses, so
+``isinstance(buffer, BufferBase)`` holds as with DeepEP; each has ``destroy()`` and ``explicitly_destroy``.
+
+``get_num_allocation_alignment()`` (2 MiB), ``get_num_rdma_alignment()`` (64) and ``get_num_tma_alignment()`` (32)
+return DeepEP's values, which are ep's (``ep_core.buffer_base``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import torch
+from ep_core.buffer_base import NUM_ALLOCATION_ALIGN_BYTES, NUM_RDMA_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES
+from ep_core.buffer_base import BufferAllocator as _CorePlan
+from ep_core.errors import EPConfigError, EPStateError, EPTypeError
+
+__all__ = [
+    "BufferAllocator",
+    "BufferBase",
+    "get_num_allocation_alignment",
+    "get_num_rdma_alignment",
+    "get_num_tma_alignment",
+]
+
+
+def get_num_allocation_alignment() -> int:
+    """Bytes every buffer size and every planned tensor's offset are multiples of: 2 MiB."""
+    return NUM_ALLOCATION_ALIGN_BYTES
+
+
+def get_num_rdma_alignment() -> int:
+    """Bytes the pieces of a bucket session and RDMA payloads are aligned to: 64."""
+    return NUM_RDMA_ALIGN_BYTES
+
+
+def get_num_tma_alignment() -> int:
+    """Bytes a TMA copy's size and addresses are multiples of: 32 (e.g. bytes per expert in ``lb_*``)."""
+    return NUM_TMA_ALIGN_BYTES
+
+
+class BufferBase(abc.ABC):
+    """DeepEP's base class of communication buffers (lifecycle: ``explicitly_destroy``, ``destroy()``). ep's buffer
+    classes are registered as virtual subclasses (see the module docstring)."""
+
+    explicitly_destroy: bool
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release the buffer (a collective); only for buffers built with ``explicitly_destroy=True``."""
+
+
+class BufferAllocator:
+    """Plan aligned tensors before their storage exists (DeepEP's ``BufferAllocator``)."""
+
+    def __init__(self) -> None:
+        self.alignment = NUM_ALLOCATION_ALIGN_BYTES
+        self.allocations: list[tuple[torch.Tensor, int]] = []
+        self.materialized = False
+        self._plan = _CorePlan()
+
+    @property
+    def num_bytes(self) -> int:
+        """Storage bytes the plan needs: a multiple of ``alignment`` (2 MiB)."""
+        return self._plan.num_aligned_bytes
+
+    def allocate(self, shape: Sequence[int] | int | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Plan one tensor and return its ``meta`` placeholder (the same object becomes the real tensor)."""
+        if self.materialized:
+            raise EPStateError(
+                "BufferAllocator.allocate: the plan was materialized already; plan every tensor first"
+            )
+        if not isinstance(dtype, torch.dtype):
+            raise EPTypeError(f"BufferAllocator.allocate: dtype must be a torch.dtype, got {dtype!r}")
+        tensor = torch.empty(shape, dtype=dtype, device="meta")
+        name = str(dtype).removeprefix("torch.")
+        spec = self._plan.tensor(
+            f"t{len(self.allocations)}", tuple(tensor.shape), name, alignment=self.alignment
+        )
+        self.allocations.append((tensor, spec.offset))
+        return tensor
+
+    def materialize(self, storage: torch.Tensor) -> None:
+        """Turn every planned tensor, in place, into a view of ``storage`` (1-D uint8, exactly ``num_bytes``)."""
+        if self.materialized:
+            raise EPStateError("BufferAllocator.materialize: a plan is materialized once")
+        if storage.dtype != torch.uint8 or storage.dim() != 1 or not storage.is_contiguous():
+            raise EPTypeError(
+                f"BufferAllocator.materialize: storage must be a contiguous 1-D uint8 tensor, got "
+                f"{tuple(storage.shape)} {storage.dtype}"
+            )
+        if storage.numel() != self.num_bytes:
+            raise EPConfigError(
+                f"BufferAllocator.materialize: storage has {storage.numel()} bytes, the plan needs {self.num_bytes}"
+            )
+        for tensor, offset in self.allocations:
+            view = storage.narrow(0, offset, tensor.nbytes).view(tensor.dtype).view(tensor.shape)
+            torch.utils.swap_tensors(tensor, view)
+        self.materialized = True
+
+
+def _register_buffers() -> None:
+    from .bucket_buffer import BucketBuffer
+    from .buffer import ElasticBuffer
+    from .engram_buffer import EngramBuffer
+    from .legacy import Buffer
+    from .pp_buffer import PPBuffer
+
+    for cls in (ElasticBuffer, PPBuffer, EngramBuffer, BucketBuffer, Buffer):  # EPBuffer: an ElasticBuffer
+        BufferBase.register(cls)
+
+
+_register_buffers()
