@@ -20,11 +20,14 @@ from .buffer_base import (
     get_num_allocation_alignment,
     get_num_rdma_alignment,
     get_num_tma_alignment,
+    register_buffers,
 )
 from .engram_buffer import EngramBuffer
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config
 from .pp_buffer import PPBuffer
+
+register_buffers()  # isinstance(buffer, BufferBase) for every buffer class, as DeepEP's subclasses
 
 __version__ = "0.1.0"
 

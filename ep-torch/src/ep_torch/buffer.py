@@ -37,6 +37,7 @@ from . import _env, host_extension
 from .bootstrap import ProcessGroupBootstrap
 from .elastic_ops import ElasticOps
 from .event import EventHandle, EventOverlap
+from .load_balance import LoadBalance
 from .transport_choice import (
     choose_transport,
     data_device,
@@ -1076,8 +1077,9 @@ class ElasticBuffer(ElasticOps):
         return getattr(self.runtime.transport, "communicator", None)
 
 
-class EPBuffer(ElasticBuffer):
+class EPBuffer(LoadBalance, ElasticBuffer):
     """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s keywords, methods and return
-    tuples, with planner policy V2.5 (margin 1.3, multiples of 4 SMs)."""
+    tuples, with planner policy V2.5 (margin 1.3, multiples of 4 SMs), and DeepEP 2.5's load balancing
+    (``lb_allocation_plan_or_num_bytes=``, ``lb_*``: ``ep_torch.load_balance``)."""
 
     policy: PlannerPolicy = PlannerPolicy.V2_5

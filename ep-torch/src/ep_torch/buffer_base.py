@@ -110,7 +110,8 @@ class BufferAllocator:
         self.materialized = True
 
 
-def _register_buffers() -> None:
+def register_buffers() -> None:
+    """Register ep's buffer classes as virtual subclasses (``ep_torch/__init__`` calls it once all are imported)."""
     from .bucket_buffer import BucketBuffer
     from .buffer import ElasticBuffer
     from .engram_buffer import EngramBuffer
@@ -119,6 +120,3 @@ def _register_buffers() -> None:
 
     for cls in (ElasticBuffer, PPBuffer, EngramBuffer, BucketBuffer, Buffer):  # EPBuffer: an ElasticBuffer
         BufferBase.register(cls)
-
-
-_register_buffers()

@@ -1,0 +1,307 @@
+"""DeepEP 2.5's redundant-expert load balancing on ``EPBuffer``: ``lb_allocation_plan_or_num_bytes``,
+``lb_prefetch_weights``, ``lb_reduce_grads``, ``lb_get_theoretical_num_sms``.
+
+``EPBuffer(..., lb_allocation_plan_or_num_bytes=plan_or_bytes)`` adds an LB region of that many bytes (a multiple
+of ``get_num_allocation_alignment()``; a ``BufferAllocator`` plan is materialised into it in place, and every rank
+of the group must plan the same tensors: checked at construction). ``buffer.num_lb_bytes`` and
+``buffer.lb_storage`` (1-D uint8, None without a region) describe it. The redundant tensors must lie in the region,
+as DeepEP requires (so code written for ep runs on DeepEP).
+
+- ``lb_prefetch_weights(redundant_expert_weights, expert_weights, redundancy_mapping, num_sms=0,
+  previous_event=None)``: fills every slot of this rank's row of ``redundancy_mapping`` with its expert's weights
+  (one tensor or a sequence of tensors, paired by position; bytes per expert equal on both sides and a multiple of
+  ``get_num_tma_alignment()``); empty slots (-1) keep their bytes.
+- ``lb_reduce_grads(redundant_expert_grads, expert_grads, redundancy_mapping, num_sms=0, previous_event=None)``:
+  ``expert_grads`` ([L, hidden] fp32) += the redundant gradients ([R, hidden] fp32) of every slot holding that
+  expert, added in ascending (LSA rank, slot) order (deterministic; DeepEP's atomics add in any order).
+
+Both return an ``EventOverlap`` recorded on the current stream after the work, run on the current stream after
+``previous_event``, and are collectives: every rank of the buffer's group calls them (DeepEP: every rank of the
+NVLink domain). Semantics and the oracle are ``ep_core.load_balance``.
+
+How the bytes move: a slot filled from this rank's own expert is one device copy (``Tensor.copy_``); the others go
+through one ``all_to_all_single`` of the group per tensor (NCCL on CUDA; gloo through host memory) and a copy into
+place. DeepEP's kernels instead store into the peers' LB regions over NVLink with ``num_sms`` SMs; here ``num_sms``
+is validated and otherwise unused, and the LB region is this rank's own memory (not a symmetric window).
+``lb_get_theoretical_num_sms()`` is DeepEP's estimate (``ep_core.load_balance.lb_num_sms``) over ep's scale-up
+bandwidth (``EPKIT_NVLINK_GBS`` or detection).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from ep_core.buffer_base import NUM_ALLOCATION_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES
+from ep_core.buffer_base import BufferAllocator as _CorePlan
+from ep_core.errors import EPStateError, EPTypeError, EPValueError
+from ep_core.load_balance import check_redundancy_mapping, lb_num_sms, lb_routes
+
+from .buffer_base import BufferAllocator
+from .event import EventHandle, EventOverlap
+
+__all__ = ["LoadBalance"]
+
+
+class LoadBalance:
+    """The ``lb_*`` part of ``EPBuffer`` (a mixin before ``ElasticBuffer`` in its bases)."""
+
+    def __init__(
+        self, *args: Any, lb_allocation_plan_or_num_bytes: BufferAllocator | int = 0, **kwargs: Any
+    ) -> None:
+        # checked before the buffer is built (a collective)
+        num = _lb_num_bytes(lb_allocation_plan_or_num_bytes)
+        super().__init__(*args, **kwargs)
+        self._init_lb(lb_allocation_plan_or_num_bytes, num)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """``inspect.signature(EPBuffer.__init__)``: the next base's parameters plus the keyword-only LB one."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        base = mro[mro.index(LoadBalance) + 1]
+        sig = inspect.signature(base.__init__)
+        params = list(sig.parameters.values())
+        at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+        lb = inspect.Parameter(
+            "lb_allocation_plan_or_num_bytes",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=0,
+            annotation="BufferAllocator | int",
+        )
+        LoadBalance.__init__.__signature__ = sig.replace(parameters=[*params[:at], lb, *params[at:]])  # type: ignore[attr-defined]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # the LB region
+
+    def _init_lb(self, plan_or_bytes: BufferAllocator | int, num: int) -> None:
+        plan = plan_or_bytes if isinstance(plan_or_bytes, BufferAllocator) else None
+        # every rank must lay the region out alike (peers address slots by offset): compare the plans
+        core = plan._plan if plan is not None else _CorePlan()
+        if plan is None and num:
+            core.tensor("lb", (num,), "uint8")
+        core.check(self.bootstrap)
+        self.num_lb_bytes = num
+        self.lb_storage: torch.Tensor | None = (
+            torch.zeros(num, dtype=torch.uint8, device=self.device) if num else None
+        )
+        if plan is not None and self.lb_storage is not None:
+            plan.materialize(self.lb_storage)
+
+    def destroy(self) -> None:
+        super().destroy()  # type: ignore[misc]
+        self.lb_storage = None
+
+    def lb_get_theoretical_num_sms(self) -> int:
+        """SMs that keep up with the scale-up bandwidth reading expert weights and writing them to a peer (even)."""
+        cached = getattr(self, "_lb_num_sms", None)
+        if cached is None:
+            from ep_core.planner import detect_scaleup_gbs
+
+            cached = self._lb_num_sms = lb_num_sms(detect_scaleup_gbs(max(int(self.num_nvlink_ranks), 2))[0])
+        return cached
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # prefetch and reduce
+
+    def lb_prefetch_weights(
+        self,
+        redundant_expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+        expert_weights: Sequence[torch.Tensor] | torch.Tensor,
+        redundancy_mapping: torch.Tensor,
+        num_sms: int = 0,
+        previous_event: EventHandle | None = None,
+    ) -> EventOverlap:
+        """Fill this rank's redundant slots with their experts' weights (a collective; see the module docstring)."""
+        dsts = _as_list(redundant_expert_weights, "redundant_expert_weights")
+        srcs = _as_list(expert_weights, "expert_weights")
+        if len(dsts) != len(srcs):
+            raise EPValueError(
+                f"lb_prefetch_weights: {len(dsts)} redundant tensors but {len(srcs)} expert tensors (pair them)"
+            )
+        num_local = int(srcs[0].shape[0]) if srcs[0].dim() else 0
+        mapping, routes = self._lb_mapping(redundancy_mapping, num_local, "lb_prefetch_weights")
+        pairs = []
+        for i, (dst, src) in enumerate(zip(dsts, srcs, strict=True)):
+            self._lb_check_region(dst, f"redundant_expert_weights[{i}]")
+            if not src.is_contiguous() or src.dim() < 1 or src.shape[0] != num_local or num_local < 1:
+                raise EPValueError(
+                    f"lb_prefetch_weights: expert_weights[{i}] must be contiguous [num_local_experts={num_local}, ...] "
+                    f"with num_local_experts > 0, got {tuple(src.shape)}"
+                )
+            if dst.dim() < 1 or dst.shape[0] != mapping.shape[1]:
+                raise EPValueError(
+                    f"lb_prefetch_weights: redundant_expert_weights[{i}] must be [num_redundant_experts="
+                    f"{mapping.shape[1]}, ...], got {tuple(dst.shape)}"
+                )
+            per = src.nbytes // num_local
+            if (dst.shape[0] and dst.nbytes // dst.shape[0] != per) or per % NUM_TMA_ALIGN_BYTES:
+                raise EPValueError(
+                    f"lb_prefetch_weights: pair {i}: bytes per expert must match ({per} in expert_weights, "
+                    f"{dst.nbytes // max(dst.shape[0], 1)} in redundant_expert_weights) and be a multiple of "
+                    f"{NUM_TMA_ALIGN_BYTES}"
+                )
+            if src.device != dst.device:
+                raise EPValueError(f"lb_prefetch_weights: pair {i}: tensors on {src.device} and {dst.device}")
+            pairs.append((_rows(dst), _rows(src)))
+        self._lb_num_sms_arg(num_sms)
+        _wait(previous_event)
+        me = routes.lsa_rank
+        for dst, src in pairs:
+            for local, slot in routes.send[me]:  # this rank's own experts into its own slots
+                dst[slot].copy_(src[local])
+            if self.num_ranks > 1:
+                send = [routes.send[s] if s != me else () for s in range(len(routes.send))]
+                got = self._lb_exchange(
+                    src,
+                    [[lo for lo, _ in p] for p in send],
+                    [len(v) if s != me else 0 for s, v in enumerate(routes.recv)],
+                )
+                k = 0
+                for s, slots in enumerate(routes.recv):
+                    if s == me:
+                        continue
+                    for slot in slots:
+                        dst[slot].copy_(got[k])
+                        k += 1
+        return EventOverlap(EventHandle(device=self.device))
+
+    def lb_reduce_grads(
+        self,
+        redundant_expert_grads: torch.Tensor,
+        expert_grads: torch.Tensor,
+        redundancy_mapping: torch.Tensor,
+        num_sms: int = 0,
+        previous_event: EventHandle | None = None,
+    ) -> EventOverlap:
+        """Add the redundant slots' gradients into their experts' ``expert_grads`` (a collective; accumulates)."""
+        red, grads = redundant_expert_grads, expert_grads
+        if not isinstance(red, torch.Tensor) or not isinstance(grads, torch.Tensor):
+            raise EPTypeError("lb_reduce_grads: redundant_expert_grads and expert_grads must be tensors")
+        for name, t in (("redundant_expert_grads", red), ("expert_grads", grads)):
+            if t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous():
+                raise EPValueError(
+                    f"lb_reduce_grads: {name} must be a contiguous 2-D float32 tensor, got {tuple(t.shape)} {t.dtype}"
+                )
+        if red.shape[1] != grads.shape[1] or grads.shape[0] < 1:
+            raise EPValueError(
+                f"lb_reduce_grads: expected [num_redundant_experts, hidden] and [num_local_experts > 0, hidden], got "
+                f"{tuple(red.shape)} and {tuple(grads.shape)}"
+            )
+        if (red.shape[1] * 4) % NUM_TMA_ALIGN_BYTES:
+            raise EPValueError(
+                f"lb_reduce_grads: hidden * 4 bytes must be a multiple of {NUM_TMA_ALIGN_BYTES}"
+            )
+        self._lb_check_region(red, "redundant_expert_grads")
+        mapping, routes = self._lb_mapping(redundancy_mapping, int(grads.shape[0]), "lb_reduce_grads")
+        if red.shape[0] != mapping.shape[1]:
+            raise EPValueError(
+                f"lb_reduce_grads: redundant_expert_grads must have num_redundant_experts={mapping.shape[1]} rows"
+            )
+        self._lb_num_sms_arg(num_sms)
+        _wait(previous_event)
+        me = routes.lsa_rank
+        chunks: dict[int, torch.Tensor] = {}
+        if self.num_ranks > 1:  # this rank's slots go back to their experts' owners
+            send = [list(routes.recv[s]) if s != me else [] for s in range(len(routes.recv))]
+            got = self._lb_exchange(red, send, [len(p) if s != me else 0 for s, p in enumerate(routes.send)])
+            k = 0
+            for s, p in enumerate(routes.send):
+                if s != me and p:
+                    chunks[s] = got[k : k + len(p)]
+                    k += len(p)
+        for s, p in enumerate(routes.send):  # ascending (LSA rank, slot)
+            for j, (local, slot) in enumerate(p):
+                row = red[slot] if s == me else chunks[s][j]
+                grads[local].add_(row)
+        return EventOverlap(EventHandle(device=self.device))
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # helpers
+
+    def _lb_mapping(self, mapping: torch.Tensor, num_local: int, op: str) -> tuple[np.ndarray, Any]:
+        if not isinstance(mapping, torch.Tensor):
+            raise EPTypeError(
+                f"{op}: redundancy_mapping must be a torch tensor, got {type(mapping).__name__}"
+            )
+        nvl = int(self.num_nvlink_ranks)
+        m = check_redundancy_mapping(mapping.detach().cpu().numpy(), nvl, max(num_local, 1))
+        return m, lb_routes(m, int(self.rank_idx) % nvl, max(num_local, 1))
+
+    def _lb_check_region(self, t: torch.Tensor, name: str) -> None:
+        if not isinstance(t, torch.Tensor) or not t.is_contiguous():
+            raise EPValueError(f"{name}: must be a contiguous tensor")
+        storage = getattr(self, "lb_storage", None)
+        if storage is None:
+            raise EPStateError(
+                f"{name}: this buffer has no LB region; build it with lb_allocation_plan_or_num_bytes= (a "
+                "BufferAllocator plan or a byte count)"
+            )
+        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.numel()
+        if t.device != storage.device or not (lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi):
+            raise EPValueError(
+                f"{name}: must lie in this buffer's LB region (lb_storage or a tensor of its plan)"
+            )
+
+    def _lb_num_sms_arg(self, num_sms: int) -> int:
+        if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 0:
+            raise EPValueError(
+                f"num_sms: expected an int >= 0 (0 = lb_get_theoretical_num_sms()), got {num_sms!r}"
+            )
+        return num_sms + num_sms % 2
+
+    def _lb_exchange(self, rows: torch.Tensor, send: list[list[int]], recv_counts: list[int]) -> torch.Tensor:
+        """One ``all_to_all_single`` over the group: rows ``send[s]`` of ``rows`` to LSA rank ``s`` of this rank's
+        NVLink domain; returns the ``sum(recv_counts)`` rows received, by source LSA rank."""
+        nvl = int(self.num_nvlink_ranks)
+        base = int(self.rank_idx) - int(self.rank_idx) % nvl
+        n = int(self.num_ranks)
+        in_splits, out_splits = [0] * n, [0] * n
+        for s in range(nvl):
+            in_splits[base + s], out_splits[base + s] = len(send[s]), recv_counts[s]
+        index = torch.tensor([i for p in send for i in p], dtype=torch.int64, device=rows.device)
+        out_buf = torch.index_select(rows, 0, index)
+        host = dist.get_backend(self.group) != "nccl" and rows.is_cuda  # gloo exchanges host tensors
+        if host:
+            out_buf = out_buf.cpu()
+        got = out_buf.new_empty((sum(out_splits), *rows.shape[1:]))
+        dist.all_to_all_single(
+            got, out_buf, output_split_sizes=out_splits, input_split_sizes=in_splits, group=self.group
+        )
+        return got.to(rows.device) if host else got
+
+
+def _lb_num_bytes(plan_or_bytes: BufferAllocator | int) -> int:
+    plan = plan_or_bytes if isinstance(plan_or_bytes, BufferAllocator) else None
+    if plan is not None and plan.materialized:
+        raise EPStateError(
+            "lb_allocation_plan_or_num_bytes: the plan was materialized already (one buffer per plan)"
+        )
+    num = plan.num_bytes if plan is not None else plan_or_bytes
+    if isinstance(num, bool) or not isinstance(num, int) or num < 0 or num % NUM_ALLOCATION_ALIGN_BYTES:
+        raise EPValueError(
+            f"lb_allocation_plan_or_num_bytes: expected a BufferAllocator or a byte count >= 0 that is a multiple "
+            f"of {NUM_ALLOCATION_ALIGN_BYTES} (get_num_allocation_alignment()), got {plan_or_bytes!r}"
+        )
+    return num
+
+
+def _as_list(x: Sequence[torch.Tensor] | torch.Tensor, name: str) -> list[torch.Tensor]:
+    items = [x] if isinstance(x, torch.Tensor) else list(x)
+    if not items or any(not isinstance(t, torch.Tensor) for t in items):
+        raise EPValueError(f"{name}: expected a tensor or a nonempty sequence of tensors (no None)")
+    return items
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, bytes per row]`` uint8 (a view; ``t`` contiguous)."""
+    return t.view(torch.uint8).view(t.shape[0], -1) if t.shape[0] else t.reshape(0, 0).view(torch.uint8)
+
+
+def _wait(previous_event: Any) -> None:
+    handle = getattr(previous_event, "event", previous_event)
+    if isinstance(handle, EventHandle):
+        handle.current_stream_wait()
