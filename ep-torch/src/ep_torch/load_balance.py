@@ -59,11 +59,13 @@ class LoadBalance:
         self._init_lb(lb_allocation_plan_or_num_bytes, num)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """``inspect.signature(EPBuffer.__init__)``: the next base's parameters plus the keyword-only LB one."""
+        """A subclass without its own ``__init__`` gets one whose signature is the next base's plus the keyword-only
+        LB parameter (``inspect.signature(EPBuffer.__init__)`` reads like DeepEP's)."""
         super().__init_subclass__(**kwargs)
+        if "__init__" in vars(cls):
+            return
         mro = cls.__mro__
-        base = mro[mro.index(LoadBalance) + 1]
-        sig = inspect.signature(base.__init__)
+        sig = inspect.signature(mro[mro.index(LoadBalance) + 1].__init__)
         params = list(sig.parameters.values())
         at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
         lb = inspect.Parameter(
@@ -72,7 +74,13 @@ class LoadBalance:
             default=0,
             annotation="BufferAllocator | int",
         )
-        LoadBalance.__init__.__signature__ = sig.replace(parameters=[*params[:at], lb, *params[at:]])  # type: ignore[attr-defined]
+
+        def __init__(self: Any, *args: Any, **kw: Any) -> None:
+            LoadBalance.__init__(self, *args, **kw)
+
+        __init__.__signature__ = sig.replace(parameters=[*params[:at], lb, *params[at:]])  # type: ignore[attr-defined]
+        __init__.__doc__ = LoadBalance.__init__.__doc__
+        cls.__init__ = __init__  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------------------------------------------------------
     # the LB region

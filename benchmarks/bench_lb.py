@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""How fast ``EPBuffer.lb_prefetch_weights`` / ``lb_reduce_grads`` move bytes, next to a torch copy of the same
+bytes (issue 42's target: at least 80% of the copy ceiling).
+
+One rank, one GPU: every redundant slot holds one of this rank's own experts, so the bytes move by ep's local path
+(one device copy per slot and tensor; an ``lb_reduce_grads`` slot is one fp32 add into the expert's gradients).
+Across ranks the other slots go through the group's ``all_to_all_single`` (NCCL) instead, which this does not
+measure. The methods run on a one-rank LB object (``ep_torch.load_balance.LoadBalance`` with a ``LocalBootstrap``),
+not a full ``EPBuffer``: they read nothing else of the buffer.
+
+- prefetch: ``R`` slots of DeepSeek-V3-sized experts, two tensors each (``w13 [4096, 7168]`` and
+  ``w2 [7168, 2048]`` bf16, 88 MB an expert); ceiling: one ``Tensor.copy_`` of all those bytes (contiguous).
+- reduce: ``R`` slots of ``[hidden]`` fp32 gradients added into ``L`` experts; ceiling: one ``Tensor.add_`` of
+  the same bytes (contiguous, in place), and the copy rate for reference.
+
+Rates are the bytes read plus written per second (GB/s, 1e9), best of ``--runs`` timed repetitions (CUDA events).
+
+    python benchmarks/bench_lb.py --out OUTDIR [--slots 4] [--runs 10]
+
+Writes OUTDIR/bench_lb.json. Without a GPU it prints "skipped" (``--device cpu`` runs it on the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _timer(device: str):
+    import time
+
+    import torch
+
+    def run(fn, runs: int) -> float:
+        fn()  # warm-up
+        best = float("inf")
+        for _ in range(runs):
+            if device == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--scale", type=int, default=1, help="divide the expert sizes (a quick CPU run)")
+    args = ap.parse_args()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("skipped: no GPU")
+        return 0
+    from ep_core.bootstrap import LocalBootstrap
+    from ep_torch import BufferAllocator
+    from ep_torch.load_balance import LoadBalance
+
+    dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    r, num_local = args.slots, args.experts
+    shapes = [(4096 // args.scale, 7168), (7168 // args.scale, 2048)]
+    hidden = 8 * 1024 * 1024 // args.scale  # 32 MB of fp32 gradients a slot
+
+    class OneRank(LoadBalance):
+        def __init__(self, plan: BufferAllocator) -> None:
+            self.bootstrap = LocalBootstrap()
+            self.device, self.rank_idx, self.num_ranks, self.num_nvlink_ranks, self.group = dev, 0, 1, 1, None
+            self._init_lb(plan, plan.num_bytes)
+
+    plan = BufferAllocator()
+    dst = [plan.allocate((r, *s), torch.bfloat16) for s in shapes]
+    red_grads = plan.allocate((r, hidden), torch.float32)
+    lb = OneRank(plan)
+    src = [torch.randn(num_local, *s, device=dev).to(torch.bfloat16) for s in shapes]
+    grads = torch.zeros(num_local, hidden, device=dev)
+    red_grads.normal_()
+    mapping = torch.arange(r, dtype=torch.int32).view(1, r) % num_local  # slot c holds expert c
+    timed = _timer(dev.type)
+
+    moved = sum(d.nbytes for d in dst)  # bytes written (and read) by a prefetch
+    flat_src = torch.empty(moved, dtype=torch.uint8, device=dev)
+    flat_dst = torch.empty_like(flat_src)
+    t_prefetch = timed(lambda: lb.lb_prefetch_weights(dst, src, mapping), args.runs)
+    t_copy = timed(lambda: flat_dst.copy_(flat_src), args.runs)
+    for d, s in zip(dst, src, strict=True):  # what the prefetch wrote
+        assert torch.equal(d, s[:r]), "prefetch result"
+
+    grad_bytes = red_grads.nbytes
+    acc = torch.zeros(r, hidden, device=dev)
+    t_reduce = timed(lambda: lb.lb_reduce_grads(red_grads, grads, mapping), args.runs)
+    t_add = timed(lambda: acc.add_(red_grads), args.runs)
+    flat_g = torch.empty(grad_bytes, dtype=torch.uint8, device=dev)
+    flat_g2 = torch.empty_like(flat_g)
+    t_gcopy = timed(lambda: flat_g2.copy_(flat_g), args.runs)
+
+    def gbs(nbytes: float, t: float) -> float:
+        return nbytes / t / 1e9
+
+    rows = {
+        "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+        "slots": r,
+        "experts": num_local,
+        "prefetch_bytes": moved,
+        "prefetch_s": t_prefetch,
+        "copy_s": t_copy,
+        "prefetch_gbs": gbs(2 * moved, t_prefetch),
+        "copy_gbs": gbs(2 * moved, t_copy),
+        "prefetch_vs_copy": t_copy / t_prefetch,
+        "reduce_bytes": grad_bytes,
+        "reduce_s": t_reduce,
+        "add_s": t_add,
+        "reduce_gbs": gbs(3 * grad_bytes, t_reduce),
+        "add_gbs": gbs(3 * grad_bytes, t_add),
+        "reduce_vs_add": t_add / t_reduce,
+        "grad_copy_gbs": gbs(2 * grad_bytes, t_gcopy),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_lb.json").write_text(json.dumps(rows, indent=1))
+    print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
