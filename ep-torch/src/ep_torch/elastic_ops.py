@@ -295,9 +295,10 @@ class ElasticOps:
         self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False
     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
         """(Experimental) Start fetching the entries ``indices [num_tokens, k]`` (int32 global entry ids) into the
-        front of this rank's buffer; returns a hook that waits and returns ``(data [num_tokens * k, hidden], sf)``
-        (``sf``: ``[num_tokens, k * num_sf_packs]`` in FP8 mode, else None). ``data`` is a view of the buffer:
-        valid until the next fetch or other use of the buffer's front. One-sided: peers take no part."""
+        front of this rank's buffer; returns a hook that waits and returns ``(data [num_tokens, k * hidden], sf)``
+        (DeepEP 2.0's shape: token t's k entries side by side; ``sf``: ``[num_tokens, k * num_sf_packs]`` in FP8
+        mode, else None). ``data`` is a view of the buffer: valid until the next fetch or other use of the buffer's
+        front. One-sided: peers take no part."""
         st = self._elastic()
         table = engram.require_table(st.engram, self.rank_idx)
         indices = self._check_tensor("indices", indices)
@@ -313,7 +314,14 @@ class ElasticOps:
         engram.check_fetch_indices(
             table, tuple(indices.shape), _dtype_name(indices.dtype), self._num_gpu_buffer_bytes, host
         )
-        return st.backend.engram_fetch(table, indices, bool(use_tma_aligned_col_major_sf))
+        hook = st.backend.engram_fetch(table, indices, bool(use_tma_aligned_col_major_sf))
+        t, k = (int(v) for v in indices.shape)
+
+        def fetched() -> tuple[torch.Tensor, torch.Tensor | None]:
+            data, sf = hook()
+            return data.view(t, k * int(data.shape[-1])), sf  # the same bytes as [T * k, hidden]
+
+        return fetched
 
     # ---------------------------------------------------------------------------------------------------------
     # AGRS
