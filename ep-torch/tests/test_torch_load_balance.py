@@ -76,8 +76,14 @@ def _ranks(rank: int, n: int) -> None:
         )
         want = prefetch_reference([start] * nvl, experts, m)[me]
         assert np.array_equal(got.view(torch.uint8).reshape(R, -1).numpy(), want), pick
-    # a single tensor (not a sequence) works as well
+    # a single tensor (not a sequence) works as well; a mapping changed in place is read anew (cached routes)
+    mapping.copy_(mapping.roll(1, dims=1))
+    r2.fill_(-1.0)
     buf.lb_prefetch_weights(r2, w2, mapping)
+    experts = [_experts(r)[1].numpy() for r in domain]
+    want2 = prefetch_reference([np.full((R, 8), -1.0, dtype=np.float32)] * nvl, experts, mapping.numpy())[me]
+    assert np.array_equal(r2.numpy(), want2)
+    m = mapping.numpy()
     # reduce: accumulate into the owners' gradients
     rg.copy_(red_grads)
     before = grads.clone()
