@@ -43,10 +43,34 @@ def _changed_weight(d: int, s: int, t: int, k: int) -> float:
     return (d + 1) * 0.375 + s * 0.0625 + t * 0.015625 + k * 0.25 + 1e-3
 
 
-def _ranks(rank: int, n: int) -> None:
+class _OnDevice:
+    """The buffer with its tensor arguments moved to ``device`` and its tensor results back to the host (handles
+    stay as they are), so the CPU oracle below checks a CUDA run too."""
+
+    def __init__(self, buf: Buffer, device: str) -> None:
+        self.buf, self.device = buf, device
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.buf, name)
+
+        def call(*args, **kwargs):
+            args = [a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args]
+            kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            out = fn(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                return out.cpu()
+            if type(out) is tuple:
+                return tuple(o.cpu() if isinstance(o, torch.Tensor) else o for o in out)
+            return out
+
+        return call
+
+
+def _ranks(rank: int, n: int, device: str = "cpu") -> None:
     x, idx, w = _inputs(rank)
     epr = E // n
-    buf = Buffer(None, int(1e8), 0, explicitly_destroy=True)
+    transport = "ipc" if device == "cuda" else None
+    buf = _OnDevice(Buffer(None, int(1e8), 0, explicitly_destroy=True, transport=transport), device)
     ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, E)
 
     # layout tensors only: V1's token all-to-all by is_token_in_rank
@@ -59,7 +83,7 @@ def _ranks(rank: int, n: int) -> None:
     for i, (s, t) in enumerate(want):
         assert torch.equal(rx[i], _inputs(s)[0][t])
         if not isinstance(handle, V1InternodeHandle):
-            assert int(handle[3][i]) == t
+            assert int(handle[3][i].cpu()) == t
     total = sum(torch.bincount(_inputs(s)[1][_inputs(s)[1] >= 0], minlength=E) for s in range(n))
     assert counts == [(int(c) + 1) // 2 * 2 for c in total[rank * epr : (rank + 1) * epr]]
     y, yw, _ = buf.combine(rx, handle)
@@ -132,6 +156,12 @@ def _ranks(rank: int, n: int) -> None:
     buf.destroy()
 
 
+def _ranks_shared_gpu(rank: int, n: int) -> None:
+    torch.cuda.set_device(0)  # several processes on one GPU over a gloo bootstrap: ep's ipc transport
+    os.environ.setdefault("EPKIT_NVLINK_GBS", "450")  # no NVLink to detect between processes on one GPU
+    _ranks(rank, n, "cuda")
+
+
 def _rows(rank: int, n: int) -> list[tuple[int, int]]:
     return [(s, t) for s in range(n) for t in range(T) if bool(_in_rank(_inputs(s)[1], n)[t, rank])]
 
@@ -147,6 +177,15 @@ def test_v1_normal_semantics(ranks, scaleup):
         env["EPKIT_SCALEUP_RANKS"] = scaleup
     proc = subprocess.run(
         [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_v1_normal_semantics_shared_gpu():
+    proc = subprocess.run(
+        [sys.executable, __file__, "_ranks_shared_gpu", "2"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
