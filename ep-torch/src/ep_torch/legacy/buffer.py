@@ -872,7 +872,7 @@ def _rank_lanes(is_token_in_rank: torch.Tensor, experts_per_rank: int, rank: int
     # more ranks than lanes: each token's destinations first (a stable sort keeps them in rank order)
     order = torch.sort((lanes < 0).to(torch.int8), dim=1, stable=True).indices
     lanes = torch.gather(lanes, 1, order)
-    if t and not is_token_in_rank.is_cuda and bool((lanes[:, _MAX_TOPK:] >= 0).any()):
+    if t and bool((lanes[:, _MAX_TOPK:] >= 0).any()):  # a host read: this dispatch syncs the host anyway
         raise EPValueError(
             f"dispatch (rank {rank}): without topk_idx a token may go to at most {_MAX_TOPK} ranks "
             "(pass topk_idx)"
