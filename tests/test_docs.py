@@ -134,7 +134,7 @@ def test_every_block_has_a_known_tag():
 
 def test_the_docs_have_code_and_almost_all_of_it_runs():
     runs = _scripts()
-    assert len(runs) >= 5, [b.id for b, _ in runs]
+    assert len(runs) >= 6, [b.id for b, _ in runs]
     shown = [b.id for b in CODE if "norun" in b.tags]
     assert len(shown) <= 8, f"too many blocks that never run: {shown}"
     fragments = [b.id for b in CODE if "fragment" in b.tags]
