@@ -1,5 +1,5 @@
-"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, every tests-<package>, tests, build, wheel-demo) is
-what CI runs.
+"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, every tests-<package>, tests, build, wheel-demo,
+docs) is what CI runs.
 
 The package graph lives in PACKAGES (one dict, leaf first). Every session derives what it installs from it, so
 `tests-<package>` installs exactly that package, its internal closure and its declared dependencies: if a
@@ -390,10 +390,11 @@ def wheel_demo(session: nox.Session) -> None:
     session.run("ep-demo", "--ranks", "2", "--steps", "3", env={"PYTHONPATH": ""})
 
 
-@nox.session(default=False, tags=["docs"])
+@nox.session(default=False, tags=["ci", "docs"])
 def docs(session: nox.Session) -> None:
     """The documentation site: `mkdocs build --strict` of docs/ into site/ (a broken link or anchor between its
-    pages fails it; tests/test_docs.py runs every code block and checks every link, in CI)."""
+    pages fails it; a few seconds, so CI builds it too). tests/test_docs.py runs every code block and checks every
+    link of the READMEs and docs."""
     session.install("mkdocs>=1.6,<2")
     session.run("mkdocs", "build", "--strict", "--quiet", "--site-dir", str(ROOT / "site"))
     session.log(f"site built in {ROOT / 'site'}")
