@@ -127,7 +127,8 @@ def _wheel(session: nox.Session, name: str) -> str:
     folder = WHEEL_CACHE / f"{name}-{_source_key(name)}"
     found = sorted(folder.glob("*.whl"))
     if len(found) != 1:
-        shutil.rmtree(folder, ignore_errors=True)
+        for stale in WHEEL_CACHE.glob(f"{name}-" + "?" * 16):  # this package's wheels of older sources
+            shutil.rmtree(stale, ignore_errors=True)
         session.log(f"building the {name} wheel (cached in {folder.relative_to(ROOT)})")
         session.run(
             "python",
@@ -194,7 +195,12 @@ def _install(
         _install_torch(session, torch)
     reqs = [_requirement(_wheel(session, n), extras.get(n, ())) for n in names]
     groups = sorted({r for n in names for r in _test_group(n)} | {"pytest-xdist"}) if with_tests else []
-    session.install(*reqs, *groups)
+    # one pip call through a requirements file: a short log line instead of every wheel's path
+    listing = Path(session.create_tmp()) / "requirements.txt"
+    listing.write_text("\n".join([*reqs, *groups]) + "\n")
+    extra = f" and {', '.join(groups)}" if groups else ""
+    session.log(f"installing {', '.join(names)} (wheels from {WHEEL_CACHE.relative_to(ROOT)}){extra}")
+    session.install("-r", str(listing))
 
 
 def _has_serial(paths: tuple[str, ...]) -> bool:
