@@ -344,7 +344,10 @@ def build(session: nox.Session) -> None:
             f"built {name}: " + ", ".join(p.name for p in sorted(DIST.glob(f"{name.replace('-', '_')}-*")))
         )
     _repair_native_wheels(session)
-    session.run("twine", "check", "--strict", *(str(p) for p in sorted(DIST.iterdir())))
+    no_color = (
+        ["--no-color"] if os.environ.get("NO_COLOR") else []
+    )  # twine colours its verdicts even in a log
+    session.run("twine", *no_color, "check", "--strict", *(str(p) for p in sorted(DIST.iterdir())))
     session.install("pytest")
     session.run(
         "pytest",
