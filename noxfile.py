@@ -106,7 +106,17 @@ def _requirement(spec: str, extras: tuple[str, ...]) -> str:
     return f"{spec}[{','.join(extras)}]" if extras else spec
 
 
-_SKIP_DIRS = {"build", "dist", "tests", "benchmarks", "__pycache__", ".pytest_cache", "_skbuild"}
+_SKIP_DIRS = {
+    "build",
+    "dist",
+    "tests",
+    "benchmarks",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    ".ruff_cache",
+    "_skbuild",
+}
 
 
 def _source_key(name: str) -> str:
