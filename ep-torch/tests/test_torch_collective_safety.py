@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 M, H, K, E = 8, 32, 2, 8
 
@@ -241,6 +242,7 @@ def test_random_one_rank_errors_keep_valid_calls_exact(tmp_path):
             )
 
 
+@pytest.mark.serial  # a timing assertion: not beside other tests (xdist)
 def test_cpu_wait_is_bounded_by_num_cpu_timeout_secs(tmp_path):
     r0, _ = _run("timeout", tmp_path)
     assert r0["timeout"].startswith("EPTimeoutError"), r0

@@ -2,7 +2,9 @@
 ``ep_torch.ElasticBuffer`` on 2-4 gloo processes, against ep-core's numpy references, bad inputs included.
 
 Every case runs in a process group started by this file as a script under a wall-clock limit (a hang fails the
-test); each rank writes what it saw to a JSON file that the test checks.
+test); each rank writes what it saw to a JSON file that the test checks. The cases of one group size share one
+process group (`_MODES`, run in that order by the first test that needs them): starting torch in every rank is
+most of a case's time.
 """
 
 from __future__ import annotations
@@ -19,12 +21,31 @@ import pytest
 MiB = 1 << 20
 
 
+# The cases that share one process group per group size, run in this order (each case's buffers use the group in
+# turn). The PP cases run alone: a PP buffer of an earlier case in the same group would take the later one's
+# messages, and pp_timeout leaves the group unusable (gloo closes the pair whose receive timed out).
+_BATCHED = {
+    2: ["engram", "agrs", "reduce_scatter", "bucket", "destroy", "pp_buffer"],
+    3: ["engram", "reduce_scatter", "bucket", "pp_buffer"],
+}
+_groups: dict[
+    tuple[str, int], tuple[Path, int, str]
+] = {}  # (cases, n) -> (output folder, exit status, output)
+
+
 def _run(mode: str, n: int, tmp_path: Path, limit: float = 120.0) -> list[dict]:
     from ep_torch_testing import run_script  # loaded by conftest.py
 
-    code, out = run_script(__file__, [mode, str(n), str(tmp_path)], limit, what=f"{mode}: ")
+    modes = ",".join(_BATCHED[n]) if mode in _BATCHED.get(n, ()) else mode
+    if (modes, n) not in _groups:
+        count = modes.count(",") + 1
+        code, out = run_script(
+            __file__, [modes, str(n), str(tmp_path)], limit + 20 * count, what=f"{modes}: "
+        )
+        _groups[modes, n] = (tmp_path, code, out)
+    folder, code, out = _groups[modes, n]
     assert code == 0, out[-3000:]
-    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(n)]
+    return [json.loads((folder / f"{mode}.{r}.json").read_text()) for r in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,7 +155,7 @@ def _pp_timeout(rank: int, n: int, out: dict) -> None:
     else:
         time.sleep(4)  # idle until rank 1 gave up
     # gloo closes the pair whose receive timed out: the group is unusable, so leave without its exit barrier
-    Path(sys.argv[3], f"{rank}.json").write_text(json.dumps(out))
+    Path(sys.argv[3], f"pp_timeout.{rank}.json").write_text(json.dumps(out))
     os._exit(0)
 
 
@@ -396,10 +417,14 @@ _CASES = {
 }
 
 
-def _worker(rank: int, n: int, mode: str, out_dir: str) -> None:
-    out: dict = {}
-    _CASES[mode](rank, n, out)
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(out))
+def _worker(rank: int, n: int, modes: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    for mode in modes.split(","):
+        out: dict = {}
+        _CASES[mode](rank, n, out)
+        Path(out_dir, f"{mode}.{rank}.json").write_text(json.dumps(out))
+        dist.barrier()  # the next case starts together on every rank
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -418,6 +443,7 @@ def test_pp_ring_round_trip_and_bad_inputs(n: int, tmp_path: Path) -> None:
         assert "exceed the buffer" in out["bad_config"] and f"rank {r}" in out["bad_config"]
 
 
+@pytest.mark.serial  # a timing assertion: not beside other tests (xdist)
 def test_pp_inflight_limit_blocks_the_sender(tmp_path: Path) -> None:
     sender, receiver = _run("pp_inflight", 2, tmp_path)
     t = sender["times"]
@@ -427,6 +453,7 @@ def test_pp_inflight_limit_blocks_the_sender(tmp_path: Path) -> None:
     assert receiver["after_mismatch"] == 8.0  # the FIFO stays in step after the refused receive
 
 
+@pytest.mark.serial  # a timing assertion: not beside other tests (xdist)
 def test_pp_recv_without_sender_times_out(tmp_path: Path) -> None:
     out = _run("pp_timeout", 2, tmp_path)[1]
     assert out["recv_nothing"].startswith("EPTimeoutError") and "rank 1" in out["recv_nothing"]

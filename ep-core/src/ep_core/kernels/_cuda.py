@@ -171,14 +171,17 @@ def _load_native() -> tuple[Any, str]:
         import ep_launch
     except ImportError as exc:
         reason = f"ep_launch cannot be imported ({exc})"
+        fix = "Install ep-launch (a dependency of ep-core)"
     else:
         if ep_launch.available():
             return ep_launch, f"ep_launch {ep_launch.__version__} (C++ launches and events)"
-        reason = f"ep_launch cannot load the driver ({ep_launch.unavailable_reason()})"
+        # ep_launch is installed: what failed is the CUDA driver (none on this machine, or unusable)
+        reason = f"no usable CUDA driver ({ep_launch.unavailable_reason()})"
+        fix = "Without a driver no GPU work can run (the CPU reference backend needs none): install the NVIDIA driver,"
     msg = (
         f"ep_core: {reason}; kernel launches and stream-order events go through cuda-python instead (the same "
-        "results, tens of microseconds more host time per dispatch / combine). Install ep-launch (a dependency of "
-        "ep-core) or set EPKIT_NATIVE_LAUNCH=0 to choose this path silently"
+        f"results, tens of microseconds more host time per dispatch / combine). {fix} or set EPKIT_NATIVE_LAUNCH=0 "
+        "to choose this path silently"
     )
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
     return None, f"cuda-python fallback: {reason}"
