@@ -315,6 +315,11 @@ def test_stochastic_rounding_properties() -> None:
     assert list(bits[:8]) == _model_bf16_bits(x[:8].tolist())
     assert got[0].item() == 1.5 and got[1].item() == -2.0 and got[2].item() == float("inf")
     assert bits[3] == 0x7FFF
+    assert bits[4] in (0x7F7F, 0x7F80) and bits[5] in (
+        0xFF7F,
+        0xFF80,
+    )  # the largest finite, or carried to inf
+    assert bits[6] in (0x0001, 0x0002) and bits[7] in (0x8001, 0x8002)  # subnormals (1e-40: 0x000116C2) too
     body = got[8:2048].float()
     assert set(body.unique().tolist()) == {1.0, 1.0078125}
     up = (body == 1.0078125).float().mean().item()
