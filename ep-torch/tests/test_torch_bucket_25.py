@@ -258,6 +258,8 @@ def _bf16_case(rank: int, n: int, out: dict) -> None:
     out["fp16"] = _raises(lambda: buf.reduce_scatter(rs, comm_precision="fp16"))
     out["bf16_src"] = _raises(lambda: buf.reduce_scatter(buf.tensors["half"], comm_precision="bf16"))
     out["odd"] = _raises(lambda: buf.reduce_scatter(rs[: n * 4], comm_precision="bf16"))
+    # ranks that disagree on the precision all raise instead of pairing different exchanges
+    out["mixed"] = _raises(lambda: buf.reduce_scatter(rs, comm_precision="bf16" if rank else "fp32"))
     buf.destroy()
 
 
@@ -297,6 +299,7 @@ def test_reduce_scatter_bf16_matches_the_model(n: int, tmp_path: Path) -> None:
         assert "expected 'fp32' or 'bf16'" in out["fp16"], out
         assert out["bf16_src"].startswith("EPTypeError"), out
         assert "multiple of 8" in out["odd"], out
+        assert out["mixed"].startswith("EPMismatchError"), out
 
 
 def test_stochastic_rounding_properties() -> None:
