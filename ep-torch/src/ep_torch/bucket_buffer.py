@@ -1,5 +1,5 @@
 """``BucketBuffer``: V2.5's buffer for collectives on registered tensors (DeepEP's ``deep_ep.BucketBuffer`` surface,
-one group, one NVLink domain).
+one NVLink domain per group).
 
 The buffer is ``num_bytes`` of symmetric storage (``storage``, a 1-D uint8 tensor; an ``ep_core.BufferAllocator``
 plan is materialized into it as named tensors, checked across ranks). Collectives work on tensors inside it, at the
@@ -8,16 +8,24 @@ same offsets on every rank:
 - ``all_gather(srcs, dsts=None)``: without ``dsts`` each src is the ``rank``-th shard of the gathered tensor that
   surrounds it (gathered in place); with ``dsts`` (in the buffer, ``N * src.nbytes``) a src can be any tensor;
 - ``reduce_scatter(srcs, comm_precision="fp32", scale=1.0)``: shard ``rank`` of each src (split into N) becomes
-  ``scale * sum over ranks`` of that shard, in place;
+  ``scale * sum over ranks`` of that shard, in place; ``comm_precision="bf16"`` (float32 srcs, CPU reference
+  backend) sends the other ranks' shards as stochastically rounded bfloat16 and sums in float32 as DeepEP's RDMA
+  bf16 kernel does (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``);
 - ``all_reduce(srcs, scale=1.0)``: each src becomes ``scale * sum over ranks``, in place.
 
-Each returns an ``EventOverlap``-like handle whose ``wait()`` makes the current stream wait and returns the result
-tensor(s) (1-D views with the srcs' dtype; one tensor for a tensor argument). Sums accumulate in float32 in rank order.
+Each returns an ``EventOverlap``-like handle whose ``wait()`` (or ``current_stream_wait(release_handle=...)``)
+makes the current stream wait and returns the result tensor(s) (1-D views with the srcs' dtype; one tensor for a
+tensor argument); ``handle.num_sms`` is the SM count (0 for the all-gather; the caller's ``num_sms`` or
+``get_theoretical_num_sms(op)`` for the reductions). Sums accumulate in float32 in rank order (fp32 precision).
+
+Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``, CPU reference backend): one storage, one context per
+group (``buffer.groups``, ``buffer.contexts``: rank, size, domain sizes); each collective, ``barrier`` and
+``get_theoretical_num_sms`` take ``group=`` (required when there are several), a session keeps to one group.
 
 Transports as ``ElasticBuffer``'s. On the GPU (ipc) the all-gather is copy-engine copies into every peer's
 storage (no SM); the reductions read the peers' shards over NVLink with torch kernels, between two stream
 barriers (every src written before anyone reads; every read done before anyone overwrites). Ours, not DeepEP's:
-one group only, ``comm_precision="fp32"`` only, no hybrid (RDMA) path.
+one group and ``comm_precision="fp32"`` only on the GPU, no hybrid (RDMA) path.
 
 ``with buffer.session() as s:`` (DeepEP's ``BucketSession``): ``s.allocate(shapes, dtype)`` hands out storage front
 to back, and inside the session the three collectives also accept tensors outside the storage: each is staged in
@@ -38,6 +46,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
@@ -45,7 +54,7 @@ from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueErro
 from .buffer import ElasticBuffer
 from .event import EventHandle, EventOverlap
 
-__all__ = ["BucketBuffer", "BucketSession"]
+__all__ = ["BucketBuffer", "BucketContext", "BucketSession", "bf16_stochastic_round"]
 
 _ALIGN = 2 << 20
 _SESSION_ALIGN = 256
@@ -57,15 +66,38 @@ def _align(a: int, b: int) -> int:
 
 
 class _Handle(EventOverlap):
-    """An ``EventOverlap`` whose ``wait()`` returns the operation's result."""
+    """An ``EventOverlap`` whose ``wait()`` and ``current_stream_wait(release_handle=...)`` return the operation's
+    result (DeepEP's handles return their hook's value), with DeepEP's ``num_sms`` (the SM count the operation was
+    launched with: 0 for the all-gather). ``finish`` (a session's copy into external ``dsts``) runs on the first
+    wait; later waits return the same result."""
 
-    def __init__(self, event: EventHandle, result: Any) -> None:
+    def __init__(self, event: EventHandle, result: Any, num_sms: int = 0, finish: Any = None) -> None:
         super().__init__(event)
         self._result = result
+        self._finish = finish
+        self.num_sms = int(num_sms)
+
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
+        if self.event is None:
+            raise EPStateError(
+                "BucketBuffer handle: current_stream_wait() after release_handle=True; the result was returned by "
+                "that wait"
+            )
+        self.event.current_stream_wait()
+        if self.hook_after_wait is not None:  # a hook the caller registered
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            self._result = finish()
+        result = self._result
+        if release_handle:
+            self.event = None
+            self.extra_tensors = None
+        return result
 
     def wait(self) -> Any:
-        self.current_stream_wait()
-        return self._result
+        return self.current_stream_wait()
 
 
 class BucketSession:
@@ -77,11 +109,13 @@ class BucketSession:
     def __init__(self, buffer: BucketBuffer) -> None:
         self.buffer = buffer
         self.num_allocated_bytes = 0
+        self.context_idx: int | None = None  # the group every call of this session uses (DeepEP's rule)
 
     def __enter__(self) -> BucketSession:
         if any(name in self.buffer.__dict__ for name in self._METHODS):
             raise EPStateError(f"BucketBuffer.session: sessions do not nest (rank {self.buffer.rank_idx})")
         self.num_allocated_bytes = 0
+        self.context_idx = None
         for name in self._METHODS:  # the collectives accept unregistered tensors until the session ends
             self.buffer.__dict__[name] = lambda *a, _name=name, **kw: self._collective(_name, *a, **kw)
         return self
@@ -92,14 +126,27 @@ class BucketSession:
         return None
 
     def _stage(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.allocate((nbytes // dtype.itemsize,), dtype)
+        group = None if self.context_idx is None else self.buffer.groups[self.context_idx]
+        return self.allocate((nbytes // dtype.itemsize,), dtype, group)
+
+    def _check_group(self, group: Any) -> BucketBuffer:
+        """The context of `group`; every call of a session must use the same group (DeepEP's rule)."""
+        idx = self.buffer.get_context_idx(group)
+        if self.context_idx not in (None, idx):
+            raise EPValueError(
+                f"BucketBuffer.session: every collective of a session must use the same group (context "
+                f"{self.context_idx}, got {idx}; rank {self.buffer.rank_idx})"
+            )
+        self.context_idx = idx
+        return self.buffer._context_buffers[idx]
 
     def _collective(self, name: str, *args: Any, **kwargs: Any) -> _Handle:
         """`name` on staged copies of unregistered tensors (module doc)."""
         buf = self.buffer
-        n, r = buf.num_ranks, buf.rank_idx
         bound = inspect.signature(getattr(type(buf), name)).bind(buf, *args, **kwargs).arguments
         bound.pop("self")
+        ctx = self._check_group(bound.get("group"))
+        n, r = ctx.num_ranks, ctx.rank_idx
         srcs, dsts = bound.pop("srcs"), bound.pop("dsts", None)
         shards = {"all_gather": (n, 1), "reduce_scatter": (1, n), "all_reduce": (1, 1)}[name]
         packed, xs = buf._pack(srcs)
@@ -139,7 +186,7 @@ class BucketSession:
             dst.copy_(src)
         inner = getattr(type(buf), name)(buf, staged[0] if packed else staged, **bound)
 
-        def wait() -> Any:
+        def finish() -> Any:
             res = inner.wait()
             outs = [res] if packed else list(res)
             final = []
@@ -149,13 +196,12 @@ class BucketSession:
                 final.append(out if d is None else d)
             return final[0] if packed else final
 
-        handle = _Handle(inner.event, None)
-        handle.wait = wait  # type: ignore[method-assign]
-        return handle
+        return _Handle(inner.event, None, num_sms=inner.num_sms, finish=finish)
 
     def allocate(
         self, shapes: Any, dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        self._check_group(group)
         batched = isinstance(shapes[0], (tuple, list, torch.Size))
         lst = list(shapes) if batched else [shapes]
         out = []
@@ -172,6 +218,27 @@ class BucketSession:
         return tuple(out) if batched else out[0]
 
 
+class BucketContext:
+    """One group of a ``BucketBuffer`` (DeepEP's ``buffer.contexts[i]``): its rank, size and domain sizes."""
+
+    def __init__(self, buffer: ElasticBuffer) -> None:
+        self._buffer = buffer
+        self.group = buffer.group
+        self.rank_idx = buffer.rank_idx
+        self.num_ranks = buffer.num_ranks
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """``(num_rdma_ranks, num_nvlink_ranks)`` of this group."""
+        return self._buffer.get_physical_domain_size()
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """``(num_scaleout_ranks, num_scaleup_ranks)`` of this group."""
+        return self._buffer.get_logical_domain_size()
+
+    def __repr__(self) -> str:
+        return f"BucketContext(rank {self.rank_idx} of {self.num_ranks})"
+
+
 class BucketBuffer:
     """Symmetric storage for collectives over ``group`` (a collective to build)."""
 
@@ -186,10 +253,11 @@ class BucketBuffer:
         transport: str | None = None,
         num_cpu_timeout_secs: int = 300,
     ) -> None:
+        extra_groups: list[Any] = []
         if isinstance(group, Sequence) and not isinstance(group, dist.ProcessGroup):
-            if len(group) != 1:
-                raise EPConfigError(f"group: ep's BucketBuffer takes one group (ours), got {len(group)}")
-            group = group[0]
+            if len(group) == 0:
+                raise EPConfigError("group: expected a process group or a non-empty sequence of them")
+            group, extra_groups = group[0], list(group[1:])
         plan = None if isinstance(allocation_plan_or_num_bytes, int) else allocation_plan_or_num_bytes
         num_bytes = int(allocation_plan_or_num_bytes) if plan is None else int(plan.num_bytes)
         if num_bytes <= 0:
@@ -223,12 +291,94 @@ class BucketBuffer:
                 self.tensors[spec.name] = (
                     self.storage[spec.offset : spec.offset + spec.num_bytes].view(dt).view(spec.shape)
                 )
+        self._context_buffers: list[BucketBuffer] = [self]
+        self.contexts: list[BucketContext] | None = [BucketContext(eb)]
+        if extra_groups:
+            self._add_contexts(extra_groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
 
     # ------------------------------------------------------------------------------------------------------------
     def _buf(self) -> ElasticBuffer:
         if self._buffer is None:
             raise EPStateError("BucketBuffer: used after destroy(); create a new buffer")
         return self._buffer
+
+    def _add_contexts(
+        self, groups: list[Any], num_gpu_timeout_secs: int, num_cpu_timeout_secs: int, transport: str | None
+    ) -> None:
+        """One context per further group over the same storage (DeepEP's ``BucketBuffer([g0, g1])``): each has its
+        own collective state (an ``ElasticBuffer`` over that group, a minimal region of its own) whose collectives
+        run on this buffer's storage. Ours: the CPU reference backend only (the GPU path's peers map one region,
+        exchanged over one group)."""
+        if self.storage.is_cuda:
+            raise EPConfigError(
+                f"group: ep's BucketBuffer takes several groups on the CPU reference backend only (ours); on the GPU "
+                f"build one BucketBuffer per group (rank {self.rank_idx})"
+            )
+        for k, g in enumerate(groups, start=1):
+            if any(g is c.group for c in self._context_buffers):
+                raise EPConfigError(f"group[{k}]: the same group twice (rank {self.rank_idx})")
+            eb = ElasticBuffer(
+                g,
+                num_bytes=_ALIGN,
+                sl_idx=3,
+                num_gpu_timeout_secs=num_gpu_timeout_secs,
+                num_cpu_timeout_secs=num_cpu_timeout_secs,
+                explicitly_destroy=self.explicitly_destroy,
+                transport=transport,
+            )
+            if eb.get_physical_domain_size()[1] != eb.num_ranks:
+                raise EPConfigError(
+                    f"group[{k}]: BucketBuffer needs every rank in one NVLink domain (rank {self.rank_idx})"
+                )
+            # DeepEP checks that every rank of a group gives it the same context index
+            every = eb.bootstrap.allgather(str(k).encode())
+            if any(b != every[0] for b in every):
+                raise EPConfigError(
+                    f"group[{k}]: the ranks of this group pass it at different positions "
+                    f"({[int(b) for b in every]}); every rank must list its groups in the same order"
+                )
+            backend = eb._elastic(collective=True).backend
+            backend._region = self._backend._region  # its collectives work on this buffer's storage
+            ctx = object.__new__(BucketBuffer)
+            ctx.__dict__.update(
+                _buffer=eb,
+                _backend=backend,
+                group=eb.group,
+                rank_idx=eb.rank_idx,
+                num_ranks=eb.num_ranks,
+                groups=[eb.group],
+                num_bytes=self.num_bytes,
+                explicitly_destroy=self.explicitly_destroy,
+                storage=self.storage,
+                _ops=0,
+                tensors=self.tensors,
+                _context_buffers=None,
+                contexts=None,
+            )
+            self._context_buffers.append(ctx)
+            self.groups.append(eb.group)
+            assert self.contexts is not None
+            self.contexts.append(BucketContext(eb))
+
+    def get_context_idx(self, group: Any) -> int:
+        """The index in ``groups`` (and ``contexts``) of ``group``; ``None`` means the only group."""
+        if group is None:
+            if len(self.groups) > 1:
+                raise EPValueError(
+                    f"group: required when the BucketBuffer has several groups ({len(self.groups)}; rank "
+                    f"{self.rank_idx})"
+                )
+            return 0
+        for i, g in enumerate(self.groups):
+            if g is group or g == group:
+                return i
+        raise EPValueError(f"group: not one of this BucketBuffer's groups (rank {self.rank_idx})")
+
+    def _route(self, group: Any) -> BucketBuffer:
+        """The buffer whose collectives run over ``group`` (this one for the first group)."""
+        if self._context_buffers is None:  # a context's own view: its one group
+            return self
+        return self._context_buffers[self.get_context_idx(group)]
 
     @property
     def runtime(self) -> Any:
@@ -240,12 +390,17 @@ class BucketBuffer:
     def barrier(
         self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True, group=None
     ):
-        self._buf().barrier(with_cpu_sync=with_cpu_sync)
+        self._route(group)._buf().barrier(with_cpu_sync=with_cpu_sync)
 
     def destroy(self) -> None:
+        for ctx in (self._context_buffers or [])[1:]:
+            ctx._buf().destroy()
+            ctx._buffer = None
+            ctx._backend = None
         self._buf().destroy()
         self._buffer = None
         self._backend = None  # closed by the buffer's destroy()
+        self.contexts = None
 
     def _inside(self, t: torch.Tensor) -> bool:
         off = t.data_ptr() - self.storage.data_ptr()
@@ -255,6 +410,9 @@ class BucketBuffer:
         """DeepEP's SM model on one NVLink domain (module doc: ours ignores it, the reductions are torch kernels)."""
         from ep_core import planner
 
+        ctx = self._route(group)
+        if ctx is not self:
+            return ctx.get_theoretical_num_sms(op)
         if op == "all_gather":
             return 0
         if op not in ("reduce_scatter", "all_reduce"):
@@ -294,15 +452,18 @@ class BucketBuffer:
     def _pack(t: Any) -> tuple[bool, list[torch.Tensor]]:
         return (True, [t]) if isinstance(t, torch.Tensor) else (False, list(t))
 
-    def _handle(self, packed: bool, results: list[torch.Tensor]) -> _Handle:
+    def _handle(self, packed: bool, results: list[torch.Tensor], num_sms: int = 0) -> _Handle:
         event = EventHandle() if self.storage.is_cuda else EventHandle(device="cpu")
-        return _Handle(event, results[0] if packed else results)
+        return _Handle(event, results[0] if packed else results, num_sms=num_sms)
 
     # ------------------------------------------------------------------------------------------------------------
     def all_gather(
         self, srcs: Any, dsts: Any = None, group: Any = None, num_sms: int | None = None
     ) -> _Handle:
         """Gather every rank's src into the gathered tensor (see the module doc); copy engine on the GPU."""
+        ctx = self._route(group)
+        if ctx is not self:
+            return ctx.all_gather(srcs, dsts, None, num_sms)
         if num_sms not in (None, 0):
             raise EPValueError(
                 f"num_sms: the all-gather is copy-engine driven: expected None or 0, got {num_sms}"
@@ -338,9 +499,15 @@ class BucketBuffer:
         group: Any = None,
         num_sms: int | None = None,
     ) -> _Handle:
-        """Shard ``rank`` of each src becomes ``scale *`` the sum over ranks of that shard (in place)."""
-        if comm_precision != "fp32":
-            raise EPValueError(f"comm_precision: ep supports 'fp32' only (ours), got {comm_precision!r}")
+        """Shard ``rank`` of each src becomes ``scale *`` the sum over ranks of that shard (in place);
+        ``comm_precision="bf16"``: see ``_reduce_scatter_bf16``."""
+        ctx = self._route(group)
+        if ctx is not self:
+            return ctx.reduce_scatter(srcs, comm_precision, scale, None, num_sms)
+        if comm_precision not in ("fp32", "bf16"):
+            raise EPValueError(f"comm_precision: expected 'fp32' or 'bf16', got {comm_precision!r}")
+        if comm_precision == "bf16":
+            return self._reduce_scatter_bf16(srcs, scale, num_sms)
         packed, xs = self._pack(srcs)
         xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
         n = self.num_ranks
@@ -350,15 +517,130 @@ class BucketBuffer:
         plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
         self._ops += 1
         outs = self._backend.bucket_reduce(plan, self._ops, float(scale), scatter=True)
-        return self._handle(packed, outs)
+        return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
 
     def all_reduce(
         self, srcs: Any, scale: float = 1.0, group: Any = None, num_sms: int | None = None
     ) -> _Handle:
         """Each src becomes ``scale *`` the sum over ranks (in place)."""
+        ctx = self._route(group)
+        if ctx is not self:
+            return ctx.all_reduce(srcs, scale, None, num_sms)
         packed, xs = self._pack(srcs)
         xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
         plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
         self._ops += 1
         outs = self._backend.bucket_reduce(plan, self._ops, float(scale), scatter=False)
-        return self._handle(packed, outs)
+        return self._handle(packed, outs, self._num_sms("all_reduce", num_sms))
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _num_sms(self, op: str, num_sms: int | None) -> int:
+        """DeepEP's ``handle.num_sms``: the caller's count, else ``get_theoretical_num_sms(op)``; 0 where the
+        scale-up bandwidth is unknown (the CPU reference backend without ``EPKIT_NVLINK_GBS``: no SM runs it)."""
+        if num_sms is not None:
+            return int(num_sms)
+        # the model asks nvidia-smi: once per buffer and op
+        cache = self.__dict__.setdefault("_num_sms_cache", {})
+        if op not in cache:
+            try:
+                cache[op] = self.get_theoretical_num_sms(op, self.group)
+            except EPConfigError:
+                cache[op] = 0
+        return cache[op]
+
+    def _reduce_scatter_bf16(self, srcs: Any, scale: float, num_sms: int | None) -> _Handle:
+        """``reduce_scatter(comm_precision="bf16")``, DeepEP's RDMA bf16 reduce-scatter arithmetic: each rank sends
+        the shards of its float32 src that other ranks own rounded to bfloat16 by ``bf16_stochastic_round``
+        (stochastic rounding, the random bits a hash of the values and their place: the same on every run);
+        the owner adds them in float32 to its own unrounded shard, peers in the order ``rank-1, rank-2, ...``
+        (cyclic), then multiplies by ``scale`` (when not 1). Float32 srcs whose shards are multiples of 8 elements
+        (DeepEP's 32-byte rule). The other shards of each src are left unchanged (DeepEP overwrites them with the
+        packed bf16 values: treat them as undefined). Ours: DeepEP runs this on RDMA-only groups; ep on its
+        NVLink-domain groups, on the CPU reference backend (the GPU path refuses it)."""
+        if self.storage.is_cuda:
+            raise EPConfigError(
+                f"comm_precision: 'bf16' runs on the CPU reference backend only (ours); use 'fp32' on the GPU "
+                f"(rank {self.rank_idx})"
+            )
+        packed, xs = self._pack(srcs)
+        xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
+        n, r = self.num_ranks, self.rank_idx
+        for i, x in enumerate(xs):
+            if x.dtype != torch.float32:
+                raise EPTypeError(
+                    f"srcs[{i}]: comm_precision='bf16' takes float32 tensors (DeepEP's rule), got {x.dtype} (rank {r})"
+                )
+            if x.numel() % (8 * n):
+                raise EPValueError(
+                    f"srcs[{i}]: {x.numel()} elements do not split into {n} shards of a multiple of 8 (32 bytes)"
+                )
+        plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
+        self._ops += 1
+        self._buf()._agree(
+            "reduce_scatter",
+            {
+                "op": self._ops,
+                "comm_precision": "bf16",
+                "t": [(tuple(x.shape), str(x.dtype), o) for x, o in plan],
+            },
+        )
+        factor = torch.tensor(float(scale), dtype=torch.float32)
+        outs = []
+        for x, _ in plan:
+            flat = x.detach().reshape(-1)
+            m = flat.numel() // n
+            wire = bf16_stochastic_round(flat, r, n).view(torch.uint8)  # the bf16 bits each rank sends
+            every = [torch.empty_like(wire) for _ in range(n)]
+            work = dist.all_gather(every, wire, group=self.group, async_op=True)
+            self._backend._wait(work, "reduce_scatter", "every rank's bf16 shards", self._ops)
+            acc = flat[r * m : (r + 1) * m].clone()
+            for p in range(1, n):
+                q = (r - p) % n
+                acc += every[q].view(torch.bfloat16)[r * m : (r + 1) * m].float()
+            if float(scale) != 1.0:
+                acc.mul_(factor)
+            view = flat[r * m : (r + 1) * m]
+            view.copy_(acc)
+            outs.append(view)
+        return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
+
+
+_HASH_IN = (0x5671D42B, 0x9995E499, 0xACE1B8A5, 0xE153538D)
+
+
+def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
+    """The bfloat16 values (``torch.bfloat16``, ``x``'s size) that DeepEP's bf16 reduce-scatter sends for the
+    float32 tensor ``x`` (1-D, ``num_ranks`` equal shards of a multiple of 4 elements), with shard ``rank`` (kept
+    in float32 by the sender) rounded to nearest like the rest: use its float32 values, not these.
+
+    Elements go in groups of 4 (a float4, index ``i`` from the start of ``x``); a 32-bit hash of the 4 values'
+    bits and ``i`` gives two words of random bits, the first for elements 0-1 and the second for 2-3, the low
+    16 bits for the even element and the high 16 for the odd one. Stochastic rounding adds the element's 16
+    random bits to its float32 bits and keeps the top 16 (so ``|v|`` rounds up with probability its distance
+    from the bf16 below it, in units of the last place); NaN gives the canonical NaN 0x7FFF; a value that
+    carries past the largest finite bf16 becomes infinity (no saturation)."""
+    v = x.detach().reshape(-1).to(torch.float32).cpu().numpy()
+    if v.size % (4 * num_ranks):
+        raise EPValueError(f"x: {v.size} elements do not split into {num_ranks} shards of a multiple of 4")
+    bits = v.view(np.uint32)
+    quads = bits.reshape(-1, 4)
+    u32 = np.uint32
+    h = np.arange(quads.shape[0], dtype=u32)
+    for k in range(4):
+        h = h + quads[:, k] * u32(_HASH_IN[k])
+    h ^= h >> u32(23)
+    h = h * u32(0x7FEB352D)
+    h ^= h >> u32(16)
+    h1 = h * u32(0x846CA68B)
+    h1 ^= h1 >> u32(11)
+    h2 = h * u32(0xD35A2D97)
+    h2 ^= h2 >> u32(11)
+    mask = u32(0xFFFF)
+    rbits = np.stack([h1 & mask, h1 >> u32(16), h2 & mask, h2 >> u32(16)], axis=1).reshape(-1)
+    out = ((bits.astype(np.uint64) + rbits.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
+    out[np.isnan(v)] = 0x7FFF
+    nearest = torch.from_numpy(v).to(torch.bfloat16)
+    res = torch.from_numpy(out.view(np.int16).copy()).view(torch.bfloat16)
+    m = v.size // num_ranks
+    res[rank * m : (rank + 1) * m] = nearest[rank * m : (rank + 1) * m]
+    return res
