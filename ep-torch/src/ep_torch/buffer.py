@@ -31,6 +31,7 @@ from ep_core import device_array, planner
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
+from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import Topology
 
 from . import _env, host_extension
@@ -127,8 +128,10 @@ class _ExpressLane:
         self.scalars = scalars
 
     @classmethod
-    def make(cls, make: Any, arrays: tuple, scalars: tuple, *extra: Any) -> _ExpressLane | None:
-        """`make(match, *extra)` (an `ep_core.EPBuffer.express_*` method) for the call just run with these
+    def make(
+        cls, core: Any, op: str, arrays: tuple, scalars: tuple, handle: Any = None
+    ) -> _ExpressLane | None:
+        """`core.last_plan(op, match, handle)` (ep_core's `EPBuffer`) for the call just run with these
         arrays, or None: no host extension (the allocator offers no `batch`), arrays a signature cannot hold, or
         a call ep-core's lane does not serve. An FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two
         tensors: `match` returns both pointers, then the others'."""
@@ -149,7 +152,7 @@ class _ExpressLane:
                 return None
         except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
             return None
-        lane = make(match, *extra)
+        lane = core.last_plan(op, match, handle)
         return None if lane is None else cls(lane, scalars)
 
 
@@ -630,30 +633,36 @@ class ElasticBuffer(ElasticOps):
         row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
         call passes it alike. The handle is an ordinary one (combine, cached dispatch).
         """
-        if zero_copy is not False:  # ep_core's zero-copy road (its request cache, repeats and lane)
-            return self._dispatch_zero_copy(  # `ep_core.EPBuffer.dispatch`'s order, zero_copy last
-                x,
-                topk_idx,
-                topk_weights,
-                cumulative_local_expert_recv_stats,
-                num_experts,
-                num_max_tokens_per_rank,
-                expert_alignment,
-                num_sms,
-                num_qps,
-                previous_event,
-                previous_event_before_epilogue,
-                async_with_compute_stream,
-                allocate_on_comm_stream,
-                handle,
-                do_handle_copy,
-                do_cpu_sync,
-                do_expand,
-                do_zero_padding,
-                use_tma_aligned_col_major_sf,
-                zero_copy,
-            )
-        if handle is not None:
+        # the express lanes (`ep_core.EPBuffer.last_plan`): a repeat of the last dispatch of its kind (no handle:
+        # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
+        # handle) without events, stats or comm-stream scope, every scalar the same object as that call's (so the
+        # same prepared entry), the arrays compared by the lane's `match`
+        plain = (
+            handle is None
+            and previous_event is None
+            and previous_event_before_epilogue is None
+            and cumulative_local_expert_recv_stats is None
+            and async_with_compute_stream is False
+            and allocate_on_comm_stream is False
+            and do_handle_copy is True
+        )
+        lane_scalars = (
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            do_cpu_sync,
+            use_tma_aligned_col_major_sf,
+            do_expand,
+            do_zero_padding,
+        )
+        if zero_copy is False:
+            lane = self._express if do_cpu_sync is False else self._express_sync
+        else:  # a zero-copy dispatch's outputs are views of the buffer's memory, as tensors of x's dtypes
+            lane = self._express_zero_copy if zero_copy is True and do_cpu_sync is False else None
+            data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+        if handle is not None and zero_copy is False:
             lane = self._express_cached
             scalars = (
                 topk_idx,
@@ -685,31 +694,7 @@ class ElasticBuffer(ElasticOps):
                         got.handle,
                         EventOverlap(None),
                     )
-        # the express lane (`ep_core.kernels.express`): a repeat of the last dispatch without a handle, events,
-        # stats or comm-stream scope (no-sync, or CPU-sync with the same `do_cpu_sync` object), every scalar the
-        # same object as that call's (so the same prepared entry), the arrays compared by `lane.match`
-        lane = self._express if do_cpu_sync is False else self._express_sync
-        plain = (
-            handle is None
-            and previous_event is None
-            and previous_event_before_epilogue is None
-            and cumulative_local_expert_recv_stats is None
-            and async_with_compute_stream is False
-            and allocate_on_comm_stream is False
-            and do_handle_copy is True
-        )
-        lane_scalars = (
-            num_experts,
-            num_max_tokens_per_rank,
-            expert_alignment,
-            num_sms,
-            num_qps,
-            do_cpu_sync,
-            use_tma_aligned_col_major_sf,
-            do_expand,
-            do_zero_padding,
-        )
-        if plain and lane is not None and _same(lane_scalars, lane.scalars):
+        elif plain and lane is not None and _same(lane_scalars, lane.scalars):
             if do_cpu_sync is not False:
                 try:  # a CPU sync inside CUDA-graph capture: the caller's error
                     self._check_capture("dispatch", do_cpu_sync, None)
@@ -721,17 +706,19 @@ class ElasticBuffer(ElasticOps):
                 x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
             )
             if got is not None:
+                if zero_copy is not False:
+                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *got[:4])
+                    return recv_x, recv_idx, recv_w, got[4], EventOverlap(None)
                 recv_x = _received(got[0], got[1], use_tma_aligned_col_major_sf)
                 return recv_x, got[2], got[3], got[4], EventOverlap(None)
         with self._core.announcing("dispatch"):
             rt = self._rt()
             if handle is None and do_cpu_sync is not False:
                 self._check_capture("dispatch", do_cpu_sync, handle)
-            if handle is not None and not do_expand and isinstance(handle, EPHandle):
+            if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
-            data = x[0] if isinstance(x, tuple) and len(x) == 2 else x
-            device = data.device if isinstance(data, torch.Tensor) else self.device
-            plain_x = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
+            first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+            device = first.device if isinstance(first, torch.Tensor) else self.device
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
             if previous_event is None and not allocate_on_comm_stream:
                 scope, cuda = _NO_SCOPE, self._cuda
@@ -740,44 +727,52 @@ class ElasticBuffer(ElasticOps):
                     allocate_on_comm_stream, previous_event, async_with_compute_stream
                 )
             with scope:
-                # positional, in `ep_core.EPBuffer.dispatch`'s order: two dozen keywords cost over a microsecond
-                res = rt.dispatch_positional(
-                    plain_x,
-                    _plain(topk_idx) if topk_idx is not None else None,
-                    _plain(topk_weights) if topk_weights is not None else None,
-                    None
-                    if cumulative_local_expert_recv_stats is None
-                    else _plain(cumulative_local_expert_recv_stats),
-                    num_experts,
-                    num_max_tokens_per_rank,
-                    expert_alignment,
-                    num_sms,
-                    num_qps,
-                    previous_event,
-                    previous_event_before_epilogue,
-                    bool(async_with_compute_stream),
-                    bool(allocate_on_comm_stream),
-                    handle,
-                    bool(do_handle_copy),
-                    None if do_cpu_sync is None else bool(do_cpu_sync),
-                    bool(do_expand),
-                    bool(do_zero_padding),
-                    bool(use_tma_aligned_col_major_sf),
-                    self._allocators.get(device) or self._allocator(device),
-                    _current_stream(self._device_index) if cuda else 0,
+                res = rt.run_dispatch(
+                    DispatchArgs(
+                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
+                        _plain(topk_idx) if topk_idx is not None else None,
+                        _plain(topk_weights) if topk_weights is not None else None,
+                        None
+                        if cumulative_local_expert_recv_stats is None
+                        else _plain(cumulative_local_expert_recv_stats),
+                        num_experts,
+                        num_max_tokens_per_rank,
+                        expert_alignment,
+                        num_sms,
+                        num_qps,
+                        previous_event,
+                        previous_event_before_epilogue,
+                        bool(async_with_compute_stream),
+                        bool(allocate_on_comm_stream),
+                        handle,
+                        bool(do_handle_copy),
+                        None if do_cpu_sync is None else bool(do_cpu_sync),
+                        bool(do_expand),
+                        bool(do_zero_padding),
+                        bool(use_tma_aligned_col_major_sf),
+                        self._allocators.get(device) or self._allocator(device),
+                        _current_stream(self._device_index) if cuda else 0,
+                        zero_copy,
+                    )
                 )
+                # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
+                # handle's tensors need recording on the streams
                 event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
             lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
             if lanes and plain:
-                made = _ExpressLane.make(rt.express_dispatch, (x, topk_idx, topk_weights), lane_scalars)
-                if do_cpu_sync is False:
+                made = _ExpressLane.make(rt, "dispatch", (x, topk_idx, topk_weights), lane_scalars)
+                if zero_copy is not False:
+                    if zero_copy is True and do_cpu_sync is False:
+                        self._express_zero_copy = made
+                elif do_cpu_sync is False:
                     self._express = made
                 else:
                     self._express_sync = made
             elif (
                 lanes
+                and zero_copy is False
                 and handle is not None
                 and topk_idx is None
                 and cumulative_local_expert_recv_stats is None
@@ -785,9 +780,7 @@ class ElasticBuffer(ElasticOps):
                 and previous_event_before_epilogue is None
                 and not async_with_compute_stream
             ):
-                self._express_cached = _ExpressLane.make(
-                    rt.express_cached, (x, topk_weights), scalars, handle
-                )
+                self._express_cached = _ExpressLane.make(rt, "dispatch", (x, topk_weights), scalars, handle)
         if handle is None:
             if not do_handle_copy:
                 res.handle.topk_idx = (
@@ -797,123 +790,13 @@ class ElasticBuffer(ElasticOps):
                 # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
                 # empty one stays an alias, never the caller's tensor object
                 res.handle.topk_idx = topk_idx.detach()
+        if zero_copy is not False:
+            recv_x, recv_idx, recv_w = self._zero_copy_outputs(
+                data, sf, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights
+            )
+            return recv_x, recv_idx, recv_w, res.handle, event
         recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
-
-    def _dispatch_zero_copy(
-        self,
-        x: Any,
-        topk_idx: Any,
-        topk_weights: Any,
-        cumulative_local_expert_recv_stats: Any,
-        num_experts: Any,
-        num_max_tokens_per_rank: Any,
-        expert_alignment: Any,
-        num_sms: Any,
-        num_qps: Any,
-        previous_event: Any,
-        previous_event_before_epilogue: Any,
-        async_with_compute_stream: Any,
-        allocate_on_comm_stream: Any,
-        handle: Any,
-        do_handle_copy: Any,
-        do_cpu_sync: Any,
-        do_expand: Any,
-        do_zero_padding: Any,
-        use_tma_aligned_col_major_sf: Any,
-        zero_copy: Any,
-    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
-        """``dispatch(..., zero_copy=True)`` through ep-core's zero-copy road
-        (``ep_core.EPBuffer.dispatch_zero_copy_positional``: its request cache and repeats; a plain no-sync call's
-        repeats through its express lane, ``ep_core.kernels.express.ExpressZeroCopyDispatch``); the views it
-        returns become tensors over the same memory, of the caller's dtypes (`ZeroCopyTensors`)."""
-        data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
-        plain = (
-            zero_copy is True
-            and do_cpu_sync is False
-            and handle is None
-            and previous_event is None
-            and previous_event_before_epilogue is None
-            and cumulative_local_expert_recv_stats is None
-            and async_with_compute_stream is False
-            and allocate_on_comm_stream is False
-            and do_handle_copy is True
-        )
-        lane_scalars = (
-            num_experts,
-            num_max_tokens_per_rank,
-            expert_alignment,
-            num_sms,
-            num_qps,
-            use_tma_aligned_col_major_sf,
-            do_expand,
-            do_zero_padding,
-        )
-        lane = self._express_zero_copy
-        if plain and lane is not None and _same(lane_scalars, lane.scalars):
-            got = lane.run(
-                x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
-            )
-            if got is not None:
-                recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, got[0], got[1], got[2], got[3])
-                return recv_x, recv_idx, recv_w, got[4], EventOverlap(None)
-        with self._core.announcing("dispatch"):
-            if handle is None and do_cpu_sync is not False:
-                self._check_capture("dispatch", do_cpu_sync, handle)
-            device = data.device if isinstance(data, torch.Tensor) else self.device
-            if previous_event is None and not allocate_on_comm_stream:  # as on the ordinary road
-                scope, cuda = _NO_SCOPE, self._cuda
-            else:
-                scope, cuda = self._streams(
-                    allocate_on_comm_stream, previous_event, async_with_compute_stream
-                )
-            with scope:
-                res = self._rt().dispatch_zero_copy_positional(
-                    x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
-                    _plain(topk_idx) if topk_idx is not None else None,
-                    _plain(topk_weights) if topk_weights is not None else None,
-                    None
-                    if cumulative_local_expert_recv_stats is None
-                    else _plain(cumulative_local_expert_recv_stats),
-                    num_experts,
-                    num_max_tokens_per_rank,
-                    expert_alignment,
-                    num_sms,
-                    num_qps,
-                    previous_event,
-                    previous_event_before_epilogue,
-                    bool(async_with_compute_stream),
-                    bool(allocate_on_comm_stream),
-                    handle,
-                    bool(do_handle_copy),
-                    None if do_cpu_sync is None else bool(do_cpu_sync),
-                    bool(do_expand),
-                    bool(do_zero_padding),
-                    bool(use_tma_aligned_col_major_sf),
-                    self._allocators.get(device) or self._allocator(device),
-                    _current_stream(self._device_index) if cuda else 0,
-                    zero_copy,
-                )
-                # the outputs are the buffer's memory, not the caching allocator's: only the handle's tensors need
-                # recording on the streams
-                event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
-            if (
-                plain
-                and scope is _NO_SCOPE
-                and getattr(self._allocators.get(device), "batch", None) is not None
-            ):
-                self._express_zero_copy = _ExpressLane.make(
-                    self._rt().express_dispatch, (x, topk_idx, topk_weights), lane_scalars
-                )
-        h = res.handle
-        if not do_handle_copy:
-            h.topk_idx = topk_idx  # the caller's tensor itself, as on the ordinary road
-        elif h.topk_idx is topk_idx:
-            h.topk_idx = topk_idx.detach()
-        recv_x, recv_idx, recv_w = self._zero_copy_outputs(
-            data, sf, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights
-        )
-        return recv_x, recv_idx, recv_w, h, event
 
     def _zero_copy_outputs(
         self, data: Any, sf: Any, recv_x: Any, recv_sf: Any, recv_idx: Any, recv_w: Any
@@ -966,52 +849,13 @@ class ElasticBuffer(ElasticOps):
             and async_with_compute_stream is False
             and allocate_on_comm_stream is False
         )
-        if zero_copy is not False:  # ep_core's zero-copy road (its request cache, repeats and lane)
-            lane = self._express_combine_zero_copy
-            if zero_copy is True and plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
-                got = lane.run(
-                    x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0
-                )
-                if got is not None:
-                    return got.combined_x, got.combined_topk_weights, EventOverlap(None)
-            with self._core.announcing("combine"):
-                if previous_event is None and not allocate_on_comm_stream:  # as on the ordinary road below
-                    scope, cuda = _NO_SCOPE, self._cuda
-                else:
-                    scope, cuda = self._streams(
-                        allocate_on_comm_stream, previous_event, async_with_compute_stream
-                    )
-                device = x.device if isinstance(x, torch.Tensor) else self.device
-                with scope:
-                    res = self._rt().combine_zero_copy_positional(  # `ep_core.EPBuffer.combine`'s order
-                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
-                        handle,
-                        _plain(topk_weights) if topk_weights is not None else None,
-                        _plain(bias) if bias is not None else None,
-                        num_sms,
-                        num_qps,
-                        previous_event,
-                        previous_event_before_epilogue,
-                        bool(async_with_compute_stream),
-                        bool(allocate_on_comm_stream),
-                        self._allocators.get(device) or self._allocator(device),
-                        _current_stream(self._device_index) if cuda else 0,
-                        zero_copy,
-                    )
-                    event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
-                if (
-                    zero_copy is True
-                    and plain
-                    and scope is _NO_SCOPE
-                    and getattr(self._allocators.get(device), "batch", None) is not None
-                ):
-                    # the lane of this zero-copy combine (ep-core's express combine over its zero-copy repeat,
-                    # which declines an x that is not the combine buffer: then this road names the error)
-                    self._express_combine_zero_copy = _ExpressLane.make(
-                        self._rt().express_combine, (x, topk_weights), (num_sms, num_qps), handle
-                    )
-            return res.combined_x, res.combined_topk_weights, event
-        lane = self._express_combine
+        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
+        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
+        # error)
+        if zero_copy is False:
+            lane = self._express_combine
+        else:
+            lane = self._express_combine_zero_copy if zero_copy is True else None
         if plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
             got = lane.run(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
             if got is not None:
@@ -1027,29 +871,35 @@ class ElasticBuffer(ElasticOps):
                     allocate_on_comm_stream, previous_event, async_with_compute_stream
                 )
             with scope:  # the event is recorded inside: on the stream the operation ended on
-                res = rt.combine_positional(  # `ep_core.EPBuffer.combine`'s order
-                    x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
-                    handle,
-                    _plain(topk_weights) if topk_weights is not None else None,
-                    _plain(bias) if bias is not None else None,
-                    num_sms,
-                    num_qps,
-                    previous_event,
-                    previous_event_before_epilogue,
-                    bool(async_with_compute_stream),
-                    bool(allocate_on_comm_stream),
-                    self._allocators.get(device) or self._allocator(device),
-                    _current_stream(self._device_index) if cuda else 0,
+                res = rt.run_combine(
+                    CombineArgs(
+                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
+                        handle,
+                        _plain(topk_weights) if topk_weights is not None else None,
+                        _plain(bias) if bias is not None else None,
+                        num_sms,
+                        num_qps,
+                        previous_event,
+                        previous_event_before_epilogue,
+                        bool(async_with_compute_stream),
+                        bool(allocate_on_comm_stream),
+                        self._allocators.get(device) or self._allocator(device),
+                        _current_stream(self._device_index) if cuda else 0,
+                        zero_copy,
+                    )
                 )
                 event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
             if (
                 plain
+                and type(zero_copy) is bool
                 and scope is _NO_SCOPE
                 and getattr(self._allocators.get(device), "batch", None) is not None
             ):
-                self._express_combine = _ExpressLane.make(
-                    rt.express_combine, (x, topk_weights), (num_sms, num_qps), handle
-                )
+                made = _ExpressLane.make(rt, "combine", (x, topk_weights), (num_sms, num_qps), handle)
+                if zero_copy:
+                    self._express_combine_zero_copy = made
+                else:
+                    self._express_combine = made
         return res.combined_x, res.combined_topk_weights, event
 
     def get_combine_buffer(self, handle: EPHandle) -> torch.Tensor:
