@@ -19,7 +19,7 @@ from typing import Any
 STEPS: tuple[tuple[str, str, str], ...] = (
     ("ep_torch ElasticBuffer.dispatch", "ep_torch.buffer", "ElasticBuffer.dispatch"),
     ("ep_torch ElasticBuffer.combine", "ep_torch.buffer", "ElasticBuffer.combine"),
-    ("current stream", "ep_torch.buffer", "_current_stream"),
+    ("current stream", "ep_torch.dispatch_combine", "_current_stream"),
     ("torch clone (handle's topk_idx copy)", "torch", "Tensor.clone"),
     ("ep_core EPBuffer.dispatch", "ep_core.buffer", "EPBuffer.run_dispatch"),
     ("ep_core EPBuffer.combine", "ep_core.buffer", "EPBuffer.run_combine"),

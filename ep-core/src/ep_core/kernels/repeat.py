@@ -77,7 +77,7 @@ def epilogue_outputs(
     recv_w: Any,
     rows: int,
 ) -> tuple:
-    """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order (direct_rank.py); the envelope is 0: the
+    """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order (launch_words.py); the envelope is 0: the
     epilogue meets no peer and is not a collective launch. `ptr` is `view_ptr` (full path) or `array_ptr` (a repeat);
     `meta_ptr`: the handle's `recv_src_metadata`."""
     return (
