@@ -18,6 +18,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ep-core" / "benchmarks"))
+# ep_torch's part of the CPU benchmark (its tensors at the mocked executor's addresses)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 HIDDEN, EXPERTS, K = 64, 8, 2
 _FIELDS = (
@@ -576,9 +578,9 @@ def test_an_equal_int_computed_anew_is_served(mocked, sync_served):
 
 def _at(arr) -> torch.Tensor:
     """A CPU bf16 tensor at the address of `arr` (the mocked executor's memory, which nothing reads)."""
-    import bench_host_cpu as b
+    import bench_host_torch
 
-    return b.host_tensor_at(torch, arr, torch.bfloat16)
+    return bench_host_torch.host_tensor_at(torch, arr, torch.bfloat16)
 
 
 def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
@@ -625,10 +627,12 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
     from ep_torch import buffer as tbuf
 
     make, launches, _served, _by = mocked
-    import bench_host_cpu as b
+    import bench_host_torch
 
     # ZeroCopyTensors making its tensors on the host at the views' addresses (the mocked memory; it needs CUDA)
-    monkeypatch.setattr(tbuf, "ZeroCopyTensors", b._host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors))
+    monkeypatch.setattr(
+        tbuf, "ZeroCopyTensors", bench_host_torch._host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors)
+    )
     served = [0]
     call = express.ExpressZeroCopyDispatch.__call__
 

@@ -42,7 +42,6 @@ streams occupy SMs.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from typing import Any
 import ep_layout
 import numpy as np
 
+from ep_core._env import knobs
 from ep_core.errors import (
     EPConfigError,
     EPDeviceError,
@@ -114,7 +114,7 @@ Allocator = Callable[[tuple, Any, "tuple | None"], Any]
 # The copy epilogue as a programmatic dependent launch of the dispatch (its blocks wait in griddepcontrol.wait, the
 # dispatch's blocks release them once done sending): on by default where it is safe (`_epilogue_pdl`);
 # EPKIT_EPILOGUE_PDL=0 launches it after the dispatch as before.
-EPILOGUE_PDL = os.environ.get("EPKIT_EPILOGUE_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
+EPILOGUE_PDL = knobs.epilogue_pdl
 
 _RESET_HINT = (
     "every later call on this rank raises this until the domain is reset (reset() on every rank, together)"
