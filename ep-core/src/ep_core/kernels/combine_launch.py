@@ -19,7 +19,7 @@ from ep_core.kernels._args import FLAGS
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE
 from ep_core.kernels.dispatch_launch import _check_2d
-from ep_core.kernels.launch_words import _COMBINE_DYNAMIC, _COMBINE_ZERO_COPY_DYNAMIC
+from ep_core.kernels.launch_words import _COMBINE_DYNAMIC, _COMBINE_ZERO_COPY_DYNAMIC, combine_words
 from ep_core.kernels.plan import (
     launch_geometry,
 )
@@ -179,7 +179,7 @@ class CombineLaunch:
             FLAGS["expand"] | FLAGS["multiple_reduction"] | FLAGS["rank_layout"] | FLAGS["combine_zero_copy"]
         )
         env_fields = (hidden, k, handle.num_experts, self.num_max_tokens, flags & env_mask)
-        dynamic = (
+        dynamic = combine_words(
             iv.ptr,
             view_ptr(handle.psum_num_recv_tokens_per_scaleup_rank, "psum"),
             view_ptr(handle.recv_src_metadata, "recv_src_metadata"),
@@ -191,15 +191,10 @@ class CombineLaunch:
             view_ptr(combined, "combined_x"),
             view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelope(OP_COMBINE, (*env_fields, self._handle_launch.get(handle, -1))),
+            # a zero-copy combine reads the dispatch's slots
+            view_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx") if zero_copy else None,
         )
-        names = _COMBINE_DYNAMIC
-        if zero_copy:  # the dispatch's slots, before the envelope
-            names = _COMBINE_ZERO_COPY_DYNAMIC
-            dynamic = (
-                *dynamic[:-1],
-                view_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx"),
-                dynamic[-1],
-            )
+        names = _COMBINE_ZERO_COPY_DYNAMIC if zero_copy else _COMBINE_DYNAMIC
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, handle.num_experts)
             # zero-copy: one launch (nothing is sent, the reduce is the whole kernel)

@@ -31,6 +31,8 @@ from ep_core.kernels.launch_words import (
     _DISPATCH_ZERO_COPY_DYNAMIC,
     _EPILOGUE_DYNAMIC,
     _EPILOGUE_DYNAMIC_ALL,
+    dispatch_words,
+    epilogue_outputs,
 )
 from ep_core.kernels.plan import (
     KernelConfig,
@@ -38,7 +40,7 @@ from ep_core.kernels.plan import (
     plan_regions,
 )
 from ep_core.kernels.prepared_launch import PreparedOp
-from ep_core.kernels.repeat import RepeatDispatch, epilogue_outputs
+from ep_core.kernels.repeat import RepeatDispatch
 from ep_core.kernels.zero_copy_rows import ZeroCopyRows
 from ep_core.requests import DispatchResult
 from ep_core.validation import check_zero_copy_dispatch_args
@@ -323,7 +325,7 @@ class DispatchLaunch:
             flags
             & (FLAGS["expand"] | FLAGS["cached"] | FLAGS["deterministic"] | FLAGS["dispatch_zero_copy"]),
         )
-        dynamic = (
+        dynamic = dispatch_words(
             xv.ptr,
             sfv.ptr if sfv is not None else 0,
             iv.ptr,
@@ -336,11 +338,9 @@ class DispatchLaunch:
             stats_ptr,
             copy_ptr,
             self._envelope(OP_DISPATCH, (*env_fields, self._handle_launch.get(handle, -1) if cached else -1)),
+            view_ptr(arrays["src_metadata"], "src_metadata") if zero_copy else None,
         )
-        fields = _DISPATCH_DYNAMIC
-        if zero_copy:
-            fields = _DISPATCH_ZERO_COPY_DYNAMIC
-            dynamic = (*dynamic[:-1], view_ptr(arrays["src_metadata"], "src_metadata"), dynamic[-1])
+        fields = _DISPATCH_ZERO_COPY_DYNAMIC if zero_copy else _DISPATCH_DYNAMIC
         args = None
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, num_experts)

@@ -46,8 +46,9 @@ from typing import Any
 from ep_core._env import knobs
 from ep_core.handle import EPHandle
 from ep_core.kernels.array_block import Int32Block
+from ep_core.kernels.launch_words import dispatch_words, epilogue_outputs
 from ep_core.kernels.prepared_launch import record_wait
-from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs, note_handle_topk_idx
+from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, note_handle_topk_idx
 from ep_core.validation import (
     check_handle,
     handle_fingerprint,
@@ -243,7 +244,7 @@ class ExpressDispatch:
             x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
         base = aptrs[-1]
         at = self._block_at
-        dynamic = (
+        dynamic = dispatch_words(
             x_ptr,
             sf_ptr,
             idx_ptr,
@@ -256,6 +257,7 @@ class ExpressDispatch:
             0,
             aptrs[-2],
             plan._envelopes.word(step + 1, -1),
+            base + at[5] if plan.zero_copy else None,  # a zero-copy dispatch's kernel writes the metadata
         )
         return step, wait, signal, arrays, aptrs, dynamic
 
@@ -332,8 +334,6 @@ class ExpressZeroCopyDispatch(ExpressDispatch):
         plan = self._plan
         rank = plan.rank
         base = aptrs[-1]
-        # the metadata before the envelope word (`DirectRank._DISPATCH_ZERO_COPY_DYNAMIC`'s order)
-        dynamic = (*dynamic[:-1], base + self._block_at[5], dynamic[-1])
         try:
             rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, signal)
         except Exception as exc:
