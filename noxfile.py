@@ -321,15 +321,9 @@ def tests(session: nox.Session) -> None:
     _pytest(session, "tests", *(i for n in names for i in _needs_more(n)), workers=2)
     # the host path's CPU benchmark (GPU calls mocked at the driver): a few seconds; the bound only catches a
     # call gone an order of magnitude slower, timings on shared CI machines vary too much for more
-    session.run(
-        "python",
-        "ep-core/benchmarks/bench_host_cpu.py",
-        "--iters",
-        "200",
-        "--fail-above-us",
-        "2000",
-        "--breakdown",
-    )
+    # ep_core's road (ep-core's tree imports no ep_torch), then ep_torch's
+    for bench in ("ep-core/benchmarks/bench_host_cpu.py", "benchmarks/bench_host_torch.py"):
+        session.run("python", bench, "--iters", "200", "--fail-above-us", "2000", "--breakdown")
 
 
 @nox.session(name="sass-diff", default=False)

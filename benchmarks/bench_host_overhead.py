@@ -200,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     steps: dict = {}
     singles: list = []
     if not args.no_breakdown:
-        from host_steps import breakdown, format_rows
+        from bench_host_torch import TORCH_STEPS
+        from host_steps import STEPS, breakdown, format_rows
 
         for (name, fn), row in zip(ops.items(), results):
             if name.startswith("torch"):
                 continue
             n = args.iters if name != "dispatch (CPU sync)" else max(20, args.iters // 5)
-            steps[name] = breakdown(fn, n)
+            steps[name] = breakdown(fn, n, TORCH_STEPS + STEPS)
             torch.cuda.synchronize()
             print(format_rows(name, row["host_us_per_call"], steps[name]))
         singles = _single_calls(torch, x, idx, args.iters)

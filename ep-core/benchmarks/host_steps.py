@@ -1,11 +1,12 @@
-"""Where the host time of one ep_torch / ep_core call goes: the steps of the road (validate -> plan -> launch)
+"""Where the host time of one ep_core call goes: the steps of the road (validate -> plan -> launch)
 timed around their functions, so that a per-call total can be read as a sum.
 
 `breakdown(fn, iters)` patches the functions of `STEPS` with timing wrappers for the duration of the run, calls
 `fn` `iters` times and returns one row per step that ran: calls per op call, inclusive and own microseconds per op
 call (own = inclusive minus the steps nested in it). A wrapper costs a fraction of a microsecond, which the parent
 steps' own time includes; the uninstrumented total is measured separately by the benchmarks that print this.
-Used by `bench_host_cpu.py --breakdown` (driver mocked) and `benchmarks/bench_host_overhead.py` (the H200).
+Used by `bench_host_cpu.py --breakdown` (driver mocked), and with ep_torch's steps before these (`TORCH_STEPS` of
+`benchmarks/bench_host_torch.py`) by that benchmark and `benchmarks/bench_host_overhead.py` (the GPU).
 """
 
 from __future__ import annotations
@@ -17,14 +18,10 @@ from typing import Any
 # (label, module, attribute path); a step's own time is its time minus that of the steps called inside it (timed
 # on a stack: nesting is what happened, not declared)
 STEPS: tuple[tuple[str, str, str], ...] = (
-    ("ep_torch ElasticBuffer.dispatch", "ep_torch.buffer", "ElasticBuffer.dispatch"),
-    ("ep_torch ElasticBuffer.combine", "ep_torch.buffer", "ElasticBuffer.combine"),
-    ("current stream", "ep_torch.buffer", "_current_stream"),
-    ("torch clone (handle's topk_idx copy)", "torch", "Tensor.clone"),
-    ("ep_core EPBuffer.dispatch", "ep_core.buffer", "EPBuffer.dispatch_positional"),
-    ("ep_core EPBuffer.combine", "ep_core.buffer", "EPBuffer.combine_positional"),
-    ("validate: PreparedOps.dispatch_positional", "ep_core.prepared", "PreparedOps.dispatch_positional"),
-    ("validate: PreparedOps.combine_positional", "ep_core.prepared", "PreparedOps.combine_positional"),
+    ("ep_core EPBuffer.dispatch", "ep_core.buffer", "EPBuffer.run_dispatch"),
+    ("ep_core EPBuffer.combine", "ep_core.buffer", "EPBuffer.run_combine"),
+    ("validate: PreparedOps.dispatch", "ep_core.prepared", "PreparedOps.dispatch"),
+    ("validate: PreparedOps.combine", "ep_core.prepared", "PreparedOps.combine"),
     ("validate: describe (pointer, layout)", "ep_core.prepared", "describe"),
     ("validate: check_handle", "ep_core.prepared", "check_handle"),
     ("launch: GpuExecutor.dispatch", "ep_core.kernels.gpu_executor", "GpuExecutor.dispatch"),

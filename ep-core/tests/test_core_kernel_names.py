@@ -17,7 +17,9 @@ from ep_core.kernels._source import (
 # the zero-copy combine and dispatch: direct-mode instances only
 ALL = (*KERNEL_NAMES, ZERO_COPY_KERNEL, DISPATCH_ZERO_COPY_KERNEL)
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels" / "direct_rank.py"
+# the rank's modules that launch them (`DirectRank`: its state, its dispatch side, its combine side)
+KERNELS_DIR = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels"
+SRC = [KERNELS_DIR / name for name in ("direct_rank.py", "dispatch_launch.py", "combine_launch.py")]
 
 # DeepEP's substring -> the ep kernel it must find. DeepEP's combine reduce epilogue (`combine_reduce_epilogue_impl`)
 # has no ep counterpart: ep's combine reduces in its one kernel.
@@ -39,5 +41,5 @@ def test_header_defines_and_executor_launches_those_names():
     header = (Path(get_include()) / "ep_core" / "kernels.cuh").read_text()
     defined = re.findall(r"__global__ void __launch_bounds__\([^)]*\)\s+(\w+)\(", header)
     assert sorted(defined) == sorted(ALL)
-    launched = set(re.findall(r'"(ep_\w+_impl)"', SRC.read_text()))
+    launched = set(re.findall(r'"(ep_\w+_impl)"', "".join(p.read_text() for p in SRC)))
     assert launched == set(ALL)

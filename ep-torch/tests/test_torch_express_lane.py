@@ -18,6 +18,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ep-core" / "benchmarks"))
+# ep_torch's part of the CPU benchmark (its tensors at the mocked executor's addresses)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 HIDDEN, EXPERTS, K = 64, 8, 2
 _FIELDS = (
@@ -64,29 +66,24 @@ def mocked(monkeypatch):
     monkeypatch.setattr(pl.PreparedLaunch, "launch", recorded_launch)
     served_by: dict = {"dispatch": 0, "cached": 0, "combine": 0}
 
-    def counting(cls, kind):
-        call = cls.__call__
+    call = express.ExpressDispatch.__call__
 
-        def counted(self, *args):
-            got = call(self, *args)
-            if got is not None:
-                served_by[kind] += 1
-                if kind == "dispatch":
-                    served[0] += 1
-            return got
+    def counted(self, *args):  # the no-sync lanes (CPU-sync and zero-copy are fields of the same class)
+        got = call(self, *args)
+        if got is not None and not self.cpu_sync and not self.zero_copy:
+            served_by["dispatch"] += 1
+            served[0] += 1
+        return got
 
-        monkeypatch.setattr(cls, "__call__", counted)
+    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
+    lane_run = express.ExpressWithHandle._run
 
-    counting(express.ExpressDispatch, "dispatch")
-    for cls, kind in ((express.ExpressCached, "cached"), (express.ExpressCombine, "combine")):
-        lane_run = cls._run
+    def counted_run(self, *args):  # a cached dispatch's or a combine's lane (`op`)
+        got = lane_run(self, *args)
+        served_by["combine" if self.op == "combine" else "cached"] += got is not None
+        return got
 
-        def counted_run(self, *args, _run=lane_run, _kind=kind):
-            got = _run(self, *args)
-            served_by[_kind] += got is not None
-            return got
-
-        monkeypatch.setattr(cls, "_run", counted_run)
+    monkeypatch.setattr(express.ExpressWithHandle, "_run", counted_run)
 
     init_rank(0, 1, free_port(), "gloo")
 
@@ -379,18 +376,18 @@ def test_handle_lanes_check_the_handle(mocked, monkeypatch):
 
 @pytest.fixture
 def sync_served(monkeypatch):
-    """The CPU-sync dispatches the sync lane served (`ExpressSyncDispatch`)."""
+    """The CPU-sync dispatches the sync lane served (`ExpressDispatch` of a CPU-sync plan)."""
     from ep_core.kernels import express
 
     served = [0]
-    call = express.ExpressSyncDispatch.__call__
+    call = express.ExpressDispatch.__call__
 
     def counted(self, *args):
         got = call(self, *args)
-        served[0] += got is not None
+        served[0] += got is not None and self.cpu_sync
         return got
 
-    monkeypatch.setattr(express.ExpressSyncDispatch, "__call__", counted)
+    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
     return served
 
 
@@ -576,9 +573,9 @@ def test_an_equal_int_computed_anew_is_served(mocked, sync_served):
 
 def _at(arr) -> torch.Tensor:
     """A CPU bf16 tensor at the address of `arr` (the mocked executor's memory, which nothing reads)."""
-    import bench_host_cpu as b
+    import bench_host_torch
 
-    return b.host_tensor_at(torch, arr, torch.bfloat16)
+    return bench_host_torch.host_tensor_at(torch, arr, torch.bfloat16)
 
 
 def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
@@ -619,25 +616,27 @@ def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
 @pytest.mark.parametrize("weights", [True, False])
 def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeypatch, weights):
     """`dispatch(..., zero_copy=True, do_cpu_sync=False)`: the repeats take the zero-copy dispatch's own lane
-    (`ExpressZeroCopyDispatch`: one launch, the outputs the region's views) and launch the same words as its road
+    (`ExpressDispatch` of a zero-copy plan: one launch, the outputs the region's views) and launch the same words as its road
     (the handle's metadata among them), returning the same views and an equal handle."""
     from ep_core.kernels import express
     from ep_torch import buffer as tbuf
 
     make, launches, _served, _by = mocked
-    import bench_host_cpu as b
+    import bench_host_torch
 
     # ZeroCopyTensors making its tensors on the host at the views' addresses (the mocked memory; it needs CUDA)
-    monkeypatch.setattr(tbuf, "ZeroCopyTensors", b._host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors))
+    monkeypatch.setattr(
+        tbuf, "ZeroCopyTensors", bench_host_torch._host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors)
+    )
     served = [0]
-    call = express.ExpressZeroCopyDispatch.__call__
+    call = express.ExpressDispatch.__call__
 
     def counted(self, *args):
         got = call(self, *args)
-        served[0] += got is not None
+        served[0] += got is not None and self.zero_copy
         return got
 
-    monkeypatch.setattr(express.ExpressZeroCopyDispatch, "__call__", counted)
+    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
     g = torch.Generator().manual_seed(11)
     calls = []
     for _ in range(4):

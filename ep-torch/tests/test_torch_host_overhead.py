@@ -144,7 +144,7 @@ class _Stop(Exception):
 
 
 def _recording_buffer():
-    """An ElasticBuffer whose ep_core runtime only records the positional arguments it is given (then stops)."""
+    """An ElasticBuffer whose ep_core runtime only records the argument record it is given (then stops)."""
     import contextlib
     import types
 
@@ -152,17 +152,15 @@ def _recording_buffer():
 
     calls: list = []
 
-    def record(*args):
+    def record(args):
         calls.append(args)
         raise _Stop
 
     core = types.SimpleNamespace(
         announcing=lambda op: contextlib.nullcontext(),
         destroyed=False,
-        dispatch_positional=record,
-        combine_positional=record,
-        dispatch_zero_copy_positional=lambda *args: record(*args, "zero-copy road"),
-        combine_zero_copy_positional=lambda *args: record(*args, "zero-copy road"),
+        run_dispatch=record,
+        run_combine=record,
     )
     buf = ElasticBuffer.__new__(ElasticBuffer)
     buf.__dict__.update(
@@ -173,20 +171,19 @@ def _recording_buffer():
 
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["ordinary", "zero-copy"])
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
-def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op, zero_copy):
-    """`ElasticBuffer.dispatch` / `combine` call ep_core's `dispatch_positional` / `combine_positional` with ~20
-    positional arguments in `ep_core.EPBuffer.dispatch` / `combine`'s order (issue 18): changing any one argument
-    must change exactly the argument at its name's position there (a swap of num_sms / num_qps or of two flags
-    fails here). `zero_copy=True` calls `dispatch_zero_copy_positional` / `combine_zero_copy_positional` in the
-    same order, with `zero_copy` last."""
+def test_each_argument_reaches_ep_cores_record_in_its_own_field(op, zero_copy):
+    """`ElasticBuffer.dispatch` / `combine` build ep_core's argument record (`DispatchArgs` / `CombineArgs`, whose
+    fields are `ep_core.EPBuffer.dispatch` / `combine`'s parameters in their order) once and pass it to
+    `run_dispatch` / `run_combine` (issue 45): changing any one argument must change exactly the field of its name
+    (a swap of num_sms / num_qps or of two flags fails here). `zero_copy=True` is the record's last field."""
     import inspect
 
     import ep_core
+    from ep_core.requests import CombineArgs, DispatchArgs
     from ep_torch import ElasticBuffer
     from ep_torch.event import EventHandle
 
-    # `zero_copy` (the last, keyword-only parameter of dispatch and combine on both) takes its own road, not the
-    # positional one
+    # `zero_copy` (the last, keyword-only parameter of dispatch and combine on both): the record's last field
     core_names = [n for n in inspect.signature(getattr(ep_core.EPBuffer, op)).parameters if n != "zero_copy"][
         1:
     ]
@@ -218,14 +215,15 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op, 
     if zero_copy:
         base["zero_copy"] = True
 
+    record = DispatchArgs if op == "dispatch" else CombineArgs
+    assert list(record._fields) == [*core_names, "zero_copy"]
+
     def positional(**kwargs) -> tuple:
         with pytest.raises(_Stop):
             getattr(buf, op)(**{**base, **kwargs})
         got = calls.pop()
-        if zero_copy:  # the zero-copy road's arguments end with `zero_copy`
-            assert got[-1] == "zero-copy road" and got[-2] is True
-            got = got[:-2]
-        return got
+        assert type(got) is record and got.zero_copy is zero_copy  # the record's last field
+        return got[:-1]
 
     ref = positional()
     assert len(ref) == len(core_names)
@@ -242,8 +240,8 @@ def test_each_argument_reaches_ep_cores_positional_road_at_its_own_position(op, 
 @pytest.mark.parametrize("op", ["dispatch", "combine"])
 def test_zero_copy_takes_ep_cores_own_road(op):
     """`zero_copy=True` is keyword-only and last on both surfaces (DeepEP's positional order unchanged) and reaches
-    ep_core's zero-copy road (`dispatch_zero_copy_positional` / `combine_zero_copy_positional`: its request cache
-    and repeats), never the ordinary positional road or an express lane."""
+    ep_core's one road with the record's `zero_copy` field set (`run_dispatch` / `run_combine`: its request cache
+    keys and repeats), never an express lane."""
     import inspect
 
     import ep_core
@@ -261,7 +259,7 @@ def test_zero_copy_takes_ep_cores_own_road(op):
             buf.dispatch(x, torch.zeros(4, 2, dtype=torch.int64), num_experts=8, zero_copy=True)
         else:
             buf.combine(x, object(), zero_copy=True)
-    assert len(calls) == 1 and calls[0][-2:] == (True, "zero-copy road")
+    assert len(calls) == 1 and calls[0].zero_copy is True
     with pytest.raises(TypeError):  # keyword-only: one positional argument more is refused
         getattr(buf, op)(*([None] * (len(inspect.signature(getattr(ElasticBuffer, op)).parameters) - 1)))
 

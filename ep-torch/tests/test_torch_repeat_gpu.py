@@ -68,18 +68,14 @@ def _main(out_dir: str) -> int:
     # no-sync, CPU-sync and zero-copy dispatches the express lanes served (ep_core.kernels.express)
     served = [0, 0, 0]
 
-    def counting(cls, at):
-        lane_call = cls.__call__
+    lane_call = express.ExpressDispatch.__call__
 
-        def counted(self, *args):
-            got = lane_call(self, *args)
-            served[at] += got is not None
-            return got
+    def counted(self, *args):  # CPU sync and zero copy are fields of the lane's plan
+        got = lane_call(self, *args)
+        served[2 if self.zero_copy else 1 if self.cpu_sync else 0] += got is not None
+        return got
 
-        cls.__call__ = counted
-
-    counting(express.ExpressDispatch, 0)
-    counting(express.ExpressSyncDispatch, 1)
+    express.ExpressDispatch.__call__ = counted
     zero_copy_repeats = [0, 0]  # zero-copy dispatches and combines the repeated-call road served
 
     def counting_zero_copy(cls, at):
@@ -94,8 +90,7 @@ def _main(out_dir: str) -> int:
 
     counting_zero_copy(repeat.RepeatDispatch, 0)
     counting_zero_copy(repeat.RepeatCombine, 1)  # also under the zero-copy combine's express lane
-    # the zero-copy dispatch's express lane launches without RepeatDispatch.run
-    counting(express.ExpressZeroCopyDispatch, 2)
+    # the zero-copy dispatch's express lane launches without RepeatDispatch.run (counted in served[2] above)
     init_rank(0, 1, free_port(), "nccl")
     overlap = os.environ.get("EP_TEST_PREFER_OVERLAP", "1") == "1"
     buf = ElasticBuffer(

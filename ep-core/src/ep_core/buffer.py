@@ -31,6 +31,7 @@ from ep_core.executor import (
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.prepared import PreparedOps
+from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
 from ep_core.validation import (
     check_handle,
@@ -352,10 +353,12 @@ class EPBuffer(BufferBase):
         zero_copy: bool = False,
     ) -> DispatchResult:
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`. `zero_copy=True`: the
-        outputs are views of this buffer's own memory where the dispatch stored them
-        (`dispatch_zero_copy_positional`)."""
-        if zero_copy is not False:  # its own road (validation D18 refuses a zero_copy that is not a bool)
-            return self.dispatch_zero_copy_positional(
+        outputs are views of this buffer's own memory where the dispatch stored them: `recv_x`, `recv_sf`,
+        `recv_topk_idx` and `recv_topk_weights` are views of this rank's receive region (the executor's memory, in
+        the deterministic row order), valid until the next dispatch or combine on this buffer; bf16 `recv_x` is the
+        memory of `combine_buffer(handle)`. The handle is an ordinary one."""
+        return self.run_dispatch(
+            DispatchArgs(
                 x,
                 topk_idx,
                 topk_weights,
@@ -379,113 +382,59 @@ class EPBuffer(BufferBase):
                 stream,
                 zero_copy,
             )
-        return self.dispatch_positional(
-            x,
-            topk_idx,
-            topk_weights,
-            cumulative_local_expert_recv_stats,
-            num_experts,
-            num_max_tokens_per_rank,
-            expert_alignment,
-            num_sms,
-            num_qps,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-            handle,
-            do_handle_copy,
-            do_cpu_sync,
-            do_expand,
-            do_zero_padding,
-            use_tma_aligned_col_major_sf,
-            allocator,
-            stream,
         )
 
-    def dispatch_positional(self, *args: Any) -> DispatchResult:
-        """`dispatch` with every argument positional, in its order (x .. stream): the road of ep_torch and of
-        `dispatch` itself (keywords cost over a microsecond per layer at this many parameters)."""
+    def run_dispatch(self, args: DispatchArgs) -> DispatchResult:
+        """`dispatch` of its argument record (ep_torch's road, and `dispatch`'s own): validated through the
+        prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own), then
+        run by the executor."""
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
             return self._dispatch(args)
         with self.announcing("dispatch"):
             return self._dispatch(args)
 
-    def dispatch_zero_copy_positional(self, *args: Any) -> DispatchResult:
-        """`dispatch(..., zero_copy=True)`, every argument positional in `dispatch`'s order with `zero_copy` last
-        (ep_torch's road, as `dispatch_positional` is the ordinary one's): validated as any dispatch (rule D18
-        too), through the request cache under keys of its own, whose repeats (a no-sync call's) launch the
-        zero-copy kernel alone; `express_dispatch` right after a no-sync call gives its express lane
-        (`ExpressZeroCopyDispatch`). `recv_x`, `recv_sf`, `recv_topk_idx` and `recv_topk_weights` are views of
-        this rank's receive region (the executor's memory, in the deterministic row order), valid until the next
-        dispatch or combine on this buffer; bf16 `recv_x` is the memory of `combine_buffer(handle)`. The handle is
-        an ordinary one."""
-        with self.announcing("dispatch"):
-            self._check_alive()
-            ex = self._executor
-            req = self._prepared.dispatch_positional(ex, *args[:-1], self._sm_cache, args[-1])
-            if getattr(ex, "zero_copy_dispatch", False) is not True:  # no silent ordinary dispatch
-                raise EPConfigError(
-                    f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without "
-                    "zero_copy"
-                )
-            res = ex.dispatch(req)
-            # `express_dispatch`'s, for this road's own lane
-            self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)
-            if is_trusted_allocator(req.allocator):  # a new handle (D18: never cached), as in `_dispatch`
-                trust_handle(self.config, ex, res.handle)
-            return res
-
-    def _dispatch(self, args: tuple) -> DispatchResult:
+    def _dispatch(self, args: DispatchArgs) -> DispatchResult:
         self._check_alive()
         ex = self._executor
-        req = self._prepared.dispatch_positional(ex, *args, self._sm_cache)
+        req = self._prepared.dispatch(ex, args, self._sm_cache)
+        if (
+            req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True
+        ):  # no silent ordinary dispatch
+            raise EPConfigError(
+                f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
+            )
         res = ex.dispatch(req)
-        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `express_dispatch`'s
+        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `last_plan`'s
         # a new handle from the library's own allocator passes the handle checks by construction: recorded as
         # validated, so that its combine does not check every array again (`validation.trust_handle`)
         if req.handle is None and is_trusted_allocator(req.allocator):
             trust_handle(self.config, ex, res.handle)
         return res
 
-    def express_dispatch(self, match: Any) -> Any:
-        """The express lane (`ep_core.kernels.express.ExpressDispatch`; `ExpressSyncDispatch` for a CPU-sync
-        call) of this buffer's last dispatch, whose arrays `match(x, topk_idx, topk_weights)` compares later
-        calls' with (for FP8 x: the data's and the scales' pointers first), or None where that call was not one
-        the lane serves (a handle, an empty routing, no repeat yet, an allocator without `batch`). The caller must
-        have made that call with no handle, events or comm-stream allocation, and compares every scalar of a later
-        call with that call's (the same object, or an equal int) before taking the lane."""
-        last = getattr(self, "_last_dispatch", None)
+    def last_plan(self, op: str, match: Any, handle: EPHandle | None = None) -> Any:
+        """The plan of this buffer's last `op` ("dispatch" or "combine") as one call from the framework layer to
+        the launches (`ep_core.kernels.express`), or None where that call was not one it serves (events, a
+        comm-stream allocation, an empty routing, no repeat yet, an allocator without `batch`). `match(x, ...)`
+        compares a later call's arrays with that call's: `(x, topk_idx, topk_weights)` for a dispatch without a
+        handle (for FP8 x: the data's and the scales' pointers first); `(x, topk_weights)` for a cached dispatch
+        of `handle` or a combine with `handle`. The caller must have made that call with no handle (unless
+        `handle`), events or comm-stream allocation, and compares every scalar of a later call with that call's
+        (the same object, or an equal int) before running the plan."""
+        last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         if last is None or self._destroyed:
             return None
-        from ep_core.kernels.express import express_dispatch
+        from ep_core.kernels import express
 
-        return express_dispatch(self, self._executor, last[0], last[1], last[2], match)
-
-    def express_combine(self, match: Any, handle: EPHandle) -> Any:
-        """The express lane (`ep_core.kernels.express.ExpressCombine`) of this buffer's last combine, made with
-        `handle` and no bias, events or comm-stream allocation; `match(x, topk_weights)` compares a later call's
-        arrays. None where that call was not one the lane serves."""
-        last = getattr(self, "_last_combine", None)
-        if last is None or self._destroyed:
-            return None
-        from ep_core.kernels.express import express_with_handle
-
-        return express_with_handle(
-            "combine", self, self._executor, last[0], "bfloat16", last[1], match, handle
-        )
-
-    def express_cached(self, match: Any, handle: EPHandle) -> Any:
-        """The express lane (`ep_core.kernels.express.ExpressCached`) of this buffer's last dispatch, a cached one
-        of `handle` with no events or comm-stream allocation; `match(x, topk_weights)` compares a later call's
-        arrays. None where that call was not one the lane serves."""
-        last = getattr(self, "_last_dispatch", None)
-        if last is None or self._destroyed:
-            return None
-        from ep_core.kernels.express import express_with_handle
-
-        return express_with_handle("dispatch", self, self._executor, last[0], last[1], last[2], match, handle)
+        if op == "combine":
+            return express.express_with_handle(
+                "combine", self, self._executor, last[0], "bfloat16", last[1], match, handle
+            )
+        if handle is not None:
+            return express.express_with_handle(
+                "dispatch", self, self._executor, last[0], last[1], last[2], match, handle
+            )
+        return express.express_dispatch(self, self._executor, last[0], last[1], last[2], match)
 
     def combine(
         self,
@@ -506,8 +455,8 @@ class EPBuffer(BufferBase):
     ) -> CombineResult:
         """Validate (SPEC §6) and run a combine; returns the executor's `CombineResult`. `zero_copy=True`: `x` is
         `combine_buffer(handle)` with the expert outputs written in place (`combine_buffer`)."""
-        if zero_copy is not False:  # its own road (validation C7 refuses a zero_copy that is not a bool)
-            return self.combine_zero_copy_positional(
+        return self.run_combine(
+            CombineArgs(
                 x,
                 handle,
                 topk_weights,
@@ -522,19 +471,6 @@ class EPBuffer(BufferBase):
                 stream,
                 zero_copy,
             )
-        return self.combine_positional(
-            x,
-            handle,
-            topk_weights,
-            bias,
-            num_sms,
-            num_qps,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-            allocator,
-            stream,
         )
 
     def combine_buffer(self, handle: EPHandle, hidden: int | None = None) -> Any:
@@ -553,33 +489,22 @@ class EPBuffer(BufferBase):
         check_zero_copy_args(h, hidden=hidden)
         return ex.combine_buffer(h, hidden)
 
-    def combine_zero_copy_positional(self, *args: Any) -> CombineResult:
-        """`combine(..., zero_copy=True)`, every argument positional in `combine`'s order with `zero_copy` last
-        (ep_torch's road): validated as any combine (rule C7 too), through the request cache under keys of its
-        own, whose repeats launch the zero-copy kernel (the executor checks each call's `x` is its combine
-        buffer). Its express lane (`express_combine` right after this call) takes that repeat."""
-        with self.announcing("combine"):
-            self._check_alive()
-            ex = self._executor
-            req = self._prepared.combine_positional(ex, *args)
-            res = ex.combine(req)
-            self._last_combine = (req.prepared, req.allocator)  # `express_combine`'s (its own entry's lane)
-            return res
-
-    def combine_positional(self, *args: Any) -> CombineResult:
-        """`combine` with every argument positional, in its order (x .. stream; ep_torch's road)."""
+    def run_combine(self, args: CombineArgs) -> CombineResult:
+        """`combine` of its argument record (ep_torch's road; a zero-copy call, rule C7 too, under request-cache
+        keys of its own, whose repeats launch the zero-copy kernel: the executor checks each call's `x` is its
+        combine buffer)."""
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
             return self._combine(args)
         with self.announcing("combine"):
             return self._combine(args)
 
-    def _combine(self, args: tuple) -> CombineResult:
+    def _combine(self, args: CombineArgs) -> CombineResult:
         self._check_alive()
         ex = self._executor
-        req = self._prepared.combine_positional(ex, *args)
+        req = self._prepared.combine(ex, args)
         res = ex.combine(req)
-        self._last_combine = (req.prepared, req.allocator)  # `express_combine`'s
+        self._last_combine = (req.prepared, req.allocator)  # `last_plan`'s
         return res
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------

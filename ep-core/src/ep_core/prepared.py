@@ -21,14 +21,21 @@ from typing import Any
 
 from ep_core.device_array import describe
 from ep_core.handle import EPHandle
-from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest, PreparedToken
+from ep_core.requests import (
+    BufferConfig,
+    CombineArgs,
+    CombineRequest,
+    DispatchArgs,
+    DispatchRequest,
+    PreparedToken,
+)
 from ep_core.validation import (
     check_allocator,
     check_handle,
     check_stream,
     handle_fingerprint,
-    make_combine_request,
-    make_dispatch_request,
+    validate_combine,
+    validate_dispatch,
 )
 
 __all__ = ["PreparedOps"]
@@ -59,6 +66,23 @@ _COMBINE_PER_CALL = (
     "stream",
     "previous_event",
     "previous_event_before_epilogue",
+)
+
+
+def _fields(record: type, names: str) -> Any:
+    """A getter of the named fields of an argument record, as one tuple (one C call per key)."""
+    return operator.itemgetter(*map(record._fields.index, names.split()))
+
+
+# the scalars and flags of a key (the arrays, the handle and the events are keyed by their layout / presence)
+_dispatch_scalars = _fields(
+    DispatchArgs,
+    "num_experts num_max_tokens_per_rank expert_alignment num_sms num_qps async_with_compute_stream "
+    "allocate_on_comm_stream do_handle_copy do_cpu_sync do_expand do_zero_padding use_tma_aligned_col_major_sf "
+    "zero_copy",
+)
+_combine_scalars = _fields(
+    CombineArgs, "num_sms num_qps async_with_compute_stream allocate_on_comm_stream zero_copy"
 )
 
 _new = object.__new__
@@ -145,83 +169,17 @@ class PreparedOps:
         topk_idx: Any = None,
         topk_weights: Any = None,
         *,
-        cumulative_local_expert_recv_stats: Any = None,
-        num_experts: Any = None,
-        num_max_tokens_per_rank: Any = None,
-        expert_alignment: Any = None,
-        num_sms: Any = 0,
-        num_qps: Any = 0,
-        previous_event: Any = None,
-        previous_event_before_epilogue: Any = None,
-        async_with_compute_stream: Any = False,
-        allocate_on_comm_stream: Any = False,
-        handle: Any = None,
-        do_handle_copy: Any = True,
-        do_cpu_sync: Any = None,
-        do_expand: Any = False,
-        do_zero_padding: Any = False,
-        use_tma_aligned_col_major_sf: Any = False,
-        allocator: Any = None,
-        stream: Any = 0,
         sm_cache: dict | None = None,
+        **kwargs: Any,
     ) -> DispatchRequest:
         """`validation.make_dispatch_request` for this buffer, served from the cache when the shapes repeat."""
-        return self.dispatch_positional(
-            target,
-            x,
-            topk_idx,
-            topk_weights,
-            cumulative_local_expert_recv_stats,
-            num_experts,
-            num_max_tokens_per_rank,
-            expert_alignment,
-            num_sms,
-            num_qps,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-            handle,
-            do_handle_copy,
-            do_cpu_sync,
-            do_expand,
-            do_zero_padding,
-            use_tma_aligned_col_major_sf,
-            allocator,
-            stream,
-            sm_cache,
-        )
+        return self.dispatch(target, DispatchArgs(x, topk_idx, topk_weights, **kwargs), sm_cache)
 
-    def dispatch_positional(
-        self,
-        target: Any,
-        x: Any,
-        topk_idx: Any,
-        topk_weights: Any,
-        cumulative_local_expert_recv_stats: Any,
-        num_experts: Any,
-        num_max_tokens_per_rank: Any,
-        expert_alignment: Any,
-        num_sms: Any,
-        num_qps: Any,
-        previous_event: Any,
-        previous_event_before_epilogue: Any,
-        async_with_compute_stream: Any,
-        allocate_on_comm_stream: Any,
-        handle: Any,
-        do_handle_copy: Any,
-        do_cpu_sync: Any,
-        do_expand: Any,
-        do_zero_padding: Any,
-        use_tma_aligned_col_major_sf: Any,
-        allocator: Any,
-        stream: Any,
-        sm_cache: dict | None,
-        zero_copy: Any = False,
-    ) -> DispatchRequest:
-        """`dispatch_request` with every argument positional, in its order: `EPBuffer`'s road (a call with two dozen
-        keywords costs over a microsecond more per layer). `zero_copy` (`EPBuffer`'s zero-copy road) is part of the
-        key: its requests and their repeats are their own entries."""
+    def dispatch(self, target: Any, a: DispatchArgs, sm_cache: dict | None) -> DispatchRequest:
+        """The request of one dispatch's arguments (`EPBuffer`'s road): from the entry of its key, or validated in
+        full (`validation.validate_dispatch`) and kept. `zero_copy` is part of the key: its requests and their
+        repeats are their own entries."""
+        x, handle = a.x, a.handle
         try:
             if type(x) is tuple and len(x) == 2:
                 xi = describe(x[0])
@@ -233,13 +191,10 @@ class PreparedOps:
                 xi = describe(x)
                 sfi = None
                 x_key = _layout(xi)
-            ti = None if topk_idx is None else describe(topk_idx)
-            wi = None if topk_weights is None else describe(topk_weights)
-            si = (
-                None
-                if cumulative_local_expert_recv_stats is None
-                else describe(cumulative_local_expert_recv_stats)
-            )
+            ti = None if a.topk_idx is None else describe(a.topk_idx)
+            wi = None if a.topk_weights is None else describe(a.topk_weights)
+            stats = a.cumulative_local_expert_recv_stats
+            si = None if stats is None else describe(stats)
             if handle is not None and type(handle) is not EPHandle:
                 raise TypeError  # the full validation names the rule
             hfp = None if handle is None else handle_fingerprint(self.config, target, handle)
@@ -249,25 +204,9 @@ class PreparedOps:
                 None if wi is None else _layout(wi),
                 None if si is None else _layout(si),
                 None if hfp is None else _handle_key(hfp),
-                previous_event is None,
+                a.previous_event is None,
                 self._device(target),
-                _typed(
-                    (
-                        num_experts,
-                        num_max_tokens_per_rank,
-                        expert_alignment,
-                        num_sms,
-                        num_qps,
-                        async_with_compute_stream,
-                        allocate_on_comm_stream,
-                        do_handle_copy,
-                        do_cpu_sync,
-                        do_expand,
-                        do_zero_padding,
-                        use_tma_aligned_col_major_sf,
-                        zero_copy,
-                    )
-                ),
+                _typed(_dispatch_scalars(a)),
             )
             last = self._last_dispatch
             # the previous call's shapes again (the common repeat): one tuple comparison, no hash and probe
@@ -289,98 +228,29 @@ class PreparedOps:
                     "topk_weights": wi,
                     "handle": handle,
                     "cumulative_local_expert_recv_stats": si,
-                    "allocator": check_allocator(allocator, target),
-                    "stream": check_stream(stream),
-                    "previous_event": previous_event,
-                    "previous_event_before_epilogue": previous_event_before_epilogue,
+                    "allocator": check_allocator(a.allocator, target),
+                    "stream": check_stream(a.stream),
+                    "previous_event": a.previous_event,
+                    "previous_event_before_epilogue": a.previous_event_before_epilogue,
                 },
             )
         self.misses += 1
-        req = make_dispatch_request(
-            self.config,
-            target,
-            x,
-            topk_idx,
-            topk_weights,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            num_experts=num_experts,
-            num_max_tokens_per_rank=num_max_tokens_per_rank,
-            expert_alignment=expert_alignment,
-            num_sms=num_sms,
-            num_qps=num_qps,
-            previous_event=previous_event,
-            previous_event_before_epilogue=previous_event_before_epilogue,
-            async_with_compute_stream=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            handle=handle,
-            do_handle_copy=do_handle_copy,
-            do_cpu_sync=do_cpu_sync,
-            do_expand=do_expand,
-            do_zero_padding=do_zero_padding,
-            use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
-            allocator=allocator,
-            stream=stream,
-            sm_cache=sm_cache,
-            zero_copy=zero_copy,
-        )
+        req = validate_dispatch(self.config, target, a, sm_cache)
         if key is not None:
             self._store(self._dispatch, key, req, _DISPATCH_PER_CALL)
         return req
 
     # -------------------------------------------------------------------------------------------------- combine
     def combine_request(
-        self,
-        target: Any,
-        x: Any,
-        handle: Any,
-        topk_weights: Any = None,
-        bias: Any = None,
-        *,
-        num_sms: Any = 0,
-        num_qps: Any = 0,
-        previous_event: Any = None,
-        previous_event_before_epilogue: Any = None,
-        async_with_compute_stream: Any = False,
-        allocate_on_comm_stream: Any = False,
-        allocator: Any = None,
-        stream: Any = 0,
+        self, target: Any, x: Any, handle: Any, topk_weights: Any = None, bias: Any = None, **kwargs: Any
     ) -> CombineRequest:
         """`validation.make_combine_request` for this buffer, served from the cache when the shapes repeat."""
-        return self.combine_positional(
-            target,
-            x,
-            handle,
-            topk_weights,
-            bias,
-            num_sms,
-            num_qps,
-            previous_event,
-            previous_event_before_epilogue,
-            async_with_compute_stream,
-            allocate_on_comm_stream,
-            allocator,
-            stream,
-        )
+        return self.combine(target, CombineArgs(x, handle, topk_weights, bias, **kwargs))
 
-    def combine_positional(
-        self,
-        target: Any,
-        x: Any,
-        handle: Any,
-        topk_weights: Any,
-        bias: Any,
-        num_sms: Any,
-        num_qps: Any,
-        previous_event: Any,
-        previous_event_before_epilogue: Any,
-        async_with_compute_stream: Any,
-        allocate_on_comm_stream: Any,
-        allocator: Any,
-        stream: Any,
-        zero_copy: Any = False,
-    ) -> CombineRequest:
-        """`combine_request` with every argument positional, in its order (`EPBuffer`'s road; `zero_copy`, part
-        of the key, `EPBuffer`'s zero-copy road)."""
+    def combine(self, target: Any, a: CombineArgs) -> CombineRequest:
+        """The request of one combine's arguments (`EPBuffer`'s road; `zero_copy`, part of the key, its own
+        entries)."""
+        x, handle, topk_weights, bias = a.x, a.handle, a.topk_weights, a.bias
         try:
             if type(handle) is not EPHandle or type(x) in (tuple, list):
                 raise TypeError  # the full validation names the rule
@@ -405,9 +275,9 @@ class PreparedOps:
                 None if wi is None else _layout(wi),
                 bias_key,
                 _handle_key(hfp),
-                previous_event is None,
+                a.previous_event is None,
                 self._device(target),
-                _typed((num_sms, num_qps, async_with_compute_stream, allocate_on_comm_stream, zero_copy)),
+                _typed(_combine_scalars(a)),
             )
             last = self._last_combine
             entry = last[1] if key == last[0] else self._combine.get(key)
@@ -425,30 +295,14 @@ class PreparedOps:
                     "handle": handle,
                     "topk_weights": wi,
                     "bias": bi,
-                    "allocator": check_allocator(allocator, target),
-                    "stream": check_stream(stream),
-                    "previous_event": previous_event,
-                    "previous_event_before_epilogue": previous_event_before_epilogue,
+                    "allocator": check_allocator(a.allocator, target),
+                    "stream": check_stream(a.stream),
+                    "previous_event": a.previous_event,
+                    "previous_event_before_epilogue": a.previous_event_before_epilogue,
                 },
             )
         self.misses += 1
-        req = make_combine_request(
-            self.config,
-            target,
-            x,
-            handle,
-            topk_weights,
-            bias,
-            num_sms=num_sms,
-            num_qps=num_qps,
-            previous_event=previous_event,
-            previous_event_before_epilogue=previous_event_before_epilogue,
-            async_with_compute_stream=async_with_compute_stream,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-            allocator=allocator,
-            stream=stream,
-            zero_copy=zero_copy,
-        )
+        req = validate_combine(self.config, target, a)
         if key is not None:
             self._store(self._combine, key, req, _COMBINE_PER_CALL)
         return req

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ep_core.device_array import ArrayInfo, host_copy
 from ep_core.handle import EPHandle
@@ -16,8 +16,10 @@ from ep_core.topology import Topology
 __all__ = [
     "Allocator",
     "BufferConfig",
+    "CombineArgs",
     "CombineRequest",
     "CombineResult",
+    "DispatchArgs",
     "DispatchRequest",
     "DispatchResult",
     "PreparedToken",
@@ -25,6 +27,55 @@ __all__ = [
 
 Allocator = Callable[[tuple[int, ...], str], Any]
 """`allocator(shape, dtype) -> array`: a new (contiguous, row-major) array on the executor's device."""
+
+
+class DispatchArgs(NamedTuple):
+    """The arguments of one dispatch as the caller gave them (`EPBuffer.dispatch`'s parameters, in its order, and
+    `zero_copy`): built once at the top of the call and passed down whole, to the prepared-operation cache
+    (`ep_core.prepared`, which keys on them) and the validator (`validation.validate_dispatch`, which reads them
+    by name). A tuple: immutable, and as cheap to build as the positional lists it replaces."""
+
+    x: Any
+    topk_idx: Any = None
+    topk_weights: Any = None
+    cumulative_local_expert_recv_stats: Any = None
+    num_experts: Any = None
+    num_max_tokens_per_rank: Any = None
+    expert_alignment: Any = None
+    num_sms: Any = 0
+    num_qps: Any = 0
+    previous_event: Any = None
+    previous_event_before_epilogue: Any = None
+    async_with_compute_stream: Any = False
+    allocate_on_comm_stream: Any = False
+    handle: Any = None
+    do_handle_copy: Any = True
+    do_cpu_sync: Any = None
+    do_expand: Any = False
+    do_zero_padding: Any = False
+    use_tma_aligned_col_major_sf: Any = False
+    allocator: Any = None
+    stream: Any = 0
+    zero_copy: Any = False
+
+
+class CombineArgs(NamedTuple):
+    """The arguments of one combine as the caller gave them (`EPBuffer.combine`'s parameters, in its order, and
+    `zero_copy`); see `DispatchArgs`."""
+
+    x: Any
+    handle: Any
+    topk_weights: Any = None
+    bias: Any = None
+    num_sms: Any = 0
+    num_qps: Any = 0
+    previous_event: Any = None
+    previous_event_before_epilogue: Any = None
+    async_with_compute_stream: Any = False
+    allocate_on_comm_stream: Any = False
+    allocator: Any = None
+    stream: Any = 0
+    zero_copy: Any = False
 
 
 class PreparedToken:

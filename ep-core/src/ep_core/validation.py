@@ -54,7 +54,7 @@ from ep_core import planner
 from ep_core.device_array import ArrayInfo, describe
 from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import ARRAY_FIELDS, BLOCK_PARTS, MISSING, EPHandle
-from ep_core.requests import BufferConfig, CombineRequest, DispatchRequest
+from ep_core.requests import BufferConfig, CombineArgs, CombineRequest, DispatchArgs, DispatchRequest
 from ep_core.topology import MAX_TOPK
 
 __all__ = [
@@ -69,6 +69,8 @@ __all__ = [
     "resolve_num_sms",
     "trust_fingerprint",
     "trust_handle",
+    "validate_combine",
+    "validate_dispatch",
 ]
 
 _INT_IDS = ("int64", "int32")
@@ -431,43 +433,33 @@ def make_dispatch_request(
     topk_idx: Any = None,
     topk_weights: Any = None,
     *,
-    cumulative_local_expert_recv_stats: Any = None,
-    num_experts: int | None = None,
-    num_max_tokens_per_rank: int | None = None,
-    expert_alignment: int | None = None,
-    num_sms: int = 0,
-    num_qps: int = 0,
-    previous_event: Any = None,
-    previous_event_before_epilogue: Any = None,
-    async_with_compute_stream: bool = False,
-    allocate_on_comm_stream: bool = False,
-    handle: EPHandle | None = None,
-    do_handle_copy: bool = True,
-    do_cpu_sync: bool | None = None,
-    do_expand: bool = False,
-    do_zero_padding: bool = False,
-    use_tma_aligned_col_major_sf: bool = False,
-    allocator: Any = None,
-    stream: int = 0,
     sm_cache: dict | None = None,
-    zero_copy: bool = False,
+    **kwargs: Any,
+) -> DispatchRequest:
+    """`validate_dispatch` of the keyword arguments of `EPBuffer.dispatch` (`DispatchArgs`' fields)."""
+    return validate_dispatch(config, target, DispatchArgs(x, topk_idx, topk_weights, **kwargs), sm_cache)
+
+
+def validate_dispatch(
+    config: BufferConfig, target: Any, a: DispatchArgs, sm_cache: dict | None = None
 ) -> DispatchRequest:
     """Validate a dispatch (rules D1-D18 of the module doc) and resolve its defaults."""
+    handle, num_experts = a.handle, a.num_experts  # resolved below
     # D1, D2, D3
-    if isinstance(x, tuple):
-        if len(x) != 2:
-            raise EPTypeError(f"x: an FP8 input is a tuple (data, sf) of two arrays, got {len(x)} elements")
-        xi = check_array("x[0] (FP8 data)", x[0], target, dtypes=_FP8, ndim=2)
-        sfi = check_array("x[1] (sf)", x[1], target, dtypes=_SF, ndim=2, contiguous=False)
+    if isinstance(a.x, tuple):
+        if len(a.x) != 2:
+            raise EPTypeError(f"x: an FP8 input is a tuple (data, sf) of two arrays, got {len(a.x)} elements")
+        xi = check_array("x[0] (FP8 data)", a.x[0], target, dtypes=_FP8, ndim=2)
+        sfi = check_array("x[1] (sf)", a.x[1], target, dtypes=_SF, ndim=2, contiguous=False)
         if sfi.shape[0] != xi.shape[0]:
             raise EPValueError(
                 f"x[1] (sf): expected {xi.shape[0]} rows (one per token), got shape {sfi.shape}"
             )
         elem = 1
-    elif isinstance(x, list):
+    elif isinstance(a.x, list):
         raise EPTypeError("x: expected a bf16 array or a tuple (data, sf) for FP8, got a list")
     else:
-        xi = check_array("x", x, target, dtypes=("bfloat16",), ndim=2)
+        xi = check_array("x", a.x, target, dtypes=("bfloat16",), ndim=2)
         sfi = None
         elem = 2
     num_tokens, hidden = xi.shape
@@ -478,17 +470,17 @@ def make_dispatch_request(
             f"({hidden * elem} bytes)"
         )
     for name, flag in (
-        ("do_handle_copy", do_handle_copy),
-        ("do_expand", do_expand),
-        ("do_zero_padding", do_zero_padding),
-        ("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf),
+        ("do_handle_copy", a.do_handle_copy),
+        ("do_expand", a.do_expand),
+        ("do_zero_padding", a.do_zero_padding),
+        ("use_tma_aligned_col_major_sf", a.use_tma_aligned_col_major_sf),
     ):
         _check_flag(name, flag)
-    if not isinstance(zero_copy, bool):  # D18
-        raise EPTypeError(f"zero_copy: expected a bool, got {zero_copy!r}")
-    if zero_copy:
+    if not isinstance(a.zero_copy, bool):  # D18
+        raise EPTypeError(f"zero_copy: expected a bool, got {a.zero_copy!r}")
+    if a.zero_copy:
         check_zero_copy_dispatch_args(
-            handle is not None, do_expand, use_tma_aligned_col_major_sf, config.rank
+            handle is not None, a.do_expand, a.use_tma_aligned_col_major_sf, config.rank
         )
         topo = config.topology
         if topo.num_rdma_ranks > 1:
@@ -497,22 +489,24 @@ def make_dispatch_request(
                 f"{topo.num_rdma_ranks} NVLink domains of {topo.num_nvlink_ranks} (rank {config.rank}; dispatch "
                 "without zero_copy)"
             )
-    _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)  # D15
+    _check_events(a.previous_event, a.allocate_on_comm_stream, a.async_with_compute_stream)  # D15
 
     if handle is not None:  # D11 (cached)
         handle = check_handle(config, target, handle)
-        if topk_idx is not None:
+        if a.topk_idx is not None:
             raise EPValueError("topk_idx: must be None for a cached dispatch (the handle holds the routing)")
-        if do_cpu_sync:
+        if a.do_cpu_sync:
             raise EPValueError("do_cpu_sync: a cached dispatch cannot do a CPU sync; leave it None or False")
-        if do_expand != handle.do_expand:
-            raise EPValueError(f"do_expand: {do_expand} differs from the cached handle's {handle.do_expand}")
-        if cumulative_local_expert_recv_stats is not None:
+        if a.do_expand != handle.do_expand:
+            raise EPValueError(
+                f"do_expand: {a.do_expand} differs from the cached handle's {handle.do_expand}"
+            )
+        if a.cumulative_local_expert_recv_stats is not None:
             raise EPValueError("cumulative_local_expert_recv_stats: not allowed with a cached handle")
         for name, given, cached in (
             ("num_experts", num_experts, handle.num_experts),
-            ("num_max_tokens_per_rank", num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
-            ("expert_alignment", expert_alignment, handle.expert_alignment),
+            ("num_max_tokens_per_rank", a.num_max_tokens_per_rank, handle.num_max_tokens_per_rank),
+            ("expert_alignment", a.expert_alignment, handle.expert_alignment),
         ):
             if given is not None and given != cached:
                 raise EPValueError(f"{name}: {given} differs from the cached handle's {cached}")
@@ -529,9 +523,9 @@ def make_dispatch_request(
             )
         cpu_sync = False
     else:
-        if topk_idx is None:  # D7
+        if a.topk_idx is None:  # D7
             raise EPValueError("topk_idx: required unless a cached handle is given")
-        ti = check_array("topk_idx", topk_idx, target, dtypes=_INT_IDS, ndim=2)
+        ti = check_array("topk_idx", a.topk_idx, target, dtypes=_INT_IDS, ndim=2)
         k = ti.shape[1]
         if ti.shape[0] != num_tokens:
             raise EPValueError(
@@ -546,9 +540,9 @@ def make_dispatch_request(
         if not _is_int(num_experts):
             raise EPTypeError(f"num_experts: expected an int, got {type(num_experts).__name__}")
         config.topology.check_num_experts(num_experts)
-        m = config.num_max_tokens_per_rank if num_max_tokens_per_rank is None else num_max_tokens_per_rank
-        alignment = 1 if expert_alignment is None else expert_alignment
-        cpu_sync = True if do_cpu_sync is None else _check_flag("do_cpu_sync", do_cpu_sync)
+        m = config.num_max_tokens_per_rank if a.num_max_tokens_per_rank is None else a.num_max_tokens_per_rank
+        alignment = 1 if a.expert_alignment is None else a.expert_alignment
+        cpu_sync = True if a.do_cpu_sync is None else _check_flag("do_cpu_sync", a.do_cpu_sync)
     # D10, D6
     if not _is_int(alignment) or alignment < 1:
         raise EPValueError(f"expert_alignment: expected an int >= 1, got {alignment!r}")
@@ -558,28 +552,28 @@ def make_dispatch_request(
         )
     if num_tokens > m:
         raise EPValueError(f"x: num_tokens ({num_tokens}) must be <= num_max_tokens_per_rank ({m})")
-    if do_zero_padding and not do_expand:  # D12
+    if a.do_zero_padding and not a.do_expand:  # D12
         raise EPValueError("do_zero_padding: only valid together with do_expand=True")
     wi = None
-    if topk_weights is not None:  # D8
-        wi = check_array("topk_weights", topk_weights, target, dtypes=("float32",), shape=(num_tokens, k))
+    if a.topk_weights is not None:  # D8
+        wi = check_array("topk_weights", a.topk_weights, target, dtypes=("float32",), shape=(num_tokens, k))
     epr = num_experts // config.num_ranks
     stats = None
-    if cumulative_local_expert_recv_stats is not None:  # D13
+    if a.cumulative_local_expert_recv_stats is not None:  # D13
         stats = check_array(
             "cumulative_local_expert_recv_stats",
-            cumulative_local_expert_recv_stats,
+            a.cumulative_local_expert_recv_stats,
             target,
             dtypes=("int32",),
             shape=(epr,),
         )
     # D14
-    sms = resolve_num_sms(config, target, num_sms, num_experts, k, handle, sm_cache)
-    qps = _resolve_num_qps(config, num_qps, sms)
+    sms = resolve_num_sms(config, target, a.num_sms, num_experts, k, handle, sm_cache)
+    qps = _resolve_num_qps(config, a.num_qps, sms)
     # D16
     packs = sfi.shape[1] if sfi is not None else 0
     _check_capacity(config, "dispatch", _dispatch_bytes(hidden, elem, packs, k, config.topology, m))
-    alloc = check_allocator(allocator, target)  # D17
+    alloc = check_allocator(a.allocator, target)  # D17
     return DispatchRequest(
         x=xi,
         sf=sfi,
@@ -598,18 +592,18 @@ def make_dispatch_request(
         num_sms=sms,
         num_qps=qps,
         do_cpu_sync=cpu_sync,
-        do_expand=do_expand,
-        do_zero_padding=do_zero_padding,
-        do_handle_copy=do_handle_copy,
-        use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf,
+        do_expand=a.do_expand,
+        do_zero_padding=a.do_zero_padding,
+        do_handle_copy=a.do_handle_copy,
+        use_tma_aligned_col_major_sf=a.use_tma_aligned_col_major_sf,
         deterministic=config.deterministic,
         allocator=alloc,
-        stream=check_stream(stream),
-        previous_event=previous_event,
-        previous_event_before_epilogue=previous_event_before_epilogue,
-        async_with_compute_stream=async_with_compute_stream,
-        allocate_on_comm_stream=allocate_on_comm_stream,
-        zero_copy=zero_copy,
+        stream=check_stream(a.stream),
+        previous_event=a.previous_event,
+        previous_event_before_epilogue=a.previous_event_before_epilogue,
+        async_with_compute_stream=a.async_with_compute_stream,
+        allocate_on_comm_stream=a.allocate_on_comm_stream,
+        zero_copy=a.zero_copy,
     )
 
 
@@ -662,28 +656,24 @@ def make_combine_request(
     handle: Any,
     topk_weights: Any = None,
     bias: Any = None,
-    *,
-    num_sms: int = 0,
-    num_qps: int = 0,
-    previous_event: Any = None,
-    previous_event_before_epilogue: Any = None,
-    async_with_compute_stream: bool = False,
-    allocate_on_comm_stream: bool = False,
-    allocator: Any = None,
-    stream: int = 0,
-    zero_copy: bool = False,
+    **kwargs: Any,
 ) -> CombineRequest:
+    """`validate_combine` of the keyword arguments of `EPBuffer.combine` (`CombineArgs`' fields)."""
+    return validate_combine(config, target, CombineArgs(x, handle, topk_weights, bias, **kwargs))
+
+
+def validate_combine(config: BufferConfig, target: Any, a: CombineArgs) -> CombineRequest:
     """Validate a combine (rules C1-C7 of the module doc) and resolve its defaults."""
-    if handle is None:
+    if a.handle is None:
         raise EPValueError("handle: required (the handle returned by dispatch)")
-    h = check_handle(config, target, handle)  # C2
-    if not isinstance(zero_copy, bool):  # C7
-        raise EPTypeError(f"zero_copy: expected a bool, got {zero_copy!r}")
-    if zero_copy:
-        check_zero_copy_args(h, topk_weights)
-    if isinstance(x, (tuple, list)):
-        raise EPTypeError(f"x: expected one bf16 array, got a {type(x).__name__}")
-    xi = check_array("x", x, target, dtypes=("bfloat16",), ndim=2)  # C1
+    h = check_handle(config, target, a.handle)  # C2
+    if not isinstance(a.zero_copy, bool):  # C7
+        raise EPTypeError(f"zero_copy: expected a bool, got {a.zero_copy!r}")
+    if a.zero_copy:
+        check_zero_copy_args(h, a.topk_weights)
+    if isinstance(a.x, (tuple, list)):
+        raise EPTypeError(f"x: expected one bf16 array, got a {type(a.x).__name__}")
+    xi = check_array("x", a.x, target, dtypes=("bfloat16",), ndim=2)  # C1
     rows, hidden = xi.shape
     if hidden <= 0 or hidden * 2 % 32:
         raise EPValueError(f"x: hidden must be a positive multiple of 16 (32-byte bf16 rows), got {hidden}")
@@ -694,23 +684,23 @@ def make_combine_request(
     k = h.num_topk
     amr = config.allow_multiple_reduction
     wi = None
-    if topk_weights is not None:  # C3
+    if a.topk_weights is not None:  # C3
         if h.do_expand and not amr:
             raise EPValueError("topk_weights: not allowed in expand mode with allow_multiple_reduction=False")
         shape = (rows,) if h.do_expand else (rows, k)
-        wi = check_array("topk_weights", topk_weights, target, dtypes=("float32",), shape=shape)
+        wi = check_array("topk_weights", a.topk_weights, target, dtypes=("float32",), shape=shape)
     num_tokens = h.num_tokens
     # C4
-    if bias is None:
+    if a.bias is None:
         biases: tuple = ()
-    elif isinstance(bias, tuple):
-        if len(bias) != 2:
-            raise EPTypeError(f"bias: a bias tuple must hold exactly two arrays, got {len(bias)}")
-        biases = bias
-    elif isinstance(bias, list):
+    elif isinstance(a.bias, tuple):
+        if len(a.bias) != 2:
+            raise EPTypeError(f"bias: a bias tuple must hold exactly two arrays, got {len(a.bias)}")
+        biases = a.bias
+    elif isinstance(a.bias, list):
         raise EPTypeError("bias: expected None, an array or a tuple of two arrays, got a list")
     else:
-        biases = (bias,)
+        biases = (a.bias,)
     bias_info = tuple(
         check_array(
             f"bias[{i}]" if len(biases) > 1 else "bias",
@@ -724,11 +714,11 @@ def make_combine_request(
     m = h.num_max_tokens_per_rank
     if num_tokens > m:  # C5
         raise EPValueError(f"handle: num_tokens ({num_tokens}) must be <= num_max_tokens_per_rank ({m})")
-    _check_events(previous_event, allocate_on_comm_stream, async_with_compute_stream)
-    sms = resolve_num_sms(config, target, num_sms, h.num_experts, k, h)
-    qps = _resolve_num_qps(config, num_qps, sms)
+    _check_events(a.previous_event, a.allocate_on_comm_stream, a.async_with_compute_stream)
+    sms = resolve_num_sms(config, target, a.num_sms, h.num_experts, k, h)
+    qps = _resolve_num_qps(config, a.num_qps, sms)
     _check_capacity(config, "combine", _combine_bytes(hidden, k, config.topology, m, bool(amr)))
-    alloc = check_allocator(allocator, target)
+    alloc = check_allocator(a.allocator, target)
     return CombineRequest(
         x=xi,
         handle=h,
@@ -741,10 +731,10 @@ def make_combine_request(
         num_qps=qps,
         allow_multiple_reduction=amr,
         allocator=alloc,
-        stream=check_stream(stream),
-        previous_event=previous_event,
-        previous_event_before_epilogue=previous_event_before_epilogue,
-        async_with_compute_stream=async_with_compute_stream,
-        allocate_on_comm_stream=allocate_on_comm_stream,
-        zero_copy=zero_copy,
+        stream=check_stream(a.stream),
+        previous_event=a.previous_event,
+        previous_event_before_epilogue=a.previous_event_before_epilogue,
+        async_with_compute_stream=a.async_with_compute_stream,
+        allocate_on_comm_stream=a.allocate_on_comm_stream,
+        zero_copy=a.zero_copy,
     )

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ep_core import device_array as _device_array
+from ep_core._env import knobs
 from ep_core.device_array import is_c_contiguous
 
 __all__ = [
@@ -165,7 +166,7 @@ def native_launch() -> Any:
 
 
 def _load_native() -> tuple[Any, str]:
-    if os.environ.get("EPKIT_NATIVE_LAUNCH", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not knobs.native_launch:
         return None, "off (EPKIT_NATIVE_LAUNCH=0): launches and events through cuda-python"
     try:
         import ep_launch

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import ep_layout
 
+from ep_core import _env
 from ep_core.errors import EPConfigError
 from ep_core.kernels.plan import KernelConfig
 
@@ -68,16 +68,16 @@ def _include_dirs(config: KernelConfig, headers: tuple[str, str] | None = None) 
     return dirs
 
 
-PHASE_TIMING_ENV = "EP_CORE_PHASE_TIMING"
+PHASE_TIMING_ENV = "EPKIT_PHASE_TIMING"
 """Set to 1 to build the kernels with the phase-timing instrument (include/ep_core/phase_timing.cuh, read by
 benchmarks/profile_ops.py --phases); read when a process first compiles an instance. Off by default."""
 
 
 def phase_timing_enabled() -> bool:
-    return os.environ.get(PHASE_TIMING_ENV, "") not in ("", "0")
+    return _env.read(PHASE_TIMING_ENV)[1] not in ("", "0")
 
 
-COMBINE_REDUCE_PARTS_ENV = "EP_CORE_COMBINE_REDUCE_PARTS"
+COMBINE_REDUCE_PARTS_ENV = "EPKIT_COMBINE_REDUCE_PARTS"
 """Column parts per token in the direct combine's reduction when the grid has fewer warps than tokens (combine.cuh
 `kCombineReduceParts`; issue 17, decode tail: EP8 at 8 SMs is 120 warps for 128 tokens; EP8 decode combine 121.2 ->
 109.7 us at 4). Unset or empty: the default build, `DEFAULT_COMBINE_REDUCE_PARTS` where it splits the config's
@@ -87,7 +87,7 @@ default. Same bits either way. Read when a process first compiles an instance.""
 
 DEFAULT_COMBINE_REDUCE_PARTS = 4
 
-COMBINE_LOCAL_REF_ENV = "EP_CORE_COMBINE_LOCAL_REF"
+COMBINE_LOCAL_REF_ENV = "EPKIT_COMBINE_LOCAL_REF"
 """1 (unset or empty: the default build): the direct combine leaves a row whose source token is on the sending rank
 (every row at EP1) in its slot by address, and the reduce reads the caller's row itself (combine.cuh
 `kCombineLocalRef`; issue 17: EP1 decode combine 16.9 -> 11.2 us). 0: every row copied into its slot, a separate JIT
@@ -95,18 +95,20 @@ instance (`_lr0`). Same bits either way."""
 
 
 def _on_off(env: str) -> bool:
-    text = os.environ.get(env, "").strip()
+    used, text = _env.read(
+        env
+    )  # the deprecated EP_CORE_ name too (named in the error when it is the one set)
     if text not in ("", "0", "1"):
-        raise EPConfigError(f"{env}: expected 0 or 1, got {text!r}")
+        raise EPConfigError(f"{used}: expected 0 or 1, got {text!r}")
     return text != "0"
 
 
 def combine_local_ref() -> bool:
-    """The validated `EP_CORE_COMBINE_LOCAL_REF` (True when unset)."""
+    """The validated `EPKIT_COMBINE_LOCAL_REF` (True when unset)."""
     return _on_off(COMBINE_LOCAL_REF_ENV)
 
 
-WARP_MAJOR_ENV = "EP_CORE_WARP_MAJOR"
+WARP_MAJOR_ENV = "EPKIT_WARP_MAJOR"
 """1 (unset or empty: the default build): the direct dispatch, copy epilogue (also hybrid's and direct mode across
 nodes', which run direct mode's) and combine hand out their tokens / rows in warp-major order (token.cuh
 `work_warp_index`; issue 17: a partial last round spreads over SMs instead of block 0's; EP1 decode dispatch 15.0 ->
@@ -115,7 +117,7 @@ on the warp; the non-deterministic slot order was never fixed)."""
 
 
 def warp_major() -> bool:
-    """The validated `EP_CORE_WARP_MAJOR` (True when unset)."""
+    """The validated `EPKIT_WARP_MAJOR` (True when unset)."""
     return _on_off(WARP_MAJOR_ENV)
 
 
@@ -129,8 +131,8 @@ def default_combine_reduce_parts(config: KernelConfig) -> int:
 
 
 def combine_reduce_parts(config: KernelConfig) -> int:
-    """The validated `EP_CORE_COMBINE_REDUCE_PARTS` for `config` (`default_combine_reduce_parts` when unset)."""
-    text = os.environ.get(COMBINE_REDUCE_PARTS_ENV, "").strip()
+    """The validated `EPKIT_COMBINE_REDUCE_PARTS` for `config` (`default_combine_reduce_parts` when unset)."""
+    used, text = _env.read(COMBINE_REDUCE_PARTS_ENV)
     if text == "":
         return default_combine_reduce_parts(config)
     try:
@@ -139,7 +141,7 @@ def combine_reduce_parts(config: KernelConfig) -> int:
         parts = 0
     if parts < 1 or parts > 32 or not _splits_row(config, parts):
         raise EPConfigError(
-            f"{COMBINE_REDUCE_PARTS_ENV}: expected an integer in 1..32 that splits the combine row of "
+            f"{used}: expected an integer in 1..32 that splits the combine row of "
             f"{config.hidden * 2} bytes into whole 16-byte vectors, got {text!r}"
         )
     return parts

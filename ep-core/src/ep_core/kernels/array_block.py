@@ -17,10 +17,10 @@ separately). `EPKIT_HANDLE_BLOCK` picks the allocators that use it (`use_block`)
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ep_core._env import knobs
 from ep_core.device_array import DeviceArray as CoreArray
 
 __all__ = ["ALIGN_WORDS", "MODE", "Int32Block", "carve", "int32_block", "use_block", "use_offered"]
@@ -34,7 +34,7 @@ ALIGN_WORDS = 64  # 256 bytes of int32
 # (2026-12-02) a carved `DeviceArray`'s `owner` was the block, not an array of the view's own shape, which broke
 # callers that copy a handle array back through its owner (torch views have no owner: each is a tensor of its own
 # shape).
-MODE = os.environ.get("EPKIT_HANDLE_BLOCK", "offered")
+MODE = knobs.handle_block
 
 
 def use_block(is_default_allocator: bool) -> bool:

@@ -19,17 +19,17 @@ resolved ahead:
 - the rest is the repeat's own per-call work (failure guard, envelope, launches with their stream-order pairs,
   the handle's launch number, the input-error report), through the same helpers.
 
-A CPU-sync dispatch (`ExpressSyncDispatch`) is the same road with the count round trip between its launches: the
+A CPU-sync dispatch (`ExpressDispatch` of a plan with `cpu_sync`) is the same road with the count round trip between its launches: the
 dispatch kernel, the count copy and the wait (`DirectRank._copy_counts` / `_sync_counts`, the CPU timeout and the
 kernels' error record included), then its outputs and the handle's metadata in one `batch` call for the rows the
 counts gave (one prepared call per row count seen, a few kept), the copy epilogue, and the handle recorded with
 the fingerprint `validation.trust_handle` gives it (its counts are its own).
 
-A no-sync zero-copy dispatch (`ExpressZeroCopyDispatch`) is the no-sync road with nothing to allocate but the
+A no-sync zero-copy dispatch (`ExpressDispatch` of a plan with `zero_copy`) is the no-sync road with nothing to allocate but the
 routing copy and the handle's block: its one launch stores the outputs in the receive region (returned as its
 views) and the handle's metadata.
 
-A combine or cached dispatch (`ExpressCombine`, `ExpressCached`) keeps its repeat as it is: the lane replaces the
+A combine or cached dispatch (`ExpressWithHandle`, its `op` a field) keeps its repeat as it is: the lane replaces the
 layers above it (the caller's match for the arrays, the handle's key part and `check_handle` as `PreparedOps`
 checks them, the stream pairs) and calls `RepeatCombine.run` / `RepeatDispatch.run` as `GpuExecutor` does.
 
@@ -46,8 +46,9 @@ from typing import Any
 from ep_core._env import knobs
 from ep_core.handle import EPHandle
 from ep_core.kernels.array_block import Int32Block
+from ep_core.kernels.launch_words import dispatch_words, epilogue_outputs
 from ep_core.kernels.prepared_launch import record_wait
-from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, epilogue_outputs, note_handle_topk_idx
+from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, note_handle_topk_idx
 from ep_core.validation import (
     check_handle,
     handle_fingerprint,
@@ -56,15 +57,7 @@ from ep_core.validation import (
     trust_handle,
 )
 
-__all__ = [
-    "ExpressCached",
-    "ExpressCombine",
-    "ExpressDispatch",
-    "ExpressSyncDispatch",
-    "ExpressZeroCopyDispatch",
-    "express_dispatch",
-    "express_with_handle",
-]
+__all__ = ["ExpressDispatch", "ExpressWithHandle", "express_dispatch", "express_with_handle"]
 
 
 def _same(ptr: int, _what: str) -> int:
@@ -79,7 +72,7 @@ def express_dispatch(
     buffer: Any, executor: Any, token: Any, x_dtype: str, allocator: Any, match: Any
 ) -> ExpressDispatch | None:
     """The express lane of the entry whose request carried `token` (`PreparedToken`; `x_dtype`: its x's dtype
-    name): an `ExpressDispatch`, an `ExpressSyncDispatch` for a CPU-sync one, or None where it cannot serve it: no
+    name): an `ExpressDispatch` (no-sync, CPU-sync or zero-copy as its plan is), or None where it cannot serve it: no
     repeat of a dispatch without a handle on `executor`'s rank, an allocator that is not trusted or offers no
     `batch`, an empty routing (no copy to fill: the handle aliases it), or `EPKIT_EXPRESS_LANE=0`. With FP8 scales, `match(x, topk_idx, topk_weights)` returns four pointers: x's data,
     its scales, the routing, the weights."""
@@ -106,23 +99,24 @@ def express_dispatch(
     batch = getattr(allocator, "batch", None)
     if batch is None or not is_trusted_allocator(allocator):
         return None
-    if plan.zero_copy:
-        lane: type[ExpressDispatch] = ExpressZeroCopyDispatch
-    else:
-        lane = ExpressSyncDispatch if plan.cpu_sync else ExpressDispatch
-    return lane(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
+    return ExpressDispatch(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
 
 
 class ExpressDispatch:
-    """One prepared no-sync dispatch's whole road (module doc)."""
+    """One prepared dispatch without a handle, its whole road (module doc). Its plan's fields say which: no-sync,
+    CPU-sync (`cpu_sync`: the count round trip between the dispatch kernel and the outputs) or zero-copy
+    (`zero_copy`: one launch, the outputs the receive region's views, the batch only the routing copy and the
+    handle's block)."""
 
     __slots__ = (
         "_alloc",
         "_at",
         "_batch",
         "_block_at",
+        "_by_rows",
         "_by_value",
         "_epilogue",
+        "_epr",
         "_executor",
         "_has_idx",
         "_has_w",
@@ -132,8 +126,12 @@ class ExpressDispatch:
         "_x_dtype",
         "allocator",
         "buffer",
+        "cpu_sync",
         "match",
+        "zero_copy",
     )
+
+    _KEEP = 16  # a CPU-sync dispatch's prepared output batches kept (one per row count seen; a step's counts vary)
 
     def __init__(
         self,
@@ -151,6 +149,10 @@ class ExpressDispatch:
         self.match = match
         self._executor = executor
         self._plan = plan
+        self.cpu_sync = plan.cpu_sync
+        self.zero_copy = plan.zero_copy
+        self._epr = plan.num_experts // plan.rank.num_ranks
+        self._by_rows: dict = {}
         self._epilogue = epilogue
         self._rows = plan.num_expanded if plan.expand else plan.num_recv
         self._x_dtype = x_dtype
@@ -180,7 +182,10 @@ class ExpressDispatch:
 
     def _output_specs(self, rows: int) -> list:
         """What `RepeatDispatch.run` allocates for `rows` received rows, in its order: recv_x, the scales (FP8;
-        column-major: the storage `[packs, align(rows, 4)]`), recv_topk_idx (not expanded), recv_topk_weights."""
+        column-major: the storage `[packs, align(rows, 4)]`), recv_topk_idx (not expanded), recv_topk_weights;
+        nothing for a zero-copy dispatch (its outputs are the region's)."""
+        if self.zero_copy:
+            return []
         plan = self._plan
         k = plan.topk
         specs: list = [((rows, plan.hidden), self._x_dtype)]
@@ -243,7 +248,7 @@ class ExpressDispatch:
             x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
         base = aptrs[-1]
         at = self._block_at
-        dynamic = (
+        dynamic = dispatch_words(
             x_ptr,
             sf_ptr,
             idx_ptr,
@@ -256,6 +261,7 @@ class ExpressDispatch:
             0,
             aptrs[-2],
             plan._envelopes.word(step + 1, -1),
+            base + at[5] if plan.zero_copy else None,  # a zero-copy dispatch's kernel writes the metadata
         )
         return step, wait, signal, arrays, aptrs, dynamic
 
@@ -267,6 +273,10 @@ class ExpressDispatch:
         started = self._start(x, topk_idx, topk_weights, stream)
         if started is None:
             return None
+        if self.zero_copy:
+            return self._zero_copy_call(*started)
+        if self.cpu_sync:
+            return self._sync_call(*started)
         step, wait, signal, arrays, aptrs, dynamic = started
         plan = self._plan
         rank = plan.rank
@@ -311,29 +321,16 @@ class ExpressDispatch:
             by_value = self._by_value = fingerprint[0]
         trust_fingerprint(handle, (by_value, (copy, block, block, block, block, block), config))
 
-
-class ExpressZeroCopyDispatch(ExpressDispatch):
-    """One prepared no-sync zero-copy dispatch's whole road: `ExpressDispatch`'s, with the outputs left where the
-    kernel stored them (views of the receive region, `DirectRank.zero_copy_views`, relabelled with the call's
-    dtypes as `GpuExecutor` does) and the handle's metadata written by the kernel; the batch holds only the
-    routing copy and the handle's block, and the kernel is the one launch. The views are the repeat's, kept for
-    every call of the entry (`RepeatDispatch.zero_copy_outputs`)."""
-
-    __slots__ = ()
-
-    def _output_specs(self, rows: int) -> list:
-        return []  # nothing to allocate: the outputs are the region's
-
-    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
-        started = self._start(x, topk_idx, topk_weights, stream)
-        if started is None:
-            return None
-        step, wait, signal, arrays, aptrs, dynamic = started
+    def _zero_copy_call(
+        self, step: int, wait: Any, signal: Any, arrays: tuple, aptrs: tuple, dynamic: tuple
+    ) -> tuple:
+        """A zero-copy dispatch's rest after `_start`: its one launch; the outputs the views of the receive region
+        where the kernel stored them (`DirectRank.zero_copy_views`, relabelled with the call's dtypes as
+        `GpuExecutor` does, the repeat's, kept for every call of the entry: `RepeatDispatch.zero_copy_outputs`);
+        the handle's metadata written by the kernel."""
         plan = self._plan
         rank = plan.rank
         base = aptrs[-1]
-        # the metadata before the envelope word (`DirectRank._DISPATCH_ZERO_COPY_DYNAMIC`'s order)
-        dynamic = (*dynamic[:-1], base + self._block_at[5], dynamic[-1])
         try:
             rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, signal)
         except Exception as exc:
@@ -342,21 +339,6 @@ class ExpressZeroCopyDispatch(ExpressDispatch):
         launch_number = rank._num_collective_launches
         views = plan.zero_copy_outputs(self._rows, self._x_dtype)
         return (*views, self._new_handle(arrays, base, launch_number))
-
-
-class ExpressSyncDispatch(ExpressDispatch):
-    """One prepared CPU-sync dispatch's whole road (module doc): the lane of `ExpressDispatch` with the count
-    round trip between the dispatch kernel and its outputs."""
-
-    __slots__ = ("_by_rows", "_epr")
-
-    _KEEP = 16  # prepared output batches kept (one per row count seen; a training step's counts vary)
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)  # `ExpressDispatch`'s arguments
-        plan = self._plan
-        self._epr = plan.num_experts // plan.rank.num_ranks
-        self._by_rows: dict = {}
 
     def _outputs(self, rows: int, num_recv: int) -> tuple:
         """`(arrays, pointers)` of one call's outputs for `rows` output rows (the expanded ones, or the received
@@ -371,13 +353,12 @@ class ExpressSyncDispatch(ExpressDispatch):
             made = self._by_rows[key] = self._batch(tuple(specs))
         return made()
 
-    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
-        """`ExpressDispatch.__call__` for a CPU-sync dispatch: the handle carries its counts (and its per-expert
-        list), and it is confirmed (drained) when this returns."""
-        started = self._start(x, topk_idx, topk_weights, stream)
-        if started is None:
-            return None
-        step, wait, signal, arrays, aptrs, dynamic = started
+    def _sync_call(
+        self, step: int, wait: Any, signal: Any, arrays: tuple, aptrs: tuple, dynamic: tuple
+    ) -> tuple:
+        """A CPU-sync dispatch's rest after `_start`: the dispatch kernel, the count copy and wait, then the outputs
+        and the handle's metadata in one `batch` call for the rows the counts gave, the copy epilogue; the handle
+        carries its counts (and its per-expert list), and it is confirmed (drained) when this returns."""
         plan = self._plan
         rank = plan.rank
         base = aptrs[-1]
@@ -409,16 +390,20 @@ class ExpressSyncDispatch(ExpressDispatch):
         return recv_x, recv_sf, recv_idx, recv_w, handle
 
 
-class _HandleLane:
-    """A prepared op that reads a handle (a combine, a cached dispatch): the caller matched its arrays and
-    scalars; the handle is checked here as `PreparedOps` checks it (its key part, then `check_handle`, which
-    compares a trusted handle's fingerprint), and the repeat (`RepeatCombine.run` / `RepeatDispatch.run`) does
-    the rest, called as `GpuExecutor` calls it."""
+class ExpressWithHandle:
+    """A prepared op that reads a handle, its road without the layers: a combine (`op="combine"`, no bias) or a
+    cached dispatch (`op="dispatch"`, the handle's routing). The caller matched its arrays and scalars; the
+    handle is checked here as `PreparedOps` checks it (its key part, then `check_handle`, which compares a
+    trusted handle's fingerprint), and the repeat (`RepeatCombine.run` / `RepeatDispatch.run`) does the rest,
+    called as `GpuExecutor` calls it."""
 
-    __slots__ = ("_executor", "_handle_key", "_plan", "allocator", "buffer", "match", "op")
+    __slots__ = ("_executor", "_handle_key", "_plan", "allocator", "buffer", "match", "op", "x_dtype")
 
-    def __init__(self, op: str, buffer: Any, executor: Any, plan: Any, allocator: Any, match: Any) -> None:
+    def __init__(
+        self, op: str, buffer: Any, executor: Any, plan: Any, allocator: Any, match: Any, x_dtype: str
+    ) -> None:
         self.op = op
+        self.x_dtype = x_dtype
         self.buffer = buffer
         self.allocator = allocator
         self.match = match
@@ -464,24 +449,8 @@ class _HandleLane:
             raise
 
     def _run(self, ptrs: tuple, handle: EPHandle, wait: Any, signal: Any) -> Any:
-        raise NotImplementedError
-
-
-class ExpressCombine(_HandleLane):
-    """A prepared combine's road without the layers: `RepeatCombine.run` after the caller's match (no bias)."""
-
-    __slots__ = ()
-
-    def _run(self, ptrs: tuple, handle: EPHandle, wait: Any, signal: Any) -> Any:
-        return self._plan.run(ptrs[0], ptrs[1], 0, 0, handle, self.allocator, wait, signal)
-
-
-class ExpressCached(_HandleLane):
-    """A prepared cached dispatch's road without the layers: `RepeatDispatch.run` with the handle's routing."""
-
-    __slots__ = ("x_dtype",)
-
-    def _run(self, ptrs: tuple, handle: EPHandle, wait: Any, signal: Any) -> Any:
+        if self.op == "combine":
+            return self._plan.run(ptrs[0], ptrs[1], 0, 0, handle, self.allocator, wait, signal)
         return self._plan.run(
             ptrs[0], 0, 0, ptrs[1], 0, handle, None, self.allocator, self.x_dtype, wait, signal
         )
@@ -489,7 +458,7 @@ class ExpressCached(_HandleLane):
 
 def express_with_handle(
     op: str, buffer: Any, executor: Any, token: Any, x_dtype: str, allocator: Any, match: Any, handle: Any
-) -> _HandleLane | None:
+) -> ExpressWithHandle | None:
     """The lane of a combine (`op="combine"`) or cached dispatch (`"dispatch"`) whose request carried `token`
     and `handle`, or None (no repeat of that op yet, CPU sync, FP8 scales, an untrusted allocator, the knob)."""
     if not knobs.express_lane or not is_trusted_allocator(allocator):
@@ -501,10 +470,7 @@ def express_with_handle(
     if op == "combine":
         if type(plan) is not RepeatCombine:
             return None
-        lane: _HandleLane = ExpressCombine(op, buffer, executor, plan, allocator, match)
-    else:
-        if type(plan) is not RepeatDispatch or not plan.cached or plan.cpu_sync or plan.sf_dtype is not None:
-            return None
-        lane = ExpressCached(op, buffer, executor, plan, allocator, match)
-        lane.x_dtype = x_dtype
+    elif type(plan) is not RepeatDispatch or not plan.cached or plan.cpu_sync or plan.sf_dtype is not None:
+        return None
+    lane = ExpressWithHandle(op, buffer, executor, plan, allocator, match, x_dtype)
     return lane if lane.record_handle(handle) else None

@@ -33,10 +33,18 @@ from ep_core import device_array as _device_array
 from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
+from ep_core.kernels.launch_words import combine_words, dispatch_words, epilogue_outputs
 from ep_core.kernels.prepared_launch import PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
 
-__all__ = ["RepeatCombine", "RepeatDispatch", "array_ptr", "handle_topk_idx", "note_handle_topk_idx"]
+__all__ = [
+    "RepeatCombine",
+    "RepeatDispatch",
+    "array_ptr",
+    "epilogue_outputs",
+    "handle_topk_idx",
+    "note_handle_topk_idx",
+]
 
 _Q = struct.Struct("<q")
 _I32, _I64, _F32, _U16 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.uint16)
@@ -65,32 +73,6 @@ def array_ptr(obj: Any, what: str) -> int:
     if type(obj) is _device_array._torch_tensor_type:
         return obj.data_ptr()
     return view_ptr(obj, what)
-
-
-def epilogue_outputs(
-    ptr: Any,
-    meta_ptr: int,
-    recv_x: Any,
-    recv_sf: Any,
-    sf_strides: tuple,
-    recv_idx: Any,
-    recv_w: Any,
-    rows: int,
-) -> tuple:
-    """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order (direct_rank.py); the envelope is 0: the
-    epilogue meets no peer and is not a collective launch. `ptr` is `view_ptr` (full path) or `array_ptr` (a repeat);
-    `meta_ptr`: the handle's `recv_src_metadata`."""
-    return (
-        0,
-        meta_ptr,
-        ptr(recv_x, "recv_x"),
-        ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
-        sf_strides[0],
-        sf_strides[1],
-        ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
-        ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
-        rows,
-    )
 
 
 # `DirectRank`'s names of a new handle's int32 arrays -> the handle's fields
@@ -375,7 +357,7 @@ class RepeatDispatch:
                 fwd_ptr = array_ptr(fwd, "token_metadata_at_forward") if self.hybrid else 0
                 meta_ptr = None if meta is None else array_ptr(meta, "recv_src_metadata")
             launch = -1
-        dynamic = (
+        dynamic = dispatch_words(
             x_ptr,
             sf_ptr,
             idx_ptr,
@@ -388,9 +370,8 @@ class RepeatDispatch:
             stats_ptr,
             0 if cached else copy_ptr,
             self._envelopes.word(rank._num_collective_launches + 1, launch),
+            meta_ptr if zero_copy else None,  # a zero-copy dispatch's kernel writes the metadata
         )
-        if zero_copy:  # its kernel writes the metadata (`DirectRank._DISPATCH_ZERO_COPY_DYNAMIC`'s order)
-            dynamic = (*dynamic[:-1], meta_ptr, dynamic[-1])
         # the epilogue follows (CPU sync: if rows); a zero-copy dispatch is its one launch
         copies = not zero_copy and (self.cpu_sync or rows > 0 or self.zero_padding)
         if alone:  # counted as launched, as the full path does; the epilogue takes the stream-order wait
@@ -528,7 +509,7 @@ class RepeatCombine:
         else:
             combined = allocate((t, hidden), "bfloat16")
             combined_w = allocate((t, k), "float32") if self.has_weights else None
-        dynamic = (
+        dynamic = combine_words(
             seen[0],
             psum_ptr,
             meta_ptr,
@@ -540,12 +521,9 @@ class RepeatCombine:
             array_ptr(combined, "combined_x"),
             array_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelopes.word(rank._num_collective_launches + 1, rank._handle_launch.get(handle, -1)),
+            # a zero-copy combine reads the dispatch's slots
+            array_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx") if self.zero_copy else None,
         )
-        if (
-            self.zero_copy
-        ):  # the dispatch's slots, before the envelope (`DirectRank._COMBINE_ZERO_COPY_DYNAMIC`)
-            slots = array_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx")
-            dynamic = (*dynamic[:-1], slots, dynamic[-1])
         reduce = self.prepared.epilogue  # a split combine's reduce launch (DirectRank.combine_split), or None
         rank._launch_prepared(
             self.prepared.main, dynamic, False, True, wait, signal if reduce is None else None

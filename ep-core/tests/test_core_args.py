@@ -1,0 +1,77 @@
+"""One argument record per operation (issue 45): `DispatchArgs` / `CombineArgs` are `EPBuffer.dispatch` /
+`combine`'s parameters, and `EPBuffer` builds each once and hands it on whole (no positional lists to keep in
+order: the record is read by field name, and the prepared-operation cache's keys name the fields they read)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from ep_core.buffer import EPBuffer
+from ep_core.requests import CombineArgs, DispatchArgs
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("op", "record"), [("dispatch", DispatchArgs), ("combine", CombineArgs)])
+def test_the_record_is_the_public_signature(op, record):
+    params = inspect.signature(getattr(EPBuffer, op)).parameters
+    assert list(record._fields) == list(params)[1:]
+    for name, p in list(params.items())[1:]:
+        if p.default is not inspect.Parameter.empty:
+            assert record._field_defaults[name] is p.default or record._field_defaults[name] == p.default, (
+                name
+            )
+
+
+@pytest.mark.parametrize(("op", "record"), [("dispatch", DispatchArgs), ("combine", CombineArgs)])
+def test_each_argument_lands_in_its_own_field(op, record):
+    got: list = []
+
+    def run(args):
+        got.append(args)
+        raise _Stop
+
+    fake = type("Fake", (), {f"run_{op}": staticmethod(run)})()
+    sentinels = {name: object() for name in record._fields}
+    with pytest.raises(_Stop):
+        getattr(EPBuffer, op)(fake, **sentinels)
+    (args,) = got
+    assert type(args) is record
+    assert all(getattr(args, name) is value for name, value in sentinels.items())
+
+
+def test_the_prepared_keys_name_their_fields():
+    from ep_core import prepared
+
+    args = DispatchArgs(*(f"v{i}" for i in range(len(DispatchArgs._fields))))
+    keyed = prepared._dispatch_scalars(args)
+    names = [DispatchArgs._fields[int(v[1:])] for v in keyed]
+    assert "x" not in names and "handle" not in names and "allocator" not in names and "stream" not in names
+    assert {"num_sms", "num_qps", "do_cpu_sync", "do_expand", "zero_copy"} <= set(names)
+    cargs = CombineArgs(*(f"v{i}" for i in range(len(CombineArgs._fields))))
+    cnames = [CombineArgs._fields[int(v[1:])] for v in prepared._combine_scalars(cargs)]
+    assert cnames == [
+        "num_sms",
+        "num_qps",
+        "async_with_compute_stream",
+        "allocate_on_comm_stream",
+        "zero_copy",
+    ]
+
+
+def test_the_launch_words_are_built_in_their_named_order():
+    """The kernels' per-call words are built in one place each (`ep_core.kernels.launch_words`), for the full
+    path, the repeats and the express lanes alike, in the order their names say."""
+    from ep_core.kernels import launch_words as lw
+
+    assert lw.dispatch_words(*lw._DISPATCH_DYNAMIC) == lw._DISPATCH_DYNAMIC
+    zero_copy = lw.dispatch_words(*lw._DISPATCH_DYNAMIC, src_metadata="src_metadata")
+    assert zero_copy == lw._DISPATCH_ZERO_COPY_DYNAMIC
+    assert lw.combine_words(*lw._COMBINE_DYNAMIC) == lw._COMBINE_DYNAMIC
+    assert lw.combine_words(*lw._COMBINE_DYNAMIC, dst_slot="dst_slot") == lw._COMBINE_ZERO_COPY_DYNAMIC
+    names = lw._EPILOGUE_DYNAMIC
+    words = lw.epilogue_outputs(lambda a, _what: a, names[1], names[2], names[3], names[4:6], *names[6:])
+    assert words == (0, *names[1:])  # the envelope is 0: the epilogue meets no peer

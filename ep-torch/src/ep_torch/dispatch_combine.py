@@ -1,0 +1,576 @@
+"""``ElasticBuffer.dispatch`` / ``combine``: the road of one call from DeepEP's signature to ep-core
+(:class:`DispatchCombine`, a part of :class:`~ep_torch.buffer.ElasticBuffer`).
+
+A call either takes the express lane of the last call of its kind (``ep_core.EPBuffer.last_plan``: the arrays
+matched by the host extension's native signature, every scalar the recorded call's), or builds ep-core's argument
+record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine`` inside the
+buffer's announcement block, on the comm stream when it asks for one; the outputs come back as torch tensors in
+DeepEP's return tuples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from ep_core import device_array
+from ep_core.errors import EPTypeError, EPValueError
+from ep_core.handle import EPHandle
+from ep_core.requests import CombineArgs, DispatchArgs
+
+from . import _env, host_extension
+from .event import EventHandle, EventOverlap
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "bool": torch.bool,
+}
+
+
+def _plain(a: Any) -> Any:
+    """``a`` without autograd history (DLPack refuses tensors that require grad; autograd is ep_torch.functional's
+    business), keeping tuples and non-tensors as they are so that ep-core validates them. A tensor that needs no
+    grad is passed as it is (a detached alias would be the same memory, shape and strides, at the cost of a new
+    tensor object per call)."""
+    if isinstance(a, torch.Tensor):
+        return a.detach() if a.requires_grad else a
+    if isinstance(a, tuple):
+        return tuple(_plain(v) for v in a)
+    return a
+
+
+def _current_stream(index: int | None = None) -> int:
+    """The raw handle of the current CUDA stream of device ``index`` (None: the current device), the stream the
+    operation is ordered after, read without building a ``torch.cuda.Stream`` object when torch offers it
+    (``torch.cuda.current_stream(index).cuda_stream`` otherwise)."""
+    if index is None:
+        index = torch.cuda.current_device()
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+_NO_SCOPE = contextlib.nullcontext()  # reusable: the scope of a call that needs no comm-stream context
+
+# torch's own accessor of the raw current stream (what torch.compile's generated code calls); None if absent
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _handle_tensors(handle: Any) -> tuple:
+    """The tensors a dispatch's kernels wrote into its new handle (the routing copy, the int32 arrays; a repeated
+    dispatch's still in their one block): an async call records them on the streams like its outputs, so that a
+    handle dropped before the comm stream is done cannot give their memory back early."""
+    return tuple([v for v in handle.held() if isinstance(v, torch.Tensor)])
+
+
+def _flat(items: Any) -> Iterator[Any]:
+    for a in items:
+        if isinstance(a, tuple):
+            yield from _flat(a)
+        else:
+            yield a
+
+
+class _ExpressLane:
+    """One of ep-core's express lanes (`ep_core.kernels.express`) and the scalars of the call it was made from,
+    which `dispatch` / `combine` compare with a later call's (`_same`: by identity, or as equal ints; never
+    equal-but-other objects, 16.0 for 16, True for 1, which are other keys for ep-core's validation). `run` is the
+    lane itself."""
+
+    __slots__ = ("run", "scalars")
+
+    def __init__(self, run: Any, scalars: tuple) -> None:
+        self.run = run
+        self.scalars = scalars
+
+    @classmethod
+    def make(
+        cls, core: Any, op: str, arrays: tuple, scalars: tuple, handle: Any = None
+    ) -> _ExpressLane | None:
+        """`core.last_plan(op, match, handle)` (ep_core's `EPBuffer`) for the call just run with these
+        arrays, or None: no host extension (the allocator offers no `batch`), arrays a signature cannot hold, or
+        a call ep-core's lane does not serve. An FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two
+        tensors: `match` returns both pointers, then the others'."""
+        native = host_extension.module()
+        x = arrays[0]
+        if native is None:
+            return None
+        try:
+            if type(x) is torch.Tensor:
+                match = native.signature(*arrays).match
+            elif type(x) is tuple and len(x) == 2 and type(x[0]) is type(x[1]) is torch.Tensor:
+                pair = native.signature(x[0], x[1], *arrays[1:]).match
+
+                def match(x: Any, *rest: Any) -> Any:
+                    return pair(x[0], x[1], *rest) if type(x) is tuple and len(x) == 2 else None
+
+            else:
+                return None
+        except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
+            return None
+        lane = core.last_plan(op, match, handle)
+        return None if lane is None else cls(lane, scalars)
+
+
+def _received(recv_x: Any, recv_sf: Any, col_major: Any) -> Any:
+    """A dispatch's ``recv_x`` as DeepEP returns it: ``(data, scales)`` iff it received FP8 scales; column-major
+    scales as the logical ``[R, P]`` view of their storage ``[P, align(R, 4)]``."""
+    if recv_sf is None:
+        return recv_x
+    if col_major:
+        recv_sf = recv_sf.t()[: recv_x.shape[0]]
+    return recv_x, recv_sf
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether a call's scalars are the recorded call's (`_ExpressLane`): each the same object, or an int equal to
+    a recorded int (a count computed anew on each call, such as ``x.shape[0]`` above the small-int cache). Never
+    an equal value of another type (``16.0`` for ``16``, ``True`` for ``1``): validation keys those apart."""
+    return all(map(operator.is_, a, b)) or all(map(_same_scalar, a, b))
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is int and type(b) is int and a == b)
+
+
+class DispatchCombine:
+    """The dispatch / combine methods of :class:`~ep_torch.buffer.ElasticBuffer` (module doc)."""
+
+    # the express lanes (set per buffer in __init__; None here for buffers made without it)
+    _express: _ExpressLane | None = None
+    _express_cached: _ExpressLane | None = None
+    _express_combine: _ExpressLane | None = None
+    _express_combine_zero_copy: _ExpressLane | None = None
+    _express_zero_copy: _ExpressLane | None = None
+    _express_sync: _ExpressLane | None = None
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # dispatch / combine
+
+    def _allocator(self, device: torch.device) -> Any:
+        """Outputs as torch tensors on ``device``, from the caching allocator of the current stream (one allocator
+        per device, reused by every call). It offers ``int32_block``: a new handle's int32 arrays as disjoint views
+        of one ``torch.empty`` (``ep_core.kernels.array_block``; they all belong to the one handle returned), and
+        ``handle_block``: the same block, each view made when the handle's field is first read; with the host
+        extension also ``batch``: a callable making several outputs in one C call (ep-core's express lane)."""
+        allocators = self.__dict__.setdefault("_allocators", {})
+        allocate = allocators.get(device)
+        if allocate is None:
+            # on the CPU only when asked for (EPKIT_TORCH_HOST_EXTENSION=1): the CPU reference backend has no use
+            # for it, and a CPU-only install should not compile anything
+            wanted = device.type == "cuda" or _env.host_extension() == "1"
+            native = host_extension.module() if wanted else None
+            if native is not None:
+                # at::empty in one C call (torch's Python argument parser skipped); the extension also reads the
+                # tensors' facts for ep_core's describe from now on
+                device_array.set_torch_reader(native.facts)
+                empty, index = (
+                    native.empty,
+                    (torch.cuda.current_device() if device.index is None else device.index)
+                    if device.type == "cuda"
+                    else -1,
+                )
+
+                def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+                    return empty(shape, _TORCH_DTYPES[dtype], index)
+
+                def batch(specs: tuple) -> Any:
+                    # ep-core's express lane: one call that makes every (shape, dtype name) of `specs`
+                    made = tuple([(tuple(shape), _TORCH_DTYPES[name]) for shape, name in specs])
+                    return functools.partial(native.empty_many, made, index)
+
+                allocate.batch = batch  # type: ignore[attr-defined]
+
+            else:
+
+                def allocate(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+                    # `size=` by keyword: torch's argument parser then skips the varargs-size overload it otherwise
+                    # tries first on a tuple (about half a microsecond of every allocation)
+                    return torch.empty(size=shape, dtype=_TORCH_DTYPES[dtype], device=device)
+
+            from ep_core.kernels import array_block
+
+            # through the module attribute: benchmarks' step timers (ep-core/benchmarks/host_steps.py) see it
+            allocate.int32_block = lambda shapes: array_block.int32_block(allocate, shapes)  # type: ignore[attr-defined]
+            # the same block with no view made: a repeated dispatch's new handle views a field when it is read
+            allocate.handle_block = lambda shapes: array_block.carve(allocate, shapes)  # type: ignore[attr-defined]
+            # exact shapes and dtypes on `device`: ep-core records the handles made from it as validated
+            allocate.ep_core_trusted = True  # type: ignore[attr-defined]
+            allocators[device] = allocate
+        return allocate
+
+    def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
+        if op != "dispatch" or handle is not None or do_cpu_sync is False:
+            return  # nothing this check refuses (and no capture query: it costs a microsecond per call)
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return
+        if do_cpu_sync is None or bool(do_cpu_sync):
+            raise EPValueError(
+                "do_cpu_sync: a dispatch inside CUDA-graph capture must not sync with the CPU; pass "
+                "do_cpu_sync=False (worst-case shapes) or a cached handle"
+            )
+
+    def _event(self, async_with_compute_stream: bool, keep: tuple[Any, ...]) -> EventOverlap:
+        """The returned ``EventOverlap``: None unless async; on CUDA an event recorded on the stream the operation
+        ended on, with every operand ``record_stream``-ed on both streams (or kept in the event with
+        ``EPKIT_AVOID_RECORD_STREAM=1``)."""
+        if not async_with_compute_stream:
+            return EventOverlap(None)
+        if self.device.type != "cuda":
+            return EventOverlap(EventHandle(device="cpu"))
+        event = EventHandle(torch.cuda.current_stream())
+        tensors = [t for t in _flat(keep) if isinstance(t, torch.Tensor) and t.is_cuda]
+        if _env.avoid_record_stream():
+            return EventOverlap(event, extra_tensors=tensors)
+        comm = self.get_comm_stream()
+        for t in tensors:
+            t.record_stream(torch.cuda.current_stream())
+            if comm is not None:
+                t.record_stream(comm)
+        return EventOverlap(event)
+
+    def _dispatch_event(
+        self, async_with_compute_stream: Any, x: Any, idx: Any, w: Any, res: Any
+    ) -> EventOverlap:
+        if not async_with_compute_stream:
+            return EventOverlap(None)
+        keep = (x, idx, w, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
+        return self._event(True, (*keep, *_handle_tensors(res.handle)))
+
+    def _combine_event(
+        self, async_with_compute_stream: Any, x: Any, w: Any, bias: Any, res: Any
+    ) -> EventOverlap:
+        if not async_with_compute_stream:
+            return EventOverlap(None)
+        return self._event(True, (x, w, bias, res.combined_x, res.combined_topk_weights))
+
+    def _streams(
+        self, allocate_on_comm_stream: Any, previous_event: Any, async_with_compute_stream: Any
+    ) -> tuple[Any, bool]:
+        """What one operation runs in: the comm-stream context (a null context unless it allocates on the comm
+        stream or waits on ``previous_event``), and whether it is a CUDA operation (ordered after the stream that is
+        current inside that context)."""
+        if previous_event is not None and not isinstance(previous_event, EventHandle):
+            raise EPTypeError(
+                f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
+            )
+        if self.device.type != "cuda":
+            return contextlib.nullcontext(), False
+        if allocate_on_comm_stream or previous_event is not None:
+            return self._on_comm_stream(True, previous_event, wait_back=not async_with_compute_stream), True
+        return contextlib.nullcontext(), True
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        num_experts: int | None = None,
+        num_max_tokens_per_rank: int | None = None,
+        expert_alignment: int | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: EventHandle | None = None,
+        previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        handle: EPHandle | None = None,
+        do_handle_copy: bool = True,
+        do_cpu_sync: bool | None = None,
+        do_expand: bool = False,
+        do_zero_padding: bool = False,
+        use_tma_aligned_col_major_sf: bool = False,
+        *,
+        zero_copy: bool = False,
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
+        """Send every token to the ranks of its top-k experts (SPEC §2).
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``; ``recv_x`` is a ``(data, sf)`` tuple
+        iff ``x`` was one; ``recv_topk_idx`` is None with ``do_expand=True``; ``event`` holds an event only with
+        ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
+        returned handle is the one given.
+
+        ``zero_copy=True`` (an ep extension): the dispatch stores every output in its final place in the buffer's own
+        memory (the receive region on the GPU) and ``recv_x``, its scales, ``recv_topk_idx`` and
+        ``recv_topk_weights`` are views of it, rows in the deterministic order, with no copy epilogue. They are valid
+        until the next dispatch or combine on this buffer; bf16 ``recv_x`` is the memory of
+        :meth:`get_combine_buffer` for the returned handle, so the expert computation may write its outputs over the
+        rows it has read, then ``combine(..., zero_copy=True)``. Non-expanded layout, no ``handle`` (not cached),
+        row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
+        call passes it alike. The handle is an ordinary one (combine, cached dispatch).
+        """
+        # the express lanes (`ep_core.EPBuffer.last_plan`): a repeat of the last dispatch of its kind (no handle:
+        # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
+        # handle) without events, stats or comm-stream scope, every scalar the same object as that call's (so the
+        # same prepared entry), the arrays compared by the lane's `match`
+        plain = (
+            handle is None
+            and previous_event is None
+            and previous_event_before_epilogue is None
+            and cumulative_local_expert_recv_stats is None
+            and async_with_compute_stream is False
+            and allocate_on_comm_stream is False
+            and do_handle_copy is True
+        )
+        lane_scalars = (
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            do_cpu_sync,
+            use_tma_aligned_col_major_sf,
+            do_expand,
+            do_zero_padding,
+        )
+        if zero_copy is False:
+            lane = self._express if do_cpu_sync is False else self._express_sync
+        else:  # a zero-copy dispatch's outputs are views of the buffer's memory, as tensors of x's dtypes
+            lane = self._express_zero_copy if zero_copy is True and do_cpu_sync is False else None
+            data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+        if handle is not None and zero_copy is False:
+            lane = self._express_cached
+            scalars = (
+                topk_idx,
+                cumulative_local_expert_recv_stats,
+                num_experts,
+                num_max_tokens_per_rank,
+                expert_alignment,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                async_with_compute_stream,
+                allocate_on_comm_stream,
+                do_handle_copy,
+                do_cpu_sync,
+                do_expand,
+                do_zero_padding,
+                use_tma_aligned_col_major_sf,
+            )
+            if lane is not None and _same(scalars, lane.scalars):
+                got = lane.run(
+                    x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0
+                )
+                if got is not None:
+                    return (
+                        got.recv_x,
+                        got.recv_topk_idx,
+                        got.recv_topk_weights,
+                        got.handle,
+                        EventOverlap(None),
+                    )
+        elif plain and lane is not None and _same(lane_scalars, lane.scalars):
+            if do_cpu_sync is not False:
+                try:  # a CPU sync inside CUDA-graph capture: the caller's error
+                    self._check_capture("dispatch", do_cpu_sync, None)
+                except Exception:
+                    # refused before any launch: announced (the step given up) as on the ordinary road
+                    with self._core.announcing("dispatch"):
+                        raise
+            got = lane.run(
+                x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
+            )
+            if got is not None:
+                if zero_copy is not False:
+                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *got[:4])
+                    return recv_x, recv_idx, recv_w, got[4], EventOverlap(None)
+                recv_x = _received(got[0], got[1], use_tma_aligned_col_major_sf)
+                return recv_x, got[2], got[3], got[4], EventOverlap(None)
+        with self._core.announcing("dispatch"):
+            rt = self._rt()
+            if handle is None and do_cpu_sync is not False:
+                self._check_capture("dispatch", do_cpu_sync, handle)
+            if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
+                do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
+            first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+            device = first.device if isinstance(first, torch.Tensor) else self.device
+            # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
+            if previous_event is None and not allocate_on_comm_stream:
+                scope, cuda = _NO_SCOPE, self._cuda
+            else:
+                scope, cuda = self._streams(
+                    allocate_on_comm_stream, previous_event, async_with_compute_stream
+                )
+            with scope:
+                res = rt.run_dispatch(
+                    DispatchArgs(
+                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
+                        _plain(topk_idx) if topk_idx is not None else None,
+                        _plain(topk_weights) if topk_weights is not None else None,
+                        None
+                        if cumulative_local_expert_recv_stats is None
+                        else _plain(cumulative_local_expert_recv_stats),
+                        num_experts,
+                        num_max_tokens_per_rank,
+                        expert_alignment,
+                        num_sms,
+                        num_qps,
+                        previous_event,
+                        previous_event_before_epilogue,
+                        bool(async_with_compute_stream),
+                        bool(allocate_on_comm_stream),
+                        handle,
+                        bool(do_handle_copy),
+                        None if do_cpu_sync is None else bool(do_cpu_sync),
+                        bool(do_expand),
+                        bool(do_zero_padding),
+                        bool(use_tma_aligned_col_major_sf),
+                        self._allocators.get(device) or self._allocator(device),
+                        _current_stream(self._device_index) if cuda else 0,
+                        zero_copy,
+                    )
+                )
+                # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
+                # handle's tensors need recording on the streams
+                event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
+            # the express lane of this call, for the next one (the allocator offers `batch` where the host
+            # extension is loaded)
+            lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
+            if lanes and plain:
+                made = _ExpressLane.make(rt, "dispatch", (x, topk_idx, topk_weights), lane_scalars)
+                if zero_copy is not False:
+                    if zero_copy is True and do_cpu_sync is False:
+                        self._express_zero_copy = made
+                elif do_cpu_sync is False:
+                    self._express = made
+                else:
+                    self._express_sync = made
+            elif (
+                lanes
+                and zero_copy is False
+                and handle is not None
+                and topk_idx is None
+                and cumulative_local_expert_recv_stats is None
+                and previous_event is None
+                and previous_event_before_epilogue is None
+                and not async_with_compute_stream
+            ):
+                self._express_cached = _ExpressLane.make(rt, "dispatch", (x, topk_weights), scalars, handle)
+        if handle is None:
+            if not do_handle_copy:
+                res.handle.topk_idx = (
+                    topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
+                )
+            elif res.handle.topk_idx is topk_idx:
+                # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
+                # empty one stays an alias, never the caller's tensor object
+                res.handle.topk_idx = topk_idx.detach()
+        if zero_copy is not False:
+            recv_x, recv_idx, recv_w = self._zero_copy_outputs(
+                data, sf, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights
+            )
+            return recv_x, recv_idx, recv_w, res.handle, event
+        recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
+        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
+
+    def _zero_copy_outputs(
+        self, data: Any, sf: Any, recv_x: Any, recv_sf: Any, recv_idx: Any, recv_w: Any
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+        """A zero-copy dispatch's views as tensors of the caller's dtypes (``data`` / ``sf``: ``x``'s parts):
+        ``(recv_x, recv_topk_idx, recv_topk_weights)``, ``recv_x`` a ``(data, scales)`` tuple iff ``x`` was one."""
+        own = self._own_tensor
+        rx = own(recv_x, data.dtype)
+        if sf is not None:
+            rx = (rx, own(recv_sf, sf.dtype))
+        return rx, own(recv_idx, torch.int64), own(recv_w, torch.float32)
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: EPHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        num_sms: int = 0,
+        num_qps: int = 0,
+        previous_event: EventHandle | None = None,
+        previous_event_before_epilogue: EventHandle | None = None,
+        async_with_compute_stream: bool = False,
+        allocate_on_comm_stream: bool = False,
+        *,
+        zero_copy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Send expert outputs back and sum them per token, unweighted (SPEC §3).
+
+        Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
+        ``zero_copy=True`` (an ep extension): ``x`` is :meth:`get_combine_buffer`'s tensor with the expert outputs
+        written into it, read in place (one pass over the rows instead of two; non-expanded handles, no
+        ``topk_weights``, direct mode). Every rank of the call passes it alike.
+        """
+        plain = (
+            bias is None
+            and previous_event is None
+            and previous_event_before_epilogue is None
+            and async_with_compute_stream is False
+            and allocate_on_comm_stream is False
+        )
+        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
+        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
+        # error)
+        if zero_copy is False:
+            lane = self._express_combine
+        else:
+            lane = self._express_combine_zero_copy if zero_copy is True else None
+        if plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
+            got = lane.run(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+            if got is not None:
+                return got.combined_x, got.combined_topk_weights, EventOverlap(None)
+        with self._core.announcing("combine"):
+            rt = self._rt()
+            device = x.device if isinstance(x, torch.Tensor) else self.device
+            # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
+            if previous_event is None and not allocate_on_comm_stream:
+                scope, cuda = _NO_SCOPE, self._cuda
+            else:
+                scope, cuda = self._streams(
+                    allocate_on_comm_stream, previous_event, async_with_compute_stream
+                )
+            with scope:  # the event is recorded inside: on the stream the operation ended on
+                res = rt.run_combine(
+                    CombineArgs(
+                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
+                        handle,
+                        _plain(topk_weights) if topk_weights is not None else None,
+                        _plain(bias) if bias is not None else None,
+                        num_sms,
+                        num_qps,
+                        previous_event,
+                        previous_event_before_epilogue,
+                        bool(async_with_compute_stream),
+                        bool(allocate_on_comm_stream),
+                        self._allocators.get(device) or self._allocator(device),
+                        _current_stream(self._device_index) if cuda else 0,
+                        zero_copy,
+                    )
+                )
+                event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
+            if (
+                plain
+                and type(zero_copy) is bool
+                and scope is _NO_SCOPE
+                and getattr(self._allocators.get(device), "batch", None) is not None
+            ):
+                made = _ExpressLane.make(rt, "combine", (x, topk_weights), (num_sms, num_qps), handle)
+                if zero_copy:
+                    self._express_combine_zero_copy = made
+                else:
+                    self._express_combine = made
+        return res.combined_x, res.combined_topk_weights, event
