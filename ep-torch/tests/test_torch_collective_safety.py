@@ -111,13 +111,17 @@ def _case_announce(rank: int, world: int, seen: dict) -> None:
     seen["num_experts"] = _outcome(
         lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=16 if rank == 0 else 8)
     )
+    seen["refused"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    buf.reset()
     xh = x[:, : H // 2].contiguous() if rank == 1 else x
     seen["hidden"] = _outcome(lambda: buf.dispatch(xh, topk_idx=i, topk_weights=w, num_experts=E))
+    buf.reset()
     recv, _, _, handle, _ = buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E)
     if rank == 0:
         seen["operation"] = _outcome(lambda: buf.combine(recv, handle))
     else:
         seen["operation"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    buf.reset()
     seen["after_ok"] = _same(buf.dispatch(x2, topk_idx=i2, topk_weights=w2, num_experts=E), _want(b, rank))
     buf.destroy()
     seen["after_destroy"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
@@ -222,6 +226,7 @@ def test_one_rank_error_is_announced_and_disagreements_raise_on_every_rank(tmp_p
     for r in (r0, r1):
         assert r["num_experts"].startswith("EPMismatchError") and "num_experts differs" in r["num_experts"]
         assert "rank 0: 16, rank 1: 8" in r["num_experts"]
+        assert r["refused"].startswith("EPStateError") and "until reset()" in r["refused"], r["refused"]
         assert r["hidden"].startswith("EPMismatchError") and "hidden differs" in r["hidden"], r["hidden"]
         assert r["operation"].startswith("EPMismatchError") and "operation differs" in r["operation"]
         assert r["after_ok"]
