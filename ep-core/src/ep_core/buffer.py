@@ -611,7 +611,7 @@ class EPBuffer(BufferBase):
         executor = getattr(self, "_executor", None)
         channel = getattr(executor, "channel", None)
         if channel is not None:
-            return channel.seq
+            return channel.taken
         return getattr(executor, "launch_step", None)
 
     def announce_error(self, op: str, error: BaseException, step: int | None) -> None:
@@ -629,7 +629,7 @@ class EPBuffer(BufferBase):
             if step is not None and getattr(executor, "launch_step", None) == step:
                 executor.abandon_step()
             return
-        if step is None or channel.seq != step:
+        if step is None or channel.taken != step:
             return
         try:
             channel.announce(op, error)

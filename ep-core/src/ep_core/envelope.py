@@ -95,7 +95,14 @@ class Channel:
     def __init__(self, bootstrap: Any, state: RankState | None = None) -> None:
         self.bootstrap = bootstrap
         self.rank = bootstrap.rank
+        if state is None:  # a bootstrap may carry its buffer's state: every channel over it shares the steps
+            state = getattr(bootstrap, "rank_state", None)
         self.state = state if state is not None else RankState(bootstrap.rank)
+
+    @property
+    def taken(self) -> int:
+        """Steps this rank took part in (aborted ones too): a call whose count did not move took part in none."""
+        return self.state.taken
 
     @property
     def seq(self) -> int:
@@ -116,6 +123,7 @@ class Channel:
         self._step(Envelope(self.state.seq, op, (), abort=note), None)
 
     def _gather(self, env: Envelope, payload: Any) -> list[tuple[Any, Any]]:
+        self.state.taken += 1
         try:
             raw = self.bootstrap.allgather(pickle.dumps((env, payload)))
         except (EPTimeoutError, EPPeerError) as exc:
@@ -137,8 +145,17 @@ class Channel:
         if st.failure is not None:
             st.refuse(env.op)
         st.seq += 1
-        items = self._gather(env, payload)
+        try:
+            items = self._gather(env, payload)
+        except EPPeerError as exc:
+            if (
+                exc.announced
+            ):  # a peer's raw abort note (ep_torch's bootstrap.abort): the step counts on no rank
+                st.seq -= 1
+            raise
         envs = [e if isinstance(e, Envelope) else Envelope(-1, "<no envelope>") for e, _ in items]
+        if any(e.abort is not None for e in envs):
+            st.seq -= 1  # an aborted step counts on no rank (see ep_core.rank_state)
         try:
             check_envelopes(envs, self.rank)
         except EPMismatchError as exc:
@@ -146,12 +163,13 @@ class Channel:
             raise
         return [p for _, p in items]
 
-    def reset(self) -> None:
+    def reset(self) -> bool:
         """The collective that resynchronises the ranks after a failure (every rank calls it, whatever step it is
         at, failed or not): the bootstrap's `resync` first where it has one (ranks meet outside the possibly
         desynchronised collectives), then a `reset` exchange that puts every rank at the same step; the failure is
         cleared and the generation advances. Raises `EPMismatchError` when a peer is in another operation (it did
-        not call `reset()`): the buffer stays refused then, call `reset()` again on every rank."""
+        not call `reset()`): the buffer stays refused then, call `reset()` again on every rank. Returns whether any
+        rank had recorded a failure (every rank returns the same)."""
         st = self.state
         resync = getattr(self.bootstrap, "resync", None)
         if resync is not None:
@@ -161,7 +179,7 @@ class Channel:
                 st.record("reset", exc)
                 raise
         env = Envelope(st.seq, "reset")
-        items = self._gather(env, st.seq)
+        items = self._gather(env, (st.seq, st.failure is not None))
         envs = [e if isinstance(e, Envelope) else Envelope(-1, "<no envelope>") for e, _ in items]
         ops = [e.op for e in envs]
         if any(op != "reset" for op in ops):
@@ -173,5 +191,6 @@ class Channel:
             )
             st.record("reset", exc)
             raise exc
-        seqs = [p if isinstance(p, int) else 0 for _, p in items]
-        st.cleared(max(seqs) + 1)
+        pays = [p if isinstance(p, tuple) and len(p) == 2 else (0, True) for _, p in items]
+        st.cleared(max(int(q) for q, _ in pays) + 1)
+        return any(bool(f) for _, f in pays)

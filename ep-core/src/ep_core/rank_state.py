@@ -4,7 +4,10 @@ A buffer's host steps (`ep_core.envelope.Channel`) and the guards of surfaces wi
 `Buffer`, PP, AGRS) share one `RankState`:
 
 - `seq`: the step counter every rank compares in the envelope (one counter for every channel of a buffer: V1's
-  inner buffers and its own exchange share it, so an abort note sent on one pairs with a peer's step on another);
+  inner buffers and its own exchange share it). A step that a rank aborted does not count on any rank (every rank
+  takes its counter back), so an abort note pairs with whatever step its peers are in, of this buffer or another
+  one on the same group, and leaves every buffer's counters in step; `taken` counts the steps a rank took part in,
+  aborted ones included (whether a failing call still has to announce itself);
 - `failure`: the error that put the ranks out of step (a disagreement `EPMismatchError`, a wait that expired
   `EPTimeoutError`, a peer that died). Once set, every operation of the buffer is refused at once on this rank
   (`refuse`: `EPStateError` naming the cause) instead of pairing with a peer's different call or waiting another
@@ -37,12 +40,13 @@ def breaks_step(exc: BaseException) -> bool:
 class RankState:
     """One rank's state of one buffer's collective steps (see the module doc)."""
 
-    __slots__ = ("failed_op", "failure", "generation", "ident", "name", "rank", "seq")
+    __slots__ = ("failed_op", "failure", "generation", "ident", "name", "rank", "seq", "taken")
 
     def __init__(self, rank: int, name: str = "buffer") -> None:
         self.rank = rank
         self.name = name
         self.seq = 0
+        self.taken = 0  # steps this rank took part in (its own or a peer's abort included): `Guard`'s test
         self.failure: BaseException | None = None
         self.failed_op = ""
         self.generation = 0
@@ -91,7 +95,7 @@ class Guard:
         st = self.state
         if st.failure is not None:
             st.refuse(self.op)
-        self.step = st.seq
+        self.step = st.taken
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if not isinstance(exc, Exception):
@@ -99,7 +103,7 @@ class Guard:
         st = self.state
         if breaks_step(exc):
             st.record(self.op, exc)
-        elif st.seq == self.step and self.announce is not None and st.failure is None:
+        elif st.taken == self.step and self.announce is not None and st.failure is None:
             try:
                 self.announce(self.op, exc)
             except Exception as inner:  # the caller raises the original error

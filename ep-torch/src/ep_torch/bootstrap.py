@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPPeerError, EPTimeoutError
+from ep_core.rank_state import RankState
 
 __all__ = ["EPPeerError", "ProcessGroupBootstrap", "group_device"]
 
@@ -46,10 +47,14 @@ class ProcessGroupBootstrap:
         self.num_allgathers = 0
         self.timeout_secs: float | None = None
         self._store: object = None
+        # the steps of the buffer(s) over this bootstrap (ep_core.rank_state): every channel over it shares them
+        self.rank_state = RankState(self.rank, "buffer")
         self._suspect = False  # a wait of this bootstrap failed: the group's collectives may be out of step
         self._via_store: str | None = None  # after a resync that followed a failure: the store keys' prefix
         self._store_step = 0
-        if timeout_secs is None:  # bounded from the start (the construction's exchanges): EPKIT_CPU_TIMEOUT_SECS
+        if (
+            timeout_secs is None
+        ):  # bounded from the start (the construction's exchanges): EPKIT_CPU_TIMEOUT_SECS
             from . import _env
 
             timeout_secs = _env.cpu_timeout_secs()
