@@ -87,6 +87,7 @@ class ThreadGroup:
         try:
             self._resync_barrier.wait(self.timeout_secs)
         except threading.BrokenBarrierError as exc:
+            self._resync_barrier.reset()  # usable by the next reset() (the waiters have left it already)
             raise EPTimeoutError(
                 rank,
                 "bootstrap.resync",
