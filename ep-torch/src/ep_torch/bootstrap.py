@@ -116,28 +116,35 @@ class ProcessGroupBootstrap:
             work.wait(timeout=timedelta(seconds=self.timeout_secs))
         except RuntimeError as exc:
             self._suspect = True
-            text = str(exc)
-            late = self._behind()
-            names = ", ".join(map(str, late))
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise EPTimeoutError(
-                    self.rank,
-                    f"cpu.{what}",
-                    f"rank {names}",
-                    f"step {self.num_allgathers}",
-                    f"rank {self.rank} timed out after {self.timeout_secs:g} s waiting for rank {names} in the host "
-                    f"{what} (step {self.num_allgathers}): that rank did not call the same operation; check that "
-                    "every rank calls the same operations, or raise num_cpu_timeout_secs. The buffer refuses "
-                    "every operation now, until reset() is called on every rank",
-                ) from exc
-            dead = self._dead()
-            names = ", ".join(map(str, dead))
-            raise EPPeerError(
-                f"rank {self.rank}: the host {what} (step {self.num_allgathers}) failed because rank {names} left "
-                f"the group (died or closed its connection: {text.splitlines()[0][:200]}); the buffer refuses every "
-                "operation now (a lost rank cannot come back: rebuild the group)",
-                ranks=tuple(dead),
+            try:
+                self._raise_wait_error(exc, what)
+            except (EPTimeoutError, EPPeerError) as err:  # every operation over this bootstrap refuses now
+                self.rank_state.record(what, err)
+                raise
+
+    def _raise_wait_error(self, exc: RuntimeError, what: str) -> None:
+        text = str(exc)
+        late = self._behind()
+        names = ", ".join(map(str, late))
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise EPTimeoutError(
+                self.rank,
+                f"cpu.{what}",
+                f"rank {names}",
+                f"step {self.num_allgathers}",
+                f"rank {self.rank} timed out after {self.timeout_secs:g} s waiting for rank {names} in the host "
+                f"{what} (step {self.num_allgathers}): that rank did not call the same operation; check that "
+                "every rank calls the same operations, or raise num_cpu_timeout_secs. The buffer refuses "
+                "every operation now, until reset() is called on every rank",
             ) from exc
+        dead = self._dead()
+        names = ", ".join(map(str, dead))
+        raise EPPeerError(
+            f"rank {self.rank}: the host {what} (step {self.num_allgathers}) failed because rank {names} left "
+            f"the group (died or closed its connection: {text.splitlines()[0][:200]}); the buffer refuses every "
+            "operation now (a lost rank cannot come back: rebuild the group)",
+            ranks=tuple(dead),
+        ) from exc
 
     def _dead(self) -> list[int]:
         """The peers that died: every survivor of a failed wait posts its step count in the store, and the peers
@@ -192,6 +199,7 @@ class ProcessGroupBootstrap:
             store.wait(keys, timedelta(seconds=float(self.timeout_secs or 300)))
         except Exception as exc:
             self._suspect = True
+            self.rank_state.record(what, EPTimeoutError(self.rank, what, "store", key))
             try:
                 late = [r for r, k in enumerate(keys) if not store.check([k])]
             except Exception:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core import agrs, engram, pp
-from ep_core.errors import EPConfigError, EPMismatchError, EPTypeError, EPValueError
+from ep_core.errors import EPConfigError, EPMismatchError, EPStateError, EPTypeError, EPValueError
 
 __all__ = ["ElasticOps"]
 
@@ -44,6 +44,13 @@ def _guarded(op: str, host_step: bool = True) -> Callable[[Any], Any]:
                 return fn(self, *args, **kwargs)
             announce = self._announce_refusal if host_step and self.transport == "reference" else None
             with state.guard(op, announce):
+                if getattr(self.bootstrap, "_via_store", None) is not None and self.transport == "reference":
+                    raise EPStateError(
+                        f"{op} (rank {self.rank_idx}): after the timeout this buffer was reset from, the process "
+                        "group's own collectives are out of step (a wait given up leaves its collective pending); "
+                        "dispatch and combine work again, PP and AGRS on the CPU backend need a new process group "
+                        "and buffer"
+                    )
                 return fn(self, *args, **kwargs)
 
         call.__name__, call.__doc__, call.__qualname__ = fn.__name__, fn.__doc__, fn.__qualname__
@@ -398,8 +405,13 @@ class ElasticOps:
         self.create_agrs_session()
         try:
             yield
-        finally:
-            self.destroy_agrs_session()
+        except BaseException as exc:  # the body's error is the cause: a failing session end is its context
+            try:
+                self.destroy_agrs_session()
+            except Exception as end:
+                exc.__context__ = end
+            raise
+        self.destroy_agrs_session()
 
     def agrs_get_inplace_tensor(
         self, shapes: Any, dtype: torch.dtype

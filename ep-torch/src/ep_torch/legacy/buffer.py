@@ -654,7 +654,6 @@ class Buffer:
                 "scales": isinstance(x, tuple),
                 "num_topk": int(topk_idx.shape[1]),
                 "topk_weights": topk_weights is not None,
-                "num_worst_tokens": num_worst_tokens > 0,
             },
             int(data.shape[0]),
             int(data.shape[1]),
