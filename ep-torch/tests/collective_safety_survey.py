@@ -23,6 +23,9 @@ from pathlib import Path
 T, H, E, K, M = 6, 32, 8, 2, 8
 TIMEOUT = 3.0  # every buffer's host timeout in the survey (num_cpu_timeout_secs / EPKIT_CPU_TIMEOUT_SECS)
 CULPRIT = 0
+# EP_SURVEY_DEVICE=cuda: the same cases on the GPU (processes sharing GPU 0 over the ipc transport, a gloo group)
+DEV = os.environ.get("EP_SURVEY_DEVICE", "cpu")
+GPU_KW = {"transport": "ipc"} if DEV == "cuda" else {}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -36,7 +39,7 @@ def _inputs(seed: int, rank: int, tokens: int = T):
     x = torch.randint(-4, 5, (tokens, H), generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(torch.int64)
     w = torch.ones(tokens, K, dtype=torch.float32)
-    return x, idx, w
+    return x.to(DEV), idx.to(DEV), w.to(DEV)
 
 
 def _all_inputs(seed: int, world: int):
@@ -59,7 +62,11 @@ def _v1_rows(seed: int, world: int, rank: int):
 def _eq(a, b) -> bool:
     import torch
 
-    return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a.float(), b.float()))
+    return (
+        isinstance(a, torch.Tensor)
+        and a.shape == b.shape
+        and bool(torch.equal(a.float().cpu(), b.float().cpu()))
+    )
 
 
 def _outcome(fn):
@@ -81,7 +88,7 @@ def _v1(low_latency: bool = False, **kw):
 
     if "num_cpu_timeout_secs" in inspect.signature(Buffer.__init__).parameters:
         kw["num_cpu_timeout_secs"] = TIMEOUT
-    return Buffer(None, low_latency_mode=low_latency, explicitly_destroy=True, **kw)
+    return Buffer(None, low_latency_mode=low_latency, explicitly_destroy=True, **GPU_KW, **kw)
 
 
 def _v1_layout(buf, idx):
@@ -102,9 +109,8 @@ def _v1_round(buf, seed: int, rank: int, world: int) -> bool:
     ok = _eq(recv_x, _v1_rows(seed, world, rank))
     combined, _, _ = buf.combine(recv_x, handle)
     epr = E // world
-    want = x.float() * ((idx // epr).unsqueeze(-1) == __import__("torch").arange(world)).any(1).sum(
-        1, keepdim=True
-    )
+    dest = (idx // epr).unsqueeze(-1) == __import__("torch").arange(world, device=idx.device)
+    want = x.float() * dest.any(1).sum(1, keepdim=True)
     return ok and _eq(combined, want.to(combined.dtype))
 
 
@@ -129,7 +135,7 @@ def _ll_round(buf, seed: int, rank: int, world: int) -> bool:
         for e in ids.flatten().tolist():
             if e // epr == rank:
                 want_count[e - rank * epr] += 1
-    ok = bool(torch.equal(count.to(torch.int64), want_count))
+    ok = bool(torch.equal(count.to(torch.int64).cpu(), want_count))
     for e in range(epr):  # expert e's rows, source rank then token
         rows = [
             xs[t]
@@ -146,7 +152,7 @@ def _ll_round(buf, seed: int, rank: int, world: int) -> bool:
 def _v2(**kw):
     from ep_torch import ElasticBuffer
 
-    args = dict(num_max_tokens_per_rank=M, hidden=H, num_topk=K, num_cpu_timeout_secs=TIMEOUT)
+    args = dict(num_max_tokens_per_rank=M, hidden=H, num_topk=K, num_cpu_timeout_secs=TIMEOUT, **GPU_KW)
     args.update(kw)
     return ElasticBuffer(None, explicitly_destroy=True, **args)
 
@@ -159,13 +165,13 @@ def _v2_round(buf, seed: int, rank: int, world: int) -> bool:
     x, idx, w = inputs[rank]
     recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     want = reference.dispatch(
-        [to_numpy(a) for a, _, _ in inputs],
-        [b.numpy() for _, b, _ in inputs],
-        [c.numpy() for _, _, c in inputs],
+        [to_numpy(a.cpu()) for a, _, _ in inputs],
+        [b.cpu().numpy() for _, b, _ in inputs],
+        [c.cpu().numpy() for _, _, c in inputs],
         num_experts=E,
         num_max_tokens_per_rank=M,
     )[rank]
-    got = to_numpy(recv_x)
+    got = to_numpy(recv_x.cpu())
     ok = got.shape == want.recv_x.shape and got.tobytes() == want.recv_x.tobytes()
     combined = buf.combine(recv_x, handle)[0]
     return ok and combined.shape == x.shape
@@ -179,6 +185,7 @@ def _pp(**kw):
         num_bytes=ElasticBuffer.get_pp_buffer_size_hint(4096, 2),
         num_cpu_timeout_secs=TIMEOUT,
         explicitly_destroy=True,
+        **GPU_KW,
     )
     buf.pp_set_config(4096, 2)
     return buf
@@ -187,13 +194,15 @@ def _pp(**kw):
 def _pp_round(buf, seed: int, rank: int, world: int) -> bool:
     import torch
 
-    t = torch.arange(16, dtype=torch.float32) + seed * 100
+    t = torch.arange(16, dtype=torch.float32, device=DEV) + seed * 100
     if rank == 0:
         buf.pp_send(t, 1)
+        buf.barrier()  # the sender's buffer outlives the send (a freed backend drops its sends in flight)
         return True
-    got = torch.zeros(16)
+    got = torch.zeros(16, device=DEV)
     buf.pp_recv(got, 0)
-    return bool(torch.equal(got, t))
+    buf.barrier()
+    return _eq(got, t)
 
 
 def _agrs():
@@ -206,6 +215,7 @@ def _agrs():
         num_bytes=ElasticBuffer.get_agrs_buffer_size_hint(None, need),
         num_cpu_timeout_secs=TIMEOUT,
         explicitly_destroy=True,
+        **GPU_KW,
     )
     buf.agrs_set_config(need, 4)
     return buf
@@ -215,11 +225,11 @@ def _agrs_round(buf, seed: int, rank: int, world: int) -> bool:
     import torch
 
     with buf.agrs_new_session():
-        x = torch.arange(16, dtype=torch.float32) + rank * 1000 + seed
+        x = torch.arange(16, dtype=torch.float32, device=DEV) + rank * 1000 + seed
         got, handle = buf.all_gather(x)
         handle()
         want = torch.stack([torch.arange(16, dtype=torch.float32) + r * 1000 + seed for r in range(world)])
-        return bool(torch.equal(got, want))
+        return _eq(got, want)
 
 
 ROUNDS = {"v1": _v1_round, "ll": _ll_round, "v2": _v2_round, "pp": _pp_round, "agrs": _agrs_round}
@@ -399,7 +409,7 @@ def _ll_oob(kw, x, idx, m):
 def _ll_stats(kw, x, idx, m):
     import torch
 
-    kw["cumulative_local_expert_recv_stats"] = torch.zeros(3, dtype=torch.int32)
+    kw["cumulative_local_expert_recv_stats"] = torch.zeros(3, dtype=torch.int32, device=DEV)
     return x, idx, m
 
 
@@ -483,21 +493,21 @@ def _v2_construct_retry(buf, rank, world):
 def _agrs_outside(buf, rank, world):
     import torch
 
-    x = torch.arange(16, dtype=torch.float32) + rank
+    x = torch.arange(16, dtype=torch.float32, device=DEV) + rank
     if rank == CULPRIT:
         got, handle = buf.all_gather(x)  # no session: refused on this rank
         return None
     with buf.agrs_new_session():
         got, handle = buf.all_gather(x)
         handle()
-        return bool(torch.equal(got[CULPRIT], torch.arange(16, dtype=torch.float32) + CULPRIT))
+        return _eq(got[CULPRIT], torch.arange(16, dtype=torch.float32) + CULPRIT)
 
 
 def _rs_indivisible(buf, rank, world):
     import torch
 
     with buf.agrs_new_session():
-        t = torch.ones(2 * world + (1 if rank == CULPRIT else 0), 4)
+        t = torch.ones(2 * world + (1 if rank == CULPRIT else 0), 4, device=DEV)
         out = buf.reduce_scatter(t)
         return out.shape[0]
 
@@ -505,13 +515,13 @@ def _rs_indivisible(buf, rank, world):
 def _pp_noncontig(buf, rank, world):
     import torch
 
-    t = torch.arange(32, dtype=torch.float32).view(16, 2)
+    t = torch.arange(32, dtype=torch.float32, device=DEV).view(16, 2)
     if rank == 0:
         buf.pp_send(t.t(), 1)  # non-contiguous: refused
         return None
-    got = torch.zeros(32)
+    got = torch.zeros(32, device=DEV)
     buf.pp_recv(got, 0)
-    return bool(torch.equal(got, torch.arange(32, dtype=torch.float32)))
+    return _eq(got, torch.arange(32, dtype=torch.float32))
 
 
 def _never(build, call):
@@ -601,8 +611,16 @@ def _build(surface: str, kw: dict):
     return _agrs()
 
 
+def _device() -> None:
+    if DEV == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)
+
+
 def _worker(rank: int, world: int, case: str, out: str) -> None:
     os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _device()
     surface, kw, fault, reset = CASES[case]
     seen: dict = {"rank": rank}
     exit_hard = reset is None
@@ -662,6 +680,7 @@ def _chain_worker(rank: int, world: int, out: str, names: list[str]) -> None:
     """Every case of `names` in turn on this one group, each with its own buffers; each case's record as in
     `_worker`, in ``OUTDIR/<rank>.json`` as {case: record}."""
     os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _device()
     records: dict = {}
     for case in names:
         surface, kw, fault, reset = CASES[case]
@@ -690,6 +709,7 @@ def _random_worker(rank: int, world: int, out: str, seed: int, steps: int) -> No
     import random
 
     os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _device()
     bufs = {
         "v1": _build("v1", {}),
         "ll": _build("ll", {}),
