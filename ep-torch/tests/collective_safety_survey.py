@@ -582,7 +582,7 @@ CASES = {
     "ll.combine_foreign_handle": ("ll", {}, _ll_combine_bad(_llc_foreign), False),
     "ll.peer_never_calls": ("ll", {}, _never(None, lambda b, r, w: _ll_round(b, 82, r, w)), None),
     "v2.skipped_combine": ("v2", {}, _v2_skip_combine, True),
-    "v2.combine_foreign_handle": ("v2", {}, _v2_foreign_handle, False),
+    "v2.combine_foreign_handle": ("v2", {}, _v2_foreign_handle, True),
     "v2.construct_bad_num_topk": ("v2", {}, _v2_construct, False),
     "v2.construct_retry": ("v2", {}, _v2_construct_retry, False),
     "v2.peer_killed": ("v2", {}, _killed(lambda b, r, w: _v2_round(b, 83, r, w)), None),
@@ -647,9 +647,23 @@ def _worker(rank: int, world: int, case: str, out: str) -> None:
                 save()
     except BaseException as exc:
         seen["crash"] = f"{type(exc).__name__}: {exc}"[:600]
+    seen["done"] = True
     save()
-    if exit_hard or "crash" in seen:
-        os._exit(0)  # the group is out of step: leave without the closing barrier
+    # leave without the launcher's closing barrier (after a failure the group may be out of step), but only once
+    # every rank is done: a rank that exits early would turn its peer's hang into a connection error
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(
+        _done(Path(out, f"{r}.json")) for r in range(world) if not (exit_hard and r != 0)
+    ):
+        time.sleep(0.05)
+    os._exit(0)
+
+
+def _done(f: Path) -> bool:
+    try:
+        return bool(json.loads(f.read_text()).get("done"))
+    except (OSError, ValueError):
+        return False
 
 
 # ---------------------------------------------------------------------------------------------------------------

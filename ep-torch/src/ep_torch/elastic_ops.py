@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from ep_core import agrs, engram, pp
 from ep_core.errors import EPConfigError, EPMismatchError, EPStateError, EPTypeError, EPValueError
+from ep_core.rank_state import breaks_step
 
 __all__ = ["ElasticOps"]
 
@@ -406,6 +407,12 @@ class ElasticOps:
         try:
             yield
         except BaseException as exc:  # the body's error is the cause: a failing session end is its context
+            if breaks_step(
+                exc
+            ):  # the ranks are out of step: end it here only (no wait for peers that will not come)
+                with contextlib.suppress(Exception):
+                    self._elastic().session.destroy()
+                raise
             try:
                 self.destroy_agrs_session()
             except Exception as end:

@@ -215,6 +215,19 @@ class _InnerBuffer(ElasticBuffer):
         return make_core_transport(self.transport_choice)
 
 
+class _InnerAnnounce:
+    """Announce a refusal in an inner buffer's pending step (``EPBuffer.announce_error`` with the step read now)."""
+
+    __slots__ = ("core", "step")
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.step = core._step()
+
+    def __call__(self, op: str, exc: BaseException) -> None:
+        self.core.announce_error(op, exc, self.step)
+
+
 def _drop(inner: ElasticBuffer | None) -> None:
     """Release ``inner``'s resources on this rank alone (its peers may be anywhere: after a failure)."""
     rt = getattr(inner, "runtime", None)
@@ -341,22 +354,12 @@ class Buffer:
         state = self._state
         if state is None:  # loopback ranks (threads): their inner buffers announce for themselves
             return contextlib.nullcontext()
-        core = getattr(inner, "runtime", None) if inner is not None else None
-        if core is not None and not core.destroyed:
-            step = core._step()
-
-            def announce(name: str, exc: BaseException) -> None:
-                core.announce_error(name, exc, step)
-
-        elif host or self._host_steps():
-            channel = self._channel
-
-            def announce(name: str, exc: BaseException) -> None:
-                channel.announce(name, exc)
-
-        else:
-            announce = None
-        return Guard(state, op, announce)
+        core = None if inner is None else inner.runtime
+        if core is not None and not core._destroyed:
+            return Guard(state, op, _InnerAnnounce(core))
+        if host or self._host_steps():
+            return Guard(state, op, self._channel.announce)
+        return Guard(state, op, None)
 
     def _host_steps(self) -> bool:
         """Whether the peers' pending step is on the host whatever the operation: no inner buffer was built yet (the
