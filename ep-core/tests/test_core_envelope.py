@@ -89,6 +89,9 @@ def test_mismatched_num_experts_and_handles_raise_on_every_rank():
         with pytest.raises(EPMismatchError, match="handle differs"):  # handles of different dispatches / M
             buf.combine(recv, h)
         buf.reset()
+        with pytest.raises(ec.EPStateError, match="stale"):  # a handle from before the reset
+            buf.combine(a.recv_x, a.handle)
+        a = buf.dispatch(x, i, None, num_experts=16)
         return buf.combine(a.recv_x, a.handle).combined_x is not None
 
     assert run_ranks(rank_fn) == [True, True]
@@ -109,6 +112,7 @@ def test_bias_or_weights_on_one_rank_only_is_a_mismatch_not_a_key_error():
         with pytest.raises(EPMismatchError, match="bias differs"):
             buf.combine(out.recv_x, out.handle, bias=bias if r == 1 else None)
         buf.reset()
+        out = buf.dispatch(x, i, None, num_experts=E)
         return buf.combine(out.recv_x, out.handle).combined_x is not None
 
     assert run_ranks(rank_fn) == [True, True]

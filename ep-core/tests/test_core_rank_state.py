@@ -167,3 +167,18 @@ def test_channel_shares_the_bootstraps_state():
     a.exchange("x", {})
     b.exchange("y", {})
     assert state.seq == 2 and a.seq == b.seq == 2
+
+
+def test_a_handle_of_another_buffer_is_refused_by_name_and_the_ranks_stay_in_step():
+    inp = routing.make_inputs(2, 4, H, E, K, seed=9)
+
+    def rank_fn(r, boot):
+        a, b = _buf(boot), _buf(boot)
+        x, i = _args(inp, r)
+        out_b = b.dispatch(x, i, None, num_experts=E)
+        out_a = a.dispatch(x, i, None, num_experts=E)
+        with pytest.raises(ec.EPValueError, match="another buffer"):  # every rank: no IndexError, no pairing
+            a.combine(out_b.recv_x, out_b.handle)
+        return a.combine(out_a.recv_x, out_a.handle).combined_x is not None
+
+    assert ec.ThreadGroup(2, timeout_secs=5).run(rank_fn, join_timeout_secs=30) == [True, True]
