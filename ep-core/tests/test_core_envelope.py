@@ -80,7 +80,7 @@ def test_mismatched_num_experts_and_handles_raise_on_every_rank():
         x, i = _args(inp, r)
         with pytest.raises(EPMismatchError, match="num_experts differs"):
             buf.dispatch(x, i, None, num_experts=16 if r == 0 else 8)
-        with pytest.raises(ec.EPStateError, match="refused.*until reset"):  # out of step: nothing pairs now
+        with pytest.raises(ec.EPStateError, match=r"refused.*until reset"):  # out of step: nothing pairs now
             buf.dispatch(x, i, None, num_experts=16)
         buf.reset()  # every rank: in step again
         a = buf.dispatch(x, i, None, num_experts=16)
