@@ -182,6 +182,31 @@ def _case_timeout(rank: int, world: int, seen: dict) -> None:
     seen["waited"] = time.monotonic() - t0
 
 
+def _case_timeout_reset(rank: int, world: int, seen: dict) -> None:
+    """Rank 1 is late for a dispatch: rank 0 times out; every later call fails at once until reset(), which
+    resynchronises the ranks (through the store: the group's own collectives are out of step) and the buffer is
+    exact again."""
+    buf = _buffer(timeout=2)
+    inp, nxt = _inputs(world, 5), _inputs(world, 6)
+    x, i, w = _tensors(inp, rank)
+    if rank == 1:
+        time.sleep(3)  # late: its dispatch meets rank 0's abandoned one, then times out itself
+    seen["late"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    t0 = time.monotonic()
+    seen["refused"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    seen["refused_secs"] = time.monotonic() - t0
+    if rank == 0:
+        time.sleep(2.5)  # reset() is a collective: both ranks within the timeout of each other
+    seen["reset"] = _outcome(buf.reset)
+    x2, i2, w2 = _tensors(nxt, rank)
+    seen["after"] = [
+        _same(buf.dispatch(x2, topk_idx=i2, topk_weights=w2, num_experts=E), _want(nxt, rank))
+        for _ in range(2)
+    ]
+    if rank == 0:
+        time.sleep(1)  # rank 0 holds the group's store: the peer may still read the last step's keys
+
+
 def _case_dead(rank: int, world: int, seen: dict, out: Path) -> None:
     buf = _buffer(timeout=30)
     inp = _inputs(world, 4)
@@ -201,12 +226,15 @@ def _worker(rank: int, world: int, mode: str, out: str) -> None:
         if mode == "dead":
             _case_dead(rank, world, seen, Path(out))
         else:
-            {"announce": _case_announce, "random": _case_random, "timeout": _case_timeout}[mode](
-                rank, world, seen
-            )
+            {
+                "announce": _case_announce,
+                "random": _case_random,
+                "timeout": _case_timeout,
+                "timeout_reset": _case_timeout_reset,
+            }[mode](rank, world, seen)
     finally:
         Path(out, f"{rank}.json").write_text(json.dumps(seen))
-    if mode in ("timeout", "dead"):
+    if mode in ("timeout", "dead", "timeout_reset"):
         os._exit(0)  # the group is out of step: leave without the launcher's closing barrier
 
 
@@ -251,6 +279,14 @@ def test_cpu_wait_is_bounded_by_num_cpu_timeout_secs(tmp_path):
     assert r0["timeout"].startswith("EPTimeoutError"), r0
     assert "waiting for rank 1" in r0["timeout"] and "num_cpu_timeout_secs" in r0["timeout"]
     assert r0["waited"] < 5
+
+
+def test_after_a_timeout_calls_fail_fast_and_reset_recovers(tmp_path):
+    for r in _run("timeout_reset", tmp_path):
+        assert r["late"].startswith("EPTimeoutError"), r
+        assert r["refused"].startswith("EPStateError") and "until reset()" in r["refused"], r
+        assert r["refused_secs"] < 0.5, r
+        assert r["reset"] == "ok" and r["after"] == [True, True], r
 
 
 def test_dead_peer_is_named(tmp_path):
