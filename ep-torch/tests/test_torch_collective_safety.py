@@ -17,12 +17,12 @@ import numpy as np
 M, H, K, E = 8, 32, 2, 8
 
 
-def _run(mode: str, tmp_path: Path, limit: float = 90.0) -> list[dict]:
+def _run(mode: str, tmp_path: Path, limit: float = 90.0, world: int = 2) -> list[dict]:
     from ep_torch_testing import run_script  # loaded by conftest.py
 
     code, out = run_script(__file__, [mode, str(tmp_path)], limit, what=f"{mode}: ")
     assert code == 0, out[-3000:]
-    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,10 +220,29 @@ def _case_dead(rank: int, world: int, seen: dict, out: Path) -> None:
     seen["waited"] = time.monotonic() - t0
 
 
+def _case_dead3(rank: int, world: int, seen: dict, out: Path) -> None:
+    """3 ranks, rank 2 dies: ranks 0 and 1 name rank 2 and only rank 2."""
+    buf = _buffer(timeout=30)
+    inp = _inputs(world, 4, num_experts=6)
+    x, i, w = _tensors(inp, rank)
+    if rank == 2:
+        (out / "2.json").write_text(json.dumps({}))
+        time.sleep(0.5)
+        os._exit(0)
+    t0 = time.monotonic()
+    seen["dead"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=6))
+    seen["waited"] = time.monotonic() - t0
+    seen["next"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=6))
+    if rank == 0:
+        time.sleep(3)  # rank 0 holds the store: rank 1 may still be naming the dead rank through it
+
+
 def _worker(rank: int, world: int, mode: str, out: str) -> None:
     seen: dict = {}
     try:
-        if mode == "dead":
+        if mode == "dead3":
+            _case_dead3(rank, world, seen, Path(out))
+        elif mode == "dead":
             _case_dead(rank, world, seen, Path(out))
         else:
             {
@@ -234,7 +253,7 @@ def _worker(rank: int, world: int, mode: str, out: str) -> None:
             }[mode](rank, world, seen)
     finally:
         Path(out, f"{rank}.json").write_text(json.dumps(seen))
-    if mode in ("timeout", "dead", "timeout_reset"):
+    if mode in ("timeout", "dead", "timeout_reset", "dead3"):
         os._exit(0)  # the group is out of step: leave without the launcher's closing barrier
 
 
@@ -295,7 +314,16 @@ def test_dead_peer_is_named(tmp_path):
     assert r0["waited"] < 30
 
 
+def test_killed_peer_is_named_exactly(tmp_path):
+    r0, r1, _ = _run("dead3", tmp_path, world=3)
+    for r in (r0, r1):
+        assert r["dead"].startswith("EPPeerError"), r
+        assert "because rank 2 left" in r["dead"], r["dead"]
+        assert r["waited"] < 10, r
+        assert r["next"].startswith("EPStateError") and "refused" in r["next"], r  # no second wait
+
+
 if __name__ == "__main__":
     from ep_torch import launch
 
-    launch.spawn(_worker, 2, sys.argv[1], sys.argv[2])
+    launch.spawn(_worker, 3 if sys.argv[1] == "dead3" else 2, sys.argv[1], sys.argv[2])
