@@ -85,6 +85,13 @@ class ReferenceBackend:
                 "closes the connection whose wait timed out: rebuild the process group",
             )
 
+    def _lost(self, exc: BaseException, peer: int, what: str) -> EPPeerError:
+        return EPPeerError(
+            f"rank {self.rank}: {what} failed because rank {peer} left the group (died or closed its connection: "
+            f"{str(exc).splitlines()[0][:200]}); rebuild the group",
+            ranks=(peer,),
+        )
+
     def region(self) -> torch.Tensor:
         return self._region
 
@@ -130,10 +137,13 @@ class ReferenceBackend:
             fifo.released += 1
         header = torch.tensor([payload.numel(), fifo.sent], dtype=torch.int64)
         g = self._global(dst)
-        works = [
-            dist.isend(header, g, group=self.group, tag=_TAG_HEADER),
-            dist.isend(payload, g, group=self.group, tag=_TAG_DATA),
-        ]
+        try:
+            works = [
+                dist.isend(header, g, group=self.group, tag=_TAG_HEADER),
+                dist.isend(payload, g, group=self.group, tag=_TAG_DATA),
+            ]
+        except RuntimeError as exc:  # the connection to that rank is gone
+            raise self._lost(exc, dst, f"pp_send to rank {dst}") from exc
         fifo.pending.append((works, (header, payload)))
         fifo.sent += 1
 
@@ -154,7 +164,11 @@ class ReferenceBackend:
         g = self._global(src)
         header = torch.zeros(2, dtype=torch.int64)
         what = f"tensor {fifo.received} from rank {src}"
-        self._wait(dist.irecv(header, g, group=self.group, tag=_TAG_HEADER), "pp_recv", what, fifo.received)
+        try:
+            work = dist.irecv(header, g, group=self.group, tag=_TAG_HEADER)
+        except RuntimeError as exc:  # the connection to that rank is gone
+            raise self._lost(exc, src, f"pp_recv from rank {src}") from exc
+        self._wait(work, "pp_recv", what, fifo.received)
         nbytes, seq = int(header[0]), int(header[1])
         if nbytes < 0:  # the sender refused its pp_send (`pp_abort`): its message follows
             note = torch.zeros(-nbytes, dtype=torch.uint8)
