@@ -80,11 +80,18 @@ def test_mismatched_num_experts_and_handles_raise_on_every_rank():
         x, i = _args(inp, r)
         with pytest.raises(EPMismatchError, match="num_experts differs"):
             buf.dispatch(x, i, None, num_experts=16 if r == 0 else 8)
+        with pytest.raises(ec.EPStateError, match=r"refused.*until reset"):  # out of step: nothing pairs now
+            buf.dispatch(x, i, None, num_experts=16)
+        buf.reset()  # every rank: in step again
         a = buf.dispatch(x, i, None, num_experts=16)
         b = buf.dispatch(x, i, None, num_experts=16, num_max_tokens_per_rank=8)
         h, recv = (a.handle, a.recv_x) if r == 0 else (b.handle, b.recv_x)
         with pytest.raises(EPMismatchError, match="handle differs"):  # handles of different dispatches / M
             buf.combine(recv, h)
+        buf.reset()
+        with pytest.raises(ec.EPStateError, match="stale"):  # a handle from before the reset
+            buf.combine(a.recv_x, a.handle)
+        a = buf.dispatch(x, i, None, num_experts=16)
         return buf.combine(a.recv_x, a.handle).combined_x is not None
 
     assert run_ranks(rank_fn) == [True, True]
@@ -99,10 +106,13 @@ def test_bias_or_weights_on_one_rank_only_is_a_mismatch_not_a_key_error():
         w = ec.host_array(np.ascontiguousarray(inp.topk_weights[r], dtype=np.float32))
         with pytest.raises(EPMismatchError, match="topk_weights differs"):
             buf.dispatch(x, i, w if r == 0 else None, num_experts=E)
+        buf.reset()
         out = buf.dispatch(x, i, None, num_experts=E)
         bias = ec.host_array(np.zeros((4, H), dtype=np.uint16), "bfloat16")
         with pytest.raises(EPMismatchError, match="bias differs"):
             buf.combine(out.recv_x, out.handle, bias=bias if r == 1 else None)
+        buf.reset()
+        out = buf.dispatch(x, i, None, num_experts=E)
         return buf.combine(out.recv_x, out.handle).combined_x is not None
 
     assert run_ranks(rank_fn) == [True, True]
@@ -116,6 +126,7 @@ def test_barrier_against_dispatch_is_a_mismatch():
         x, i = _args(inp, r)
         with pytest.raises(EPMismatchError, match="operation differs"):
             buf.barrier() if r == 0 else buf.dispatch(x, i, None, num_experts=E)
+        buf.reset()
         buf.barrier()
         return True
 

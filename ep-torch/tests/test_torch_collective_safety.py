@@ -18,12 +18,12 @@ import pytest
 M, H, K, E = 8, 32, 2, 8
 
 
-def _run(mode: str, tmp_path: Path, limit: float = 90.0) -> list[dict]:
+def _run(mode: str, tmp_path: Path, limit: float = 90.0, world: int = 2) -> list[dict]:
     from ep_torch_testing import run_script  # loaded by conftest.py
 
     code, out = run_script(__file__, [mode, str(tmp_path)], limit, what=f"{mode}: ")
     assert code == 0, out[-3000:]
-    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -112,13 +112,17 @@ def _case_announce(rank: int, world: int, seen: dict) -> None:
     seen["num_experts"] = _outcome(
         lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=16 if rank == 0 else 8)
     )
+    seen["refused"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    buf.reset()
     xh = x[:, : H // 2].contiguous() if rank == 1 else x
     seen["hidden"] = _outcome(lambda: buf.dispatch(xh, topk_idx=i, topk_weights=w, num_experts=E))
+    buf.reset()
     recv, _, _, handle, _ = buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E)
     if rank == 0:
         seen["operation"] = _outcome(lambda: buf.combine(recv, handle))
     else:
         seen["operation"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    buf.reset()
     seen["after_ok"] = _same(buf.dispatch(x2, topk_idx=i2, topk_weights=w2, num_experts=E), _want(b, rank))
     buf.destroy()
     seen["after_destroy"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
@@ -179,6 +183,31 @@ def _case_timeout(rank: int, world: int, seen: dict) -> None:
     seen["waited"] = time.monotonic() - t0
 
 
+def _case_timeout_reset(rank: int, world: int, seen: dict) -> None:
+    """Rank 1 is late for a dispatch: rank 0 times out; every later call fails at once until reset(), which
+    resynchronises the ranks (through the store: the group's own collectives are out of step) and the buffer is
+    exact again."""
+    buf = _buffer(timeout=2)
+    inp, nxt = _inputs(world, 5), _inputs(world, 6)
+    x, i, w = _tensors(inp, rank)
+    if rank == 1:
+        time.sleep(3)  # late: its dispatch meets rank 0's abandoned one, then times out itself
+    seen["late"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    t0 = time.monotonic()
+    seen["refused"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=E))
+    seen["refused_secs"] = time.monotonic() - t0
+    if rank == 0:
+        time.sleep(2.5)  # reset() is a collective: both ranks within the timeout of each other
+    seen["reset"] = _outcome(buf.reset)
+    x2, i2, w2 = _tensors(nxt, rank)
+    seen["after"] = [
+        _same(buf.dispatch(x2, topk_idx=i2, topk_weights=w2, num_experts=E), _want(nxt, rank))
+        for _ in range(2)
+    ]
+    if rank == 0:
+        time.sleep(1)  # rank 0 holds the group's store: the peer may still read the last step's keys
+
+
 def _case_dead(rank: int, world: int, seen: dict, out: Path) -> None:
     buf = _buffer(timeout=30)
     inp = _inputs(world, 4)
@@ -192,18 +221,40 @@ def _case_dead(rank: int, world: int, seen: dict, out: Path) -> None:
     seen["waited"] = time.monotonic() - t0
 
 
+def _case_dead3(rank: int, world: int, seen: dict, out: Path) -> None:
+    """3 ranks, rank 2 dies: ranks 0 and 1 name rank 2 and only rank 2."""
+    buf = _buffer(timeout=30)
+    inp = _inputs(world, 4, num_experts=6)
+    x, i, w = _tensors(inp, rank)
+    if rank == 2:
+        (out / "2.json").write_text(json.dumps({}))
+        time.sleep(0.5)
+        os._exit(0)
+    t0 = time.monotonic()
+    seen["dead"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=6))
+    seen["waited"] = time.monotonic() - t0
+    seen["next"] = _outcome(lambda: buf.dispatch(x, topk_idx=i, topk_weights=w, num_experts=6))
+    if rank == 0:
+        time.sleep(3)  # rank 0 holds the store: rank 1 may still be naming the dead rank through it
+
+
 def _worker(rank: int, world: int, mode: str, out: str) -> None:
     seen: dict = {}
     try:
-        if mode == "dead":
+        if mode == "dead3":
+            _case_dead3(rank, world, seen, Path(out))
+        elif mode == "dead":
             _case_dead(rank, world, seen, Path(out))
         else:
-            {"announce": _case_announce, "random": _case_random, "timeout": _case_timeout}[mode](
-                rank, world, seen
-            )
+            {
+                "announce": _case_announce,
+                "random": _case_random,
+                "timeout": _case_timeout,
+                "timeout_reset": _case_timeout_reset,
+            }[mode](rank, world, seen)
     finally:
         Path(out, f"{rank}.json").write_text(json.dumps(seen))
-    if mode in ("timeout", "dead"):
+    if mode in ("timeout", "dead", "timeout_reset", "dead3"):
         os._exit(0)  # the group is out of step: leave without the launcher's closing barrier
 
 
@@ -223,6 +274,7 @@ def test_one_rank_error_is_announced_and_disagreements_raise_on_every_rank(tmp_p
     for r in (r0, r1):
         assert r["num_experts"].startswith("EPMismatchError") and "num_experts differs" in r["num_experts"]
         assert "rank 0: 16, rank 1: 8" in r["num_experts"]
+        assert r["refused"].startswith("EPStateError") and "until reset()" in r["refused"], r["refused"]
         assert r["hidden"].startswith("EPMismatchError") and "hidden differs" in r["hidden"], r["hidden"]
         assert r["operation"].startswith("EPMismatchError") and "operation differs" in r["operation"]
         assert r["after_ok"]
@@ -250,13 +302,30 @@ def test_cpu_wait_is_bounded_by_num_cpu_timeout_secs(tmp_path):
     assert r0["waited"] < 5
 
 
+def test_after_a_timeout_calls_fail_fast_and_reset_recovers(tmp_path):
+    for r in _run("timeout_reset", tmp_path):
+        assert r["late"].startswith("EPTimeoutError"), r
+        assert r["refused"].startswith("EPStateError") and "until reset()" in r["refused"], r
+        assert r["refused_secs"] < 0.5, r
+        assert r["reset"] == "ok" and r["after"] == [True, True], r
+
+
 def test_dead_peer_is_named(tmp_path):
     r0, _ = _run("dead", tmp_path)
     assert r0["dead"].startswith(("EPPeerError", "EPTimeoutError")) and "rank 1" in r0["dead"], r0
     assert r0["waited"] < 30
 
 
+def test_killed_peer_is_named_exactly(tmp_path):
+    r0, r1, _ = _run("dead3", tmp_path, world=3)
+    for r in (r0, r1):
+        assert r["dead"].startswith("EPPeerError"), r
+        assert "because rank 2 left" in r["dead"], r["dead"]
+        assert r["waited"] < 10, r
+        assert r["next"].startswith("EPStateError") and "refused" in r["next"], r  # no second wait
+
+
 if __name__ == "__main__":
     from ep_torch import launch
 
-    launch.spawn(_worker, 2, sys.argv[1], sys.argv[2])
+    launch.spawn(_worker, 3 if sys.argv[1] == "dead3" else 2, sys.argv[1], sys.argv[2])

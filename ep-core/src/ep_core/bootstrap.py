@@ -76,6 +76,26 @@ class ThreadGroup:
         self.timeout_secs = timeout_secs
         self._barrier = threading.Barrier(size)
         self._slots: list[bytes | None] = [None] * size
+        # `resync`: every rank meets here; the last to arrive repairs the main barrier (broken by a timeout)
+        self._resync_barrier = threading.Barrier(size, action=self._repair)
+
+    def _repair(self) -> None:
+        self._barrier.reset()
+        self._slots = [None] * self.size
+
+    def _resync(self, rank: int) -> None:
+        try:
+            self._resync_barrier.wait(self.timeout_secs)
+        except threading.BrokenBarrierError as exc:
+            self._resync_barrier.reset()  # usable by the next reset() (the waiters have left it already)
+            raise EPTimeoutError(
+                rank,
+                "bootstrap.resync",
+                "thread barrier",
+                "broken",
+                f"rank {rank} timed out after {self.timeout_secs:g} s in reset() of a ThreadGroup of {self.size}: "
+                "a peer thread did not call it",
+            ) from exc
 
     def bootstraps(self) -> list[_ThreadBootstrap]:
         return [_ThreadBootstrap(self, r) for r in range(self.size)]
@@ -161,3 +181,7 @@ class _ThreadBootstrap:
 
     def barrier(self) -> None:
         self._group._wait(self.rank, "bootstrap.barrier")
+
+    def resync(self) -> None:
+        """Meet every peer outside the (possibly broken) exchange barrier, which is then repaired (`reset()`)."""
+        self._group._resync(self.rank)

@@ -19,7 +19,7 @@ from ep_core import elastic_memory, planner
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.buffer_base import BufferBase
 from ep_core.envelope import Channel
-from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
+from ep_core.errors import EPConfigError, EPMismatchError, EPStateError, EPTypeError, EPValueError
 from ep_core.executor import (
     BufferConfig,
     CombineResult,
@@ -31,6 +31,7 @@ from ep_core.executor import (
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.prepared import PreparedOps
+from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
 from ep_core.validation import (
@@ -142,59 +143,71 @@ class EPBuffer(BufferBase):
     ) -> None:
         self._destroyed = True  # until fully built
         boot = check_bootstrap(bootstrap)
-        tr = resolve_transport(transport)
-        for name, v in (
-            ("use_fp8_dispatch", use_fp8_dispatch),
-            ("deterministic", deterministic),
-            ("allow_hybrid_mode", allow_hybrid_mode),
-            ("allow_multiple_reduction", allow_multiple_reduction),
-            ("prefer_overlap_with_compute", prefer_overlap_with_compute),
-            ("explicitly_destroy", explicitly_destroy),
+        set_timeout = getattr(boot, "set_timeout", None)
+        if (
+            set_timeout is not None
+            and isinstance(num_cpu_timeout_secs, (int, float))
+            and num_cpu_timeout_secs > 0
         ):
-            _flag(name, v)
-        m = _nonneg_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
-        h = _nonneg_int("hidden", hidden)
-        k = _nonneg_int("num_topk", num_topk, MAX_TOPK)
-        e = _nonneg_int("num_experts", num_experts)
-        _nonneg_int("sl_idx", sl_idx)
-        _nonneg_int("num_allocated_qps", num_allocated_qps)
-        cpu = _nonneg_int("num_cpu_bytes", num_cpu_bytes)
-        for name, v in (
-            ("num_cpu_timeout_secs", num_cpu_timeout_secs),
-            ("num_gpu_timeout_secs", num_gpu_timeout_secs),
-        ):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise EPValueError(f"{name}: expected a positive number of seconds, got {v!r}")
-        if not isinstance(policy, PlannerPolicy):
-            raise EPTypeError(f"policy: expected a PlannerPolicy, got {policy!r}")
-        nvl = num_nvlink_ranks if num_nvlink_ranks is not None else tr.num_nvlink_ranks(boot)
-        topology = Topology(boot.size, nvl, allow_hybrid_mode)
-        if e:
-            topology.check_num_experts(e)
-        if num_bytes is None:
-            if cpu:
-                raise EPValueError("num_bytes: required when num_cpu_bytes > 0")
-            if m <= 0 or h <= 0:
-                raise EPValueError(
-                    "num_bytes: not given, so num_max_tokens_per_rank and hidden must be > 0 to size the buffer "
-                    f"(got {m} and {h})"
+            set_timeout(num_cpu_timeout_secs)  # the construction's exchanges are bounded too
+        try:  # a rank refusing its arguments tells its peers in the construction's exchange (they raise naming it)
+            tr = resolve_transport(transport)
+            for name, v in (
+                ("use_fp8_dispatch", use_fp8_dispatch),
+                ("deterministic", deterministic),
+                ("allow_hybrid_mode", allow_hybrid_mode),
+                ("allow_multiple_reduction", allow_multiple_reduction),
+                ("prefer_overlap_with_compute", prefer_overlap_with_compute),
+                ("explicitly_destroy", explicitly_destroy),
+            ):
+                _flag(name, v)
+            m = _nonneg_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
+            h = _nonneg_int("hidden", hidden)
+            k = _nonneg_int("num_topk", num_topk, MAX_TOPK)
+            e = _nonneg_int("num_experts", num_experts)
+            _nonneg_int("sl_idx", sl_idx)
+            _nonneg_int("num_allocated_qps", num_allocated_qps)
+            cpu = _nonneg_int("num_cpu_bytes", num_cpu_bytes)
+            for name, v in (
+                ("num_cpu_timeout_secs", num_cpu_timeout_secs),
+                ("num_gpu_timeout_secs", num_gpu_timeout_secs),
+            ):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                    raise EPValueError(f"{name}: expected a positive number of seconds, got {v!r}")
+            if not isinstance(policy, PlannerPolicy):
+                raise EPTypeError(f"policy: expected a PlannerPolicy, got {policy!r}")
+            nvl = num_nvlink_ranks if num_nvlink_ranks is not None else tr.num_nvlink_ranks(boot)
+            topology = Topology(boot.size, nvl, allow_hybrid_mode)
+            if e:
+                topology.check_num_experts(e)
+            if num_bytes is None:
+                if cpu:
+                    raise EPValueError("num_bytes: required when num_cpu_bytes > 0")
+                if m <= 0 or h <= 0:
+                    raise EPValueError(
+                        "num_bytes: not given, so num_max_tokens_per_rank and hidden must be > 0 to size the buffer "
+                        f"(got {m} and {h})"
+                    )
+                num_bytes = planner.get_buffer_size_hint(
+                    topology, m, h, k, use_fp8_dispatch, allow_multiple_reduction
                 )
-            num_bytes = planner.get_buffer_size_hint(
-                topology, m, h, k, use_fp8_dispatch, allow_multiple_reduction
-            )
-        if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes <= 0:
-            raise EPValueError(f"num_bytes: expected a positive int, got {num_bytes!r}")
-        if num_bytes % SYMMETRIC_ALIGN_BYTES or cpu % SYMMETRIC_ALIGN_BYTES:
-            raise EPValueError(
-                f"num_bytes/num_cpu_bytes: expected multiples of 2 MiB, got {num_bytes} and {cpu}; use "
-                "get_buffer_size_hint()"
-            )
-        if cpu > num_bytes:
-            raise EPValueError(f"num_cpu_bytes: expected <= num_bytes ({num_bytes}), got {cpu}")
-        import ep_layout
+            if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes <= 0:
+                raise EPValueError(f"num_bytes: expected a positive int, got {num_bytes!r}")
+            if num_bytes % SYMMETRIC_ALIGN_BYTES or cpu % SYMMETRIC_ALIGN_BYTES:
+                raise EPValueError(
+                    f"num_bytes/num_cpu_bytes: expected multiples of 2 MiB, got {num_bytes} and {cpu}; use "
+                    "get_buffer_size_hint()"
+                )
+            if cpu > num_bytes:
+                raise EPValueError(f"num_cpu_bytes: expected <= num_bytes ({num_bytes}), got {cpu}")
+            import ep_layout
 
-        workspace = ep_layout.WorkspaceLayout.get_num_aligned_bytes()
-        qps = num_allocated_qps or planner.default_num_allocated_qps(topology)
+            workspace = ep_layout.WorkspaceLayout.get_num_aligned_bytes()
+            qps = num_allocated_qps or planner.default_num_allocated_qps(topology)
+        except Exception as exc:
+            with contextlib.suppress(Exception):  # best effort: the caller raises its own error
+                Channel(boot).announce("construct", exc)
+            raise
         # the construction's envelope (before anything is allocated): ranks built with different sizes or modes
         # raise EPMismatchError together here instead of at their first operation, or with garbage
         Channel(boot).exchange(
@@ -523,7 +536,7 @@ class EPBuffer(BufferBase):
         executor = getattr(self, "_executor", None)
         channel = getattr(executor, "channel", None)
         if channel is not None:
-            return channel.seq
+            return channel.taken
         return getattr(executor, "launch_step", None)
 
     def announce_error(self, op: str, error: BaseException, step: int | None) -> None:
@@ -541,7 +554,7 @@ class EPBuffer(BufferBase):
             if step is not None and getattr(executor, "launch_step", None) == step:
                 executor.abandon_step()
             return
-        if step is None or channel.seq != step:
+        if step is None or channel.taken != step:
             return
         try:
             channel.announce(op, error)
@@ -560,10 +573,37 @@ class EPBuffer(BufferBase):
         reset = getattr(self._executor, "reset", None)
         if reset is None:
             raise EPStateError(f"reset: the executor {type(self._executor).__name__} cannot be reset")
+        channel = getattr(self._executor, "channel", None)
+        if (
+            channel is not None
+        ):  # resynchronise the host steps first (ep_core.rank_state): every rank, any step
+            channel.reset()
         reset()
 
     def _device_barrier(self) -> None:
         self._executor.barrier()
+
+    def destroy(self) -> None:
+        """Collective: barrier, then release. When the barrier finds the ranks disagreeing (a peer is in another
+        operation) or a peer's announced error, nothing is released: the buffer stays as it was (reset() or
+        destroy() again on every rank). On a buffer out of step (a failure recorded, `ep_core.rank_state`), this
+        rank releases its own resources without meeting the peers."""
+        self._check_alive()
+        state = getattr(getattr(self._executor, "channel", None), "state", None)
+        if state is not None and state.failure is not None:
+            self._destroyed = True
+            self._release(collective=False)
+            return
+        try:
+            self._device_barrier()
+        except Exception as exc:
+            if not breaks_step(exc) or isinstance(exc, EPMismatchError):
+                raise  # the peers are elsewhere (or one refused): nothing released, the ranks stay as they were
+            self._destroyed = True
+            self._release(collective=True)
+            raise
+        self._destroyed = True
+        self._release(collective=True)
 
     def _release(self, *, collective: bool) -> None:
         try:

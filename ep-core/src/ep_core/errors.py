@@ -106,12 +106,14 @@ class EPPeerError(EPStateError):
     """Another rank of the group failed the collective step this rank is in: it raised its own error (named in
     the message with its rank), or it died. Every other rank raises this instead of waiting or pairing calls."""
 
-    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = (), announced: bool = False) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+        # True: the peer rejected its own call and said so (the ranks stay in step); False: it died or vanished
+        self.announced = bool(announced)
 
     def __reduce__(self):  # keep picklable across processes
-        return (_rebuild_peer_error, (type(self), str(self), self.ranks))
+        return (_rebuild_peer_error, (type(self), str(self), self.ranks, self.announced))
 
 
 class EPMismatchError(EPValueError):
@@ -126,8 +128,10 @@ class EPMismatchError(EPValueError):
         return (_rebuild_mismatch_error, (str(self), self.fields))
 
 
-def _rebuild_peer_error(cls: type, message: str, ranks: tuple[int, ...]) -> EPPeerError:
-    return cls(message, ranks=ranks)
+def _rebuild_peer_error(
+    cls: type, message: str, ranks: tuple[int, ...], announced: bool = False
+) -> EPPeerError:
+    return cls(message, ranks=ranks, announced=announced)
 
 
 def _rebuild_mismatch_error(message: str, fields: dict) -> EPMismatchError:

@@ -10,7 +10,7 @@ import numpy as np
 from ep_core import reference
 from ep_core.device_array import DeviceArray, describe, host_allocator, host_array, host_copy, to_numpy
 from ep_core.envelope import Channel
-from ep_core.errors import EPTypeError, EPValueError
+from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from ep_core.handle import ARRAY_FIELDS, EPHandle
 from ep_core.requests import BufferConfig, CombineRequest, CombineResult, DispatchRequest, DispatchResult
 
@@ -155,6 +155,8 @@ class ReferenceExecutor:
         return arr
 
     def dispatch(self, req: DispatchRequest) -> DispatchResult:
+        if req.handle is not None:
+            self._check_owner(req.handle)
         self.num_dispatches += 1
         cfg = self.config
         mine = {
@@ -228,6 +230,10 @@ class ReferenceExecutor:
                 rank=cfg.rank,
             )
             handle._ep_step = self.channel.seq - 1  # which collective step made it: handle identity for peers
+            st = (
+                self.channel.state
+            )  # and which buffer and generation (ep_core.rank_state): checked by combine
+            handle._ep_owner = (st.ident, st.generation)
             if req.cumulative_local_expert_recv_stats is not None:
                 stats = to_numpy(req.cumulative_local_expert_recv_stats.obj)
                 stats += h.num_unaligned_recv_tokens_per_expert.astype(stats.dtype)
@@ -308,7 +314,25 @@ class ReferenceExecutor:
                 "combine_buffer(handle) with the expert outputs written into it"
             )
 
+    def _check_owner(self, h: EPHandle) -> None:
+        """A handle of another buffer, or from before a reset(), indexes another layout: refused by name."""
+        owner = getattr(h, "_ep_owner", None)
+        if owner is None:  # a handle built by hand (tests, replays): the envelope compares its layout
+            return
+        st = self.channel.state
+        if owner[0] != st.ident:
+            raise EPValueError(
+                f"handle: comes from another buffer (rank {self.config.rank}); a handle works only with the buffer "
+                "whose dispatch made it"
+            )
+        if owner[1] != st.generation:
+            raise EPStateError(
+                f"handle: stale (rank {self.config.rank}): this buffer was reset() since the dispatch that made it; "
+                "dispatch again"
+            )
+
     def combine(self, req: CombineRequest) -> CombineResult:
+        self._check_owner(req.handle)
         self.num_combines += 1
         if req.zero_copy:  # the same sum: the rows are read where the caller wrote them
             self._check_zero_copy(req)

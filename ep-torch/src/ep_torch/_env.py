@@ -10,6 +10,7 @@
 | ``EPKIT_SCALEUP_RANKS`` | int | ``0`` | ranks per (emulated) node, S_u: a divisor of N below N runs hybrid mode with ranks ``r // S_u`` forming a node, on the reference backend and over ``ipc`` (emulated nodes on one host: processes sharing a GPU or one per GPU); across hosts it overrides NCCL's LSA team size; 0 = the transport's own NVLink domain. Shared with ep-core |
 | ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | the old name of ``EPKIT_SCALEUP_RANKS``, read on the CPU reference backend only |
 | ``EPKIT_TORCH_HOST_EXTENSION`` | str | ``auto`` | the host extension (``ep_torch.host_extension``: ``torch.empty`` and describe through torch's C++ API): ``auto`` builds it at first CUDA use and warns once and keeps the Python calls if it cannot, ``0`` off, ``1`` required (an error if it cannot be built) |
+| ``EPKIT_CPU_TIMEOUT_SECS`` | float | ``300`` | bound (seconds) of every host-side wait on peers of buffers that take no ``num_cpu_timeout_secs`` keyword: V1's ``Buffer`` (its host exchanges and its low-latency wait) and the host exchanges before a buffer's own timeout applies (the construction); a peer that does not arrive raises ``EPTimeoutError`` naming it |
 | ``EPKIT_ELASTIC_WAIT`` | str | ``kernel`` | how PP/AGRS/BucketBuffer streams wait for a peer's signal on the GPU: ``kernel`` (a bounded one-thread wait kernel) or ``stream`` (``cuStreamWaitValue64`` bounded by a host watchdog, nothing spinning on the GPU); read when a buffer's elastic backend is made |
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 __all__ = [
     "Knob",
     "avoid_record_stream",
+    "cpu_timeout_secs",
     "elastic_wait",
     "host_extension",
     "knobs",
@@ -82,6 +84,11 @@ knobs: dict[str, Knob] = {
             "host extension (torch.empty and describe in C++): auto (fall back with a warning), 0 off, 1 required",
         ),
         Knob(
+            "EPKIT_CPU_TIMEOUT_SECS",
+            "300",
+            "bound (s) of host waits on peers where no num_cpu_timeout_secs applies (V1 Buffer, construction)",
+        ),
+        Knob(
             "EPKIT_ELASTIC_WAIT",
             "kernel",
             "GPU waits of PP/AGRS/BucketBuffer: kernel (bounded wait kernel) or stream (stream wait + host watchdog)",
@@ -105,6 +112,14 @@ def _number(name: str, kind: type) -> float:
         return kind(value)
     except ValueError:
         raise ValueError(f"{name}={value!r}: expected a {kind.__name__}") from None
+
+
+def cpu_timeout_secs() -> float:
+    """``EPKIT_CPU_TIMEOUT_SECS``: a positive number of seconds."""
+    value = _number("EPKIT_CPU_TIMEOUT_SECS", float)
+    if not value > 0:
+        raise ValueError(f"EPKIT_CPU_TIMEOUT_SECS={value!r}: expected a positive number of seconds")
+    return value
 
 
 def avoid_record_stream() -> bool:

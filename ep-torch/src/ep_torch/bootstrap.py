@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPPeerError, EPTimeoutError
+from ep_core.rank_state import RankState
 
 __all__ = ["EPPeerError", "ProcessGroupBootstrap", "group_device"]
 
 _ABORT = b"\x00ep_torch.abort\x00"
+# per group: resyncs so far (every rank resyncs a group's buffers in the same order)
+_RESYNCS: dict[str, int] = {}
 
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -41,8 +47,18 @@ class ProcessGroupBootstrap:
         self.num_allgathers = 0
         self.timeout_secs: float | None = None
         self._store: object = None
-        if timeout_secs is not None:
-            self.set_timeout(timeout_secs)
+        # the steps of the buffer(s) over this bootstrap (ep_core.rank_state): every channel over it shares them
+        self.rank_state = RankState(self.rank, "buffer")
+        self._suspect = False  # a wait of this bootstrap failed: the group's collectives may be out of step
+        self._via_store: str | None = None  # after a resync that followed a failure: the store keys' prefix
+        self._store_step = 0
+        if (
+            timeout_secs is None
+        ):  # bounded from the start (the construction's exchanges): EPKIT_CPU_TIMEOUT_SECS
+            from . import _env
+
+            timeout_secs = _env.cpu_timeout_secs()
+        self.set_timeout(timeout_secs)
 
     def set_timeout(self, secs: float) -> None:
         """Bound every later wait by ``secs`` (gloo groups: the buffer's ``num_cpu_timeout_secs``): a peer that does
@@ -59,9 +75,15 @@ class ProcessGroupBootstrap:
         except Exception:  # a custom init without a default store: failures then name every peer
             self._store = None
 
-    def _key(self, rank: int) -> str:
+    def _group_name(self) -> str:
         group = self.group if self.group is not None else dist.group.WORLD
-        return f"ep_torch/step/{getattr(group, 'group_name', 'world')}/{dist.get_global_rank(group, rank)}"
+        return str(getattr(group, "group_name", "world"))
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group if self.group is not None else dist.group.WORLD, rank)
+
+    def _key(self, rank: int) -> str:
+        return f"ep_torch/step/{self._group_name()}/{self._global(rank)}"
 
     def _mark(self) -> None:
         if self._store is not None:
@@ -93,25 +115,117 @@ class ProcessGroupBootstrap:
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_secs))
         except RuntimeError as exc:
-            text = str(exc)
-            late = self._behind()
-            names = ", ".join(map(str, late))
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise EPTimeoutError(
-                    self.rank,
-                    f"cpu.{what}",
-                    f"rank {names}",
-                    f"step {self.num_allgathers}",
-                    f"rank {self.rank} timed out after {self.timeout_secs:g} s waiting for rank {names} in the host "
-                    f"{what} (step {self.num_allgathers}): that rank did not call the same operation; check that "
-                    "every rank calls the same operations, or raise num_cpu_timeout_secs. The group is out of "
-                    "step now: rebuild it",
-                ) from exc
-            raise EPPeerError(
-                f"rank {self.rank}: the host {what} (step {self.num_allgathers}) failed because rank {names} left "
-                f"the group (died or closed its connection: {text.splitlines()[0][:200]})",
-                ranks=tuple(late),
+            self._suspect = True
+            try:
+                self._raise_wait_error(exc, what)
+            except (EPTimeoutError, EPPeerError) as err:  # every operation over this bootstrap refuses now
+                self.rank_state.record(what, err)
+                raise
+
+    def _raise_wait_error(self, exc: RuntimeError, what: str) -> None:
+        text = str(exc)
+        late = self._behind()
+        names = ", ".join(map(str, late))
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise EPTimeoutError(
+                self.rank,
+                f"cpu.{what}",
+                f"rank {names}",
+                f"step {self.num_allgathers}",
+                f"rank {self.rank} timed out after {self.timeout_secs:g} s waiting for rank {names} in the host "
+                f"{what} (step {self.num_allgathers}): that rank did not call the same operation; check that "
+                "every rank calls the same operations, or raise num_cpu_timeout_secs. The buffer refuses "
+                "every operation now, until reset() is called on every rank",
             ) from exc
+        dead = self._dead()
+        names = ", ".join(map(str, dead))
+        raise EPPeerError(
+            f"rank {self.rank}: the host {what} (step {self.num_allgathers}) failed because rank {names} left "
+            f"the group (died or closed its connection: {text.splitlines()[0][:200]}); the buffer refuses every "
+            "operation now (a lost rank cannot come back: rebuild the group)",
+            ranks=tuple(dead),
+        ) from exc
+
+    def _dead(self) -> list[int]:
+        """The peers that died: every survivor of a failed wait posts its step count in the store, and the peers
+        that post none within a short grace are the dead ones (the survivors see the closed connections at once)."""
+        others = [r for r in range(self.size) if r != self.rank]
+        if self._store is None:
+            return self._behind()
+        mine = self.num_allgathers
+        try:
+            self._store.set(f"ep_torch/alive/{self._group_name()}/{self._global(self.rank)}", str(mine))
+        except Exception:
+            return self._behind()
+        grace = min(2.0, max(0.2, (self.timeout_secs or 4.0) / 2))
+        deadline = time.monotonic() + grace
+        missing = others
+        while missing and time.monotonic() < deadline:
+            still = []
+            for r in missing:
+                key = f"ep_torch/alive/{self._group_name()}/{self._global(r)}"
+                try:
+                    seen = int(self._store.get(key)) if self._store.check([key]) else -1
+                except Exception:
+                    return others
+                if seen < mine:
+                    still.append(r)
+            missing = still
+            if missing:
+                time.sleep(0.02)
+        return missing or others
+
+    def resync(self) -> None:
+        """Meet every peer outside the group's collectives (in the group's store, bounded by the timeout): the
+        first step of ``reset()``. When any rank's waits failed, the collectives of the group may be out of step
+        (a wait given up leaves its collective pending), so every later exchange of this bootstrap runs through
+        the store under a fresh prefix instead. Without a store or a timeout (nccl groups): nothing to do here."""
+        if self._store is None or self.timeout_secs is None:
+            return
+        name = self._group_name()
+        n = _RESYNCS.get(name, 0) + 1
+        _RESYNCS[name] = n
+        prefix = f"ep_torch/resync/{name}/{n}"
+        flags = self._store_gather(f"{prefix}/meet", b"1" if self._suspect else b"0", "reset")
+        if self._via_store is not None or any(f == b"1" for f in flags):
+            self._via_store, self._store_step = prefix, 0
+        self._suspect = False
+
+    def _store_gather(self, key: str, data: bytes, what: str) -> list[bytes]:
+        keys = [f"{key}/{self._global(r)}" for r in range(self.size)]
+        store: Any = self._store
+        store.set(keys[self.rank], data)
+        try:
+            store.wait(keys, timedelta(seconds=float(self.timeout_secs or 300)))
+        except Exception as exc:
+            self._suspect = True
+            self.rank_state.record(what, EPTimeoutError(self.rank, what, "store", key))
+            try:
+                late = [r for r, k in enumerate(keys) if not store.check([k])]
+            except Exception:
+                late = [r for r in range(self.size) if r != self.rank]
+            names = ", ".join(map(str, late))
+            raise EPTimeoutError(
+                self.rank,
+                f"cpu.{what}",
+                f"rank {names}",
+                key,
+                f"rank {self.rank} timed out after {self.timeout_secs:g} s waiting for rank {names} in the host "
+                f"{what}: that rank did not call the same operation; every rank must call it (raise "
+                "num_cpu_timeout_secs if it is only slow)",
+            ) from exc
+        return [bytes(store.get(k)) for k in keys]
+
+    def _allgather_via_store(self, data: bytes) -> list[bytes]:
+        self._store_step += 1
+        self.num_allgathers += 1
+        out = self._store_gather(f"{self._via_store}/x/{self._store_step}", data, "allgather")
+        if self._store_step > 1:  # every rank has posted this step, so all of them read the one before
+            with contextlib.suppress(Exception):
+                self._store.delete_key(
+                    f"{self._via_store}/x/{self._store_step - 1}/{self._global(self.rank)}"
+                )
+        return out
 
     def allgather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, indexed by rank. Raises :class:`EPPeerError` if a peer called :meth:`abort`."""
@@ -119,7 +233,7 @@ class ProcessGroupBootstrap:
         for r, b in enumerate(out):
             if b.startswith(_ABORT) and r != self.rank:
                 msg = b[len(_ABORT) :].decode(errors="replace")
-                raise EPPeerError(f"rank {r} abandoned the operation: {msg}")
+                raise EPPeerError(f"rank {r} abandoned the operation: {msg}", ranks=(r,), announced=True)
         return out
 
     def abort(self, message: str) -> None:
@@ -128,6 +242,11 @@ class ProcessGroupBootstrap:
         self._allgather(_ABORT + message.encode())
 
     def _allgather(self, data: bytes) -> list[bytes]:
+        self.rank_state.taken += (
+            1  # a step this rank took part in (ep_core.rank_state.Guard: no announcing after)
+        )
+        if self._via_store is not None:
+            return self._allgather_via_store(data)
         self.num_allgathers += 1
         self._mark()
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
@@ -147,6 +266,9 @@ class ProcessGroupBootstrap:
         """Host barrier over the group (bounded like :meth:`allgather` once a timeout is set)."""
         if self.timeout_secs is None:
             dist.barrier(group=self.group)
+            return
+        if self._via_store is not None:
+            self._allgather_via_store(b"")
             return
         self.num_allgathers += 1
         self._mark()

@@ -22,13 +22,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core import agrs, engram, pp
-from ep_core.errors import EPConfigError, EPMismatchError, EPTypeError, EPValueError
+from ep_core.errors import EPConfigError, EPMismatchError, EPStateError, EPTypeError, EPValueError
+from ep_core.rank_state import breaks_step
 
 __all__ = ["ElasticOps"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _guarded(op: str, host_step: bool = True) -> Callable[[Any], Any]:
+    """The method inside the buffer's ``ep_core.rank_state`` guard (its bootstrap's state, shared with dispatch and
+    combine): refused at once after a disagreement, timeout or lost peer until ``reset()``; on the CPU backend, where
+    the peers' call begins with a host exchange (``host_step``), a refusal of this rank's call is announced to them
+    (issue 41)."""
+
+    def deco(fn: Any) -> Any:
+        def call(self: ElasticOps, *args: Any, **kwargs: Any) -> Any:
+            state = getattr(self.bootstrap, "rank_state", None)
+            if state is None:
+                return fn(self, *args, **kwargs)
+            announce = self._announce_refusal if host_step and self.transport == "reference" else None
+            with state.guard(op, announce):
+                if getattr(self.bootstrap, "_via_store", None) is not None and self.transport == "reference":
+                    raise EPStateError(
+                        f"{op} (rank {self.rank_idx}): after the timeout this buffer was reset from, the process "
+                        "group's own collectives are out of step (a wait given up leaves its collective pending); "
+                        "dispatch and combine work again, PP and AGRS on the CPU backend need a new process group "
+                        "and buffer"
+                    )
+                return fn(self, *args, **kwargs)
+
+        call.__name__, call.__doc__, call.__qualname__ = fn.__name__, fn.__doc__, fn.__qualname__
+        return call
+
+    return deco
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
@@ -183,6 +212,10 @@ class ElasticOps:
             raise EPValueError(f"{name}: expected a contiguous tensor (rank {self.rank_idx})")
         return t
 
+    def _announce_refusal(self, op: str, exc: BaseException) -> None:
+        """Tell the peers waiting in this operation's host exchange that this rank refused its call."""
+        self.bootstrap.abort(f"{op}: {type(exc).__name__}: {exc}")
+
     def _collective(
         self, op: str, validate: Callable[[], Any], fields: Callable[[Any], dict[str, Any]]
     ) -> Any:
@@ -244,15 +277,24 @@ class ElasticOps:
             raise EPValueError(f"num_sms: expected an int >= 0, got {num_sms!r} (rank {self.rank_idx})")
         return cfg, t, p
 
+    @_guarded("pp_send", host_step=False)
     def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
         """(Experimental) Send ``t`` to ``dst_rank_idx`` (this rank's prev or next ring neighbour).
 
         Returns once the tensor is on its way (``t`` may be reused); waits only while
         ``num_max_inflight_tensors`` earlier tensors to that rank are still unreceived. ``num_sms`` is accepted
         for compatibility: the copy engine moves the bytes."""
-        cfg, t, dst = self._pp_args("pp_send", t, "dst_rank_idx", dst_rank_idx, num_sms)
+        try:
+            cfg, t, dst = self._pp_args("pp_send", t, "dst_rank_idx", dst_rank_idx, num_sms)
+        except Exception as exc:  # the receiver waits for this tensor: it raises naming this rank instead
+            abort = getattr(getattr(self.__dict__.get("_elastic_state"), "backend", None), "pp_abort", None)
+            if abort is not None and isinstance(dst_rank_idx, int) and 0 <= dst_rank_idx < self.num_ranks:
+                with contextlib.suppress(Exception):
+                    abort(dst_rank_idx, f"pp_send: {type(exc).__name__}: {exc}")
+            raise
         self._elastic().backend.pp_send(cfg, t, dst)
 
+    @_guarded("pp_recv", host_step=False)
     def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
         """(Experimental) Receive the next tensor from ``src_rank_idx`` (prev or next) into ``t``, which must have
         the sent tensor's size (ours: a different size raises instead of copying garbage)."""
@@ -372,8 +414,19 @@ class ElasticOps:
         self.create_agrs_session()
         try:
             yield
-        finally:
-            self.destroy_agrs_session()
+        except BaseException as exc:  # the body's error is the cause: a failing session end is its context
+            if breaks_step(
+                exc
+            ):  # the ranks are out of step: end it here only (no wait for peers that will not come)
+                with contextlib.suppress(Exception):
+                    self._elastic().session.destroy()
+                raise
+            try:
+                self.destroy_agrs_session()
+            except Exception as end:
+                exc.__context__ = end
+            raise
+        self.destroy_agrs_session()
 
     def agrs_get_inplace_tensor(
         self, shapes: Any, dtype: torch.dtype
@@ -392,6 +445,7 @@ class ElasticOps:
         )
         return out if batched else out[0]
 
+    @_guarded("all_gather")
     def all_gather(self, t: torch.Tensor | Sequence[torch.Tensor]) -> Any:
         """(Experimental) All-gather inside the current session: every rank's tensor(s), stacked on a new leading
         dimension of ``num_ranks``. Returns ``(gathered, handle)`` for one tensor, ``(*gathered, handle)`` for a
@@ -420,6 +474,7 @@ class ElasticOps:
 
         return (outs[0], handle) if single else (*outs, handle)
 
+    @_guarded("reduce_scatter")
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """(Experimental, ours: DeepEP V2's ElasticBuffer has no reduce-scatter) Inside the current session: ``t``
         ``[N * m, ...]`` (float32, bfloat16 or float16) is cut into N chunks along dim 0; returns ``[m, ...]``, the sum

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core import engram
-from ep_core.errors import EPTimeoutError, EPValueError
+from ep_core.errors import EPPeerError, EPTimeoutError, EPValueError
 
 __all__ = ["ReferenceBackend"]
 
@@ -64,8 +64,15 @@ class ReferenceBackend:
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            if "imeout" not in str(exc) and "imed out" not in str(exc):
-                raise
+            if "imeout" not in str(exc) and "imed out" not in str(exc):  # a peer left: name it (issue 41)
+                dead = getattr(self.buf.bootstrap, "_dead", None)
+                ranks = dead() if dead is not None else []
+                names = ", ".join(map(str, ranks)) or "a peer"
+                raise EPPeerError(
+                    f"rank {self.rank}: {what} failed waiting for {counter} because rank {names} left the group "
+                    f"(died or closed its connection: {str(exc).splitlines()[0][:200]}); rebuild the group",
+                    ranks=tuple(ranks),
+                ) from exc
             ok = False
         if ok is False:
             raise EPTimeoutError(
@@ -77,6 +84,13 @@ class ReferenceBackend:
                 "not take part (check that it makes the matching call), or raise num_cpu_timeout_secs. gloo "
                 "closes the connection whose wait timed out: rebuild the process group",
             )
+
+    def _lost(self, exc: BaseException, peer: int, what: str) -> EPPeerError:
+        return EPPeerError(
+            f"rank {self.rank}: {what} failed because rank {peer} left the group (died or closed its connection: "
+            f"{str(exc).splitlines()[0][:200]}); rebuild the group",
+            ranks=(peer,),
+        )
 
     def region(self) -> torch.Tensor:
         return self._region
@@ -123,10 +137,13 @@ class ReferenceBackend:
             fifo.released += 1
         header = torch.tensor([payload.numel(), fifo.sent], dtype=torch.int64)
         g = self._global(dst)
-        works = [
-            dist.isend(header, g, group=self.group, tag=_TAG_HEADER),
-            dist.isend(payload, g, group=self.group, tag=_TAG_DATA),
-        ]
+        try:
+            works = [
+                dist.isend(header, g, group=self.group, tag=_TAG_HEADER),
+                dist.isend(payload, g, group=self.group, tag=_TAG_DATA),
+            ]
+        except RuntimeError as exc:  # the connection to that rank is gone
+            raise self._lost(exc, dst, f"pp_send to rank {dst}") from exc
         fifo.pending.append((works, (header, payload)))
         fifo.sent += 1
 
@@ -147,8 +164,21 @@ class ReferenceBackend:
         g = self._global(src)
         header = torch.zeros(2, dtype=torch.int64)
         what = f"tensor {fifo.received} from rank {src}"
-        self._wait(dist.irecv(header, g, group=self.group, tag=_TAG_HEADER), "pp_recv", what, fifo.received)
+        try:
+            work = dist.irecv(header, g, group=self.group, tag=_TAG_HEADER)
+        except RuntimeError as exc:  # the connection to that rank is gone
+            raise self._lost(exc, src, f"pp_recv from rank {src}") from exc
+        self._wait(work, "pp_recv", what, fifo.received)
         nbytes, seq = int(header[0]), int(header[1])
+        if nbytes < 0:  # the sender refused its pp_send (`pp_abort`): its message follows
+            note = torch.zeros(-nbytes, dtype=torch.uint8)
+            self._wait(dist.irecv(note, g, group=self.group, tag=_TAG_DATA), "pp_recv", what, fifo.received)
+            raise EPPeerError(
+                f"pp_recv on rank {self.rank}: rank {src} refused the pp_send this pp_recv waits for (it raised "
+                f"{bytes(note.numpy()).decode(errors='replace')}); the FIFO stays in step",
+                ranks=(src,),
+                announced=True,
+            )
         into = out if nbytes == out.numel() else torch.empty(nbytes, dtype=torch.uint8)
         self._wait(dist.irecv(into, g, group=self.group, tag=_TAG_DATA), "pp_recv", what, fifo.received)
         ack = torch.tensor([seq], dtype=torch.int64)
@@ -156,6 +186,19 @@ class ReferenceBackend:
         self._release_works.append((dist.isend(ack, g, group=self.group, tag=_TAG_RELEASE), ack))
         fifo.received += 1
         self._check_size(out, nbytes, src, seq)
+
+    def pp_abort(self, dst: int, message: str) -> None:
+        """Tell ``dst``'s pending ``pp_recv`` from this rank that this rank refused its ``pp_send`` (a header with a
+        negative size, then the message); nothing is sent to this rank itself."""
+        if dst == self.rank:
+            return
+        note = torch.frombuffer(bytearray(message.encode()[:2000] or b"?"), dtype=torch.uint8).clone()
+        g = self._global(dst)
+        header = torch.tensor([-note.numel(), -1], dtype=torch.int64)
+        self._reap_releases()
+        for t in (header, note):  # not waited for: kept until the receiver took them
+            tag = _TAG_HEADER if t is header else _TAG_DATA
+            self._release_works.append((dist.isend(t, g, group=self.group, tag=tag), t))
 
     def _check_size(self, out: torch.Tensor, nbytes: int, src: int, seq: int) -> None:
         if nbytes != out.numel():

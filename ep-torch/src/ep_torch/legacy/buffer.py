@@ -35,20 +35,32 @@ instead (the same results); ``ll_combine_num_sms`` (0 = ep's choice) sets the SM
 wide rows leave few warps per block); ``ll_zero_copy`` (None = on CUDA within one NVLink domain) runs the dispatch
 underneath with ``zero_copy=True``: the packing reads the received rows where they arrived instead of a copy of them
 (the same results; rows in the deterministic order whatever ``ll_deterministic``).
+``num_cpu_timeout_secs`` (default ``EPKIT_CPU_TIMEOUT_SECS``) bounds every host wait on peers.
+
+Collective safety (``ep_core.rank_state``): every operation checks its arguments first; a rank that refuses its call
+tells its peers in their pending step (they raise ``EPPeerError`` naming it), a normal dispatch's one host exchange
+carries an envelope (ranks that disagree all raise ``EPMismatchError``), and after a disagreement, a timeout or a
+lost peer every operation is refused until ``reset()`` (ours, a collective) on every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from ep_core.errors import EPStateError, EPTypeError, EPValueError
+from ep_core.envelope import Channel
+from ep_core.errors import EPPeerError, EPStateError, EPTypeError, EPValueError
+from ep_core.rank_state import Guard, RankState
 from ep_core.topology import MAX_TOPK as _MAX_TOPK
 
 from .. import _env
+from ..bootstrap import ProcessGroupBootstrap
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap
+from ..transport_choice import choose_transport, make_core_transport
 from .fp8 import per_token_cast_to_fp8
 from .internode import (
     internode_handle_tensors,
@@ -154,6 +166,81 @@ class V1InternodeHandle(V1Handle):
     is_token_in_nvl_rank_bits). See ``legacy.internode``."""
 
 
+def _guarded(op: str, target: Any = None) -> Any:
+    """Run the method inside ``Buffer._guard(op, *target(self, args, kwargs))`` (default: its first step is this
+    buffer's host exchange), refusing it at once on a destroyed buffer (announced like any refusal)."""
+
+    def deco(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def call(self: Buffer, *args: Any, **kwargs: Any) -> Any:
+            inner, host = target(self, args, kwargs) if target is not None else (None, True)
+            with self._guard(op, inner, host):
+                if self._destroyed:
+                    raise EPStateError(
+                        f"{op} (rank {self.rank}): Buffer used after destroy(); create a new buffer"
+                    )
+                return fn(self, *args, **kwargs)
+
+        return call
+
+    return deco
+
+
+def _dispatch_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    cached = (args[1] if len(args) > 1 else kwargs.get("handle")) is not None
+    return (self._inner, False) if cached else (None, True)
+
+
+def _normal_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    return self._inner, False
+
+
+def _ll_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    return self._ll_inner, False
+
+
+class _InnerBuffer(ElasticBuffer):
+    """An inner buffer of V1's ``Buffer``: on that buffer's bootstrap, so that its steps and the V1 buffer's own
+    exchange are one sequence (one ``ep_core.rank_state.RankState``)."""
+
+    def __init__(self, bootstrap: ProcessGroupBootstrap, group: Any, **kwargs: Any) -> None:
+        self._shared_bootstrap = bootstrap
+        super().__init__(group, **kwargs)
+
+    def _connect(self, group: Any, transport: str | None, explicitly_destroy: bool) -> Any:
+        self.group = dist.group.WORLD if group is None else group
+        self.bootstrap = self._shared_bootstrap
+        self.transport_choice = choose_transport(
+            transport, self.bootstrap, self.group, explicitly_destroy=explicitly_destroy
+        )
+        return make_core_transport(self.transport_choice)
+
+
+class _InnerAnnounce:
+    """Announce a refusal in an inner buffer's pending step (``EPBuffer.announce_error`` with the step read now)."""
+
+    __slots__ = ("core", "step")
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.step = core._step()
+
+    def __call__(self, op: str, exc: BaseException) -> None:
+        self.core.announce_error(op, exc, self.step)
+
+
+def _drop(inner: ElasticBuffer | None) -> None:
+    """Release ``inner``'s resources on this rank alone (its peers may be anywhere: after a failure)."""
+    rt = getattr(inner, "runtime", None)
+    if rt is None or rt.destroyed:
+        return
+    try:
+        rt._destroyed = True
+        rt._release(collective=False)
+    finally:
+        inner.runtime = None
+
+
 class Buffer:
     """DeepEP V1's ``Buffer``: normal mode and low-latency mode on ep's runtime (see the module docstring)."""
 
@@ -181,7 +268,23 @@ class Buffer:
         ll_deterministic: bool = True,
         ll_combine_num_sms: int = 0,
         ll_zero_copy: bool | None = None,
+        num_cpu_timeout_secs: float | None = None,
     ) -> None:
+        if num_cpu_timeout_secs is None:
+            num_cpu_timeout_secs = _env.cpu_timeout_secs()
+        if (
+            isinstance(num_cpu_timeout_secs, bool)
+            or not isinstance(num_cpu_timeout_secs, (int, float))
+            or not (num_cpu_timeout_secs > 0)
+        ):
+            raise EPValueError(
+                f"num_cpu_timeout_secs: expected a positive number of seconds, got {num_cpu_timeout_secs!r}"
+            )
+        self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
+        self._channel: Channel | None = (
+            None  # the host steps of a process group (`_bind_group`); None: loopback
+        )
+        self._builds = 0  # inner buffers built so far (handles record which one made them)
         if group is None and comm is not None:
             raise NotImplementedError(
                 "Buffer: comm= (an mpi4py communicator); pass a torch.distributed group"
@@ -206,6 +309,7 @@ class Buffer:
         self._ll_inner: ElasticBuffer | None = None
         self._ll_key: tuple[int, int, int, bool] | None = None
         self._ll_idx = 0
+        self._ll_build = 0
         self._user_sized = num_max_tokens_per_rank > 0 and hidden > 0
         if self._user_sized:
             self._ensure(int(num_max_tokens_per_rank), int(hidden))
@@ -216,13 +320,99 @@ class Buffer:
         self.group = dist.group.WORLD if group is None else group
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
+        # one bootstrap and one step sequence for this buffer's own exchange and its inner buffers' (ep_core.rank_state)
+        boot = ProcessGroupBootstrap(self.group, timeout_secs=self.num_cpu_timeout_secs)
+        boot.rank_state = RankState(self.rank, "Buffer")
+        self._channel = Channel(boot)
         # S_u before the inner buffer exists: get_dispatch_layout's num_tokens_per_rdma_rank needs the node size
         self._nvl_ranks = predicted_nvl_ranks(self.group, transport)
 
     def _new_inner(self, **kwargs: Any) -> ElasticBuffer:
-        """A new inner ``ElasticBuffer`` over this buffer's group (a collective; ``ep_torch.loopback`` builds the
-        ranks of a loopback group together instead)."""
-        return ElasticBuffer(self.group, transport=self._transport, **kwargs)
+        """A new inner ``ElasticBuffer`` over this buffer's group and bootstrap (a collective; ``ep_torch.loopback``
+        builds the ranks of a loopback group together instead)."""
+        assert self._channel is not None
+        return _InnerBuffer(
+            self._channel.bootstrap,
+            self.group,
+            transport=self._transport,
+            num_cpu_timeout_secs=self.num_cpu_timeout_secs,
+            **kwargs,
+        )
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # collective safety
+
+    @property
+    def _state(self) -> RankState | None:
+        return None if self._channel is None else self._channel.state
+
+    def _guard(self, op: str, inner: ElasticBuffer | None = None, host: bool = False) -> Any:
+        """The block of one operation (``ep_core.rank_state.Guard``): refused while the ranks are out of step; an
+        error leaving it before this rank took part in a step is announced where the peers wait: in ``inner``'s step
+        (its host exchange, or on the GPU its device sequence number) when given and alive, else in this buffer's
+        host step (``host``: the operation's first step is this buffer's own exchange, or no inner buffer exists
+        yet whose kernels the peers could be in)."""
+        state = self._state
+        if state is None:  # loopback ranks (threads): their inner buffers announce for themselves
+            return contextlib.nullcontext()
+        core = None if inner is None else inner.runtime
+        if core is not None and not core._destroyed:
+            return Guard(state, op, _InnerAnnounce(core))
+        if host or self._host_steps():
+            return Guard(state, op, self._channel.announce)
+        return Guard(state, op, None)
+
+    def _host_steps(self) -> bool:
+        """Whether the peers' pending step is on the host whatever the operation: no inner buffer was built yet (the
+        next one's construction is a host exchange), or the inner buffers run on the CPU reference backend."""
+        for inner in (self._inner, self._ll_inner):
+            core = getattr(inner, "runtime", None)
+            if core is not None and not core.destroyed:
+                return getattr(core.executor, "channel", None) is not None
+        return self._builds == 0 or self._channel is None or self._channel.bootstrap.device.type == "cpu"
+
+    def _stamp(self, handle: Any, build: int) -> Any:
+        """Record on ``handle`` which buffer, generation and inner build made it (``_check_handle``)."""
+        state = self._state
+        handle._ep_owner = (None if state is None else state.ident, self._generation(), build)
+        return handle
+
+    def _generation(self) -> int:
+        state = self._state
+        return 0 if state is None else state.generation
+
+    def _check_handle(self, op: str, handle: Any, build: int) -> None:
+        """A handle of another buffer, of an inner buffer since rebuilt, or from before a ``reset()`` is refused by
+        name (its tensors index rows of another layout)."""
+        owner = getattr(handle, "_ep_owner", None)
+        state = self._state
+        me = None if state is None else state.ident
+        if owner is None or owner[0] != me:
+            raise EPValueError(
+                f"{op} (rank {self.rank}): handle comes from another Buffer (each handle works only with the buffer "
+                "whose dispatch made it)"
+            )
+        if owner[1] != self._generation() or owner[2] != build:
+            raise EPStateError(
+                f"{op} (rank {self.rank}): handle is stale: this buffer was "
+                + ("reset" if owner[1] != self._generation() else "rebuilt (new sizes) or destroyed")
+                + " since the dispatch that made it; dispatch again"
+            )
+
+    def reset(self) -> None:
+        """(ours; DeepEP's V1 has none) Recover after a failure: a collective, every rank calls it. After a
+        disagreement (``EPMismatchError``), a timeout or a lost peer every operation is refused; ``reset()``
+        resynchronises the ranks (whatever step each was at) and, when any rank had failed, drops the inner buffers
+        on every rank (rebuilt at the next call); handles from before are refused."""
+        if self._channel is None:
+            for inner in (self._inner, self._ll_inner):
+                if inner is not None and inner.runtime is not None:
+                    inner.reset()
+            return
+        if self._channel.reset():
+            for inner in (self._inner, self._ll_inner):
+                _drop(inner)
+            self._inner, self._ll_inner, self._ll_key, self._sized = None, None, None, (0, 0)
 
     # ----------------------------------------------------------------------------------------------------------------
     # lifecycle and static helpers
@@ -233,8 +423,10 @@ class Buffer:
             raise EPStateError("Buffer: used after destroy(); create a new buffer")
         if self._inner is None or tokens > self._sized[0] or hidden != self._sized[1]:
             if self._inner is not None:
-                self._inner.destroy()
+                old, self._inner = self._inner, None
+                old.destroy()
             tokens = max(tokens, self._sized[0], 1)
+            self._builds += 1
             self._inner = self._new_inner(
                 num_max_tokens_per_rank=tokens,
                 hidden=hidden,
@@ -250,28 +442,71 @@ class Buffer:
             return tuple(int(v) for v in self._inner.get_physical_domain_size())  # type: ignore[return-value]
         return self.group_size // self._nvl_ranks, self._nvl_ranks
 
-    def _size_collectively(self, tokens: int, hidden: int) -> ElasticBuffer:
-        """Sized up front: no collective, and a larger call is an error (a rebuild on one rank alone would hang).
-        Otherwise the ranks agree on the largest (tokens, hidden) first, so all of them rebuild together or none."""
+    def _check_size(self, tokens: int, hidden: int) -> None:
+        """Sized up front: a larger call is an error (a rebuild on one rank alone would hang)."""
+        if (
+            self._user_sized
+            and self._inner is not None
+            and (tokens > self._sized[0] or hidden != self._sized[1])
+        ):
+            raise EPValueError(
+                f"dispatch (rank {self.rank}): x is [{tokens}, {hidden}], the buffer was built for "
+                f"num_max_tokens_per_rank={self._sized[0]}, hidden={self._sized[1]}"
+            )
+
+    def _exchange_layout(
+        self,
+        config: dict,
+        tokens: int,
+        hidden: int,
+        sent: torch.Tensor,
+        num_worst_tokens: int,
+        num_tokens_per_expert: torch.Tensor | None = None,
+    ) -> tuple[ElasticBuffer, list]:
+        """A normal dispatch's one host step (an enveloped exchange: ranks that disagree on ``config`` all raise):
+        every rank's (tokens, tokens sent per rank, num_worst_tokens, its ``num_tokens_per_expert`` or None). The
+        inner buffer is (re)built for the largest token count when not sized up front (every rank alike), and a rank
+        whose rows would exceed its ``num_worst_tokens`` makes every rank raise, naming it, before any row moves."""
+        assert self._channel is not None
+        per_expert = (
+            None if num_tokens_per_expert is None else [int(v) for v in num_tokens_per_expert.tolist()]
+        )
+        mine = (tokens, [int(v) for v in sent.tolist()], int(num_worst_tokens), per_expert)
+        every = self._channel.exchange("dispatch.layout", config, mine)
+        recv = [sum(e[1][j] for e in every) for j in range(self.group_size)]
+        over = [r for r, e in enumerate(every) if 0 < e[2] < recv[r]]
+        if over:
+            text = ", ".join(
+                f"rank {r} would receive {recv[r]} tokens > num_worst_tokens={every[r][2]}" for r in over
+            )
+            if self.rank in over:
+                raise EPValueError(f"dispatch (rank {self.rank}): {text}")
+            raise EPPeerError(
+                f"dispatch (rank {self.rank}): {text}; every rank leaves this dispatch",
+                ranks=tuple(over),
+                announced=True,
+            )
         if self._user_sized and self._inner is not None:
-            if tokens > self._sized[0] or hidden != self._sized[1]:
-                raise EPValueError(
-                    f"dispatch (rank {self.rank}): x is [{tokens}, {hidden}], the buffer was built for "
-                    f"num_max_tokens_per_rank={self._sized[0]}, hidden={self._sized[1]}"
-                )
-            return self._inner
-        dev = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
-        t = torch.tensor([tokens, hidden], dtype=torch.int64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return self._ensure(int(t[0]), int(t[1]))
+            return self._inner, every
+        return self._ensure(max(e[0] for e in every), hidden), every
 
     def destroy(self) -> None:
-        """Release the inner buffer (collective). V1's rule: only with ``explicitly_destroy=True``."""
+        """Release the inner buffer (collective). V1's rule: only with ``explicitly_destroy=True``. Out of step (a
+        failure recorded), this rank releases its own without meeting the peers."""
         if not self.explicitly_destroy:
             raise EPStateError("destroy: `explicitly_destroy` flag must be set (V1's rule)")
-        for inner in (self._inner, self._ll_inner):
-            if inner is not None:
-                inner.destroy()
+        if self._destroyed:
+            raise EPStateError("destroy: the buffer was destroyed already")
+        state = self._state
+        if state is not None and state.failure is not None:
+            for inner in (self._inner, self._ll_inner):
+                _drop(inner)
+        else:
+            for name in ("_inner", "_ll_inner"):
+                inner = getattr(self, name)
+                if inner is not None:
+                    inner.destroy()  # a disagreement raises here and leaves the buffer as it was
+                    setattr(self, name, None)
         self._inner, self._ll_inner, self._destroyed = None, None, True
 
     def is_available(self) -> bool:
@@ -316,6 +551,7 @@ class Buffer:
     # ----------------------------------------------------------------------------------------------------------------
     # normal mode
 
+    @_guarded("get_dispatch_layout")
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
@@ -345,6 +581,7 @@ class Buffer:
         per_rdma = tokens_per_rdma_rank(is_token_in_rank, nvl) if nodes > 1 else None
         return per_rank, per_rdma, per_expert, is_token_in_rank, self._done(async_finish, topk_idx.is_cuda)
 
+    @_guarded("dispatch", _dispatch_target)
     def dispatch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
@@ -377,6 +614,7 @@ class Buffer:
                     "dispatch: a cached dispatch (handle=) takes neither topk_idx nor topk_weights"
                 )
             inner = self._ensure(*self._sized) if self._inner is not None else None
+            self._check_handle("dispatch", handle, self._builds)
             if inner is None:
                 raise EPStateError("dispatch: handle given but the buffer was rebuilt or destroyed")
             recv_x, _, _, _, _ = inner.dispatch(x, handle=handle.ep_handle, num_sms=num_sms)
@@ -403,14 +641,46 @@ class Buffer:
             raise EPValueError(
                 f"dispatch (rank {self.rank}): expert_alignment must be >= 1, got {expert_alignment}"
             )
-        inner = self._size_collectively(int(data.shape[0]), int(data.shape[1]))
+        n = self.group_size
+        tokens = int((topk_idx if topk_idx is not None else data).shape[0])
+        if (
+            not isinstance(is_token_in_rank, torch.Tensor)
+            or tuple(is_token_in_rank.shape) != (tokens, n)
+            or is_token_in_rank.dtype != torch.bool
+        ):
+            raise EPValueError(
+                f"dispatch (rank {self.rank}): is_token_in_rank must be a [{tokens}, {n}] bool tensor "
+                "(get_dispatch_layout gives it)"
+            )
+        if data.dim() != 2 or int(data.shape[0]) != tokens:
+            raise EPValueError(
+                f"dispatch (rank {self.rank}): x must be [num_tokens={tokens}, hidden], got {tuple(data.shape)}"
+            )
         with_topk = topk_idx is not None
+        self._check_size(tokens, int(data.shape[1]))
+        inner, every = self._exchange_layout(
+            {
+                "num_experts": num_experts,
+                "hidden": int(data.shape[1]),
+                "x": str(data.dtype),
+                "scales": isinstance(x, tuple),
+                "topk_idx": with_topk,
+                "num_topk": int(topk_idx.shape[1]) if with_topk else 0,
+                "topk_weights": topk_weights is not None,
+            },
+            tokens,
+            int(data.shape[1]),
+            is_token_in_rank.sum(0, dtype=torch.int32).cpu(),
+            num_worst_tokens,
+            # V1's layout-only dispatch counts the experts' tokens from every rank's num_tokens_per_expert
+            None if with_topk else num_tokens_per_expert,
+        )
         if with_topk:
             lanes = topk_idx
             if topk_weights is None:
                 topk_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
         else:  # V1's layout-only dispatch: each token once to each rank of is_token_in_rank
-            lanes = _rank_lanes(is_token_in_rank, num_experts // self.group_size, self.rank)
+            lanes = _rank_lanes(is_token_in_rank, num_experts // n, self.rank)
             topk_weights = torch.zeros(lanes.shape, dtype=torch.float32, device=lanes.device)
         recv_x, recv_idx, recv_w, ep_handle, _ = inner.dispatch(
             x,
@@ -432,7 +702,7 @@ class Buffer:
         if with_topk:
             counts = list(ep_handle.num_recv_tokens_per_expert_list)
         else:  # V1 counts the experts' tokens from num_tokens_per_expert (ep's lanes above are per rank)
-            counts = self._expert_counts(num_tokens_per_expert, expert_alignment)
+            counts = self._expert_counts(every, self.rank, expert_alignment)
         rows = num_recv
         if num_worst_tokens > 0:
             if num_recv > num_worst_tokens:
@@ -443,10 +713,10 @@ class Buffer:
             recv_x = self._rows(recv_x, rows)
             recv_idx = _pad(recv_idx, rows, -1)
             recv_w = _pad(recv_w, rows, 0)
-        items = self._handle_tensors(ep_handle, is_token_in_rank, lanes)
+        items = self._handle_tensors(ep_handle, is_token_in_rank, lanes, every)
         rank_prefix_matrix = items[0]
         if perm is None:
-            v1: V1Handle = V1Handle(items, ep_handle, rows)
+            v1: V1Handle = self._stamp(V1Handle(items, ep_handle, rows), self._builds)
         else:
             _, _, _, _, itr, _ = items
             meta = torch.as_tensor(ep_handle.recv_src_metadata)[:num_recv, 0].to(torch.int64).to(perm.device)
@@ -454,7 +724,7 @@ class Buffer:
                 self.group, self.rank, nvl, int(ep_handle.num_max_tokens_per_rank), itr, rank_prefix_matrix,
                 meta[perm],
             )  # fmt: skip
-            v1 = V1InternodeHandle(tensors, ep_handle, rows, perm)
+            v1 = self._stamp(V1InternodeHandle(tensors, ep_handle, rows, perm), self._builds)
         # what combine's weight reduction needs: rows per source rank (V1 rows are source rank, then token) and
         # the tokens this rank sent to each rank
         v1.rank_prefix_matrix, v1.is_token_in_rank = rank_prefix_matrix, items[4]
@@ -462,19 +732,17 @@ class Buffer:
             return recv_x, None, None, counts, v1, self._done(async_finish, data.is_cuda)
         return recv_x, recv_idx, recv_w, counts, v1, self._done(async_finish, data.is_cuda)
 
-    def _expert_counts(self, num_tokens_per_expert: torch.Tensor, expert_alignment: int) -> list[int]:
-        """V1's ``num_recv_tokens_per_expert_list``: every rank's ``num_tokens_per_expert`` summed (a collective),
-        this rank's experts, each aligned up to ``expert_alignment``."""
-        total = num_tokens_per_expert.to(torch.int64)
-        if dist.get_backend(self.group) != "nccl":
-            total = total.cpu()
-        total = total.clone()
-        dist.all_reduce(total, group=self.group)
-        epr = total.numel() // self.group_size
-        mine = total[self.rank * epr : (self.rank + 1) * epr].tolist()
-        return [_align(int(c), expert_alignment) for c in mine]
+    @staticmethod
+    def _expert_counts(every: list, rank: int, expert_alignment: int) -> list[int]:
+        """V1's ``num_recv_tokens_per_expert_list`` of a layout-only dispatch: every rank's ``num_tokens_per_expert``
+        (carried by the dispatch's host step) summed, this rank's experts, each aligned up to ``expert_alignment``."""
+        total = [sum(col) for col in zip(*(e[3] for e in every))]
+        epr = len(total) // len(every)
+        return [_align(int(c), expert_alignment) for c in total[rank * epr : (rank + 1) * epr]]
 
-    def _handle_tensors(self, ep_handle: Any, is_token_in_rank: Any, topk_idx: torch.Tensor) -> tuple:
+    def _handle_tensors(
+        self, ep_handle: Any, is_token_in_rank: Any, topk_idx: torch.Tensor, every: list | None = None
+    ) -> tuple:
         n = self.group_size
         dev = topk_idx.device
         meta = ep_handle.recv_src_metadata
@@ -487,12 +755,16 @@ class Buffer:
             dest = torch.where(topk_idx >= 0, topk_idx // epr, torch.full_like(topk_idx, n))
             full = torch.zeros(topk_idx.shape[0], n + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)
             is_token_in_rank = full[:, :n].contiguous()
-        sent = is_token_in_rank.sum(0, dtype=torch.int32)
-        if dist.get_backend(self.group) != "nccl":
-            sent = sent.cpu()  # a gloo group (shared-GPU processes) gathers host tensors
-        gathered = [torch.empty_like(sent) for _ in range(n)]
-        dist.all_gather(gathered, sent, group=self.group)
-        rank_prefix_matrix = torch.stack(gathered).cumsum(0, dtype=torch.int32).to(dev)
+        if every is not None:  # the dispatch's host step carried every rank's counts
+            gathered = torch.tensor([e[1] for e in every], dtype=torch.int32)
+        else:
+            sent = is_token_in_rank.sum(0, dtype=torch.int32)
+            if dist.get_backend(self.group) != "nccl":
+                sent = sent.cpu()  # a gloo group (shared-GPU processes) gathers host tensors
+            parts = [torch.empty_like(sent) for _ in range(n)]
+            dist.all_gather(parts, sent, group=self.group)
+            gathered = torch.stack(parts)
+        rank_prefix_matrix = gathered.cumsum(0, dtype=torch.int32).to(dev)
         return (rank_prefix_matrix, None, None, recv_src_idx, is_token_in_rank, None)
 
     @staticmethod
@@ -501,6 +773,7 @@ class Buffer:
             return tuple(_pad(t, rows, 0) for t in recv_x)
         return _pad(recv_x, rows, 0)
 
+    @_guarded("combine", _normal_target)
     def combine(
         self,
         x: torch.Tensor,
@@ -519,6 +792,7 @@ class Buffer:
         the [rows, K] weights over the group carries them."""
         if not isinstance(handle, V1Handle):
             raise EPTypeError(f"combine: handle must come from Buffer.dispatch, got {type(handle).__name__}")
+        self._check_handle("combine", handle, self._builds)
         if x.shape[0] != handle.num_rows:
             raise EPValueError(
                 f"combine (rank {self.rank}): x has {x.shape[0]} rows, the handle's dispatch received {handle.num_rows}"
@@ -592,7 +866,10 @@ class Buffer:
                     "CUDA-graph capture"
                 )
             if self._ll_inner is not None:
-                self._ll_inner.destroy()
+                old, self._ll_inner = self._ll_inner, None
+                old.destroy()
+            self._builds += 1
+            self._ll_build = self._builds
             self._ll_inner = self._new_inner(
                 num_max_tokens_per_rank=m,
                 hidden=num_topk * hidden,
@@ -638,6 +915,7 @@ class Buffer:
         hook = done.current_stream_wait if return_recv_hook else None
         return out, (EventOverlap(done) if async_finish else EventOverlap(None)), hook
 
+    @_guarded("low_latency_dispatch", _ll_target)
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -703,8 +981,9 @@ class Buffer:
         (recv, count, handle), event, hook = self._on_comm(
             x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, cumulative_local_expert_recv_stats), run
         )
-        return recv, count, handle, event, hook
+        return recv, count, self._stamp(handle, self._ll_build), event, hook
 
+    @_guarded("low_latency_combine", _ll_target)
     def low_latency_combine(
         self,
         x: torch.Tensor,
@@ -731,6 +1010,7 @@ class Buffer:
             raise EPTypeError(
                 f"low_latency_combine: handle must come from low_latency_dispatch, got {type(handle).__name__}"
             )
+        self._check_handle("low_latency_combine", handle, self._ll_build)
         inner = self._ll_inner
         if inner is None or handle.ep_handle is None or self._destroyed:
             raise EPStateError("low_latency_combine: the buffer was destroyed or rebuilt since this dispatch")

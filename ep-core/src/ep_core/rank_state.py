@@ -1,0 +1,112 @@
+"""The per-rank runtime state of a buffer's collective steps: the one place for it.
+
+A buffer's host steps (`ep_core.envelope.Channel`) and the guards of surfaces with steps of their own (V1's
+`Buffer`, PP, AGRS) share one `RankState`:
+
+- `seq`: the step counter every rank compares in the envelope (one counter for every channel of a buffer: V1's
+  inner buffers and its own exchange share it). A step that a rank aborted does not count on any rank (every rank
+  takes its counter back), so an abort note pairs with whatever step its peers are in, of this buffer or another
+  one on the same group, and leaves every buffer's counters in step; `taken` counts the steps a rank took part in,
+  aborted ones included (whether a failing call still has to announce itself);
+- `failure`: the error that put the ranks out of step (a disagreement `EPMismatchError`, a wait that expired
+  `EPTimeoutError`, a peer that died). Once set, every operation of the buffer is refused at once on this rank
+  (`refuse`: `EPStateError` naming the cause) instead of pairing with a peer's different call or waiting another
+  full timeout; `reset()`, a collective of every rank, is the one call that resynchronises (`Channel.reset`).
+  An error a rank *announced* (an abort note, `EPPeerError.announced`) leaves the ranks in step: no failure.
+- `generation`: how many resets this state went through; handles record it (a handle from before a reset, or
+  from another buffer, is refused by name instead of indexing garbage).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ep_core.errors import EPMismatchError, EPPeerError, EPStateError, EPTimeoutError
+
+__all__ = ["Guard", "RankState", "breaks_step"]
+
+_IDS = itertools.count(1)
+
+
+def breaks_step(exc: BaseException) -> bool:
+    """Whether `exc` leaves the ranks out of step (they disagree, a wait expired, a peer died): then nothing may
+    pair until `reset()`. A peer's announced rejection keeps them in step."""
+    if isinstance(exc, (EPMismatchError, EPTimeoutError)):
+        return True
+    return isinstance(exc, EPPeerError) and not getattr(exc, "announced", False)
+
+
+class RankState:
+    """One rank's state of one buffer's collective steps (see the module doc)."""
+
+    __slots__ = ("failed_op", "failure", "generation", "ident", "name", "rank", "seq", "taken")
+
+    def __init__(self, rank: int, name: str = "buffer") -> None:
+        self.rank = rank
+        self.name = name
+        self.seq = 0
+        self.taken = 0  # steps this rank took part in (its own or a peer's abort included): `Guard`'s test
+        self.failure: BaseException | None = None
+        self.failed_op = ""
+        self.generation = 0
+        self.ident = next(_IDS)  # this process's id of the buffer (handles carry it)
+
+    def refuse(self, op: str) -> None:
+        """Raise the refusal of `op` on an out-of-step buffer (call only when `failure` is set)."""
+        exc = self.failure
+        raise EPStateError(
+            f"{op} on rank {self.rank}: refused: this {self.name} is out of step with its peers since {self.failed_op} "
+            f"failed ({type(exc).__name__}: {str(exc)[:300]}); every operation is refused until reset() is called on "
+            "every rank (reset() resynchronises the ranks; then the buffer works as new)"
+        ) from exc
+
+    def record(self, op: str, exc: BaseException) -> None:
+        """Keep `exc` as the failure when it breaks the step (`breaks_step`); the first one stays."""
+        if self.failure is None and breaks_step(exc):
+            self.failure = exc
+            self.failed_op = op
+
+    def cleared(self, seq: int) -> None:
+        """After a successful `reset()`: in step again at `seq`, a new generation."""
+        self.seq = seq
+        self.failure = None
+        self.failed_op = ""
+        self.generation += 1
+
+    def guard(self, op: str, announce: Any = None) -> Guard:
+        """`with state.guard(op, announce):` refuses `op` on an out-of-step buffer, records a step-breaking error
+        leaving the block, and for any other error raised before this rank took part in a step (`seq` unchanged)
+        calls `announce(op, error)` (best effort: its own failure never hides the error)."""
+        return Guard(self, op, announce)
+
+
+class Guard:
+    """`RankState.guard`'s context (a plain class: cheap per call)."""
+
+    __slots__ = ("announce", "op", "state", "step")
+
+    def __init__(self, state: RankState, op: str, announce: Any) -> None:
+        self.state = state
+        self.op = op
+        self.announce = announce
+
+    def __enter__(self) -> None:
+        st = self.state
+        if st.failure is not None:
+            st.refuse(self.op)
+        self.step = st.taken
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if not isinstance(exc, Exception):
+            return False
+        st = self.state
+        if breaks_step(exc):
+            st.record(self.op, exc)
+        elif st.taken == self.step and self.announce is not None and st.failure is None:
+            try:
+                self.announce(self.op, exc)
+            except Exception as inner:  # the caller raises the original error
+                st.record(self.op, inner)
+                exc.__context__ = inner
+        return False

@@ -1,0 +1,887 @@
+"""Issue 41's survey: one-rank errors on every surface, each case on 2 gloo ranks (CPU reference backend).
+
+``python collective_safety_survey.py CASE OUTDIR`` runs one case (each rank writes ``OUTDIR/<rank>.json``);
+``python collective_safety_survey.py --all OUTFILE [CASE ...]`` runs the cases one by one, each under a wall-clock
+limit, and writes a table of verdicts: **clear** (every rank raised an ep error, the peers' naming the culprit rank,
+and the two checked valid rounds after it are exact, after a ``reset()`` where the case calls for one), **unclear**
+(an error naming no rank, a raw error, a rank that returned while its peer raised, rounds that raise),
+**silent** (a valid result differs from the reference, or a peer returned rows of another call), **hang** (past the
+limit). It runs against whatever ep tree is on PYTHONPATH (the 'before' numbers come from the starting commit's
+tree), so it uses only what both have: ``reset`` and ``num_cpu_timeout_secs`` are used where they exist.
+
+The CPU tests (test_torch_collective_safety_surfaces.py) run some of these cases and check the verdicts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+T, H, E, K, M = 6, 32, 8, 2, 8
+TIMEOUT = 3.0  # every buffer's host timeout in the survey (num_cpu_timeout_secs / EPKIT_CPU_TIMEOUT_SECS)
+CULPRIT = 0
+# EP_SURVEY_DEVICE=cuda: the same cases on the GPU (processes sharing GPU 0 over the ipc transport, a gloo group)
+DEV = os.environ.get("EP_SURVEY_DEVICE", "cpu")
+GPU_KW = {"transport": "ipc"} if DEV == "cuda" else {}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs and references (exact: small integers in bf16, so every sum is exact)
+
+
+def _inputs(seed: int, rank: int, tokens: int = T):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randint(-4, 5, (tokens, H), generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).to(torch.int64)
+    w = torch.ones(tokens, K, dtype=torch.float32)
+    return x.to(DEV), idx.to(DEV), w.to(DEV)
+
+
+def _all_inputs(seed: int, world: int):
+    return [_inputs(seed, r) for r in range(world)]
+
+
+def _v1_rows(seed: int, world: int, rank: int):
+    """V1 normal dispatch's rows on `rank`: source rank, then token, one per token with an expert on `rank`."""
+    import torch
+
+    epr = E // world
+    rows = []
+    for _s, (x, idx, _) in enumerate(_all_inputs(seed, world)):
+        for t in range(x.shape[0]):
+            if any(int(e) // epr == rank for e in idx[t]):
+                rows.append(x[t])
+    return torch.stack(rows) if rows else torch.zeros(0, H, dtype=torch.bfloat16)
+
+
+def _eq(a, b) -> bool:
+    import torch
+
+    return (
+        isinstance(a, torch.Tensor)
+        and a.shape == b.shape
+        and bool(torch.equal(a.float().cpu(), b.float().cpu()))
+    )
+
+
+def _outcome(fn):
+    """("ok", value) or ("TypeName: message", None)."""
+    try:
+        return "ok", fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:600], None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the surfaces' valid rounds (each returns True when exact)
+
+
+def _v1(low_latency: bool = False, **kw):
+    import inspect
+
+    from ep_torch import Buffer
+
+    if "num_cpu_timeout_secs" in inspect.signature(Buffer.__init__).parameters:
+        kw["num_cpu_timeout_secs"] = TIMEOUT
+    return Buffer(None, low_latency_mode=low_latency, explicitly_destroy=True, **GPU_KW, **kw)
+
+
+def _v1_layout(buf, idx):
+    return buf.get_dispatch_layout(idx, E)
+
+
+def _v1_round(buf, seed: int, rank: int, world: int) -> bool:
+    x, idx, w = _inputs(seed, rank)
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    recv_x, _, _, _, handle, _ = buf.dispatch(
+        x,
+        num_tokens_per_rank=ntr,
+        is_token_in_rank=itr,
+        num_tokens_per_expert=nte,
+        topk_idx=idx,
+        topk_weights=w,
+    )
+    ok = _eq(recv_x, _v1_rows(seed, world, rank))
+    combined, _, _ = buf.combine(recv_x, handle)
+    epr = E // world
+    dest = (idx // epr).unsqueeze(-1) == __import__("torch").arange(world, device=idx.device)
+    want = x.float() * dest.any(1).sum(1, keepdim=True)
+    return ok and _eq(combined, want.to(combined.dtype))
+
+
+def _ll_counts(seed: int, rank: int, world: int) -> list[int]:
+    epr = E // world
+    want = [0] * epr
+    for _xs, ids, _ in _all_inputs(seed, world):
+        for e in ids.flatten().tolist():
+            if e // epr == rank:
+                want[e - rank * epr] += 1
+    return want
+
+
+def _ll_round(buf, seed: int, rank: int, world: int) -> bool:
+    import torch
+
+    x, idx, w = _inputs(seed, rank)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    epr = E // world
+    want_count = torch.zeros(epr, dtype=torch.int64)
+    for _s, (_xs, ids, _) in enumerate(_all_inputs(seed, world)):
+        for e in ids.flatten().tolist():
+            if e // epr == rank:
+                want_count[e - rank * epr] += 1
+    ok = bool(torch.equal(count.to(torch.int64).cpu(), want_count))
+    for e in range(epr):  # expert e's rows, source rank then token
+        rows = [
+            xs[t]
+            for s, (xs, ids, _) in enumerate(_all_inputs(seed, world))
+            for t in range(xs.shape[0])
+            if rank * epr + e in ids[t].tolist()
+        ]
+        got = recv[e, : int(count[e])]
+        ok = ok and _eq(got, torch.stack(rows) if rows else got[:0])
+    combined, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+    return ok and _eq(combined, (x.float() * K).to(torch.bfloat16))
+
+
+def _v2(**kw):
+    from ep_torch import ElasticBuffer
+
+    args = dict(num_max_tokens_per_rank=M, hidden=H, num_topk=K, num_cpu_timeout_secs=TIMEOUT, **GPU_KW)
+    args.update(kw)
+    return ElasticBuffer(None, explicitly_destroy=True, **args)
+
+
+def _v2_round(buf, seed: int, rank: int, world: int) -> bool:
+    from ep_core import reference
+    from ep_torch._convert import to_numpy
+
+    inputs = _all_inputs(seed, world)
+    x, idx, w = inputs[rank]
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    want = reference.dispatch(
+        [to_numpy(a.cpu()) for a, _, _ in inputs],
+        [b.cpu().numpy() for _, b, _ in inputs],
+        [c.cpu().numpy() for _, _, c in inputs],
+        num_experts=E,
+        num_max_tokens_per_rank=M,
+    )[rank]
+    got = to_numpy(recv_x.cpu())
+    ok = got.shape == want.recv_x.shape and got.tobytes() == want.recv_x.tobytes()
+    combined = buf.combine(recv_x, handle)[0]
+    return ok and combined.shape == x.shape
+
+
+def _pp(**kw):
+    from ep_torch import ElasticBuffer
+
+    buf = ElasticBuffer(
+        None,
+        num_bytes=ElasticBuffer.get_pp_buffer_size_hint(4096, 2),
+        num_cpu_timeout_secs=TIMEOUT,
+        explicitly_destroy=True,
+        **GPU_KW,
+    )
+    buf.pp_set_config(4096, 2)
+    return buf
+
+
+def _pp_round(buf, seed: int, rank: int, world: int) -> bool:
+    import torch
+
+    t = torch.arange(16, dtype=torch.float32, device=DEV) + seed * 100
+    if rank == 0:
+        buf.pp_send(t, 1)
+        buf.barrier()  # the sender's buffer outlives the send (a freed backend drops its sends in flight)
+        return True
+    got = torch.zeros(16, device=DEV)
+    buf.pp_recv(got, 0)
+    buf.barrier()
+    return _eq(got, t)
+
+
+def _agrs():
+    import torch
+    from ep_torch import ElasticBuffer
+
+    need = ElasticBuffer.get_agrs_num_max_session_bytes(None, [(16,)] * 4, torch.float32)
+    buf = ElasticBuffer(
+        None,
+        num_bytes=ElasticBuffer.get_agrs_buffer_size_hint(None, need),
+        num_cpu_timeout_secs=TIMEOUT,
+        explicitly_destroy=True,
+        **GPU_KW,
+    )
+    buf.agrs_set_config(need, 4)
+    return buf
+
+
+def _agrs_round(buf, seed: int, rank: int, world: int) -> bool:
+    import torch
+
+    with buf.agrs_new_session():
+        x = torch.arange(16, dtype=torch.float32, device=DEV) + rank * 1000 + seed
+        got, handle = buf.all_gather(x)
+        handle()
+        want = torch.stack([torch.arange(16, dtype=torch.float32) + r * 1000 + seed for r in range(world)])
+        return _eq(got, want)
+
+
+ROUNDS = {"v1": _v1_round, "ll": _ll_round, "v2": _v2_round, "pp": _pp_round, "agrs": _agrs_round}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cases: (surface, fault(buf, rank, world) -> value checked by the peers, whether a reset follows)
+
+
+def _v1_bad_dispatch(change):
+    """A V1 normal dispatch where rank 0's arguments are changed by `change(kwargs)`; returns the peer's recv_x
+    check."""
+
+    def fault(buf, rank, world):
+        x, idx, w = _inputs(50, rank)
+        ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+        kw = dict(
+            num_tokens_per_rank=ntr,
+            is_token_in_rank=itr,
+            num_tokens_per_expert=nte,
+            topk_idx=idx,
+            topk_weights=w,
+        )
+        if rank == CULPRIT:
+            x = change(kw, x)
+        recv_x = buf.dispatch(x, **kw)[0]
+        return _eq(recv_x, _v1_rows(50, world, rank))
+
+    return fault
+
+
+def _oob(kw, x):
+    kw["topk_idx"] = kw["topk_idx"].clone()
+    kw["topk_idx"][0, 0] = E + 3
+    return x
+
+
+def _wshape(kw, x):
+    kw["topk_weights"] = kw["topk_weights"][:, :1].contiguous()
+    return x
+
+
+def _missing(kw, x):
+    kw["num_tokens_per_rank"] = None
+    return x
+
+
+def _align0(kw, x):
+    kw["expert_alignment"] = 0
+    return x
+
+
+def _worst(kw, x):
+    kw["num_worst_tokens"] = 1
+    return x
+
+
+def _too_many(kw, x):
+    import torch
+
+    x2, idx2, w2 = _inputs(51, 0, tokens=M + 1)
+    kw["topk_idx"], kw["topk_weights"] = idx2, w2
+    kw["num_tokens_per_rank"], _, kw["num_tokens_per_expert"], kw["is_token_in_rank"], _ = _v1_layout(
+        _too_many.buf, idx2
+    )
+    return torch.as_tensor(x2)
+
+
+def _v1_layout_skip(buf, rank, world):
+    x, idx, w = _inputs(50, rank)
+    if rank == CULPRIT:
+        buf.get_dispatch_layout(idx.to(torch_float()), E)  # raises: this rank never dispatches this step
+        return None
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    recv_x = buf.dispatch(
+        x,
+        num_tokens_per_rank=ntr,
+        is_token_in_rank=itr,
+        num_tokens_per_expert=nte,
+        topk_idx=idx,
+        topk_weights=w,
+    )[0]
+    return _eq(recv_x, _v1_rows(50, world, rank))
+
+
+def torch_float():
+    import torch
+
+    return torch.float32
+
+
+def _v1_skip_combine(buf, rank, world):
+    x, idx, _w = _inputs(50, rank)
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, **kw)
+    if rank == CULPRIT:  # skips its combine: its next dispatch meets the peer's combine
+        recv_x = buf.dispatch(x, **kw)[0]
+        return _eq(recv_x, _v1_rows(50, world, rank))
+    return buf.combine(recv_x, handle)[0] is not None
+
+
+def _v1_foreign_handle(buf, rank, world):
+    other = _v1()
+    x, idx, _w = _inputs(50, rank)
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, **kw)
+    x2, idx2, _ = _inputs(52, rank)
+    o = other.get_dispatch_layout(idx2, E)
+    recv2, _, _, _, handle2, _ = other.dispatch(
+        x2, num_tokens_per_rank=o[0], is_token_in_rank=o[3], num_tokens_per_expert=o[2], topk_idx=idx2
+    )
+    if rank == CULPRIT:
+        handle = handle2  # a handle of another buffer (of another layout)
+        recv_x = recv2
+    return buf.combine(recv_x, handle)[0] is not None
+
+
+def _v1_combine_rows(buf, rank, world):
+    x, idx, _w = _inputs(50, rank)
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    recv_x, _, _, _, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx
+    )
+    if rank == CULPRIT:
+        recv_x = recv_x[:-1]
+    return buf.combine(recv_x, handle)[0] is not None
+
+
+def _v1_after_destroy(buf, rank, world):
+    dead = _v1()
+    _v1_round(dead, 53, rank, world)
+    dead.destroy()
+    x, idx, w = _inputs(50, rank)
+    use = dead if rank == CULPRIT else buf
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    recv_x = use.dispatch(
+        x,
+        num_tokens_per_rank=ntr,
+        is_token_in_rank=itr,
+        num_tokens_per_expert=nte,
+        topk_idx=idx,
+        topk_weights=w,
+    )[0]
+    return _eq(recv_x, _v1_rows(50, world, rank))
+
+
+def _ll_bad(change):
+    def fault(buf, rank, world):
+        x, idx, _w = _inputs(60, rank)
+        kw = dict(use_fp8=False)
+        m = M
+        if rank == CULPRIT:
+            x, idx, m = change(kw, x, idx, m)
+        _recv, count, _handle, _, _ = buf.low_latency_dispatch(x, idx, m, E, **kw)
+        return count.tolist() == _ll_counts(60, rank, world)
+
+    return fault
+
+
+def _ll_dtype(kw, x, idx, m):
+    return x.float(), idx, m
+
+
+def _ll_too_many(kw, x, idx, m):
+    x2, idx2, _ = _inputs(61, 0, tokens=M + 1)
+    return x2, idx2, m
+
+
+def _ll_oob(kw, x, idx, m):
+    idx = idx.clone()
+    idx[0, 0] = E + 2
+    return x, idx, m
+
+
+def _ll_stats(kw, x, idx, m):
+    import torch
+
+    kw["cumulative_local_expert_recv_stats"] = torch.zeros(3, dtype=torch.int32, device=DEV)
+    return x, idx, m
+
+
+def _ll_combine_bad(change):
+    def fault(buf, rank, world):
+        x, idx, w = _inputs(62, rank)
+        recv, _count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        if change is _llc_foreign:  # every rank dispatches on the other buffer (a collective)
+            x2, idx2, _ = _inputs(63, rank)
+            r2, _, h2, _, _ = _ll_foreign_buffer.low_latency_dispatch(x2, idx2, M, E, use_fp8=False)
+            _llc_foreign.got = (r2, idx2, h2)
+        if rank == CULPRIT:
+            recv, idx, w, handle = change(buf, rank, recv, idx, w, handle)
+        return buf.low_latency_combine(recv, idx, w, handle)[0] is not None
+
+    return fault
+
+
+def _llc_xshape(buf, rank, recv, idx, w, handle):
+    return recv[:, :-1].contiguous(), idx, w, handle
+
+
+def _llc_wdtype(buf, rank, recv, idx, w, handle):
+    return recv, idx, w.to(__import__("torch").bfloat16), handle
+
+
+def _llc_foreign(buf, rank, recv, idx, w, handle):
+    r2, idx2, h2 = _llc_foreign.got
+    return r2, idx2, w, h2
+
+
+_ll_foreign_buffer = None
+
+
+def _ll_after_destroy(buf, rank, world):
+    dead = _v1(low_latency=True)
+    _ll_round(dead, 64, rank, world)
+    dead.destroy()
+    use = dead if rank == CULPRIT else buf
+    x, idx, _w = _inputs(60, rank)
+    return use.low_latency_dispatch(x, idx, M, E, use_fp8=False)[1].tolist() == _ll_counts(60, rank, world)
+
+
+def _v2_skip_combine(buf, rank, world):
+    x, idx, w = _inputs(70, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    if rank == CULPRIT:
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)[0].shape[0]
+    return buf.combine(recv_x, handle)[0].shape[0]
+
+
+def _v2_foreign_handle(buf, rank, world):
+    other = _v2(num_max_tokens_per_rank=M + 4)
+    x, idx, w = _inputs(71, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    r2, _, _, h2, _ = other.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    if rank == CULPRIT:
+        recv_x, handle = r2, h2
+    return buf.combine(recv_x, handle)[0].shape[0]
+
+
+def _v2_construct(buf, rank, world):
+    b = _v2(num_topk=64 if rank == CULPRIT else K)
+    b.destroy()
+    return True
+
+
+def _v2_construct_retry(buf, rank, world):
+    """Rank 0's constructor fails and it retries; rank 1 retries when its constructor raised: rank 1 must see an
+    error first instead of pairing its one constructor with rank 0's retry. Returns each attempt's outcome."""
+    attempts = []
+    for attempt in range(2):
+        out, b = _outcome(lambda a=attempt: _v2(num_topk=64 if rank == CULPRIT and a == 0 else K))
+        attempts.append(out[:200])
+        if b is not None:
+            b.destroy()
+            break
+    return attempts
+
+
+def _agrs_outside(buf, rank, world):
+    import torch
+
+    x = torch.arange(16, dtype=torch.float32, device=DEV) + rank
+    if rank == CULPRIT:
+        got, handle = buf.all_gather(x)  # no session: refused on this rank
+        return None
+    with buf.agrs_new_session():
+        got, handle = buf.all_gather(x)
+        handle()
+        return _eq(got[CULPRIT], torch.arange(16, dtype=torch.float32) + CULPRIT)
+
+
+def _rs_indivisible(buf, rank, world):
+    import torch
+
+    with buf.agrs_new_session():
+        t = torch.ones(2 * world + (1 if rank == CULPRIT else 0), 4, device=DEV)
+        out = buf.reduce_scatter(t)
+        return out.shape[0]
+
+
+def _pp_noncontig(buf, rank, world):
+    import torch
+
+    t = torch.arange(32, dtype=torch.float32, device=DEV).view(16, 2)
+    if rank == 0:
+        buf.pp_send(t.t(), 1)  # non-contiguous: refused
+        return None
+    got = torch.zeros(32, device=DEV)
+    buf.pp_recv(got, 0)
+    return _eq(got, torch.arange(32, dtype=torch.float32))
+
+
+def _never(build, call):
+    """Rank 1 never calls (it sleeps past the timeout): rank 0 must raise EPTimeoutError naming rank 1."""
+
+    def fault(buf, rank, world):
+        if rank == 1:
+            time.sleep(TIMEOUT * 2 + 2)
+            return None
+        t0 = time.monotonic()
+        try:
+            call(buf, rank, world)
+        finally:
+            fault.waited = time.monotonic() - t0
+        return True
+
+    return fault
+
+
+def _killed(call):
+    def fault(buf, rank, world):
+        if rank == 1:
+            time.sleep(0.5)
+            os._exit(0)
+        time.sleep(1.0)
+        return call(buf, rank, world)
+
+    return fault
+
+
+CASES = {
+    # name: (surface, builder kwargs, fault, reset after)
+    "v1.expert_id_out_of_range": ("v1", {}, _v1_bad_dispatch(_oob), False),
+    "v1.weights_shape": ("v1", {}, _v1_bad_dispatch(_wshape), False),
+    "v1.missing_layout_tensor": ("v1", {}, _v1_bad_dispatch(_missing), False),
+    "v1.expert_alignment_0": ("v1", {}, _v1_bad_dispatch(_align0), False),
+    "v1.too_many_tokens": (
+        "v1",
+        {"num_max_tokens_per_rank": M, "hidden": H},
+        _v1_bad_dispatch(_too_many),
+        False,
+    ),
+    "v1.layout_error_then_skip": ("v1", {}, _v1_layout_skip, False),
+    "v1.num_worst_tokens_too_small": ("v1", {}, _v1_bad_dispatch(_worst), False),
+    "v1.dispatch_after_destroy": ("v1", {}, _v1_after_destroy, False),
+    "v1.combine_foreign_handle": ("v1", {}, _v1_foreign_handle, False),
+    "v1.combine_wrong_rows": ("v1", {}, _v1_combine_rows, False),
+    "v1.skipped_combine": ("v1", {}, _v1_skip_combine, True),
+    "v1.skipped_combine_no_reset": ("v1", {}, _v1_skip_combine, False),
+    "v1.peer_never_calls": ("v1", {}, _never(None, lambda b, r, w: _v1_round(b, 80, r, w)), None),
+    "v1.peer_killed": ("v1", {}, _killed(lambda b, r, w: _v1_round(b, 81, r, w)), None),
+    "ll.x_dtype": ("ll", {}, _ll_bad(_ll_dtype), False),
+    "ll.too_many_tokens": ("ll", {}, _ll_bad(_ll_too_many), False),
+    "ll.expert_id_out_of_range": ("ll", {}, _ll_bad(_ll_oob), False),
+    "ll.stats_shape": ("ll", {}, _ll_bad(_ll_stats), False),
+    "ll.dispatch_after_destroy": ("ll", {}, _ll_after_destroy, False),
+    "ll.combine_x_shape": ("ll", {}, _ll_combine_bad(_llc_xshape), False),
+    "ll.combine_weights_dtype": ("ll", {}, _ll_combine_bad(_llc_wdtype), False),
+    "ll.combine_foreign_handle": ("ll", {}, _ll_combine_bad(_llc_foreign), False),
+    "ll.peer_never_calls": ("ll", {}, _never(None, lambda b, r, w: _ll_round(b, 82, r, w)), None),
+    "v2.skipped_combine": ("v2", {}, _v2_skip_combine, True),
+    "v2.skipped_combine_no_reset": ("v2", {}, _v2_skip_combine, False),
+    "v2.combine_foreign_handle": ("v2", {}, _v2_foreign_handle, True),
+    "v2.construct_bad_num_topk": ("v2", {}, _v2_construct, False),
+    "v2.construct_retry": ("v2", {}, _v2_construct_retry, False),
+    "v2.peer_killed": ("v2", {}, _killed(lambda b, r, w: _v2_round(b, 83, r, w)), None),
+    "agrs.all_gather_outside_session": ("agrs", {}, _agrs_outside, False),
+    "agrs.reduce_scatter_indivisible": ("agrs", {}, _rs_indivisible, False),
+    "agrs.peer_never_calls": ("agrs", {}, _never(None, lambda b, r, w: _agrs_round(b, 84, r, w)), None),
+    "pp.send_non_contiguous": ("pp", {}, _pp_noncontig, False),
+    "pp.peer_killed": ("pp", {}, _killed(lambda b, r, w: _pp_round(b, 85, r, w)), None),
+}
+
+
+def _build(surface: str, kw: dict):
+    global _ll_foreign_buffer
+    if surface == "v1":
+        buf = _v1(**kw)
+        _too_many.buf = buf
+        return buf
+    if surface == "ll":
+        buf = _v1(low_latency=True, **kw)
+        _ll_foreign_buffer = _v1(low_latency=True)
+        return buf
+    if surface == "v2":
+        return _v2(**kw)
+    if surface == "pp":
+        return _pp(**kw)
+    return _agrs()
+
+
+def _device() -> None:
+    if DEV == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)
+
+
+def _worker(rank: int, world: int, case: str, out: str) -> None:
+    os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _device()
+    surface, kw, fault, reset = CASES[case]
+    seen: dict = {"rank": rank}
+    exit_hard = reset is None
+
+    def save() -> None:  # after every stage: a hang later still shows what came before
+        Path(out, f"{rank}.json").write_text(json.dumps(seen, default=str))
+
+    try:
+        buf = _build(surface, kw)
+        round_fn = ROUNDS[surface]
+        seen["warmup"] = _outcome(lambda: round_fn(buf, 1, rank, world))[1]
+        save()
+        t0 = time.monotonic()
+        outcome, value = _outcome(lambda: fault(buf, rank, world))
+        seen["fault"], seen["fault_value"] = outcome, value
+        seen["fault_secs"] = time.monotonic() - t0
+        save()
+        if not exit_hard:
+            if reset and hasattr(buf, "reset"):
+                seen["reset"] = _outcome(buf.reset)[0]
+            seen["rounds"] = []
+            for s in (2, 3):
+                seen["rounds"].append(_outcome(lambda s=s: round_fn(buf, s, rank, world)))
+                save()
+    except BaseException as exc:
+        seen["crash"] = f"{type(exc).__name__}: {exc}"[:600]
+    seen["done"] = True
+    save()
+    # leave without the launcher's closing barrier (after a failure the group may be out of step), but only once
+    # every rank is done: a rank that exits early would turn its peer's hang into a connection error
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(
+        _done(Path(out, f"{r}.json")) for r in range(world) if not (exit_hard and r != 0)
+    ):
+        time.sleep(0.05)
+    os._exit(0)
+
+
+def _done(f: Path) -> bool:
+    try:
+        return bool(json.loads(f.read_text()).get("done"))
+    except (OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# many cases in one process group (the CPU tests): after each case the ranks must be in step
+
+
+CHAIN = [
+    "v1.expert_id_out_of_range",
+    "v1.layout_error_then_skip",
+    "v1.num_worst_tokens_too_small",
+    "v1.too_many_tokens",
+    "v1.dispatch_after_destroy",
+    "v1.combine_foreign_handle",
+    "v1.skipped_combine",
+    "ll.x_dtype",
+    "ll.stats_shape",
+    "ll.combine_foreign_handle",
+    "ll.combine_weights_dtype",
+    "v2.skipped_combine",
+    "v2.construct_bad_num_topk",
+    "v2.construct_retry",
+    "agrs.reduce_scatter_indivisible",
+    "pp.send_non_contiguous",
+]  # agrs.all_gather_outside_session: clear at once, but the peers' session end then waits out the timeout
+
+
+def _chain_worker(rank: int, world: int, out: str, names: list[str]) -> None:
+    """Every case of `names` in turn on this one group, each with its own buffers; each case's record as in
+    `_worker`, in ``OUTDIR/<rank>.json`` as {case: record}."""
+    os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _device()
+    records: dict = {}
+    for case in names:
+        surface, kw, fault, reset = CASES[case]
+        seen: dict = {"rank": rank}
+        try:
+            buf = _build(surface, kw)
+            round_fn = ROUNDS[surface]
+            t0 = time.monotonic()
+            seen["fault"], seen["fault_value"] = _outcome(lambda f=fault, b=buf: f(b, rank, world))
+            seen["fault_secs"] = time.monotonic() - t0
+            if reset:
+                seen["reset"] = _outcome(buf.reset)[0]
+            seen["rounds"] = [_outcome(lambda s=s, f=round_fn, b=buf: f(b, s, rank, world)) for s in (2, 3)]
+        except BaseException as exc:
+            seen["crash"] = f"{type(exc).__name__}: {exc}"[:600]
+        records[case] = seen
+        Path(out, f"{rank}.json").write_text(json.dumps(records, default=str))
+        if "crash" in seen:
+            os._exit(0)
+
+
+def _random_worker(rank: int, world: int, out: str, seed: int, steps: int) -> None:
+    """Valid calls of V1 normal, V1 low-latency, V2 and AGRS interleaved with one-rank errors (the same random
+    plan on every rank): every valid result is checked bitwise; every error step must raise on every rank."""
+    global CULPRIT
+    import random
+
+    os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _device()
+    bufs = {
+        "v1": _build("v1", {}),
+        "ll": _build("ll", {}),
+        "v2": _build("v2", {}),
+        "agrs": _build("agrs", {}),
+    }
+    faults = {
+        "v1": ["v1.expert_id_out_of_range", "v1.weights_shape", "v1.missing_layout_tensor", "v1.expert_alignment_0",
+               "v1.num_worst_tokens_too_small", "v1.layout_error_then_skip", "v1.combine_wrong_rows",
+               "v1.skipped_combine"],
+        "ll": ["ll.x_dtype", "ll.too_many_tokens", "ll.expert_id_out_of_range", "ll.stats_shape",
+               "ll.combine_x_shape", "ll.combine_weights_dtype"],
+        "v2": ["v2.skipped_combine"],
+        "agrs": ["agrs.reduce_scatter_indivisible"],
+    }  # fmt: skip
+    plan = random.Random(seed)
+    log = []
+    for step in range(steps):
+        surface = plan.choice(sorted(bufs))
+        bad = plan.random() < 0.5
+        CULPRIT = plan.randrange(world)
+        buf = bufs[surface]
+        if not bad:
+            out_, val = _outcome(lambda b=buf, s=surface, k=step: ROUNDS[s](b, 1000 + k, rank, world))
+            log.append({"step": step, "case": f"{surface}.valid", "out": out_, "exact": val is True})
+            continue
+        case = plan.choice(faults[surface])
+        _, _, fault, reset = CASES[case]
+        out_, val = _outcome(lambda f=fault, b=buf: f(b, rank, world))
+        rec = {"step": step, "case": case, "culprit": CULPRIT, "out": out_, "value": val}
+        if reset:
+            rec["reset"] = _outcome(buf.reset)[0]
+        log.append(rec)
+        Path(out, f"{rank}.json").write_text(json.dumps(log, default=str))
+    Path(out, f"{rank}.json").write_text(json.dumps(log, default=str))
+
+
+def verdict(case: str, ranks: list[dict]) -> tuple[str, str]:
+    """(clear | unclear | silent, why) from the ranks' records."""
+    _surface, _, _, reset = CASES[case]
+    culprit = 1 if reset is None else CULPRIT
+    live = [r for r in ranks if r]
+    if reset is None:  # a peer that never calls / dies: the waiting rank 0 must raise naming rank 1
+        r0 = ranks[0]
+        f = r0.get("fault", r0.get("crash", "missing"))
+        if not f.startswith(("EPTimeoutError", "EPPeerError")):
+            return ("silent" if f == "ok" else "unclear"), f[:200]
+        if "rank 1" not in f or "rank 0," in f:
+            return "unclear", f[:200]
+        if "never" in case and (not f.startswith("EPTimeoutError") or r0.get("fault_secs", 99) > TIMEOUT + 2):
+            return (
+                "unclear",
+                f"not a timeout within {TIMEOUT:g} s: {r0.get('fault_secs', 0):.1f} s, {f[:150]}",
+            )
+        return "clear", f[:120]
+    for r in live:
+        if "crash" in r:
+            return "unclear", r["crash"][:200]
+    for r in live:  # a returned value of the fault step must be right (no rows of another call)
+        if r["fault"] == "ok" and r["fault_value"] is False:
+            return "silent", f"rank {r['rank']} returned wrong rows without an error"
+    for r in live:
+        for out, val in r.get("rounds", []):
+            if out == "ok" and val is not True:
+                return "silent", f"rank {r['rank']}: a valid round after the error differs from the reference"
+    errs = [r["fault"] for r in live]
+    if case == "v2.construct_retry":  # every rank built in the end; the peer saw the culprit's refusal first
+        peer = [r for r in live if r["rank"] != CULPRIT]
+        first = (peer[0].get("fault_value") or ["?"])[0] if peer else "?"
+        if not all(r["fault"] == "ok" for r in live):
+            return "unclear", f"not built: {errs}"
+        if not (first.startswith("EPPeerError") and f"rank {CULPRIT}" in first):
+            return "unclear", f"the peer's constructor did not see the culprit's error: {first[:150]}"
+        return "clear", first[:120]
+    for r in live:
+        e = r["fault"]
+        if e == "ok":
+            return "unclear", f"rank {r['rank']} returned while another raised: {[x[:120] for x in errs]}"
+        if not e.startswith("EP"):
+            return "unclear", f"rank {r['rank']}: raw error {e[:200]}"
+        if r["rank"] != culprit and f"rank {culprit}" not in e:
+            return "unclear", f"rank {r['rank']}: names no culprit: {e[:200]}"
+    for r in live:
+        for out, _ in r.get("rounds", []):
+            if out != "ok" and not (case.endswith("_no_reset") and "until reset()" in out):
+                return "unclear", f"rank {r['rank']}: unusable after: {out[:200]}"
+    return "clear", errs[-1][:120]
+
+
+def _records(tmp: str) -> list[dict]:
+    out = []
+    for r in range(2):
+        f = Path(tmp, f"{r}.json")
+        try:
+            out.append(json.loads(f.read_text()) if f.exists() else {})
+        except ValueError:
+            out.append({})
+    return out
+
+
+def _run_one(case: str, limit: float) -> tuple[str, str, float]:
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, __file__, case, tmp],
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            out, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            ranks = _records(tmp)
+            for r in ranks:  # wrong rows returned before the hang count as silent
+                vals = [r.get("fault_value")] if r.get("fault") == "ok" else []
+                vals += [v for o, v in r.get("rounds", []) if o == "ok"]
+                if any(v is False for v in vals):
+                    return "silent", f"rank {r['rank']}: wrong rows without an error, then a hang", limit
+            return "hang", f"still running after {limit:g} s", time.monotonic() - t0
+        took = time.monotonic() - t0
+        ranks = _records(tmp)
+        if not ranks[0]:
+            return "unclear", "no record: " + out.decode(errors="replace")[-300:], took
+        v, why = verdict(case, ranks)
+        return v, why, took
+
+
+def main_all(outfile: str, names: list[str]) -> None:
+    limit = 45.0
+    rows = []
+    for case in names or list(CASES):
+        v, why, took = _run_one(case, limit)
+        rows.append({"case": case, "verdict": v, "why": why, "secs": round(took, 1)})
+        print(f"{case:40s} {v:8s} {took:5.1f}s  {why[:150]}", flush=True)
+    Path(outfile).write_text(json.dumps(rows, indent=1))
+    table: dict = {}
+    for r in rows:
+        t = table.setdefault(r["case"].split(".")[0], {"clear": 0, "unclear": 0, "silent": 0, "hang": 0})
+        t[r["verdict"]] += 1
+    for s, t in table.items():
+        print(s, t)
+
+
+if __name__ == "__main__":
+    from ep_torch import launch
+
+    if sys.argv[1] == "--all":
+        main_all(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "chain":
+        launch.spawn(_chain_worker, 2, sys.argv[2], sys.argv[3:] or CHAIN)
+    elif sys.argv[1] == "random":
+        launch.spawn(_random_worker, 2, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        launch.spawn(_worker, 2, sys.argv[1], sys.argv[2])

@@ -1,0 +1,66 @@
+"""Issue 41 on 2 gloo processes: one-rank errors on every surface (V1 normal and low-latency, V2, construction,
+AGRS, PP) raise on every rank naming the culprit, nothing pairs silently, nothing waits unbounded, and a random
+interleaving of valid calls with one-rank errors keeps every valid result exact.
+
+The cases and their verdicts are collective_safety_survey.py's (run as a script in its own process group, under a
+wall-clock limit: a hang fails the test instead of blocking CI).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SURVEY = str(Path(__file__).with_name("collective_safety_survey.py"))
+
+
+def _survey():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("collective_safety_survey", SURVEY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(args: list[str], tmp_path: Path, limit: float) -> list:
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(SURVEY, [*args[:1], str(tmp_path), *args[1:]], limit, what=f"{args[0]}: ")
+    assert code == 0, out[-3000:]
+    return [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_one_rank_errors_on_every_surface_are_clear_and_leave_the_ranks_in_step(tmp_path):
+    survey = _survey()
+    r0, r1 = _run(["chain"], tmp_path, 240)
+    bad = []
+    for case in survey.CHAIN:
+        v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
+        if v != "clear":
+            bad.append(f"{case}: {v}: {why}")
+    assert not bad, "\n".join(bad)
+
+
+def test_random_interleaving_of_valid_calls_and_one_rank_errors(tmp_path):
+    r0, r1 = _run(["random", "7", "24"], tmp_path, 240)
+    assert len(r0) == len(r1) == 24
+    for a, b in zip(r0, r1):
+        if a["case"].endswith(".valid"):
+            assert a["out"] == b["out"] == "ok" and a["exact"] and b["exact"], (a, b)
+            continue
+        culprit = a["culprit"]
+        for rec in (a, b):  # every rank raised; the others name the culprit
+            assert rec["out"] != "ok" and rec["out"].startswith("EP"), (a, b)
+        peer = b if culprit == 0 else a
+        assert f"rank {culprit}" in peer["out"], (a, b)
+        for rec in (a, b):
+            assert rec.get("reset", "ok") == "ok", rec
+
+
+def test_a_peer_that_never_calls_times_out_within_the_timeout(tmp_path):
+    survey = _survey()
+    for case in ("v1.peer_never_calls",):
+        r0, r1 = _run([case], tmp_path, 60)
+        v, why = survey.verdict(case, [r0, r1])
+        assert v == "clear", why
