@@ -459,6 +459,11 @@ def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: 
         def gemm(r):  # the stand-in expert compute between dispatch and combine
             return inp[r][0] @ wmat
 
+        # its kernels loaded before any rank's call: a lazy load inside a loopback rank's call could wait for the
+        # kernels of the ranks before it (ep_torch.loopback)
+        gemm(R[0])
+        torch.cuda.synchronize()
+
         def step(r):
             _, idx, w = inp[r]
             recv, _, handle, _, _ = disp(r)

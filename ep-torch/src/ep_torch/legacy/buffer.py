@@ -16,9 +16,14 @@ graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for 
   bits), ``q = e4m3(x / scale)`` round to nearest even;
 - combine: ``combined[t] = bf16(acc)``, ``acc`` = +0.0 then, for each lane k ascending with an expert,
   ``acc = acc + fp32(y[t, k]) * w[t, k]`` as a separate fp32 multiply and add (no FMA), one bf16 rounding.
-``return_recv_hook=True`` issues the work at once on the communication stream and returns; ``hook()`` makes the
-then-current stream wait for it (no data is promised before). The caller's stream and the host are free meanwhile;
-ep's kernels still occupy their SMs until the peers' data has arrived (no separate receive kernel).
+On CUDA where the transport maps the peers' memory (ipc, the loopback domain) low-latency mode runs its own kernels
+(``ll_native``, None = there; ``legacy.ll_kernels.native_*``, ``ep_core.ll_native``): one message per (token, expert)
+written into the expert's slots on its rank, one per (expert, token) back, the weighted sum in the receive kernel,
+V1's double buffer (every low-latency call uses the other half). ``return_recv_hook=True`` then launches only the
+send on the current stream and returns; ``hook()`` launches the receive on the then-current stream (V1's split: no
+SM waits in between). On the adapter (``ll_native=False``, other transports, the CPU backend)
+``return_recv_hook=True`` issues the work at once on the communication stream and ``hook()`` makes the then-current
+stream wait for it (no data is promised before).
 
 Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
 ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
@@ -35,6 +40,8 @@ instead (the same results); ``ll_combine_num_sms`` (0 = ep's choice) sets the SM
 wide rows leave few warps per block); ``ll_zero_copy`` (None = on CUDA within one NVLink domain) runs the dispatch
 underneath with ``zero_copy=True``: the packing reads the received rows where they arrived instead of a copy of them
 (the same results; rows in the deterministic order whatever ``ll_deterministic``).
+The adapter's keywords (``ll_lanes_per_combine``, ``ll_use_kernels``, ``ll_deterministic``, ``ll_combine_num_sms``,
+``ll_zero_copy``) do not apply to the native kernels.
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ class NativeRegion:
         sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
         devices = getattr(rt.storage, "rank_devices", None) or []
         here = sum(1 for d in devices if d == devices[self.rank]) if len(devices) > self.rank else 1
-        self.recv_blocks = max(1, 2 * sms // max(1, here))
+        # ranks sharing the GPU: every rank's spinning receive fits at once with room left for the sends it waits for
+        self.recv_blocks = 2 * sms if here <= 1 else max(1, sms // here)
         self.send_blocks = 2 * sms
         self.next_half = 0
 
