@@ -1,4 +1,4 @@
-"""ep_core.ll_native (host side of include/ep_core/low_latency/native.cuh, V1 low-latency mode's own kernels): the
+"""ep_core.ll_native (host side of include/ep_core/ll_native.cuh, V1 low-latency mode's own kernels): the
 parameter table equals the header's extern "C" signatures, the host layout mirror equals the header's, the kernels
 compile with nvcc (sm_90a and sm_80), bad arguments are refused before the driver. (Their results are tested on the
 GPU by ep-torch's test_torch_legacy_ll_native.py, bitwise against legacy.reference.)"""
@@ -19,7 +19,7 @@ from ep_core.errors import EPValueError
 def _header() -> str:
     from ep_core.kernels._source import get_include
 
-    return (Path(get_include()) / "ep_core" / "low_latency" / "native.cuh").read_text()
+    return (Path(get_include()) / "ep_core" / "ll_native.cuh").read_text()
 
 
 def _nvcc() -> str | None:
@@ -53,7 +53,7 @@ def test_bad_arguments_are_refused():
 
 
 _LAYOUT_MAIN = r"""
-#include <ep_core/low_latency/native.cuh>
+#include <ep_core/ll_native.cuh>
 #include <cstdio>
 int main(int argc, char** argv) {
   int v[6];

@@ -1,5 +1,5 @@
 """V1 low-latency mode's own kernels over ep's symmetric memory (host side of
-``include/ep_core/low_latency/native.cuh``): compiled through ep_jit like the other kernels, launched with device
+``include/ep_core/ll_native.cuh``): compiled through ep_jit like the other kernels, launched with device
 addresses and ints (``ep_torch.legacy.ll_kernels`` passes its tensors' addresses and stream). What the kernels
 compute, and the layout of the symmetric region they share, is documented in the header; `region_layout` is its
 host mirror (the bytes a rank needs, the offsets of the two halves).
@@ -40,7 +40,7 @@ SIGNATURES: dict[str, str] = {
     "ep_lln_combine_recv": "pipiiiiiiippipp",
 }
 KERNEL_NAMES = tuple(SIGNATURES)
-SOURCE = "// ep_core V1 low-latency native kernels\n#include <ep_core/low_latency/native.cuh>\n"
+SOURCE = "// ep_core V1 low-latency native kernels\n#include <ep_core/ll_native.cuh>\n"
 
 
 class RegionLayout(NamedTuple):

@@ -894,8 +894,9 @@ class Buffer:
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
-        """ep's workspace is zero between operations (nothing to clean when switching modes); the zero-copy buffers
-        are cleared."""
+        """ep's workspace is zero between operations (nothing to clean when switching modes), and the native
+        kernels' flags carry the epoch of the call that wrote them (never cleaned); the zero-copy buffers are
+        cleared."""
         for b in self._ll_combine_buffers:
             if b is not None:
                 b.zero_()

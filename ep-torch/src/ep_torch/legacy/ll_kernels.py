@@ -194,7 +194,7 @@ def weighted_sum(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# low-latency mode's own kernels (ep_core.ll_native, include/ep_core/low_latency/native.cuh)
+# low-latency mode's own kernels (ep_core.ll_native, include/ep_core/ll_native.cuh)
 
 
 def native_supported(inner: Any) -> bool:

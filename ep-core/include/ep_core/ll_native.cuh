@@ -30,7 +30,7 @@
 // mapped `herr` words (the host raises EPTimeoutError at its next call, without a sync).
 #pragma once
 
-#include "../ll_pack.cuh"
+#include "ll_pack.cuh"
 
 namespace ep_lln {
 
