@@ -454,6 +454,22 @@ def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: 
             if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
                 failures.append(f"rank {r}: v1 ll_combine native differs from ll_combine_reference")
         row("v1 ll_combine native", comb)
+        # the same without the local shortcut: a rank's own rows through the buffer like a peer's (two passes)
+        os.environ["EPKIT_LL_LOCAL_DIRECT"] = "0"
+        try:
+            for fp8 in (False, True):
+                row(
+                    f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} native no-local",
+                    lambda r, fp8=fp8: disp(r, fp8),
+                )
+            for r, c in zip(R, ctx.each(comb)):
+                if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
+                    failures.append(
+                        f"rank {r}: v1 ll_combine native no-local differs from ll_combine_reference"
+                    )
+            row("v1 ll_combine native no-local", comb)
+        finally:
+            os.environ.pop("EPKIT_LL_LOCAL_DIRECT", None)
         wmat = torch.randn(h, h, dtype=torch.bfloat16, device=inp[R[0]][0].device) / 64
 
         def gemm(r):  # the stand-in expert compute between dispatch and combine

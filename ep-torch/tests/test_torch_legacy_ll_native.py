@@ -166,7 +166,12 @@ def _run(n: int, e: int) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("n,e", [(1, 288), (8, 64), (2, 32)])
-def test_ll_native_loopback_gpu(n, e, monkeypatch):
+@pytest.mark.parametrize(
+    "n,e,local", [(1, 288, "1"), (8, 64, "1"), (2, 32, "1"), (8, 64, "0"), (1, 288, "0")]
+)
+def test_ll_native_loopback_gpu(n, e, local, monkeypatch):
+    """``local`` = EPKIT_LL_LOCAL_DIRECT: without a hook a rank's own experts read their rows in place (1), or
+    every row travels through the buffer like a peer's (0); the hook split always does the latter."""
     monkeypatch.setenv("EPKIT_NVLINK_GBS", "450")
+    monkeypatch.setenv("EPKIT_LL_LOCAL_DIRECT", local)
     _run(n, e)

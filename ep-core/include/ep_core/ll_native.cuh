@@ -216,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(512)
     ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
                          int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                         int use_fp8, int* err, volatile int* herr) {
+                         int use_fp8, int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr) {
   EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
   __shared__ int warp_sums[32];
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -231,11 +231,15 @@ extern "C" __global__ void __launch_bounds__(512)
     const int dst = g / epr, e = g - dst * epr;
     uint8_t* local_slots = own_half + L.ddata + ((int64_t)e * num_ranks + rank) * m * L.msg;
     uint8_t* slots = ep_lln::peer_addr(peers, dst, own_base, local_slots);
-    for (int j = threadIdx.x; j < count; j += blockDim.x)
+    if (lane_pos != nullptr)  // each (token, first lane)'s position in this rank's block of its expert (combine)
+      for (int j = threadIdx.x; j < count; j += blockDim.x) lane_pos[s_list[j] * num_topk + s_list[m + j]] = j;
+    // local_direct: this rank's own experts read their rows from the payload in the receive (no message)
+    const int sent = local_direct && dst == rank ? 0 : count;
+    for (int j = threadIdx.x; j < sent; j += blockDim.x)
       *reinterpret_cast<int4*>(slots + (int64_t)j * L.msg) = make_int4(s_list[j], s_list[m + j], 0, 0);
     const int64_t msg = L.msg;
     ep_lln_copy_rows(
-        count, vecs,
+        sent, vecs,
         [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); },
         [&](int j) { return reinterpret_cast<uint4*>(slots + (int64_t)j * msg + 16); });
     __syncthreads();
@@ -259,9 +263,12 @@ extern "C" __global__ void __launch_bounds__(512)
                          uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
-                         int timeout_ms, int* err, volatile int* herr) {
-  EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total
+                         const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
+                         int num_tokens, int local_direct, int timeout_ms, int* err, volatile int* herr) {
+  EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
+  __shared__ int warp_sums[32];
+  int* s_list = s_off + num_ranks + 1;  // local_direct: this rank's tokens of the expert, then their lanes
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
   const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
@@ -294,29 +301,45 @@ extern "C" __global__ void __launch_bounds__(512)
     }
     __syncthreads();
     const int total = s_off[num_ranks];
-    // the message of packed row j: source rank r by a binary search over the block offsets
-    auto msg_of = [&](int j) {
+    if (local_direct) ep_lln_list_tokens(topk, idx64, num_tokens, num_topk, (int64_t)rank * epr + e, m, s_list, warp_sums);
+    // packed row j: source rank r by a binary search over the block offsets; its payload is the message's, or with
+    // local_direct for this rank's own block the payload row of its token
+    auto rank_of = [&](int j) {
       int lo = 0, hi = num_ranks - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_off[mid] <= j) lo = mid; else hi = mid - 1;
       }
-      return own_half + L.ddata + (((int64_t)e * num_ranks + lo) * m + (j - s_off[lo])) * L.msg;
+      return lo;
+    };
+    auto src_of = [&](int j) -> const uint8_t* {
+      const int r = rank_of(j);
+      if (local_direct && r == rank) return payload + (int64_t)s_list[j - s_off[r]] * stride;
+      return own_half + L.ddata + (((int64_t)e * num_ranks + r) * m + (j - s_off[r])) * L.msg + 16;
     };
     for (int j = threadIdx.x; j < total; j += blockDim.x) {
-      const int4 hdr = *reinterpret_cast<const int4*>(msg_of(j));
-      src_info[(int64_t)e * slots + j] = hdr.x;
-      lanes[(int64_t)e * slots + j] = hdr.y;
+      const int r = rank_of(j);
+      int tok, lane;
+      if (local_direct && r == rank) {
+        tok = s_list[j - s_off[r]];
+        lane = s_list[m + j - s_off[r]];
+      } else {
+        const int4 hdr = *reinterpret_cast<const int4*>(src_of(j) - 16);
+        tok = hdr.x;
+        lane = hdr.y;
+      }
+      src_info[(int64_t)e * slots + j] = tok;
+      lanes[(int64_t)e * slots + j] = lane;
     }
     const int qvecs = use_fp8 ? hidden / 16 : row_vecs;
     uint4* out4 = static_cast<uint4*>(out) + (int64_t)e * slots * qvecs;
     ep_lln_copy_rows(
-        total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(msg_of(j) + 16); },
+        total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); },
         [&](int j) { return out4 + (int64_t)j * qvecs; });
     if (use_fp8) {
       for (int i = threadIdx.x; i < total * groups; i += blockDim.x) {
         const int g = i / total, j = i - g * total;  // consecutive threads: consecutive rows (column-major out)
-        const float s = reinterpret_cast<const float*>(msg_of(j) + 16 + hidden)[g];
+        const float s = reinterpret_cast<const float*>(src_of(j) + hidden)[g];
         if (ue8m0) {
           const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
           static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
@@ -341,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(512)
     ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
                         const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
                         int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
-                        uint8_t* own_half, int* err, volatile int* herr) {
+                        uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
@@ -376,8 +399,17 @@ extern "C" __global__ void __launch_bounds__(512)
       uint8_t* local = own_half + L.cdata + ((int64_t)t * num_topk + k) * hidden * 2;
       return reinterpret_cast<uint4*>(ep_lln::peer_addr(peers, lo, own_base, local));
     };
-    ep_lln_copy_rows(
-        total, row_vecs, [&](int j) { return x + (base_row + j) * row_vecs; }, dst_of);
+    if (!local_direct) {
+      ep_lln_copy_rows(
+          total, row_vecs, [&](int j) { return x + (base_row + j) * row_vecs; }, dst_of);
+    } else {  // this rank's own tokens' rows stay: the receive reads them in x
+      const int own0 = s_off[rank], own1 = rank + 1 < num_ranks ? s_off[rank + 1] : total;
+      ep_lln_copy_rows(
+          own0, row_vecs, [&](int j) { return x + (base_row + j) * row_vecs; }, dst_of);
+      ep_lln_copy_rows(
+          total - own1, row_vecs, [&](int j) { return x + (base_row + own1 + j) * row_vecs; },
+          [&](int j) { return dst_of(own1 + j); });
+    }
     __syncthreads();
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
       __threadfence_system();
@@ -396,8 +428,11 @@ extern "C" __global__ void __launch_bounds__(512)
 extern "C" __global__ void __launch_bounds__(256)
     ep_lln_combine_recv(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
-                        uint8_t* own_half, uint4* __restrict__ out, int timeout_ms, int* err, volatile int* herr) {
+                        uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
+                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
+                        int timeout_ms, int* err, volatile int* herr) {
   __shared__ int s_src[EP_LL_MAX_TOPK];  // per lane: the lane whose slot holds its expert's output, -1 none
+  __shared__ int64_t s_row[EP_LL_MAX_TOPK];  // local_direct: the packed row of x holding a local lane's output
   __shared__ float s_w[EP_LL_MAX_TOPK];
   __shared__ int s_fail;
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -429,6 +464,12 @@ extern "C" __global__ void __launch_bounds__(256)
       }
       s_src[k] = src;
       s_w[k] = w[(int64_t)t * num_topk + k];
+      s_row[k] = -1;
+      if (local_direct && src >= 0 && g / epr == rank) {
+        const int e = (int)(g - (int64_t)rank * epr);
+        const int64_t off = layout_range[(int64_t)e * num_ranks + rank] >> 32;
+        s_row[k] = (int64_t)e * num_ranks * m + off + lane_pos[(int64_t)t * num_topk + src];
+      }
     }
     __syncthreads();
     if (s_fail) return;
@@ -442,7 +483,10 @@ extern "C" __global__ void __launch_bounds__(256)
         for (int u = 0; u < 8; ++u) {
           const int k = k0 + u;
           const int src = k < num_topk ? s_src[k] : -1;
-          if (src >= 0) v[u] = slots[((int64_t)t * num_topk + src) * vecs + c];
+          if (src >= 0) {
+            const int64_t row = s_row[k];
+            v[u] = row >= 0 ? x[row * vecs + c] : slots[((int64_t)t * num_topk + src) * vecs + c];
+          }
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {

@@ -34,10 +34,10 @@ HEADER_BYTES = 256  # the region's front: the device error word (int32 [4]) befo
 
 SIGNATURES: dict[str, str] = {
     "ep_lln_cast_fp8": "piipi",
-    "ep_lln_dispatch_send": "pipiiiiiiiipppipp",
-    "ep_lln_dispatch_recv": "iiiiiipiipppppppipp",
-    "ep_lln_combine_send": "ppppiiiiiippppp",
-    "ep_lln_combine_recv": "pipiiiiiiippipp",
+    "ep_lln_dispatch_send": "pipiiiiiiiipppiippp",
+    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiipp",
+    "ep_lln_combine_send": "ppppiiiiiipppipp",
+    "ep_lln_combine_recv": "pipiiiiiiipppppiipp",
 }
 KERNEL_NAMES = tuple(SIGNATURES)
 SOURCE = "// ep_core V1 low-latency native kernels\n#include <ep_core/ll_native.cuh>\n"

@@ -818,13 +818,15 @@ class Buffer:
         reg.check("low_latency_dispatch")
         h = int(x.shape[1])
 
+        local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
+
         def send() -> tuple:
-            recv, count, src_info, layout_range, lanes, receive = ll_kernels.native_dispatch(
-                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats
+            recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
+                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct
             )
             handle = LowLatencyHandle(
                 (src_info, layout_range, m, h, num_experts), None, None, None,
-                native=(reg, lanes), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
+                native=(reg, lanes, lane_pos), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
             )  # fmt: skip
             return (recv, count, handle), receive
 
@@ -853,13 +855,15 @@ class Buffer:
     ) -> tuple[torch.Tensor, EventOverlap, Any]:
         from . import ll_kernels
 
-        reg, lanes = handle.native
+        reg, lanes, lane_pos = handle.native
         reg.check("low_latency_combine")
         src_info, layout_range = handle[0], handle[1]
+        # without a hook the receive follows the send at once: this rank's own rows are read in x (one pass)
+        local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
 
         def send() -> tuple:
             return ll_kernels.native_combine(
-                reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out
+                reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct
             )
 
         if return_recv_hook:

@@ -197,6 +197,14 @@ def weighted_sum(
 # low-latency mode's own kernels (ep_core.ll_native, include/ep_core/ll_native.cuh)
 
 
+def local_direct_enabled() -> bool:
+    """``EPKIT_LL_LOCAL_DIRECT`` (ours, default 1): the native kernels' local shortcut without a hook (a rank's own
+    experts read their rows where they lie: one pass instead of two); 0 sends them through the buffer like a peer's."""
+    import os
+
+    return os.environ.get("EPKIT_LL_LOCAL_DIRECT", "1") != "0"
+
+
 def native_supported(inner: Any) -> bool:
     """Whether ``inner``'s storage maps every peer's memory into this process (ipc and the loopback domain): the
     native kernels write straight into the peers' regions."""
@@ -273,9 +281,14 @@ def native_dispatch(
     round_scale: bool,
     use_ue8m0: bool,
     stats: torch.Tensor | None,
-) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """Launch the dispatch send now; returns ``(recv, recv_count, src_info, layout_range, lanes, receive)`` where
-    ``receive()`` launches the receive (on the then-current stream) that fills the outputs."""
+    local_direct: bool = False,
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """Launch the dispatch send now; returns ``(recv, recv_count, src_info, layout_range, lanes, lane_pos,
+    receive)`` where ``receive()`` launches the receive (on the then-current stream) that fills the outputs.
+    ``lane_pos`` [T, K] int32: each (token, first lane of its expert)'s position in this rank's block of the expert
+    (the combine's local shortcut reads it). ``local_direct``: the receive follows the send at once (no hook), so
+    this rank's own experts take their rows from ``x`` (or the FP8 staging) in the receive instead of a message
+    through the buffer: one pass instead of two for the local share."""
     run = _NativeLaunch()
     dev = x.device
     n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
@@ -296,8 +309,9 @@ def native_dispatch(
         payload, pstride = staging, stride
     else:
         payload, pstride = x, h * 2
+    lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
     send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(use_fp8), err, reg.herr.data_ptr()]  # fmt: skip
+            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr()]  # fmt: skip
     run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     if use_fp8:
         q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -318,13 +332,14 @@ def native_dispatch(
 
     def receive() -> None:
         args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
-                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, reg.timeout_ms, err,
-                reg.herr.data_ptr()]  # fmt: skip
-        _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=4 * (n + 1))
+                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
+                idx64, t, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
+        smem = 4 * (n + 1) + (8 * m if local_direct else 0)
+        _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
             stats.add_(recv_count.to(stats.dtype))
 
-    return recv, recv_count, src_info, layout_range, lanes, receive
+    return recv, recv_count, src_info, layout_range, lanes, lane_pos, receive
 
 
 def native_combine(
@@ -336,6 +351,8 @@ def native_combine(
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
     out: torch.Tensor | None,
+    lane_pos: torch.Tensor | None = None,
+    local_direct: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """Launch the combine send now; returns ``(combined, receive)``, ``receive()`` launching the weighted reduction
     into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it)."""
@@ -345,8 +362,9 @@ def native_combine(
     own_half = reg.half_ptr(half)
     x = _vec(x)
     err = reg.own_base
+    local_direct = bool(local_direct) and lane_pos is not None
     send = [x, src_info, lanes, layout_range, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, err, reg.herr.data_ptr()]  # fmt: skip
+            own_half, int(local_direct), err, reg.herr.data_ptr()]  # fmt: skip
     run("ep_lln_combine_send", min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
     t = int(topk_idx.shape[0])
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
@@ -359,12 +377,12 @@ def native_combine(
         chunks = -(-(h // 8) // 256)
         items = t * chunks
         if items:
-            args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, reg.timeout_ms, err,
-                    reg.herr.data_ptr()]  # fmt: skip
+            args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
+                    lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
             _NativeLaunch()("ep_lln_combine_recv", min(items, reg.recv_blocks), 256, args)
         else:  # no token: the kernel still has to see every flag of this call (its epoch)
-            args = [topk, idx64, w, 0, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, reg.timeout_ms, err,
-                    reg.herr.data_ptr()]  # fmt: skip
+            args = [topk, idx64, w, 0, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
+                    lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
             _NativeLaunch()("ep_lln_combine_recv", 1, 256, args)
         if out is not None and not direct:
             out.copy_(dest)
