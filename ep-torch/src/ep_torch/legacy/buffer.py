@@ -16,12 +16,13 @@ graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for 
   bits), ``q = e4m3(x / scale)`` round to nearest even;
 - combine: ``combined[t] = bf16(acc)``, ``acc`` = +0.0 then, for each lane k ascending with an expert,
   ``acc = acc + fp32(y[t, k]) * w[t, k]`` as a separate fp32 multiply and add (no FMA), one bf16 rounding.
-On CUDA where the transport maps the peers' memory (ipc, the loopback domain) low-latency mode runs its own kernels
-(``ll_native``, None = there; ``legacy.ll_kernels.native_*``, ``ep_core.ll_native``): one message per (token, expert)
+With ``ll_native=True`` (ours; opt-in for now, None/False = the adapter), on CUDA where the transport maps the peers'
+memory (ipc, the loopback domain), low-latency mode runs its own kernels (``legacy.ll_kernels.native_*``,
+``ep_core.ll_native``; other transports fall back to the adapter): one message per (token, expert)
 written into the expert's slots on its rank, one per (expert, token) back, the weighted sum in the receive kernel,
 V1's double buffer (every low-latency call uses the other half). ``return_recv_hook=True`` then launches only the
 send on the current stream and returns; ``hook()`` launches the receive on the then-current stream (V1's split: no
-SM waits in between). On the adapter (``ll_native=False``, other transports, the CPU backend)
+SM waits in between). On the adapter (the default, other transports, the CPU backend)
 ``return_recv_hook=True`` issues the work at once on the communication stream and ``hook()`` makes the then-current
 stream wait for it (no data is promised before).
 
@@ -537,24 +538,20 @@ class Buffer:
     def _ensure_ll(
         self, m: int, hidden: int, num_topk: int, num_experts: int = 0, cuda: bool = False
     ) -> ElasticBuffer:
-        """The low-latency inner buffer. Native kernels (``ll_native``, None = on CUDA where the storage maps the
+        """The low-latency inner buffer. Native kernels (``ll_native=True``, on CUDA where the storage maps the
         peers): a buffer whose symmetric data region holds the low-latency region (``ep_core.ll_native``), else the
         adapter's: M tokens, combine rows of K*hidden (see ``legacy.low_latency``). V1's contract (M, hidden, K,
         experts equal on every rank) makes a rebuild collective without a collective to agree first."""
         if self._destroyed:
             raise EPStateError("Buffer: used after destroy(); create a new buffer")
-        native = bool(cuda) and self.ll_native is not False
+        native = bool(cuda) and bool(self.ll_native)
         if native:
             key = ("native", m, hidden, num_topk, num_experts)
             if self._ll_inner is None or self._ll_key != key:
                 self._build_native(m, hidden, num_topk, num_experts, key)
             if self._ll_region is not None:
                 return self._ll_inner  # type: ignore[return-value]
-            if self.ll_native:
-                raise EPValueError(
-                    f"low_latency_dispatch (rank {self.rank}): ll_native=True needs a transport that maps the peers' "
-                    "memory (ipc, loopback)"
-                )
+            # this transport does not map the peers' memory (the same on every rank): the adapter from now on
         key = (m, hidden, num_topk, self.ll_deterministic)
         if self._ll_inner is None or self._ll_key != key:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
