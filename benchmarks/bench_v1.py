@@ -248,11 +248,35 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
         return v2[r].combine(rx, handle)
 
     row("v2 dispatch+combine bf16", v2_step)
+    if (
+        not cpu
+    ):  # V2's zero-copy roads: dispatch outputs read in the receive regions, combine inputs written there
+
+        def v2_dispatch_zc(r):
+            x, idx, w = inp[r]
+            return v2[r].dispatch(
+                x, topk_idx=idx, topk_weights=w, num_experts=e, do_cpu_sync=False, zero_copy=True
+            )
+
+        ctx.each(v2_dispatch_zc)
+        row("v2 dispatch bf16 zero-copy", v2_dispatch_zc)
+        try:
+            d2 = dict(zip(R, ctx.each(v2_dispatch)))
+            zbufs = {r: v2[r].get_combine_buffer(d2[r][3]) for r in R}
+            for r in R:
+                zbufs[r][: d2[r][0].shape[0]].copy_(d2[r][0])
+            ctx.each(lambda r: v2[r].combine(zbufs[r], d2[r][3], zero_copy=True))
+            row("v2 combine zero-copy", lambda r: v2[r].combine(zbufs[r], d2[r][3], zero_copy=True))
+        except Exception as exc:
+            failures.append(f"{who}: v2 combine zero-copy: {type(exc).__name__}: {str(exc)[:300]}")
     ctx.barrier()
     ctx.each(lambda r: v2[r].destroy())
 
+    if not cpu:
+        _measure_native(torch, ctx, cfg, inp, row, failures, who)
+
     v1 = dict(zip(R, ctx.v1(0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
-                            num_qps_per_rank=epr)))  # fmt: skip
+                            num_qps_per_rank=epr, ll_native=False)))  # fmt: skip
 
     def setall(**kw):
         for b in v1.values():
@@ -384,6 +408,127 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
         ctx.barrier()
         ctx.each(lambda r: v1[r].destroy())
     return rows, failures
+
+
+def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: str) -> None:
+    """V1 low-latency mode on its own kernels (``ll_native=True``, ``legacy.ll_kernels.native_*``): dispatch bf16 /
+    FP8, the combine (bitwise against ll_combine_reference), the decode step, and the step with the hook split
+    (dispatch send, a stand-in expert GEMM, hook, combine send, hook) against the same step without the split."""
+    import numpy as np
+    from ep_torch.legacy import Buffer
+    from ep_torch.legacy.reference import ll_combine_reference
+
+    n, R = ctx.n, ctx.ranks
+    t, h, e, k = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]
+    epr = e // n
+    v1 = dict(zip(R, ctx.v1(0, Buffer.get_low_latency_rdma_size_hint(t, h, n, e), low_latency_mode=True,
+                            num_qps_per_rank=epr, ll_native=True)))  # fmt: skip
+    all_idx = torch.cat([_inputs(torch, s, cfg, "cpu")[1] for s in range(n)]).flatten()
+    want_counts = torch.bincount(all_idx[all_idx >= 0], minlength=e).to(torch.int32)
+
+    def disp(r, fp8=False, hook=False):
+        x, idx, _ = inp[r]
+        return v1[r].low_latency_dispatch(x, idx, t, e, use_fp8=fp8, return_recv_hook=hook)
+
+    try:
+        for fp8 in (False, True):
+            outs = ctx.each(lambda r, fp8=fp8: disp(r, fp8))
+            for r, out in zip(R, outs):
+                if not torch.equal(out[1].cpu(), want_counts[r * epr : (r + 1) * epr]):
+                    failures.append(f"rank {r}: v1 ll_dispatch native fp8={fp8}: recv_count is wrong")
+            row(f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} native", lambda r, fp8=fp8: disp(r, fp8))
+        state, refs = {}, {}
+        for r, out in zip(R, ctx.each(disp)):
+            state[r] = (out[0].clone(), out[2])
+            x, idx, w = inp[r]
+            xb = x.cpu().view(torch.int16).numpy().view(np.uint16)
+            refs[r] = ll_combine_reference(
+                np.repeat(xb[:, None, :], k, axis=1), idx.cpu().numpy(), w.cpu().numpy()
+            )
+
+        def comb(r):
+            _, idx, w = inp[r]
+            return v1[r].low_latency_combine(state[r][0], idx, w, state[r][1])[0]
+
+        for r, c in zip(R, ctx.each(comb)):
+            if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
+                failures.append(f"rank {r}: v1 ll_combine native differs from ll_combine_reference")
+        row("v1 ll_combine native", comb)
+        # the same without the local shortcut: a rank's own rows through the buffer like a peer's (two passes)
+        os.environ["EPKIT_LL_LOCAL_DIRECT"] = "0"
+        try:
+            for fp8 in (False, True):
+                row(
+                    f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} native no-local",
+                    lambda r, fp8=fp8: disp(r, fp8),
+                )
+            for r, c in zip(R, ctx.each(comb)):
+                if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
+                    failures.append(
+                        f"rank {r}: v1 ll_combine native no-local differs from ll_combine_reference"
+                    )
+            row("v1 ll_combine native no-local", comb)
+        finally:
+            os.environ.pop("EPKIT_LL_LOCAL_DIRECT", None)
+        wmat = torch.randn(h, h, dtype=torch.bfloat16, device=inp[R[0]][0].device) / 64
+
+        def gemm(r):  # the stand-in expert compute between dispatch and combine
+            return inp[r][0] @ wmat
+
+        # its kernels loaded before any rank's call: a lazy load inside a loopback rank's call could wait for the
+        # kernels of the ranks before it (ep_torch.loopback)
+        gemm(R[0])
+        torch.cuda.synchronize()
+
+        def step(r):
+            _, idx, w = inp[r]
+            recv, _, handle, _, _ = disp(r)
+            gemm(r)
+            return v1[r].low_latency_combine(recv, idx, w, handle)[0]
+
+        hooks: dict = {}
+
+        def step_hook_send(r):
+            recv, _, handle, _, hk = disp(r, hook=True)
+            hooks[r] = (recv, handle, hk)
+
+        def step_hook_rest(r):
+            _, idx, w = inp[r]
+            gemm(r)
+            recv, handle, hk = hooks[r]
+            hk()
+            c, _, hk2 = v1[r].low_latency_combine(recv, idx, w, handle, return_recv_hook=True)
+            hk2()
+            return c
+
+        each = ctx.each  # _row_whole replaces ctx.each while it times this
+
+        def step_hook_all():  # every rank's send first (each rank's receive is then deferred past its GEMM)
+            each(step_hook_send)
+            return each(step_hook_rest)
+
+        for r, c in zip(R, ctx.each(step)):
+            if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
+                failures.append(f"rank {r}: v1 ll step native differs from ll_combine_reference")
+        row("v1 ll dispatch+gemm+combine native", step)
+        for r, c in zip(R, step_hook_all()):
+            if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
+                failures.append(f"rank {r}: v1 ll step native (hook) differs from ll_combine_reference")
+        _row_whole(torch, ctx, row, "v1 ll dispatch+gemm+combine native hook split", step_hook_all, cfg)
+        ctx.barrier()
+        ctx.each(lambda r: v1[r].destroy())
+    except Exception as exc:
+        failures.append(f"{who}: v1 native: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+def _row_whole(torch, ctx, row, op: str, fn, cfg: dict) -> None:
+    """``row`` for a function of all ranks at once (``fn()`` once per timed iteration instead of once per rank)."""
+    saved = ctx.each
+    try:
+        ctx.each = lambda f: fn()
+        row(op, None)
+    finally:
+        ctx.each = saved
 
 
 def _rank(rank: int, n: int, cfg: dict, out_path: str) -> None:

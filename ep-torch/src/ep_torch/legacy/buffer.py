@@ -16,9 +16,15 @@ graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for 
   bits), ``q = e4m3(x / scale)`` round to nearest even;
 - combine: ``combined[t] = bf16(acc)``, ``acc`` = +0.0 then, for each lane k ascending with an expert,
   ``acc = acc + fp32(y[t, k]) * w[t, k]`` as a separate fp32 multiply and add (no FMA), one bf16 rounding.
-``return_recv_hook=True`` issues the work at once on the communication stream and returns; ``hook()`` makes the
-then-current stream wait for it (no data is promised before). The caller's stream and the host are free meanwhile;
-ep's kernels still occupy their SMs until the peers' data has arrived (no separate receive kernel).
+With ``ll_native=True`` (ours; opt-in for now, None/False = the adapter), on CUDA where the transport maps the peers'
+memory (ipc, the loopback domain), low-latency mode runs its own kernels (``legacy.ll_kernels.native_*``,
+``ep_core.ll_native``; other transports fall back to the adapter): one message per (token, expert)
+written into the expert's slots on its rank, one per (expert, token) back, the weighted sum in the receive kernel,
+V1's double buffer (every low-latency call uses the other half). ``return_recv_hook=True`` then launches only the
+send on the current stream and returns; ``hook()`` launches the receive on the then-current stream (V1's split: no
+SM waits in between). On the adapter (the default, other transports, the CPU backend)
+``return_recv_hook=True`` issues the work at once on the communication stream and ``hook()`` makes the then-current
+stream wait for it (no data is promised before).
 
 Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
 ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
@@ -41,6 +47,9 @@ Collective safety (``ep_core.rank_state``): every operation checks its arguments
 tells its peers in their pending step (they raise ``EPPeerError`` naming it), a normal dispatch's one host exchange
 carries an envelope (ranks that disagree all raise ``EPMismatchError``), and after a disagreement, a timeout or a
 lost peer every operation is refused until ``reset()`` (ours, a collective) on every rank.
+
+The adapter's keywords (``ll_lanes_per_combine``, ``ll_use_kernels``, ``ll_deterministic``, ``ll_combine_num_sms``,
+``ll_zero_copy``) do not apply to the native kernels.
 """
 
 from __future__ import annotations
@@ -268,6 +277,7 @@ class Buffer:
         ll_deterministic: bool = True,
         ll_combine_num_sms: int = 0,
         ll_zero_copy: bool | None = None,
+        ll_native: bool | None = None,
         num_cpu_timeout_secs: float | None = None,
     ) -> None:
         if num_cpu_timeout_secs is None:
@@ -302,6 +312,8 @@ class Buffer:
         self.ll_deterministic = bool(ll_deterministic)
         self.ll_combine_num_sms = int(ll_combine_num_sms)
         self.ll_zero_copy = None if ll_zero_copy is None else bool(ll_zero_copy)
+        self.ll_native = None if ll_native is None else bool(ll_native)
+        self._ll_region: Any = None  # legacy.ll_kernels.NativeRegion when the native kernels run
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
         self._destroyed = False
@@ -852,11 +864,23 @@ class Buffer:
     # ----------------------------------------------------------------------------------------------------------------
     # low-latency mode
 
-    def _ensure_ll(self, m: int, hidden: int, num_topk: int) -> ElasticBuffer:
-        """The low-latency inner buffer: M tokens, combine rows of K*hidden (see ``legacy.low_latency``). V1's contract (M,
-        hidden, K equal on every rank) makes a rebuild collective without a collective to agree first."""
+    def _ensure_ll(
+        self, m: int, hidden: int, num_topk: int, num_experts: int = 0, cuda: bool = False
+    ) -> ElasticBuffer:
+        """The low-latency inner buffer. Native kernels (``ll_native=True``, on CUDA where the storage maps the
+        peers): a buffer whose symmetric data region holds the low-latency region (``ep_core.ll_native``), else the
+        adapter's: M tokens, combine rows of K*hidden (see ``legacy.low_latency``). V1's contract (M, hidden, K,
+        experts equal on every rank) makes a rebuild collective without a collective to agree first."""
         if self._destroyed:
             raise EPStateError("Buffer: used after destroy(); create a new buffer")
+        native = bool(cuda) and bool(self.ll_native)
+        if native:
+            key = ("native", m, hidden, num_topk, num_experts)
+            if self._ll_inner is None or self._ll_key != key:
+                self._build_native(m, hidden, num_topk, num_experts, key)
+            if self._ll_region is not None:
+                return self._ll_inner  # type: ignore[return-value]
+            # this transport does not map the peers' memory (the same on every rank): the adapter from now on
         key = (m, hidden, num_topk, self.ll_deterministic)
         if self._ll_inner is None or self._ll_key != key:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -880,7 +904,49 @@ class Buffer:
                 explicitly_destroy=True,
             )
             self._ll_key = key
+            self._ll_region = None
         return self._ll_inner
+
+    def _build_native(self, m: int, hidden: int, num_topk: int, num_experts: int, key: tuple) -> None:
+        """A new inner buffer sized for the native low-latency region (a collective), and the region over it."""
+        from ep_core import ll_native
+
+        from . import ll_kernels
+
+        if torch.cuda.is_current_stream_capturing():
+            raise EPStateError(
+                f"low_latency_dispatch (rank {self.rank}): the first call with num_max_dispatch_tokens_per_rank="
+                f"{m}, hidden={hidden}, num_topk={num_topk} builds the buffer (a collective): run it once before "
+                "CUDA-graph capture"
+            )
+        n = self.group_size
+        if num_topk > ll_native.MAX_TOPK:
+            raise EPValueError(
+                f"low_latency_dispatch (rank {self.rank}): num_topk={num_topk} > {ll_native.MAX_TOPK} (the native "
+                "kernels' lane limit; DeepEP V1 accepts at most 11)"
+            )
+        if 8 * m > 48 * 1024:
+            raise EPValueError(
+                f"low_latency_dispatch (rank {self.rank}): num_max_dispatch_tokens_per_rank={m} > 6144 (the native "
+                "send kernel lists a block's tokens in shared memory)"
+            )
+        lay = ll_native.region_layout(num_experts // n, n, num_experts, m, num_topk, hidden)
+        num_bytes = -(-lay.total_bytes // (2 << 20)) * (2 << 20)
+        if self._ll_inner is not None:
+            self._ll_inner.destroy()
+            self._ll_inner = None
+        ll_kernels.preload()
+        self._ll_inner = self._new_inner(num_bytes=num_bytes, explicitly_destroy=True)
+        self._ll_key = key
+        if ll_kernels.native_supported(self._ll_inner):
+            self._ll_region = ll_kernels.NativeRegion(
+                self._ll_inner, self.rank, n, num_experts, m, num_topk, hidden
+            )
+        else:
+            self._ll_region = None
+            self._ll_inner.destroy()
+            self._ll_inner, self._ll_key = None, None
+            self.ll_native = False  # this transport: the adapter from now on
 
     def _on_comm(
         self, cuda: bool, async_finish: bool, return_recv_hook: bool, inputs: tuple, fn: Any
@@ -963,7 +1029,12 @@ class Buffer:
             raise EPValueError(
                 f"cumulative_local_expert_recv_stats (rank {self.rank}): must be [{num_experts // self.group_size}]"
             )
-        inner = self._ensure_ll(m, h, int(topk_idx.shape[1]))
+        inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), x.is_cuda)
+        if self._ll_region is not None:
+            return self._native_dispatch(
+                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                use_ue8m0, async_finish, return_recv_hook,
+            )  # fmt: skip
 
         zero_copy = self.ll_zero_copy
         if zero_copy is None:  # where the inner buffer offers it: its rows are read before its next operation
@@ -1012,7 +1083,10 @@ class Buffer:
             )
         self._check_handle("low_latency_combine", handle, self._ll_build)
         inner = self._ll_inner
-        if inner is None or handle.ep_handle is None or self._destroyed:
+        stale = (
+            handle.native[0] is not self._ll_region if handle.native is not None else handle.ep_handle is None
+        )
+        if inner is None or stale or self._destroyed:
             raise EPStateError("low_latency_combine: the buffer was destroyed or rebuilt since this dispatch")
         if zero_copy and x is None:
             x = self._ll_combine_buffers[self._ll_idx]
@@ -1033,14 +1107,18 @@ class Buffer:
                 f"{tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)} {topk_weights.dtype}"
             )
         t = int(topk_idx.shape[0])
-        if t != int(handle.ep_handle.num_tokens):
+        if t != handle.num_tokens:
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): topk_idx has {t} tokens, the dispatch had "
-                f"{int(handle.ep_handle.num_tokens)}"
+                f"{handle.num_tokens}"
             )
         if out is not None and (tuple(out.shape) != (t, hidden) or out.dtype != torch.bfloat16):
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): out must be [{t}, {hidden}] bfloat16"
+            )
+        if handle.native is not None:
+            return self._native_combine(
+                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook
             )
 
         def run() -> torch.Tensor:
@@ -1051,12 +1129,98 @@ class Buffer:
 
         return self._on_comm(x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, topk_weights, out), run)
 
+    def _native_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        m: int,
+        num_experts: int,
+        stats: torch.Tensor | None,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        async_finish: bool,
+        return_recv_hook: bool,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
+        """The native kernels (``legacy.ll_kernels.native_dispatch``): the send now; the receive now too, or, with
+        ``return_recv_hook``, when ``hook()`` is called (on the then-current stream: V1's split)."""
+        from . import ll_kernels
+
+        reg = self._ll_region
+        reg.check("low_latency_dispatch")
+        h = int(x.shape[1])
+
+        local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
+
+        def send() -> tuple:
+            recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
+                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct
+            )
+            handle = LowLatencyHandle(
+                (src_info, layout_range, m, h, num_experts), None, None, None,
+                native=(reg, lanes, lane_pos), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
+            )  # fmt: skip
+            return (recv, count, handle), receive
+
+        if return_recv_hook:
+            (recv, count, handle), receive = send()
+            event = EventOverlap(EventHandle()) if async_finish else EventOverlap(None)
+            return recv, count, handle, event, receive
+
+        def run() -> tuple:
+            out, receive = send()
+            receive()
+            return out
+
+        (recv, count, handle), event, _ = self._on_comm(True, async_finish, False, (x, topk_idx, stats), run)
+        return recv, count, handle, event, None
+
+    def _native_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        out: torch.Tensor | None,
+        async_finish: bool,
+        return_recv_hook: bool,
+    ) -> tuple[torch.Tensor, EventOverlap, Any]:
+        from . import ll_kernels
+
+        reg, lanes, lane_pos = handle.native
+        reg.check("low_latency_combine")
+        src_info, layout_range = handle[0], handle[1]
+        # without a hook the receive follows the send at once: this rank's own rows are read in x (one pass)
+        local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
+
+        def send() -> tuple:
+            return ll_kernels.native_combine(
+                reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct
+            )
+
+        if return_recv_hook:
+            combined, receive = send()
+            event = EventOverlap(EventHandle()) if async_finish else EventOverlap(None)
+            return combined, event, receive
+
+        def run() -> torch.Tensor:
+            combined, receive = send()
+            receive()
+            return combined
+
+        combined, event, _ = self._on_comm(True, async_finish, False, (x, topk_idx, topk_weights, out), run)
+        return combined, event, None
+
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
-        """A combine input of the packed shape, alternating between two buffers like V1 (ep copies from it like any
-        other input: ``zero_copy`` saves nothing here)."""
+        """A combine input of the packed shape, one per buffer half like V1: the half the next low-latency call
+        uses (native kernels; the adapter alternates). The native combine's send reads its input where it lies and
+        writes each row straight to its token's rank, so ``zero_copy`` saves nothing more than any input does."""
         src_info, _, _, h, _ = handle
         epr, slots = src_info.shape
-        self._ll_idx ^= 1
+        if self._ll_region is not None:
+            self._ll_idx = self._ll_region.next_half
+        else:
+            self._ll_idx ^= 1
         buf = self._ll_combine_buffers[self._ll_idx]
         if buf is None or tuple(buf.shape) != (epr, slots, h):
             buf = torch.zeros(epr, slots, h, dtype=torch.bfloat16, device=src_info.device)
@@ -1066,8 +1230,9 @@ class Buffer:
     def clean_low_latency_buffer(
         self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
     ) -> None:
-        """ep's workspace is zero between operations (nothing to clean when switching modes); the zero-copy buffers
-        are cleared."""
+        """ep's workspace is zero between operations (nothing to clean when switching modes), and the native
+        kernels' flags carry the epoch of the call that wrote them (never cleaned); the zero-copy buffers are
+        cleared."""
         for b in self._ll_combine_buffers:
             if b is not None:
                 b.zero_()

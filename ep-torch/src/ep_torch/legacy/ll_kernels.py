@@ -36,8 +36,11 @@ def get_include() -> str:
 
 
 def preload() -> None:
-    """Compile and load the kernels on the current device now (``ep_core.ll_pack.load``)."""
+    """Compile and load the kernels on the current device now (``ep_core.ll_pack.load``, ``ep_core.ll_native.load``)."""
+    from ep_core import ll_native
+
     ll_pack.load(torch.cuda.current_device())
+    ll_native.load(torch.cuda.current_device())
 
 
 class _Launch:
@@ -188,3 +191,210 @@ def weighted_sum(
     args = [_vec(y), h, topk_idx.contiguous(), _idx64(topk_idx, "low_latency_combine: topk_idx"),
             topk_weights.contiguous(), k, lane0, lanes, acc, int(first), int(last), out]  # fmt: skip
     _Launch()("ep_ll_weighted_sum", (-(-vecs // 128), t), 128, args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# low-latency mode's own kernels (ep_core.ll_native, include/ep_core/ll_native.cuh)
+
+
+def local_direct_enabled() -> bool:
+    """``EPKIT_LL_LOCAL_DIRECT`` (ours, default 1): the native kernels' local shortcut without a hook (a rank's own
+    experts read their rows where they lie: one pass instead of two); 0 sends them through the buffer like a peer's."""
+    import os
+
+    return os.environ.get("EPKIT_LL_LOCAL_DIRECT", "1") != "0"
+
+
+def native_supported(inner: Any) -> bool:
+    """Whether ``inner``'s storage maps every peer's memory into this process (ipc and the loopback domain): the
+    native kernels write straight into the peers' regions."""
+    try:
+        storage = inner._rt().storage
+    except Exception:  # a destroyed buffer
+        return False
+    return hasattr(storage, "peer_bases") and getattr(storage, "array_device", "cuda") == "cuda"
+
+
+class NativeRegion:
+    """One rank's low-latency region at the front of its inner buffer's symmetric data region (``num_bytes`` of
+    ``ll_native.region_layout``): the peers' bases as a device table, the host-mapped timeout record, the half the
+    next call uses (V1's double buffer: every dispatch and every combine toggles it) and the grids (the receive
+    kernels, which wait for peers, keep to this rank's share of the SMs so that every rank sharing the GPU fits)."""
+
+    def __init__(
+        self, inner: Any, rank: int, num_ranks: int, num_experts: int, m: int, num_topk: int, hidden: int
+    ) -> None:
+        from ep_core import ll_native
+
+        rt = inner._rt()
+        self.inner = inner
+        self.rank, self.num_ranks, self.num_experts = int(rank), int(num_ranks), int(num_experts)
+        self.epr = num_experts // num_ranks
+        self.m, self.num_topk, self.hidden = int(m), int(num_topk), int(hidden)
+        self.layout = ll_native.region_layout(self.epr, num_ranks, num_experts, m, num_topk, hidden)
+        if int(rt.data.nbytes) < self.layout.total_bytes:
+            raise EPValueError(
+                f"low-latency region: {self.layout.total_bytes} bytes needed, the buffer's data region has "
+                f"{int(rt.data.nbytes)}"
+            )
+        bases = [int(b) + int(rt.num_workspace_bytes) for b in rt.storage.peer_bases(num_ranks)]
+        self.own_base = bases[self.rank]
+        dev = torch.device("cuda", torch.cuda.current_device())
+        self.peers = torch.tensor(bases, dtype=torch.int64, device=dev)
+        self.herr = torch.zeros(4, dtype=torch.int32).pin_memory()  # host mapped: read without a sync
+        self.timeout_ms = max(1, min(int(float(rt.config.num_gpu_timeout_secs) * 1000), (1 << 31) - 1))
+        sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+        devices = getattr(rt.storage, "rank_devices", None) or []
+        here = sum(1 for d in devices if d == devices[self.rank]) if len(devices) > self.rank else 1
+        # ranks sharing the GPU: every rank's spinning receive fits at once with room left for the sends it waits for
+        self.recv_blocks = 2 * sms if here <= 1 else max(1, sms // here)
+        self.send_blocks = 2 * sms
+        self.next_half = 0
+
+    def take_half(self) -> int:
+        h = self.next_half
+        self.next_half ^= 1
+        return h
+
+    def half_ptr(self, half: int) -> int:
+        return self.own_base + self.layout.half_offset(half)
+
+    def check(self, op: str) -> None:
+        """Raise the timeout a receive kernel recorded (host-mapped words, no sync); sticky."""
+        if int(self.herr[0]) != 0:
+            from ep_core.errors import EPTimeoutError
+
+            rank, peer, tag = (int(v) for v in self.herr[1:4])
+            what = "low_latency_dispatch counts" if tag == 1 else "low_latency_combine flags"
+            raise EPTimeoutError(
+                rank, what, peer, None,
+                f"{op} (rank {rank}): timed out waiting for rank {peer} ({what}); the low-latency region is "
+                "unusable until the buffer is rebuilt",
+            )  # fmt: skip
+
+
+def native_dispatch(
+    reg: NativeRegion,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+    stats: torch.Tensor | None,
+    local_direct: bool = False,
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """Launch the dispatch send now; returns ``(recv, recv_count, src_info, layout_range, lanes, lane_pos,
+    receive)`` where ``receive()`` launches the receive (on the then-current stream) that fills the outputs.
+    ``lane_pos`` [T, K] int32: each (token, first lane of its expert)'s position in this rank's block of the expert
+    (the combine's local shortcut reads it). ``local_direct``: the receive follows the send at once (no hook), so
+    this rank's own experts take their rows from ``x`` (or the FP8 staging) in the receive instead of a message
+    through the buffer: one pass instead of two for the local share."""
+    run = _NativeLaunch()
+    dev = x.device
+    n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
+    slots = n * m
+    half = reg.take_half()
+    own_half = reg.half_ptr(half)
+    x = _vec(x)
+    topk = topk_idx.contiguous()
+    idx64 = _idx64(topk, "low_latency_dispatch: topk_idx")
+    t = int(x.shape[0])
+    err = reg.own_base  # the region's front: the device error word
+    groups = h // 128
+    if use_fp8:  # cast once per token (the send then copies each token's FP8 row and scales to its experts)
+        stride = -(-(h + 4 * groups) // 16) * 16
+        staging = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
+        if t:
+            run("ep_lln_cast_fp8", t, 256, [x, h, int(round_scale), staging, stride])
+        payload, pstride = staging, stride
+    else:
+        payload, pstride = x, h * 2
+    lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
+    send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
+            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr()]  # fmt: skip
+    run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
+    if use_fp8:
+        q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
+        if use_ue8m0:
+            s_store = torch.empty(epr, groups // 4, slots, dtype=torch.int32, device=dev)
+        else:
+            s_store = torch.empty(epr, groups, slots, dtype=torch.float32, device=dev)
+        out: Any = q
+        recv: Any = (q, s_store.transpose(1, 2))
+    else:
+        out = s_store = None
+        recv = out = torch.empty(epr, slots, h, dtype=torch.bfloat16, device=dev)
+    src_info = torch.empty(epr, slots, dtype=torch.int32, device=dev)
+    lanes = torch.empty(epr, slots, dtype=torch.int32, device=dev)
+    recv_count = torch.empty(epr, dtype=torch.int32, device=dev)
+    layout_range = torch.empty(epr, n, dtype=torch.int64, device=dev)
+    in_kernel = stats is not None and stats.dtype == torch.int32 and stats.is_contiguous() and stats.is_cuda
+
+    def receive() -> None:
+        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
+                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
+                idx64, t, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
+        smem = 4 * (n + 1) + (8 * m if local_direct else 0)
+        _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
+        if stats is not None and not in_kernel:
+            stats.add_(recv_count.to(stats.dtype))
+
+    return recv, recv_count, src_info, layout_range, lanes, lane_pos, receive
+
+
+def native_combine(
+    reg: NativeRegion,
+    x: torch.Tensor,
+    src_info: torch.Tensor,
+    lanes: torch.Tensor,
+    layout_range: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor | None,
+    lane_pos: torch.Tensor | None = None,
+    local_direct: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """Launch the combine send now; returns ``(combined, receive)``, ``receive()`` launching the weighted reduction
+    into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it)."""
+    run = _NativeLaunch()
+    n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
+    half = reg.take_half()
+    own_half = reg.half_ptr(half)
+    x = _vec(x)
+    err = reg.own_base
+    local_direct = bool(local_direct) and lane_pos is not None
+    send = [x, src_info, lanes, layout_range, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
+            own_half, int(local_direct), err, reg.herr.data_ptr()]  # fmt: skip
+    run("ep_lln_combine_send", min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
+    t = int(topk_idx.shape[0])
+    direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
+    dest = out if direct else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+    topk = topk_idx.contiguous()
+    w = topk_weights.contiguous()
+    idx64 = _idx64(topk, "low_latency_combine: topk_idx")
+
+    def receive() -> None:
+        chunks = -(-(h // 8) // 256)
+        items = t * chunks
+        if items:
+            args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
+                    lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
+            _NativeLaunch()("ep_lln_combine_recv", min(items, reg.recv_blocks), 256, args)
+        else:  # no token: the kernel still has to see every flag of this call (its epoch)
+            args = [topk, idx64, w, 0, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
+                    lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
+            _NativeLaunch()("ep_lln_combine_recv", 1, 256, args)
+        if out is not None and not direct:
+            out.copy_(dest)
+
+    return (out if out is not None else dest), receive
+
+
+class _NativeLaunch(_Launch):
+    def __call__(self, name: str, grid: Any, block: int, args: list, shared_mem: int = 0) -> None:
+        from ep_core import ll_native
+
+        values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+        ll_native.launch(
+            name, grid, block, values, device=self.device, stream=self.stream, shared_mem=shared_mem
+        )

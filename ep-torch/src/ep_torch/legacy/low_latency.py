@@ -44,20 +44,34 @@ class LowLatencyHandle(tuple):
     """V1's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``:
     ``src_info`` [E_local, N*M] int32 (source token of each packed row, -1 where no row was written), ``layout_range``
     [E_local, N] int64 ((offset << 32) | count of each source rank's block, V1's packing). The attributes drive
-    combine: ``ep_handle`` (ep's handle), ``lane_slot`` [N*M, K] (packed slot of each received row's lane, the dump
-    slot ``E_local*N*M`` for lanes not here), ``lane_ok`` [N*M, K] bool."""
+    combine: on the adapter ``ep_handle`` (ep's handle), ``lane_slot`` [N*M, K] (packed slot of each received row's
+    lane, the dump slot ``E_local*N*M`` for lanes not here), ``lane_ok`` [N*M, K] bool; on the native kernels
+    ``native`` = (the rank's region, the top-k lane of each packed row), ``ep_handle`` None."""
 
     ep_handle: Any
-    lane_slot: torch.Tensor
-    lane_ok: torch.Tensor
+    lane_slot: Any
+    lane_ok: Any
     num_topk: int
+    num_tokens: int
+    native: Any
 
     def __new__(
-        cls, items: tuple, ep_handle: Any, lane_slot: torch.Tensor, lane_ok: torch.Tensor
+        cls,
+        items: tuple,
+        ep_handle: Any,
+        lane_slot: Any,
+        lane_ok: Any,
+        *,
+        native: Any = None,
+        num_topk: int = 0,
+        num_tokens: int = -1,
     ) -> LowLatencyHandle:
         obj = super().__new__(cls, items)
         obj.ep_handle, obj.lane_slot, obj.lane_ok = ep_handle, lane_slot, lane_ok
-        obj.num_topk = int(lane_slot.shape[1])
+        obj.num_topk = int(num_topk) if lane_slot is None else int(lane_slot.shape[1])
+        obj.num_tokens = int(num_tokens) if ep_handle is None else int(getattr(ep_handle, "num_tokens", -1))
+        # the native kernels' state (legacy.ll_kernels): (region, lanes [E_local, N*M] int32) (ep_handle None)
+        obj.native = native
         return obj
 
 

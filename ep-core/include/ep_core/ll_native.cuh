@@ -1,0 +1,522 @@
+// SPDX-License-Identifier: Apache-2.0
+// V1 low-latency mode's own kernels over ep's symmetric memory (ep_core.ll_native compiles and launches them for
+// ep_torch.legacy.ll_kernels; framework-agnostic: pointers and ints only). A peer's byte is reached like every ep
+// kernel reaches it (transport.cuh's ipc concept): `peers[p] + (local address - own_base)`, `peers` the device table
+// of every rank's data base as mapped in this process (ep-symmem's VMM mappings, or the loopback domain's N
+// allocations of one process).
+//
+// The symmetric LL region (per rank, two halves; a call uses one half, the next call the other, V1's double buffer):
+//   half = [ctrl 64 B | dispatch flags int64 [E_local][N] | combine flags int64 [E] | dispatch slots
+//           [E_local][N][M] x msg | combine slots [M][K] x hidden bf16]
+//   msg = 16-byte header (source token, lane) + payload (bf16 row, or FP8 row then fp32 scales [hidden / 128])
+//   ctrl: int32 [0] dispatch epoch, [1] combine epoch, [2] dispatch done blocks, [3] combine done blocks
+// A flag carries the epoch of the call that wrote it: a receiver waits for `epoch + 1` (dispatch: in the high 32
+// bits, the count in the low 32), so no flag is ever cleaned; the receive kernel's last block advances the local
+// epoch. All ranks run the same sequence of calls, so their epochs agree. Fixed shapes, counts read on the GPU:
+// capturable in a CUDA graph.
+//
+// Dispatch: send (one block per global expert, grid-stride): the source tokens selecting the expert (first lane
+//   with it; duplicates are one message) in ascending token order, each message written straight into its slot
+//   (expert, this rank, position) on the expert's rank, FP8 cast in the kernel; then the count flag with release
+//   semantics. Receive (one block per local expert): waits for the N counts, packs the rows contiguously in source
+//   rank order (V1's `recv_x[e, :recv_count[e]]`), fills src_info, the lanes (for combine), layout_range,
+//   recv_count and cumulative stats.
+// Combine: send (one block per local expert): each packed row written straight into its token's lane slot on the
+//   token's home rank, then the expert's flag there. Receive (per token and channel chunk): waits for the flags of
+//   the token's experts, then acc = +0, acc = acc + fp32(y_k) * w_k for each lane k ascending with an expert
+//   (separate correctly rounded multiply and add), one bf16 rounding: legacy.reference's numerics.
+// Waits are bounded by `timeout_ms` (%globaltimer): a wait that expires raises the device word `err[0]` (every
+// later kernel that sees it returns at once, outputs left undefined) and writes (1, rank, peer, tag) to the host
+// mapped `herr` words (the host raises EPTimeoutError at its next call, without a sync).
+#pragma once
+
+#include "ll_pack.cuh"
+
+namespace ep_lln {
+
+struct Layout {
+  int64_t ctrl, dflag, cflag, ddata, cdata, half_bytes, msg;
+
+  __host__ __device__ Layout(int epr, int num_ranks, int num_experts, int m, int num_topk, int hidden) {
+    msg = 16 + ((int64_t)hidden * 2 + 15) / 16 * 16;
+    ctrl = 0;
+    dflag = 64;
+    cflag = dflag + (int64_t)epr * num_ranks * 8;
+    ddata = (cflag + (int64_t)num_experts * 8 + 127) / 128 * 128;
+    cdata = ddata + (int64_t)epr * num_ranks * m * msg;
+    half_bytes = (cdata + (int64_t)m * num_topk * hidden * 2 + 4095) / 4096 * 4096;
+  }
+};
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* p) {
+  int64_t v;
+  asm volatile("ld.acquire.sys.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
+  asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ int ld_volatile(const volatile int* p) { return *p; }
+
+// Spin until (*flag >> shift) >= want (shift 32: dispatch, the epoch in the high half). One thread. False after
+// timeout (recorded in err) or when err was already raised.
+__device__ inline bool wait_flag(const int64_t* flag, int64_t want, int shift, int timeout_ms, int* err,
+                                 volatile int* herr, int rank, int peer, int tag, int64_t* seen) {
+  const uint64_t start = now_ns();
+  for (uint32_t it = 0;; ++it) {
+    const int64_t v = ld_acquire_sys(flag);
+    if ((v >> shift) >= want) {
+      *seen = v;
+      return true;
+    }
+    if ((it & 255u) == 255u) {
+      if (*reinterpret_cast<volatile int*>(err) != 0) return false;
+      if (now_ns() - start > (uint64_t)timeout_ms * 1000000ull) {
+        if (atomicCAS(err, 0, 1) == 0 && herr != nullptr) {
+          herr[1] = rank;
+          herr[2] = peer;
+          herr[3] = tag;
+          __threadfence_system();
+          herr[0] = 1;
+          __threadfence_system();
+        }
+        return false;
+      }
+    }
+  }
+}
+
+// The block's "I am done with this call's flags" vote; the last block advances the epoch and resets the count.
+__device__ inline void finish_epoch(int* ctrl, int which) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int total = gridDim.x * gridDim.y;
+    if (atomicAdd(&ctrl[2 + which], 1) == total - 1) {
+      ctrl[2 + which] = 0;
+      ctrl[which] = ctrl[which] + 1;
+      __threadfence();
+    }
+  }
+}
+
+__device__ __forceinline__ uint8_t* peer_addr(const uint64_t* peers, int p, const uint8_t* own_base,
+                                              const uint8_t* local) {
+  return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(peers[p] + (uint64_t)(local - own_base)));
+}
+
+}  // namespace ep_lln
+
+// The tokens selecting expert g, in ascending order (a lane's first occurrence: duplicates are one message), listed
+// into s_list[0..count) (tokens) and s_list[m..m+count) (their first lane) by a block-wide prefix. All threads.
+__device__ inline int ep_lln_list_tokens(const void* topk, int idx64, int num_tokens, int num_topk, int64_t g,
+                                         int m, int* s_list, int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int running = 0;
+  for (int t0 = 0; t0 < num_tokens; t0 += blockDim.x) {
+    const int t = t0 + threadIdx.x;
+    int first = -1;
+    if (t < num_tokens) {
+      if (idx64) {
+        const int64_t* row = static_cast<const int64_t*>(topk) + (int64_t)t * num_topk;
+        for (int k = num_topk - 1; k >= 0; --k) first = row[k] == g ? k : first;
+      } else {
+        const int32_t* row = static_cast<const int32_t*>(topk) + (int64_t)t * num_topk;
+        for (int k = num_topk - 1; k >= 0; --k) first = row[k] == g ? k : first;
+      }
+    }
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, first >= 0);
+    if (lane == 0) warp_sums[warp] = __popc(ballot);
+    __syncthreads();
+    int before = running, total = 0;
+    for (int w = 0; w < nwarps; ++w) {
+      const int c = warp_sums[w];
+      before += w < warp ? c : 0;
+      total += c;
+    }
+    if (first >= 0) {
+      const int pos = before + __popc(ballot & ((1u << lane) - 1u));
+      s_list[pos] = t;
+      s_list[m + pos] = first;
+    }
+    running += total;
+    __syncthreads();
+  }
+  return running;
+}
+
+// Copy `rows` rows of `vecs` 16-byte vectors with the whole block, four loads in flight per thread:
+// dst(j)[c] = src(j)[c]. `src_row(j)` / `dst_row(j)` give the rows' first vectors.
+template <typename Src, typename Dst>
+__device__ __forceinline__ void ep_lln_copy_rows(int rows, int vecs, Src src_row, Dst dst_row) {
+  const int total = rows * vecs;
+  const int step = blockDim.x;
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + u * step;
+      if (i < total) v[u] = src_row(i / vecs)[i % vecs];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = i0 + u * step;
+      if (i < total) dst_row(i / vecs)[i % vecs] = v[u];
+    }
+  }
+}
+
+// FP8 cast of every token once (before the send): staging row t = e4m3 bytes [hidden] then fp32 scales
+// [hidden / 128], row stride `stride` bytes (16-byte multiple). A half warp per 128-channel group, eight channels
+// per lane; blockIdx.x = token.
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_cast_fp8(const uint4* __restrict__ x, int hidden, int round_scale, uint8_t* __restrict__ staging,
+                    int stride) {
+  const int t = blockIdx.x;
+  const int groups = hidden / 128;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int half = lane >> 4, hl = lane & 15;
+  const uint4* src = x + (int64_t)t * (hidden / 8);
+  uint2* q = reinterpret_cast<uint2*>(staging + (int64_t)t * stride);
+  float* sc = reinterpret_cast<float*>(staging + (int64_t)t * stride + hidden);
+  const int pairs = (groups + 1) / 2;
+  for (int pidx = warp; pidx < pairs; pidx += nwarps) {
+    const int gg = 2 * pidx + half;
+    const bool ok = gg < groups;
+    const uint4 v = ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0);
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float f[8];
+    for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(w[i]), f[2 * i + 1] = ep_ll::bf16_hi(w[i]);
+    float amax = fabsf(f[0]);
+    for (int i = 1; i < 8; ++i) amax = ep_ll::nan_max(amax, fabsf(f[i]));
+    for (int d = 8; d > 0; d >>= 1) amax = ep_ll::nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+    if (ok) {
+      const float scale = ep_ll::fp8_scale(amax, round_scale != 0);
+      uint32_t lo = 0, hi = 0;
+      for (int i = 0; i < 4; ++i) lo |= ep_ll::e4m3_bits(ep_ll::div_rn(f[i], scale)) << (8 * i);
+      for (int i = 0; i < 4; ++i) hi |= ep_ll::e4m3_bits(ep_ll::div_rn(f[4 + i], scale)) << (8 * i);
+      q[gg * 16 + hl] = make_uint2(lo, hi);
+      if (hl == 0) sc[gg] = scale;
+    }
+  }
+}
+
+// Dispatch send. Payload rows: bf16 x [T, hidden], or the FP8 staging of `ep_lln_cast_fp8` (`use_fp8`, row stride
+// `stride` bytes); topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
+// tokens to rank g / E_local, then the count. Dynamic shared memory: 8 * M bytes.
+extern "C" __global__ void __launch_bounds__(512)
+    ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
+                         int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
+                         const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
+                         int use_fp8, int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr) {
+  EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
+  __shared__ int warp_sums[32];
+  if (*reinterpret_cast<volatile int*>(err) != 0) return;
+  const int epr = num_experts / num_ranks;
+  const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
+  const int* ctrl = reinterpret_cast<const int*>(own_half + L.ctrl);
+  const int64_t epoch = (int64_t)ctrl[0] + 1;
+  const int groups = hidden / 128;
+  const int vecs = use_fp8 ? (hidden + groups * 4 + 15) / 16 : hidden * 2 / 16;
+  for (int g = blockIdx.x; g < num_experts; g += gridDim.x) {
+    const int count = ep_lln_list_tokens(topk, idx64, num_tokens, num_topk, g, m, s_list, warp_sums);
+    const int dst = g / epr, e = g - dst * epr;
+    uint8_t* local_slots = own_half + L.ddata + ((int64_t)e * num_ranks + rank) * m * L.msg;
+    uint8_t* slots = ep_lln::peer_addr(peers, dst, own_base, local_slots);
+    if (lane_pos != nullptr)  // each (token, first lane)'s position in this rank's block of its expert (combine)
+      for (int j = threadIdx.x; j < count; j += blockDim.x) lane_pos[s_list[j] * num_topk + s_list[m + j]] = j;
+    // local_direct: this rank's own experts read their rows from the payload in the receive (no message)
+    const int sent = local_direct && dst == rank ? 0 : count;
+    for (int j = threadIdx.x; j < sent; j += blockDim.x)
+      *reinterpret_cast<int4*>(slots + (int64_t)j * L.msg) = make_int4(s_list[j], s_list[m + j], 0, 0);
+    const int64_t msg = L.msg;
+    ep_lln_copy_rows(
+        sent, vecs,
+        [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); },
+        [&](int j) { return reinterpret_cast<uint4*>(slots + (int64_t)j * msg + 16); });
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks + rank;
+      ep_lln::st_release_sys(reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, dst, own_base,
+                                                                          reinterpret_cast<uint8_t*>(flag))),
+                             (epoch << 32) | (int64_t)count);
+    }
+  }
+}
+
+// Dispatch receive. Block e (grid stride over E_local): waits for the counts of the N source ranks, then packs the
+// rows. Outputs: bf16 out [E_local, N*M, hidden], or FP8 q [E_local, N*M, hidden] with scales float32
+// [E_local, G, N*M] (ue8m0: int32 [E_local, G/4, N*M], exponent byte of group g at byte g % 4); src_info and lanes
+// int32 [E_local, N*M] (-1 past the count); recv_count int32 [E_local]; layout_range int64 [E_local, N]; stats
+// int32 [E_local] (added to; may be null).
+extern "C" __global__ void __launch_bounds__(512)
+    ep_lln_dispatch_recv(int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
+                         uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
+                         void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
+                         int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
+                         const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
+                         int num_tokens, int local_direct, int timeout_ms, int* err, volatile int* herr) {
+  EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
+  __shared__ int s_fail;
+  __shared__ int warp_sums[32];
+  int* s_list = s_off + num_ranks + 1;  // local_direct: this rank's tokens of the expert, then their lanes
+  if (*reinterpret_cast<volatile int*>(err) != 0) return;
+  const int epr = num_experts / num_ranks;
+  const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
+  int* ctrl = reinterpret_cast<int*>(own_half + L.ctrl);
+  const int64_t epoch = (int64_t)ctrl[0] + 1;
+  const int slots = num_ranks * m;
+  const int row_vecs = hidden * 2 / 16, groups = hidden / 128;
+  if (threadIdx.x == 0) s_fail = 0;
+  __syncthreads();
+  for (int e = blockIdx.x; e < epr; e += gridDim.x) {
+    const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks;
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      int64_t v = 0;
+      if (!ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v)) s_fail = 1;
+      s_off[r] = (int)(v & 0xFFFFFFFFll);
+    }
+    __syncthreads();
+    if (s_fail) return;
+    if (threadIdx.x == 0) {
+      int off = 0;
+      for (int r = 0; r < num_ranks; ++r) {
+        const int c = s_off[r];
+        layout_range[(int64_t)e * num_ranks + r] = ((int64_t)off << 32) | (int64_t)c;
+        s_off[r] = off;
+        off += c;
+      }
+      s_off[num_ranks] = off;
+      recv_count[e] = off;
+      if (stats != nullptr) stats[e] += off;
+    }
+    __syncthreads();
+    const int total = s_off[num_ranks];
+    if (local_direct) ep_lln_list_tokens(topk, idx64, num_tokens, num_topk, (int64_t)rank * epr + e, m, s_list, warp_sums);
+    // packed row j: source rank r by a binary search over the block offsets; its payload is the message's, or with
+    // local_direct for this rank's own block the payload row of its token
+    auto rank_of = [&](int j) {
+      int lo = 0, hi = num_ranks - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_off[mid] <= j) lo = mid; else hi = mid - 1;
+      }
+      return lo;
+    };
+    auto src_of = [&](int j) -> const uint8_t* {
+      const int r = rank_of(j);
+      if (local_direct && r == rank) return payload + (int64_t)s_list[j - s_off[r]] * stride;
+      return own_half + L.ddata + (((int64_t)e * num_ranks + r) * m + (j - s_off[r])) * L.msg + 16;
+    };
+    for (int j = threadIdx.x; j < total; j += blockDim.x) {
+      const int r = rank_of(j);
+      int tok, lane;
+      if (local_direct && r == rank) {
+        tok = s_list[j - s_off[r]];
+        lane = s_list[m + j - s_off[r]];
+      } else {
+        const int4 hdr = *reinterpret_cast<const int4*>(src_of(j) - 16);
+        tok = hdr.x;
+        lane = hdr.y;
+      }
+      src_info[(int64_t)e * slots + j] = tok;
+      lanes[(int64_t)e * slots + j] = lane;
+    }
+    const int qvecs = use_fp8 ? hidden / 16 : row_vecs;
+    uint4* out4 = static_cast<uint4*>(out) + (int64_t)e * slots * qvecs;
+    ep_lln_copy_rows(
+        total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); },
+        [&](int j) { return out4 + (int64_t)j * qvecs; });
+    if (use_fp8) {
+      for (int i = threadIdx.x; i < total * groups; i += blockDim.x) {
+        const int g = i / total, j = i - g * total;  // consecutive threads: consecutive rows (column-major out)
+        const float s = reinterpret_cast<const float*>(src_of(j) + hidden)[g];
+        if (ue8m0) {
+          const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
+          static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
+        } else {
+          static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
+        }
+      }
+    }
+    for (int j = total + threadIdx.x; j < slots; j += blockDim.x) {
+      src_info[(int64_t)e * slots + j] = -1;
+      lanes[(int64_t)e * slots + j] = -1;
+    }
+    __syncthreads();  // s_off is rewritten by the next expert
+  }
+  ep_lln::finish_epoch(ctrl, 0);
+}
+
+// Combine send. x [E_local, N*M, hidden] bf16; src_info, lanes, layout_range: the dispatch's. Block e (grid stride
+// over E_local) writes each packed row into slot (token, lane) of the token's home rank, then the expert's flag
+// there. Dynamic shared memory: 4 * (N + 1) bytes.
+extern "C" __global__ void __launch_bounds__(512)
+    ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
+                        const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
+                        int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
+                        uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
+  EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]
+  if (*reinterpret_cast<volatile int*>(err) != 0) return;
+  const int epr = num_experts / num_ranks;
+  const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
+  const int* ctrl = reinterpret_cast<const int*>(own_half + L.ctrl);
+  const int64_t epoch = (int64_t)ctrl[1] + 1;
+  const int slots = num_ranks * m;
+  const int row_vecs = hidden * 2 / 16;
+  for (int e = blockIdx.x; e < epr; e += gridDim.x) {
+    if (threadIdx.x == 0) {
+      int total = 0;
+      for (int r = 0; r < num_ranks; ++r) {
+        const int64_t v = layout_range[(int64_t)e * num_ranks + r];
+        s_off[r] = (int)(v >> 32);
+        total += (int)(v & 0xFFFFFFFFll);
+      }
+      s_off[num_ranks] = total;
+    }
+    __syncthreads();
+    const int total = s_off[num_ranks];
+    const int64_t base_row = (int64_t)e * slots;
+    // destination of packed row j: slot (token, lane) on the row's source rank (binary search over the offsets);
+    // rows with garbage (an aborted dispatch) go nowhere: they read and write their own row
+    auto dst_of = [&](int j) -> uint4* {
+      const int t = src_info[base_row + j], k = lanes[base_row + j];
+      if (t < 0 || t >= m || k < 0 || k >= num_topk) return const_cast<uint4*>(x + (base_row + j) * row_vecs);
+      int lo = 0, hi = num_ranks - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (s_off[mid] <= j) lo = mid; else hi = mid - 1;
+      }
+      uint8_t* local = own_half + L.cdata + ((int64_t)t * num_topk + k) * hidden * 2;
+      return reinterpret_cast<uint4*>(ep_lln::peer_addr(peers, lo, own_base, local));
+    };
+    if (!local_direct) {
+      ep_lln_copy_rows(
+          total, row_vecs, [&](int j) { return x + (base_row + j) * row_vecs; }, dst_of);
+    } else {  // this rank's own tokens' rows stay: the receive reads them in x
+      const int own0 = s_off[rank], own1 = rank + 1 < num_ranks ? s_off[rank + 1] : total;
+      ep_lln_copy_rows(
+          own0, row_vecs, [&](int j) { return x + (base_row + j) * row_vecs; }, dst_of);
+      ep_lln_copy_rows(
+          total - own1, row_vecs, [&](int j) { return x + (base_row + own1 + j) * row_vecs; },
+          [&](int j) { return dst_of(own1 + j); });
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      __threadfence_system();
+      int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.cflag) + (int64_t)rank * epr + e;
+      ep_lln::st_release_sys(
+          reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, r, own_base, reinterpret_cast<uint8_t*>(flag))),
+          epoch);
+    }
+    __syncthreads();
+  }
+}
+
+// Combine receive: work item (token t, chunk of 8 * blockDim.x channels), grid stride. Waits for the flags of t's
+// experts, then the weighted sum in ascending lane order into out [T, hidden] bf16 (lanes repeating an earlier
+// lane's expert read that lane's slot: one message per (token, expert)).
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_combine_recv(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
+                        int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
+                        uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
+                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
+                        int timeout_ms, int* err, volatile int* herr) {
+  __shared__ int s_src[EP_LL_MAX_TOPK];  // per lane: the lane whose slot holds its expert's output, -1 none
+  __shared__ int64_t s_row[EP_LL_MAX_TOPK];  // local_direct: the packed row of x holding a local lane's output
+  __shared__ float s_w[EP_LL_MAX_TOPK];
+  __shared__ int s_fail;
+  if (*reinterpret_cast<volatile int*>(err) != 0) return;
+  const int epr = num_experts / num_ranks;
+  const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
+  int* ctrl = reinterpret_cast<int*>(own_half + L.ctrl);
+  const int64_t epoch = (int64_t)ctrl[1] + 1;
+  const int vecs = hidden / 8;
+  const int chunks = (vecs + blockDim.x - 1) / blockDim.x;
+  const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.cflag);
+  const uint4* slots = reinterpret_cast<const uint4*>(own_half + L.cdata);
+  if (threadIdx.x == 0) s_fail = 0;
+  for (int item = blockIdx.x; item < num_tokens * chunks; item += gridDim.x) {
+    const int t = item / chunks, chunk = item - t * chunks;
+    __syncthreads();
+    for (int k = threadIdx.x; k < num_topk; k += blockDim.x) {
+      const int64_t g = ep_ll::load_idx(topk, (int64_t)t * num_topk + k, idx64);
+      int src = -1;
+      if (g >= 0 && g < num_experts) {
+        src = k;
+        for (int j = 0; j < k; ++j)
+          if (ep_ll::load_idx(topk, (int64_t)t * num_topk + j, idx64) == g) {
+            src = j;
+            break;
+          }
+        int64_t v;
+        if (src == k && !ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v))
+          s_fail = 1;
+      }
+      s_src[k] = src;
+      s_w[k] = w[(int64_t)t * num_topk + k];
+      s_row[k] = -1;
+      if (local_direct && src >= 0 && g / epr == rank) {
+        const int e = (int)(g - (int64_t)rank * epr);
+        const int64_t off = layout_range[(int64_t)e * num_ranks + rank] >> 32;
+        s_row[k] = (int64_t)e * num_ranks * m + off + lane_pos[(int64_t)t * num_topk + src];
+      }
+    }
+    __syncthreads();
+    if (s_fail) return;
+    const int c = chunk * blockDim.x + threadIdx.x;
+    if (c < vecs) {
+      float a[8];
+      for (int i = 0; i < 8; ++i) a[i] = 0.0f;
+      for (int k0 = 0; k0 < num_topk; k0 += 8) {  // eight lanes' loads in flight, then their sum in lane order
+        uint4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int k = k0 + u;
+          const int src = k < num_topk ? s_src[k] : -1;
+          if (src >= 0) {
+            const int64_t row = s_row[k];
+            v[u] = row >= 0 ? x[row * vecs + c] : slots[((int64_t)t * num_topk + src) * vecs + c];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int k = k0 + u;
+          if (k >= num_topk || s_src[k] < 0) continue;
+          const float wk = s_w[k];
+          const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+          for (int i = 0; i < 4; ++i) {
+            a[2 * i] = ep_ll::add_rn(a[2 * i], ep_ll::mul_rn(ep_ll::bf16_lo(words[i]), wk));
+            a[2 * i + 1] = ep_ll::add_rn(a[2 * i + 1], ep_ll::mul_rn(ep_ll::bf16_hi(words[i]), wk));
+          }
+        }
+      }
+      uint32_t o[4];
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(a[2 * i], a[2 * i + 1]);
+        o[i] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+      out[(int64_t)t * vecs + c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  if (blockIdx.x == 0) {
+    // every expert's flag of this call, whether or not this rank's tokens use it: the kernel completes only after
+    // every rank's combine send, hence after every rank's dispatch receive (V1's rule; the double buffer relies on
+    // it: the next dispatch into a peer's half must not overtake that peer's reading of it)
+    __syncthreads();
+    for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+      int64_t v;
+      if (!ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, g / epr, 2, &v)) break;
+    }
+  }
+  ep_lln::finish_epoch(ctrl, 1);
+}

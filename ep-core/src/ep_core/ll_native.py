@@ -1,0 +1,149 @@
+"""V1 low-latency mode's own kernels over ep's symmetric memory (host side of
+``include/ep_core/ll_native.cuh``): compiled through ep_jit like the other kernels, launched with device
+addresses and ints (``ep_torch.legacy.ll_kernels`` passes its tensors' addresses and stream). What the kernels
+compute, and the layout of the symmetric region they share, is documented in the header; `region_layout` is its
+host mirror (the bytes a rank needs, the offsets of the two halves).
+
+`SIGNATURES` gives each kernel's parameters in order, ``p`` a device address (0 = null), ``i`` an int32: the
+header's ``extern "C"`` signatures (a CPU test compares them). `launch` checks the argument count and ranges
+against it before anything reaches the driver.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ep_core.errors import EPValueError
+
+__all__ = [
+    "HEADER_BYTES",
+    "KERNEL_NAMES",
+    "MAX_TOPK",
+    "SIGNATURES",
+    "RegionLayout",
+    "compile_ll_native",
+    "launch",
+    "load",
+    "region_layout",
+]
+
+MAX_TOPK = 128  # EP_LL_MAX_TOPK: a token's lanes are staged in shared memory by the combine receive
+HEADER_BYTES = 256  # the region's front: the device error word (int32 [4]) before the two halves
+
+SIGNATURES: dict[str, str] = {
+    "ep_lln_cast_fp8": "piipi",
+    "ep_lln_dispatch_send": "pipiiiiiiiipppiippp",
+    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiipp",
+    "ep_lln_combine_send": "ppppiiiiiipppipp",
+    "ep_lln_combine_recv": "pipiiiiiiipppppiipp",
+}
+KERNEL_NAMES = tuple(SIGNATURES)
+SOURCE = "// ep_core V1 low-latency native kernels\n#include <ep_core/ll_native.cuh>\n"
+
+
+class RegionLayout(NamedTuple):
+    """Byte offsets inside one half (native.cuh's ``ep_lln::Layout``) and the region's total size."""
+
+    ctrl: int
+    dflag: int
+    cflag: int
+    ddata: int
+    cdata: int
+    half_bytes: int
+    msg: int
+    total_bytes: int  # HEADER_BYTES + 2 halves
+
+    def half_offset(self, half: int) -> int:
+        return HEADER_BYTES + int(half) * self.half_bytes
+
+
+def region_layout(
+    epr: int, num_ranks: int, num_experts: int, m: int, num_topk: int, hidden: int
+) -> RegionLayout:
+    """The host mirror of ``ep_lln::Layout`` (keep the two equal)."""
+    msg = 16 + (hidden * 2 + 15) // 16 * 16
+    dflag = 64
+    cflag = dflag + epr * num_ranks * 8
+    ddata = (cflag + num_experts * 8 + 127) // 128 * 128
+    cdata = ddata + epr * num_ranks * m * msg
+    half = (cdata + m * num_topk * hidden * 2 + 4095) // 4096 * 4096
+    return RegionLayout(0, dflag, cflag, ddata, cdata, half, msg, HEADER_BYTES + 2 * half)
+
+
+def compile_ll_native(arch: str | None = None, *, headers: tuple[str, str] | None = None) -> Any:
+    """Compile (or fetch from ep_jit's cache) the native low-latency kernels; returns the ep_jit Artifact (one
+    configuration: sizes and options are kernel arguments)."""
+    import ep_jit
+
+    from ep_core.kernels._source import get_include
+
+    return ep_jit.compile(
+        SOURCE,
+        name="ep_core_ll_native",
+        include_dirs=list(headers) if headers is not None else [get_include()],
+        defines={"EP_LL_MAX_TOPK": MAX_TOPK},
+        arch=arch,
+        flags=("-std=c++17",),
+    )
+
+
+_functions: dict[int, dict[str, Any]] = {}
+_lock = threading.Lock()
+
+
+def _function(device: int, name: str) -> Any:
+    fns = _functions.get(device)
+    if fns is None:
+        import ep_jit
+
+        with _lock:
+            fns = _functions.get(device)
+            if fns is None:
+                module = ep_jit.load(compile_ll_native())
+                fns = {n: module.function(n) for n in KERNEL_NAMES}
+                _functions[device] = fns
+    return fns[name]
+
+
+def load(device: int) -> None:
+    """Load every kernel on ``device`` now (see ``ep_core.ll_pack.load``: ranks of one process wait for each other)."""
+    for name in KERNEL_NAMES:
+        _function(int(device), name)
+
+
+def _args(name: str, values: Sequence[Any]) -> list[Any]:
+    import ep_jit
+
+    sig = SIGNATURES.get(name)
+    if sig is None:
+        raise EPValueError(f"kernel: expected one of {KERNEL_NAMES}, got {name!r}")
+    if len(values) != len(sig):
+        raise EPValueError(f"{name}: expected {len(sig)} arguments ({sig}), got {len(values)}")
+    out: list[Any] = []
+    for pos, (code, v) in enumerate(zip(sig, values)):
+        if code == "p":
+            out.append(ep_jit.pointer(0 if v is None else int(v)))
+        else:
+            if isinstance(v, bool):
+                v = int(v)
+            if not isinstance(v, int) or not -(1 << 31) <= v < (1 << 31):
+                raise EPValueError(f"{name}: argument {pos} must be an int32, got {v!r}")
+            out.append(ep_jit.int32(v))
+    return out
+
+
+def launch(
+    name: str,
+    grid: int | tuple[int, ...],
+    block: int,
+    values: Sequence[Any],
+    *,
+    device: int,
+    stream: int,
+    shared_mem: int = 0,
+) -> None:
+    """Queue kernel ``name`` on ``stream`` of ``device``; ``values`` in the order of `SIGNATURES`."""
+    args = _args(name, values)
+    _function(int(device), name).launch(grid, block, args, shared_mem=int(shared_mem), stream=int(stream))
