@@ -45,6 +45,7 @@ EXPECTED_WHEEL_FILES = {
     f"{DIST_INFO}/WHEEL",
     f"{DIST_INFO}/RECORD",
     f"{DIST_INFO}/entry_points.txt",
+    f"{DIST_INFO}/licenses/LICENSE",  # the Apache-2.0 text every wheel carries
 }
 
 
