@@ -9,11 +9,10 @@ against it before anything reaches the driver.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ep_core.errors import EPValueError
+from ep_core.kernel_set import KernelSet
 
 __all__ = ["KERNEL_NAMES", "MAX_TOPK", "SIGNATURES", "compile_ll_kernels", "launch", "load"]
 
@@ -32,71 +31,21 @@ KERNEL_NAMES = tuple(SIGNATURES)
 SOURCE = "// ep_core V1 low-latency kernels\n#include <ep_core/ll_pack.cuh>\n"
 
 
+_KERNELS = KernelSet("ep_core_ll_pack", SOURCE, SIGNATURES, {"EP_LL_MAX_TOPK": MAX_TOPK})
+
+
 def compile_ll_kernels(arch: str | None = None, *, headers: tuple[str, str] | None = None) -> Any:
-    """Compile (or fetch from ep_jit's cache) the low-latency kernels; returns the ep_jit Artifact. One
-    configuration: sizes, the index dtype and the FP8 options are kernel arguments. `headers`: as
-    `kernels._source.compile_kernels`'s (another tree's ep-core and ep-layout include directories)."""
-    import ep_jit
-
-    from ep_core.kernels._source import get_include
-
-    return ep_jit.compile(
-        SOURCE,
-        name="ep_core_ll_pack",
-        include_dirs=list(headers) if headers is not None else [get_include()],
-        defines={"EP_LL_MAX_TOPK": MAX_TOPK},
-        arch=arch,
-        flags=("-std=c++17",),
-    )
-
-
-_functions: dict[int, dict[str, Any]] = {}  # device ordinal -> kernel name -> loaded function
-_lock = threading.Lock()
-
-
-def _function(device: int, name: str) -> Any:
-    fns = _functions.get(device)
-    if fns is None:
-        import ep_jit
-
-        with _lock:
-            fns = _functions.get(device)
-            if fns is None:
-                module = ep_jit.load(compile_ll_kernels())
-                fns = {n: module.function(n) for n in KERNEL_NAMES}
-                _functions[device] = fns
-    return fns[name]
+    """Compile (or fetch from ep_jit's cache) these kernels; returns the ep_jit Artifact (`KernelSet.compile`)."""
+    return _KERNELS.compile(arch, headers=headers)
 
 
 def load(device: int) -> None:
-    """Load every kernel on ``device`` now (compiling on first use). Launches load them anyway; call this first
-    where a load must not happen later: several ranks of one process whose kernels wait for each other (a load, or
-    CUDA's lazy loading of a function, may wait for the kernels already running, which wait for a rank not yet
-    launched)."""
-    for name in KERNEL_NAMES:
-        _function(int(device), name)
+    """Load every kernel on ``device`` now (`KernelSet.load`: ranks of one process wait for each other)."""
+    _KERNELS.load(device)
 
 
 def _args(name: str, values: Sequence[Any]) -> list[Any]:
-    """The ep_jit arguments of ``values`` by the kernel's signature (addresses: ints or None)."""
-    import ep_jit
-
-    sig = SIGNATURES.get(name)
-    if sig is None:
-        raise EPValueError(f"kernel: expected one of {KERNEL_NAMES}, got {name!r}")
-    if len(values) != len(sig):
-        raise EPValueError(f"{name}: expected {len(sig)} arguments ({sig}), got {len(values)}")
-    out: list[Any] = []
-    for pos, (code, v) in enumerate(zip(sig, values)):
-        if code == "p":
-            out.append(ep_jit.pointer(0 if v is None else int(v)))
-        else:
-            if isinstance(v, bool):
-                v = int(v)
-            if not isinstance(v, int) or not -(1 << 31) <= v < (1 << 31):
-                raise EPValueError(f"{name}: argument {pos} must be an int32, got {v!r}")
-            out.append(ep_jit.int32(v))
-    return out
+    return _KERNELS.args(name, values)
 
 
 def launch(
@@ -109,7 +58,5 @@ def launch(
     stream: int,
     shared_mem: int = 0,
 ) -> None:
-    """Queue kernel ``name`` on ``stream`` (a raw CUDA stream handle) of ``device`` (the ordinal whose context is
-    current); ``values`` in the order of `SIGNATURES` (device addresses as ints, None for null)."""
-    args = _args(name, values)
-    _function(int(device), name).launch(grid, block, args, shared_mem=int(shared_mem), stream=int(stream))
+    """Queue kernel ``name`` on ``stream`` of ``device``; ``values`` in the order of `SIGNATURES`."""
+    _KERNELS.launch(name, grid, block, values, device=device, stream=stream, shared_mem=shared_mem)
