@@ -625,20 +625,21 @@ def validate_routing(topk_idx: Any, cached: bool, num_tokens: int, target: Any) 
 
 
 def validate_rank_routing(x: Any, topk_idx: Any, handle: Any) -> None:
-    """Rule D7 for the kernel layer's own entry points (`LoopbackDomain.dispatch`, `ProcessRank` and
-    `NcclRank`'s `launch_dispatch`),
-    through the validator's `validate_routing` (its wording; the kernels check no routing). An `x` that is no 2-D
-    array is left to the kernel layer's own check of `x`."""
+    """Rule D7 for the kernel layer's own entry points (`LoopbackDomain.dispatch`, `ProcessRank` and `NcclRank`'s
+    `launch_dispatch`) through the validator's `validate_routing` (its wording; the kernels check no routing). The
+    rows are x's (its shape where `describe` cannot read its dtype); an `x` that is no 2-D array is left to the kernel
+    layer's own check of `x`."""
     cached = handle is not None
     if cached or topk_idx is None:  # forbidden, or required: no rows to compare
         validate_routing(topk_idx, cached, 0, None)
         return
+    data = x[0] if isinstance(x, tuple) and x else x
     try:
-        info = describe(x[0] if isinstance(x, tuple) and x else x, "x")
+        shape = describe(data, "x").shape
     except EPTypeError:
-        return
-    if info.ndim == 2:
-        validate_routing(topk_idx, False, info.shape[0], None)
+        shape = tuple(getattr(data, "shape", None) or ())
+    if len(shape) == 2:
+        validate_routing(topk_idx, False, int(shape[0]), None)
 
 
 def check_zero_copy_dispatch_args(
