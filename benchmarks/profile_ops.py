@@ -16,7 +16,7 @@ them (launch latency inside the graph). It is the measurement behind issue 17's 
 Writes OUTDIR/profile_ops_ep<N>.json and prints a table per op: activity name, count per replay, mean us, and the
 replay's span (first start to last end on the device).
 
-`--phases` builds the kernels with the phase-timing instrument (EP_CORE_PHASE_TIMING=1, a separate JIT build:
+`--phases` builds the kernels with the phase-timing instrument (EPKIT_PHASE_TIMING=1, a separate JIT build:
 include/ep_core/phase_timing.cuh) and prints, per op and kernel, when each phase boundary was reached (%globaltimer,
 us after the kernel's first block started, mean over replays and ranks, and the slowest rank), the step from the
 previous boundary, the kernel's span and the gap between the dispatch kernel and its epilogue. Block-0 stamps
@@ -311,7 +311,7 @@ def pass_bytes(idxs, n, tokens, fp8):
     """Bytes each pass of each op reads and writes in HBM, all ranks together, counted from the routing as the
     kernels move them (direct mode): a rank's own copy of a token carries only its tail in the dispatch's send
     (`kDirectOwnRowsTailOnly`; the epilogue reads the hidden part from x), and the combine leaves its own rows by
-    reference (`EP_CORE_COMBINE_LOCAL_REF`, the default). Returns {op: {(kernel, pass): (read, written)}}."""
+    reference (`EPKIT_COMBINE_LOCAL_REF`, the default). Returns {op: {(kernel, pass): (read, written)}}."""
     import ep_layout
 
     S, own = own_pairs(idxs, n)
@@ -533,7 +533,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     if args.phases:
-        os.environ["EP_CORE_PHASE_TIMING"] = "1"  # before the first kernel load (ep_core.kernels._source)
+        os.environ["EPKIT_PHASE_TIMING"] = "1"  # before the first kernel load (ep_core.kernels._source)
     torch = bench_ep._torch()
     if not torch.cuda.is_available():
         print("profile_ops: skipped (no CUDA device)")

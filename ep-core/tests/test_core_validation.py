@@ -508,3 +508,37 @@ def test_constructor_sizes_and_lifecycle():
     with make_buffer() as b2:
         ex2 = b2.executor
     assert ex2.destroyed
+
+
+def test_the_kernel_layers_entry_points_check_the_routing_with_the_validators_words() -> None:
+    """Rule D7 lives in the validator alone (issue 45): `LoopbackDomain`, `ProcessRank` and `NcclRank` call
+    `validate_rank_routing` before `DirectRank.launch_dispatch`, which repeats none of it, with `validate_dispatch`'s
+    wording."""
+    import inspect
+
+    from ep_core.device_array import host_array
+    from ep_core.kernels.dispatch_launch import DispatchLaunch
+    from ep_core.validation import validate_rank_routing
+
+    x = host_array(np.zeros((6, 64), np.uint16), "bfloat16")
+    idx = host_array(np.zeros((6, 2), np.int64))
+    validate_rank_routing(x, idx, None)
+    validate_rank_routing((host_array(np.zeros((6, 64), np.uint8), "float8_e4m3fn"), None), idx, None)
+    validate_rank_routing(x, None, object())
+    with pytest.raises(EPValueError, match=r"topk_idx: required unless a cached handle is given"):
+        validate_rank_routing(x, None, None)
+    with pytest.raises(
+        EPValueError, match=r"topk_idx: must be None for a cached dispatch \(the handle holds"
+    ):
+        validate_rank_routing(x, idx, object())
+    with pytest.raises(EPValueError, match=r"topk_idx: expected 5 rows \(one per token of x\)"):
+        validate_rank_routing(host_array(np.zeros((5, 64), np.uint16), "bfloat16"), idx, None)
+    with pytest.raises(EPTypeError, match=r"topk_idx: expected dtype int64 or int32, got int16"):
+        validate_rank_routing(x, host_array(np.zeros((6, 2), np.int16)), None)
+    with pytest.raises(EPValueError, match=r"topk_idx: expected a contiguous"):
+        validate_rank_routing(x, host_array(np.zeros((6, 4), np.int64)[:, ::2]), None)
+    with pytest.raises(EPValueError, match=r"topk_idx: expected a 2-D array"):
+        validate_rank_routing(x, host_array(np.zeros(6, np.int64)), None)
+    validate_rank_routing(np.zeros(3), idx, None)  # an x that is no 2-D array: the kernel layer's check of x
+    src = inspect.getsource(DispatchLaunch.launch_dispatch)
+    assert "topk_idx: required" not in src and "must be None for a cached" not in src

@@ -52,6 +52,7 @@ from ep_core.kernels.direct_rank import (
 from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, epilogue_share, plan_regions
 from ep_core.topology import resolve_scaleup_ranks
 from ep_core.transports.ipc import IpcBuffer
+from ep_core.validation import validate_rank_routing
 
 __all__ = ["LoopbackDomain", "ProcessRank", "domain_data_bytes"]
 
@@ -223,13 +224,17 @@ class LoopbackDomain:
         sms = 0 if (handles is not None and num_sms == 0) else self._sms(num_sms)
         # no free waits for the device between the ranks' launches (the ranks launched so far wait for the rest)
         with _cuda.frees_deferred():
+            xs = [_upload(x, s) for x, s in zip(xs, self.streams)]
+            idxs = [_upload(i, s) for i, s in zip(idxs, self.streams)]
+            for r in range(self.num_ranks):  # every rank's routing before any rank launches
+                validate_rank_routing(xs[r], idxs[r], hs[r])
             pend = []
             for r, rank in enumerate(self.ranks):
                 s = self.streams[r]
                 pend.append(
                     rank.launch_dispatch(
-                        _upload(xs[r], s),
-                        _upload(idxs[r], s),
+                        xs[r],
+                        idxs[r],
                         _upload(ws[r], s),
                         sf=_upload(sfs[r], s),
                         num_experts=num_experts,
@@ -400,6 +405,11 @@ class ProcessRank(DirectRank):
             num_scaleup_ranks=su,
             num_nvlink_ranks=nvl,
         )
+
+    def launch_dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, **kwargs: Any) -> Any:
+        """`DirectRank.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
+        validate_rank_routing(x, topk_idx, kwargs.get("handle"))
+        return super().launch_dispatch(x, topk_idx, topk_weights, **kwargs)
 
     def reset(self) -> None:
         """Clear the error state, workspace and scratch of every rank after a failure: a collective (every process

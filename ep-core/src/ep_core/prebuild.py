@@ -7,8 +7,8 @@ expert_alignment, biases, allow_multiple_reduction, num_experts, num_sms) is a k
 one instance serves them all, so the enumeration below is exactly the instances the executor can ask for.
 
 The runtime compiles for the current GPU's arch (`sm_90a` on an H200): prebuild with the same `arch` or the cache
-entries are never hit. The issue-17 JIT switches (`EP_CORE_COMBINE_LOCAL_REF`, `EP_CORE_WARP_MAJOR`,
-`EP_CORE_COMBINE_REDUCE_PARTS`, kernels/_source.py) are read from the environment by the same `compile_kernels`:
+entries are never hit. The issue-17 JIT switches (`EPKIT_COMBINE_LOCAL_REF`, `EPKIT_WARP_MAJOR`,
+`EPKIT_COMBINE_REDUCE_PARTS`, kernels/_source.py) are read from the environment by the same `compile_kernels`:
 prebuild under the values the runtime will see (unset: the defaults, all on). Hybrid configurations
 (`num_scaleup_ranks < num_ranks`) build the hybrid kernels (include/ep_core/hybrid.cuh) with the scale-out put of
 the transport: `emulated` (load/store) over ipc, `gin` (NCCL GIN, against NCCL's device headers) over nccl; with

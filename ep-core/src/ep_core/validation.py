@@ -92,7 +92,8 @@ def check_array(
     shape: tuple[int | None, ...] | None = None,
     contiguous: bool = True,
 ) -> ArrayInfo:
-    """Describe `obj` and check dtype, rank, shape (None = any), contiguity and device against `target`."""
+    """Describe `obj` and check dtype, rank, shape (None = any), contiguity and device against `target` (None: no
+    device check)."""
     info = describe(obj, name)
     if info.dtype not in dtypes:
         raise EPTypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {info.dtype}")
@@ -107,6 +108,10 @@ def check_array(
             f"{name}: expected a contiguous (row-major) array, got strides {info.strides}; "
             "pass a contiguous copy"
         )
+    if (
+        target is None
+    ):  # the kernel layer's own entry points (`validate_rank_routing`): its views check the device
+        return info
     kind = getattr(target, "array_device", "cuda")
     dev = getattr(target, "device_id", 0)
     if info.device != kind or (kind == "cuda" and info.device_id != dev):
@@ -493,8 +498,7 @@ def validate_dispatch(
 
     if handle is not None:  # D11 (cached)
         handle = check_handle(config, target, handle)
-        if a.topk_idx is not None:
-            raise EPValueError("topk_idx: must be None for a cached dispatch (the handle holds the routing)")
+        validate_routing(a.topk_idx, True, num_tokens, target)
         if a.do_cpu_sync:
             raise EPValueError("do_cpu_sync: a cached dispatch cannot do a CPU sync; leave it None or False")
         if a.do_expand != handle.do_expand:
@@ -523,16 +527,8 @@ def validate_dispatch(
             )
         cpu_sync = False
     else:
-        if a.topk_idx is None:  # D7
-            raise EPValueError("topk_idx: required unless a cached handle is given")
-        ti = check_array("topk_idx", a.topk_idx, target, dtypes=_INT_IDS, ndim=2)
+        ti = validate_routing(a.topk_idx, False, num_tokens, target)
         k = ti.shape[1]
-        if ti.shape[0] != num_tokens:
-            raise EPValueError(
-                f"topk_idx: expected {num_tokens} rows (one per token of x), got shape {ti.shape}"
-            )
-        if not 1 <= k <= MAX_TOPK:
-            raise EPValueError(f"topk_idx: num_topk (second dim) must be in [1, {MAX_TOPK}], got {k}")
         if num_experts is None:  # D9
             num_experts = config.num_experts or None
         if num_experts is None:
@@ -605,6 +601,45 @@ def validate_dispatch(
         allocate_on_comm_stream=a.allocate_on_comm_stream,
         zero_copy=a.zero_copy,
     )
+
+
+def validate_routing(topk_idx: Any, cached: bool, num_tokens: int, target: Any) -> ArrayInfo | None:
+    """Rule D7, the one routing check of every dispatch: `validate_dispatch`'s, and the kernel layer's own entry
+    points' (`validate_rank_routing`, with `target` None: no device check), so the
+    kernels (`DirectRank.launch_dispatch`) repeat none of it. `topk_idx` is forbidden with a cached handle and
+    required without one: int64 or int32, [num_tokens, K] with 1 <= K <= MAX_TOPK, contiguous. Returns its
+    description (None when cached)."""
+    if cached:
+        if topk_idx is not None:
+            raise EPValueError("topk_idx: must be None for a cached dispatch (the handle holds the routing)")
+        return None
+    if topk_idx is None:
+        raise EPValueError("topk_idx: required unless a cached handle is given")
+    ti = check_array("topk_idx", topk_idx, target, dtypes=_INT_IDS, ndim=2)
+    k = ti.shape[1]
+    if ti.shape[0] != num_tokens:
+        raise EPValueError(f"topk_idx: expected {num_tokens} rows (one per token of x), got shape {ti.shape}")
+    if not 1 <= k <= MAX_TOPK:
+        raise EPValueError(f"topk_idx: num_topk (second dim) must be in [1, {MAX_TOPK}], got {k}")
+    return ti
+
+
+def validate_rank_routing(x: Any, topk_idx: Any, handle: Any) -> None:
+    """Rule D7 for the kernel layer's own entry points (`LoopbackDomain.dispatch`, `ProcessRank` and `NcclRank`'s
+    `launch_dispatch`) through the validator's `validate_routing` (its wording; the kernels check no routing). The
+    rows are x's (its shape where `describe` cannot read its dtype); an `x` that is no 2-D array is left to the kernel
+    layer's own check of `x`."""
+    cached = handle is not None
+    if cached or topk_idx is None:  # forbidden, or required: no rows to compare
+        validate_routing(topk_idx, cached, 0, None)
+        return
+    data = x[0] if isinstance(x, tuple) and x else x
+    try:
+        shape = describe(data, "x").shape
+    except EPTypeError:
+        shape = tuple(getattr(data, "shape", None) or ())
+    if len(shape) == 2:
+        validate_routing(topk_idx, False, int(shape[0]), None)
 
 
 def check_zero_copy_dispatch_args(

@@ -225,9 +225,8 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         self._blocks_per_sm: dict = {}
         self._planned_sms: dict = {}
         self._configs: dict = {}
-        self._launches = (
-            PreparedLaunches()
-        )  # per launch shape: kernel, geometry, occupancy verdict, packed args
+        # per launch shape: kernel, geometry, occupancy verdict, packed args
+        self._launches = PreparedLaunches()
         # collective launches so far (every rank counts the same launches; zeroed by reset_state), and the launch
         # number of the dispatch behind each handle (a combine's envelope names its handle)
         self._num_collective_launches = 0

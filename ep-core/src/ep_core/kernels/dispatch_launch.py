@@ -135,8 +135,10 @@ class DispatchLaunch:
         topk_idx_copy: Any = None,
         zero_copy: bool = False,
     ) -> _PendingDispatch:
-        """Validate and launch the dispatch kernel; `finish_dispatch` completes the call. `record`: leave the
-        call's `RepeatDispatch` in `last_repeat` (a dispatch without CPU sync; ep_core.kernels.repeat).
+        """Check and launch the dispatch kernel (the routing, rule D7, is the validator's: `validate_dispatch` or,
+        for the kernel layer's own entry points, `ep_core.validation.validate_rank_routing`); `finish_dispatch`
+        completes the call. `record`: leave the call's `RepeatDispatch` in `last_repeat` (a dispatch without CPU
+        sync; ep_core.kernels.repeat).
         `topk_idx_copy`: a contiguous array of topk_idx's shape and dtype that the kernel fills with the routing
         as it reads it (the new handle's copy, `do_handle_copy`; not with a handle). `zero_copy`: the kernel
         stores the outputs in their final form in this rank's receive region and `recv_x`, its scales, ids and
@@ -178,11 +180,8 @@ class DispatchLaunch:
             raise EPValueError("sf: scale packs are only valid with FP8 data (1-byte elements)")
 
         cached = handle is not None
+        # the routing (rule D7) is validated before this layer (ep_core.validation.validate_routing)
         if cached:
-            if topk_idx is not None:
-                raise EPValueError(
-                    "topk_idx: must be None for a cached dispatch (the handle's routing is reused)"
-                )
             if do_cpu_sync:
                 raise EPValueError("do_cpu_sync: cannot do a CPU sync with a cached handle")
             if cumulative_local_expert_recv_stats is not None:
@@ -195,8 +194,6 @@ class DispatchLaunch:
             if handle.num_tokens != num_tokens:
                 raise EPValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {num_tokens}")
         else:
-            if topk_idx is None:
-                raise EPValueError("topk_idx: required without a handle")
             if num_experts is None:
                 raise EPValueError("num_experts: required without a handle")
             do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
@@ -211,12 +208,7 @@ class DispatchLaunch:
             raise EPValueError(
                 f"num_experts: expected a multiple of num_ranks={self.num_ranks}, got {num_experts}"
             )
-        iv = as_view(topk_idx, "topk_idx")
-        _check_2d(iv, "topk_idx")
-        if iv.shape[0] != num_tokens or not iv.is_contiguous:
-            raise EPValueError(f"topk_idx: expected a contiguous [{num_tokens}, K] array, got {iv.shape}")
-        if iv.dtype not in (np.dtype(np.int64), np.dtype(np.int32)):
-            raise EPTypeError(f"topk_idx: expected int64 (or int32), got {iv.dtype}")
+        iv = as_view(topk_idx, "topk_idx")  # [num_tokens, K] int64 / int32, contiguous (validate_routing)
         topk = iv.shape[1]
         copy_ptr = 0
         if topk_idx_copy is not None:

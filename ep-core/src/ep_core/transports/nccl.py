@@ -40,6 +40,7 @@ from typing import Any
 
 from ep_core.errors import EPConfigError, EPDeviceError
 from ep_core.kernels.direct_rank import DirectRank, RankResources
+from ep_core.validation import validate_rank_routing
 
 __all__ = [
     "GIN_QUEUE_DEPTH",
@@ -634,6 +635,11 @@ class NcclRank(DirectRank):
             cpu_timeout_secs=cpu_timeout_secs,
             num_warps=num_warps,
         )
+
+    def launch_dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, **kwargs: Any) -> Any:
+        """`DirectRank.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
+        validate_rank_routing(x, topk_idx, kwargs.get("handle"))
+        return super().launch_dispatch(x, topk_idx, topk_weights, **kwargs)
 
     def close(self) -> None:
         """Collective: drain, barrier, release the window, memory and (owned) communicator."""
