@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from ep_core import device_array
-from ep_core.errors import EPTypeError, EPValueError
+from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.requests import CombineArgs, DispatchArgs
 
@@ -301,6 +301,7 @@ class DispatchCombine:
         *,
         zero_copy: bool = False,
         defer_epilogue: bool = False,
+        borrow_recv: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap] | EventOverlap:
         """Send every token to the ranks of its top-k experts (SPEC §2).
 
@@ -322,8 +323,42 @@ class DispatchCombine:
         only the ``EventOverlap``; its ``current_stream_wait()``
         (or ``wait()``) returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``, once. Requires
         ``async_with_compute_stream=True`` and ``do_handle_copy=False`` (:meth:`_deferred`).
+
+        ``borrow_recv=True`` (DeepEP 2.5, keyword-only): ``recv_x`` is a :class:`~ep_torch.DispatchRecvView`
+        (:meth:`_borrow`).
         """
-        if defer_epilogue is not False:  # the one test the calls without it pay
+        if defer_epilogue is not False or borrow_recv is not False:  # the one test the calls without them pay
+            if borrow_recv:
+                return self._borrow(
+                    x,
+                    handle,
+                    do_cpu_sync,
+                    do_expand,
+                    bool(defer_epilogue),
+                    zero_copy,
+                    async_with_compute_stream,
+                    lambda: self.dispatch(
+                        x,
+                        topk_idx,
+                        topk_weights,
+                        cumulative_local_expert_recv_stats,
+                        num_experts,
+                        num_max_tokens_per_rank,
+                        expert_alignment,
+                        num_sms,
+                        num_qps,
+                        previous_event,
+                        previous_event_before_epilogue,
+                        async_with_compute_stream,
+                        allocate_on_comm_stream,
+                        handle,
+                        do_handle_copy,
+                        do_cpu_sync,
+                        do_expand,
+                        do_zero_padding,
+                        use_tma_aligned_col_major_sf,
+                    ),
+                )
             return self._deferred(
                 "dispatch",
                 defer_epilogue,
@@ -572,6 +607,77 @@ class DispatchCombine:
 
         event.register_hook_after_wait(epilogue)
         return event
+
+    def _borrow(
+        self,
+        x: Any,
+        handle: Any,
+        do_cpu_sync: Any,
+        do_expand: Any,
+        defer_epilogue: bool,
+        zero_copy: Any,
+        async_with_compute_stream: Any,
+        call: Any,
+    ) -> tuple:
+        """A dispatch with ``borrow_recv=True`` (DeepEP 2.5): ``call()`` runs it without the keyword; returns
+        ``(view, recv_topk_idx, recv_topk_weights, handle, event)``, ``view`` a
+        :class:`~ep_torch.recv_view.DispatchRecvView` of the received rows. DeepEP's refusals come first
+        (``EPValueError``, before any launch): a bf16 tensor ``x`` only (no FP8 tuple), no ``do_expand``, no
+        ``defer_epilogue``, no ``do_cpu_sync=False``, no cached ``handle``; ep's: no ``zero_copy``, and the CPU
+        reference backend only (``NotImplementedError`` on CUDA). Until the view's ``release()`` this buffer's
+        ``dispatch``, ``combine`` and ``destroy`` raise ``EPStateError`` (instance attributes shadowing the methods:
+        the calls of a buffer with no view out pay nothing for it)."""
+        from .recv_view import DispatchRecvView
+
+        refusals = (
+            (type(x) is not torch.Tensor or x.dtype != torch.bfloat16, "x must be one bfloat16 tensor"),
+            (bool(do_expand), "do_expand=True is not supported"),
+            (defer_epilogue, "defer_epilogue=True is not supported"),
+            (do_cpu_sync is not None and not do_cpu_sync, "do_cpu_sync=False is not supported"),
+            (handle is not None, "a cached dispatch (handle=) is not supported"),
+            (zero_copy is not False, "zero_copy is not supported"),
+        )
+        for refused, why in refusals:
+            if refused:
+                raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
+        if self._cuda:
+            raise NotImplementedError(
+                "borrow_recv=True is not implemented for CUDA tensors in ep (the CPU reference backend only); "
+                "dispatch without borrow_recv"
+            )
+        recv_x, recv_idx, recv_w, new_handle, event = call()
+        view = DispatchRecvView(
+            self, recv_x, torch.arange(recv_x.shape[0], dtype=torch.int64, device=recv_x.device)
+        )
+        if async_with_compute_stream:
+            earlier = event.hook_after_wait
+            event.hook_after_wait = None
+
+            def ready() -> Any:
+                view._mark_ready()
+                return None if earlier is None else earlier()
+
+            event.register_hook_after_wait(ready)
+        else:
+            view._mark_ready()
+
+        def busy(name: str) -> Any:
+            def refuse(*args: Any, **kwargs: Any) -> Any:
+                raise EPStateError(
+                    f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
+                    "release() it first"
+                )
+
+            return refuse
+
+        for name in ("dispatch", "combine", "destroy"):
+            self.__dict__[name] = busy(name)
+        return view, recv_idx, recv_w, new_handle, event
+
+    def _end_borrow(self) -> None:
+        """The view was released: the buffer's own methods again."""
+        for name in ("dispatch", "combine", "destroy"):
+            self.__dict__.pop(name, None)
 
     def _zero_copy_outputs(
         self, data: Any, sf: Any, recv_x: Any, recv_sf: Any, recv_idx: Any, recv_w: Any
