@@ -299,9 +299,9 @@ class DispatchCombine:
         do_zero_padding: bool = False,
         use_tma_aligned_col_major_sf: bool = False,
         *,
-        zero_copy: bool = False,
         defer_epilogue: bool = False,
         borrow_recv: bool = False,
+        zero_copy: bool = False,
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap] | EventOverlap:
         """Send every token to the ranks of its top-k experts (SPEC §2).
 
@@ -703,8 +703,8 @@ class DispatchCombine:
         async_with_compute_stream: bool = False,
         allocate_on_comm_stream: bool = False,
         *,
-        zero_copy: bool = False,
         defer_epilogue: bool = False,
+        zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """Send expert outputs back and sum them per token, unweighted (SPEC §3).
 
