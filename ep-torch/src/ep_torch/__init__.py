@@ -26,6 +26,7 @@ from .engram_buffer import EngramBuffer
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config
 from .pp_buffer import PPBuffer
+from .recv_view import DispatchRecvView
 
 register_buffers()  # isinstance(buffer, BufferBase) for every buffer class, as DeepEP's subclasses
 
@@ -38,6 +39,7 @@ __all__ = [
     "BufferAllocator",
     "BufferBase",
     "Config",
+    "DispatchRecvView",
     "EPBuffer",
     "EPHandle",
     "ElasticBuffer",

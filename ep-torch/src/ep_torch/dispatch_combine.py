@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from ep_core import device_array
-from ep_core.errors import EPTypeError, EPValueError
+from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.requests import CombineArgs, DispatchArgs
 
@@ -299,8 +299,10 @@ class DispatchCombine:
         do_zero_padding: bool = False,
         use_tma_aligned_col_major_sf: bool = False,
         *,
+        defer_epilogue: bool = False,
+        borrow_recv: bool = False,
         zero_copy: bool = False,
-    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap] | EventOverlap:
         """Send every token to the ranks of its top-k experts (SPEC §2).
 
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``; ``recv_x`` is a ``(data, sf)`` tuple
@@ -316,7 +318,76 @@ class DispatchCombine:
         rows it has read, then ``combine(..., zero_copy=True)``. Non-expanded layout, no ``handle`` (not cached),
         row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
         call passes it alike. The handle is an ordinary one (combine, cached dispatch).
+
+        ``defer_epilogue=True`` (DeepEP 2.5; keyword-only here, as ep's positional parameters are V2's): returns
+        only the ``EventOverlap``; its ``current_stream_wait()``
+        (or ``wait()``) returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``, once. Requires
+        ``async_with_compute_stream=True`` and ``do_handle_copy=False`` (:meth:`_deferred`).
+
+        ``borrow_recv=True`` (DeepEP 2.5, keyword-only): ``recv_x`` is a :class:`~ep_torch.DispatchRecvView`
+        (:meth:`_borrow`).
         """
+        if defer_epilogue is not False or borrow_recv is not False:  # the one test the calls without them pay
+            if borrow_recv:
+                return self._borrow(
+                    x,
+                    handle,
+                    do_cpu_sync,
+                    do_expand,
+                    bool(defer_epilogue),
+                    zero_copy,
+                    async_with_compute_stream,
+                    lambda: self.dispatch(
+                        x,
+                        topk_idx,
+                        topk_weights,
+                        cumulative_local_expert_recv_stats,
+                        num_experts,
+                        num_max_tokens_per_rank,
+                        expert_alignment,
+                        num_sms,
+                        num_qps,
+                        previous_event,
+                        previous_event_before_epilogue,
+                        async_with_compute_stream,
+                        allocate_on_comm_stream,
+                        handle,
+                        do_handle_copy,
+                        do_cpu_sync,
+                        do_expand,
+                        do_zero_padding,
+                        use_tma_aligned_col_major_sf,
+                    ),
+                )
+            return self._deferred(
+                "dispatch",
+                defer_epilogue,
+                async_with_compute_stream,
+                do_handle_copy,
+                zero_copy,
+                lambda: self.dispatch(
+                    x,
+                    topk_idx,
+                    topk_weights,
+                    cumulative_local_expert_recv_stats,
+                    num_experts,
+                    num_max_tokens_per_rank,
+                    expert_alignment,
+                    num_sms,
+                    num_qps,
+                    previous_event,
+                    previous_event_before_epilogue,
+                    async_with_compute_stream,
+                    allocate_on_comm_stream,
+                    handle,
+                    do_handle_copy,
+                    do_cpu_sync,
+                    do_expand,
+                    do_zero_padding,
+                    use_tma_aligned_col_major_sf,
+                    zero_copy=zero_copy,
+                ),
+            )
         # the express lanes (`ep_core.EPBuffer.last_plan`): a repeat of the last dispatch of its kind (no handle:
         # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
         # handle) without events, stats or comm-stream scope, every scalar the same object as that call's (so the
@@ -482,6 +553,132 @@ class DispatchCombine:
         recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
 
+    def _deferred(
+        self,
+        op: str,
+        defer_epilogue: Any,
+        async_with_compute_stream: Any,
+        do_handle_copy: Any,
+        zero_copy: Any,
+        call: Any,
+    ) -> Any:
+        """A ``dispatch`` / ``combine`` with ``defer_epilogue`` set (DeepEP 2.5): ``call()`` runs the operation
+        without it. A false value other than ``False`` (``0``) is the ordinary call. Otherwise DeepEP's rules
+        (``async_with_compute_stream=True``; ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``;
+        the CPU reference backend only: the GPU executor launches the send and the copy/reduce epilogue as one step,
+        with no point between them to return at) are checked before any launch, and the returned ``EventOverlap``
+        carries the outputs in its hook: the first ``current_stream_wait()`` returns them.
+
+        On the CPU reference backend every operation has completed when the call returns (``event.py``), epilogue
+        included: deferring changes when the outputs are handed over, not the bytes (bitwise the same as the
+        ordinary call, tested on 2 and 4 gloo ranks)."""
+        if not defer_epilogue:
+            return call()
+        if not async_with_compute_stream:
+            raise EPValueError(
+                f"defer_epilogue: a deferred {op} returns only its event, whose current_stream_wait() runs the "
+                "epilogue; pass async_with_compute_stream=True with it (DeepEP's rule)"
+            )
+        if do_handle_copy:
+            raise EPValueError(
+                "defer_epilogue: a deferred dispatch keeps the caller's topk_idx in its handle; pass "
+                "do_handle_copy=False with it (DeepEP's rule)"
+            )
+        if zero_copy is not False:
+            raise EPValueError(
+                f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
+                "defer_epilogue"
+            )
+        if self._cuda:
+            raise NotImplementedError(
+                f"defer_epilogue=True is not implemented for a {op} on CUDA tensors in ep: its GPU executor "
+                "launches the communication and the copy/reduce epilogue as one step; call without "
+                "defer_epilogue (async_with_compute_stream=True still returns before the comm stream is done)"
+            )
+        outputs = call()
+        event: EventOverlap = outputs[-1]
+        earlier = event.hook_after_wait
+        event.hook_after_wait = None
+
+        def epilogue() -> tuple:
+            if earlier is not None:
+                earlier()
+            return outputs[:-1]
+
+        event.register_hook_after_wait(epilogue)
+        return event
+
+    def _borrow(
+        self,
+        x: Any,
+        handle: Any,
+        do_cpu_sync: Any,
+        do_expand: Any,
+        defer_epilogue: bool,
+        zero_copy: Any,
+        async_with_compute_stream: Any,
+        call: Any,
+    ) -> tuple:
+        """A dispatch with ``borrow_recv=True`` (DeepEP 2.5): ``call()`` runs it without the keyword; returns
+        ``(view, recv_topk_idx, recv_topk_weights, handle, event)``, ``view`` a
+        :class:`~ep_torch.recv_view.DispatchRecvView` of the received rows. DeepEP's refusals come first
+        (``EPValueError``, before any launch): a bf16 tensor ``x`` only (no FP8 tuple), no ``do_expand``, no
+        ``defer_epilogue``, no ``do_cpu_sync=False``, no cached ``handle``; ep's: no ``zero_copy``, and the CPU
+        reference backend only (``NotImplementedError`` on CUDA). Until the view's ``release()`` this buffer's
+        ``dispatch``, ``combine`` and ``destroy`` raise ``EPStateError`` (instance attributes shadowing the methods:
+        the calls of a buffer with no view out pay nothing for it)."""
+        from .recv_view import DispatchRecvView
+
+        refusals = (
+            (type(x) is not torch.Tensor or x.dtype != torch.bfloat16, "x must be one bfloat16 tensor"),
+            (bool(do_expand), "do_expand=True is not supported"),
+            (defer_epilogue, "defer_epilogue=True is not supported"),
+            (do_cpu_sync is not None and not do_cpu_sync, "do_cpu_sync=False is not supported"),
+            (handle is not None, "a cached dispatch (handle=) is not supported"),
+            (zero_copy is not False, "zero_copy is not supported"),
+        )
+        for refused, why in refusals:
+            if refused:
+                raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
+        if self._cuda:
+            raise NotImplementedError(
+                "borrow_recv=True is not implemented for CUDA tensors in ep (the CPU reference backend only); "
+                "dispatch without borrow_recv"
+            )
+        recv_x, recv_idx, recv_w, new_handle, event = call()
+        view = DispatchRecvView(
+            self, recv_x, torch.arange(recv_x.shape[0], dtype=torch.int64, device=recv_x.device)
+        )
+        if async_with_compute_stream:
+            earlier = event.hook_after_wait
+            event.hook_after_wait = None
+
+            def ready() -> Any:
+                view._mark_ready()
+                return None if earlier is None else earlier()
+
+            event.register_hook_after_wait(ready)
+        else:
+            view._mark_ready()
+
+        def busy(name: str) -> Any:
+            def refuse(*args: Any, **kwargs: Any) -> Any:
+                raise EPStateError(
+                    f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
+                    "release() it first"
+                )
+
+            return refuse
+
+        for name in ("dispatch", "combine", "destroy"):
+            self.__dict__[name] = busy(name)
+        return view, recv_idx, recv_w, new_handle, event
+
+    def _end_borrow(self) -> None:
+        """The view was released: the buffer's own methods again."""
+        for name in ("dispatch", "combine", "destroy"):
+            self.__dict__.pop(name, None)
+
     def _zero_copy_outputs(
         self, data: Any, sf: Any, recv_x: Any, recv_sf: Any, recv_idx: Any, recv_w: Any
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
@@ -506,15 +703,42 @@ class DispatchCombine:
         async_with_compute_stream: bool = False,
         allocate_on_comm_stream: bool = False,
         *,
+        defer_epilogue: bool = False,
         zero_copy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """Send expert outputs back and sum them per token, unweighted (SPEC §3).
 
         Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
         ``zero_copy=True`` (an ep extension): ``x`` is :meth:`get_combine_buffer`'s tensor with the expert outputs
         written into it, read in place (one pass over the rows instead of two; non-expanded handles, no
         ``topk_weights``, direct mode). Every rank of the call passes it alike.
+
+        ``defer_epilogue=True`` (DeepEP 2.5; keyword-only here, as ep's positional parameters are V2's): returns
+        only the ``EventOverlap``; its ``current_stream_wait()``
+        (or ``wait()``) returns ``(combined_x, combined_topk_weights)``, once. Requires
+        ``async_with_compute_stream=True`` (:meth:`_deferred`).
         """
+        if defer_epilogue is not False:  # the one test the calls without it pay
+            return self._deferred(
+                "combine",
+                defer_epilogue,
+                async_with_compute_stream,
+                False,
+                zero_copy,
+                lambda: self.combine(
+                    x,
+                    handle,
+                    topk_weights,
+                    bias,
+                    num_sms,
+                    num_qps,
+                    previous_event,
+                    previous_event_before_epilogue,
+                    async_with_compute_stream,
+                    allocate_on_comm_stream,
+                    zero_copy=zero_copy,
+                ),
+            )
         plain = (
             bias is None
             and previous_event is None

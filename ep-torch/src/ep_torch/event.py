@@ -73,25 +73,32 @@ class EventOverlap:
             tuple(extra_tensors) if extra_tensors is not None else None
         )
         # DeepEP's public attribute: the hook that the next wait runs (None when none is pending).
-        self.hook_after_wait: Callable[[], None] | None = None
+        self.hook_after_wait: Callable[[], Any] | None = None
         self._release_on_exit = False
 
-    def current_stream_wait(self, release_handle: bool = False) -> None:
-        """Wait on the event (which must exist), run and clear the hook, and drop the event if asked."""
+    def current_stream_wait(self, release_handle: bool = False) -> Any:
+        """Wait on the event (which must exist), run and clear the hook, and drop the event if asked. Returns what
+        the hook returned (a deferred epilogue's outputs: ``defer_epilogue=True``), None when no hook was pending."""
         if self.event is None:
             raise RuntimeError(
                 "EventOverlap.current_stream_wait(): this operation returned no event (it was not called with "
                 "async_with_compute_stream=True); there is nothing to wait for"
             )
         self.event.current_stream_wait()
+        result = None
         if self.hook_after_wait is not None:
             hook, self.hook_after_wait = self.hook_after_wait, None
-            hook()
+            result = hook()
         if release_handle:
             self.event = None
             self.extra_tensors = None
+        return result
 
-    def register_hook_after_wait(self, hook_after_wait: Callable[[], None]) -> None:
+    def wait(self) -> Any:
+        """``current_stream_wait()`` (DeepEP 2.5's name): waits and returns the hook's result."""
+        return self.current_stream_wait()
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
         """Run ``hook_after_wait`` once, right after the next wait. Only one hook may be pending."""
         if self.hook_after_wait is not None:
             raise RuntimeError("EventOverlap.register_hook_after_wait(): a hook is already registered")
