@@ -360,6 +360,41 @@ def _v1_combine_rows(buf, rank, world):
     return buf.combine(recv_x, handle)[0] is not None
 
 
+def _v1_dispatched(buf, rank, seed=50):
+    x, idx, w = _inputs(seed, rank)
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_weights=w, **kw)
+    return x, kw, recv_x, recv_w, handle
+
+
+def _v1_combine_weights_one_rank(buf, rank, world):
+    """Only the culprit asks combine for the top-k weights; the peer combines without them (a valid call, its
+    result exact) and goes on to its next dispatch, which meets the culprit's weight step."""
+    x, kw, recv_x, recv_w, handle = _v1_dispatched(buf, rank)
+    if rank == CULPRIT:
+        return buf.combine(recv_x, handle, topk_weights=recv_w)[0] is not None
+    buf.combine(recv_x, handle)
+    return _eq(buf.dispatch(x, **kw)[0], _v1_rows(50, world, rank))
+
+
+def _v1_combine_weights_k(buf, rank, world):
+    """The culprit's combine weights have another top-k width than the peer's."""
+    _x, _kw, recv_x, recv_w, handle = _v1_dispatched(buf, rank)
+    if rank == CULPRIT:
+        recv_w = recv_w[:, :1]
+    return buf.combine(recv_x, handle, topk_weights=recv_w)[0] is not None
+
+
+def _v1_combine_weights_other_dispatch(buf, rank, world):
+    """The culprit combines with the handle of an earlier dispatch of other routing (same buffer, same
+    generation): the rows of the weight reduction would pair with the wrong counts."""
+    a = _v1_dispatched(buf, rank, 50)
+    b = _v1_dispatched(buf, rank, 51)
+    _x, _kw, recv_x, recv_w, handle = a if rank == CULPRIT else b
+    return buf.combine(recv_x, handle, topk_weights=recv_w)[0] is not None
+
+
 def _v1_after_destroy(buf, rank, world):
     dead = _v1()
     _v1_round(dead, 53, rank, world)
@@ -477,6 +512,13 @@ def _v2_construct(buf, rank, world):
     return True
 
 
+def _v2_construct_cast(buf, rank, world):
+    """A constructor argument that ep_torch's casts cannot read (a string) on one rank."""
+    b = _v2(hidden="wide" if rank == CULPRIT else H)
+    b.destroy()
+    return True
+
+
 def _v2_construct_retry(buf, rank, world):
     """Rank 0's constructor fails and it retries; rank 1 retries when its constructor raised: rank 1 must see an
     error first instead of pairing its one constructor with rank 0's retry. Returns each attempt's outcome."""
@@ -569,6 +611,9 @@ CASES = {
     "v1.dispatch_after_destroy": ("v1", {}, _v1_after_destroy, False),
     "v1.combine_foreign_handle": ("v1", {}, _v1_foreign_handle, False),
     "v1.combine_wrong_rows": ("v1", {}, _v1_combine_rows, False),
+    "v1.combine_weights_one_rank": ("v1", {}, _v1_combine_weights_one_rank, True),
+    "v1.combine_weights_topk_width": ("v1", {}, _v1_combine_weights_k, True),
+    "v1.combine_weights_other_dispatch": ("v1", {}, _v1_combine_weights_other_dispatch, True),
     "v1.skipped_combine": ("v1", {}, _v1_skip_combine, True),
     "v1.skipped_combine_no_reset": ("v1", {}, _v1_skip_combine, False),
     "v1.peer_never_calls": ("v1", {}, _never(None, lambda b, r, w: _v1_round(b, 80, r, w)), None),
@@ -587,6 +632,7 @@ CASES = {
     "v2.combine_foreign_handle": ("v2", {}, _v2_foreign_handle, True),
     "v2.construct_bad_num_topk": ("v2", {}, _v2_construct, False),
     "v2.construct_retry": ("v2", {}, _v2_construct_retry, False),
+    "v2.construct_uncastable_arg": ("v2", {}, _v2_construct_cast, False),
     "v2.peer_killed": ("v2", {}, _killed(lambda b, r, w: _v2_round(b, 83, r, w)), None),
     "agrs.all_gather_outside_session": ("agrs", {}, _agrs_outside, False),
     "agrs.reduce_scatter_indivisible": ("agrs", {}, _rs_indivisible, False),
@@ -680,6 +726,8 @@ CHAIN = [
     "v1.dispatch_after_destroy",
     "v1.combine_foreign_handle",
     "v1.skipped_combine",
+    "v1.combine_weights_topk_width",
+    "v1.combine_weights_one_rank",
     "ll.x_dtype",
     "ll.stats_shape",
     "ll.combine_foreign_handle",
@@ -687,6 +735,7 @@ CHAIN = [
     "v2.skipped_combine",
     "v2.construct_bad_num_topk",
     "v2.construct_retry",
+    "v2.construct_uncastable_arg",
     "agrs.reduce_scatter_indivisible",
     "pp.send_non_contiguous",
 ]  # agrs.all_gather_outside_session: clear at once, but the peers' session end then waits out the timeout
