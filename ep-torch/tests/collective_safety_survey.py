@@ -232,7 +232,85 @@ def _agrs_round(buf, seed: int, rank: int, world: int) -> bool:
         return _eq(got, want)
 
 
-ROUNDS = {"v1": _v1_round, "ll": _ll_round, "v2": _v2_round, "pp": _pp_round, "agrs": _agrs_round}
+def _bucket(**kw):
+    from ep_torch import BucketBuffer
+
+    return BucketBuffer(
+        None,
+        2 << 20,
+        explicitly_destroy=True,
+        num_cpu_timeout_secs=TIMEOUT,
+        **{**(GPU_KW or {"transport": "reference"}), **kw},
+    )
+
+
+def _bucket_val(seed: int, rank: int, n: int = 64):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    return torch.randint(-8, 8, (n,), generator=g).float()
+
+
+def _bucket_round(buf, seed: int, rank: int, world: int) -> bool:
+    t = buf.storage[: 64 * 4].view(__import__("torch").float32)
+    t.copy_(_bucket_val(seed, rank).to(t.device))
+    got = buf.all_reduce(t).wait()
+    want = sum(_bucket_val(seed, r) for r in range(world))
+    return _eq(got, want)
+
+
+ENGRAM_LAYERS, ENGRAM_H, ENGRAM_T, ENGRAM_K = [4], 16, 4, 2
+
+
+def _engram(**kw):
+    from ep_torch import EngramBuffer
+
+    args = dict(
+        num_gpu_bytes=2 << 20,
+        num_rdma_storage_bytes=2 << 20,
+        use_cpu_rdma_storage=True,
+        num_allocated_qps=1,
+        qp_depth=1,
+        explicitly_destroy=True,
+        num_cpu_timeout_secs=TIMEOUT,
+        **(GPU_KW or {"transport": "reference"}),
+    )
+    args.update(kw)
+    buf = EngramBuffer(None, **args)
+    buf.set_config(ENGRAM_LAYERS, ENGRAM_H, ENGRAM_T, ENGRAM_K)
+    return buf
+
+
+def _engram_shard(seed: int, r: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 10 + r)
+    return torch.randint(-8, 8, (ENGRAM_LAYERS[0], ENGRAM_H), generator=g).to(torch.bfloat16)
+
+
+def _engram_round(buf, seed: int, rank: int, world: int) -> bool:
+    import torch
+
+    buf.write([_engram_shard(seed, rank).to(DEV)])
+    g = torch.Generator().manual_seed(seed + 1000 + rank)
+    idx = torch.randint(0, world * ENGRAM_LAYERS[0], (1, ENGRAM_T, ENGRAM_K), generator=g).to(torch.int32)
+    got = buf.fetch(idx.to(DEV))[0]()
+    table = torch.cat([_engram_shard(seed, r) for r in range(world)])
+    want = table[idx[0].reshape(-1).long()].reshape(ENGRAM_T, ENGRAM_K * ENGRAM_H)
+    ok = _eq(got, want)
+    buf.barrier()  # every rank fetched before the next write
+    return ok
+
+
+ROUNDS = {
+    "v1": _v1_round,
+    "ll": _ll_round,
+    "v2": _v2_round,
+    "pp": _pp_round,
+    "agrs": _agrs_round,
+    "bucket": _bucket_round,
+    "engram": _engram_round,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -566,6 +644,52 @@ def _pp_noncontig(buf, rank, world):
     return _eq(got, torch.arange(32, dtype=torch.float32))
 
 
+def _bucket_outside(buf, rank, world):
+    """The culprit's src is not in the storage: refused on that rank."""
+    import torch
+
+    t = buf.storage[: 64 * 4].view(torch.float32)
+    if rank == CULPRIT:
+        t = torch.zeros(64, device=t.device)
+    return buf.all_reduce(t).wait() is not None
+
+
+def _bucket_indivisible(buf, rank, world):
+    import torch
+
+    t = buf.storage[: (2 * world + (1 if rank == CULPRIT else 0)) * 4].view(torch.float32)
+    return buf.reduce_scatter(t).wait() is not None
+
+
+def _bucket_other_op(buf, rank, world):
+    """The culprit calls all_gather while the peer calls all_reduce: a disagreement (reset after)."""
+    import torch
+
+    t = buf.storage[: 8 * world * 4].view(torch.float32)
+    if rank == CULPRIT:
+        return buf.all_gather(t[rank * 8 : (rank + 1) * 8]).wait() is not None
+    return buf.all_reduce(t).wait() is not None
+
+
+def _engram_write_shape(buf, rank, world):
+    shard = _engram_shard(60, rank).to(DEV)
+    if rank == CULPRIT:
+        shard = shard[:-1]
+    buf.write([shard])
+    return True
+
+
+def _engram_config_mismatch(buf, rank, world):
+    buf.set_config(ENGRAM_LAYERS, ENGRAM_H * (2 if rank == CULPRIT else 1), ENGRAM_T, ENGRAM_K)
+    return True
+
+
+def _engram_construct(buf, rank, world):
+    b = _engram(num_gpu_bytes=3 if rank == CULPRIT else 2 << 20)
+    b.destroy()
+    return True
+
+
 def _never(build, call):
     """Rank 1 never calls (it sleeps past the timeout): rank 0 must raise EPTimeoutError naming rank 1."""
 
@@ -638,6 +762,15 @@ CASES = {
     "agrs.reduce_scatter_indivisible": ("agrs", {}, _rs_indivisible, False),
     "agrs.peer_never_calls": ("agrs", {}, _never(None, lambda b, r, w: _agrs_round(b, 84, r, w)), None),
     "pp.send_non_contiguous": ("pp", {}, _pp_noncontig, False),
+    "bucket.all_reduce_outside_storage": ("bucket", {}, _bucket_outside, False),
+    "bucket.reduce_scatter_indivisible": ("bucket", {}, _bucket_indivisible, False),
+    "bucket.different_operations": ("bucket", {}, _bucket_other_op, True),
+    "bucket.different_operations_no_reset": ("bucket", {}, _bucket_other_op, False),
+    "bucket.peer_never_calls": ("bucket", {}, _never(None, lambda b, r, w: _bucket_round(b, 86, r, w)), None),
+    "engram.write_wrong_shape": ("engram", {}, _engram_write_shape, False),
+    "engram.set_config_mismatch": ("engram", {}, _engram_config_mismatch, True),
+    "engram.set_config_mismatch_no_reset": ("engram", {}, _engram_config_mismatch, False),
+    "engram.construct_bad_size": ("engram", {}, _engram_construct, False),
     "pp.peer_killed": ("pp", {}, _killed(lambda b, r, w: _pp_round(b, 85, r, w)), None),
 }
 
@@ -656,6 +789,10 @@ def _build(surface: str, kw: dict):
         return _v2(**kw)
     if surface == "pp":
         return _pp(**kw)
+    if surface == "bucket":
+        return _bucket(**kw)
+    if surface == "engram":
+        return _engram(**kw)
     return _agrs()
 
 
@@ -738,7 +875,13 @@ CHAIN = [
     "v2.construct_uncastable_arg",
     "agrs.reduce_scatter_indivisible",
     "pp.send_non_contiguous",
-]  # agrs.all_gather_outside_session: clear at once, but the peers' session end then waits out the timeout
+    "agrs.all_gather_outside_session",
+    "bucket.all_reduce_outside_storage",
+    "bucket.different_operations",
+    "engram.write_wrong_shape",
+    "engram.set_config_mismatch",
+    "engram.construct_bad_size",
+]
 
 
 def _chain_worker(rank: int, world: int, out: str, names: list[str]) -> None:
