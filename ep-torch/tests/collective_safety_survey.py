@@ -976,6 +976,8 @@ def verdict(case: str, ranks: list[dict]) -> tuple[str, str]:
     for r in live:
         if "crash" in r:
             return "unclear", r["crash"][:200]
+        if "fault" not in r:
+            return "unclear", f"rank {r.get('rank')}: no record of the case (the process ended in it)"
     for r in live:  # a returned value of the fault step must be right (no rows of another call)
         if r["fault"] == "ok" and r["fault_value"] is False:
             return "silent", f"rank {r['rank']} returned wrong rows without an error"
