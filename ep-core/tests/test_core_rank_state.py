@@ -182,3 +182,22 @@ def test_a_handle_of_another_buffer_is_refused_by_name_and_the_ranks_stay_in_ste
         return a.combine(out_a.recv_x, out_a.handle).combined_x is not None
 
     assert ec.ThreadGroup(2, timeout_secs=5).run(rank_fn, join_timeout_secs=30) == [True, True]
+
+
+def test_agrs_session_abandon_counts_on_no_rank():
+    """A peer refused its all_gather from outside any session: this rank's session is dropped as if it never began
+    (issue 41), so the ranks' session indices stay equal; the refusal's words name the case."""
+    import pytest
+    from ep_core import agrs
+    from ep_core.errors import EPStateError
+
+    s = agrs.AGRSSession(0)
+    s.configure(agrs.make_agrs_config(0, 2, 2, 1 << 20, 4096, 4))
+    with pytest.raises(EPStateError, match=agrs.NOT_IN_SESSION):
+        s.plan_all_gather([16], [None])
+    s.create()
+    s.plan_all_gather([16], [None])
+    s.abandon()
+    assert (s.in_session, s.session_idx, s.slot, s.offset) == (False, 0, 0, 0)
+    s.abandon()  # outside a session: nothing
+    assert s.session_idx == 0

@@ -232,7 +232,85 @@ def _agrs_round(buf, seed: int, rank: int, world: int) -> bool:
         return _eq(got, want)
 
 
-ROUNDS = {"v1": _v1_round, "ll": _ll_round, "v2": _v2_round, "pp": _pp_round, "agrs": _agrs_round}
+def _bucket(**kw):
+    from ep_torch import BucketBuffer
+
+    return BucketBuffer(
+        None,
+        2 << 20,
+        explicitly_destroy=True,
+        num_cpu_timeout_secs=TIMEOUT,
+        **{**(GPU_KW or {"transport": "reference"}), **kw},
+    )
+
+
+def _bucket_val(seed: int, rank: int, n: int = 64):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    return torch.randint(-8, 8, (n,), generator=g).float()
+
+
+def _bucket_round(buf, seed: int, rank: int, world: int) -> bool:
+    t = buf.storage[: 64 * 4].view(__import__("torch").float32)
+    t.copy_(_bucket_val(seed, rank).to(t.device))
+    got = buf.all_reduce(t).wait()
+    want = sum(_bucket_val(seed, r) for r in range(world))
+    return _eq(got, want)
+
+
+ENGRAM_LAYERS, ENGRAM_H, ENGRAM_T, ENGRAM_K = [4], 16, 4, 2
+
+
+def _engram(**kw):
+    from ep_torch import EngramBuffer
+
+    args = dict(
+        num_gpu_bytes=2 << 20,
+        num_rdma_storage_bytes=2 << 20,
+        use_cpu_rdma_storage=True,
+        num_allocated_qps=1,
+        qp_depth=1,
+        explicitly_destroy=True,
+        num_cpu_timeout_secs=TIMEOUT,
+        **(GPU_KW or {"transport": "reference"}),
+    )
+    args.update(kw)
+    buf = EngramBuffer(None, **args)
+    buf.set_config(ENGRAM_LAYERS, ENGRAM_H, ENGRAM_T, ENGRAM_K)
+    return buf
+
+
+def _engram_shard(seed: int, r: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 10 + r)
+    return torch.randint(-8, 8, (ENGRAM_LAYERS[0], ENGRAM_H), generator=g).to(torch.bfloat16)
+
+
+def _engram_round(buf, seed: int, rank: int, world: int) -> bool:
+    import torch
+
+    buf.write([_engram_shard(seed, rank).to(DEV)])
+    g = torch.Generator().manual_seed(seed + 1000 + rank)
+    idx = torch.randint(0, world * ENGRAM_LAYERS[0], (1, ENGRAM_T, ENGRAM_K), generator=g).to(torch.int32)
+    got = buf.fetch(idx.to(DEV))[0]()
+    table = torch.cat([_engram_shard(seed, r) for r in range(world)])
+    want = table[idx[0].reshape(-1).long()].reshape(ENGRAM_T, ENGRAM_K * ENGRAM_H)
+    ok = _eq(got, want)
+    buf.barrier()  # every rank fetched before the next write
+    return ok
+
+
+ROUNDS = {
+    "v1": _v1_round,
+    "ll": _ll_round,
+    "v2": _v2_round,
+    "pp": _pp_round,
+    "agrs": _agrs_round,
+    "bucket": _bucket_round,
+    "engram": _engram_round,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -360,6 +438,41 @@ def _v1_combine_rows(buf, rank, world):
     return buf.combine(recv_x, handle)[0] is not None
 
 
+def _v1_dispatched(buf, rank, seed=50):
+    x, idx, w = _inputs(seed, rank)
+    ntr, _, nte, itr, _ = _v1_layout(buf, idx)
+    kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, topk_weights=w, **kw)
+    return x, kw, recv_x, recv_w, handle
+
+
+def _v1_combine_weights_one_rank(buf, rank, world):
+    """Only the culprit asks combine for the top-k weights; the peer combines without them (a valid call, its
+    result exact) and goes on to its next dispatch, which meets the culprit's weight step."""
+    x, kw, recv_x, recv_w, handle = _v1_dispatched(buf, rank)
+    if rank == CULPRIT:
+        return buf.combine(recv_x, handle, topk_weights=recv_w)[0] is not None
+    buf.combine(recv_x, handle)
+    return _eq(buf.dispatch(x, **kw)[0], _v1_rows(50, world, rank))
+
+
+def _v1_combine_weights_k(buf, rank, world):
+    """The culprit's combine weights have another top-k width than the peer's."""
+    _x, _kw, recv_x, recv_w, handle = _v1_dispatched(buf, rank)
+    if rank == CULPRIT:
+        recv_w = recv_w[:, :1]
+    return buf.combine(recv_x, handle, topk_weights=recv_w)[0] is not None
+
+
+def _v1_combine_weights_other_dispatch(buf, rank, world):
+    """The culprit combines with the handle of an earlier dispatch of other routing (same buffer, same
+    generation): the rows of the weight reduction would pair with the wrong counts."""
+    a = _v1_dispatched(buf, rank, 50)
+    b = _v1_dispatched(buf, rank, 51)
+    _x, _kw, recv_x, recv_w, handle = a if rank == CULPRIT else b
+    return buf.combine(recv_x, handle, topk_weights=recv_w)[0] is not None
+
+
 def _v1_after_destroy(buf, rank, world):
     dead = _v1()
     _v1_round(dead, 53, rank, world)
@@ -477,6 +590,13 @@ def _v2_construct(buf, rank, world):
     return True
 
 
+def _v2_construct_cast(buf, rank, world):
+    """A constructor argument that ep_torch's casts cannot read (a string) on one rank."""
+    b = _v2(hidden="wide" if rank == CULPRIT else H)
+    b.destroy()
+    return True
+
+
 def _v2_construct_retry(buf, rank, world):
     """Rank 0's constructor fails and it retries; rank 1 retries when its constructor raised: rank 1 must see an
     error first instead of pairing its one constructor with rank 0's retry. Returns each attempt's outcome."""
@@ -524,6 +644,52 @@ def _pp_noncontig(buf, rank, world):
     return _eq(got, torch.arange(32, dtype=torch.float32))
 
 
+def _bucket_outside(buf, rank, world):
+    """The culprit's src is not in the storage: refused on that rank."""
+    import torch
+
+    t = buf.storage[: 64 * 4].view(torch.float32)
+    if rank == CULPRIT:
+        t = torch.zeros(64, device=t.device)
+    return buf.all_reduce(t).wait() is not None
+
+
+def _bucket_indivisible(buf, rank, world):
+    import torch
+
+    t = buf.storage[: (2 * world + (1 if rank == CULPRIT else 0)) * 4].view(torch.float32)
+    return buf.reduce_scatter(t).wait() is not None
+
+
+def _bucket_other_op(buf, rank, world):
+    """The culprit calls all_gather while the peer calls all_reduce: a disagreement (reset after)."""
+    import torch
+
+    t = buf.storage[: 8 * world * 4].view(torch.float32)
+    if rank == CULPRIT:
+        return buf.all_gather(t[rank * 8 : (rank + 1) * 8]).wait() is not None
+    return buf.all_reduce(t).wait() is not None
+
+
+def _engram_write_shape(buf, rank, world):
+    shard = _engram_shard(60, rank).to(DEV)
+    if rank == CULPRIT:
+        shard = shard[:-1]
+    buf.write([shard])
+    return True
+
+
+def _engram_config_mismatch(buf, rank, world):
+    buf.set_config(ENGRAM_LAYERS, ENGRAM_H * (2 if rank == CULPRIT else 1), ENGRAM_T, ENGRAM_K)
+    return True
+
+
+def _engram_construct(buf, rank, world):
+    b = _engram(num_gpu_bytes=3 if rank == CULPRIT else 2 << 20)
+    b.destroy()
+    return True
+
+
 def _never(build, call):
     """Rank 1 never calls (it sleeps past the timeout): rank 0 must raise EPTimeoutError naming rank 1."""
 
@@ -569,6 +735,9 @@ CASES = {
     "v1.dispatch_after_destroy": ("v1", {}, _v1_after_destroy, False),
     "v1.combine_foreign_handle": ("v1", {}, _v1_foreign_handle, False),
     "v1.combine_wrong_rows": ("v1", {}, _v1_combine_rows, False),
+    "v1.combine_weights_one_rank": ("v1", {}, _v1_combine_weights_one_rank, True),
+    "v1.combine_weights_topk_width": ("v1", {}, _v1_combine_weights_k, True),
+    "v1.combine_weights_other_dispatch": ("v1", {}, _v1_combine_weights_other_dispatch, True),
     "v1.skipped_combine": ("v1", {}, _v1_skip_combine, True),
     "v1.skipped_combine_no_reset": ("v1", {}, _v1_skip_combine, False),
     "v1.peer_never_calls": ("v1", {}, _never(None, lambda b, r, w: _v1_round(b, 80, r, w)), None),
@@ -587,11 +756,21 @@ CASES = {
     "v2.combine_foreign_handle": ("v2", {}, _v2_foreign_handle, True),
     "v2.construct_bad_num_topk": ("v2", {}, _v2_construct, False),
     "v2.construct_retry": ("v2", {}, _v2_construct_retry, False),
+    "v2.construct_uncastable_arg": ("v2", {}, _v2_construct_cast, False),
     "v2.peer_killed": ("v2", {}, _killed(lambda b, r, w: _v2_round(b, 83, r, w)), None),
     "agrs.all_gather_outside_session": ("agrs", {}, _agrs_outside, False),
     "agrs.reduce_scatter_indivisible": ("agrs", {}, _rs_indivisible, False),
     "agrs.peer_never_calls": ("agrs", {}, _never(None, lambda b, r, w: _agrs_round(b, 84, r, w)), None),
     "pp.send_non_contiguous": ("pp", {}, _pp_noncontig, False),
+    "bucket.all_reduce_outside_storage": ("bucket", {}, _bucket_outside, False),
+    "bucket.reduce_scatter_indivisible": ("bucket", {}, _bucket_indivisible, False),
+    "bucket.different_operations": ("bucket", {}, _bucket_other_op, True),
+    "bucket.different_operations_no_reset": ("bucket", {}, _bucket_other_op, False),
+    "bucket.peer_never_calls": ("bucket", {}, _never(None, lambda b, r, w: _bucket_round(b, 86, r, w)), None),
+    "engram.write_wrong_shape": ("engram", {}, _engram_write_shape, False),
+    "engram.set_config_mismatch": ("engram", {}, _engram_config_mismatch, True),
+    "engram.set_config_mismatch_no_reset": ("engram", {}, _engram_config_mismatch, False),
+    "engram.construct_bad_size": ("engram", {}, _engram_construct, False),
     "pp.peer_killed": ("pp", {}, _killed(lambda b, r, w: _pp_round(b, 85, r, w)), None),
 }
 
@@ -610,6 +789,10 @@ def _build(surface: str, kw: dict):
         return _v2(**kw)
     if surface == "pp":
         return _pp(**kw)
+    if surface == "bucket":
+        return _bucket(**kw)
+    if surface == "engram":
+        return _engram(**kw)
     return _agrs()
 
 
@@ -680,6 +863,8 @@ CHAIN = [
     "v1.dispatch_after_destroy",
     "v1.combine_foreign_handle",
     "v1.skipped_combine",
+    "v1.combine_weights_topk_width",
+    "v1.combine_weights_one_rank",
     "ll.x_dtype",
     "ll.stats_shape",
     "ll.combine_foreign_handle",
@@ -687,9 +872,16 @@ CHAIN = [
     "v2.skipped_combine",
     "v2.construct_bad_num_topk",
     "v2.construct_retry",
+    "v2.construct_uncastable_arg",
     "agrs.reduce_scatter_indivisible",
     "pp.send_non_contiguous",
-]  # agrs.all_gather_outside_session: clear at once, but the peers' session end then waits out the timeout
+    "agrs.all_gather_outside_session",
+    "bucket.all_reduce_outside_storage",
+    "bucket.different_operations",
+    "engram.write_wrong_shape",
+    "engram.set_config_mismatch",
+    "engram.construct_bad_size",
+]
 
 
 def _chain_worker(rank: int, world: int, out: str, names: list[str]) -> None:
@@ -784,6 +976,8 @@ def verdict(case: str, ranks: list[dict]) -> tuple[str, str]:
     for r in live:
         if "crash" in r:
             return "unclear", r["crash"][:200]
+        if "fault" not in r:
+            return "unclear", f"rank {r.get('rank')}: no record of the case (the process ended in it)"
     for r in live:  # a returned value of the fault step must be right (no rows of another call)
         if r["fault"] == "ok" and r["fault_value"] is False:
             return "silent", f"rank {r['rank']} returned wrong rows without an error"

@@ -1,5 +1,5 @@
 """Issue 41 on 2 gloo processes: one-rank errors on every surface (V1 normal and low-latency, V2, construction,
-AGRS, PP) raise on every rank naming the culprit, nothing pairs silently, nothing waits unbounded, and a random
+AGRS, PP, BucketBuffer, EngramBuffer) raise on every rank naming the culprit, nothing pairs silently, nothing waits unbounded, and a random
 interleaving of valid calls with one-rank errors keeps every valid result exact.
 
 The cases and their verdicts are collective_safety_survey.py's (run as a script in its own process group, under a
@@ -64,3 +64,16 @@ def test_a_peer_that_never_calls_times_out_within_the_timeout(tmp_path):
         r0, r1 = _run([case], tmp_path, 60)
         v, why = survey.verdict(case, [r0, r1])
         assert v == "clear", why
+
+
+def test_agrs_all_gather_outside_a_session_ends_the_peers_session_at_once(tmp_path):
+    """The peer inside a session gets the culprit's refusal at once and its session end does not wait for a
+    culprit that began no session (both sessions count on no rank: the next rounds pair and are exact)."""
+    survey = _survey()
+    case = "agrs.all_gather_outside_session"
+    r0, r1 = _run([case], tmp_path, 60)
+    v, why = survey.verdict(case, [r0, r1])
+    assert v == "clear", why
+    peer = r1 if survey.CULPRIT == 0 else r0
+    assert peer["fault"].startswith("EPPeerError") and peer["fault_secs"] < 1.0, peer
+    assert [out for out, _ in peer["rounds"]] == ["ok", "ok"], peer

@@ -26,6 +26,7 @@ from ep_core.errors import EPStateError, EPValueError
 __all__ = [
     "AGRS_ALIGN_BYTES",
     "MAX_ALL_GATHERS_PER_SESSION",
+    "NOT_IN_SESSION",
     "AGRSConfig",
     "AGRSSession",
     "HostAGRS",
@@ -123,6 +124,10 @@ def make_agrs_config(
     return AGRSConfig(rank, num_ranks, _align(b, AGRS_ALIGN_BYTES), n)
 
 
+# the words of the refusal of an all-gather outside a session (a peer's announcement of it: `AGRSSession.abandon`)
+NOT_IN_SESSION = "is not inside an AGRS session"
+
+
 class AGRSSession:
     """The session state of one rank: which session, how far its region is filled, how many all-gathers ran.
 
@@ -146,7 +151,7 @@ class AGRSSession:
             raise EPStateError(f"{op}: call agrs_set_config() first (rank {self.rank})")
         if not self.in_session:
             raise EPStateError(
-                f"{op}: rank {self.rank} is not inside an AGRS session; use create_agrs_session() or "
+                f"{op}: rank {self.rank} {NOT_IN_SESSION}; use create_agrs_session() or "
                 "`with buffer.agrs_new_session():`"
             )
         return self.config
@@ -168,6 +173,16 @@ class AGRSSession:
             raise EPStateError(f"destroy_agrs_session: rank {self.rank} is not inside an AGRS session")
         self.in_session = False
         return self.session_idx
+
+    def abandon(self) -> None:
+        """End the current session as if it never began, without the peers: a peer refused its call from outside
+        any session (its announcement says `NOT_IN_SESSION`), so no peer takes part in this session's end and the
+        session counts on no rank (the ranks' session indices stay equal)."""
+        if self.in_session:
+            self.in_session = False
+            self.session_idx -= 1
+            self.offset = 0
+            self.slot = 0
 
     def _check_fits(self, op: str, cfg: AGRSConfig, end: int) -> None:
         if self.slot >= cfg.num_max_all_gathers_per_session:

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
+from ep_core.rank_state import breaks_step
 
 from .buffer import ElasticBuffer
 from .event import EventHandle, EventOverlap
@@ -59,6 +60,58 @@ __all__ = ["BucketBuffer", "BucketContext", "BucketSession", "bf16_stochastic_ro
 _ALIGN = 2 << 20
 _SESSION_ALIGN = 256
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Guarded:
+    """The block of one collective of a BucketBuffer (issue 41): inside its ``ElasticBuffer``'s
+    ``ep_core.rank_state`` guard (refused at once while the ranks are out of step, until ``reset()``; a
+    disagreement, timeout or lost peer recorded). On the CPU reference backend, where every collective begins with
+    the agreement exchange, a refusal of this rank's call is announced there (the peers raise ``EPPeerError`` naming
+    this rank); an error that leaves the ranks in step takes back this rank's operation count (``_ops``, part of the
+    agreement), so the next calls pair."""
+
+    __slots__ = ("broken", "buf", "guard", "ops")
+
+    def __init__(self, buf: BucketBuffer, op: str) -> None:
+        self.buf, self.ops, self.guard, self.broken = buf, buf._ops, None, False
+        eb = buf._buffer
+        state = None if eb is None else getattr(eb.bootstrap, "rank_state", None)
+        if state is not None:
+            reference = eb.transport == "reference"
+            self.guard = state.guard(f"BucketBuffer.{op}", _Abort(eb.bootstrap) if reference else None)
+            self.broken = reference and getattr(eb.bootstrap, "_via_store", None) is not None
+
+    def __enter__(self) -> None:
+        if self.guard is None:
+            return
+        self.guard.__enter__()
+        if self.broken:  # raised inside the guard: announced like any refusal
+            exc = EPStateError(
+                f"{self.guard.op} (rank {self.buf.rank_idx}): after the timeout this buffer was reset from, the "
+                "process group's own collectives are out of step (a wait given up leaves its collective pending); "
+                "BucketBuffer on the CPU backend needs a new process group and buffer"
+            )
+            self.guard.__exit__(EPStateError, exc, None)
+            raise exc
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, Exception) and not breaks_step(exc):
+            self.buf._ops = self.ops  # the ranks stay in step: this call counts on no rank
+        if self.guard is not None:
+            return self.guard.__exit__(exc_type, exc, tb)
+        return False
+
+
+class _Abort:
+    """Announce a refusal in the peers' pending agreement exchange (``ProcessGroupBootstrap.abort``)."""
+
+    __slots__ = ("bootstrap",)
+
+    def __init__(self, bootstrap: Any) -> None:
+        self.bootstrap = bootstrap
+
+    def __call__(self, op: str, exc: BaseException) -> None:
+        self.bootstrap.abort(f"{op}: {type(exc).__name__}: {exc}")
 
 
 def _align(a: int, b: int) -> int:
@@ -146,6 +199,11 @@ class BucketSession:
         bound = inspect.signature(getattr(type(buf), name)).bind(buf, *args, **kwargs).arguments
         bound.pop("self")
         ctx = self._check_group(bound.get("group"))
+        with _Guarded(ctx, name):  # a refused staging is announced like a refused collective (issue 41)
+            return self._staged(ctx, name, bound)
+
+    def _staged(self, ctx: BucketBuffer, name: str, bound: dict) -> _Handle:
+        buf = self.buffer
         n, r = ctx.num_ranks, ctx.rank_idx
         srcs, dsts = bound.pop("srcs"), bound.pop("dsts", None)
         shards = {"all_gather": (n, 1), "reduce_scatter": (1, n), "all_reduce": (1, 1)}[name]
@@ -390,7 +448,20 @@ class BucketBuffer:
     def barrier(
         self, wait_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True, group=None
     ):
-        self._route(group)._buf().barrier(with_cpu_sync=with_cpu_sync)
+        ctx = self._route(group)
+        with _Guarded(ctx, "barrier"):
+            ctx._buf().barrier(with_cpu_sync=with_cpu_sync)
+
+    def reset(self, group: Any = None) -> None:
+        """(ours; DeepEP has none) Recover after a failure over ``group``: a collective of every rank of it. After
+        a disagreement, a timeout or a lost peer every collective is refused (``EPStateError``); ``reset()``
+        resynchronises the ranks (``ElasticBuffer.reset``) and their operation counts, then the buffer works as
+        new. Data in the storage is left as it is."""
+        ctx = self._route(group)
+        eb = ctx._buf()
+        eb.reset()
+        every = eb.bootstrap.allgather(str(ctx._ops).encode())
+        ctx._ops = max(int(b) for b in every)
 
     def destroy(self) -> None:
         for ctx in (self._context_buffers or [])[1:]:
@@ -464,32 +535,37 @@ class BucketBuffer:
         ctx = self._route(group)
         if ctx is not self:
             return ctx.all_gather(srcs, dsts, None, num_sms)
-        if num_sms not in (None, 0):
-            raise EPValueError(
-                f"num_sms: the all-gather is copy-engine driven: expected None or 0, got {num_sms}"
-            )
-        packed, xs = self._pack(srcs)
-        xs = [self._check(f"srcs[{i}]", x) for i, x in enumerate(xs)]
-        n, r = self.num_ranks, self.rank_idx
-        plan = []
-        if dsts is None:
-            for i, x in enumerate(xs):
-                off = self._offset(f"srcs[{i}]", x) - r * x.nbytes
-                if off < 0 or off + n * x.nbytes > self.num_bytes:
-                    raise EPValueError(f"srcs[{i}]: its gathered tensor would leave the storage (rank {r})")
-                plan.append((x, off))
-        else:
-            _, ds = self._pack(dsts)
-            if len(ds) != len(xs):
-                raise EPValueError(f"dsts: expected {len(xs)} tensors, got {len(ds)}")
-            for i, (x, d) in enumerate(zip(xs, ds, strict=True)):
-                d = self._check(f"dsts[{i}]", d)
-                if d.dtype != x.dtype or d.nbytes != n * x.nbytes:
-                    raise EPValueError(f"dsts[{i}]: expected {n} x {x.nbytes} bytes of {x.dtype} (rank {r})")
-                plan.append((x, self._offset(f"dsts[{i}]", d)))
-        self._ops += 1
-        self._backend.bucket_all_gather(plan, self._ops)
-        return self._handle(packed, [self.storage[o : o + n * x.nbytes].view(x.dtype) for x, o in plan])
+        with _Guarded(self, "all_gather"):
+            if num_sms not in (None, 0):
+                raise EPValueError(
+                    f"num_sms: the all-gather is copy-engine driven: expected None or 0, got {num_sms}"
+                )
+            packed, xs = self._pack(srcs)
+            xs = [self._check(f"srcs[{i}]", x) for i, x in enumerate(xs)]
+            n, r = self.num_ranks, self.rank_idx
+            plan = []
+            if dsts is None:
+                for i, x in enumerate(xs):
+                    off = self._offset(f"srcs[{i}]", x) - r * x.nbytes
+                    if off < 0 or off + n * x.nbytes > self.num_bytes:
+                        raise EPValueError(
+                            f"srcs[{i}]: its gathered tensor would leave the storage (rank {r})"
+                        )
+                    plan.append((x, off))
+            else:
+                _, ds = self._pack(dsts)
+                if len(ds) != len(xs):
+                    raise EPValueError(f"dsts: expected {len(xs)} tensors, got {len(ds)}")
+                for i, (x, d) in enumerate(zip(xs, ds, strict=True)):
+                    d = self._check(f"dsts[{i}]", d)
+                    if d.dtype != x.dtype or d.nbytes != n * x.nbytes:
+                        raise EPValueError(
+                            f"dsts[{i}]: expected {n} x {x.nbytes} bytes of {x.dtype} (rank {r})"
+                        )
+                    plan.append((x, self._offset(f"dsts[{i}]", d)))
+            self._ops += 1
+            self._backend.bucket_all_gather(plan, self._ops)
+            return self._handle(packed, [self.storage[o : o + n * x.nbytes].view(x.dtype) for x, o in plan])
 
     def reduce_scatter(
         self,
@@ -504,20 +580,21 @@ class BucketBuffer:
         ctx = self._route(group)
         if ctx is not self:
             return ctx.reduce_scatter(srcs, comm_precision, scale, None, num_sms)
-        if comm_precision not in ("fp32", "bf16"):
-            raise EPValueError(f"comm_precision: expected 'fp32' or 'bf16', got {comm_precision!r}")
-        if comm_precision == "bf16":
-            return self._reduce_scatter_bf16(srcs, scale, num_sms)
-        packed, xs = self._pack(srcs)
-        xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
-        n = self.num_ranks
-        for i, x in enumerate(xs):
-            if x.numel() % n:
-                raise EPValueError(f"srcs[{i}]: {x.numel()} elements do not split into {n} shards")
-        plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
-        self._ops += 1
-        outs = self._backend.bucket_reduce(plan, self._ops, float(scale), scatter=True)
-        return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
+        with _Guarded(self, "reduce_scatter"):
+            if comm_precision not in ("fp32", "bf16"):
+                raise EPValueError(f"comm_precision: expected 'fp32' or 'bf16', got {comm_precision!r}")
+            if comm_precision == "bf16":
+                return self._reduce_scatter_bf16(srcs, scale, num_sms)
+            packed, xs = self._pack(srcs)
+            xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
+            n = self.num_ranks
+            for i, x in enumerate(xs):
+                if x.numel() % n:
+                    raise EPValueError(f"srcs[{i}]: {x.numel()} elements do not split into {n} shards")
+            plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
+            self._ops += 1
+            outs = self._backend.bucket_reduce(plan, self._ops, float(scale), scatter=True)
+            return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
 
     def all_reduce(
         self, srcs: Any, scale: float = 1.0, group: Any = None, num_sms: int | None = None
@@ -526,12 +603,13 @@ class BucketBuffer:
         ctx = self._route(group)
         if ctx is not self:
             return ctx.all_reduce(srcs, scale, None, num_sms)
-        packed, xs = self._pack(srcs)
-        xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
-        plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
-        self._ops += 1
-        outs = self._backend.bucket_reduce(plan, self._ops, float(scale), scatter=False)
-        return self._handle(packed, outs, self._num_sms("all_reduce", num_sms))
+        with _Guarded(self, "all_reduce"):
+            packed, xs = self._pack(srcs)
+            xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
+            plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
+            self._ops += 1
+            outs = self._backend.bucket_reduce(plan, self._ops, float(scale), scatter=False)
+            return self._handle(packed, outs, self._num_sms("all_reduce", num_sms))
 
     # ------------------------------------------------------------------------------------------------------------
     def _num_sms(self, op: str, num_sms: int | None) -> int:

@@ -126,17 +126,17 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
             self.bootstrap,
             transport=core_transport,
             num_bytes=num_bytes,
-            num_cpu_bytes=int(num_cpu_bytes),
-            num_max_tokens_per_rank=int(num_max_tokens_per_rank),
-            hidden=int(hidden),
-            num_topk=int(num_topk),
+            num_cpu_bytes=_int(num_cpu_bytes),
+            num_max_tokens_per_rank=_int(num_max_tokens_per_rank),
+            hidden=_int(hidden),
+            num_topk=_int(num_topk),
             use_fp8_dispatch=bool(use_fp8_dispatch),
             deterministic=self.deterministic,
             allow_hybrid_mode=self.allow_hybrid_mode,
             allow_multiple_reduction=self.allow_multiple_reduction,
             prefer_overlap_with_compute=self.prefer_overlap_with_compute,
-            sl_idx=int(sl_idx),
-            num_allocated_qps=int(num_allocated_qps),
+            sl_idx=_int(sl_idx),
+            num_allocated_qps=_int(num_allocated_qps),
             num_cpu_timeout_secs=num_cpu_timeout_secs,
             num_gpu_timeout_secs=num_gpu_timeout_secs,
             explicitly_destroy=self.explicitly_destroy,
@@ -382,6 +382,16 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         if self.runtime is None or self.runtime.destroyed or self.transport != "nccl":
             return None
         return getattr(self.runtime.transport, "communicator", None)
+
+
+def _int(value: Any) -> Any:
+    """``int(value)`` where it casts (a numpy or torch integer), else ``value`` itself: ep-core's constructor then
+    refuses it inside its announced block, so the peers raise naming this rank instead of waiting in the
+    construction's exchange (issue 41)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return value
 
 
 class EPBuffer(LoadBalance, ElasticBuffer):

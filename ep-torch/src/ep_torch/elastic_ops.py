@@ -22,7 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core import agrs, engram, pp
-from ep_core.errors import EPConfigError, EPMismatchError, EPStateError, EPTypeError, EPValueError
+from ep_core.errors import (
+    EPConfigError,
+    EPMismatchError,
+    EPPeerError,
+    EPStateError,
+    EPTypeError,
+    EPValueError,
+)
 from ep_core.rank_state import breaks_step
 
 __all__ = ["ElasticOps"]
@@ -304,6 +311,7 @@ class ElasticOps:
     # ---------------------------------------------------------------------------------------------------------
     # Engram
 
+    @_guarded("engram_write")
     def engram_write(self, storage: torch.Tensor, sf: torch.Tensor | None = None) -> None:
         """(Experimental) Write this rank's Engram entries (a collective, with a barrier before and after).
 
@@ -333,6 +341,7 @@ class ElasticOps:
         st.backend.engram_write(table, storage, sf)
         st.engram = table
 
+    @_guarded("engram_fetch", host_step=False)
     def engram_fetch(
         self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False
     ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
@@ -415,6 +424,12 @@ class ElasticOps:
         try:
             yield
         except BaseException as exc:  # the body's error is the cause: a failing session end is its context
+            if (
+                isinstance(exc, EPPeerError) and exc.announced and agrs.NOT_IN_SESSION in str(exc)
+            ):  # a peer refused its call from outside any session: it will not end one; neither does this rank
+                with contextlib.suppress(Exception):
+                    self._elastic().session.abandon()
+                raise
             if breaks_step(
                 exc
             ):  # the ranks are out of step: end it here only (no wait for peers that will not come)

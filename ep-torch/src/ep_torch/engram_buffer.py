@@ -16,14 +16,17 @@ replicated in a GPU tensor beside the buffer.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from ep_core import engram
+from ep_core.envelope import Channel
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
+from .bootstrap import ProcessGroupBootstrap
 from .buffer import ElasticBuffer
 
 __all__ = ["EngramBuffer"]
@@ -54,6 +57,38 @@ def _positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise EPValueError(f"{name}: expected a positive int, got {value!r}")
     return int(value)
+
+
+def _announce_construct(group: Any, num_cpu_timeout_secs: Any, exc: BaseException) -> None:
+    """Take part in the peers' construction exchange with an abort note naming ``exc`` (best effort: the caller
+    raises ``exc``), so that they raise ``EPPeerError`` naming this rank instead of waiting out the timeout."""
+    with contextlib.suppress(Exception):
+        boot = ProcessGroupBootstrap(group)
+        if isinstance(num_cpu_timeout_secs, (int, float)) and num_cpu_timeout_secs > 0:
+            boot.set_timeout(num_cpu_timeout_secs)
+        Channel(boot).announce("construct", exc)
+
+
+class _Refused:
+    """A guard whose block raises at once (inside the guard: announced like any refusal)."""
+
+    __slots__ = ("guard", "what")
+
+    def __init__(self, guard: Any, what: str) -> None:
+        self.guard, self.what = guard, what
+
+    def __enter__(self) -> None:
+        self.guard.__enter__()
+        exc = EPStateError(
+            f"{self.what}: after the timeout this buffer was reset from, the process group's own collectives are "
+            "out of step (a wait given up leaves its collective pending); Engram on the CPU backend needs a new "
+            "process group and buffer"
+        )
+        self.guard.__exit__(EPStateError, exc, None)
+        raise exc
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
 
 
 def _layout(
@@ -89,22 +124,14 @@ class EngramBuffer:
         transport: str | None = None,
         num_cpu_timeout_secs: int = 300,
     ) -> None:
-        if num_rdma_storage_size is not None:  # DeepEP's legacy keyword
-            if num_rdma_storage_bytes is not None:
-                raise TypeError("Specify only one of num_rdma_storage_bytes and num_rdma_storage_size")
-            num_rdma_storage_bytes = num_rdma_storage_size
-        gpu = _positive("num_gpu_bytes", num_gpu_bytes)
-        storage = _positive("num_rdma_storage_bytes", num_rdma_storage_bytes)
-        if gpu % _ALIGN or storage % _ALIGN:
-            raise EPValueError(
-                f"num_gpu_bytes/num_rdma_storage_bytes: expected multiples of 2 MiB, got {gpu} and {storage}; use "
-                "EngramBuffer.get_storage_size_hint()"
-            )
-        if not isinstance(use_cpu_rdma_storage, bool):
-            raise EPTypeError(f"use_cpu_rdma_storage: expected a bool, got {use_cpu_rdma_storage!r}")
-        # DeepEP asserts both (pass them from get_theoretical_config)
-        _positive("num_allocated_qps", num_allocated_qps)
-        _positive("qp_depth", qp_depth)
+        try:
+            gpu, storage = self._check_sizes(
+                num_gpu_bytes, num_rdma_storage_bytes, num_rdma_storage_size, use_cpu_rdma_storage,
+                num_allocated_qps, qp_depth,
+            )  # fmt: skip
+        except Exception as exc:  # the peers wait in the construction's exchange: tell them (issue 41)
+            _announce_construct(group, num_cpu_timeout_secs, exc)
+            raise
         self.num_gpu_bytes, self.num_rdma_storage_bytes = gpu, storage
         self.use_cpu_rdma_storage = use_cpu_rdma_storage
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
@@ -123,7 +150,38 @@ class EngramBuffer:
             explicitly_destroy=explicitly_destroy,
             transport=transport,
         )
+        self._init_rest(gpu, use_cpu_rdma_storage)
+
+    @staticmethod
+    def _check_sizes(
+        num_gpu_bytes: Any,
+        num_rdma_storage_bytes: Any,
+        num_rdma_storage_size: Any,
+        use_cpu_rdma_storage: Any,
+        num_allocated_qps: Any,
+        qp_depth: Any,
+    ) -> tuple[int, int]:
+        if num_rdma_storage_size is not None:  # DeepEP's legacy keyword
+            if num_rdma_storage_bytes is not None:
+                raise TypeError("Specify only one of num_rdma_storage_bytes and num_rdma_storage_size")
+            num_rdma_storage_bytes = num_rdma_storage_size
+        gpu = _positive("num_gpu_bytes", num_gpu_bytes)
+        storage = _positive("num_rdma_storage_bytes", num_rdma_storage_bytes)
+        if gpu % _ALIGN or storage % _ALIGN:
+            raise EPValueError(
+                f"num_gpu_bytes/num_rdma_storage_bytes: expected multiples of 2 MiB, got {gpu} and {storage}; use "
+                "EngramBuffer.get_storage_size_hint()"
+            )
+        if not isinstance(use_cpu_rdma_storage, bool):
+            raise EPTypeError(f"use_cpu_rdma_storage: expected a bool, got {use_cpu_rdma_storage!r}")
+        # DeepEP asserts both (pass them from get_theoretical_config)
+        _positive("num_allocated_qps", num_allocated_qps)
+        _positive("qp_depth", qp_depth)
+        return gpu, storage
+
+    def _init_rest(self, gpu: int, use_cpu_rdma_storage: bool) -> None:
         b = self._buffer
+        assert b is not None
         self.group, self.rank_idx, self.num_ranks = b.group, b.rank_idx, b.num_ranks
         self.num_allocated_qps = b.num_allocated_qps
         self.num_scaleout_ranks, self.num_scaleup_ranks = b.get_logical_domain_size()
@@ -196,6 +254,28 @@ class EngramBuffer:
             raise EPStateError("EngramBuffer: used after destroy(); create a new buffer")
         return self._buffer
 
+    def _guard(self, op: str, collective: bool = True, raw: bool = False) -> Any:
+        """The block of one operation (issue 41): inside the buffer's ``ep_core.rank_state`` guard, refused at once
+        while the ranks are out of step (after a disagreement, a timeout or a lost peer) until ``reset()``; on the
+        CPU reference backend a refusal of this rank's ``collective`` call is announced in the peers' pending
+        exchange (they raise ``EPPeerError`` naming this rank). ``raw``: the operation also uses the process
+        group's own collectives, which a timeout leaves out of step for good on the CPU backend."""
+        b = self._buffer
+        state = None if b is None else getattr(b.bootstrap, "rank_state", None)
+        if state is None:
+            return contextlib.nullcontext()
+        reference = b.transport == "reference"
+        guard = state.guard(f"EngramBuffer.{op}", b._announce_refusal if collective and reference else None)
+        if raw and reference and getattr(b.bootstrap, "_via_store", None) is not None:
+            return _Refused(guard, f"EngramBuffer.{op} (rank {self.rank_idx})")
+        return guard
+
+    def reset(self) -> None:
+        """(ours; DeepEP has none) Recover after a failure: a collective, every rank calls it. After a
+        disagreement, a timeout or a lost peer every operation is refused (``EPStateError``); ``reset()``
+        resynchronises the ranks (``ElasticBuffer.reset``), the configuration and the written tables stay."""
+        self._buf().reset()
+
     def set_config(
         self,
         num_entries_per_layer: list[int],
@@ -207,50 +287,51 @@ class EngramBuffer:
     ) -> None:
         """Fix the layers' shapes (a collective: every rank must pass the same values). The storage and the fetch
         area must fit (``get_storage_size_hint``)."""
-        b = self._buf()
-        r = self.rank_idx
+        with self._guard("set_config"):
+            b = self._buf()
+            r = self.rank_idx
 
-        def validate() -> dict:
-            layers = _entries("num_entries_per_layer", num_entries_per_layer)
-            if dtype not in _DTYPES:
-                raise EPTypeError(
-                    f"dtype: expected torch.bfloat16 or torch.float8_e4m3fn, got {dtype} (rank {r})"
-                )
-            fp8 = dtype == torch.float8_e4m3fn
-            if isinstance(num_sf_packs, bool) or not isinstance(num_sf_packs, int) or num_sf_packs < 0:
-                raise EPValueError(f"num_sf_packs: expected an int >= 0, got {num_sf_packs!r} (rank {r})")
-            if fp8 != (num_sf_packs > 0):
-                raise EPValueError(
-                    f"num_sf_packs: expected > 0 iff dtype is torch.float8_e4m3fn, got {num_sf_packs} with {dtype} "
-                    f"(rank {r})"
-                )
-            h, m = _positive("hidden", hidden), _positive("num_max_tokens", num_max_tokens)
-            k = _positive("num_entries_per_token", num_entries_per_token)
-            offsets, storage, stride, fetch = _layout(layers, h, dtype.itemsize, m, k)
-            if storage > self.num_rdma_storage_bytes:
-                raise EPValueError(
-                    f"num_entries_per_layer: {storage} bytes of storage exceed num_rdma_storage_bytes = "
-                    f"{self.num_rdma_storage_bytes} (rank {r}); size it with get_storage_size_hint()"
-                )
-            if fetch > self.num_gpu_bytes:
-                raise EPValueError(
-                    f"num_max_tokens: {len(layers)} layers x {m} x {k} rows need {fetch} bytes of fetch area, "
-                    f"num_gpu_bytes = {self.num_gpu_bytes} (rank {r}); size it with get_storage_size_hint()"
-                )
-            return {
-                "layers": layers,
-                "hidden": h,
-                "tokens": m,
-                "k": k,
-                "dtype": str(dtype).removeprefix("torch."),
-                "packs": int(num_sf_packs),
-                "offsets": offsets,
-                "stride": stride,
-            }
+            def validate() -> dict:
+                layers = _entries("num_entries_per_layer", num_entries_per_layer)
+                if dtype not in _DTYPES:
+                    raise EPTypeError(
+                        f"dtype: expected torch.bfloat16 or torch.float8_e4m3fn, got {dtype} (rank {r})"
+                    )
+                fp8 = dtype == torch.float8_e4m3fn
+                if isinstance(num_sf_packs, bool) or not isinstance(num_sf_packs, int) or num_sf_packs < 0:
+                    raise EPValueError(f"num_sf_packs: expected an int >= 0, got {num_sf_packs!r} (rank {r})")
+                if fp8 != (num_sf_packs > 0):
+                    raise EPValueError(
+                        f"num_sf_packs: expected > 0 iff dtype is torch.float8_e4m3fn, got {num_sf_packs} with {dtype} "
+                        f"(rank {r})"
+                    )
+                h, m = _positive("hidden", hidden), _positive("num_max_tokens", num_max_tokens)
+                k = _positive("num_entries_per_token", num_entries_per_token)
+                offsets, storage, stride, fetch = _layout(layers, h, dtype.itemsize, m, k)
+                if storage > self.num_rdma_storage_bytes:
+                    raise EPValueError(
+                        f"num_entries_per_layer: {storage} bytes of storage exceed num_rdma_storage_bytes = "
+                        f"{self.num_rdma_storage_bytes} (rank {r}); size it with get_storage_size_hint()"
+                    )
+                if fetch > self.num_gpu_bytes:
+                    raise EPValueError(
+                        f"num_max_tokens: {len(layers)} layers x {m} x {k} rows need {fetch} bytes of fetch area, "
+                        f"num_gpu_bytes = {self.num_gpu_bytes} (rank {r}); size it with get_storage_size_hint()"
+                    )
+                return {
+                    "layers": layers,
+                    "hidden": h,
+                    "tokens": m,
+                    "k": k,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "packs": int(num_sf_packs),
+                    "offsets": offsets,
+                    "stride": stride,
+                }
 
-        cfg = b._collective("EngramBuffer.set_config", validate, lambda c: dict(c))
-        self._config = cfg
-        self._tables = []
+            cfg = b._collective("EngramBuffer.set_config", validate, lambda c: dict(c))
+            self._config = cfg
+            self._tables = []
 
     def _require(self, op: str) -> dict:
         if self._config is None:
@@ -261,59 +342,64 @@ class EngramBuffer:
         """Write this rank's shard of every layer (a collective, with a barrier before and after): ``storages[l]``
         ``[num_entries_per_layer[l], hidden]`` of the configured dtype; ``sfs[l]`` ``[N * n_l, num_sf_packs]``
         4-byte packs (replicated on every rank), required iff FP8."""
-        b = self._buf()
-        cfg = self._require("write")
-        r, n = self.rank_idx, self.num_ranks
-        st = b._elastic()
+        with self._guard("write", raw=True):
+            b = self._buf()
+            cfg = self._require("write")
+            r, n = self.rank_idx, self.num_ranks
+            st = b._elastic()
 
-        def validate() -> list[engram.EngramTable]:
-            if not isinstance(storages, (list, tuple)) or len(storages) != len(cfg["layers"]):
-                raise EPValueError(
-                    f"storages: expected a list of {len(cfg['layers'])} tensors (one per layer), got "
-                    f"{type(storages).__name__} of {len(storages) if isinstance(storages, (list, tuple)) else '?'}"
-                    f" (rank {r})"
-                )
-            if (sfs is None) != (cfg["packs"] == 0) or (
-                sfs is not None and (not isinstance(sfs, (list, tuple)) or len(sfs) != len(storages))
-            ):
-                raise EPValueError(
-                    f"sfs: expected one scaling-factor tensor per layer iff the storage is FP8 (rank {r})"
-                )
-            tables = []
-            for i, (nl, t) in enumerate(zip(cfg["layers"], storages, strict=True)):
-                t = b._check_tensor(f"storages[{i}]", t)
-                if str(t.dtype).removeprefix("torch.") != cfg["dtype"] or tuple(t.shape) != (
-                    nl,
-                    cfg["hidden"],
+            def validate() -> list[engram.EngramTable]:
+                if not isinstance(storages, (list, tuple)) or len(storages) != len(cfg["layers"]):
+                    raise EPValueError(
+                        f"storages: expected a list of {len(cfg['layers'])} tensors (one per layer), got "
+                        f"{type(storages).__name__} of {len(storages) if isinstance(storages, (list, tuple)) else '?'}"
+                        f" (rank {r})"
+                    )
+                if (sfs is None) != (cfg["packs"] == 0) or (
+                    sfs is not None and (not isinstance(sfs, (list, tuple)) or len(sfs) != len(storages))
                 ):
                     raise EPValueError(
-                        f"storages[{i}]: expected [{nl}, {cfg['hidden']}] {cfg['dtype']}, got {tuple(t.shape)} "
-                        f"{t.dtype} (rank {r})"
+                        f"sfs: expected one scaling-factor tensor per layer iff the storage is FP8 (rank {r})"
                     )
-                sf_shape = None
-                if sfs is not None:
-                    sf = b._check_tensor(f"sfs[{i}]", sfs[i])
-                    if sf.dtype not in (torch.float32, torch.int32) or tuple(sf.shape) != (
-                        n * nl,
-                        cfg["packs"],
+                tables = []
+                for i, (nl, t) in enumerate(zip(cfg["layers"], storages, strict=True)):
+                    t = b._check_tensor(f"storages[{i}]", t)
+                    if str(t.dtype).removeprefix("torch.") != cfg["dtype"] or tuple(t.shape) != (
+                        nl,
+                        cfg["hidden"],
                     ):
                         raise EPValueError(
-                            f"sfs[{i}]: expected [{n * nl}, {cfg['packs']}] float32 or int32 packs, got "
-                            f"{tuple(sf.shape)} {sf.dtype} (rank {r})"
+                            f"storages[{i}]: expected [{nl}, {cfg['hidden']}] {cfg['dtype']}, got {tuple(t.shape)} "
+                            f"{t.dtype} (rank {r})"
                         )
-                    sf_shape = tuple(sf.shape)
-                tables.append(
-                    engram.make_engram_table(r, n, tuple(t.shape), cfg["dtype"], t.nbytes, sf_shape)
-                )
-            return tables
+                    sf_shape = None
+                    if sfs is not None:
+                        sf = b._check_tensor(f"sfs[{i}]", sfs[i])
+                        if sf.dtype not in (torch.float32, torch.int32) or tuple(sf.shape) != (
+                            n * nl,
+                            cfg["packs"],
+                        ):
+                            raise EPValueError(
+                                f"sfs[{i}]: expected [{n * nl}, {cfg['packs']}] float32 or int32 packs, got "
+                                f"{tuple(sf.shape)} {sf.dtype} (rank {r})"
+                            )
+                        sf_shape = tuple(sf.shape)
+                    tables.append(
+                        engram.make_engram_table(r, n, tuple(t.shape), cfg["dtype"], t.nbytes, sf_shape)
+                    )
+                return tables
 
-        tables = b._collective("EngramBuffer.write", validate, lambda ts: {"tables": [t.key() for t in ts]})
-        st.backend.barrier()
-        for i, table in enumerate(tables):
-            sf = None if sfs is None else sfs[i]
-            st.backend.engram_write(table, storages[i], sf, layer=i, offset=cfg["offsets"][i], barriers=False)
-        st.backend.barrier()
-        self._tables = tables
+            tables = b._collective(
+                "EngramBuffer.write", validate, lambda ts: {"tables": [t.key() for t in ts]}
+            )
+            st.backend.barrier()
+            for i, table in enumerate(tables):
+                sf = None if sfs is None else sfs[i]
+                st.backend.engram_write(
+                    table, storages[i], sf, layer=i, offset=cfg["offsets"][i], barriers=False
+                )
+            st.backend.barrier()
+            self._tables = tables
 
     def fetch(
         self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = True
@@ -322,54 +408,55 @@ class EngramBuffer:
         each layer) and return one hook per layer: ``hooks[l]()`` returns layer ``l``'s ``data [num_tokens,
         num_entries_per_token * hidden]`` (bf16), or ``(data, sf [num_tokens, k * num_sf_packs])`` (FP8). The data
         are views of the fetch area: valid until the next fetch. One-sided: the owners take no part."""
-        b = self._buf()
-        cfg = self._require("fetch")
-        r = self.rank_idx
-        if not self._tables:
-            raise EPStateError(f"EngramBuffer.fetch: call write() first (rank {r})")
-        if (
-            isinstance(num_qps, bool)
-            or not isinstance(num_qps, int)
-            or not 0 <= num_qps <= self.num_allocated_qps
-        ):
-            raise EPValueError(
-                f"num_qps: expected an int in [0, {self.num_allocated_qps}] (0 = all allocated), got {num_qps!r} "
-                f"(rank {r}): allocated QPs are not enough"
-            )
-        indices = b._check_tensor("indices", indices)
-        if indices.dim() != 3 or indices.shape[0] != len(cfg["layers"]) or indices.shape[2] != cfg["k"]:
-            raise EPValueError(
-                f"indices: expected [num_layers = {len(cfg['layers'])}, num_tokens, num_entries_per_token = "
-                f"{cfg['k']}], got shape {tuple(indices.shape)} (rank {r})"
-            )
-        if indices.shape[1] > cfg["tokens"]:
-            raise EPValueError(
-                f"indices: {indices.shape[1]} tokens exceed num_max_tokens = {cfg['tokens']} (rank {r})"
-            )
-        host = indices.numpy() if indices.device.type == "cpu" else None
-        st = b._elastic()
-        hooks = []
-        fp8 = cfg["packs"] > 0
-        t = int(indices.shape[1])
-        for i, table in enumerate(self._tables):
-            engram.check_fetch_indices(
-                table,
-                tuple(indices[i].shape),
-                str(indices.dtype).removeprefix("torch."),
-                cfg["stride"],
-                None if host is None else host[i],
-            )
-            inner = st.backend.engram_fetch(
-                table, indices[i], bool(use_tma_aligned_col_major_sf), layer=i, front=i * cfg["stride"]
-            )
+        with self._guard("fetch", collective=False):
+            b = self._buf()
+            cfg = self._require("fetch")
+            r = self.rank_idx
+            if not self._tables:
+                raise EPStateError(f"EngramBuffer.fetch: call write() first (rank {r})")
+            if (
+                isinstance(num_qps, bool)
+                or not isinstance(num_qps, int)
+                or not 0 <= num_qps <= self.num_allocated_qps
+            ):
+                raise EPValueError(
+                    f"num_qps: expected an int in [0, {self.num_allocated_qps}] (0 = all allocated), got {num_qps!r} "
+                    f"(rank {r}): allocated QPs are not enough"
+                )
+            indices = b._check_tensor("indices", indices)
+            if indices.dim() != 3 or indices.shape[0] != len(cfg["layers"]) or indices.shape[2] != cfg["k"]:
+                raise EPValueError(
+                    f"indices: expected [num_layers = {len(cfg['layers'])}, num_tokens, num_entries_per_token = "
+                    f"{cfg['k']}], got shape {tuple(indices.shape)} (rank {r})"
+                )
+            if indices.shape[1] > cfg["tokens"]:
+                raise EPValueError(
+                    f"indices: {indices.shape[1]} tokens exceed num_max_tokens = {cfg['tokens']} (rank {r})"
+                )
+            host = indices.numpy() if indices.device.type == "cpu" else None
+            st = b._elastic()
+            hooks = []
+            fp8 = cfg["packs"] > 0
+            t = int(indices.shape[1])
+            for i, table in enumerate(self._tables):
+                engram.check_fetch_indices(
+                    table,
+                    tuple(indices[i].shape),
+                    str(indices.dtype).removeprefix("torch."),
+                    cfg["stride"],
+                    None if host is None else host[i],
+                )
+                inner = st.backend.engram_fetch(
+                    table, indices[i], bool(use_tma_aligned_col_major_sf), layer=i, front=i * cfg["stride"]
+                )
 
-            def hook(inner=inner) -> Any:
-                data, sf = inner()
-                data = data.view(t, -1)
-                return (data, sf) if fp8 else data
+                def hook(inner=inner) -> Any:
+                    data, sf = inner()
+                    data = data.view(t, -1)
+                    return (data, sf) if fp8 else data
 
-            hooks.append(hook)
-        return hooks
+                hooks.append(hook)
+            return hooks
 
     # ---------------------------------------------------------------------------------------------------------
     # lifecycle, domains
@@ -389,7 +476,8 @@ class EngramBuffer:
         )
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self._buf().barrier(*args, **kwargs)
+        with self._guard("barrier"):
+            self._buf().barrier(*args, **kwargs)
 
     def get_comm_stream(self) -> Any:
         return self._buf().get_comm_stream()
@@ -402,6 +490,6 @@ class EngramBuffer:
 
     def destroy(self) -> None:
         """Release the storage (a collective; needs ``explicitly_destroy=True``, like DeepEP)."""
-        self._buf().destroy()
+        self._buf().destroy()  # out of step, the ElasticBuffer releases this rank's part without the peers
         self._buffer = None
         self._tables, self._config = [], None

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core.envelope import Channel
-from ep_core.errors import EPPeerError, EPStateError, EPTypeError, EPValueError
+from ep_core.errors import EPMismatchError, EPPeerError, EPStateError, EPTypeError, EPValueError
 from ep_core.rank_state import Guard, RankState
 from ep_core.topology import MAX_TOPK as _MAX_TOPK
 
@@ -734,7 +734,7 @@ class Buffer:
             meta = torch.as_tensor(ep_handle.recv_src_metadata)[:num_recv, 0].to(torch.int64).to(perm.device)
             tensors = internode_handle_tensors(
                 self.group, self.rank, nvl, int(ep_handle.num_max_tokens_per_rank), itr, rank_prefix_matrix,
-                meta[perm],
+                meta[perm], self._gather_bits(),
             )  # fmt: skip
             v1 = self._stamp(V1InternodeHandle(tensors, ep_handle, rows, perm), self._builds)
         # what combine's weight reduction needs: rows per source rank (V1 rows are source rank, then token) and
@@ -743,6 +743,21 @@ class Buffer:
         if not with_topk:
             return recv_x, None, None, counts, v1, self._done(async_finish, data.is_cuda)
         return recv_x, recv_idx, recv_w, counts, v1, self._done(async_finish, data.is_cuda)
+
+    def _gather_bits(self) -> Any:
+        """The all-gather of ``internode_handle_tensors`` as an enveloped, bounded step of this buffer's ``Channel``
+        (``dispatch.internode``): a peer that failed after the dispatch announces or is met by another envelope,
+        instead of pairing with a raw collective. None for loopback ranks (the group's own collective)."""
+        if self._channel is None:
+            return None
+        channel = self._channel
+
+        def gather(bits: torch.Tensor) -> list[torch.Tensor]:
+            host = bits.cpu().numpy().copy()
+            every = channel.exchange("dispatch.internode", {"bits": tuple(host.shape)}, host)
+            return [torch.from_numpy(b).to(bits.device) for b in every]
+
+        return gather
 
     @staticmethod
     def _expert_counts(every: list, rank: int, expert_alignment: int) -> list[int]:
@@ -821,34 +836,90 @@ class Buffer:
             x = x[inv]
             w = None if w is None else w[inv]
         num_sms = (config or self.get_combine_config(self.group_size)).num_sms
+        splits = None
+        if topk_weights is not None:  # checked before any step: nothing may fail between the steps
+            if topk_weights.dim() != 2 or topk_weights.shape[0] < rows:
+                raise EPValueError(
+                    f"combine (rank {self.rank}): topk_weights must be [{handle.num_rows}, num_topk], got "
+                    f"{tuple(topk_weights.shape)}"
+                )
+            splits = self._weight_splits(handle)
         out, _, _ = self._inner.combine(x, ep_handle, bias=bias, num_sms=num_sms)
-        out_w = None if topk_weights is None else self._reduce_weights(handle, topk_weights[:rows].float())
+        out_w = None if topk_weights is None else self._reduce_weights(splits, topk_weights[:rows].float())
         return out, out_w, self._done(async_finish, x.is_cuda)
 
-    def _reduce_weights(self, handle: V1Handle, w: torch.Tensor) -> torch.Tensor:
-        """V1's combined top-k weights: each receiving rank sends its ``[rows, K]`` weights back to the rows' source
-        ranks (V1 rows are source rank, then token), and each source adds them, from 0.0 in ascending rank order,
-        at the tokens it sent to that rank (``is_token_in_rank``'s token order)."""
-        itr = handle.is_token_in_rank
+    def _weight_splits(self, handle: V1Handle) -> tuple:
+        """(rows received from each rank, tokens sent to each rank, the token ids sent to each rank) of ``handle``:
+        host split sizes of the weight reduction, read once per handle."""
         splits = getattr(handle, "weight_splits", None)
-        if splits is None:  # host split sizes, read once per handle
+        if splits is None:
+            itr = handle.is_token_in_rank
             col = handle.rank_prefix_matrix[:, self.rank].to(torch.int64).cpu()
             recv = torch.diff(col, prepend=col.new_zeros(1)).tolist()
             sent = [int(v) for v in itr.sum(0).cpu().tolist()]
             tokens = [itr[:, r].nonzero().flatten() for r in range(self.group_size)]
-            splits = handle.weight_splits = ([int(v) for v in recv], sent, tokens)
-        recv, sent, tokens = splits
+            splits = handle.weight_splits = ([int(v) for v in recv], sent, tokens, int(itr.shape[0]))
+        return splits
+
+    def _reduce_weights(self, splits: tuple, w: torch.Tensor) -> torch.Tensor:
+        """V1's combined top-k weights: each receiving rank sends its ``[rows, K]`` weights back to the rows' source
+        ranks (V1 rows are source rank, then token), and each source adds them, from 0.0 in ascending rank order,
+        at the tokens it sent to that rank (``is_token_in_rank``'s token order).
+
+        One enveloped host step of this buffer's ``Channel`` (``combine.weights``: bounded by the timeout, checked
+        against every peer) carries every rank's split sizes, so ranks whose handles come from different dispatches
+        (or whose K differ) all raise ``EPMismatchError`` instead of pairing rows, and a peer that skipped its
+        weights (it combined without ``topk_weights``) meets another operation's envelope and both raise. On a gloo
+        group the step carries the weights too; on an nccl group one ``all_to_all_single`` of device tensors follows
+        the step (every rank agreed on every size before it)."""
+        recv, sent, tokens, num_tokens = splits
+        n, k = self.group_size, int(w.shape[1])
         host = dist.get_backend(self.group) != "nccl"  # gloo exchanges host tensors
         src = w.contiguous().cpu() if host else w.contiguous()
-        back = src.new_empty((sum(sent), w.shape[1]))
-        dist.all_to_all_single(back, src, output_split_sizes=sent, input_split_sizes=recv, group=self.group)
-        back = back.to(w.device)
-        out = torch.zeros((itr.shape[0], w.shape[1]), dtype=torch.float32, device=w.device)
+        if self._channel is None:  # loopback ranks (threads): no host channel, the group's own collective
+            back = src.new_empty((sum(sent), k))
+            dist.all_to_all_single(
+                back, src, output_split_sizes=sent, input_split_sizes=recv, group=self.group
+            )
+            return self._add_weights(back.to(w.device), tokens, sent, num_tokens)
+        mine: tuple = (recv, sent, None)
+        if host:
+            parts = torch.split(src, recv)
+            mine = (recv, sent, [p.numpy().copy() for p in parts])
+        every = self._channel.exchange("combine.weights", {"num_topk": k}, mine)
+        bad = [
+            f"rank {j} sends {every[j][0][r]} rows to rank {r}, which sent it {every[r][1][j]} tokens"
+            for r in range(n)
+            for j in range(n)
+            if every[j][0][r] != every[r][1][j]
+        ]
+        if bad:
+            raise EPMismatchError(
+                f"combine (rank {self.rank}): the ranks' handles come from different dispatches ("
+                + "; ".join(bad[:4])
+                + "); every rank must combine with the handle of the same dispatch (every rank raises this error; "
+                "the buffer refuses every operation until reset())",
+                fields={"handle": [tuple(e[0]) for e in every]},
+            )
+        if host:
+            pieces = [torch.from_numpy(every[j][2][self.rank]) for j in range(n)]
+            back = torch.cat(pieces) if pieces else src.new_empty((0, k))
+        else:
+            back = src.new_empty((sum(sent), k))
+            dist.all_to_all_single(
+                back, src, output_split_sizes=sent, input_split_sizes=recv, group=self.group
+            )
+        return self._add_weights(back.to(w.device), tokens, sent, num_tokens)
+
+    @staticmethod
+    def _add_weights(back: torch.Tensor, tokens: list, sent: list, num_tokens: int) -> torch.Tensor:
+        """Each source's sum of the weights sent back, from 0.0 in ascending rank order."""
+        out = torch.zeros((num_tokens, back.shape[1]), dtype=torch.float32, device=back.device)
         start = 0
-        for r in range(self.group_size):
-            if sent[r]:
-                out.index_add_(0, tokens[r], back[start : start + sent[r]])
-                start += sent[r]
+        for r, cnt in enumerate(sent):
+            if cnt:
+                out.index_add_(0, tokens[r], back[start : start + cnt])
+                start += cnt
         return out
 
     def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:

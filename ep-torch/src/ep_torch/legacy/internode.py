@@ -71,10 +71,13 @@ def internode_handle_tensors(
     is_token_in_rank: torch.Tensor,
     rank_prefix_matrix: torch.Tensor,
     src_global: torch.Tensor,
+    gather: Any = None,
 ) -> tuple:
     """V1's internode 10-tuple for this rank (module docstring). ``rank_prefix_matrix`` [N, N] (column j: inclusive
     prefix over source ranks of tokens sent to j), ``src_global`` [R] int64: ``src_rank*M + src_token`` of each row
-    in V1 order. One all-gather of every rank's per-node bits ([M, num_rdma_ranks] int32), collective."""
+    in V1 order. One all-gather of every rank's per-node bits ([M, num_rdma_ranks] int32), collective: through
+    ``gather`` (``bits -> every rank's bits``; ``legacy.Buffer`` passes an enveloped, bounded step of its
+    ``Channel``) when given, else the group's ``all_gather``."""
     dev = is_token_in_rank.device
     n = is_token_in_rank.shape[1]
     nodes, node, local = n // nvl, rank // nvl, rank % nvl
@@ -84,10 +87,13 @@ def internode_handle_tensors(
     per_node = in_node.sum(0, dtype=torch.int32)
     padded = torch.zeros(max_tokens, nodes, dtype=torch.int32, device=dev)
     padded[: bits.shape[0]] = bits
-    if dist.get_backend(group) != "nccl":
-        padded = padded.cpu()  # a gloo group gathers host tensors
-    gathered = [torch.empty_like(padded) for _ in range(n)]
-    dist.all_gather(gathered, padded, group=group)
+    if gather is not None:
+        gathered = list(gather(padded))
+    else:
+        if dist.get_backend(group) != "nccl":
+            padded = padded.cpu()  # a gloo group gathers host tensors
+        gathered = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(gathered, padded, group=group)
     all_bits = torch.stack(gathered).to(dev)  # [N, M, nodes]: source rank, source token, destination node
     # what this rank forwards: tokens of (node r, my local index) bound for my node, node r ascending, token order
     fwd_bits = all_bits[torch.arange(nodes, device=dev) * nvl + local, :, node]  # [nodes, M]
