@@ -200,9 +200,9 @@ def weighted_sum(
 def local_direct_enabled() -> bool:
     """``EPKIT_LL_LOCAL_DIRECT`` (ours, default 1): the native kernels' local shortcut without a hook (a rank's own
     experts read their rows where they lie: one pass instead of two); 0 sends them through the buffer like a peer's."""
-    import os
+    from .. import _env
 
-    return os.environ.get("EPKIT_LL_LOCAL_DIRECT", "1") != "0"
+    return _env.ll_local_direct()
 
 
 def native_supported(inner: Any) -> bool:

@@ -1,0 +1,427 @@
+"""V1 ``Buffer``'s low-latency mode (``low_latency_dispatch`` / ``low_latency_combine`` and their buffers), a base
+class of ``Buffer``: the adapter on V2's kernels (``low_latency``) or the native kernels (``ll_kernels.native_*``),
+as ``Buffer``'s docstring describes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from ep_core.errors import EPStateError, EPTypeError, EPValueError
+
+from .. import _env
+from ..buffer import ElasticBuffer
+from ..event import EventHandle, EventOverlap
+from .checks import _check_topk
+from .guard import _guarded, _ll_target
+from .low_latency import LowLatencyHandle, ll_combine_weighted, ll_dispatch
+
+__all__ = ["LowLatencyMode"]
+
+
+class LowLatencyMode:
+    """The low-latency methods of V1's ``Buffer`` (its state is ``Buffer.__init__``'s ``_ll_*`` fields)."""
+
+    def _ensure_ll(
+        self, m: int, hidden: int, num_topk: int, num_experts: int = 0, cuda: bool = False
+    ) -> ElasticBuffer:
+        """The low-latency inner buffer. Native kernels (``ll_native=True``, on CUDA where the storage maps the
+        peers): a buffer whose symmetric data region holds the low-latency region (``ep_core.ll_native``), else the
+        adapter's: M tokens, combine rows of K*hidden (see ``legacy.low_latency``). V1's contract (M, hidden, K,
+        experts equal on every rank) makes a rebuild collective without a collective to agree first."""
+        if self._destroyed:
+            raise EPStateError("Buffer: used after destroy(); create a new buffer")
+        native = bool(cuda) and bool(self.ll_native)
+        if native:
+            key = ("native", m, hidden, num_topk, num_experts)
+            if self._ll_inner is None or self._ll_key != key:
+                self._build_native(m, hidden, num_topk, num_experts, key)
+            if self._ll_region is not None:
+                return self._ll_inner  # type: ignore[return-value]
+            # this transport does not map the peers' memory (the same on every rank): the adapter from now on
+        key = (m, hidden, num_topk, self.ll_deterministic)
+        if self._ll_inner is None or self._ll_key != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise EPStateError(
+                    f"low_latency_dispatch (rank {self.rank}): the first call with num_max_dispatch_tokens_per_rank="
+                    f"{m}, hidden={hidden}, num_topk={num_topk} builds the buffer (a collective): run it once before "
+                    "CUDA-graph capture"
+                )
+            if self._ll_inner is not None:
+                old, self._ll_inner = self._ll_inner, None
+                old.destroy()
+            self._builds += 1
+            self._ll_build = self._builds
+            self._ll_inner = self._new_inner(
+                num_max_tokens_per_rank=m,
+                hidden=num_topk * hidden,
+                num_topk=num_topk,
+                # deterministic: rows in (source rank, source token) order, V1's packed order; without, the packing
+                # orders rows by their source key (legacy.low_latency)
+                deterministic=self.ll_deterministic,
+                explicitly_destroy=True,
+            )
+            self._ll_key = key
+            self._ll_region = None
+        return self._ll_inner
+
+    def _build_native(self, m: int, hidden: int, num_topk: int, num_experts: int, key: tuple) -> None:
+        """A new inner buffer sized for the native low-latency region (a collective), and the region over it."""
+        from ep_core import ll_native
+
+        from . import ll_kernels
+
+        if torch.cuda.is_current_stream_capturing():
+            raise EPStateError(
+                f"low_latency_dispatch (rank {self.rank}): the first call with num_max_dispatch_tokens_per_rank="
+                f"{m}, hidden={hidden}, num_topk={num_topk} builds the buffer (a collective): run it once before "
+                "CUDA-graph capture"
+            )
+        n = self.group_size
+        if num_topk > ll_native.MAX_TOPK:
+            raise EPValueError(
+                f"low_latency_dispatch (rank {self.rank}): num_topk={num_topk} > {ll_native.MAX_TOPK} (the native "
+                "kernels' lane limit; DeepEP V1 accepts at most 11)"
+            )
+        if 8 * m > 48 * 1024:
+            raise EPValueError(
+                f"low_latency_dispatch (rank {self.rank}): num_max_dispatch_tokens_per_rank={m} > 6144 (the native "
+                "send kernel lists a block's tokens in shared memory)"
+            )
+        lay = ll_native.region_layout(num_experts // n, n, num_experts, m, num_topk, hidden)
+        num_bytes = -(-lay.total_bytes // (2 << 20)) * (2 << 20)
+        if self._ll_inner is not None:
+            self._ll_inner.destroy()
+            self._ll_inner = None
+        ll_kernels.preload()
+        self._ll_inner = self._new_inner(num_bytes=num_bytes, explicitly_destroy=True)
+        self._ll_key = key
+        if ll_kernels.native_supported(self._ll_inner):
+            self._ll_region = ll_kernels.NativeRegion(
+                self._ll_inner, self.rank, n, num_experts, m, num_topk, hidden
+            )
+        else:
+            self._ll_region = None
+            self._ll_inner.destroy()
+            self._ll_inner, self._ll_key = None, None
+            self.ll_native = False  # this transport: the adapter from now on
+
+    def _on_comm(
+        self, cuda: bool, async_finish: bool, return_recv_hook: bool, inputs: tuple, fn: Any
+    ) -> tuple[Any, EventOverlap, Any]:
+        """Run ``fn`` and return ``(result, event, hook)`` with V1's stream semantics.
+
+        Without ``async_finish``/``return_recv_hook`` the work runs on the caller's stream. With either, it is issued
+        at once on the communication stream (which first waits for the caller's stream) and the caller's stream does
+        not wait: ``hook()`` (or ``event.current_stream_wait()``) makes the then-current stream wait for it. The host
+        never blocks. What overlaps: the caller's stream runs its own work meanwhile; ep's kernels still hold their
+        SMs until the peers' data has arrived (there is no separate receive kernel to launch later)."""
+        if not cuda or not (async_finish or return_recv_hook):
+            out = fn()
+            event = (
+                EventOverlap(EventHandle(device="cuda" if cuda else "cpu"))
+                if async_finish
+                else EventOverlap(None)
+            )
+            return out, event, (_data_complete if return_recv_hook else None)
+        compute = torch.cuda.current_stream()
+        comm = self.get_comm_stream()
+        assert comm is not None
+        comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            out = fn()
+            done = EventHandle(comm)
+        if not torch.cuda.is_current_stream_capturing() and not _env.avoid_record_stream():
+            for t in _tensors(inputs):
+                t.record_stream(comm)  # the caller may drop its inputs before the comm stream has read them
+            for t in _tensors(out):
+                t.record_stream(compute)  # results live on the comm stream's pool, used on the caller's
+        hook = done.current_stream_wait if return_recv_hook else None
+        return out, (EventOverlap(done) if async_finish else EventOverlap(None)), hook
+
+    @_guarded("low_latency_dispatch", _ll_target)
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
+        """V1 low-latency dispatch into the packed masked layout: ``(recv_x [E_local, N*M, H] (bf16, or (fp8, scales
+        [E_local, N*M, H/128] float32 | [E_local, N*M, H/512] int32 with use_ue8m0, column-major)), recv_count
+        [E_local] int32, handle, event, hook)``. ``recv_x[e, :recv_count[e]]`` are expert e's rows, source rank then
+        source token; rows past ``recv_count[e]`` are unspecified. Fixed shapes and no host sync: capturable in a
+        CUDA graph (after one call outside capture with the same sizes). Each call returns fresh tensors (V1's limit
+        of two results held at once does not apply)."""
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError(
+                "low_latency_dispatch: dispatch_wait_recv_cost_stats (no per-rank wait timers)"
+            )
+        if use_ue8m0 and not round_scale:
+            raise EPValueError("low_latency_dispatch: use_ue8m0=True requires round_scale=True (V1's rule)")
+        if x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise EPValueError(f"low_latency_dispatch (rank {self.rank}): x must be [T, hidden] bfloat16")
+        m = int(num_max_dispatch_tokens_per_rank)
+        t, h = int(x.shape[0]), int(x.shape[1])
+        if t > m:
+            raise EPValueError(
+                f"low_latency_dispatch (rank {self.rank}): {t} tokens > num_max_dispatch_tokens_per_rank={m}"
+            )
+        if use_fp8 and h % (512 if use_ue8m0 else 128):
+            raise EPValueError(
+                f"low_latency_dispatch: hidden={h} must be a multiple of {512 if use_ue8m0 else 128} with use_fp8=True"
+                + (" and use_ue8m0=True" if use_ue8m0 else "")
+            )
+        # no host read on CUDA: low-latency mode never syncs the host (the hook's point, and CUDA graphs)
+        _check_topk(topk_idx, num_experts, self.group_size, self.rank, host_read=not topk_idx.is_cuda)
+        if cumulative_local_expert_recv_stats is not None and (
+            cumulative_local_expert_recv_stats.shape != (num_experts // self.group_size,)
+        ):
+            raise EPValueError(
+                f"cumulative_local_expert_recv_stats (rank {self.rank}): must be [{num_experts // self.group_size}]"
+            )
+        inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), x.is_cuda)
+        if self._ll_region is not None:
+            return self._native_dispatch(
+                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                use_ue8m0, async_finish, return_recv_hook,
+            )  # fmt: skip
+
+        zero_copy = self.ll_zero_copy
+        if zero_copy is None:  # where the inner buffer offers it: its rows are read before its next operation
+            zero_copy = x.is_cuda and inner.get_physical_domain_size()[0] == 1
+
+        def run() -> tuple:
+            recv, count, handle = ll_dispatch(
+                inner, x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0, self.ll_use_kernels,
+                rows_ordered=self._ll_key is not None and self._ll_key[3], zero_copy=zero_copy,
+            )  # fmt: skip
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(count.to(cumulative_local_expert_recv_stats.dtype))
+            return recv, count, handle
+
+        (recv, count, handle), event, hook = self._on_comm(
+            x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, cumulative_local_expert_recv_stats), run
+        )
+        return recv, count, self._stamp(handle, self._ll_build), event, hook
+
+    @_guarded("low_latency_combine", _ll_target)
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Any]:
+        """V1 low-latency combine from the packed ``x [E_local, N*M, H]`` bf16: ``combined_x[t] = bf16(sum over lanes
+        k ascending with topk_idx[t, k] >= 0 of fp32(expert output) * topk_weights[t, k])``, multiply then add in
+        fp32 (``legacy.reference.ll_combine_reference``, bitwise); returns ``(combined_x, event, hook)``."""
+        if use_logfmt:
+            raise NotImplementedError("low_latency_combine: use_logfmt=True (LogFMT compression)")
+        if combine_wait_recv_cost_stats is not None:
+            raise NotImplementedError(
+                "low_latency_combine: combine_wait_recv_cost_stats (no per-rank wait timers)"
+            )
+        if not isinstance(handle, LowLatencyHandle):
+            raise EPTypeError(
+                f"low_latency_combine: handle must come from low_latency_dispatch, got {type(handle).__name__}"
+            )
+        self._check_handle("low_latency_combine", handle, self._ll_build)
+        inner = self._ll_inner
+        stale = (
+            handle.native[0] is not self._ll_region if handle.native is not None else handle.ep_handle is None
+        )
+        if inner is None or stale or self._destroyed:
+            raise EPStateError("low_latency_combine: the buffer was destroyed or rebuilt since this dispatch")
+        if zero_copy and x is None:
+            x = self._ll_combine_buffers[self._ll_idx]
+        src_info, _, _, hidden, _ = handle
+        epr, slots = src_info.shape
+        if x.dim() != 3 or tuple(x.shape) != (epr, slots, hidden) or x.dtype != torch.bfloat16:
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): x must be [{epr}, {slots}, hidden={hidden}] bfloat16, "
+                f"got {tuple(x.shape)} {x.dtype}"
+            )
+        if topk_idx.dim() != 2 or topk_idx.shape[1] != handle.num_topk:
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): topk_idx must be [T, {handle.num_topk}] (the dispatch's K)"
+            )
+        if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): topk_weights must be float32 of topk_idx's shape "
+                f"{tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)} {topk_weights.dtype}"
+            )
+        t = int(topk_idx.shape[0])
+        if t != handle.num_tokens:
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): topk_idx has {t} tokens, the dispatch had "
+                f"{handle.num_tokens}"
+            )
+        if out is not None and (tuple(out.shape) != (t, hidden) or out.dtype != torch.bfloat16):
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): out must be [{t}, {hidden}] bfloat16"
+            )
+        if handle.native is not None:
+            return self._native_combine(
+                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook
+            )
+
+        def run() -> torch.Tensor:
+            return ll_combine_weighted(
+                inner, x, handle, topk_idx, topk_weights, self.ll_lanes_per_combine, out, self.ll_use_kernels,
+                self.ll_combine_num_sms,
+            )  # fmt: skip
+
+        return self._on_comm(x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, topk_weights, out), run)
+
+    def _native_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        m: int,
+        num_experts: int,
+        stats: torch.Tensor | None,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        async_finish: bool,
+        return_recv_hook: bool,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
+        """The native kernels (``legacy.ll_kernels.native_dispatch``): the send now; the receive now too, or, with
+        ``return_recv_hook``, when ``hook()`` is called (on the then-current stream: V1's split)."""
+        from . import ll_kernels
+
+        reg = self._ll_region
+        reg.check("low_latency_dispatch")
+        h = int(x.shape[1])
+
+        local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
+
+        def send() -> tuple:
+            recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
+                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct
+            )
+            handle = LowLatencyHandle(
+                (src_info, layout_range, m, h, num_experts), None, None, None,
+                native=(reg, lanes, lane_pos), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
+            )  # fmt: skip
+            return (recv, count, handle), receive
+
+        if return_recv_hook:
+            (recv, count, handle), receive = send()
+            event = EventOverlap(EventHandle()) if async_finish else EventOverlap(None)
+            return recv, count, handle, event, receive
+
+        def run() -> tuple:
+            out, receive = send()
+            receive()
+            return out
+
+        (recv, count, handle), event, _ = self._on_comm(True, async_finish, False, (x, topk_idx, stats), run)
+        return recv, count, handle, event, None
+
+    def _native_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        out: torch.Tensor | None,
+        async_finish: bool,
+        return_recv_hook: bool,
+    ) -> tuple[torch.Tensor, EventOverlap, Any]:
+        from . import ll_kernels
+
+        reg, lanes, lane_pos = handle.native
+        reg.check("low_latency_combine")
+        src_info, layout_range = handle[0], handle[1]
+        # without a hook the receive follows the send at once: this rank's own rows are read in x (one pass)
+        local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
+
+        def send() -> tuple:
+            return ll_kernels.native_combine(
+                reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct
+            )
+
+        if return_recv_hook:
+            combined, receive = send()
+            event = EventOverlap(EventHandle()) if async_finish else EventOverlap(None)
+            return combined, event, receive
+
+        def run() -> torch.Tensor:
+            combined, receive = send()
+            receive()
+            return combined
+
+        combined, event, _ = self._on_comm(True, async_finish, False, (x, topk_idx, topk_weights, out), run)
+        return combined, event, None
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """A combine input of the packed shape, one per buffer half like V1: the half the next low-latency call
+        uses (native kernels; the adapter alternates). The native combine's send reads its input where it lies and
+        writes each row straight to its token's rank, so ``zero_copy`` saves nothing more than any input does."""
+        src_info, _, _, h, _ = handle
+        epr, slots = src_info.shape
+        if self._ll_region is not None:
+            self._ll_idx = self._ll_region.next_half
+        else:
+            self._ll_idx ^= 1
+        buf = self._ll_combine_buffers[self._ll_idx]
+        if buf is None or tuple(buf.shape) != (epr, slots, h):
+            buf = torch.zeros(epr, slots, h, dtype=torch.bfloat16, device=src_info.device)
+            self._ll_combine_buffers[self._ll_idx] = buf
+        return buf
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """ep's workspace is zero between operations (nothing to clean when switching modes), and the native
+        kernels' flags carry the epoch of the call that wrote them (never cleaned); the zero-copy buffers are
+        cleared."""
+        for b in self._ll_combine_buffers:
+            if b is not None:
+                b.zero_()
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        raise NotImplementedError("low_latency_update_mask_buffer: needs enable_shrink=True (rank masking)")
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        raise NotImplementedError("low_latency_query_mask_buffer: needs enable_shrink=True (rank masking)")
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        raise NotImplementedError("low_latency_clean_mask_buffer: needs enable_shrink=True (rank masking)")
+
+
+def _data_complete() -> None:
+    """The hook of a call that ran on the caller's stream (CPU, or neither async_finish nor a hook on the GPU
+    before): the data is complete already."""
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """CUDA tensors in ``obj``: tensors, tuples/lists of them, and the tensor fields of handles (one level)."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.is_cuda:
+                found.append(o)
+        elif isinstance(o, (tuple, list)):
+            stack.extend(o)
+            stack.extend(v for v in getattr(o, "__dict__", {}).values() if not isinstance(v, (tuple, list)))
+            if hasattr(o, "ep_handle"):  # its tensors, the unviewed block of a repeated dispatch's included
+                stack.extend(v for v in o.ep_handle.held() if isinstance(v, torch.Tensor))
+    return found
