@@ -189,8 +189,6 @@ def _ll_checks(rank: int, n: int, device: str = "cpu") -> None:
     for rs, ue in ((False, False), (True, False), (True, True)):
         _check_fp8(buf, x, idx, rank, n, rs, ue)
     # options ep does not implement, and bad inputs: before any communication, so no rank waits
-    with pytest.raises(NotImplementedError, match="use_logfmt"):
-        buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         buf.low_latency_dispatch(
             x, idx, M, E, dispatch_wait_recv_cost_stats=torch.zeros(n, n, dtype=torch.int64)

@@ -353,9 +353,12 @@ def native_combine(
     out: torch.Tensor | None,
     lane_pos: torch.Tensor | None = None,
     local_direct: bool = False,
+    use_logfmt: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """Launch the combine send now; returns ``(combined, receive)``, ``receive()`` launching the weighted reduction
     into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it)."""
+    if use_logfmt:
+        raise NotImplementedError("low_latency_combine: use_logfmt=True on the native kernels (ll_native)")
     run = _NativeLaunch()
     n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
     half = reg.take_half()

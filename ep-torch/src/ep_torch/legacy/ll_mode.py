@@ -228,9 +228,9 @@ class LowLatencyMode:
     ) -> tuple[torch.Tensor, EventOverlap, Any]:
         """V1 low-latency combine from the packed ``x [E_local, N*M, H]`` bf16: ``combined_x[t] = bf16(sum over lanes
         k ascending with topk_idx[t, k] >= 0 of fp32(expert output) * topk_weights[t, k])``, multiply then add in
-        fp32 (``legacy.reference.ll_combine_reference``, bitwise); returns ``(combined_x, event, hook)``."""
-        if use_logfmt:
-            raise NotImplementedError("low_latency_combine: use_logfmt=True (LogFMT compression)")
+        fp32 (``legacy.reference.ll_combine_reference``, bitwise); returns ``(combined_x, event, hook)``.
+        ``use_logfmt``: each expert output row travels LogFMT-10 encoded (``legacy.logfmt``: the sum adds its
+        float32 decoding; hidden % 512 == 0)."""
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError(
                 "low_latency_combine: combine_wait_recv_cost_stats (no per-rank wait timers)"
@@ -255,6 +255,10 @@ class LowLatencyMode:
                 f"low_latency_combine (rank {self.rank}): x must be [{epr}, {slots}, hidden={hidden}] bfloat16, "
                 f"got {tuple(x.shape)} {x.dtype}"
             )
+        if use_logfmt:
+            from .logfmt import check_hidden
+
+            check_hidden(hidden)  # before any communication: every rank raises alike
         if topk_idx.dim() != 2 or topk_idx.shape[1] != handle.num_topk:
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): topk_idx must be [T, {handle.num_topk}] (the dispatch's K)"
@@ -276,13 +280,13 @@ class LowLatencyMode:
             )
         if handle.native is not None:
             return self._native_combine(
-                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook
+                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt)
             )
 
         def run() -> torch.Tensor:
             return ll_combine_weighted(
                 inner, x, handle, topk_idx, topk_weights, self.ll_lanes_per_combine, out, self.ll_use_kernels,
-                self.ll_combine_num_sms,
+                self.ll_combine_num_sms, bool(use_logfmt),
             )  # fmt: skip
 
         return self._on_comm(x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, topk_weights, out), run)
@@ -342,19 +346,22 @@ class LowLatencyMode:
         out: torch.Tensor | None,
         async_finish: bool,
         return_recv_hook: bool,
+        use_logfmt: bool = False,
     ) -> tuple[torch.Tensor, EventOverlap, Any]:
         from . import ll_kernels
 
         reg, lanes, lane_pos = handle.native
         reg.check("low_latency_combine")
         src_info, layout_range = handle[0], handle[1]
-        # without a hook the receive follows the send at once: this rank's own rows are read in x (one pass)
-        local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
+        # without a hook the receive follows the send at once: this rank's own rows are read in x (one pass);
+        # LogFMT sends every row through the buffer (the receive decodes what the send encoded)
+        local_direct = not return_recv_hook and not use_logfmt and ll_kernels.local_direct_enabled()
 
         def send() -> tuple:
             return ll_kernels.native_combine(
-                reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct
-            )
+                reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct,
+                use_logfmt,
+            )  # fmt: skip
 
         if return_recv_hook:
             combined, receive = send()

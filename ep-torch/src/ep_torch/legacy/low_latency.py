@@ -243,7 +243,8 @@ def ll_combine(
 
 def weighted_lane_sum(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """``bf16(sum_k w[t, k] * y[t, k])`` over lanes with an expert, fp32, ascending k, multiply and add as separate
-    ops (the reference's order; no fused multiply-add, no reduction kernel of unspecified order)."""
+    ops (the reference's order; no fused multiply-add, no reduction kernel of unspecified order). ``y`` bf16, or
+    float32 (LogFMT's decoded rows)."""
     t, k, h = y.shape
     acc = torch.zeros(t, h, dtype=torch.float32, device=y.device)
     w = topk_weights.to(torch.float32)
@@ -264,13 +265,25 @@ def ll_combine_weighted(
     out: torch.Tensor | None = None,
     use_kernels: bool | None = None,
     num_sms: int = 0,
+    use_logfmt: bool = False,
 ) -> torch.Tensor:
     """V1's weighted combine of the packed ``x``: ``[T, H]`` bf16 (written into ``out`` when given; ``num_sms``
     goes to ep's combine, 0 = ep's choice). With
     ``use_kernels`` (None = on CUDA): per group of lanes, one gather kernel into the wide rows, ep's combine and one
     fused weighted-sum kernel (fp32 accumulator between groups, exact); else ``ll_combine`` +
-    ``weighted_lane_sum``. The same bits either way."""
+    ``weighted_lane_sum``. The same bits either way. ``use_logfmt``: each lane's row is LogFMT round-tripped
+    (``legacy.logfmt.roundtrip_torch``, float32) before the weighted sum, on the torch path: the adapter moves the
+    bf16 rows and applies the round trip at the receiver (the numbers of V1's encoded transfer, not its bytes)."""
     t = int(topk_idx.shape[0])
+    if use_logfmt:
+        from .logfmt import roundtrip_torch
+
+        y = roundtrip_torch(ll_combine(inner, x, handle, t, group, num_sms))
+        combined = weighted_lane_sum(y, topk_idx, topk_weights)
+        if out is None:
+            return combined
+        out.copy_(combined)
+        return out
     if not _kernels(x, use_kernels, "low_latency_combine"):
         combined = weighted_lane_sum(ll_combine(inner, x, handle, t, group, num_sms), topk_idx, topk_weights)
         if out is None:

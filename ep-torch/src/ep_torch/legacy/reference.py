@@ -10,6 +10,8 @@
 - **Combine** (``ll_combine_reference``): ``combined[t] = bf16(acc)`` with ``acc = +0.0`` (fp32) and, for every lane
   k in ascending order with ``topk_idx[t, k] >= 0``: ``p = fp32(y[t, k]) * w[t, k]`` then ``acc = acc + p`` (two
   separately rounded fp32 operations, no fused multiply-add), one round-to-nearest-even to bf16 at the end.
+  With ``use_logfmt`` ``fp32(y[t, k])`` is the LogFMT round trip of the expert's row (``legacy.logfmt.roundtrip``,
+  float32, not rounded to bf16).
 """
 
 from __future__ import annotations
@@ -53,9 +55,16 @@ def ll_expected_rows(
     return rows
 
 
-def ll_combine_reference(y_bits: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray) -> np.ndarray:
+def ll_combine_reference(
+    y_bits: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, use_logfmt: bool = False
+) -> np.ndarray:
     """``y_bits`` [T, K, H] bf16 bits: the expert output of token t's lane k. Returns [T, H] bf16 bits."""
-    y = bf16_to_f32(y_bits)
+    if use_logfmt:
+        from .logfmt import roundtrip
+
+        y = roundtrip(y_bits)
+    else:
+        y = bf16_to_f32(y_bits)
     w = np.asarray(topk_weights, dtype=np.float32)
     acc = np.zeros((y.shape[0], y.shape[2]), dtype=np.float32)
     for k in range(y.shape[1]):
