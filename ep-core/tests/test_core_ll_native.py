@@ -59,8 +59,8 @@ int main(int argc, char** argv) {
   int v[6];
   for (int i = 0; i < 6; ++i) v[i] = atoi(argv[i + 1]);
   ep_lln::Layout L(v[0], v[1], v[2], v[3], v[4], v[5]);
-  printf("%lld %lld %lld %lld %lld %lld %lld\n", (long long)L.ctrl, (long long)L.dflag, (long long)L.cflag,
-         (long long)L.ddata, (long long)L.cdata, (long long)L.half_bytes, (long long)L.msg);
+  printf("%lld %lld %lld %lld %lld %lld %lld %lld\n", (long long)L.ctrl, (long long)L.dflag, (long long)L.cflag,
+         (long long)L.ddata, (long long)L.cdata, (long long)L.half_bytes, (long long)L.msg, (long long)L.cmeta);
   return 0;
 }
 """
@@ -86,7 +86,8 @@ def test_host_layout_equals_the_header(tmp_path):
                 [str(exe), *map(str, cfg)], capture_output=True, text=True, check=True
             ).stdout.split()
         ]
-        assert tuple(got) == tuple(ll_native.region_layout(*cfg)[:7]), cfg
+        lay = ll_native.region_layout(*cfg)
+        assert tuple(got) == (*lay[:7], lay.cmeta), cfg
 
 
 @needs_nvcc

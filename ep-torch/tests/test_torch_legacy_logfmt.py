@@ -202,6 +202,95 @@ def test_reference_combine_with_logfmt():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# the native kernels' arithmetic (ep_core/ll_logfmt.cuh), compiled for the host: the send's group words, chunk
+# decision and 5-word packing, then the receive's decoding, bitwise equal to the model
+
+_HOST_LOGFMT = r"""
+#include <ep_core/ll_logfmt.cuh>
+#include <cstdio>
+#include <vector>
+int main(int argc, char** argv) {
+  const int rows = atoi(argv[1]), hidden = atoi(argv[2]);
+  std::vector<uint16_t> in((size_t)rows * hidden);
+  std::vector<float> out((size_t)rows * hidden);
+  FILE* f = fopen(argv[3], "rb");
+  if (fread(in.data(), 2, in.size(), f) != in.size()) return 2;
+  fclose(f);
+  const int ch = ep_lfmt::chunk_size(hidden), groups = hidden / 128;
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* x = in.data() + (size_t)r * hidden;
+    std::vector<uint32_t> meta(groups);
+    for (int g = 0; g < groups; ++g) {
+      uint32_t amax = 0, amin = 0xFFFF;
+      for (int i = 0; i < 128; ++i) {
+        const uint32_t a = x[g * 128 + i] & 0x7FFFu;
+        amax = a > amax ? a : amax;
+        amin = a < amin ? a : amin;
+      }
+      meta[g] = amax | (amin << 16);
+    }
+    for (int c0 = 0; c0 < hidden; c0 += ch) {
+      bool enc = true;
+      for (int g = c0 / 128; g < (c0 + ch) / 128; ++g) enc = enc && ep_lfmt::group_ok(meta[g]);
+      for (int u = c0; u < c0 + ch; u += 16) {
+        if (!enc) {
+          for (int i = 0; i < 16; ++i) out[(size_t)r * hidden + u + i] = ep_ll::u2f((uint32_t)x[u + i] << 16);
+          continue;
+        }
+        const ep_lfmt::Params q = ep_lfmt::params(meta[u / 128]);
+        uint32_t words[8], packed[5];
+        for (int i = 0; i < 8; ++i) words[i] = x[u + 2 * i] | ((uint32_t)x[u + 2 * i + 1] << 16);
+        ep_lfmt::pack16(words, q, packed);
+        for (int i = 0; i < 16; ++i) out[(size_t)r * hidden + u + i] = ep_lfmt::unpack_one(packed, i, q);
+      }
+    }
+  }
+  fwrite(out.data(), 4, out.size(), stdout);
+  return 0;
+}
+"""
+
+
+def _nvcc() -> str | None:
+    import os
+    import shutil
+
+    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    path = os.path.join(home, "bin", "nvcc")
+    return path if os.path.exists(path) else shutil.which("nvcc")
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
+def test_native_arithmetic_equals_model_on_host(tmp_path):
+    from ep_core.kernels._source import get_include
+
+    src = tmp_path / "lf.cu"
+    src.write_text(_HOST_LOGFMT)
+    exe = tmp_path / "lf"
+    subprocess.run([_nvcc(), "-std=c++17", "-O2", "-I", get_include(), str(src), "-o", str(exe)], check=True)
+    rng = np.random.default_rng(11)
+    for h in (1024, 1536):
+        bits = np.concatenate([_rows(rng, 24, h, s) for s in (1e-3, 0.2, 0.9, 3.0, 1e-38, 1e-40)])
+        bits[0, :300] = 0
+        bits[1, 3] = 0x7FC0
+        bits[2, :128] = 0x3E80
+        bits[3, 17] = 0x8000
+        bits[4, :] = rng.integers(0, 1 << 16, h)
+        bits[5, 1::2] = 0x0001  # the smallest subnormal
+        path = tmp_path / "in.bin"
+        bits.astype(np.uint16).tofile(path)
+        run = subprocess.run(
+            [str(exe), str(bits.shape[0]), str(h), str(path)], capture_output=True, check=True
+        )
+        got = np.frombuffer(run.stdout, dtype=np.float32).reshape(bits.shape)
+        want = logfmt.roundtrip(bits)
+        bad = np.argwhere(_u32(got) != _u32(want))
+        assert not bad.size, (
+            f"h={h}: {len(bad)} differ, first {tuple(bad[0])}: {got[tuple(bad[0])]} {want[tuple(bad[0])]}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # V1 Buffer on the CPU backend (gloo ranks) and, marker gpu, on CUDA
 
 T, K, E, M = 6, 3, 8, 8
@@ -246,13 +335,13 @@ def _combine_ref(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> np.ndar
     return ll_combine_reference(y, idx.numpy(), w.numpy(), use_logfmt=True)
 
 
-def _logfmt_checks(rank: int, n: int, device: str = "cpu") -> None:
+def _logfmt_checks(rank: int, n: int, device: str = "cpu", native: bool = False) -> None:
     from ep_torch.legacy import Buffer
 
     dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     epr = E // n
     buf = Buffer(None, 0, int(1e8), low_latency_mode=True, num_qps_per_rank=epr, explicitly_destroy=True,
-                 transport="ipc" if device == "cuda" else None)  # fmt: skip
+                 transport="ipc" if device == "cuda" else None, ll_native=native)  # fmt: skip
     for h in (1024, 1536):
         x, idx, w = (a.to(dev) for a in _inputs(rank, h))
         ref = _combine_ref(x.cpu(), idx.cpu(), w.cpu())
@@ -262,6 +351,9 @@ def _logfmt_checks(rank: int, n: int, device: str = "cpu") -> None:
             )
             if hook_mode:
                 hook()
+            assert (buf._ll_region is not None) == native, (
+                "the native kernels ran (ll_native), else the adapter"
+            )
             y = _expert(recv, rank, epr)
             comb, _, hook2 = buf.low_latency_combine(
                 y, idx, w, handle, use_logfmt=True, return_recv_hook=hook_mode
@@ -307,20 +399,26 @@ def test_logfmt_combine_cpu(ranks):
     _spawn("_logfmt_checks", ranks)
 
 
-def _logfmt_checks_gpu(rank: int, n: int) -> None:
+def _logfmt_checks_gpu(rank: int, n: int, native: bool = False) -> None:
     import os
 
     torch.cuda.set_device(0)
     os.environ.setdefault("EPKIT_NVLINK_GBS", "450")
-    _logfmt_checks(rank, n, "cuda")
+    _logfmt_checks(rank, n, "cuda", native)
 
 
+def _logfmt_checks_gpu_native(rank: int, n: int) -> None:
+    _logfmt_checks_gpu(rank, n, native=True)
+
+
+@pytest.mark.parametrize("worker", ["_logfmt_checks_gpu", "_logfmt_checks_gpu_native"])
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_logfmt_combine_gpu(ranks):
-    """ipc transport, processes sharing the GPU: the native kernels (ll_native on) bitwise against the model."""
-    _spawn("_logfmt_checks_gpu", ranks)
+def test_logfmt_combine_gpu(ranks, worker):
+    """ipc transport, processes sharing the GPU: the CUDA adapter (torch twin) and the native kernels
+    (``ll_native=True``) bitwise against the model."""
+    _spawn(worker, ranks)
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@
 //
 // The symmetric LL region (per rank, two halves; a call uses one half, the next call the other, V1's double buffer):
 //   half = [ctrl 64 B | dispatch flags int64 [E_local][N] | combine flags int64 [E] | dispatch slots
-//           [E_local][N][M] x msg | combine slots [M][K] x hidden bf16]
+//           [E_local][N][M] x msg | combine slots [M][K] x hidden bf16 | LogFMT meta [M][K][hidden / 128] uint32]
 //   msg = 16-byte header (source token, lane) + payload (bf16 row, or FP8 row then fp32 scales [hidden / 128])
 //   ctrl: int32 [0] dispatch epoch, [1] combine epoch, [2] dispatch done blocks, [3] combine done blocks
 // A flag carries the epoch of the call that wrote it: a receiver waits for `epoch + 1` (dispatch: in the high 32
@@ -25,17 +25,21 @@
 //   token's home rank, then the expert's flag there. Receive (per token and channel chunk): waits for the flags of
 //   the token's experts, then acc = +0, acc = acc + fp32(y_k) * w_k for each lane k ascending with an expert
 //   (separate correctly rounded multiply and add), one bf16 rounding: legacy.reference's numerics.
+//   The `_logfmt` twins (template kLogFMT): the send writes each row LogFMT-10 encoded (ll_logfmt.cuh: a warp per
+//   chunk, the group words into the slot's meta, each chunk at its bf16 offset, 10 bits a value when encoded) and
+//   the receive decodes it to float32 for the same sum (legacy.logfmt's model, bitwise); no local shortcut.
 // Waits are bounded by `timeout_ms` (%globaltimer): a wait that expires raises the device word `err[0]` (every
 // later kernel that sees it returns at once, outputs left undefined) and writes (1, rank, peer, tag) to the host
 // mapped `herr` words (the host raises EPTimeoutError at its next call, without a sync).
 #pragma once
 
+#include "ll_logfmt.cuh"
 #include "ll_pack.cuh"
 
 namespace ep_lln {
 
 struct Layout {
-  int64_t ctrl, dflag, cflag, ddata, cdata, half_bytes, msg;
+  int64_t ctrl, dflag, cflag, ddata, cdata, half_bytes, msg, cmeta;
 
   __host__ __device__ Layout(int epr, int num_ranks, int num_experts, int m, int num_topk, int hidden) {
     msg = 16 + ((int64_t)hidden * 2 + 15) / 16 * 16;
@@ -44,7 +48,8 @@ struct Layout {
     cflag = dflag + (int64_t)epr * num_ranks * 8;
     ddata = (cflag + (int64_t)num_experts * 8 + 127) / 128 * 128;
     cdata = ddata + (int64_t)epr * num_ranks * m * msg;
-    half_bytes = (cdata + (int64_t)m * num_topk * hidden * 2 + 4095) / 4096 * 4096;
+    cmeta = cdata + (int64_t)m * num_topk * hidden * 2;
+    half_bytes = (cmeta + (int64_t)m * num_topk * (hidden / 128) * 4 + 4095) / 4096 * 4096;
   }
 };
 
@@ -357,11 +362,93 @@ extern "C" __global__ void __launch_bounds__(512)
   ep_lln::finish_epoch(ctrl, 0);
 }
 
+// LogFMT combine send of one expert's `total` packed rows (row j: x_rows + j * hidden / 8, token src_info[j], lane
+// lanes[j], source rank by s_off): a warp per (row, chunk). Each lane holds `per` = chunk / 256 vectors; the
+// chunk's 128-channel groups reduce their magnitude bits over 16 / per lanes, write the group words into the slot's
+// meta, and the whole chunk is encoded (5 words per 16 values at its bf16 offset) when every group allows it, else
+// copied as bf16. Rows with garbage (an aborted dispatch) are skipped.
+__device__ inline void ep_lln_logfmt_send_rows(const uint4* x_rows, const int* src_info, const int* lanes, int total,
+                                               const int* s_off, int num_topk, int hidden, int num_ranks, int m,
+                                               const uint64_t* peers, const uint8_t* own_base, uint8_t* cdata,
+                                               uint8_t* cmeta) {
+  const int ch = ep_lfmt::chunk_size(hidden), nch = hidden / ch, per = ch / 256, gl = 16 / per;
+  const int groups = hidden / 128, row_vecs = hidden / 8;
+  const int lane = threadIdx.x & 31;
+  for (int u = threadIdx.x >> 5; u < total * nch; u += blockDim.x >> 5) {  // warp-uniform
+    const int j = u / nch, c = u - j * nch;
+    const int t = src_info[j], k = lanes[j];
+    if (t < 0 || t >= m || k < 0 || k >= num_topk) continue;
+    int lo = 0, hi = num_ranks - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s_off[mid] <= j) lo = mid; else hi = mid - 1;
+    }
+    const int64_t slot = (int64_t)t * num_topk + k;
+    uint8_t* row = ep_lln::peer_addr(peers, lo, own_base, cdata + slot * hidden * 2) + (int64_t)c * ch * 2;
+    uint32_t* meta = reinterpret_cast<uint32_t*>(ep_lln::peer_addr(peers, lo, own_base, cmeta + slot * groups * 4));
+    const uint4* src = x_rows + (int64_t)j * row_vecs + (int64_t)c * (ch / 8) + lane * per;
+    uint4 v[4];
+    uint32_t amax = 0u, amin = 0xFFFFu;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i >= per) break;
+      v[i] = src[i];
+      const uint32_t w4[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t lo16 = w4[q] & 0x7FFFu, hi16 = (w4[q] >> 16) & 0x7FFFu;
+        amax = max(amax, max(lo16, hi16));
+        amin = min(amin, min(lo16, hi16));
+      }
+    }
+    for (int d = 1; d < gl; d <<= 1) {
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+      amin = min(amin, __shfl_xor_sync(0xFFFFFFFFu, amin, d));
+    }
+    const uint32_t mw = amax | (amin << 16);
+    if (lane % gl == 0) meta[c * (ch / 128) + lane / gl] = mw;
+    if (__all_sync(0xFFFFFFFFu, ep_lfmt::group_ok(mw))) {
+      const ep_lfmt::Params q = ep_lfmt::params(mw);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(row) + lane * (per / 2) * 5;
+      for (int i = 0; i < per; i += 2) {
+        const uint32_t in[8] = {v[i].x, v[i].y, v[i].z, v[i].w, v[i + 1].x, v[i + 1].y, v[i + 1].z, v[i + 1].w};
+        uint32_t enc[5];
+        ep_lfmt::pack16(in, q, enc);
+        for (int wi = 0; wi < 5; ++wi) dst[(i / 2) * 5 + wi] = enc[wi];
+      }
+    } else {
+      uint4* dst = reinterpret_cast<uint4*>(row) + lane * per;
+      for (int i = 0; i < per; ++i) dst[i] = v[i];
+    }
+  }
+}
+
+// Channels 8c..8c+7 of LogFMT slot `slot` as float32: decoded when their chunk was encoded (every group word of the
+// chunk allows it), else the bf16 values.
+__device__ inline void ep_lln_logfmt_load8(const uint8_t* cdata, const uint32_t* cmeta, int64_t slot, int hidden,
+                                           int c, float f[8]) {
+  const int ch = ep_lfmt::chunk_size(hidden), gpc = ch / 128;
+  const int chunk = c / (ch / 8);
+  const uint32_t* meta = cmeta + slot * (hidden / 128);
+  bool enc = true;
+  for (int g = chunk * gpc; g < (chunk + 1) * gpc; ++g) enc = enc && ep_lfmt::group_ok(meta[g]);
+  if (enc) {
+    const ep_lfmt::Params q = ep_lfmt::params(meta[c / 16]);
+    const uint32_t* wp = reinterpret_cast<const uint32_t*>(cdata + slot * hidden * 2 + (int64_t)chunk * ch * 2) +
+                         ((c % (ch / 8)) / 2) * 5;
+    const uint32_t wd[5] = {wp[0], wp[1], wp[2], wp[3], wp[4]};
+    for (int i = 0; i < 8; ++i) f[i] = ep_lfmt::unpack_one(wd, (c & 1) * 8 + i, q);
+  } else {
+    const uint4 v = reinterpret_cast<const uint4*>(cdata + slot * hidden * 2)[c];
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(words[i]), f[2 * i + 1] = ep_ll::bf16_hi(words[i]);
+  }
+}
+
 // Combine send. x [E_local, N*M, hidden] bf16; src_info, lanes, layout_range: the dispatch's. Block e (grid stride
 // over E_local) writes each packed row into slot (token, lane) of the token's home rank, then the expert's flag
-// there. Dynamic shared memory: 4 * (N + 1) bytes.
-extern "C" __global__ void __launch_bounds__(512)
-    ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
+// there. Dynamic shared memory: 4 * (N + 1) bytes. kLogFMT: the rows LogFMT-10 encoded (ep_lln_combine_send_logfmt).
+template <bool kLogFMT>
+__device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
                         const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
                         int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
                         uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
@@ -399,7 +486,11 @@ extern "C" __global__ void __launch_bounds__(512)
       uint8_t* local = own_half + L.cdata + ((int64_t)t * num_topk + k) * hidden * 2;
       return reinterpret_cast<uint4*>(ep_lln::peer_addr(peers, lo, own_base, local));
     };
-    if (!local_direct) {
+    if constexpr (kLogFMT) {
+      ep_lln_logfmt_send_rows(x + base_row * row_vecs, src_info + base_row, lanes + base_row, total, s_off,
+                              num_topk, hidden, num_ranks, m, peers, own_base, own_half + L.cdata,
+                              own_half + L.cmeta);
+    } else if (!local_direct) {
       ep_lln_copy_rows(
           total, row_vecs, [&](int j) { return x + (base_row + j) * row_vecs; }, dst_of);
     } else {  // this rank's own tokens' rows stay: the receive reads them in x
@@ -424,9 +515,10 @@ extern "C" __global__ void __launch_bounds__(512)
 
 // Combine receive: work item (token t, chunk of 8 * blockDim.x channels), grid stride. Waits for the flags of t's
 // experts, then the weighted sum in ascending lane order into out [T, hidden] bf16 (lanes repeating an earlier
-// lane's expert read that lane's slot: one message per (token, expert)).
-extern "C" __global__ void __launch_bounds__(256)
-    ep_lln_combine_recv(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
+// lane's expert read that lane's slot: one message per (token, expert)). kLogFMT: the slots hold LogFMT-10 rows,
+// decoded to float32 for the same sum (ep_lln_combine_recv_logfmt; local_direct must be 0).
+template <bool kLogFMT>
+__device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                         uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
                         const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
@@ -477,6 +569,17 @@ extern "C" __global__ void __launch_bounds__(256)
     if (c < vecs) {
       float a[8];
       for (int i = 0; i < 8; ++i) a[i] = 0.0f;
+      if constexpr (kLogFMT) {
+        for (int k = 0; k < num_topk; ++k) {
+          const int src = s_src[k];
+          if (src < 0) continue;
+          float f[8];
+          ep_lln_logfmt_load8(own_half + L.cdata, reinterpret_cast<const uint32_t*>(own_half + L.cmeta),
+                              (int64_t)t * num_topk + src, hidden, c, f);
+          const float wk = s_w[k];
+          for (int i = 0; i < 8; ++i) a[i] = ep_ll::add_rn(a[i], ep_ll::mul_rn(f[i], wk));
+        }
+      } else
       for (int k0 = 0; k0 < num_topk; k0 += 8) {  // eight lanes' loads in flight, then their sum in lane order
         uint4 v[8];
 #pragma unroll
@@ -519,4 +622,42 @@ extern "C" __global__ void __launch_bounds__(256)
     }
   }
   ep_lln::finish_epoch(ctrl, 1);
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+    ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
+                        const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
+                        int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
+                        uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
+  ep_lln_combine_send_t<false>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m, peers, own_base,
+                              own_half, local_direct, err, herr);
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+    ep_lln_combine_send_logfmt(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
+                        const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
+                        int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
+                        uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
+  ep_lln_combine_send_t<true>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m, peers, own_base,
+                              own_half, local_direct, err, herr);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_combine_recv(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
+                        int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
+                        uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
+                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
+                        int timeout_ms, int* err, volatile int* herr) {
+  ep_lln_combine_recv_t<false>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m, own_half, out, x,
+                              layout_range, lane_pos, local_direct, timeout_ms, err, herr);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_combine_recv_logfmt(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
+                        int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
+                        uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
+                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
+                        int timeout_ms, int* err, volatile int* herr) {
+  ep_lln_combine_recv_t<true>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m, own_half, out, x,
+                              layout_range, lane_pos, local_direct, timeout_ms, err, herr);
 }

@@ -37,6 +37,8 @@ SIGNATURES: dict[str, str] = {
     "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiipp",
     "ep_lln_combine_send": "ppppiiiiiipppipp",
     "ep_lln_combine_recv": "pipiiiiiiipppppiipp",
+    "ep_lln_combine_send_logfmt": "ppppiiiiiipppipp",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)
+    "ep_lln_combine_recv_logfmt": "pipiiiiiiipppppiipp",
 }
 KERNEL_NAMES = tuple(SIGNATURES)
 SOURCE = "// ep_core V1 low-latency native kernels\n#include <ep_core/ll_native.cuh>\n"
@@ -53,6 +55,7 @@ class RegionLayout(NamedTuple):
     half_bytes: int
     msg: int
     total_bytes: int  # HEADER_BYTES + 2 halves
+    cmeta: int = 0  # LogFMT group words of the combine slots [M][K][hidden / 128] uint32
 
     def half_offset(self, half: int) -> int:
         return HEADER_BYTES + int(half) * self.half_bytes
@@ -67,8 +70,9 @@ def region_layout(
     cflag = dflag + epr * num_ranks * 8
     ddata = (cflag + num_experts * 8 + 127) // 128 * 128
     cdata = ddata + epr * num_ranks * m * msg
-    half = (cdata + m * num_topk * hidden * 2 + 4095) // 4096 * 4096
-    return RegionLayout(0, dflag, cflag, ddata, cdata, half, msg, HEADER_BYTES + 2 * half)
+    cmeta = cdata + m * num_topk * hidden * 2
+    half = (cmeta + m * num_topk * (hidden // 128) * 4 + 4095) // 4096 * 4096
+    return RegionLayout(0, dflag, cflag, ddata, cdata, half, msg, HEADER_BYTES + 2 * half, cmeta)
 
 
 _KERNELS = KernelSet("ep_core_ll_native", SOURCE, SIGNATURES, {"EP_LL_MAX_TOPK": MAX_TOPK})

@@ -356,9 +356,12 @@ def native_combine(
     use_logfmt: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """Launch the combine send now; returns ``(combined, receive)``, ``receive()`` launching the weighted reduction
-    into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it)."""
+    into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it).
+    ``use_logfmt``: the ``_logfmt`` kernels (rows LogFMT-10 encoded by the send, decoded by the receive; every row
+    through the buffer, so ``local_direct`` is off)."""
+    suffix = "_logfmt" if use_logfmt else ""
     if use_logfmt:
-        raise NotImplementedError("low_latency_combine: use_logfmt=True on the native kernels (ll_native)")
+        local_direct = False
     run = _NativeLaunch()
     n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
     half = reg.take_half()
@@ -368,7 +371,7 @@ def native_combine(
     local_direct = bool(local_direct) and lane_pos is not None
     send = [x, src_info, lanes, layout_range, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
             own_half, int(local_direct), err, reg.herr.data_ptr()]  # fmt: skip
-    run("ep_lln_combine_send", min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
+    run("ep_lln_combine_send" + suffix, min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
     t = int(topk_idx.shape[0])
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
     dest = out if direct else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
@@ -382,11 +385,11 @@ def native_combine(
         if items:
             args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
                     lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
-            _NativeLaunch()("ep_lln_combine_recv", min(items, reg.recv_blocks), 256, args)
+            _NativeLaunch()("ep_lln_combine_recv" + suffix, min(items, reg.recv_blocks), 256, args)
         else:  # no token: the kernel still has to see every flag of this call (its epoch)
             args = [topk, idx64, w, 0, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
                     lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
-            _NativeLaunch()("ep_lln_combine_recv", 1, 256, args)
+            _NativeLaunch()("ep_lln_combine_recv" + suffix, 1, 256, args)
         if out is not None and not direct:
             out.copy_(dest)
 
