@@ -448,10 +448,13 @@ __device__ inline void ep_lln_logfmt_load8(const uint8_t* cdata, const uint32_t*
 // over E_local) writes each packed row into slot (token, lane) of the token's home rank, then the expert's flag
 // there. Dynamic shared memory: 4 * (N + 1) bytes. kLogFMT: the rows LogFMT-10 encoded (ep_lln_combine_send_logfmt).
 template <bool kLogFMT>
-__device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
-                        const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
-                        int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
-                        uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
+__device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ x, const int* __restrict__ src_info,
+                                                      const int* __restrict__ lanes,
+                                                      const int64_t* __restrict__ layout_range, int num_topk,
+                                                      int hidden, int num_experts, int num_ranks, int rank, int m,
+                                                      const uint64_t* __restrict__ peers, const uint8_t* own_base,
+                                                      uint8_t* own_half, int local_direct, int* err,
+                                                      volatile int* herr) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
@@ -516,13 +519,17 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
 // Combine receive: work item (token t, chunk of 8 * blockDim.x channels), grid stride. Waits for the flags of t's
 // experts, then the weighted sum in ascending lane order into out [T, hidden] bf16 (lanes repeating an earlier
 // lane's expert read that lane's slot: one message per (token, expert)). kLogFMT: the slots hold LogFMT-10 rows,
-// decoded to float32 for the same sum (ep_lln_combine_recv_logfmt; local_direct must be 0).
+// decoded to float32 for the same sum (ep_lln_combine_recv_logfmt; every row came through the slots: local_direct
+// is ignored, as by the LogFMT send).
 template <bool kLogFMT>
-__device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
-                        int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
-                        uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
-                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
-                        int timeout_ms, int* err, volatile int* herr) {
+__device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ topk, int idx64,
+                                                      const float* __restrict__ w, int num_tokens, int num_topk,
+                                                      int hidden, int num_experts, int num_ranks, int rank, int m,
+                                                      uint8_t* own_half,
+                                                      uint4* __restrict__ out, const uint4* __restrict__ x,
+                                                      const int64_t* __restrict__ layout_range,
+                                                      const int* __restrict__ lane_pos, int local_direct,
+                                                      int timeout_ms, int* err, volatile int* herr) {
   __shared__ int s_src[EP_LL_MAX_TOPK];  // per lane: the lane whose slot holds its expert's output, -1 none
   __shared__ int64_t s_row[EP_LL_MAX_TOPK];  // local_direct: the packed row of x holding a local lane's output
   __shared__ float s_w[EP_LL_MAX_TOPK];
@@ -625,39 +632,41 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
 }
 
 extern "C" __global__ void __launch_bounds__(512)
-    ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
-                        const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
-                        int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
-                        uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
-  ep_lln_combine_send_t<false>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m, peers, own_base,
-                              own_half, local_direct, err, herr);
+    ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info,
+                        const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
+                        int hidden, int num_experts, int num_ranks, int rank, int m,
+                        const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
+                        int local_direct, int* err, volatile int* herr) {
+  ep_lln_combine_send_t<false>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
+                               peers, own_base, own_half, local_direct, err, herr);
 }
 
 extern "C" __global__ void __launch_bounds__(512)
-    ep_lln_combine_send_logfmt(const uint4* __restrict__ x, const int* __restrict__ src_info, const int* __restrict__ lanes,
-                        const int64_t* __restrict__ layout_range, int num_topk, int hidden, int num_experts,
-                        int num_ranks, int rank, int m, const uint64_t* __restrict__ peers, const uint8_t* own_base,
-                        uint8_t* own_half, int local_direct, int* err, volatile int* herr) {
-  ep_lln_combine_send_t<true>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m, peers, own_base,
-                              own_half, local_direct, err, herr);
+    ep_lln_combine_send_logfmt(const uint4* __restrict__ x, const int* __restrict__ src_info,
+                               const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
+                               int hidden, int num_experts, int num_ranks, int rank, int m,
+                               const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
+                               int local_direct, int* err, volatile int* herr) {
+  ep_lln_combine_send_t<true>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
+                              peers, own_base, own_half, local_direct, err, herr);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     ep_lln_combine_recv(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                         uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
-                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
-                        int timeout_ms, int* err, volatile int* herr) {
-  ep_lln_combine_recv_t<false>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m, own_half, out, x,
-                              layout_range, lane_pos, local_direct, timeout_ms, err, herr);
+                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
+                        int local_direct, int timeout_ms, int* err, volatile int* herr) {
+  ep_lln_combine_recv_t<false>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
+                               own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     ep_lln_combine_recv_logfmt(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
-                        int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
-                        uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
-                        const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos, int local_direct,
-                        int timeout_ms, int* err, volatile int* herr) {
-  ep_lln_combine_recv_t<true>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m, own_half, out, x,
-                              layout_range, lane_pos, local_direct, timeout_ms, err, herr);
+                               int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
+                               uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
+                               const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
+                               int local_direct, int timeout_ms, int* err, volatile int* herr) {
+  ep_lln_combine_recv_t<true>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
+                              own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr);
 }
