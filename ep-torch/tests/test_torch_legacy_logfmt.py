@@ -290,6 +290,141 @@ def test_native_arithmetic_equals_model_on_host(tmp_path):
         )
 
 
+_WARP_EMULATION = r"""
+// ep_lfmt::encode_chunk_warp (the native send's per-warp code) on 32 host threads, std::barrier for the warp
+// collectives, then ep_lfmt::load8 (the receive's) for every 8 channels: the slot bytes and group words as the
+// kernels write and read them.
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+struct dim3e { unsigned x = 1, y = 1, z = 1; };
+thread_local dim3e threadIdx, blockIdx;
+dim3e blockDim, gridDim;
+static std::barrier<>* g_warp;
+static unsigned g_vals[32];
+
+#define EP_LL_HOST_EMULATION 1
+#define EP_LL_DYNAMIC_SMEM(type, name) static type name[65536]
+#define __global__
+#define __device__
+#define __host__
+#define __shared__ static
+#define __launch_bounds__(n)
+struct int4 { int x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct float4 { float x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline int4 make_int4(int a, int b, int c, int d) { return {a, b, c, d}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline void __syncthreads() { g_warp->arrive_and_wait(); }
+inline unsigned exchange(unsigned v, unsigned src_lane) {
+  g_warp->arrive_and_wait();
+  g_vals[threadIdx.x] = v;
+  g_warp->arrive_and_wait();
+  const unsigned r = g_vals[src_lane];
+  g_warp->arrive_and_wait();
+  return r;
+}
+inline unsigned __ballot_sync(unsigned, bool pred) {
+  unsigned r = 0;
+  for (unsigned l = 0; l < 32; ++l) r |= (exchange(pred ? 1u : 0u, l) & 1u) << l;
+  return r;
+}
+inline bool __all_sync(unsigned m, bool pred) { return __ballot_sync(m, !pred) == 0u; }
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int d) { return exchange(v, threadIdx.x ^ (unsigned)d); }
+inline float __shfl_xor_sync(unsigned, float v, int d) {
+  return __uint_as_float(exchange(__float_as_uint(v), threadIdx.x ^ (unsigned)d));
+}
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+struct __nv_bfloat162 { uint16_t x, y; };
+inline __nv_bfloat162 __floats2bfloat162_rn(float, float) { return {0, 0}; }
+
+#include <ep_core/ll_logfmt.cuh>
+
+int main(int argc, char** argv) {
+  const int rows = atoi(argv[1]), hidden = atoi(argv[2]);
+  std::vector<uint16_t> in((size_t)rows * hidden);
+  FILE* f = fopen(argv[3], "rb");
+  if (fread(in.data(), 2, in.size(), f) != in.size()) return 2;
+  fclose(f);
+  const int nch = hidden / ep_lfmt::chunk_size(hidden), groups = hidden / 128;
+  std::vector<float> out((size_t)rows * hidden);
+  std::vector<uint8_t> slot(hidden * 2 + 64);
+  std::vector<uint32_t> meta(groups);
+  blockDim = {32, 1, 1};
+  for (int r = 0; r < rows; ++r) {
+    std::memset(slot.data(), 0xA5, slot.size());  // stale bytes: an encoded chunk leaves 6/16 of its span alone
+    for (auto& m : meta) m = 0xDEADBEEFu;
+    const uint4* src = reinterpret_cast<const uint4*>(in.data() + (size_t)r * hidden);
+    std::barrier<> wb(32);
+    g_warp = &wb;
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < 32; ++t)
+      ts.emplace_back([&, t] {
+        threadIdx = {t, 0, 0};
+        for (int c = 0; c < nch; ++c) ep_lfmt::encode_chunk_warp(src, slot.data(), meta.data(), hidden, c, (int)t);
+      });
+    for (auto& t : ts) t.join();
+    for (int c = 0; c < hidden / 8; ++c) ep_lfmt::load8(slot.data(), meta.data(), hidden, c, &out[(size_t)r * hidden + 8 * c]);
+  }
+  fwrite(out.data(), 4, out.size(), stdout);
+  return 0;
+}
+"""
+
+
+def test_native_warp_code_equals_model_on_host_threads(tmp_path):
+    """The native send's warp code (group reduction over lanes, group words, chunk decision, 5-word packing at the
+    chunk's offset) and the receive's decoding, run on host threads: bitwise the model, for both chunk sizes."""
+    import shutil
+
+    from ep_core.kernels._source import get_include
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found")
+    src = tmp_path / "warp.cpp"
+    src.write_text(_WARP_EMULATION)
+    exe = tmp_path / "warp"
+    proc = subprocess.run(
+        [gxx, "-std=c++20", "-O1", "-pthread", "-I", get_include(), str(src), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode and "barrier" in proc.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rng = np.random.default_rng(12)
+    for h in (1024, 1536, 2048):
+        bits = np.concatenate([_rows(rng, 6, h, s) for s in (1e-3, 0.2, 3.0, 1e-39)])
+        bits[0, :300] = 0
+        bits[1, 700] = 0x7FC0
+        bits[2, 128:256] = 0x3E80
+        bits[3, :] = rng.integers(0, 1 << 16, h)
+        path = tmp_path / "in.bin"
+        bits.astype(np.uint16).tofile(path)
+        run = subprocess.run(
+            [str(exe), str(bits.shape[0]), str(h), str(path)], capture_output=True, check=True
+        )
+        got = np.frombuffer(run.stdout, dtype=np.float32).reshape(bits.shape)
+        want = logfmt.roundtrip(bits)
+        assert not logfmt.encode(bits).cast.all() and logfmt.encode(bits).cast.any(), "both kinds of chunk"
+        bad = np.argwhere(_u32(got) != _u32(want))
+        assert not bad.size, (
+            f"h={h}: {len(bad)} differ, first {tuple(bad[0])}: {got[tuple(bad[0])]} {want[tuple(bad[0])]}"
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # V1 Buffer on the CPU backend (gloo ranks) and, marker gpu, on CUDA
 

@@ -145,4 +145,68 @@ __host__ __device__ inline float unpack_one(const uint32_t w[5], int i, const Pa
   return value_of(c & kMaxCode, (w[4] >> (16 + i)) & 1u, q);
 }
 
+// One warp encodes chunk c of a bf16 row into its slot: `src` the row's first vector, `row` the slot's first byte,
+// `meta` the slot's group words. Lane l holds `per` = chunk / 256 vectors; each 128-channel group reduces its
+// magnitude bits over 16 / per lanes and writes its word; the chunk is encoded (5 words per 16 values at its bf16
+// offset) when every group allows it, else copied as bf16. All 32 lanes, warp-uniform arguments.
+__device__ inline void encode_chunk_warp(const uint4* src, uint8_t* row, uint32_t* meta, int hidden, int c,
+                                         int lane) {
+  const int ch = chunk_size(hidden), per = ch / 256, gl = 16 / per;
+  src += (int64_t)c * (ch / 8) + lane * per;
+  row += (int64_t)c * ch * 2;
+  uint4 v[4];
+  uint32_t amax = 0u, amin = 0xFFFFu;
+  for (int i = 0; i < per; ++i) {
+    v[i] = src[i];
+    const uint32_t w4[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t lo = w4[q] & 0x7FFFu, hi = (w4[q] >> 16) & 0x7FFFu;
+      amax = lo > amax ? lo : amax;
+      amax = hi > amax ? hi : amax;
+      amin = lo < amin ? lo : amin;
+      amin = hi < amin ? hi : amin;
+    }
+  }
+  for (int d = 1; d < gl; d <<= 1) {
+    const uint32_t omax = __shfl_xor_sync(0xFFFFFFFFu, amax, d), omin = __shfl_xor_sync(0xFFFFFFFFu, amin, d);
+    amax = omax > amax ? omax : amax;
+    amin = omin < amin ? omin : amin;
+  }
+  const uint32_t word = amax | (amin << 16);
+  if (lane % gl == 0) meta[c * (ch / 128) + lane / gl] = word;
+  if (__all_sync(0xFFFFFFFFu, group_ok(word))) {
+    const Params q = params(word);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(row) + lane * (per / 2) * 5;
+    for (int i = 0; i < per; i += 2) {
+      const uint32_t in[8] = {v[i].x, v[i].y, v[i].z, v[i].w, v[i + 1].x, v[i + 1].y, v[i + 1].z, v[i + 1].w};
+      uint32_t enc[5];
+      pack16(in, q, enc);
+      for (int k = 0; k < 5; ++k) dst[(i / 2) * 5 + k] = enc[k];
+    }
+  } else {
+    uint4* dst = reinterpret_cast<uint4*>(row) + lane * per;
+    for (int i = 0; i < per; ++i) dst[i] = v[i];
+  }
+}
+
+// Channels 8c..8c+7 of a slot (`slot` its first byte, `meta` its group words) as float32: decoded when their chunk
+// was encoded (every group word of the chunk allows it), else the bf16 values.
+__device__ inline void load8(const uint8_t* slot, const uint32_t* meta, int hidden, int c, float f[8]) {
+  const int ch = chunk_size(hidden), gpc = ch / 128;
+  const int chunk = c / (ch / 8);
+  bool enc = true;
+  for (int g = chunk * gpc; g < (chunk + 1) * gpc; ++g) enc = enc && group_ok(meta[g]);
+  if (enc) {
+    const Params q = params(meta[c / 16]);
+    const uint32_t* wp =
+        reinterpret_cast<const uint32_t*>(slot + (int64_t)chunk * ch * 2) + ((c % (ch / 8)) / 2) * 5;
+    const uint32_t wd[5] = {wp[0], wp[1], wp[2], wp[3], wp[4]};
+    for (int i = 0; i < 8; ++i) f[i] = unpack_one(wd, (c & 1) * 8 + i, q);
+  } else {
+    const uint4 v = reinterpret_cast<const uint4*>(slot)[c];
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(words[i]), f[2 * i + 1] = ep_ll::bf16_hi(words[i]);
+  }
+}
+
 }  // namespace ep_lfmt

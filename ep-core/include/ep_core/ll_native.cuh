@@ -363,17 +363,13 @@ extern "C" __global__ void __launch_bounds__(512)
 }
 
 // LogFMT combine send of one expert's `total` packed rows (row j: x_rows + j * hidden / 8, token src_info[j], lane
-// lanes[j], source rank by s_off): a warp per (row, chunk). Each lane holds `per` = chunk / 256 vectors; the
-// chunk's 128-channel groups reduce their magnitude bits over 16 / per lanes, write the group words into the slot's
-// meta, and the whole chunk is encoded (5 words per 16 values at its bf16 offset) when every group allows it, else
-// copied as bf16. Rows with garbage (an aborted dispatch) are skipped.
+// lanes[j], source rank by s_off): a warp per (row, chunk), ep_lfmt::encode_chunk_warp into the slot and its group
+// words on the token's rank. Rows with garbage (an aborted dispatch) are skipped.
 __device__ inline void ep_lln_logfmt_send_rows(const uint4* x_rows, const int* src_info, const int* lanes, int total,
                                                const int* s_off, int num_topk, int hidden, int num_ranks, int m,
                                                const uint64_t* peers, const uint8_t* own_base, uint8_t* cdata,
                                                uint8_t* cmeta) {
-  const int ch = ep_lfmt::chunk_size(hidden), nch = hidden / ch, per = ch / 256, gl = 16 / per;
-  const int groups = hidden / 128, row_vecs = hidden / 8;
-  const int lane = threadIdx.x & 31;
+  const int ch = ep_lfmt::chunk_size(hidden), nch = hidden / ch, groups = hidden / 128;
   for (int u = threadIdx.x >> 5; u < total * nch; u += blockDim.x >> 5) {  // warp-uniform
     const int j = u / nch, c = u - j * nch;
     const int t = src_info[j], k = lanes[j];
@@ -384,63 +380,9 @@ __device__ inline void ep_lln_logfmt_send_rows(const uint4* x_rows, const int* s
       if (s_off[mid] <= j) lo = mid; else hi = mid - 1;
     }
     const int64_t slot = (int64_t)t * num_topk + k;
-    uint8_t* row = ep_lln::peer_addr(peers, lo, own_base, cdata + slot * hidden * 2) + (int64_t)c * ch * 2;
+    uint8_t* row = ep_lln::peer_addr(peers, lo, own_base, cdata + slot * hidden * 2);
     uint32_t* meta = reinterpret_cast<uint32_t*>(ep_lln::peer_addr(peers, lo, own_base, cmeta + slot * groups * 4));
-    const uint4* src = x_rows + (int64_t)j * row_vecs + (int64_t)c * (ch / 8) + lane * per;
-    uint4 v[4];
-    uint32_t amax = 0u, amin = 0xFFFFu;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (i >= per) break;
-      v[i] = src[i];
-      const uint32_t w4[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-      for (int q = 0; q < 4; ++q) {
-        const uint32_t lo16 = w4[q] & 0x7FFFu, hi16 = (w4[q] >> 16) & 0x7FFFu;
-        amax = max(amax, max(lo16, hi16));
-        amin = min(amin, min(lo16, hi16));
-      }
-    }
-    for (int d = 1; d < gl; d <<= 1) {
-      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
-      amin = min(amin, __shfl_xor_sync(0xFFFFFFFFu, amin, d));
-    }
-    const uint32_t mw = amax | (amin << 16);
-    if (lane % gl == 0) meta[c * (ch / 128) + lane / gl] = mw;
-    if (__all_sync(0xFFFFFFFFu, ep_lfmt::group_ok(mw))) {
-      const ep_lfmt::Params q = ep_lfmt::params(mw);
-      uint32_t* dst = reinterpret_cast<uint32_t*>(row) + lane * (per / 2) * 5;
-      for (int i = 0; i < per; i += 2) {
-        const uint32_t in[8] = {v[i].x, v[i].y, v[i].z, v[i].w, v[i + 1].x, v[i + 1].y, v[i + 1].z, v[i + 1].w};
-        uint32_t enc[5];
-        ep_lfmt::pack16(in, q, enc);
-        for (int wi = 0; wi < 5; ++wi) dst[(i / 2) * 5 + wi] = enc[wi];
-      }
-    } else {
-      uint4* dst = reinterpret_cast<uint4*>(row) + lane * per;
-      for (int i = 0; i < per; ++i) dst[i] = v[i];
-    }
-  }
-}
-
-// Channels 8c..8c+7 of LogFMT slot `slot` as float32: decoded when their chunk was encoded (every group word of the
-// chunk allows it), else the bf16 values.
-__device__ inline void ep_lln_logfmt_load8(const uint8_t* cdata, const uint32_t* cmeta, int64_t slot, int hidden,
-                                           int c, float f[8]) {
-  const int ch = ep_lfmt::chunk_size(hidden), gpc = ch / 128;
-  const int chunk = c / (ch / 8);
-  const uint32_t* meta = cmeta + slot * (hidden / 128);
-  bool enc = true;
-  for (int g = chunk * gpc; g < (chunk + 1) * gpc; ++g) enc = enc && ep_lfmt::group_ok(meta[g]);
-  if (enc) {
-    const ep_lfmt::Params q = ep_lfmt::params(meta[c / 16]);
-    const uint32_t* wp = reinterpret_cast<const uint32_t*>(cdata + slot * hidden * 2 + (int64_t)chunk * ch * 2) +
-                         ((c % (ch / 8)) / 2) * 5;
-    const uint32_t wd[5] = {wp[0], wp[1], wp[2], wp[3], wp[4]};
-    for (int i = 0; i < 8; ++i) f[i] = ep_lfmt::unpack_one(wd, (c & 1) * 8 + i, q);
-  } else {
-    const uint4 v = reinterpret_cast<const uint4*>(cdata + slot * hidden * 2)[c];
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(words[i]), f[2 * i + 1] = ep_ll::bf16_hi(words[i]);
+    ep_lfmt::encode_chunk_warp(x_rows + (int64_t)j * (hidden / 8), row, meta, hidden, c, threadIdx.x & 31);
   }
 }
 
@@ -581,8 +523,9 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
           const int src = s_src[k];
           if (src < 0) continue;
           float f[8];
-          ep_lln_logfmt_load8(own_half + L.cdata, reinterpret_cast<const uint32_t*>(own_half + L.cmeta),
-                              (int64_t)t * num_topk + src, hidden, c, f);
+          const int64_t slot = (int64_t)t * num_topk + src;
+          ep_lfmt::load8(own_half + L.cdata + slot * hidden * 2,
+                         reinterpret_cast<const uint32_t*>(own_half + L.cmeta) + slot * (hidden / 128), hidden, c, f);
           const float wk = s_w[k];
           for (int i = 0; i < 8; ++i) a[i] = ep_ll::add_rn(a[i], ep_ll::mul_rn(f[i], wk));
         }
