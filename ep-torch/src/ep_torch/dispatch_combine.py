@@ -704,8 +704,8 @@ class DispatchCombine:
         allocate_on_comm_stream: bool = False,
         *,
         defer_epilogue: bool = False,
-        zero_copy: bool = False,
         out_dtype: torch.dtype | None = None,
+        zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """Send expert outputs back and sum them per token, unweighted (SPEC §3).
 
