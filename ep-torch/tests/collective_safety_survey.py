@@ -671,6 +671,42 @@ def _bucket_other_op(buf, rank, world):
     return buf.all_reduce(t).wait() is not None
 
 
+def _bucket_send_recv_outside(buf, rank, world):
+    """A ring send_recv (issue 42) whose culprit receives into a tensor outside the storage: refused there."""
+    import torch
+
+    t = buf.storage[: 64 * 4].view(torch.float32)
+    dst = (
+        torch.zeros(64, device=t.device)
+        if rank == CULPRIT
+        else buf.storage[256 : 256 + 64 * 4].view(torch.float32)
+    )
+    got = buf.send_recv(t, dst, (rank + 1) % world, (rank - 1) % world).wait()
+    return got is not None
+
+
+def _bucket_send_recv_unpaired(buf, rank, world):
+    """The culprit names itself as its source while its peer sends to it: the calls do not pair (reset after)."""
+    import torch
+
+    t = buf.storage[: 64 * 4].view(torch.float32)
+    dst = buf.storage[256 : 256 + 64 * 4].view(torch.float32)
+    src = rank if rank == CULPRIT else (rank - 1) % world
+    return buf.send_recv(t, dst, (rank + 1) % world, src).wait() is not None
+
+
+def _bucket_send_recv_round(buf, rank, world):
+    import torch
+
+    t = buf.storage[: 64 * 4].view(torch.float32)
+    t.copy_(_bucket_val(87, rank).to(t.device))
+    dst = buf.storage[256 : 256 + 64 * 4].view(torch.float32)
+    return _eq(
+        buf.send_recv(t, dst, (rank + 1) % world, (rank - 1) % world).wait(),
+        _bucket_val(87, (rank - 1) % world),
+    )
+
+
 def _engram_write_shape(buf, rank, world):
     shard = _engram_shard(60, rank).to(DEV)
     if rank == CULPRIT:
@@ -767,6 +803,9 @@ CASES = {
     "bucket.different_operations": ("bucket", {}, _bucket_other_op, True),
     "bucket.different_operations_no_reset": ("bucket", {}, _bucket_other_op, False),
     "bucket.peer_never_calls": ("bucket", {}, _never(None, lambda b, r, w: _bucket_round(b, 86, r, w)), None),
+    "bucket.send_recv_outside_storage": ("bucket", {}, _bucket_send_recv_outside, False),
+    "bucket.send_recv_unpaired": ("bucket", {}, _bucket_send_recv_unpaired, True),
+    "bucket.send_recv_peer_never_calls": ("bucket", {}, _never(None, _bucket_send_recv_round), None),
     "engram.write_wrong_shape": ("engram", {}, _engram_write_shape, False),
     "engram.set_config_mismatch": ("engram", {}, _engram_config_mismatch, True),
     "engram.set_config_mismatch_no_reset": ("engram", {}, _engram_config_mismatch, False),
@@ -878,6 +917,8 @@ CHAIN = [
     "agrs.all_gather_outside_session",
     "bucket.all_reduce_outside_storage",
     "bucket.different_operations",
+    "bucket.send_recv_outside_storage",
+    "bucket.send_recv_unpaired",
     "engram.write_wrong_shape",
     "engram.set_config_mismatch",
     "engram.construct_bad_size",

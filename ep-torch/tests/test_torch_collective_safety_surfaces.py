@@ -60,7 +60,7 @@ def test_random_interleaving_of_valid_calls_and_one_rank_errors(tmp_path):
 
 def test_a_peer_that_never_calls_times_out_within_the_timeout(tmp_path):
     survey = _survey()
-    for case in ("v1.peer_never_calls",):
+    for case in ("v1.peer_never_calls", "bucket.send_recv_peer_never_calls"):
         r0, r1 = _run([case], tmp_path, 60)
         v, why = survey.verdict(case, [r0, r1])
         assert v == "clear", why

@@ -187,8 +187,8 @@ def test_each_argument_reaches_ep_cores_record_in_its_own_field(op, zero_copy):
     core_names = [n for n in inspect.signature(getattr(ep_core.EPBuffer, op)).parameters if n != "zero_copy"][
         1:
     ]
-    # `defer_epilogue` / `borrow_recv` (issue 42) are ep_torch's own: they never reach ep-core's record
-    own = ("zero_copy", "defer_epilogue", "borrow_recv")
+    # `defer_epilogue` / `borrow_recv` / `out_dtype` (issue 42) are ep_torch's own: they never reach ep-core's record
+    own = ("zero_copy", "defer_epilogue", "borrow_recv", "out_dtype")
     names = [n for n in inspect.signature(getattr(ElasticBuffer, op)).parameters if n not in own][1:]
     assert names == core_names[:-2]  # DeepEP's order is ep_core's, plus ep_core's allocator and stream
     buf, calls = _recording_buffer()

@@ -12,6 +12,11 @@ ids are local to the domain: expert ``e`` belongs to LSA rank ``e // num_local_e
 
 ``LBRoutes`` is what one rank sends and receives; the transport (torch collectives in ``ep_torch.load_balance``)
 moves the bytes. ``prefetch_reference`` and ``reduce_grads_reference`` are the oracles of the tests.
+
+``plan_redundancy_mapping`` (ep's answer to DeepEP 2.6's ``lb_get_redundancy_mapping``, whose source ep has not
+seen) builds a mapping from the domain's per-expert loads: a greedy that gives the next free slot to the expert with
+the largest load per instance, on the least loaded rank that may take it (exact rational arithmetic, so every rank
+computes the same mapping).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -29,6 +35,7 @@ __all__ = [
     "check_redundancy_mapping",
     "lb_num_sms",
     "lb_routes",
+    "plan_redundancy_mapping",
     "prefetch_reference",
     "reduce_grads_reference",
 ]
@@ -140,3 +147,58 @@ def lb_num_sms(nvlink_gbs: float, sm_read_gbs: float = 200.0, sm_write_gbs: floa
         )
     raw = math.ceil(max(nvlink_gbs / sm_read_gbs, nvlink_gbs / sm_write_gbs))
     return max(2, -(-raw // 2) * 2)
+
+
+def plan_redundancy_mapping(loads: np.ndarray, num_redundant_experts: int) -> np.ndarray:
+    """A redundancy mapping ``[num_nvlink_ranks, num_redundant_experts]`` int32 for the loads ``[num_nvlink_ranks,
+    num_local_experts]`` (row ``r``: the tokens each local expert of LSA rank ``r`` received; integers >= 0).
+
+    An expert's load is shared equally by its instances (its owner's plus its redundant copies); a rank's load is the
+    sum of its instances' shares. Until every slot is filled: take the expert with the largest share (ties: the
+    smaller id) that some rank may still host (a rank with a free slot, not its owner, not hosting it yet) and put a
+    copy in the first free slot of the least loaded such rank (ties: the smaller rank). Experts with no load are
+    never copied; slots left over stay -1. Deterministic (exact fractions): every rank computes the same mapping."""
+    w = np.asarray(loads)
+    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 1:
+        raise EPValueError(
+            f"loads: expected [num_nvlink_ranks, num_local_experts] (both > 0), got {list(w.shape)}"
+        )
+    if not np.issubdtype(w.dtype, np.integer) or (w < 0).any():
+        raise EPValueError("loads: expected integer token counts >= 0")
+    if (
+        isinstance(num_redundant_experts, bool)
+        or not isinstance(num_redundant_experts, int)
+        or num_redundant_experts < 0
+    ):
+        raise EPValueError(f"num_redundant_experts: expected an int >= 0, got {num_redundant_experts!r}")
+    nvl, num_local = w.shape
+    load = [int(v) for v in w.reshape(-1)]
+    count = [1] * len(load)
+    mapping = np.full((nvl, num_redundant_experts), -1, dtype=np.int32)
+    hosted: list[set[int]] = [set() for _ in range(nvl)]
+    used = [0] * nvl
+
+    def rank_load(r: int) -> Fraction:
+        own = range(r * num_local, (r + 1) * num_local)
+        return sum((Fraction(load[e], count[e]) for e in (*own, *hosted[r])), Fraction(0))
+
+    order = sorted(range(len(load)), key=lambda e: (-load[e], e))
+    for _ in range(nvl * num_redundant_experts):
+        best = None
+        for e in sorted((e for e in order if load[e] > 0), key=lambda e: (-Fraction(load[e], count[e]), e)):
+            ranks = [
+                r
+                for r in range(nvl)
+                if used[r] < num_redundant_experts and r != e // num_local and e not in hosted[r]
+            ]
+            if ranks:
+                best = (e, min(ranks, key=lambda r: (rank_load(r), r)))
+                break
+        if best is None:
+            break
+        e, r = best
+        mapping[r, used[r]] = e
+        used[r] += 1
+        hosted[r].add(e)
+        count[e] += 1
+    return mapping

@@ -110,7 +110,8 @@ class DispatchOutput:
 
 @dataclass(eq=False)
 class CombineOutput:
-    """One rank's combine result: `combined_x` `[T, hidden]` bf16 bits (uint16); weights `[T, K]` float32 or None."""
+    """One rank's combine result: `combined_x` `[T, hidden]` bf16 bits (uint16), or float32 with `fp32_output`;
+    weights `[T, K]` float32 or None."""
 
     combined_x: np.ndarray
     combined_topk_weights: np.ndarray | None
@@ -535,8 +536,13 @@ def combine(
     bias: Sequence[Any] | None = None,
     allow_multiple_reduction: bool = True,
     num_scaleup_ranks: int | None = None,
+    fp32_output: bool = False,
 ) -> list[CombineOutput]:
     """Reference combine over all ranks; returns one `CombineOutput` per rank (in the handles' rank order).
+
+    `fp32_output=True` (DeepEP 2.6's optional FP32 combine output): `combined_x` is the final level's float32 sum
+    itself, not rounded to bf16 (the earlier levels still round; the bf16 output is this array rounded to nearest
+    even).
 
     `xs[d]`: rank d's expert outputs, bf16 (uint16 bits or float32 of bf16 values): `[rows, hidden]` with one row
     per received token (non-expand) or per expanded row (expand). The handles may come from the kernels (any row
@@ -633,7 +639,8 @@ def combine(
         acc, _, _ = _ordered_sum(tok[sel], rep[sel], val[sel], num_tokens, init)
         if sel.size:
             _check_distinct_reps(tok[sel], rep[sel])
-        outs.append(CombineOutput(float32_to_bf16(acc), None if out_w is None else out_w[s]))
+        final = acc.astype(np.float32) if fp32_output else float32_to_bf16(acc)
+        outs.append(CombineOutput(final, None if out_w is None else out_w[s]))
     return outs
 
 

@@ -11,7 +11,9 @@ same offsets on every rank:
   ``scale * sum over ranks`` of that shard, in place; ``comm_precision="bf16"`` (float32 srcs, CPU reference
   backend) sends the other ranks' shards as stochastically rounded bfloat16 and sums in float32 as DeepEP's RDMA
   bf16 kernel does (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``);
-- ``all_reduce(srcs, scale=1.0)``: each src becomes ``scale * sum over ranks``, in place.
+- ``all_reduce(srcs, scale=1.0)``: each src becomes ``scale * sum over ranks``, in place;
+- ``send_recv(srcs, dsts, dst_rank_idx, src_rank_idx)``: point-to-point into registered ``dsts`` (DeepEP 2.6's name,
+  ep's semantics; CPU reference backend only): ``ep_torch.bucket_send_recv``.
 
 Each returns an ``EventOverlap``-like handle whose ``wait()`` (or ``current_stream_wait(release_handle=...)``)
 makes the current stream wait and returns the result tensor(s) (1-D views with the srcs' dtype; one tensor for a
@@ -610,6 +612,21 @@ class BucketBuffer:
             self._ops += 1
             outs = self._backend.bucket_reduce(plan, self._ops, float(scale), scatter=False)
             return self._handle(packed, outs, self._num_sms("all_reduce", num_sms))
+
+    def send_recv(
+        self,
+        srcs: Any = None,
+        dsts: Any = None,
+        dst_rank_idx: int | None = None,
+        src_rank_idx: int | None = None,
+        group: Any = None,
+        num_sms: int | None = None,
+    ) -> _Handle:
+        """This rank's ``srcs`` into ``dsts`` of rank ``dst_rank_idx``; ``dsts`` (registered) receive the ``srcs`` of
+        rank ``src_rank_idx`` (a collective step; DeepEP 2.6's name, ep's semantics: ``ep_torch.bucket_send_recv``)."""
+        from .bucket_send_recv import send_recv
+
+        return send_recv(self._route(group), srcs, dsts, dst_rank_idx, src_rank_idx, num_sms)
 
     # ------------------------------------------------------------------------------------------------------------
     def _num_sms(self, op: str, num_sms: int | None) -> int:

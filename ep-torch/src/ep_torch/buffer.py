@@ -42,6 +42,7 @@ from .dispatch_combine import (  # noqa: F401 (_current_stream, _handle_tensors,
 from .elastic_ops import ElasticOps
 from .event import EventHandle
 from .load_balance import LoadBalance
+from .resize import resize as _resize
 from .transport_choice import (
     choose_transport,
     data_device,
@@ -396,7 +397,9 @@ def _int(value: Any) -> Any:
 
 class EPBuffer(LoadBalance, ElasticBuffer):
     """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s keywords, methods and return
-    tuples, with planner policy V2.5 (margin 1.3, multiples of 4 SMs), and DeepEP 2.5's load balancing
-    (``lb_allocation_plan_or_num_bytes=``, ``lb_*``: ``ep_torch.load_balance``)."""
+    tuples, with planner policy V2.5 (margin 1.3, multiples of 4 SMs), DeepEP 2.5's load balancing
+    (``lb_allocation_plan_or_num_bytes=``, ``lb_*``: ``ep_torch.load_balance``) and 2.6's ``resize``
+    (``ep_torch.resize``)."""
 
     policy: PlannerPolicy = PlannerPolicy.V2_5
+    resize = _resize

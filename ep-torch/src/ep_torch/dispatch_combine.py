@@ -704,6 +704,7 @@ class DispatchCombine:
         allocate_on_comm_stream: bool = False,
         *,
         defer_epilogue: bool = False,
+        out_dtype: torch.dtype | None = None,
         zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """Send expert outputs back and sum them per token, unweighted (SPEC §3).
@@ -717,7 +718,29 @@ class DispatchCombine:
         only the ``EventOverlap``; its ``current_stream_wait()``
         (or ``wait()``) returns ``(combined_x, combined_topk_weights)``, once. Requires
         ``async_with_compute_stream=True`` (:meth:`_deferred`).
+
+        ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
+        float32, unrounded (:mod:`ep_torch.combine_out_dtype`; CPU reference backend only).
         """
+        if out_dtype is not None and out_dtype is not torch.bfloat16:  # 2.6's FP32 output: a road of its own
+            from .combine_out_dtype import combine_out_dtype
+
+            return combine_out_dtype(
+                self,
+                out_dtype,
+                x,
+                handle,
+                topk_weights,
+                bias,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                async_with_compute_stream,
+                allocate_on_comm_stream,
+                defer_epilogue,
+                zero_copy,
+            )
         if defer_epilogue is not False:  # the one test the calls without it pay
             return self._deferred(
                 "combine",

@@ -23,6 +23,16 @@ How the bytes move: a slot filled from this rank's own expert is one device copy
 through one ``all_to_all_single`` of the group per tensor (NCCL on CUDA; gloo through host memory) and a copy into
 place. DeepEP's kernels instead store into the peers' LB regions over NVLink with ``num_sms`` SMs; here ``num_sms``
 is validated and otherwise unused, and the LB region is this rank's own memory (not a symmetric window).
+``lb_get_redundancy_mapping(num_recv_tokens_per_expert, num_redundant_experts)`` (DeepEP 2.6's name; its source was
+not available to ep, so the signature and the algorithm are ep's): a collective of the group that gathers every
+rank's per-local-expert token counts (``[num_local_experts]`` int32/int64, e.g. the ``cumulative_local_expert_recv_stats``
+that ``dispatch`` accumulates) and returns this rank's LSA domain's mapping ``[num_nvlink_ranks,
+num_redundant_experts]`` int32 on the counts' device, the same on every rank of the domain, ready for
+``lb_prefetch_weights``: ``ep_core.load_balance.plan_redundancy_mapping``'s greedy (the largest load per instance
+first, onto the least loaded rank that may host it; never a rank's own expert, never twice on one rank). Enveloped
+(``ep_core.envelope``): a rank whose arguments are refused announces it, its peers raise ``EPPeerError`` naming it;
+ranks that disagree on ``num_local_experts`` or ``num_redundant_experts`` all raise ``EPMismatchError``.
+
 ``lb_get_theoretical_num_sms()`` is DeepEP's estimate (``ep_core.load_balance.lb_num_sms``) over ep's scale-up
 bandwidth (``EPKIT_NVLINK_GBS`` or detection).
 """
@@ -38,8 +48,9 @@ import torch
 import torch.distributed as dist
 from ep_core.buffer_base import NUM_ALLOCATION_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES
 from ep_core.buffer_base import BufferAllocator as _CorePlan
+from ep_core.envelope import Channel
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
-from ep_core.load_balance import check_redundancy_mapping, lb_num_sms, lb_routes
+from ep_core.load_balance import check_redundancy_mapping, lb_num_sms, lb_routes, plan_redundancy_mapping
 
 from .buffer_base import BufferAllocator
 from .event import EventHandle, EventOverlap
@@ -111,6 +122,44 @@ class LoadBalance:
 
             cached = self._lb_num_sms = lb_num_sms(detect_scaleup_gbs(max(int(self.num_nvlink_ranks), 2))[0])
         return cached
+
+    def lb_get_redundancy_mapping(
+        self, num_recv_tokens_per_expert: torch.Tensor, num_redundant_experts: int
+    ) -> torch.Tensor:
+        """This LSA domain's redundancy mapping for the loads every rank gives (a collective; module docstring)."""
+        op = "lb_get_redundancy_mapping"
+        state = getattr(self.bootstrap, "rank_state", None)
+        channel = Channel(self.bootstrap, state)
+        with channel.state.guard(op, channel.announce):
+            self._rt()
+            counts = num_recv_tokens_per_expert
+            if not isinstance(counts, torch.Tensor):
+                raise EPTypeError(
+                    f"{op}: num_recv_tokens_per_expert must be a torch tensor, got {type(counts).__name__}"
+                )
+            if counts.dtype not in (torch.int32, torch.int64) or counts.dim() != 1 or counts.numel() < 1:
+                raise EPValueError(
+                    f"{op}: num_recv_tokens_per_expert must be a 1-D int32/int64 tensor [num_local_experts > 0], "
+                    f"got {tuple(counts.shape)} {counts.dtype}"
+                )
+            if isinstance(num_redundant_experts, bool) or not isinstance(num_redundant_experts, int):
+                raise EPTypeError(
+                    f"{op}: num_redundant_experts must be an int, got {num_redundant_experts!r}"
+                )
+            if num_redundant_experts < 0:
+                raise EPValueError(f"{op}: num_redundant_experts must be >= 0, got {num_redundant_experts}")
+            host = counts.detach().cpu().numpy().astype(np.int64)
+            if (host < 0).any():
+                raise EPValueError(f"{op}: num_recv_tokens_per_expert must be >= 0 (token counts)")
+            every = channel.exchange(
+                op,
+                {"num_local_experts": int(host.size), "num_redundant_experts": num_redundant_experts},
+                host.tolist(),
+            )
+        nvl = int(self.num_nvlink_ranks)
+        base = int(self.rank_idx) - int(self.rank_idx) % nvl
+        loads = np.asarray(every[base : base + nvl], dtype=np.int64)
+        return torch.from_numpy(plan_redundancy_mapping(loads, num_redundant_experts)).to(counts.device)
 
     # ----------------------------------------------------------------------------------------------------------------
     # prefetch and reduce

@@ -1,0 +1,128 @@
+"""``EPBuffer.resize``: give the buffer a new size in place (DeepEP 2.6 added a method of this name to ``EPBuffer``;
+its source was not available to ep, so the signature and semantics here are ep's).
+
+``resize(num_bytes=None, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False)`` takes the
+constructor's sizing arguments with their meaning (``num_bytes``, a multiple of 2 MiB, wins; else the size hint of
+the MoE settings) and rebuilds the buffer's storage for them; every other setting stays (group, transport,
+deterministic, hybrid and reduction modes, timeouts, QPs, ``num_cpu_bytes``, the LB region and its tensors). A
+collective: every rank calls it with the same arguments.
+
+- The arguments are checked and agreed first (``ep_core.envelope``): a rank that refuses its call announces it (its
+  peers raise ``EPPeerError`` naming it), ranks that disagree all raise ``EPMismatchError`` (the buffer then refuses
+  every call until ``reset()``); in both cases nothing was released and the buffer works as before.
+- Then the old storage is released (a collective barrier) and the new one built (the constructor's collective
+  steps). Should the rebuild itself fail, the buffer is left destroyed (``EPStateError`` on use) and the error is
+  raised.
+- Handles of dispatches before the resize belong to the old storage: refused afterwards (``EPStateError``, "stale",
+  through the buffer's rank-state generation). PP, Engram and AGRS configurations are dropped (they live in the
+  storage): configure them again. A ``DispatchRecvView`` that is out refuses the resize.
+
+Backends: the CPU reference backend. On CUDA tensors it raises ``NotImplementedError`` naming ``resize`` (ours: the
+rebuild of a GPU transport in place, and the refusal of stale handles by the GPU executors, are not written yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ep_core
+from ep_core.buffer import SYMMETRIC_ALIGN_BYTES
+from ep_core.envelope import Channel
+from ep_core.errors import EPStateError, EPTypeError, EPValueError
+
+from .transport_choice import make_core_transport
+
+__all__ = ["resize"]
+
+
+def _size(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EPTypeError(f"resize: {name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise EPValueError(f"resize: {name} must be >= 0, got {value}")
+    return value
+
+
+def resize(
+    self: Any,
+    num_bytes: int | None = None,
+    num_max_tokens_per_rank: int = 0,
+    hidden: int = 0,
+    num_topk: int = 0,
+    use_fp8_dispatch: bool = False,
+) -> None:
+    """Rebuild this buffer's storage for new sizes, keeping every other setting (a collective; ``ep_torch.resize``)."""
+    op = "resize"
+    channel = Channel(self.bootstrap, getattr(self.bootstrap, "rank_state", None))
+    with channel.state.guard(op, channel.announce):
+        old = self._rt()
+        if self._cuda:
+            raise NotImplementedError(
+                "resize: EPBuffer.resize runs on the CPU reference backend only (ours); on CUDA build a new EPBuffer "
+                "(the in-place rebuild of a GPU transport and the GPU executors' refusal of stale handles are not "
+                "implemented)"
+            )
+        if "destroy" in self.__dict__:  # dispatch_combine's marker of a DispatchRecvView that is out
+            raise EPStateError("resize: a DispatchRecvView of this buffer is out; release() it first")
+        if num_bytes is not None:
+            _size("num_bytes", num_bytes)
+            if num_bytes == 0 or num_bytes % SYMMETRIC_ALIGN_BYTES:
+                raise EPValueError(
+                    f"resize: num_bytes must be a positive multiple of {SYMMETRIC_ALIGN_BYTES} (2 MiB), got "
+                    f"{num_bytes}; or None for the size hint of the MoE settings"
+                )
+            if num_bytes < old.config.num_cpu_bytes:
+                raise EPValueError(
+                    f"resize: num_bytes ({num_bytes}) must be >= num_cpu_bytes ({old.config.num_cpu_bytes})"
+                )
+        sizes = {
+            "num_bytes": num_bytes,
+            "num_max_tokens_per_rank": _size("num_max_tokens_per_rank", num_max_tokens_per_rank),
+            "hidden": _size("hidden", hidden),
+            "num_topk": _size("num_topk", num_topk),
+        }
+        if not isinstance(use_fp8_dispatch, bool):
+            raise EPTypeError(
+                f"resize: use_fp8_dispatch must be a bool, got {type(use_fp8_dispatch).__name__}"
+            )
+        channel.exchange(op, {**sizes, "use_fp8_dispatch": use_fp8_dispatch})
+    _rebuild(self, old, sizes, use_fp8_dispatch)
+
+
+def _rebuild(self: Any, old: Any, sizes: dict[str, Any], use_fp8_dispatch: bool) -> None:
+    cfg = old.config
+    # what the old storage held (ElasticBuffer.destroy's list): express lanes, zero-copy views, PP/Engram/AGRS
+    self._express = self._express_cached = self._express_combine = self._express_sync = None
+    self._express_combine_zero_copy = self._express_zero_copy = None
+    self.__dict__.pop("_zero_copy_tensors", None)
+    old.destroy()  # a collective barrier first
+    self.runtime = None
+    self._release_elastic()
+    rt = ep_core.EPBuffer(
+        self.bootstrap,
+        transport=make_core_transport(self.transport_choice),
+        num_bytes=sizes["num_bytes"],
+        num_cpu_bytes=cfg.num_cpu_bytes,
+        num_max_tokens_per_rank=sizes["num_max_tokens_per_rank"],
+        hidden=sizes["hidden"],
+        num_topk=sizes["num_topk"],
+        use_fp8_dispatch=use_fp8_dispatch,
+        deterministic=self.deterministic,
+        allow_hybrid_mode=self.allow_hybrid_mode,
+        allow_multiple_reduction=self.allow_multiple_reduction,
+        prefer_overlap_with_compute=self.prefer_overlap_with_compute,
+        sl_idx=cfg.sl_idx,
+        num_allocated_qps=cfg.num_allocated_qps,
+        num_cpu_timeout_secs=cfg.num_cpu_timeout_secs,
+        num_gpu_timeout_secs=cfg.num_gpu_timeout_secs,
+        explicitly_destroy=self.explicitly_destroy,
+        policy=self.policy,
+        num_nvlink_ranks=self.transport_choice.scaleup_ranks,
+    )
+    self.runtime = self._core = rt
+    self.num_bytes = rt.num_bytes
+    self.num_cpu_bytes = rt.config.num_cpu_bytes
+    self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
+    state = getattr(self.bootstrap, "rank_state", None)
+    if state is not None:  # handles made before carry the old generation: refused as stale
+        state.generation += 1
