@@ -49,7 +49,7 @@ import torch.distributed as dist
 from ep_core.buffer_base import NUM_ALLOCATION_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES
 from ep_core.buffer_base import BufferAllocator as _CorePlan
 from ep_core.envelope import Channel
-from ep_core.errors import EPStateError, EPTypeError, EPValueError
+from ep_core.errors import EPMismatchError, EPStateError, EPTypeError, EPValueError
 from ep_core.load_balance import check_redundancy_mapping, lb_num_sms, lb_routes, plan_redundancy_mapping
 
 from .buffer_base import BufferAllocator
@@ -173,6 +173,44 @@ class LoadBalance:
         previous_event: EventHandle | None = None,
     ) -> EventOverlap:
         """Fill this rank's redundant slots with their experts' weights (a collective; see the module docstring)."""
+        op = "lb_prefetch_weights"
+        channel = self._lb_channel()
+        with channel.state.guard(op, channel.announce):
+            pairs, mapping, routes = self._lb_prefetch_args(
+                redundant_expert_weights, expert_weights, redundancy_mapping, num_sms
+            )
+            _wait(previous_event)
+            self._lb_agree(
+                channel, op, mapping, [int(src[0].nbytes) if src.shape[0] else 0 for _, src in pairs]
+            )
+        me = routes.lsa_rank
+        for dst, src in pairs:
+            for local, slot in routes.send[me]:  # this rank's own experts into its own slots
+                dst[slot].copy_(src[local])
+            if self.num_ranks > 1:
+                send = [routes.send[s] if s != me else () for s in range(len(routes.send))]
+                got = self._lb_exchange(
+                    src,
+                    [[lo for lo, _ in p] for p in send],
+                    [len(v) if s != me else 0 for s, v in enumerate(routes.recv)],
+                )
+                k = 0
+                for s, slots in enumerate(routes.recv):
+                    if s == me:
+                        continue
+                    for slot in slots:
+                        dst[slot].copy_(got[k])
+                        k += 1
+        return EventOverlap(EventHandle(device=self.device))
+
+    def _lb_prefetch_args(
+        self,
+        redundant_expert_weights: Any,
+        expert_weights: Any,
+        redundancy_mapping: torch.Tensor,
+        num_sms: int,
+    ) -> tuple[list, np.ndarray, Any]:
+        """``lb_prefetch_weights``' checks: the (slot rows, expert rows) pairs, the mapping and its routes."""
         dsts = _as_list(redundant_expert_weights, "redundant_expert_weights")
         srcs = _as_list(expert_weights, "expert_weights")
         if len(dsts) != len(srcs):
@@ -205,26 +243,7 @@ class LoadBalance:
                 raise EPValueError(f"lb_prefetch_weights: pair {i}: tensors on {src.device} and {dst.device}")
             pairs.append((_rows(dst), _rows(src)))
         self._lb_num_sms_arg(num_sms)
-        _wait(previous_event)
-        me = routes.lsa_rank
-        for dst, src in pairs:
-            for local, slot in routes.send[me]:  # this rank's own experts into its own slots
-                dst[slot].copy_(src[local])
-            if self.num_ranks > 1:
-                send = [routes.send[s] if s != me else () for s in range(len(routes.send))]
-                got = self._lb_exchange(
-                    src,
-                    [[lo for lo, _ in p] for p in send],
-                    [len(v) if s != me else 0 for s, v in enumerate(routes.recv)],
-                )
-                k = 0
-                for s, slots in enumerate(routes.recv):
-                    if s == me:
-                        continue
-                    for slot in slots:
-                        dst[slot].copy_(got[k])
-                        k += 1
-        return EventOverlap(EventHandle(device=self.device))
+        return pairs, mapping, routes
 
     def lb_reduce_grads(
         self,
@@ -235,7 +254,35 @@ class LoadBalance:
         previous_event: EventHandle | None = None,
     ) -> EventOverlap:
         """Add the redundant slots' gradients into their experts' ``expert_grads`` (a collective; accumulates)."""
+        op = "lb_reduce_grads"
+        channel = self._lb_channel()
+        with channel.state.guard(op, channel.announce):
+            mapping, routes = self._lb_reduce_args(
+                redundant_expert_grads, expert_grads, redundancy_mapping, num_sms
+            )
+            _wait(previous_event)
+            self._lb_agree(channel, op, mapping, [int(expert_grads.shape[1]) * 4])
         red, grads = redundant_expert_grads, expert_grads
+        me = routes.lsa_rank
+        chunks: dict[int, torch.Tensor] = {}
+        if self.num_ranks > 1:  # this rank's slots go back to their experts' owners
+            send = [list(routes.recv[s]) if s != me else [] for s in range(len(routes.recv))]
+            got = self._lb_exchange(red, send, [len(p) if s != me else 0 for s, p in enumerate(routes.send)])
+            k = 0
+            for s, p in enumerate(routes.send):
+                if s != me and p:
+                    chunks[s] = got[k : k + len(p)]
+                    k += len(p)
+        for s, p in enumerate(routes.send):  # ascending (LSA rank, slot)
+            for j, (local, slot) in enumerate(p):
+                row = red[slot] if s == me else chunks[s][j]
+                grads[local].add_(row)
+        return EventOverlap(EventHandle(device=self.device))
+
+    def _lb_reduce_args(
+        self, red: torch.Tensor, grads: torch.Tensor, redundancy_mapping: torch.Tensor, num_sms: int
+    ) -> tuple[np.ndarray, Any]:
+        """``lb_reduce_grads``' checks: the mapping and its routes."""
         if not isinstance(red, torch.Tensor) or not isinstance(grads, torch.Tensor):
             raise EPTypeError("lb_reduce_grads: redundant_expert_grads and expert_grads must be tensors")
         for name, t in (("redundant_expert_grads", red), ("expert_grads", grads)):
@@ -259,25 +306,33 @@ class LoadBalance:
                 f"lb_reduce_grads: redundant_expert_grads must have num_redundant_experts={mapping.shape[1]} rows"
             )
         self._lb_num_sms_arg(num_sms)
-        _wait(previous_event)
-        me = routes.lsa_rank
-        chunks: dict[int, torch.Tensor] = {}
-        if self.num_ranks > 1:  # this rank's slots go back to their experts' owners
-            send = [list(routes.recv[s]) if s != me else [] for s in range(len(routes.recv))]
-            got = self._lb_exchange(red, send, [len(p) if s != me else 0 for s, p in enumerate(routes.send)])
-            k = 0
-            for s, p in enumerate(routes.send):
-                if s != me and p:
-                    chunks[s] = got[k : k + len(p)]
-                    k += len(p)
-        for s, p in enumerate(routes.send):  # ascending (LSA rank, slot)
-            for j, (local, slot) in enumerate(p):
-                row = red[slot] if s == me else chunks[s][j]
-                grads[local].add_(row)
-        return EventOverlap(EventHandle(device=self.device))
+        return mapping, routes
 
     # ----------------------------------------------------------------------------------------------------------------
     # helpers
+
+    def _lb_channel(self) -> Channel:
+        return Channel(self.bootstrap, getattr(self.bootstrap, "rank_state", None))
+
+    def _lb_agree(self, channel: Channel, op: str, mapping: np.ndarray, row_bytes: list[int]) -> None:
+        """The call's one enveloped host step before any bytes move: every rank's row sizes (the envelope: ranks that
+        differ all raise ``EPMismatchError``) and mapping, which every rank of an LSA domain must hold alike (the
+        all-to-all's split sizes come from it: different mappings would pair the wrong rows). A rank that refused
+        its arguments meets this step with its announcement instead (``EPPeerError`` naming it)."""
+        nvl = int(self.num_nvlink_ranks)
+        every = channel.exchange(
+            op,
+            {"row_bytes": tuple(row_bytes), "num_redundant_experts": int(mapping.shape[1])},
+            mapping.tobytes(),
+        )
+        base = int(self.rank_idx) - int(self.rank_idx) % nvl
+        differ = [base + i for i in range(nvl) if every[base + i] != every[base]]
+        if differ:
+            raise EPMismatchError(
+                f"{op} (rank {self.rank_idx}): ranks {differ} of this LSA domain hold a different redundancy_mapping "
+                f"than rank {base}; every rank of a domain must pass the same mapping (every rank raises this error; "
+                "the buffer refuses every operation until reset())"
+            )
 
     def _lb_mapping(self, mapping: torch.Tensor, num_local: int, op: str) -> tuple[np.ndarray, Any]:
         if not isinstance(mapping, torch.Tensor):
