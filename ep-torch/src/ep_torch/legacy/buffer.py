@@ -29,8 +29,9 @@ stream wait for it (no data is promised before).
 Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
 ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
 chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Options ep does not implement raise
-``NotImplementedError`` naming the option (``enable_shrink`` and the mask-buffer methods, ``comm=``, ``use_logfmt``,
-the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). Ours, keyword only: ``num_max_tokens_per_rank``
+``NotImplementedError`` naming the option (``enable_shrink`` on CUDA, ``comm=``, ``use_logfmt``,
+the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). ``enable_shrink=True`` (rank masking,
+``legacy.ll_shrink``) runs on the CPU backend. Ours, keyword only: ``num_max_tokens_per_rank``
 and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
 (tokens, hidden) to size it (one small collective); ``ll_lanes_per_combine`` (0 = automatic) sets how many top-k
 lanes one low-latency combine carries (``legacy.low_latency.lanes_per_combine``); ``ll_use_kernels`` (None = on CUDA) runs
