@@ -18,7 +18,7 @@ TIMEOUT = 1.0  # the exchange's bound (s): generous on a loaded machine, small f
 
 
 class DictStore:
-    """TCPStore's set/get/check/wait/delete_key over a dict (one per process: threads share it)."""
+    """TCPStore's set/get/check/compare_set/wait/delete_key over a dict (threads share it)."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
@@ -41,6 +41,14 @@ class DictStore:
         with self.cv:
             if not self.cv.wait_for(lambda: all(k in self.data for k in keys), timeout.total_seconds()):
                 raise RuntimeError("Wait timeout")
+
+    def compare_set(self, key: str, expected: str, desired: bytes) -> bytes:
+        with self.cv:
+            cur = self.data.get(key)
+            if cur is None and expected == "":
+                self.data[key] = cur = bytes(desired)
+                self.cv.notify_all()
+            return cur if cur is not None else expected.encode()
 
     def delete_key(self, key: str) -> bool:
         with self.cv:
@@ -151,3 +159,28 @@ def test_disagreement_and_abort_are_raised_on_every_rank():
     out, errs, _ = _run(3, fn)
     assert errs == [None] * 3, errs
     assert out == [{1: 1, 2: 2}, {0: 0, 2: 2}, {0: 0, 1: 1}]
+
+
+def test_a_late_message_is_given_up_never_read_later():
+    """Rank 1 is late for a step (past the bound): rank 0 gives up its message and masks it (timeout); rank 1, writing
+    late, learns it and masks rank 0 (peer), dropping rank 0's message of that step. After clean() on both, the next
+    step pairs the next messages: nothing of the late step is read."""
+
+    def fn(r, ex):
+        if r == 1:
+            time.sleep(TIMEOUT * 1.5)
+        got = ex.exchange("op", {}, {1 - r: ("late step", r)})
+        masked = ex.mask.masked_ranks()
+        ex.mask.clean()
+        time.sleep(TIMEOUT * 0.5 if r == 0 else 0.0)  # both past the late step before the next
+        return got, masked, ex.exchange("op", {}, {1 - r: ("next step", r)})
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, errs, store = _run(2, fn)
+    assert errs == [None] * 2, errs
+    assert out[0] == ({}, {1: "timeout"}, {1: ("next step", 1)}), out[0]
+    assert out[1] == ({}, {0: "peer"}, {0: ("next step", 0)}), out[1]
+    said = sorted(str(w.message) for w in caught if issubclass(w.category, RankMaskedWarning))
+    assert len(said) == 2 and "rank 1 did not arrive" in said[0] and "rank 0 gave up" in said[1], said
+    assert not [k for k in store.data if not k.endswith("/c")], sorted(store.data)

@@ -56,12 +56,23 @@ def _dropped(idx: np.ndarray, lost: set[int], n: int) -> np.ndarray:
     return np.where((idx >= 0) & np.isin(idx // epr, list(lost)), -1, idx)
 
 
-def _step(buf: Buffer, rank: int, n: int, seed: int, sent: set[int], kept: set[int], what: str) -> None:
+def _step(
+    buf: Buffer, rank: int, n: int, seed: int, sent: set[int], kept: set[int], what: str, hook: bool = False
+) -> None:
     """One dispatch + combine, checked bitwise. ``sent``: ranks masked before the dispatch (their tokens do not
-    come, their experts receive none); ``kept``: ranks masked before the combine (their experts contribute nothing)."""
+    come, their experts receive none); ``kept``: ranks masked before the combine (their experts contribute nothing).
+    ``hook``: with ``return_recv_hook``, ``async_finish`` and the recv stats."""
     epr = E // n
     x, idx, w = _inputs(rank, seed)
-    recv, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    stats = torch.zeros(epr, dtype=torch.int32) if hook else None
+    recv, cnt, handle, ev, recv_hook = buf.low_latency_dispatch(
+        x, idx, M, E, cumulative_local_expert_recv_stats=stats, use_fp8=False, async_finish=hook,
+        return_recv_hook=hook,
+    )  # fmt: skip
+    if hook:
+        ev.current_stream_wait()
+        recv_hook()
+        assert torch.equal(stats, cnt), f"{what}: cumulative_local_expert_recv_stats"
     idxs = [
         _dropped(_inputs(r, seed)[1].numpy(), sent, n) if r not in sent else np.full((T, K), -1)
         for r in range(n)
@@ -85,7 +96,14 @@ def _step(buf: Buffer, rank: int, n: int, seed: int, sent: set[int], kept: set[i
     y = torch.empty_like(recv)
     for e in range(epr):
         y[e] = (recv[e].float() * _coef(rank * epr + e)).to(torch.bfloat16)
-    comb, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    if hook:  # the zero-copy buffer and the hook
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        comb, _, recv_hook = buf.low_latency_combine(
+            None, idx, w, handle, zero_copy=True, return_recv_hook=True
+        )
+        recv_hook()
+    else:
+        comb, _, _ = buf.low_latency_combine(y, idx, w, handle)
     live = _dropped(idx.numpy(), kept, n)
     xf = bf16_to_f32(_bits(x))
     yr = np.zeros((T, K, H), np.uint16)
@@ -132,7 +150,7 @@ def _mask_user(rank: int, n: int) -> None:
     assert _query(buf, n) == [int(r == d) for r in range(n)]
     if rank != d:
         for seed in (1, 2):
-            _step(buf, rank, n, seed, {d}, {d}, f"rank {d} masked (step {seed})")
+            _step(buf, rank, n, seed, {d}, {d}, f"rank {d} masked (step {seed})", hook=seed == 2)
         _check_fp8(buf, rank, n, {d})
     buf.low_latency_clean_mask_buffer()
     assert _query(buf, n) == [0] * n

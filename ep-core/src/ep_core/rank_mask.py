@@ -8,7 +8,7 @@ lane counts as if its expert id were -1). A rank masks a peer for one of three r
 - ``timeout``: the peer's message of a step did not arrive within the wait's bound: this rank masks it, warns
   (``RankMaskedWarning`` naming the peer, the operation and the bound) and finishes the step without it, instead of
   failing the whole group;
-- ``peer``: reserved for transports that learn that the peer masked this rank.
+- ``peer``: the peer gave up waiting on this rank's message (it masked this rank after its timeout).
 
 The state is per rank and local (DeepEP's mask buffer: one int per rank in each rank's memory): ranks may disagree
 for a while (each one that waited on a lost peer masks it at its own pace). ``clean()`` and ``update(peer, False)``
@@ -18,9 +18,11 @@ agree. A peer masked after a timeout that comes back out of step is detected (it
 compared on arrival: ``EPMismatchError``), never paired silently.
 
 ``MaskedExchange`` is the host-side transport of one masked step over a key-value store (``set``, ``get``,
-``check``, ``wait(keys, timedelta)``, ``delete_key``: torch.distributed's ``TCPStore`` has them; any store with
-these five works): per ordered pair (sender, receiver) one mailbox of numbered messages, so a masked pair skips
-messages on both sides and the counters stay equal; every message is read once and deleted by its receiver.
+``compare_set``, ``wait(keys, timedelta)``, ``delete_key``: torch.distributed's ``TCPStore`` has them; any store
+with these five works): per ordered pair (sender, receiver) one mailbox of numbered messages, so a masked pair
+skips messages on both sides and the counters stay equal. Each message slot is settled once by both sides: read
+and deleted by its receiver, or given up by it at the deadline (an atomic claim), which its sender learns when it
+writes late (it masks the receiver, reason ``peer``); so a late message is never read at a later step.
 
 The seam for V2 (high-throughput mode): ``RankMask`` knows nothing of V1. A V2 dispatch/combine takes a
 ``RankMask`` the same way: its CPU executor exchanges through ``MaskedExchange`` (the reference computation then runs
@@ -32,7 +34,6 @@ wait's timeout set the flag there instead of trapping; the host reads it back in
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import time
 import warnings
@@ -86,6 +87,17 @@ class RankMask:
             f"rank {self.rank}: rank {peer} did not arrive within {waited_s:g} s in {op}: masked it (enable_shrink); "
             f"its experts' tokens are dropped from now on (low_latency_query_mask_buffer reports it, "
             "low_latency_clean_mask_buffer unmasks every rank)",
+            RankMaskedWarning,
+            stacklevel=3,
+        )
+
+    def mask_gave_up(self, peer: int, op: str) -> None:
+        """Mask ``peer``, which gave up waiting on this rank's message in ``op`` (it masked this rank), with a
+        warning naming it."""
+        self.update(peer, True, "peer")
+        warnings.warn(
+            f"rank {self.rank}: rank {peer} gave up waiting on this rank's message in {op} (it masked this rank after "
+            "its timeout): masked it in turn (enable_shrink)",
             RankMaskedWarning,
             stacklevel=3,
         )
@@ -173,29 +185,32 @@ class MaskedExchange:
             self.state.taken += 1
         for p in peers:
             msg = (op, config, abort, None if abort is not None else payloads.get(p))
-            self._set(self._key(me, p, self.sent[p]), pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            key = self._key(me, p, self.sent[p])
             self.sent[p] += 1
+            self._call("set", key, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            if self._call("compare_set", key + "/c", "", _SENT) != _SENT:  # p gave up on this message
+                self._call("delete_key", key)
+                self._call("delete_key", key + "/c")
+                self.mask.mask_gave_up(p, op)
         got: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout_s
         diffs: list[str] = []
         aborted: list[tuple[int, str]] = []
-        for p in peers:
+        for p in peers:  # every peer of the step start: each slot is read (or given up) once on both sides
             key = self._key(p, me, self.received[p])
-            if not self._wait(key, deadline):
+            self.received[p] += 1
+            if not self._arrived(key, deadline):
                 self.mask.mask_lost(p, op, self.timeout_s)
                 continue
-            raw = self.store.get(key)
-            self.received[p] += 1
-            with contextlib.suppress(Exception):  # a store without deletion keeps it: never read again
-                self.store.delete_key(key)
+            raw = self._call("get", key)
+            self._call("delete_key", key)
+            self._call("delete_key", key + "/c")
             p_op, p_config, p_abort, payload = pickle.loads(bytes(raw))
             if p_abort is not None:
                 aborted.append((p, p_abort))
             elif abort is None and (p_op != op or p_config != config):
-                diffs.append(
-                    f"rank {p}: {p_op} {dict(p_config)!r}" if p_op != op else f"rank {p}: {dict(p_config)!r}"
-                )
-            else:
+                diffs.append(f"rank {p}: {p_op} {dict(p_config)!r}")
+            elif not self.mask.is_masked(p):  # a peer masked during the step contributes nothing to it
                 got[p] = payload
         if aborted and abort is None:
             raise EPPeerError(
@@ -213,15 +228,28 @@ class MaskedExchange:
                 f"{op} on rank {me} ({dict(config)!r}): the ranks disagree: "
                 + "; ".join(diffs)
                 + "; every rank "
-                "must call the same low-latency operations in the same order with the same sizes (a rank masked after "
-                "a timeout that came back out of step also shows here: build a new buffer)",
+                "must call the same low-latency operations in the same order with the same sizes, and mask or unmask a "
+                "rank on every rank between the same two operations",
                 fields={"operation": op},
             )
         return got
 
-    def _set(self, key: str, data: bytes) -> None:
+    def _arrived(self, key: str, deadline: float) -> bool:
+        """Whether the message ``key`` came by ``deadline`` (the step's bound, shared by its peers). A sender claims
+        its message (``key/c``) after writing it; at the deadline the receiver claims it instead, unless the sender
+        did first: so a late message is never read at a later step, and its sender learns it was given up."""
+        remaining = deadline - time.monotonic()
         try:
-            self.store.set(key, data)
+            if remaining > 0:
+                self.store.wait([key + "/c"], timedelta(seconds=remaining))
+                return True
+        except Exception:  # the store's own timeout error: claim the slot (the sender may have just now)
+            pass
+        return self._call("compare_set", key + "/c", "", _GAVE_UP) != _GAVE_UP
+
+    def _call(self, name: str, *args: Any) -> Any:
+        try:
+            return getattr(self.store, name)(*args)
         except Exception as exc:
             raise EPPeerError(
                 f"rank {self.mask.rank}: the group's store is unreachable ({str(exc).splitlines()[0][:200]}): the rank "
@@ -230,20 +258,5 @@ class MaskedExchange:
                 ranks=(0,),
             ) from exc
 
-    def _wait(self, key: str, deadline: float) -> bool:
-        """Whether ``key`` is present by ``deadline`` (the whole step's bound, shared by its peers)."""
-        remaining = deadline - time.monotonic()
-        try:
-            if remaining > 0:
-                self.store.wait([key], timedelta(seconds=remaining))
-                return True
-            return bool(self.store.check([key]))
-        except Exception:  # the store's own timeout error: confirm (it may have arrived just now)
-            try:
-                return bool(self.store.check([key]))
-            except Exception as exc:
-                raise EPPeerError(
-                    f"rank {self.mask.rank}: the group's store is unreachable ({str(exc).splitlines()[0][:200]}); "
-                    "masking cannot continue without it (rebuild the group)",
-                    ranks=(0,),
-                ) from exc
+
+_SENT, _GAVE_UP = b"S", b"R"  # who claimed a message slot: its sender (written) or its receiver (gave up)
