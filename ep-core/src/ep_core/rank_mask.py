@@ -12,10 +12,10 @@ lane counts as if its expert id were -1). A rank masks a peer for one of three r
 
 The state is per rank and local (DeepEP's mask buffer: one int per rank in each rank's memory): ranks may disagree
 for a while (each one that waited on a lost peer masks it at its own pace). ``clean()`` and ``update(peer, False)``
-resume traffic with a peer; that is sound for peers that stopped *in step* (masked by the user on every rank, or a
-peer that sat out while every rank masked it): the pairwise message counters of ``MaskedExchange`` then still
-agree. A peer masked after a timeout that comes back out of step is detected (its messages carry their operation,
-compared on arrival: ``EPMismatchError``), never paired silently.
+resume traffic with a peer; call them on every rank between the same two operations. ``MaskedExchange`` keeps the
+pairwise message counters equal whatever happened meanwhile (every message slot is settled once by both sides), so
+a late message is never paired with a later step, and messages carry their operation and configuration, compared on
+arrival (``EPMismatchError`` when ranks come back in different operations).
 
 ``MaskedExchange`` is the host-side transport of one masked step over a key-value store (``set``, ``get``,
 ``compare_set``, ``wait(keys, timedelta)``, ``delete_key``: torch.distributed's ``TCPStore`` has them; any store
