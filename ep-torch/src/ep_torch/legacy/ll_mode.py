@@ -417,14 +417,14 @@ class LowLatencyMode:
 
         forced = transport or _env.transport()
         if forced in ("ipc", "nccl"):
-            raise shrink_unsupported("Buffer", f"transport {forced}")
+            raise shrink_unsupported("Buffer", f"transport {forced} (CUDA)")
         if check_only:
             return None
         if self._channel is None:
             raise shrink_unsupported("Buffer", "a loopback group")
         boot = self._channel.bootstrap
         if boot.device.type != "cpu":
-            raise shrink_unsupported("Buffer", f"a {dist.get_backend(self.group)} group")
+            raise shrink_unsupported("Buffer", f"a {dist.get_backend(self.group)} group (CUDA)")
         return ShrinkLowLatency(self.rank, self.group_size, boot, self.num_cpu_timeout_secs)
 
     def _shrink_step(self, op: str, x: torch.Tensor) -> Any:

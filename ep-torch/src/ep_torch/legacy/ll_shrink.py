@@ -34,11 +34,11 @@ __all__ = ["ShrinkLowLatency", "shrink_unsupported"]
 _BUILT: dict[str, int] = {}
 
 
-def shrink_unsupported(where: str, transport: str) -> NotImplementedError:
-    """The refusal of ``enable_shrink`` on CUDA (no silent fallback)."""
+def shrink_unsupported(where: str, what: str) -> NotImplementedError:
+    """The refusal of ``enable_shrink`` where it is not implemented (CUDA; no silent fallback)."""
     return NotImplementedError(
-        f"{where}: enable_shrink=True (rank masking) on CUDA ({transport}): the low-latency kernels take no rank mask "
-        "yet; it runs on the CPU backend (gloo groups, CPU tensors) only"
+        f"{where}: enable_shrink=True (rank masking) with {what}: not implemented (the CUDA low-latency kernels take "
+        "no rank mask yet); it runs on the CPU backend of a process group (gloo, CPU tensors) only"
     )
 
 
