@@ -29,17 +29,21 @@ from ep_torch.legacy.reference import (
     ll_expected_rows,
 )
 
-T, H, K, E, M = 5, 256, 3, 8, 8
+T, H, K, E, M = 5, 256, 3, 12, 8  # E: a multiple of 1, 2, 3 and 4 ranks
 TIMEOUT = 1.0  # the buffer's num_cpu_timeout_secs: how long a lost rank is waited for
 
 
 def _inputs(rank: int, seed: int):
+    """bf16 x, top-k ids with a -1 lane and a token selecting nothing, float32 weights; at seed 7 rank 0 has no
+    tokens."""
     g = torch.Generator().manual_seed(1000 * seed + rank)
     x = (torch.randn(T, H, generator=g) * 3).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     idx[0, 1] = -1
     idx[T - 1] = -1
-    return x, idx, torch.rand(T, K, generator=g)
+    w = torch.rand(T, K, generator=g)
+    t = 0 if (seed, rank) == (7, 0) else T
+    return x[:t], idx[:t], w[:t]
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -106,8 +110,8 @@ def _step(
         comb, _, _ = buf.low_latency_combine(y, idx, w, handle)
     live = _dropped(idx.numpy(), kept, n)
     xf = bf16_to_f32(_bits(x))
-    yr = np.zeros((T, K, H), np.uint16)
-    for t in range(T):
+    yr = np.zeros((len(x), K, H), np.uint16)
+    for t in range(len(x)):
         for k in range(K):
             if live[t, k] >= 0:
                 yr[t, k] = f32_to_bf16((xf[t] * np.float32(_coef(int(live[t, k])))).astype(np.float32))
@@ -158,6 +162,11 @@ def _mask_user(rank: int, n: int) -> None:
     buf.low_latency_update_mask_buffer(d, True)
     buf.low_latency_update_mask_buffer(d, False)  # unmask one rank
     _step(buf, rank, n, 4, set(), set(), "after unmask")
+    if rank != d:  # masked again, and rank 0 without tokens
+        buf.low_latency_update_mask_buffer(d, True)
+        _step(buf, rank, n, 7, {d}, {d}, "no tokens on rank 0")
+    buf.low_latency_clean_mask_buffer()
+    _step(buf, rank, n, 7, set(), set(), "no tokens on rank 0, unmasked")
     # a rank that rejects its call tells its peers in the masked exchange; every rank stays in step
     x, idx, _ = _inputs(rank, 5)
     if rank == 0:
@@ -232,7 +241,9 @@ def _spawn(worker: str, ranks: int, *args: str, limit: float = 180.0) -> float:
     return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize(
+    "ranks", [2, 4, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
+)
 def test_user_mask_cpu(ranks):
     _spawn("_mask_user", ranks)
 
