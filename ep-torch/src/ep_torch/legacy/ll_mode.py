@@ -282,10 +282,12 @@ class LowLatencyMode:
                 f"low_latency_combine (rank {self.rank}): out must be [{t}, {hidden}] bfloat16"
             )
         if shrink:
-            return self._on_comm(
-                False, async_finish, return_recv_hook, (),
-                lambda: _into(self._shrink_step("low_latency_combine", x).combine(x, topk_idx, topk_weights, handle), out),
-            )  # fmt: skip
+            masked = self._shrink_step("low_latency_combine", x)
+
+            def run_masked() -> torch.Tensor:
+                return _into(masked.combine(x, topk_idx, topk_weights, handle), out)
+
+            return self._on_comm(False, async_finish, return_recv_hook, (), run_masked)
         if handle.native is not None:
             return self._native_combine(
                 x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook
