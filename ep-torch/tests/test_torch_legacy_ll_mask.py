@@ -226,6 +226,33 @@ def _mask_lost(rank: int, n: int, mode: str) -> None:
     os._exit(0)  # no barrier with the lost rank
 
 
+def _mask_late(rank: int, n: int) -> None:
+    """Rank 3 is late for step 2 (longer than the timeout) but alive: the others mask it and go on; rank 3, writing
+    late, finds its messages given up, masks every peer in turn (a warning naming them) and drops their messages of
+    that step (its outputs: its own tokens and experts only). After clean on every rank, all four decode together
+    again, bitwise: nothing of the late step is read later."""
+    timeout, late = 2.0, 3
+    buf = Buffer(None, low_latency_mode=True, enable_shrink=True, explicitly_destroy=True,
+                 num_cpu_timeout_secs=timeout)  # fmt: skip
+    others = set(range(n)) - {late}
+    for step in range(4):
+        if rank == late and step == 2:
+            time.sleep(1.3 * timeout)
+        lost = ({late} if rank != late else others) if step >= 2 else set()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(buf, rank, n, step, lost, lost, f"late step {step}")
+        said = [str(c.message) for c in caught if issubclass(c.category, RankMaskedWarning)]
+        if step == 2:
+            want = ["did not arrive"] if rank != late else ["gave up"] * len(others)
+            assert [w for w in want if any(w in m for m in said)] == want and len(said) == len(want), said
+        assert _query(buf, n) == [int(r in lost) for r in range(n)], f"step {step}: {_query(buf, n)}"
+    buf.low_latency_clean_mask_buffer()
+    _step(buf, rank, n, 4, set(), set(), "after clean")
+    dist.barrier()
+    buf.destroy()
+
+
 def _spawn(worker: str, ranks: int, *args: str, limit: float = 180.0) -> float:
     t0 = time.monotonic()
     try:
@@ -252,6 +279,10 @@ def test_user_mask_cpu(ranks):
 def test_lost_rank_is_masked_cpu(mode):
     """The target: one of 4 ranks leaves mid-loop; the other 3 mask it within the timeout and keep decoding."""
     _spawn("_mask_lost", 4, mode)
+
+
+def test_late_rank_is_masked_then_rejoins_cpu():
+    _spawn("_mask_late", 4)
 
 
 def test_without_enable_shrink_the_mask_methods_refuse():
