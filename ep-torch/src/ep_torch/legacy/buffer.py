@@ -29,10 +29,11 @@ stream wait for it (no data is promised before).
 Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
 ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
 chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Options ep does not implement raise
-``NotImplementedError`` naming the option (``enable_shrink`` and the mask-buffer methods, ``comm=``, the
-``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). ``low_latency_combine(use_logfmt=True)`` sends
-each expert output row LogFMT-10 encoded and adds its float32 decoding (``legacy.logfmt``'s model, bitwise; the
-adapter and the CPU backend move bf16 and apply the round trip at the receiver; hidden % 512 == 0). Ours, keyword only: ``num_max_tokens_per_rank``
+``NotImplementedError`` naming the option (``enable_shrink`` on CUDA, ``comm=``, the ``*_wait_recv_cost_stats``
+timers, ``get_local_buffer_tensor``). ``enable_shrink=True`` (rank masking, ``legacy.ll_shrink``) runs on the CPU
+backend. ``low_latency_combine(use_logfmt=True)`` sends each expert output row LogFMT-10 encoded and adds its float32
+decoding (``legacy.logfmt``'s model, bitwise; the adapter and the CPU backend move bf16 and apply the round trip at the
+receiver; hidden % 512 == 0). Ours, keyword only: ``num_max_tokens_per_rank``
 and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
 (tokens, hidden) to size it (one small collective); ``ll_lanes_per_combine`` (0 = automatic) sets how many top-k
 lanes one low-latency combine carries (``legacy.low_latency.lanes_per_combine``); ``ll_use_kernels`` (None = on CUDA) runs
@@ -179,9 +180,11 @@ class Buffer(LowLatencyMode):
             raise NotImplementedError(
                 "Buffer: comm= (an mpi4py communicator); pass a torch.distributed group"
             )
-        if enable_shrink:
-            raise NotImplementedError("Buffer: enable_shrink=True (elastic shrink of V1 low-latency mode)")
+        self.enable_shrink, self._shrink = bool(enable_shrink), None
+        if enable_shrink:  # refused on CUDA transports before anything is built
+            self._make_shrink(transport, check_only=True)
         self._bind_group(group, transport)
+        self._shrink = self._make_shrink(transport) if enable_shrink else None  # legacy.ll_shrink
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = int(num_qps_per_rank)
@@ -247,6 +250,8 @@ class Buffer(LowLatencyMode):
         state = self._state
         if state is None:  # loopback ranks (threads): their inner buffers announce for themselves
             return contextlib.nullcontext()
+        if self._shrink is not None and op.startswith("low_latency"):  # its steps: the masked exchange's
+            return Guard(state, op, self._shrink.announce)
         core = None if inner is None else inner.runtime
         if core is not None and not core._destroyed:
             return Guard(state, op, _InnerAnnounce(core))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
 from .. import _env
@@ -187,6 +188,11 @@ class LowLatencyMode:
             raise EPValueError(
                 f"cumulative_local_expert_recv_stats (rank {self.rank}): must be [{num_experts // self.group_size}]"
             )
+        if self._shrink is not None:
+            return self._shrink_dispatch(
+                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                use_ue8m0, async_finish, return_recv_hook,
+            )  # fmt: skip
         inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), x.is_cuda)
         if self._ll_region is not None:
             return self._native_dispatch(
@@ -244,7 +250,8 @@ class LowLatencyMode:
         stale = (
             handle.native[0] is not self._ll_region if handle.native is not None else handle.ep_handle is None
         )
-        if inner is None or stale or self._destroyed:
+        shrink = getattr(handle, "shrink", None) is not None  # a masked dispatch's (legacy.ll_shrink)
+        if not shrink and (inner is None or stale or self._destroyed):
             raise EPStateError("low_latency_combine: the buffer was destroyed or rebuilt since this dispatch")
         if zero_copy and x is None:
             x = self._ll_combine_buffers[self._ll_idx]
@@ -278,6 +285,13 @@ class LowLatencyMode:
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): out must be [{t}, {hidden}] bfloat16"
             )
+        if shrink:
+            masked = self._shrink_step("low_latency_combine", x)
+
+            def run_masked() -> torch.Tensor:
+                return _into(masked.combine(x, topk_idx, topk_weights, handle, bool(use_logfmt)), out)
+
+            return self._on_comm(False, async_finish, return_recv_hook, (), run_masked)
         if handle.native is not None:
             return self._native_combine(
                 x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt)
@@ -402,14 +416,99 @@ class LowLatencyMode:
             if b is not None:
                 b.zero_()
 
+    # ----------------------------------------------------------------------------------------------------------------
+    # rank masking (enable_shrink=True; legacy.ll_shrink, ep_core.rank_mask)
+
+    def _make_shrink(self, transport: str | None, check_only: bool = False) -> Any:
+        """The rank mask and its masked exchange: the CPU backend (gloo groups) only; CUDA is refused by name
+        (``check_only``: the transport alone, before the group is bound)."""
+        from .ll_shrink import ShrinkLowLatency, shrink_unsupported
+
+        forced = transport or _env.transport()
+        if forced in ("ipc", "nccl"):
+            raise shrink_unsupported("Buffer", f"transport {forced} (CUDA)")
+        if check_only:
+            return None
+        if self._channel is None:
+            raise shrink_unsupported("Buffer", "a loopback group")
+        boot = self._channel.bootstrap
+        if boot.device.type != "cpu":
+            raise shrink_unsupported("Buffer", f"a {dist.get_backend(self.group)} group (CUDA)")
+        return ShrinkLowLatency(self.rank, self.group_size, boot, self.num_cpu_timeout_secs)
+
+    def _shrink_step(self, op: str, x: torch.Tensor) -> Any:
+        if x.is_cuda:
+            from .ll_shrink import shrink_unsupported
+
+            raise shrink_unsupported(op, "CUDA tensors")
+        return self._shrink
+
+    def _shrink_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        m: int,
+        num_experts: int,
+        stats: torch.Tensor | None,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        async_finish: bool,
+        return_recv_hook: bool,
+    ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
+        shrink = self._shrink_step("low_latency_dispatch", x)
+
+        def run() -> tuple:
+            recv, count, handle = shrink.dispatch(
+                x, topk_idx, m, num_experts, use_fp8, round_scale, use_ue8m0
+            )
+            if stats is not None:
+                stats.add_(count.to(stats.dtype))
+            return recv, count, handle
+
+        (recv, count, handle), event, hook = self._on_comm(False, async_finish, return_recv_hook, (), run)
+        return recv, count, self._stamp(handle, self._ll_build), event, hook
+
+    def _mask_of(self, op: str) -> Any:
+        shrink = getattr(self, "_shrink", None)
+        if shrink is None:
+            raise EPStateError(
+                f"{op}: needs a Buffer built with enable_shrink=True (rank masking); without it a peer that does not "
+                "arrive fails the operation instead of being masked"
+            )
+        return shrink.mask
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        raise NotImplementedError("low_latency_update_mask_buffer: needs enable_shrink=True (rank masking)")
+        """Mask (``mask=True``) or unmask ``rank_to_mask`` on this rank: a masked rank is neither sent to nor waited
+        for in the low-latency operations, its experts' tokens are dropped (V1's semantics; local, no collective)."""
+        self._mask_of("low_latency_update_mask_buffer").update(rank_to_mask, bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
-        raise NotImplementedError("low_latency_query_mask_buffer: needs enable_shrink=True (rank masking)")
+        """Write this rank's mask into ``mask_status`` ``[num_ranks]`` int32: 1 = masked (by the user or after a
+        timeout), 0 = not."""
+        rank_mask = self._mask_of("low_latency_query_mask_buffer")
+        n = rank_mask.num_ranks
+        if (
+            not isinstance(mask_status, torch.Tensor)
+            or tuple(mask_status.shape) != (n,)
+            or (mask_status.dtype != torch.int32)
+        ):
+            raise EPValueError(
+                f"low_latency_query_mask_buffer (rank {self.rank}): mask_status must be a [{n}] torch.int32 tensor, "
+                f"got {getattr(mask_status, 'shape', type(mask_status).__name__)} {getattr(mask_status, 'dtype', '')}"
+            )
+        mask_status.copy_(torch.from_numpy(rank_mask.flags.copy()))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        raise NotImplementedError("low_latency_clean_mask_buffer: needs enable_shrink=True (rank masking)")
+        """Unmask every rank on this rank."""
+        self._mask_of("low_latency_clean_mask_buffer").clean()
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def _data_complete() -> None:
