@@ -28,6 +28,8 @@ Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform ran
   prefix phases; the packing orders rows by their source key);
 - ``v2 dispatch bf16`` / ``v2 combine``: ``ElasticBuffer.dispatch(do_cpu_sync=False)`` and ``combine`` (run
   first, so their rows survive a V1 failure; a failing op is reported and the run goes on);
+- ``v1 ll_combine native logfmt``: the native combine with ``use_logfmt=True`` (rows scaled by 1/8 so every chunk
+  encodes; bitwise against the reference's LogFMT round trip);
 - ``... dispatch+combine``: a decode step's communication in one graph (V2: dispatch then combine of its rows;
   V1: low-latency dispatch, identity "experts", weighted combine, checked bitwise too).
 
@@ -454,6 +456,28 @@ def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: 
             if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), refs[r]):
                 failures.append(f"rank {r}: v1 ll_combine native differs from ll_combine_reference")
         row("v1 ll_combine native", comb)
+        # LogFMT (use_logfmt=True): the rows scaled by 1/8 so every chunk encodes (|x| < 1: 10 bits a value),
+        # checked against the model's round trip; hidden % 512 == 0 only
+        if h % 512 == 0:
+            small, lrefs = {}, {}
+            for r in R:
+                x, idx, w = inp[r]
+                small[r] = (state[r][0].float() / 8).to(torch.bfloat16)
+                xb = (x.float() / 8).to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint16)
+                lrefs[r] = ll_combine_reference(
+                    np.repeat(xb[:, None, :], k, axis=1), idx.cpu().numpy(), w.cpu().numpy(), use_logfmt=True
+                )
+
+            def comb_logfmt(r):
+                _, idx, w = inp[r]
+                return v1[r].low_latency_combine(small[r], idx, w, state[r][1], use_logfmt=True)[0]
+
+            for r, c in zip(R, ctx.each(comb_logfmt)):
+                if not np.array_equal(c.cpu().view(torch.int16).numpy().view(np.uint16), lrefs[r]):
+                    failures.append(
+                        f"rank {r}: v1 ll_combine native logfmt differs from ll_combine_reference"
+                    )
+            row("v1 ll_combine native logfmt", comb_logfmt)
         # the same without the local shortcut: a rank's own rows through the buffer like a peer's (two passes)
         os.environ["EPKIT_LL_LOCAL_DIRECT"] = "0"
         try:
