@@ -31,6 +31,19 @@
 // Waits are bounded by `timeout_ms` (%globaltimer): a wait that expires raises the device word `err[0]` (every
 // later kernel that sees it returns at once, outputs left undefined) and writes (1, rank, peer, tag) to the host
 // mapped `herr` words (the host raises EPTimeoutError at its next call, without a sync).
+//
+// Rank masking (V1's enable_shrink; legacy.ll_shrink is the CPU twin): `mask` (null: none) is int32 [N + 1] in
+// device memory, mask[r] != 0 when rank r is masked, mask[N] the mask generation (the count of
+// `ep_lln_clean` runs). A masked rank is neither sent to nor waited for: the dispatch send skips its experts, the
+// dispatch receive counts its blocks 0 (recv_count, layout_range), the combine send skips its tokens' rows and
+// flags, the combine receive drops the lanes of its experts (zero contribution, as an expert id of -1) and its
+// final wait skips it. A wait that expires with a mask masks the peer instead of raising `err` (atomic: the block
+// that flips mask[peer] writes herr[4 + peer] = generation + 1, which the host merges into its RankMask with a
+// warning) and goes on without it. A peer masked by a timeout during a call: what it sent before is used where its
+// flag was seen first (each block decides on its own), so that call's outputs for its experts are unspecified.
+// Rejoin: the epochs of a rank that sat out lag the others', so unmasking is `ep_lln_clean`, a collective kernel of
+// every rank (two device barriers over the header's sync words, between them each rank zeroes its flags and
+// epochs, both halves); the host restarts at half 0.
 #pragma once
 
 #include "ll_logfmt.cuh"
@@ -71,30 +84,108 @@ __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
 
 __device__ __forceinline__ int ld_volatile(const volatile int* p) { return *p; }
 
-// Spin until (*flag >> shift) >= want (shift 32: dispatch, the epoch in the high half). One thread. False after
-// timeout (recorded in err) or when err was already raised.
-__device__ inline bool wait_flag(const int64_t* flag, int64_t want, int shift, int timeout_ms, int* err,
-                                 volatile int* herr, int rank, int peer, int tag, int64_t* seen) {
+// The region's front (before the two halves): err int32 [4] at 0, the clean barrier's sync words int64 [N] at 64.
+__host__ __device__ inline int64_t header_bytes(int num_ranks) { return (64 + 8 * (int64_t)num_ranks + 255) / 256 * 256; }
+
+enum WaitResult { kArrived = 0, kFailed = 1, kMasked = 2 };
+
+// Rank masking's decisions (host and device: test_core_ll_native.py runs them on the host).
+__host__ __device__ __forceinline__ bool masked(const int* mask, int r) {
+  return mask != nullptr && *reinterpret_cast<const volatile int*>(mask + r) != 0;
+}
+
+__host__ __device__ __forceinline__ int mask_flip(int* p) {
+#ifdef __CUDA_ARCH__
+  return atomicExch(p, 1);
+#else
+  return __atomic_exchange_n(p, 1, __ATOMIC_SEQ_CST);
+#endif
+}
+
+__host__ __device__ __forceinline__ int err_raise(int* p) {
+#ifdef __CUDA_ARCH__
+  return atomicCAS(p, 0, 1);
+#else
+  int zero = 0;
+  return __atomic_compare_exchange_n(p, &zero, 1, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST) ? 0 : zero;
+#endif
+}
+
+__host__ __device__ __forceinline__ void fence_system() {
+#ifdef __CUDA_ARCH__
+  __threadfence_system();
+#else
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
+// A wait on `peer` expired. With a mask: mask the peer (the block that flips it records herr[4 + peer] =
+// generation + 1 for the host) and go on without it (kMasked). Without: raise the error word (the first expiry
+// records (1, rank, peer, tag)) and fail (kFailed).
+__host__ __device__ inline int expire(int* mask, int num_ranks, int* err, volatile int* herr, int rank, int peer,
+                                      int tag) {
+  if (mask != nullptr) {
+    if (mask_flip(mask + peer) == 0 && herr != nullptr) {
+      herr[4 + peer] = *reinterpret_cast<const volatile int*>(mask + num_ranks) + 1;
+      fence_system();
+    }
+    return kMasked;
+  }
+  if (err_raise(err) == 0 && herr != nullptr) {
+    herr[1] = rank;
+    herr[2] = peer;
+    herr[3] = tag;
+    fence_system();
+    herr[0] = 1;
+    fence_system();
+  }
+  return kFailed;
+}
+
+// The combine receive's lane: the lane whose slot holds its expert's output (`src`, -1 none), or -1 when that
+// lane's expert is on a masked rank (`dead[src]`): zero contribution, as an expert id of -1.
+__host__ __device__ __forceinline__ int lane_source(int src, const int* dead) {
+  return src >= 0 && dead[src] ? -1 : src;
+}
+
+// The dispatch receive's layout of one expert from its N source counts (in s_off[0..N)): layout_range[r] =
+// (offset << 32) | count, s_off[r] the offset, s_off[N] the total (returned).
+__host__ __device__ inline int block_layout(int* s_off, int num_ranks, int64_t* range) {
+  int off = 0;
+  for (int r = 0; r < num_ranks; ++r) {
+    const int c = s_off[r];
+    range[r] = ((int64_t)off << 32) | (int64_t)c;
+    s_off[r] = off;
+    off += c;
+  }
+  s_off[num_ranks] = off;
+  return off;
+}
+
+// The dispatch receive's count of source `peer`'s block: the flag's low half when it arrived, else 0 (masked).
+__host__ __device__ __forceinline__ int source_count(int result, int64_t flag) {
+  return result == kArrived ? (int)(flag & 0xFFFFFFFFll) : 0;
+}
+
+// Spin until (*flag >> shift) >= want (shift 32: dispatch, the epoch in the high half). One thread. kArrived (the
+// flag in *seen); kMasked: `peer` is masked (before the wait, meanwhile by another block, or now by this wait's
+// timeout: `expire`); kFailed: timeout without a mask (recorded in err) or err already raised.
+__device__ inline int wait_flag(const int64_t* flag, int64_t want, int shift, int timeout_ms, int* err,
+                                volatile int* herr, int rank, int peer, int tag, int64_t* seen, int* mask,
+                                int num_ranks) {
+  if (masked(mask, peer)) return kMasked;
   const uint64_t start = now_ns();
   for (uint32_t it = 0;; ++it) {
     const int64_t v = ld_acquire_sys(flag);
     if ((v >> shift) >= want) {
       *seen = v;
-      return true;
+      return kArrived;
     }
     if ((it & 255u) == 255u) {
-      if (*reinterpret_cast<volatile int*>(err) != 0) return false;
-      if (now_ns() - start > (uint64_t)timeout_ms * 1000000ull) {
-        if (atomicCAS(err, 0, 1) == 0 && herr != nullptr) {
-          herr[1] = rank;
-          herr[2] = peer;
-          herr[3] = tag;
-          __threadfence_system();
-          herr[0] = 1;
-          __threadfence_system();
-        }
-        return false;
-      }
+      if (*reinterpret_cast<volatile int*>(err) != 0) return kFailed;
+      if (masked(mask, peer)) return kMasked;
+      if (now_ns() - start > (uint64_t)timeout_ms * 1000000ull)
+        return expire(mask, num_ranks, err, herr, rank, peer, tag);
     }
   }
 }
@@ -216,12 +307,13 @@ extern "C" __global__ void __launch_bounds__(256)
 
 // Dispatch send. Payload rows: bf16 x [T, hidden], or the FP8 staging of `ep_lln_cast_fp8` (`use_fp8`, row stride
 // `stride` bytes); topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
-// tokens to rank g / E_local, then the count. Dynamic shared memory: 8 * M bytes.
+// tokens to rank g / E_local, then the count (nothing to a masked rank). Dynamic shared memory: 8 * M bytes.
 extern "C" __global__ void __launch_bounds__(512)
     ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
                          int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                         int use_fp8, int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr) {
+                         int use_fp8, int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr,
+                         int* mask) {
   EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
   __shared__ int warp_sums[32];
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -232,8 +324,10 @@ extern "C" __global__ void __launch_bounds__(512)
   const int groups = hidden / 128;
   const int vecs = use_fp8 ? (hidden + groups * 4 + 15) / 16 : hidden * 2 / 16;
   for (int g = blockIdx.x; g < num_experts; g += gridDim.x) {
-    const int count = ep_lln_list_tokens(topk, idx64, num_tokens, num_topk, g, m, s_list, warp_sums);
     const int dst = g / epr, e = g - dst * epr;
+    // block-uniform (another block's timeout may flip the word meanwhile)
+    if (mask != nullptr && __syncthreads_or(threadIdx.x == 0 && ep_lln::masked(mask, dst))) continue;
+    const int count = ep_lln_list_tokens(topk, idx64, num_tokens, num_topk, g, m, s_list, warp_sums);
     uint8_t* local_slots = own_half + L.ddata + ((int64_t)e * num_ranks + rank) * m * L.msg;
     uint8_t* slots = ep_lln::peer_addr(peers, dst, own_base, local_slots);
     if (lane_pos != nullptr)  // each (token, first lane)'s position in this rank's block of its expert (combine)
@@ -269,7 +363,8 @@ extern "C" __global__ void __launch_bounds__(512)
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
                          const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
-                         int num_tokens, int local_direct, int timeout_ms, int* err, volatile int* herr) {
+                         int num_tokens, int local_direct, int timeout_ms, int* err, volatile int* herr,
+                         int* mask) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
   __shared__ int warp_sums[32];
@@ -287,20 +382,14 @@ extern "C" __global__ void __launch_bounds__(512)
     const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks;
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
       int64_t v = 0;
-      if (!ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v)) s_fail = 1;
-      s_off[r] = (int)(v & 0xFFFFFFFFll);
+      const int res = ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
+      if (res == ep_lln::kFailed) s_fail = 1;
+      s_off[r] = ep_lln::source_count(res, v);  // a masked source's block counts 0
     }
     __syncthreads();
     if (s_fail) return;
     if (threadIdx.x == 0) {
-      int off = 0;
-      for (int r = 0; r < num_ranks; ++r) {
-        const int c = s_off[r];
-        layout_range[(int64_t)e * num_ranks + r] = ((int64_t)off << 32) | (int64_t)c;
-        s_off[r] = off;
-        off += c;
-      }
-      s_off[num_ranks] = off;
+      const int off = ep_lln::block_layout(s_off, num_ranks, layout_range + (int64_t)e * num_ranks);
       recv_count[e] = off;
       if (stats != nullptr) stats[e] += off;
     }
@@ -368,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(512)
 __device__ inline void ep_lln_logfmt_send_rows(const uint4* x_rows, const int* src_info, const int* lanes, int total,
                                                const int* s_off, int num_topk, int hidden, int num_ranks, int m,
                                                const uint64_t* peers, const uint8_t* own_base, uint8_t* cdata,
-                                               uint8_t* cmeta) {
+                                               uint8_t* cmeta, const int* mask) {
   const int ch = ep_lfmt::chunk_size(hidden), nch = hidden / ch, groups = hidden / 128;
   for (int u = threadIdx.x >> 5; u < total * nch; u += blockDim.x >> 5) {  // warp-uniform
     const int j = u / nch, c = u - j * nch;
@@ -379,6 +468,7 @@ __device__ inline void ep_lln_logfmt_send_rows(const uint4* x_rows, const int* s
       const int mid = (lo + hi + 1) >> 1;
       if (s_off[mid] <= j) lo = mid; else hi = mid - 1;
     }
+    if (mask != nullptr && __any_sync(0xFFFFFFFFu, ep_lln::masked(mask, lo))) continue;  // warp-uniform
     const int64_t slot = (int64_t)t * num_topk + k;
     uint8_t* row = ep_lln::peer_addr(peers, lo, own_base, cdata + slot * hidden * 2);
     uint32_t* meta = reinterpret_cast<uint32_t*>(ep_lln::peer_addr(peers, lo, own_base, cmeta + slot * groups * 4));
@@ -396,7 +486,7 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
                                                       int hidden, int num_experts, int num_ranks, int rank, int m,
                                                       const uint64_t* __restrict__ peers, const uint8_t* own_base,
                                                       uint8_t* own_half, int local_direct, int* err,
-                                                      volatile int* herr) {
+                                                      volatile int* herr, const int* mask) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
@@ -419,22 +509,24 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
     const int total = s_off[num_ranks];
     const int64_t base_row = (int64_t)e * slots;
     // destination of packed row j: slot (token, lane) on the row's source rank (binary search over the offsets);
-    // rows with garbage (an aborted dispatch) go nowhere: they read and write their own row
+    // rows with garbage (an aborted dispatch) or of a masked source go nowhere: they read and write their own row
     auto dst_of = [&](int j) -> uint4* {
       const int t = src_info[base_row + j], k = lanes[base_row + j];
-      if (t < 0 || t >= m || k < 0 || k >= num_topk) return const_cast<uint4*>(x + (base_row + j) * row_vecs);
+      uint4* self = const_cast<uint4*>(x + (base_row + j) * row_vecs);
+      if (t < 0 || t >= m || k < 0 || k >= num_topk) return self;
       int lo = 0, hi = num_ranks - 1;
       while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
         if (s_off[mid] <= j) lo = mid; else hi = mid - 1;
       }
+      if (ep_lln::masked(mask, lo)) return self;
       uint8_t* local = own_half + L.cdata + ((int64_t)t * num_topk + k) * hidden * 2;
       return reinterpret_cast<uint4*>(ep_lln::peer_addr(peers, lo, own_base, local));
     };
     if constexpr (kLogFMT) {
       ep_lln_logfmt_send_rows(x + base_row * row_vecs, src_info + base_row, lanes + base_row, total, s_off,
                               num_topk, hidden, num_ranks, m, peers, own_base, own_half + L.cdata,
-                              own_half + L.cmeta);
+                              own_half + L.cmeta, mask);
     } else if (!local_direct) {
       ep_lln_copy_rows(
           total, row_vecs, [&](int j) { return x + (base_row + j) * row_vecs; }, dst_of);
@@ -448,6 +540,7 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
     }
     __syncthreads();
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      if (ep_lln::masked(mask, r)) continue;
       __threadfence_system();
       int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.cflag) + (int64_t)rank * epr + e;
       ep_lln::st_release_sys(
@@ -471,8 +564,9 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
                                                       uint4* __restrict__ out, const uint4* __restrict__ x,
                                                       const int64_t* __restrict__ layout_range,
                                                       const int* __restrict__ lane_pos, int local_direct,
-                                                      int timeout_ms, int* err, volatile int* herr) {
+                                                      int timeout_ms, int* err, volatile int* herr, int* mask) {
   __shared__ int s_src[EP_LL_MAX_TOPK];  // per lane: the lane whose slot holds its expert's output, -1 none
+  __shared__ int s_dead[EP_LL_MAX_TOPK];  // per first lane of an expert: its rank is masked (zero contribution)
   __shared__ int64_t s_row[EP_LL_MAX_TOPK];  // local_direct: the packed row of x holding a local lane's output
   __shared__ float s_w[EP_LL_MAX_TOPK];
   __shared__ int s_fail;
@@ -491,7 +585,7 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
     __syncthreads();
     for (int k = threadIdx.x; k < num_topk; k += blockDim.x) {
       const int64_t g = ep_ll::load_idx(topk, (int64_t)t * num_topk + k, idx64);
-      int src = -1;
+      int src = -1, dead = 0;
       if (g >= 0 && g < num_experts) {
         src = k;
         for (int j = 0; j < k; ++j)
@@ -500,9 +594,14 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
             break;
           }
         int64_t v;
-        if (src == k && !ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v))
-          s_fail = 1;
+        if (src == k) {
+          const int res =
+              ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v, mask, num_ranks);
+          if (res == ep_lln::kFailed) s_fail = 1;
+          dead = res == ep_lln::kMasked;
+        }
       }
+      s_dead[k] = dead;
       s_src[k] = src;
       s_w[k] = w[(int64_t)t * num_topk + k];
       s_row[k] = -1;
@@ -514,6 +613,11 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
     }
     __syncthreads();
     if (s_fail) return;
+    if (mask != nullptr) {  // lanes repeating a dropped lane's expert are dropped with it
+      for (int k = threadIdx.x; k < num_topk; k += blockDim.x)
+        s_src[k] = ep_lln::lane_source(s_src[k], s_dead);
+      __syncthreads();
+    }
     const int c = chunk * blockDim.x + threadIdx.x;
     if (c < vecs) {
       float a[8];
@@ -567,8 +671,10 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
     // it: the next dispatch into a peer's half must not overtake that peer's reading of it)
     __syncthreads();
     for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
-      int64_t v;
-      if (!ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, g / epr, 2, &v)) break;
+      int64_t v;  // a masked rank's flags are not waited for
+      if (ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, g / epr, 2, &v, mask, num_ranks) ==
+          ep_lln::kFailed)
+        break;
     }
   }
   ep_lln::finish_epoch(ctrl, 1);
@@ -579,9 +685,9 @@ extern "C" __global__ void __launch_bounds__(512)
                         const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                         int hidden, int num_experts, int num_ranks, int rank, int m,
                         const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                        int local_direct, int* err, volatile int* herr) {
+                        int local_direct, int* err, volatile int* herr, const int* mask) {
   ep_lln_combine_send_t<false>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
-                               peers, own_base, own_half, local_direct, err, herr);
+                               peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(512)
@@ -589,9 +695,9 @@ extern "C" __global__ void __launch_bounds__(512)
                                const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                                int hidden, int num_experts, int num_ranks, int rank, int m,
                                const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                               int local_direct, int* err, volatile int* herr) {
+                               int local_direct, int* err, volatile int* herr, const int* mask) {
   ep_lln_combine_send_t<true>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
-                              peers, own_base, own_half, local_direct, err, herr);
+                              peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -599,9 +705,9 @@ extern "C" __global__ void __launch_bounds__(256)
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                         uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
                         const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
-                        int local_direct, int timeout_ms, int* err, volatile int* herr) {
+                        int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask) {
   ep_lln_combine_recv_t<false>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
-                               own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr);
+                               own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -609,7 +715,52 @@ extern "C" __global__ void __launch_bounds__(256)
                                int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                                uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
                                const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
-                               int local_direct, int timeout_ms, int* err, volatile int* herr) {
+                               int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask) {
   ep_lln_combine_recv_t<true>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
-                              own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr);
+                              own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
+}
+
+// Rank masking's rejoin (V1's low_latency_clean_mask_buffer under ep's epoch flags): a collective of every rank, one
+// block. Unmasks every rank (mask[0..N) = 0, mask[N] = generation `gen`, the count of cleans so far, equal on every
+// rank), then two barriers over the header's sync words (int64 [N] at own_base + 64; peer r's word [rank] gets
+// 2 gen - 1, then 2 gen). After the first, no rank's kernel from before its clean writes anywhere (stream order); each
+// rank then zeroes the ctrl words and flags of both its halves (the epochs restart at 0, a rank that sat out while
+// masked included); after the second, every rank's next call may send. A rank that does not arrive within the
+// timeout is masked again (`expire`). The caller's next call uses half 0.
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_clean(const uint64_t* __restrict__ peers, uint8_t* own_base, int num_topk, int hidden, int num_experts,
+                 int num_ranks, int rank, int m, int gen, int timeout_ms, int* err, volatile int* herr, int* mask) {
+  if (*reinterpret_cast<volatile int*>(err) != 0) return;
+  const int epr = num_experts / num_ranks;
+  const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
+  const int64_t header = ep_lln::header_bytes(num_ranks);
+  int64_t* sync = reinterpret_cast<int64_t*>(own_base + 64);
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) mask[r] = 0;
+  if (threadIdx.x == 0) mask[num_ranks] = gen;
+  __threadfence();
+  __syncthreads();
+  for (int phase = 1; phase >= 0; --phase) {
+    const int64_t want = 2 * (int64_t)gen - phase;
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      if (ep_lln::masked(mask, r)) continue;  // did not arrive at the first barrier
+      __threadfence_system();
+      ep_lln::st_release_sys(
+          reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, r, own_base, reinterpret_cast<uint8_t*>(sync + rank))),
+          want);
+    }
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      int64_t v;
+      ep_lln::wait_flag(sync + r, want, 0, timeout_ms, err, herr, rank, r, 3, &v, mask, num_ranks);
+    }
+    __syncthreads();
+    if (phase == 1) {  // ctrl, dispatch and combine flags of both halves (the bytes before the dispatch slots)
+      const int64_t words = L.ddata / 8;
+      for (int64_t i = threadIdx.x; i < 2 * words; i += blockDim.x) {
+        const int h = (int)(i / words);
+        reinterpret_cast<int64_t*>(own_base + header + h * L.half_bytes)[i - h * words] = 0;
+      }
+      __threadfence_system();
+      __syncthreads();
+    }
+  }
 }

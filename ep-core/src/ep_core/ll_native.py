@@ -21,24 +21,35 @@ __all__ = [
     "KERNEL_NAMES",
     "MAX_TOPK",
     "SIGNATURES",
+    "SYNC_OFFSET",
     "RegionLayout",
     "compile_ll_native",
+    "header_bytes",
     "launch",
     "load",
     "region_layout",
 ]
 
 MAX_TOPK = 128  # EP_LL_MAX_TOPK: a token's lanes are staged in shared memory by the combine receive
-HEADER_BYTES = 256  # the region's front: the device error word (int32 [4]) before the two halves
+HEADER_BYTES = 256  # the region's front (at least): the device error word (int32 [4]) before the two halves
+SYNC_OFFSET = 64  # in the front: the clean barrier's sync words, int64 [N] (`header_bytes`)
 
+
+def header_bytes(num_ranks: int) -> int:
+    """The region's front for ``num_ranks`` ranks (``ep_lln::header_bytes``): the error word, the sync words."""
+    return (SYNC_OFFSET + 8 * num_ranks + 255) // 256 * 256
+
+
+# the last parameter of the four exchanges (and their LogFMT twins): the rank mask, int32 [N + 1] (0 = none)
 SIGNATURES: dict[str, str] = {
     "ep_lln_cast_fp8": "piipi",
-    "ep_lln_dispatch_send": "pipiiiiiiiipppiippp",
-    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiipp",
-    "ep_lln_combine_send": "ppppiiiiiipppipp",
-    "ep_lln_combine_recv": "pipiiiiiiipppppiipp",
-    "ep_lln_combine_send_logfmt": "ppppiiiiiipppipp",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)
-    "ep_lln_combine_recv_logfmt": "pipiiiiiiipppppiipp",
+    "ep_lln_dispatch_send": "pipiiiiiiiipppiipppp",
+    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiippp",
+    "ep_lln_combine_send": "ppppiiiiiipppippp",
+    "ep_lln_combine_recv": "pipiiiiiiipppppiippp",
+    "ep_lln_combine_send_logfmt": "ppppiiiiiipppippp",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)
+    "ep_lln_combine_recv_logfmt": "pipiiiiiiipppppiippp",
+    "ep_lln_clean": "ppiiiiiiiippp",  # rank masking's rejoin: a collective of every rank (see the header)
 }
 KERNEL_NAMES = tuple(SIGNATURES)
 SOURCE = "// ep_core V1 low-latency native kernels\n#include <ep_core/ll_native.cuh>\n"
@@ -54,11 +65,12 @@ class RegionLayout(NamedTuple):
     cdata: int
     half_bytes: int
     msg: int
-    total_bytes: int  # HEADER_BYTES + 2 halves
+    total_bytes: int  # header + 2 halves
     cmeta: int = 0  # LogFMT group words of the combine slots [M][K][hidden / 128] uint32
+    header: int = HEADER_BYTES  # the region's front (`header_bytes`)
 
     def half_offset(self, half: int) -> int:
-        return HEADER_BYTES + int(half) * self.half_bytes
+        return self.header + int(half) * self.half_bytes
 
 
 def region_layout(
@@ -72,7 +84,8 @@ def region_layout(
     cdata = ddata + epr * num_ranks * m * msg
     cmeta = cdata + m * num_topk * hidden * 2
     half = (cmeta + m * num_topk * (hidden // 128) * 4 + 4095) // 4096 * 4096
-    return RegionLayout(0, dflag, cflag, ddata, cdata, half, msg, HEADER_BYTES + 2 * half, cmeta)
+    front = header_bytes(num_ranks)
+    return RegionLayout(0, dflag, cflag, ddata, cdata, half, msg, front + 2 * half, cmeta, front)
 
 
 _KERNELS = KernelSet("ep_core_ll_native", SOURCE, SIGNATURES, {"EP_LL_MAX_TOPK": MAX_TOPK})

@@ -181,10 +181,11 @@ class Buffer(LowLatencyMode):
                 "Buffer: comm= (an mpi4py communicator); pass a torch.distributed group"
             )
         self.enable_shrink, self._shrink = bool(enable_shrink), None
-        if enable_shrink:  # refused on CUDA transports before anything is built
-            self._make_shrink(transport, check_only=True)
+        if enable_shrink:  # refused where not implemented before anything is built
+            self._make_shrink(transport, check_only=True, ll_native=ll_native)
         self._bind_group(group, transport)
-        self._shrink = self._make_shrink(transport) if enable_shrink else None  # legacy.ll_shrink
+        # legacy.ll_shrink: the CPU backend's masked exchange, or the native kernels' device mask on CUDA
+        self._shrink = self._make_shrink(transport, ll_native=ll_native) if enable_shrink else None
         self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = int(num_qps_per_rank)
@@ -250,8 +251,9 @@ class Buffer(LowLatencyMode):
         state = self._state
         if state is None:  # loopback ranks (threads): their inner buffers announce for themselves
             return contextlib.nullcontext()
-        if self._shrink is not None and op.startswith("low_latency"):  # its steps: the masked exchange's
-            return Guard(state, op, self._shrink.announce)
+        announce = getattr(self._shrink, "announce", None)  # CPU backend: its steps are the masked exchange's
+        if announce is not None and op.startswith("low_latency"):
+            return Guard(state, op, announce)
         core = None if inner is None else inner.runtime
         if core is not None and not core._destroyed:
             return Guard(state, op, _InnerAnnounce(core))

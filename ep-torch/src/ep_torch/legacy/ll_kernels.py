@@ -241,7 +241,9 @@ class NativeRegion:
         self.own_base = bases[self.rank]
         dev = torch.device("cuda", torch.cuda.current_device())
         self.peers = torch.tensor(bases, dtype=torch.int64, device=dev)
-        self.herr = torch.zeros(4, dtype=torch.int32).pin_memory()  # host mapped: read without a sync
+        # host mapped, read without a sync: [0..4) the timeout record, [4 + r] the mask generation + 1 when a
+        # kernel masked rank r after a timeout (rank masking; ll_shrink.NativeShrink merges it)
+        self.herr = torch.zeros(4 + self.num_ranks, dtype=torch.int32).pin_memory()
         self.timeout_ms = max(1, min(int(float(rt.config.num_gpu_timeout_secs) * 1000), (1 << 31) - 1))
         sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
         devices = getattr(rt.storage, "rank_devices", None) or []
@@ -282,13 +284,15 @@ def native_dispatch(
     use_ue8m0: bool,
     stats: torch.Tensor | None,
     local_direct: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """Launch the dispatch send now; returns ``(recv, recv_count, src_info, layout_range, lanes, lane_pos,
     receive)`` where ``receive()`` launches the receive (on the then-current stream) that fills the outputs.
     ``lane_pos`` [T, K] int32: each (token, first lane of its expert)'s position in this rank's block of the expert
     (the combine's local shortcut reads it). ``local_direct``: the receive follows the send at once (no hook), so
     this rank's own experts take their rows from ``x`` (or the FP8 staging) in the receive instead of a message
-    through the buffer: one pass instead of two for the local share."""
+    through the buffer: one pass instead of two for the local share. ``mask``: the rank mask (int32 [N + 1] on the
+    device, ``ll_shrink.NativeShrink``), None = no masking."""
     run = _NativeLaunch()
     dev = x.device
     n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
@@ -311,7 +315,7 @@ def native_dispatch(
         payload, pstride = x, h * 2
     lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
     send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr()]  # fmt: skip
+            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask]  # fmt: skip
     run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     if use_fp8:
         q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -333,7 +337,7 @@ def native_dispatch(
     def receive() -> None:
         args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
                 src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
-                idx64, t, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
+                idx64, t, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
@@ -354,6 +358,7 @@ def native_combine(
     lane_pos: torch.Tensor | None = None,
     local_direct: bool = False,
     use_logfmt: bool = False,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """Launch the combine send now; returns ``(combined, receive)``, ``receive()`` launching the weighted reduction
     into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it).
@@ -370,7 +375,7 @@ def native_combine(
     err = reg.own_base
     local_direct = bool(local_direct) and lane_pos is not None
     send = [x, src_info, lanes, layout_range, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(local_direct), err, reg.herr.data_ptr()]  # fmt: skip
+            own_half, int(local_direct), err, reg.herr.data_ptr(), mask]  # fmt: skip
     run("ep_lln_combine_send" + suffix, min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
     t = int(topk_idx.shape[0])
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
@@ -384,16 +389,26 @@ def native_combine(
         items = t * chunks
         if items:
             args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
-                    lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
+                    lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
             _NativeLaunch()("ep_lln_combine_recv" + suffix, min(items, reg.recv_blocks), 256, args)
         else:  # no token: the kernel still has to see every flag of this call (its epoch)
             args = [topk, idx64, w, 0, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
-                    lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr()]  # fmt: skip
+                    lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
             _NativeLaunch()("ep_lln_combine_recv" + suffix, 1, 256, args)
         if out is not None and not direct:
             out.copy_(dest)
 
     return (out if out is not None else dest), receive
+
+
+def native_clean(reg: NativeRegion, mask: torch.Tensor, gen: int) -> None:
+    """Launch ``ep_lln_clean`` (rank masking's rejoin, a collective kernel of every rank: unmask all, reset the
+    epochs and flags of both halves between two device barriers; ``gen`` the count of cleans so far, equal on every
+    rank) on the current stream; the next call uses half 0."""
+    args = [reg.peers, reg.own_base, reg.num_topk, reg.hidden, reg.num_experts, reg.num_ranks, reg.rank, reg.m,
+            int(gen), reg.timeout_ms, reg.own_base, reg.herr.data_ptr(), mask]  # fmt: skip
+    _NativeLaunch()("ep_lln_clean", 1, 256, args)
+    reg.next_half = 0
 
 
 class _NativeLaunch(_Launch):

@@ -105,6 +105,13 @@ class LowLatencyMode:
             self._ll_region = None
             self._ll_inner.destroy()
             self._ll_inner, self._ll_key = None, None
+            if self._shrink is not None:  # no silent fallback: the adapter takes no mask
+                from .ll_shrink import shrink_unsupported
+
+                raise shrink_unsupported(
+                    "low_latency_dispatch",
+                    "a transport that does not map the peers' memory (the native kernels')",
+                )
             self.ll_native = False  # this transport: the adapter from now on
 
     def _on_comm(
@@ -188,7 +195,7 @@ class LowLatencyMode:
             raise EPValueError(
                 f"cumulative_local_expert_recv_stats (rank {self.rank}): must be [{num_experts // self.group_size}]"
             )
-        if self._shrink is not None:
+        if self._shrink is not None and not self._native_shrink(x, "low_latency_dispatch"):
             return self._shrink_dispatch(
                 x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
                 use_ue8m0, async_finish, return_recv_hook,
@@ -324,18 +331,20 @@ class LowLatencyMode:
 
         reg = self._ll_region
         reg.check("low_latency_dispatch")
+        mask, gen = self._native_mask(reg, "low_latency_dispatch")
         h = int(x.shape[1])
 
         local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
 
         def send() -> tuple:
             recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
-                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct
+                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask
             )
             handle = LowLatencyHandle(
                 (src_info, layout_range, m, h, num_experts), None, None, None,
                 native=(reg, lanes, lane_pos), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
             )  # fmt: skip
+            handle.mask_gen = gen  # a clean restarts the epochs: this dispatch's combine must come before it
             return (recv, count, handle), receive
 
         if return_recv_hook:
@@ -366,6 +375,12 @@ class LowLatencyMode:
 
         reg, lanes, lane_pos = handle.native
         reg.check("low_latency_combine")
+        mask, gen = self._native_mask(reg, "low_latency_combine")
+        if getattr(handle, "mask_gen", None) != gen:
+            raise EPStateError(
+                f"low_latency_combine (rank {self.rank}): the handle's dispatch ran before "
+                "low_latency_clean_mask_buffer(), which restarted the kernels' epochs; dispatch again"
+            )
         src_info, layout_range = handle[0], handle[1]
         # without a hook the receive follows the send at once: this rank's own rows are read in x (one pass);
         # LogFMT sends every row through the buffer (the receive decodes what the send encoded)
@@ -374,7 +389,7 @@ class LowLatencyMode:
         def send() -> tuple:
             return ll_kernels.native_combine(
                 reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct,
-                use_logfmt,
+                use_logfmt, mask,
             )  # fmt: skip
 
         if return_recv_hook:
@@ -419,22 +434,57 @@ class LowLatencyMode:
     # ----------------------------------------------------------------------------------------------------------------
     # rank masking (enable_shrink=True; legacy.ll_shrink, ep_core.rank_mask)
 
-    def _make_shrink(self, transport: str | None, check_only: bool = False) -> Any:
-        """The rank mask and its masked exchange: the CPU backend (gloo groups) only; CUDA is refused by name
-        (``check_only``: the transport alone, before the group is bound)."""
-        from .ll_shrink import ShrinkLowLatency, shrink_unsupported
+    def _make_shrink(self, transport: str | None, check_only: bool = False, ll_native: Any = None) -> Any:
+        """The rank mask: on the CPU backend (gloo groups) with its masked exchange (``ShrinkLowLatency``); on CUDA
+        with the native kernels (``ll_native=True``; ipc or a loopback group) the device mask (``NativeShrink``);
+        anything else is refused by name (``check_only``: the transport alone, before the group is bound)."""
+        from .ll_shrink import NativeShrink, ShrinkLowLatency, shrink_unsupported
 
+        native = bool(ll_native)
         forced = transport or _env.transport()
-        if forced in ("ipc", "nccl"):
-            raise shrink_unsupported("Buffer", f"transport {forced} (CUDA)")
+        if forced == "nccl" or (forced == "ipc" and not native):
+            raise shrink_unsupported(
+                "Buffer", f"transport {forced} (CUDA)" + ("" if native else " without ll_native=True")
+            )
         if check_only:
             return None
         if self._channel is None:
-            raise shrink_unsupported("Buffer", "a loopback group")
+            loop = getattr(self, "_loopback", None)
+            if native and loop is not None and loop.device.type == "cuda":
+                return NativeShrink(self.rank, self.group_size)
+            raise shrink_unsupported(
+                "Buffer", "a loopback group" + ("" if native else " without ll_native=True")
+            )
         boot = self._channel.bootstrap
         if boot.device.type != "cpu":
-            raise shrink_unsupported("Buffer", f"a {dist.get_backend(self.group)} group (CUDA)")
+            if native:
+                return NativeShrink(self.rank, self.group_size)
+            raise shrink_unsupported(
+                "Buffer", f"a {dist.get_backend(self.group)} group (CUDA) without ll_native=True"
+            )
         return ShrinkLowLatency(self.rank, self.group_size, boot, self.num_cpu_timeout_secs)
+
+    def _native_shrink(self, x: torch.Tensor, op: str) -> bool:
+        """Whether this buffer's masking runs in the native kernels (``NativeShrink``, CUDA tensors only)."""
+        from .ll_shrink import NativeShrink, shrink_unsupported
+
+        if not isinstance(self._shrink, NativeShrink):
+            return False
+        if not x.is_cuda:
+            raise shrink_unsupported(op, "CPU tensors on a CUDA group")
+        return True
+
+    def _native_mask(self, reg: Any, op: str) -> tuple[torch.Tensor | None, int]:
+        """The device mask for this native call (None without masking) and its generation; takes the ranks that
+        kernels masked after a timeout into the host mask first (a warning naming each)."""
+        from .ll_shrink import NativeShrink
+
+        shrink = self._shrink
+        if not isinstance(shrink, NativeShrink):
+            return None, 0
+        shrink.merge(reg, op)
+        shrink.calls += 1
+        return shrink.device(), shrink.gen
 
     def _shrink_step(self, op: str, x: torch.Tensor) -> Any:
         if x.is_cuda:
@@ -480,8 +530,15 @@ class LowLatencyMode:
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Mask (``mask=True``) or unmask ``rank_to_mask`` on this rank: a masked rank is neither sent to nor waited
-        for in the low-latency operations, its experts' tokens are dropped (V1's semantics; local, no collective)."""
-        self._mask_of("low_latency_update_mask_buffer").update(rank_to_mask, bool(mask))
+        for in the low-latency operations, its experts' tokens are dropped (V1's semantics; local, no collective).
+        On CUDA (native kernels) a rank masked while calls ran is unmasked by ``low_latency_clean_mask_buffer``."""
+        from .ll_shrink import NativeShrink
+
+        rank_mask = self._mask_of("low_latency_update_mask_buffer")
+        if isinstance(self._shrink, NativeShrink):
+            self._shrink.update(rank_to_mask, bool(mask))
+        else:
+            rank_mask.update(rank_to_mask, bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
         """Write this rank's mask into ``mask_status`` ``[num_ranks]`` int32: 1 = masked (by the user or after a
@@ -497,11 +554,26 @@ class LowLatencyMode:
                 f"low_latency_query_mask_buffer (rank {self.rank}): mask_status must be a [{n}] torch.int32 tensor, "
                 f"got {getattr(mask_status, 'shape', type(mask_status).__name__)} {getattr(mask_status, 'dtype', '')}"
             )
+        from .ll_shrink import NativeShrink
+
+        if isinstance(self._shrink, NativeShrink):  # the device mask (kernels mask after a timeout)
+            self._shrink.query(self._ll_region, mask_status, "low_latency_query_mask_buffer")
+            return
         mask_status.copy_(torch.from_numpy(rank_mask.flags.copy()))
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Unmask every rank on this rank."""
-        self._mask_of("low_latency_clean_mask_buffer").clean()
+        """Unmask every rank on this rank. On CUDA (native kernels) a collective: every rank calls it between the same
+        two operations (the ones that sat out while masked included), after the results of its earlier calls were
+        waited for; it restarts the kernels' epochs (``ep_lln_clean``) so that every rank rejoins, and handles from
+        before it are refused. A rank that does not take part within the GPU timeout stays masked."""
+        from .ll_shrink import NativeShrink
+
+        rank_mask = self._mask_of("low_latency_clean_mask_buffer")
+        if isinstance(self._shrink, NativeShrink):
+            region = self._ll_region
+            self._shrink.clean(region, None if region is None else self.get_comm_stream())
+            return
+        rank_mask.clean()
 
 
 def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

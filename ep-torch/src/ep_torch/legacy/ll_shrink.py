@@ -1,4 +1,5 @@
-"""V1 low-latency mode with rank masking (``Buffer(enable_shrink=True)``) on the CPU backend (gloo groups).
+"""V1 low-latency mode with rank masking (``Buffer(enable_shrink=True)``): ``ShrinkLowLatency`` on the CPU backend
+(gloo groups), ``NativeShrink`` on CUDA with the native kernels (``ll_native=True``; see its docstring).
 
 The mask is ``ep_core.rank_mask.RankMask`` (one per buffer, local to the rank, DeepEP's mask buffer) and every step
 goes through ``ep_core.rank_mask.MaskedExchange`` over the group's store instead of a gloo collective: a collective
@@ -15,6 +16,11 @@ combine sums, in ascending lane order, the lanes whose expert's rank is unmasked
 
 The group's store is torch.distributed's default store, hosted by one rank (rank 0 under ``ep_torch.launch``): that
 rank cannot be the lost one here.
+
+On CUDA (``NativeShrink``) the native kernels take the mask themselves (``include/ep_core/ll_native.cuh``): the same
+semantics per (token, expert), the same numerics; a kernel's wait that expires masks the peer on the device and the
+host reports it (``RankMaskedWarning``) at its next low-latency call or query. Compiled and tested on the host; not
+yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -23,12 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from ep_core.errors import EPStateError
 from ep_core.rank_mask import MaskedExchange, RankMask
 
 from .fp8 import per_token_cast_to_fp8
 from .low_latency import LowLatencyHandle, weighted_lane_sum
 
-__all__ = ["ShrinkLowLatency", "shrink_unsupported"]
+__all__ = ["NativeShrink", "ShrinkLowLatency", "shrink_unsupported"]
 
 # per group: enable_shrink buffers built so far (every rank builds a group's buffers in the same order)
 _BUILT: dict[str, int] = {}
@@ -37,8 +44,9 @@ _BUILT: dict[str, int] = {}
 def shrink_unsupported(where: str, what: str) -> NotImplementedError:
     """The refusal of ``enable_shrink`` where it is not implemented (CUDA; no silent fallback)."""
     return NotImplementedError(
-        f"{where}: enable_shrink=True (rank masking) with {what}: not implemented (the CUDA low-latency kernels take "
-        "no rank mask yet); it runs on the CPU backend of a process group (gloo, CPU tensors) only"
+        f"{where}: enable_shrink=True (rank masking) with {what}: not implemented; it runs on the CPU backend of a "
+        "process group (gloo, CPU tensors) and on CUDA with the native low-latency kernels (ll_native=True, over "
+        "ipc or a loopback group) only"
     )
 
 
@@ -189,3 +197,74 @@ class ShrinkLowLatency:
 
             rows_in = roundtrip_torch(rows_in)
         return weighted_lane_sum(rows_in, live, topk_weights)
+
+
+class NativeShrink:
+    """The rank mask of one V1 ``Buffer`` on CUDA with the native kernels (``ll_kernels.native_*``).
+
+    ``mask``: the host ``RankMask``; ``device()``: its device twin, int32 [N + 1] (``ll_native.cuh``: mask[r] != 0 =
+    masked, mask[N] the generation), which every native low-latency kernel reads and which a kernel's expired wait
+    sets (no host sync). ``merge`` takes those into the host mask with a ``RankMaskedWarning`` (host-mapped records
+    of the region, stamped with the generation, so a record from before a clean is not taken after it).
+    ``gen``: the cleans so far. Unmasking is ``clean`` (a collective kernel that also restarts the epochs, so that
+    a rank that sat out while masked can rejoin); unmasking one rank is refused once a low-latency call ran while it
+    was masked (its epochs lag)."""
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        self.mask = RankMask(rank, num_ranks)
+        self.gen = 0
+        self.calls = 0  # native low-latency calls issued (unmasking one rank: none since it was masked)
+        self._since = [0] * num_ranks  # `calls` when each rank was masked (-1: masked by a kernel's timeout)
+        self._dev: torch.Tensor | None = None
+
+    def device(self) -> torch.Tensor:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        if self._dev is None or self._dev.device != dev:
+            flags = np.concatenate([self.mask.flags, np.array([self.gen], np.int32)])
+            self._dev = torch.from_numpy(flags).to(dev)
+        return self._dev
+
+    def merge(self, reg: Any, op: str) -> None:
+        """Mask on the host the ranks a kernel masked after a timeout in this generation (warning naming each)."""
+        if reg is None:
+            return
+        n = self.mask.num_ranks
+        rec = reg.herr[4 : 4 + n].numpy()
+        for r in np.flatnonzero(rec == self.gen + 1):
+            if not self.mask.is_masked(int(r)):
+                self._since[int(r)] = -1
+                self.mask.mask_lost(int(r), op, reg.timeout_ms / 1000.0)
+
+    def update(self, rank_to_mask: int, mask: bool) -> None:
+        r = self.mask._check_rank("rank_to_mask", rank_to_mask)
+        if not mask and self.mask.is_masked(r) and self._since[r] != self.calls:
+            raise EPStateError(
+                f"low_latency_update_mask_buffer(rank_to_mask={r}, mask=False): on CUDA a rank masked while "
+                "low-latency calls ran cannot be unmasked alone (its kernels' epochs lag the others'); call "
+                "low_latency_clean_mask_buffer() on every rank (a collective that unmasks every rank and restarts "
+                "the epochs)"
+            )
+        self.mask.update(r, bool(mask))
+        self._since[r] = self.calls
+        self.device()[r : r + 1].fill_(int(bool(mask)))
+
+    def query(self, reg: Any, mask_status: torch.Tensor, op: str) -> None:
+        mask_status.copy_(self.device()[: self.mask.num_ranks])
+        self.merge(reg, op)
+
+    def clean(self, reg: Any, comm: Any) -> None:
+        """Unmask every rank and restart the epochs (a collective: every rank, the ones that sat out included,
+        between the same two operations, after their results were waited for)."""
+        from . import ll_kernels
+
+        self.mask.clean()
+        self.gen += 1
+        self._since = [self.calls] * self.mask.num_ranks
+        dev = self.device()
+        if reg is None:  # no native call yet: nothing to resynchronise
+            dev[: self.mask.num_ranks].zero_()
+            dev[self.mask.num_ranks :].fill_(self.gen)
+            return
+        if comm is not None:
+            torch.cuda.current_stream().wait_stream(comm)
+        ll_kernels.native_clean(reg, dev, self.gen)
