@@ -13,8 +13,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import numpy as np
+import pytest
 from ep_core import ll_native
 from ep_core.errors import EPValueError
 
@@ -257,11 +257,15 @@ def test_mask_decisions_on_host(tmp_path):
             assert herr[:4] == [0, 0, 0, 0], f"{what}: rank {d}: no timeout record without an error"
             rec = [r for r in range(n) if herr[4 + r]]
             timed_out = sorted(want_masked - {r for r in range(n) if umask[d, r]})
-            assert rec == timed_out and all(herr[4 + r] == gen + 1 for r in rec), f"{what}: rank {d} herr {herr}"
+            assert rec == timed_out and all(herr[4 + r] == gen + 1 for r in rec), (
+                f"{what}: rank {d} herr {herr}"
+            )
         for r in rows:
             if r[0] in "DC" and int(r[1]) == lost:
                 continue
-            if r[0] == "D":  # recv_count and layout_range: the reference routing of the sources d does not mask
+            if (
+                r[0] == "D"
+            ):  # recv_count and layout_range: the reference routing of the sources d does not mask
                 d, e, total = int(r[1]), int(r[2]), int(r[3])
                 g = d * epr + e
                 off = 0
