@@ -95,6 +95,8 @@ class LowLatencyMode:
             self._ll_inner.destroy()
             self._ll_inner = None
         ll_kernels.preload()
+        self._builds += 1
+        self._ll_build = self._builds  # handles of the previous inner buffer are refused (_check_handle)
         self._ll_inner = self._new_inner(num_bytes=num_bytes, explicitly_destroy=True)
         self._ll_key = key
         if ll_kernels.native_supported(self._ll_inner):
@@ -345,7 +347,7 @@ class LowLatencyMode:
                 native=(reg, lanes, lane_pos), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
             )  # fmt: skip
             handle.mask_gen = gen  # a clean restarts the epochs: this dispatch's combine must come before it
-            return (recv, count, handle), receive
+            return (recv, count, self._stamp(handle, self._ll_build)), receive
 
         if return_recv_hook:
             (recv, count, handle), receive = send()

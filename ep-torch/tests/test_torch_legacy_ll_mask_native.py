@@ -1,0 +1,339 @@
+"""V1 low-latency rank masking (``Buffer(enable_shrink=True)``, issue 44) on CUDA with the native kernels
+(``ll_native=True``, ``legacy.ll_shrink.NativeShrink``, the mask in ``include/ep_core/ll_native.cuh``): on a loopback
+group, bitwise against ``ep_torch.legacy.reference`` with the masked ranks' experts dropped (the CPU backend's
+semantics, test_torch_legacy_ll_mask.py): masking by the user (a rank sits out, query, clean, rejoin, the hook
+split, FP8, LogFMT, a rank without tokens), a rank that stops calling (masked by the others after the GPU timeout,
+a warning naming it, then rejoined by clean), the refusals. The GPU tests skip without a GPU; the host logic
+(the herr merge, the unmask rule, where enable_shrink is refused) runs on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from ep_core.errors import EPStateError
+from ep_core.rank_mask import RankMaskedWarning
+from ep_torch.legacy.reference import (
+    bf16_to_f32,
+    f32_to_bf16,
+    fp8_cast_reference,
+    ll_combine_reference,
+    ll_expected_rows,
+)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+T, H, K, E, M = 6, 512, 3, 12, 8  # H: LogFMT's multiple of 512; E: a multiple of 2, 3 and 4 ranks
+
+
+def _inputs(rank: int, seed: int):
+    """bf16 x below 1 in magnitude (LogFMT encodes its chunks), top-k ids with a -1 lane, a token selecting nothing
+    and a token naming an expert twice, float32 weights; at seed 7 rank 0 has no tokens."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = (torch.rand(T, H, generator=g) - 0.5).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[0, 1] = -1
+    idx[T - 1] = -1
+    idx[2, 2] = idx[2, 0]
+    w = torch.rand(T, K, generator=g)
+    t = 0 if (seed, rank) == (7, 0) else T
+    return x[:t], idx[:t], w[:t]
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def _coef(e: int) -> float:
+    return 1.0 + e / 8.0
+
+
+def _dropped(idx: np.ndarray, lost: set[int], n: int) -> np.ndarray:
+    epr = E // n
+    return np.where((idx >= 0) & np.isin(idx // epr, list(lost)), -1, idx)
+
+
+def _want_rows(rank: int, n: int, seed: int, sent: set[int]):
+    idxs = [
+        _dropped(_inputs(r, seed)[1].numpy(), sent, n) if r not in sent else np.full((T, K), -1)
+        for r in range(n)
+    ]
+    return ll_expected_rows(idxs, rank, E)
+
+
+def _check_dispatch(rank, n, seed, sent, recv, cnt, handle, fp8: bool, what: str) -> None:
+    for e, rows in enumerate(_want_rows(rank, n, seed, sent)):
+        c = len(rows)
+        assert int(cnt[e]) == c, f"{what} rank {rank}: recv_count[{e}]={int(cnt[e])}, want {c}"
+        if c and not fp8:
+            ref = np.stack([_bits(_inputs(s, seed)[0][t]) for s, t in rows])
+            assert np.array_equal(_bits(recv[e, :c]), ref), f"{what} rank {rank}: rows of expert {e}"
+        elif c:
+            q, s = recv
+            rq, rs = fp8_cast_reference(
+                np.stack([_bits(_inputs(r, seed)[0][t]) for r, t in rows]), True, False
+            )
+            assert np.array_equal(q[e, :c].cpu().view(torch.uint8).numpy(), rq), f"{what}: fp8 expert {e}"
+            got_s = s[e, :c].cpu().contiguous().numpy()
+            assert np.array_equal(got_s.view(np.int32), rs.view(np.int32)), f"{what}: scales of expert {e}"
+        if fp8:
+            continue
+        src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+        assert src_info[e, :c].tolist() == [t for _, t in rows], f"{what}: src_info of expert {e}"
+        for s in range(n):
+            v = int(layout_range[e, s])
+            cc, off = sum(1 for r, _ in rows if r == s), sum(1 for r, _ in rows if r < s)
+            assert (v >> 32, v & 0xFFFFFFFF) == (off, cc), f"{what} rank {rank}: layout_range[{e}, {s}]"
+
+
+def _expert(recv: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    epr = E // n
+    c = torch.tensor([_coef(rank * epr + e) for e in range(epr)], device=recv.device)
+    return (recv.float() * c[:, None, None]).to(torch.bfloat16)
+
+
+def _combine_ref(rank: int, n: int, seed: int, kept: set[int], logfmt: bool) -> np.ndarray:
+    x, idx, w = _inputs(rank, seed)
+    live = _dropped(idx.numpy(), kept, n)
+    xf = bf16_to_f32(_bits(x))
+    y = np.zeros((len(x), K, H), np.uint16)
+    for t in range(len(x)):
+        for k in range(K):
+            if live[t, k] >= 0:
+                y[t, k] = f32_to_bf16((xf[t] * np.float32(_coef(int(live[t, k])))).astype(np.float32))
+    return ll_combine_reference(y, live, w.numpy(), use_logfmt=logfmt)
+
+
+def _round(group, v1, n, seed, active, sent, kept, what, hook=False, fp8=False, logfmt=False):
+    """One dispatch (+ combine unless ``fp8``) on the ``active`` ranks (the others sit out), checked bitwise.
+    ``sent``: ranks masked before the dispatch; ``kept``: before the combine. Returns the handles."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    inp = [tuple(a.to(dev) for a in _inputs(r, seed)) for r in range(n)]
+
+    def disp(r):
+        if r not in active:
+            return None
+        return v1[r].low_latency_dispatch(
+            inp[r][0], inp[r][1], M, E, use_fp8=fp8, round_scale=fp8, return_recv_hook=hook
+        )
+
+    outs = group.run(disp)
+    if hook:
+        group.run(lambda r: outs[r][4]() if r in active else None)
+    torch.cuda.synchronize()
+    for r in active:
+        recv, cnt, handle, _, _ = outs[r]
+        _check_dispatch(r, n, seed, sent, recv, cnt.cpu(), handle, fp8, what)
+    if fp8:
+        return [None if o is None else o[2] for o in outs]
+
+    def comb(r):
+        if r not in active:
+            return None
+        recv, _, handle, _, _ = outs[r]
+        return v1[r].low_latency_combine(
+            _expert(recv, r, n), inp[r][1], inp[r][2], handle, use_logfmt=logfmt, return_recv_hook=hook
+        )
+
+    cs = group.run(comb)
+    if hook:
+        group.run(lambda r: cs[r][2]() if r in active else None)
+    torch.cuda.synchronize()
+    for r in active:
+        bad = np.argwhere(_bits(cs[r][0]) != _combine_ref(r, n, seed, kept, logfmt))
+        assert not bad.size, f"{what} rank {r}: combine differs from the reference at {tuple(bad[0])}"
+    return [None if o is None else o[2] for o in outs]
+
+
+def _query(buf, n: int) -> list[int]:
+    q = torch.full((n,), 7, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(q)
+    return q.tolist()
+
+
+def _group(n: int, timeout: float = 20.0):
+    from ep_torch.loopback import LoopbackGroup
+
+    torch.cuda.set_device(0)
+    group = LoopbackGroup(n, device="cuda", gpu_timeout_secs=timeout, timeout_secs=120.0)
+    v1 = group.v1_buffers(
+        0, int(1e8), low_latency_mode=True, explicitly_destroy=True, ll_native=True, enable_shrink=True
+    )
+    return group, v1
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_user_mask_native_gpu(n, monkeypatch):
+    monkeypatch.setenv("EPKIT_NVLINK_GBS", "450")
+    group, v1 = _group(n)
+    every, d = set(range(n)), n - 1
+    rest = every - {d}
+    _round(group, v1, n, 0, every, set(), set(), "unmasked")
+    assert v1[0]._ll_region is not None, "the native kernels ran"
+    assert all(_query(v1[r], n) == [0] * n for r in range(n))
+    for r in range(n):
+        v1[r].low_latency_update_mask_buffer(d, True)
+    assert _query(v1[0], n) == [int(r == d) for r in range(n)]
+    # rank d sits out: the others neither send to it nor wait for it
+    _round(group, v1, n, 1, rest, {d}, {d}, "masked")
+    handles = _round(group, v1, n, 2, rest, {d}, {d}, "masked, hook", hook=True)
+    _round(group, v1, n, 9, rest, {d}, {d}, "masked, fp8", fp8=True)
+    _round(group, v1, n, 8, rest, {d}, {d}, "masked, logfmt", logfmt=True)
+    _round(group, v1, n, 7, rest, {d}, {d}, "masked, no tokens on rank 0")
+    with pytest.raises(EPStateError, match="low_latency_clean_mask_buffer"):
+        v1[0].low_latency_update_mask_buffer(d, False)  # calls ran while it was masked: its epochs lag
+    group.run(lambda r: v1[r].low_latency_clean_mask_buffer())  # every rank, d included: the epochs restart
+    assert all(_query(v1[r], n) == [0] * n for r in range(n))
+    _, idx, w = _inputs(0, 2)
+    with pytest.raises(EPStateError, match=r"before\s+low_latency_clean_mask_buffer"):
+        y = torch.zeros(E // n, n * M, H, dtype=torch.bfloat16, device="cuda")
+        v1[0].low_latency_combine(y, idx.cuda(), w.cuda(), handles[0])
+    _round(group, v1, n, 3, every, set(), set(), "after clean")
+    _round(group, v1, n, 4, every, set(), set(), "after clean, hook", hook=True)
+    for r in range(n):  # masked and unmasked with no call between: allowed alone
+        v1[r].low_latency_update_mask_buffer(d, True)
+        v1[r].low_latency_update_mask_buffer(d, False)
+    _round(group, v1, n, 5, every, set(), set(), "after unmask")
+    group.run(lambda r: v1[r].destroy())
+    group.close()
+
+
+@pytest.mark.gpu
+@gpu
+def test_lost_rank_masked_native_gpu(monkeypatch):
+    """The target on CUDA: one of 4 ranks stops calling; the others mask it within the GPU timeout (the kernels'
+    waits), warn naming it at their next call, and keep decoding with its experts dropped; clean on every rank
+    brings it back."""
+    monkeypatch.setenv("EPKIT_NVLINK_GBS", "450")
+    n, lost, timeout = 4, 3, 2.0
+    group, v1 = _group(n, timeout)
+    every = set(range(n))
+    rest = every - {lost}
+    _round(group, v1, n, 0, every, set(), set(), "all")
+    _round(group, v1, n, 1, rest, {lost}, {lost}, "rank 3 stopped")  # the dispatch waits expire: masked
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _round(group, v1, n, 2, rest, {lost}, {lost}, "rank 3 masked")
+    said = [str(c.message) for c in caught if issubclass(c.category, RankMaskedWarning)]
+    assert len(said) == len(rest) and all(f"rank {lost} did not arrive" in m for m in said), said
+    assert all(_query(v1[r], n) == [0, 0, 0, 1] for r in rest)
+    group.run(lambda r: v1[r].low_latency_clean_mask_buffer())
+    assert all(_query(v1[r], n) == [0] * n for r in range(n))
+    _round(group, v1, n, 3, every, set(), set(), "rejoined")
+    group.run(lambda r: v1[r].destroy())
+    group.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# host logic (CPU)
+
+
+class _Region:
+    def __init__(self, n: int) -> None:
+        self.herr = torch.zeros(4 + n, dtype=torch.int32)
+        self.timeout_ms = 1500
+
+
+def test_native_shrink_merge_and_unmask_rule(monkeypatch):
+    from ep_torch.legacy.ll_shrink import NativeShrink
+
+    s = NativeShrink(1, 4)
+    dev = torch.zeros(5, dtype=torch.int32)
+    monkeypatch.setattr(s, "device", lambda: dev)
+    reg = _Region(4)
+    reg.herr[4 + 2] = 1  # a kernel masked rank 2 in generation 0 (records generation + 1)
+    with pytest.warns(RankMaskedWarning, match="rank 2 did not arrive within 1.5 s in low_latency_dispatch"):
+        s.merge(reg, "low_latency_dispatch")
+    assert s.mask.masked_ranks() == {2: "timeout"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.merge(reg, "low_latency_combine")  # taken once
+    with pytest.raises(EPStateError, match="low_latency_clean_mask_buffer"):
+        s.update(2, False)  # masked by a timeout: its epochs lag
+    s.update(0, True)
+    assert dev.tolist() == [1, 0, 0, 0, 0]
+    s.update(0, False)  # no call since it was masked: allowed
+    s.update(0, True)
+    s.calls += 1
+    with pytest.raises(EPStateError, match="cannot be unmasked alone"):
+        s.update(0, False)
+    s.clean(None, None)  # no region yet: the host and device masks only
+    assert s.gen == 1 and not s.mask.any() and dev.tolist() == [0, 0, 0, 0, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.merge(reg, "low_latency_dispatch")  # the record of generation 0 is stale now
+    assert not s.mask.any()
+    reg.herr[4 + 3] = 2
+    with pytest.warns(RankMaskedWarning, match="rank 3"):
+        s.merge(reg, "low_latency_combine")
+    status = torch.zeros(4, dtype=torch.int32)
+    dev[3] = 1
+    s.query(reg, status, "low_latency_query_mask_buffer")
+    assert status.tolist() == [0, 0, 0, 1]
+
+
+def test_enable_shrink_where_refused():
+    """CUDA masking runs on the native kernels only: the adapter (ll_native off) and nccl are refused by name; a
+    loopback group needs CUDA and ll_native=True."""
+    from ep_torch.legacy import Buffer
+    from ep_torch.loopback import LoopbackGroup
+
+    probe = Buffer.__new__(Buffer)
+    assert probe._make_shrink("ipc", check_only=True, ll_native=True) is None
+    with pytest.raises(NotImplementedError, match=r"transport ipc \(CUDA\) without ll_native=True"):
+        probe._make_shrink("ipc", check_only=True, ll_native=None)
+    with pytest.raises(NotImplementedError, match="transport nccl"):
+        probe._make_shrink("nccl", check_only=True, ll_native=True)
+    group = LoopbackGroup(2, device="cpu")
+    with pytest.raises(NotImplementedError, match="a loopback group"):
+        group.v1_buffers(0, 0, low_latency_mode=True, enable_shrink=True, ll_native=True)
+
+
+def test_native_launch_arguments_match_the_signatures(monkeypatch):
+    """The launchers' argument lists (mask last, ep_lln_clean) against ``ep_core.ll_native.SIGNATURES`` on the CPU:
+    the kernels themselves need a GPU, their parameter lists do not."""
+    pytest.importorskip("ep_jit")
+    from ep_core import ll_native
+    from ep_torch.legacy import ll_kernels
+
+    seen: list[tuple[str, list]] = []
+
+    def fake_launch(name, grid, block, values, **kw):
+        seen.append((name, ll_native._args(name, values)))
+
+    monkeypatch.setattr(ll_native, "launch", fake_launch)
+
+    def init(self):
+        self.device, self.stream = 0, 0
+
+    monkeypatch.setattr(ll_kernels._Launch, "__init__", init)
+    n, epr, m, h, k = 2, 3, 4, 256, 2
+
+    reg = SimpleNamespace(
+        num_ranks=n, epr=epr, m=m, hidden=h, num_topk=k, num_experts=n * epr, rank=0, own_base=4096,
+        timeout_ms=1000, recv_blocks=4, send_blocks=4, next_half=0, peers=torch.zeros(n, dtype=torch.int64),
+        herr=torch.zeros(4 + n, dtype=torch.int32), take_half=lambda: 0, half_ptr=lambda half: 8192,
+    )  # fmt: skip
+    mask = torch.zeros(n + 1, dtype=torch.int32)
+    x = torch.zeros(3, h, dtype=torch.bfloat16)
+    idx = torch.zeros(3, k, dtype=torch.int64)
+    for fp8 in (False, True):
+        out = ll_kernels.native_dispatch(reg, x, idx, fp8, fp8, False, None, False, mask)
+        out[-1]()
+    src_info, layout_range, lanes, lane_pos = out[2], out[3], out[4], out[5]
+    y = torch.zeros(epr, n * m, h, dtype=torch.bfloat16)
+    for logfmt in (False, True):
+        _, receive = ll_kernels.native_combine(
+            reg, y, src_info, lanes, layout_range, idx, torch.zeros(3, k), None, lane_pos, False, logfmt, mask
+        )
+        receive()
+    ll_kernels.native_clean(reg, mask, 1)
+    names = [name for name, _ in seen]
+    assert set(names) == set(ll_native.KERNEL_NAMES), names
+    for name, args in seen:
+        if name != "ep_lln_cast_fp8":
+            assert int(args[-1].value if hasattr(args[-1], "value") else args[-1]) == mask.data_ptr(), name
