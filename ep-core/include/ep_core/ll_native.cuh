@@ -5,7 +5,9 @@
 // of every rank's data base as mapped in this process (ep-symmem's VMM mappings, or the loopback domain's N
 // allocations of one process).
 //
-// The symmetric LL region (per rank, two halves; a call uses one half, the next call the other, V1's double buffer):
+// The symmetric LL region (per rank: a front of `header_bytes(N)` (the error word int32 [4] at 0, the clean
+// barrier's sync words int64 [N] at 64), then two halves; a call uses one half, the next call the other, V1's double
+// buffer):
 //   half = [ctrl 64 B | dispatch flags int64 [E_local][N] | combine flags int64 [E] | dispatch slots
 //           [E_local][N][M] x msg | combine slots [M][K] x hidden bf16 | LogFMT meta [M][K][hidden / 128] uint32]
 //   msg = 16-byte header (source token, lane) + payload (bf16 row, or FP8 row then fp32 scales [hidden / 128])
@@ -39,8 +41,8 @@
 // flags, the combine receive drops the lanes of its experts (zero contribution, as an expert id of -1) and its
 // final wait skips it. A wait that expires with a mask masks the peer instead of raising `err` (atomic: the block
 // that flips mask[peer] writes herr[4 + peer] = generation + 1, which the host merges into its RankMask with a
-// warning) and goes on without it. A peer masked by a timeout during a call: what it sent before is used where its
-// flag was seen first (each block decides on its own), so that call's outputs for its experts are unspecified.
+// warning) and goes on without it. A peer masked by a timeout during a call: each block decides on its own (the
+// mask is read before the flag), so that call's outputs for its experts are unspecified.
 // Rejoin: the epochs of a rank that sat out lag the others', so unmasking is `ep_lln_clean`, a collective kernel of
 // every rank (two device barriers over the header's sync words, between them each rank zeroes its flags and
 // epochs, both halves); the host restarts at half 0.

@@ -29,7 +29,9 @@ The seam for V2 (high-throughput mode): ``RankMask`` knows nothing of V1. A V2 d
 over the ranks that arrived, with ``drop_lanes`` applied to the routing), and its GPU kernels take ``flags`` (int32,
 one per rank, 1 = masked) mirrored into a device array, skip the puts and the waits of masked ranks, and on a
 wait's timeout set the flag there instead of trapping; the host reads it back into ``RankMask`` with
-``merge(flags, "timeout")`` to report and warn.
+``merge(flags, "timeout")`` to report and warn. V1's native low-latency kernels do exactly this
+(``include/ep_core/ll_native.cuh``, ``ep_torch.legacy.ll_shrink.NativeShrink``; records stamped with a generation
+so that one from before a clean is not merged after it).
 """
 
 from __future__ import annotations

@@ -29,9 +29,11 @@ stream wait for it (no data is promised before).
 Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
 ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
 chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Options ep does not implement raise
-``NotImplementedError`` naming the option (``enable_shrink`` on CUDA, ``comm=``, the ``*_wait_recv_cost_stats``
-timers, ``get_local_buffer_tensor``). ``enable_shrink=True`` (rank masking, ``legacy.ll_shrink``) runs on the CPU
-backend. ``low_latency_combine(use_logfmt=True)`` sends each expert output row LogFMT-10 encoded and adds its float32
+``NotImplementedError`` naming the option (``enable_shrink`` on CUDA without ``ll_native=True`` or over nccl,
+``comm=``, the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). ``enable_shrink=True`` (rank masking,
+``legacy.ll_shrink``) runs on the CPU backend, and on CUDA in the native kernels (``ll_native=True``, ipc or a
+loopback group; ``low_latency_clean_mask_buffer`` is then a collective; compiled and host-tested, not yet run on a
+GPU). ``low_latency_combine(use_logfmt=True)`` sends each expert output row LogFMT-10 encoded and adds its float32
 decoding (``legacy.logfmt``'s model, bitwise; the adapter and the CPU backend move bf16 and apply the round trip at the
 receiver; hidden % 512 == 0). Ours, keyword only: ``num_max_tokens_per_rank``
 and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
