@@ -228,6 +228,91 @@ def test_lost_rank_masked_native_gpu(monkeypatch):
     group.close()
 
 
+def _proc_step(buf, rank: int, n: int, seed: int, sent: set[int], kept: set[int], what: str) -> None:
+    x, idx, w = (a.cuda() for a in _inputs(rank, seed))
+    recv, cnt, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    torch.cuda.synchronize()
+    _check_dispatch(rank, n, seed, sent, recv, cnt.cpu(), handle, False, what)
+    comb, _, _ = buf.low_latency_combine(_expert(recv, rank, n), idx, w, handle)
+    bad = np.argwhere(_bits(comb) != _combine_ref(rank, n, seed, kept, False))
+    assert not bad.size, f"{what} rank {rank}: combine differs from the reference at {tuple(bad[0])}"
+
+
+def _mask_lost_procs(rank: int, n: int) -> None:
+    """4 processes sharing the GPU over ipc: rank 3's process ends at step 2 after its dispatch (before its combine).
+    The others' combine waits on it expire (bound shortened to 3 s for the test): they mask it, finish the step with
+    its experts dropped, warn naming it at their next call, and keep decoding."""
+    import os
+    import sys
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from ep_torch.legacy import Buffer
+
+    torch.cuda.set_device(0)
+    os.environ.setdefault("EPKIT_NVLINK_GBS", "450")
+    store = dist.distributed_c10d._get_default_store()
+    buf = Buffer(None, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, transport="ipc",
+                 ll_native=True, enable_shrink=True)  # fmt: skip
+    lost, bound = 3, 3.0
+    for step in range(5):
+        if rank == lost and step == 2:
+            x, idx, _ = (a.cuda() for a in _inputs(rank, step))
+            buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            torch.cuda.synchronize()
+            os._exit(0)  # mid-step: after its dispatch, before its combine
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _proc_step(
+                buf,
+                rank,
+                n,
+                step,
+                {lost} if step > 2 else set(),
+                {lost} if step >= 2 else set(),
+                f"step {step}",
+            )
+        took = time.monotonic() - t0
+        if step == 0:
+            assert buf._ll_region is not None, "the native kernels ran"
+            buf._ll_region.timeout_ms = int(
+                bound * 1000
+            )  # the kernels' wait bound (num_gpu_timeout_secs), for the test
+        said = [str(c.message) for c in caught if issubclass(c.category, RankMaskedWarning)]
+        if step == 3:  # reported at the next call after the kernels masked it (no host sync)
+            assert len(said) == 1 and f"rank {lost} did not arrive" in said[0], said
+        else:
+            assert not said, said
+        if step == 2:
+            assert took < bound + 10, f"step 2 took {took:.1f} s (bound {bound} s)"
+        if step > 2:
+            assert took < bound, f"step {step} waited {took:.1f} s for a masked rank"
+            assert _query(buf, n) == [0, 0, 0, 1], _query(buf, n)
+    store.set(f"mask_native/done/{rank}", "1")
+    if rank == 0:  # the store's host leaves last
+        store.wait([f"mask_native/done/{r}" for r in (1, 2)], timedelta(seconds=120))
+    sys.stdout.flush()
+    os._exit(0)  # no barrier with the lost rank
+
+
+@pytest.mark.gpu
+@gpu
+def test_lost_process_masked_native_gpu():
+    """The target on CUDA with processes: one of 4 ipc processes sharing the GPU exits mid-loop."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "_mask_lost_procs", "4"], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"still running after 300 s (a hang):\n{str(exc.output)[-3000:]}")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # host logic (CPU)
 
@@ -337,3 +422,11 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
     for name, args in seen:
         if name != "ep_lln_cast_fp8":
             assert int(args[-1].value if hasattr(args[-1], "value") else args[-1]) == mask.data_ptr(), name
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ep_torch.launch import spawn
+
+    spawn(globals()[sys.argv[1]], int(sys.argv[2]), *sys.argv[3:])

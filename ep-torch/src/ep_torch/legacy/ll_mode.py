@@ -458,7 +458,9 @@ class LowLatencyMode:
                 "Buffer", "a loopback group" + ("" if native else " without ll_native=True")
             )
         boot = self._channel.bootstrap
-        if boot.device.type != "cpu":
+        if boot.device.type != "cpu" or (
+            native and forced == "ipc"
+        ):  # CUDA tensors (a gloo group over ipc too)
             if native:
                 return NativeShrink(self.rank, self.group_size)
             raise shrink_unsupported(
@@ -492,7 +494,9 @@ class LowLatencyMode:
         if x.is_cuda:
             from .ll_shrink import shrink_unsupported
 
-            raise shrink_unsupported(op, "CUDA tensors")
+            raise shrink_unsupported(
+                op, "CUDA tensors on a CPU group (on CUDA: transport='ipc', ll_native=True)"
+            )
         return self._shrink
 
     def _shrink_dispatch(
