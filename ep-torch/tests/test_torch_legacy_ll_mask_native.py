@@ -430,3 +430,120 @@ if __name__ == "__main__":
     from ep_torch.launch import spawn
 
     spawn(globals()[sys.argv[1]], int(sys.argv[2]), *sys.argv[3:])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the masked kernels themselves on host threads (ll_native_emulation.cpp: CUDA's names shimmed, N ranks' regions in
+# host memory): dispatch, combine (bf16 and LogFMT, with and without the local shortcut), a rank sitting out under
+# the user's mask or lost (the waits expire and mask it), then ep_lln_clean on every rank and a round of all ranks
+
+
+@pytest.fixture(scope="module")
+def emulation(tmp_path_factory):
+    import os
+    import shutil
+    import subprocess
+
+    from ep_core.kernels._source import get_include
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found")
+    exe = tmp_path_factory.mktemp("emu") / "ll_native_emulation"
+    src = os.path.join(os.path.dirname(__file__), "ll_native_emulation.cpp")
+    proc = subprocess.run(
+        [gxx, "-std=c++20", "-O1", "-pthread", "-I", get_include(), src, "-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode and "barrier" in proc.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return exe
+
+
+@pytest.mark.parametrize(
+    "case,direct,logfmt",
+    [
+        ("nomask", 0, 0),
+        ("nomask", 1, 0),
+        ("user", 0, 0),
+        ("user", 1, 0),
+        ("user", 0, 1),
+        ("lost", 1, 0),
+        ("lost", 0, 1),
+    ],
+)
+def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfmt):
+    import subprocess
+
+    n, lost = 4, 3
+    epr = E // n
+    use_mask = int(case != "nomask")
+    rounds = 1 if case == "nomask" else 2
+    umask = np.zeros((n, n), np.int32)
+    if case == "user":
+        umask[:, lost] = 1  # every rank masks it (it sits out)
+    seeds = {1: 3, 2: 7}  # round 2: rank 0 without tokens (padded to T rows selecting nothing)
+    for q, seed in seeds.items():
+        xs, idxs, ws = [], [], []
+        for r in range(n):
+            x, idx, w = _inputs(r, seed)
+            pad = T - len(x)
+            xs.append(torch.cat([x, torch.zeros(pad, H, dtype=torch.bfloat16)]))
+            idxs.append(torch.cat([idx, torch.full((pad, K), -1)]))
+            ws.append(torch.cat([w, torch.zeros(pad, K)]))
+        _bits(torch.stack(xs)).tofile(tmp_path / f"x{q}")
+        torch.stack(idxs).numpy().astype(np.int64).tofile(tmp_path / f"idx{q}")
+        torch.stack(ws).numpy().astype(np.float32).tofile(tmp_path / f"w{q}")
+    umask.tofile(tmp_path / "umask")
+    args = [
+        str(emulation),
+        str(tmp_path),
+        *map(str, (n, E, T, K, H, M, use_mask, lost if case != "nomask" else -1)),
+    ]
+    args += [str(direct), str(logfmt), "40", str(rounds)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def load(name, dtype):
+        return np.fromfile(tmp_path / name, dtype=dtype)
+
+    for q in range(1, rounds + 1):
+        seed = seeds[q]
+        gone = {lost} if q == 1 and case != "nomask" else set()
+        for r in range(n):
+            if r in gone:
+                continue
+            what = f"{case} direct={direct} logfmt={logfmt} round {q} rank {r}"
+            cnt = load(f"r{q}_count_{r}", np.int32)
+            rng_ = load(f"r{q}_range_{r}", np.int64).reshape(epr, n)
+            src = load(f"r{q}_src_{r}", np.int32).reshape(epr, n * M)
+            recv = load(f"r{q}_recv_{r}", np.uint16).reshape(epr, n * M, H)
+            for e, rows in enumerate(_want_rows(r, n, seed, gone)):
+                c = len(rows)
+                assert cnt[e] == c, f"{what}: recv_count[{e}]={cnt[e]}, want {c}"
+                if c:
+                    ref = np.stack([_bits(_inputs(s, seed)[0][t]) for s, t in rows])
+                    assert np.array_equal(recv[e, :c], ref), f"{what}: rows of expert {e}"
+                assert src[e, :c].tolist() == [t for _, t in rows], f"{what}: src_info of expert {e}"
+                for s in range(n):
+                    v = int(rng_[e, s])
+                    cc, off = sum(1 for a, _ in rows if a == s), sum(1 for a, _ in rows if a < s)
+                    assert (v >> 32, v & 0xFFFFFFFF) == (off, cc), f"{what}: layout_range[{e}, {s}]"
+            t = len(_inputs(r, seed)[0])
+            comb = load(f"r{q}_comb_{r}", np.uint16).reshape(T, H)[:t]
+            bad = np.argwhere(comb != _combine_ref(r, n, seed, gone, bool(logfmt)))
+            assert not bad.size, f"{what}: combine differs from the reference at {tuple(bad[0])}"
+            mask = load(f"mask{q}_{r}", np.int32)
+            herr = load(f"herr{q}_{r}", np.int32)
+            assert load(f"err{q}_{r}", np.int32)[0] == 0, f"{what}: the error word was raised"
+            if q == 1:
+                assert mask[:n].tolist() == [int(p in gone) for p in range(n)] or not use_mask, (
+                    f"{what}: {mask}"
+                )
+                timed_out = [lost] if case == "lost" else []
+                assert [p for p in range(n) if herr[4 + p]] == timed_out, f"{what}: herr {herr}"
+                assert all(herr[4 + p] == 1 for p in timed_out), f"{what}: records generation 0 + 1"
+            else:  # after ep_lln_clean: every rank unmasked, generation 1, and nothing timed out since
+                assert mask.tolist() == [0] * n + [1], f"{what}: mask after clean {mask}"

@@ -68,6 +68,7 @@ struct Layout {
   }
 };
 
+#ifndef EP_LL_HOST_EMULATION
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -83,6 +84,11 @@ __device__ __forceinline__ int64_t ld_acquire_sys(const int64_t* p) {
 __device__ __forceinline__ void st_release_sys(int64_t* p, int64_t v) {
   asm volatile("st.release.sys.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+#else  // the CPU tests run these kernels on host threads (ll_native_emulation.cpp)
+inline uint64_t now_ns() { return ep_ll_host_now_ns(); }
+inline int64_t ld_acquire_sys(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void st_release_sys(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+#endif
 
 __device__ __forceinline__ int ld_volatile(const volatile int* p) { return *p; }
 

@@ -1,0 +1,249 @@
+// Host emulation of ep_core/ll_native.cuh for test_torch_legacy_ll_mask_native.py: the native low-latency kernels
+// (dispatch send/recv, combine send/recv and the LogFMT twins, ep_lln_clean) of N ranks whose regions are host
+// buffers, one std::thread per CUDA thread, std::barrier for __syncthreads and the warp collectives. Blocks and ranks
+// run one after another (every send of a step before its receives), except ep_lln_clean, whose device barriers need
+// the N ranks at once (one host thread per rank).
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+struct dim3e { unsigned x = 1, y = 1, z = 1; };
+struct BlockState {
+  std::barrier<>* block;
+  std::vector<std::barrier<>*> warps;
+  int or_acc = 0;
+  unsigned ballot[32] = {};
+  unsigned vals[1024] = {};
+};
+thread_local dim3e threadIdx, blockIdx, blockDim, gridDim;
+thread_local BlockState* g_b;
+
+inline uint64_t ep_ll_host_now_ns() {
+  return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+#define EP_LL_HOST_EMULATION 1
+#define EP_LL_DYNAMIC_SMEM(type, name) static type name[65536]
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__
+#define __shared__ static
+#define __launch_bounds__(n)
+struct int4 { int x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct float4 { float x, y, z, w; };
+inline int4 make_int4(int a, int b, int c, int d) { return {a, b, c, d}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline void __syncthreads() { g_b->block->arrive_and_wait(); }
+inline int __syncthreads_or(int pred) {
+  g_b->block->arrive_and_wait();
+  if (pred) __atomic_store_n(&g_b->or_acc, 1, __ATOMIC_SEQ_CST);
+  g_b->block->arrive_and_wait();
+  const int r = __atomic_load_n(&g_b->or_acc, __ATOMIC_SEQ_CST);
+  g_b->block->arrive_and_wait();
+  if (threadIdx.x == 0) __atomic_store_n(&g_b->or_acc, 0, __ATOMIC_SEQ_CST);
+  g_b->block->arrive_and_wait();
+  return r;
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline std::barrier<>& warp_bar() { return *g_b->warps[threadIdx.x / 32]; }
+inline unsigned exchange(unsigned v, unsigned src_lane) {
+  const unsigned base = threadIdx.x & ~31u;
+  warp_bar().arrive_and_wait();
+  g_b->vals[threadIdx.x] = v;
+  warp_bar().arrive_and_wait();
+  const unsigned r = g_b->vals[base + src_lane];
+  warp_bar().arrive_and_wait();
+  return r;
+}
+inline unsigned __ballot_sync(unsigned, bool pred) {
+  unsigned r = 0;
+  for (unsigned l = 0; l < 32; ++l) r |= (exchange(pred ? 1u : 0u, l) & 1u) << l;
+  return r;
+}
+inline bool __all_sync(unsigned m, bool pred) { return __ballot_sync(m, !pred) == 0u; }
+inline bool __any_sync(unsigned m, bool pred) { return __ballot_sync(m, pred) != 0u; }
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int d) { return exchange(v, (threadIdx.x & 31u) ^ (unsigned)d); }
+inline float __shfl_xor_sync(unsigned, float v, int d) {
+  return __uint_as_float(exchange(__float_as_uint(v), (threadIdx.x & 31u) ^ (unsigned)d));
+}
+inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+struct __nv_bfloat162 { uint16_t x, y; };
+inline uint16_t bf16_rn(float f) {  // cvt.rn.bf16.f32
+  uint32_t b = __float_as_uint(f);
+  if (std::isnan(f)) return (uint16_t)((b >> 16) | 0x40);
+  return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {bf16_rn(a), bf16_rn(b)}; }
+
+#include <ep_core/ll_native.cuh>
+
+template <class F>
+void launch(unsigned grid, unsigned block, F body) {
+  for (unsigned bx = 0; bx < grid; ++bx) {
+    std::barrier<> bb(block);
+    BlockState st;
+    st.block = &bb;
+    for (unsigned w = 0; w < block / 32; ++w) st.warps.push_back(new std::barrier<>(32));
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < block; ++t)
+      ts.emplace_back([=, &st] {
+        threadIdx = {t, 0, 0};
+        blockIdx = {bx, 0, 0};
+        blockDim = {block, 1, 1};
+        gridDim = {grid, 1, 1};
+        g_b = &st;
+        body();
+      });
+    for (auto& t : ts) t.join();
+    for (auto* b : st.warps) delete b;
+  }
+}
+
+static std::string g_dir;
+template <class T> std::vector<T> rd(const std::string& name, size_t n) {
+  std::vector<T> v(n);
+  FILE* f = std::fopen((g_dir + "/" + name).c_str(), "rb");
+  if (!f || std::fread(v.data(), sizeof(T), n, f) != n) { std::fprintf(stderr, "read %s\n", name.c_str()); std::exit(2); }
+  std::fclose(f);
+  return v;
+}
+template <class T> void wr(const std::string& name, const std::vector<T>& v) {
+  FILE* f = std::fopen((g_dir + "/" + name).c_str(), "wb");
+  std::fwrite(v.data(), sizeof(T), v.size(), f);
+  std::fclose(f);
+}
+
+// argv: dir N E T K H M use_mask lost local_direct logfmt timeout_ms rounds
+// inputs (per round q = 1, 2): x{q} bf16 [N][T][H], idx{q} int64 [N][T][K], w{q} f32 [N][T][K]; umask int32 [N][N]
+// (round 1's user masks; `lost` sits out round 1). Round 2 (rounds == 2) follows ep_lln_clean on every rank, with
+// every rank and no mask. Outputs r{q}_{count,range,src,recv,comb}_{rank}, then mask_{rank}, herr_{rank}, err_{rank}.
+int main(int argc, char** argv) {
+  if (argc != 14) return 1;
+  g_dir = argv[1];
+  const int n = atoi(argv[2]), ne = atoi(argv[3]), nt = atoi(argv[4]), nk = atoi(argv[5]), h = atoi(argv[6]);
+  const int m = atoi(argv[7]), use_mask = atoi(argv[8]), lost = atoi(argv[9]), direct = atoi(argv[10]);
+  const int logfmt = atoi(argv[11]), timeout_ms = atoi(argv[12]), rounds = atoi(argv[13]);
+  const int epr = ne / n, slots = n * m, block = 64;
+  const ep_lln::Layout L(epr, n, ne, m, nk, h);
+  const int64_t front = ep_lln::header_bytes(n), total = front + 2 * L.half_bytes;
+  std::vector<std::vector<uint64_t>> region(n, std::vector<uint64_t>(total / 8 + 2, 0));
+  std::vector<uint64_t> peers(n);
+  for (int r = 0; r < n; ++r) peers[r] = (uint64_t)(uintptr_t)region[r].data();
+  auto base = [&](int r) { return reinterpret_cast<uint8_t*>(region[r].data()); };
+  for (int r = 0; r < n; ++r)  // stale bytes in every slot (only the flags start at 0): a lane read by mistake shows
+    for (int hf = 0; hf < 2; ++hf)
+      std::memset(base(r) + front + hf * L.half_bytes + L.ddata, 0x5A, L.half_bytes - L.ddata);
+  std::vector<std::vector<int>> mask(n, std::vector<int>(n + 1, 0)), herr(n, std::vector<int>(4 + n, 0));
+  auto umask = rd<int32_t>("umask", (size_t)n * n);
+  for (int r = 0; r < n; ++r)
+    for (int p = 0; p < n; ++p) mask[r][p] = umask[r * n + p];
+  auto mp = [&](int r) { return use_mask ? mask[r].data() : (int*)nullptr; };
+  auto err = [&](int r) { return reinterpret_cast<int*>(base(r)); };
+  for (int q = 1; q <= rounds; ++q) {
+    auto x = rd<uint16_t>("x" + std::to_string(q), (size_t)n * nt * h);
+    auto idx = rd<int64_t>("idx" + std::to_string(q), (size_t)n * nt * nk);
+    auto w = rd<float>("w" + std::to_string(q), (size_t)n * nt * nk);
+    auto active = [&](int r) { return q == 2 || r != lost; };
+    uint8_t* half[2];
+    std::vector<std::vector<int>> lane_pos(n, std::vector<int>((size_t)nt * nk + 1));
+    std::vector<std::vector<uint16_t>> recv(n, std::vector<uint16_t>((size_t)epr * slots * h));
+    std::vector<std::vector<int>> src(n, std::vector<int>((size_t)epr * slots)), lanes = src;
+    std::vector<std::vector<int>> count(n, std::vector<int>(epr));
+    std::vector<std::vector<int64_t>> range(n, std::vector<int64_t>((size_t)epr * n));
+    // a step uses half 0 for the dispatch, half 1 for the combine (the host's toggle; clean restarts at half 0)
+    for (int r = 0; r < n; ++r)
+      if (active(r)) {
+        const uint16_t* xr = x.data() + (size_t)r * nt * h;
+        const int64_t* ir = idx.data() + (size_t)r * nt * nk;
+        launch(ne, block, [&] {
+          ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
+                               peers.data(), base(r), base(r) + front, 0, direct, lane_pos[r].data(), err(r),
+                               herr[r].data(), mp(r));
+        });
+      }
+    for (int r = 0; r < n; ++r)
+      if (active(r)) {
+        const uint16_t* xr = x.data() + (size_t)r * nt * h;
+        const int64_t* ir = idx.data() + (size_t)r * nt * nk;
+        launch(epr, block, [&] {
+          ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
+                               lanes[r].data(), count[r].data(), range[r].data(), nullptr,
+                               reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, timeout_ms, err(r),
+                               herr[r].data(), mp(r));
+        });
+      }
+    // the experts: y = bf16(fp32(row) * (1 + g / 8))
+    std::vector<std::vector<uint16_t>> y(n, std::vector<uint16_t>((size_t)epr * slots * h, 0));
+    for (int r = 0; r < n; ++r)
+      for (int e = 0; e < epr; ++e)
+        for (int j = 0; j < count[r][e]; ++j)
+          for (int c = 0; c < h; ++c) {
+            const size_t i = ((size_t)e * slots + j) * h + c;
+            y[r][i] = bf16_rn(ep_ll::mul_rn(__uint_as_float((uint32_t)recv[r][i] << 16), 1.0f + (r * epr + e) / 8.0f));
+          }
+    std::vector<std::vector<uint16_t>> comb(n, std::vector<uint16_t>((size_t)nt * h + 8));
+    for (int r = 0; r < n; ++r)
+      if (active(r)) {
+        auto body = [&] {
+          auto f = logfmt ? ep_lln_combine_send_logfmt : ep_lln_combine_send;
+          f(reinterpret_cast<const uint4*>(y[r].data()), src[r].data(), lanes[r].data(), range[r].data(), nk, h, ne,
+            n, r, m, peers.data(), base(r), base(r) + front + L.half_bytes, direct && !logfmt, err(r), herr[r].data(),
+            mp(r));
+        };
+        launch(epr, block, body);
+      }
+    for (int r = 0; r < n; ++r)
+      if (active(r)) {
+        const int chunks = (h / 8 + block - 1) / block, items = nt * chunks;
+        const int64_t* ir = idx.data() + (size_t)r * nt * nk;
+        const float* wr_ = w.data() + (size_t)r * nt * nk;
+        launch(items > 0 ? items : 1, block, [&] {
+          auto f = logfmt ? ep_lln_combine_recv_logfmt : ep_lln_combine_recv;
+          f(ir, 1, wr_, nt, nk, h, ne, n, r, m, base(r) + front + L.half_bytes,
+            reinterpret_cast<uint4*>(comb[r].data()), reinterpret_cast<const uint4*>(y[r].data()), range[r].data(),
+            lane_pos[r].data(), direct && !logfmt, timeout_ms, err(r), herr[r].data(), mp(r));
+        });
+      }
+    const std::string p = "r" + std::to_string(q) + "_";
+    for (int r = 0; r < n; ++r) {
+      wr(p + "count_" + std::to_string(r), count[r]);
+      wr(p + "range_" + std::to_string(r), range[r]);
+      wr(p + "src_" + std::to_string(r), src[r]);
+      wr(p + "recv_" + std::to_string(r), recv[r]);
+      comb[r].resize((size_t)nt * h);
+      wr(p + "comb_" + std::to_string(r), comb[r]);
+      wr("mask" + std::to_string(q) + "_" + std::to_string(r), mask[r]);
+      wr("herr" + std::to_string(q) + "_" + std::to_string(r), herr[r]);
+      wr("err" + std::to_string(q) + "_" + std::to_string(r), std::vector<int>{*err(r)});
+    }
+    if (q < rounds) {  // rejoin: ep_lln_clean on every rank at once (its barriers; a generous bound: host threads), gen 1
+      std::vector<std::thread> ranks;
+      for (int r = 0; r < n; ++r)
+        ranks.emplace_back([&, r] {
+          launch(1, block, [&] {
+            ep_lln_clean(peers.data(), base(r), nk, h, ne, n, r, m, 1, 20000, err(r), herr[r].data(), mask[r].data());
+          });
+        });
+      for (auto& t : ranks) t.join();
+    }
+  }
+  return 0;
+}
