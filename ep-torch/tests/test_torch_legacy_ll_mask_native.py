@@ -331,7 +331,10 @@ def test_native_shrink_merge_and_unmask_rule(monkeypatch):
     monkeypatch.setattr(s, "device", lambda: dev)
     reg = _Region(4)
     reg.herr[4 + 2] = 1  # a kernel masked rank 2 in generation 0 (records generation + 1)
-    with pytest.warns(RankMaskedWarning, match="rank 2 did not arrive within 1.5 s in low_latency_dispatch"):
+    with pytest.warns(
+        RankMaskedWarning,
+        match=r"rank 2 did not arrive within 1.5 s in a low-latency kernel's wait \(reported at low_latency_dispatch",
+    ):
         s.merge(reg, "low_latency_dispatch")
     assert s.mask.masked_ranks() == {2: "timeout"}
     with warnings.catch_warnings():

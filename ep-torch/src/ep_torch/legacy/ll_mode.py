@@ -458,9 +458,8 @@ class LowLatencyMode:
                 "Buffer", "a loopback group" + ("" if native else " without ll_native=True")
             )
         boot = self._channel.bootstrap
-        if boot.device.type != "cpu" or (
-            native and forced == "ipc"
-        ):  # CUDA tensors (a gloo group over ipc too)
+        # CUDA tensors: a CUDA group, or a gloo group over ipc
+        if boot.device.type != "cpu" or (native and forced == "ipc"):
             if native:
                 return NativeShrink(self.rank, self.group_size)
             raise shrink_unsupported(

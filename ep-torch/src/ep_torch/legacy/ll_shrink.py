@@ -233,7 +233,10 @@ class NativeShrink:
         for r in np.flatnonzero(rec == self.gen + 1):
             if not self.mask.is_masked(int(r)):
                 self._since[int(r)] = -1
-                self.mask.mask_lost(int(r), op, reg.timeout_ms / 1000.0)
+                # the kernel's wait was in an earlier call of this generation: reported at this one
+                self.mask.mask_lost(
+                    int(r), f"a low-latency kernel's wait (reported at {op})", reg.timeout_ms / 1000.0
+                )
 
     def update(self, rank_to_mask: int, mask: bool) -> None:
         r = self.mask._check_rank("rank_to_mask", rank_to_mask)
