@@ -131,16 +131,16 @@ template <class T> void wr(const std::string& name, const std::vector<T>& v) {
   std::fclose(f);
 }
 
-// argv: dir N E T K H M use_mask lost local_direct logfmt timeout_ms rounds
+// argv: dir N E T K H M use_mask lost local_direct logfmt timeout_ms rounds late
 // inputs (per round q = 1, 2): x{q} bf16 [N][T][H], idx{q} int64 [N][T][K], w{q} f32 [N][T][K]; umask int32 [N][N]
-// (round 1's user masks; `lost` sits out round 1). Round 2 (rounds == 2) follows ep_lln_clean on every rank, with
+// (round 1's user masks; `lost` sits out round 1, or with `late` runs it after the others' whole step). Round 2 (rounds == 2) follows ep_lln_clean on every rank, with
 // every rank and no mask. Outputs r{q}_{count,range,src,recv,comb}_{rank}, then mask_{rank}, herr_{rank}, err_{rank}.
 int main(int argc, char** argv) {
-  if (argc != 14) return 1;
+  if (argc != 15) return 1;
   g_dir = argv[1];
   const int n = atoi(argv[2]), ne = atoi(argv[3]), nt = atoi(argv[4]), nk = atoi(argv[5]), h = atoi(argv[6]);
   const int m = atoi(argv[7]), use_mask = atoi(argv[8]), lost = atoi(argv[9]), direct = atoi(argv[10]);
-  const int logfmt = atoi(argv[11]), timeout_ms = atoi(argv[12]), rounds = atoi(argv[13]);
+  const int logfmt = atoi(argv[11]), timeout_ms = atoi(argv[12]), rounds = atoi(argv[13]), late = atoi(argv[14]);
   const int epr = ne / n, slots = n * m, block = 64;
   const ep_lln::Layout L(epr, n, ne, m, nk, h);
   const int64_t front = ep_lln::header_bytes(n), total = front + 2 * L.half_bytes;
@@ -161,16 +161,16 @@ int main(int argc, char** argv) {
     auto x = rd<uint16_t>("x" + std::to_string(q), (size_t)n * nt * h);
     auto idx = rd<int64_t>("idx" + std::to_string(q), (size_t)n * nt * nk);
     auto w = rd<float>("w" + std::to_string(q), (size_t)n * nt * nk);
-    auto active = [&](int r) { return q == 2 || r != lost; };
-    uint8_t* half[2];
     std::vector<std::vector<int>> lane_pos(n, std::vector<int>((size_t)nt * nk + 1));
     std::vector<std::vector<uint16_t>> recv(n, std::vector<uint16_t>((size_t)epr * slots * h));
     std::vector<std::vector<int>> src(n, std::vector<int>((size_t)epr * slots)), lanes = src;
     std::vector<std::vector<int>> count(n, std::vector<int>(epr));
     std::vector<std::vector<int64_t>> range(n, std::vector<int64_t>((size_t)epr * n));
-    // a step uses half 0 for the dispatch, half 1 for the combine (the host's toggle; clean restarts at half 0)
-    for (int r = 0; r < n; ++r)
-      if (active(r)) {
+    std::vector<std::vector<uint16_t>> y(n, std::vector<uint16_t>((size_t)epr * slots * h, 0));
+    std::vector<std::vector<uint16_t>> comb(n, std::vector<uint16_t>((size_t)nt * h + 8));
+    auto step = [&](const std::vector<int>& group) {
+      // a step uses half 0 for the dispatch, half 1 for the combine (the host's toggle; clean restarts at half 0)
+      for (int r : group) {
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(ne, block, [&] {
@@ -179,8 +179,7 @@ int main(int argc, char** argv) {
                                herr[r].data(), mp(r));
         });
       }
-    for (int r = 0; r < n; ++r)
-      if (active(r)) {
+      for (int r : group) {
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(epr, block, [&] {
@@ -190,18 +189,15 @@ int main(int argc, char** argv) {
                                herr[r].data(), mp(r));
         });
       }
-    // the experts: y = bf16(fp32(row) * (1 + g / 8))
-    std::vector<std::vector<uint16_t>> y(n, std::vector<uint16_t>((size_t)epr * slots * h, 0));
-    for (int r = 0; r < n; ++r)
-      for (int e = 0; e < epr; ++e)
-        for (int j = 0; j < count[r][e]; ++j)
-          for (int c = 0; c < h; ++c) {
-            const size_t i = ((size_t)e * slots + j) * h + c;
-            y[r][i] = bf16_rn(ep_ll::mul_rn(__uint_as_float((uint32_t)recv[r][i] << 16), 1.0f + (r * epr + e) / 8.0f));
-          }
-    std::vector<std::vector<uint16_t>> comb(n, std::vector<uint16_t>((size_t)nt * h + 8));
-    for (int r = 0; r < n; ++r)
-      if (active(r)) {
+      // the experts: y = bf16(fp32(row) * (1 + g / 8))
+      for (int r : group)
+        for (int e = 0; e < epr; ++e)
+          for (int j = 0; j < count[r][e]; ++j)
+            for (int c = 0; c < h; ++c) {
+              const size_t i = ((size_t)e * slots + j) * h + c;
+              y[r][i] = bf16_rn(ep_ll::mul_rn(__uint_as_float((uint32_t)recv[r][i] << 16), 1.0f + (r * epr + e) / 8.0f));
+            }
+      for (int r : group) {
         auto body = [&] {
           auto f = logfmt ? ep_lln_combine_send_logfmt : ep_lln_combine_send;
           f(reinterpret_cast<const uint4*>(y[r].data()), src[r].data(), lanes[r].data(), range[r].data(), nk, h, ne,
@@ -210,8 +206,7 @@ int main(int argc, char** argv) {
         };
         launch(epr, block, body);
       }
-    for (int r = 0; r < n; ++r)
-      if (active(r)) {
+      for (int r : group) {
         const int chunks = (h / 8 + block - 1) / block, items = nt * chunks;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         const float* wr_ = w.data() + (size_t)r * nt * nk;
@@ -222,6 +217,19 @@ int main(int argc, char** argv) {
             lane_pos[r].data(), direct && !logfmt, timeout_ms, err(r), herr[r].data(), mp(r));
         });
       }
+    };
+    // round 1: `lost` sits out (late == 0) or runs its whole step after the others finished theirs (late == 1)
+    std::vector<int> others, all;
+    for (int r = 0; r < n; ++r) {
+      all.push_back(r);
+      if (r != lost) others.push_back(r);
+    }
+    if (q == 2 || lost < 0) {
+      step(all);
+    } else {
+      step(others);
+      if (late) step({lost});
+    }
     const std::string p = "r" + std::to_string(q) + "_";
     for (int r = 0; r < n; ++r) {
       wr(p + "count_" + std::to_string(r), count[r]);

@@ -475,6 +475,8 @@ def emulation(tmp_path_factory):
         ("user", 0, 1),
         ("lost", 1, 0),
         ("lost", 0, 1),
+        ("late", 1, 0),
+        ("late", 0, 1),
     ],
 )
 def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfmt):
@@ -505,7 +507,7 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
         str(tmp_path),
         *map(str, (n, E, T, K, H, M, use_mask, lost if case != "nomask" else -1)),
     ]
-    args += [str(direct), str(logfmt), "40", str(rounds)]
+    args += [str(direct), str(logfmt), "40", str(rounds), str(int(case == "late"))]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -516,14 +518,18 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
         seed = seeds[q]
         gone = {lost} if q == 1 and case != "nomask" else set()
         for r in range(n):
+            sent, kept = gone, gone
             if r in gone:
-                continue
+                if case != "late":
+                    continue
+                # late: the others sent to it before they masked it; their combines skip it, so it masks them
+                sent, kept = set(), set(range(n)) - {lost}
             what = f"{case} direct={direct} logfmt={logfmt} round {q} rank {r}"
             cnt = load(f"r{q}_count_{r}", np.int32)
             rng_ = load(f"r{q}_range_{r}", np.int64).reshape(epr, n)
             src = load(f"r{q}_src_{r}", np.int32).reshape(epr, n * M)
             recv = load(f"r{q}_recv_{r}", np.uint16).reshape(epr, n * M, H)
-            for e, rows in enumerate(_want_rows(r, n, seed, gone)):
+            for e, rows in enumerate(_want_rows(r, n, seed, sent)):
                 c = len(rows)
                 assert cnt[e] == c, f"{what}: recv_count[{e}]={cnt[e]}, want {c}"
                 if c:
@@ -536,16 +542,16 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
                     assert (v >> 32, v & 0xFFFFFFFF) == (off, cc), f"{what}: layout_range[{e}, {s}]"
             t = len(_inputs(r, seed)[0])
             comb = load(f"r{q}_comb_{r}", np.uint16).reshape(T, H)[:t]
-            bad = np.argwhere(comb != _combine_ref(r, n, seed, gone, bool(logfmt)))
+            bad = np.argwhere(comb != _combine_ref(r, n, seed, kept, bool(logfmt)))
             assert not bad.size, f"{what}: combine differs from the reference at {tuple(bad[0])}"
             mask = load(f"mask{q}_{r}", np.int32)
             herr = load(f"herr{q}_{r}", np.int32)
             assert load(f"err{q}_{r}", np.int32)[0] == 0, f"{what}: the error word was raised"
             if q == 1:
-                assert mask[:n].tolist() == [int(p in gone) for p in range(n)] or not use_mask, (
+                assert mask[:n].tolist() == [int(p in kept) for p in range(n)] or not use_mask, (
                     f"{what}: {mask}"
                 )
-                timed_out = [lost] if case == "lost" else []
+                timed_out = sorted(kept) if case in ("lost", "late") else []
                 assert [p for p in range(n) if herr[4 + p]] == timed_out, f"{what}: herr {herr}"
                 assert all(herr[4 + p] == 1 for p in timed_out), f"{what}: records generation 0 + 1"
             else:  # after ep_lln_clean: every rank unmasked, generation 1, and nothing timed out since
