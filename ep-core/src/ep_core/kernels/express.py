@@ -128,6 +128,7 @@ class ExpressDispatch:
         "buffer",
         "cpu_sync",
         "match",
+        "scalars",
         "zero_copy",
     )
 
@@ -397,7 +398,17 @@ class ExpressWithHandle:
     trusted handle's fingerprint), and the repeat (`RepeatCombine.run` / `RepeatDispatch.run`) does the rest,
     called as `GpuExecutor` calls it."""
 
-    __slots__ = ("_executor", "_handle_key", "_plan", "allocator", "buffer", "match", "op", "x_dtype")
+    __slots__ = (
+        "_executor",
+        "_handle_key",
+        "_plan",
+        "allocator",
+        "buffer",
+        "match",
+        "op",
+        "scalars",
+        "x_dtype",
+    )
 
     def __init__(
         self, op: str, buffer: Any, executor: Any, plan: Any, allocator: Any, match: Any, x_dtype: str
