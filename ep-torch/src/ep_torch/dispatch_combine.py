@@ -441,10 +441,12 @@ class DispatchCombine:
             got = lane(x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
             if got is not None:
                 if zero_copy is not False:
-                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *got[:4])
-                    return recv_x, recv_idx, recv_w, got[4], EventOverlap(None)
-                recv_x = _received(got[0], got[1], use_tma_aligned_col_major_sf)
-                return recv_x, got[2], got[3], got[4], EventOverlap(None)
+                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(
+                        data, sf, got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights
+                    )
+                    return recv_x, recv_idx, recv_w, got.handle, EventOverlap(None)
+                recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
+                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
         with self._core.announcing("dispatch"):
             rt = self._rt()
             if handle is None and do_cpu_sync is not False:
