@@ -65,7 +65,6 @@ from ep_core.kernels._envelope import describe_envelope, pack_envelope
 from ep_core.kernels._source import load_kernels
 from ep_core.kernels.combine_launch import CombineLaunch
 from ep_core.kernels.dispatch_launch import DispatchLaunch, _PendingDispatch
-from ep_core.kernels.launch_words import combine_smem as _combine_smem
 from ep_core.kernels.plan import (
     SCRATCH_BARRIER_EPOCH_OFFSET,
     SCRATCH_INPUT_ERROR_OFFSET,
@@ -78,6 +77,7 @@ from ep_core.kernels.plan import (
     default_num_sms,
     plan_regions,
 )
+from ep_core.kernels.plan import combine_smem as _combine_smem
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
 from ep_core.requests import CombineResult, DispatchResult
@@ -419,7 +419,7 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         return load_kernels(cfg)
 
     def _combine_smem(self, cfg: KernelConfig) -> int:
-        """The combine launch's dynamic shared memory (`launch_words.combine_smem`)."""
+        """The combine launch's dynamic shared memory (`plan.combine_smem`)."""
         return _combine_smem(cfg)
 
     def epilogue_only(self, cached: bool, rows: int, zero_padding: bool) -> bool:

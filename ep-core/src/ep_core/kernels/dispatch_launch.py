@@ -26,20 +26,20 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, OP_ARGS_FIELDS
 from ep_core.kernels._cuda import DeviceView, PinnedBuffer, Stream, as_view, view_ptr
 from ep_core.kernels._envelope import OP_DISPATCH
-from ep_core.kernels.launch_words import (
-    _DISPATCH_DYNAMIC,
-    _DISPATCH_ZERO_COPY_DYNAMIC,
-    _EPILOGUE_DYNAMIC,
-    _EPILOGUE_DYNAMIC_ALL,
-    dispatch_words,
-    epilogue_outputs,
-)
 from ep_core.kernels.plan import (
     KernelConfig,
     launch_geometry,
     plan_regions,
 )
-from ep_core.kernels.prepared_launch import PreparedOp
+from ep_core.kernels.prepared_launch import (
+    _DISPATCH_DYNAMIC,
+    _DISPATCH_ZERO_COPY_DYNAMIC,
+    _EPILOGUE_DYNAMIC,
+    _EPILOGUE_DYNAMIC_ALL,
+    PreparedOp,
+    dispatch_words,
+    epilogue_outputs,
+)
 from ep_core.kernels.repeat import RepeatDispatch
 from ep_core.kernels.zero_copy_rows import ZeroCopyRows
 from ep_core.requests import DispatchResult

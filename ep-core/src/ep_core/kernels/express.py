@@ -37,7 +37,7 @@ from typing import Any
 from ep_core._env import knobs
 from ep_core.handle import BLOCK_PARTS, EPHandle
 from ep_core.kernels.array_block import Int32Block
-from ep_core.kernels.launch_words import epilogue_outputs
+from ep_core.kernels.prepared_launch import epilogue_outputs
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, note_handle_topk_idx
 from ep_core.requests import DispatchResult
 from ep_core.validation import (

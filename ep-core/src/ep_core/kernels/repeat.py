@@ -33,8 +33,13 @@ from ep_core import device_array as _device_array
 from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
-from ep_core.kernels.launch_words import combine_words, dispatch_words, epilogue_outputs
-from ep_core.kernels.prepared_launch import PreparedOp, record_wait
+from ep_core.kernels.prepared_launch import (
+    PreparedOp,
+    combine_words,
+    dispatch_words,
+    epilogue_outputs,
+    record_wait,
+)
 from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = [
