@@ -341,9 +341,8 @@ class RepeatDispatch:
             fwd_ptr = ptrs[5] if self.hybrid else 0
             launch = rank._handle_launch.get(handle, -1)
         else:
-            if (
-                made is not None
-            ):  # the express lane's one allocation: the block, the routing copy (and outputs)
+            if made is not None:
+                # the express lane's one allocation: the block, the routing copy (and the outputs)
                 block, topk_idx, copy_ptr = made.start()
             else:
                 carve = getattr(rank._allocator, "handle_block", None)
@@ -405,9 +404,8 @@ class RepeatDispatch:
         if zero_copy:  # the kernel's outputs where it stored them (the handle below)
             recv_x, recv_sf, recv_idx, recv_w = self.zero_copy_outputs(rows, x_name)
         elif made is not None:
-            recv_x, recv_sf, recv_idx, recv_w, meta_made, outputs = made.outputs(rows, num_recv, meta_ptr)
-            if meta_ptr is None:
-                meta = meta_made
+            # (`meta`: a CPU-sync dispatch's metadata, made with its outputs; else None, the block holds it)
+            recv_x, recv_sf, recv_idx, recv_w, meta, outputs = made.outputs(rows, num_recv, meta_ptr)
         else:
             # the outputs, exactly as `finish_dispatch` allocates them
             # (the request's allocator is called directly: no wrapper per call)
