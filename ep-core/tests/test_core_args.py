@@ -63,9 +63,9 @@ def test_the_prepared_keys_name_their_fields():
 
 
 def test_the_launch_words_are_built_in_their_named_order():
-    """The kernels' per-call words are built in one place each (`ep_core.kernels.launch_words`), for the full
+    """The kernels' per-call words are built in one place each (`ep_core.kernels.prepared_launch`), for the full
     path, the repeats and the express lanes alike, in the order their names say."""
-    from ep_core.kernels import launch_words as lw
+    from ep_core.kernels import prepared_launch as lw
 
     assert lw.dispatch_words(*lw._DISPATCH_DYNAMIC) == lw._DISPATCH_DYNAMIC
     zero_copy = lw.dispatch_words(*lw._DISPATCH_DYNAMIC, src_metadata="src_metadata")

@@ -166,7 +166,7 @@ def test_lane_launches_what_the_ordinary_road_launches(mocked, tokens, weights, 
             per_call.append((_named_launches(launches, names), _handle_fields(handle)))
         seen[lane] = per_call
         assert served[0] == (3 if lane else 0)  # the first call makes the entry; the lane serves the others
-        assert (buf._express is not None) == lane
+        assert (buf._lanes.get("dispatch") is not None) == lane
     assert seen[True] == seen[False]
 
 
@@ -204,7 +204,7 @@ def test_any_other_argument_takes_the_ordinary_road(mocked):
     h = buf.dispatch(x, **kw)[3]
     buf.dispatch(x, **kw)
     assert served[0] == 1
-    lane = buf._express
+    lane = buf._lanes.get("dispatch")
     others = [
         dict(kw, num_sms=8),  # another scalar: another entry (and a new lane)
         dict(kw, do_cpu_sync=None),
@@ -215,20 +215,20 @@ def test_any_other_argument_takes_the_ordinary_road(mocked):
         dict(kw, num_qps=0, expert_alignment=1),
     ]
     for extra in others:
-        buf._express = lane
+        buf._lanes["dispatch"] = lane
         buf.dispatch(x, **extra)
         assert served[0] == 1, extra
-    buf._express = lane
+    buf._lanes["dispatch"] = lane
     buf.dispatch(x[:4].clone(), **dict(kw, topk_idx=idx[:4].clone()))  # other shapes
-    buf._express = lane
+    buf._lanes["dispatch"] = lane
     buf.dispatch(x.clone().requires_grad_(), **kw)  # autograd: ep_torch detaches it on the ordinary road
-    buf._express = lane
+    buf._lanes["dispatch"] = lane
     with pytest.raises(EPValueError, match="contiguous"):  # other strides: validation's error, as without it
         buf.dispatch(x.t().contiguous().t(), **kw)
-    buf._express = lane
+    buf._lanes["dispatch"] = lane
     buf.dispatch(x, handle=h, num_sms=4)
     assert served[0] == 1
-    buf._express = lane
+    buf._lanes["dispatch"] = lane
     buf.dispatch(x, **kw)
     assert served[0] == 2
 
@@ -297,7 +297,7 @@ def test_lane_off_by_knob(mocked):
     idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
     for _ in range(3):
         buf.dispatch(x, topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
-    assert buf._express is None and served[0] == 0
+    assert buf._lanes.get("dispatch") is None and served[0] == 0
 
 
 @pytest.mark.parametrize("weights", [True, False])
@@ -439,7 +439,7 @@ def test_sync_lane_launches_what_the_ordinary_road_launches(
             assert buf.combine(recv, handle, num_sms=4)[0].shape == (8, HIDDEN)
         seen[lane] = per_call
         assert sync_served[0] == (3 if lane else 0)
-        assert (buf._express_sync is not None) == lane and buf._express is None
+        assert (buf._lanes.get("dispatch_sync") is not None) == lane and buf._lanes.get("dispatch") is None
     assert seen[True] == seen[False]
     assert seen[True][0][1]["num_recv_tokens_per_expert_list"]  # the counts the CPU sync read
 
@@ -605,7 +605,7 @@ def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
             per_call.append(_named_launches(launches, names))
         seen[lane] = per_call
         assert served_by["combine"] == (3 if lane else 0)
-        assert (buf._express_combine_zero_copy is not None) == lane
+        assert (buf._lanes.get("combine_zero_copy") is not None) == lane
         other = torch.zeros(zx.shape, dtype=torch.bfloat16)
         with pytest.raises(EPValueError, match="x: a zero-copy combine reads rank 0's combine buffer"):
             buf.combine(other, handle, num_sms=4, zero_copy=True)
@@ -669,7 +669,7 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
             per_call.append((_named_launches(launches, names), _handle_fields(handle)))
         seen[lane] = per_call
         assert served[0] == (3 if lane else 0)  # the first call makes the entry; the lane serves the others
-        assert (buf._express_zero_copy is not None) == lane
+        assert (buf._lanes.get("dispatch_zero_copy") is not None) == lane
     assert [launch[0][0] for launch, _ in seen[True]] == ["ep_dispatch_zero_copy_impl"] * 4
     assert "recv_src_metadata" in seen[True][-1][0][0][1]  # the kernel writes the handle's metadata
     assert seen[True] == seen[False]

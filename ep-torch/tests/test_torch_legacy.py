@@ -145,7 +145,9 @@ def _ranks(rank: int, n: int, device: str = "cpu") -> None:
         assert torch.equal(q[e, :c].view(torch.uint8), q_ref[e, :c].view(torch.uint8))
         assert torch.equal(s[e, :c], s_ref[e, :c])
     # bad inputs
-    with pytest.raises(ValueError, match="use_logfmt=True needs hidden % 512 == 0"):  # H = 128: no whole chunk
+    with pytest.raises(
+        ValueError, match="use_logfmt=True needs hidden % 512 == 0"
+    ):  # H = 128: no whole chunk
         buf.low_latency_combine(out_ll, idx, w, llh, use_logfmt=True)
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
         buf.low_latency_dispatch(x, idx, T - 1, E)

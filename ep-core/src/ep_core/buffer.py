@@ -262,6 +262,7 @@ class EPBuffer(BufferBase):
             raise EPTypeError(f"executor: expected an Executor, got {type(self._executor).__name__}")
         self._sm_cache: dict = {}
         self._prepared = PreparedOps(self.config)
+        self._lanes: dict[str, Any] = {}  # the express plans of the last calls by kind (`keep_lane`)
         self._destroyed = False
         boot.barrier()
 
@@ -418,36 +419,45 @@ class EPBuffer(BufferBase):
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
         res = ex.dispatch(req)
-        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `last_plan`'s
+        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `keep_lane`'s
         # a new handle from the library's own allocator passes the handle checks by construction: recorded as
         # validated, so that its combine does not check every array again (`validation.trust_handle`)
         if req.handle is None and is_trusted_allocator(req.allocator):
             trust_handle(self.config, ex, res.handle)
         return res
 
-    def last_plan(self, op: str, match: Any, handle: EPHandle | None = None) -> Any:
-        """The plan of this buffer's last `op` ("dispatch" or "combine") as one call from the framework layer to
-        the launches (`ep_core.kernels.express`), or None where that call was not one it serves (events, a
-        comm-stream allocation, an empty routing, no repeat yet, an allocator without `batch`). `match(x, ...)`
-        compares a later call's arrays with that call's: `(x, topk_idx, topk_weights)` for a dispatch without a
-        handle (for FP8 x: the data's and the scales' pointers first); `(x, topk_weights)` for a cached dispatch
-        of `handle` or a combine with `handle`. The caller must have made that call with no handle (unless
-        `handle`), events or comm-stream allocation, and compares every scalar of a later call with that call's
-        (the same object, or an equal int) before running the plan."""
+    def keep_lane(
+        self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
+    ) -> Any:
+        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") as one call from the framework layer
+        to the launches (`ep_core.kernels.express`) under `kind`, the caller's name for a kind of call (this
+        buffer's one cache of them: a kind holds the plan of its last call), and return it; None (and nothing kept
+        for `kind`) where that call was not one a plan serves (events, a comm-stream allocation, an empty routing,
+        no repeat yet, an allocator without `batch`, `match` None). `match(x, ...)` compares a later call's arrays
+        with that call's: `(x, topk_idx, topk_weights)` for a dispatch without a handle (for FP8 x: the data's and
+        the scales' pointers first); `(x, topk_weights)` for a cached dispatch of `handle` or a combine with
+        `handle`. The caller made that call with no handle (unless `handle`), events or comm-stream allocation,
+        and compares every scalar of a later call with `scalars` (kept on the plan: the same object, or an equal
+        int) before calling the plan."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
-        if last is None or self._destroyed:
-            return None
-        from ep_core.kernels import express
+        lane = None
+        if last is not None and match is not None and not self._destroyed:
+            from ep_core.kernels import express
 
-        if op == "combine":
-            return express.express_with_handle(
-                "combine", self, self._executor, last[0], "bfloat16", last[1], match, handle
-            )
-        if handle is not None:
-            return express.express_with_handle(
-                "dispatch", self, self._executor, last[0], last[1], last[2], match, handle
-            )
-        return express.express_dispatch(self, self._executor, last[0], last[1], last[2], match)
+            if op == "combine":
+                lane = express.express_with_handle(
+                    "combine", self, self._executor, last[0], "bfloat16", last[1], match, handle
+                )
+            elif handle is not None:
+                lane = express.express_with_handle(
+                    "dispatch", self, self._executor, last[0], last[1], last[2], match, handle
+                )
+            else:
+                lane = express.express_dispatch(self, self._executor, last[0], last[1], last[2], match)
+        if lane is not None:
+            lane.scalars = scalars
+        self._lanes[kind] = lane
+        return lane
 
     def combine(
         self,
@@ -517,7 +527,7 @@ class EPBuffer(BufferBase):
         ex = self._executor
         req = self._prepared.combine(ex, args)
         res = ex.combine(req)
-        self._last_combine = (req.prepared, req.allocator)  # `last_plan`'s
+        self._last_combine = (req.prepared, req.allocator)  # `keep_lane`'s
         return res
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------
@@ -606,6 +616,9 @@ class EPBuffer(BufferBase):
         self._release(collective=True)
 
     def _release(self, *, collective: bool) -> None:
+        lanes = self.__dict__.get("_lanes")
+        if lanes:  # the plans hold the executor
+            lanes.clear()
         try:
             ex = getattr(self, "_executor", None)
             if ex is not None:

@@ -35,7 +35,6 @@ from .bootstrap import ProcessGroupBootstrap
 from .dispatch_combine import (  # noqa: F401 (_current_stream, _handle_tensors, _plain: read here by tests)
     DispatchCombine,
     _current_stream,
-    _ExpressLane,
     _handle_tensors,
     _plain,
 )
@@ -113,11 +112,6 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         self._cuda = self.device.type == "cuda"
         self._device_index: int | None = self.device.index
         self._allocators: dict = {}
-        # the express lanes of the last plain no-sync dispatch, cached dispatch and combine (`dispatch`, `combine`)
-        self._express: _ExpressLane | None = None
-        self._express_cached: _ExpressLane | None = None
-        self._express_combine: _ExpressLane | None = None
-        self._express_sync: _ExpressLane | None = None  # the same for a plain CPU-sync dispatch
         self.allow_hybrid_mode = bool(allow_hybrid_mode)
         self.allow_multiple_reduction = bool(allow_multiple_reduction)
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
@@ -147,6 +141,7 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         )
         rt = self.runtime
         self._core = rt  # kept after destroy(): a call on a destroyed buffer is still announced to the peers
+        self._lanes = rt._lanes  # ep-core's express plans by kind (`dispatch`, `combine`): read on every call
         self.num_bytes = rt.num_bytes
         self.num_cpu_bytes = rt.config.num_cpu_bytes
         self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
@@ -189,8 +184,6 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
                 "pass explicitly_destroy=True to the constructor to manage its lifetime yourself"
             )
         rt = self._rt()
-        self._express = self._express_cached = self._express_combine = self._express_sync = None
-        self._express_combine_zero_copy = self._express_zero_copy = None
         self.__dict__.pop("_zero_copy_tensors", None)  # tensors over the memory released below
         if self.device.type == "cuda":
             torch.cuda.synchronize()

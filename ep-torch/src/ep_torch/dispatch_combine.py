@@ -1,8 +1,9 @@
 """``ElasticBuffer.dispatch`` / ``combine``: the road of one call from DeepEP's signature to ep-core
 (:class:`DispatchCombine`, a part of :class:`~ep_torch.buffer.ElasticBuffer`).
 
-A call either takes the express lane of the last call of its kind (``ep_core.EPBuffer.last_plan``: the arrays
-matched by the host extension's native signature, every scalar the recorded call's), or builds ep-core's argument
+A call either takes the express lane of the last call of its kind (ep-core's plan of that call,
+``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar the
+recorded call's), or builds ep-core's argument
 record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine`` inside the
 buffer's announcement block, on the comm stream when it asks for one; the outputs come back as torch tensors in
 DeepEP's return tuples.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -88,45 +90,28 @@ def _flat(items: Any) -> Iterator[Any]:
             yield a
 
 
-class _ExpressLane:
-    """One of ep-core's express lanes (`ep_core.kernels.express`) and the scalars of the call it was made from,
-    which `dispatch` / `combine` compare with a later call's (`_same`: by identity, or as equal ints; never
-    equal-but-other objects, 16.0 for 16, True for 1, which are other keys for ep-core's validation). `run` is the
-    lane itself."""
+def _match(arrays: tuple) -> Any:
+    """The host extension's native comparison of a later call's arrays with these (`ep_core.EPBuffer.keep_lane`'s
+    `match`), or None: no host extension (the allocator offers no `batch`), or arrays a signature cannot hold. An
+    FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two tensors: `match` returns both pointers, then the
+    others'."""
+    native = host_extension.module()
+    x = arrays[0]
+    if native is None:
+        return None
+    try:
+        if type(x) is torch.Tensor:
+            return native.signature(*arrays).match
+        if type(x) is tuple and len(x) == 2 and type(x[0]) is type(x[1]) is torch.Tensor:
+            pair = native.signature(x[0], x[1], *arrays[1:]).match
 
-    __slots__ = ("run", "scalars")
+            def match(x: Any, *rest: Any) -> Any:
+                return pair(x[0], x[1], *rest) if type(x) is tuple and len(x) == 2 else None
 
-    def __init__(self, run: Any, scalars: tuple) -> None:
-        self.run = run
-        self.scalars = scalars
-
-    @classmethod
-    def make(
-        cls, core: Any, op: str, arrays: tuple, scalars: tuple, handle: Any = None
-    ) -> _ExpressLane | None:
-        """`core.last_plan(op, match, handle)` (ep_core's `EPBuffer`) for the call just run with these
-        arrays, or None: no host extension (the allocator offers no `batch`), arrays a signature cannot hold, or
-        a call ep-core's lane does not serve. An FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two
-        tensors: `match` returns both pointers, then the others'."""
-        native = host_extension.module()
-        x = arrays[0]
-        if native is None:
-            return None
-        try:
-            if type(x) is torch.Tensor:
-                match = native.signature(*arrays).match
-            elif type(x) is tuple and len(x) == 2 and type(x[0]) is type(x[1]) is torch.Tensor:
-                pair = native.signature(x[0], x[1], *arrays[1:]).match
-
-                def match(x: Any, *rest: Any) -> Any:
-                    return pair(x[0], x[1], *rest) if type(x) is tuple and len(x) == 2 else None
-
-            else:
-                return None
-        except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
-            return None
-        lane = core.last_plan(op, match, handle)
-        return None if lane is None else cls(lane, scalars)
+            return match
+    except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
+        pass
+    return None
 
 
 def _received(recv_x: Any, recv_sf: Any, col_major: Any) -> Any:
@@ -140,7 +125,7 @@ def _received(recv_x: Any, recv_sf: Any, col_major: Any) -> Any:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    """Whether a call's scalars are the recorded call's (`_ExpressLane`): each the same object, or an int equal to
+    """Whether a call's scalars are the recorded call's (a lane's `scalars`, `ep_core.EPBuffer.keep_lane`): each the same object, or an int equal to
     a recorded int (a count computed anew on each call, such as ``x.shape[0]`` above the small-int cache). Never
     an equal value of another type (``16.0`` for ``16``, ``True`` for ``1``): validation keys those apart."""
     return all(map(operator.is_, a, b)) or all(map(_same_scalar, a, b))
@@ -153,13 +138,9 @@ def _same_scalar(a: Any, b: Any) -> bool:
 class DispatchCombine:
     """The dispatch / combine methods of :class:`~ep_torch.buffer.ElasticBuffer` (module doc)."""
 
-    # the express lanes (set per buffer in __init__; None here for buffers made without it)
-    _express: _ExpressLane | None = None
-    _express_cached: _ExpressLane | None = None
-    _express_combine: _ExpressLane | None = None
-    _express_combine_zero_copy: _ExpressLane | None = None
-    _express_zero_copy: _ExpressLane | None = None
-    _express_sync: _ExpressLane | None = None
+    # ep-core's express plans of this buffer by kind (`ep_core.EPBuffer.keep_lane`; set in __init__): "dispatch"
+    # (no-sync), "dispatch_sync", "dispatch_zero_copy", "dispatch_cached", "combine", "combine_zero_copy"
+    _lanes: Mapping[str, Any] = MappingProxyType({})  # (none for a buffer made without __init__)
 
     # ----------------------------------------------------------------------------------------------------------------
     # dispatch / combine
@@ -388,7 +369,7 @@ class DispatchCombine:
                     zero_copy=zero_copy,
                 ),
             )
-        # the express lanes (`ep_core.EPBuffer.last_plan`): a repeat of the last dispatch of its kind (no handle:
+        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of the last dispatch of its kind (no handle:
         # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
         # handle) without events, stats or comm-stream scope, every scalar the same object as that call's (so the
         # same prepared entry), the arrays compared by the lane's `match`
@@ -413,12 +394,14 @@ class DispatchCombine:
             do_zero_padding,
         )
         if zero_copy is False:
-            lane = self._express if do_cpu_sync is False else self._express_sync
+            kind = "dispatch" if do_cpu_sync is False else "dispatch_sync"
         else:  # a zero-copy dispatch's outputs are views of the buffer's memory, as tensors of x's dtypes
-            lane = self._express_zero_copy if zero_copy is True and do_cpu_sync is False else None
+            kind = "dispatch_zero_copy" if zero_copy is True and do_cpu_sync is False else None
             data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
         if handle is not None and zero_copy is False:
-            lane = self._express_cached
+            kind = "dispatch_cached"
+        lane = self._lanes.get(kind)
+        if kind == "dispatch_cached":
             scalars = (
                 topk_idx,
                 cumulative_local_expert_recv_stats,
@@ -438,9 +421,7 @@ class DispatchCombine:
                 use_tma_aligned_col_major_sf,
             )
             if lane is not None and _same(scalars, lane.scalars):
-                got = lane.run(
-                    x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0
-                )
+                got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
                 if got is not None:
                     return (
                         got.recv_x,
@@ -457,15 +438,15 @@ class DispatchCombine:
                     # refused before any launch: announced (the step given up) as on the ordinary road
                     with self._core.announcing("dispatch"):
                         raise
-            got = lane.run(
-                x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0
-            )
+            got = lane(x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
             if got is not None:
                 if zero_copy is not False:
-                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *got[:4])
-                    return recv_x, recv_idx, recv_w, got[4], EventOverlap(None)
-                recv_x = _received(got[0], got[1], use_tma_aligned_col_major_sf)
-                return recv_x, got[2], got[3], got[4], EventOverlap(None)
+                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(
+                        data, sf, got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights
+                    )
+                    return recv_x, recv_idx, recv_w, got.handle, EventOverlap(None)
+                recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
+                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
         with self._core.announcing("dispatch"):
             rt = self._rt()
             if handle is None and do_cpu_sync is not False:
@@ -517,14 +498,8 @@ class DispatchCombine:
             # extension is loaded)
             lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
             if lanes and plain:
-                made = _ExpressLane.make(rt, "dispatch", (x, topk_idx, topk_weights), lane_scalars)
-                if zero_copy is not False:
-                    if zero_copy is True and do_cpu_sync is False:
-                        self._express_zero_copy = made
-                elif do_cpu_sync is False:
-                    self._express = made
-                else:
-                    self._express_sync = made
+                if kind is not None:
+                    rt.keep_lane(kind, "dispatch", _match((x, topk_idx, topk_weights)), lane_scalars)
             elif (
                 lanes
                 and zero_copy is False
@@ -535,7 +510,7 @@ class DispatchCombine:
                 and previous_event_before_epilogue is None
                 and not async_with_compute_stream
             ):
-                self._express_cached = _ExpressLane.make(rt, "dispatch", (x, topk_weights), scalars, handle)
+                rt.keep_lane(kind, "dispatch", _match((x, topk_weights)), scalars, handle)
         if handle is None:
             if not do_handle_copy:
                 res.handle.topk_idx = (
@@ -773,11 +748,12 @@ class DispatchCombine:
         # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
         # error)
         if zero_copy is False:
-            lane = self._express_combine
+            kind = "combine"
         else:
-            lane = self._express_combine_zero_copy if zero_copy is True else None
+            kind = "combine_zero_copy" if zero_copy is True else None
+        lane = self._lanes.get(kind)
         if plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
-            got = lane.run(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+            got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
             if got is not None:
                 return got.combined_x, got.combined_topk_weights, EventOverlap(None)
         with self._core.announcing("combine"):
@@ -815,9 +791,5 @@ class DispatchCombine:
                 and scope is _NO_SCOPE
                 and getattr(self._allocators.get(device), "batch", None) is not None
             ):
-                made = _ExpressLane.make(rt, "combine", (x, topk_weights), (num_sms, num_qps), handle)
-                if zero_copy:
-                    self._express_combine_zero_copy = made
-                else:
-                    self._express_combine = made
+                rt.keep_lane(kind, "combine", _match((x, topk_weights)), (num_sms, num_qps), handle)
         return res.combined_x, res.combined_topk_weights, event

@@ -19,11 +19,15 @@ from ep_core.kernels._args import FLAGS
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE
 from ep_core.kernels.dispatch_launch import _check_2d
-from ep_core.kernels.launch_words import _COMBINE_DYNAMIC, _COMBINE_ZERO_COPY_DYNAMIC, combine_words
 from ep_core.kernels.plan import (
     launch_geometry,
 )
-from ep_core.kernels.prepared_launch import PreparedOp
+from ep_core.kernels.prepared_launch import (
+    _COMBINE_DYNAMIC,
+    _COMBINE_ZERO_COPY_DYNAMIC,
+    PreparedOp,
+    combine_words,
+)
 from ep_core.kernels.repeat import RepeatCombine
 from ep_core.requests import CombineResult
 from ep_core.validation import check_zero_copy_args

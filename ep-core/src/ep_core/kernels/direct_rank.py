@@ -65,7 +65,6 @@ from ep_core.kernels._envelope import describe_envelope, pack_envelope
 from ep_core.kernels._source import load_kernels
 from ep_core.kernels.combine_launch import CombineLaunch
 from ep_core.kernels.dispatch_launch import DispatchLaunch, _PendingDispatch
-from ep_core.kernels.launch_words import combine_smem as _combine_smem
 from ep_core.kernels.plan import (
     SCRATCH_BARRIER_EPOCH_OFFSET,
     SCRATCH_INPUT_ERROR_OFFSET,
@@ -78,6 +77,7 @@ from ep_core.kernels.plan import (
     default_num_sms,
     plan_regions,
 )
+from ep_core.kernels.plan import combine_smem as _combine_smem
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
 from ep_core.requests import CombineResult, DispatchResult
@@ -419,7 +419,7 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         return load_kernels(cfg)
 
     def _combine_smem(self, cfg: KernelConfig) -> int:
-        """The combine launch's dynamic shared memory (`launch_words.combine_smem`)."""
+        """The combine launch's dynamic shared memory (`plan.combine_smem`)."""
         return _combine_smem(cfg)
 
     def epilogue_only(self, cached: bool, rows: int, zero_padding: bool) -> bool:
@@ -483,6 +483,62 @@ class DirectRank(DispatchLaunch, CombineLaunch):
             launch.run(values, self.stream.handle, wait, signal)
         if collective:
             self._num_collective_launches += 1
+
+    # ------------------------------------------------------------------ a CPU sync's count round trip
+    def _copy_counts(self, psum_rank_ptr: int, unaligned_ptr: int, epr: int, one_block: bool = False) -> None:
+        """Queue the copies of a CPU-sync dispatch's counts into the page-locked host words (`_sync_counts`).
+        `one_block`: both arrays are parts of one allocation (`kernels.array_block`: the prefix sums first), so
+        one copy spanning them (and what lies between, the same allocation's) replaces two driver calls."""
+        n, su = self.num_ranks, self.num_scaleup_ranks
+        gap = unaligned_ptr - psum_rank_ptr
+        span = gap + 4 * epr
+        one = one_block and gap >= 4 * su and span <= self._host_bytes
+        self._counts_at = gap if one else 4 * n
+        base = getattr(self._host, "_ptr", None)
+        native = _cuda.native_launch() if type(base) is int else None
+        if native is not None:  # C++ copies; on a failure they are queued again below
+            stream = self.stream.handle
+            if one:
+                if not native.copy_to_host(base, psum_rank_ptr, span, stream):
+                    return
+            elif not native.copy_to_host(base, psum_rank_ptr, 4 * su, stream) and not native.copy_to_host(
+                base + 4 * n, unaligned_ptr, 4 * epr, stream
+            ):
+                return
+        host = self._host.array
+        if one:
+            _cuda.copy_to_host(host[:span], psum_rank_ptr, self.stream)
+            return
+        _cuda.copy_to_host(host[: 4 * su], psum_rank_ptr, self.stream)
+        _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], unaligned_ptr, self.stream)
+
+    def _sync_counts(self, epr: int, a: int) -> tuple[int, int, list]:
+        """Wait for a CPU-sync dispatch (CPU timeout), raise what its kernels reported, and read its counts:
+        `(num_recv, num_expanded, aligned per-expert counts)`."""
+        if not self.stream.synchronize(self.cpu_timeout_secs):
+            raise EPTimeoutError(
+                self.rank,
+                "cpu.dispatch_wait",
+                "stream",
+                "not drained",
+                f"rank {self.rank}: the dispatch did not finish within the CPU timeout "
+                f"({self.cpu_timeout_secs} s)",
+            )
+        # drained: a kernel of this stream that failed (or found the abort flag raised) published its abort kind,
+        # an invalid input its kind, into the mapped words; the record is read (two copies and a sync) only then.
+        # (A peer's abort raised after this rank's kernels completed is raised by the next call, whose kernels find
+        # it at entry.)
+        if any(self._status.read()):
+            self.check_errors(synchronize=False)
+        self._unconfirmed.clear()  # drained and clean: earlier no-sync handles are valid
+        host = self._host.array
+        n = self.num_scaleup_ranks
+        num_recv = int(host[4 * (n - 1) : 4 * n].view(np.int32)[0])  # the last inclusive prefix sum
+        at = self._counts_at
+        counts = host[at : at + 4 * epr].view(np.int32)
+        # Python ints, read before the next dispatch's copy lands (tolist copies); one numpy op when aligning
+        aligned = counts.tolist() if a == 1 else ((counts.astype(np.int64) + (a - 1)) // a * a).tolist()
+        return num_recv, sum(aligned), aligned
 
     def _shape_key(self, plan: RegionPlan, scratch: int, num_sms: int) -> tuple:
         """The rank's words of a launch shape (every field of `_common` but the op's num_experts) and its grid."""

@@ -1,42 +1,33 @@
 """The express road: a repeated dispatch (no handle; with or without CPU sync), combine or cached dispatch as one
-call from the framework layer to the launches.
+call from the framework layer to its plan's run.
 
-A repeat (`ep_core.kernels.repeat`) still walks every layer above it on each call: `EPBuffer` -> `PreparedOps`
-(describe each array, build the key, compare it, build the request) -> `GpuExecutor` (the routing copy, the
-allocator wrapper, the stream pairs) -> `RepeatDispatch.run` (five allocations, the block, the handle). On a host
-where a Python call costs 100-200 ns that is most of a dispatch's host time (issue 18). `ExpressDispatch` is that
-road for one prepared entry, made once the entry has its repeat, with everything the layers derive per call
-resolved ahead:
+A repeat (`ep_core.kernels.repeat`) through `EPBuffer` still walks every layer above the plan on each call:
+`PreparedOps` (describe each array, build the key, compare it, build the request) -> `GpuExecutor` (the routing
+copy, the allocator wrapper, the stream pairs). On a host where a Python call costs 100-200 ns that is most of a
+dispatch's host time (issue 18). An express lane replaces those layers for one prepared entry, for a framework
+that proves the key itself, and runs the same plan (`RepeatDispatch.run` / `RepeatCombine.run`, the one per-call
+code of a repeated call):
 
 - the key check is `match(x, topk_idx, topk_weights)`: the framework's native comparison of each array with the
   layout of the call the entry was made from (ep_torch: its host extension's `Signature.match`, one C call that
-  returns the pointers or None). The caller compares the scalar arguments by identity with the recorded ones, so
-  a call reaching `__call__` has the key that call had: the same entry, the same validated request.
-- the outputs, the handle's routing copy and its int32 block come from one call of the allocator's `batch`
-  (`allocate.batch(specs)`: a callable that makes them all; ep_torch's is one `at::empty` loop in C++);
-- the new handle is recorded as validated with the fingerprint `validation.handle_fingerprint` gives it (its
-  by-value part is the same for every handle of the entry and is read from the first one);
-- the rest is the repeat's own per-call work (failure guard, envelope, launches with their stream-order pairs,
-  the handle's launch number, the input-error report), through the same helpers.
-
-A CPU-sync dispatch (`ExpressDispatch` of a plan with `cpu_sync`) is the same road with the count round trip between its launches: the
-dispatch kernel, the count copy and the wait (`DirectRank._copy_counts` / `_sync_counts`, the CPU timeout and the
-kernels' error record included), then its outputs and the handle's metadata in one `batch` call for the rows the
-counts gave (one prepared call per row count seen, a few kept), the copy epilogue, and the handle recorded with
-the fingerprint `validation.trust_handle` gives it (its counts are its own).
-
-A no-sync zero-copy dispatch (`ExpressDispatch` of a plan with `zero_copy`) is the no-sync road with nothing to allocate but the
-routing copy and the handle's block: its one launch stores the outputs in the receive region (returned as its
-views) and the handle's metadata.
-
-A combine or cached dispatch (`ExpressWithHandle`, its `op` a field) keeps its repeat as it is: the lane replaces the
-layers above it (the caller's match for the arrays, the handle's key part and `check_handle` as `PreparedOps`
-checks them, the stream pairs) and calls `RepeatCombine.run` / `RepeatDispatch.run` as `GpuExecutor` does.
+  returns the pointers or None). The caller compares the scalar arguments by identity with the recorded ones
+  (`scalars`, kept on the lane by `EPBuffer.keep_lane`), so a call reaching `__call__` has the key that call had:
+  the same entry, the same validated request.
+- a dispatch without a handle (`ExpressDispatch`) hands the plan its allocations (`RepeatDispatch.run`'s `made`):
+  the outputs, the handle's routing copy and its int32 block from one call of the allocator's `batch`
+  (`allocate.batch(specs)`: a callable that makes them all; ep_torch's is one `at::empty` loop in C++); a
+  CPU-sync dispatch's outputs and metadata from one more, for the rows its counts gave (one prepared call per row
+  count seen, a few kept); a zero-copy dispatch's batch is the routing copy and the block alone (its outputs are
+  the receive region's views). The new handle is recorded as validated with the fingerprint
+  `validation.handle_fingerprint` gives it (by value the same for every no-sync handle of the entry, read from the
+  first; a CPU-sync handle's counts are its own: `validation.trust_handle`).
+- a combine or cached dispatch (`ExpressWithHandle`, its `op` a field) checks the handle as `PreparedOps` does (its
+  key part, then `check_handle`) and calls the plan as `GpuExecutor` does.
 
 An error before the launch gives up the call's device sequence number, as `EPBuffer.announcing` does, so that a
 rank refusing a call can never be paired with its peers' next one. Anything the express lane does not cover (a
-handle, events, another stream context, a changed rank state) is the caller's cue to take
-the ordinary road: `__call__` returns None having done nothing.
+handle, events, another stream context, a changed rank state) is the caller's cue to take the ordinary road:
+`__call__` returns None having done nothing.
 """
 
 from __future__ import annotations
@@ -44,11 +35,11 @@ from __future__ import annotations
 from typing import Any
 
 from ep_core._env import knobs
-from ep_core.handle import EPHandle
+from ep_core.handle import BLOCK_PARTS, EPHandle
 from ep_core.kernels.array_block import Int32Block
-from ep_core.kernels.launch_words import dispatch_words, epilogue_outputs
-from ep_core.kernels.prepared_launch import record_wait
+from ep_core.kernels.prepared_launch import epilogue_outputs
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch, note_handle_topk_idx
+from ep_core.requests import DispatchResult
 from ep_core.validation import (
     check_handle,
     handle_fingerprint,
@@ -62,10 +53,6 @@ __all__ = ["ExpressDispatch", "ExpressWithHandle", "express_dispatch", "express_
 
 def _same(ptr: int, _what: str) -> int:
     return ptr
-
-
-# `DirectRank`'s names of a new handle's int32 arrays, in the dispatch kernel's argument order after the routing
-_KERNEL_PARTS = ("dst_slot", "fwd", "psum_rank", "psum_expert", "unaligned")
 
 
 def express_dispatch(
@@ -93,41 +80,39 @@ def express_dispatch(
     if plan.zero_copy:  # one launch, no epilogue; a CPU-sync zero-copy dispatch is never recorded
         if plan.cpu_sync:
             return None
-        epilogue = None
     elif epilogue is None and (rows > 0 or plan.zero_padding or plan.cpu_sync):
-        return None
+        return None  # what `RepeatDispatch.run` declines
     batch = getattr(allocator, "batch", None)
     if batch is None or not is_trusted_allocator(allocator):
         return None
-    return ExpressDispatch(buffer, executor, plan, epilogue, x_dtype, allocator, batch, match)
+    return ExpressDispatch(buffer, executor, plan, x_dtype, allocator, batch, match)
 
 
 class ExpressDispatch:
-    """One prepared dispatch without a handle, its whole road (module doc). Its plan's fields say which: no-sync,
-    CPU-sync (`cpu_sync`: the count round trip between the dispatch kernel and the outputs) or zero-copy
-    (`zero_copy`: one launch, the outputs the receive region's views, the batch only the routing copy and the
-    handle's block)."""
+    """One prepared dispatch without a handle, its whole road (module doc): the key proven (`match`), the stream
+    pairs, then its plan's `RepeatDispatch.run` with this lane's allocations (`start`, `outputs`: one `batch` call
+    each), the new handle trusted. Its plan's fields say which dispatch: no-sync, CPU-sync (`cpu_sync`: the outputs
+    follow the counts) or zero-copy (`zero_copy`: the outputs the receive region's views, the batch only the routing
+    copy and the handle's block)."""
 
     __slots__ = (
         "_alloc",
         "_at",
         "_batch",
-        "_block_at",
         "_by_rows",
         "_by_value",
-        "_epilogue",
-        "_epr",
         "_executor",
         "_has_idx",
         "_has_w",
+        "_made",
         "_plan",
-        "_rows",
         "_sf_name",
         "_x_dtype",
         "allocator",
         "buffer",
         "cpu_sync",
         "match",
+        "scalars",
         "zero_copy",
     )
 
@@ -138,7 +123,6 @@ class ExpressDispatch:
         buffer: Any,
         executor: Any,
         plan: RepeatDispatch,
-        epilogue: Any,
         x_dtype: str,
         allocator: Any,
         batch: Any,
@@ -151,10 +135,7 @@ class ExpressDispatch:
         self._plan = plan
         self.cpu_sync = plan.cpu_sync
         self.zero_copy = plan.zero_copy
-        self._epr = plan.num_experts // plan.rank.num_ranks
         self._by_rows: dict = {}
-        self._epilogue = epilogue
-        self._rows = plan.num_expanded if plan.expand else plan.num_recv
         self._x_dtype = x_dtype
         self._sf_name = plan._sf_name
         self._has_idx = not plan.expand
@@ -167,17 +148,14 @@ class ExpressDispatch:
             1 + sf + self._has_idx if self._has_w else 0,
         )
         # the outputs (a CPU-sync dispatch: none, they follow the counts), then the routing copy and the block
-        specs = [] if plan.cpu_sync else self._output_specs(self._rows)
+        specs = (
+            [] if plan.cpu_sync else self._output_specs(plan.num_expanded if plan.expand else plan.num_recv)
+        )
         specs.append(((plan.num_tokens, plan.topk), "int32" if plan.idx32 else "int64"))
-        offsets, _sizes, total, _strided = Int32Block.layout(plan._int32_key)
-        specs.append(((max(total, 1),), "int32"))
+        specs.append(((max(Int32Block.layout(plan._int32_key)[2], 1),), "int32"))
         self._batch = batch
         self._alloc = batch(tuple(specs))
-        at = plan._part
-        # byte offsets of the block's parts the dispatch kernel takes (-1: absent, a null pointer; the metadata
-        # of a CPU-sync dispatch is apart)
-        parts = [4 * offsets[at[name]] if name in at else -1 for name in _KERNEL_PARTS]
-        self._block_at = (*parts, 4 * offsets[at["src_metadata"]] if "src_metadata" in at else -1)
+        self._made: tuple | None = None  # this call's batch, between `start` and `outputs`
         self._by_value: tuple | None = None  # the handles' fingerprint by value, read from the first
 
     def _output_specs(self, rows: int) -> list:
@@ -197,9 +175,31 @@ class ExpressDispatch:
             specs.append(((rows,) if plan.expand else (rows, k), "float32"))
         return specs
 
-    def _received(self, arrays: tuple, aptrs: tuple, meta_ptr: int, rows: int) -> tuple:
-        """`(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the copy epilogue's words)` of a batch whose
-        first arrays are the outputs of `rows` rows (`_output_specs`); the words from the batch's own pointers."""
+    def start(self) -> tuple:
+        """`RepeatDispatch.run`'s `made.start()`, after its guard: this call's one batch (a no-sync dispatch's
+        outputs, the routing copy, the handle's int32 block) as `(the block, the copy, the copy's pointer)`."""
+        arrays, aptrs = self._made = self._alloc()
+        return Int32Block.adopt(arrays[-1], self._plan._int32_key, aptrs[-1]), arrays[-2], aptrs[-2]
+
+    def outputs(self, rows: int, num_recv: int, meta_ptr: int | None) -> tuple:
+        """`RepeatDispatch.run`'s `made.outputs(...)`: `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, the
+        metadata, the copy epilogue's words)`: a no-sync dispatch's from `start`'s batch (the metadata in the block:
+        None here); a CPU-sync dispatch's, and its metadata (one row per received token), from one `batch` call for
+        the rows its counts gave (one prepared call per row count seen, a few kept)."""
+        if meta_ptr is None:
+            key = (rows, num_recv)
+            made = self._by_rows.get(key)
+            if made is None:
+                if len(self._by_rows) >= self._KEEP:
+                    self._by_rows.clear()
+                specs = self._output_specs(rows)
+                specs.append(((num_recv, self._plan.topk + 2), "int32"))
+                made = self._by_rows[key] = self._batch(tuple(specs))
+            arrays, aptrs = made()
+            meta, meta_ptr = arrays[-1], aptrs[-1]
+        else:
+            arrays, aptrs = self._made
+            meta = None
         s, i, w = self._at
         strides = self._plan.sf_layout(rows)[1] if s else (0, 0)
         words = epilogue_outputs(
@@ -217,98 +217,51 @@ class ExpressDispatch:
             arrays[s] if s else None,
             arrays[i] if i else None,
             arrays[w] if w else None,
+            meta,
             words,
         )
 
-    def _start(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
-        """The per-call checks and the one allocation before the dispatch kernel: `(step, wait, signal, arrays,
-        pointers, the kernel's dynamic words)`, or None (nothing done)."""
+    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> DispatchResult | None:
+        """The dispatch's `DispatchResult` (`recv_sf`: None without FP8 scales; column-major ones as their storage
+        `[packs, align(rows, 4)]`; no event), or None (nothing done: take the ordinary road). The caller has
+        compared every other argument with the recorded call's; the outputs come from that call's allocator, on
+        `stream`'s order as the ordinary road's do."""
         ptrs = self.match(x, topk_idx, topk_weights)
         if ptrs is None:
-            return None
-        plan = self._plan
-        rank = plan.rank
-        if rank._last_scratch != plan.scratch or rank.debug_skip_scaleout_signal != plan.skip_signal:
             return None
         buffer = self.buffer
         if buffer._destroyed:
             return None  # the ordinary road raises the caller's own error
-        step = rank._num_collective_launches
-        try:
-            wait, signal, _leave = self._executor._pairs(stream, False)
-            rank.guard()
-            arrays, aptrs = self._alloc()
-        except Exception as exc:
-            buffer.announce_error("dispatch", exc, step)
-            raise
+        plan = self._plan
+        rank = plan.rank
         if self._sf_name is None:
             x_ptr, idx_ptr, w_ptr = ptrs
             sf_ptr = 0
         else:
             x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
-        base = aptrs[-1]
-        at = self._block_at
-        dynamic = dispatch_words(
-            x_ptr,
-            sf_ptr,
-            idx_ptr,
-            w_ptr,
-            base + at[0],
-            base + at[1] if at[1] >= 0 else 0,
-            base + at[2],
-            base + at[3],
-            base + at[4],
-            0,
-            aptrs[-2],
-            plan._envelopes.word(step + 1, -1),
-            base + at[5] if plan.zero_copy else None,  # a zero-copy dispatch's kernel writes the metadata
-        )
-        return step, wait, signal, arrays, aptrs, dynamic
-
-    def __call__(self, x: Any, topk_idx: Any, topk_weights: Any, stream: int) -> tuple | None:
-        """`(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, handle)` of the dispatch (`recv_sf`: None without
-        FP8 scales; column-major ones as their storage `[packs, align(rows, 4)]`), or None (nothing done: take the
-        ordinary road). The caller has compared every other argument with the recorded call's; the outputs come
-        from that call's allocator, on `stream`'s order as the ordinary road's do."""
-        started = self._start(x, topk_idx, topk_weights, stream)
-        if started is None:
-            return None
-        if self.zero_copy:
-            return self._zero_copy_call(*started)
-        if self.cpu_sync:
-            return self._sync_call(*started)
-        step, wait, signal, arrays, aptrs, dynamic = started
-        plan = self._plan
-        rank = plan.rank
-        rows = self._rows
-        copies = rows > 0 or plan.zero_padding
+        step = rank._num_collective_launches
         try:
-            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, None if copies else signal)
+            wait, signal, _leave = self._executor._pairs(stream, False)
+            res = plan.run(
+                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_dtype, wait, signal, 0, self
+            )
         except Exception as exc:
-            self.buffer.announce_error("dispatch", exc, step)
+            # a call that launched nothing gives up its step; after a launch (a timeout, a kernel's error) there
+            # is none to give up
+            buffer.announce_error("dispatch", exc, step)
             raise
-        base = aptrs[-1]
-        at = self._block_at
-        launch_number = rank._num_collective_launches
-        recv_x, recv_sf, recv_idx, recv_w, outputs = self._received(arrays, aptrs, base + at[5], rows)
-        if copies:
-            rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
-        return recv_x, recv_sf, recv_idx, recv_w, self._new_handle(arrays, base, launch_number)
-
-    def _new_handle(self, arrays: tuple, base: int, launch_number: int) -> EPHandle:
-        """The call's new handle over the batch's routing copy and int32 block (`base`: its address), recorded as
-        launched, unconfirmed and trusted; the kernel's input-error report read."""
-        plan = self._plan
-        rank = plan.rank
-        copy = arrays[-2]
-        block = Int32Block.adopt(arrays[-1], plan._int32_key, base)
-        handle = plan._block_handle(block, copy, plan.num_recv, plan.num_expanded, [], None)
-        rank._handle_launch[handle] = launch_number
-        rank._unconfirmed.add(handle)
+        finally:
+            self._made = None  # the outputs are the caller's alone
+        if res is None:
+            return None
+        handle = res.handle
+        copy = handle.topk_idx
         note_handle_topk_idx(rank, handle, copy, plan.idx32)
-        self._trust(handle, copy, block)
-        rank._report_input_error()
-        return handle
+        if self.cpu_sync:  # its counts are its own
+            trust_handle(buffer.config, self._executor, handle)
+        else:
+            self._trust(handle, copy, handle.__dict__[BLOCK_PARTS][0])
+        return res
 
     def _trust(self, handle: EPHandle, copy: Any, block: Int32Block) -> None:
         """`validation.trust_handle` for a handle of this entry: the fingerprint by value is every handle's."""
@@ -321,74 +274,6 @@ class ExpressDispatch:
             by_value = self._by_value = fingerprint[0]
         trust_fingerprint(handle, (by_value, (copy, block, block, block, block, block), config))
 
-    def _zero_copy_call(
-        self, step: int, wait: Any, signal: Any, arrays: tuple, aptrs: tuple, dynamic: tuple
-    ) -> tuple:
-        """A zero-copy dispatch's rest after `_start`: its one launch; the outputs the views of the receive region
-        where the kernel stored them (`DirectRank.zero_copy_views`, relabelled with the call's dtypes as
-        `GpuExecutor` does, the repeat's, kept for every call of the entry: `RepeatDispatch.zero_copy_outputs`);
-        the handle's metadata written by the kernel."""
-        plan = self._plan
-        rank = plan.rank
-        base = aptrs[-1]
-        try:
-            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, signal)
-        except Exception as exc:
-            self.buffer.announce_error("dispatch", exc, step)
-            raise
-        launch_number = rank._num_collective_launches
-        views = plan.zero_copy_outputs(self._rows, self._x_dtype)
-        return (*views, self._new_handle(arrays, base, launch_number))
-
-    def _outputs(self, rows: int, num_recv: int) -> tuple:
-        """`(arrays, pointers)` of one call's outputs for `rows` output rows (the expanded ones, or the received
-        tokens), then the handle's metadata (one row per received token), from one `batch` call."""
-        key = (rows, num_recv)
-        made = self._by_rows.get(key)
-        if made is None:
-            if len(self._by_rows) >= self._KEEP:
-                self._by_rows.clear()
-            specs = self._output_specs(rows)
-            specs.append(((num_recv, self._plan.topk + 2), "int32"))
-            made = self._by_rows[key] = self._batch(tuple(specs))
-        return made()
-
-    def _sync_call(
-        self, step: int, wait: Any, signal: Any, arrays: tuple, aptrs: tuple, dynamic: tuple
-    ) -> tuple:
-        """A CPU-sync dispatch's rest after `_start`: the dispatch kernel, the count copy and wait, then the outputs
-        and the handle's metadata in one `batch` call for the rows the counts gave, the copy epilogue; the handle
-        carries its counts (and its per-expert list), and it is confirmed (drained) when this returns."""
-        plan = self._plan
-        rank = plan.rank
-        base = aptrs[-1]
-        at = self._block_at
-        try:
-            rank._launch_prepared(plan.prepared.main, dynamic, False, True, wait, None)
-            launch_number = rank._num_collective_launches
-            rank._copy_counts(base + at[2], base + at[4], self._epr, True)
-            num_recv, num_expanded, expert_list = rank._sync_counts(self._epr, plan.alignment)
-        except Exception as exc:
-            # a launch that failed gives up its step; after it (a timeout, a kernel's error) there is none to give up
-            self.buffer.announce_error("dispatch", exc, step)
-            raise
-        rows = num_expanded if plan.expand else num_recv
-        outs, optrs = self._outputs(rows, num_recv)
-        recv_x, recv_sf, recv_idx, recv_w, outputs = self._received(outs, optrs, optrs[-1], rows)
-        meta = outs[-1]
-        if rows > 0 or plan.zero_padding:
-            rank._launch_prepared(self._epilogue, dynamic + outputs, False, False, None, signal)
-        elif signal is not None:  # no rows: nothing to copy, the stream order alone
-            record_wait(signal[0], rank.stream.handle, signal[1])
-        copy = arrays[-2]
-        block = Int32Block.adopt(arrays[-1], plan._int32_key, base)
-        handle = plan._block_handle(block, copy, num_recv, num_expanded, expert_list, meta)
-        rank._handle_launch[handle] = launch_number
-        note_handle_topk_idx(rank, handle, copy, plan.idx32)
-        trust_handle(self.buffer.config, self._executor, handle)
-        rank._report_input_error()
-        return recv_x, recv_sf, recv_idx, recv_w, handle
-
 
 class ExpressWithHandle:
     """A prepared op that reads a handle, its road without the layers: a combine (`op="combine"`, no bias) or a
@@ -397,7 +282,17 @@ class ExpressWithHandle:
     trusted handle's fingerprint), and the repeat (`RepeatCombine.run` / `RepeatDispatch.run`) does the rest,
     called as `GpuExecutor` calls it."""
 
-    __slots__ = ("_executor", "_handle_key", "_plan", "allocator", "buffer", "match", "op", "x_dtype")
+    __slots__ = (
+        "_executor",
+        "_handle_key",
+        "_plan",
+        "allocator",
+        "buffer",
+        "match",
+        "op",
+        "scalars",
+        "x_dtype",
+    )
 
     def __init__(
         self, op: str, buffer: Any, executor: Any, plan: Any, allocator: Any, match: Any, x_dtype: str

@@ -23,6 +23,7 @@ __all__ = [
     "check_coresident",
     "check_epilogue_sms",
     "check_occupancy",
+    "combine_smem",
     "default_num_sms",
     "default_num_warps",
     "epilogue_share",
@@ -510,3 +511,12 @@ def check_occupancy(
             f"{num_sms}), but the device holds {capacity} ({blocks_per_sm} per SM x {device_sms} SMs) of "
             f"{threads} threads and {shared_mem} bytes of shared memory; use num_sms <= {per_rank}"
         )
+
+
+def combine_smem(cfg: KernelConfig) -> int:
+    """The combine launch's dynamic shared memory: the direct combine stages rows through it with bulk copies
+    (`KernelConfig.combine_dynamic_smem_bytes`, 0 when it does not fit: the register path); hybrid and cross-node
+    combines do not use it (helper-latency's request 3, issue 17)."""
+    if cfg.is_hybrid or cfg.is_direct_xnode:
+        return 0
+    return cfg.combine_dynamic_smem_bytes

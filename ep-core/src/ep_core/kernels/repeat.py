@@ -33,8 +33,13 @@ from ep_core import device_array as _device_array
 from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
-from ep_core.kernels.launch_words import combine_words, dispatch_words, epilogue_outputs
-from ep_core.kernels.prepared_launch import PreparedOp, record_wait
+from ep_core.kernels.prepared_launch import (
+    PreparedOp,
+    combine_words,
+    dispatch_words,
+    epilogue_outputs,
+    record_wait,
+)
 from ep_core.requests import CombineResult, DispatchResult
 
 __all__ = [
@@ -289,13 +294,19 @@ class RepeatDispatch:
         wait: Any = None,
         signal: Any = None,
         copy_ptr: int = 0,
+        made: Any = None,
     ) -> DispatchResult | None:
         """The dispatch, or None (nothing done: the caller takes the full path). `idx_ptr` / `topk_idx`: the
         caller's routing (ignored when cached: the handle's). `allocate(shape, dtype_name)`: the request's
         allocator for the outputs, called as `GpuExecutor`'s wrapper of it calls it (`x_name`: x's dtype name);
         None: the rank's allocator (numpy dtypes). `wait` / `signal`: the executor's stream-order pairs, issued
         with the dispatch launch and with the last launch (`PreparedLaunch.run`). `copy_ptr`: the new handle's
-        copy of the routing, which the kernel fills (`DirectRank.launch_dispatch`'s `topk_idx_copy`; 0: none)."""
+        copy of the routing, which the kernel fills (`DirectRank.launch_dispatch`'s `topk_idx_copy`; 0: none).
+        `made`: the allocations of an express lane (`ep_core.kernels.express.ExpressDispatch`) instead of
+        `allocate`'s, a dispatch without a handle: `made.start()` (after the guard) gives the new handle's block,
+        its routing copy (the handle's `topk_idx`) and that copy's pointer; `made.outputs(rows, num_recv,
+        meta_ptr)` the outputs (the metadata too where `meta_ptr` is None: a CPU-sync dispatch's) and the
+        epilogue's words."""
         rank = self.rank
         if rank._last_scratch != self.scratch or rank.debug_skip_scaleout_signal != self.skip_signal:
             return None
@@ -316,7 +327,7 @@ class RepeatDispatch:
             num_recv, num_expanded = self.num_recv, self.num_expanded
         rows = num_expanded if self.expand else num_recv
         # a lone rank's cached dispatch is its epilogue alone, never a dependent launch
-        alone = rank.epilogue_only(cached, rows, self.zero_padding)
+        alone = cached and rank.epilogue_only(cached, rows, self.zero_padding)
         epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl and not alone else self.prepared.epilogue
         zero_copy = self.zero_copy
         if not zero_copy and epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
@@ -330,8 +341,12 @@ class RepeatDispatch:
             fwd_ptr = ptrs[5] if self.hybrid else 0
             launch = rank._handle_launch.get(handle, -1)
         else:
-            carve = getattr(rank._allocator, "handle_block", None)
-            block = None if carve is None else carve(self._int32_key)
+            if made is not None:
+                # the express lane's one allocation: the block, the routing copy (and the outputs)
+                block, topk_idx, copy_ptr = made.start()
+            else:
+                carve = getattr(rank._allocator, "handle_block", None)
+                block = None if carve is None else carve(self._int32_key)
             if block is not None and block.ptrs is not None:
                 # one allocation, no view: the handle keeps the block (`ep_core.handle`)
                 new_block = block
@@ -388,6 +403,9 @@ class RepeatDispatch:
             rows = num_expanded if self.expand else num_recv
         if zero_copy:  # the kernel's outputs where it stored them (the handle below)
             recv_x, recv_sf, recv_idx, recv_w = self.zero_copy_outputs(rows, x_name)
+        elif made is not None:
+            # (`meta`: a CPU-sync dispatch's metadata, made with its outputs; else None, the block holds it)
+            recv_x, recv_sf, recv_idx, recv_w, meta, outputs = made.outputs(rows, num_recv, meta_ptr)
         else:
             # the outputs, exactly as `finish_dispatch` allocates them
             # (the request's allocator is called directly: no wrapper per call)
@@ -419,9 +437,10 @@ class RepeatDispatch:
                 outputs = epilogue_outputs(
                     array_ptr, meta_ptr, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
                 )
-                rank._launch_prepared(epilogue, dynamic + outputs, False, False, wait, signal)
-            elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
-                record_wait(signal[0], rank.stream.handle, signal[1])
+        if not zero_copy and (rows > 0 or self.zero_padding):
+            rank._launch_prepared(epilogue, dynamic + outputs, False, False, wait, signal)
+        elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
+            record_wait(signal[0], rank.stream.handle, signal[1])
         if new_block is not None:
             handle = self._block_handle(new_block, topk_idx, num_recv, num_expanded, expert_list, meta)
             rank._handle_launch[handle] = launch_number
