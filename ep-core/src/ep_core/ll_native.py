@@ -11,8 +11,7 @@ against it before anything reaches the driver.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ep_core.kernel_set import KernelSet
 
@@ -90,30 +89,10 @@ def region_layout(
 
 _KERNELS = KernelSet("ep_core_ll_native", SOURCE, SIGNATURES, {"EP_LL_MAX_TOPK": MAX_TOPK})
 
-
-def compile_ll_native(arch: str | None = None, *, headers: tuple[str, str] | None = None) -> Any:
-    """Compile (or fetch from ep_jit's cache) these kernels; returns the ep_jit Artifact (`KernelSet.compile`)."""
-    return _KERNELS.compile(arch, headers=headers)
-
-
-def load(device: int) -> None:
-    """Load every kernel on ``device`` now (`KernelSet.load`: ranks of one process wait for each other)."""
-    _KERNELS.load(device)
-
-
-def _args(name: str, values: Sequence[Any]) -> list[Any]:
-    return _KERNELS.args(name, values)
-
-
-def launch(
-    name: str,
-    grid: int | tuple[int, ...],
-    block: int,
-    values: Sequence[Any],
-    *,
-    device: int,
-    stream: int,
-    shared_mem: int = 0,
-) -> None:
-    """Queue kernel ``name`` on ``stream`` of ``device``; ``values`` in the order of `SIGNATURES`."""
-    _KERNELS.launch(name, grid, block, values, device=device, stream=stream, shared_mem=shared_mem)
+# the module's launch surface is its KernelSet's (one implementation for ll_pack and ll_native): compile (or fetch
+# from ep_jit's cache) returning the Artifact, load on a device now, the ep_jit arguments of a launch, and the launch
+# (``values`` in the order of `SIGNATURES`, device addresses as ints or None)
+compile_ll_native = _KERNELS.compile
+load = _KERNELS.load
+_args = _KERNELS.args
+launch = _KERNELS.launch
