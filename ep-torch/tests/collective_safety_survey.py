@@ -644,6 +644,180 @@ def _pp_noncontig(buf, rank, world):
     return _eq(got, torch.arange(32, dtype=torch.float32))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# round 3 (2026-12-07): V1 LogFMT and rank masking, EPBuffer.resize, the LB collectives, V2 float32 combine output
+
+LOGFMT_H = 512  # LogFMT needs whole chunks of 512 channels
+
+
+def _ll_logfmt_one_rank(buf, rank, world):
+    """Only the culprit combines with use_logfmt=True (hidden 512, valid on its own): the ranks disagree on the
+    wire format of the combine's rows."""
+    import torch
+
+    g = torch.Generator().manual_seed(65 * 100 + rank)
+    x = torch.randint(-4, 5, (T, LOGFMT_H), generator=g).to(torch.bfloat16).to(DEV)
+    _x, idx, w = _inputs(65, rank)
+    recv, _count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    got = buf.low_latency_combine(recv, idx, w, handle, use_logfmt=rank == CULPRIT)[0]
+    return rank == CULPRIT or _eq(got, (x.float() * K).to(torch.bfloat16))
+
+
+def _ll_logfmt_bad_hidden(buf, rank, world):
+    """The culprit asks for LogFMT at hidden 32 (refused: hidden % 512); the peer combines without it."""
+    x, idx, w = _inputs(66, rank)
+    recv, _count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    return buf.low_latency_combine(recv, idx, w, handle, use_logfmt=rank == CULPRIT)[0] is not None
+
+
+def _ep(**kw):
+    from ep_torch import EPBuffer
+
+    args = dict(num_max_tokens_per_rank=M, hidden=H, num_topk=K, num_cpu_timeout_secs=TIMEOUT, **GPU_KW)
+    args.update(kw)
+    return EPBuffer(None, explicitly_destroy=True, **args)
+
+
+def _resize_bad(buf, rank, world):
+    """The culprit's num_bytes is not a multiple of 2 MiB (refused on that rank); the peer's resize is valid."""
+    if rank == CULPRIT:
+        return buf.resize(num_bytes=3) is None
+    return buf.resize(num_max_tokens_per_rank=M, hidden=H, num_topk=K) is None
+
+
+def _resize_disagree(buf, rank, world):
+    """Both resizes are valid; the culprit asks for more tokens than the peer."""
+    m = M + 4 if rank == CULPRIT else M
+    return buf.resize(num_max_tokens_per_rank=m, hidden=H, num_topk=K) is None
+
+
+LB_L, LB_R, LB_H = 2, 3, 8  # local experts, redundant slots, hidden (test_torch_load_balance_safety.py's)
+
+
+def _lb():
+    import torch
+    from ep_torch import BufferAllocator
+
+    os.environ.setdefault("EPKIT_NVLINK_GBS", "450")
+    plan = BufferAllocator()
+    slots = plan.allocate((LB_R, LB_H), torch.float32)
+    grads_slots = plan.allocate((LB_R, LB_H), torch.float32)
+    buf = _ep(lb_allocation_plan_or_num_bytes=plan)
+    buf.survey_lb = (slots, grads_slots)
+    return buf
+
+
+def _lb_mapping(world: int, seed: int = 3):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, world * LB_L, (world, LB_R), generator=g, dtype=torch.int32)
+
+
+def _lb_weights(seed: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    return torch.randint(-8, 8, (LB_L, LB_H), generator=g).float(), torch.randint(
+        -8, 8, (LB_R, LB_H), generator=g
+    ).float()
+
+
+def _lb_round(buf, seed: int, rank: int, world: int) -> bool:
+    import numpy as np
+    import torch
+    from ep_core.load_balance import prefetch_reference, reduce_grads_reference
+
+    slots, grads_slots = buf.survey_lb
+    counts = torch.arange(LB_L, dtype=torch.int64) + seed + rank
+    mapping = buf.lb_get_redundancy_mapping(counts, LB_R)
+    w, red = _lb_weights(seed, rank)
+    slots.zero_()
+    buf.lb_prefetch_weights(slots, w, mapping)
+    zeros = [np.zeros((LB_R, LB_H), np.float32)] * world
+    want = prefetch_reference(zeros, [_lb_weights(seed, r)[0].numpy() for r in range(world)], mapping.numpy())
+    ok = bool(np.array_equal(slots.numpy(), want[rank]))
+    grads_slots.copy_(red)
+    grads = torch.zeros(LB_L, LB_H)
+    buf.lb_reduce_grads(grads_slots, grads, mapping)
+    want = reduce_grads_reference(
+        [_lb_weights(seed, r)[1].numpy() for r in range(world)],
+        [np.zeros((LB_L, LB_H), np.float32)] * world,
+        mapping.numpy(),
+    )
+    return ok and bool(np.array_equal(grads.numpy(), want[rank]))
+
+
+ROUNDS.update(ep=_v2_round, lb=_lb_round)
+
+
+def _lb_mapping_bad(buf, rank, world):
+    """The culprit's counts are float (refused on that rank)."""
+    import torch
+
+    counts = torch.arange(LB_L, dtype=torch.float32 if rank == CULPRIT else torch.int64)
+    return buf.lb_get_redundancy_mapping(counts, LB_R) is not None
+
+
+def _lb_mapping_disagree(buf, rank, world):
+    import torch
+
+    counts = torch.arange(LB_L, dtype=torch.int64)
+    return buf.lb_get_redundancy_mapping(counts, LB_R + 1 if rank == CULPRIT else LB_R) is not None
+
+
+def _lb_prefetch_bad(buf, rank, world):
+    """The culprit's destination is outside the LB region (refused on that rank)."""
+    import torch
+
+    slots, _ = buf.survey_lb
+    dst = torch.zeros(LB_R, LB_H) if rank == CULPRIT else slots
+    return buf.lb_prefetch_weights(dst, _lb_weights(67, rank)[0], _lb_mapping(world)) is not None
+
+
+def _lb_prefetch_disagree(buf, rank, world):
+    slots, _ = buf.survey_lb
+    mapping = _lb_mapping(world, 4 if rank == CULPRIT else 3)
+    return buf.lb_prefetch_weights(slots, _lb_weights(67, rank)[0], mapping) is not None
+
+
+def _lb_reduce_bad(buf, rank, world):
+    """The culprit's expert_grads are float64 (refused on that rank)."""
+    import torch
+
+    _, grads_slots = buf.survey_lb
+    grads = torch.zeros(LB_L, LB_H, dtype=torch.float64 if rank == CULPRIT else torch.float32)
+    return buf.lb_reduce_grads(grads_slots, grads, _lb_mapping(world)) is not None
+
+
+def _lb_reduce_disagree(buf, rank, world):
+    import torch
+
+    _, grads_slots = buf.survey_lb
+    mapping = _lb_mapping(world, 4 if rank == CULPRIT else 3)
+    return buf.lb_reduce_grads(grads_slots, torch.zeros(LB_L, LB_H), mapping) is not None
+
+
+def _v2_out_dtype_one_rank(buf, rank, world):
+    """Only the culprit asks combine for a float32 output (valid on its own): the ranks' combines differ."""
+    import torch
+
+    x, idx, w = _inputs(68, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    kw = {"out_dtype": torch.float32} if rank == CULPRIT else {}
+    return buf.combine(recv_x, handle, **kw)[0].shape[0]
+
+
+def _v2_out_dtype_bad(buf, rank, world):
+    """The culprit's out_dtype is float16 (refused on that rank); the peer's combine is ordinary."""
+    import torch
+
+    x, idx, w = _inputs(69, rank)
+    recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    kw = {"out_dtype": torch.float16} if rank == CULPRIT else {}
+    return buf.combine(recv_x, handle, **kw)[0].shape[0]
+
+
 def _bucket_outside(buf, rank, world):
     """The culprit's src is not in the storage: refused on that rank."""
     import torch
@@ -810,7 +984,30 @@ CASES = {
     "engram.set_config_mismatch": ("engram", {}, _engram_config_mismatch, True),
     "engram.set_config_mismatch_no_reset": ("engram", {}, _engram_config_mismatch, False),
     "engram.construct_bad_size": ("engram", {}, _engram_construct, False),
+    "ll.combine_logfmt_one_rank": ("ll", {}, _ll_logfmt_one_rank, True),
+    "ll.combine_logfmt_bad_hidden": ("ll", {}, _ll_logfmt_bad_hidden, False),
+    "ll_shrink.expert_id_out_of_range": ("ll", {"enable_shrink": True}, _ll_bad(_ll_oob), False),
+    "ll_shrink.x_dtype": ("ll", {"enable_shrink": True}, _ll_bad(_ll_dtype), False),
+    "ll_shrink.combine_x_shape": ("ll", {"enable_shrink": True}, _ll_combine_bad(_llc_xshape), False),
+    "ll_shrink.combine_logfmt_bad_hidden": ("ll", {"enable_shrink": True}, _ll_logfmt_bad_hidden, False),
+    "ll_shrink.combine_logfmt_one_rank": ("ll", {"enable_shrink": True}, _ll_logfmt_one_rank, True),
+    "ep.resize_bad_num_bytes": ("ep", {}, _resize_bad, False),
+    "ep.resize_disagreeing_sizes": ("ep", {}, _resize_disagree, True),
+    "lb.redundancy_mapping_bad_counts": ("lb", {}, _lb_mapping_bad, False),
+    "lb.redundancy_mapping_disagreeing_num_redundant": ("lb", {}, _lb_mapping_disagree, True),
+    "lb.prefetch_outside_region": ("lb", {}, _lb_prefetch_bad, False),
+    "lb.prefetch_different_mappings": ("lb", {}, _lb_prefetch_disagree, True),
+    "lb.reduce_grads_float64": ("lb", {}, _lb_reduce_bad, False),
+    "lb.reduce_grads_different_mappings": ("lb", {}, _lb_reduce_disagree, True),
+    "v2.combine_out_dtype_one_rank": ("v2", {}, _v2_out_dtype_one_rank, True),
+    "v2.combine_out_dtype_bad": ("v2", {}, _v2_out_dtype_bad, False),
     "pp.peer_killed": ("pp", {}, _killed(lambda b, r, w: _pp_round(b, 85, r, w)), None),
+}
+
+
+# cases whose every rank's call is valid on its own but the ranks disagree: all must raise (EPMismatchError)
+DISAGREE = {c for c in CASES if "one_rank" in c and c.split(".")[0] in ("ll", "ll_shrink", "v2")} | {
+    c for c in CASES if "disagreeing" in c or "different_mappings" in c
 }
 
 
@@ -832,6 +1029,10 @@ def _build(surface: str, kw: dict):
         return _bucket(**kw)
     if surface == "engram":
         return _engram(**kw)
+    if surface == "ep":
+        return _ep(**kw)
+    if surface == "lb":
+        return _lb()
     return _agrs()
 
 
@@ -922,6 +1123,21 @@ CHAIN = [
     "engram.write_wrong_shape",
     "engram.set_config_mismatch",
     "engram.construct_bad_size",
+]
+
+# round 3's surfaces (V1 LogFMT and rank masking, resize, the LB collectives, the float32 combine output)
+CHAIN_ROUND3 = [
+    "ll.combine_logfmt_one_rank",
+    "ll.combine_logfmt_bad_hidden",
+    "ll_shrink.x_dtype",
+    "ll_shrink.combine_logfmt_one_rank",
+    "ep.resize_bad_num_bytes",
+    "ep.resize_disagreeing_sizes",
+    "lb.redundancy_mapping_disagreeing_num_redundant",
+    "lb.prefetch_outside_region",
+    "lb.reduce_grads_different_mappings",
+    "v2.combine_out_dtype_one_rank",
+    "v2.combine_out_dtype_bad",
 ]
 
 
@@ -1027,6 +1243,8 @@ def verdict(case: str, ranks: list[dict]) -> tuple[str, str]:
             if out == "ok" and val is not True:
                 return "silent", f"rank {r['rank']}: a valid round after the error differs from the reference"
     errs = [r["fault"] for r in live]
+    if case in DISAGREE and all(e == "ok" for e in errs):  # each call valid alone: the ranks' results differ
+        return "silent", "every rank returned though the ranks' calls disagree"
     if case == "v2.construct_retry":  # every rank built in the end; the peer saw the culprit's refusal first
         peer = [r for r in live if r["rank"] != CULPRIT]
         first = (peer[0].get("fault_value") or ["?"])[0] if peer else "?"

@@ -1,5 +1,5 @@
 """Issue 41 on 2 gloo processes: one-rank errors on every surface (V1 normal and low-latency, V2, construction,
-AGRS, PP, BucketBuffer, EngramBuffer) raise on every rank naming the culprit, nothing pairs silently, nothing waits unbounded, and a random
+AGRS, PP, BucketBuffer, EngramBuffer, resize, the LB collectives) raise on every rank naming the culprit, nothing pairs silently, nothing waits unbounded, and a random
 interleaving of valid calls with one-rank errors keeps every valid result exact.
 
 The cases and their verdicts are collective_safety_survey.py's (run as a script in its own process group, under a
@@ -36,6 +36,19 @@ def test_one_rank_errors_on_every_surface_are_clear_and_leave_the_ranks_in_step(
     r0, r1 = _run(["chain"], tmp_path, 240)
     bad = []
     for case in survey.CHAIN:
+        v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
+        if v != "clear":
+            bad.append(f"{case}: {v}: {why}")
+    assert not bad, "\n".join(bad)
+
+
+def test_round3_surfaces_one_rank_errors_and_disagreements_are_clear(tmp_path):
+    """V1 LogFMT on one rank only (plain and rank-masked), resize, the LB collectives and the float32 combine
+    output: a one-rank refusal is announced, ranks that disagree all raise, the rounds after are exact."""
+    survey = _survey()
+    r0, r1 = _run(["chain", *survey.CHAIN_ROUND3], tmp_path, 120)
+    bad = []
+    for case in survey.CHAIN_ROUND3:
         v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
         if v != "clear":
             bad.append(f"{case}: {v}: {why}")

@@ -4,6 +4,8 @@ as ``Buffer``'s docstring describes."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -307,10 +309,11 @@ class LowLatencyMode:
             )
 
         def run() -> torch.Tensor:
-            return ll_combine_weighted(
-                inner, x, handle, topk_idx, topk_weights, self.ll_lanes_per_combine, out, self.ll_use_kernels,
-                self.ll_combine_num_sms, bool(use_logfmt),
-            )  # fmt: skip
+            with _logfmt_envelope(inner, bool(use_logfmt)):
+                return ll_combine_weighted(
+                    inner, x, handle, topk_idx, topk_weights, self.ll_lanes_per_combine, out, self.ll_use_kernels,
+                    self.ll_combine_num_sms, bool(use_logfmt),
+                )  # fmt: skip
 
         return self._on_comm(x.is_cuda, async_finish, return_recv_hook, (x, topk_idx, topk_weights, out), run)
 
@@ -579,6 +582,29 @@ class LowLatencyMode:
             self._shrink.clean(region, None if region is None else self.get_comm_stream())
             return
         rank_mask.clean()
+
+
+@contextlib.contextmanager
+def _logfmt_envelope(inner: Any, use_logfmt: bool) -> Iterator[None]:
+    """A LogFMT combine's steps carry ``use_logfmt`` in their envelope (issue 41): a rank that combines with LogFMT
+    while its peers do not meets them in a step whose configurations differ, so every rank raises
+    ``EPMismatchError`` instead of summing rows of another format. The plain combine's envelope stays as it was;
+    a backend without a host channel (the GPU executor) is left alone."""
+    rt = getattr(inner, "runtime", None)
+    channel = getattr(getattr(rt, "_executor", None), "channel", None)
+    if not use_logfmt or channel is None:
+        yield
+        return
+    exchange = channel.exchange
+
+    def tagged(op: str, config: dict[str, Any], payload: Any = None) -> list[Any]:
+        return exchange(op, {**config, "use_logfmt": True}, payload)
+
+    channel.exchange = tagged  # this instance only, for the combine's steps
+    try:
+        yield
+    finally:
+        del channel.exchange
 
 
 def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

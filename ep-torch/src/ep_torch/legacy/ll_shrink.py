@@ -172,7 +172,13 @@ class ShrinkLowLatency:
         payloads = {p: message(p) for p in mask.unmasked_peers()}
         if not mask.is_masked(me):
             mine = message(me)
-        config = {"hidden": hidden, "num_topk": handle.num_topk, "num_experts": num_experts}
+        # use_logfmt in the envelope: ranks that disagree on the rows' format all raise EPMismatchError
+        config = {
+            "hidden": hidden,
+            "num_topk": handle.num_topk,
+            "num_experts": num_experts,
+            "use_logfmt": bool(use_logfmt),
+        }
         got = self.exchange.exchange("low_latency_combine", config, payloads)
         if mine is not None:
             got[me] = mine
