@@ -21,7 +21,9 @@ buffer's `num_cpu_timeout_secs`), which raise `EPTimeoutError` / `EPPeerError` n
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +100,19 @@ class Channel:
         if state is None:  # a bootstrap may carry its buffer's state: every channel over it shares the steps
             state = getattr(bootstrap, "rank_state", None)
         self.state = state if state is not None else RankState(bootstrap.rank)
+        self.tags: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def tagged(self, **fields: Any) -> Iterator[None]:
+        """Every step taken inside the block carries `fields` in its envelope's configuration: an option of the
+        caller that the steps themselves do not see (V1's ``use_logfmt``), so ranks that differ in it meet envelopes
+        that differ and all raise `EPMismatchError` instead of combining rows of another format."""
+        old = self.tags
+        self.tags = {**old, **fields}
+        try:
+            yield
+        finally:
+            self.tags = old
 
     @property
     def taken(self) -> int:
@@ -114,6 +129,8 @@ class Channel:
 
     def exchange(self, op: str, config: dict[str, Any], payload: Any = None) -> list[Any]:
         """Every rank's payload of this step, after checking every rank's envelope (see the module doc)."""
+        if self.tags:
+            config = {**config, **self.tags}
         env = Envelope(self.state.seq, op, tuple(sorted(config.items())))
         return self._step(env, payload)
 

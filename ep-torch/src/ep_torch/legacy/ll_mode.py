@@ -5,7 +5,6 @@ as ``Buffer``'s docstring describes."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -584,27 +583,16 @@ class LowLatencyMode:
         rank_mask.clean()
 
 
-@contextlib.contextmanager
-def _logfmt_envelope(inner: Any, use_logfmt: bool) -> Iterator[None]:
-    """A LogFMT combine's steps carry ``use_logfmt`` in their envelope (issue 41): a rank that combines with LogFMT
-    while its peers do not meets them in a step whose configurations differ, so every rank raises
-    ``EPMismatchError`` instead of summing rows of another format. The plain combine's envelope stays as it was;
-    a backend without a host channel (the GPU executor) is left alone."""
+def _logfmt_envelope(inner: Any, use_logfmt: bool) -> contextlib.AbstractContextManager:
+    """A LogFMT combine's steps carry ``use_logfmt`` in their envelope (issue 41; ``Channel.tagged``): a rank that
+    combines with LogFMT while its peers do not meets them in a step whose configurations differ, so every rank raises
+    ``EPMismatchError`` instead of summing rows of another format. The plain combine's envelope stays as it was; a
+    backend without a host channel (the GPU executor) has no step to tag."""
     rt = getattr(inner, "runtime", None)
     channel = getattr(getattr(rt, "_executor", None), "channel", None)
     if not use_logfmt or channel is None:
-        yield
-        return
-    exchange = channel.exchange
-
-    def tagged(op: str, config: dict[str, Any], payload: Any = None) -> list[Any]:
-        return exchange(op, {**config, "use_logfmt": True}, payload)
-
-    channel.exchange = tagged  # this instance only, for the combine's steps
-    try:
-        yield
-    finally:
-        del channel.exchange
+        return contextlib.nullcontext()
+    return channel.tagged(use_logfmt=True)
 
 
 def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
