@@ -13,8 +13,9 @@ A buffer's host steps (`ep_core.envelope.Channel`) and the guards of surfaces wi
   (`refuse`: `EPStateError` naming the cause) instead of pairing with a peer's different call or waiting another
   full timeout; `reset()`, a collective of every rank, is the one call that resynchronises (`Channel.reset`).
   An error a rank *announced* (an abort note, `EPPeerError.announced`) leaves the ranks in step: no failure.
-- `generation`: how many resets this state went through; handles record it (a handle from before a reset, or
-  from another buffer, is refused by name instead of indexing garbage).
+- `generation`: how many resets this state went through; handles record `owner` = `(ident, generation)` when
+  their dispatch makes them, and `check_owner` refuses, by name, a handle from before a reset or from another
+  buffer instead of letting it index another layout (the reference executor and the GPU rank runtime alike).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from ep_core.errors import EPMismatchError, EPPeerError, EPStateError, EPTimeoutError
+from ep_core.errors import EPMismatchError, EPPeerError, EPStateError, EPTimeoutError, EPValueError
 
-__all__ = ["Guard", "RankState", "breaks_step"]
+__all__ = ["Guard", "RankState", "breaks_step", "check_owner"]
 
 _IDS = itertools.count(1)
 
@@ -40,7 +41,7 @@ def breaks_step(exc: BaseException) -> bool:
 class RankState:
     """One rank's state of one buffer's collective steps (see the module doc)."""
 
-    __slots__ = ("failed_op", "failure", "generation", "ident", "name", "rank", "seq", "taken")
+    __slots__ = ("failed_op", "failure", "generation", "ident", "name", "owner", "rank", "seq", "taken")
 
     def __init__(self, rank: int, name: str = "buffer") -> None:
         self.rank = rank
@@ -51,6 +52,9 @@ class RankState:
         self.failed_op = ""
         self.generation = 0
         self.ident = next(_IDS)  # this process's id of the buffer (handles carry it)
+        # what a new handle records (`_ep_owner`): one tuple per generation, so that `check_owner` compares a
+        # handle of this generation by identity
+        self.owner = (self.ident, 0)
 
     def refuse(self, op: str) -> None:
         """Raise the refusal of `op` on an out-of-step buffer (call only when `failure` is set)."""
@@ -72,13 +76,37 @@ class RankState:
         self.seq = seq
         self.failure = None
         self.failed_op = ""
+        self.new_generation()
+
+    def new_generation(self) -> None:
+        """Advance the generation: every handle made before is stale (`check_owner`)."""
         self.generation += 1
+        self.owner = (self.ident, self.generation)
 
     def guard(self, op: str, announce: Any = None) -> Guard:
         """`with state.guard(op, announce):` refuses `op` on an out-of-step buffer, records a step-breaking error
         leaving the block, and for any other error raised before this rank took part in a step (`seq` unchanged)
         calls `announce(op, error)` (best effort: its own failure never hides the error)."""
         return Guard(self, op, announce)
+
+
+def check_owner(handle: Any, state: RankState, rank: int) -> None:
+    """Refuse, by name, a handle that another buffer's dispatch made (`EPValueError`) or one from before this
+    buffer's last `reset()` (`EPStateError`): its arrays index another layout. A handle built by hand (tests,
+    replays: no `_ep_owner`) passes; its layout is checked as any handle's. Once per call where a road takes the
+    handle: a handle of this generation costs a getattr and one identity compare."""
+    owner = getattr(handle, "_ep_owner", None)
+    if owner is None or owner is state.owner:
+        return
+    if owner[0] != state.ident:
+        raise EPValueError(
+            f"handle: comes from another buffer (rank {rank}); a handle works only with the buffer whose dispatch "
+            "made it"
+        )
+    if owner[1] != state.generation:
+        raise EPStateError(
+            f"handle: stale (rank {rank}): this buffer was reset() since the dispatch that made it; dispatch again"
+        )
 
 
 class Guard:

@@ -10,8 +10,9 @@ import numpy as np
 from ep_core import reference
 from ep_core.device_array import DeviceArray, describe, host_allocator, host_array, host_copy, to_numpy
 from ep_core.envelope import Channel
-from ep_core.errors import EPStateError, EPTypeError, EPValueError
+from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import ARRAY_FIELDS, EPHandle
+from ep_core.rank_state import check_owner
 from ep_core.requests import BufferConfig, CombineRequest, CombineResult, DispatchRequest, DispatchResult
 
 __all__ = ["ReferenceExecutor", "ReferenceTransport"]
@@ -230,10 +231,8 @@ class ReferenceExecutor:
                 rank=cfg.rank,
             )
             handle._ep_step = self.channel.seq - 1  # which collective step made it: handle identity for peers
-            st = (
-                self.channel.state
-            )  # and which buffer and generation (ep_core.rank_state): checked by combine
-            handle._ep_owner = (st.ident, st.generation)
+            # and which buffer and generation (ep_core.rank_state.check_owner: combine and cached dispatch)
+            handle._ep_owner = self.channel.state.owner
             if req.cumulative_local_expert_recv_stats is not None:
                 stats = to_numpy(req.cumulative_local_expert_recv_stats.obj)
                 stats += h.num_unaligned_recv_tokens_per_expert.astype(stats.dtype)
@@ -316,20 +315,7 @@ class ReferenceExecutor:
 
     def _check_owner(self, h: EPHandle) -> None:
         """A handle of another buffer, or from before a reset(), indexes another layout: refused by name."""
-        owner = getattr(h, "_ep_owner", None)
-        if owner is None:  # a handle built by hand (tests, replays): the envelope compares its layout
-            return
-        st = self.channel.state
-        if owner[0] != st.ident:
-            raise EPValueError(
-                f"handle: comes from another buffer (rank {self.config.rank}); a handle works only with the buffer "
-                "whose dispatch made it"
-            )
-        if owner[1] != st.generation:
-            raise EPStateError(
-                f"handle: stale (rank {self.config.rank}): this buffer was reset() since the dispatch that made it; "
-                "dispatch again"
-            )
+        check_owner(h, self.channel.state, self.config.rank)
 
     def combine(self, req: CombineRequest) -> CombineResult:
         self._check_owner(req.handle)

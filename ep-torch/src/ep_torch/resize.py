@@ -125,4 +125,4 @@ def _rebuild(self: Any, old: Any, sizes: dict[str, Any], use_fp8_dispatch: bool)
     self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
     state = getattr(self.bootstrap, "rank_state", None)
     if state is not None:  # handles made before carry the old generation: refused as stale
-        state.generation += 1
+        state.new_generation()

@@ -80,6 +80,7 @@ from ep_core.kernels.plan import (
 from ep_core.kernels.plan import combine_smem as _combine_smem
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches
 from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
+from ep_core.rank_state import RankState, check_owner
 from ep_core.requests import CombineResult, DispatchResult
 
 # the page-locked words of a CPU-sync dispatch's counts: room for one copy that spans a handle block's prefix sums
@@ -220,6 +221,10 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         self._status = _cuda.MappedWords(2)
         self._unconfirmed: weakref.WeakSet = weakref.WeakSet()
         self._failed_handles: weakref.WeakSet = weakref.WeakSet()
+        # the identity and generation its handles carry (`_ep_owner`, ep_core.rank_state.check_owner: a handle of
+        # another buffer or from before a reset is refused by name); the kernels meet their peers on the device,
+        # so this state counts no host steps
+        self.state = RankState(self.rank)
         self._scratches: set[int] = set()  # every scratch an op used (input-error records live there)
         self._input_pending = False  # an invalid-input report seen by the current call's guard
         self._blocks_per_sm: dict = {}
@@ -590,7 +595,12 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         self._unconfirmed.clear()
 
     def _check_handle(self, handle: EPHandle | None) -> None:
-        if handle is not None and handle in self._failed_handles:
+        """Where every road (full, repeat, express) takes a handle of a combine, cached dispatch or combine buffer:
+        its owner (`check_owner`), then whether a failure spoilt it."""
+        if handle is None:
+            return
+        check_owner(handle, self.state, self.rank)
+        if handle in self._failed_handles:
             raise EPStateError(
                 f"handle: rank {self.rank}: it comes from a no-sync dispatch that was running when a kernel of this "
                 "rank failed, so its counts and slots are not valid; dispatch again (without the handle)"
@@ -756,6 +766,7 @@ class DirectRank(DispatchLaunch, CombineLaunch):
                 f"rank {self.rank}: reset_state: the stream did not drain within {self.cpu_timeout_secs} s",
             )
         self.fail_unconfirmed_handles()  # a reset follows a failure: in-flight handles may hold garbage
+        self.state.new_generation()  # and every handle made before is stale (`check_owner`)
         if barrier is not None:
             barrier()
         self._zero_state()

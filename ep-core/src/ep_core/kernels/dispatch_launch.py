@@ -448,6 +448,7 @@ class DispatchLaunch:
                 num_ranks=n,
                 rank=self.rank,
             )
+            handle._ep_owner = self.state.owner  # ep_core.rank_state.check_owner
         if not p.cached:
             self._handle_launch[handle] = p.launch_number
         if not p.cached and not p.do_cpu_sync:

@@ -275,6 +275,7 @@ class RepeatDispatch:
         d["num_recv_tokens"] = num_recv
         d["num_expanded_tokens"] = num_expanded
         d["num_recv_tokens_per_expert_list"] = expert_list
+        d["_ep_owner"] = self.rank.state.owner  # ep_core.rank_state.check_owner (a reset makes a new tuple)
         if meta is not None:  # a CPU-sync dispatch's, allocated once its rows were known
             d["recv_src_metadata"] = meta
         d[BLOCK_PARTS] = (block, self._fields, len(d) + 1, self._shapes_in_block)
@@ -466,6 +467,7 @@ class RepeatDispatch:
                 num_ranks=rank.num_ranks,
                 rank=rank.rank,
             )
+            handle._ep_owner = rank.state.owner  # ep_core.rank_state.check_owner
             rank._handle_launch[handle] = launch_number
             if not self.cpu_sync:
                 rank._unconfirmed.add(handle)
