@@ -1218,7 +1218,8 @@ def test_zero_copy_refusals_name_the_argument(launches) -> None:
         num_max_tokens_per_rank=M,
         allocator=alloc,
     )
-    handle._ep_owner = small.state.owner  # as if small's dispatch made it: the region's size is the point here
+    # as if small's dispatch made it: the region's size is the point here
+    handle._ep_owner = small.state.owner
     with pytest.raises(ValueError, match=r"zero_copy: \d+ rows of 256 bf16 need"):
         small.combine_buffer(handle, HIDDEN)
     assert len(launches) == n
