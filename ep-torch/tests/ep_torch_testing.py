@@ -1,9 +1,11 @@
-"""Helpers shared by the ep-torch test modules: the runner of a test file as a script in its own process group.
+"""Helpers shared by the ep-torch test modules: the runner of a test file as a script in its own process group,
+and the CPU ranks' start in that script (`spawn_cpu`).
 
 conftest.py of this folder loads this file as the module `ep_torch_testing` before pytest imports any test module
 here (the root config's --import-mode=importlib puts no test folder on sys.path, so the test modules could not
 import it by a sibling's name otherwise). The test modules import it inside their runner, never at module level:
-they also run as the ranks' scripts, where no conftest loaded it.
+they also run as the ranks' scripts, where no conftest loaded it (there the script's folder is sys.path[0], so
+their `__main__` block imports it by name).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 
 import pytest
 
-__all__ = ["BENCH_V1_ROWS", "bench_v1_dry_run", "run_script"]
+__all__ = ["BENCH_V1_ROWS", "bench_v1_dry_run", "run_script", "spawn_cpu"]
 
 BENCH_V1_ROWS = (
     "v2 dispatch bf16",
@@ -63,3 +65,26 @@ def run_script(
         out, _ = proc.communicate()
         pytest.fail(f"{what}still running after {limit} s (a hang):\n{out.decode(errors='replace')[-3000:]}")
     return proc.returncode, out.decode(errors="replace")
+
+
+def spawn_cpu(fn, nprocs: int, *args) -> None:
+    """``ep_torch.launch.spawn(fn, nprocs, *args)`` (gloo, one thread a rank, same rank entry and port retry) with
+    the ranks forked from this process instead of started afresh: each rank inherits the torch, ep_torch and test
+    module this script has imported (a fresh interpreter spends about 2 CPU-s importing them; a test's ranks often
+    do less work than that). `fn` needs not be picklable.
+
+    Only for ranks that never touch CUDA (a forked child cannot use a CUDA context, and importing ep_core may
+    initialize the driver in this process), called from a test script's ``__main__`` (one thread: nothing else
+    runs here when it forks). GPU ranks keep ``launch.spawn``."""
+    import torch.multiprocessing as mp
+    from ep_torch import launch
+
+    launch.start_on_free_port(
+        lambda port: mp.start_processes(
+            launch._entry,  # the rank side of launch.spawn: init, fn, barrier, teardown
+            args=(nprocs, port, "gloo", 1, fn, args),
+            nprocs=nprocs,
+            join=True,
+            start_method="fork",
+        )
+    )

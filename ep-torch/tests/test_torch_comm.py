@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from ep_torch import comm
-from ep_torch.launch import spawn
 
 
 def test_exports_match_deepep_2_5():
@@ -126,4 +125,6 @@ def test_domain_sizes_of_groups_and_buffers(ranks, scaleup):
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

@@ -173,5 +173,10 @@ def test_gpu_handle_keeps_topk_idx_and_defer_is_refused():
 
 
 if __name__ == "__main__":
+    from ep_torch_testing import spawn_cpu
+
     name, n = sys.argv[1], int(sys.argv[2])
-    spawn(globals()[name], n, backend="nccl" if name == "_gpu_rank" else "gloo")
+    if name == "_gpu_rank":
+        spawn(globals()[name], n, backend="nccl")
+    else:
+        spawn_cpu(globals()[name], n)

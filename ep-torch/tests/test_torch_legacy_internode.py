@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from ep_core import reference
-from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer, V1InternodeHandle
 from ep_torch.legacy.reference import ll_combine_reference
 
@@ -231,4 +230,6 @@ def test_v1_internode_handle_4_ranks_2_nodes():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from ep_torch.launch import spawn
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARK = "# was: from deep_ep import Buffer"
@@ -88,4 +87,6 @@ def test_v1_readme_call_sites_run():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

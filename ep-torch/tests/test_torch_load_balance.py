@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from ep_core.load_balance import prefetch_reference, reduce_grads_reference
-from ep_torch.launch import spawn
 
 L, R, H = 3, 4, 16  # local experts, redundant slots, hidden of the gradients
 
@@ -161,4 +160,6 @@ def test_signature_matches_deepep_2_5():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

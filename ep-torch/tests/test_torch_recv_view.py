@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from ep_torch.launch import spawn
 
 
 def _same(a, b) -> bool:
@@ -101,4 +100,6 @@ def test_export():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

@@ -206,4 +206,7 @@ def test_rank_lanes_compact_past_max_topk():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    worker = sys.argv[1]  # the GPU ranks start afresh (a forked process cannot use CUDA)
+    (spawn if "gpu" in worker else spawn_cpu)(globals()[worker], int(sys.argv[2]))
