@@ -126,10 +126,10 @@ def _ranks(rank: int, n: int) -> None:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_deferred_epilogue_is_bitwise_the_ordinary_call(ranks):
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 def test_event_overlap_wait_returns_the_hook_result():

@@ -6,7 +6,6 @@ and fp32), ``lb_reduce_grads`` (bitwise, ascending (rank, slot) order), the chec
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import ep_torch
@@ -132,10 +131,10 @@ def test_load_balance(ranks, scaleup):
     env = {k: v for k, v in os.environ.items() if k != "EPKIT_SCALEUP_RANKS"}
     if scaleup is not None:
         env["EPKIT_SCALEUP_RANKS"] = scaleup
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, env=env, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 def test_signature_matches_deepep_2_5():

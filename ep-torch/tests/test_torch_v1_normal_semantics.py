@@ -175,10 +175,10 @@ def test_v1_normal_semantics(ranks, scaleup):
     env = dict(os.environ)
     if scaleup is not None:
         env["EPKIT_SCALEUP_RANKS"] = scaleup
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, env=env, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 @pytest.mark.gpu
