@@ -245,10 +245,7 @@ def _warm_bytecode(session: nox.Session, modules: list[str], env: dict[str, str]
     each of the tests' processes (ranks, scripts, workers) compiled torch's modules anew, about 1.5 CPU-s each."""
     names = [m.replace("-", "_") for m in modules]
     code = (
-        "import importlib, importlib.util\n"
-        f"for m in {names!r}:\n"
-        "    if importlib.util.find_spec(m):\n"
-        "        importlib.import_module(m)\n"
+        f"import importlib as i, importlib.util as u; [i.import_module(m) for m in {names} if u.find_spec(m)]"
     )
     session.run("python", "-c", code, env={**(env or {}), "PYTHONDONTWRITEBYTECODE": ""}, silent=True)
 
