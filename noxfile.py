@@ -235,19 +235,27 @@ def _install(
     extra = f" and {', '.join(groups)}" if groups else ""
     session.log(f"installing {', '.join(names)} (wheels from {WHEEL_CACHE.relative_to(ROOT)}){extra}")
     session.install("-r", str(listing))
+    _bytecode_in_venv(session)
     _warm_bytecode(session, [*(["pytest"] if with_tests else []), "numpy", "torch", *names])
 
 
+def _bytecode_in_venv(session: nox.Session) -> None:
+    """Let this session's processes write .pyc files, all under the venv (`PYTHONPYCACHEPREFIX`: none in the
+    checkout). torch goes in with `--no-compile`, and under PYTHONDONTWRITEBYTECODE=1 (the CI and development
+    machines set it) no .pyc was ever written: every process of the tests (ranks, scripts, workers) compiled the
+    modules of torch it imported anew, about 1.5 CPU-s each."""
+    session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
+
+
 def _warm_bytecode(session: nox.Session, modules: list[str], env: dict[str, str] | None = None) -> None:
-    """Import `modules` (distribution or module names; those not installed are passed over) once with bytecode
-    writing on, so that every later process of the session loads their .pyc files instead of compiling them again.
-    torch is installed with `--no-compile` and a shell with PYTHONDONTWRITEBYTECODE=1 never writes a .pyc: then
-    each of the tests' processes (ranks, scripts, workers) compiled torch's modules anew, about 1.5 CPU-s each."""
+    """Import `modules` (distribution or module names; those not installed are passed over) once, so that the
+    session's first processes (two pytest-xdist workers at once) find their .pyc files written (`_bytecode_in_venv`)."""
     names = [m.replace("-", "_") for m in modules]
     code = (
         f"import importlib as i, importlib.util as u; [i.import_module(m) for m in {names} if u.find_spec(m)]"
     )
-    session.run("python", "-c", code, env={**(env or {}), "PYTHONDONTWRITEBYTECODE": ""}, silent=True)
+    session.run("python", "-c", code, env=env, silent=True)
 
 
 def _has_serial(paths: tuple[str, ...]) -> bool:
@@ -447,6 +455,7 @@ def wheel_demo(session: nox.Session) -> None:
     session.install(*(f"{w[0]}[demo]" if name == "ep-torch" else str(w[0]) for name, w in wheels.items()))
     # Out of the checkout's root, and without a PYTHONPATH (a dev shell points it at the sources): the wheels only.
     session.chdir(session.create_tmp())
+    _bytecode_in_venv(session)
     _warm_bytecode(session, ["numpy", "torch", *wheels], env={"PYTHONPATH": ""})
     session.run("ep-demo", "--ranks", "2", "--steps", "3", env={"PYTHONPATH": ""})
 
