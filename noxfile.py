@@ -109,8 +109,6 @@ def _requirement(spec: str, extras: tuple[str, ...]) -> str:
 _SKIP_DIRS = {
     "build",
     "dist",
-    "tests",
-    "benchmarks",
     "__pycache__",
     ".pytest_cache",
     ".hypothesis",
@@ -120,7 +118,8 @@ _SKIP_DIRS = {
 
 
 def _source_key(name: str) -> str:
-    """A digest of what goes into `name`'s wheel (every file of its directory but tests, benchmarks, build output)."""
+    """A digest of what goes into `name`'s sdist (every file of its directory but build output and caches; tests
+    and benchmarks too, which the sdists carry)."""
     top = ROOT / PACKAGES[name].path
     digest = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(top):
@@ -131,28 +130,53 @@ def _source_key(name: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _wheel(session: nox.Session, name: str) -> str:
-    """The wheel of internal package `name`, built once per source state into WHEEL_CACHE and reused by every later
-    session (the native packages' C++ builds are the slow part of an install); its path as a pip requirement."""
+BUILDER = (
+    WHEEL_CACHE.parent / "_builder"
+)  # a venv with only `build`: the test venvs get nothing they don't declare
+
+
+def _builder(session: nox.Session) -> str:
+    """The python of BUILDER, made once (virtualenv, which nox itself runs on, then `pip install build`)."""
+    python = BUILDER / "bin" / "python"
+    if not (BUILDER / ".ready").exists():
+        shutil.rmtree(BUILDER, ignore_errors=True)
+        session.run(sys.executable, "-m", "virtualenv", "-q", str(BUILDER), external=True, silent=True)
+        session.run(str(python), "-m", "pip", "install", "-q", "build", external=True, silent=True)
+        (BUILDER / ".ready").touch()
+    return str(python)
+
+
+def _dists(session: nox.Session, name: str) -> tuple[Path, Path]:
+    """The sdist of internal package `name` and its wheel built from that sdist (`python -m build`: isolated, so
+    the sdist is proven complete), both built once per source state into WHEEL_CACHE; every later session installs
+    that wheel and `build` ships both (a C++ extension is compiled once per CI run)."""
     folder = WHEEL_CACHE / f"{name}-{_source_key(name)}"
-    found = sorted(folder.glob("*.whl"))
-    if len(found) != 1:
-        for stale in WHEEL_CACHE.glob(f"{name}-" + "?" * 16):  # this package's wheels of older sources
+    found = sorted(folder.glob("*.whl")), sorted(folder.glob("*.tar.gz"))
+    if any(len(f) != 1 for f in found):
+        for stale in WHEEL_CACHE.glob(f"{name}-" + "?" * 16):  # this package's builds of older sources
             shutil.rmtree(stale, ignore_errors=True)
-        session.log(f"building the {name} wheel (cached in {folder.relative_to(ROOT)})")
+        session.log(
+            f"building the {name} sdist and, from it, its wheel (cached in {folder.relative_to(ROOT)})"
+        )
+        builder = _builder(session)
+        # hundreds of lines of CMake and compiler output per native package: shown only if the build fails
         session.run(
-            "python",
+            builder,
             "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--wheel-dir",
+            "build",
+            "--outdir",
             str(folder),
             str(ROOT / PACKAGES[name].path),
+            external=True,
             silent=True,
         )
-        found = sorted(folder.glob("*.whl"))
-    return str(found[0])
+        found = sorted(folder.glob("*.whl")), sorted(folder.glob("*.tar.gz"))
+    return found[0][0], found[1][0]
+
+
+def _wheel(session: nox.Session, name: str) -> str:
+    """The wheel of internal package `name` (`_dists`); its path as a pip requirement."""
+    return str(_dists(session, name)[0])
 
 
 _torch_index: list[list[str]] = []
@@ -211,6 +235,27 @@ def _install(
     extra = f" and {', '.join(groups)}" if groups else ""
     session.log(f"installing {', '.join(names)} (wheels from {WHEEL_CACHE.relative_to(ROOT)}){extra}")
     session.install("-r", str(listing))
+    _bytecode_in_venv(session)
+    _warm_bytecode(session, [*(["pytest"] if with_tests else []), "numpy", "torch", *names])
+
+
+def _bytecode_in_venv(session: nox.Session) -> None:
+    """Let this session's processes write .pyc files, all under the venv (`PYTHONPYCACHEPREFIX`: none in the
+    checkout). torch goes in with `--no-compile`, and under PYTHONDONTWRITEBYTECODE=1 (the CI and development
+    machines set it) no .pyc was ever written: every process of the tests (ranks, scripts, workers) compiled the
+    modules of torch it imported anew, about 1.5 CPU-s each."""
+    session.env["PYTHONPYCACHEPREFIX"] = str(Path(session.virtualenv.location) / "pycache")
+    session.env["PYTHONDONTWRITEBYTECODE"] = ""
+
+
+def _warm_bytecode(session: nox.Session, modules: list[str], env: dict[str, str] | None = None) -> None:
+    """Import `modules` (distribution or module names; those not installed are passed over) once, so that the
+    session's first processes (two pytest-xdist workers at once) find their .pyc files written (`_bytecode_in_venv`)."""
+    names = [m.replace("-", "_") for m in modules]
+    code = (
+        f"import importlib as i, importlib.util as u; [i.import_module(m) for m in {names} if u.find_spec(m)]"
+    )
+    session.run("python", "-c", code, env=env, silent=True)
 
 
 def _has_serial(paths: tuple[str, ...]) -> bool:
@@ -337,16 +382,16 @@ def sass_diff(session: nox.Session) -> None:
 
 @nox.session(default=False, tags=["ci"])
 def build(session: nox.Session) -> None:
-    """Build every wheel and sdist into dist/, give the compiled wheels a manylinux tag (auditwheel), check the
-    metadata with `twine check --strict` and the wheel tags with tests/test_repo_packaging.py."""
-    session.install("build", "twine")
+    """Every sdist and the wheel built from it into dist/ (`_dists`: built once per source state, so in `-t ci` the
+    wheels the test sessions installed), give the compiled wheels a manylinux tag (auditwheel), check the metadata
+    with `twine check --strict` and the wheel tags with tests/test_repo_packaging.py."""
+    session.install("twine")
     shutil.rmtree(DIST, ignore_errors=True)
-    for name, pkg in PACKAGES.items():
-        # hundreds of lines of CMake and compiler output per native package: shown only if the build fails
-        session.run("python", "-m", "build", "--outdir", str(DIST), str(ROOT / pkg.path), silent=True)
-        session.log(
-            f"built {name}: " + ", ".join(p.name for p in sorted(DIST.glob(f"{name.replace('-', '_')}-*")))
-        )
+    DIST.mkdir()
+    for name in PACKAGES:
+        # the sdist and the wheel built from it, the very wheel the test sessions installed
+        built = [shutil.copy2(p, DIST) for p in _dists(session, name)]
+        session.log(f"{name}: " + ", ".join(Path(p).name for p in sorted(built)))
     _repair_native_wheels(session)
     no_color = (
         ["--no-color"] if os.environ.get("NO_COLOR") else []
@@ -410,6 +455,8 @@ def wheel_demo(session: nox.Session) -> None:
     session.install(*(f"{w[0]}[demo]" if name == "ep-torch" else str(w[0]) for name, w in wheels.items()))
     # Out of the checkout's root, and without a PYTHONPATH (a dev shell points it at the sources): the wheels only.
     session.chdir(session.create_tmp())
+    _bytecode_in_venv(session)
+    _warm_bytecode(session, ["numpy", "torch", *wheels], env={"PYTHONPATH": ""})
     session.run("ep-demo", "--ranks", "2", "--steps", "3", env={"PYTHONPATH": ""})
 
 

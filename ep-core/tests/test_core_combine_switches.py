@@ -114,11 +114,9 @@ needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
 
 
 @pytest.fixture
-def jit_cache(monkeypatch, tmp_path):
-    ep_jit = pytest.importorskip("ep_jit")
-    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
-    ep_jit.clear_memo()
-    return ep_jit
+def jit_cache(shared_jit_cache):
+    """The compile tests here check the artifacts only: one cache for the test process (conftest.py)."""
+    return shared_jit_cache
 
 
 def _check(art, name: str) -> None:

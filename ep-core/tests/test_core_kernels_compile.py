@@ -29,9 +29,8 @@ pytestmark = pytest.mark.skipif(not _have_nvcc(), reason="nvcc not found")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
-    ep_jit.clear_memo()
+def _cache(shared_jit_cache):
+    """These tests check the artifacts only: one cache for the test process (conftest.py)."""
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,8 @@ def _have_nvcc() -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
-    ep_jit.clear_memo()
+def _cache(shared_jit_cache):
+    """These tests check the artifacts only: one cache for the test process (conftest.py)."""
 
 
 def test_env_switch(monkeypatch) -> None:

@@ -1329,12 +1329,15 @@ def main_all(outfile: str, names: list[str]) -> None:
 
 if __name__ == "__main__":
     from ep_torch import launch
+    from ep_torch_testing import spawn_cpu
 
+    # forked CPU ranks (see spawn_cpu); on the GPU they start afresh (a forked process cannot use CUDA)
+    spawn = launch.spawn if DEV == "cuda" else spawn_cpu
     if sys.argv[1] == "--all":
         main_all(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "chain":
-        launch.spawn(_chain_worker, 2, sys.argv[2], sys.argv[3:] or CHAIN)
+        spawn(_chain_worker, 2, sys.argv[2], sys.argv[3:] or CHAIN)
     elif sys.argv[1] == "random":
-        launch.spawn(_random_worker, 2, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        spawn(_random_worker, 2, sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     else:
-        launch.spawn(_worker, 2, sys.argv[1], sys.argv[2])
+        spawn(_worker, 2, sys.argv[1], sys.argv[2])

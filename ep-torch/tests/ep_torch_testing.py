@@ -1,9 +1,11 @@
-"""Helpers shared by the ep-torch test modules: the runner of a test file as a script in its own process group.
+"""Helpers shared by the ep-torch test modules: the runner of a test file as a script in its own process group,
+and the CPU ranks' start in that script (`spawn_cpu`).
 
 conftest.py of this folder loads this file as the module `ep_torch_testing` before pytest imports any test module
 here (the root config's --import-mode=importlib puts no test folder on sys.path, so the test modules could not
 import it by a sibling's name otherwise). The test modules import it inside their runner, never at module level:
-they also run as the ranks' scripts, where no conftest loaded it.
+they also run as the ranks' scripts, where no conftest loaded it (there the script's folder is sys.path[0], so
+their `__main__` block imports it by name).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-__all__ = ["BENCH_V1_ROWS", "bench_v1_dry_run", "run_script"]
+__all__ = ["BENCH_V1_ROWS", "bench_v1_dry_run", "run_script", "spawn_cpu"]
 
 BENCH_V1_ROWS = (
     "v2 dispatch bf16",
@@ -30,8 +33,6 @@ BENCH_V1_ROWS = (
 def bench_v1_dry_run(*args: str) -> list[str]:
     """benchmarks/bench_v1.py on the CPU reference backend (`--dry-run-cpu`, tiny sizes) with `args`: checks that it
     exits 0 with no failed bitwise check and returns its output's lines."""
-    from pathlib import Path
-
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_v1.py"
     proc = subprocess.run(
         [sys.executable, str(bench), "--dry-run-cpu", *args], capture_output=True, text=True, timeout=300
@@ -48,7 +49,12 @@ def run_script(
     """Run `python script *args` in a new process group; returns its exit status and output (stdout and stderr).
 
     Past `limit` seconds the whole group is killed (the ranks too) and the test fails as a hang, with the output's
-    tail; `what` prefixes that message. `env` None: this process's environment."""
+    tail; `what` prefixes that message. `env` None: this process's environment.
+
+    On a machine without a CUDA device the script runs in a process forked from a server that has imported torch
+    and numpy once (`_Zygote`), not in a fresh interpreter: the import is about 2 CPU-s of every script's time."""
+    if _use_zygote():
+        return _Zygote.get().run(script, args, limit, what, dict(os.environ if env is None else env))
     proc = subprocess.Popen(
         [sys.executable, script, *args],
         start_new_session=True,
@@ -63,3 +69,168 @@ def run_script(
         out, _ = proc.communicate()
         pytest.fail(f"{what}still running after {limit} s (a hang):\n{out.decode(errors='replace')[-3000:]}")
     return proc.returncode, out.decode(errors="replace")
+
+
+_zygote_wanted: list[bool] = []
+
+
+def _use_zygote() -> bool:
+    """No CUDA device here (asked once). Where there is one, every script starts afresh as before: a process forked
+    from another cannot use a CUDA context that one made, and the GPU scripts are not worth the risk."""
+    if not _zygote_wanted:
+        import torch
+
+        _zygote_wanted.append(not torch.cuda.is_available())
+    return _zygote_wanted[0]
+
+
+class _Zygote:
+    """A server process (this file run as `python ep_torch_testing.py zygote`) that imports torch and numpy once,
+    then forks one child per script: the child starts a new session (its process group is the script's: killed
+    whole on a hang), takes the request's environment, argv and output file, and runs the script as `__main__`.
+    Only ever one script at a time per test process (pytest and each pytest-xdist worker have their own server);
+    the server exits when this process closes its stdin (`close`, at exit)."""
+
+    _one: _Zygote | None = None
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0
+        )
+        import atexit
+
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the server and wait for it (its CPU time then counts as this process's children's)."""
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+    @classmethod
+    def get(cls) -> _Zygote:
+        if cls._one is None:
+            cls._one = cls()
+        elif cls._one.proc.poll() is not None:
+            raise RuntimeError(f"the script server ({__file__} zygote) exited ({cls._one.proc.returncode})")
+        return cls._one
+
+    def _line(self, deadline: float | None) -> str | None:
+        """One reply line, or None past `deadline` (read a byte at a time: nothing of the next line is consumed)."""
+        import select
+        import time
+
+        fd = self.proc.stdout.fileno()
+        got = b""
+        while not got.endswith(b"\n"):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
+                return None
+            byte = os.read(fd, 1)
+            if not byte:
+                raise RuntimeError(f"the script server ({__file__} zygote) exited ({self.proc.wait()})")
+            got += byte
+        return got.decode()
+
+    def run(self, script: str, args: list[str], limit: float, what: str, env: dict) -> tuple[int, str]:
+        import json
+        import tempfile
+        import time
+
+        with tempfile.NamedTemporaryFile(prefix="ep-script-", suffix=".out") as out:
+            req = {
+                "script": os.path.abspath(script),
+                "args": [str(a) for a in args],
+                "env": env,
+                "out": out.name,
+            }
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            pid = int(self._line(None))
+            status = self._line(time.monotonic() + limit)
+            if status is None:
+                os.killpg(pid, signal.SIGKILL)
+                self._line(None)
+                text = Path(out.name).read_text(errors="replace")
+                pytest.fail(f"{what}still running after {limit} s (a hang):\n{text[-3000:]}")
+            return int(status), Path(out.name).read_text(errors="replace")
+
+
+def _serve() -> None:
+    """The server side of `_Zygote`: one JSON request a line on stdin; replies the child's pid, then its exit status
+    (negative: killed by that signal, as Popen.returncode)."""
+    import json
+
+    import numpy  # noqa: F401  what the scripts import, once for all of them
+    import torch  # noqa: F401
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(req)
+        os.write(1, f"{pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        os.write(1, f"{os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _child(req: dict) -> None:
+    """Run the requested script as `python script *args` would, then leave (never returns)."""
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        os.setsid()
+        fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(fd, 0)
+        os.close(fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.argv = [req["script"], *req["args"]]
+        sys.path[0] = os.path.dirname(req["script"])
+        try:
+            runpy.run_path(req["script"], run_name="__main__")
+            code = 0
+        except SystemExit as exc:  # what the interpreter does with it
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def spawn_cpu(fn, nprocs: int, *args) -> None:
+    """``ep_torch.launch.spawn(fn, nprocs, *args)`` (gloo, one thread a rank, same rank entry and port retry) with
+    the ranks forked from this process instead of started afresh: each rank inherits the torch, ep_torch and test
+    module this script has imported (a fresh interpreter spends about 2 CPU-s importing them; a test's ranks often
+    do less work than that). `fn` needs not be picklable.
+
+    Only for ranks that never touch CUDA (a forked child cannot use a CUDA context, and importing ep_core may
+    initialize the driver in this process), called from a test script's ``__main__`` (one thread: nothing else
+    runs here when it forks). GPU ranks keep ``launch.spawn``."""
+    import torch.multiprocessing as mp
+    from ep_torch import launch
+
+    launch.start_on_free_port(
+        lambda port: mp.start_processes(
+            launch._entry,  # the rank side of launch.spawn: init, fn, barrier, teardown
+            args=(nprocs, port, "gloo", 1, fn, args),
+            nprocs=nprocs,
+            join=True,
+            start_method="fork",
+        )
+    )
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["zygote"]:
+    _serve()

@@ -326,6 +326,6 @@ def test_killed_peer_is_named_exactly(tmp_path):
 
 
 if __name__ == "__main__":
-    from ep_torch import launch
+    from ep_torch_testing import spawn_cpu
 
-    launch.spawn(_worker, 3 if sys.argv[1] == "dead3" else 2, sys.argv[1], sys.argv[2])
+    spawn_cpu(_worker, 3 if sys.argv[1] == "dead3" else 2, sys.argv[1], sys.argv[2])

@@ -1,39 +1,50 @@
 """The torch API on 4 gloo processes (CPU reference backend) against ep_core.reference: every SPEC §9 mode that
 exists on CPU, the SPEC §6 bad-input table, autograd and MoEDispatcher against dense computations, torch.compile.
 
-One spawn runs every scenario (process start-up dominates on two cores); each test asserts one scenario group.
+One spawn runs every scenario (process start-up dominates on two cores), its ranks forked from this file run as a
+script; each test asserts one scenario group.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from ep_torch.testing.conformance import run_spawned
 
 
+def _spawned(
+    ranks: int, cfg: dict, folder: Path, env: dict | None = None
+) -> list[list[tuple[str, bool, str]]]:
+    """ep_torch.testing.conformance.run_spawned(ranks, cfg), its ranks forked from this file run as a script under
+    a wall-clock limit (a hang fails the test): a fresh interpreter per rank would import torch again."""
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, [str(ranks), json.dumps(cfg), str(folder)], 600.0, env=env)
+    assert code == 0, out[-3000:]
+    return [[tuple(x) for x in json.loads((folder / f"rank{r}.json").read_text())] for r in range(ranks)]
+
+
 @pytest.fixture(scope="module")
-def four_ranks() -> list[list[tuple[str, bool, str]]]:
-    return run_spawned(4, {"backend": "cpu"})
+def four_ranks(tmp_path_factory) -> list[list[tuple[str, bool, str]]]:
+    return _spawned(4, {"backend": "cpu"}, tmp_path_factory.mktemp("four"))
 
 
 @pytest.fixture(scope="module")
 def one_rank() -> list[list[tuple[str, bool, str]]]:
+    # run_spawned itself (one rank: one fresh interpreter either way)
     return run_spawned(1, {"backend": "cpu", "scenarios": ["modes", "autograd"]})
 
 
 @pytest.fixture(scope="module")
-def four_ranks_hybrid() -> list[list[tuple[str, bool, str]]]:
+def four_ranks_hybrid(tmp_path_factory) -> list[list[tuple[str, bool, str]]]:
     """2 emulated NVLink domains of 2 ranks: hybrid mode (S_o = 2, S_u = 2) on the reference backend."""
-    old = os.environ.get("EPKIT_TORCH_REFERENCE_NVLINK_RANKS")
-    os.environ["EPKIT_TORCH_REFERENCE_NVLINK_RANKS"] = "2"
-    try:
-        return run_spawned(4, {"backend": "cpu", "scenarios": ["modes", "autograd", "planner"]})
-    finally:
-        if old is None:
-            del os.environ["EPKIT_TORCH_REFERENCE_NVLINK_RANKS"]
-        else:
-            os.environ["EPKIT_TORCH_REFERENCE_NVLINK_RANKS"] = old
+    env = {**os.environ, "EPKIT_TORCH_REFERENCE_NVLINK_RANKS": "2"}
+    cfg = {"backend": "cpu", "scenarios": ["modes", "autograd", "planner"]}
+    return _spawned(4, cfg, tmp_path_factory.mktemp("hybrid"), env)
 
 
 def _assert_group(per_rank: list[list[tuple[str, bool, str]]], prefix: str, minimum: int) -> None:
@@ -89,3 +100,11 @@ def test_hybrid_mode_on_cpu(four_ranks_hybrid):
     _assert_group(four_ranks_hybrid, "modes/", 300)
     _assert_group(four_ranks_hybrid, "autograd/", 3)
     _assert_group(four_ranks_hybrid, "planner/", 1)
+
+
+if __name__ == "__main__":
+    from ep_torch.testing import conformance
+    from ep_torch_testing import spawn_cpu
+
+    # run_spawned's ranks (conformance._worker writes out_dir/rank{r}.json), forked: CPU only
+    spawn_cpu(conformance._worker, int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])

@@ -126,10 +126,10 @@ def _ranks(rank: int, n: int) -> None:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_deferred_epilogue_is_bitwise_the_ordinary_call(ranks):
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 def test_event_overlap_wait_returns_the_hook_result():
@@ -173,5 +173,10 @@ def test_gpu_handle_keeps_topk_idx_and_defer_is_refused():
 
 
 if __name__ == "__main__":
+    from ep_torch_testing import spawn_cpu
+
     name, n = sys.argv[1], int(sys.argv[2])
-    spawn(globals()[name], n, backend="nccl" if name == "_gpu_rank" else "gloo")
+    if name == "_gpu_rank":
+        spawn(globals()[name], n, backend="nccl")
+    else:
+        spawn_cpu(globals()[name], n)

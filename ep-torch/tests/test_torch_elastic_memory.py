@@ -188,5 +188,7 @@ def test_dispatch_spills_into_host_numa_memory_on_the_gpu(tmp_path: Path) -> Non
 
 if __name__ == "__main__":
     from ep_torch import launch
+    from ep_torch_testing import spawn_cpu
 
-    launch.spawn(_worker, N, sys.argv[1], sys.argv[2])
+    # the GPU modes' ranks start afresh (a forked process cannot use CUDA)
+    (launch.spawn if sys.argv[1].startswith("gpu") else spawn_cpu)(_worker, N, sys.argv[1], sys.argv[2])

@@ -223,5 +223,9 @@ def test_engram_buffer_on_shared_gpu(mode: str, tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     from ep_torch import launch
+    from ep_torch_testing import spawn_cpu
 
-    launch.spawn(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])
+    # the GPU modes' ranks start afresh (a forked process cannot use CUDA)
+    (launch.spawn if sys.argv[1].startswith("gpu") else spawn_cpu)(
+        _worker, int(sys.argv[2]), sys.argv[1], sys.argv[3]
+    )

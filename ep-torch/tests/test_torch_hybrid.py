@@ -186,6 +186,6 @@ def test_other_values(ranks):
 
 
 if __name__ == "__main__":
-    from ep_torch import launch
+    from ep_torch_testing import spawn_cpu
 
-    launch.spawn(_worker, N, sys.argv[1])
+    spawn_cpu(_worker, N, sys.argv[1])

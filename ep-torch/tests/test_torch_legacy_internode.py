@@ -7,15 +7,12 @@ packed rows, layout_range and combine across the nodes."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import numpy as np
-import pytest
 import torch
 import torch.distributed as dist
 from ep_core import reference
-from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer, V1InternodeHandle
 from ep_torch.legacy.reference import ll_combine_reference
 
@@ -213,17 +210,10 @@ def _ranks(rank: int, n: int) -> None:
 
 def _spawn(worker: str, ranks: int, limit: float = 300.0) -> None:
     env = {**os.environ, "EPKIT_SCALEUP_RANKS": str(SU)}
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, worker, str(ranks)],
-            capture_output=True,
-            text=True,
-            timeout=limit,
-            env=env,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{worker} x{ranks}: still running after {limit} s (a hang):\n{str(exc.output)[-3000:]}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, [worker, str(ranks)], limit, what=f"{worker} x{ranks}: ", env=env)
+    assert code == 0, out[-4000:]
 
 
 def test_v1_internode_handle_4_ranks_2_nodes():
@@ -231,4 +221,6 @@ def test_v1_internode_handle_4_ranks_2_nodes():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

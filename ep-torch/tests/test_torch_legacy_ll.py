@@ -6,7 +6,6 @@ CUDA-graph capture + replay and the hook's deferred wait."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -213,13 +212,10 @@ def _ll_checks(rank: int, n: int, device: str = "cpu") -> None:
 
 def _spawn(worker: str, ranks: int, limit: float = 300.0) -> None:
     """Run ``worker`` on ``ranks`` processes from this file started as a script (see test_torch_legacy.py)."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, worker, str(ranks)], capture_output=True, text=True, timeout=limit
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{worker} x{ranks}: still running after {limit} s (a hang):\n{str(exc.output)[-3000:]}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, [worker, str(ranks)], limit, what=f"{worker} x{ranks}: ")
+    assert code == 0, out[-4000:]
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -415,4 +411,7 @@ def test_ll_hook_defers_wait_gpu():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    worker = sys.argv[1]  # the GPU ranks start afresh (a forked process cannot use CUDA)
+    (spawn if "gpu" in worker else spawn_cpu)(globals()[worker], int(sys.argv[2]))

@@ -432,17 +432,11 @@ def _kernels_vs_torch_gpu(rank: int, n: int) -> None:
 
 
 def _spawn(worker: str, ranks: int, env: dict | None = None, limit: float = 600.0) -> None:
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, worker, str(ranks)],
-            capture_output=True,
-            text=True,
-            timeout=limit,
-            env={**os.environ, **(env or {})},
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{worker} x{ranks}: still running after {limit} s (a hang):\n{str(exc.output)[-3000:]}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    env = {**os.environ, **(env or {})}
+    code, out = run_script(__file__, [worker, str(ranks)], limit, what=f"{worker} x{ranks}: ", env=env)
+    assert code == 0, out[-4000:]
 
 
 @pytest.mark.gpu
@@ -462,4 +456,7 @@ def test_ll_kernels_equal_torch_hybrid_gpu():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    worker = sys.argv[1]  # the GPU ranks start afresh (a forked process cannot use CUDA)
+    (spawn if "gpu" in worker else spawn_cpu)(globals()[worker], int(sys.argv[2]))

@@ -6,14 +6,11 @@ the weighted sum of the token itself)."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
-from ep_torch.launch import spawn
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 MARK = "# was: from deep_ep import Buffer"
@@ -78,14 +75,13 @@ def _run_blocks(rank: int, n: int) -> None:
 
 
 def test_v1_readme_call_sites_run():
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, "_run_blocks", "2"], capture_output=True, text=True, timeout=300
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"README V1 call sites: still running after 300 s (a hang):\n{str(exc.output)[-3000:]}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_run_blocks", "2"], 300, what="README V1 call sites: ")
+    assert code == 0, out[-4000:]
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

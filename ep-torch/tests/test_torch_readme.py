@@ -4,8 +4,6 @@ over nccl where there are GPUs (the GPU kernels)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,9 +29,11 @@ def test_readme_uses_ep_torch_import():
 def _run_example(tmp_path) -> str:
     script = tmp_path / "readme_example.py"
     script.write_text(example_source())
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(str(script), [], 300, what="the README example: ")
+    assert code == 0, out[-8000:]
+    return out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the example runs on it: see the gpu test")

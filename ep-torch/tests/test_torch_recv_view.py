@@ -6,13 +6,11 @@ refusals (``ValueError``) come before any launch."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from ep_torch.launch import spawn
 
 
 def _same(a, b) -> bool:
@@ -87,10 +85,10 @@ def _ranks(rank: int, n: int) -> None:
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_borrowed_receive_view(ranks):
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 def test_export():
@@ -101,4 +99,6 @@ def test_export():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

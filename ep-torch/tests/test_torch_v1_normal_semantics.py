@@ -175,10 +175,10 @@ def test_v1_normal_semantics(ranks, scaleup):
     env = dict(os.environ)
     if scaleup is not None:
         env["EPKIT_SCALEUP_RANKS"] = scaleup
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, env=env, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 @pytest.mark.gpu
@@ -206,4 +206,7 @@ def test_rank_lanes_compact_past_max_topk():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    worker = sys.argv[1]  # the GPU ranks start afresh (a forked process cannot use CUDA)
+    (spawn if "gpu" in worker else spawn_cpu)(globals()[worker], int(sys.argv[2]))
