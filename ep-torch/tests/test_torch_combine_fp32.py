@@ -7,7 +7,6 @@ every rank, a rank mixing the two outputs makes every rank raise."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import ep_torch
@@ -15,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPMismatchError, EPPeerError, EPStateError
-from ep_torch.launch import spawn
 
 E, K, H, T = 8, 3, 32, 12
 
@@ -120,11 +118,13 @@ def test_combine_fp32(ranks, scaleup):
     env = {k: v for k, v in os.environ.items() if k != "EPKIT_SCALEUP_RANKS"}
     if scaleup is not None:
         env["EPKIT_SCALEUP_RANKS"] = scaleup
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, env=env, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

@@ -6,7 +6,6 @@ the envelope (a one-rank refusal announced to every rank, a disagreement raised 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from fractions import Fraction
 
@@ -16,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from ep_core.errors import EPMismatchError, EPPeerError, EPStateError
-from ep_torch.launch import spawn
 
 L, R = 3, 2  # local experts, redundant slots
 
@@ -124,10 +122,10 @@ def test_redundancy_mapping(ranks, scaleup):
     env = {k: v for k, v in os.environ.items() if k != "EPKIT_SCALEUP_RANKS"}
     if scaleup is not None:
         env["EPKIT_SCALEUP_RANKS"] = scaleup
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, env=env, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 def test_signature():
@@ -147,4 +145,6 @@ def test_reference_is_np_free_and_matches_core():
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

@@ -7,7 +7,6 @@ and the refusal of enable_shrink on CUDA."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -286,17 +285,11 @@ def _mask_late(rank: int, n: int) -> None:
 
 
 def _spawn(worker: str, ranks: int, *args: str, limit: float = 180.0) -> float:
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, worker, str(ranks), *args],
-            capture_output=True,
-            text=True,
-            timeout=limit,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{worker} x{ranks}: still running after {limit} s (a hang):\n{str(exc.output)[-3000:]}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    code, out = run_script(__file__, [worker, str(ranks), *args], limit, what=f"{worker} x{ranks}: ")
+    assert code == 0, out[-4000:]
     return time.monotonic() - t0
 
 

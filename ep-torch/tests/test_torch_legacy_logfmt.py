@@ -520,13 +520,10 @@ def _logfmt_checks(rank: int, n: int, device: str = "cpu", native: bool = False)
 
 
 def _spawn(worker: str, ranks: int, limit: float = 300.0) -> None:
-    try:
-        proc = subprocess.run(
-            [sys.executable, __file__, worker, str(ranks)], capture_output=True, text=True, timeout=limit
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{worker} x{ranks}: still running after {limit} s (a hang):\n{str(exc.output)[-3000:]}")
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, [worker, str(ranks)], limit, what=f"{worker} x{ranks}: ")
+    assert code == 0, out[-4000:]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -637,4 +634,9 @@ def test_logfmt_native_loopback_gpu(n, e, h, monkeypatch):
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    if sys.argv[1] == "_logfmt_checks":  # CPU ranks: forked from this script (ep_torch_testing.spawn_cpu)
+        from ep_torch_testing import spawn_cpu
+
+        spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))
+    else:
+        spawn(globals()[sys.argv[1]], int(sys.argv[2]))

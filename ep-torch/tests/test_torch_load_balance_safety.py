@@ -6,7 +6,6 @@ calls after each case are exact against ``ep_core.load_balance``'s reference."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import ep_torch
@@ -16,7 +15,6 @@ import torch
 import torch.distributed as dist
 from ep_core.errors import EPMismatchError, EPPeerError, EPStateError
 from ep_core.load_balance import prefetch_reference, reduce_grads_reference
-from ep_torch.launch import spawn
 
 L, R, H = 2, 3, 8  # local experts, redundant slots, hidden
 
@@ -93,11 +91,13 @@ def _ranks(rank: int, n: int) -> None:
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_lb_collective_safety(ranks):
     env = {k: v for k, v in os.environ.items() if k != "EPKIT_SCALEUP_RANKS"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "_ranks", str(ranks)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(__file__, ["_ranks", str(ranks)], 300, env=env, what=f"{ranks} ranks: ")
+    assert code == 0, out[-4000:]
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]))
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))
