@@ -317,7 +317,10 @@ class ReferenceExecutor:
         """A handle of another buffer, or from before a reset(), indexes another layout: refused by name."""
         check_owner(h, self.channel.state, self.config.rank)
 
-    def combine(self, req: CombineRequest) -> CombineResult:
+    def combine(self, req: CombineRequest, fp32_output: bool = False) -> CombineResult:
+        """The combine step. ``fp32_output`` (ep_torch's ``combine(out_dtype=torch.float32)``): the home rank's final
+        float32 sum itself, not rounded to bf16; it rides in the envelope (``out_dtype``), so ranks that mix it with an
+        ordinary combine all raise ``EPMismatchError``."""
         self._check_owner(req.handle)
         self.num_combines += 1
         if req.zero_copy:  # the same sum: the rows are read where the caller wrote them
@@ -337,6 +340,8 @@ class ReferenceExecutor:
             "allow_multiple_reduction": req.allow_multiple_reduction,
             "zero_copy": req.zero_copy,
         }
+        if fp32_output:
+            config["out_dtype"] = "float32"
         everyone = self.channel.exchange("combine", config, mine)
         weights = [e["topk_weights"] for e in everyone]
         biases = [
@@ -349,10 +354,11 @@ class ReferenceExecutor:
             bias=biases,
             allow_multiple_reduction=req.allow_multiple_reduction,
             num_scaleup_ranks=self.config.topology.num_scaleup_ranks,
+            fp32_output=fp32_output,
         )
         out = outs[self.config.rank]
         return CombineResult(
-            self._out(req.allocator, out.combined_x, "bfloat16"),
+            self._out(req.allocator, out.combined_x, "float32" if fp32_output else "bfloat16"),
             self._out(req.allocator, out.combined_topk_weights, "float32"),
         )
 

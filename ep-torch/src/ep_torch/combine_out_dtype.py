@@ -7,8 +7,8 @@ before. So the ordinary bf16 output is exactly this output rounded to nearest ev
 or ``torch.bfloat16`` is the ordinary combine; other dtypes are refused (``EPTypeError`` naming ``out_dtype``).
 
 The CPU reference backend runs it here, beside the ordinary combine road (which another change is reshaping): the
-arguments go through ep-core's one validator (``validate_combine``), the step through the executor's enveloped
-channel with ``out_dtype`` in its configuration (ranks that mix a float32 and a bf16 combine all raise
+arguments go through ep-core's one validator (``validate_combine``), the step is the reference executor's combine (``fp32_output``:
+``out_dtype`` in its envelope's configuration (ranks that mix a float32 and a bf16 combine all raise
 ``EPMismatchError``), the sum through ``ep_core.reference.combine(fp32_output=True)``. Refused with ``defer_epilogue``
 and ``zero_copy`` (ours). On CUDA: ``NotImplementedError`` naming ``out_dtype`` (the reduce epilogue kernel writes
 bf16; the road needs an ``out_dtype`` field in ``CombineArgs`` and a float32 store in the epilogue).
@@ -19,10 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ep_core import reference
-from ep_core.device_array import host_copy
+from ep_core.device_array import to_numpy
 from ep_core.errors import EPTypeError, EPValueError
-from ep_core.reference_executor import _handle_key, _handle_np
 from ep_core.requests import CombineArgs
 from ep_core.validation import validate_combine
 
@@ -81,35 +79,10 @@ def combine_out_dtype(
                 False,
             ),
         )
-        ex._check_owner(req.handle)
-        mine = {
-            "x": host_copy(req.x.obj),
-            "handle": _handle_np(req.handle),
-            "topk_weights": host_copy(req.topk_weights.obj) if req.topk_weights is not None else None,
-            "bias": tuple(host_copy(b.obj) for b in req.bias),
-        }
-        config = {
-            "hidden": req.hidden,
-            "num_topk": req.num_topk,
-            "handle": _handle_key(req.handle),
-            "topk_weights": req.topk_weights is not None,
-            "bias": len(req.bias),
-            "allow_multiple_reduction": req.allow_multiple_reduction,
-            "out_dtype": "float32",
-        }
-        everyone = ex.channel.exchange("combine", config, mine)
-    weights = [e["topk_weights"] for e in everyone]
-    biases = [None if not e["bias"] else e["bias"][0] if len(e["bias"]) == 1 else e["bias"] for e in everyone]
-    out = reference.combine(
-        [e["x"] for e in everyone],
-        [e["handle"] for e in everyone],
-        topk_weights=None if weights[0] is None else weights,
-        bias=biases,
-        allow_multiple_reduction=req.allow_multiple_reduction,
-        num_scaleup_ranks=rt.config.topology.num_scaleup_ranks,
-        fp32_output=True,
-    )[rt.config.rank]
-    combined_x = torch.from_numpy(out.combined_x)
-    combined_w = None if out.combined_topk_weights is None else torch.from_numpy(out.combined_topk_weights)
+        out = ex.combine(req, fp32_output=True)
+    # copies: a numpy view of a host DeviceArray does not keep the array's storage alive
+    combined_x = torch.from_numpy(to_numpy(out.combined_x).copy())
+    w = out.combined_topk_weights
+    combined_w = None if w is None else torch.from_numpy(to_numpy(w).copy())
     event = EventOverlap(EventHandle(device="cpu")) if async_with_compute_stream else EventOverlap(None)
     return combined_x, combined_w, event
