@@ -218,18 +218,9 @@ def spawn_cpu(fn, nprocs: int, *args) -> None:
     Only for ranks that never touch CUDA (a forked child cannot use a CUDA context, and importing ep_core may
     initialize the driver in this process), called from a test script's ``__main__`` (one thread: nothing else
     runs here when it forks). GPU ranks keep ``launch.spawn``."""
-    import torch.multiprocessing as mp
     from ep_torch import launch
 
-    launch.start_on_free_port(
-        lambda port: mp.start_processes(
-            launch._entry,  # the rank side of launch.spawn: init, fn, barrier, teardown
-            args=(nprocs, port, "gloo", 1, fn, args),
-            nprocs=nprocs,
-            join=True,
-            start_method="fork",
-        )
-    )
+    launch.spawn(fn, nprocs, *args, start_method="fork")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["zygote"]:

@@ -74,20 +74,26 @@ def spawn(
     backend: str = "gloo",
     threads_per_rank: int = 1,
     port: int | None = None,
+    start_method: str = "spawn",
 ) -> None:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` processes with an initialized process group.
 
-    ``fn`` must be picklable (a module-level function). Raises if any rank fails. Without ``port``, a free port is
-    picked (``start_on_free_port``). A rank whose ``fn`` returned leaves with ``os._exit(0)`` after the process
-    group is destroyed (gloo's teardown can abort a rank at interpreter exit): ``atexit`` handlers do not run there.
+    ``fn`` must be picklable (a module-level function) with ``start_method="spawn"`` (the default: fresh
+    interpreters, what CUDA needs). ``"fork"``: the ranks are forked from this process and inherit what it imported
+    (no torch import per rank: CPU-only ranks, called while this process runs one thread and has no CUDA context).
+    Raises if any rank fails. Without ``port``, a free port is picked (``start_on_free_port``). A rank whose ``fn``
+    returned leaves with ``os._exit(0)`` after the process group is destroyed (gloo's teardown can abort a rank at
+    interpreter exit): ``atexit`` handlers do not run there.
     """
+    if start_method not in ("spawn", "fork"):
+        raise ValueError(f"start_method: expected 'spawn' or 'fork', got {start_method!r}")
     start_on_free_port(
         lambda p: mp.start_processes(
             _entry,
             args=(nprocs, p, backend, threads_per_rank, fn, args),
             nprocs=nprocs,
             join=True,
-            start_method="spawn",
+            start_method=start_method,
         ),
         port,
     )
