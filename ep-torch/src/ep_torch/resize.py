@@ -14,11 +14,18 @@ collective: every rank calls it with the same arguments.
   steps). Should the rebuild itself fail, the buffer is left destroyed (``EPStateError`` on use) and the error is
   raised.
 - Handles of dispatches before the resize belong to the old storage: refused afterwards (``EPStateError``, "stale",
-  through the buffer's rank-state generation). PP, Engram and AGRS configurations are dropped (they live in the
-  storage): configure them again. A ``DispatchRecvView`` that is out refuses the resize.
+  through the buffer's rank-state generation: ``ep_core.rank_state.check_owner``, which the reference executor and
+  the GPU rank runtime both call). PP, Engram and AGRS configurations are dropped (they live in the storage):
+  configure them again. A ``DispatchRecvView`` that is out refuses the resize.
 
-Backends: the CPU reference backend. On CUDA tensors it raises ``NotImplementedError`` naming ``resize`` (ours: the
-rebuild of a GPU transport in place, and the refusal of stale handles by the GPU executors, are not written yet).
+Backends: every transport of ``EPBuffer``. On the CPU reference backend the executor's host memory is rebuilt; on
+CUDA tensors (``ipc``: processes sharing a GPU or one per GPU; ``nccl``) the device is synchronized, the old
+symmetric storage and its GPU executor are released (a barrier first), and the transport builds new ones through
+the constructor's collective steps (a new ipc mapping exchange, or a new NCCL window on the same communicator when
+it is borrowed). The new GPU rank runtime keeps the old one's identity one generation on, so a handle from before
+is refused as stale (not as another buffer's). Tensors that viewed the old storage (zero-copy outputs,
+``get_combine_buffer``) and CUDA graphs captured before are invalid afterwards. The loopback domain builds
+``ElasticBuffer`` ranks, which have no ``resize``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import ep_core
+import torch
 from ep_core.buffer import SYMMETRIC_ALIGN_BYTES
 from ep_core.envelope import Channel
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
@@ -56,12 +64,6 @@ def resize(
     channel = Channel(self.bootstrap, getattr(self.bootstrap, "rank_state", None))
     with channel.state.guard(op, channel.announce):
         old = self._rt()
-        if self._cuda:
-            raise NotImplementedError(
-                "resize: EPBuffer.resize runs on the CPU reference backend only (ours); on CUDA build a new EPBuffer "
-                "(the in-place rebuild of a GPU transport and the GPU executors' refusal of stale handles are not "
-                "implemented)"
-            )
         if "destroy" in self.__dict__:  # dispatch_combine's marker of a DispatchRecvView that is out
             raise EPStateError("resize: a DispatchRecvView of this buffer is out; release() it first")
         if num_bytes is not None:
@@ -91,10 +93,12 @@ def resize(
 
 def _rebuild(self: Any, old: Any, sizes: dict[str, Any], use_fp8_dispatch: bool) -> None:
     cfg = old.config
-    # what the old storage held (ElasticBuffer.destroy's list): express lanes, zero-copy views, PP/Engram/AGRS
-    self._express = self._express_cached = self._express_combine = self._express_sync = None
-    self._express_combine_zero_copy = self._express_zero_copy = None
+    old_state = _runtime_state(old)
+    # what the old storage held (ElasticBuffer.destroy's list): zero-copy views, PP/Engram/AGRS; the express lanes
+    # are the old runtime's (`old.destroy()` clears them)
     self.__dict__.pop("_zero_copy_tensors", None)
+    if self._cuda:  # no kernel of this rank may still use the old storage when it is released
+        torch.cuda.synchronize()
     old.destroy()  # a collective barrier first
     self.runtime = None
     self._release_elastic()
@@ -120,9 +124,25 @@ def _rebuild(self: Any, old: Any, sizes: dict[str, Any], use_fp8_dispatch: bool)
         num_nvlink_ranks=self.transport_choice.scaleup_ranks,
     )
     self.runtime = self._core = rt
+    self._lanes = rt._lanes  # the surface reads the express lanes of the runtime it calls
     self.num_bytes = rt.num_bytes
     self.num_cpu_bytes = rt.config.num_cpu_bytes
     self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
     state = getattr(self.bootstrap, "rank_state", None)
     if state is not None:  # handles made before carry the old generation: refused as stale
         state.new_generation()
+    new_state = _runtime_state(rt)
+    if old_state is not None and new_state is not None and new_state is not state:
+        # the GPU rank runtime keeps a state of its own, new with the new executor: give it the old identity, one
+        # generation on, so that `check_owner` calls a handle from before stale rather than another buffer's
+        new_state.ident = old_state.ident
+        new_state.generation = old_state.generation
+        new_state.new_generation()
+    if self._cuda:
+        torch.cuda.synchronize()
+
+
+def _runtime_state(rt: Any) -> Any:
+    """The ``RankState`` whose owner tuple the executor's handles carry: the GPU rank runtime's own
+    (``GpuExecutor.rank.state``), else None (the reference executor's is the bootstrap's, handled above)."""
+    return getattr(getattr(rt.executor, "rank", None), "state", None)
