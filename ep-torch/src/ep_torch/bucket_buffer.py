@@ -13,7 +13,7 @@ same offsets on every rank:
   bf16 kernel does (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``);
 - ``all_reduce(srcs, scale=1.0)``: each src becomes ``scale * sum over ranks``, in place;
 - ``send_recv(srcs, dsts, dst_rank_idx, src_rank_idx)``: point-to-point into registered ``dsts`` (DeepEP 2.6's name,
-  ep's semantics; CPU reference backend only): ``ep_torch.bucket_send_recv``.
+  ep's semantics; CPU reference backend and ipc): ``ep_torch.bucket_send_recv``.
 
 Each returns an ``EventOverlap``-like handle whose ``wait()`` (or ``current_stream_wait(release_handle=...)``)
 makes the current stream wait and returns the result tensor(s) (1-D views with the srcs' dtype; one tensor for a
@@ -24,8 +24,8 @@ Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``, CPU reference backend)
 group (``buffer.groups``, ``buffer.contexts``: rank, size, domain sizes); each collective, ``barrier`` and
 ``get_theoretical_num_sms`` take ``group=`` (required when there are several), a session keeps to one group.
 
-Transports as ``ElasticBuffer``'s. On the GPU (ipc) the all-gather is copy-engine copies into every peer's
-storage (no SM); the reductions read the peers' shards over NVLink with torch kernels, between two stream
+Transports as ``ElasticBuffer``'s. On the GPU (ipc) the all-gather and ``send_recv`` are copy-engine copies into the
+peers' storage (no SM); the reductions read the peers' shards over NVLink with torch kernels, between two stream
 barriers (every src written before anyone reads; every read done before anyone overwrites). Ours, not DeepEP's:
 one group and ``comm_precision="fp32"`` only on the GPU, no hybrid (RDMA) path.
 
@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from ep_core.envelope import Channel
 from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
 from ep_core.rank_state import breaks_step
 
@@ -74,13 +75,17 @@ class _Guarded:
 
     __slots__ = ("broken", "buf", "guard", "ops")
 
-    def __init__(self, buf: BucketBuffer, op: str) -> None:
+    def __init__(self, buf: BucketBuffer, op: str, announce: bool = False) -> None:
+        """``announce``: the operation begins with a host agreement exchange on every backend (``send_recv``), so a
+        refusal is announced there on the GPU too."""
         self.buf, self.ops, self.guard, self.broken = buf, buf._ops, None, False
         eb = buf._buffer
         state = None if eb is None else getattr(eb.bootstrap, "rank_state", None)
         if state is not None:
             reference = eb.transport == "reference"
-            self.guard = state.guard(f"BucketBuffer.{op}", _Abort(eb.bootstrap) if reference else None)
+            self.guard = state.guard(
+                f"BucketBuffer.{op}", _Abort(eb.bootstrap) if reference or announce else None
+            )
             self.broken = reference and getattr(eb.bootstrap, "_via_store", None) is not None
 
     def __enter__(self) -> None:
@@ -462,6 +467,10 @@ class BucketBuffer:
         ctx = self._route(group)
         eb = ctx._buf()
         eb.reset()
+        if eb.transport != "reference":
+            # the GPU executors have no host channel, so their reset leaves the host steps' state alone: a failed
+            # agreement of send_recv (recorded in the bootstrap's rank state) is cleared here, collectively
+            Channel(eb.bootstrap, getattr(eb.bootstrap, "rank_state", None)).reset()
         every = eb.bootstrap.allgather(str(ctx._ops).encode())
         ctx._ops = max(int(b) for b in every)
 

@@ -19,8 +19,16 @@ differ between a sender and its receiver) all raise the same ``EPMismatchError``
 until ``reset()``.
 
 Backends: the CPU reference backend (gloo ``isend``/``irecv`` after the agreement, every wait bounded by
-``num_cpu_timeout_secs``). On the GPU (ipc) it raises ``NotImplementedError`` naming ``send_recv`` (ours: the copy
-engine put into the peer's storage is not written yet).
+``num_cpu_timeout_secs``) and the GPU over ipc (processes sharing a GPU or one per GPU: :func:`_gpu_transfers`).
+On the GPU the agreement is the same host exchange (it also carries each receiver's ``dsts`` offsets, which its
+sender writes to); then, on the comm stream after the current one, no SM: the receiver tells its sender that its
+``dsts`` may be overwritten (a stream write of the operation's number into the sender's signal word), the sender
+waits for that, copies each src into the receiver's storage (``cuMemcpyDtoDAsync`` between the mapped peer
+regions, the copy engine) and writes the arrival into the receiver's signal word (ordered after the copies), and the
+receiver waits for the arrival; the current stream then waits for the comm stream. Every wait on a peer is bounded
+by ``num_gpu_timeout_secs`` (``ep_core.signal_wait``, as the all-gather's): one that expires records the rank, the
+peer and what it waited for, and the next operation of the buffer raises ``EPTimeoutError`` naming them (and keeps
+raising it until ``reset()``). A send to itself is a device copy on the current stream.
 """
 
 from __future__ import annotations
@@ -32,9 +40,15 @@ import torch
 import torch.distributed as dist
 from ep_core.errors import EPMismatchError, EPTypeError, EPValueError
 
+from .elastic_copy_engine import _BUCKET_DONE, _SIGNAL_BYTES
+
 __all__ = ["send_recv"]
 
 _TAG = 0x5352  # gloo tag of the transfers (the PP FIFOs use 0x5050-0x5052)
+# the GPU path's u64 signal words (CopyEngineBackend's 2 MiB signal allocation, after the BucketBuffer words), each
+# indexed by the peer that writes it: "my dsts are free for your send" and "my srcs have landed in your dsts"
+_SR_READY = _BUCKET_DONE + 1024
+_SR_ARRIVED = _BUCKET_DONE + 2048
 
 
 def _tensors(name: str, x: Any) -> tuple[bool, list[torch.Tensor]]:
@@ -71,7 +85,7 @@ def send_recv(
     """The body of ``BucketBuffer.send_recv`` on ``buf`` (the context buffer of the chosen group; module doc)."""
     from .bucket_buffer import _Guarded
 
-    with _Guarded(buf, "send_recv"):
+    with _Guarded(buf, "send_recv", announce=True):
         n, r = buf.num_ranks, buf.rank_idx
         if num_sms not in (None, 0):
             raise EPValueError(
@@ -94,11 +108,9 @@ def send_recv(
         offs = [
             buf._offset(f"dsts[{i}]", d) for i, d in enumerate(ds)
         ]  # a peer writes there: registered only
-        if buf.storage.is_cuda:
-            raise NotImplementedError(
-                "send_recv: BucketBuffer.send_recv runs on the CPU reference backend only (ours); on the GPU (ipc) "
-                "the copy-engine put into the peer's storage is not implemented"
-            )
+        cuda = buf.storage.is_cuda
+        if cuda:
+            buf._backend.check()  # a GPU wait that expired earlier raises here, before this call's exchange
         buf._ops += 1
         mine = (
             buf._ops,
@@ -106,9 +118,13 @@ def send_recv(
             src,
             [(str(x.dtype), x.nbytes) for x in xs],
             [(str(d.dtype), d.nbytes) for d in ds],
+            offs,
         )
         every = [pickle.loads(b) for b in buf._buf().bootstrap.allgather(pickle.dumps(mine))]
         _check_pairs(every, r)
+        if cuda:
+            _gpu_transfers(buf, xs, ds, offs, dst, src, every[dst][5] if dst is not None else [])
+            return buf._handle(True, [None]) if not ds else buf._handle(packed_d, ds)
         works, held = [], []  # the sent bytes stay alive until their sends complete
         for i, x in enumerate(xs):
             if dst is not None and dst != r:
@@ -132,7 +148,8 @@ def _check_pairs(every: list[tuple], rank: int) -> None:
         problems.append(
             f"operation counts differ ({[e[0] for e in every]}): another call is pending on a rank"
         )
-    for q, (_, d, s, sent, _) in enumerate(every):
+    for q, e in enumerate(every):
+        d, s, sent = e[1], e[2], e[3]
         if d is not None:
             if every[d][2] != q:
                 problems.append(f"rank {q} sends to rank {d}, whose src_rank_idx is {every[d][2]}")
@@ -150,3 +167,44 @@ def _check_pairs(every: list[tuple], rank: int) -> None:
             "this error and the buffer refuses every call until reset() is called on every rank",
             fields={"pairs": [(e[1], e[2]) for e in every]},
         )
+
+
+assert 8 * (_SR_ARRIVED + 1024) <= _SIGNAL_BYTES  # the words fit the signal allocation
+
+
+def _gpu_transfers(
+    buf: Any,
+    xs: list[torch.Tensor],
+    ds: list[torch.Tensor],
+    offs: list[int],
+    dst: int | None,
+    src: int | None,
+    dst_offs: list[int],
+) -> None:
+    """The GPU half of one ``send_recv`` after the agreement (module doc): ``dst_offs`` are the receiver's ``dsts``
+    offsets in its storage (from the exchange). The protocol's order on every rank's comm stream: free (to ``src``),
+    wait free (from ``dst``), copies, arrival (to ``dst``), wait arrival (from ``src``); each wait depends only on
+    writes queued before any wait on the peers' streams, so no ordering of the ranks can deadlock (rings included)."""
+    be = buf._backend
+    ops, r, op = be.ops, buf.rank_idx, buf._ops
+    if src == r:  # to itself: a device copy on the current stream (the pairs matched: srcs[i] fits dsts[i])
+        for x, d, off in zip(xs, ds, offs, strict=True):
+            buf.storage[off : off + d.nbytes].copy_(x.detach().reshape(-1).view(torch.uint8))
+    remote_send = dst is not None and dst != r
+    remote_recv = src is not None and src != r
+    if not (remote_send or remote_recv):
+        return
+    s = ops.comm_stream()  # ordered after the current stream: the srcs are written, the dsts no longer read
+    if remote_recv:  # this rank's dsts may be overwritten by src from here on
+        ops.write(be.sig[src] + 8 * (_SR_READY + r), op, s)
+    if remote_send:
+        what = f"BucketBuffer.send_recv: operation {op}, rank {dst}'s dsts free for this rank's send"
+        ops.wait(be.sig[r] + 8 * (_SR_READY + dst), op, s, dst, what)
+        for x, off in zip(xs, dst_offs, strict=True):
+            ops.copy(be.data[dst] + off, x.data_ptr(), x.nbytes, s)
+        ops.keep(xs)  # the srcs live until the copies ran
+        ops.write(be.sig[dst] + 8 * (_SR_ARRIVED + r), op, s)  # ordered after the copies (stream order)
+    if remote_recv:
+        what = f"BucketBuffer.send_recv: operation {op}, the srcs of rank {src}"
+        ops.wait(be.sig[r] + 8 * (_SR_ARRIVED + src), op, s, src, what)
+    ops.wait_event(ops.record())  # the current stream: after the arrivals and this rank's sends
