@@ -5,13 +5,30 @@ The float32 output is the home rank's final float32 sum itself (biases first, th
 of their representative lane, SPEC §3), not rounded to bf16; every earlier reduction level still rounds to bf16 as
 before. So the ordinary bf16 output is exactly this output rounded to nearest even. ``out_dtype=None`` (the default)
 or ``torch.bfloat16`` is the ordinary combine; other dtypes are refused (``EPTypeError`` naming ``out_dtype``).
+Refused with ``defer_epilogue`` and ``zero_copy`` (ours). The arguments go through ep-core's one validator
+(``validate_combine``) before anything runs, on every backend.
 
-The CPU reference backend runs it here, beside the ordinary combine road (which another change is reshaping): the
-arguments go through ep-core's one validator (``validate_combine``), the step is the reference executor's combine (``fp32_output``:
-``out_dtype`` in its envelope's configuration (ranks that mix a float32 and a bf16 combine all raise
-``EPMismatchError``), the sum through ``ep_core.reference.combine(fp32_output=True)``. Refused with ``defer_epilogue``
-and ``zero_copy`` (ours). On CUDA: ``NotImplementedError`` naming ``out_dtype`` (the reduce epilogue kernel writes
-bf16; the road needs an ``out_dtype`` field in ``CombineArgs`` and a float32 store in the epilogue).
+CPU reference backend: the step is the reference executor's combine (``fp32_output``: ``out_dtype`` in its
+envelope's configuration, so ranks that mix a float32 and a bf16 combine all raise ``EPMismatchError``), the sum
+through ``ep_core.reference.combine(fp32_output=True)``.
+
+CUDA (ipc, nccl, the loopback domain; direct mode): :func:`combine_fp32_by_lanes`, ordinary combines plus torch ops,
+no kernel of its own. Every operand of a token's final sum is one row that one rank sends back, and the operands of
+a token have distinct representative lanes; so the rows are laid out side by side, one column block per lane
+(``[rows, K * hidden]``: block ``k`` holds the row where its representative lane is ``k``, elsewhere -0.0), and
+combined: block ``k`` of a token's result is then its lane-``k`` operand exactly (-0.0 is the identity of IEEE
+addition, signs of zero included, and the kernel starts from its first term, as the reference does). A float32 sum
+over the blocks in lane order, after the biases, is the reference's sum. The wide rows go as combines of width
+``hidden - 16`` (``32`` for hidden 16): never more bytes per row than the buffer was sized for, and never the
+ordinary combine's width, so a peer that runs an ordinary combine against these meets a different envelope and
+every rank raises instead of pairing (the kernels' envelope check). Cost: ``ceil(K * hidden / width)`` combines
+(about ``K + 1``) instead of one, plus ``K`` times the rows and the output in temporaries (bf16) and ``K`` float32
+adds per output element: for a path that wants float32 accuracy, not speed. The stream arguments: the work runs in
+order on the current stream (after ``previous_event``); with ``async_with_compute_stream`` the returned event is
+recorded there. Hybrid mode (several scale-up domains, or emulated nodes) is refused on CUDA
+(``NotImplementedError``: its second reduction level rounds per domain, which the lane blocks do not follow).
+In a loopback group, run one float32 combine of the same shapes in the process first (e.g. on a ``LoopbackGroup(1)``):
+its torch kernels then are loaded (``ep_torch.loopback``'s rule on torch work after a communication kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +43,7 @@ from ep_core.validation import validate_combine
 
 from .event import EventHandle, EventOverlap
 
-__all__ = ["combine_out_dtype"]
+__all__ = ["combine_fp32_by_lanes", "combine_out_dtype", "lane_pass_width"]
 
 
 def combine_out_dtype(
@@ -53,14 +70,15 @@ def combine_out_dtype(
             raise EPValueError(
                 "out_dtype: torch.float32 is not combined with defer_epilogue or zero_copy in ep (ours); drop one"
             )
-        if buf._cuda:
-            raise NotImplementedError(
-                "out_dtype=torch.float32: the float32 combine output runs on the CPU reference backend only in ep; "
-                "the CUDA reduce epilogue writes bf16"
-            )
         rt = buf._rt()
         ex = rt._executor
-        req = validate_combine(
+        if buf._cuda and buf.num_scaleout_ranks > 1:
+            raise NotImplementedError(
+                "out_dtype=torch.float32: on CUDA tensors ep computes the float32 output in direct mode only; this "
+                f"buffer runs hybrid mode ({buf.num_scaleout_ranks} scale-up domains), whose per-domain bf16 "
+                "reduction the float32 road does not follow (the CPU reference backend has it)"
+            )
+        req = validate_combine(  # every argument checked before any launch, on every backend
             rt.config,
             ex,
             CombineArgs(
@@ -79,10 +97,100 @@ def combine_out_dtype(
                 False,
             ),
         )
-        out = ex.combine(req, fp32_output=True)
+        if not buf._cuda:
+            out = ex.combine(req, fp32_output=True)
+    if buf._cuda:  # outside the block: each combine below is announced by its own
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        combined_x, combined_w = combine_fp32_by_lanes(buf, x, handle, topk_weights, bias, num_sms, num_qps)
+        event = EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap(None)
+        return combined_x, combined_w, event
     # copies: a numpy view of a host DeviceArray does not keep the array's storage alive
     combined_x = torch.from_numpy(to_numpy(out.combined_x).copy())
     w = out.combined_topk_weights
     combined_w = None if w is None else torch.from_numpy(to_numpy(w).copy())
     event = EventOverlap(EventHandle(device="cpu")) if async_with_compute_stream else EventOverlap(None)
     return combined_x, combined_w, event
+
+
+def lane_pass_width(hidden: int) -> int:
+    """The width of the combines of :func:`combine_fp32_by_lanes` for rows of ``hidden``: a multiple of 16 (the
+    combine's rule), not ``hidden`` itself (a different envelope than the ordinary combine's), and no wider than
+    ``hidden`` where it can be (the buffer holds it)."""
+    return hidden - 16 if hidden > 16 else 32
+
+
+def _lane_of_row(buf: Any, x: torch.Tensor, handle: Any, k: int) -> torch.Tensor:
+    """For each row of ``x``: the representative lane of the operand it feeds (-1: a row no token reads). Rows of
+    the handle past the received count (no-CPU-sync worst-case sizes) are left out on the device: no sync."""
+    dev = x.device
+    meta = torch.as_tensor(handle.recv_src_metadata, device=dev)
+    psum = torch.as_tensor(handle.psum_num_recv_tokens_per_scaleup_rank, device=dev)
+    rows = meta.shape[0]
+    valid = torch.arange(rows, device=dev) < psum[-1]
+    master = meta[:, 1].to(torch.int64) % k  # column 1: src_rank * K + master lane (SPEC §2)
+    if not handle.do_expand:  # one row per received token: the token's master lane on this rank
+        return torch.where(valid, master, -1)
+    n = x.shape[0]
+    exp = meta[:, 2 : 2 + k].to(torch.int64)  # the expanded row of each lane, or -1
+    ok = valid[:, None] & (exp >= 0) & (exp < n)
+    if buf.allow_multiple_reduction:  # the rank sums a token's rows first: they all feed its master lane
+        lanes = master[:, None].expand(rows, k)
+    else:  # every lane travels alone: its own representative
+        lanes = torch.arange(k, device=dev).expand(rows, k)
+    out = torch.full((n + 1,), -1, dtype=torch.int64, device=dev)
+    out.scatter_(0, torch.where(ok, exp, n).reshape(-1), lanes.reshape(-1))  # row n: the discarded ones
+    return out[:n]
+
+
+def combine_fp32_by_lanes(
+    buf: Any,
+    x: torch.Tensor,
+    handle: Any,
+    topk_weights: torch.Tensor | None = None,
+    bias: Any = None,
+    num_sms: int = 0,
+    num_qps: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(combined_x float32 [T, hidden], combined_topk_weights)`` through ordinary combines of ``buf`` (module
+    doc); arguments as ``combine``'s, already validated. Direct mode; any backend (the CPU tests compare it with
+    the reference executor's float32 combine). A collective: every rank calls it with the same shapes."""
+    k = handle.num_topk
+    xd = x.detach()
+    rows, hidden = xd.shape
+    dev = xd.device
+    width = lane_pass_width(hidden)
+    neg0 = torch.full((), -0.0, dtype=torch.bfloat16, device=dev)
+    lane = _lane_of_row(buf, xd, handle, k)
+    blocks = lane[:, None] == torch.arange(k, device=dev)[None, :]  # [rows, K]
+    wide = torch.where(blocks[:, :, None], xd[:, None, :], neg0).reshape(rows, k * hidden)
+    num_passes = -(-k * hidden // width)
+    pad = num_passes * width - k * hidden
+    if pad:
+        wide = torch.cat([wide, neg0.expand(rows, pad)], dim=1)
+    outs, combined_w = [], None
+    for j in range(num_passes):
+        part = wide[:, j * width : (j + 1) * width].contiguous()
+        out, w, _ = buf.combine(part, handle, topk_weights if j == 0 else None, None, num_sms, num_qps)
+        outs.append(out)
+        if j == 0:
+            combined_w = w
+    t = outs[0].shape[0]
+    ops = torch.cat(outs, dim=1)[:, : k * hidden].reshape(t, k, hidden).float()
+    if bias is None:
+        biases: tuple = ()
+    else:
+        biases = tuple(b for b in bias if b is not None) if isinstance(bias, tuple) else (bias,)
+    acc = None
+    for b in biases:
+        f = b.detach().float()
+        acc = f if acc is None else acc + f
+    if biases:
+        # a token with no lane gets +0.0 blocks from the kernel (no term at all): it keeps its biases' sum as is
+        has = (torch.as_tensor(handle.topk_idx, device=dev) >= 0).any(1)
+        ops = torch.where(has[:, None, None], ops, torch.full((), -0.0, device=dev))
+    for j in range(k):
+        v = ops[:, j]
+        acc = v.clone() if acc is None else acc + v
+    assert acc is not None
+    return acc.contiguous(), combined_w
