@@ -260,7 +260,7 @@ def _send_recv_checks(rank: int, n: int, dev: torch.device, tr: str) -> None:
     plan.tensor("d2", (8,), "bfloat16")
     plan.tensor("s2", (8,), "bfloat16")
     buf = BucketBuffer(
-        None, plan, explicitly_destroy=True, transport=tr, num_gpu_timeout_secs=5, num_cpu_timeout_secs=60
+        None, plan, explicitly_destroy=True, transport=tr, num_gpu_timeout_secs=2, num_cpu_timeout_secs=60
     )
     d1, d2, s2 = buf.tensors["d1"], buf.tensors["d2"], buf.tensors["s2"]
 
