@@ -19,11 +19,12 @@ a token have distinct representative lanes; so the rows are laid out side by sid
 combined: block ``k`` of a token's result is then its lane-``k`` operand exactly (-0.0 is the identity of IEEE
 addition, signs of zero included, and the kernel starts from its first term, as the reference does). A float32 sum
 over the blocks in lane order, after the biases, is the reference's sum. The wide rows go as combines of width
-``hidden - 16`` (``32`` for hidden 16): never more bytes per row than the buffer was sized for, and never the
+``hidden - 16`` (``32`` for hidden 16), each pass built from ``x`` just before its combine and its result added in
+as it comes (the wide rows are never held): never more bytes per row than the buffer was sized for, and never the
 ordinary combine's width, so a peer that runs an ordinary combine against these meets a different envelope and
 every rank raises instead of pairing (the kernels' envelope check). Cost: ``ceil(K * hidden / width)`` combines
-(about ``K + 1``) instead of one, plus ``K`` times the rows and the output in temporaries (bf16) and ``K`` float32
-adds per output element: for a path that wants float32 accuracy, not speed. The stream arguments: the work runs in
+(about ``K + 1``) instead of one, each with a masked copy of ``x`` before it and a float32 add of its output after
+it; temporaries: one pass's rows and output (bf16) and the float32 sum. A path for float32 accuracy, not speed. The stream arguments: the work runs in
 order on the current stream (after ``previous_event``); with ``async_with_compute_stream`` the returned event is
 recorded there. Hybrid mode (several scale-up domains, or emulated nodes) is refused on CUDA
 (``NotImplementedError``: its second reduction level rounds per domain, which the lane blocks do not follow).
@@ -154,29 +155,22 @@ def combine_fp32_by_lanes(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(combined_x float32 [T, hidden], combined_topk_weights)`` through ordinary combines of ``buf`` (module
     doc); arguments as ``combine``'s, already validated. Direct mode; any backend (the CPU tests compare it with
-    the reference executor's float32 combine). A collective: every rank calls it with the same shapes."""
+    the reference executor's float32 combine). A collective: every rank calls it with the same shapes.
+
+    The wide rows ``[rows, K * hidden]`` are never built: pass ``j`` takes their columns ``[j * width, (j + 1) *
+    width)`` (column ``g`` is lane ``g // hidden``, element ``g % hidden``), and its result is added into the float32
+    sum lane segment by lane segment as it comes. Passes run in column order, so every element receives its lanes
+    in ascending order. The sum starts from the biases' sum, or from -0.0 (``-0.0 + v == v`` for every ``v``: the
+    reference's "start from the first operand")."""
     k = handle.num_topk
     xd = x.detach()
-    rows, hidden = xd.shape
+    hidden = xd.shape[1]
     dev = xd.device
     width = lane_pass_width(hidden)
+    total = k * hidden
     neg0 = torch.full((), -0.0, dtype=torch.bfloat16, device=dev)
-    lane = _lane_of_row(buf, xd, handle, k)
-    blocks = lane[:, None] == torch.arange(k, device=dev)[None, :]  # [rows, K]
-    wide = torch.where(blocks[:, :, None], xd[:, None, :], neg0).reshape(rows, k * hidden)
-    num_passes = -(-k * hidden // width)
-    pad = num_passes * width - k * hidden
-    if pad:
-        wide = torch.cat([wide, neg0.expand(rows, pad)], dim=1)
-    outs, combined_w = [], None
-    for j in range(num_passes):
-        part = wide[:, j * width : (j + 1) * width].contiguous()
-        out, w, _ = buf.combine(part, handle, topk_weights if j == 0 else None, None, num_sms, num_qps)
-        outs.append(out)
-        if j == 0:
-            combined_w = w
-    t = outs[0].shape[0]
-    ops = torch.cat(outs, dim=1)[:, : k * hidden].reshape(t, k, hidden).float()
+    lane = _lane_of_row(buf, xd, handle, k)[:, None]  # [rows, 1]
+    idx = torch.as_tensor(handle.topk_idx, device=dev)
     if bias is None:
         biases: tuple = ()
     else:
@@ -185,12 +179,24 @@ def combine_fp32_by_lanes(
     for b in biases:
         f = b.detach().float()
         acc = f if acc is None else acc + f
-    if biases:
-        # a token with no lane gets +0.0 blocks from the kernel (no term at all): it keeps its biases' sum as is
-        has = (torch.as_tensor(handle.topk_idx, device=dev) >= 0).any(1)
-        ops = torch.where(has[:, None, None], ops, torch.full((), -0.0, device=dev))
-    for j in range(k):
-        v = ops[:, j]
-        acc = v.clone() if acc is None else acc + v
-    assert acc is not None
-    return acc.contiguous(), combined_w
+    has = None
+    if acc is None:
+        acc = torch.full((idx.shape[0], hidden), -0.0, dtype=torch.float32, device=dev)
+    else:  # a token with no lane gets +0.0 from the kernel (no term at all): it keeps its biases' sum as is
+        has = (idx >= 0).any(1)[:, None]
+    combined_w = None
+    for j in range(-(-total // width)):
+        cols = torch.arange(j * width, (j + 1) * width, device=dev)  # past `total`: padding, lane >= K
+        part = torch.where(lane == (cols // hidden)[None, :], xd.index_select(1, cols % hidden), neg0)
+        out, w, _ = buf.combine(part, handle, topk_weights if j == 0 else None, None, num_sms, num_qps)
+        if j == 0:
+            combined_w = w
+        lo, hi = j * width, min((j + 1) * width, total)
+        for lane_k in range(lo // hidden, (hi - 1) // hidden + 1):  # this pass's lane segments, in lane order
+            start, end = max(lo, lane_k * hidden), min(hi, (lane_k + 1) * hidden)
+            seg = out[:, start - lo : end - lo].float()
+            if has is not None:
+                seg = torch.where(has, seg, torch.full((), -0.0, device=dev))
+            h0 = start - lane_k * hidden
+            acc[:, h0 : h0 + end - start] += seg
+    return acc, combined_w
