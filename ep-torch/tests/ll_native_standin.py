@@ -33,7 +33,7 @@ def install(directory: str | os.PathLike, timeout: float = 3.0) -> None:
 
     Path(directory).mkdir(parents=True, exist_ok=True)
     HostRegion.directory, HostRegion.timeout = str(directory), float(timeout)
-    if not hasattr(LowLatencyMode, "_ll_native_devices"):  # a tree from before issue 41's native envelope
+    if not hasattr(LowLatencyMode, "_ll_native_on_cpu"):  # a tree from before issue 41's native envelope
         ensure = LowLatencyMode._ensure_ll
 
         def ensure_native(self, m, hidden, num_topk, num_experts=0, cuda=False):
@@ -41,7 +41,7 @@ def install(directory: str | os.PathLike, timeout: float = 3.0) -> None:
 
         LowLatencyMode._ensure_ll = ensure_native
         torch.cuda.is_current_stream_capturing = lambda: False
-    LowLatencyMode._ll_native_devices = ("cuda", "cpu")
+    LowLatencyMode._ll_native_on_cpu = True
     ll_kernels.preload = lambda: None
     ll_kernels.native_supported = lambda inner: True
     ll_kernels.NativeRegion = HostRegion

@@ -29,8 +29,7 @@ class LowLatencyMode:
     # (the adapter's guarantee on the CPU backend: every one-rank refusal or disagreement is raised on every rank,
     # at the cost of one host exchange per call).
     ll_native_agree: str = "change"
-    # where the native road runs (the CPU tests' stand-in of the kernels adds "cpu")
-    _ll_native_devices: tuple[str, ...] = ("cuda",)
+    _ll_native_on_cpu = False  # the native road on CPU tensors: the CPU tests' stand-in of the kernels only
 
     def _ensure_ll(
         self, m: int, hidden: int, num_topk: int, num_experts: int = 0, cuda: bool = False
@@ -85,11 +84,18 @@ class LowLatencyMode:
         peers' kernels time out, bounded, then every rank refuses until ``reset()``); a call that only one rank
         skips or refuses is met by the peers' kernels (their GPU timeout). No step with rank masking (a masked rank
         sits out) or on a loopback group (no host channel)."""
+        memo = self.__dict__.get("_ll_agreed")  # (generation, {op: signature last agreed}, {(op, signature)})
+        if (
+            memo is not None
+            and memo[1].get(op) == sig
+            and memo[0] == self._channel.state.generation
+            and self.ll_native_agree != "call"
+        ):
+            return  # the hot path: nothing changed since the ranks last agreed
         channel = self._channel
         if channel is None or self._shrink is not None:
             return
         gen = channel.state.generation
-        memo = self.__dict__.get("_ll_agreed")
         if memo is None or memo[0] != gen:  # reset() resynchronised the ranks: agree again
             memo = self._ll_agreed = (gen, {}, set())
         if memo[1].get(op) == sig and self.ll_native_agree != "call":
@@ -242,7 +248,7 @@ class LowLatencyMode:
                 x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
                 use_ue8m0, async_finish, return_recv_hook,
             )  # fmt: skip
-        native = bool(self.ll_native) and x.device.type in self._ll_native_devices
+        native = bool(self.ll_native) and (x.is_cuda or self._ll_native_on_cpu)
         if (
             native
         ):  # before the build: ranks that disagree on the sizes never build regions of different layouts
