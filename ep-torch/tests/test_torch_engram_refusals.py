@@ -48,6 +48,7 @@ def test_refusals_of_host_first_operations_are_announced_on_every_backend(transp
     assert len(notes) == (3 if transport == "reference" else 2)
 
 
+@pytest.mark.gpu
 @gpu
 def test_engram_one_rank_errors_on_the_gpu(tmp_path):
     import importlib.util

@@ -154,6 +154,7 @@ def test_refusals_on_the_native_road_are_announced_where_the_peers_wait():
 # the real kernels
 
 
+@pytest.mark.gpu
 @gpu
 def test_native_road_disagreements_on_the_gpu(tmp_path):
     """2 processes sharing GPU 0 (ipc transport, gloo group), the native kernels: every rank raises, the two valid
