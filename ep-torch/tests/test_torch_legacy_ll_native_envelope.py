@@ -109,6 +109,16 @@ def test_agreed_once_per_signature_change():
     assert len(m._channel.steps) == 5
 
 
+def test_two_batches_in_flight_take_no_step_once_agreed():
+    """Dispatch A, dispatch B, combine A (one dispatch ago), combine B (none), repeated: each handle age is agreed
+    once (the combine's key is per age)."""
+    m = _mode()
+    for _ in range(4):
+        for lag in (1, 0):
+            m._agree_native("low_latency_combine", NAMES, (7, lag), False, ("combine", lag))
+    assert [c for _, c in m._channel.steps] == [{"a": 7, "b": 1}, {"a": 7, "b": 0}]
+
+
 def test_every_call_is_agreed_in_call_mode():
     m = _mode("call")
     for _ in range(3):

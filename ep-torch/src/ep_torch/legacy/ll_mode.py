@@ -74,20 +74,24 @@ class LowLatencyMode:
             self._ll_region = None
         return self._ll_inner
 
-    def _agree_native(self, op: str, names: tuple[str, ...], sig: tuple, cuda: bool) -> None:
+    def _agree_native(self, op: str, names: tuple[str, ...], sig: tuple, cuda: bool, key: Any = None) -> None:
         """The native road's envelope (its kernels carry none; issue 41). ``sig``: what every rank must agree on for
         ``op``. Agreed once per signature change and cached (``ll_native_agree="change"``): a host step (this buffer's
         ``Channel``, so ranks that disagree all raise ``EPMismatchError``, before any build or launch) when this
-        rank's signature differs from the one last agreed for ``op``; every call with ``"call"``. Under CUDA-graph
+        rank's signature differs from the one last agreed for ``key`` (default ``op``; the combine's is per handle
+        age, so that two batches in flight, combined in turn, take no step); every call with ``"call"``. Under CUDA-graph
         capture no step is taken (a replay runs no Python): a signature agreed before is accepted, a new one refused.
         Not covered by "change": one rank alone changing its signature takes the step alone (its host wait and its
         peers' kernels time out, bounded, then every rank refuses until ``reset()``); a call that only one rank
         skips or refuses is met by the peers' kernels (their GPU timeout). No step with rank masking (a masked rank
         sits out) or on a loopback group (no host channel)."""
-        memo = self.__dict__.get("_ll_agreed")  # (generation, {op: signature last agreed}, {(op, signature)})
+        key = op if key is None else key
+        memo = self.__dict__.get(
+            "_ll_agreed"
+        )  # (generation, {key: signature last agreed}, {(op, signature)})
         if (
             memo is not None
-            and memo[1].get(op) == sig
+            and memo[1].get(key) == sig
             and memo[0] == self._channel.state.generation
             and self.ll_native_agree != "call"
         ):
@@ -98,18 +102,18 @@ class LowLatencyMode:
         gen = channel.state.generation
         if memo is None or memo[0] != gen:  # reset() resynchronised the ranks: agree again
             memo = self._ll_agreed = (gen, {}, set())
-        if memo[1].get(op) == sig and self.ll_native_agree != "call":
+        if memo[1].get(key) == sig and self.ll_native_agree != "call":
             return
         if cuda and torch.cuda.is_current_stream_capturing():
             if (op, sig) in memo[2]:
-                memo[1][op] = sig
+                memo[1][key] = sig
                 return
             raise EPStateError(
                 f"{op} (rank {self.rank}): these arguments ({dict(zip(names, sig))}) were never agreed with the peers "
                 "(a host step): run the call once before CUDA-graph capture"
             )
         channel.exchange(op + ".native", dict(zip(names, sig)))
-        memo[1][op] = sig
+        memo[1][key] = sig
         memo[2].add((op, sig))
 
     def _build_native(self, m: int, hidden: int, num_topk: int, num_experts: int, key: tuple) -> None:
@@ -249,9 +253,8 @@ class LowLatencyMode:
                 use_ue8m0, async_finish, return_recv_hook,
             )  # fmt: skip
         native = bool(self.ll_native) and (x.is_cuda or self._ll_native_on_cpu)
-        if (
-            native
-        ):  # before the build: ranks that disagree on the sizes never build regions of different layouts
+        # agreed before the build: ranks that disagree on the sizes never build regions of different layouts
+        if native:
             k = int(topk_idx.shape[1])
             sig = (m, int(num_experts), h, k, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
             self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
@@ -358,7 +361,7 @@ class LowLatencyMode:
             reg = handle.native[0]
             lag = self.__dict__.get("_ll_dispatches", 0) - getattr(handle, "ll_call", 0)
             sig = (reg.m, reg.num_experts, hidden, handle.num_topk, bool(use_logfmt), lag)
-            self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda)
+            self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda, ("combine", lag))
             return self._native_combine(
                 x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt)
             )
