@@ -149,6 +149,100 @@ def _ll_round(buf, seed: int, rank: int, world: int) -> bool:
     return ok and _eq(combined, (x.float() * K).to(torch.bfloat16))
 
 
+# V1 low-latency mode's native road (issue 41, session 3): the CPU stand-in of its kernels (ll_native_standin.py;
+# EP_SURVEY_DEVICE=cuda: the real kernels over ipc). Surfaces "lln" (the default host envelope, agreed once per
+# signature change) and "llnc" (ll_native_agree="call": a host step every call).
+_STANDIN_DIR: str | None = None
+
+
+def _v1_native(**kw):
+    return _v1(low_latency=True, ll_native=True, **kw)
+
+
+def _standin() -> None:
+    if DEV == "cuda" or _STANDIN_DIR is None:
+        return
+    import importlib.util
+
+    path = Path(__file__).with_name("ll_native_standin.py")
+    spec = importlib.util.spec_from_file_location("ll_native_standin", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.install(_STANDIN_DIR, TIMEOUT)
+
+
+def _ll_wide(seed: int, rank: int, hidden: int):
+    """``_inputs`` with ``hidden`` channels (the same top-k ids)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randint(-4, 5, (T, hidden), generator=g).to(torch.bfloat16).to(DEV)
+    return (x, *_inputs(seed, rank)[1:])
+
+
+def _ll_rows_ok(recv, count, seed: int, rank: int, world: int, hidden: int) -> bool:
+    import torch
+
+    epr = E // world
+    every = [_ll_wide(seed, r, hidden) for r in range(world)]
+    if count.to(torch.int64).cpu().tolist() != _ll_counts(seed, rank, world):
+        return False
+    for e in range(epr):
+        rows = [
+            xs[t] for xs, ids, _ in every for t in range(xs.shape[0]) if rank * epr + e in ids[t].tolist()
+        ]
+        got = recv[e, : int(count[e])]
+        if not _eq(got, torch.stack(rows) if rows else got[:0]):
+            return False
+    return True
+
+
+def _ll_wide_round(buf, seed, rank, world, hidden, dispatch_kw=None, combine_kw=None, m=M) -> bool:
+    """One dispatch + combine at ``hidden`` (plain unless the keywords say otherwise), checked where the call is
+    plain (an FP8 dispatch's rows and its combine are not checked)."""
+    import torch
+
+    x, idx, w = _ll_wide(seed, rank, hidden)
+    dkw = {"use_fp8": False, **(dispatch_kw or {})}
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, m, E, **dkw)
+    fp8 = dkw["use_fp8"]
+    ok = fp8 or _ll_rows_ok(recv, count, seed, rank, world, hidden)
+    if fp8:
+        recv = recv[0].to(torch.bfloat16)
+    got = buf.low_latency_combine(recv, idx, w, handle, **(combine_kw or {}))[0]
+    return bool(ok and (fp8 or _eq(got, (x.float() * K).to(torch.bfloat16))))
+
+
+def _lln_logfmt_alone(buf, rank, world):
+    """A plain round at hidden 512 first (every rank agrees it), then only the culprit combines with LogFMT: its
+    signature alone changes."""
+    ok = _ll_wide_round(buf, 67, rank, world, LOGFMT_H)
+    return _ll_wide_round(buf, 68, rank, world, LOGFMT_H, None, {"use_logfmt": rank == CULPRIT}) and ok
+
+
+def _lln_fp8_alone(buf, rank, world):
+    """A plain round at hidden 128, then only the culprit dispatches FP8 (valid alone): the peer reads its rows."""
+    ok = _ll_wide_round(buf, 69, rank, world, 128)
+    return _ll_wide_round(buf, 70, rank, world, 128, {"use_fp8": rank == CULPRIT}) and ok
+
+
+def _lln_m_alone(buf, rank, world):
+    """Only the culprit passes another num_max_dispatch_tokens_per_rank (valid alone: another region layout)."""
+    return _ll_wide_round(buf, 71, rank, world, H, m=2 * M if rank == CULPRIT else M)
+
+
+def _lln_other_dispatch(buf, rank, world):
+    """Two dispatches, then the culprit combines the first one's handle, the peer the second one's."""
+    import torch
+
+    x, idx, w = _inputs(72, rank)
+    r1, _, h1, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    r2, _, h2, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    recv, handle = (r1, h1) if rank == CULPRIT else (r2, h2)
+    got = buf.low_latency_combine(recv, idx, w, handle)[0]
+    return _eq(got, (x.float() * K).to(torch.bfloat16))
+
+
 def _v2(**kw):
     from ep_torch import ElasticBuffer
 
@@ -748,7 +842,7 @@ def _lb_round(buf, seed: int, rank: int, world: int) -> bool:
     return ok and bool(np.array_equal(grads.numpy(), want[rank]))
 
 
-ROUNDS.update(ep=_v2_round, lb=_lb_round)
+ROUNDS.update(ep=_v2_round, lb=_lb_round, lln=_ll_round, llnc=_ll_round)
 
 
 def _lb_mapping_bad(buf, rank, world):
@@ -1004,9 +1098,32 @@ CASES = {
     "pp.peer_killed": ("pp", {}, _killed(lambda b, r, w: _pp_round(b, 85, r, w)), None),
 }
 
+# the native road's cases, under each envelope mode (surface lln: "change", llnc: "call")
+_NATIVE_CASES = {
+    "x_dtype": (_ll_bad(_ll_dtype), False),
+    "too_many_tokens": (_ll_bad(_ll_too_many), False),
+    "expert_id_out_of_range": (_ll_bad(_ll_oob), False),
+    "stats_shape": (_ll_bad(_ll_stats), False),
+    "combine_x_shape": (_ll_combine_bad(_llc_xshape), False),
+    "combine_weights_dtype": (_ll_combine_bad(_llc_wdtype), False),
+    "combine_foreign_handle": (_ll_combine_bad(_llc_foreign), False),
+    "combine_logfmt_bad_hidden": (_ll_logfmt_bad_hidden, False),
+    "combine_logfmt_one_rank": (_ll_logfmt_one_rank, True),
+    "combine_logfmt_one_rank_alone": (_lln_logfmt_alone, True),
+    "dispatch_fp8_one_rank_alone": (_lln_fp8_alone, True),
+    "dispatch_m_one_rank_alone": (_lln_m_alone, True),
+    "combine_other_dispatch_one_rank": (_lln_other_dispatch, True),
+    "peer_never_calls": (_never(None, lambda b, r, w: _ll_round(b, 82, r, w)), None),
+}
+for _surface in ("lln", "llnc"):
+    for _name, (_fault, _reset) in _NATIVE_CASES.items():
+        CASES[f"{_surface}.{_name}"] = (_surface, {}, _fault, _reset)
+NATIVE = [c for c in CASES if c.startswith(("lln.", "llnc."))]
+
 
 # cases whose every rank's call is valid on its own but the ranks disagree: all must raise (EPMismatchError)
-DISAGREE = {c for c in CASES if "one_rank" in c and c.split(".")[0] in ("ll", "ll_shrink", "v2")} | {
+_DISAGREE_SURFACES = ("ll", "ll_shrink", "v2", "lln", "llnc")
+DISAGREE = {c for c in CASES if "one_rank" in c and c.split(".")[0] in _DISAGREE_SURFACES} | {
     c for c in CASES if "disagreeing" in c or "different_mappings" in c
 }
 
@@ -1020,6 +1137,12 @@ def _build(surface: str, kw: dict):
     if surface == "ll":
         buf = _v1(low_latency=True, **kw)
         _ll_foreign_buffer = _v1(low_latency=True)
+        return buf
+    if surface in ("lln", "llnc"):
+        _standin()
+        buf, _ll_foreign_buffer = _v1_native(**kw), _v1_native()
+        if surface == "llnc":
+            buf.ll_native_agree = _ll_foreign_buffer.ll_native_agree = "call"
         return buf
     if surface == "v2":
         return _v2(**kw)
@@ -1044,7 +1167,9 @@ def _device() -> None:
 
 
 def _worker(rank: int, world: int, case: str, out: str) -> None:
+    global _STANDIN_DIR
     os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _STANDIN_DIR = str(Path(out, "lln"))
     _device()
     surface, kw, fault, reset = CASES[case]
     seen: dict = {"rank": rank}
@@ -1144,7 +1269,9 @@ CHAIN_ROUND3 = [
 def _chain_worker(rank: int, world: int, out: str, names: list[str]) -> None:
     """Every case of `names` in turn on this one group, each with its own buffers; each case's record as in
     `_worker`, in ``OUTDIR/<rank>.json`` as {case: record}."""
+    global _STANDIN_DIR
     os.environ["EPKIT_CPU_TIMEOUT_SECS"] = str(TIMEOUT)
+    _STANDIN_DIR = str(Path(out, "lln"))
     _device()
     records: dict = {}
     for case in names:

@@ -36,6 +36,10 @@ _LAYER_ALIGN = 256
 _DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
+# operations whose first collective step is the host agreement (`ElasticOps._collective`) on every backend
+_HOST_FIRST = ("set_config", "write")
+
+
 def _align(a: int, b: int) -> int:
     return -(-a // b) * b
 
@@ -257,15 +261,18 @@ class EngramBuffer:
     def _guard(self, op: str, collective: bool = True, raw: bool = False) -> Any:
         """The block of one operation (issue 41): inside the buffer's ``ep_core.rank_state`` guard, refused at once
         while the ranks are out of step (after a disagreement, a timeout or a lost peer) until ``reset()``; on the
-        CPU reference backend a refusal of this rank's ``collective`` call is announced in the peers' pending
-        exchange (they raise ``EPPeerError`` naming this rank). ``raw``: the operation also uses the process
-        group's own collectives, which a timeout leaves out of step for good on the CPU backend."""
+        CPU reference backend, and for the operations whose first step is the host agreement on every backend
+        (``set_config``, ``write``: ``_HOST_FIRST``, the GPU too), a refusal of this rank's ``collective`` call is
+        announced in the peers' pending exchange (they raise ``EPPeerError`` naming this rank); on the GPU the
+        peers of a ``barrier`` wait on the device, where no note reaches them. ``raw``: the operation also uses the
+        process group's own collectives, which a timeout leaves out of step for good on the CPU backend."""
         b = self._buffer
         state = None if b is None else getattr(b.bootstrap, "rank_state", None)
         if state is None:
             return contextlib.nullcontext()
         reference = b.transport == "reference"
-        guard = state.guard(f"EngramBuffer.{op}", b._announce_refusal if collective and reference else None)
+        announce = collective and (reference or op in _HOST_FIRST)
+        guard = state.guard(f"EngramBuffer.{op}", b._announce_refusal if announce else None)
         if raw and reference and getattr(b.bootstrap, "_via_store", None) is not None:
             return _Refused(guard, f"EngramBuffer.{op} (rank {self.rank_idx})")
         return guard

@@ -45,4 +45,31 @@ def _normal_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
 
 
 def _ll_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
-    return self._ll_inner, False
+    """The adapter's refusals are announced in its inner buffer's step. The native kernels (issue 41) have no step
+    of that buffer: with ``ll_native_agree="call"`` the peers wait in this buffer's host step (``_agree_native``),
+    where the refusal is announced; with ``"change"`` the peers' kernels wait on the device (nothing to announce to:
+    they time out)."""
+    if self._ll_region is None:
+        return self._ll_inner, False
+    if self.ll_native_agree == "call":
+        return None, True
+    return _SILENT, False
+
+
+class _NoStep:
+    """An inner buffer stand-in whose refusals are announced nowhere (``_ll_target``)."""
+
+    _destroyed = False
+
+    @property
+    def runtime(self) -> _NoStep:
+        return self
+
+    def _step(self) -> None:
+        return None
+
+    def announce_error(self, op: str, error: BaseException, step: Any) -> None:
+        return None
+
+
+_SILENT = _NoStep()

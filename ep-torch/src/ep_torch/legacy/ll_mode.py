@@ -24,6 +24,13 @@ __all__ = ["LowLatencyMode"]
 class LowLatencyMode:
     """The low-latency methods of V1's ``Buffer`` (its state is ``Buffer.__init__``'s ``_ll_*`` fields)."""
 
+    # The native kernels' host envelope (issue 41, ``_agree_native``): "change" (default) takes a host step only when
+    # this rank's signature of the operation changes (the hot path pays a tuple compare); "call" takes one every call
+    # (the adapter's guarantee on the CPU backend: every one-rank refusal or disagreement is raised on every rank,
+    # at the cost of one host exchange per call).
+    ll_native_agree: str = "change"
+    _ll_native_on_cpu = False  # the native road on CPU tensors: the CPU tests' stand-in of the kernels only
+
     def _ensure_ll(
         self, m: int, hidden: int, num_topk: int, num_experts: int = 0, cuda: bool = False
     ) -> ElasticBuffer:
@@ -67,13 +74,55 @@ class LowLatencyMode:
             self._ll_region = None
         return self._ll_inner
 
+    def _agree_native(self, op: str, names: tuple[str, ...], sig: tuple, cuda: bool, key: Any = None) -> None:
+        """The native road's envelope (its kernels carry none; issue 41). ``sig``: what every rank must agree on for
+        ``op``. Agreed once per signature change and cached (``ll_native_agree="change"``): a host step (this buffer's
+        ``Channel``, so ranks that disagree all raise ``EPMismatchError``, before any build or launch) when this
+        rank's signature differs from the one last agreed for ``key`` (default ``op``; the combine's is per handle
+        age, so that two batches in flight, combined in turn, take no step); every call with ``"call"``. Under CUDA-graph
+        capture no step is taken (a replay runs no Python): a signature agreed before is accepted, a new one refused.
+        Not covered by "change": one rank alone changing its signature takes the step alone (its host wait and its
+        peers' kernels time out, bounded, then every rank refuses until ``reset()``); a call that only one rank
+        skips or refuses is met by the peers' kernels (their GPU timeout). No step with rank masking (a masked rank
+        sits out) or on a loopback group (no host channel)."""
+        key = op if key is None else key
+        memo = self.__dict__.get(
+            "_ll_agreed"
+        )  # (generation, {key: signature last agreed}, {(op, signature)})
+        if (
+            memo is not None
+            and memo[1].get(key) == sig
+            and memo[0] == self._channel.state.generation
+            and self.ll_native_agree != "call"
+        ):
+            return  # the hot path: nothing changed since the ranks last agreed
+        channel = self._channel
+        if channel is None or self._shrink is not None:
+            return
+        gen = channel.state.generation
+        if memo is None or memo[0] != gen:  # reset() resynchronised the ranks: agree again
+            memo = self._ll_agreed = (gen, {}, set())
+        if memo[1].get(key) == sig and self.ll_native_agree != "call":
+            return
+        if cuda and torch.cuda.is_current_stream_capturing():
+            if (op, sig) in memo[2]:
+                memo[1][key] = sig
+                return
+            raise EPStateError(
+                f"{op} (rank {self.rank}): these arguments ({dict(zip(names, sig))}) were never agreed with the peers "
+                "(a host step): run the call once before CUDA-graph capture"
+            )
+        channel.exchange(op + ".native", dict(zip(names, sig)))
+        memo[1][key] = sig
+        memo[2].add((op, sig))
+
     def _build_native(self, m: int, hidden: int, num_topk: int, num_experts: int, key: tuple) -> None:
         """A new inner buffer sized for the native low-latency region (a collective), and the region over it."""
         from ep_core import ll_native
 
         from . import ll_kernels
 
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise EPStateError(
                 f"low_latency_dispatch (rank {self.rank}): the first call with num_max_dispatch_tokens_per_rank="
                 f"{m}, hidden={hidden}, num_topk={num_topk} builds the buffer (a collective): run it once before "
@@ -203,7 +252,13 @@ class LowLatencyMode:
                 x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
                 use_ue8m0, async_finish, return_recv_hook,
             )  # fmt: skip
-        inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), x.is_cuda)
+        native = bool(self.ll_native) and (x.is_cuda or self._ll_native_on_cpu)
+        # agreed before the build: ranks that disagree on the sizes never build regions of different layouts
+        if native:
+            k = int(topk_idx.shape[1])
+            sig = (m, int(num_experts), h, k, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+            self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
+        inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), native)
         if self._ll_region is not None:
             return self._native_dispatch(
                 x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
@@ -303,6 +358,10 @@ class LowLatencyMode:
 
             return self._on_comm(False, async_finish, return_recv_hook, (), run_masked)
         if handle.native is not None:
+            reg = handle.native[0]
+            lag = self.__dict__.get("_ll_dispatches", 0) - getattr(handle, "ll_call", 0)
+            sig = (reg.m, reg.num_experts, hidden, handle.num_topk, bool(use_logfmt), lag)
+            self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda, ("combine", lag))
             return self._native_combine(
                 x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt)
             )
@@ -339,6 +398,7 @@ class LowLatencyMode:
         h = int(x.shape[1])
 
         local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
+        calls = self._ll_dispatches = self.__dict__.get("_ll_dispatches", 0) + 1
 
         def send() -> tuple:
             recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
@@ -349,6 +409,7 @@ class LowLatencyMode:
                 native=(reg, lanes, lane_pos), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
             )  # fmt: skip
             handle.mask_gen = gen  # a clean restarts the epochs: this dispatch's combine must come before it
+            handle.ll_call = calls  # the combine's envelope: how many dispatches ago it ran (_agree_native)
             return (recv, count, self._stamp(handle, self._ll_build)), receive
 
         if return_recv_hook:
@@ -361,7 +422,9 @@ class LowLatencyMode:
             receive()
             return out
 
-        (recv, count, handle), event, _ = self._on_comm(True, async_finish, False, (x, topk_idx, stats), run)
+        (recv, count, handle), event, _ = self._on_comm(
+            x.is_cuda, async_finish, False, (x, topk_idx, stats), run
+        )
         return recv, count, handle, event, None
 
     def _native_combine(
@@ -406,7 +469,9 @@ class LowLatencyMode:
             receive()
             return combined
 
-        combined, event, _ = self._on_comm(True, async_finish, False, (x, topk_idx, topk_weights, out), run)
+        combined, event, _ = self._on_comm(
+            x.is_cuda, async_finish, False, (x, topk_idx, topk_weights, out), run
+        )
         return combined, event, None
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -581,6 +646,14 @@ class LowLatencyMode:
             self._shrink.clean(region, None if region is None else self.get_comm_stream())
             return
         rank_mask.clean()
+
+
+# what the native road's ranks must agree on (``_agree_native``). Not in them: return_recv_hook, zero_copy, async_finish
+# and EPKIT_LL_LOCAL_DIRECT change only how a rank reads its own rows or when, never what crosses to a peer.
+_DISPATCH_FIELDS = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "num_topk", "use_fp8", "round_scale",
+                    "use_ue8m0")  # fmt: skip
+_COMBINE_FIELDS = ("num_max_dispatch_tokens_per_rank", "num_experts", "hidden", "num_topk", "use_logfmt",
+                   "dispatches_since_handle")  # fmt: skip
 
 
 def _logfmt_envelope(inner: Any, use_logfmt: bool) -> contextlib.AbstractContextManager:

@@ -1,0 +1,180 @@
+"""Issue 41 on V1 low-latency mode's native road (``ll_native=True``): its kernels carry no envelope, so the host
+agrees what every rank must share (``LowLatencyMode._agree_native``): once per signature change by default, every
+call with ``ll_native_agree="call"``.
+
+On the CPU the kernels are replaced by ``ll_native_standin.py`` (an exchange through files with the kernels'
+semantics: no envelope, bounded waits, a timeout reported at the next call); the cases are
+collective_safety_survey.py's ``lln.*`` / ``llnc.*``. The GPU test runs some of them on the real kernels (2
+processes sharing GPU 0, ipc transport)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ep_core.errors import EPStateError
+from ep_core.rank_state import RankState
+
+SURVEY = str(Path(__file__).with_name("collective_safety_survey.py"))
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+def _survey():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("collective_safety_survey", SURVEY)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _chain(cases: list[str], tmp_path: Path, limit: float, env: dict | None = None) -> list[str]:
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    survey = _survey()
+    code, out = run_script(SURVEY, ["chain", str(tmp_path), *cases], limit, what="chain: ", env=env)
+    assert code == 0, out[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    bad = []
+    for case in cases:
+        v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
+        if v != "clear":
+            bad.append(f"{case}: {v}: {why}")
+    return bad
+
+
+# every one-rank refusal and disagreement of the native road, with a host step every call (peer_never_calls: in the
+# survey, it sleeps past the timeout)
+CALL_CASES = [
+    "llnc.x_dtype",
+    "llnc.too_many_tokens",
+    "llnc.stats_shape",
+    "llnc.combine_x_shape",
+    "llnc.combine_foreign_handle",
+    "llnc.combine_logfmt_bad_hidden",
+    "llnc.combine_logfmt_one_rank_alone",
+    "llnc.dispatch_fp8_one_rank_alone",
+    "llnc.dispatch_m_one_rank_alone",
+    "llnc.combine_other_dispatch_one_rank",
+    # the default mode: ranks whose signatures all change (hidden 512) meet in the host step and all raise
+    "lln.combine_logfmt_one_rank",
+]
+
+
+def test_native_road_refusals_and_disagreements_are_clear_on_the_cpu_stand_in(tmp_path):
+    bad = _chain(CALL_CASES, tmp_path, 180)
+    assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# _agree_native's host logic alone (a recording channel, no ranks)
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.state = RankState(0)
+        self.steps: list[tuple[str, dict]] = []
+
+    def exchange(self, op: str, config: dict) -> list:
+        self.steps.append((op, config))
+        return [None]
+
+
+def _mode(agree: str = "change"):
+    from ep_torch.legacy.ll_mode import LowLatencyMode
+
+    obj = object.__new__(LowLatencyMode)
+    obj._channel, obj._shrink, obj.rank = _Channel(), None, 0
+    obj.ll_native_agree = agree
+    return obj
+
+
+NAMES = ("a", "b")
+
+
+def test_agreed_once_per_signature_change():
+    m = _mode()
+    for sig in [(1, 2), (1, 2), (1, 2), (1, 3), (1, 3), (1, 2)]:
+        m._agree_native("low_latency_dispatch", NAMES, sig, False)
+    assert [c for _, c in m._channel.steps] == [{"a": 1, "b": 2}, {"a": 1, "b": 3}, {"a": 1, "b": 2}]
+    assert {op for op, _ in m._channel.steps} == {"low_latency_dispatch.native"}
+    m._agree_native("low_latency_combine", NAMES, (1, 2), False)  # each operation has its own signature
+    assert len(m._channel.steps) == 4
+    m._channel.state.new_generation()  # reset(): every rank agrees again
+    m._agree_native("low_latency_dispatch", NAMES, (1, 2), False)
+    assert len(m._channel.steps) == 5
+
+
+def test_two_batches_in_flight_take_no_step_once_agreed():
+    """Dispatch A, dispatch B, combine A (one dispatch ago), combine B (none), repeated: each handle age is agreed
+    once (the combine's key is per age)."""
+    m = _mode()
+    for _ in range(4):
+        for lag in (1, 0):
+            m._agree_native("low_latency_combine", NAMES, (7, lag), False, ("combine", lag))
+    assert [c for _, c in m._channel.steps] == [{"a": 7, "b": 1}, {"a": 7, "b": 0}]
+
+
+def test_every_call_is_agreed_in_call_mode():
+    m = _mode("call")
+    for _ in range(3):
+        m._agree_native("low_latency_combine", NAMES, (1, 2), False)
+    assert len(m._channel.steps) == 3
+
+
+@pytest.mark.parametrize("agree", ["change", "call"])
+def test_no_step_under_graph_capture(monkeypatch, agree):
+    """A replay runs no Python: a signature agreed before capture is accepted without a step, a new one refused."""
+    m = _mode(agree)
+    m._agree_native("low_latency_dispatch", NAMES, (1, 2), False)
+    m._agree_native("low_latency_dispatch", NAMES, (1, 3), False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    m._agree_native("low_latency_dispatch", NAMES, (1, 2), True)
+    m._agree_native("low_latency_dispatch", NAMES, (1, 3), True)
+    assert len(m._channel.steps) == 2
+    with pytest.raises(EPStateError, match="before CUDA-graph capture"):
+        m._agree_native("low_latency_dispatch", NAMES, (1, 4), True)
+
+
+def test_no_step_without_a_host_channel_or_with_rank_masking():
+    m = _mode()
+    m._shrink = object()  # masked ranks sit out: no host step could meet them
+    m._agree_native("low_latency_dispatch", NAMES, (1, 2), False)
+    assert m._channel.steps == []
+    m._channel = None  # a loopback group
+    m._agree_native("low_latency_dispatch", NAMES, (1, 2), False)
+
+
+def test_refusals_on_the_native_road_are_announced_where_the_peers_wait():
+    from ep_torch.legacy import guard
+
+    buf = SimpleNamespace(_ll_region=None, _ll_inner="adapter", ll_native_agree="change")
+    assert guard._ll_target(buf, (), {}) == ("adapter", False)  # the adapter: its inner buffer's step
+    buf._ll_region = object()
+    assert guard._ll_target(buf, (), {}) == (guard._SILENT, False)  # the peers' kernels wait on the device
+    buf.ll_native_agree = "call"
+    assert guard._ll_target(buf, (), {}) == (None, True)  # the peers wait in this buffer's host step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the real kernels
+
+
+@pytest.mark.gpu
+@gpu
+def test_native_road_disagreements_on_the_gpu(tmp_path):
+    """2 processes sharing GPU 0 (ipc transport, gloo group), the native kernels: every rank raises, the two valid
+    rounds after each case are exact."""
+    cases = [
+        "llnc.x_dtype",
+        "llnc.combine_logfmt_one_rank_alone",
+        "llnc.dispatch_fp8_one_rank_alone",
+        "llnc.combine_other_dispatch_one_rank",
+        "lln.combine_logfmt_one_rank",
+    ]
+    bad = _chain(cases, tmp_path, 420, env={**os.environ, "EP_SURVEY_DEVICE": "cuda"})
+    assert not bad, "\n".join(bad)
