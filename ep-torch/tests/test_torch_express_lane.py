@@ -1,4 +1,4 @@
-"""The express lane (`ep_core.kernels.express`, issue 18): a repeat of the last plain no-sync dispatch goes from
+"""The express lane (a kept plan, `ep_core.kernels.op_plan`, issue 18): a repeat of the last plain no-sync dispatch goes from
 `ElasticBuffer.dispatch` to the launches in one call, and launches exactly what the ordinary road launches.
 
 Through the GPU executor with the driver mocked (bench_host_cpu's), on CPU tensors, with ep_torch's host
@@ -40,7 +40,7 @@ def mocked(monkeypatch):
         pytest.skip("no C++ compiler for the host extension")
     import bench_host_cpu as b
     import torch.distributed as dist
-    from ep_core.kernels import express
+    from ep_core.kernels import op_plan
     from ep_core.kernels import prepared_launch as pl
     from ep_torch import buffer as tbuf
     from ep_torch import host_extension
@@ -53,37 +53,46 @@ def mocked(monkeypatch):
     monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
     launches: list = []
     served = [0]
-    run = pl.PreparedLaunch.run
+    native = pl._native_launch
 
-    def recorded_run(self, values, stream, wait=None, signal=None):
-        launches.append((self.name, self.patch(values)))
-        return run(self, values, stream, wait, signal)
+    def recorded_native(launch):  # a prepared launch's words reach the (mocked) native launch, on every road
+        call = native(launch)
+
+        def recorded(stream, values, *pairs):
+            launches.append((launch.name, launch.patch(values)))
+            return call(stream, values, *pairs)
+
+        return recorded
 
     def recorded_launch(self, words, stream):
         launches.append((self.name, list(words)))
 
-    monkeypatch.setattr(pl.PreparedLaunch, "run", recorded_run)
+    monkeypatch.setattr(pl, "_native_launch", recorded_native)
     monkeypatch.setattr(pl.PreparedLaunch, "launch", recorded_launch)
     served_by: dict = {"dispatch": 0, "cached": 0, "combine": 0}
 
-    call = express.ExpressDispatch.__call__
+    call = op_plan.DispatchPlan.__call__
 
-    def counted(self, *args):  # the no-sync lanes (CPU-sync and zero-copy are fields of the same class)
+    def counted(
+        self, *args
+    ):  # the no-sync lanes (CPU-sync, zero-copy and cached are fields of the same class)
         got = call(self, *args)
-        if got is not None and not self.cpu_sync and not self.zero_copy:
+        if got is not None and self.cached:
+            served_by["cached"] += 1
+        elif got is not None and not self.cpu_sync and not self.zero_copy:
             served_by["dispatch"] += 1
             served[0] += 1
         return got
 
-    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
-    lane_run = express.ExpressWithHandle._run
+    monkeypatch.setattr(op_plan.DispatchPlan, "__call__", counted)
+    combine_call = op_plan.CombinePlan.__call__
 
-    def counted_run(self, *args):  # a cached dispatch's or a combine's lane (`op`)
-        got = lane_run(self, *args)
-        served_by["combine" if self.op == "combine" else "cached"] += got is not None
+    def counted_combine(self, *args):  # a combine's lane
+        got = combine_call(self, *args)
+        served_by["combine"] += got is not None
         return got
 
-    monkeypatch.setattr(express.ExpressWithHandle, "_run", counted_run)
+    monkeypatch.setattr(op_plan.CombinePlan, "__call__", counted_combine)
 
     init_rank(0, 1, free_port(), "gloo")
 
@@ -119,7 +128,7 @@ def _handle_fields(handle) -> dict:
 
 def _pointer_names(x, idx, w, out) -> dict:
     """Every pointer of a call's arrays -> the names of what it points at (handle parts by field)."""
-    from ep_core.kernels.repeat import _handle_ptrs
+    from ep_core.kernels.op_plan import _handle_ptrs
 
     recv_x, recv_idx, recv_w, handle, _ = out
     named: dict = {}
@@ -376,18 +385,18 @@ def test_handle_lanes_check_the_handle(mocked, monkeypatch):
 
 @pytest.fixture
 def sync_served(monkeypatch):
-    """The CPU-sync dispatches the sync lane served (`ExpressDispatch` of a CPU-sync plan)."""
-    from ep_core.kernels import express
+    """The CPU-sync dispatches the sync lane served (a kept CPU-sync `DispatchPlan`)."""
+    from ep_core.kernels import op_plan
 
     served = [0]
-    call = express.ExpressDispatch.__call__
+    call = op_plan.DispatchPlan.__call__
 
     def counted(self, *args):
         got = call(self, *args)
         served[0] += got is not None and self.cpu_sync
         return got
 
-    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
+    monkeypatch.setattr(op_plan.DispatchPlan, "__call__", counted)
     return served
 
 
@@ -616,9 +625,9 @@ def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
 @pytest.mark.parametrize("weights", [True, False])
 def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeypatch, weights):
     """`dispatch(..., zero_copy=True, do_cpu_sync=False)`: the repeats take the zero-copy dispatch's own lane
-    (`ExpressDispatch` of a zero-copy plan: one launch, the outputs the region's views) and launch the same words as its road
+    (a kept zero-copy `DispatchPlan`: one launch, the outputs the region's views) and launch the same words as its road
     (the handle's metadata among them), returning the same views and an equal handle."""
-    from ep_core.kernels import express
+    from ep_core.kernels import op_plan
     from ep_torch import buffer as tbuf
 
     make, launches, _served, _by = mocked
@@ -629,14 +638,14 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
         tbuf, "ZeroCopyTensors", bench_host_torch._host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors)
     )
     served = [0]
-    call = express.ExpressDispatch.__call__
+    call = op_plan.DispatchPlan.__call__
 
     def counted(self, *args):
         got = call(self, *args)
         served[0] += got is not None and self.zero_copy
         return got
 
-    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
+    monkeypatch.setattr(op_plan.DispatchPlan, "__call__", counted)
     g = torch.Generator().manual_seed(11)
     calls = []
     for _ in range(4):

@@ -93,8 +93,8 @@ def _flat(items: Any) -> Iterator[Any]:
 def _match(arrays: tuple) -> Any:
     """The host extension's native comparison of a later call's arrays with these (`ep_core.EPBuffer.keep_lane`'s
     `match`), or None: no host extension (the allocator offers no `batch`), or arrays a signature cannot hold. An
-    FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two tensors: `match` returns both pointers, then the
-    others'."""
+    FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two tensors (the plan passes them apart): `match`
+    returns both pointers, then the others'."""
     native = host_extension.module()
     x = arrays[0]
     if native is None:
@@ -103,12 +103,8 @@ def _match(arrays: tuple) -> Any:
         if type(x) is torch.Tensor:
             return native.signature(*arrays).match
         if type(x) is tuple and len(x) == 2 and type(x[0]) is type(x[1]) is torch.Tensor:
-            pair = native.signature(x[0], x[1], *arrays[1:]).match
-
-            def match(x: Any, *rest: Any) -> Any:
-                return pair(x[0], x[1], *rest) if type(x) is tuple and len(x) == 2 else None
-
-            return match
+            # the plan passes an FP8 x's two tensors apart (`ep_core.kernels.op_plan.DispatchPlan.__call__`)
+            return native.signature(x[0], x[1], *arrays[1:]).match
     except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
         pass
     return None
