@@ -260,9 +260,11 @@ class EPBuffer(BufferBase):
         self._executor = executor if executor is not None else tr.create_executor(self.config, self)
         if not isinstance(self._executor, Executor):
             raise EPTypeError(f"executor: expected an Executor, got {type(self._executor).__name__}")
-        self._sm_cache: dict = {}
+        # the one cache of call signatures: entries and their plans, the kept plans by kind, the SM counts
         self._prepared = PreparedOps(self.config)
-        self._lanes: dict[str, Any] = {}  # the kept plans of the framework's last calls by kind (`keep_lane`)
+        self._lanes = (
+            self._prepared.kept
+        )  # the kept plans of the framework's last calls by kind (`keep_lane`)
         self._destroyed = False
         boot.barrier()
 
@@ -411,7 +413,7 @@ class EPBuffer(BufferBase):
     def _dispatch(self, args: DispatchArgs) -> DispatchResult:
         self._check_alive()
         ex = self._executor
-        req = self._prepared.dispatch(ex, args, self._sm_cache)
+        req = self._prepared.dispatch(ex, args)
         if (
             req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True
         ):  # no silent ordinary dispatch

@@ -69,6 +69,7 @@ def _current_stream(index: int | None = None) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+_NO_LANES: Mapping[str, Any] = MappingProxyType({})
 _NO_SCOPE = contextlib.nullcontext()  # reusable: the scope of a call that needs no comm-stream context
 
 # torch's own accessor of the raw current stream (what torch.compile's generated code calls); None if absent
@@ -134,9 +135,12 @@ def _same_scalar(a: Any, b: Any) -> bool:
 class DispatchCombine:
     """The dispatch / combine methods of :class:`~ep_torch.buffer.ElasticBuffer` (module doc)."""
 
-    # ep-core's express plans of this buffer by kind (`ep_core.EPBuffer.keep_lane`; set in __init__): "dispatch"
-    # (no-sync), "dispatch_sync", "dispatch_zero_copy", "dispatch_cached", "combine", "combine_zero_copy"
-    _lanes: Mapping[str, Any] = MappingProxyType({})  # (none for a buffer made without __init__)
+    @property
+    def _lanes(self) -> Mapping[str, Any]:
+        """ep-core's kept plans of this buffer by kind (`ep_core.EPBuffer.keep_lane`): "dispatch" (no-sync),
+        "dispatch_sync", "dispatch_zero_copy", "dispatch_cached", "combine", "combine_zero_copy"; the current
+        runtime's (a resize makes a new one), none for a buffer made without __init__."""
+        return getattr(self.__dict__.get("_core"), "_lanes", _NO_LANES)
 
     # ----------------------------------------------------------------------------------------------------------------
     # dispatch / combine
