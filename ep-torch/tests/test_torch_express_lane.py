@@ -682,3 +682,61 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
     assert [launch[0][0] for launch, _ in seen[True]] == ["ep_dispatch_zero_copy_impl"] * 4
     assert "recv_src_metadata" in seen[True][-1][0][0][1]  # the kernel writes the handle's metadata
     assert seen[True] == seen[False]
+
+
+def _road(fn) -> list[str]:
+    """The ep_core / ep_torch modules `fn()` enters, in order (an entry: a call from another module; the fixture's
+    counting wrappers and launch recorder are not the road), with "LAUNCH" at each native launch (the mocked
+    `ep_launch.Launch`)."""
+    seq: list[str] = []
+
+    def prof(frame, event, _arg):
+        if event != "call":
+            return
+        mod = frame.f_globals.get("__name__", "")
+        if mod == "bench_host_cpu" and frame.f_code.co_qualname == "_FakeNative.Launch.__call__":
+            seq.append("LAUNCH")
+        elif mod.startswith(("ep_core", "ep_torch")):
+            back = frame.f_back
+            if back is not None and back.f_code.co_name in ("recorded", "recorded_launch"):
+                return  # the fixture's launch recorder (it reads the patched words), not the road
+            if back is None or back.f_globals.get("__name__", "") != mod:
+                seq.append(mod)
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seq
+
+
+def test_a_kept_plans_call_crosses_at_most_four_modules_to_its_launch(mocked):
+    """Issue 45's target for a repeated call through a kept plan (no-sync, CPU-sync and cached dispatch, combine):
+    at most four modules from `ElasticBuffer.dispatch` / `combine` to the first launch, and no module entered twice
+    in the whole call (`ep_torch.dispatch_combine` -> `ep_core.kernels.op_plan` -> at most two more)."""
+    make, _launches, _served, served_by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4)
+    h = buf.dispatch(x, do_cpu_sync=False, **kw)[3]
+    recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+    ops = {
+        "no-sync dispatch": lambda: buf.dispatch(x, do_cpu_sync=False, **kw),
+        "CPU-sync dispatch": lambda: buf.dispatch(x, do_cpu_sync=True, **kw),
+        "cached dispatch": lambda: buf.dispatch(x, handle=h, num_sms=4),
+        "combine": lambda: buf.combine(recv, h, num_sms=4),
+    }
+    for name, op in ops.items():
+        for _ in range(3):  # the full path, the ordinary repeat that keeps the plan, a kept-plan call
+            op()
+        before = sum(served_by.values())
+        road = _road(op)
+        assert sum(served_by.values()) + ("CPU-sync" in name) > before, name  # the kept plan served it
+        entered = [m for m in road if m != "LAUNCH"]
+        assert "LAUNCH" in road, (name, road)
+        to_launch = road[: road.index("LAUNCH")]
+        assert to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"], (name, road)
+        assert len(set(to_launch)) <= 4, (name, road)
+        assert len(entered) == len(set(entered)), (name, road)
