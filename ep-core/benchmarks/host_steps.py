@@ -37,7 +37,7 @@ STEPS: tuple[tuple[str, str, str], ...] = (
     ("handle arrays: one block, no view", "ep_core.kernels.array_block", "carve"),
     ("outputs: torch.empty", "torch", "empty"),
     ("launches (+ event pairs)", "ep_core.kernels.direct_rank", "DirectRank._launch_prepared"),
-    ("a plan's launches (+ event pairs)", "ep_core.kernels.op_plan", "_launch"),
+    ("a plan's launches (+ event pairs)", "ep_core.kernels.op_plan", "run_launch"),
     ("kept plan: DispatchPlan.__call__", "ep_core.kernels.op_plan", "DispatchPlan.__call__"),
     ("kept plan: CombinePlan.__call__", "ep_core.kernels.op_plan", "CombinePlan.__call__"),
     ("new EPHandle", "ep_core.kernels.op_plan", "EPHandle"),

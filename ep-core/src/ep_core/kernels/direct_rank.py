@@ -65,7 +65,7 @@ from ep_core.kernels._envelope import describe_envelope, pack_envelope
 from ep_core.kernels._source import load_kernels
 from ep_core.kernels.combine_launch import CombineLaunch
 from ep_core.kernels.dispatch_launch import DispatchLaunch, _PendingDispatch
-from ep_core.kernels.op_plan import CombinePlan, DispatchPlan
+from ep_core.kernels.op_plan import CombinePlan, DispatchPlan, run_launch
 from ep_core.kernels.plan import (
     SCRATCH_BARRIER_EPOCH_OFFSET,
     SCRATCH_INPUT_ERROR_OFFSET,
@@ -480,24 +480,13 @@ class DirectRank(DispatchLaunch, CombineLaunch):
             return geo
         return LaunchGeometry(self.epilogue_sms, geo.block, geo.shared_mem)
 
-    def _launch_prepared(
-        self,
-        launch: PreparedLaunch,
-        values: tuple,
-        fresh: bool,
-        collective: bool,
-        wait: Any = None,
-        signal: Any = None,
-    ) -> None:
-        """Launch a prepared launch: its kept words as they are (`fresh`: this call packed them), else with the
-        per-call `values` patched in (natively when ep_launch is usable). `collective`: it carries an envelope.
-        `wait` / `signal`: the stream-order pairs before and after it (`PreparedLaunch.run`; repeats only)."""
-        if fresh:
-            launch.launch(launch.words, self.stream.handle)
-        elif wait is None and signal is None:
-            launch.run(values, self.stream.handle)
-        else:
-            launch.run(values, self.stream.handle, wait, signal)
+    def _launch_prepared(self, launch: PreparedLaunch, values: tuple, fresh: bool, collective: bool) -> None:
+        """The full path's launch of a prepared launch: its kept words as they are (`fresh`: this call packed
+        them), else with the per-call `values` patched in as a plan's run launches them (`op_plan._launch`,
+        natively when ep_launch is usable). `collective`: it carries an envelope."""
+        if not fresh:
+            return run_launch(self, launch, values, collective, None, None)
+        launch.launch(launch.words, self.stream.handle)
         if collective:
             self._num_collective_launches += 1
 

@@ -58,6 +58,7 @@ __all__ = [
     "epilogue_outputs",
     "handle_topk_idx",
     "note_handle_topk_idx",
+    "run_launch",
     "stream_pairs",
 ]
 
@@ -259,9 +260,10 @@ def _check_owner(rank: Any, handle: EPHandle) -> None:
         rank._check_handle(handle)
 
 
-def _launch(rank: Any, launch: Any, values: tuple, collective: bool, wait: Any, signal: Any) -> None:
-    """`launch` with the per-call `values` patched in, natively when ep_launch is usable (`PreparedLaunch.run`,
-    whose Python path also raises a failed native launch's error), on the rank's stream."""
+def run_launch(rank: Any, launch: Any, values: tuple, collective: bool, wait: Any, signal: Any) -> None:
+    """`launch` with the per-call `values` patched in, natively when ep_launch is usable (else, or when the native
+    launch failed, the Python path, which raises the driver's error), on the rank's stream, with the stream-order
+    pairs `wait` / `signal` (one native call); the one per-call launch of a plan's run and of the full path."""
     stream = rank.res.stream.handle
     native = launch.native
     if native is None:
@@ -673,7 +675,7 @@ class DispatchPlan:
         if alone:  # counted as launched, as the full path does; the epilogue takes the stream-order wait
             rank._num_collective_launches += 1
         else:
-            _launch(rank, self.prepared.main, dynamic, True, wait, None if copies else signal)
+            run_launch(rank, self.prepared.main, dynamic, True, wait, None if copies else signal)
             wait = None
         launch_number = rank._num_collective_launches
         expert_list: list = []
@@ -720,7 +722,7 @@ class DispatchPlan:
                     array_ptr, meta_ptr, recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
                 )
         if not zero_copy and (rows > 0 or self.zero_padding):
-            _launch(rank, epilogue, dynamic + outputs, False, wait, signal)
+            run_launch(rank, epilogue, dynamic + outputs, False, wait, signal)
         elif copies and signal is not None:  # a CPU-sync dispatch that received no rows
             record_wait(signal[0], rank.res.stream.handle, signal[1])
         if new_block is not None:
@@ -888,9 +890,9 @@ class CombinePlan:
             dst_slot=array_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx") if self.zero_copy else None,
         )
         reduce = self.prepared.epilogue  # a split combine's reduce launch (DirectRank.combine_split), or None
-        _launch(rank, self.prepared.main, dynamic, True, wait, signal if reduce is None else None)
+        run_launch(rank, self.prepared.main, dynamic, True, wait, signal if reduce is None else None)
         if reduce is not None:
-            _launch(rank, reduce, (*dynamic[:-1], 0), False, None, signal)
+            run_launch(rank, reduce, (*dynamic[:-1], 0), False, None, signal)
         if rank._input_pending:
             rank._report_input_error()
         return CombineResult(combined, combined_w)
