@@ -27,8 +27,8 @@ STEPS: tuple[tuple[str, str, str], ...] = (
     ("launch: GpuExecutor.dispatch", "ep_core.kernels.gpu_executor", "GpuExecutor.dispatch"),
     ("launch: GpuExecutor.combine", "ep_core.kernels.gpu_executor", "GpuExecutor.combine"),
     ("handle's topk_idx copy (its allocation)", "ep_core.kernels.gpu_executor", "GpuExecutor._routing_copy"),
-    ("repeat: RepeatDispatch.run", "ep_core.kernels.repeat", "RepeatDispatch.run"),
-    ("repeat: RepeatCombine.run", "ep_core.kernels.repeat", "RepeatCombine.run"),
+    ("plan: DispatchPlan.run", "ep_core.kernels.op_plan", "DispatchPlan.run"),
+    ("plan: CombinePlan.run", "ep_core.kernels.op_plan", "CombinePlan.run"),
     ("full path: DirectRank.dispatch", "ep_core.kernels.direct_rank", "DirectRank.dispatch"),
     ("full path: DirectRank.combine", "ep_core.kernels.direct_rank", "DirectRank.combine"),
     ("handle state: DirectRank._check_handle", "ep_core.kernels.direct_rank", "DirectRank._check_handle"),
@@ -37,8 +37,11 @@ STEPS: tuple[tuple[str, str, str], ...] = (
     ("handle arrays: one block, no view", "ep_core.kernels.array_block", "carve"),
     ("outputs: torch.empty", "torch", "empty"),
     ("launches (+ event pairs)", "ep_core.kernels.direct_rank", "DirectRank._launch_prepared"),
-    ("new EPHandle", "ep_core.kernels.repeat", "EPHandle"),
-    ("new EPHandle over its block", "ep_core.kernels.repeat", "RepeatDispatch._block_handle"),
+    ("a plan's launches (+ event pairs)", "ep_core.kernels.op_plan", "run_launch"),
+    ("kept plan: DispatchPlan.__call__", "ep_core.kernels.op_plan", "DispatchPlan.__call__"),
+    ("kept plan: CombinePlan.__call__", "ep_core.kernels.op_plan", "CombinePlan.__call__"),
+    ("new EPHandle", "ep_core.kernels.op_plan", "EPHandle"),
+    ("new EPHandle over its block", "ep_core.kernels.op_plan", "DispatchPlan._block_handle"),
 )
 
 

@@ -63,15 +63,19 @@ def test_the_prepared_keys_name_their_fields():
 
 
 def test_the_launch_words_are_built_in_their_named_order():
-    """The kernels' per-call words are built in one place each (`ep_core.kernels.prepared_launch`), for the full
-    path, the repeats and the express lanes alike, in the order their names say."""
-    from ep_core.kernels import prepared_launch as lw
+    """The kernels' per-call words are built in one place each (`ep_core.kernels.op_plan`), for the full path and
+    the plans' runs alike, in the order their slots' names (`ep_core.kernels.prepared_launch`) say."""
+    from ep_core.kernels import op_plan as lw
+    from ep_core.kernels import prepared_launch as names_of
 
-    assert lw.dispatch_words(*lw._DISPATCH_DYNAMIC) == lw._DISPATCH_DYNAMIC
-    zero_copy = lw.dispatch_words(*lw._DISPATCH_DYNAMIC, src_metadata="src_metadata")
-    assert zero_copy == lw._DISPATCH_ZERO_COPY_DYNAMIC
-    assert lw.combine_words(*lw._COMBINE_DYNAMIC) == lw._COMBINE_DYNAMIC
-    assert lw.combine_words(*lw._COMBINE_DYNAMIC, dst_slot="dst_slot") == lw._COMBINE_ZERO_COPY_DYNAMIC
-    names = lw._EPILOGUE_DYNAMIC
+    assert lw.dispatch_words(*names_of._DISPATCH_DYNAMIC) == names_of._DISPATCH_DYNAMIC
+    zero_copy = lw.dispatch_words(*names_of._DISPATCH_DYNAMIC, src_metadata="src_metadata")
+    assert zero_copy == names_of._DISPATCH_ZERO_COPY_DYNAMIC
+    assert lw.combine_words(*names_of._COMBINE_DYNAMIC) == names_of._COMBINE_DYNAMIC
+    assert (
+        lw.combine_words(*names_of._COMBINE_DYNAMIC, dst_slot="dst_slot")
+        == names_of._COMBINE_ZERO_COPY_DYNAMIC
+    )
+    names = names_of._EPILOGUE_DYNAMIC
     words = lw.epilogue_outputs(lambda a, _what: a, names[1], names[2], names[3], names[4:6], *names[6:])
     assert words == (0, *names[1:])  # the envelope is 0: the epilogue meets no peer

@@ -50,13 +50,18 @@ class _Alloc:
 def mocked(monkeypatch):
     """`make()`: an EPBuffer over the mocked GPU executor; the allocator; every launch's kernel name."""
     launched: list = []
-    run = pl.PreparedLaunch.run
+    native = pl._native_launch
 
-    def recorded_run(self, values, stream, wait=None, signal=None):
-        launched.append(self.name)
-        return run(self, values, stream, wait, signal)
+    def recorded_native(launch):  # a prepared launch's words reach the (mocked) native launch, on every road
+        call = native(launch)
 
-    monkeypatch.setattr(pl.PreparedLaunch, "run", recorded_run)
+        def recorded(stream, values, *pairs):
+            launched.append(launch.name)
+            return call(stream, values, *pairs)
+
+        return recorded
+
+    monkeypatch.setattr(pl, "_native_launch", recorded_native)
     monkeypatch.setattr(pl.PreparedLaunch, "launch", lambda self, words, stream: launched.append(self.name))
 
     def make() -> ep_core.EPBuffer:
@@ -86,7 +91,7 @@ def _lanes(buf: ep_core.EPBuffer, alloc: _Alloc, x, h, y) -> tuple:
     combine = buf.keep_lane("c", "combine", lambda a, w: (a.ptr, 0), (4, 0), h)
     buf.dispatch(x, handle=h, num_sms=4, allocator=alloc)
     cached = buf.keep_lane("d", "dispatch", lambda a, w: (a.ptr, 0), (4,), h)
-    assert type(combine).__name__ == type(cached).__name__ == "ExpressWithHandle"
+    assert type(combine).__name__ == "CombinePlan" and type(cached).__name__ == "DispatchPlan"
     return combine, cached
 
 
@@ -157,7 +162,7 @@ def test_the_express_dispatchs_handles_carry_the_owner(mocked) -> None:
     for _ in range(2):
         buf.dispatch(x, idx, w, num_experts=E, num_sms=4, do_cpu_sync=False, allocator=alloc)
     lane = buf.keep_lane("n", "dispatch", lambda a, i, v: (a.ptr, i.ptr, v.ptr), (E, 4))
-    assert type(lane).__name__ == "ExpressDispatch"
+    assert type(lane).__name__ == "DispatchPlan"
     h = lane(x, idx, w, 0).handle
     parts = h.__dict__.get("_block_parts")
     assert parts is not None and parts[2] == len(h.__dict__)

@@ -424,7 +424,7 @@ def test_direct_rank_takes_the_handle_arrays_from_one_block(launches, do_cpu_syn
     assert alloc.blocks == 2 and h2.dst_buffer_slot_idx.owner is not h.dst_buffer_slot_idx.owner
 
 
-# ------------------------------------------------------------------------------------ repeated calls (kernels.repeat)
+# ------------------------------------------------------------------------------------ repeated calls (kernels.op_plan)
 def _same_call(rank, alloc, log, run):
     """`run(repeat)` twice from the same launch number and allocation mark: through the recorded repeat (True) and
     through the full path (False); returns both (launches, result)."""
@@ -459,9 +459,10 @@ _REPEAT_DISPATCHES = {
 
 @pytest.mark.parametrize("case", sorted(_REPEAT_DISPATCHES))
 def test_a_repeat_equals_the_full_path(launches, case: str) -> None:
-    """A recorded repeat (ep_core.kernels.repeat) launches the same bytes and returns the same outputs and handle
+    """A recorded plan (ep_core.kernels.op_plan) launches the same bytes and returns the same outputs and handle
     as the full path: for a dispatch without CPU sync, a cached dispatch with its handle, and a combine."""
-    from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
+    from ep_core.kernels.op_plan import CombinePlan as RepeatCombine
+    from ep_core.kernels.op_plan import DispatchPlan as RepeatDispatch
 
     alloc = Allocator()
     rank = make_rank(alloc)
@@ -528,7 +529,7 @@ def test_a_zero_copy_repeat_equals_the_full_path(launches, fp8: bool) -> None:
     """A no-sync zero-copy dispatch records a repeat that launches the same bytes (the zero-copy kernel alone, the
     handle's metadata among its words) and returns the same views and handle as the full path; a CPU-sync one
     records none (its handle keeps a slice of the metadata)."""
-    from ep_core.kernels.repeat import RepeatDispatch
+    from ep_core.kernels.op_plan import DispatchPlan as RepeatDispatch
 
     alloc = Allocator()
     rank = make_rank(alloc)
@@ -564,7 +565,7 @@ def test_a_zero_copy_repeat_equals_the_full_path(launches, fp8: bool) -> None:
 def test_a_zero_copy_combine_repeat_equals_the_full_path(launches) -> None:
     """A recorded zero-copy combine launches the same bytes as the full path (the zero-copy kernel, the handle's
     slots among its words) and declines (None: the full path, which names the error) an x that is not the buffer."""
-    from ep_core.kernels.repeat import RepeatCombine
+    from ep_core.kernels.op_plan import CombinePlan as RepeatCombine
 
     alloc = Allocator()
     rank = make_rank(alloc, epilogue_sms=132)
@@ -701,7 +702,7 @@ def test_a_repeats_envelope_equals_pack_envelope() -> None:
     """The repeat continues its fields' CRC over the handle's launch number and sets the sequence number into it:
     the same word as `pack_envelope` for any sequence and launch number."""
     from ep_core.kernels._envelope import OP_COMBINE, pack_envelope
-    from ep_core.kernels.repeat import _Envelopes
+    from ep_core.kernels.op_plan import _Envelopes
 
     rng = random.Random(3)
     fields = (7168, 8, 256, 128, 5)
@@ -1112,7 +1113,7 @@ def test_a_repeats_new_handle_keeps_its_block_and_launches_the_full_paths_bytes(
         assert a.handle.num_recv_tokens_per_expert_list == b.handle.num_recv_tokens_per_expert_list
     assert parts[0].views == [None] * len(parts[0].shapes)  # nothing viewed by the dispatch
     # every EPHandle field is set on the block handle or held in its block (a field added to EPHandle must be
-    # added to `RepeatDispatch._block_handle`'s too, which bypasses the dataclass constructor)
+    # added to `DispatchPlan._block_handle`'s too, which bypasses the dataclass constructor)
     import dataclasses
 
     from ep_core.handle import EPHandle

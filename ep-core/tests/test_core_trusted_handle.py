@@ -94,12 +94,12 @@ def test_a_trusted_handle_changed_afterwards_is_validated_again(field: str, valu
 
 
 def test_a_noted_routing_copy_is_not_described_again(monkeypatch) -> None:
-    """`repeat.note_handle_topk_idx` (GpuExecutor, for a routing copy from a marked allocator) keeps the verdict
+    """`op_plan.note_handle_topk_idx` (GpuExecutor, for a routing copy from a marked allocator) keeps the verdict
     `handle_topk_idx` would reach; the pointer is still read at every call, and another array object or shape is
     described again."""
     import weakref
 
-    from ep_core.kernels import repeat
+    from ep_core.kernels import op_plan as repeat
 
     class Rank:
         _handle_idx: weakref.WeakKeyDictionary

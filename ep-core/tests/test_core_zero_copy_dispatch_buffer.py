@@ -225,13 +225,18 @@ def mocked_gpu(monkeypatch):
     import bench_host_cpu as b
 
     launched: list = []
-    run = pl.PreparedLaunch.run
+    native = pl._native_launch
 
-    def recorded_run(self, values, stream, wait=None, signal=None):
-        launched.append(self.name)
-        return run(self, values, stream, wait, signal)
+    def recorded_native(launch):  # a prepared launch's words reach the (mocked) native launch, on every road
+        call = native(launch)
 
-    monkeypatch.setattr(pl.PreparedLaunch, "run", recorded_run)
+        def recorded(stream, values, *pairs):
+            launched.append(launch.name)
+            return call(stream, values, *pairs)
+
+        return recorded
+
+    monkeypatch.setattr(pl, "_native_launch", recorded_native)
     monkeypatch.setattr(pl.PreparedLaunch, "launch", lambda self, words, stream: launched.append(self.name))
     asked: list = []
     counter = [1 << 40]
@@ -289,7 +294,7 @@ def test_gpu_executor_returns_the_ranks_views(mocked_gpu, cpu_sync: bool) -> Non
         # bf16 recv_x: the combine buffer's memory
         assert res.recv_x.ptr == buf.combine_buffer(res.handle).ptr
     # the zero-copy combine of the handle: the zero-copy kernel each time, its repeat from the second call on
-    from ep_core.kernels.repeat import RepeatCombine
+    from ep_core.kernels.op_plan import CombinePlan as RepeatCombine
 
     y = buf.combine_buffer(res.handle)
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""The express lane (`ep_core.kernels.express`, issue 18): a repeat of the last plain no-sync dispatch goes from
+"""The express lane (a kept plan, `ep_core.kernels.op_plan`, issue 18): a repeat of the last plain no-sync dispatch goes from
 `ElasticBuffer.dispatch` to the launches in one call, and launches exactly what the ordinary road launches.
 
 Through the GPU executor with the driver mocked (bench_host_cpu's), on CPU tensors, with ep_torch's host
@@ -40,7 +40,7 @@ def mocked(monkeypatch):
         pytest.skip("no C++ compiler for the host extension")
     import bench_host_cpu as b
     import torch.distributed as dist
-    from ep_core.kernels import express
+    from ep_core.kernels import op_plan
     from ep_core.kernels import prepared_launch as pl
     from ep_torch import buffer as tbuf
     from ep_torch import host_extension
@@ -53,37 +53,46 @@ def mocked(monkeypatch):
     monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
     launches: list = []
     served = [0]
-    run = pl.PreparedLaunch.run
+    native = pl._native_launch
 
-    def recorded_run(self, values, stream, wait=None, signal=None):
-        launches.append((self.name, self.patch(values)))
-        return run(self, values, stream, wait, signal)
+    def recorded_native(launch):  # a prepared launch's words reach the (mocked) native launch, on every road
+        call = native(launch)
+
+        def recorded(stream, values, *pairs):
+            launches.append((launch.name, launch.patch(values)))
+            return call(stream, values, *pairs)
+
+        return recorded
 
     def recorded_launch(self, words, stream):
         launches.append((self.name, list(words)))
 
-    monkeypatch.setattr(pl.PreparedLaunch, "run", recorded_run)
+    monkeypatch.setattr(pl, "_native_launch", recorded_native)
     monkeypatch.setattr(pl.PreparedLaunch, "launch", recorded_launch)
     served_by: dict = {"dispatch": 0, "cached": 0, "combine": 0}
 
-    call = express.ExpressDispatch.__call__
+    call = op_plan.DispatchPlan.__call__
 
-    def counted(self, *args):  # the no-sync lanes (CPU-sync and zero-copy are fields of the same class)
+    def counted(
+        self, *args
+    ):  # the no-sync lanes (CPU-sync, zero-copy and cached are fields of the same class)
         got = call(self, *args)
-        if got is not None and not self.cpu_sync and not self.zero_copy:
+        if got is not None and self.cached:
+            served_by["cached"] += 1
+        elif got is not None and not self.cpu_sync and not self.zero_copy:
             served_by["dispatch"] += 1
             served[0] += 1
         return got
 
-    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
-    lane_run = express.ExpressWithHandle._run
+    monkeypatch.setattr(op_plan.DispatchPlan, "__call__", counted)
+    combine_call = op_plan.CombinePlan.__call__
 
-    def counted_run(self, *args):  # a cached dispatch's or a combine's lane (`op`)
-        got = lane_run(self, *args)
-        served_by["combine" if self.op == "combine" else "cached"] += got is not None
+    def counted_combine(self, *args):  # a combine's lane
+        got = combine_call(self, *args)
+        served_by["combine"] += got is not None
         return got
 
-    monkeypatch.setattr(express.ExpressWithHandle, "_run", counted_run)
+    monkeypatch.setattr(op_plan.CombinePlan, "__call__", counted_combine)
 
     init_rank(0, 1, free_port(), "gloo")
 
@@ -119,7 +128,7 @@ def _handle_fields(handle) -> dict:
 
 def _pointer_names(x, idx, w, out) -> dict:
     """Every pointer of a call's arrays -> the names of what it points at (handle parts by field)."""
-    from ep_core.kernels.repeat import _handle_ptrs
+    from ep_core.kernels.op_plan import _handle_ptrs
 
     recv_x, recv_idx, recv_w, handle, _ = out
     named: dict = {}
@@ -376,18 +385,18 @@ def test_handle_lanes_check_the_handle(mocked, monkeypatch):
 
 @pytest.fixture
 def sync_served(monkeypatch):
-    """The CPU-sync dispatches the sync lane served (`ExpressDispatch` of a CPU-sync plan)."""
-    from ep_core.kernels import express
+    """The CPU-sync dispatches the sync lane served (a kept CPU-sync `DispatchPlan`)."""
+    from ep_core.kernels import op_plan
 
     served = [0]
-    call = express.ExpressDispatch.__call__
+    call = op_plan.DispatchPlan.__call__
 
     def counted(self, *args):
         got = call(self, *args)
         served[0] += got is not None and self.cpu_sync
         return got
 
-    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
+    monkeypatch.setattr(op_plan.DispatchPlan, "__call__", counted)
     return served
 
 
@@ -616,9 +625,9 @@ def test_zero_copy_combine_lane_launches_what_its_road_launches(mocked):
 @pytest.mark.parametrize("weights", [True, False])
 def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeypatch, weights):
     """`dispatch(..., zero_copy=True, do_cpu_sync=False)`: the repeats take the zero-copy dispatch's own lane
-    (`ExpressDispatch` of a zero-copy plan: one launch, the outputs the region's views) and launch the same words as its road
+    (a kept zero-copy `DispatchPlan`: one launch, the outputs the region's views) and launch the same words as its road
     (the handle's metadata among them), returning the same views and an equal handle."""
-    from ep_core.kernels import express
+    from ep_core.kernels import op_plan
     from ep_torch import buffer as tbuf
 
     make, launches, _served, _by = mocked
@@ -629,14 +638,14 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
         tbuf, "ZeroCopyTensors", bench_host_torch._host_zero_copy_tensors(torch, tbuf.ZeroCopyTensors)
     )
     served = [0]
-    call = express.ExpressDispatch.__call__
+    call = op_plan.DispatchPlan.__call__
 
     def counted(self, *args):
         got = call(self, *args)
         served[0] += got is not None and self.zero_copy
         return got
 
-    monkeypatch.setattr(express.ExpressDispatch, "__call__", counted)
+    monkeypatch.setattr(op_plan.DispatchPlan, "__call__", counted)
     g = torch.Generator().manual_seed(11)
     calls = []
     for _ in range(4):
@@ -673,3 +682,61 @@ def test_zero_copy_dispatch_lane_launches_what_its_road_launches(mocked, monkeyp
     assert [launch[0][0] for launch, _ in seen[True]] == ["ep_dispatch_zero_copy_impl"] * 4
     assert "recv_src_metadata" in seen[True][-1][0][0][1]  # the kernel writes the handle's metadata
     assert seen[True] == seen[False]
+
+
+def _road(fn) -> list[str]:
+    """The ep_core / ep_torch modules `fn()` enters, in order (an entry: a call from another module; the fixture's
+    counting wrappers and launch recorder are not the road), with "LAUNCH" at each native launch (the mocked
+    `ep_launch.Launch`)."""
+    seq: list[str] = []
+
+    def prof(frame, event, _arg):
+        if event != "call":
+            return
+        mod = frame.f_globals.get("__name__", "")
+        if mod == "bench_host_cpu" and frame.f_code.co_qualname == "_FakeNative.Launch.__call__":
+            seq.append("LAUNCH")
+        elif mod.startswith(("ep_core", "ep_torch")):
+            back = frame.f_back
+            if back is not None and back.f_code.co_name in ("recorded", "recorded_launch"):
+                return  # the fixture's launch recorder (it reads the patched words), not the road
+            if back is None or back.f_globals.get("__name__", "") != mod:
+                seq.append(mod)
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seq
+
+
+def test_a_kept_plans_call_crosses_at_most_four_modules_to_its_launch(mocked):
+    """Issue 45's target for a repeated call through a kept plan (no-sync, CPU-sync and cached dispatch, combine):
+    at most four modules from `ElasticBuffer.dispatch` / `combine` to the first launch, and no module entered twice
+    in the whole call (`ep_torch.dispatch_combine` -> `ep_core.kernels.op_plan` -> at most two more)."""
+    make, _launches, _served, served_by = mocked
+    buf = make(True)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4)
+    h = buf.dispatch(x, do_cpu_sync=False, **kw)[3]
+    recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+    ops = {
+        "no-sync dispatch": lambda: buf.dispatch(x, do_cpu_sync=False, **kw),
+        "CPU-sync dispatch": lambda: buf.dispatch(x, do_cpu_sync=True, **kw),
+        "cached dispatch": lambda: buf.dispatch(x, handle=h, num_sms=4),
+        "combine": lambda: buf.combine(recv, h, num_sms=4),
+    }
+    for name, op in ops.items():
+        for _ in range(3):  # the full path, the ordinary repeat that keeps the plan, a kept-plan call
+            op()
+        before = sum(served_by.values())
+        road = _road(op)
+        assert sum(served_by.values()) + ("CPU-sync" in name) > before, name  # the kept plan served it
+        entered = [m for m in road if m != "LAUNCH"]
+        assert "LAUNCH" in road, (name, road)
+        to_launch = road[: road.index("LAUNCH")]
+        assert to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"], (name, road)
+        assert len(set(to_launch)) <= 4, (name, road)
+        assert len(entered) == len(set(entered)), (name, road)

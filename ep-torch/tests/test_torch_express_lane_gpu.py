@@ -1,4 +1,4 @@
-"""GPU (marker gpu): each dispatch layout through the express lanes (`ep_core.kernels.express`) gives what the
+"""GPU (marker gpu): each dispatch layout through the express lanes (kept plans, `ep_core.kernels.op_plan`) gives what the
 ordinary road gives.
 
 One rank over nccl, in a child process (this file run as a script), a deterministic buffer, ep_torch's host
@@ -48,19 +48,19 @@ def test_lanes_give_what_the_ordinary_road_gives(tmp_path: Path) -> None:
 def _main(out_dir: str) -> int:
     import torch
     import torch.distributed as dist
-    from ep_core.kernels import express
+    from ep_core.kernels import op_plan
     from ep_torch import ElasticBuffer, host_extension
     from ep_torch.launch import free_port, init_rank
 
     served = [0]
     # the no-sync and CPU-sync lanes (fields of one class; not the zero-copy one)
 
-    def counted(self, *args, _call=express.ExpressDispatch.__call__):
+    def counted(self, *args, _call=op_plan.DispatchPlan.__call__):
         got = _call(self, *args)
-        served[0] += got is not None and not self.zero_copy
+        served[0] += got is not None and not self.zero_copy and not self.cached
         return got
 
-    express.ExpressDispatch.__call__ = counted
+    op_plan.DispatchPlan.__call__ = counted
     init_rank(0, 1, free_port(), "nccl")
     buf = ElasticBuffer(
         None,

@@ -284,18 +284,23 @@ def test_mocked_gpu_dispatch_copies_the_routing_into_the_handle(one_rank_group, 
 
     copies: list = []
     slot_copy, slot_idx = OP_ARGS_FIELDS.index("topk_idx_copy"), OP_ARGS_FIELDS.index("topk_idx")
-    run = pl.PreparedLaunch.run
+    native = pl._native_launch
 
     def kernel(name, words):  # the dispatch kernel's send phase, on the mocked (CPU) tensors
         if name == "ep_dispatch_impl" and words[slot_copy]:
             copies.append((words[slot_copy], words[slot_idx]))
             ctypes.memmove(words[slot_copy], words[slot_idx], tokens * 2 * 8)
 
-    def emulated_run(self, values, stream, wait=None, signal=None):
-        kernel(self.name, self.patch(values))
-        return run(self, values, stream, wait, signal)
+    def emulated_native(launch):  # a prepared launch's words reach the (mocked) native launch, on every road
+        call = native(launch)
 
-    monkeypatch.setattr(pl.PreparedLaunch, "run", emulated_run)
+        def emulated(stream, values, *pairs):
+            kernel(launch.name, launch.patch(values))
+            return call(stream, values, *pairs)
+
+        return emulated
+
+    monkeypatch.setattr(pl, "_native_launch", emulated_native)
     monkeypatch.setattr(pl.PreparedLaunch, "launch", lambda self, words, stream: kernel(self.name, words))
     monkeypatch.setattr(tbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
     with b._MockedGpu():

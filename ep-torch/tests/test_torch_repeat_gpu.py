@@ -1,5 +1,5 @@
-"""GPU (marker gpu): repeated eager calls of one shape take ep_core's repeated-call road (ep_core.kernels.repeat)
-and ep_launch's C++ launches, and stay exact.
+"""GPU (marker gpu): repeated eager calls of one shape take ep_core's repeated-call road (a plan's run,
+ep_core.kernels.op_plan) and ep_launch's C++ launches, and stay exact.
 
 One rank over nccl, in a child process (this file run as a script): dispatches without and with CPU sync,
 cached dispatches and combines, each several times with new inputs of the same shapes, synchronous, async
@@ -9,7 +9,7 @@ received once (the non-expand layout: one row per token and destination rank), s
 exactly `x`, a CPU-sync handle holds T rows and the routing's per-expert counts, and a cached dispatch of the
 handle does the same with new data. The same script runs once with `EPKIT_NATIVE_LAUNCH=0` (the announced
 cuda-python path). Where ep_torch's host extension is loaded, the plain repeats of the no-sync and the CPU-sync
-dispatch take their express lanes (`ep_core.kernels.express`), and the test counts them."""
+dispatch take their express lanes (kept plans, `ep_core.kernels.op_plan`), and the test counts them."""
 
 from __future__ import annotations
 
@@ -61,21 +61,22 @@ def test_repeated_calls_stay_exact(tmp_path: Path, native: str, overlap: str) ->
 def _main(out_dir: str) -> int:
     import torch
     import torch.distributed as dist
-    from ep_core.kernels import express, repeat
+    from ep_core.kernels import op_plan
     from ep_torch import ElasticBuffer, host_extension
     from ep_torch.launch import free_port, init_rank
 
-    # no-sync, CPU-sync and zero-copy dispatches the express lanes served (ep_core.kernels.express)
+    # no-sync, CPU-sync and zero-copy dispatches the express lanes (kept plans, ep_core.kernels.op_plan) served
     served = [0, 0, 0]
 
-    lane_call = express.ExpressDispatch.__call__
+    lane_call = op_plan.DispatchPlan.__call__
 
-    def counted(self, *args):  # CPU sync and zero copy are fields of the lane's plan
+    def counted(self, *args):  # CPU sync and zero copy are fields of the plan (a cached one is not counted)
         got = lane_call(self, *args)
-        served[2 if self.zero_copy else 1 if self.cpu_sync else 0] += got is not None
+        if not self.cached:
+            served[2 if self.zero_copy else 1 if self.cpu_sync else 0] += got is not None
         return got
 
-    express.ExpressDispatch.__call__ = counted
+    op_plan.DispatchPlan.__call__ = counted
     zero_copy_repeats = [0, 0]  # zero-copy dispatches and combines the repeated-call road served
 
     def counting_zero_copy(cls, at):
@@ -88,9 +89,8 @@ def _main(out_dir: str) -> int:
 
         cls.run = counted
 
-    counting_zero_copy(repeat.RepeatDispatch, 0)
-    counting_zero_copy(repeat.RepeatCombine, 1)  # also under the zero-copy combine's express lane
-    # the zero-copy dispatch's express lane launches without RepeatDispatch.run (counted in served[2] above)
+    counting_zero_copy(op_plan.DispatchPlan, 0)  # also under the zero-copy dispatch's express lane
+    counting_zero_copy(op_plan.CombinePlan, 1)  # also under the zero-copy combine's express lane
     init_rank(0, 1, free_port(), "nccl")
     overlap = os.environ.get("EP_TEST_PREFER_OVERLAP", "1") == "1"
     buf = ElasticBuffer(

@@ -77,7 +77,7 @@ KNOBS: dict[str, Knob] = {
             "EPKIT_EXPRESS_LANE",
             bool,
             True,
-            "0: a repeated plain no-sync dispatch walks every layer (ep_core.kernels.express is not used)",
+            "0: a repeated plain no-sync dispatch walks every layer (no kept plans, ep_core.kernels.op_plan)",
         ),
         Knob(
             "EPKIT_NATIVE_LAUNCH",

@@ -260,9 +260,11 @@ class EPBuffer(BufferBase):
         self._executor = executor if executor is not None else tr.create_executor(self.config, self)
         if not isinstance(self._executor, Executor):
             raise EPTypeError(f"executor: expected an Executor, got {type(self._executor).__name__}")
-        self._sm_cache: dict = {}
+        # the one cache of call signatures: entries and their plans, the kept plans by kind, the SM counts
         self._prepared = PreparedOps(self.config)
-        self._lanes: dict[str, Any] = {}  # the express plans of the last calls by kind (`keep_lane`)
+        self._lanes = (
+            self._prepared.kept
+        )  # the kept plans of the framework's last calls by kind (`keep_lane`)
         self._destroyed = False
         boot.barrier()
 
@@ -411,7 +413,7 @@ class EPBuffer(BufferBase):
     def _dispatch(self, args: DispatchArgs) -> DispatchResult:
         self._check_alive()
         ex = self._executor
-        req = self._prepared.dispatch(ex, args, self._sm_cache)
+        req = self._prepared.dispatch(ex, args)
         if (
             req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True
         ):  # no silent ordinary dispatch
@@ -429,35 +431,27 @@ class EPBuffer(BufferBase):
     def keep_lane(
         self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
     ) -> Any:
-        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") as one call from the framework layer
-        to the launches (`ep_core.kernels.express`) under `kind`, the caller's name for a kind of call (this
-        buffer's one cache of them: a kind holds the plan of its last call), and return it; None (and nothing kept
-        for `kind`) where that call was not one a plan serves (events, a comm-stream allocation, an empty routing,
-        no repeat yet, an allocator without `batch`, `match` None). `match(x, ...)` compares a later call's arrays
-        with that call's: `(x, topk_idx, topk_weights)` for a dispatch without a handle (for FP8 x: the data's and
-        the scales' pointers first); `(x, topk_weights)` for a cached dispatch of `handle` or a combine with
-        `handle`. The caller made that call with no handle (unless `handle`), events or comm-stream allocation,
-        and compares every scalar of a later call with `scalars` (kept on the plan: the same object, or an equal
-        int) before calling the plan."""
+        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`,
+        the caller's name for a kind of call (a kind holds the plan of its last call), and return it: the plan
+        itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or handle, topk_weights,
+        stream)`; None (and nothing kept for `kind`) where that call's plan cannot serve one (`DispatchPlan.keep`:
+        events, an empty routing, no repeat yet, an allocator without `batch`, `match` None). `match(x, ...)`
+        compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx, topk_weights)`
+        for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x, topk_weights)` for a
+        cached dispatch of `handle` or a combine with `handle`. The caller made that call with no handle (unless
+        `handle`), events or comm-stream allocation, and compares every scalar of a later call with `scalars` (kept
+        on the plan: the same object, or an equal int) before calling the plan."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
-        lane = None
-        if last is not None and match is not None and not self._destroyed:
-            from ep_core.kernels import express
-
-            if op == "combine":
-                lane = express.express_with_handle(
-                    "combine", self, self._executor, last[0], "bfloat16", last[1], match, handle
-                )
-            elif handle is not None:
-                lane = express.express_with_handle(
-                    "dispatch", self, self._executor, last[0], last[1], last[2], match, handle
-                )
-            else:
-                lane = express.express_dispatch(self, self._executor, last[0], last[1], last[2], match)
-        if lane is not None:
-            lane.scalars = scalars
-        self._lanes[kind] = lane
-        return lane
+        plan = None
+        if last is not None and not self._destroyed:
+            token, x_dtype, allocator = last
+            kept = None if token is None else token.plan
+            if kept is not None and kept.op == op:
+                plan = kept.keep(self, x_dtype, allocator, match, handle)
+        if plan is not None:
+            plan.scalars = scalars
+        self._lanes[kind] = plan
+        return plan
 
     def combine(
         self,
@@ -527,7 +521,7 @@ class EPBuffer(BufferBase):
         ex = self._executor
         req = self._prepared.combine(ex, args)
         res = ex.combine(req)
-        self._last_combine = (req.prepared, req.allocator)  # `keep_lane`'s
+        self._last_combine = (req.prepared, "bfloat16", req.allocator)  # `keep_lane`'s
         return res
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------

@@ -117,12 +117,17 @@ def _build(cls: type, fields: dict, per_call: dict) -> Any:
 
 
 class PreparedOps:
-    """Validated dispatch / combine requests of one buffer, by launch shape (module doc)."""
+    """Validated dispatch / combine requests of one buffer, by launch shape (module doc): the buffer's one cache of
+    call signatures. An entry's token holds its plan (`PreparedToken.plan`, `ep_core.kernels.op_plan`); `kept`
+    holds the plans a framework keeps by kind (`EPBuffer.keep_lane`: the same plan objects), `sm_counts` the SM
+    counts the validator resolved (`validation.resolve_num_sms`)."""
 
     def __init__(self, config: BufferConfig) -> None:
         self.config = config
         self._dispatch: dict[tuple, dict] = {}
         self._combine: dict[tuple, dict] = {}
+        self.kept: dict[str, Any] = {}
+        self.sm_counts: dict = {}
         # the key and entry of the last hit of each op: a call repeating the previous call's shapes (the common
         # case) compares its key with that one instead of hashing it and probing the table; the key is built in
         # full either way, so the match covers everything the checks read
@@ -175,7 +180,7 @@ class PreparedOps:
         """`validation.make_dispatch_request` for this buffer, served from the cache when the shapes repeat."""
         return self.dispatch(target, DispatchArgs(x, topk_idx, topk_weights, **kwargs), sm_cache)
 
-    def dispatch(self, target: Any, a: DispatchArgs, sm_cache: dict | None) -> DispatchRequest:
+    def dispatch(self, target: Any, a: DispatchArgs, sm_cache: dict | None = None) -> DispatchRequest:
         """The request of one dispatch's arguments (`EPBuffer`'s road): from the entry of its key, or validated in
         full (`validation.validate_dispatch`) and kept. `zero_copy` is part of the key: its requests and their
         repeats are their own entries."""
@@ -235,7 +240,7 @@ class PreparedOps:
                 },
             )
         self.misses += 1
-        req = validate_dispatch(self.config, target, a, sm_cache)
+        req = validate_dispatch(self.config, target, a, self.sm_counts if sm_cache is None else sm_cache)
         if key is not None:
             self._store(self._dispatch, key, req, _DISPATCH_PER_CALL)
         return req

@@ -82,7 +82,7 @@ class PreparedToken:
     """The identity of one prepared-operation entry (`ep_core.prepared`): every request served from that entry
     carries the same token (`request.prepared`; None for a request built by the validation alone), so an executor
     may keep on it what it derived from the entry's shapes for the first of them (`plan`: see
-    `ep_core.kernels.repeat`)."""
+    `ep_core.kernels.op_plan`)."""
 
     __slots__ = ("plan",)
 

@@ -314,6 +314,19 @@ def check_handle(
     return handle
 
 
+def check_handle_key(config: BufferConfig, target: Any, handle: Any, key: tuple) -> bool:
+    """Whether `handle` has a prepared entry's handle key `key` (its scalar fields and `topk_idx`'s shape, as
+    `PreparedOps` keys it; a kept plan's, `ep_core.kernels.op_plan`), then `check_handle` (raising what it raises
+    for a bad one); False, having checked nothing, for a handle of another key or type."""
+    if type(handle) is not EPHandle:
+        return False
+    fp = handle_fingerprint(config, target, handle)
+    if fp[0][1] != key[0] or fp[0][2][0] != key[1]:
+        return False
+    check_handle(config, target, handle, fp)
+    return True
+
+
 def trust_handle(config: BufferConfig, target: Any, handle: EPHandle) -> None:
     """Record a handle that `target`'s dispatch has just made as validated for this buffer and target, as
     `check_handle` records one that passed. Only for handles whose arrays come from an allocator marked
@@ -331,7 +344,7 @@ def trust_handle(config: BufferConfig, target: Any, handle: EPHandle) -> None:
 
 
 def trust_fingerprint(handle: EPHandle, fingerprint: tuple) -> None:
-    """`trust_handle` with the fingerprint the caller built (ep_core.kernels.express: its by-value part is the same
+    """`trust_handle` with the fingerprint the caller built (a kept plan, ep_core.kernels.op_plan: its by-value part is the same
     for every handle of one prepared entry, read once through `handle_fingerprint`)."""
     _validated_handles[handle] = fingerprint
 

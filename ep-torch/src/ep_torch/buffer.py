@@ -141,7 +141,6 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         )
         rt = self.runtime
         self._core = rt  # kept after destroy(): a call on a destroyed buffer is still announced to the peers
-        self._lanes = rt._lanes  # ep-core's express plans by kind (`dispatch`, `combine`): read on every call
         self.num_bytes = rt.num_bytes
         self.num_cpu_bytes = rt.config.num_cpu_bytes
         self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank

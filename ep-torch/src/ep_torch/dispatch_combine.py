@@ -69,6 +69,7 @@ def _current_stream(index: int | None = None) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+_NO_LANES: Mapping[str, Any] = MappingProxyType({})
 _NO_SCOPE = contextlib.nullcontext()  # reusable: the scope of a call that needs no comm-stream context
 
 # torch's own accessor of the raw current stream (what torch.compile's generated code calls); None if absent
@@ -93,8 +94,8 @@ def _flat(items: Any) -> Iterator[Any]:
 def _match(arrays: tuple) -> Any:
     """The host extension's native comparison of a later call's arrays with these (`ep_core.EPBuffer.keep_lane`'s
     `match`), or None: no host extension (the allocator offers no `batch`), or arrays a signature cannot hold. An
-    FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two tensors: `match` returns both pointers, then the
-    others'."""
+    FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two tensors (the plan passes them apart): `match`
+    returns both pointers, then the others'."""
     native = host_extension.module()
     x = arrays[0]
     if native is None:
@@ -103,12 +104,8 @@ def _match(arrays: tuple) -> Any:
         if type(x) is torch.Tensor:
             return native.signature(*arrays).match
         if type(x) is tuple and len(x) == 2 and type(x[0]) is type(x[1]) is torch.Tensor:
-            pair = native.signature(x[0], x[1], *arrays[1:]).match
-
-            def match(x: Any, *rest: Any) -> Any:
-                return pair(x[0], x[1], *rest) if type(x) is tuple and len(x) == 2 else None
-
-            return match
+            # the plan passes an FP8 x's two tensors apart (`ep_core.kernels.op_plan.DispatchPlan.__call__`)
+            return native.signature(x[0], x[1], *arrays[1:]).match
     except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
         pass
     return None
@@ -138,9 +135,12 @@ def _same_scalar(a: Any, b: Any) -> bool:
 class DispatchCombine:
     """The dispatch / combine methods of :class:`~ep_torch.buffer.ElasticBuffer` (module doc)."""
 
-    # ep-core's express plans of this buffer by kind (`ep_core.EPBuffer.keep_lane`; set in __init__): "dispatch"
-    # (no-sync), "dispatch_sync", "dispatch_zero_copy", "dispatch_cached", "combine", "combine_zero_copy"
-    _lanes: Mapping[str, Any] = MappingProxyType({})  # (none for a buffer made without __init__)
+    @property
+    def _lanes(self) -> Mapping[str, Any]:
+        """ep-core's kept plans of this buffer by kind (`ep_core.EPBuffer.keep_lane`): "dispatch" (no-sync),
+        "dispatch_sync", "dispatch_zero_copy", "dispatch_cached", "combine", "combine_zero_copy"; the current
+        runtime's (a resize makes a new one), none for a buffer made without __init__."""
+        return getattr(self.__dict__.get("_core"), "_lanes", _NO_LANES)
 
     # ----------------------------------------------------------------------------------------------------------------
     # dispatch / combine

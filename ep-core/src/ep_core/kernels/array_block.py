@@ -129,7 +129,7 @@ class Int32Block:
     @classmethod
     def adopt(cls, array: Any, shapes: tuple, base: int) -> Int32Block:
         """The block of an `array` allocated for `shapes` (a tuple of tuples) whose data pointer `base` the caller
-        has read already (ep_core.kernels.express): what `carve` makes, without its pointer read."""
+        has read already (a kept plan's batch, ep_core.kernels.op_plan): what `carve` makes, without its pointer read."""
         offsets, _sizes, _total, strided = _layout(shapes)
         block = cls.__new__(cls)
         block.array = array

@@ -19,16 +19,11 @@ from ep_core.kernels._args import FLAGS
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE
 from ep_core.kernels.dispatch_launch import _check_2d
+from ep_core.kernels.op_plan import CombinePlan, combine_words
 from ep_core.kernels.plan import (
     launch_geometry,
 )
-from ep_core.kernels.prepared_launch import (
-    _COMBINE_DYNAMIC,
-    _COMBINE_ZERO_COPY_DYNAMIC,
-    PreparedOp,
-    combine_words,
-)
-from ep_core.kernels.repeat import RepeatCombine
+from ep_core.kernels.prepared_launch import _COMBINE_DYNAMIC, _COMBINE_ZERO_COPY_DYNAMIC, PreparedOp
 from ep_core.requests import CombineResult
 from ep_core.validation import check_zero_copy_args
 
@@ -97,7 +92,7 @@ class CombineLaunch:
     ) -> CombineResult:
         """Launch the combine kernel. `report_input_error=False` leaves `_report_input_error` to a caller that
         launches several ranks (the loopback domain reports once every rank has launched). `record`: leave the
-        call's `RepeatCombine` in `last_repeat` (ep_core.kernels.repeat). `zero_copy`: `x` is this rank's
+        call's `CombinePlan` in `last_repeat` (ep_core.kernels.op_plan). `zero_copy`: `x` is this rank's
         `combine_buffer(handle, hidden)`, which every rank's kernel reads in place (module doc of combine.cuh);
         every rank of the call passes it alike (the envelope checks)."""
         self.last_repeat = None
@@ -196,7 +191,7 @@ class CombineLaunch:
             view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelope(OP_COMBINE, (*env_fields, self._handle_launch.get(handle, -1))),
             # a zero-copy combine reads the dispatch's slots
-            view_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx") if zero_copy else None,
+            dst_slot=view_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx") if zero_copy else None,
         )
         names = _COMBINE_ZERO_COPY_DYNAMIC if zero_copy else _COMBINE_DYNAMIC
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
@@ -236,7 +231,7 @@ class CombineLaunch:
         if prepared.epilogue is not None:
             self._launch_prepared(prepared.epilogue, (*dynamic[:-1], 0), fresh, False)
         if record:
-            self.last_repeat = RepeatCombine(
+            self.last_repeat = CombinePlan(
                 rank=self,
                 prepared=prepared,
                 scratch=scratch,

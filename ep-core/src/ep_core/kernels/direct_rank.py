@@ -65,6 +65,7 @@ from ep_core.kernels._envelope import describe_envelope, pack_envelope
 from ep_core.kernels._source import load_kernels
 from ep_core.kernels.combine_launch import CombineLaunch
 from ep_core.kernels.dispatch_launch import DispatchLaunch, _PendingDispatch
+from ep_core.kernels.op_plan import CombinePlan, DispatchPlan, run_launch
 from ep_core.kernels.plan import (
     SCRATCH_BARRIER_EPOCH_OFFSET,
     SCRATCH_INPUT_ERROR_OFFSET,
@@ -79,7 +80,6 @@ from ep_core.kernels.plan import (
 )
 from ep_core.kernels.plan import combine_smem as _combine_smem
 from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches
-from ep_core.kernels.repeat import RepeatCombine, RepeatDispatch
 from ep_core.rank_state import RankState, check_owner
 from ep_core.requests import CombineResult, DispatchResult
 
@@ -236,9 +236,9 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         # number of the dispatch behind each handle (a combine's envelope names its handle)
         self._num_collective_launches = 0
         self._handle_launch: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # repeated calls (ep_core.kernels.repeat): the last full call's plan when it was asked to record one, and
+        # repeated calls (ep_core.kernels.op_plan): the last full call's plan when it was asked to record one, and
         # the verdict on each handle's topk_idx
-        self.last_repeat: RepeatDispatch | RepeatCombine | None = None
+        self.last_repeat: DispatchPlan | CombinePlan | None = None
         self._handle_idx: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last_scratch: int | None = None
 
@@ -260,6 +260,18 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         if views is None:
             return {name: self._alloc(shape, np.int32) for name, shape in shapes.items()}
         return dict(zip(shapes, views))
+
+    def plan_int32(self, names: tuple, key: tuple, shapes: dict, allocate: Any) -> dict:
+        """A plan's new handle's int32 arrays, viewed, for an allocator that carves no `handle_block`
+        (`op_plan.DispatchPlan.run`): one block by the shapes' `key` where the rank's allocator makes one, else the
+        request's `allocate` by name (as GpuExecutor's wrapper calls it), else the rank's allocator."""
+        block = getattr(self._allocator, "int32_block", None)
+        views = None if block is None else block(key)
+        if views is not None:
+            return dict(zip(names, views))
+        if allocate is not None:
+            return {name: allocate(shape, "int32") for name, shape in shapes.items()}
+        return self._alloc_int32(shapes)
 
     def _config(self, hidden: int, elem: int, packs: int, topk: int) -> KernelConfig:
         transport = "nccl" if self.res.nccl_window else "ipc"
@@ -468,24 +480,13 @@ class DirectRank(DispatchLaunch, CombineLaunch):
             return geo
         return LaunchGeometry(self.epilogue_sms, geo.block, geo.shared_mem)
 
-    def _launch_prepared(
-        self,
-        launch: PreparedLaunch,
-        values: tuple,
-        fresh: bool,
-        collective: bool,
-        wait: Any = None,
-        signal: Any = None,
-    ) -> None:
-        """Launch a prepared launch: its kept words as they are (`fresh`: this call packed them), else with the
-        per-call `values` patched in (natively when ep_launch is usable). `collective`: it carries an envelope.
-        `wait` / `signal`: the stream-order pairs before and after it (`PreparedLaunch.run`; repeats only)."""
-        if fresh:
-            launch.launch(launch.words, self.stream.handle)
-        elif wait is None and signal is None:
-            launch.run(values, self.stream.handle)
-        else:
-            launch.run(values, self.stream.handle, wait, signal)
+    def _launch_prepared(self, launch: PreparedLaunch, values: tuple, fresh: bool, collective: bool) -> None:
+        """The full path's launch of a prepared launch: its kept words as they are (`fresh`: this call packed
+        them), else with the per-call `values` patched in as a plan's run launches them (`op_plan._launch`,
+        natively when ep_launch is usable). `collective`: it carries an envelope."""
+        if not fresh:
+            return run_launch(self, launch, values, collective, None, None)
+        launch.launch(launch.words, self.stream.handle)
         if collective:
             self._num_collective_launches += 1
 
@@ -516,6 +517,13 @@ class DirectRank(DispatchLaunch, CombineLaunch):
             return
         _cuda.copy_to_host(host[: 4 * su], psum_rank_ptr, self.stream)
         _cuda.copy_to_host(host[4 * n : 4 * n + 4 * epr], unaligned_ptr, self.stream)
+
+    def count_round_trip(
+        self, psum_rank_ptr: int, unaligned_ptr: int, epr: int, one_block: bool, a: int
+    ) -> tuple[int, int, list]:
+        """A CPU-sync plan's counts (`op_plan.DispatchPlan.run`): `_copy_counts`, then `_sync_counts`."""
+        self._copy_counts(psum_rank_ptr, unaligned_ptr, epr, one_block)
+        return self._sync_counts(epr, a)
 
     def _sync_counts(self, epr: int, a: int) -> tuple[int, int, list]:
         """Wait for a CPU-sync dispatch (CPU timeout), raise what its kernels reported, and read its counts:
@@ -595,7 +603,7 @@ class DirectRank(DispatchLaunch, CombineLaunch):
         self._unconfirmed.clear()
 
     def _check_handle(self, handle: EPHandle | None) -> None:
-        """Where every road (full, repeat, express) takes a handle of a combine, cached dispatch or combine buffer:
+        """Where every road (the full path, a plan's run) takes a handle of a combine, cached dispatch or combine buffer:
         its owner (`check_owner`), then whether a failure spoilt it."""
         if handle is None:
             return

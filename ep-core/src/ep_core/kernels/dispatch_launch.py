@@ -25,6 +25,7 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, OP_ARGS_FIELDS
 from ep_core.kernels._cuda import DeviceView, PinnedBuffer, Stream, as_view, view_ptr
 from ep_core.kernels._envelope import OP_DISPATCH
+from ep_core.kernels.op_plan import DispatchPlan, dispatch_words, epilogue_outputs
 from ep_core.kernels.plan import (
     KernelConfig,
     launch_geometry,
@@ -36,10 +37,7 @@ from ep_core.kernels.prepared_launch import (
     _EPILOGUE_DYNAMIC,
     _EPILOGUE_DYNAMIC_ALL,
     PreparedOp,
-    dispatch_words,
-    epilogue_outputs,
 )
-from ep_core.kernels.repeat import RepeatDispatch
 from ep_core.kernels.zero_copy_rows import ZeroCopyRows
 from ep_core.requests import DispatchResult
 from ep_core.validation import check_zero_copy_dispatch_args
@@ -71,7 +69,7 @@ class _PendingDispatch:
     launch_number: int = 0
     prepared: PreparedOp | None = None
     dynamic: tuple = ()  # the dispatch launch's per-call words (the epilogue's start with them, then its outputs)
-    repeat: dict | None = None  # what a `RepeatDispatch` needs beyond these fields (`record=True`)
+    repeat: dict | None = None  # what a `DispatchPlan` needs beyond these fields (`record=True`)
     # a lone rank's cached dispatch: no dispatch kernel, the copy epilogue does it all (`DirectRank.epilogue_only`)
     epilogue_only: bool = False
     # the outputs are views of the receive region, written by the dispatch kernel (`zero_copy=True`): no epilogue
@@ -136,8 +134,7 @@ class DispatchLaunch:
     ) -> _PendingDispatch:
         """Check and launch the dispatch kernel (the routing, rule D7, is the validator's: `validate_dispatch` or,
         for the kernel layer's own entry points, `ep_core.validation.validate_rank_routing`); `finish_dispatch`
-        completes the call. `record`: leave the call's `RepeatDispatch` in `last_repeat` (a dispatch without CPU
-        sync; ep_core.kernels.repeat).
+        completes the call. `record`: leave the call's `DispatchPlan` in `last_repeat` (ep_core.kernels.op_plan).
         `topk_idx_copy`: a contiguous array of topk_idx's shape and dtype that the kernel fills with the routing
         as it reads it (the new handle's copy, `do_handle_copy`; not with a handle). `zero_copy`: the kernel
         stores the outputs in their final form in this rank's receive region and `recv_x`, its scales, ids and
@@ -329,7 +326,7 @@ class DispatchLaunch:
             stats_ptr,
             copy_ptr,
             self._envelope(OP_DISPATCH, (*env_fields, self._handle_launch.get(handle, -1) if cached else -1)),
-            view_ptr(arrays["src_metadata"], "src_metadata") if zero_copy else None,
+            src_metadata=view_ptr(arrays["src_metadata"], "src_metadata") if zero_copy else None,
         )
         fields = _DISPATCH_ZERO_COPY_DYNAMIC if zero_copy else _DISPATCH_DYNAMIC
         args = None
@@ -462,7 +459,7 @@ class DispatchLaunch:
         else:
             repeatable = kept is not None or not (rows > 0 or p.zero_padding or p.do_cpu_sync)
         if p.repeat is not None and repeatable:
-            self.last_repeat = RepeatDispatch(
+            self.last_repeat = DispatchPlan(
                 rank=self,
                 prepared=p.prepared,
                 cached=p.cached,
@@ -576,7 +573,7 @@ class DispatchLaunch:
         has_weights: bool,
     ) -> tuple:
         """A zero-copy dispatch's `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`: `RegionView`s of `rows`
-        rows where the kernel stored them (`finish_dispatch`, and its repeat `RepeatDispatch.run`)."""
+        rows where the kernel stored them (`finish_dispatch`, and its repeat `DispatchPlan.run`)."""
         base, sf_at, idx_at, w_at = self._zero_copy_places(cfg, num_experts)
         dev, stream, k = self.device_id, self.stream, cfg.num_topk
         recv_x = RegionView(base, (rows, cfg.hidden), x_dtype, stream, self, dev)

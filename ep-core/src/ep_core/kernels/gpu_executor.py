@@ -25,8 +25,8 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
 from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
+from ep_core.kernels.op_plan import array_ptr, note_handle_topk_idx, stream_pairs
 from ep_core.kernels.plan import epilogue_share, rank_sm_share
-from ep_core.kernels.repeat import array_ptr, note_handle_topk_idx
 from ep_core.validation import is_trusted_allocator
 
 __all__ = ["GpuExecutor"]
@@ -229,27 +229,10 @@ class GpuExecutor:
             self._allocators[key] = alloc
         return alloc
 
-    def _pairs(self, stream: int, fresh: bool) -> tuple:
-        """A repeat's stream-order pairs (`_enter`, `_leave`), issued together with its first and last launch
-        (`PreparedLaunch.run`: one native call each): `(wait, signal, leave event)`."""
-        if self._destroyed:
-            raise EPStateError("the executor was destroyed")
-        comm = self.stream.handle
-        wait = None
-        if stream != comm:
-            ev = self._enter_event
-            if ev is None:
-                ev = self._enter_event = Event(timing=False)
-            wait = (ev, stream)
-        if fresh:
-            leave = Event(timing=False)
-        elif stream == comm:
-            return wait, None, None
-        else:
-            leave = self._leave_event
-            if leave is None:
-                leave = self._leave_event = Event(timing=False)
-        return wait, (leave, stream), leave
+    @staticmethod
+    def new_event() -> Event:
+        """An event for a stream-order pair (`op_plan.stream_pairs`)."""
+        return Event(timing=False)
 
     def dispatch(self, req: Any) -> Any:
         rank = self.rank
@@ -263,10 +246,10 @@ class GpuExecutor:
         copy = self._routing_copy(req, idx) if req.do_handle_copy and idx is not None and idx.nbytes else None
         rank._allocator = self._allocator(req, req.x.dtype)
         try:
-            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path. A
+            # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run (nothing done): the full path. A
             # zero-copy request has its own entries (`zero_copy` is in the request cache's key), so its plan is one
             if plan is not None and plan.rank is rank:
-                wait, signal, ev = self._pairs(req.stream, fresh)
+                wait, signal, ev = stream_pairs(self, req.stream, fresh)
                 sf, idx, w = req.sf, req.topk_idx, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
                 res = plan.run(
@@ -355,9 +338,9 @@ class GpuExecutor:
         res = None
         rank._allocator = self._allocator(req, "bfloat16")
         try:
-            # a repeat of a prepared entry (ep_core.kernels.repeat); None from it (nothing done): the full path
+            # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run: the full path
             if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
-                wait, signal, ev = self._pairs(req.stream, fresh)
+                wait, signal, ev = stream_pairs(self, req.stream, fresh)
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
                 res = plan.run(

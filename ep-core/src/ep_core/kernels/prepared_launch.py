@@ -13,8 +13,8 @@ A hit launches through `ep_launch` when it is usable (`_cuda.native_launch`): th
 words and slots and does the copy, the patch and `cuLaunchKernelEx` in one call; a failed native launch (nothing
 was launched) is retried through the Python path, which raises the driver's error with ep_jit's message.
 
-The per-call words themselves are built here too, each tuple in one place in its launch's order (`dispatch_words`,
-`combine_words`, `epilogue_outputs`), for the full path, the plans' runs and the express lanes alike.
+The per-call slots' names are here (`_DISPATCH_DYNAMIC` and the others); the words themselves are built in
+`ep_core.kernels.op_plan`, each tuple in one place in its launch's order.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ __all__ = [
     "PreparedLaunch",
     "PreparedLaunches",
     "PreparedOp",
-    "combine_words",
-    "dispatch_words",
-    "epilogue_outputs",
     "field_slots",
+    "record_wait",
 ]
 
 OP_ARGS_STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))
@@ -243,12 +241,10 @@ class PreparedOp:
         self.epilogue_pdl: PreparedLaunch | None = None
 
 
-# ------------------------------------------------------------------------------------------ the per-call words
-# Their names in the order the kernels' launches take them, and the one place each tuple of words is built in that
-# order (`dispatch_words`, `combine_words`, `epilogue_outputs`), for the full path (`DirectRank`), the plans' runs
-# (`ep_core.kernels.repeat`) and the express lanes (`ep_core.kernels.express`) alike.
-
-# the per-call fields of each prepared launch (ep_core.kernels.prepared_launch), in the order DirectRank passes them
+# ------------------------------------------------------------------------------------- the per-call slots' names
+# The per-call fields of each prepared launch in the order the kernels' launches take them; each tuple of words is
+# built in that order in one place (`ep_core.kernels.op_plan`: `dispatch_words`, `combine_words`,
+# `epilogue_outputs`), for the full path (`DirectRank`) and the plans' runs alike.
 _DISPATCH_DYNAMIC = (
     "x",
     "sf",
@@ -293,124 +289,3 @@ _COMBINE_DYNAMIC = (
 )
 # a zero-copy combine also reads the dispatch's slots (the envelope stays last: it says whether a launch is collective)
 _COMBINE_ZERO_COPY_DYNAMIC = (*_COMBINE_DYNAMIC[:-1], "dst_slot", "envelope")
-
-
-def dispatch_words(
-    x: int,
-    sf: int,
-    topk_idx: int,
-    topk_weights: int,
-    dst_slot: int,
-    fwd_meta: int,
-    psum_rank: int,
-    psum_expert: int,
-    unaligned_expert: int,
-    cum_stats: int,
-    topk_idx_copy: int,
-    envelope: int,
-    src_metadata: int | None = None,
-) -> tuple:
-    """The dispatch launch's per-call words, in `_DISPATCH_DYNAMIC` order; with `src_metadata` (a zero-copy
-    dispatch, whose kernel writes the handle's metadata), in `_DISPATCH_ZERO_COPY_DYNAMIC` order."""
-    if src_metadata is None:
-        return (
-            x,
-            sf,
-            topk_idx,
-            topk_weights,
-            dst_slot,
-            fwd_meta,
-            psum_rank,
-            psum_expert,
-            unaligned_expert,
-            cum_stats,
-            topk_idx_copy,
-            envelope,
-        )
-    return (
-        x,
-        sf,
-        topk_idx,
-        topk_weights,
-        dst_slot,
-        fwd_meta,
-        psum_rank,
-        psum_expert,
-        unaligned_expert,
-        cum_stats,
-        topk_idx_copy,
-        src_metadata,
-        envelope,
-    )
-
-
-def combine_words(
-    topk_idx: int,
-    psum_rank: int,
-    src_metadata: int,
-    fwd_meta: int,
-    comb_x: int,
-    comb_weights: int,
-    bias0: int,
-    bias1: int,
-    combined_x: int,
-    combined_weights: int,
-    envelope: int,
-    dst_slot: int | None = None,
-) -> tuple:
-    """The combine launch's per-call words, in `_COMBINE_DYNAMIC` order; with `dst_slot` (a zero-copy combine,
-    which reads the dispatch's slots), in `_COMBINE_ZERO_COPY_DYNAMIC` order."""
-    if dst_slot is None:
-        return (
-            topk_idx,
-            psum_rank,
-            src_metadata,
-            fwd_meta,
-            comb_x,
-            comb_weights,
-            bias0,
-            bias1,
-            combined_x,
-            combined_weights,
-            envelope,
-        )
-    return (
-        topk_idx,
-        psum_rank,
-        src_metadata,
-        fwd_meta,
-        comb_x,
-        comb_weights,
-        bias0,
-        bias1,
-        combined_x,
-        combined_weights,
-        dst_slot,
-        envelope,
-    )
-
-
-def epilogue_outputs(
-    ptr: Any,
-    meta_ptr: int,
-    recv_x: Any,
-    recv_sf: Any,
-    sf_strides: tuple,
-    recv_idx: Any,
-    recv_w: Any,
-    rows: int,
-) -> tuple:
-    """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order; the envelope is 0: the
-    epilogue meets no peer and is not a collective launch. `ptr` is `view_ptr` (full path) or `array_ptr` (a repeat);
-    `meta_ptr`: the handle's `recv_src_metadata`."""
-    return (
-        0,
-        meta_ptr,
-        ptr(recv_x, "recv_x"),
-        ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
-        sf_strides[0],
-        sf_strides[1],
-        ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
-        ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
-        rows,
-    )
