@@ -118,7 +118,7 @@ def run_torch(iters: int, steps: list | None = None, express: bool = False) -> l
     executor: ep_torch's own host work plus everything above; CUDA stream and event handling are not in it.
     `steps`: a list to which each op's per-step breakdown (`host_steps.format_rows`) is appended. `express`: with
     ep_torch's host extension loaded for the CPU tensors (`EPKIT_TORCH_HOST_EXTENSION=1`, built with the host
-    compiler), so that the repeats take the express lanes (`ep_core.kernels.express`); no rows if it cannot be
+    compiler), so that the repeats take the express lanes (`ep_core.kernels.op_plan`); no rows if it cannot be
     built."""
     try:
         import torch

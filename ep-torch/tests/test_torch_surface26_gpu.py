@@ -241,12 +241,15 @@ def _resize_checks(rank: int, n: int, dev: torch.device, tr: str) -> None:
             buf.resize(num_bytes=4 * mib2)
     assert buf.num_bytes == 2 * mib2
     assert _same_all(small, _round_trip(buf, rank, 4, 2, dev)[0])
-    # ranks that disagree: every rank raises, nothing released, the next resize refused (until reset(): on CUDA
-    # that needs ElasticBuffer.reset to resynchronise the bootstrap's host steps too, see the report of issue 42)
+    # ranks that disagree: every rank raises, nothing released, the next resize refused until reset()
     with pytest.raises(EPMismatchError, match="num_max_tokens_per_rank"):
         buf.resize(num_max_tokens_per_rank=16 + (rank == 0), hidden=H)
     with pytest.raises(EPStateError, match="reset"):
         buf.resize(num_max_tokens_per_rank=16, hidden=H)
+    buf.reset()  # clears the failed agreement on every rank (the host steps' state too)
+    buf.resize(num_max_tokens_per_rank=16, hidden=H)
+    assert buf.num_max_tokens_per_rank == 16
+    assert _same_all(small, _round_trip(buf, rank, 4, 2, dev)[0])
     buf.destroy()
 
 

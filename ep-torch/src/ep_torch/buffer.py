@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core import planner
+from ep_core.envelope import Channel
 from ep_core.errors import EPStateError
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
@@ -296,6 +297,10 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         rt.reset()
+        if getattr(rt.executor, "channel", None) is None:
+            # the GPU executors keep no host channel, but the host steps of resize / lb_* / PP agreements do
+            # (over the bootstrap's rank state): resynchronise those too, or a failed agreement stays refused
+            Channel(self.bootstrap).reset()
 
     def barrier(
         self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True

@@ -124,7 +124,6 @@ def _rebuild(self: Any, old: Any, sizes: dict[str, Any], use_fp8_dispatch: bool)
         num_nvlink_ranks=self.transport_choice.scaleup_ranks,
     )
     self.runtime = self._core = rt
-    self._lanes = rt._lanes  # the surface reads the express lanes of the runtime it calls
     self.num_bytes = rt.num_bytes
     self.num_cpu_bytes = rt.config.num_cpu_bytes
     self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank

@@ -11,7 +11,7 @@
 //                                                 nested, negated or conjugated bits, neither CPU nor CUDA)
 //   empty_many(specs, device_index) -> (tensors, pointers)
 //                                                 empty() of each (shape, dtype) in `specs`, in one call (a
-//                                                 repeated call's outputs: ep_core.kernels.express)
+//                                                 repeated call's outputs: ep_core.kernels.op_plan)
 //   signature(*tensors_or_none) -> Signature      the layout of each argument: dtype, sizes, strides, device
 //   Signature.match(*objs) -> pointers | None     each obj's data pointer (0 for None, and for an empty CUDA
 //                                                 tensor, as describe reads it) if every obj has exactly the
