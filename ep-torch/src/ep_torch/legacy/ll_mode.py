@@ -14,6 +14,7 @@ from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from .. import _env
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap
+from . import ll_kernels
 from .checks import _check_topk
 from .guard import _guarded, _ll_target
 from .low_latency import LowLatencyHandle, ll_combine_weighted, ll_dispatch
@@ -262,7 +263,7 @@ class LowLatencyMode:
         if self._ll_region is not None:
             return self._native_dispatch(
                 x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook,
+                use_ue8m0, async_finish, return_recv_hook, ll_kernels.dispatch_env(*sig),
             )  # fmt: skip
 
         zero_copy = self.ll_zero_copy
@@ -363,8 +364,9 @@ class LowLatencyMode:
             sig = (reg.m, reg.num_experts, hidden, handle.num_topk, bool(use_logfmt), lag)
             self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda, ("combine", lag))
             return self._native_combine(
-                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt)
-            )
+                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt),
+                ll_kernels.combine_env(*sig),
+            )  # fmt: skip
 
         def run() -> torch.Tensor:
             with _logfmt_envelope(inner, bool(use_logfmt)):
@@ -387,9 +389,11 @@ class LowLatencyMode:
         use_ue8m0: bool,
         async_finish: bool,
         return_recv_hook: bool,
+        env: int = 0,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
         """The native kernels (``legacy.ll_kernels.native_dispatch``): the send now; the receive now too, or, with
-        ``return_recv_hook``, when ``hook()`` is called (on the then-current stream: V1's split)."""
+        ``return_recv_hook``, when ``hook()`` is called (on the then-current stream: V1's split). ``env``: the
+        kernels' envelope bits (``ll_kernels.dispatch_env``; issue 41)."""
         from . import ll_kernels
 
         reg = self._ll_region
@@ -402,7 +406,7 @@ class LowLatencyMode:
 
         def send() -> tuple:
             recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
-                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask
+                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask, env
             )
             handle = LowLatencyHandle(
                 (src_info, layout_range, m, h, num_experts), None, None, None,
@@ -437,6 +441,7 @@ class LowLatencyMode:
         async_finish: bool,
         return_recv_hook: bool,
         use_logfmt: bool = False,
+        env: int = 0,
     ) -> tuple[torch.Tensor, EventOverlap, Any]:
         from . import ll_kernels
 
@@ -456,7 +461,7 @@ class LowLatencyMode:
         def send() -> tuple:
             return ll_kernels.native_combine(
                 reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct,
-                use_logfmt, mask,
+                use_logfmt, mask, env,
             )  # fmt: skip
 
         if return_recv_hook:
