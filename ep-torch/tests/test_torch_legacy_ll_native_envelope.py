@@ -63,8 +63,9 @@ CALL_CASES = [
     "llnc.dispatch_fp8_one_rank_alone",
     "llnc.dispatch_m_one_rank_alone",
     "llnc.combine_other_dispatch_one_rank",
-    # the default mode: ranks whose signatures all change (hidden 512) meet in the host step and all raise
-    "lln.combine_logfmt_one_rank",
+    # the default mode: a disagreement the kernels' envelope finds inside the faulty step (the FP8 dispatch's
+    # combine is its next call)
+    "lln.dispatch_fp8_one_rank_alone",
 ]
 
 
@@ -76,6 +77,7 @@ def test_native_road_refusals_and_disagreements_are_clear_on_the_cpu_stand_in(tm
 # the default mode with the kernels' envelope: raised at the next call on every rank, then reset()
 NEXT_CALL_CASES = [
     "llnd.x_dtype",
+    "llnd.combine_logfmt_one_rank",
     "llnd.expert_id_out_of_range",
     "llnd.combine_weights_dtype",
     "llnd.combine_logfmt_one_rank_alone",
@@ -336,7 +338,23 @@ def test_native_road_disagreements_on_the_gpu(tmp_path):
         "llnc.combine_logfmt_one_rank_alone",
         "llnc.dispatch_fp8_one_rank_alone",
         "llnc.combine_other_dispatch_one_rank",
-        "lln.combine_logfmt_one_rank",
+    ]
+    bad = _chain(cases, tmp_path, 420, env={**os.environ, "EP_SURVEY_DEVICE": "cuda"})
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+@gpu
+def test_default_mode_kernels_envelope_on_the_gpu(tmp_path):
+    """The default mode on the real kernels (2 processes sharing GPU 0, ipc): a one-rank refusal (the abort kernel)
+    and a one-rank FP8 / LogFMT / handle disagreement (the flags' envelope bits) are raised on every rank at the next
+    call naming the culprit, and the two valid rounds after reset() are exact."""
+    cases = [
+        "llnd.x_dtype",
+        "llnd.combine_weights_dtype",
+        "llnd.dispatch_fp8_one_rank_alone",
+        "llnd.combine_logfmt_one_rank_alone",
+        "llnd.combine_other_dispatch_one_rank",
     ]
     bad = _chain(cases, tmp_path, 420, env={**os.environ, "EP_SURVEY_DEVICE": "cuda"})
     assert not bad, "\n".join(bad)

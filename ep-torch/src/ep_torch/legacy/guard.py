@@ -61,7 +61,7 @@ def _ll_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
 
 
 class _NoStep:
-    """An inner buffer stand-in whose refusals are announced nowhere (``_ll_target``)."""
+    """An inner buffer stand-in for ``Buffer._guard`` (no pending step; ``_NativeAbort`` announces on the device)."""
 
     _destroyed = False
 
@@ -74,9 +74,6 @@ class _NoStep:
 
     def announce_error(self, op: str, error: BaseException, step: Any) -> None:
         return None
-
-
-_SILENT = _NoStep()
 
 
 class _NativeAbort(_NoStep):
