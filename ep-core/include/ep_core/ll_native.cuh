@@ -536,6 +536,7 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
   const int epr = num_experts / num_ranks;
   const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
   const int* ctrl = reinterpret_cast<const int*>(own_half + L.ctrl);
+  // the LogFMT send reads the epoch again at its flags (held across the encode loop, it made ptxas spill on sm_90a)
   const int64_t epoch = (int64_t)ctrl[1] + 1;
   const int slots = num_ranks * m;
   const int row_vecs = hidden * 2 / 16;
@@ -589,7 +590,7 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
       int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.cflag) + (int64_t)rank * epr + e;
       ep_lln::st_release_sys(
           reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, r, own_base, reinterpret_cast<uint8_t*>(flag))),
-          (epoch << 32) | (int64_t)(uint32_t)env);
+          ((kLogFMT ? (int64_t)ctrl[1] + 1 : epoch) << 32) | (int64_t)(uint32_t)env);
     }
     __syncthreads();
   }
