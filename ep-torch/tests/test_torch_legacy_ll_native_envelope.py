@@ -132,7 +132,7 @@ def test_a_refusal_runs_the_abort_and_the_refusing_rank_refuses_until_reset(monk
     reg = object()
     buf = SimpleNamespace(
         _ll_region=reg,
-        _ll_inner=None,
+        _ll_inner=SimpleNamespace(runtime=object()),
         ll_native_agree="change",
         _shrink=None,
         _ll_native_on_cpu=True,
@@ -145,6 +145,8 @@ def test_a_refusal_runs_the_abort_and_the_refusing_rank_refuses_until_reset(monk
     target.announce_error("low_latency_dispatch", err, None)
     assert ran[-1] == (reg, 0)
     buf._shrink = object()  # rank masking: the peers mask a rank that does not arrive
+    target.announce_error("low_latency_dispatch", err, None)
+    buf._shrink, buf._ll_inner = None, SimpleNamespace(runtime=None)  # destroyed, or dropped by reset()
     target.announce_error("low_latency_dispatch", err, None)
     assert len(ran) == 2
 

@@ -92,8 +92,12 @@ class _NativeAbort(_NoStep):
         from . import ll_kernels
 
         buf = self.buf
-        reg = buf._ll_region
-        if reg is None or buf._shrink is not None:
+        reg, inner = buf._ll_region, buf._ll_inner
+        # only into live peers' regions: not after destroy() or a reset() that dropped the inner buffer (its
+        # mappings may be gone), nor with rank masking (the peers mask a rank that does not arrive)
+        if reg is None or getattr(inner, "runtime", None) is None or buf._shrink is not None:
+            return
+        if getattr(reg, "inner", inner) is not inner:
             return
         cuda = not buf._ll_native_on_cpu
         if cuda and torch.cuda.is_current_stream_capturing():
