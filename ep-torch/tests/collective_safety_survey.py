@@ -1134,7 +1134,8 @@ def _then_next_call(fault):
 
 for _surface in ("lln", "llnc", "llnd"):
     for _name, (_fault, _reset) in _NATIVE_CASES.items():
-        if _surface == "llnd" and _reset is not None:  # a detection at the next call leaves every rank to reset()
+        # a detection at the next call leaves every rank to reset()
+        if _surface == "llnd" and _reset is not None:
             _fault, _reset = _then_next_call(_fault), True
         CASES[f"{_surface}.{_name}"] = (_surface, {}, _fault, _reset)
 NATIVE = [c for c in CASES if c.startswith(("lln.", "llnc.", "llnd."))]
