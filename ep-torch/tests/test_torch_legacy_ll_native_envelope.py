@@ -123,6 +123,26 @@ def test_envelope_bits_name_the_fields_and_never_equal_the_abort():
     del n
 
 
+def test_region_check_raises_the_kernels_records():
+    """``NativeRegion.check`` reads the host-mapped record (no sync): code 3 names the refusing rank, code 2 the
+    field, both sticky (the device error word stays raised until the region is rebuilt)."""
+    from ep_core.errors import EPMismatchError, EPPeerError
+    from ep_torch.legacy import ll_kernels
+
+    n = 2
+    reg = SimpleNamespace(herr=torch.zeros(8 + n, dtype=torch.int32))
+    ll_kernels.NativeRegion.check(reg, "low_latency_dispatch")  # nothing recorded
+    reg.herr[:4] = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+    reg.herr[-4:] = torch.tensor([-1, 5, 2, 2], dtype=torch.int32)
+    for _ in range(2):
+        with pytest.raises(EPPeerError, match=r"rank 0 abandoned the operation .* low_latency_combine"):
+            ll_kernels.NativeRegion.check(reg, "low_latency_dispatch")
+    reg.herr[0] = 2
+    reg.herr[-4:] = torch.tensor([5, 4, 2, 2], dtype=torch.int32)
+    with pytest.raises(EPMismatchError, match="use_logfmt: rank 0 True, rank 1 False"):
+        ll_kernels.NativeRegion.check(reg, "low_latency_dispatch")
+
+
 def test_a_refusal_runs_the_abort_and_the_refusing_rank_refuses_until_reset(monkeypatch):
     from ep_torch.legacy import guard, ll_kernels
 
