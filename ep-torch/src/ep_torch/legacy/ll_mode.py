@@ -342,6 +342,10 @@ class LowLatencyMode:
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): topk_idx must be [T, {handle.num_topk}] (the dispatch's K)"
             )
+        if topk_idx.dtype not in (torch.int64, torch.int32):  # before the native send launches, not after it
+            raise EPValueError(
+                f"low_latency_combine (rank {self.rank}): topk_idx must be int64 or int32, got {topk_idx.dtype}"
+            )
         if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): topk_weights must be float32 of topk_idx's shape "
