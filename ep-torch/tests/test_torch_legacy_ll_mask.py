@@ -321,12 +321,15 @@ def test_without_enable_shrink_the_mask_methods_refuse():
             call()
 
 
-@pytest.mark.parametrize("transport", ["ipc", "nccl"])
-def test_enable_shrink_refused_on_cuda_transports(transport):
-    """No silent fallback: the CUDA low-latency kernels take no mask yet, so the buffer is refused by name (before
-    the group is touched)."""
+@pytest.mark.parametrize("transport,native", [("ipc", False), ("ipc", None), ("nccl", None), ("nccl", True)])
+def test_enable_shrink_refused_on_cuda_transports(transport, native, monkeypatch):
+    """No silent fallback: where the CUDA low-latency kernels take no mask (nccl; the adapter, ``ll_native=False``
+    or ``EPKIT_LL_NATIVE=0``), the buffer is refused by name (before the group is touched); over ipc the default
+    (``ll_native=None``) runs the native kernels, which do."""
+    if native is None and transport == "ipc":
+        monkeypatch.setenv("EPKIT_LL_NATIVE", "0")  # the default then means the adapter
     with pytest.raises(NotImplementedError, match=f"enable_shrink=True .*transport {transport} .CUDA"):
-        Buffer(None, low_latency_mode=True, enable_shrink=True, transport=transport)
+        Buffer(None, low_latency_mode=True, enable_shrink=True, transport=transport, ll_native=native)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 | ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | the old name of ``EPKIT_SCALEUP_RANKS``, read on the CPU reference backend only |
 | ``EPKIT_TORCH_HOST_EXTENSION`` | str | ``auto`` | the host extension (``ep_torch.host_extension``: ``torch.empty`` and describe through torch's C++ API): ``auto`` builds it at first CUDA use and warns once and keeps the Python calls if it cannot, ``0`` off, ``1`` required (an error if it cannot be built) |
 | ``EPKIT_CPU_TIMEOUT_SECS`` | float | ``300`` | bound (seconds) of every host-side wait on peers of buffers that take no ``num_cpu_timeout_secs`` keyword: V1's ``Buffer`` (its host exchanges and its low-latency wait) and the host exchanges before a buffer's own timeout applies (the construction); a peer that does not arrive raises ``EPTimeoutError`` naming it |
+| ``EPKIT_LL_NATIVE`` | bool | ``1`` | V1 low-latency mode on CUDA: ``Buffer(ll_native=None)`` (the default) runs ep's own low-latency kernels where they can (a transport that maps the peers' memory, no adapter-only ``ll_*`` option); ``0`` keeps the adapter on V2's kernels unless ``ll_native=True`` |
 | ``EPKIT_LL_LOCAL_DIRECT`` | bool | ``1`` | V1 low-latency mode's own kernels (``ll_native=True``): without a hook, a rank's own experts read their rows where they lie (one pass); ``0`` sends them through the buffer like a peer's |
 | ``EPKIT_ELASTIC_WAIT`` | str | ``kernel`` | how PP/AGRS/BucketBuffer streams wait for a peer's signal on the GPU: ``kernel`` (a bounded one-thread wait kernel) or ``stream`` (``cuStreamWaitValue64`` bounded by a host watchdog, nothing spinning on the GPU); read when a buffer's elastic backend is made |
 """
@@ -28,6 +29,7 @@ __all__ = [
     "host_extension",
     "knobs",
     "ll_local_direct",
+    "ll_native",
     "reference_num_sms",
     "reference_nvlink_gbs",
     "reference_nvlink_ranks",
@@ -91,6 +93,11 @@ knobs: dict[str, Knob] = {
             "bound (s) of host waits on peers where no num_cpu_timeout_secs applies (V1 Buffer, construction)",
         ),
         Knob(
+            "EPKIT_LL_NATIVE",
+            "1",
+            "V1 low-latency mode on CUDA: ll_native=None runs ep's own kernels where it can; 0 keeps the adapter",
+        ),
+        Knob(
             "EPKIT_LL_LOCAL_DIRECT",
             "1",
             "V1 low-latency native kernels: 0 sends a rank's own experts' rows through the buffer like a peer's",
@@ -127,6 +134,11 @@ def cpu_timeout_secs() -> float:
     if not value > 0:
         raise ValueError(f"EPKIT_CPU_TIMEOUT_SECS={value!r}: expected a positive number of seconds")
     return value
+
+
+def ll_native() -> bool:
+    """``EPKIT_LL_NATIVE`` (default on): what ``Buffer(ll_native=None)`` means on CUDA."""
+    return _flag("EPKIT_LL_NATIVE")
 
 
 def ll_local_direct() -> bool:

@@ -16,13 +16,14 @@ graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for 
   bits), ``q = e4m3(x / scale)`` round to nearest even;
 - combine: ``combined[t] = bf16(acc)``, ``acc`` = +0.0 then, for each lane k ascending with an expert,
   ``acc = acc + fp32(y[t, k]) * w[t, k]`` as a separate fp32 multiply and add (no FMA), one bf16 rounding.
-With ``ll_native=True`` (ours; opt-in for now, None/False = the adapter), on CUDA where the transport maps the peers'
+By default (``ll_native=None``, ours: native unless an adapter-only ``ll_*`` option is given or
+``EPKIT_LL_NATIVE=0``; ``True`` forces it, ``False`` keeps the adapter), on CUDA where the transport maps the peers'
 memory (ipc, the loopback domain), low-latency mode runs its own kernels (``legacy.ll_kernels.native_*``,
 ``ep_core.ll_native``; other transports fall back to the adapter): one message per (token, expert)
 written into the expert's slots on its rank, one per (expert, token) back, the weighted sum in the receive kernel,
 V1's double buffer (every low-latency call uses the other half). ``return_recv_hook=True`` then launches only the
 send on the current stream and returns; ``hook()`` launches the receive on the then-current stream (V1's split: no
-SM waits in between). On the adapter (the default, other transports, the CPU backend)
+SM waits in between). On the adapter (``ll_native=False``, other transports, the CPU backend)
 ``return_recv_hook=True`` issues the work at once on the communication stream and ``hook()`` makes the then-current
 stream wait for it (no data is promised before).
 
@@ -182,6 +183,14 @@ class Buffer(LowLatencyMode):
             raise NotImplementedError(
                 "Buffer: comm= (an mpi4py communicator); pass a torch.distributed group"
             )
+        if ll_native is None:  # automatic: the native kernels unless an option of the adapter's is asked for
+            adapter_only = (
+                ll_lanes_per_combine
+                or ll_use_kernels is not None
+                or not ll_deterministic
+                or ll_combine_num_sms
+            ) or ll_zero_copy is not None
+            ll_native = None if adapter_only or not _env.ll_native() else "auto"
         self.enable_shrink, self._shrink = bool(enable_shrink), None
         if enable_shrink:  # refused where not implemented before anything is built
             self._make_shrink(transport, check_only=True, ll_native=ll_native)
@@ -198,7 +207,8 @@ class Buffer(LowLatencyMode):
         self.ll_deterministic = bool(ll_deterministic)
         self.ll_combine_num_sms = int(ll_combine_num_sms)
         self.ll_zero_copy = None if ll_zero_copy is None else bool(ll_zero_copy)
-        self.ll_native = None if ll_native is None else bool(ll_native)
+        # "auto" (the default's resolution): the native kernels where the transport maps the peers, else the adapter
+        self.ll_native = None if ll_native is None else ll_native if ll_native == "auto" else bool(ll_native)
         self._ll_region: Any = None  # legacy.ll_kernels.NativeRegion when the native kernels run
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
