@@ -109,6 +109,16 @@ def _typed(values: tuple) -> tuple:
     return values, tuple(map(type, values))
 
 
+def _allocator(allocator: Any, target: Any) -> Any:
+    """`validation.check_allocator`, its common case (a callable) here."""
+    return allocator if allocator is not None and callable(allocator) else check_allocator(allocator, target)
+
+
+def _stream(stream: Any) -> int:
+    """`validation.check_stream`, its common case (the raw handle ep_torch passes) here."""
+    return stream if type(stream) is int and stream >= 0 else check_stream(stream)
+
+
 def _build(cls: type, fields: dict, per_call: dict) -> Any:
     """A frozen request from its cached fields and this call's (no per-field `object.__setattr__`)."""
     req = _new(cls)
@@ -233,8 +243,8 @@ class PreparedOps:
                     "topk_weights": wi,
                     "handle": handle,
                     "cumulative_local_expert_recv_stats": si,
-                    "allocator": check_allocator(a.allocator, target),
-                    "stream": check_stream(a.stream),
+                    "allocator": _allocator(a.allocator, target),
+                    "stream": _stream(a.stream),
                     "previous_event": a.previous_event,
                     "previous_event_before_epilogue": a.previous_event_before_epilogue,
                 },
@@ -300,8 +310,8 @@ class PreparedOps:
                     "handle": handle,
                     "topk_weights": wi,
                     "bias": bi,
-                    "allocator": check_allocator(a.allocator, target),
-                    "stream": check_stream(a.stream),
+                    "allocator": _allocator(a.allocator, target),
+                    "stream": _stream(a.stream),
                     "previous_event": a.previous_event,
                     "previous_event_before_epilogue": a.previous_event_before_epilogue,
                 },

@@ -25,8 +25,9 @@ from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
 from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
-from ep_core.kernels.op_plan import array_ptr, note_handle_topk_idx, stream_pairs
+from ep_core.kernels.op_plan import note_handle_topk_idx
 from ep_core.kernels.plan import epilogue_share, rank_sm_share
+from ep_core.kernels.prepared_launch import record_wait
 from ep_core.validation import is_trusted_allocator
 
 __all__ = ["GpuExecutor"]
@@ -123,14 +124,14 @@ class GpuExecutor:
         self._enter_event: Event | None = None
         self._leave_event: Event | None = None
         self._allocators: dict = {}
-        # C++ event pairs and launches (ep_launch), or None: cuda-python (announced once, `launch_path`)
-        self._native = _cuda.native_launch()
+        # C++ event pairs and launches (ep_launch) loaded now, or cuda-python (announced once, `launch_path`)
+        _cuda.native_launch()
         self.launch_path = _cuda.native_launch_status()
 
     @property
     def launch_step(self) -> int:
         """The device-side step counter (`DirectRank.launch_step`): see `ep_core.EPBuffer.announce_error`."""
-        return self.rank.launch_step
+        return self.rank._num_collective_launches  # `DirectRank.launch_step`'s field (read on every call)
 
     def abandon_step(self) -> None:
         self.rank.abandon_step()
@@ -145,43 +146,15 @@ class GpuExecutor:
     # exact shapes and dtypes on this GPU (`validation.trust_handle`)
     default_allocator.ep_core_trusted = True
 
-    def _enter(self, stream: int) -> None:
-        """The comm stream waits for the caller's stream. One event serves every call: a stream wait binds to the
-        event's latest record at the time of the wait, so recording it again later changes no earlier wait. A
-        caller already on the comm stream (`allocate_on_comm_stream`) needs no wait."""
-        if self._destroyed:
-            raise EPStateError("the executor was destroyed")
-        comm = self.stream.handle
-        if stream == comm:
-            return
-        ev = self._enter_event
-        if ev is None:
-            ev = self._enter_event = Event(timing=False)
-        native = self._native
-        if native is not None and not native.record_wait(ev.handle, stream, comm):
-            return
-        ev.record(stream)  # the Python path (also when the native pair failed: it raises the driver's error)
-        self.stream.wait_event(ev)
+    def _enter(self, wait: Any) -> None:
+        """The full path's first pair of `stream_pairs` (None: none): the comm stream waits for the caller's."""
+        if wait is not None:
+            record_wait(wait[0], wait[1], self.stream.handle)
 
-    def _leave(self, stream: int, fresh: bool = True) -> Event | None:
-        """The caller's stream waits for the comm stream. `fresh`: a new event (it is returned to the caller, who
-        may wait on it later), else the executor's reused one (only this wait uses it; None when the caller is on
-        the comm stream, which needs no wait)."""
-        comm = self.stream.handle
-        if fresh:
-            ev = Event(timing=False)
-        elif stream == comm:
-            return None
-        else:
-            ev = self._leave_event
-            if ev is None:
-                ev = self._leave_event = Event(timing=False)
-        native = self._native
-        if native is not None and not native.record_wait(ev.handle, comm, stream):
-            return ev
-        ev.record(self.stream)
-        _cuda.check(_cuda.driver().cuStreamWaitEvent(int(stream), ev._event, 0), "cuStreamWaitEvent")
-        return ev
+    def _leave(self, signal: Any) -> None:
+        """The full path's last pair of `stream_pairs` (None: none): the caller's stream waits for the comm stream."""
+        if signal is not None:
+            record_wait(signal[0], self.stream.handle, signal[1])
 
     def _allocator(self, req: Any, x_dtype: str):
         """`DirectRank`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
@@ -211,6 +184,7 @@ class GpuExecutor:
 
         # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block): viewed at once by the full
         # path (`int32_block`), left in the block by a repeat (`handle_block`: the handle views a field when read)
+        alloc.trusted = is_trusted_allocator(allocate)  # the request's allocator (`validation.trust_handle`)
         own = self._is_default_allocator(allocate)
         offered = getattr(allocate, "int32_block", None)  # the allocator's own (ep_torch's: torch views)
         if offered is not None and use_offered():
@@ -229,10 +203,32 @@ class GpuExecutor:
             self._allocators[key] = alloc
         return alloc
 
-    @staticmethod
-    def new_event() -> Event:
-        """An event for a stream-order pair (`op_plan.stream_pairs`)."""
-        return Event(timing=False)
+    def stream_pairs(self, stream: int, fresh: bool) -> tuple:
+        """The stream-order pairs of one call: `(wait, signal, leave event)`, `wait` the comm stream's wait for the
+        caller's `stream` (inputs ready), `signal` the caller's wait for the comm stream (outputs ready), each
+        `(event, caller's stream)` or None (a caller on the comm stream needs no wait). A plan's run issues them
+        with its first and last launch (one native call each; `ep_core.kernels.op_plan`), the full path around its
+        launches (`_enter`, `_leave`). One event serves every call's wait: a stream wait binds to the event's latest
+        record at the time of the wait, so recording it again later changes no earlier wait. `fresh`: a new leave
+        event (returned to the caller, who may wait on it later), else the executor's reused one."""
+        if self._destroyed:
+            raise EPStateError("the executor was destroyed")
+        comm = self.stream.handle
+        wait = None
+        if stream != comm:
+            ev = self._enter_event
+            if ev is None:
+                ev = self._enter_event = Event(timing=False)
+            wait = (ev, stream)
+        if fresh:
+            leave = Event(timing=False)
+        elif stream == comm:
+            return wait, None, None
+        else:
+            leave = self._leave_event
+            if leave is None:
+                leave = self._leave_event = Event(timing=False)
+        return wait, (leave, stream), leave
 
     def dispatch(self, req: Any) -> Any:
         rank = self.rank
@@ -242,15 +238,22 @@ class GpuExecutor:
         res = None
         idx = req.topk_idx
         # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
-        # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`)
-        copy = self._routing_copy(req, idx) if req.do_handle_copy and idx is not None and idx.nbytes else None
-        rank._allocator = self._allocator(req, req.x.dtype)
+        # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`); none for an empty routing
+        alloc = self._allocator(req, req.x.dtype)
+        copy = (
+            self._routing_copy(req, idx)
+            if req.do_handle_copy and idx is not None and 0 not in idx.shape
+            else None
+        )
+        trusted = copy is not None and alloc.trusted
+        wait, signal, ev = self.stream_pairs(req.stream, fresh)
+        rank._allocator = alloc
         try:
-            # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run (nothing done): the full path. A
-            # zero-copy request has its own entries (`zero_copy` is in the request cache's key), so its plan is one
+            # the plan of a prepared entry (ep_core.kernels.op_plan): its run makes the new handle with its routing
+            # (the copy) itself; None from it (nothing done): the full path. A zero-copy request has its own
+            # entries (`zero_copy` is in the request cache's key), so its plan is one
             if plan is not None and plan.rank is rank:
-                wait, signal, ev = stream_pairs(self, req.stream, fresh)
-                sf, idx, w = req.sf, req.topk_idx, req.topk_weights
+                sf, w = req.sf, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
                 res = plan.run(
                     req.x.ptr,
@@ -264,14 +267,20 @@ class GpuExecutor:
                     req.x.dtype,
                     wait,
                     signal,
-                    0 if copy is None else array_ptr(copy, "handle.topk_idx"),
+                    copy,
+                    False,
+                    trusted,
                 )
             if res is None:
-                self._enter(req.stream)
+                self._enter(wait)
                 res = self._dispatch(req, token is not None, copy)
                 if token is not None:
                     token.plan = rank.last_repeat
-                ev = self._leave(req.stream, fresh=fresh)
+                self._leave(signal)
+                if res.handle is not req.handle and idx is not None:
+                    res.handle.topk_idx = idx.obj if copy is None else copy
+                    if trusted:
+                        note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         finally:
             rank._allocator = None
         if req.zero_copy:
@@ -280,13 +289,6 @@ class GpuExecutor:
             res.recv_x.dtype = req.x.dtype
             if res.recv_sf is not None:
                 res.recv_sf.dtype = req.sf.dtype
-        if res.handle is not req.handle and idx is not None:
-            if copy is None:
-                res.handle.topk_idx = idx.obj
-            else:
-                res.handle.topk_idx = copy
-                if is_trusted_allocator(req.allocator):
-                    note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         res.event = ev if fresh else None  # this call's own result object
         return res
 
@@ -336,11 +338,12 @@ class GpuExecutor:
         plan = None if token is None else token.plan
         fresh = req.async_with_compute_stream
         res = None
-        rank._allocator = self._allocator(req, "bfloat16")
+        alloc = self._allocator(req, "bfloat16")
+        wait, signal, ev = self.stream_pairs(req.stream, fresh)
+        rank._allocator = alloc
         try:
             # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run: the full path
             if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
-                wait, signal, ev = stream_pairs(self, req.stream, fresh)
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
                 res = plan.run(
@@ -354,7 +357,7 @@ class GpuExecutor:
                     signal,
                 )
             if res is None:
-                self._enter(req.stream)
+                self._enter(wait)
                 bias = tuple(_view(b) for b in req.bias)
                 res = rank.combine(
                     _view(req.x),
@@ -368,7 +371,7 @@ class GpuExecutor:
                 )
                 if token is not None:
                     token.plan = rank.last_repeat
-                ev = self._leave(req.stream, fresh=fresh)
+                self._leave(signal)
         finally:
             rank._allocator = None
         res.event = ev if fresh else None  # this call's own result object

@@ -34,7 +34,6 @@ import numpy as np
 
 from ep_core import device_array as _device_array
 from ep_core._env import knobs
-from ep_core.errors import EPStateError
 from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
@@ -59,7 +58,6 @@ __all__ = [
     "handle_topk_idx",
     "note_handle_topk_idx",
     "run_launch",
-    "stream_pairs",
 ]
 
 _Q = struct.Struct("<q")
@@ -221,29 +219,6 @@ def note_handle_topk_idx(rank: Any, handle: EPHandle, idx: Any, is_int32: bool) 
 # ------------------------------------------------------------------------------- the rank's per-call steps
 # Inlined here (a run calls no other module on its way to the launch): the guard's fast path, the handle's owner
 # check, the prepared launch with its stream-order pairs. Their slow paths are `DirectRank`'s.
-
-
-def stream_pairs(executor: Any, stream: int, fresh: bool) -> tuple:
-    """`GpuExecutor`'s stream-order pairs, issued with a run's first and last launch (one native call each):
-    `(wait, signal, leave event)`; `fresh`: a new leave event (the caller's), else the executor's reused one."""
-    if executor._destroyed:
-        raise EPStateError("the executor was destroyed")
-    comm = executor.stream.handle
-    wait = None
-    if stream != comm:
-        ev = executor._enter_event
-        if ev is None:
-            ev = executor._enter_event = executor.new_event()
-        wait = (ev, stream)
-    if fresh:
-        leave = executor.new_event()
-    elif stream == comm:
-        return wait, None, None
-    else:
-        leave = executor._leave_event
-        if leave is None:
-            leave = executor._leave_event = executor.new_event()
-    return wait, (leave, stream), leave
 
 
 def _guard(rank: Any) -> None:
@@ -482,16 +457,18 @@ class DispatchPlan:
             if self.cached:
                 if not check_handle_key(buffer.config, self._executor, b, self._handle_key):
                     return None
-                wait, signal, _leave = stream_pairs(self._executor, stream, False)
-                return self.run(ptrs[0], 0, 0, ptrs[1], 0, b, None, None, self._x_name, wait, signal, 0, True)
+                wait, signal, _leave = self._executor.stream_pairs(stream, False)
+                return self.run(
+                    ptrs[0], 0, 0, ptrs[1], 0, b, None, None, self._x_name, wait, signal, None, True
+                )
             if self._sf_name is None:
                 x_ptr, idx_ptr, w_ptr = ptrs
                 sf_ptr = 0
             else:
                 x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
-            wait, signal, _leave = stream_pairs(self._executor, stream, False)
+            wait, signal, _leave = self._executor.stream_pairs(stream, False)
             res = self.run(
-                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_name, wait, signal, 0, True
+                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_name, wait, signal, None, True
             )
         except Exception as exc:
             # a call that launched nothing gives up its step; after a launch (a timeout, a kernel's error) there
@@ -580,15 +557,17 @@ class DispatchPlan:
         x_name: str = "",
         wait: Any = None,
         signal: Any = None,
-        copy_ptr: int = 0,
+        copy: Any = None,
         kept: bool = False,
+        trusted: bool = False,
     ) -> DispatchResult | None:
         """The dispatch, or None (nothing done: the caller takes the full path). `idx_ptr` / `topk_idx`: the
         caller's routing (a cached dispatch reads its handle's). `allocate(shape, dtype_name)`: the request's
         allocator, called as `GpuExecutor`'s wrapper calls it (`x_name`: x's dtype name); None: the rank's (numpy
-        dtypes). `wait` / `signal`: the stream-order pairs, issued with the first and the last launch. `copy_ptr`:
-        the new handle's routing copy, which the kernel fills (0: none). `kept`: a kept plan's call (`__call__`):
-        the allocations from its batches (`_made`, `_kept_outputs`) instead of `allocate`'s."""
+        dtypes). `wait` / `signal`: the stream-order pairs, issued with the first and the last launch. `copy`: the
+        new handle's routing copy (its `topk_idx`), which the kernel fills (None: none; `trusted`: from a marked
+        allocator, its verdict kept, `note_handle_topk_idx`). `kept`: a kept plan's call (`__call__`): the
+        allocations from its batches (`_made`, `_kept_outputs`) instead of `allocate`'s."""
         rank = self.rank
         if rank._last_scratch != self.scratch or rank.debug_skip_scaleout_signal != self.skip_signal:
             return None
@@ -623,6 +602,9 @@ class DispatchPlan:
             fwd_ptr = ptrs[5] if self.hybrid else 0
             launch = rank._handle_launch.get(handle, -1)
         else:
+            copy_ptr = 0
+            if copy is not None:  # the handle's routing is the copy the kernel fills
+                topk_idx, copy_ptr = copy, array_ptr(copy, "handle.topk_idx")
             if kept:  # this call's one batch, after the guard: (the outputs,) the routing copy, the block
                 arrays, aptrs = self._made = self._alloc()
                 block = Int32Block.adopt(arrays[-1], self._int32_key, aptrs[-1])
@@ -754,6 +736,8 @@ class DispatchPlan:
             rank._handle_launch[handle] = launch_number
             if not self.cpu_sync:
                 rank._unconfirmed.add(handle)
+        if trusted:
+            note_handle_topk_idx(rank, handle, copy, self.idx32)
         if rank._input_pending:
             rank._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
@@ -827,7 +811,7 @@ class CombinePlan:
         try:
             if not check_handle_key(buffer.config, self._executor, handle, self._handle_key):
                 return None
-            wait, signal, _leave = stream_pairs(self._executor, stream, False)
+            wait, signal, _leave = self._executor.stream_pairs(stream, False)
             return self.run(ptrs[0], ptrs[1], 0, 0, handle, None, wait, signal, True)
         except Exception as exc:
             buffer.announce_error("combine", exc, step)
