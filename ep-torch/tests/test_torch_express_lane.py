@@ -771,7 +771,10 @@ def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_r
         to_launch = road[: road.index("LAUNCH")]
         for mod in ("ep_core.prepared", "ep_core.kernels.op_plan"):
             assert to_launch.count(mod) == 1, (name, mod, road)
-        assert to_launch.count("ep_core.kernels.gpu_executor") <= 2, (name, road)  # `launch_step`, the run's call
+        assert to_launch.count("ep_core.kernels.gpu_executor") <= 2, (
+            name,
+            road,
+        )  # `launch_step`, the run's call
         if "cached" not in name and name != "combine":
             assert "ep_core.validation" not in to_launch, (name, road)
         assert "ep_core.kernels.direct_rank" not in to_launch, (name, road)
