@@ -777,5 +777,5 @@ def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_r
         )  # `launch_step`, the run's call
         if "cached" not in name and name != "combine":
             assert "ep_core.validation" not in to_launch, (name, road)
-        assert "ep_core.kernels.direct_rank" not in to_launch, (name, road)
+        assert "ep_core.kernels.rank_driver" not in to_launch, (name, road)
         assert len(set(to_launch)) <= 8, (name, road)

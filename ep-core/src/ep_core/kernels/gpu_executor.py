@@ -1,4 +1,4 @@
-"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `DirectRank` (direct mode, one rank per
+"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `RankDriver` (direct mode, one rank per
 process). The transports that allocate its symmetric storage live in `ep_core.transports` (ipc, nccl); the executor
 imports none of them. It serves the nccl transport too: a storage with a non-zero `nccl_window` selects the kernels' `NcclTransport` (LSA pointers).
 
@@ -11,7 +11,7 @@ Ranks per GPU: the executor learns which ranks drive its GPU from the device ide
 the ranks sharing it, so the planner's count and the validation's bound keep every rank's grid resident together.
 
 Errors: a failed kernel makes every later call raise until `reset()`, which every rank calls together
-(`ep_core.kernels.direct_rank`, "Failures").
+(`ep_core.kernels.rank_driver`, "Failures").
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
-from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
 from ep_core.kernels.op_plan import note_handle_topk_idx
 from ep_core.kernels.plan import epilogue_share, rank_sm_share
 from ep_core.kernels.prepared_launch import record_wait
+from ep_core.kernels.rank_driver import RankDriver, RankResources, count_ranks_on_device
 from ep_core.validation import is_trusted_allocator
 
 __all__ = ["GpuExecutor"]
@@ -69,7 +69,7 @@ class GpuExecutor:
     """`Executor` of one rank: validated requests in, kernels launched on the comm stream."""
 
     array_device = "cuda"
-    # honours `DispatchRequest.zero_copy` (`DirectRank.launch_dispatch(zero_copy=True)`; EPBuffer asks for this mark)
+    # honours `DispatchRequest.zero_copy` (`RankDriver.launch_dispatch(zero_copy=True)`; EPBuffer asks for this mark)
     zero_copy_dispatch = True
     # no host channel: the kernels meet their peers on the device (`EPBuffer._step` reads this)
     channel = None
@@ -109,7 +109,7 @@ class GpuExecutor:
         topology = getattr(config, "topology", None)
         su = topology.num_scaleup_ranks if topology is not None and topology.is_hybrid else None
         nvl = topology.num_nvlink_ranks if topology is not None else None
-        self.rank = DirectRank(
+        self.rank = RankDriver(
             res,
             num_max_tokens_per_rank=config.num_max_tokens_per_rank,
             gpu_timeout_secs=config.num_gpu_timeout_secs,
@@ -130,8 +130,8 @@ class GpuExecutor:
 
     @property
     def launch_step(self) -> int:
-        """The device-side step counter (`DirectRank.launch_step`): see `ep_core.EPBuffer.announce_error`."""
-        return self.rank._num_collective_launches  # `DirectRank.launch_step`'s field (read on every call)
+        """The device-side step counter (`RankDriver.launch_step`): see `ep_core.EPBuffer.announce_error`."""
+        return self.rank._num_collective_launches  # `RankDriver.launch_step`'s field (read on every call)
 
     def abandon_step(self) -> None:
         self.rank.abandon_step()
@@ -157,7 +157,7 @@ class GpuExecutor:
             record_wait(signal[0], self.stream.handle, signal[1])
 
     def _allocator(self, req: Any, x_dtype: str):
-        """`DirectRank`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
+        """`RankDriver`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
         reused by every call of that pair: the rank allocates up to eight arrays per dispatch (a new handle's int32
         arrays in one block)."""
         key = (req.allocator, x_dtype)
@@ -202,6 +202,15 @@ class GpuExecutor:
                 self._allocators.clear()
             self._allocators[key] = alloc
         return alloc
+
+    def stream_events(self) -> tuple:
+        """The two reused events of `stream_pairs` (the comm stream's wait, the caller's wait), made on first use:
+        a kept plan (`ep_core.kernels.op_plan`) takes them once and builds its pairs itself."""
+        if self._enter_event is None:
+            self._enter_event = Event(timing=False)
+        if self._leave_event is None:
+            self._leave_event = Event(timing=False)
+        return self._enter_event, self._leave_event
 
     def stream_pairs(self, stream: int, fresh: bool) -> tuple:
         """The stream-order pairs of one call: `(wait, signal, leave event)`, `wait` the comm stream's wait for the
@@ -301,11 +310,11 @@ class GpuExecutor:
     def _routing_copy(self, req: Any, idx: Any) -> Any:
         """A new handle's array for its copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor
         after the call), from the request's allocator with the routing's shape and dtype; the dispatch kernel
-        fills it (`DirectRank.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
+        fills it (`RankDriver.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
         return req.allocator(idx.shape, idx.dtype)
 
     def _dispatch(self, req: Any, record: bool, copy: Any = None) -> Any:
-        """The full path of `DirectRank.dispatch` (views of every argument, every check); `copy`: the new
+        """The full path of `RankDriver.dispatch` (views of every argument, every check); `copy`: the new
         handle's copy of the routing, filled by the kernel. A zero-copy dispatch's outputs are the rank's views of its
         receive region (the allocator makes the handle's arrays only)."""
         return self.rank.dispatch(
@@ -329,7 +338,7 @@ class GpuExecutor:
         )
 
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
-        """This rank's zero-copy combine buffer (`DirectRank.combine_buffer`)."""
+        """This rank's zero-copy combine buffer (`RankDriver.combine_buffer`)."""
         return self.rank.combine_buffer(handle, hidden)
 
     def combine(self, req: Any) -> Any:
