@@ -703,11 +703,16 @@ def _road(fn) -> list[str]:
             if back is None or back.f_globals.get("__name__", "") != mod:
                 seq.append(mod)
 
+    import gc
+
+    gc.collect()  # an earlier test's buffer collected inside the call (its `__del__`) is not the road
+    gc.disable()
     sys.setprofile(prof)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return seq
 
 

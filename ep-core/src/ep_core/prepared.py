@@ -45,27 +45,12 @@ _MAX_ENTRIES = (
 )
 
 # request fields that change from call to call (everything else comes from the entry)
-_DISPATCH_PER_CALL = (
-    "x",
-    "sf",
-    "topk_idx",
-    "topk_weights",
-    "handle",
-    "cumulative_local_expert_recv_stats",
-    "allocator",
-    "stream",
-    "previous_event",
-    "previous_event_before_epilogue",
+_DISPATCH_PER_CALL = frozenset(
+    "x sf topk_idx topk_weights handle cumulative_local_expert_recv_stats allocator stream "  # noqa: SIM905
+    "previous_event previous_event_before_epilogue".split()
 )
-_COMBINE_PER_CALL = (
-    "x",
-    "handle",
-    "topk_weights",
-    "bias",
-    "allocator",
-    "stream",
-    "previous_event",
-    "previous_event_before_epilogue",
+_COMBINE_PER_CALL = frozenset(
+    "x handle topk_weights bias allocator stream previous_event previous_event_before_epilogue".split()  # noqa: SIM905
 )
 
 
@@ -166,7 +151,7 @@ class PreparedOps:
             getattr(target, "rdma_gbs", None),
         )
 
-    def _store(self, table: dict, key: tuple, req: Any, per_call: tuple) -> None:
+    def _store(self, table: dict, key: tuple, req: Any, per_call: frozenset) -> None:
         """Keep a validated request's fields under its key, with a new `PreparedToken` that this request and
         every later one served from the entry carry."""
         if len(table) >= _MAX_ENTRIES:

@@ -89,9 +89,6 @@ class PreparedToken:
     def __init__(self) -> None:
         self.plan: Any = None
 
-    def __repr__(self) -> str:
-        return f"PreparedToken(plan={type(self.plan).__name__})"
-
 
 @dataclass(frozen=True)
 class BufferConfig:

@@ -27,22 +27,11 @@ from ep_core.requests import CombineArgs, DispatchArgs
 from . import _env, host_extension
 from .event import EventHandle, EventOverlap
 
+# ep-core's dtype names are torch's
 _TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "bool": torch.bool,
+    name: getattr(torch, name)
+    for name in "bfloat16 float16 float32 float64 float8_e4m3fn float8_e5m2 int8 uint8 int16 int32 "  # noqa: SIM905
+    "int64 uint16 uint32 uint64 bool".split()
 }
 
 

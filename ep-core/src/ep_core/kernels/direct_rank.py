@@ -1,6 +1,4 @@
-"""The former name of `ep_core.kernels.rank_driver` (`DirectRank` is `RankDriver`): the same module object under
-both names, so that code importing or patching `direct_rank` (`ep_core.loopback`, `ep_core.transports.nccl`,
-`benchmarks/profile_ops.py`) keeps working."""
+"""`ep_core.kernels.rank_driver`'s former name, the same module object (`ep_core.loopback`, `transports.nccl`)."""
 
 import sys
 

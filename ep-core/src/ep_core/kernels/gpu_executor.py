@@ -121,8 +121,9 @@ class GpuExecutor:
             ),
         )
         self._destroyed = False
-        self._enter_event: Event | None = None
-        self._leave_event: Event | None = None
+        # the reused events of `stream_pairs`, made at first use (`stream_events`)
+        self.enter_event: Event | None = None
+        self.leave_event: Event | None = None
         self._allocators: dict = {}
         # C++ event pairs and launches (ep_launch) loaded now, or cuda-python (announced once, `launch_path`)
         _cuda.native_launch()
@@ -145,16 +146,6 @@ class GpuExecutor:
 
     # exact shapes and dtypes on this GPU (`validation.trust_handle`)
     default_allocator.ep_core_trusted = True
-
-    def _enter(self, wait: Any) -> None:
-        """The full path's first pair of `stream_pairs` (None: none): the comm stream waits for the caller's."""
-        if wait is not None:
-            record_wait(wait[0], wait[1], self.stream.handle)
-
-    def _leave(self, signal: Any) -> None:
-        """The full path's last pair of `stream_pairs` (None: none): the caller's stream waits for the comm stream."""
-        if signal is not None:
-            record_wait(signal[0], self.stream.handle, signal[1])
 
     def _allocator(self, req: Any, x_dtype: str):
         """`RankDriver`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
@@ -185,7 +176,10 @@ class GpuExecutor:
         # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block): viewed at once by the full
         # path (`int32_block`), left in the block by a repeat (`handle_block`: the handle views a field when read)
         alloc.trusted = is_trusted_allocator(allocate)  # the request's allocator (`validation.trust_handle`)
-        own = self._is_default_allocator(allocate)
+        # this executor's own `default_allocator` (DeviceArrays on the comm stream)?
+        own = getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
+            GpuExecutor.default_allocator
+        )
         offered = getattr(allocate, "int32_block", None)  # the allocator's own (ep_torch's: torch views)
         if offered is not None and use_offered():
             alloc.int32_block = offered
@@ -203,41 +197,29 @@ class GpuExecutor:
             self._allocators[key] = alloc
         return alloc
 
-    def stream_events(self) -> tuple:
-        """The two reused events of `stream_pairs` (the comm stream's wait, the caller's wait), made on first use:
-        a kept plan (`ep_core.kernels.op_plan`) takes them once and builds its pairs itself."""
-        if self._enter_event is None:
-            self._enter_event = Event(timing=False)
-        if self._leave_event is None:
-            self._leave_event = Event(timing=False)
-        return self._enter_event, self._leave_event
-
     def stream_pairs(self, stream: int, fresh: bool) -> tuple:
-        """The stream-order pairs of one call: `(wait, signal, leave event)`, `wait` the comm stream's wait for the
-        caller's `stream` (inputs ready), `signal` the caller's wait for the comm stream (outputs ready), each
-        `(event, caller's stream)` or None (a caller on the comm stream needs no wait). A plan's run issues them
-        with its first and last launch (one native call each; `ep_core.kernels.op_plan`), the full path around its
-        launches (`_enter`, `_leave`). One event serves every call's wait: a stream wait binds to the event's latest
-        record at the time of the wait, so recording it again later changes no earlier wait. `fresh`: a new leave
-        event (returned to the caller, who may wait on it later), else the executor's reused one."""
+        """One call's stream-order pairs `(wait, signal, leave event)`: the comm stream waits for the caller's
+        `stream` (inputs ready), the caller's for the comm stream (outputs ready); each `(event, stream)`, None on the
+        comm stream. A plan's run issues them with its first and last launch, the full path around its launches. A
+        reused event serves every call (a wait binds to the event's record at the time); `fresh`: a new leave event
+        (the caller's)."""
         if self._destroyed:
             raise EPStateError("the executor was destroyed")
-        comm = self.stream.handle
-        wait = None
-        if stream != comm:
-            ev = self._enter_event
-            if ev is None:
-                ev = self._enter_event = Event(timing=False)
-            wait = (ev, stream)
+        same = stream == self.stream.handle
+        if same and not fresh:
+            return None, None, None
+        enter, leave = self.enter_event, self.leave_event
+        if enter is None:
+            enter, leave = self.stream_events()
         if fresh:
             leave = Event(timing=False)
-        elif stream == comm:
-            return wait, None, None
-        else:
-            leave = self._leave_event
-            if leave is None:
-                leave = self._leave_event = Event(timing=False)
-        return wait, (leave, stream), leave
+        return None if same else (enter, stream), (leave, stream), leave
+
+    def stream_events(self) -> tuple:
+        """The two reused events of `stream_pairs`, made at first use (a kept plan takes them at `keep`)."""
+        if self.enter_event is None:
+            self.enter_event, self.leave_event = Event(timing=False), Event(timing=False)
+        return self.enter_event, self.leave_event
 
     def dispatch(self, req: Any) -> Any:
         rank = self.rank
@@ -281,11 +263,13 @@ class GpuExecutor:
                     trusted,
                 )
             if res is None:
-                self._enter(wait)
+                if wait is not None:  # the pairs around the full path's launches
+                    record_wait(wait[0], wait[1], self.stream.handle)
                 res = self._dispatch(req, token is not None, copy)
                 if token is not None:
                     token.plan = rank.last_repeat
-                self._leave(signal)
+                if signal is not None:
+                    record_wait(signal[0], self.stream.handle, signal[1])
                 if res.handle is not req.handle and idx is not None:
                     res.handle.topk_idx = idx.obj if copy is None else copy
                     if trusted:
@@ -300,12 +284,6 @@ class GpuExecutor:
                 res.recv_sf.dtype = req.sf.dtype
         res.event = ev if fresh else None  # this call's own result object
         return res
-
-    def _is_default_allocator(self, allocate: Any) -> bool:
-        """Whether `allocate` is this executor's own `default_allocator` (DeviceArrays on the comm stream)."""
-        return getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
-            GpuExecutor.default_allocator
-        )
 
     def _routing_copy(self, req: Any, idx: Any) -> Any:
         """A new handle's array for its copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor
@@ -366,7 +344,8 @@ class GpuExecutor:
                     signal,
                 )
             if res is None:
-                self._enter(wait)
+                if wait is not None:  # the pairs around the full path's launches
+                    record_wait(wait[0], wait[1], self.stream.handle)
                 bias = tuple(_view(b) for b in req.bias)
                 res = rank.combine(
                     _view(req.x),
@@ -380,7 +359,8 @@ class GpuExecutor:
                 )
                 if token is not None:
                     token.plan = rank.last_repeat
-                self._leave(signal)
+                if signal is not None:
+                    record_wait(signal[0], self.stream.handle, signal[1])
         finally:
             rank._allocator = None
         res.event = ev if fresh else None  # this call's own result object

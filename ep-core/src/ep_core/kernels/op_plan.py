@@ -766,8 +766,7 @@ def _kept(plan: Any, buffer: Any, allocator: Any, match: Any, handle: Any) -> An
 
 
 def _kept_pairs(plan: Any, stream: int) -> tuple:
-    """A kept plan's stream-order pairs `(wait, signal)`: `GpuExecutor.stream_pairs(stream, False)` over the
-    executor's two reused events, taken at `keep` (none for a caller on the comm stream)."""
+    """A kept plan's `(wait, signal)`: `GpuExecutor.stream_pairs(stream, False)` over the events taken at `keep`."""
     if stream == plan._comm:
         return None, None
     enter, leave = plan._events

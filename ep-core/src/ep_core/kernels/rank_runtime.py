@@ -1,7 +1,6 @@
-"""The per-rank runtime state of the kernels' driver (`RankDriver`, `ep_core.kernels.rank_driver`): the launch
-step (the envelopes' sequence), the guard and its slow path, the error record, the handles a failure spoilt, and the
-collective reset. `RankRuntime` is a part of `RankDriver` (its fields are made by `RankDriver.__init__`); the host
-steps' state of a buffer (`RankState`, `Guard`) is `ep_core.rank_state`'s.
+"""`RankRuntime`, the per-rank runtime state of `RankDriver` (`ep_core.kernels.rank_driver`, which makes its fields):
+the launch step, the guard's slow path, the error record, the spoilt handles, the reset (a buffer's host steps:
+`ep_core.rank_state`).
 
 Failures (the host half of the rule in include/ep_core/timeout.cuh). A wait that times out records the error in the
 workspace and raises the abort flag of every rank; the flag stays raised until the domain is reset, and every kernel
