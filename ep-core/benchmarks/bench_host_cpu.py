@@ -230,7 +230,7 @@ def run(iters: int) -> list[tuple[str, float]]:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the GPU executor with the CUDA driver mocked: every host step of EPBuffer -> GpuExecutor -> DirectRank runs (validation,
+# the GPU executor with the CUDA driver mocked: every host step of EPBuffer -> GpuExecutor -> RankDriver runs (validation,
 # planning, views, argument packing), kernel launches and driver calls are no-ops
 
 
@@ -303,8 +303,8 @@ class _MockedGpu:
 
     def __enter__(self):
         from ep_core.kernels import _cuda
-        from ep_core.kernels import direct_rank as kex
         from ep_core.kernels import gpu_executor as gex
+        from ep_core.kernels import rank_driver as kex
 
         self._saved = []
 

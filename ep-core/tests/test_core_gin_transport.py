@@ -25,7 +25,7 @@ from ep_core import planner
 from ep_core.errors import EPConfigError
 from ep_core.kernels import gpu_executor
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
-from ep_core.kernels.direct_rank import DirectRank, RankResources
+from ep_core.kernels.rank_driver import RankDriver, RankResources
 from ep_core.topology import Topology
 from ep_core.transports import nccl as nccl_transport
 from ep_core.transports.nccl import NcclStorage, NcclTransport, gin_requirements
@@ -305,7 +305,7 @@ def test_devcomm_pointer_reaches_packed_op_args() -> None:
         res=res, rank=1, num_max_tokens=8, timeout_cycles=5, _status=SimpleNamespace(device_ptr=0x99)
     )
     plan = SimpleNamespace(workspace_offset=0, recv_offset=4096)
-    args = DirectRank._common(me, plan, 0x5000, 16)
+    args = RankDriver._common(me, plan, 0x5000, 16)
     raw = pack_op_args(**args)
     i = OP_ARGS_FIELDS.index("nccl_devcomm")
     assert int.from_bytes(raw[8 * i : 8 * i + 8], "little") == 0xDC000
@@ -317,11 +317,11 @@ def test_jit_picks_gin_scaleout_for_nccl_hybrid() -> None:
     me = SimpleNamespace(
         res=res, _num_warps=None, _configs={}, num_ranks=4, num_scaleup_ranks=2, num_nvlink_ranks=2
     )
-    cfg = DirectRank._config(me, 2048, 2, 0, 4)
+    cfg = RankDriver._config(me, 2048, 2, 0, 4)
     assert cfg.transport == "nccl" and cfg.scaleout == "gin" and cfg.num_scaleup_ranks == 2
     me.res = SimpleNamespace(nccl_window=0)
     me._configs = {}
-    assert DirectRank._config(me, 2048, 2, 0, 4).scaleout == "emulated"
+    assert RankDriver._config(me, 2048, 2, 0, 4).scaleout == "emulated"
 
 
 def test_jit_picks_gin_for_nccl_direct_across_nodes() -> None:
@@ -329,22 +329,22 @@ def test_jit_picks_gin_for_nccl_direct_across_nodes() -> None:
     me = SimpleNamespace(
         res=res, _num_warps=None, _configs={}, num_ranks=4, num_scaleup_ranks=4, num_nvlink_ranks=2
     )
-    cfg = DirectRank._config(me, 2048, 2, 0, 4)
+    cfg = RankDriver._config(me, 2048, 2, 0, 4)
     assert cfg.is_direct_xnode and not cfg.is_hybrid and cfg.scaleout == "gin"
     assert cfg.defines()["EP_CORE_TRANSPORT"] == "ep_core::NodeLsaTransport<2>"
     me.res = SimpleNamespace(nccl_window=0)
     me._configs = {}
-    assert DirectRank._config(me, 2048, 2, 0, 4).scaleout == "emulated"
+    assert RankDriver._config(me, 2048, 2, 0, 4).scaleout == "emulated"
 
 
 def test_hybrid_over_nccl_without_devcomm_is_refused() -> None:
     res = RankResources(0, 4, 0x7000_0000_0000, 1 << 20, 0, None, nccl_window=0xAB000)
     with pytest.raises(EPConfigError, match="nccl_devcomm: hybrid mode"):
-        DirectRank(res, num_max_tokens_per_rank=8, num_scaleup_ranks=2)
+        RankDriver(res, num_max_tokens_per_rank=8, num_scaleup_ranks=2)
     with pytest.raises(
         EPConfigError, match=r"nccl_devcomm: direct mode across nodes over transport 'nccl' \(2 nodes"
     ):
-        DirectRank(res, num_max_tokens_per_rank=8, num_nvlink_ranks=2)
+        RankDriver(res, num_max_tokens_per_rank=8, num_nvlink_ranks=2)
 
 
 def test_storage_close_frees_the_devcomm_copy(fake) -> None:

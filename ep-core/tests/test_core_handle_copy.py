@@ -4,7 +4,7 @@
 The copy is an array of topk_idx's shape and dtype from the request's allocator (`GpuExecutor._routing_copy`),
 and the dispatch kernel fills it in its send phase: the launch carries its pointer in `OpArgs::topk_idx_copy`
 (no copy of its own on the stream). Checked here: the words of the full path's launch and of the repeats, CPU sync
-or not, int64 and int32 routing; a cached dispatch carries none; `DirectRank.launch_dispatch` refuses a copy of
+or not, int64 and int32 routing; a cached dispatch carries none; `RankDriver.launch_dispatch` refuses a copy of
 another shape or dtype, or one given with a handle, naming `topk_idx_copy`."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CPU: a handle's owner on the GPU road (issue 41), driver mocked (`ep-core/benchmarks/bench_host_cpu.py`'s).
 
 A dispatch stamps its handle with its buffer's identity and generation (`ep_core.rank_state.check_owner`, shared
-with the reference executor); the rank runtime (`DirectRank._check_handle`, which every road to a combine, cached
+with the reference executor); the rank runtime (`RankDriver._check_handle`, which every road to a combine, cached
 dispatch or combine buffer passes: the full path, the repeats and the express lanes) refuses a handle of another
 buffer (`EPValueError`) or one from before a `reset()` (`EPStateError`), naming it, before anything is launched.
 A valid handle passes on every road."""

@@ -17,9 +17,9 @@ from ep_core.kernels._source import (
 # the zero-copy combine and dispatch: direct-mode instances only
 ALL = (*KERNEL_NAMES, ZERO_COPY_KERNEL, DISPATCH_ZERO_COPY_KERNEL)
 
-# the rank's modules that launch them (`DirectRank`: its state, its dispatch side, its combine side)
+# the rank's modules that launch them (`RankDriver`: its state, its dispatch side, its combine side)
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "src" / "ep_core" / "kernels"
-SRC = [KERNELS_DIR / name for name in ("direct_rank.py", "dispatch_launch.py", "combine_launch.py")]
+SRC = [KERNELS_DIR / name for name in ("rank_driver.py", "dispatch_launch.py", "combine_launch.py")]
 
 # DeepEP's substring -> the ep kernel it must find. DeepEP's combine reduce epilogue (`combine_reduce_epilogue_impl`)
 # has no ep counterpart: ep's combine reduces in its one kernel.

@@ -18,12 +18,12 @@ import pytest
 from ep_core import planner
 from ep_core.errors import EPConfigError, EPDeviceError, EPStateError, EPTimeoutError
 from ep_core.kernels import _cuda
-from ep_core.kernels import direct_rank as direct_rank_mod
 from ep_core.kernels import gpu_executor as gpu_executor_mod
+from ep_core.kernels import rank_driver as rank_driver_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH, describe_envelope, pack_envelope
-from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
 from ep_core.kernels.plan import SCRATCH_INPUT_ERROR_OFFSET, LaunchGeometry, check_occupancy, default_num_sms
+from ep_core.kernels.rank_driver import RankDriver, RankResources, count_ranks_on_device
 from ep_core.topology import Topology
 from ep_core.transports import ipc
 
@@ -71,20 +71,20 @@ class FakeKernel:
 
 @pytest.fixture
 def fake_driver(monkeypatch):
-    """DirectRank without a GPU: 132 SMs, 1.98 GHz, fake pinned/mapped memory, memsets logged."""
+    """RankDriver without a GPU: 132 SMs, 1.98 GHz, fake pinned/mapped memory, memsets logged."""
     log: list = []
     monkeypatch.setattr(_cuda, "num_device_sms", lambda: 132)
     monkeypatch.setattr(_cuda, "device_attribute", lambda name: 1_980_000)
     monkeypatch.setattr(_cuda, "MappedWords", FakeWords)
     monkeypatch.setattr(
-        direct_rank_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8))
+        rank_driver_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8))
     )
     monkeypatch.setattr(_cuda, "memset", lambda ptr, n, stream=0: log.append(("memset", ptr, n)))
     monkeypatch.setattr(_cuda, "synchronize_context", lambda: log.append("context drained"))
     return log
 
 
-def make_rank(log: list, *, num_ranks: int = 2, rank: int = 0, on_device: int = 0, **kw) -> DirectRank:
+def make_rank(log: list, *, num_ranks: int = 2, rank: int = 0, on_device: int = 0, **kw) -> RankDriver:
     res = RankResources(
         rank,
         num_ranks,
@@ -94,7 +94,7 @@ def make_rank(log: list, *, num_ranks: int = 2, rank: int = 0, on_device: int = 
         FakeStream(log, f"r{rank}"),
         num_ranks_on_device=on_device,
     )
-    return DirectRank(res, num_max_tokens_per_rank=64, **kw)
+    return RankDriver(res, num_max_tokens_per_rank=64, **kw)
 
 
 def record(kind: int, *, rank: int = 1, tag: int = 3, counter: int = 99, value: int = 0) -> np.ndarray:
@@ -112,7 +112,7 @@ def record(kind: int, *, rank: int = 1, tag: int = 3, counter: int = 99, value: 
     return rec
 
 
-def set_device_error(rank: DirectRank, rec: np.ndarray, inp: np.ndarray | None = None) -> None:
+def set_device_error(rank: RankDriver, rec: np.ndarray, inp: np.ndarray | None = None) -> None:
     state = {"rec": rec, "inp": np.zeros(4, np.int64) if inp is None else inp}
     rank.read_error = lambda: (state["rec"].copy(), state["inp"].copy())
     rank._fake_state = state

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import ep_layout
 from ep_core.kernels import KernelConfig, _cuda, scratch_bytes
-from ep_core.kernels.direct_rank import DirectRank
 from ep_core.kernels.plan import SCRATCH_BARRIER_EPOCH_OFFSET, SCRATCH_INPUT_ERROR_OFFSET
+from ep_core.kernels.rank_driver import RankDriver
 
 ARGS_CUH = Path(__file__).resolve().parents[1] / "include" / "ep_core" / "args.cuh"
 
@@ -41,11 +41,11 @@ def test_barrier_epoch_follows_a_moved_scratch(monkeypatch) -> None:
         stream=0,
         _scratches=set(),
     )
-    _, s1 = DirectRank._regions(rank, cfg, small, "dispatch")
-    _, s1_again = DirectRank._regions(rank, cfg, small, "dispatch")
+    _, s1 = RankDriver._regions(rank, cfg, small, "dispatch")
+    _, s1_again = RankDriver._regions(rank, cfg, small, "dispatch")
     assert s1 == s1_again == base + ep_layout.WorkspaceLayout.RESERVED_OFFSET and copies == []
-    _, s2 = DirectRank._regions(rank, cfg, large, "dispatch")
-    _, s3 = DirectRank._regions(rank, cfg, small, "combine")
+    _, s2 = RankDriver._regions(rank, cfg, large, "dispatch")
+    _, s3 = RankDriver._regions(rank, cfg, small, "combine")
     off = SCRATCH_BARRIER_EPOCH_OFFSET
     assert s2 != s1 and s3 == s1
     assert copies == [(s2 + off, s1 + off, 8), (s1 + off, s2 + off, 8)]

@@ -1,4 +1,4 @@
-"""CPU: DirectRank's prepared launches (ep_core.kernels.prepared_launch). The CUDA driver is mocked; the fake
+"""CPU: RankDriver's prepared launches (ep_core.kernels.prepared_launch). The CUDA driver is mocked; the fake
 kernels record the packed `OpArgs` bytes of every launch.
 
 - a repeated call of one shape hits, and its bytes (new pointers patched into the kept words) equal those of a
@@ -22,12 +22,12 @@ import pytest
 from ep_core.device_array import DeviceArray as CoreArray
 from ep_core.handle import BLOCK_PARTS
 from ep_core.kernels import _cuda, array_block
-from ep_core.kernels import direct_rank as direct_rank_mod
+from ep_core.kernels import rank_driver as rank_driver_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 from ep_core.kernels._cuda import DeviceView
 from ep_core.kernels.array_block import ALIGN_WORDS, carve, int32_block
-from ep_core.kernels.direct_rank import DirectRank, RankResources
 from ep_core.kernels.prepared_launch import OP_ARGS_STRUCT, PreparedLaunch
+from ep_core.kernels.rank_driver import RankDriver, RankResources
 
 N, M, HIDDEN, TOPK, EXPERTS = 2, 64, 256, 4, 16
 
@@ -72,19 +72,19 @@ def launches(monkeypatch):
     monkeypatch.setattr(_cuda, "device_attribute", lambda name: 1_980_000)
     monkeypatch.setattr(_cuda, "MappedWords", FakeWords)
     monkeypatch.setattr(
-        direct_rank_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8))
+        rank_driver_mod, "PinnedBuffer", lambda n: SimpleNamespace(array=np.zeros(n, np.uint8))
     )
     monkeypatch.setattr(_cuda, "memset", lambda *a, **k: None)
     monkeypatch.setattr(_cuda, "copy_device", lambda *a, **k: None)
     monkeypatch.setattr(_cuda, "copy_to_host", _fake_counts)
     monkeypatch.setattr(_cuda, "DeviceBuffer", lambda nbytes: SimpleNamespace(ptr=0x6000_0000, nbytes=nbytes))
-    monkeypatch.setattr(direct_rank_mod, "load_kernels", lambda config: kernels)
+    monkeypatch.setattr(rank_driver_mod, "load_kernels", lambda config: kernels)
     return log
 
 
 def _fake_counts(host: np.ndarray, ptr: int, stream) -> None:
     """CPU-sync counts: 3 rows per expert (the last psum entry is the total). A copy longer than the prefix sums
-    spans a handle block from them to the counts (`DirectRank._copy_counts`' one copy): the sums first."""
+    spans a handle block from them to the counts (`RankDriver._copy_counts`' one copy): the sums first."""
     words = host.view(np.int32)
     words[:] = 3
     if len(words) >= N and len(words) != EXPERTS // N:  # the scale-up prefix sums (alone, or a block's span)
@@ -102,10 +102,10 @@ class Allocator:
         return DeviceView(self.next, tuple(shape), np.dtype(dtype), strides)
 
 
-def make_rank(alloc: Allocator, *, num_ranks: int = N, on_device: int = 1, **kw) -> DirectRank:
+def make_rank(alloc: Allocator, *, num_ranks: int = N, on_device: int = 1, **kw) -> RankDriver:
     stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
     res = RankResources(0, num_ranks, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=on_device)
-    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, **kw)
+    rank = RankDriver(res, num_max_tokens_per_rank=M, allocator=alloc, **kw)
     rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
     return rank
 
@@ -126,7 +126,7 @@ def inputs(
     return x, sf, arr((t, k), idx_dtype), arr((t, k), np.float32)
 
 
-def replay(rank: DirectRank, alloc: Allocator, log: list, call) -> list:
+def replay(rank: RankDriver, alloc: Allocator, log: list, call) -> list:
     """The launches of `call()` twice: through the rank's prepared launches, then packed afresh (cache cleared)
     with the same launch number, scratch and allocations; returns the first run's launches after checking both."""
     step, mark, n = rank._num_collective_launches, alloc.next, len(log)
@@ -393,7 +393,7 @@ class BlockAllocator(Allocator):
 
 
 @pytest.mark.parametrize("do_cpu_sync", [False, True])
-def test_direct_rank_takes_the_handle_arrays_from_one_block(launches, do_cpu_sync: bool) -> None:
+def test_rank_driver_takes_the_handle_arrays_from_one_block(launches, do_cpu_sync: bool) -> None:
     alloc = BlockAllocator()
     rank = make_rank(alloc)
     x, _, idx, w = inputs()
@@ -649,7 +649,7 @@ def test_the_epilogue_is_a_programmatic_dependent_launch_where_safe(launches, mo
     crowded.num_ranks_on_device, crowded.cooperative = 16, False
     monkeypatch.setattr(crowded, "device_sms", 200)  # 16 ranks x 8 SMs fit, twice that does not
     assert pdl_of_epilogue(crowded, do_cpu_sync=False) is False
-    monkeypatch.setattr(direct_rank_mod, "EPILOGUE_PDL", False)
+    monkeypatch.setattr(rank_driver_mod, "EPILOGUE_PDL", False)
     assert pdl_of_epilogue(make_rank(Allocator()), do_cpu_sync=False) is False
 
 
@@ -800,7 +800,7 @@ def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launche
         epilogue=NativeKernel("epilogue", launches),
         combine=NativeKernel("combine", launches),
     )
-    monkeypatch.setattr(direct_rank_mod, "load_kernels", lambda config: kernels)
+    monkeypatch.setattr(rank_driver_mod, "load_kernels", lambda config: kernels)
     monkeypatch.setattr(_cuda, "native_launch", lambda: Native)
     rank = make_rank(Allocator())
     x, _, idx, w = inputs()
@@ -837,7 +837,7 @@ def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launche
     # a CPU-sync dispatch that received no rows: the leave pair after the dispatch kernel, on its own
     rank.dispatch(x, idx, w, record=True, **kw)  # the full path, with rows: it keeps the epilogue
     sync = rank.last_repeat
-    monkeypatch.setattr(direct_rank_mod.DirectRank, "_sync_counts", lambda self, epr, a: (0, 0, [0] * epr))
+    monkeypatch.setattr(rank_driver_mod.RankDriver, "_sync_counts", lambda self, epr, a: (0, 0, [0] * epr))
     sync.prepared.main.native.name = "dispatch"
     calls.clear()
     assert sync.run(x.ptr, 0, idx.ptr, w.ptr, 0, None, idx, None, "", (enter, caller), (leave, caller))
@@ -850,14 +850,14 @@ def test_epilogue_pdl_only_where_every_block_fits_at_one_per_sm():
     132-SM GPU is not), always for a rank alone on its GPU, never after a CPU sync."""
     from types import SimpleNamespace as NS
 
-    from ep_core.kernels import direct_rank
+    from ep_core.kernels import rank_driver
 
     def pdl(n: int, grid: int, sync: bool = False, alone: bool = False, epilogue_sms: int = 0) -> bool:
         rank = NS(num_ranks_on_device=n, device_sms=132, epilogue_sms=epilogue_sms)
         p = NS(do_cpu_sync=sync, geometry=NS(grid=grid), epilogue_only=alone)
-        return direct_rank.DirectRank._epilogue_pdl(rank, p)
+        return rank_driver.RankDriver._epilogue_pdl(rank, p)
 
-    assert direct_rank.EPILOGUE_PDL
+    assert rank_driver.EPILOGUE_PDL
     assert pdl(1, 132) and pdl(8, 8) and pdl(4, 16)
     assert not pdl(8, 16) and not pdl(2, 67) and not pdl(1, 16, sync=True)
     assert not pdl(1, 16, alone=True)  # no dispatch kernel to depend on
@@ -884,7 +884,7 @@ def test_the_epilogue_runs_on_the_ranks_share_without_overlap(launches) -> None:
     def grids(epilogue_sms: int, num_sms: int) -> dict:
         stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
         res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
-        rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=Allocator(), epilogue_sms=epilogue_sms)
+        rank = RankDriver(res, num_max_tokens_per_rank=M, allocator=Allocator(), epilogue_sms=epilogue_sms)
         rank.read_error = lambda: (
             np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8),
             np.zeros(4, np.int64),
@@ -912,7 +912,7 @@ def test_a_lone_ranks_cached_dispatch_is_its_copy_epilogue_alone(launches, monke
     alloc = Allocator()
     stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
     res = RankResources(0, 1, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
-    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc)
+    rank = RankDriver(res, num_max_tokens_per_rank=M, allocator=alloc)
     rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
     assert rank.epilogue_only(True, 5, False) and rank.epilogue_only(True, 0, True)
     assert not rank.epilogue_only(True, 0, False) and not rank.epilogue_only(False, 5, False)
@@ -937,7 +937,7 @@ def test_a_lone_ranks_cached_dispatch_is_its_copy_epilogue_alone(launches, monke
     assert _fields(a) == _fields(b) and a.handle is handle
     assert rank._num_collective_launches == step + 1  # the skipped dispatch launch still counts
     # the two-launch form of the same call: its epilogue gets the same words
-    monkeypatch.setattr(DirectRank, "epilogue_only", lambda self, cached, rows, zero_padding: False)
+    monkeypatch.setattr(RankDriver, "epilogue_only", lambda self, cached, rows, zero_padding: False)
     rank._num_collective_launches, alloc.next = step, mark
     (_, _), (two, _) = _same_call(rank, alloc, launches, cached)
     assert [e[0] for e in two] == ["dispatch", "epilogue"] and two[1][7] == full[0][7]
@@ -957,7 +957,7 @@ def test_the_combine_splits_its_reduce_onto_the_ranks_share_without_overlap(laun
         stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
         res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
         alloc = Allocator()
-        rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, epilogue_sms=epilogue_sms)
+        rank = RankDriver(res, num_max_tokens_per_rank=M, allocator=alloc, epilogue_sms=epilogue_sms)
         rank.read_error = lambda: (
             np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8),
             np.zeros(4, np.int64),
@@ -1008,7 +1008,7 @@ def test_a_lone_rank_splits_its_combine_only_past_one_round_of_tokens() -> None:
 
     def split(num_ranks: int, tokens: int, epilogue_sms: int = 132, config=cfg) -> bool:
         rank = NS(epilogue_sms=epilogue_sms, num_ranks=num_ranks)
-        return DirectRank.combine_split(rank, config, geo, tokens)
+        return RankDriver.combine_split(rank, config, geo, tokens)
 
     assert not split(1, 128) and not split(1, warps) and split(1, warps + 1) and split(1, 4096)
     assert split(8, 128) and split(2, 1)
@@ -1021,7 +1021,7 @@ def test_a_lone_rank_splits_its_combine_only_past_one_round_of_tokens() -> None:
 def test_hybrid_and_cross_node_widen_the_epilogue_but_keep_one_combine_launch(launches, mode: str) -> None:
     """2 emulated nodes x 2 ranks sharing the GPU without overlap (`epilogue_sms` = 132 // 4): the copy epilogue on
     that share instead of the op's 2 SMs, with the dispatch's block and shared memory; the hybrid or cross-node
-    combine one launch on the op's grid, without the split flags (`DirectRank.combine_split`)."""
+    combine one launch on the op's grid, without the split flags (`RankDriver.combine_split`)."""
     from ep_core.kernels._args import FLAGS
     from ep_core.kernels.plan import epilogue_share
 
@@ -1165,7 +1165,7 @@ def test_a_zero_copy_combine_reads_the_combine_buffer_in_one_launch(launches) ->
     stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
     res = RankResources(0, N, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
     alloc = Allocator()
-    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, epilogue_sms=132)
+    rank = RankDriver(res, num_max_tokens_per_rank=M, allocator=alloc, epilogue_sms=132)
     rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
     x, _, ti, w = inputs()
     handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
@@ -1214,7 +1214,7 @@ def test_zero_copy_refusals_name_the_argument(launches) -> None:
         rank.combine_buffer(expanded, HIDDEN)
     with pytest.raises(ValueError, match="hidden: expected a positive int"):
         rank.combine_buffer(handle, 0)
-    small = DirectRank(
+    small = RankDriver(
         RankResources(0, N, 0x1000_0000, 1 << 12, 0x2000, rank.stream, num_ranks_on_device=1),
         num_max_tokens_per_rank=M,
         allocator=alloc,
@@ -1230,7 +1230,7 @@ def test_zero_copy_is_direct_mode_only(launches) -> None:
     alloc = Allocator()
     stream = SimpleNamespace(handle=0x5000, synchronize=lambda timeout=None: True)
     res = RankResources(0, 4, 0x1000_0000, 1 << 30, 0x2000, stream, num_ranks_on_device=1)
-    rank = DirectRank(res, num_max_tokens_per_rank=M, allocator=alloc, num_scaleup_ranks=2)
+    rank = RankDriver(res, num_max_tokens_per_rank=M, allocator=alloc, num_scaleup_ranks=2)
     rank.read_error = lambda: (np.zeros(ep_layout.NUM_ERROR_RECORD_BYTES, np.uint8), np.zeros(4, np.int64))
     x, _, ti, w = inputs()
     handle = rank.dispatch(x, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=False).handle
@@ -1308,7 +1308,7 @@ def test_zero_copy_dispatch_refusals_name_the_argument(launches) -> None:
         dispatch(rank, x, sf, ti, w, num_experts=EXPERTS, use_tma_aligned_col_major_sf=True, zero_copy=True)
     cfg = rank._config(HIDDEN, 1, HIDDEN // 128, TOPK)
     need = rank.zero_copy_rows(cfg).num_bytes
-    small = DirectRank(  # a receive region one byte short
+    small = RankDriver(  # a receive region one byte short
         RankResources(0, N, 0x1000_0000, need - 1, 0x2000, rank.stream, num_ranks_on_device=1),
         num_max_tokens_per_rank=M,
         allocator=alloc,

@@ -512,7 +512,7 @@ def test_constructor_sizes_and_lifecycle():
 
 def test_the_kernel_layers_entry_points_check_the_routing_with_the_validators_words() -> None:
     """Rule D7 lives in the validator alone (issue 45): `LoopbackDomain`, `ProcessRank` and `NcclRank` call
-    `validate_rank_routing` before `DirectRank.launch_dispatch`, which repeats none of it, with `validate_dispatch`'s
+    `validate_rank_routing` before `RankDriver.launch_dispatch`, which repeats none of it, with `validate_dispatch`'s
     wording."""
     import inspect
 

@@ -218,8 +218,8 @@ def mocked_gpu(monkeypatch):
     from pathlib import Path
 
     from ep_core.kernels import _cuda
-    from ep_core.kernels import direct_rank as kex
     from ep_core.kernels import prepared_launch as pl
+    from ep_core.kernels import rank_driver as kex
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_host_cpu as b

@@ -121,7 +121,7 @@ def _main(out_dir: str) -> int:
 
     sms = (
         16 if overlap else 4
-    )  # no overlap: fewer warps than tokens, the combine splits (DirectRank.combine_split)
+    )  # no overlap: fewer warps than tokens, the combine splits (RankDriver.combine_split)
     kw = {"num_experts": E, "num_sms": sms}
 
     def dequantized(data, sf):  # FP8 rows times their per-128-channel scales, as bf16 (exact per element)

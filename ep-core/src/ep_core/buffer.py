@@ -411,7 +411,8 @@ class EPBuffer(BufferBase):
             return self._dispatch(args)
 
     def _dispatch(self, args: DispatchArgs) -> DispatchResult:
-        self._check_alive()
+        if self._destroyed:
+            self._check_alive()  # raises
         ex = self._executor
         req = self._prepared.dispatch(ex, args)
         if (
@@ -517,7 +518,8 @@ class EPBuffer(BufferBase):
             return self._combine(args)
 
     def _combine(self, args: CombineArgs) -> CombineResult:
-        self._check_alive()
+        if self._destroyed:
+            self._check_alive()  # raises
         ex = self._executor
         req = self._prepared.combine(ex, args)
         res = ex.combine(req)

@@ -36,7 +36,7 @@ Contract for implementers (the GPU kernels implement `Executor`, and a `Transpor
   after that, launching nothing, until `reset()`: an optional method (not part of the `Executor` protocol that
   `isinstance` checks), a collective that every rank calls together (ordered through the bootstrap's barrier).
   Outputs of an operation are valid once a later call returned without raising; an operation that failed leaves
-  its outputs undefined (`ep_core.kernels.direct_rank`, "Failures").
+  its outputs undefined (`ep_core.kernels.rank_driver`, "Failures").
 - Events/streams: `req.stream` is the caller's (compute) stream as an int handle (0 = default stream; ignored by
   host executors); `previous_event` is an opaque object the executor understands; `DispatchResult.event` /
   `CombineResult.event` is returned when `async_with_compute_stream` (None otherwise).

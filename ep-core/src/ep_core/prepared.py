@@ -45,27 +45,12 @@ _MAX_ENTRIES = (
 )
 
 # request fields that change from call to call (everything else comes from the entry)
-_DISPATCH_PER_CALL = (
-    "x",
-    "sf",
-    "topk_idx",
-    "topk_weights",
-    "handle",
-    "cumulative_local_expert_recv_stats",
-    "allocator",
-    "stream",
-    "previous_event",
-    "previous_event_before_epilogue",
+_DISPATCH_PER_CALL = frozenset(
+    "x sf topk_idx topk_weights handle cumulative_local_expert_recv_stats allocator stream "  # noqa: SIM905
+    "previous_event previous_event_before_epilogue".split()
 )
-_COMBINE_PER_CALL = (
-    "x",
-    "handle",
-    "topk_weights",
-    "bias",
-    "allocator",
-    "stream",
-    "previous_event",
-    "previous_event_before_epilogue",
+_COMBINE_PER_CALL = frozenset(
+    "x handle topk_weights bias allocator stream previous_event previous_event_before_epilogue".split()  # noqa: SIM905
 )
 
 
@@ -107,6 +92,16 @@ def _handle_key(fingerprint: tuple) -> tuple:
 def _typed(values: tuple) -> tuple:
     """Scalars with their types (so that 1 and True, or 16 and 16.0, are different keys)."""
     return values, tuple(map(type, values))
+
+
+def _allocator(allocator: Any, target: Any) -> Any:
+    """`validation.check_allocator`, its common case (a callable) here."""
+    return allocator if allocator is not None and callable(allocator) else check_allocator(allocator, target)
+
+
+def _stream(stream: Any) -> int:
+    """`validation.check_stream`, its common case (the raw handle ep_torch passes) here."""
+    return stream if type(stream) is int and stream >= 0 else check_stream(stream)
 
 
 def _build(cls: type, fields: dict, per_call: dict) -> Any:
@@ -156,7 +151,7 @@ class PreparedOps:
             getattr(target, "rdma_gbs", None),
         )
 
-    def _store(self, table: dict, key: tuple, req: Any, per_call: tuple) -> None:
+    def _store(self, table: dict, key: tuple, req: Any, per_call: frozenset) -> None:
         """Keep a validated request's fields under its key, with a new `PreparedToken` that this request and
         every later one served from the entry carry."""
         if len(table) >= _MAX_ENTRIES:
@@ -233,8 +228,8 @@ class PreparedOps:
                     "topk_weights": wi,
                     "handle": handle,
                     "cumulative_local_expert_recv_stats": si,
-                    "allocator": check_allocator(a.allocator, target),
-                    "stream": check_stream(a.stream),
+                    "allocator": _allocator(a.allocator, target),
+                    "stream": _stream(a.stream),
                     "previous_event": a.previous_event,
                     "previous_event_before_epilogue": a.previous_event_before_epilogue,
                 },
@@ -300,8 +295,8 @@ class PreparedOps:
                     "handle": handle,
                     "topk_weights": wi,
                     "bias": bi,
-                    "allocator": check_allocator(a.allocator, target),
-                    "stream": check_stream(a.stream),
+                    "allocator": _allocator(a.allocator, target),
+                    "stream": _stream(a.stream),
                     "previous_event": a.previous_event,
                     "previous_event_before_epilogue": a.previous_event_before_epilogue,
                 },

@@ -1,6 +1,6 @@
 """What crosses the executor boundary (`ep_core.executor`): the buffer's validated configuration, the validated
 requests that `ep_core.validation` builds, and the results an executor returns. One definition of each, shared by
-the reference executor, the GPU executor and the kernels' `DirectRank`; no behaviour beyond plain data."""
+the reference executor, the GPU executor and the kernels' `RankDriver`; no behaviour beyond plain data."""
 
 from __future__ import annotations
 
@@ -88,9 +88,6 @@ class PreparedToken:
 
     def __init__(self) -> None:
         self.plan: Any = None
-
-    def __repr__(self) -> str:
-        return f"PreparedToken(plan={type(self.plan).__name__})"
 
 
 @dataclass(frozen=True)

@@ -619,7 +619,7 @@ def validate_dispatch(
 def validate_routing(topk_idx: Any, cached: bool, num_tokens: int, target: Any) -> ArrayInfo | None:
     """Rule D7, the one routing check of every dispatch: `validate_dispatch`'s, and the kernel layer's own entry
     points' (`validate_rank_routing`, with `target` None: no device check), so the
-    kernels (`DirectRank.launch_dispatch`) repeat none of it. `topk_idx` is forbidden with a cached handle and
+    kernels (`RankDriver.launch_dispatch`) repeat none of it. `topk_idx` is forbidden with a cached handle and
     required without one: int64 or int32, [num_tokens, K] with 1 <= K <= MAX_TOPK, contiguous. Returns its
     description (None when cached)."""
     if cached:
@@ -659,7 +659,7 @@ def check_zero_copy_dispatch_args(
     cached: bool, do_expand: bool, use_tma_aligned_col_major_sf: bool, rank: int
 ) -> None:
     """Rule D18's limits of a zero-copy dispatch's arguments, for `make_dispatch_request` and the kernel layer
-    (`DirectRank.check_zero_copy_dispatch`, which adds the buffer's): the dispatch places each row at its final
+    (`RankDriver.check_zero_copy_dispatch`, which adds the buffer's): the dispatch places each row at its final
     address from this call's counts, in the non-expanded layout with row-major scales."""
     where = f"rank {rank}"
     if cached:
@@ -681,7 +681,7 @@ def check_zero_copy_dispatch_args(
 
 def check_zero_copy_args(handle: EPHandle, topk_weights: Any = None, hidden: Any = None) -> None:
     """Rule C7's arguments of a zero-copy combine, for `make_combine_request`, `EPBuffer.combine_buffer` and the
-    kernel layer (`DirectRank.combine_buffer`): a non-expanded handle, no weights, and (when given) a positive int
+    kernel layer (`RankDriver.combine_buffer`): a non-expanded handle, no weights, and (when given) a positive int
     hidden size."""
     if handle.do_expand:
         raise EPValueError(

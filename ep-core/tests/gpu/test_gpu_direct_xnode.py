@@ -433,7 +433,7 @@ assert np.array_equal(w.view(np.uint32), want.view(np.uint32)), "weights round t
 everyone = [pickle.loads(b) for b in boot.allgather(pickle.dumps(recv_x))]
 ref_c = reference.combine(everyone, [x.handle for x in ref])
 assert np.array_equal(down(comb.combined_x), ref_c[rank].combined_x), "combined_x"
-cfgs = list(buf.executor.rank._configs.values())  # GpuExecutor -> DirectRank: the instances it launched
+cfgs = list(buf.executor.rank._configs.values())  # GpuExecutor -> RankDriver: the instances it launched
 assert cfgs and all(c.is_direct_xnode and c.num_nvlink_ranks == SU for c in cfgs), cfgs
 buf.destroy()
 print(json.dumps({"rank": rank, "ok": True}))

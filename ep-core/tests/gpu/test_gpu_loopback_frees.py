@@ -18,7 +18,7 @@ if num_gpus() == 0:
 
 from ep_core.kernels import _cuda  # noqa: E402
 from ep_core.kernels._cuda import DeviceBuffer  # noqa: E402
-from ep_core.kernels.direct_rank import DirectRank  # noqa: E402
+from ep_core.kernels.rank_driver import RankDriver  # noqa: E402
 from ep_core.loopback import LoopbackDomain  # noqa: E402
 
 M, HIDDEN, K, E = 64, 512, 8, 64
@@ -34,7 +34,7 @@ def test_a_free_between_the_ranks_launches_waits_for_the_last_launch(op: str, mo
     doomed = DeviceBuffer(1 << 20)
     seen: list = []
     name = "launch_dispatch" if op == "dispatch" else "combine"
-    orig = getattr(DirectRank, name)
+    orig = getattr(RankDriver, name)
 
     def launch_then_free(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
@@ -43,7 +43,7 @@ def test_a_free_between_the_ranks_launches_waits_for_the_last_launch(op: str, mo
             seen.append((gc.isenabled(), len(_cuda._deferred_frees or ())))
         return out
 
-    monkeypatch.setattr(DirectRank, name, launch_then_free)
+    monkeypatch.setattr(RankDriver, name, launch_then_free)
     if op == "dispatch":
         outs = dom.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, **kw)
         ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_max_tokens_per_rank=M, **kw)

@@ -337,16 +337,6 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         if wait_back:
             compute.wait_stream(comm)
 
-    def _announced(self, op: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """``fn(...)`` inside this buffer's announcement block (``ep_core.EPBuffer.announcing``): an error it raises
-        before this rank took part in the operation's exchange (a bad ``previous_event``, a call after
-        ``destroy()``, the capture check, ep-core's validation) is announced to the peers once (they raise
-        ``EPPeerError`` naming this rank instead of pairing this rank's next call with theirs; on the GPU backends
-        the rejected call gives up its device sequence number instead). For methods that have no block of their
-        own (``ElasticOps``); ``dispatch`` and ``combine`` open the block themselves."""
-        with self._core.announcing(op):
-            return fn(*args, **kwargs)
-
     def _own_tensor(self, arr: Any, dtype: torch.dtype) -> torch.Tensor | None:
         """An array of the buffer's own memory (a zero-copy output, the combine buffer) as a tensor of ``dtype``:
         on the GPU one tensor per place, sliced per call (`ZeroCopyTensors`); the reference backend's host memory

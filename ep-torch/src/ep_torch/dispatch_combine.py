@@ -27,22 +27,11 @@ from ep_core.requests import CombineArgs, DispatchArgs
 from . import _env, host_extension
 from .event import EventHandle, EventOverlap
 
+# ep-core's dtype names are torch's
 _TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "bool": torch.bool,
+    name: getattr(torch, name)
+    for name in "bfloat16 float16 float32 float64 float8_e4m3fn float8_e5m2 int8 uint8 int16 int32 "  # noqa: SIM905
+    "int64 uint16 uint32 uint64 bool".split()
 }
 
 
@@ -309,44 +298,9 @@ class DispatchCombine:
         (:meth:`_borrow`).
         """
         if defer_epilogue is not False or borrow_recv is not False:  # the one test the calls without them pay
-            if borrow_recv:
-                return self._borrow(
-                    x,
-                    handle,
-                    do_cpu_sync,
-                    do_expand,
-                    bool(defer_epilogue),
-                    zero_copy,
-                    async_with_compute_stream,
-                    lambda: self.dispatch(
-                        x,
-                        topk_idx,
-                        topk_weights,
-                        cumulative_local_expert_recv_stats,
-                        num_experts,
-                        num_max_tokens_per_rank,
-                        expert_alignment,
-                        num_sms,
-                        num_qps,
-                        previous_event,
-                        previous_event_before_epilogue,
-                        async_with_compute_stream,
-                        allocate_on_comm_stream,
-                        handle,
-                        do_handle_copy,
-                        do_cpu_sync,
-                        do_expand,
-                        do_zero_padding,
-                        use_tma_aligned_col_major_sf,
-                    ),
-                )
-            return self._deferred(
-                "dispatch",
-                defer_epilogue,
-                async_with_compute_stream,
-                do_handle_copy,
-                zero_copy,
-                lambda: self.dispatch(
+
+            def again(**kw: Any) -> Any:  # this call without the deferral / the borrow
+                return self.dispatch(
                     x,
                     topk_idx,
                     topk_weights,
@@ -366,8 +320,27 @@ class DispatchCombine:
                     do_expand,
                     do_zero_padding,
                     use_tma_aligned_col_major_sf,
-                    zero_copy=zero_copy,
-                ),
+                    **kw,
+                )
+
+            if borrow_recv:
+                return self._borrow(
+                    x,
+                    handle,
+                    do_cpu_sync,
+                    do_expand,
+                    bool(defer_epilogue),
+                    zero_copy,
+                    async_with_compute_stream,
+                    again,
+                )
+            return self._deferred(
+                "dispatch",
+                defer_epilogue,
+                async_with_compute_stream,
+                do_handle_copy,
+                zero_copy,
+                lambda: again(zero_copy=zero_copy),
             )
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of the last dispatch of its kind (no handle:
         # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
@@ -448,7 +421,9 @@ class DispatchCombine:
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
                 return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
         with self._core.announcing("dispatch"):
-            rt = self._rt()
+            rt = self.runtime
+            if rt is None or rt.destroyed:  # (`_rt`'s test, inline: it raises)
+                rt = self._rt()
             if handle is None and do_cpu_sync is not False:
                 self._check_capture("dispatch", do_cpu_sync, handle)
             if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
@@ -658,7 +633,14 @@ class DispatchCombine:
         self, data: Any, sf: Any, recv_x: Any, recv_sf: Any, recv_idx: Any, recv_w: Any
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
         """A zero-copy dispatch's views as tensors of the caller's dtypes (``data`` / ``sf``: ``x``'s parts):
-        ``(recv_x, recv_topk_idx, recv_topk_weights)``, ``recv_x`` a ``(data, scales)`` tuple iff ``x`` was one."""
+        ``(recv_x, recv_topk_idx, recv_topk_weights)``, ``recv_x`` a ``(data, scales)`` tuple iff ``x`` was one.
+        On the GPU, once the buffer's tensors exist (`ZeroCopyTensors`, made by the first call's ``_own_tensor``),
+        one call of theirs makes all of them."""
+        tensors = self.__dict__.get("_zero_copy_tensors")
+        if tensors is not None:
+            return tensors.outputs(
+                recv_x, data.dtype, recv_sf, None if sf is None else sf.dtype, recv_idx, recv_w
+            )
         own = self._own_tensor
         rx = own(recv_x, data.dtype)
         if sf is not None:
@@ -757,7 +739,9 @@ class DispatchCombine:
             if got is not None:
                 return got.combined_x, got.combined_topk_weights, EventOverlap(None)
         with self._core.announcing("combine"):
-            rt = self._rt()
+            rt = self.runtime
+            if rt is None or rt.destroyed:  # (`_rt`'s test, inline: it raises)
+                rt = self._rt()
             device = x.device if isinstance(x, torch.Tensor) else self.device
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
             if previous_event is None and not allocate_on_comm_stream:

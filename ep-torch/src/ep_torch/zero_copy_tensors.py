@@ -42,6 +42,17 @@ class ZeroCopyTensors:
         # a slice's host time) or a slice
         return whole.detach() if whole.shape[0] == rows else whole[:rows]
 
+    def outputs(
+        self, recv_x: Any, x_dtype: torch.dtype, recv_sf: Any, sf_dtype: Any, recv_idx: Any, recv_w: Any
+    ) -> tuple:
+        """A zero-copy dispatch's outputs as tensors (`tensor` of each), in one call: `(recv_x, recv_topk_idx,
+        recv_topk_weights)`, `recv_x` a `(data, scales)` tuple iff `sf_dtype` is given."""
+        tensor = self.tensor
+        rx = tensor(recv_x, x_dtype)
+        if sf_dtype is not None:
+            rx = (rx, tensor(recv_sf, sf_dtype))
+        return rx, tensor(recv_idx, torch.int64), tensor(recv_w, torch.float32)
+
     def _whole(self, arr: Any, dtype: torch.dtype) -> torch.Tensor:
         """The tensor of all of `arr`, once per place (through the CUDA array interface)."""
         whole = torch.as_tensor(arr, device=self._device)

@@ -1,4 +1,4 @@
-"""The GPU side of ep_core: kernel planning (`plan`), JIT instantiation (`_source`), direct mode's rank (`direct_rank`)
+"""The GPU side of ep_core: kernel planning (`plan`), JIT instantiation (`_source`), the rank driver (`rank_driver`)
 and its executor (`gpu_executor`).
 
 Importing this package needs no GPU; the driver is loaded on first use.

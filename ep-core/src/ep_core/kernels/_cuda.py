@@ -458,11 +458,6 @@ class DeviceArray:
         it = self.dtype.itemsize
         return np.lib.stride_tricks.as_strided(host, self.shape, tuple(s * it for s in self.strides)).copy()
 
-    def fill_zero(self, stream: Stream | int | None = None) -> None:
-        if self.nbytes:
-            s = self._stream if stream is None else int(stream)
-            check(driver().cuMemsetD8Async(self.ptr, 0, self.nbytes, s), "cuMemsetD8Async")
-
     def __len__(self) -> int:
         return self.shape[0]
 

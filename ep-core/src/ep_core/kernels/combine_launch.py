@@ -1,6 +1,6 @@
-"""A rank's combine (`CombineLaunch`, a part of `DirectRank`: direct, hybrid and cross-node mode alike): one
+"""A rank's combine (`CombineLaunch`, a part of `RankDriver`: direct, hybrid and cross-node mode alike): one
 launch (two for a split combine: the reduce follows), and the zero-copy combine's buffer and checks. The rank's
-state, guard and launches: `direct_rank`."""
+state, guard and launches: `rank_driver`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from ep_core.validation import check_zero_copy_args
 
 
 class CombineLaunch:
-    """The combine side of `DirectRank` (module doc)."""
+    """The combine side of `RankDriver` (module doc)."""
 
     def check_zero_copy(self, x: Any, handle: EPHandle, topk_weights: Any = None) -> None:
         """What `combine(x, handle, topk_weights=..., zero_copy=True)` checks of its arguments, without launching

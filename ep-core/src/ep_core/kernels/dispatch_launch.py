@@ -1,10 +1,10 @@
-"""A rank's dispatch (`DispatchLaunch`, a part of `DirectRank`: direct, hybrid and cross-node mode alike).
+"""A rank's dispatch (`DispatchLaunch`, a part of `RankDriver`: direct, hybrid and cross-node mode alike).
 
 A dispatch is two phases so that several ranks of one process (the loopback domain) can be driven together:
 `launch_dispatch` checks, allocates the handle arrays and launches the dispatch kernel (it returns at once);
 `finish_dispatch` waits for the received counts when a CPU sync is asked for (stream poll with the CPU timeout),
 sizes and allocates the outputs and launches the copy epilogue. A zero-copy dispatch leaves its outputs where the
-kernel stored them (`RegionView`s of the receive region). The rank's state, guard and launches: `direct_rank`.
+kernel stored them (`RegionView`s of the receive region). The rank's state, guard and launches: `rank_driver`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class _PendingDispatch:
     prepared: PreparedOp | None = None
     dynamic: tuple = ()  # the dispatch launch's per-call words (the epilogue's start with them, then its outputs)
     repeat: dict | None = None  # what a `DispatchPlan` needs beyond these fields (`record=True`)
-    # a lone rank's cached dispatch: no dispatch kernel, the copy epilogue does it all (`DirectRank.epilogue_only`)
+    # a lone rank's cached dispatch: no dispatch kernel, the copy epilogue does it all (`RankDriver.epilogue_only`)
     epilogue_only: bool = False
     # the outputs are views of the receive region, written by the dispatch kernel (`zero_copy=True`): no epilogue
     zero_copy: bool = False
@@ -109,7 +109,7 @@ def _check_2d(view: DeviceView, what: str) -> None:
 
 
 class DispatchLaunch:
-    """The dispatch side of `DirectRank` (module doc)."""
+    """The dispatch side of `RankDriver` (module doc)."""
 
     def launch_dispatch(
         self,

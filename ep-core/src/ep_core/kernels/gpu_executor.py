@@ -1,4 +1,4 @@
-"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `DirectRank` (direct mode, one rank per
+"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `RankDriver` (direct mode, one rank per
 process). The transports that allocate its symmetric storage live in `ep_core.transports` (ipc, nccl); the executor
 imports none of them. It serves the nccl transport too: a storage with a non-zero `nccl_window` selects the kernels' `NcclTransport` (LSA pointers).
 
@@ -11,7 +11,7 @@ Ranks per GPU: the executor learns which ranks drive its GPU from the device ide
 the ranks sharing it, so the planner's count and the validation's bound keep every rank's grid resident together.
 
 Errors: a failed kernel makes every later call raise until `reset()`, which every rank calls together
-(`ep_core.kernels.direct_rank`, "Failures").
+(`ep_core.kernels.rank_driver`, "Failures").
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
-from ep_core.kernels.direct_rank import DirectRank, RankResources, count_ranks_on_device
-from ep_core.kernels.op_plan import array_ptr, note_handle_topk_idx, stream_pairs
+from ep_core.kernels.op_plan import note_handle_topk_idx
 from ep_core.kernels.plan import epilogue_share, rank_sm_share
+from ep_core.kernels.prepared_launch import record_wait
+from ep_core.kernels.rank_driver import RankDriver, RankResources, count_ranks_on_device
 from ep_core.validation import is_trusted_allocator
 
 __all__ = ["GpuExecutor"]
@@ -68,7 +69,7 @@ class GpuExecutor:
     """`Executor` of one rank: validated requests in, kernels launched on the comm stream."""
 
     array_device = "cuda"
-    # honours `DispatchRequest.zero_copy` (`DirectRank.launch_dispatch(zero_copy=True)`; EPBuffer asks for this mark)
+    # honours `DispatchRequest.zero_copy` (`RankDriver.launch_dispatch(zero_copy=True)`; EPBuffer asks for this mark)
     zero_copy_dispatch = True
     # no host channel: the kernels meet their peers on the device (`EPBuffer._step` reads this)
     channel = None
@@ -108,7 +109,7 @@ class GpuExecutor:
         topology = getattr(config, "topology", None)
         su = topology.num_scaleup_ranks if topology is not None and topology.is_hybrid else None
         nvl = topology.num_nvlink_ranks if topology is not None else None
-        self.rank = DirectRank(
+        self.rank = RankDriver(
             res,
             num_max_tokens_per_rank=config.num_max_tokens_per_rank,
             gpu_timeout_secs=config.num_gpu_timeout_secs,
@@ -120,17 +121,18 @@ class GpuExecutor:
             ),
         )
         self._destroyed = False
-        self._enter_event: Event | None = None
-        self._leave_event: Event | None = None
+        # the reused events of `stream_pairs`, made at first use (`stream_events`)
+        self.enter_event: Event | None = None
+        self.leave_event: Event | None = None
         self._allocators: dict = {}
-        # C++ event pairs and launches (ep_launch), or None: cuda-python (announced once, `launch_path`)
-        self._native = _cuda.native_launch()
+        # C++ event pairs and launches (ep_launch) loaded now, or cuda-python (announced once, `launch_path`)
+        _cuda.native_launch()
         self.launch_path = _cuda.native_launch_status()
 
     @property
     def launch_step(self) -> int:
-        """The device-side step counter (`DirectRank.launch_step`): see `ep_core.EPBuffer.announce_error`."""
-        return self.rank.launch_step
+        """The device-side step counter (`RankDriver.launch_step`): see `ep_core.EPBuffer.announce_error`."""
+        return self.rank._num_collective_launches  # `RankDriver.launch_step`'s field (read on every call)
 
     def abandon_step(self) -> None:
         self.rank.abandon_step()
@@ -145,46 +147,8 @@ class GpuExecutor:
     # exact shapes and dtypes on this GPU (`validation.trust_handle`)
     default_allocator.ep_core_trusted = True
 
-    def _enter(self, stream: int) -> None:
-        """The comm stream waits for the caller's stream. One event serves every call: a stream wait binds to the
-        event's latest record at the time of the wait, so recording it again later changes no earlier wait. A
-        caller already on the comm stream (`allocate_on_comm_stream`) needs no wait."""
-        if self._destroyed:
-            raise EPStateError("the executor was destroyed")
-        comm = self.stream.handle
-        if stream == comm:
-            return
-        ev = self._enter_event
-        if ev is None:
-            ev = self._enter_event = Event(timing=False)
-        native = self._native
-        if native is not None and not native.record_wait(ev.handle, stream, comm):
-            return
-        ev.record(stream)  # the Python path (also when the native pair failed: it raises the driver's error)
-        self.stream.wait_event(ev)
-
-    def _leave(self, stream: int, fresh: bool = True) -> Event | None:
-        """The caller's stream waits for the comm stream. `fresh`: a new event (it is returned to the caller, who
-        may wait on it later), else the executor's reused one (only this wait uses it; None when the caller is on
-        the comm stream, which needs no wait)."""
-        comm = self.stream.handle
-        if fresh:
-            ev = Event(timing=False)
-        elif stream == comm:
-            return None
-        else:
-            ev = self._leave_event
-            if ev is None:
-                ev = self._leave_event = Event(timing=False)
-        native = self._native
-        if native is not None and not native.record_wait(ev.handle, comm, stream):
-            return ev
-        ev.record(self.stream)
-        _cuda.check(_cuda.driver().cuStreamWaitEvent(int(stream), ev._event, 0), "cuStreamWaitEvent")
-        return ev
-
     def _allocator(self, req: Any, x_dtype: str):
-        """`DirectRank`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
+        """`RankDriver`'s allocator (numpy dtypes) over the request's (dtype names). One per (allocator, x dtype),
         reused by every call of that pair: the rank allocates up to eight arrays per dispatch (a new handle's int32
         arrays in one block)."""
         key = (req.allocator, x_dtype)
@@ -211,7 +175,11 @@ class GpuExecutor:
 
         # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block): viewed at once by the full
         # path (`int32_block`), left in the block by a repeat (`handle_block`: the handle views a field when read)
-        own = self._is_default_allocator(allocate)
+        alloc.trusted = is_trusted_allocator(allocate)  # the request's allocator (`validation.trust_handle`)
+        # this executor's own `default_allocator` (DeviceArrays on the comm stream)?
+        own = getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
+            GpuExecutor.default_allocator
+        )
         offered = getattr(allocate, "int32_block", None)  # the allocator's own (ep_torch's: torch views)
         if offered is not None and use_offered():
             alloc.int32_block = offered
@@ -229,10 +197,29 @@ class GpuExecutor:
             self._allocators[key] = alloc
         return alloc
 
-    @staticmethod
-    def new_event() -> Event:
-        """An event for a stream-order pair (`op_plan.stream_pairs`)."""
-        return Event(timing=False)
+    def stream_pairs(self, stream: int, fresh: bool) -> tuple:
+        """One call's stream-order pairs `(wait, signal, leave event)`: the comm stream waits for the caller's
+        `stream` (inputs ready), the caller's for the comm stream (outputs ready); each `(event, stream)`, None on the
+        comm stream. A plan's run issues them with its first and last launch, the full path around its launches. A
+        reused event serves every call (a wait binds to the event's record at the time); `fresh`: a new leave event
+        (the caller's)."""
+        if self._destroyed:
+            raise EPStateError("the executor was destroyed")
+        same = stream == self.stream.handle
+        if same and not fresh:
+            return None, None, None
+        enter, leave = self.enter_event, self.leave_event
+        if enter is None:
+            enter, leave = self.stream_events()
+        if fresh:
+            leave = Event(timing=False)
+        return None if same else (enter, stream), (leave, stream), leave
+
+    def stream_events(self) -> tuple:
+        """The two reused events of `stream_pairs`, made at first use (a kept plan takes them at `keep`)."""
+        if self.enter_event is None:
+            self.enter_event, self.leave_event = Event(timing=False), Event(timing=False)
+        return self.enter_event, self.leave_event
 
     def dispatch(self, req: Any) -> Any:
         rank = self.rank
@@ -242,15 +229,22 @@ class GpuExecutor:
         res = None
         idx = req.topk_idx
         # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
-        # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`)
-        copy = self._routing_copy(req, idx) if req.do_handle_copy and idx is not None and idx.nbytes else None
-        rank._allocator = self._allocator(req, req.x.dtype)
+        # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`); none for an empty routing
+        alloc = self._allocator(req, req.x.dtype)
+        copy = (
+            self._routing_copy(req, idx)
+            if req.do_handle_copy and idx is not None and 0 not in idx.shape
+            else None
+        )
+        trusted = copy is not None and alloc.trusted
+        wait, signal, ev = self.stream_pairs(req.stream, fresh)
+        rank._allocator = alloc
         try:
-            # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run (nothing done): the full path. A
-            # zero-copy request has its own entries (`zero_copy` is in the request cache's key), so its plan is one
+            # the plan of a prepared entry (ep_core.kernels.op_plan): its run makes the new handle with its routing
+            # (the copy) itself; None from it (nothing done): the full path. A zero-copy request has its own
+            # entries (`zero_copy` is in the request cache's key), so its plan is one
             if plan is not None and plan.rank is rank:
-                wait, signal, ev = stream_pairs(self, req.stream, fresh)
-                sf, idx, w = req.sf, req.topk_idx, req.topk_weights
+                sf, w = req.sf, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
                 res = plan.run(
                     req.x.ptr,
@@ -264,14 +258,22 @@ class GpuExecutor:
                     req.x.dtype,
                     wait,
                     signal,
-                    0 if copy is None else array_ptr(copy, "handle.topk_idx"),
+                    copy,
+                    False,
+                    trusted,
                 )
             if res is None:
-                self._enter(req.stream)
+                if wait is not None:  # the pairs around the full path's launches
+                    record_wait(wait[0], wait[1], self.stream.handle)
                 res = self._dispatch(req, token is not None, copy)
                 if token is not None:
                     token.plan = rank.last_repeat
-                ev = self._leave(req.stream, fresh=fresh)
+                if signal is not None:
+                    record_wait(signal[0], self.stream.handle, signal[1])
+                if res.handle is not req.handle and idx is not None:
+                    res.handle.topk_idx = idx.obj if copy is None else copy
+                    if trusted:
+                        note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         finally:
             rank._allocator = None
         if req.zero_copy:
@@ -280,30 +282,17 @@ class GpuExecutor:
             res.recv_x.dtype = req.x.dtype
             if res.recv_sf is not None:
                 res.recv_sf.dtype = req.sf.dtype
-        if res.handle is not req.handle and idx is not None:
-            if copy is None:
-                res.handle.topk_idx = idx.obj
-            else:
-                res.handle.topk_idx = copy
-                if is_trusted_allocator(req.allocator):
-                    note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         res.event = ev if fresh else None  # this call's own result object
         return res
-
-    def _is_default_allocator(self, allocate: Any) -> bool:
-        """Whether `allocate` is this executor's own `default_allocator` (DeviceArrays on the comm stream)."""
-        return getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
-            GpuExecutor.default_allocator
-        )
 
     def _routing_copy(self, req: Any, idx: Any) -> Any:
         """A new handle's array for its copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor
         after the call), from the request's allocator with the routing's shape and dtype; the dispatch kernel
-        fills it (`DirectRank.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
+        fills it (`RankDriver.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
         return req.allocator(idx.shape, idx.dtype)
 
     def _dispatch(self, req: Any, record: bool, copy: Any = None) -> Any:
-        """The full path of `DirectRank.dispatch` (views of every argument, every check); `copy`: the new
+        """The full path of `RankDriver.dispatch` (views of every argument, every check); `copy`: the new
         handle's copy of the routing, filled by the kernel. A zero-copy dispatch's outputs are the rank's views of its
         receive region (the allocator makes the handle's arrays only)."""
         return self.rank.dispatch(
@@ -327,7 +316,7 @@ class GpuExecutor:
         )
 
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
-        """This rank's zero-copy combine buffer (`DirectRank.combine_buffer`)."""
+        """This rank's zero-copy combine buffer (`RankDriver.combine_buffer`)."""
         return self.rank.combine_buffer(handle, hidden)
 
     def combine(self, req: Any) -> Any:
@@ -336,11 +325,12 @@ class GpuExecutor:
         plan = None if token is None else token.plan
         fresh = req.async_with_compute_stream
         res = None
-        rank._allocator = self._allocator(req, "bfloat16")
+        alloc = self._allocator(req, "bfloat16")
+        wait, signal, ev = self.stream_pairs(req.stream, fresh)
+        rank._allocator = alloc
         try:
             # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run: the full path
             if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
-                wait, signal, ev = stream_pairs(self, req.stream, fresh)
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
                 res = plan.run(
@@ -354,7 +344,8 @@ class GpuExecutor:
                     signal,
                 )
             if res is None:
-                self._enter(req.stream)
+                if wait is not None:  # the pairs around the full path's launches
+                    record_wait(wait[0], wait[1], self.stream.handle)
                 bias = tuple(_view(b) for b in req.bias)
                 res = rank.combine(
                     _view(req.x),
@@ -368,7 +359,8 @@ class GpuExecutor:
                 )
                 if token is not None:
                     token.plan = rank.last_repeat
-                ev = self._leave(req.stream, fresh=fresh)
+                if signal is not None:
+                    record_wait(signal[0], self.stream.handle, signal[1])
         finally:
             rank._allocator = None
         res.event = ev if fresh else None  # this call's own result object

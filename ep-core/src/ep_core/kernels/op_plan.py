@@ -2,9 +2,9 @@
 as the first call of that signature resolved it, and the one per-call code of every later call.
 
 The signature is the key of a prepared-operation entry (`ep_core.prepared`), whose request passed the full
-validation; so everything `DirectRank` derives from it (kernel configuration, regions, SM count, flags, launch
+validation; so everything `RankDriver` derives from it (kernel configuration, regions, SM count, flags, launch
 shape, prepared launches, output shapes, envelope fields) is what the first call derived. Its full path
-(`record=True`) leaves a `DispatchPlan` / `CombinePlan` in `DirectRank.last_repeat`, and the entry's token
+(`record=True`) leaves a `DispatchPlan` / `CombinePlan` in `RankDriver.last_repeat`, and the entry's token
 (`requests.PreparedToken.plan`) holds it. `run()` does only what changes per call: the guard and the handle's
 state, the pointers, the allocations, the envelope's sequence number, the launches (their per-call words built
 here: `dispatch_words`, `combine_words`, `epilogue_outputs`), the new handle, the error report. What the key does
@@ -34,7 +34,6 @@ import numpy as np
 
 from ep_core import device_array as _device_array
 from ep_core._env import knobs
-from ep_core.errors import EPStateError
 from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
@@ -59,7 +58,6 @@ __all__ = [
     "handle_topk_idx",
     "note_handle_topk_idx",
     "run_launch",
-    "stream_pairs",
 ]
 
 _Q = struct.Struct("<q")
@@ -67,7 +65,7 @@ _I32, _I64, _F32, _U16 = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.flo
 
 # ------------------------------------------------------------------------------------------ the per-call words
 # Each tuple of a launch's per-call words is built in one place, in the order of its slot names
-# (`prepared_launch._DISPATCH_DYNAMIC` and the others), for the full path (`DirectRank`) and the plans' runs alike.
+# (`prepared_launch._DISPATCH_DYNAMIC` and the others), for the full path (`RankDriver`) and the plans' runs alike.
 
 
 def dispatch_words(*words: int, src_metadata: int | None = None) -> tuple:
@@ -147,7 +145,7 @@ def array_ptr(obj: Any, what: str) -> int:
     return view_ptr(obj, what)
 
 
-# `DirectRank`'s names of a new handle's int32 arrays -> the handle's fields
+# `RankDriver`'s names of a new handle's int32 arrays -> the handle's fields
 _HANDLE_FIELD = {
     "dst_slot": "dst_buffer_slot_idx",
     "psum_rank": "psum_num_recv_tokens_per_scaleup_rank",
@@ -220,34 +218,11 @@ def note_handle_topk_idx(rank: Any, handle: EPHandle, idx: Any, is_int32: bool) 
 
 # ------------------------------------------------------------------------------- the rank's per-call steps
 # Inlined here (a run calls no other module on its way to the launch): the guard's fast path, the handle's owner
-# check, the prepared launch with its stream-order pairs. Their slow paths are `DirectRank`'s.
-
-
-def stream_pairs(executor: Any, stream: int, fresh: bool) -> tuple:
-    """`GpuExecutor`'s stream-order pairs, issued with a run's first and last launch (one native call each):
-    `(wait, signal, leave event)`; `fresh`: a new leave event (the caller's), else the executor's reused one."""
-    if executor._destroyed:
-        raise EPStateError("the executor was destroyed")
-    comm = executor.stream.handle
-    wait = None
-    if stream != comm:
-        ev = executor._enter_event
-        if ev is None:
-            ev = executor._enter_event = executor.new_event()
-        wait = (ev, stream)
-    if fresh:
-        leave = executor.new_event()
-    elif stream == comm:
-        return wait, None, None
-    else:
-        leave = executor._leave_event
-        if leave is None:
-            leave = executor._leave_event = executor.new_event()
-    return wait, (leave, stream), leave
+# check, the prepared launch with its stream-order pairs. Their slow paths are `RankDriver`'s.
 
 
 def _guard(rank: Any) -> None:
-    """`DirectRank.guard`'s fast path: the host words read; a published abort raises through the guard itself."""
+    """`RankDriver.guard`'s fast path: the host words read; a published abort raises through the guard itself."""
     abort, bad_input = rank._status.read()
     rank._input_pending = bad_input != 0
     if abort:
@@ -255,7 +230,7 @@ def _guard(rank: Any) -> None:
 
 
 def _check_owner(rank: Any, handle: EPHandle) -> None:
-    """`DirectRank._check_handle`'s fast path: a handle of this rank's generation, not spoilt by a failure."""
+    """`RankDriver._check_handle`'s fast path: a handle of this rank's generation, not spoilt by a failure."""
     if handle.__dict__.get("_ep_owner") is not rank.state.owner or handle in rank._failed_handles:
         rank._check_handle(handle)
 
@@ -292,7 +267,7 @@ class DispatchPlan:
     """A dispatch (cached or not, with or without CPU sync, zero-copy or not) as its first call resolved it
     (module doc)."""
 
-    rank: Any  # the DirectRank
+    rank: Any  # the RankDriver
     prepared: PreparedOp
     scratch: int
     skip_signal: bool
@@ -316,11 +291,11 @@ class DispatchPlan:
     num_recv: int  # rows and counts of a new handle (a cached dispatch reads its handle's)
     num_expanded: int
     env_fields: tuple  # the envelope's fields but the handle's launch number
-    # the copy epilogue as a programmatic dependent launch (`DirectRank._epilogue_pdl`)
+    # the copy epilogue as a programmatic dependent launch (`RankDriver._epilogue_pdl`)
     epilogue_pdl: bool = False
-    cpu_sync: bool = False  # rows from the counts, read after the dispatch kernel (`DirectRank._sync_counts`)
-    # the outputs are views of the receive region (`DirectRank.zero_copy_views`), stored by the dispatch kernel,
-    # which also writes the handle's metadata: no epilogue (a no-sync call: `DirectRank.finish_dispatch`)
+    cpu_sync: bool = False  # rows from the counts, read after the dispatch kernel (`RankDriver._sync_counts`)
+    # the outputs are views of the receive region (`RankDriver.zero_copy_views`), stored by the dispatch kernel,
+    # which also writes the handle's metadata: no epilogue (a no-sync call: `RankDriver.finish_dispatch`)
     zero_copy: bool = False
     config: Any = None  # the kernel configuration (zero-copy: where the views lie)
 
@@ -482,16 +457,18 @@ class DispatchPlan:
             if self.cached:
                 if not check_handle_key(buffer.config, self._executor, b, self._handle_key):
                     return None
-                wait, signal, _leave = stream_pairs(self._executor, stream, False)
-                return self.run(ptrs[0], 0, 0, ptrs[1], 0, b, None, None, self._x_name, wait, signal, 0, True)
+                wait, signal = _kept_pairs(self, stream)
+                return self.run(
+                    ptrs[0], 0, 0, ptrs[1], 0, b, None, None, self._x_name, wait, signal, None, True
+                )
             if self._sf_name is None:
                 x_ptr, idx_ptr, w_ptr = ptrs
                 sf_ptr = 0
             else:
                 x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
-            wait, signal, _leave = stream_pairs(self._executor, stream, False)
+            wait, signal = _kept_pairs(self, stream)
             res = self.run(
-                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_name, wait, signal, 0, True
+                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_name, wait, signal, None, True
             )
         except Exception as exc:
             # a call that launched nothing gives up its step; after a launch (a timeout, a kernel's error) there
@@ -524,7 +501,7 @@ class DispatchPlan:
     # ------------------------------------------------------------------------------------------ the run
     def zero_copy_outputs(self, rows: int, x_name: str = "") -> tuple:
         """A zero-copy dispatch's `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights)`: views of the receive
-        region (`DirectRank.zero_copy_views`), named `x_name` and the scales' dtype where given; a no-sync call's
+        region (`RankDriver.zero_copy_views`), named `x_name` and the scales' dtype where given; a no-sync call's
         (the worst-case rows) made once and kept."""
         views = self._zero_copy_views
         if views is None:
@@ -580,15 +557,17 @@ class DispatchPlan:
         x_name: str = "",
         wait: Any = None,
         signal: Any = None,
-        copy_ptr: int = 0,
+        copy: Any = None,
         kept: bool = False,
+        trusted: bool = False,
     ) -> DispatchResult | None:
         """The dispatch, or None (nothing done: the caller takes the full path). `idx_ptr` / `topk_idx`: the
         caller's routing (a cached dispatch reads its handle's). `allocate(shape, dtype_name)`: the request's
         allocator, called as `GpuExecutor`'s wrapper calls it (`x_name`: x's dtype name); None: the rank's (numpy
-        dtypes). `wait` / `signal`: the stream-order pairs, issued with the first and the last launch. `copy_ptr`:
-        the new handle's routing copy, which the kernel fills (0: none). `kept`: a kept plan's call (`__call__`):
-        the allocations from its batches (`_made`, `_kept_outputs`) instead of `allocate`'s."""
+        dtypes). `wait` / `signal`: the stream-order pairs, issued with the first and the last launch. `copy`: the
+        new handle's routing copy (its `topk_idx`), which the kernel fills (None: none; `trusted`: from a marked
+        allocator, its verdict kept, `note_handle_topk_idx`). `kept`: a kept plan's call (`__call__`): the
+        allocations from its batches (`_made`, `_kept_outputs`) instead of `allocate`'s."""
         rank = self.rank
         if rank._last_scratch != self.scratch or rank.debug_skip_scaleout_signal != self.skip_signal:
             return None
@@ -608,7 +587,7 @@ class DispatchPlan:
         else:
             num_recv, num_expanded = self.num_recv, self.num_expanded
         rows = num_expanded if self.expand else num_recv
-        # a lone rank's cached dispatch is its epilogue alone, never a dependent launch (`DirectRank.epilogue_only`)
+        # a lone rank's cached dispatch is its epilogue alone, never a dependent launch (`RankDriver.epilogue_only`)
         alone = cached and rank.num_ranks == 1 and (rows > 0 or self.zero_padding)
         epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl and not alone else self.prepared.epilogue
         zero_copy = self.zero_copy
@@ -623,6 +602,9 @@ class DispatchPlan:
             fwd_ptr = ptrs[5] if self.hybrid else 0
             launch = rank._handle_launch.get(handle, -1)
         else:
+            copy_ptr = 0
+            if copy is not None:  # the handle's routing is the copy the kernel fills
+                topk_idx, copy_ptr = copy, array_ptr(copy, "handle.topk_idx")
             if kept:  # this call's one batch, after the guard: (the outputs,) the routing copy, the block
                 arrays, aptrs = self._made = self._alloc()
                 block = Int32Block.adopt(arrays[-1], self._int32_key, aptrs[-1])
@@ -754,6 +736,8 @@ class DispatchPlan:
             rank._handle_launch[handle] = launch_number
             if not self.cpu_sync:
                 rank._unconfirmed.add(handle)
+        if trusted:
+            note_handle_topk_idx(rank, handle, copy, self.idx32)
         if rank._input_pending:
             rank._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
@@ -777,14 +761,23 @@ def _kept(plan: Any, buffer: Any, allocator: Any, match: Any, handle: Any) -> An
         if plan._handle_key[1] is None:
             return None
     plan.buffer, plan._executor, plan.allocator, plan.match = buffer, executor, allocator, match
+    plan._comm, plan._events = executor.stream.handle, executor.stream_events()
     return batch
+
+
+def _kept_pairs(plan: Any, stream: int) -> tuple:
+    """A kept plan's `(wait, signal)`: `GpuExecutor.stream_pairs(stream, False)` over the events taken at `keep`."""
+    if stream == plan._comm:
+        return None, None
+    enter, leave = plan._events
+    return (enter, stream), (leave, stream)
 
 
 @dataclass(eq=False)
 class CombinePlan:
     """A combine as its first call resolved it (module doc)."""
 
-    rank: Any  # the DirectRank
+    rank: Any  # the RankDriver
     prepared: PreparedOp
     scratch: int
     hybrid: bool
@@ -827,7 +820,7 @@ class CombinePlan:
         try:
             if not check_handle_key(buffer.config, self._executor, handle, self._handle_key):
                 return None
-            wait, signal, _leave = stream_pairs(self._executor, stream, False)
+            wait, signal = _kept_pairs(self, stream)
             return self.run(ptrs[0], ptrs[1], 0, 0, handle, None, wait, signal, True)
         except Exception as exc:
             buffer.announce_error("combine", exc, step)
@@ -889,7 +882,7 @@ class CombinePlan:
             # a zero-copy combine reads the dispatch's slots
             dst_slot=array_ptr(handle.dst_buffer_slot_idx, "dst_buffer_slot_idx") if self.zero_copy else None,
         )
-        reduce = self.prepared.epilogue  # a split combine's reduce launch (DirectRank.combine_split), or None
+        reduce = self.prepared.epilogue  # a split combine's reduce launch (RankDriver.combine_split), or None
         run_launch(rank, self.prepared.main, dynamic, True, wait, signal if reduce is None else None)
         if reduce is not None:
             run_launch(rank, reduce, (*dynamic[:-1], 0), False, None, signal)

@@ -431,7 +431,7 @@ def rank_sm_share(device_sms: int, num_ranks_on_device: int = 1) -> int:
 
 
 def check_epilogue_sms(epilogue_sms: int, device_sms: int, num_ranks_on_device: int = 1) -> int:
-    """The copy epilogue's SM count of a rank (`DirectRank.epilogue_geometry`): 0 runs it on the op's `num_sms`;
+    """The copy epilogue's SM count of a rank (`RankDriver.epilogue_geometry`): 0 runs it on the op's `num_sms`;
     n > 0 on at least n SMs, at most this rank's share of the device (`rank_sm_share`)."""
     share = rank_sm_share(device_sms, num_ranks_on_device)
     if type(epilogue_sms) is not int or not 0 <= epilogue_sms <= share:

@@ -1,11 +1,11 @@
-"""Prepared launches of `DirectRank`: per launch shape, the resolved kernel, its launch configuration, the occupancy
+"""Prepared launches of `RankDriver`: per launch shape, the resolved kernel, its launch configuration, the occupancy
 verdict and the packed `OpArgs` words, so that a repeated call only patches its per-call words and launches.
 
 A launch shape is everything that shapes the launch: the kernel configuration, the op's flags, SM count (grid,
 block, shared memory), token and expert counts, strides, the buffer regions and scratch, and the rank's own words
-(base, peer table, timeouts, error word). `DirectRank` builds the key from values it computed for this call, so a
+(base, peer table, timeouts, error word). `RankDriver` builds the key from values it computed for this call, so a
 change of any of them misses; the checks whose inputs can change per call (views, dtypes, shapes, handles, the SM
-count's co-residency) stay in `DirectRank` and run on every call. A miss packs every field through
+count's co-residency) stay in `RankDriver` and run on every call. A miss packs every field through
 `pack_op_args` exactly as an unprepared launch did and keeps those words; a hit copies them and overwrites the
 per-call fields (pointers, counts that vary, the envelope), so its bytes are those a fresh pack would give.
 
@@ -244,7 +244,7 @@ class PreparedOp:
 # ------------------------------------------------------------------------------------- the per-call slots' names
 # The per-call fields of each prepared launch in the order the kernels' launches take them; each tuple of words is
 # built in that order in one place (`ep_core.kernels.op_plan`: `dispatch_words`, `combine_words`,
-# `epilogue_outputs`), for the full path (`DirectRank`) and the plans' runs alike.
+# `epilogue_outputs`), for the full path (`RankDriver`) and the plans' runs alike.
 _DISPATCH_DYNAMIC = (
     "x",
     "sf",
