@@ -151,9 +151,7 @@ def _ll_round(buf, seed: int, rank: int, world: int) -> bool:
 
 # V1 low-latency mode's native road (issue 41, session 3): the CPU stand-in of its kernels (ll_native_standin.py;
 # EP_SURVEY_DEVICE=cuda: the real kernels over ipc). Surfaces "lln" (the default host envelope, agreed once per
-# signature change, plus the kernels' envelope: judged at the faulty call itself), "llnd" (the same mode, the faulty
-# call followed by one valid call: the kernels' envelope and aborts are raised at the next call, as the host reads
-# the device's record without a sync; then reset()) and "llnc" (ll_native_agree="call": a host step every call).
+# signature change) and "llnc" (ll_native_agree="call": a host step every call).
 _STANDIN_DIR: str | None = None
 
 
@@ -844,7 +842,7 @@ def _lb_round(buf, seed: int, rank: int, world: int) -> bool:
     return ok and bool(np.array_equal(grads.numpy(), want[rank]))
 
 
-ROUNDS.update(ep=_v2_round, lb=_lb_round, lln=_ll_round, llnc=_ll_round, llnd=_ll_round)
+ROUNDS.update(ep=_v2_round, lb=_lb_round, lln=_ll_round, llnc=_ll_round)
 
 
 def _lb_mapping_bad(buf, rank, world):
@@ -1117,32 +1115,14 @@ _NATIVE_CASES = {
     "combine_other_dispatch_one_rank": (_lln_other_dispatch, True),
     "peer_never_calls": (_never(None, lambda b, r, w: _ll_round(b, 82, r, w)), None),
 }
-
-
-def _then_next_call(fault):
-    """llnd: the faulty step, then one valid dispatch on each rank that returned (where the default mode's kernels'
-    envelope, or a peer's abort, is raised)."""
-
-    def run(buf, rank, world):
-        ok = fault(buf, rank, world)
-        x, idx, _ = _inputs(91, rank)
-        buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        return ok
-
-    return run
-
-
-for _surface in ("lln", "llnc", "llnd"):
+for _surface in ("lln", "llnc"):
     for _name, (_fault, _reset) in _NATIVE_CASES.items():
-        # a detection at the next call leaves every rank to reset()
-        if _surface == "llnd" and _reset is not None:
-            _fault, _reset = _then_next_call(_fault), True
         CASES[f"{_surface}.{_name}"] = (_surface, {}, _fault, _reset)
-NATIVE = [c for c in CASES if c.startswith(("lln.", "llnc.", "llnd."))]
+NATIVE = [c for c in CASES if c.startswith(("lln.", "llnc."))]
 
 
 # cases whose every rank's call is valid on its own but the ranks disagree: all must raise (EPMismatchError)
-_DISAGREE_SURFACES = ("ll", "ll_shrink", "v2", "lln", "llnc", "llnd")
+_DISAGREE_SURFACES = ("ll", "ll_shrink", "v2", "lln", "llnc")
 DISAGREE = {c for c in CASES if "one_rank" in c and c.split(".")[0] in _DISAGREE_SURFACES} | {
     c for c in CASES if "disagreeing" in c or "different_mappings" in c
 }
@@ -1158,7 +1138,7 @@ def _build(surface: str, kw: dict):
         buf = _v1(low_latency=True, **kw)
         _ll_foreign_buffer = _v1(low_latency=True)
         return buf
-    if surface in ("lln", "llnc", "llnd"):
+    if surface in ("lln", "llnc"):
         _standin()
         buf, _ll_foreign_buffer = _v1_native(**kw), _v1_native()
         if surface == "llnc":

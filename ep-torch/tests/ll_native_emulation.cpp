@@ -131,16 +131,12 @@ template <class T> void wr(const std::string& name, const std::vector<T>& v) {
   std::fclose(f);
 }
 
-// argv: dir N E T K H M use_mask lost local_direct logfmt timeout_ms rounds late [fault]
-// fault (issue 41's envelope; `lost` is the culprit, every rank takes part, rounds == 1): 1 its dispatch carries
-// other envelope bits, 2 it refuses its dispatch (ep_lln_abort instead of the send; it runs nothing more), 3 its
-// combine carries other bits, 4 it refuses its combine (ep_lln_abort, no receive).
+// argv: dir N E T K H M use_mask lost local_direct logfmt timeout_ms rounds late
 // inputs (per round q = 1, 2): x{q} bf16 [N][T][H], idx{q} int64 [N][T][K], w{q} f32 [N][T][K]; umask int32 [N][N]
 // (round 1's user masks; `lost` sits out round 1, or with `late` runs it after the others' whole step). Round 2 (rounds == 2) follows ep_lln_clean on every rank, with
 // every rank and no mask. Outputs r{q}_{count,range,src,recv,comb}_{rank}, then mask_{rank}, herr_{rank}, err_{rank}.
 int main(int argc, char** argv) {
-  if (argc != 15 && argc != 16) return 1;
-  const int fault = argc == 16 ? atoi(argv[15]) : 0;
+  if (argc != 15) return 1;
   g_dir = argv[1];
   const int n = atoi(argv[2]), ne = atoi(argv[3]), nt = atoi(argv[4]), nk = atoi(argv[5]), h = atoi(argv[6]);
   const int m = atoi(argv[7]), use_mask = atoi(argv[8]), lost = atoi(argv[9]), direct = atoi(argv[10]);
@@ -155,7 +151,7 @@ int main(int argc, char** argv) {
   for (int r = 0; r < n; ++r)  // stale bytes in every slot (only the flags start at 0): a lane read by mistake shows
     for (int hf = 0; hf < 2; ++hf)
       std::memset(base(r) + front + hf * L.half_bytes + L.ddata, 0x5A, L.half_bytes - L.ddata);
-  std::vector<std::vector<int>> mask(n, std::vector<int>(n + 1, 0)), herr(n, std::vector<int>(8 + n, 0));
+  std::vector<std::vector<int>> mask(n, std::vector<int>(n + 1, 0)), herr(n, std::vector<int>(4 + n, 0));
   auto umask = rd<int32_t>("umask", (size_t)n * n);
   for (int r = 0; r < n; ++r)
     for (int p = 0; p < n; ++p) mask[r][p] = umask[r * n + p];
@@ -172,34 +168,25 @@ int main(int argc, char** argv) {
     std::vector<std::vector<int64_t>> range(n, std::vector<int64_t>((size_t)epr * n));
     std::vector<std::vector<uint16_t>> y(n, std::vector<uint16_t>((size_t)epr * slots * h, 0));
     std::vector<std::vector<uint16_t>> comb(n, std::vector<uint16_t>((size_t)nt * h + 8));
-    // the envelope bits every rank passes (the culprit's differ with fault 1 / 3)
-    auto denv = [&](int r) { return 0x5A5A ^ (fault == 1 && r == lost); };
-    auto cenv = [&](int r) { return 0x7ABCDEF1 ^ (fault == 3 && r == lost); };
-    auto refused = [&](int r, int phase) { return r == lost && ((fault == 2 && phase >= 0) || (fault == 4 && phase >= 2)); };
     auto step = [&](const std::vector<int>& group) {
       // a step uses half 0 for the dispatch, half 1 for the combine (the host's toggle; clean restarts at half 0)
       for (int r : group) {
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
-        if (refused(r, 0)) {
-          launch(1, block, [&] { ep_lln_abort(peers.data(), base(r), base(r) + front, nk, h, ne, n, r, m, 0); });
-          continue;
-        }
         launch(ne, block, [&] {
           ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
                                peers.data(), base(r), base(r) + front, 0, direct, lane_pos[r].data(), err(r),
-                               herr[r].data(), mp(r), denv(r));
+                               herr[r].data(), mp(r));
         });
       }
       for (int r : group) {
-        if (refused(r, 1)) continue;
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
                                lanes[r].data(), count[r].data(), range[r].data(), nullptr,
                                reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, timeout_ms, err(r),
-                               herr[r].data(), mp(r), denv(r));
+                               herr[r].data(), mp(r));
         });
       }
       // the experts: y = bf16(fp32(row) * (1 + g / 8))
@@ -211,23 +198,15 @@ int main(int argc, char** argv) {
               y[r][i] = bf16_rn(ep_ll::mul_rn(__uint_as_float((uint32_t)recv[r][i] << 16), 1.0f + (r * epr + e) / 8.0f));
             }
       for (int r : group) {
-        if (refused(r, 2)) {
-          if (fault == 4)
-            launch(1, block, [&] {
-              ep_lln_abort(peers.data(), base(r), base(r) + front + L.half_bytes, nk, h, ne, n, r, m, 1);
-            });
-          continue;
-        }
         auto body = [&] {
           auto f = logfmt ? ep_lln_combine_send_logfmt : ep_lln_combine_send;
           f(reinterpret_cast<const uint4*>(y[r].data()), src[r].data(), lanes[r].data(), range[r].data(), nk, h, ne,
             n, r, m, peers.data(), base(r), base(r) + front + L.half_bytes, direct && !logfmt, err(r), herr[r].data(),
-            mp(r), cenv(r));
+            mp(r));
         };
         launch(epr, block, body);
       }
       for (int r : group) {
-        if (refused(r, 3)) continue;
         const int chunks = (h / 8 + block - 1) / block, items = nt * chunks;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         const float* wr_ = w.data() + (size_t)r * nt * nk;
@@ -235,7 +214,7 @@ int main(int argc, char** argv) {
           auto f = logfmt ? ep_lln_combine_recv_logfmt : ep_lln_combine_recv;
           f(ir, 1, wr_, nt, nk, h, ne, n, r, m, base(r) + front + L.half_bytes,
             reinterpret_cast<uint4*>(comb[r].data()), reinterpret_cast<const uint4*>(y[r].data()), range[r].data(),
-            lane_pos[r].data(), direct && !logfmt, timeout_ms, err(r), herr[r].data(), mp(r), cenv(r));
+            lane_pos[r].data(), direct && !logfmt, timeout_ms, err(r), herr[r].data(), mp(r));
         });
       }
     };
@@ -245,7 +224,7 @@ int main(int argc, char** argv) {
       all.push_back(r);
       if (r != lost) others.push_back(r);
     }
-    if (q == 2 || lost < 0 || fault) {
+    if (q == 2 || lost < 0) {
       step(all);
     } else {
       step(others);

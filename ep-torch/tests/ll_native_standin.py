@@ -3,11 +3,10 @@ logic's tests on gloo processes (issue 41): ``install(directory)`` makes ``Buffe
 road on CPU tensors, with the kernels replaced by an exchange through files in ``directory`` (every rank's region:
 one file per call and sender, named by the call's epoch, like the kernels' flags).
 
-What it keeps of the kernels: their envelope (issue 41: each message carries the call's envelope bits, or the abort
-of a rank that refused its call, ``host_abort``; a receiver that finds other bits or an abort records it in ``herr``
-as the kernels do, leaves that call's outputs undefined, and the host raises at the next call); waits bounded by
-``timeout`` seconds, an expired wait recorded in ``herr`` (the host raises ``EPTimeoutError`` at the next call,
-``NativeRegion.check``) with that call's outputs left undefined; epochs advance per call on every rank. What it does not model: rank masking,
+What it keeps of the kernels: no envelope (a receiver reads what the senders wrote in its own format, so ranks that
+disagree pair silently: FP8 rows read as bf16, LogFMT rows as plain ones); waits bounded by ``timeout`` seconds, an
+expired wait recorded in ``herr`` (the host raises ``EPTimeoutError`` at the next call, ``NativeRegion.check``) with
+that call's outputs left undefined; epochs advance per call on every rank. What it does not model: rank masking,
 ``use_ue8m0``'s packed scales, the local shortcut. Results are bitwise the kernels' (``legacy.reference``'s)."""
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ def install(directory: str | os.PathLike, timeout: float = 3.0) -> None:
     ll_kernels.NativeRegion = HostRegion
     ll_kernels.native_dispatch = host_dispatch
     ll_kernels.native_combine = host_combine
-    ll_kernels.native_abort = host_abort
 
 
 class HostRegion:
@@ -68,7 +66,7 @@ class HostRegion:
         self.tag = f"{st.ident}.{st.generation}.{count}"
         self.rank, self.num_ranks, self.num_experts = rank, n, num_experts
         self.epr, self.m, self.num_topk, self.hidden = num_experts // n, m, num_topk, hidden
-        self.herr = torch.zeros(8 + n, dtype=torch.int32)
+        self.herr = torch.zeros(4 + n, dtype=torch.int32)
         self.next_half = 0
         self.epochs = [0, 0]
 
@@ -91,9 +89,8 @@ class HostRegion:
         os.replace(tmp, path)
         return e
 
-    def gather(self, kind: str, epoch: int, tag: int, env: int = 0) -> list[Any] | None:
-        """Every rank's message of that call, or None when the wait expired or a message carries other envelope
-        bits or an abort (recorded, like the kernels' err and ``envelope_check``)."""
+    def gather(self, kind: str, epoch: int, tag: int) -> list[Any] | None:
+        """Every rank's message of that call, or None when the wait expired (recorded, like the kernels' err)."""
         if int(self.herr[0]):
             return None
         out: list[Any] = [None] * self.num_ranks
@@ -104,14 +101,6 @@ class HostRegion:
                 if out[r] is None and path.exists():
                     out[r] = torch.load(path)
             missing = [r for r, o in enumerate(out) if o is None]
-            for r, msg in enumerate(out):
-                if msg is not None and r != self.rank and (msg.get("abort") or msg.get("env", env) != env):
-                    bits = 0xFFFF0000 if tag == 1 else 0xFFFFFFFF
-                    theirs = bits if msg.get("abort") else _word(msg["env"], tag)
-                    self.herr[-4:] = torch.tensor([_i32(theirs), _i32(_word(env, tag)), epoch, epoch])
-                    self.herr[1], self.herr[2], self.herr[3] = self.rank, r, tag
-                    self.herr[0] = 3 if msg.get("abort") else 2
-                    return None
             if not missing:
                 return out
             if time.monotonic() - start > self.timeout:
@@ -120,27 +109,11 @@ class HostRegion:
             time.sleep(0.002)
 
 
-def _word(env: int, tag: int) -> int:
-    """The bits a flag carries (ll_native.cuh): the dispatch's env << 16, the combine's env as uint32."""
-    return (env & 0xFFFF) << 16 if tag == 1 else env & 0xFFFFFFFF
-
-
-def _i32(v: int) -> int:
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def host_abort(reg, which: int) -> None:
-    """``native_abort``: this rank's message of its refused call is the abort."""
-    reg.post("d" if which == 0 else "c", {"abort": True})
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def host_dispatch(
-    reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct=False, mask=None, env=0
-):
+def host_dispatch(reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct=False, mask=None):
     """``native_dispatch``'s contract on the host."""
     from ep_torch.legacy.reference import fp8_cast_reference
 
@@ -161,7 +134,7 @@ def host_dispatch(
         )
     elif t:
         payload[:] = _bits(x)
-    epoch = reg.post("d", {"x": payload, "idx": topk_idx.to(torch.int64).contiguous(), "env": env})
+    epoch = reg.post("d", {"x": payload, "idx": topk_idx.to(torch.int64).contiguous()})
     slots = n * m
     rows = torch.full((epr, slots, width), 0xAB, dtype=torch.uint8)  # undefined unless written
     src_info = torch.full((epr, slots), -1, dtype=torch.int32)
@@ -176,7 +149,7 @@ def host_dispatch(
         recv = torch.empty(epr, slots, h, dtype=torch.bfloat16)
 
     def receive() -> None:
-        every = reg.gather("d", epoch, 1, env)
+        every = reg.gather("d", epoch, 1)
         if every is not None:
             for e in range(epr):
                 g, pos = reg.rank * epr + e, 0
@@ -203,7 +176,7 @@ def host_dispatch(
 
 def host_combine(
     reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos=None, local_direct=False,
-    use_logfmt=False, mask=None, env=0,
+    use_logfmt=False, mask=None,
 ):  # fmt: skip
     """``native_combine``'s contract on the host: every expert output row goes to its token's rank (LogFMT: as its
     decoded float32 values, a different wire format than a plain row's bf16 bits)."""
@@ -227,12 +200,12 @@ def host_combine(
         else:
             wire[:, : 2 * h] = _bits(ys)
     head = torch.tensor([m[:3] for m in meta], dtype=torch.int64).reshape(-1, 3)
-    epoch = reg.post("c", {"head": head, "rows": wire, "env": env})
+    epoch = reg.post("c", {"head": head, "rows": wire})
     t = int(topk_idx.shape[0])
     dest = torch.full((t, h), float("nan"), dtype=torch.bfloat16)  # undefined unless written
 
     def receive() -> None:
-        every = reg.gather("c", epoch, 2, env)
+        every = reg.gather("c", epoch, 2)
         if every is not None:
             got: dict[tuple[int, int], torch.Tensor] = {}
             for msg in every:

@@ -12,8 +12,8 @@
 //           [E_local][N][M] x msg | combine slots [M][K] x hidden bf16 | LogFMT meta [M][K][hidden / 128] uint32]
 //   msg = 16-byte header (source token, lane) + payload (bf16 row, or FP8 row then fp32 scales [hidden / 128])
 //   ctrl: int32 [0] dispatch epoch, [1] combine epoch, [2] dispatch done blocks, [3] combine done blocks
-// A flag carries the epoch of the call that wrote it: a receiver waits for `epoch + 1` (in the high 32 bits; below
-// them the envelope bits, and the dispatch's count in the low 16), so no flag is ever cleaned; the receive kernel's last block advances the local
+// A flag carries the epoch of the call that wrote it: a receiver waits for `epoch + 1` (dispatch: in the high 32
+// bits, the count in the low 32), so no flag is ever cleaned; the receive kernel's last block advances the local
 // epoch. All ranks run the same sequence of calls, so their epochs agree. Fixed shapes, counts read on the GPU:
 // capturable in a CUDA graph.
 //
@@ -30,17 +30,9 @@
 //   The `_logfmt` twins (template kLogFMT): the send writes each row LogFMT-10 encoded (ll_logfmt.cuh: a warp per
 //   chunk, the group words into the slot's meta, each chunk at its bf16 offset, 10 bits a value when encoded) and
 //   the receive decodes it to float32 for the same sum (legacy.logfmt's model, bitwise); no local shortcut.
-// Envelope (issue 41): every flag also carries the call's envelope bits (`env`, the host's digest of what every rank
-// must agree on: ll_kernels.dispatch_env / combine_env): dispatch flag = epoch << 32 | env << 16 | count (count < 2^16),
-// combine flag = epoch << 32 | env. A receive compares each arrived flag's epoch and bits with its own; a difference
-// (another call, other sizes, FP8 / LogFMT on one rank only, another dispatch's handle) or the abort bits (all ones:
-// the sender refused its call on the host and ran `ep_lln_abort` instead) raises `err` and records (2 mismatch | 3
-// abort, rank, peer, tag) and the words (`envelope_check`): the waits end at once, nothing is paired, the host raises
-// at its next call (EPMismatchError / EPPeerError). No extra store: the bits ride in the flag's release store.
 // Waits are bounded by `timeout_ms` (%globaltimer): a wait that expires raises the device word `err[0]` (every
 // later kernel that sees it returns at once, outputs left undefined) and writes (1, rank, peer, tag) to the host
-// mapped `herr` words (the host raises EPTimeoutError at its next call, without a sync). herr: [0..4) the record,
-// [4, 4 + N) the rank mask's, [4 + N, 8 + N) an envelope record's (their bits, this rank's, their epoch, this one).
+// mapped `herr` words (the host raises EPTimeoutError at its next call, without a sync).
 //
 // Rank masking (V1's enable_shrink; legacy.ll_shrink is the CPU twin): `mask` (null: none) is int32 [N + 1] in
 // device memory, mask[r] != 0 when rank r is masked, mask[N] the mask generation (the count of
@@ -158,31 +150,6 @@ __host__ __device__ inline int expire(int* mask, int num_ranks, int* err, volati
   return kFailed;
 }
 
-// The envelope bits of the flags (issue 41): dispatch env << 16 (the count below), combine the low 32 bits; all ones:
-// an abort (`ep_lln_abort`).
-constexpr uint32_t kDispatchEnvBits = 0xFFFF0000u, kCombineEnvBits = 0xFFFFFFFFu;
-
-// An arrived flag `v` of `peer` against this call's `epoch` and envelope `mine` (within `bits`): kArrived when both
-// agree, else kFailed after raising err and recording (2 mismatch | 3 abort, rank, peer, tag) and the words.
-__host__ __device__ inline int envelope_check(int64_t v, int64_t epoch, uint32_t mine, uint32_t bits, int* err,
-                                              volatile int* herr, int num_ranks, int rank, int peer, int tag) {
-  const uint32_t theirs = (uint32_t)v & bits;
-  if ((v >> 32) == epoch && theirs == (mine & bits)) return kArrived;
-  if (err_raise(err) == 0 && herr != nullptr) {
-    herr[4 + num_ranks] = (int)theirs;
-    herr[5 + num_ranks] = (int)(mine & bits);
-    herr[6 + num_ranks] = (int)(v >> 32);
-    herr[7 + num_ranks] = (int)epoch;
-    herr[1] = rank;
-    herr[2] = peer;
-    herr[3] = tag;
-    fence_system();
-    herr[0] = theirs == bits ? 3 : 2;
-    fence_system();
-  }
-  return kFailed;
-}
-
 // The combine receive's lane: the lane whose slot holds its expert's output (`src`, -1 none), or -1 when that
 // lane's expert is on a masked rank (`dead[src]`): zero contribution, as an expert id of -1.
 __host__ __device__ __forceinline__ int lane_source(int src, const int* dead) {
@@ -203,9 +170,9 @@ __host__ __device__ inline int block_layout(int* s_off, int num_ranks, int64_t* 
   return off;
 }
 
-// The dispatch receive's count of source `peer`'s block: the flag's low 16 bits when it arrived, else 0 (masked).
+// The dispatch receive's count of source `peer`'s block: the flag's low half when it arrived, else 0 (masked).
 __host__ __device__ __forceinline__ int source_count(int result, int64_t flag) {
-  return result == kArrived ? (int)(flag & 0xFFFFll) : 0;
+  return result == kArrived ? (int)(flag & 0xFFFFFFFFll) : 0;
 }
 
 // Spin until (*flag >> shift) >= want (shift 32: dispatch, the epoch in the high half). One thread. kArrived (the
@@ -354,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(512)
                          int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
                          int use_fp8, int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr,
-                         int* mask, int env) {
+                         int* mask) {
   EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
   __shared__ int warp_sums[32];
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -388,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(512)
       int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks + rank;
       ep_lln::st_release_sys(reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, dst, own_base,
                                                                           reinterpret_cast<uint8_t*>(flag))),
-                             (epoch << 32) | ((int64_t)(env & 0xFFFF) << 16) | (int64_t)count);
+                             (epoch << 32) | (int64_t)count);
     }
   }
 }
@@ -405,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(512)
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
                          const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
                          int num_tokens, int local_direct, int timeout_ms, int* err, volatile int* herr,
-                         int* mask, int env) {
+                         int* mask) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
   __shared__ int warp_sums[32];
@@ -423,10 +390,7 @@ extern "C" __global__ void __launch_bounds__(512)
     const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks;
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
       int64_t v = 0;
-      int res = ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
-      if (res == ep_lln::kArrived)
-        res = ep_lln::envelope_check(v, epoch, (uint32_t)env << 16, ep_lln::kDispatchEnvBits, err, herr, num_ranks,
-                                     rank, r, 1);
+      const int res = ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
       if (res == ep_lln::kFailed) s_fail = 1;
       s_off[r] = ep_lln::source_count(res, v);  // a masked source's block counts 0
     }
@@ -530,13 +494,12 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
                                                       int hidden, int num_experts, int num_ranks, int rank, int m,
                                                       const uint64_t* __restrict__ peers, const uint8_t* own_base,
                                                       uint8_t* own_half, int local_direct, int* err,
-                                                      volatile int* herr, const int* mask, int env) {
+                                                      volatile int* herr, const int* mask) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
   const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
   const int* ctrl = reinterpret_cast<const int*>(own_half + L.ctrl);
-  // the LogFMT send reads the epoch again at its flags (held across the encode loop, it made ptxas spill on sm_90a)
   const int64_t epoch = (int64_t)ctrl[1] + 1;
   const int slots = num_ranks * m;
   const int row_vecs = hidden * 2 / 16;
@@ -590,7 +553,7 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
       int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.cflag) + (int64_t)rank * epr + e;
       ep_lln::st_release_sys(
           reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, r, own_base, reinterpret_cast<uint8_t*>(flag))),
-          ((kLogFMT ? (int64_t)ctrl[1] + 1 : epoch) << 32) | (int64_t)(uint32_t)env);
+          epoch);
     }
     __syncthreads();
   }
@@ -609,8 +572,7 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
                                                       uint4* __restrict__ out, const uint4* __restrict__ x,
                                                       const int64_t* __restrict__ layout_range,
                                                       const int* __restrict__ lane_pos, int local_direct,
-                                                      int timeout_ms, int* err, volatile int* herr, int* mask,
-                                                      int env) {
+                                                      int timeout_ms, int* err, volatile int* herr, int* mask) {
   __shared__ int s_src[EP_LL_MAX_TOPK];  // per lane: the lane whose slot holds its expert's output, -1 none
   __shared__ int s_dead[EP_LL_MAX_TOPK];  // per first lane of an expert: its rank is masked (zero contribution)
   __shared__ int64_t s_row[EP_LL_MAX_TOPK];  // local_direct: the packed row of x holding a local lane's output
@@ -641,11 +603,8 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
           }
         int64_t v;
         if (src == k) {
-          int res =
-              ep_lln::wait_flag(flags + g, epoch, 32, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v, mask, num_ranks);
-          if (res == ep_lln::kArrived)
-            res = ep_lln::envelope_check(v, epoch, (uint32_t)env, ep_lln::kCombineEnvBits, err, herr, num_ranks, rank,
-                                         (int)(g / epr), 2);
+          const int res =
+              ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v, mask, num_ranks);
           if (res == ep_lln::kFailed) s_fail = 1;
           dead = res == ep_lln::kMasked;
         }
@@ -721,11 +680,9 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
     __syncthreads();
     for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
       int64_t v;  // a masked rank's flags are not waited for
-      int res = ep_lln::wait_flag(flags + g, epoch, 32, timeout_ms, err, herr, rank, g / epr, 2, &v, mask, num_ranks);
-      if (res == ep_lln::kArrived)
-        res = ep_lln::envelope_check(v, epoch, (uint32_t)env, ep_lln::kCombineEnvBits, err, herr, num_ranks, rank,
-                                     g / epr, 2);
-      if (res == ep_lln::kFailed) break;
+      if (ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, g / epr, 2, &v, mask, num_ranks) ==
+          ep_lln::kFailed)
+        break;
     }
   }
   ep_lln::finish_epoch(ctrl, 1);
@@ -736,9 +693,9 @@ extern "C" __global__ void __launch_bounds__(512)
                         const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                         int hidden, int num_experts, int num_ranks, int rank, int m,
                         const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                        int local_direct, int* err, volatile int* herr, const int* mask, int env) {
+                        int local_direct, int* err, volatile int* herr, const int* mask) {
   ep_lln_combine_send_t<false>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
-                               peers, own_base, own_half, local_direct, err, herr, mask, env);
+                               peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(512)
@@ -746,9 +703,9 @@ extern "C" __global__ void __launch_bounds__(512)
                                const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                                int hidden, int num_experts, int num_ranks, int rank, int m,
                                const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                               int local_direct, int* err, volatile int* herr, const int* mask, int env) {
+                               int local_direct, int* err, volatile int* herr, const int* mask) {
   ep_lln_combine_send_t<true>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
-                              peers, own_base, own_half, local_direct, err, herr, mask, env);
+                              peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -756,10 +713,9 @@ extern "C" __global__ void __launch_bounds__(256)
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                         uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
                         const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
-                        int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask, int env) {
+                        int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask) {
   ep_lln_combine_recv_t<false>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
-                               own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask,
-                               env);
+                               own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -767,32 +723,9 @@ extern "C" __global__ void __launch_bounds__(256)
                                int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                                uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
                                const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
-                               int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask, int env) {
+                               int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask) {
   ep_lln_combine_recv_t<true>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
-                              own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask,
-                              env);
-}
-
-// A refused call's stand-in (issue 41): the rank refused its dispatch (which 0) or combine (which 1) on the host, so
-// instead of the send it writes the abort bits with this call's epoch into every flag its send would have written
-// on each peer (dispatch: [e][rank] of each rank's E_local experts; combine: its own experts' flags on every rank).
-// The peers' receives end at once and record an abort naming this rank. One block; capturable.
-extern "C" __global__ void __launch_bounds__(256)
-    ep_lln_abort(const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half, int num_topk,
-                 int hidden, int num_experts, int num_ranks, int rank, int m, int which) {
-  const int epr = num_experts / num_ranks;
-  const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
-  const int64_t epoch = (int64_t)reinterpret_cast<const int*>(own_half + L.ctrl)[which] + 1;
-  for (int i = threadIdx.x; i < num_ranks * epr; i += blockDim.x) {
-    const int dst = i / epr, e = i - dst * epr;
-    if (dst == rank) continue;
-    int64_t* flag = which == 0 ? reinterpret_cast<int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks + rank
-                               : reinterpret_cast<int64_t*>(own_half + L.cflag) + (int64_t)rank * epr + e;
-    const int64_t bits = which == 0 ? ep_lln::kDispatchEnvBits : ep_lln::kCombineEnvBits;
-    ep_lln::st_release_sys(
-        reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, dst, own_base, reinterpret_cast<uint8_t*>(flag))),
-        (epoch << 32) | bits);
-  }
+                              own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
 }
 
 // Rank masking's rejoin (V1's low_latency_clean_mask_buffer under ep's epoch flags): a collective of every rank, one

@@ -39,17 +39,15 @@ def header_bytes(num_ranks: int) -> int:
     return (SYNC_OFFSET + 8 * num_ranks + 255) // 256 * 256
 
 
-# the last two parameters of the four exchanges (and their LogFMT twins): the rank mask, int32 [N + 1] (0 = none),
-# and the call's envelope bits (`dispatch_env` / `combine_env`, issue 41)
+# the last parameter of the four exchanges (and their LogFMT twins): the rank mask, int32 [N + 1] (0 = none)
 SIGNATURES: dict[str, str] = {
     "ep_lln_cast_fp8": "piipi",
-    "ep_lln_dispatch_send": "pipiiiiiiiipppiippppi",
-    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiipppi",
-    "ep_lln_combine_send": "ppppiiiiiipppipppi",
-    "ep_lln_combine_recv": "pipiiiiiiipppppiipppi",
-    "ep_lln_combine_send_logfmt": "ppppiiiiiipppipppi",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)
-    "ep_lln_combine_recv_logfmt": "pipiiiiiiipppppiipppi",
-    "ep_lln_abort": "pppiiiiiii",  # a refused call's abort bits into the peers' flags (issue 41's envelope)
+    "ep_lln_dispatch_send": "pipiiiiiiiipppiipppp",
+    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiippp",
+    "ep_lln_combine_send": "ppppiiiiiipppippp",
+    "ep_lln_combine_recv": "pipiiiiiiipppppiippp",
+    "ep_lln_combine_send_logfmt": "ppppiiiiiipppippp",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)
+    "ep_lln_combine_recv_logfmt": "pipiiiiiiipppppiippp",
     "ep_lln_clean": "ppiiiiiiiippp",  # rank masking's rejoin: a collective of every rank (see the header)
 }
 KERNEL_NAMES = tuple(SIGNATURES)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-import torch
 from ep_core.errors import EPStateError
 
 if TYPE_CHECKING:
@@ -48,20 +47,17 @@ def _normal_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
 def _ll_target(self: Buffer, args: tuple, kwargs: dict) -> tuple[Any, bool]:
     """The adapter's refusals are announced in its inner buffer's step. The native kernels (issue 41) have no step
     of that buffer: with ``ll_native_agree="call"`` the peers wait in this buffer's host step (``_agree_native``),
-    where the refusal is announced; with ``"change"`` the peers' kernels wait on the device: the refusal is announced
-    there (``_NativeAbort``)."""
+    where the refusal is announced; with ``"change"`` the peers' kernels wait on the device (nothing to announce to:
+    they time out)."""
     if self._ll_region is None:
         return self._ll_inner, False
     if self.ll_native_agree == "call":
         return None, True
-    abort = self.__dict__.get("_ll_abort")
-    if abort is None or abort.buf is not self:
-        abort = self._ll_abort = _NativeAbort(self)
-    return abort, False
+    return _SILENT, False
 
 
 class _NoStep:
-    """An inner buffer stand-in for ``Buffer._guard`` (no pending step; ``_NativeAbort`` announces on the device)."""
+    """An inner buffer stand-in whose refusals are announced nowhere (``_ll_target``)."""
 
     _destroyed = False
 
@@ -76,33 +72,4 @@ class _NoStep:
         return None
 
 
-class _NativeAbort(_NoStep):
-    """The default native mode's announcement of a refusal (issue 41): the peers' receive kernels wait for this
-    rank's flags, so it runs ``ep_lln_abort`` in the refused call's place (their waits end at once and their next
-    call raises ``EPPeerError`` naming this rank), then refuses every operation until ``reset()`` itself (its
-    epochs no longer match theirs). Not under CUDA-graph capture (the abort would be captured and replayed): the
-    capture fails anyway, and the peers' waits are bounded by their timeout."""
-
-    __slots__ = ("buf",)
-
-    def __init__(self, buf: Buffer) -> None:
-        self.buf = buf
-
-    def announce_error(self, op: str, error: BaseException, step: Any) -> None:
-        from . import ll_kernels
-
-        buf = self.buf
-        reg, inner = buf._ll_region, buf._ll_inner
-        # only into live peers' regions: not after destroy() or a reset() that dropped the inner buffer (its
-        # mappings may be gone), nor with rank masking (the peers mask a rank that does not arrive)
-        if reg is None or getattr(inner, "runtime", None) is None or buf._shrink is not None:
-            return
-        if getattr(reg, "inner", inner) is not inner:
-            return
-        cuda = not buf._ll_native_on_cpu
-        if cuda and torch.cuda.is_current_stream_capturing():
-            return
-        ll_kernels.native_abort(reg, 0 if op == "low_latency_dispatch" else 1)
-        state = buf._state
-        if state is not None and state.failure is None:
-            state.failure, state.failed_op = error, op
+_SILENT = _NoStep()

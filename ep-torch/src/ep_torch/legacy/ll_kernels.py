@@ -9,7 +9,6 @@ torch composition in ``legacy.low_latency`` (kept as the CPU path and as the ref
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -242,10 +241,9 @@ class NativeRegion:
         self.own_base = bases[self.rank]
         dev = torch.device("cuda", torch.cuda.current_device())
         self.peers = torch.tensor(bases, dtype=torch.int64, device=dev)
-        # host mapped, read without a sync: [0..4) the error record (1 timeout, 2 envelope mismatch, 3 a peer's
-        # abort), [4 + r] the mask generation + 1 when a kernel masked rank r after a timeout (rank masking;
-        # ll_shrink.NativeShrink merges it), [4 + N, 8 + N) the envelope record (`check`)
-        self.herr = torch.zeros(8 + self.num_ranks, dtype=torch.int32).pin_memory()
+        # host mapped, read without a sync: [0..4) the timeout record, [4 + r] the mask generation + 1 when a
+        # kernel masked rank r after a timeout (rank masking; ll_shrink.NativeShrink merges it)
+        self.herr = torch.zeros(4 + self.num_ranks, dtype=torch.int32).pin_memory()
         self.timeout_ms = max(1, min(int(float(rt.config.num_gpu_timeout_secs) * 1000), (1 << 31) - 1))
         sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
         devices = getattr(rt.storage, "rank_devices", None) or []
@@ -264,12 +262,8 @@ class NativeRegion:
         return self.own_base + self.layout.half_offset(half)
 
     def check(self, op: str) -> None:
-        """Raise what a receive kernel recorded (host-mapped words, no sync; sticky): a timeout, an envelope
-        mismatch or a peer's abort (`raise_envelope`)."""
-        code = int(self.herr[0])
-        if code in (2, 3):
-            raise_envelope(op, code, [int(v) for v in self.herr[1:4]], [int(v) for v in self.herr[-4:]])
-        if code != 0:
+        """Raise the timeout a receive kernel recorded (host-mapped words, no sync); sticky."""
+        if int(self.herr[0]) != 0:
             from ep_core.errors import EPTimeoutError
 
             rank, peer, tag = (int(v) for v in self.herr[1:4])
@@ -279,101 +273,6 @@ class NativeRegion:
                 f"{op} (rank {rank}): timed out waiting for rank {peer} ({what}); the low-latency region is "
                 "unusable until the buffer is rebuilt",
             )  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the kernels' envelope (issue 41): bits every flag carries, compared by each receive (ll_native.cuh `envelope_check`)
-
-_RESET = "every operation is refused until reset() is called on every rank"
-
-
-def _crc(sizes: tuple) -> int:
-    import struct
-    import zlib
-
-    return zlib.crc32(struct.pack(f"<{len(sizes)}q", *sizes))
-
-
-@functools.lru_cache(maxsize=256)
-def dispatch_env(
-    m: int, num_experts: int, hidden: int, num_topk: int, fp8: bool, round_scale: bool, ue8m0: bool
-) -> int:
-    """The dispatch's 16 envelope bits: use_fp8, round_scale, use_ue8m0 in bits 0-2 (named on a mismatch), a
-    digest of the sizes above them; never 0xFFFF (the abort bits)."""
-    sizes = _crc((m, num_experts, hidden, num_topk)) & 0x1FFF
-    return (min(sizes, 0x1FFE) << 3) | int(fp8) | int(round_scale) << 1 | int(ue8m0) << 2
-
-
-@functools.lru_cache(maxsize=256)
-def combine_env(m: int, num_experts: int, hidden: int, num_topk: int, logfmt: bool, lag: int) -> int:
-    """The combine's 32 envelope bits (as an int32): use_logfmt in bit 0, the handle's dispatch (how many dispatches
-    ago it ran, 0-255) in bits 1-8, a digest of the sizes above them; never all ones (the abort bits)."""
-    sizes = min(_crc((m, num_experts, hidden, num_topk)) & 0x7FFFFF, 0x7FFFFE)
-    word = sizes << 9 | min(max(int(lag), 0), 255) << 1 | int(logfmt)
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
-def raise_envelope(op: str, code: int, rec: list[int], words: list[int]) -> None:
-    """Raise a receive kernel's envelope record: ``rec`` = (rank, peer, tag 1 dispatch | 2 combine), ``words`` =
-    (the peer's bits, this rank's, the peer's epoch, this rank's). Code 3: the peer refused its call
-    (``ep_lln_abort``): ``EPPeerError`` naming it; 2: ``EPMismatchError`` naming the differing fields."""
-    from ep_core.errors import EPMismatchError, EPPeerError
-
-    rank, peer, tag = rec
-    kind = "low_latency_dispatch" if tag == 1 else "low_latency_combine"
-    theirs, mine, their_epoch, epoch = (w & 0xFFFFFFFF if i < 2 else w for i, w in enumerate(words))
-    if code == 3:
-        raise EPPeerError(
-            f"{op} (rank {rank}): rank {peer} abandoned the operation (it rejected its call and raised its own error) "
-            f"in the {kind} this rank ran before: that call's results on this rank are undefined (nothing of it was "
-            f"paired); {_RESET}",
-            ranks=(peer,),
-        )
-    fields: dict = {}
-    if their_epoch != epoch:
-        fields["call number"] = {peer: their_epoch, rank: epoch}
-    elif tag == 1:
-        a, b = theirs >> 16, mine >> 16
-        for bit, name in enumerate(("use_fp8", "round_scale", "use_ue8m0")):
-            if (a ^ b) >> bit & 1:
-                fields[name] = {peer: bool(a >> bit & 1), rank: bool(b >> bit & 1)}
-        if (a ^ b) >> 3:
-            fields["num_max_dispatch_tokens_per_rank, num_experts, hidden or num_topk"] = {
-                peer: "?",
-                rank: "?",
-            }
-    else:
-        if (theirs ^ mine) & 1:
-            fields["use_logfmt"] = {peer: bool(theirs & 1), rank: bool(mine & 1)}
-        if (theirs ^ mine) >> 1 & 0xFF:
-            fields["handle (dispatches since it)"] = {peer: theirs >> 1 & 0xFF, rank: mine >> 1 & 0xFF}
-        if (theirs ^ mine) >> 9:
-            fields["num_max_dispatch_tokens_per_rank, num_experts, hidden or num_topk"] = {
-                peer: "?",
-                rank: "?",
-            }
-    text = "; ".join(f"{k}: rank {peer} {v[peer]}, rank {rank} {v[rank]}" for k, v in fields.items())
-    raise EPMismatchError(
-        f"{op} (rank {rank}): the ranks disagree in the {kind} this rank ran before (rank {peer} vs rank {rank}): "
-        f"{text}; every rank must call the same operations in the same order with the same "
-        "num_max_dispatch_tokens_per_rank, num_experts, hidden, top-k, use_fp8 / round_scale / use_ue8m0, use_logfmt "
-        f"and handles; nothing was paired (the kernels' envelope); every rank raises this error; {_RESET}",
-        fields=fields,
-    )
-
-
-def native_abort(reg: NativeRegion, which: int) -> None:
-    """Launch ``ep_lln_abort`` on the current stream: this rank refused its dispatch (``which`` 0) or combine (1) on
-    the host; the peers' receives of that call end at once and raise ``EPPeerError`` naming this rank. The current
-    stream first waits for the communication stream (the abort reads this half's epoch, which the calls before
-    advance wherever they ran)."""
-    if torch.cuda.is_available():
-        from .._streams import comm_stream
-
-        torch.cuda.current_stream().wait_stream(comm_stream(torch.cuda.current_device()))
-    args = [reg.peers, reg.own_base, reg.half_ptr(reg.next_half), reg.num_topk, reg.hidden, reg.num_experts,
-            reg.num_ranks, reg.rank, reg.m, int(which)]  # fmt: skip
-    _NativeLaunch()("ep_lln_abort", 1, 256, args)
 
 
 def native_dispatch(
@@ -386,7 +285,6 @@ def native_dispatch(
     stats: torch.Tensor | None,
     local_direct: bool = False,
     mask: torch.Tensor | None = None,
-    env: int = 0,
 ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """Launch the dispatch send now; returns ``(recv, recv_count, src_info, layout_range, lanes, lane_pos,
     receive)`` where ``receive()`` launches the receive (on the then-current stream) that fills the outputs.
@@ -394,7 +292,7 @@ def native_dispatch(
     (the combine's local shortcut reads it). ``local_direct``: the receive follows the send at once (no hook), so
     this rank's own experts take their rows from ``x`` (or the FP8 staging) in the receive instead of a message
     through the buffer: one pass instead of two for the local share. ``mask``: the rank mask (int32 [N + 1] on the
-    device, ``ll_shrink.NativeShrink``), None = no masking. ``env``: the call's envelope bits (`dispatch_env`)."""
+    device, ``ll_shrink.NativeShrink``), None = no masking."""
     run = _NativeLaunch()
     dev = x.device
     n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
@@ -417,7 +315,7 @@ def native_dispatch(
         payload, pstride = x, h * 2
     lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
     send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask, env]  # fmt: skip
+            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask]  # fmt: skip
     run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     if use_fp8:
         q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -439,7 +337,7 @@ def native_dispatch(
     def receive() -> None:
         args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
                 src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
-                idx64, t, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask, env]  # fmt: skip
+                idx64, t, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
@@ -461,12 +359,11 @@ def native_combine(
     local_direct: bool = False,
     use_logfmt: bool = False,
     mask: torch.Tensor | None = None,
-    env: int = 0,
 ) -> tuple[torch.Tensor, Any]:
     """Launch the combine send now; returns ``(combined, receive)``, ``receive()`` launching the weighted reduction
     into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it).
     ``use_logfmt``: the ``_logfmt`` kernels (rows LogFMT-10 encoded by the send, decoded by the receive; every row
-    through the buffer, so ``local_direct`` is off). ``env``: the call's envelope bits (`combine_env`)."""
+    through the buffer, so ``local_direct`` is off)."""
     suffix = "_logfmt" if use_logfmt else ""
     if use_logfmt:
         local_direct = False
@@ -478,7 +375,7 @@ def native_combine(
     err = reg.own_base
     local_direct = bool(local_direct) and lane_pos is not None
     send = [x, src_info, lanes, layout_range, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(local_direct), err, reg.herr.data_ptr(), mask, env]  # fmt: skip
+            own_half, int(local_direct), err, reg.herr.data_ptr(), mask]  # fmt: skip
     run("ep_lln_combine_send" + suffix, min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
     t = int(topk_idx.shape[0])
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
@@ -492,11 +389,11 @@ def native_combine(
         items = t * chunks
         if items:
             args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
-                    lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask, env]  # fmt: skip
+                    lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
             _NativeLaunch()("ep_lln_combine_recv" + suffix, min(items, reg.recv_blocks), 256, args)
         else:  # no token: the kernel still has to see every flag of this call (its epoch)
             args = [topk, idx64, w, 0, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
-                    lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr(), mask, env]  # fmt: skip
+                    lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
             _NativeLaunch()("ep_lln_combine_recv" + suffix, 1, 256, args)
         if out is not None and not direct:
             out.copy_(dest)

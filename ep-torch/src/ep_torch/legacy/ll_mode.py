@@ -14,7 +14,6 @@ from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from .. import _env
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap
-from . import ll_kernels
 from .checks import _check_topk
 from .guard import _guarded, _ll_target
 from .low_latency import LowLatencyHandle, ll_combine_weighted, ll_dispatch
@@ -25,10 +24,10 @@ __all__ = ["LowLatencyMode"]
 class LowLatencyMode:
     """The low-latency methods of V1's ``Buffer`` (its state is ``Buffer.__init__``'s ``_ll_*`` fields)."""
 
-    # The native kernels' envelope (issue 41): "change" (default) takes a host step only when this rank's sizes
-    # change (``_agree_native``; the hot path pays a tuple compare) and leaves the rest to the kernels' envelope (a
-    # disagreement or a one-rank refusal is raised on every rank at the next call, then every rank refuses until
-    # reset()); "call" takes a host step every call (raised at the call itself, at one host exchange per call).
+    # The native kernels' host envelope (issue 41, ``_agree_native``): "change" (default) takes a host step only when
+    # this rank's signature of the operation changes (the hot path pays a tuple compare); "call" takes one every call
+    # (the adapter's guarantee on the CPU backend: every one-rank refusal or disagreement is raised on every rank,
+    # at the cost of one host exchange per call).
     ll_native_agree: str = "change"
     _ll_native_on_cpu = False  # the native road on CPU tensors: the CPU tests' stand-in of the kernels only
 
@@ -76,16 +75,16 @@ class LowLatencyMode:
         return self._ll_inner
 
     def _agree_native(self, op: str, names: tuple[str, ...], sig: tuple, cuda: bool, key: Any = None) -> None:
-        """The native road's host envelope (issue 41). ``sig``: what every rank must agree on for ``op``. Agreed once
-        per signature change and cached (``ll_native_agree="change"``, where the callers pass only the dispatch's
-        sizes, a new region's layout: the flags and the combine's handle are the kernels' envelope's, raised at the next
-        call): a host step (this buffer's ``Channel``, so ranks that disagree all raise ``EPMismatchError``, before
-        any build or launch) when this rank's signature differs from the one last agreed for ``key`` (default ``op``;
-        the combine's is per handle age); every call, the whole signature, with ``"call"``. Under CUDA-graph capture
-        no step is taken (a replay runs no Python): a signature agreed before is accepted, a new one refused. Not
-        covered by "change": one rank alone changing its sizes takes the step alone (its host wait and its peers'
-        kernels time out, bounded, then every rank refuses until ``reset()``). No step with rank masking (a masked
-        rank sits out) or on a loopback group (no host channel)."""
+        """The native road's envelope (its kernels carry none; issue 41). ``sig``: what every rank must agree on for
+        ``op``. Agreed once per signature change and cached (``ll_native_agree="change"``): a host step (this buffer's
+        ``Channel``, so ranks that disagree all raise ``EPMismatchError``, before any build or launch) when this
+        rank's signature differs from the one last agreed for ``key`` (default ``op``; the combine's is per handle
+        age, so that two batches in flight, combined in turn, take no step); every call with ``"call"``. Under CUDA-graph
+        capture no step is taken (a replay runs no Python): a signature agreed before is accepted, a new one refused.
+        Not covered by "change": one rank alone changing its signature takes the step alone (its host wait and its
+        peers' kernels time out, bounded, then every rank refuses until ``reset()``); a call that only one rank
+        skips or refuses is met by the peers' kernels (their GPU timeout). No step with rank masking (a masked rank
+        sits out) or on a loopback group (no host channel)."""
         key = op if key is None else key
         memo = self.__dict__.get(
             "_ll_agreed"
@@ -256,20 +255,14 @@ class LowLatencyMode:
         native = bool(self.ll_native) and (x.is_cuda or self._ll_native_on_cpu)
         # agreed before the build: ranks that disagree on the sizes never build regions of different layouts
         if native:
-            # what the kernels recorded, before a new signature rebuilds the region (reset() drops the inner buffer)
-            if self._ll_region is not None and self._ll_inner is not None:
-                self._ll_region.check("low_latency_dispatch")
             k = int(topk_idx.shape[1])
             sig = (m, int(num_experts), h, k, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
-            if self.ll_native_agree == "call":
-                self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
-            else:  # the sizes (a new region's layout); the flags are the kernels' envelope's
-                self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS[:4], sig[:4], x.is_cuda)
+            self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
         inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), native)
         if self._ll_region is not None:
             return self._native_dispatch(
                 x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook, ll_kernels.dispatch_env(*sig),
+                use_ue8m0, async_finish, return_recv_hook,
             )  # fmt: skip
 
         zero_copy = self.ll_zero_copy
@@ -342,10 +335,6 @@ class LowLatencyMode:
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): topk_idx must be [T, {handle.num_topk}] (the dispatch's K)"
             )
-        if topk_idx.dtype not in (torch.int64, torch.int32):  # before the native send launches, not after it
-            raise EPValueError(
-                f"low_latency_combine (rank {self.rank}): topk_idx must be int64 or int32, got {topk_idx.dtype}"
-            )
         if topk_weights.shape != topk_idx.shape or topk_weights.dtype != torch.float32:
             raise EPValueError(
                 f"low_latency_combine (rank {self.rank}): topk_weights must be float32 of topk_idx's shape "
@@ -372,14 +361,10 @@ class LowLatencyMode:
             reg = handle.native[0]
             lag = self.__dict__.get("_ll_dispatches", 0) - getattr(handle, "ll_call", 0)
             sig = (reg.m, reg.num_experts, hidden, handle.num_topk, bool(use_logfmt), lag)
-            if (
-                self.ll_native_agree == "call"
-            ):  # "change": all of it in the kernels' envelope (the sizes: the region's)
-                self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda, ("combine", lag))
+            self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda, ("combine", lag))
             return self._native_combine(
-                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt),
-                ll_kernels.combine_env(*sig),
-            )  # fmt: skip
+                x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt)
+            )
 
         def run() -> torch.Tensor:
             with _logfmt_envelope(inner, bool(use_logfmt)):
@@ -402,14 +387,13 @@ class LowLatencyMode:
         use_ue8m0: bool,
         async_finish: bool,
         return_recv_hook: bool,
-        env: int = 0,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
         """The native kernels (``legacy.ll_kernels.native_dispatch``): the send now; the receive now too, or, with
-        ``return_recv_hook``, when ``hook()`` is called (on the then-current stream: V1's split). ``env``: the
-        kernels' envelope bits (``ll_kernels.dispatch_env``; issue 41)."""
+        ``return_recv_hook``, when ``hook()`` is called (on the then-current stream: V1's split)."""
         from . import ll_kernels
 
-        reg = self._ll_region  # checked by low_latency_dispatch
+        reg = self._ll_region
+        reg.check("low_latency_dispatch")
         mask, gen = self._native_mask(reg, "low_latency_dispatch")
         h = int(x.shape[1])
 
@@ -418,7 +402,7 @@ class LowLatencyMode:
 
         def send() -> tuple:
             recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
-                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask, env
+                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask
             )
             handle = LowLatencyHandle(
                 (src_info, layout_range, m, h, num_experts), None, None, None,
@@ -453,7 +437,6 @@ class LowLatencyMode:
         async_finish: bool,
         return_recv_hook: bool,
         use_logfmt: bool = False,
-        env: int = 0,
     ) -> tuple[torch.Tensor, EventOverlap, Any]:
         from . import ll_kernels
 
@@ -473,7 +456,7 @@ class LowLatencyMode:
         def send() -> tuple:
             return ll_kernels.native_combine(
                 reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct,
-                use_logfmt, mask, env,
+                use_logfmt, mask,
             )  # fmt: skip
 
         if return_recv_hook:
