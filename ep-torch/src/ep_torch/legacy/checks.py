@@ -7,7 +7,15 @@ from typing import Any
 import torch
 from ep_core.errors import EPValueError
 
-__all__ = ["_check_topk"]
+__all__ = ["LL_MAX_EXPERTS_PER_RANK", "LL_MAX_TOPK", "_check_ll_limits", "_check_topk"]
+
+# V1 low-latency mode's limits, the same on every road (CPU backend, adapter, native kernels). DeepEP V1 takes at most
+# 11 top-k lanes (kNumMaxTopK of its low-latency kernels) and bounds the experts by its SMs (32 warp groups each) and
+# its QPs (num_qps_per_rank >= experts per rank; its own test runs 288 experts on one rank); ep takes more top-k lanes
+# (the native kernels stage a token's lanes in shared memory: ep_core.ll_native.MAX_TOPK) and up to DeepEP V1's
+# bound on local experts (LEGACY_NUM_MAX_LOCAL_EXPERTS).
+LL_MAX_TOPK = 128
+LL_MAX_EXPERTS_PER_RANK = 1024
 
 
 def _check_topk(topk_idx: Any, num_experts: int, num_ranks: int, rank: int, host_read: bool = True) -> None:
@@ -26,4 +34,19 @@ def _check_topk(topk_idx: Any, num_experts: int, num_ranks: int, rank: int, host
     if host_read and topk_idx.numel() and int(topk_idx.max()) >= num_experts:
         raise EPValueError(
             f"topk_idx (rank {rank}): expert id {int(topk_idx.max())} >= num_experts={num_experts}"
+        )
+
+
+def _check_ll_limits(op: str, rank: int, num_ranks: int, num_experts: int, num_topk: int) -> None:
+    """Low-latency mode's limits (``LL_MAX_TOPK``, ``LL_MAX_EXPERTS_PER_RANK``), before anything runs."""
+    if num_topk > LL_MAX_TOPK:
+        raise EPValueError(
+            f"{op} (rank {rank}): num_topk={num_topk} (topk_idx.shape[1]) > {LL_MAX_TOPK}, "
+            "low-latency mode's top-k limit (DeepEP V1 takes at most 11)"
+        )
+    epr = num_experts // num_ranks
+    if epr > LL_MAX_EXPERTS_PER_RANK:
+        raise EPValueError(
+            f"{op} (rank {rank}): num_experts={num_experts} over {num_ranks} ranks is {epr} experts per rank > "
+            f"{LL_MAX_EXPERTS_PER_RANK}, low-latency mode's limit per rank (DeepEP V1's local-expert bound)"
         )

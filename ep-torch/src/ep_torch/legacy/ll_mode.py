@@ -14,7 +14,7 @@ from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from .. import _env
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap
-from .checks import _check_topk
+from .checks import _check_ll_limits, _check_topk
 from .guard import _guarded, _ll_target
 from .low_latency import LowLatencyHandle, ll_combine_weighted, ll_dispatch
 
@@ -129,11 +129,7 @@ class LowLatencyMode:
                 "CUDA-graph capture"
             )
         n = self.group_size
-        if num_topk > ll_native.MAX_TOPK:
-            raise EPValueError(
-                f"low_latency_dispatch (rank {self.rank}): num_topk={num_topk} > {ll_native.MAX_TOPK} (the native "
-                "kernels' lane limit; DeepEP V1 accepts at most 11)"
-            )
+        # num_topk and the experts per rank: checked by low_latency_dispatch (checks._check_ll_limits)
         if 8 * m > 48 * 1024:
             raise EPValueError(
                 f"low_latency_dispatch (rank {self.rank}): num_max_dispatch_tokens_per_rank={m} > 6144 (the native "
@@ -241,6 +237,9 @@ class LowLatencyMode:
             )
         # no host read on CUDA: low-latency mode never syncs the host (the hook's point, and CUDA graphs)
         _check_topk(topk_idx, num_experts, self.group_size, self.rank, host_read=not topk_idx.is_cuda)
+        _check_ll_limits(
+            "low_latency_dispatch", self.rank, self.group_size, int(num_experts), int(topk_idx.shape[1])
+        )
         if cumulative_local_expert_recv_stats is not None and (
             cumulative_local_expert_recv_stats.shape != (num_experts // self.group_size,)
         ):
@@ -253,6 +252,11 @@ class LowLatencyMode:
                 use_ue8m0, async_finish, return_recv_hook,
             )  # fmt: skip
         native = bool(self.ll_native) and (x.is_cuda or self._ll_native_on_cpu)
+        if not native and self._cpu_road(x, int(num_experts), int(topk_idx.shape[1])):
+            return self._shrink_dispatch(
+                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
+                use_ue8m0, async_finish, return_recv_hook, self._ll_cpu,
+            )  # fmt: skip
         # agreed before the build: ranks that disagree on the sizes never build regions of different layouts
         if native:
             k = int(topk_idx.shape[1])
@@ -351,7 +355,7 @@ class LowLatencyMode:
                 f"low_latency_combine (rank {self.rank}): out must be [{t}, {hidden}] bfloat16"
             )
         if shrink:
-            masked = self._shrink_step("low_latency_combine", x)
+            masked = getattr(handle, "ll_cpu", None) or self._shrink_step("low_latency_combine", x)
 
             def run_masked() -> torch.Tensor:
                 return _into(masked.combine(x, topk_idx, topk_weights, handle, bool(use_logfmt)), out)
@@ -577,8 +581,11 @@ class LowLatencyMode:
         use_ue8m0: bool,
         async_finish: bool,
         return_recv_hook: bool,
+        unmasked: Any = None,
     ) -> tuple[Any, torch.Tensor, LowLatencyHandle, EventOverlap, Any]:
-        shrink = self._shrink_step("low_latency_dispatch", x)
+        """The CPU exchange's dispatch (``legacy.ll_shrink``): the buffer's rank mask, or ``unmasked`` (the CPU road
+        past V2's sizes, ``_cpu_road``)."""
+        shrink = unmasked if unmasked is not None else self._shrink_step("low_latency_dispatch", x)
 
         def run() -> tuple:
             recv, count, handle = shrink.dispatch(
@@ -589,7 +596,30 @@ class LowLatencyMode:
             return recv, count, handle
 
         (recv, count, handle), event, hook = self._on_comm(False, async_finish, return_recv_hook, (), run)
+        if unmasked is not None:
+            handle.ll_cpu = unmasked  # its combine takes the same road
         return recv, count, self._stamp(handle, self._ll_build), event, hook
+
+    def _cpu_road(self, x: torch.Tensor, num_experts: int, num_topk: int) -> bool:
+        """Whether this CPU call runs on the buffer's own host exchange (``ShrinkLowLatency.over_channel``, no mask)
+        instead of the adapter: V2's inner buffer takes at most 256 experts per rank and 32 top-k lanes (its rules D9
+        and num_topk), low-latency mode up to ``checks.LL_MAX_*`` (DeepEP V1's 288 experts on one rank among them).
+        The same numerics either way (``legacy.reference``)."""
+        from ep_core.topology import MAX_EXPERTS_PER_RANK, MAX_TOPK
+
+        if x.is_cuda or (num_experts // self.group_size <= MAX_EXPERTS_PER_RANK and num_topk <= MAX_TOPK):
+            return False
+        if self._channel is None:  # loopback ranks have no host channel to exchange on
+            raise EPValueError(
+                f"low_latency_dispatch (rank {self.rank}): num_experts={num_experts} ({num_experts // self.group_size} "
+                f"per rank) with num_topk={num_topk} on CPU tensors of a loopback group: past {MAX_EXPERTS_PER_RANK} "
+                f"experts per rank or {MAX_TOPK} top-k lanes the CPU backend needs a process group (gloo)"
+            )
+        if self.__dict__.get("_ll_cpu") is None:
+            from .ll_shrink import ShrinkLowLatency
+
+            self._ll_cpu = ShrinkLowLatency.over_channel(self.rank, self.group_size, self._channel)
+        return True
 
     def _mask_of(self, op: str) -> Any:
         shrink = getattr(self, "_shrink", None)

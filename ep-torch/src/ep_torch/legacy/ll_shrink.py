@@ -14,6 +14,11 @@ masked ranks' experts dropped: a dispatch packs, per local expert, the rows of t
 combine sums, in ascending lane order, the lanes whose expert's rank is unmasked when the combine's messages are in
 (a lane of a masked rank contributes nothing, as if its expert id were -1).
 
+Unmasked, the same steps run over the buffer's own host channel (``ShrinkLowLatency.over_channel``): the CPU
+backend's low-latency road where V2's inner buffer refuses the sizes (more than its 256 experts per rank or 32 top-k
+lanes; ``LowLatencyMode._cpu_road``). Every rank takes part in every step (an allgather with the envelope check, so
+a refusal or a disagreement is raised on every rank), nothing is masked.
+
 The group's store is torch.distributed's default store, hosted by one rank (rank 0 under ``ep_torch.launch``): that
 rank cannot be the lost one here.
 
@@ -63,6 +68,15 @@ class ShrinkLowLatency:
         self.exchange = MaskedExchange(
             store, self.mask, f"ep_torch/ll_mask/{name}/{_BUILT[name]}", timeout_s, bootstrap.rank_state
         )
+
+    @classmethod
+    def over_channel(cls, rank: int, num_ranks: int, channel: Any) -> ShrinkLowLatency:
+        """The unmasked steps over ``channel`` (the buffer's ``ep_core.envelope.Channel``): no mask, no timeout of
+        its own (the channel's bootstrap bounds the wait and fails the step)."""
+        obj = cls.__new__(cls)
+        obj.mask = RankMask(rank, num_ranks)
+        obj.exchange = _ChannelExchange(channel, rank)
+        return obj
 
     def announce(self, op: str, error: BaseException) -> None:
         self.exchange.announce(op, error)
@@ -203,6 +217,22 @@ class ShrinkLowLatency:
 
             rows_in = roundtrip_torch(rows_in)
         return weighted_lane_sum(rows_in, live, topk_weights)
+
+
+class _ChannelExchange:
+    """``MaskedExchange.exchange`` over a ``Channel``: every rank's messages gathered in one enveloped step (each
+    rank receives every rank's messages and keeps those addressed to it: the CPU backend's test road, not a fast
+    one)."""
+
+    def __init__(self, channel: Any, rank: int) -> None:
+        self.channel, self.rank = channel, rank
+
+    def exchange(self, op: str, config: dict[str, Any], payloads: dict[int, Any]) -> dict[int, Any]:
+        every = self.channel.exchange(op, config, payloads)
+        return {p: msgs[self.rank] for p, msgs in enumerate(every) if p != self.rank}
+
+    def announce(self, op: str, error: BaseException) -> None:
+        self.channel.announce(op, error)
 
 
 class NativeShrink:
