@@ -46,16 +46,20 @@ def _coef(e: int) -> float:
     return 1.0 + (e % 64) / 64.0  # the test's "expert": a per-expert constant (exact in fp32)
 
 
-def _round_trip(buf: Buffer, rank: int, n: int, e: int, k: int, seed: int, use_fp8: bool) -> None:
+def _round_trip(
+    buf: Buffer, rank: int, n: int, e: int, k: int, seed: int, use_fp8: bool, dev: str = "cpu"
+) -> None:
     what = f"{e} experts on {n} ranks, top-{k}, seed {seed}, fp8={use_fp8}"
     epr = e // n
-    x, idx, w = _inputs(rank, e, k, seed)
-    stats = torch.zeros(epr, dtype=torch.int32)
+    x, idx, w = (a.to(dev) for a in _inputs(rank, e, k, seed))
+    stats = torch.zeros(epr, dtype=torch.int32, device=dev)
     recv, cnt, handle, _, hook = buf.low_latency_dispatch(
         x, idx, M, e, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8, return_recv_hook=True
     )
     hook()
     assert torch.equal(stats, cnt), what
+    handle_dev = handle
+    recv, cnt, handle = _cpu(recv), cnt.cpu(), _cpu(handle)
     xs = [_inputs(r, e, k, seed)[0] for r in range(n)]
     want = ll_expected_rows([_inputs(r, e, k, seed)[1].numpy() for r in range(n)], rank, e)
     src_info, layout_range, m, hidden, num_experts = handle
@@ -83,11 +87,15 @@ def _round_trip(buf: Buffer, rank: int, n: int, e: int, k: int, seed: int, use_f
             assert np.array_equal(_bits(q[j, :c]), ref), f"{what}: rows of expert {j}"
     # the combine of bf16 expert outputs: y = x * coef(expert), exact
     y = torch.zeros(epr, n * M, H, dtype=torch.bfloat16)
+    x, idx, w = x.cpu(), idx.cpu(), w.cpu()
     for j, rows in enumerate(want):
         for i, (r, t) in enumerate(rows):
             y[j, i] = (xs[r][t].float() * _coef(rank * epr + j)).to(torch.bfloat16)
-    comb, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+    comb, _, hook = buf.low_latency_combine(
+        y.to(dev), idx.to(dev), w.to(dev), handle_dev, return_recv_hook=True
+    )
     hook()
+    comb = comb.cpu()
     lanes = np.zeros((x.shape[0], k, H), np.uint16)
     xf = bf16_to_f32(_bits(x))
     for t in range(x.shape[0]):
@@ -96,6 +104,15 @@ def _round_trip(buf: Buffer, rank: int, n: int, e: int, k: int, seed: int, use_f
                 lanes[t, j] = f32_to_bf16((xf[t] * np.float32(_coef(int(idx[t, j])))).astype(np.float32))
     ref = ll_combine_reference(lanes, idx.numpy(), w.numpy())
     assert comb.shape == (x.shape[0], H) and np.array_equal(_bits(comb), ref), f"{what}: combine"
+
+
+def _cpu(obj):
+    """Tensors (and tuples of them, one level) on the host."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, tuple):
+        return tuple(_cpu(o) for o in obj)
+    return obj
 
 
 def _limits(rank: int, n: int) -> None:
@@ -146,6 +163,36 @@ def _spawn(ranks: int) -> None:
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_low_latency_limits_cpu(ranks):
     _spawn(ranks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_low_latency_limits_native_gpu():
+    """The native kernels (EP1 loopback): the limits themselves bitwise (1024 experts on one rank; top-128), and
+    just past each the same refusal as on the CPU backend."""
+    from ep_torch.loopback import LoopbackGroup
+
+    torch.cuda.set_device(0)
+    group = LoopbackGroup(1, device="cuda", gpu_timeout_secs=20.0, timeout_secs=60.0)
+    (buf,) = group.v1_buffers(0, int(1e8), low_latency_mode=True, explicitly_destroy=True, ll_native=True)
+    try:
+        for e, k, seed, fp8 in (
+            (288, 8, 0, False),
+            (288, 8, 0, True),
+            (1024, 3, 1, False),
+            (160, LL_MAX_TOPK, 0, False),
+        ):
+            group.run(lambda r, e=e, k=k, seed=seed, fp8=fp8: _round_trip(buf, 0, 1, e, k, seed, fp8, "cuda"))
+        assert buf._ll_region is not None, "the native kernels ran"
+        x, idx, _ = (a.cuda() for a in _inputs(0, 256, 4, 0))
+        big = torch.zeros(3, LL_MAX_TOPK + 1, dtype=torch.int64, device="cuda")
+        with pytest.raises(EPValueError, match=rf"\(rank 0\): num_topk={LL_MAX_TOPK + 1} .* > {LL_MAX_TOPK}"):
+            buf.low_latency_dispatch(x, big, M, 256, use_fp8=False)
+        with pytest.raises(EPValueError, match=rf"is {LL_MAX_EXPERTS_PER_RANK + 1} experts per rank > "):
+            buf.low_latency_dispatch(x, idx, M, LL_MAX_EXPERTS_PER_RANK + 1, use_fp8=False)
+    finally:
+        group.run(lambda r: buf.destroy())
+        group.close()
 
 
 def test_limits_match_the_native_kernels():
