@@ -30,6 +30,7 @@ __all__ = [
     "knobs",
     "ll_local_direct",
     "ll_native",
+    "ll_native_choice",
     "reference_num_sms",
     "reference_nvlink_gbs",
     "reference_nvlink_ranks",
@@ -139,6 +140,16 @@ def cpu_timeout_secs() -> float:
 def ll_native() -> bool:
     """``EPKIT_LL_NATIVE`` (default on): what ``Buffer(ll_native=None)`` means on CUDA."""
     return _flag("EPKIT_LL_NATIVE")
+
+
+def ll_native_choice(choice: object, adapter_options: tuple) -> object:
+    """``Buffer(ll_native=...)`` resolved: an explicit True/False as a bool; None (the default) as ``"auto"`` (the
+    native kernels where the transport maps the peers) unless ``EPKIT_LL_NATIVE=0`` or an adapter-only option
+    (``adapter_options``: any value other than None, 0 or False) asks for the adapter (then None)."""
+    if choice is not None:
+        return bool(choice)
+    asked = any(v is not None and v is not False and v != 0 for v in adapter_options)
+    return None if asked or not ll_native() else "auto"
 
 
 def ll_local_direct() -> bool:

@@ -183,14 +183,9 @@ class Buffer(LowLatencyMode):
             raise NotImplementedError(
                 "Buffer: comm= (an mpi4py communicator); pass a torch.distributed group"
             )
-        if ll_native is None:  # automatic: the native kernels unless an option of the adapter's is asked for
-            adapter_only = (
-                ll_lanes_per_combine
-                or ll_use_kernels is not None
-                or not ll_deterministic
-                or ll_combine_num_sms
-            ) or ll_zero_copy is not None
-            ll_native = None if adapter_only or not _env.ll_native() else "auto"
+        adapter = ll_lanes_per_combine, ll_combine_num_sms, not ll_deterministic  # set: the adapter's options
+        adapter += (ll_use_kernels is not None, ll_zero_copy is not None)
+        ll_native = _env.ll_native_choice(ll_native, adapter)
         self.enable_shrink, self._shrink = bool(enable_shrink), None
         if enable_shrink:  # refused where not implemented before anything is built
             self._make_shrink(transport, check_only=True, ll_native=ll_native)
@@ -207,8 +202,7 @@ class Buffer(LowLatencyMode):
         self.ll_deterministic = bool(ll_deterministic)
         self.ll_combine_num_sms = int(ll_combine_num_sms)
         self.ll_zero_copy = None if ll_zero_copy is None else bool(ll_zero_copy)
-        # "auto" (the default's resolution): the native kernels where the transport maps the peers, else the adapter
-        self.ll_native = None if ll_native is None else ll_native if ll_native == "auto" else bool(ll_native)
+        self.ll_native = ll_native  # None: the adapter; "auto": native where the peers are mapped
         self._ll_region: Any = None  # legacy.ll_kernels.NativeRegion when the native kernels run
         self._inner: ElasticBuffer | None = None
         self._sized = (0, 0)
