@@ -152,15 +152,15 @@ for _names in PHASE_NAMES.values():
 
 @contextlib.contextmanager
 def staged_combine_launches(enabled: bool = True):
-    """While active, every direct combine launch prepared by a DirectRank gets `KernelConfig.combine_dynamic_smem_bytes`
+    """While active, every direct combine launch prepared by a RankDriver gets `KernelConfig.combine_dynamic_smem_bytes`
     of dynamic shared memory, which makes the kernel take its staged (bulk-copy) path. Since c5fd13a the executor
     does this itself (`_combine_smem`), so the flag only matters for older checkouts."""
     if not enabled:
         yield
         return
-    from ep_core.kernels import _source, direct_rank
+    from ep_core.kernels import _source, rank_driver
 
-    orig = direct_rank.DirectRank._prepare
+    orig = rank_driver.RankDriver._prepare
 
     def _prepare(self, kernel, name, geo, shared_mem, *rest, **kw):
         if name == "ep_combine_impl" and shared_mem == 0:
@@ -169,11 +169,11 @@ def staged_combine_launches(enabled: bool = True):
                 shared_mem = cfg.combine_dynamic_smem_bytes
         return orig(self, kernel, name, geo, shared_mem, *rest, **kw)
 
-    direct_rank.DirectRank._prepare = _prepare
+    rank_driver.RankDriver._prepare = _prepare
     try:
         yield
     finally:
-        direct_rank.DirectRank._prepare = orig
+        rank_driver.RankDriver._prepare = orig
 
 
 @contextlib.contextmanager
@@ -183,14 +183,14 @@ def register_combine_launches(enabled: bool = True):
     if not enabled:
         yield
         return
-    from ep_core.kernels import direct_rank
+    from ep_core.kernels import rank_driver
 
-    orig = direct_rank._combine_smem
-    direct_rank._combine_smem = lambda cfg: 0
+    orig = rank_driver._combine_smem
+    rank_driver._combine_smem = lambda cfg: 0
     try:
         yield
     finally:
-        direct_rank._combine_smem = orig
+        rank_driver._combine_smem = orig
 
 
 class PhaseReader:

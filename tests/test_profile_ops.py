@@ -24,18 +24,18 @@ def _load():
 
 
 def test_register_combine_context():
-    from ep_core.kernels import direct_rank
+    from ep_core.kernels import rank_driver
     from ep_core.kernels.plan import KernelConfig
 
     prof = _load()
     cfg = KernelConfig(1, 8, 7168)
-    staged = direct_rank._combine_smem(cfg)
+    staged = rank_driver._combine_smem(cfg)
     assert staged == cfg.combine_dynamic_smem_bytes > 0
     with prof.register_combine_launches(True):
-        assert direct_rank._combine_smem(cfg) == 0
-    assert direct_rank._combine_smem(cfg) == staged
+        assert rank_driver._combine_smem(cfg) == 0
+    assert rank_driver._combine_smem(cfg) == staged
     with prof.register_combine_launches(False):
-        assert direct_rank._combine_smem(cfg) == staged
+        assert rank_driver._combine_smem(cfg) == staged
 
 
 def test_own_pairs_counts_destinations_once():

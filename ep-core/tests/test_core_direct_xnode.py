@@ -124,7 +124,7 @@ def test_loopback_keyword(monkeypatch) -> None:
 
     monkeypatch.setattr(loopback.IpcBuffer, "create_loopback", lambda *a, **k: _Buffers())
     monkeypatch.setattr(loopback, "Stream", lambda: None)
-    monkeypatch.setattr(loopback, "DirectRank", _Rank)
+    monkeypatch.setattr(loopback, "RankDriver", _Rank)
     kw = {"num_max_tokens_per_rank": 8, "hidden": 256, "num_topk": 2}
     dom = loopback.LoopbackDomain(4, num_scaleup_ranks=2, allow_hybrid_mode=False, **kw)
     assert dom.num_scaleup_ranks == 2 and dom.allow_hybrid_mode is False

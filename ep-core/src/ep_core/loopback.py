@@ -5,7 +5,7 @@ ranks' buffers, and the ranks' kernels wait on each other exactly as across GPUs
 resident at once, so `num_ranks * num_sms` may not exceed the device's SMs (checked). The N grids are launched
 plainly, not cooperatively: a cooperative launch guarantees the residency of one grid, not of N grids waiting for
 each other, and N concurrent cooperative grids on one device are not known to be scheduled together; the plain
-launches that fit the device together are what runs verified (DirectRank: `num_ranks_on_device = N`).
+launches that fit the device together are what runs verified (RankDriver: `num_ranks_on_device = N`).
 
 Errors: after a failed wait every rank refuses to launch until `reset()` (all ranks at once: drain every stream,
 zero every rank's workspace and scratch, drain again); `dispatch`/`combine` check every rank before launching any,
@@ -42,14 +42,14 @@ import numpy as np
 from ep_core.errors import EPConfigError, EPStateError, EPTimeoutError, EPTypeError, EPValueError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceArray, DeviceBuffer, Stream
-from ep_core.kernels.direct_rank import (
+from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, epilogue_share, plan_regions
+from ep_core.kernels.rank_driver import (
     CombineResult,
-    DirectRank,
     DispatchResult,
+    RankDriver,
     RankResources,
     count_ranks_on_device,
 )
-from ep_core.kernels.plan import KernelConfig, check_coresident, default_num_sms, epilogue_share, plan_regions
 from ep_core.topology import resolve_scaleup_ranks
 from ep_core.transports.ipc import IpcBuffer
 from ep_core.validation import validate_rank_routing
@@ -87,7 +87,7 @@ def _check_hybrid_flag(allow_hybrid_mode: Any) -> bool:
 
 
 def _logical_ranks(num_ranks: int, ranks_per_node: int, allow_hybrid_mode: bool) -> tuple[int, int]:
-    """`(S_u, ranks per node)` of the kernels (DirectRank's `num_scaleup_ranks`, `num_nvlink_ranks`): hybrid mode
+    """`(S_u, ranks per node)` of the kernels (RankDriver's `num_scaleup_ranks`, `num_nvlink_ranks`): hybrid mode
     `(S_u, S_u)`; direct mode across nodes `(N, S_u)` (the handle has N regions, as direct mode)."""
     if allow_hybrid_mode:
         return ranks_per_node, ranks_per_node
@@ -150,7 +150,7 @@ class LoopbackDomain:
         data = num_bytes or domain_data_bytes(self.num_ranks, self.num_max_tokens, hidden, num_topk, su)
         self.buffers = IpcBuffer.create_loopback(self.num_ranks, data, use_symmem=use_symmem)
         self.streams = [Stream() for _ in range(self.num_ranks)]
-        self.ranks: list[DirectRank] = []
+        self.ranks: list[RankDriver] = []
         for r in range(self.num_ranks):
             res = RankResources(
                 r,
@@ -162,7 +162,7 @@ class LoopbackDomain:
                 num_ranks_on_device=self.num_ranks,
             )
             self.ranks.append(
-                DirectRank(
+                RankDriver(
                     res,
                     num_max_tokens_per_rank=self.num_max_tokens,
                     gpu_timeout_secs=gpu_timeout_secs,
@@ -211,7 +211,7 @@ class LoopbackDomain:
     ) -> list[DispatchResult]:
         """Dispatch on every rank (same keywords as `ep_core.reference.dispatch`). `zero_copy`: each rank's outputs
         are views of its receive region, stored there by the dispatch kernel (no copy epilogue; deterministic row
-        order; `DirectRank.launch_dispatch`), valid until the next operation on the domain."""
+        order; `RankDriver.launch_dispatch`), valid until the next operation on the domain."""
         if self._closed:
             raise EPStateError("dispatch: the domain is closed")
         hs = self._check("handles", handles)
@@ -269,7 +269,7 @@ class LoopbackDomain:
     ) -> list[CombineResult]:
         """Combine on every rank (same keywords as `ep_core.reference.combine`). `zero_copy`: each `xs[r]` is rank
         r's `combine_buffers(handles, hidden)[r]` with its rows written in place; the kernels read them there
-        (one pass less; `DirectRank.combine_buffer`)."""
+        (one pass less; `RankDriver.combine_buffer`)."""
         if self._closed:
             raise EPStateError("combine: the domain is closed")
         hs = self._check("handles", handles)
@@ -303,7 +303,7 @@ class LoopbackDomain:
         return out
 
     def combine_buffers(self, handles: Sequence[Any], hidden: int) -> list[Any]:
-        """Every rank's zero-copy combine buffer for its handle (`DirectRank.combine_buffer`): bf16 [received rows,
+        """Every rank's zero-copy combine buffer for its handle (`RankDriver.combine_buffer`): bf16 [received rows,
         hidden] device arrays to write the expert outputs into, then `combine(buffers, handles, zero_copy=True)`."""
         if self._closed:
             raise EPStateError("combine_buffers: the domain is closed")
@@ -331,7 +331,7 @@ class LoopbackDomain:
 
     def reset(self) -> None:
         """Clear every rank's error state, workspace and scratch (after an error; all ranks together). The order of
-        `DirectRank.reset_state` with barriers, in one thread: drain every rank (no kernel runs or writes into a peer),
+        `RankDriver.reset_state` with barriers, in one thread: drain every rank (no kernel runs or writes into a peer),
         zero every rank, drain every rank (no rank launches before all are zeroed)."""
         self._drain(strict=True)
         for rank in self.ranks:
@@ -356,7 +356,7 @@ class LoopbackDomain:
         self.close()
 
 
-class ProcessRank(DirectRank):
+class ProcessRank(RankDriver):
     """One rank per process: a symmetric buffer exchanged with the other processes through ep_symmem
     (`memory="symmem"`, the default) or through CUDA IPC handles (`memory="cuda_ipc"`)."""
 
@@ -407,13 +407,13 @@ class ProcessRank(DirectRank):
         )
 
     def launch_dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, **kwargs: Any) -> Any:
-        """`DirectRank.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
+        """`RankDriver.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
         validate_rank_routing(x, topk_idx, kwargs.get("handle"))
         return super().launch_dispatch(x, topk_idx, topk_weights, **kwargs)
 
     def reset(self) -> None:
         """Clear the error state, workspace and scratch of every rank after a failure: a collective (every process
-        calls it), ordered by the bootstrap's barrier (`DirectRank.reset_state`)."""
+        calls it), ordered by the bootstrap's barrier (`RankDriver.reset_state`)."""
         self.reset_state(self.bootstrap.barrier)
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ import warnings
 from typing import Any
 
 from ep_core.errors import EPConfigError, EPDeviceError
-from ep_core.kernels.direct_rank import DirectRank, RankResources
+from ep_core.kernels.rank_driver import RankDriver, RankResources
 from ep_core.validation import validate_rank_routing
 
 __all__ = [
@@ -583,8 +583,8 @@ def make_transport() -> NcclTransport:
     return NcclTransport()
 
 
-class NcclRank(DirectRank):
-    """One rank per process over the nccl transport (the `ProcessRank` of ipc): DirectRank's two-phase dispatch
+class NcclRank(RankDriver):
+    """One rank per process over the nccl transport (the `ProcessRank` of ipc): RankDriver's two-phase dispatch
     and combine on an NCCL window. Tests and benchmarks drive the kernels through it without `EPBuffer`."""
 
     def __init__(
@@ -637,7 +637,7 @@ class NcclRank(DirectRank):
         )
 
     def launch_dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, **kwargs: Any) -> Any:
-        """`DirectRank.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
+        """`RankDriver.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
         validate_rank_routing(x, topk_idx, kwargs.get("handle"))
         return super().launch_dispatch(x, topk_idx, topk_weights, **kwargs)
 
