@@ -545,4 +545,4 @@ class RankDriver(DispatchLaunch, CombineLaunch, RankRuntime):
         return dev
 
 
-DirectRank = RankDriver  # the former name (module `kernels.direct_rank` is gone; outside callers keep the name)
+DirectRank = RankDriver  # the former name (its module `kernels.direct_rank` is gone)
