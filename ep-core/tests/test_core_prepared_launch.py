@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from ep_core.device_array import DeviceArray as CoreArray
 from ep_core.handle import BLOCK_PARTS
-from ep_core.kernels import _cuda, array_block
+from ep_core.kernels import _cuda, array_block, prepared_launch
 from ep_core.kernels import rank_driver as rank_driver_mod
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 from ep_core.kernels._cuda import DeviceView
 from ep_core.kernels.array_block import ALIGN_WORDS, carve, int32_block
-from ep_core.kernels.prepared_launch import OP_ARGS_STRUCT, PreparedLaunch
+from ep_core.kernels.prepared_launch import OP_ARGS_STRUCT, PlanCache, PreparedLaunch
 from ep_core.kernels.rank_driver import RankDriver, RankResources
 
 N, M, HIDDEN, TOPK, EXPERTS = 2, 64, 256, 4, 16
@@ -132,7 +132,7 @@ def replay(rank: RankDriver, alloc: Allocator, log: list, call) -> list:
     step, mark, n = rank._num_collective_launches, alloc.next, len(log)
     call()
     hit = log[n:]
-    rank._launches.clear()
+    rank.plans.clear()
     rank._num_collective_launches, alloc.next = step, mark
     n = len(log)
     call()
@@ -163,7 +163,7 @@ def test_repeated_calls_hit_and_patch_only_their_pointers(launches) -> None:
     rank = make_rank(alloc)
     x, sf, idx, w = inputs()
     first = dispatch(rank, x, sf, idx, w, num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
-    misses = rank._launches.misses
+    misses = rank.plans.misses
     assert misses == 1
     for _ in range(3):  # new inputs and outputs each time: the same shape
         x, sf, idx, w = inputs()
@@ -181,9 +181,9 @@ def test_repeated_calls_hit_and_patch_only_their_pointers(launches) -> None:
             words[OP_ARGS_FIELDS.index("x")] == x.ptr and words[OP_ARGS_FIELDS.index("topk_idx")] == idx.ptr
         )
     # a hit, measured without the replay's cleared cache
-    rank._launches.misses = 0
+    rank.plans.misses = 0
     dispatch(rank, *inputs(), num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
-    assert rank._launches.misses == 0
+    assert rank.plans.misses == 0
     # CPU sync (the epilogue's row count comes from the counts), cached dispatch, combine
     x, sf, idx, w = inputs()
     replay(rank, alloc, launches, lambda: dispatch(rank, x, sf, idx, w, num_experts=EXPERTS, num_sms=8))
@@ -229,11 +229,11 @@ def test_a_dispatch_shape_change_misses(launches, change: str) -> None:
     base_kw = dict(num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
     dispatch(rank, *inputs(**_BASE), **base_kw)
     dispatch(rank, *inputs(**_BASE), **base_kw)
-    assert rank._launches.misses == 1
+    assert rank.plans.misses == 1
     shape, kw = _DISPATCH_CHANGES[change]
     xs = inputs(**{**_BASE, **shape})
     dispatch(rank, *xs, **{**base_kw, **kw})
-    assert rank._launches.misses == 2, change
+    assert rank.plans.misses == 2, change
     replay(rank, alloc, launches, lambda: dispatch(rank, *xs, **{**base_kw, **kw}))
 
 
@@ -252,7 +252,7 @@ def test_a_rank_setting_change_misses(launches, change: str) -> None:
         rank.cooperative = False
     n = len(launches)
     dispatch(rank, *inputs(), **kw)
-    assert rank._launches.misses == 2
+    assert rank.plans.misses == 2
     if change == "timeout_cycles":
         words = OP_ARGS_STRUCT.unpack(launches[n][-1])
         assert words[OP_ARGS_FIELDS.index("timeout_cycles")] == rank.timeout_cycles
@@ -267,7 +267,7 @@ def test_a_combine_shape_change_misses(launches, change: str) -> None:
     recv = arr((handle.num_recv_tokens, HIDDEN), np.uint16)
     rank.combine(recv, handle)
     rank.combine(recv, handle)
-    misses = rank._launches.misses
+    misses = rank.plans.misses
     ckw: dict = {}
     if change == "num_sms":
         ckw["num_sms"] = 4
@@ -277,11 +277,42 @@ def test_a_combine_shape_change_misses(launches, change: str) -> None:
         recv = arr((handle.num_recv_tokens, 2 * HIDDEN), np.uint16)
     else:
         handle = dispatch(rank, *inputs(), **kw, do_expand=True).handle
-        misses = rank._launches.misses
+        misses = rank.plans.misses
         recv = arr((handle.num_expanded_tokens, HIDDEN), np.uint16)
     rank.combine(recv, handle, **ckw)
-    assert rank._launches.misses == misses + 1
+    assert rank.plans.misses == misses + 1
     replay(rank, alloc, launches, lambda: rank.combine(recv, handle, **ckw))
+
+
+def test_the_plan_cache_counts_launches_only_and_clears_when_full(monkeypatch) -> None:
+    """One cache per rank (issue 45): launch entries are misses; plans and SM counts are kept without counting; a
+    full cache starts over (a lost entry is only prepared again)."""
+    cache = PlanCache()
+    token = object()
+    cache.put(("dispatch", 1), "launch")
+    cache.keep(token, "plan")
+    computed = []
+    assert cache.sms(8, 2, lambda: computed.append(1) or 5) == 5
+    assert cache.sms(8, 2, lambda: computed.append(1) or 6) == 5 and computed == [1]
+    assert (cache.misses, cache.get(token), cache.get(("sms", 8, 2)), cache.launches()) == (
+        1,
+        "plan",
+        5,
+        ["launch"],
+    )
+    monkeypatch.setattr(prepared_launch, "_MAX_ENTRIES", 3)
+    cache.put(("combine", 2), "other")
+    assert (cache.misses, len(cache), cache.get(token), cache.launches()) == (2, 1, None, ["other"])
+
+
+def test_a_direct_callers_planner_sm_count_is_an_entry_but_no_miss(launches, monkeypatch) -> None:
+    from ep_core import planner
+
+    calls = []
+    monkeypatch.setattr(planner, "get_theoretical_num_sms", lambda *a, **k: calls.append(a) or 7)
+    rank = make_rank(Allocator())
+    assert rank._planner_sms(EXPERTS, 2) == rank._planner_sms(EXPERTS, 2) == 7 and len(calls) == 1
+    assert (rank.plans.get(("sms", EXPERTS, 2)), rank.plans.misses, rank.plans.launches()) == (7, 0, [])
 
 
 def test_a_failed_occupancy_check_stores_nothing(launches, monkeypatch) -> None:
@@ -293,7 +324,7 @@ def test_a_failed_occupancy_check_stores_nothing(launches, monkeypatch) -> None:
     for _ in range(2):
         with pytest.raises(EPConfigError, match="does not fit"):
             dispatch(rank, *inputs(), num_experts=EXPERTS, do_cpu_sync=False, num_sms=8)
-    assert len(rank._launches) == 0
+    assert rank.plans.launches() == []
 
 
 # ------------------------------------------------------------------------------------ handle arrays in one block
@@ -826,7 +857,7 @@ def test_a_repeat_issues_the_stream_pairs_with_its_first_and_last_launch(launche
     assert calls == [("combine", comm, 0xE1, caller, 0xE2, caller)]
     # a split combine (its reduce on a wider grid): the send launch waits, the reduce launch signals
     rank.epilogue_sms = 132
-    rank._launches.clear()
+    rank.plans.clear()
     rank.combine(recv, first.handle, record=True)
     split = rank.last_repeat
     split.prepared.main.native.name, split.prepared.epilogue.native.name = "send", "reduce"
@@ -1185,9 +1216,9 @@ def test_a_zero_copy_combine_reads_the_combine_buffer_in_one_launch(launches) ->
     assert [e[0] for e in launches[n - 2 : n]] == ["combine", "combine"]  # the ordinary one splits here
     assert words[idx("envelope")] not in (0, plain_words[0][idx("envelope")])
     assert plain.combined_x is not None and rank.last_repeat is None
-    misses = rank._launches.misses
+    misses = rank.plans.misses
     rank.combine(buf, handle, zero_copy=True)
-    assert rank._launches.misses == misses
+    assert rank.plans.misses == misses
 
 
 def test_zero_copy_refusals_name_the_argument(launches) -> None:
@@ -1286,9 +1317,9 @@ def test_a_zero_copy_dispatch_is_one_launch_and_views_of_the_region(launches, fp
     assert meta.shape == (rows, TOPK + 2) and meta.ptr == words[idx("src_metadata")]
     assert got.handle.num_recv_tokens == ordinary.handle.num_recv_tokens
     assert rank.last_repeat is None
-    misses = rank._launches.misses
+    misses = rank.plans.misses
     dispatch(rank, x, sf, ti, w, num_experts=EXPERTS, num_sms=8, do_cpu_sync=sync, zero_copy=True)
-    assert rank._launches.misses == misses
+    assert rank.plans.misses == misses
     buf = rank.combine_buffer(got.handle, HIDDEN)
     assert buf.ptr == got.recv_x.ptr  # an expert writes its outputs over the rows it has read
 

@@ -200,13 +200,12 @@ def _main(out_dir: str) -> int:
                     check(torch.equal(c2, x2), f"{tag} cached #{j}: combine(dispatch(x)) != x")
     torch.cuda.synchronize()
     ex = buf.runtime.executor
-    repeats = sum(1 for e in buf.runtime._prepared._dispatch.values() if e["prepared"].plan is not None)
-    repeats += sum(1 for e in buf.runtime._prepared._combine.values() if e["prepared"].plan is not None)
+    plans = ex.rank.plans  # the rank's one plan cache: a prepared entry's plan is kept under its token
+    repeats = sum(1 for e in buf.runtime._prepared._dispatch.values() if plans.get(e["prepared"]) is not None)
+    repeats += sum(1 for e in buf.runtime._prepared._combine.values() if plans.get(e["prepared"]) is not None)
     # combine shapes prepared as two launches (send, then the reduce on the wider grid)
     split = sum(
-        1
-        for p in ex.rank._launches._entries.values()
-        if p.epilogue is not None and p.main.name == "ep_combine_impl"
+        1 for p in ex.rank.plans.launches() if p.epilogue is not None and p.main.name == "ep_combine_impl"
     )
     Path(out_dir, "out.json").write_text(
         json.dumps(

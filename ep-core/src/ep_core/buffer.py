@@ -260,11 +260,9 @@ class EPBuffer(BufferBase):
         self._executor = executor if executor is not None else tr.create_executor(self.config, self)
         if not isinstance(self._executor, Executor):
             raise EPTypeError(f"executor: expected an Executor, got {type(self._executor).__name__}")
-        # the one cache of call signatures: entries and their plans, the kept plans by kind, the SM counts
+        # the validated requests by call signature; their plans are in the rank's plan cache (`RankDriver.plans`)
         self._prepared = PreparedOps(self.config)
-        self._lanes = (
-            self._prepared.kept
-        )  # the kept plans of the framework's last calls by kind (`keep_lane`)
+        self._lanes: dict = {}  # the kept plans of the framework's last calls by kind (`keep_lane`)
         self._destroyed = False
         boot.barrier()
 
@@ -446,7 +444,8 @@ class EPBuffer(BufferBase):
         plan = None
         if last is not None and not self._destroyed:
             token, x_dtype, allocator = last
-            kept = None if token is None else token.plan
+            plans = getattr(getattr(self._executor, "rank", None), "plans", None)  # a GPU rank's plan cache
+            kept = None if token is None or plans is None else plans.get(token)
             if kept is not None and kept.op == op:
                 plan = kept.keep(self, x_dtype, allocator, match, handle)
         if plan is not None:

@@ -112,16 +112,16 @@ def _build(cls: type, fields: dict, per_call: dict) -> Any:
 
 
 class PreparedOps:
-    """Validated dispatch / combine requests of one buffer, by launch shape (module doc): the buffer's one cache of
-    call signatures. An entry's token holds its plan (`PreparedToken.plan`, `ep_core.kernels.op_plan`); `kept`
-    holds the plans a framework keeps by kind (`EPBuffer.keep_lane`: the same plan objects), `sm_counts` the SM
-    counts the validator resolved (`validation.resolve_num_sms`)."""
+    """Validated dispatch / combine requests of one buffer, by launch shape (module doc). An entry's token
+    (`PreparedToken`) is its key in the rank's plan cache (`RankDriver.plans`, `ep_core.kernels.prepared_launch.
+    PlanCache`), which holds the entry's plan (`ep_core.kernels.op_plan`). `sm_counts`: the SM counts the validator
+    resolved (`validation.resolve_num_sms`; the buffer's policy and link bandwidths, which the rank's planner SM
+    counts do not read, and an executor without a rank has none), so that a new signature does not plan again."""
 
     def __init__(self, config: BufferConfig) -> None:
         self.config = config
         self._dispatch: dict[tuple, dict] = {}
         self._combine: dict[tuple, dict] = {}
-        self.kept: dict[str, Any] = {}
         self.sm_counts: dict = {}
         # the key and entry of the last hit of each op: a call repeating the previous call's shapes (the common
         # case) compares its key with that one instead of hashing it and probing the table; the key is built in

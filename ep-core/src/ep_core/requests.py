@@ -81,13 +81,10 @@ class CombineArgs(NamedTuple):
 class PreparedToken:
     """The identity of one prepared-operation entry (`ep_core.prepared`): every request served from that entry
     carries the same token (`request.prepared`; None for a request built by the validation alone), so an executor
-    may keep on it what it derived from the entry's shapes for the first of them (`plan`: see
-    `ep_core.kernels.op_plan`)."""
+    may key on it what it derived from the entry's shapes for the first of them (the GPU executor: the entry's plan
+    in its rank's one plan cache, `ep_core.kernels.prepared_launch.PlanCache`)."""
 
-    __slots__ = ("plan",)
-
-    def __init__(self) -> None:
-        self.plan: Any = None
+    __slots__ = ()
 
 
 @dataclass(frozen=True)

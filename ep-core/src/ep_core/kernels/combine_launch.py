@@ -167,7 +167,7 @@ class CombineLaunch:
         if zero_copy:
             flags |= FLAGS["combine_zero_copy"]
         key = ("combine", cfg, handle.num_experts, t, flags, self._shape_key(plan, scratch, num_sms))
-        prepared = self._launches.get(key)
+        prepared = self.plans.get(key)
         if prepared is None:
             geo = launch_geometry(cfg, num_sms, self.device_sms)
             kernels = self._kernels(cfg)
@@ -223,7 +223,7 @@ class CombineLaunch:
                 )
             prepared = PreparedOp(geo, kernels, main)
             prepared.epilogue = reduce
-            prepared = self._launches.put(key, prepared)
+            prepared = self.plans.put(key, prepared)
             fresh = True
         else:
             fresh = False

@@ -262,7 +262,7 @@ class DispatchLaunch:
             sf_strides,
             self._shape_key(plan, scratch, num_sms),
         )
-        prepared = self._launches.get(key)
+        prepared = self.plans.get(key)
         if prepared is None:
             geo = launch_geometry(cfg, num_sms, self.device_sms)
             kernels = self._kernels(cfg)
@@ -352,7 +352,7 @@ class DispatchLaunch:
             )
             # the combine of this configuration may come first inside a CUDA graph capture: query its occupancy now
             self._occupancy(kernels.combine, geo.block, self._combine_smem(cfg))
-            prepared = self._launches.put(key, PreparedOp(geo, kernels, main))
+            prepared = self.plans.put(key, PreparedOp(geo, kernels, main))
         rows = (handle.num_expanded_tokens if do_expand else handle.num_recv_tokens) if cached else 0
         epilogue_only = self.epilogue_only(cached, rows, bool(do_zero_padding))
         if epilogue_only:  # prepared (its words start the epilogue's) but not launched; counted as launched

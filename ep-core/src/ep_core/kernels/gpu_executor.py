@@ -224,7 +224,7 @@ class GpuExecutor:
     def dispatch(self, req: Any) -> Any:
         rank = self.rank
         token = req.prepared
-        plan = None if token is None else token.plan
+        plan = None if token is None else rank.plans.get(token)  # the entry's plan, in the rank's cache
         fresh = req.async_with_compute_stream
         res = None
         idx = req.topk_idx
@@ -267,7 +267,7 @@ class GpuExecutor:
                     record_wait(wait[0], wait[1], self.stream.handle)
                 res = self._dispatch(req, token is not None, copy)
                 if token is not None:
-                    token.plan = rank.last_repeat
+                    rank.plans.keep(token, rank.last_repeat)
                 if signal is not None:
                     record_wait(signal[0], self.stream.handle, signal[1])
                 if res.handle is not req.handle and idx is not None:
@@ -322,7 +322,7 @@ class GpuExecutor:
     def combine(self, req: Any) -> Any:
         rank = self.rank
         token = req.prepared
-        plan = None if token is None else token.plan
+        plan = None if token is None else rank.plans.get(token)  # the entry's plan, in the rank's cache
         fresh = req.async_with_compute_stream
         res = None
         alloc = self._allocator(req, "bfloat16")
@@ -358,7 +358,7 @@ class GpuExecutor:
                     zero_copy=req.zero_copy,
                 )
                 if token is not None:
-                    token.plan = rank.last_repeat
+                    rank.plans.keep(token, rank.last_repeat)
                 if signal is not None:
                     record_wait(signal[0], self.stream.handle, signal[1])
         finally:

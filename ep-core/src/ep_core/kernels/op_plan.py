@@ -4,8 +4,8 @@ as the first call of that signature resolved it, and the one per-call code of ev
 The signature is the key of a prepared-operation entry (`ep_core.prepared`), whose request passed the full
 validation; so everything `RankDriver` derives from it (kernel configuration, regions, SM count, flags, launch
 shape, prepared launches, output shapes, envelope fields) is what the first call derived. Its full path
-(`record=True`) leaves a `DispatchPlan` / `CombinePlan` in `RankDriver.last_repeat`, and the entry's token
-(`requests.PreparedToken.plan`) holds it. `run()` does only what changes per call: the guard and the handle's
+(`record=True`) leaves a `DispatchPlan` / `CombinePlan` in `RankDriver.last_repeat`, and the rank's plan cache
+(`RankDriver.plans`) keeps it under the entry's token. `run()` does only what changes per call: the guard and the handle's
 state, the pointers, the allocations, the envelope's sequence number, the launches (their per-call words built
 here: `dispatch_words`, `combine_words`, `epilogue_outputs`), the new handle, the error report. What the key does
 not cover (the last operation's scratch, `debug_skip_scaleout_signal`, the handle's `topk_idx` layout, a hybrid

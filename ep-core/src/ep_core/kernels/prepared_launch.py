@@ -27,8 +27,8 @@ from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 
 __all__ = [
     "OP_ARGS_STRUCT",
+    "PlanCache",
     "PreparedLaunch",
-    "PreparedLaunches",
     "PreparedOp",
     "field_slots",
     "record_wait",
@@ -37,8 +37,10 @@ __all__ = [
 OP_ARGS_STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))
 _INDEX = {name: i for i, name in enumerate(OP_ARGS_FIELDS)}
 _TOP, _WRAP = 1 << 63, 1 << 64
-# a cache bound: callers cycling through many shapes keep only recent ones (a miss only costs a fresh pack)
-_MAX_ENTRIES = 64
+# the plan cache's bound: callers cycling through many shapes keep only recent ones (a miss only costs a fresh
+# pack, a lost plan one call of the full path); launches, plans and SM counts share it: room for the plan and the
+# launch of every entry a buffer's `PreparedOps` keeps (two tables of 256), and some SM counts
+_MAX_ENTRIES = 1088
 
 
 def field_slots(names: Sequence[str]) -> tuple[int, ...]:
@@ -202,22 +204,43 @@ def _native_launch(launch: PreparedLaunch) -> Any:
     )
 
 
-class PreparedLaunches:
-    """The prepared launches of one rank, by key; `misses` counts the keys prepared so far (tests, benchmarks)."""
+class PlanCache:
+    """The one plan cache of a rank (issue 45), bounded: launch entries (`("dispatch" | "combine", ...)` launch key
+    -> `PreparedOp`, through `get` / `put`), the plans of call signatures (a prepared entry's `PreparedToken` -> its
+    `DispatchPlan` / `CombinePlan`, through `get` / `keep`) and the planner's SM counts (`("sms", num_experts,
+    num_topk)`, through `sms`). `misses` counts the launch entries prepared so far (tests, benchmarks): plans and
+    SM counts are not misses. A full cache is cleared at once: a lost entry is only prepared again."""
+
+    __slots__ = ("_entries", "get", "misses")
 
     def __init__(self) -> None:
         self._entries: dict = {}
+        self.get = self._entries.get  # the dict's own lookup (read on every call); `clear` keeps the dict
         self.misses = 0
 
-    def get(self, key: tuple) -> Any:
-        return self._entries.get(key)
-
     def put(self, key: tuple, value: Any) -> Any:
-        if len(self._entries) >= _MAX_ENTRIES:
-            self._entries.clear()
-        self._entries[key] = value
+        """Keep a launch entry (a miss)."""
+        self.keep(key, value)
         self.misses += 1
         return value
+
+    def keep(self, key: Any, value: Any) -> Any:
+        """Keep an entry that is not a miss (a plan, an SM count)."""
+        entries = self._entries
+        if len(entries) >= _MAX_ENTRIES:
+            entries.clear()
+        entries[key] = value
+        return value
+
+    def sms(self, num_experts: int, num_topk: int, compute: Any) -> int:
+        """The SM count of `("sms", num_experts, num_topk)`, `compute()` at its first use."""
+        key = ("sms", num_experts, num_topk)
+        sms = self._entries.get(key)
+        return self.keep(key, int(compute())) if sms is None else sms
+
+    def launches(self) -> list:
+        """The launch entries (`PreparedOp`s) kept now."""
+        return [v for k, v in self._entries.items() if type(k) is tuple and k[0] in ("dispatch", "combine")]
 
     def clear(self) -> None:
         self._entries.clear()

@@ -55,7 +55,7 @@ from ep_core.kernels.plan import (
     plan_regions,
 )
 from ep_core.kernels.plan import combine_smem as _combine_smem
-from ep_core.kernels.prepared_launch import PreparedLaunch, PreparedLaunches
+from ep_core.kernels.prepared_launch import PlanCache, PreparedLaunch
 from ep_core.kernels.rank_runtime import TAG_NAMES, RankRuntime
 from ep_core.rank_state import RankState
 from ep_core.requests import CombineResult, DispatchResult
@@ -190,10 +190,11 @@ class RankDriver(DispatchLaunch, CombineLaunch, RankRuntime):
         self._scratches: set[int] = set()  # every scratch an op used (input-error records live there)
         self._input_pending = False  # an invalid-input report seen by the current call's guard
         self._blocks_per_sm: dict = {}
-        self._planned_sms: dict = {}
         self._configs: dict = {}
-        # per launch shape: kernel, geometry, occupancy verdict, packed args
-        self._launches = PreparedLaunches()
+        # the rank's one plan cache (kernels.prepared_launch.PlanCache): per launch shape its kernel, geometry,
+        # occupancy verdict and packed args; per call signature (a prepared entry's token) its plan; the planner's
+        # SM counts
+        self.plans = PlanCache()
         # collective launches so far (every rank counts the same launches; zeroed by reset_state), and the launch
         # number of the dispatch behind each handle (a combine's envelope names its handle)
         self._num_collective_launches = 0
@@ -307,19 +308,18 @@ class RankDriver(DispatchLaunch, CombineLaunch, RankRuntime):
 
     def _planner_sms(self, num_experts: int, num_topk: int) -> int:
         """The planner's SM count for a rank alone on its GPU (0 when it cannot run, e.g. no NVLink bandwidth)."""
-        key = (num_experts, num_topk)
-        if key not in self._planned_sms:
-            from ep_core import planner
-            from ep_core.topology import Topology
+        return self.plans.sms(num_experts, num_topk, lambda: self._theoretical_sms(num_experts, num_topk))
 
-            try:
-                sms = planner.get_theoretical_num_sms(
-                    Topology(self.num_ranks), num_experts, num_topk, num_device_sms=self.device_sms
-                )
-            except EPConfigError:
-                sms = 0
-            self._planned_sms[key] = int(sms)
-        return self._planned_sms[key]
+    def _theoretical_sms(self, num_experts: int, num_topk: int) -> int:
+        from ep_core import planner
+        from ep_core.topology import Topology
+
+        try:
+            return planner.get_theoretical_num_sms(
+                Topology(self.num_ranks), num_experts, num_topk, num_device_sms=self.device_sms
+            )
+        except EPConfigError:
+            return 0
 
     def _num_sms(self, num_sms: int, handle: EPHandle | None, num_experts: int = 0, num_topk: int = 0) -> int:
         if num_sms == 0 and handle is not None and handle.num_sms:
