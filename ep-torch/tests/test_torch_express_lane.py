@@ -716,12 +716,8 @@ def _road(fn) -> list[str]:
     return seq
 
 
-def test_a_kept_plans_call_crosses_at_most_four_modules_to_its_launch(mocked):
-    """Issue 45's target for a repeated call through a kept plan (no-sync, CPU-sync and cached dispatch, combine):
-    at most four modules from `ElasticBuffer.dispatch` / `combine` to the first launch, and no module entered twice
-    in the whole call (`ep_torch.dispatch_combine` -> `ep_core.kernels.op_plan` -> at most two more)."""
-    make, _launches, _served, served_by = mocked
-    buf = make(True)
+def _repeat_ops(buf):
+    """The calls whose repeats the road tests follow: no-sync, CPU-sync and cached dispatch, and combine."""
     x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
     idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
     kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4)
@@ -733,6 +729,16 @@ def test_a_kept_plans_call_crosses_at_most_four_modules_to_its_launch(mocked):
         "cached dispatch": lambda: buf.dispatch(x, handle=h, num_sms=4),
         "combine": lambda: buf.combine(recv, h, num_sms=4),
     }
+    return ops
+
+
+def test_a_kept_plans_call_crosses_at_most_four_modules_to_its_launch(mocked):
+    """Issue 45's target for a repeated call through a kept plan (no-sync, CPU-sync and cached dispatch, combine):
+    at most four modules from `ElasticBuffer.dispatch` / `combine` to the first launch, and no module entered twice
+    in the whole call (`ep_torch.dispatch_combine` -> `ep_core.kernels.op_plan` -> at most two more)."""
+    make, _launches, _served, served_by = mocked
+    buf = make(True)
+    ops = _repeat_ops(buf)
     for name, op in ops.items():
         for _ in range(3):  # the full path, the ordinary repeat that keeps the plan, a kept-plan call
             op()
@@ -756,17 +762,7 @@ def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_r
     the arrays, `buffer_base.destroyed` the buffer's state). Issue 45's target of four is not met here yet."""
     make, _launches, _served, served_by = mocked
     buf = make(False)
-    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
-    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
-    kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4)
-    h = buf.dispatch(x, do_cpu_sync=False, **kw)[3]
-    recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
-    ops = {
-        "no-sync dispatch": lambda: buf.dispatch(x, do_cpu_sync=False, **kw),
-        "CPU-sync dispatch": lambda: buf.dispatch(x, do_cpu_sync=True, **kw),
-        "cached dispatch": lambda: buf.dispatch(x, handle=h, num_sms=4),
-        "combine": lambda: buf.combine(recv, h, num_sms=4),
-    }
+    ops = _repeat_ops(buf)
     for name, op in ops.items():
         for _ in range(2):  # the full path, the repeat that records the plan
             op()
