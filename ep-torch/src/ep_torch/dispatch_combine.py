@@ -677,7 +677,7 @@ class DispatchCombine:
         ``async_with_compute_stream=True`` (:meth:`_deferred`).
 
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
-        float32, unrounded (:mod:`ep_torch.combine_out_dtype`; CPU reference backend only).
+        float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
         if out_dtype is not None and out_dtype is not torch.bfloat16:  # 2.6's FP32 output: a road of its own
             from .combine_out_dtype import combine_out_dtype
