@@ -37,7 +37,7 @@ needs_nvcc = pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_signatures_match_the_header():
     found = {}
     for m in re.finditer(
-        r'extern "C" __global__ void(?: __launch_bounds__\(\d+\))?\s+(\w+)\(([^)]*)\)', _header()
+        r'extern "C" __global__ void(?: __launch_bounds__\(\d+(?:, \d+)?\))?\s+(\w+)\(([^)]*)\)', _header()
     ):
         found[m.group(1)] = "".join("p" if "*" in p else "i" for p in m.group(2).split(","))
     assert found == ll_native.SIGNATURES

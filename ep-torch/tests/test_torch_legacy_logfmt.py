@@ -315,7 +315,7 @@ static unsigned g_vals[32];
 #define __device__
 #define __host__
 #define __shared__ static
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 struct int4 { int x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };

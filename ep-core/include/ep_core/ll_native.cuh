@@ -261,9 +261,8 @@ __device__ inline int ep_lln_list_tokens(const void* topk, int idx64, int num_to
 // item, a row cut into as many parts as keep every warp busy (at least 32 vectors a part), so `src_row(j)` /
 // `dst_row(j)` (the rows' first vectors; a lookup each) run once per item, not per vector; eight 16-byte loads in
 // flight per lane. All threads.
-template <typename Src, typename Dst>
+template <int kUnroll = 8, typename Src, typename Dst>
 __device__ __forceinline__ void ep_lln_copy_rows(int rows, int vecs, Src src_row, Dst dst_row) {
-  constexpr int kUnroll = 8;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   if (rows <= 0 || vecs <= 0) return;
   int parts = nwarps / rows;
@@ -288,6 +287,26 @@ __device__ __forceinline__ void ep_lln_copy_rows(int rows, int vecs, Src src_row
   }
 }
 
+// FP8 cast of eight channels `v` (bf16) of a 128-channel group held by a half warp (`ok`: the group exists; every
+// lane of the warp calls it: the group's amax is a half-warp reduction). Returns the e4m3 bytes, the scale in *scale.
+__device__ __forceinline__ uint2 ep_lln_cast8(uint4 v, bool ok, int round_scale, float* scale) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float f[8];
+  for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(w[i]), f[2 * i + 1] = ep_ll::bf16_hi(w[i]);
+  float amax = fabsf(f[0]);
+  for (int i = 1; i < 8; ++i) amax = ep_ll::nan_max(amax, fabsf(f[i]));
+  for (int d = 8; d > 0; d >>= 1) amax = ep_ll::nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+  uint32_t lo = 0, hi = 0;
+  *scale = 1.0f;
+  if (ok) {
+    const float sc = ep_ll::fp8_scale(amax, round_scale != 0);
+    for (int i = 0; i < 4; ++i) lo |= ep_ll::e4m3_bits(ep_ll::div_rn(f[i], sc)) << (8 * i);
+    for (int i = 0; i < 4; ++i) hi |= ep_ll::e4m3_bits(ep_ll::div_rn(f[4 + i], sc)) << (8 * i);
+    *scale = sc;
+  }
+  return make_uint2(lo, hi);
+}
+
 // FP8 cast of every token once (before the send): staging row t = e4m3 bytes [hidden] then fp32 scales
 // [hidden / 128], row stride `stride` bytes (16-byte multiple). A half warp per 128-channel group, eight channels
 // per lane; blockIdx.x = token.
@@ -305,19 +324,10 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int pidx = warp; pidx < pairs; pidx += nwarps) {
     const int gg = 2 * pidx + half;
     const bool ok = gg < groups;
-    const uint4 v = ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    float f[8];
-    for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(w[i]), f[2 * i + 1] = ep_ll::bf16_hi(w[i]);
-    float amax = fabsf(f[0]);
-    for (int i = 1; i < 8; ++i) amax = ep_ll::nan_max(amax, fabsf(f[i]));
-    for (int d = 8; d > 0; d >>= 1) amax = ep_ll::nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+    float scale;
+    const uint2 bits = ep_lln_cast8(ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0), ok, round_scale, &scale);
     if (ok) {
-      const float scale = ep_ll::fp8_scale(amax, round_scale != 0);
-      uint32_t lo = 0, hi = 0;
-      for (int i = 0; i < 4; ++i) lo |= ep_ll::e4m3_bits(ep_ll::div_rn(f[i], scale)) << (8 * i);
-      for (int i = 0; i < 4; ++i) hi |= ep_ll::e4m3_bits(ep_ll::div_rn(f[4 + i], scale)) << (8 * i);
-      q[gg * 16 + hl] = make_uint2(lo, hi);
+      q[gg * 16 + hl] = bits;
       if (hl == 0) sc[gg] = scale;
     }
   }
@@ -326,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // Dispatch send. Payload rows: bf16 x [T, hidden], or the FP8 staging of `ep_lln_cast_fp8` (`use_fp8`, row stride
 // `stride` bytes); topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
 // tokens to rank g / E_local, then the count (nothing to a masked rank). Dynamic shared memory: 8 * M bytes.
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
                          int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
@@ -374,10 +384,11 @@ extern "C" __global__ void __launch_bounds__(512)
 // rows. Outputs: bf16 out [E_local, N*M, hidden], or FP8 q [E_local, N*M, hidden] with scales float32
 // [E_local, G, N*M] (ue8m0: int32 [E_local, G/4, N*M], exponent byte of group g at byte g % 4); src_info and lanes
 // int32 [E_local, N*M] (-1 past the count); recv_count int32 [E_local]; layout_range int64 [E_local, N]; stats
-// int32 [E_local] (added to; may be null).
-extern "C" __global__ void __launch_bounds__(512)
+// int32 [E_local] (added to; may be null). local_direct: `payload` is the bf16 x [T, hidden] (row stride `stride`),
+// whose rows this rank's own block takes (FP8: cast here with `round_scale`, as ep_lln_cast_fp8 does).
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_recv(int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
-                         uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
+                         uint8_t* own_half, int use_fp8, int ue8m0, int round_scale, void* __restrict__ out,
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
                          const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
@@ -455,19 +466,43 @@ extern "C" __global__ void __launch_bounds__(512)
     }
     const int qvecs = use_fp8 ? hidden / 16 : row_vecs;
     uint4* out4 = static_cast<uint4*>(out) + (int64_t)e * slots * qvecs;
-    ep_lln_copy_rows(
-        total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); },
-        [&](int j) { return out4 + (int64_t)j * qvecs; });
-    if (use_fp8) {
-      for (int i = threadIdx.x; i < total * groups; i += blockDim.x) {
-        const int g = i / total, j = i - g * total;  // consecutive threads: consecutive rows (column-major out)
-        const float s = reinterpret_cast<const float*>(src_of(j) + hidden)[g];
-        if (ue8m0) {
-          const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
-          static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
-        } else {
-          static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
+    auto put_scale = [&](int j, int g, float s) {  // column-major scales: consecutive rows, consecutive words
+      if (ue8m0) {
+        const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
+        static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
+      } else {
+        static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
+      }
+    };
+    // FP8 with local_direct: this rank's own rows (j in [own0, own1)) are cast here from the bf16 payload (no
+    // staging: one rank launches no cast), a warp per (row, pair of groups); the other rows are copied
+    const bool cast_own = use_fp8 && local_direct;
+    const int own0 = cast_own ? s_off[rank] : total, own1 = cast_own ? s_off[rank + 1] : total;
+    auto copy_src = [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); };
+    ep_lln_copy_rows<4>(own0, qvecs, copy_src, [&](int j) { return out4 + (int64_t)j * qvecs; });
+    ep_lln_copy_rows<4>(
+        total - own1, qvecs, [&](int j) { return copy_src(own1 + j); },
+        [&](int j) { return out4 + (int64_t)(own1 + j) * qvecs; });
+    if (cast_own) {
+      const int lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15, pairs = (groups + 1) / 2;
+      for (int item = threadIdx.x >> 5; item < (own1 - own0) * pairs; item += blockDim.x >> 5) {
+        const int j = own0 + item / pairs, gg = 2 * (item % pairs) + half;
+        const bool ok = gg < groups;
+        const uint4* src = reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j - own0] * stride);
+        float sc;
+        const uint2 bits = ep_lln_cast8(ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0), ok, round_scale, &sc);
+        if (ok) {
+          reinterpret_cast<uint2*>(out4 + (int64_t)j * qvecs)[gg * 16 + hl] = bits;
+          if (hl == 0) put_scale(j, gg, sc);
         }
+      }
+    }
+    if (use_fp8) {
+      const int rest = total - (own1 - own0);  // the copied rows' scales, from their messages
+      for (int i = threadIdx.x; i < rest * groups; i += blockDim.x) {
+        const int g = i / rest, jr = i - g * rest;  // consecutive threads: consecutive rows
+        const int j = jr < own0 ? jr : jr + (own1 - own0);
+        put_scale(j, g, reinterpret_cast<const float*>(src_of(j) + hidden)[g]);
       }
     }
     for (int j = total + threadIdx.x; j < slots; j += blockDim.x) {
@@ -679,10 +714,10 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
           for (int i = 0; i < 8; ++i) a[i] = ep_ll::add_rn(a[i], ep_ll::mul_rn(f[i], wk));
         }
       } else
-      for (int k0 = 0; k0 < num_topk; k0 += 8) {  // eight lanes' loads in flight, then their sum in lane order
-        uint4 v[8];
+      for (int k0 = 0; k0 < num_topk; k0 += 4) {  // four lanes' loads in flight, then their sum in lane order
+        uint4 v[4];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < 4; ++u) {
           const int k = k0 + u;
           const int src = k < num_topk ? s_src[2 * k] : -1;
           if (src >= 0) {
@@ -691,7 +726,7 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
           }
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < 4; ++u) {
           const int k = k0 + u;
           if (k >= num_topk || s_src[2 * k] < 0) continue;
           const float wk = s_w[k];
@@ -729,7 +764,7 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
   ep_lln::finish_epoch(ctrl, 1);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info,
                         const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                         int hidden, int num_experts, int num_ranks, int rank, int m,
@@ -739,7 +774,7 @@ extern "C" __global__ void __launch_bounds__(512)
                                peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_combine_send_logfmt(const uint4* __restrict__ x, const int* __restrict__ src_info,
                                const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                                int hidden, int num_experts, int num_ranks, int rank, int m,
@@ -749,7 +784,7 @@ extern "C" __global__ void __launch_bounds__(512)
                               peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_combine_recv(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                         uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
@@ -759,7 +794,7 @@ extern "C" __global__ void __launch_bounds__(512)
                                own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_combine_recv_logfmt(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
                                int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                                uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,

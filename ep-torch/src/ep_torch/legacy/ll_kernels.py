@@ -305,18 +305,20 @@ def native_dispatch(
     t = int(x.shape[0])
     err = reg.own_base  # the region's front: the device error word
     groups = h // 128
-    if use_fp8:  # cast once per token (the send then copies each token's FP8 row and scales to its experts)
+    # one rank with the local shortcut: no send, no cast (the receive lists this rank's rows and reads or casts
+    # them in x)
+    sends = n > 1 or not local_direct
+    payload, pstride = x, h * 2
+    if use_fp8 and sends:  # cast once per token (the send copies its FP8 row and scales to its experts)
         stride = -(-(h + 4 * groups) // 16) * 16
         staging = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
         if t:
             run("ep_lln_cast_fp8", t, 256, [x, h, int(round_scale), staging, stride])
         payload, pstride = staging, stride
-    else:
-        payload, pstride = x, h * 2
     lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
     send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
             own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask]  # fmt: skip
-    if n > 1 or not local_direct:  # one rank with the local shortcut: the receive lists and reads every row
+    if sends:
         run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     if use_fp8:
         q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
@@ -336,9 +338,11 @@ def native_dispatch(
     in_kernel = stats is not None and stats.dtype == torch.int32 and stats.is_contiguous() and stats.is_cuda
 
     def receive() -> None:
-        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
-                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
-                idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
+        # the receive's payload is x (bf16): with the local shortcut it reads (or casts) this rank's own rows there
+        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), int(round_scale),
+                out, s_store, src_info, lanes, recv_count, layout_range, stats if in_kernel else None, x, h * 2,
+                topk, idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(),
+                mask]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
