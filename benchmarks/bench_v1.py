@@ -516,14 +516,12 @@ def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: 
             recv, _, handle, _, hk = disp(r, hook=True)
             hooks[r] = (recv, handle, hk)
 
-        def step_hook_rest(r):
+        def step_hook_rest(r):  # the decode loop: send, GEMM, hook, combine (no split in the combine)
             _, idx, w = inp[r]
             gemm(r)
             recv, handle, hk = hooks[r]
             hk()
-            c, _, hk2 = v1[r].low_latency_combine(recv, idx, w, handle, return_recv_hook=True)
-            hk2()
-            return c
+            return v1[r].low_latency_combine(recv, idx, w, handle)[0]
 
         each = ctx.each  # _row_whole replaces ctx.each while it times this
 
