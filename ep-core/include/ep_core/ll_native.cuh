@@ -615,7 +615,7 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
 }
 
 // Combine receive: a warp per work item (token t, a part of its hidden vectors; a token is cut into as many parts as
-// keep every warp of the grid busy, at least 128 vectors a part), grid stride, no block-wide step per item. The
+// keep every warp of the grid busy, at least 32 vectors a part), grid stride, no block-wide step per item. The
 // warp's lanes read t's lanes (expert ids, weights) and wait for the flags of t's experts, then each lane sums its
 // vectors in ascending lane order into out [T, hidden] bf16 (lanes repeating an earlier lane's expert read that
 // lane's slot: one message per (token, expert)). kLogFMT: the slots hold LogFMT-10 rows, decoded to float32 for the
@@ -641,7 +641,7 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   const int all_warps = gridDim.x * wpb;
   int parts = num_tokens > 0 ? all_warps / num_tokens : 1;
-  const int most = vecs / 128 > 1 ? vecs / 128 : 1;
+  const int most = vecs / 32 > 1 ? vecs / 32 : 1;
   parts = parts < 1 ? 1 : (parts > most ? most : parts);
   const int per = (vecs + parts - 1) / parts;
   const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.cflag);

@@ -391,9 +391,9 @@ def native_combine(
     idx64 = _idx64(topk, "low_latency_combine: topk_idx")
 
     def receive() -> None:
-        # a warp per (token, part of at least 128 vectors); 16 warps a block, each with its token's lanes in
-        # shared memory (20 bytes a lane)
-        warps = t * max(1, (h // 8) // 128)
+        # a warp per (token, part of at least 32 vectors: a vector a lane); 16 warps a block, each with its
+        # token's lanes in shared memory (20 bytes a lane)
+        warps = t * max(1, (h // 8) // 32)
         grid = max(1, min(-(-warps // 16), reg.recv_blocks))
         args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
                 lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
