@@ -440,3 +440,30 @@ def test_nccl_transport_struct_compiles(tmp_path, monkeypatch) -> None:
         flags=("-std=c++17",),
     )
     assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_lsa_peer_bases_kernel_compiles(tmp_path, monkeypatch) -> None:
+    """The one-block kernel behind `NcclStorage.peer_bases` (V1 low-latency mode's own kernels over nccl) compiles
+    with NCCL's device headers."""
+    ep_jit = pytest.importorskip("ep_jit")
+    eng = pytest.importorskip("ep_nccl_gin")
+    if shutil.which("nvcc") is None and not shutil.os.path.exists("/usr/local/cuda/bin/nvcc"):
+        pytest.skip("nvcc not found")
+    try:
+        eng.include_dirs(check=False)
+    except Exception as exc:
+        pytest.skip(f"no NCCL device headers: {exc}")
+    from ep_core.transports.nccl_peer_bases import compile_lsa_bases
+
+    monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(tmp_path / "jit"))
+    ep_jit.clear_memo()
+    assert compile_lsa_bases("sm_90a").cubin_path.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_peer_bases_only_where_the_lsa_team_is_the_group() -> None:
+    st = NcclStorage.__new__(NcclStorage)
+    st.lsa_size, st._peer_bases, st.closed = 4, None, False
+    with pytest.raises(EPConfigError, match="LSA team has 4 of the 8 ranks"):
+        st.peer_bases(8)
+    st._peer_bases = [1, 2, 3, 4]  # read once, then kept
+    assert st.peer_bases(4) == [1, 2, 3, 4]

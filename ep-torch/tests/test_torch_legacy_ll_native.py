@@ -175,3 +175,51 @@ def test_ll_native_loopback_gpu(n, e, local, monkeypatch):
     monkeypatch.setenv("EPKIT_NVLINK_GBS", "450")
     monkeypatch.setenv("EPKIT_LL_LOCAL_DIRECT", local)
     _run(n, e)
+
+
+def _nccl_one(rank: int, n: int) -> None:
+    """One rank over the nccl transport (NCCL's LSA window; the peer table read back by ``NcclStorage.peer_bases``):
+    the default ``ll_native=None`` takes the native kernels there, bitwise like on the loopback domain."""
+    import torch.distributed as dist
+    from ep_torch.legacy import Buffer
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    e = 288
+    buf = Buffer(dist.group.WORLD, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True)
+    x, idx, w = (a.to(dev) for a in _inputs(rank, e))
+    outs = [buf.low_latency_dispatch(x, idx, M, e)]
+    print(
+        f"rank {rank}: transport {buf._ll_inner.transport}, native {buf._ll_region is not None}", flush=True
+    )
+    assert buf._ll_region is not None, "the native kernels ran"
+    _check(outs, n, e, 0, what="nccl EP1 bf16")
+    _check(
+        [buf.low_latency_dispatch(x, idx, M, e, use_fp8=True)], n, e, 0, fp8=(False, False), what="nccl fp8"
+    )
+    recv, _, handle, _, _ = outs[0]
+    c, _, _ = buf.low_latency_combine(_expert(recv, rank, e), idx, w, handle)
+    bad = np.argwhere(_bits(c) != _combine_ref(*_inputs(rank, e)))
+    assert not bad.size, f"nccl EP1 combine differs at {tuple(bad[0])}"
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+@pytest.mark.gpu
+@gpu
+def test_ll_native_nccl_one_rank_gpu():
+    import os
+
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    code, out = run_script(os.path.abspath(__file__), ["_nccl_one", "1"], 180, what="nccl one rank")
+    assert code == 0, out[-3000:]
+    assert "transport nccl, native True" in out, out[-2000:]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ep_torch.launch import spawn
+
+    spawn(globals()[sys.argv[1]], int(sys.argv[2]), backend="nccl")

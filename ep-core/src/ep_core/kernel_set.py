@@ -9,7 +9,7 @@ and ranges against it before anything reaches the driver; a CPU test compares th
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ep_core.errors import EPValueError
@@ -19,12 +19,19 @@ __all__ = ["KernelSet"]
 
 class KernelSet:
     """Kernels ``signatures`` (name -> parameter codes, in order) of the translation unit ``source``, compiled with
-    ``defines`` under the ep_jit cache name ``name``; loaded once per device."""
+    ``defines`` (and ``include_dirs()``, default ep-core's include directory) under the ep_jit cache name ``name``;
+    loaded once per device."""
 
     def __init__(
-        self, name: str, source: str, signatures: Mapping[str, str], defines: Mapping[str, int]
+        self,
+        name: str,
+        source: str,
+        signatures: Mapping[str, str],
+        defines: Mapping[str, int],
+        include_dirs: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         self.name, self.source = name, source
+        self._include_dirs = include_dirs  # None: ep-core's include directory
         self.signatures, self.defines = dict(signatures), dict(defines)
         self.kernel_names = tuple(self.signatures)
         self._functions: dict[int, dict[str, Any]] = {}  # device ordinal -> kernel name -> loaded function
@@ -40,7 +47,9 @@ class KernelSet:
         return ep_jit.compile(
             self.source,
             name=self.name,
-            include_dirs=list(headers) if headers is not None else [get_include()],
+            include_dirs=list(headers)
+            if headers is not None
+            else (list(self._include_dirs()) if self._include_dirs else [get_include()]),
             defines=self.defines,
             arch=arch,
             flags=("-std=c++17",),

@@ -232,7 +232,23 @@ class NcclStorage:
             0  # device copy of a GIN ncclDevComm (several nodes, `NcclTransport.create_executor`)
         )
         self._devcomm_copy: Any = None
+        self._peer_bases: list[int] | None = None
         self.closed = False
+
+    def peer_bases(self, num_ranks: int) -> list[int]:
+        """Every rank's storage base as mapped in this process (rank order), for kernels that take a table of peer
+        bases (V1 low-latency mode's own kernels): the window's LSA pointers, read once (`nccl_peer_bases`). Only
+        where the LSA team is the whole group (one NVLink domain: direct mode)."""
+        if self.lsa_size != int(num_ranks):
+            raise EPConfigError(
+                f"peer_bases: NCCL's LSA team has {self.lsa_size} of the {int(num_ranks)} ranks (several nodes); "
+                "the peers outside it are not load/store reachable"
+            )
+        if self._peer_bases is None:
+            from ep_core.transports.nccl_peer_bases import lsa_peer_bases
+
+            self._peer_bases = lsa_peer_bases(self._alive().nccl_window, int(num_ranks), self.device)
+        return list(self._peer_bases)
 
     def _use_gin_dev_comm(self, dev_comm: Any, copy: Any) -> None:
         """Replace the LSA-only device communicator by the GIN one (collective destroy of the old one)."""

@@ -206,11 +206,16 @@ def local_direct_enabled() -> bool:
 
 
 def native_supported(inner: Any) -> bool:
-    """Whether ``inner``'s storage maps every peer's memory into this process (ipc and the loopback domain): the
-    native kernels write straight into the peers' regions."""
+    """Whether ``inner``'s storage maps every peer's memory into this process (ipc, the loopback domain, and nccl
+    where NCCL's LSA team is the whole group: one NVLink domain): the native kernels write straight into the peers'
+    regions."""
     try:
-        storage = inner._rt().storage
+        rt = inner._rt()
+        storage = rt.storage
     except Exception:  # a destroyed buffer
+        return False
+    lsa = getattr(storage, "lsa_size", None)  # nccl: the peers outside the LSA team are not load/store reachable
+    if lsa is not None and lsa != int(rt.num_ranks):
         return False
     return hasattr(storage, "peer_bases") and getattr(storage, "array_device", "cuda") == "cuda"
 
