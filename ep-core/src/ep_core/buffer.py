@@ -519,6 +519,11 @@ class EPBuffer(BufferBase):
     def _combine(self, args: CombineArgs) -> CombineResult:
         if self._destroyed:
             self._check_alive()  # raises
+        if args.out_dtype is not None or args.defer_epilogue is not False:
+            raise EPValueError(
+                "out_dtype / defer_epilogue: the framework layer's fields of the combine record (ep_torch's "
+                "ElasticBuffer.combine runs them); ep_core's combine takes None / False there"
+            )
         ex = self._executor
         req = self._prepared.combine(ex, args)
         res = ex.combine(req)

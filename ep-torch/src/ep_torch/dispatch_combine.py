@@ -679,101 +679,96 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        if out_dtype is not None and out_dtype is not torch.bfloat16:  # 2.6's FP32 output: a road of its own
-            from .combine_out_dtype import combine_out_dtype
-
-            return combine_out_dtype(
-                self,
-                out_dtype,
-                x,
-                handle,
-                topk_weights,
-                bias,
-                num_sms,
-                num_qps,
-                previous_event,
-                previous_event_before_epilogue,
-                async_with_compute_stream,
-                allocate_on_comm_stream,
-                defer_epilogue,
-                zero_copy,
-            )
-        if defer_epilogue is not False:  # the one test the calls without it pay
-            return self._deferred(
-                "combine",
-                defer_epilogue,
-                async_with_compute_stream,
-                False,
-                zero_copy,
-                lambda: self.combine(
-                    x,
-                    handle,
-                    topk_weights,
-                    bias,
-                    num_sms,
-                    num_qps,
-                    previous_event,
-                    previous_event_before_epilogue,
-                    async_with_compute_stream,
-                    allocate_on_comm_stream,
-                    zero_copy=zero_copy,
-                ),
-            )
-        plain = (
-            bias is None
+        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
+        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
+        # error); `kind`: the lane this call keeps after its ordinary road (None: none)
+        kind = None
+        if (
+            (out_dtype is None or out_dtype is torch.bfloat16)
+            and (defer_epilogue is False or not defer_epilogue)
+            and bias is None
             and previous_event is None
             and previous_event_before_epilogue is None
             and async_with_compute_stream is False
             and allocate_on_comm_stream is False
+        ):
+            if zero_copy is False:
+                kind = "combine"
+            elif zero_copy is True:
+                kind = "combine_zero_copy"
+            lane = self._lanes.get(kind)
+            if lane is not None and _same((num_sms, num_qps), lane.scalars):
+                got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+                if got is not None:
+                    return got.combined_x, got.combined_topk_weights, EventOverlap(None)
+        # the one record of this call (ep-core's `CombineArgs`): the FP32 and deferred roads and the ordinary one
+        # read it; the allocator of a device's first call and a comm-stream scope's stream are filled in below
+        px = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
+        pw = _plain(topk_weights) if topk_weights is not None else None
+        return self._run_combine(
+            CombineArgs(
+                px,
+                handle,
+                pw,
+                _plain(bias) if bias is not None else None,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                bool(async_with_compute_stream),
+                bool(allocate_on_comm_stream),
+                getattr(self, "_allocators", _NO_LANES).get(
+                    x.device if isinstance(x, torch.Tensor) else self.device
+                ),
+                _current_stream(self._device_index) if self._cuda else 0,
+                zero_copy,
+                None if out_dtype is torch.bfloat16 else out_dtype,  # bf16: the ordinary combine
+                defer_epilogue,
+            ),
+            None if kind is None else (kind, px is x and pw is topk_weights),
         )
-        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
-        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
-        # error)
-        if zero_copy is False:
-            kind = "combine"
-        else:
-            kind = "combine_zero_copy" if zero_copy is True else None
-        lane = self._lanes.get(kind)
-        if plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
-            got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
-            if got is not None:
-                return got.combined_x, got.combined_topk_weights, EventOverlap(None)
+
+    def _run_combine(self, a: CombineArgs, keep: tuple | None) -> Any:
+        """`combine` of its record: the FP32 output (:mod:`ep_torch.combine_out_dtype`), the deferred epilogue
+        (:meth:`_deferred`) or the ordinary road, which then keeps its plan as the lane ``keep[0]`` (``keep[1]``:
+        the record's arrays are the caller's; autograd ones, detached here, are never matched: no lane)."""
+        if (
+            a.out_dtype is not None and a.out_dtype is not torch.bfloat16
+        ):  # 2.6's FP32 output: a road of its own
+            from .combine_out_dtype import combine_out_dtype
+
+            return combine_out_dtype(self, a)
+        if a.defer_epilogue is not False:  # the one test the calls without it pay
+            return self._deferred(
+                "combine",
+                a.defer_epilogue,
+                a.async_with_compute_stream,
+                False,
+                a.zero_copy,
+                lambda: self._run_combine(a._replace(defer_epilogue=False), keep),
+            )
         with self._core.announcing("combine"):
             rt = self.runtime
             if rt is None or rt.destroyed:  # (`_rt`'s test, inline: it raises)
                 rt = self._rt()
-            device = x.device if isinstance(x, torch.Tensor) else self.device
+            if a.allocator is None:  # this device's first call
+                x = a.x
+                a = a._replace(
+                    allocator=self._allocator(x.device if isinstance(x, torch.Tensor) else self.device)
+                )
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
-            if previous_event is None and not allocate_on_comm_stream:
-                scope, cuda = _NO_SCOPE, self._cuda
+            if a.previous_event is None and not a.allocate_on_comm_stream:
+                scope = _NO_SCOPE
             else:
                 scope, cuda = self._streams(
-                    allocate_on_comm_stream, previous_event, async_with_compute_stream
+                    a.allocate_on_comm_stream, a.previous_event, a.async_with_compute_stream
                 )
             with scope:  # the event is recorded inside: on the stream the operation ended on
-                res = rt.run_combine(
-                    CombineArgs(
-                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
-                        handle,
-                        _plain(topk_weights) if topk_weights is not None else None,
-                        _plain(bias) if bias is not None else None,
-                        num_sms,
-                        num_qps,
-                        previous_event,
-                        previous_event_before_epilogue,
-                        bool(async_with_compute_stream),
-                        bool(allocate_on_comm_stream),
-                        self._allocators.get(device) or self._allocator(device),
-                        _current_stream(self._device_index) if cuda else 0,
-                        zero_copy,
-                    )
-                )
-                event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
-            if (
-                plain
-                and type(zero_copy) is bool
-                and scope is _NO_SCOPE
-                and getattr(self._allocators.get(device), "batch", None) is not None
-            ):
-                rt.keep_lane(kind, "combine", _match((x, topk_weights)), (num_sms, num_qps), handle)
+                if scope is not _NO_SCOPE and cuda:  # the comm stream is current now
+                    a = a._replace(stream=_current_stream(self._device_index))
+                res = rt.run_combine(a)
+                event = self._combine_event(a.async_with_compute_stream, a.x, a.topk_weights, a.bias, res)
+            if keep is not None and getattr(a.allocator, "batch", None) is not None:
+                match = _match((a.x, a.topk_weights)) if keep[1] else None
+                rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)
         return res.combined_x, res.combined_topk_weights, event
