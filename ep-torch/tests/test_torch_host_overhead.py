@@ -159,6 +159,7 @@ def _recording_buffer():
     core = types.SimpleNamespace(
         announcing=lambda op: contextlib.nullcontext(),
         destroyed=False,
+        _destroyed=False,
         run_dispatch=record,
         run_combine=record,
     )

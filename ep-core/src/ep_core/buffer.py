@@ -547,6 +547,11 @@ class EPBuffer(BufferBase):
         channel = getattr(executor, "channel", None)
         if channel is not None:
             return channel.taken
+        counter = getattr(
+            executor, "launch_counter", None
+        )  # (object, field): read with no call into the executor
+        if counter is not None:
+            return getattr(*counter)
         return getattr(executor, "launch_step", None)
 
     def announce_error(self, op: str, error: BaseException, step: int | None) -> None:

@@ -186,6 +186,22 @@ class DispatchCombine:
             allocators[device] = allocate
         return allocate
 
+    def _live(self, op: str) -> Any:
+        """The runtime, or `_rt`'s error announced (a call on a destroyed buffer)."""
+        rt = self.runtime
+        if rt is None or rt._destroyed:  # (`_rt`'s test, inline: the field, no property call)
+            with self._core.announcing(op):
+                rt = self._rt()  # raises
+        return rt
+
+    def _output_allocator(self, op: str, device: torch.device) -> Any:
+        """`_allocator(device)`; making it (a device's first call) may raise: announced."""
+        allocate = self._allocators.get(device)
+        if allocate is None:
+            with self._core.announcing(op):
+                allocate = self._allocator(device)
+        return allocate
+
     def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
         if op != "dispatch" or handle is not None or do_cpu_sync is False:
             return  # nothing this check refuses (and no capture query: it costs a microsecond per call)
@@ -420,23 +436,30 @@ class DispatchCombine:
                     return recv_x, recv_idx, recv_w, got.handle, EventOverlap(None)
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
                 return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
-        with self._core.announcing("dispatch"):
-            rt = self.runtime
-            if rt is None or rt.destroyed:  # (`_rt`'s test, inline: it raises)
-                rt = self._rt()
+        # the ordinary road: ep-core's `run_dispatch` announces an error of the call (`announcing`); what may raise
+        # here first is announced by a block of its own, and a call on the comm stream runs in one block whole
+        scoped = previous_event is not None or allocate_on_comm_stream
+        with self._core.announcing("dispatch") if scoped else _NO_SCOPE:
+            rt = self._live("dispatch")
             if handle is None and do_cpu_sync is not False:
-                self._check_capture("dispatch", do_cpu_sync, handle)
+                try:
+                    self._check_capture("dispatch", do_cpu_sync, handle)
+                except Exception:
+                    with self._core.announcing("dispatch"):
+                        raise
             if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
-            device = first.device if isinstance(first, torch.Tensor) else self.device
+            allocator = self._output_allocator(
+                "dispatch", first.device if isinstance(first, torch.Tensor) else self.device
+            )
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
-            if previous_event is None and not allocate_on_comm_stream:
-                scope, cuda = _NO_SCOPE, self._cuda
-            else:
+            if scoped:
                 scope, cuda = self._streams(
                     allocate_on_comm_stream, previous_event, async_with_compute_stream
                 )
+            else:
+                scope, cuda = _NO_SCOPE, self._cuda
             with scope:
                 res = rt.run_dispatch(
                     DispatchArgs(
@@ -461,7 +484,7 @@ class DispatchCombine:
                         bool(do_expand),
                         bool(do_zero_padding),
                         bool(use_tma_aligned_col_major_sf),
-                        self._allocators.get(device) or self._allocator(device),
+                        allocator,
                         _current_stream(self._device_index) if cuda else 0,
                         zero_copy,
                     )
@@ -471,7 +494,7 @@ class DispatchCombine:
                 event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
-            lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
+            lanes = scope is _NO_SCOPE and getattr(allocator, "batch", None) is not None
             if lanes and plain:
                 if kind is not None:
                     rt.keep_lane(kind, "dispatch", _match((x, topk_idx, topk_weights)), lane_scalars)
@@ -747,22 +770,24 @@ class DispatchCombine:
                 a.zero_copy,
                 lambda: self._run_combine(a._replace(defer_epilogue=False), keep),
             )
-        with self._core.announcing("combine"):
-            rt = self.runtime
-            if rt is None or rt.destroyed:  # (`_rt`'s test, inline: it raises)
-                rt = self._rt()
+        # the ordinary road, announced as a dispatch's (`dispatch`)
+        scoped = a.previous_event is not None or a.allocate_on_comm_stream
+        with self._core.announcing("combine") if scoped else _NO_SCOPE:
+            rt = self._live("combine")
             if a.allocator is None:  # this device's first call
                 x = a.x
                 a = a._replace(
-                    allocator=self._allocator(x.device if isinstance(x, torch.Tensor) else self.device)
+                    allocator=self._output_allocator(
+                        "combine", x.device if isinstance(x, torch.Tensor) else self.device
+                    )
                 )
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
-            if a.previous_event is None and not a.allocate_on_comm_stream:
-                scope = _NO_SCOPE
-            else:
+            if scoped:
                 scope, cuda = self._streams(
                     a.allocate_on_comm_stream, a.previous_event, a.async_with_compute_stream
                 )
+            else:
+                scope = _NO_SCOPE
             with scope:  # the event is recorded inside: on the stream the operation ended on
                 if scope is not _NO_SCOPE and cuda:  # the comm stream is current now
                     a = a._replace(stream=_current_stream(self._device_index))

@@ -120,6 +120,8 @@ class GpuExecutor:
                 config.prefer_overlap_with_compute, self.device_sms, self.num_ranks_on_device
             ),
         )
+        # where `launch_step` lives, read by `EPBuffer`'s announcing block on every call without a property call
+        self.launch_counter = (self.rank, "_num_collective_launches")
         self._destroyed = False
         # the reused events of `stream_pairs`, made at first use (`stream_events`)
         self.enter_event: Event | None = None
