@@ -227,25 +227,31 @@ class GpuExecutor:
         rank = self.rank
         token = req.prepared
         plan = None if token is None else rank.plans.get(token)  # the entry's plan, in the rank's cache
+        if plan is not None and plan.rank is not rank:
+            plan = None
         fresh = req.async_with_compute_stream
         res = None
         idx = req.topk_idx
         # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
         # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`); none for an empty routing
         alloc = self._allocator(req, req.x.dtype)
-        copy = (
-            self._routing_copy(req, idx)
-            if req.do_handle_copy and idx is not None and 0 not in idx.shape
-            else None
-        )
-        trusted = copy is not None and alloc.trusted
+        want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
+        # a plan whose allocations are one call of the allocator's `batch` (`DispatchPlan.batched`; the copy in it)
+        batched = plan is not None and want_copy is not plan.cached
+        if (
+            batched
+        ):  # (the plan's answer for this allocator read as a field: no call into op_plan before its run)
+            known = plan.batching
+            batched = known[1] if known[0] is req.allocator else plan.batched(req.allocator, req.x.dtype)
+        copy = self._routing_copy(req, idx) if want_copy and not batched else None
+        trusted = want_copy and alloc.trusted
         wait, signal, ev = self.stream_pairs(req.stream, fresh)
         rank._allocator = alloc
         try:
             # the plan of a prepared entry (ep_core.kernels.op_plan): its run makes the new handle with its routing
             # (the copy) itself; None from it (nothing done): the full path. A zero-copy request has its own
             # entries (`zero_copy` is in the request cache's key), so its plan is one
-            if plan is not None and plan.rank is rank:
+            if plan is not None:
                 sf, w = req.sf, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
                 res = plan.run(
@@ -261,10 +267,12 @@ class GpuExecutor:
                     wait,
                     signal,
                     copy,
-                    False,
+                    batched,
                     trusted,
                 )
             if res is None:
+                if want_copy and copy is None:  # declined before its batch
+                    copy = self._routing_copy(req, idx)
                 if wait is not None:  # the pairs around the full path's launches
                     record_wait(wait[0], wait[1], self.stream.handle)
                 res = self._dispatch(req, token is not None, copy)
@@ -278,6 +286,8 @@ class GpuExecutor:
                         note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         finally:
             rank._allocator = None
+            if batched:
+                plan._made = None  # the outputs are the caller's alone
         if req.zero_copy:
             # the rank's views name numpy's dtypes (bf16 data reads as uint16): the request's, as the allocator's
             # arrays of an ordinary dispatch carry (so recv_x passes rule C1 of a combine, for one)
@@ -333,6 +343,8 @@ class GpuExecutor:
         try:
             # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run: the full path
             if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
+                known = plan.batching  # the outputs from the allocator's `batch` (`CombinePlan.batched`)
+                batched = known[1] if known[0] is req.allocator else plan.batched(req.allocator, "bfloat16")
                 w = req.topk_weights
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
                 res = plan.run(
@@ -344,6 +356,7 @@ class GpuExecutor:
                     req.allocator,
                     wait,
                     signal,
+                    batched,
                 )
             if res is None:
                 if wait is not None:  # the pairs around the full path's launches
