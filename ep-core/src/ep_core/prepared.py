@@ -251,21 +251,12 @@ class PreparedOps:
             if type(handle) is not EPHandle or type(x) in (tuple, list):
                 raise TypeError  # the full validation names the rule
             hfp, bad = checked_fingerprint(self.config, target, handle)  # raised on a hit only
-            if bias is None:
-                biases: tuple = ()
-            elif type(bias) is tuple:
-                if len(bias) != 2:
-                    raise TypeError
-                biases = bias
-            elif type(bias) is list:
-                raise TypeError
-            else:
-                biases = (bias,)
+            if type(bias) is list or (type(bias) is tuple and len(bias) != 2):
+                raise TypeError  # the full validation names the rule
+            biases = () if bias is None else bias if type(bias) is tuple else (bias,)
             xi, wi, *described = describe_all(x, topk_weights, *biases)
             bi: tuple = tuple(described)
-            bias_key: Any = None
-            if bias is not None:
-                bias_key = ("pair" if type(bias) is tuple else "one", *map(_layout, bi))
+            bias_key = None if bias is None else ("pair" if type(bias) is tuple else "one", *map(_layout, bi))
             key = (
                 _layout(xi),
                 None if wi is None else _layout(wi),

@@ -186,21 +186,11 @@ class DispatchCombine:
             allocators[device] = allocate
         return allocate
 
-    def _live(self, op: str) -> Any:
-        """The runtime, or `_rt`'s error announced (a call on a destroyed buffer)."""
-        rt = self.runtime
-        if rt is None or rt._destroyed:  # (`_rt`'s test, inline: the field, no property call)
-            with self._core.announcing(op):
-                rt = self._rt()  # raises
-        return rt
-
-    def _output_allocator(self, op: str, device: torch.device) -> Any:
-        """`_allocator(device)`; making it (a device's first call) may raise: announced."""
-        allocate = self._allocators.get(device)
-        if allocate is None:
-            with self._core.announcing(op):
-                allocate = self._allocator(device)
-        return allocate
+    def _announced(self, op: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in an announcing block of its own: what may raise before ep-core's block (`_rt`'s error, a
+        device's first allocator)."""
+        with self._core.announcing(op):
+            return fn(*args)
 
     def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
         if op != "dispatch" or handle is not None or do_cpu_sync is False:
@@ -231,21 +221,6 @@ class DispatchCombine:
             if comm is not None:
                 t.record_stream(comm)
         return EventOverlap(event)
-
-    def _dispatch_event(
-        self, async_with_compute_stream: Any, x: Any, idx: Any, w: Any, res: Any
-    ) -> EventOverlap:
-        if not async_with_compute_stream:
-            return EventOverlap(None)
-        keep = (x, idx, w, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
-        return self._event(True, (*keep, *_handle_tensors(res.handle)))
-
-    def _combine_event(
-        self, async_with_compute_stream: Any, x: Any, w: Any, bias: Any, res: Any
-    ) -> EventOverlap:
-        if not async_with_compute_stream:
-            return EventOverlap(None)
-        return self._event(True, (x, w, bias, res.combined_x, res.combined_topk_weights))
 
     def _streams(
         self, allocate_on_comm_stream: Any, previous_event: Any, async_with_compute_stream: Any
@@ -314,30 +289,16 @@ class DispatchCombine:
         (:meth:`_borrow`).
         """
         if defer_epilogue is not False or borrow_recv is not False:  # the one test the calls without them pay
+            # this call without the deferral / the borrow, its arguments by name (the parameters are the only
+            # locals yet)
+            call = {
+                k: v
+                for k, v in locals().items()
+                if k not in ("self", "defer_epilogue", "borrow_recv", "zero_copy")
+            }
 
-            def again(**kw: Any) -> Any:  # this call without the deferral / the borrow
-                return self.dispatch(
-                    x,
-                    topk_idx,
-                    topk_weights,
-                    cumulative_local_expert_recv_stats,
-                    num_experts,
-                    num_max_tokens_per_rank,
-                    expert_alignment,
-                    num_sms,
-                    num_qps,
-                    previous_event,
-                    previous_event_before_epilogue,
-                    async_with_compute_stream,
-                    allocate_on_comm_stream,
-                    handle,
-                    do_handle_copy,
-                    do_cpu_sync,
-                    do_expand,
-                    do_zero_padding,
-                    use_tma_aligned_col_major_sf,
-                    **kw,
-                )
+            def again(**kw: Any) -> Any:
+                return self.dispatch(**call, **kw)
 
             if borrow_recv:
                 return self._borrow(
@@ -440,7 +401,9 @@ class DispatchCombine:
         # here first is announced by a block of its own, and a call on the comm stream runs in one block whole
         scoped = previous_event is not None or allocate_on_comm_stream
         with self._core.announcing("dispatch") if scoped else _NO_SCOPE:
-            rt = self._live("dispatch")
+            rt = self.runtime
+            if rt is None or rt._destroyed:  # (`_rt`'s test, inline: the field, no property call)
+                rt = self._announced("dispatch", self._rt)  # raises
             if handle is None and do_cpu_sync is not False:
                 try:
                     self._check_capture("dispatch", do_cpu_sync, handle)
@@ -450,9 +413,8 @@ class DispatchCombine:
             if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
-            allocator = self._output_allocator(
-                "dispatch", first.device if isinstance(first, torch.Tensor) else self.device
-            )
+            device = first.device if isinstance(first, torch.Tensor) else self.device
+            allocator = self._allocators.get(device) or self._announced("dispatch", self._allocator, device)
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
             if scoped:
                 scope, cuda = self._streams(
@@ -491,7 +453,12 @@ class DispatchCombine:
                 )
                 # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
                 # handle's tensors need recording on the streams
-                event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
+                event = EventOverlap(None)
+                if async_with_compute_stream:
+                    outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
+                    event = self._event(
+                        True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(res.handle))
+                    )
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
             lanes = scope is _NO_SCOPE and getattr(allocator, "batch", None) is not None
@@ -773,14 +740,12 @@ class DispatchCombine:
         # the ordinary road, announced as a dispatch's (`dispatch`)
         scoped = a.previous_event is not None or a.allocate_on_comm_stream
         with self._core.announcing("combine") if scoped else _NO_SCOPE:
-            rt = self._live("combine")
+            rt = self.runtime
+            if rt is None or rt._destroyed:  # (`_rt`'s test, inline)
+                rt = self._announced("combine", self._rt)  # raises
             if a.allocator is None:  # this device's first call
-                x = a.x
-                a = a._replace(
-                    allocator=self._output_allocator(
-                        "combine", x.device if isinstance(x, torch.Tensor) else self.device
-                    )
-                )
+                device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
+                a = a._replace(allocator=self._announced("combine", self._allocator, device))
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
             if scoped:
                 scope, cuda = self._streams(
@@ -792,7 +757,10 @@ class DispatchCombine:
                 if scope is not _NO_SCOPE and cuda:  # the comm stream is current now
                     a = a._replace(stream=_current_stream(self._device_index))
                 res = rt.run_combine(a)
-                event = self._combine_event(a.async_with_compute_stream, a.x, a.topk_weights, a.bias, res)
+                event = self._event(  # None unless async
+                    a.async_with_compute_stream,
+                    (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights),
+                )
             if keep is not None and getattr(a.allocator, "batch", None) is not None:
                 match = _match((a.x, a.topk_weights)) if keep[1] else None
                 rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)

@@ -237,12 +237,9 @@ class GpuExecutor:
         alloc = self._allocator(req, req.x.dtype)
         want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
         # a plan whose allocations are one call of the allocator's `batch` (`DispatchPlan.batched`; the copy in it)
-        batched = plan is not None and want_copy is not plan.cached
-        if (
-            batched
-        ):  # (the plan's answer for this allocator read as a field: no call into op_plan before its run)
-            known = plan.batching
-            batched = known[1] if known[0] is req.allocator else plan.batched(req.allocator, req.x.dtype)
+        batched = (
+            plan is not None and want_copy is not plan.cached and _batched(plan, req.allocator, req.x.dtype)
+        )
         copy = self._routing_copy(req, idx) if want_copy and not batched else None
         trusted = want_copy and alloc.trusted
         wait, signal, ev = self.stream_pairs(req.stream, fresh)
@@ -343,21 +340,11 @@ class GpuExecutor:
         try:
             # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run: the full path
             if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
-                known = plan.batching  # the outputs from the allocator's `batch` (`CombinePlan.batched`)
-                batched = known[1] if known[0] is req.allocator else plan.batched(req.allocator, "bfloat16")
-                w = req.topk_weights
+                w = 0 if req.topk_weights is None else req.topk_weights.ptr
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
-                res = plan.run(
-                    req.x.ptr,
-                    0 if w is None else w.ptr,
-                    bias[0],
-                    bias[1],
-                    req.handle,
-                    req.allocator,
-                    wait,
-                    signal,
-                    batched,
-                )
+                # (the outputs from the allocator's `batch` where it has one)
+                batched = _batched(plan, req.allocator, "bfloat16")
+                res = plan.run(req.x.ptr, w, *bias[:2], req.handle, req.allocator, wait, signal, batched)
             if res is None:
                 if wait is not None:  # the pairs around the full path's launches
                     record_wait(wait[0], wait[1], self.stream.handle)
@@ -399,6 +386,13 @@ class GpuExecutor:
         if not self._destroyed:
             self.stream.synchronize()
             self._destroyed = True
+
+
+def _batched(plan: Any, allocator: Any, x_dtype: str) -> bool:
+    """`plan.batched(allocator, x_dtype)`, read as the plan's field for a known allocator (no call into op_plan
+    before the run)."""
+    known = plan.batching
+    return known[1] if known[0] is allocator else plan.batched(allocator, x_dtype)
 
 
 def _c_strides(shape: tuple) -> tuple:

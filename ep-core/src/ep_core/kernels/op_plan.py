@@ -323,7 +323,6 @@ class DispatchPlan:
         self.buffer: Any = None
         self.match: Any = None
         self.scalars: tuple | None = None
-        self.allocator: Any = None
         # (the allocator whose calls `batched` answered, its answer): read by `GpuExecutor` on every call
         self.batching: tuple = (None, False)
 
@@ -760,7 +759,7 @@ def _kept(plan: Any, buffer: Any, allocator: Any, match: Any, handle: Any) -> An
         plan._handle_key = (fp[0][1], fp[0][2][0])
         if plan._handle_key[1] is None:
             return None
-    plan.buffer, plan._executor, plan.allocator, plan.match = buffer, executor, allocator, match
+    plan.buffer, plan._executor, plan.match = buffer, executor, match
     plan._comm, plan._events = executor.stream.handle, executor.stream_events()
     return batch
 
@@ -799,7 +798,6 @@ class CombinePlan:
         self.buffer: Any = None
         self.match: Any = None
         self.scalars: tuple | None = None
-        self.allocator: Any = None
 
     def keep(self, buffer: Any, x_dtype: str, allocator: Any, match: Any, handle: Any = None) -> Any:
         """This plan kept for `buffer`'s framework (`DispatchPlan.keep`): the outputs from one `batch` call each."""
