@@ -360,10 +360,9 @@ class DispatchPlan:
                 return False
             rows = self.num_expanded if self.expand else self.num_recv
             epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl else self.prepared.epilogue
-            if self.zero_copy:  # one launch, no epilogue; a CPU-sync zero-copy dispatch is never recorded
-                if self.cpu_sync:
-                    return False
-            elif epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
+            if self.zero_copy and self.cpu_sync:  # (one launch, no epilogue) a CPU-sync one is never recorded
+                return False
+            if not self.zero_copy and epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
                 return False  # what `run` declines
             # the outputs (a CPU-sync dispatch: none, they follow the counts), then the routing copy and the block
             specs = [] if self.cpu_sync else self._output_specs(rows, x_dtype)
