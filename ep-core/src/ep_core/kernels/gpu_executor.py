@@ -178,6 +178,8 @@ class GpuExecutor:
         # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block): viewed at once by the full
         # path (`int32_block`), left in the block by a repeat (`handle_block`: the handle views a field when read)
         alloc.trusted = is_trusted_allocator(allocate)  # the request's allocator (`validation.trust_handle`)
+        # a trusted allocator's `batch`: a plan's allocations in one call (`DispatchPlan.batched`)
+        alloc.batch = getattr(allocate, "batch", None) if alloc.trusted else None
         # this executor's own `default_allocator` (DeviceArrays on the comm stream)?
         own = getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
             GpuExecutor.default_allocator
@@ -238,7 +240,10 @@ class GpuExecutor:
         want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
         # a plan whose allocations are one call of the allocator's `batch` (`DispatchPlan.batched`; the copy in it)
         batched = (
-            plan is not None and want_copy is not plan.cached and _batched(plan, req.allocator, req.x.dtype)
+            plan is not None
+            and alloc.batch is not None
+            and want_copy is not plan.cached
+            and _batched(plan, req.allocator, req.x.dtype, alloc.batch)
         )
         copy = self._routing_copy(req, idx) if want_copy and not batched else None
         trusted = want_copy and alloc.trusted
@@ -343,7 +348,7 @@ class GpuExecutor:
                 w = 0 if req.topk_weights is None else req.topk_weights.ptr
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
                 # (the outputs from the allocator's `batch` where it has one)
-                batched = _batched(plan, req.allocator, "bfloat16")
+                batched = alloc.batch is not None and _batched(plan, req.allocator, "bfloat16", alloc.batch)
                 res = plan.run(req.x.ptr, w, *bias[:2], req.handle, req.allocator, wait, signal, batched)
             if res is None:
                 if wait is not None:  # the pairs around the full path's launches
@@ -388,11 +393,10 @@ class GpuExecutor:
             self._destroyed = True
 
 
-def _batched(plan: Any, allocator: Any, x_dtype: str) -> bool:
-    """`plan.batched(allocator, x_dtype)`, read as the plan's field for a known allocator (no call into op_plan
-    before the run)."""
+def _batched(plan: Any, allocator: Any, x_dtype: str, batch: Any) -> bool:
+    """`plan.batched(...)`, read as the plan's field for a known allocator (no call into op_plan before the run)."""
     known = plan.batching
-    return known[1] if known[0] is allocator else plan.batched(allocator, x_dtype)
+    return known[1] if known[0] is allocator else plan.batched(allocator, x_dtype, batch)
 
 
 def _c_strides(shape: tuple) -> tuple:

@@ -338,17 +338,11 @@ class DispatchPlan:
         batch = _kept(self, buffer, allocator, match, handle)
         return self if batch is not None and self.batched(allocator, x_dtype, batch) else None
 
-    def batched(self, allocator: Any, x_dtype: str, batch: Any = None) -> bool:
-        """Whether this plan's calls with `allocator` take their allocations from its `batch` (one C call: the
-        outputs, the routing copy, the block), set up at the first (`keep`, or an ordinary call, `GpuExecutor`:
-        a trusted allocator with `batch`); another allocator's calls allocate one by one. Not for a cached dispatch
-        with CPU sync or FP8 scales, an empty routing, a CPU-sync zero-copy dispatch, or a call `run` declines."""
-        if batch is None:
-            if self.batching[0] is allocator:
-                return self.batching[1]
-            batch = getattr(allocator, "batch", None)
-            if batch is None or not is_trusted_allocator(allocator):
-                return False
+    def batched(self, allocator: Any, x_dtype: str, batch: Any) -> bool:
+        """Whether this plan's calls with `allocator` (trusted) take their allocations from its `batch` (one C
+        call: the outputs, the routing copy, the block), set up here at the first (`keep`, or an ordinary call,
+        `GpuExecutor`); another allocator's calls allocate one by one. Not for a cached dispatch with CPU sync or
+        FP8 scales, an empty routing, a CPU-sync zero-copy dispatch, or a call `run` declines."""
         self.batching = (allocator, False)
         if self.cached and (self.cpu_sync or self.sf_dtype is not None):
             return False
@@ -803,14 +797,8 @@ class CombinePlan:
         batch = None if handle is None else _kept(self, buffer, allocator, match, handle)
         return None if batch is None else self if self.batched(allocator, x_dtype, batch) else None
 
-    def batched(self, allocator: Any, x_dtype: str, batch: Any = None) -> bool:
+    def batched(self, allocator: Any, x_dtype: str, batch: Any) -> bool:
         """`DispatchPlan.batched`: the outputs from one `batch` call."""
-        if batch is None:
-            if self.batching[0] is allocator:
-                return self.batching[1]
-            batch = getattr(allocator, "batch", None)
-            if batch is None or not is_trusted_allocator(allocator):
-                return False
         t, k = self.num_tokens, self.topk
         specs = (((t, self.hidden), "bfloat16"),) + ((((t, k), "float32"),) if self.has_weights else ())
         self._alloc, self.batching = batch(specs), (allocator, True)
