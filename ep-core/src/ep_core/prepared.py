@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from ep_core.device_array import describe_all
+from ep_core.device_array import describe, describe_all
 from ep_core.handle import EPHandle
 from ep_core.requests import (
     BufferConfig,
@@ -253,9 +253,9 @@ class PreparedOps:
             hfp, bad = checked_fingerprint(self.config, target, handle)  # raised on a hit only
             if type(bias) is list or (type(bias) is tuple and len(bias) != 2):
                 raise TypeError  # the full validation names the rule
-            biases = () if bias is None else bias if type(bias) is tuple else (bias,)
-            xi, wi, *described = describe_all(x, topk_weights, *biases)
-            bi: tuple = tuple(described)
+            # (one call for the arrays; the common combine has only x)
+            xi, wi = (describe(x), None) if topk_weights is None else describe_all(x, topk_weights)
+            bi = () if bias is None else describe_all(*bias) if type(bias) is tuple else describe_all(bias)
             bias_key = None if bias is None else ("pair" if type(bias) is tuple else "one", *map(_layout, bi))
             key = (
                 _layout(xi),

@@ -718,7 +718,7 @@ class DispatchCombine:
             None if kind is None else (kind, px is x and pw is topk_weights),
         )
 
-    def _run_combine(self, a: CombineArgs, keep: tuple | None) -> Any:
+    def _run_combine(self, a: CombineArgs, keep: tuple | None, in_block: bool = False) -> Any:
         """`combine` of its record: the FP32 output (:mod:`ep_torch.combine_out_dtype`), the deferred epilogue
         (:meth:`_deferred`) or the ordinary road, which then keeps its plan as the lane ``keep[0]`` (``keep[1]``:
         the record's arrays are the caller's; autograd ones, detached here, are never matched: no lane)."""
@@ -737,31 +737,34 @@ class DispatchCombine:
                 a.zero_copy,
                 lambda: self._run_combine(a._replace(defer_epilogue=False), keep),
             )
-        # the ordinary road, announced as a dispatch's (`dispatch`)
+        # the ordinary road, announced as a dispatch's (`dispatch`): a call on the comm stream in one block whole
         scoped = a.previous_event is not None or a.allocate_on_comm_stream
-        with self._core.announcing("combine") if scoped else _NO_SCOPE:
-            rt = self.runtime
-            if rt is None or rt._destroyed:  # (`_rt`'s test, inline)
-                rt = self._announced("combine", self._rt)  # raises
-            if a.allocator is None:  # this device's first call
-                device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
-                a = a._replace(allocator=self._announced("combine", self._allocator, device))
-            # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
-            if scoped:
-                scope, cuda = self._streams(
-                    a.allocate_on_comm_stream, a.previous_event, a.async_with_compute_stream
-                )
-            else:
-                scope = _NO_SCOPE
+        if scoped and not in_block:
+            with self._core.announcing("combine"):
+                return self._run_combine(a, keep, True)
+        rt = self.runtime
+        if rt is None or rt._destroyed:  # (`_rt`'s test, inline)
+            rt = self._announced("combine", self._rt)  # raises
+        if a.allocator is None:  # this device's first call
+            device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
+            a = a._replace(allocator=self._announced("combine", self._allocator, device))
+        if scoped:  # (the common case, no previous event and outputs on the compute stream, builds no scope)
+            scope, cuda = self._streams(
+                a.allocate_on_comm_stream, a.previous_event, a.async_with_compute_stream
+            )
             with scope:  # the event is recorded inside: on the stream the operation ended on
-                if scope is not _NO_SCOPE and cuda:  # the comm stream is current now
+                if cuda:  # the comm stream is current now
                     a = a._replace(stream=_current_stream(self._device_index))
                 res = rt.run_combine(a)
-                event = self._event(  # None unless async
-                    a.async_with_compute_stream,
-                    (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights),
-                )
-            if keep is not None and getattr(a.allocator, "batch", None) is not None:
-                match = _match((a.x, a.topk_weights)) if keep[1] else None
-                rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)
+                outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
+                event = self._event(a.async_with_compute_stream, outs)
+        else:
+            res = rt.run_combine(a)
+            event = EventOverlap(None)
+            if a.async_with_compute_stream:
+                outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
+                event = self._event(True, outs)
+        if keep is not None and getattr(a.allocator, "batch", None) is not None:
+            match = _match((a.x, a.topk_weights)) if keep[1] else None
+            rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)
         return res.combined_x, res.combined_topk_weights, event

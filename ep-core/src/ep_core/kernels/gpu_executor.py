@@ -349,7 +349,9 @@ class GpuExecutor:
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
                 # (the outputs from the allocator's `batch` where it has one)
                 batched = alloc.batch is not None and _batched(plan, req.allocator, "bfloat16", alloc.batch)
-                res = plan.run(req.x.ptr, w, *bias[:2], req.handle, req.allocator, wait, signal, batched)
+                res = plan.run(
+                    req.x.ptr, w, bias[0], bias[1], req.handle, req.allocator, wait, signal, batched
+                )
             if res is None:
                 if wait is not None:  # the pairs around the full path's launches
                     record_wait(wait[0], wait[1], self.stream.handle)
