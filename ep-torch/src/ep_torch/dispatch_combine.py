@@ -4,9 +4,9 @@
 A call either takes the express lane of the last call of its kind (ep-core's plan of that call,
 ``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar the
 recorded call's), or builds ep-core's argument
-record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine`` inside the
-buffer's announcement block, on the comm stream when it asks for one; the outputs come back as torch tensors in
-DeepEP's return tuples.
+record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine``, which announce
+an error of the call (a call on the comm stream runs inside a block of the buffer's own); the outputs come back as
+torch tensors in DeepEP's return tuples.
 """
 
 from __future__ import annotations
