@@ -15,10 +15,14 @@ class _Stop(Exception):
     pass
 
 
+# the framework layer's fields of a record, after the public signature's (ep_torch runs their roads)
+_FRAMEWORK = {"dispatch": (), "combine": ("out_dtype", "defer_epilogue")}
+
+
 @pytest.mark.parametrize(("op", "record"), [("dispatch", DispatchArgs), ("combine", CombineArgs)])
 def test_the_record_is_the_public_signature(op, record):
     params = inspect.signature(getattr(EPBuffer, op)).parameters
-    assert list(record._fields) == list(params)[1:]
+    assert list(record._fields) == list(params)[1:] + list(_FRAMEWORK[op])
     for name, p in list(params.items())[1:]:
         if p.default is not inspect.Parameter.empty:
             assert record._field_defaults[name] is p.default or record._field_defaults[name] == p.default, (
@@ -35,12 +39,24 @@ def test_each_argument_lands_in_its_own_field(op, record):
         raise _Stop
 
     fake = type("Fake", (), {f"run_{op}": staticmethod(run)})()
-    sentinels = {name: object() for name in record._fields}
+    sentinels = {name: object() for name in record._fields if name not in _FRAMEWORK[op]}
     with pytest.raises(_Stop):
         getattr(EPBuffer, op)(fake, **sentinels)
     (args,) = got
     assert type(args) is record
     assert all(getattr(args, name) is value for name, value in sentinels.items())
+
+
+def test_ep_cores_combine_refuses_the_framework_fields():
+    """`out_dtype` / `defer_epilogue` are ep_torch's roads: a record that sets them is refused, not run as a bf16
+    combine (no silent fallback)."""
+    from ep_core.errors import EPValueError
+
+    buf = EPBuffer.__new__(EPBuffer)
+    buf._destroyed = False
+    for extra in ({"out_dtype": "float32"}, {"defer_epilogue": True}):
+        with pytest.raises(EPValueError, match="out_dtype / defer_epilogue"):
+            buf._combine(CombineArgs(None, None, **extra))
 
 
 def test_the_prepared_keys_name_their_fields():

@@ -780,3 +780,49 @@ def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_r
             assert "ep_core.validation" not in to_launch, (name, road)
         assert "ep_core.kernels.rank_driver" not in to_launch, (name, road)
         assert len(set(to_launch)) <= 8, (name, road)
+        # session 4: seven modules at most, none entered twice, and no call back into ep_torch (the allocator's
+        # `batch` makes the plan's outputs, routing copy and block in one C call); ep_core.buffer once (it
+        # announces the call), the executor once (the launch counter is a field)
+        assert len(set(to_launch)) <= 7 and len(to_launch) == len(set(to_launch)), (name, road)
+        assert to_launch[0] == "ep_torch.dispatch_combine", (name, road)
+
+
+def test_an_ordinary_repeat_launches_what_its_full_path_launched(mocked):
+    """The ordinary road's repeat (the plan's run, its allocations from the allocator's `batch`) launches the
+    kernels of its first call (the full path) with every output and handle pointer in the same word and makes a
+    handle of the same fields: a no-sync dispatch, a cached dispatch of its handle, its combine. (The mocked
+    kernels write no counts: a CPU-sync dispatch's handle reads whatever its block held.)"""
+    make, launches, _served, served_by = mocked
+    buf = make(False)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+    idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+    w = torch.rand(8, K, generator=g)
+    h = None
+
+    def named(out, names: dict) -> tuple:
+        words = [(k, [v for v in _named(ws, names) if isinstance(v, str)]) for k, ws in launches]
+        return words, None if out is None else _handle_fields(out[3])
+
+    for op in ("dispatch", "cached", "combine"):
+        seen = []
+        for _ in range(3):  # the full path, the repeat that records the plan, a repeat
+            launches.clear()
+            if op == "dispatch":
+                out = buf.dispatch(
+                    x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False
+                )
+                seen.append(named(out, _pointer_names(x, idx, w, out)))
+                h = out[3]
+            elif op == "cached":
+                out = buf.dispatch(x, topk_weights=w, handle=h, num_sms=4)
+                seen.append(named(out, _pointer_names(x, None, w, out)))
+            else:
+                recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+                combined = buf.combine(recv, h, num_sms=4)[0]
+                seen.append(named(None, {recv.data_ptr(): "x", combined.data_ptr(): "combined"}))
+        assert seen[0] == seen[1] == seen[2], (op, seen)
+        assert "recv_x" in seen[0][0][-1][1] if op != "combine" else seen[0][0][0][1] == ["x", "combined"], (
+            seen
+        )
+    assert sum(served_by.values()) == 0

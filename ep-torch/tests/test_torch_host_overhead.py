@@ -159,6 +159,7 @@ def _recording_buffer():
     core = types.SimpleNamespace(
         announcing=lambda op: contextlib.nullcontext(),
         destroyed=False,
+        _destroyed=False,
         run_dispatch=record,
         run_combine=record,
     )
@@ -187,8 +188,11 @@ def test_each_argument_reaches_ep_cores_record_in_its_own_field(op, zero_copy):
     core_names = [n for n in inspect.signature(getattr(ep_core.EPBuffer, op)).parameters if n != "zero_copy"][
         1:
     ]
-    # `defer_epilogue` / `borrow_recv` / `out_dtype` (issue 42) are ep_torch's own: they never reach ep-core's record
+    # `defer_epilogue` / `borrow_recv` / `out_dtype` (issue 42) are ep_torch's own: `borrow_recv` never reaches
+    # ep-core's record; a combine's `out_dtype` / `defer_epilogue` are its last two fields (ep_torch runs their
+    # roads: unset on the ordinary road)
     own = ("zero_copy", "defer_epilogue", "borrow_recv", "out_dtype")
+    framework = ("out_dtype", "defer_epilogue") if op == "combine" else ()
     names = [n for n in inspect.signature(getattr(ElasticBuffer, op)).parameters if n not in own][1:]
     assert names == core_names[:-2]  # DeepEP's order is ep_core's, plus ep_core's allocator and stream
     buf, calls = _recording_buffer()
@@ -218,14 +222,15 @@ def test_each_argument_reaches_ep_cores_record_in_its_own_field(op, zero_copy):
         base["zero_copy"] = True
 
     record = DispatchArgs if op == "dispatch" else CombineArgs
-    assert list(record._fields) == [*core_names, "zero_copy"]
+    assert list(record._fields) == [*core_names, "zero_copy", *framework]
 
     def positional(**kwargs) -> tuple:
         with pytest.raises(_Stop):
             getattr(buf, op)(**{**base, **kwargs})
         got = calls.pop()
-        assert type(got) is record and got.zero_copy is zero_copy  # the record's last field
-        return got[:-1]
+        assert type(got) is record and got.zero_copy is zero_copy  # the field after the signature's
+        assert got[len(core_names) + 1 :] == (None, False)[: len(framework)]
+        return got[: len(core_names)]
 
     ref = positional()
     assert len(ref) == len(core_names)

@@ -37,7 +37,6 @@ from ep_core.topology import MAX_TOPK, Topology
 from ep_core.validation import (
     check_handle,
     check_zero_copy_args,
-    is_trusted_allocator,
     trust_handle,
 )
 
@@ -421,9 +420,10 @@ class EPBuffer(BufferBase):
             )
         res = ex.dispatch(req)
         self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `keep_lane`'s
-        # a new handle from the library's own allocator passes the handle checks by construction: recorded as
-        # validated, so that its combine does not check every array again (`validation.trust_handle`)
-        if req.handle is None and is_trusted_allocator(req.allocator):
+        # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
+        # passes the handle checks by construction: recorded as validated, so that its combine does not check
+        # every array again (`validation.trust_handle`)
+        if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
             trust_handle(self.config, ex, res.handle)
         return res
 
@@ -519,6 +519,11 @@ class EPBuffer(BufferBase):
     def _combine(self, args: CombineArgs) -> CombineResult:
         if self._destroyed:
             self._check_alive()  # raises
+        if args.out_dtype is not None or args.defer_epilogue is not False:
+            raise EPValueError(
+                "out_dtype / defer_epilogue: the framework layer's fields of the combine record (ep_torch's "
+                "ElasticBuffer.combine runs them); ep_core's combine takes None / False there"
+            )
         ex = self._executor
         req = self._prepared.combine(ex, args)
         res = ex.combine(req)
@@ -542,7 +547,8 @@ class EPBuffer(BufferBase):
         channel = getattr(executor, "channel", None)
         if channel is not None:
             return channel.taken
-        return getattr(executor, "launch_step", None)
+        counter = getattr(executor, "launch_counter", None)  # (object, field): no call into the executor
+        return getattr(executor, "launch_step", None) if counter is None else getattr(*counter)
 
     def announce_error(self, op: str, error: BaseException, step: int | None) -> None:
         """Announce `error` (about to be raised by this rank's `op`) to the peers, unless the call already took

@@ -27,6 +27,7 @@ __all__ = [
     "DeviceArray",
     "bytes_capsule",
     "describe",
+    "describe_all",
     "host_allocator",
     "host_array",
     "host_copy",
@@ -517,6 +518,11 @@ def describe(obj: Any, name: str = "array") -> ArrayInfo:
     raise EPTypeError(
         f"{name}: expected an array (DLPack, __cuda_array_interface__ or a DeviceArray), got {type(obj).__name__}"
     )
+
+
+def describe_all(*objs: Any) -> tuple:
+    """`describe` of each of `objs`, None kept as None: a request's arrays in one call (`ep_core.prepared`)."""
+    return tuple([None if obj is None else describe(obj) for obj in objs])
 
 
 # ------------------------------------------------------------------------------------------------------------

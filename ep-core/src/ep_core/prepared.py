@@ -19,7 +19,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from ep_core.device_array import describe
+from ep_core.device_array import describe, describe_all
 from ep_core.handle import EPHandle
 from ep_core.requests import (
     BufferConfig,
@@ -31,9 +31,8 @@ from ep_core.requests import (
 )
 from ep_core.validation import (
     check_allocator,
-    check_handle,
     check_stream,
-    handle_fingerprint,
+    checked_fingerprint,
     validate_combine,
     validate_dispatch,
 )
@@ -181,23 +180,20 @@ class PreparedOps:
         repeats are their own entries."""
         x, handle = a.x, a.handle
         try:
+            stats = a.cumulative_local_expert_recv_stats
             if type(x) is tuple and len(x) == 2:
-                xi = describe(x[0])
-                sfi = describe(x[1])
+                xi, sfi, ti, wi, si = describe_all(x[0], x[1], a.topk_idx, a.topk_weights, stats)
                 x_key: tuple = (_layout(xi), _layout(sfi))
             elif type(x) is tuple:
                 raise TypeError  # the full validation names the rule
             else:
-                xi = describe(x)
+                xi, ti, wi, si = describe_all(x, a.topk_idx, a.topk_weights, stats)
                 sfi = None
                 x_key = _layout(xi)
-            ti = None if a.topk_idx is None else describe(a.topk_idx)
-            wi = None if a.topk_weights is None else describe(a.topk_weights)
-            stats = a.cumulative_local_expert_recv_stats
-            si = None if stats is None else describe(stats)
             if handle is not None and type(handle) is not EPHandle:
                 raise TypeError  # the full validation names the rule
-            hfp = None if handle is None else handle_fingerprint(self.config, target, handle)
+            # the handle's key part, and the check of a hit (`check_handle`'s error, raised on a hit only)
+            hfp, bad = (None, None) if handle is None else checked_fingerprint(self.config, target, handle)
             key = (
                 x_key,
                 None if ti is None else _layout(ti),
@@ -214,8 +210,8 @@ class PreparedOps:
         except Exception:  # not describable here: the full validation raises (or accepts) it
             entry = key = None
         if entry is not None:
-            if handle is not None:
-                check_handle(self.config, target, handle, hfp)
+            if bad is not None:
+                raise bad
             self.hits += 1
             self._last_dispatch = (key, entry)
             return _build(
@@ -254,22 +250,13 @@ class PreparedOps:
         try:
             if type(handle) is not EPHandle or type(x) in (tuple, list):
                 raise TypeError  # the full validation names the rule
-            hfp = handle_fingerprint(self.config, target, handle)
-            xi = describe(x)
-            wi = None if topk_weights is None else describe(topk_weights)
-            if bias is None:
-                bi: tuple = ()
-                bias_key: Any = None
-            elif type(bias) is tuple:
-                if len(bias) != 2:
-                    raise TypeError
-                bi = tuple(describe(b) for b in bias)
-                bias_key = ("pair", *map(_layout, bi))
-            elif type(bias) is list:
-                raise TypeError
-            else:
-                bi = (describe(bias),)
-                bias_key = ("one", _layout(bi[0]))
+            hfp, bad = checked_fingerprint(self.config, target, handle)  # raised on a hit only
+            if type(bias) is list or (type(bias) is tuple and len(bias) != 2):
+                raise TypeError  # the full validation names the rule
+            # (one call for the arrays; the common combine has only x)
+            xi, wi = (describe(x), None) if topk_weights is None else describe_all(x, topk_weights)
+            bi = () if bias is None else describe_all(*bias) if type(bias) is tuple else describe_all(bias)
+            bias_key = None if bias is None else ("pair" if type(bias) is tuple else "one", *map(_layout, bi))
             key = (
                 _layout(xi),
                 None if wi is None else _layout(wi),
@@ -284,7 +271,8 @@ class PreparedOps:
         except Exception:  # not describable here: the full validation raises (or accepts) it
             entry = key = None
         if entry is not None:
-            check_handle(self.config, target, handle, hfp)
+            if bad is not None:
+                raise bad
             self.hits += 1
             self._last_combine = (key, entry)
             return _build(

@@ -61,7 +61,8 @@ class DispatchArgs(NamedTuple):
 
 class CombineArgs(NamedTuple):
     """The arguments of one combine as the caller gave them (`EPBuffer.combine`'s parameters, in its order, and
-    `zero_copy`); see `DispatchArgs`."""
+    `zero_copy`), then the framework layer's `out_dtype` and `defer_epilogue` (ep_torch's `ElasticBuffer.combine`
+    runs those roads itself; `EPBuffer.run_combine` refuses a record that sets them); see `DispatchArgs`."""
 
     x: Any
     handle: Any
@@ -76,6 +77,8 @@ class CombineArgs(NamedTuple):
     allocator: Any = None
     stream: Any = 0
     zero_copy: Any = False
+    out_dtype: Any = None
+    defer_epilogue: Any = False
 
 
 class PreparedToken:

@@ -63,6 +63,7 @@ __all__ = [
     "check_handle",
     "check_stream",
     "check_zero_copy_dispatch_args",
+    "checked_fingerprint",
     "handle_fingerprint",
     "make_combine_request",
     "make_dispatch_request",
@@ -312,6 +313,17 @@ def check_handle(
         with contextlib.suppress(TypeError):  # not weak-referenceable: validated every time
             _validated_handles[handle] = fingerprint
     return handle
+
+
+def checked_fingerprint(config: BufferConfig, target: Any, handle: EPHandle) -> tuple:
+    """`(handle_fingerprint(...), None)`, or with the error `check_handle` raises on it in place of None, not raised:
+    `PreparedOps` keys by the fingerprint and raises the error on a hit only (a miss: the full validation)."""
+    fingerprint = handle_fingerprint(config, target, handle)
+    try:
+        check_handle(config, target, handle, fingerprint)
+    except Exception as exc:
+        return fingerprint, exc
+    return fingerprint, None
 
 
 def check_handle_key(config: BufferConfig, target: Any, handle: Any, key: tuple) -> bool:

@@ -47,27 +47,14 @@ from .event import EventHandle, EventOverlap
 __all__ = ["combine_fp32_by_lanes", "combine_out_dtype", "lane_pass_width"]
 
 
-def combine_out_dtype(
-    buf: Any,
-    out_dtype: Any,
-    x: Any,
-    handle: Any,
-    topk_weights: Any,
-    bias: Any,
-    num_sms: Any,
-    num_qps: Any,
-    previous_event: Any,
-    previous_event_before_epilogue: Any,
-    async_with_compute_stream: Any,
-    allocate_on_comm_stream: Any,
-    defer_epilogue: Any,
-    zero_copy: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
-    """``buf.combine(...)`` with ``out_dtype`` given (module doc)."""
+def combine_out_dtype(buf: Any, a: CombineArgs) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+    """``buf.combine(...)`` with ``out_dtype`` given (module doc), of the call's record."""
     with buf._core.announcing("combine"):
-        if out_dtype is not torch.float32:
-            raise EPTypeError(f"out_dtype: expected None, torch.bfloat16 or torch.float32, got {out_dtype!r}")
-        if defer_epilogue is not False or zero_copy is not False:
+        if a.out_dtype is not torch.float32:
+            raise EPTypeError(
+                f"out_dtype: expected None, torch.bfloat16 or torch.float32, got {a.out_dtype!r}"
+            )
+        if a.defer_epilogue is not False or a.zero_copy is not False:
             raise EPValueError(
                 "out_dtype: torch.float32 is not combined with defer_epilogue or zero_copy in ep (ours); drop one"
             )
@@ -79,38 +66,27 @@ def combine_out_dtype(
                 f"buffer runs hybrid mode ({buf.num_scaleout_ranks} scale-up domains), whose per-domain bf16 "
                 "reduction the float32 road does not follow (the CPU reference backend has it)"
             )
-        req = validate_combine(  # every argument checked before any launch, on every backend
+        # every argument checked before any launch, on every backend (the executor's own outputs)
+        req = validate_combine(
             rt.config,
             ex,
-            CombineArgs(
-                x,
-                handle,
-                topk_weights,
-                bias,
-                num_sms,
-                num_qps,
-                previous_event,
-                previous_event_before_epilogue,
-                bool(async_with_compute_stream),
-                bool(allocate_on_comm_stream),
-                ex.default_allocator,
-                0,
-                False,
-            ),
+            a._replace(allocator=ex.default_allocator, stream=0),
         )
         if not buf._cuda:
             out = ex.combine(req, fp32_output=True)
     if buf._cuda:  # outside the block: each combine below is announced by its own
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        combined_x, combined_w = combine_fp32_by_lanes(buf, x, handle, topk_weights, bias, num_sms, num_qps)
-        event = EventOverlap(EventHandle()) if async_with_compute_stream else EventOverlap(None)
+        if a.previous_event is not None:
+            a.previous_event.current_stream_wait()
+        combined_x, combined_w = combine_fp32_by_lanes(
+            buf, a.x, a.handle, a.topk_weights, a.bias, a.num_sms, a.num_qps
+        )
+        event = EventOverlap(EventHandle()) if a.async_with_compute_stream else EventOverlap(None)
         return combined_x, combined_w, event
     # copies: a numpy view of a host DeviceArray does not keep the array's storage alive
     combined_x = torch.from_numpy(to_numpy(out.combined_x).copy())
     w = out.combined_topk_weights
     combined_w = None if w is None else torch.from_numpy(to_numpy(w).copy())
-    event = EventOverlap(EventHandle(device="cpu")) if async_with_compute_stream else EventOverlap(None)
+    event = EventOverlap(EventHandle(device="cpu")) if a.async_with_compute_stream else EventOverlap(None)
     return combined_x, combined_w, event
 
 

@@ -4,9 +4,9 @@
 A call either takes the express lane of the last call of its kind (ep-core's plan of that call,
 ``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar the
 recorded call's), or builds ep-core's argument
-record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine`` inside the
-buffer's announcement block, on the comm stream when it asks for one; the outputs come back as torch tensors in
-DeepEP's return tuples.
+record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine``, which announce
+an error of the call (a call on the comm stream runs inside a block of the buffer's own); the outputs come back as
+torch tensors in DeepEP's return tuples.
 """
 
 from __future__ import annotations
@@ -186,6 +186,12 @@ class DispatchCombine:
             allocators[device] = allocate
         return allocate
 
+    def _announced(self, op: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in an announcing block of its own: what may raise before ep-core's block (`_rt`'s error, a
+        device's first allocator)."""
+        with self._core.announcing(op):
+            return fn(*args)
+
     def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
         if op != "dispatch" or handle is not None or do_cpu_sync is False:
             return  # nothing this check refuses (and no capture query: it costs a microsecond per call)
@@ -215,21 +221,6 @@ class DispatchCombine:
             if comm is not None:
                 t.record_stream(comm)
         return EventOverlap(event)
-
-    def _dispatch_event(
-        self, async_with_compute_stream: Any, x: Any, idx: Any, w: Any, res: Any
-    ) -> EventOverlap:
-        if not async_with_compute_stream:
-            return EventOverlap(None)
-        keep = (x, idx, w, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
-        return self._event(True, (*keep, *_handle_tensors(res.handle)))
-
-    def _combine_event(
-        self, async_with_compute_stream: Any, x: Any, w: Any, bias: Any, res: Any
-    ) -> EventOverlap:
-        if not async_with_compute_stream:
-            return EventOverlap(None)
-        return self._event(True, (x, w, bias, res.combined_x, res.combined_topk_weights))
 
     def _streams(
         self, allocate_on_comm_stream: Any, previous_event: Any, async_with_compute_stream: Any
@@ -298,30 +289,16 @@ class DispatchCombine:
         (:meth:`_borrow`).
         """
         if defer_epilogue is not False or borrow_recv is not False:  # the one test the calls without them pay
+            # this call without the deferral / the borrow, its arguments by name (the parameters are the only
+            # locals yet)
+            call = {
+                k: v
+                for k, v in locals().items()
+                if k not in ("self", "defer_epilogue", "borrow_recv", "zero_copy")
+            }
 
-            def again(**kw: Any) -> Any:  # this call without the deferral / the borrow
-                return self.dispatch(
-                    x,
-                    topk_idx,
-                    topk_weights,
-                    cumulative_local_expert_recv_stats,
-                    num_experts,
-                    num_max_tokens_per_rank,
-                    expert_alignment,
-                    num_sms,
-                    num_qps,
-                    previous_event,
-                    previous_event_before_epilogue,
-                    async_with_compute_stream,
-                    allocate_on_comm_stream,
-                    handle,
-                    do_handle_copy,
-                    do_cpu_sync,
-                    do_expand,
-                    do_zero_padding,
-                    use_tma_aligned_col_major_sf,
-                    **kw,
-                )
+            def again(**kw: Any) -> Any:
+                return self.dispatch(**call, **kw)
 
             if borrow_recv:
                 return self._borrow(
@@ -420,23 +397,31 @@ class DispatchCombine:
                     return recv_x, recv_idx, recv_w, got.handle, EventOverlap(None)
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
                 return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
-        with self._core.announcing("dispatch"):
+        # the ordinary road: ep-core's `run_dispatch` announces an error of the call (`announcing`); what may raise
+        # here first is announced by a block of its own, and a call on the comm stream runs in one block whole
+        scoped = previous_event is not None or allocate_on_comm_stream
+        with self._core.announcing("dispatch") if scoped else _NO_SCOPE:
             rt = self.runtime
-            if rt is None or rt.destroyed:  # (`_rt`'s test, inline: it raises)
-                rt = self._rt()
+            if rt is None or rt._destroyed:  # (`_rt`'s test, inline: the field, no property call)
+                rt = self._announced("dispatch", self._rt)  # raises
             if handle is None and do_cpu_sync is not False:
-                self._check_capture("dispatch", do_cpu_sync, handle)
+                try:
+                    self._check_capture("dispatch", do_cpu_sync, handle)
+                except Exception:
+                    with self._core.announcing("dispatch"):
+                        raise
             if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
             device = first.device if isinstance(first, torch.Tensor) else self.device
+            allocator = self._allocators.get(device) or self._announced("dispatch", self._allocator, device)
             # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
-            if previous_event is None and not allocate_on_comm_stream:
-                scope, cuda = _NO_SCOPE, self._cuda
-            else:
+            if scoped:
                 scope, cuda = self._streams(
                     allocate_on_comm_stream, previous_event, async_with_compute_stream
                 )
+            else:
+                scope, cuda = _NO_SCOPE, self._cuda
             with scope:
                 res = rt.run_dispatch(
                     DispatchArgs(
@@ -461,17 +446,22 @@ class DispatchCombine:
                         bool(do_expand),
                         bool(do_zero_padding),
                         bool(use_tma_aligned_col_major_sf),
-                        self._allocators.get(device) or self._allocator(device),
+                        allocator,
                         _current_stream(self._device_index) if cuda else 0,
                         zero_copy,
                     )
                 )
                 # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
                 # handle's tensors need recording on the streams
-                event = self._dispatch_event(async_with_compute_stream, x, topk_idx, topk_weights, res)
+                event = EventOverlap(None)
+                if async_with_compute_stream:
+                    outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
+                    event = self._event(
+                        True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(res.handle))
+                    )
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
-            lanes = scope is _NO_SCOPE and getattr(self._allocators.get(device), "batch", None) is not None
+            lanes = scope is _NO_SCOPE and getattr(allocator, "batch", None) is not None
             if lanes and plain:
                 if kind is not None:
                     rt.keep_lane(kind, "dispatch", _match((x, topk_idx, topk_weights)), lane_scalars)
@@ -679,101 +669,102 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        if out_dtype is not None and out_dtype is not torch.bfloat16:  # 2.6's FP32 output: a road of its own
-            from .combine_out_dtype import combine_out_dtype
-
-            return combine_out_dtype(
-                self,
-                out_dtype,
-                x,
-                handle,
-                topk_weights,
-                bias,
-                num_sms,
-                num_qps,
-                previous_event,
-                previous_event_before_epilogue,
-                async_with_compute_stream,
-                allocate_on_comm_stream,
-                defer_epilogue,
-                zero_copy,
-            )
-        if defer_epilogue is not False:  # the one test the calls without it pay
-            return self._deferred(
-                "combine",
-                defer_epilogue,
-                async_with_compute_stream,
-                False,
-                zero_copy,
-                lambda: self.combine(
-                    x,
-                    handle,
-                    topk_weights,
-                    bias,
-                    num_sms,
-                    num_qps,
-                    previous_event,
-                    previous_event_before_epilogue,
-                    async_with_compute_stream,
-                    allocate_on_comm_stream,
-                    zero_copy=zero_copy,
-                ),
-            )
-        plain = (
-            bias is None
+        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
+        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
+        # error); `kind`: the lane this call keeps after its ordinary road (None: none)
+        kind = None
+        if (
+            (out_dtype is None or out_dtype is torch.bfloat16)
+            and (defer_epilogue is False or not defer_epilogue)
+            and bias is None
             and previous_event is None
             and previous_event_before_epilogue is None
             and async_with_compute_stream is False
             and allocate_on_comm_stream is False
+        ):
+            if zero_copy is False:
+                kind = "combine"
+            elif zero_copy is True:
+                kind = "combine_zero_copy"
+            lane = self._lanes.get(kind)
+            if lane is not None and _same((num_sms, num_qps), lane.scalars):
+                got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+                if got is not None:
+                    return got.combined_x, got.combined_topk_weights, EventOverlap(None)
+        # the one record of this call (ep-core's `CombineArgs`): the FP32 and deferred roads and the ordinary one
+        # read it; the allocator of a device's first call and a comm-stream scope's stream are filled in below
+        px = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
+        pw = _plain(topk_weights) if topk_weights is not None else None
+        return self._run_combine(
+            CombineArgs(
+                px,
+                handle,
+                pw,
+                _plain(bias) if bias is not None else None,
+                num_sms,
+                num_qps,
+                previous_event,
+                previous_event_before_epilogue,
+                bool(async_with_compute_stream),
+                bool(allocate_on_comm_stream),
+                getattr(self, "_allocators", _NO_LANES).get(
+                    x.device if isinstance(x, torch.Tensor) else self.device
+                ),
+                _current_stream(self._device_index) if self._cuda else 0,
+                zero_copy,
+                None if out_dtype is torch.bfloat16 else out_dtype,  # bf16: the ordinary combine
+                defer_epilogue,
+            ),
+            None if kind is None else (kind, px is x and pw is topk_weights),
         )
-        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
-        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
-        # error)
-        if zero_copy is False:
-            kind = "combine"
-        else:
-            kind = "combine_zero_copy" if zero_copy is True else None
-        lane = self._lanes.get(kind)
-        if plain and lane is not None and _same((num_sms, num_qps), lane.scalars):
-            got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
-            if got is not None:
-                return got.combined_x, got.combined_topk_weights, EventOverlap(None)
-        with self._core.announcing("combine"):
-            rt = self.runtime
-            if rt is None or rt.destroyed:  # (`_rt`'s test, inline: it raises)
-                rt = self._rt()
-            device = x.device if isinstance(x, torch.Tensor) else self.device
-            # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
-            if previous_event is None and not allocate_on_comm_stream:
-                scope, cuda = _NO_SCOPE, self._cuda
-            else:
-                scope, cuda = self._streams(
-                    allocate_on_comm_stream, previous_event, async_with_compute_stream
-                )
+
+    def _run_combine(self, a: CombineArgs, keep: tuple | None, in_block: bool = False) -> Any:
+        """`combine` of its record: the FP32 output (:mod:`ep_torch.combine_out_dtype`), the deferred epilogue
+        (:meth:`_deferred`) or the ordinary road, which then keeps its plan as the lane ``keep[0]`` (``keep[1]``:
+        the record's arrays are the caller's; autograd ones, detached here, are never matched: no lane)."""
+        if (
+            a.out_dtype is not None and a.out_dtype is not torch.bfloat16
+        ):  # 2.6's FP32 output: a road of its own
+            from .combine_out_dtype import combine_out_dtype
+
+            return combine_out_dtype(self, a)
+        if a.defer_epilogue is not False:  # the one test the calls without it pay
+            return self._deferred(
+                "combine",
+                a.defer_epilogue,
+                a.async_with_compute_stream,
+                False,
+                a.zero_copy,
+                lambda: self._run_combine(a._replace(defer_epilogue=False), keep),
+            )
+        # the ordinary road, announced as a dispatch's (`dispatch`): a call on the comm stream in one block whole
+        scoped = a.previous_event is not None or a.allocate_on_comm_stream
+        if scoped and not in_block:
+            with self._core.announcing("combine"):
+                return self._run_combine(a, keep, True)
+        rt = self.runtime
+        if rt is None or rt._destroyed:  # (`_rt`'s test, inline)
+            rt = self._announced("combine", self._rt)  # raises
+        if a.allocator is None:  # this device's first call
+            device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
+            a = a._replace(allocator=self._announced("combine", self._allocator, device))
+        if scoped:  # (the common case, no previous event and outputs on the compute stream, builds no scope)
+            scope, cuda = self._streams(
+                a.allocate_on_comm_stream, a.previous_event, a.async_with_compute_stream
+            )
             with scope:  # the event is recorded inside: on the stream the operation ended on
-                res = rt.run_combine(
-                    CombineArgs(
-                        x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
-                        handle,
-                        _plain(topk_weights) if topk_weights is not None else None,
-                        _plain(bias) if bias is not None else None,
-                        num_sms,
-                        num_qps,
-                        previous_event,
-                        previous_event_before_epilogue,
-                        bool(async_with_compute_stream),
-                        bool(allocate_on_comm_stream),
-                        self._allocators.get(device) or self._allocator(device),
-                        _current_stream(self._device_index) if cuda else 0,
-                        zero_copy,
-                    )
-                )
-                event = self._combine_event(async_with_compute_stream, x, topk_weights, bias, res)
-            if (
-                plain
-                and type(zero_copy) is bool
-                and scope is _NO_SCOPE
-                and getattr(self._allocators.get(device), "batch", None) is not None
-            ):
-                rt.keep_lane(kind, "combine", _match((x, topk_weights)), (num_sms, num_qps), handle)
+                if cuda:  # the comm stream is current now
+                    a = a._replace(stream=_current_stream(self._device_index))
+                res = rt.run_combine(a)
+                outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
+                event = self._event(a.async_with_compute_stream, outs)
+        else:
+            res = rt.run_combine(a)
+            event = EventOverlap(None)
+            if a.async_with_compute_stream:
+                outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
+                event = self._event(True, outs)
+        if keep is not None and getattr(a.allocator, "batch", None) is not None:
+            match = _match((a.x, a.topk_weights)) if keep[1] else None
+            rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)
         return res.combined_x, res.combined_topk_weights, event

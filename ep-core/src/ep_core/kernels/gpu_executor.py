@@ -120,6 +120,8 @@ class GpuExecutor:
                 config.prefer_overlap_with_compute, self.device_sms, self.num_ranks_on_device
             ),
         )
+        # where `launch_step` lives, read by `EPBuffer`'s announcing block on every call without a property call
+        self.launch_counter = (self.rank, "_num_collective_launches")
         self._destroyed = False
         # the reused events of `stream_pairs`, made at first use (`stream_events`)
         self.enter_event: Event | None = None
@@ -176,6 +178,8 @@ class GpuExecutor:
         # a new handle's int32 arrays in one allocation (ep_core.kernels.array_block): viewed at once by the full
         # path (`int32_block`), left in the block by a repeat (`handle_block`: the handle views a field when read)
         alloc.trusted = is_trusted_allocator(allocate)  # the request's allocator (`validation.trust_handle`)
+        # a trusted allocator's `batch`: a plan's allocations in one call (`DispatchPlan.batched`)
+        alloc.batch = getattr(allocate, "batch", None) if alloc.trusted else None
         # this executor's own `default_allocator` (DeviceArrays on the comm stream)?
         own = getattr(allocate, "__self__", None) is self and getattr(allocate, "__func__", None) is (
             GpuExecutor.default_allocator
@@ -225,25 +229,31 @@ class GpuExecutor:
         rank = self.rank
         token = req.prepared
         plan = None if token is None else rank.plans.get(token)  # the entry's plan, in the rank's cache
+        if plan is not None and plan.rank is not rank:
+            plan = None
         fresh = req.async_with_compute_stream
         res = None
         idx = req.topk_idx
         # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
         # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`); none for an empty routing
         alloc = self._allocator(req, req.x.dtype)
-        copy = (
-            self._routing_copy(req, idx)
-            if req.do_handle_copy and idx is not None and 0 not in idx.shape
-            else None
+        want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
+        # a plan whose allocations are one call of the allocator's `batch` (`DispatchPlan.batched`; the copy in it)
+        batched = (
+            plan is not None
+            and alloc.batch is not None
+            and want_copy is not plan.cached
+            and _batched(plan, req.allocator, req.x.dtype, alloc.batch)
         )
-        trusted = copy is not None and alloc.trusted
+        copy = self._routing_copy(req, idx) if want_copy and not batched else None
+        trusted = want_copy and alloc.trusted
         wait, signal, ev = self.stream_pairs(req.stream, fresh)
         rank._allocator = alloc
         try:
             # the plan of a prepared entry (ep_core.kernels.op_plan): its run makes the new handle with its routing
             # (the copy) itself; None from it (nothing done): the full path. A zero-copy request has its own
             # entries (`zero_copy` is in the request cache's key), so its plan is one
-            if plan is not None and plan.rank is rank:
+            if plan is not None:
                 sf, w = req.sf, req.topk_weights
                 stats = req.cumulative_local_expert_recv_stats
                 res = plan.run(
@@ -259,10 +269,12 @@ class GpuExecutor:
                     wait,
                     signal,
                     copy,
-                    False,
+                    batched,
                     trusted,
                 )
             if res is None:
+                if want_copy and copy is None:  # declined before its batch
+                    copy = self._routing_copy(req, idx)
                 if wait is not None:  # the pairs around the full path's launches
                     record_wait(wait[0], wait[1], self.stream.handle)
                 res = self._dispatch(req, token is not None, copy)
@@ -276,6 +288,8 @@ class GpuExecutor:
                         note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         finally:
             rank._allocator = None
+            if batched:
+                plan._made = None  # the outputs are the caller's alone
         if req.zero_copy:
             # the rank's views name numpy's dtypes (bf16 data reads as uint16): the request's, as the allocator's
             # arrays of an ordinary dispatch carry (so recv_x passes rule C1 of a combine, for one)
@@ -331,17 +345,12 @@ class GpuExecutor:
         try:
             # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run: the full path
             if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
-                w = req.topk_weights
+                w = 0 if req.topk_weights is None else req.topk_weights.ptr
                 bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
+                # (the outputs from the allocator's `batch` where it has one)
+                batched = alloc.batch is not None and _batched(plan, req.allocator, "bfloat16", alloc.batch)
                 res = plan.run(
-                    req.x.ptr,
-                    0 if w is None else w.ptr,
-                    bias[0],
-                    bias[1],
-                    req.handle,
-                    req.allocator,
-                    wait,
-                    signal,
+                    req.x.ptr, w, bias[0], bias[1], req.handle, req.allocator, wait, signal, batched
                 )
             if res is None:
                 if wait is not None:  # the pairs around the full path's launches
@@ -384,6 +393,12 @@ class GpuExecutor:
         if not self._destroyed:
             self.stream.synchronize()
             self._destroyed = True
+
+
+def _batched(plan: Any, allocator: Any, x_dtype: str, batch: Any) -> bool:
+    """`plan.batched(...)`, read as the plan's field for a known allocator (no call into op_plan before the run)."""
+    known = plan.batching
+    return known[1] if known[0] is allocator else plan.batched(allocator, x_dtype, batch)
 
 
 def _c_strides(shape: tuple) -> tuple:

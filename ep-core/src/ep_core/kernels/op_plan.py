@@ -96,29 +96,12 @@ def epilogue_outputs(
     """The copy epilogue's own per-call words, in `_EPILOGUE_DYNAMIC` order; the envelope is 0: the epilogue meets
     no peer and is not a collective launch. `ptr` is `view_ptr` (full path), `array_ptr` (a run), or None where
     the outputs are pointers already (a kept plan's batch); `meta_ptr`: the handle's `recv_src_metadata`."""
-    if ptr is None:
-        return (
-            0,
-            meta_ptr,
-            recv_x,
-            recv_sf or 0,
-            sf_strides[0],
-            sf_strides[1],
-            recv_idx or 0,
-            recv_w or 0,
-            rows,
-        )
-    return (
-        0,
-        meta_ptr,
-        ptr(recv_x, "recv_x"),
-        ptr(recv_sf, "recv_sf") if recv_sf is not None else 0,
-        sf_strides[0],
-        sf_strides[1],
-        ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0,
-        ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0,
-        rows,
-    )
+    if ptr is not None:
+        recv_x = ptr(recv_x, "recv_x")
+        recv_sf = ptr(recv_sf, "recv_sf") if recv_sf is not None else 0
+        recv_idx = ptr(recv_idx, "recv_topk_idx") if recv_idx is not None else 0
+        recv_w = ptr(recv_w, "recv_topk_weights") if recv_w is not None else 0
+    return (0, meta_ptr, recv_x, recv_sf or 0, *sf_strides, recv_idx or 0, recv_w or 0, rows)
 
 
 class _Envelopes:
@@ -340,7 +323,8 @@ class DispatchPlan:
         self.buffer: Any = None
         self.match: Any = None
         self.scalars: tuple | None = None
-        self.allocator: Any = None
+        # (the allocator whose calls `batched` answered, its answer): read by `GpuExecutor` on every call
+        self.batching: tuple = (None, False)
 
     # ------------------------------------------------------------------------------ kept by a framework
     def keep(self, buffer: Any, x_dtype: str, allocator: Any, match: Any, handle: Any = None) -> Any:
@@ -349,24 +333,31 @@ class DispatchPlan:
         aliases it), a CPU-sync zero-copy dispatch, a cached dispatch with CPU sync or FP8 scales, or
         `EPKIT_EXPRESS_LANE=0`. `match(x, ...)`: a later call's array pointers or None; `handle`: a cached
         dispatch's, whose key part it keeps."""
-        if self.cached and (handle is None or self.cpu_sync or self.sf_dtype is not None):
+        if (handle is None) is self.cached or (self.cached and (self.cpu_sync or self.sf_dtype is not None)):
             return None
         batch = _kept(self, buffer, allocator, match, handle)
-        if batch is None:
-            return None
+        return self if batch is not None and self.batched(allocator, x_dtype, batch) else None
+
+    def batched(self, allocator: Any, x_dtype: str, batch: Any) -> bool:
+        """Whether this plan's calls with `allocator` (trusted) take their allocations from its `batch` (one C
+        call: the outputs, the routing copy, the block), set up here at the first (`keep`, or an ordinary call,
+        `GpuExecutor`); another allocator's calls allocate one by one. Not for a cached dispatch with CPU sync or
+        FP8 scales, an empty routing, a CPU-sync zero-copy dispatch, or a call `run` declines."""
+        self.batching = (allocator, False)
+        if self.cached and (self.cpu_sync or self.sf_dtype is not None):
+            return False
         if not self.cached:
-            if handle is not None or not self.int32_shapes or self.num_tokens == 0 or self.topk == 0:
-                return None
+            if not self.int32_shapes or self.num_tokens == 0 or self.topk == 0:
+                return False
             # a CPU-sync dispatch's metadata is allocated once its rows are known (`run`), else it is in the block
             if ("src_metadata" in self.int32_shapes) is self.cpu_sync:
-                return None
+                return False
             rows = self.num_expanded if self.expand else self.num_recv
             epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl else self.prepared.epilogue
-            if self.zero_copy:  # one launch, no epilogue; a CPU-sync zero-copy dispatch is never recorded
-                if self.cpu_sync:
-                    return None
-            elif epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
-                return None  # what `run` declines
+            if self.zero_copy and self.cpu_sync:  # (one launch, no epilogue) a CPU-sync one is never recorded
+                return False
+            if not self.zero_copy and epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
+                return False  # what `run` declines
             # the outputs (a CPU-sync dispatch: none, they follow the counts), then the routing copy and the block
             specs = [] if self.cpu_sync else self._output_specs(rows, x_dtype)
             specs.append(((self.num_tokens, self.topk), "int32" if self.idx32 else "int64"))
@@ -381,7 +372,8 @@ class DispatchPlan:
         self._by_rows: dict = {}
         self._batch = batch
         self._x_name = x_dtype
-        return self
+        self.batching = (allocator, True)
+        return True
 
     def _output_specs(self, rows: int, x_name: str) -> list:
         """What `run` allocates for `rows` rows, in its order: recv_x, the scales (column-major: the storage
@@ -736,8 +728,8 @@ class DispatchPlan:
             rank._handle_launch[handle] = launch_number
             if not self.cpu_sync:
                 rank._unconfirmed.add(handle)
-        if trusted:
-            note_handle_topk_idx(rank, handle, copy, self.idx32)
+        if trusted:  # the routing copy (`copy`, or the batch's)
+            note_handle_topk_idx(rank, handle, topk_idx, self.idx32)
         if rank._input_pending:
             rank._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
@@ -760,7 +752,7 @@ def _kept(plan: Any, buffer: Any, allocator: Any, match: Any, handle: Any) -> An
         plan._handle_key = (fp[0][1], fp[0][2][0])
         if plan._handle_key[1] is None:
             return None
-    plan.buffer, plan._executor, plan.allocator, plan.match = buffer, executor, allocator, match
+    plan.buffer, plan._executor, plan.match = buffer, executor, match
     plan._comm, plan._events = executor.stream.handle, executor.stream_events()
     return batch
 
@@ -795,20 +787,22 @@ class CombinePlan:
 
     def __post_init__(self) -> None:
         self._envelopes = _Envelopes(OP_COMBINE, self.env_fields)
+        self.batching: tuple = (None, False)  # `DispatchPlan.batching`
         self.buffer: Any = None
         self.match: Any = None
         self.scalars: tuple | None = None
-        self.allocator: Any = None
 
     def keep(self, buffer: Any, x_dtype: str, allocator: Any, match: Any, handle: Any = None) -> Any:
         """This plan kept for `buffer`'s framework (`DispatchPlan.keep`): the outputs from one `batch` call each."""
         batch = None if handle is None else _kept(self, buffer, allocator, match, handle)
-        if batch is None:
-            return None
+        return None if batch is None else self if self.batched(allocator, x_dtype, batch) else None
+
+    def batched(self, allocator: Any, x_dtype: str, batch: Any) -> bool:
+        """`DispatchPlan.batched`: the outputs from one `batch` call."""
         t, k = self.num_tokens, self.topk
         specs = (((t, self.hidden), "bfloat16"),) + ((((t, k), "float32"),) if self.has_weights else ())
-        self._alloc = batch(specs)
-        return self
+        self._alloc, self.batching = batch(specs), (allocator, True)
+        return True
 
     def __call__(self, x: Any, handle: Any, weights: Any, stream: int) -> CombineResult | None:
         """The kept plan's call: the `CombineResult`, or None (nothing done: the ordinary road)."""
