@@ -230,6 +230,7 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
             failures.append(f"{who}: {op}: {type(exc).__name__}: {str(exc)[:300]}")
             return False
         rows.append({"ep": n, "gpu": ctx.label, "tokens": t, "op": op, "ms": ms, "rank": ctx.row_rank})
+        print(f"bench_v1: EP{n} {ctx.label} {op}: {ms * 1e3:.1f} us", file=sys.stderr, flush=True)
         return True
 
     # V2 first: its rows survive a V1 failure
