@@ -185,7 +185,7 @@ int main(int argc, char** argv) {
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(epr, block, [&] {
-          ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, 0, recv[r].data(), nullptr, src[r].data(),
+          ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
                                lanes[r].data(), count[r].data(), range[r].data(), nullptr,
                                reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, lane_pos[r].data(), timeout_ms, err(r),
                                herr[r].data(), mp(r));

@@ -188,7 +188,7 @@ def _nccl_one(rank: int, n: int) -> None:
     e = 288
     buf = Buffer(dist.group.WORLD, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True)
     x, idx, w = (a.to(dev) for a in _inputs(rank, e))
-    outs = [buf.low_latency_dispatch(x, idx, M, e)]
+    outs = [buf.low_latency_dispatch(x, idx, M, e, use_fp8=False)]  # V1's default is FP8
     print(
         f"rank {rank}: transport {buf._ll_inner.transport}, native {buf._ll_region is not None}", flush=True
     )

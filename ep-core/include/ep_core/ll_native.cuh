@@ -384,11 +384,11 @@ extern "C" __global__ void __launch_bounds__(512, 2)
 // rows. Outputs: bf16 out [E_local, N*M, hidden], or FP8 q [E_local, N*M, hidden] with scales float32
 // [E_local, G, N*M] (ue8m0: int32 [E_local, G/4, N*M], exponent byte of group g at byte g % 4); src_info and lanes
 // int32 [E_local, N*M] (-1 past the count); recv_count int32 [E_local]; layout_range int64 [E_local, N]; stats
-// int32 [E_local] (added to; may be null). local_direct: `payload` is the bf16 x [T, hidden] (row stride `stride`),
-// whose rows this rank's own block takes (FP8: cast here with `round_scale`, as ep_lln_cast_fp8 does).
+// int32 [E_local] (added to; may be null). local_direct: this rank's own block takes its rows from `payload` (the
+// send's: x, or the FP8 staging; row stride `stride`).
 extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_recv(int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
-                         uint8_t* own_half, int use_fp8, int ue8m0, int round_scale, void* __restrict__ out,
+                         uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
                          const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
@@ -466,43 +466,19 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     }
     const int qvecs = use_fp8 ? hidden / 16 : row_vecs;
     uint4* out4 = static_cast<uint4*>(out) + (int64_t)e * slots * qvecs;
-    auto put_scale = [&](int j, int g, float s) {  // column-major scales: consecutive rows, consecutive words
-      if (ue8m0) {
-        const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
-        static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
-      } else {
-        static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
-      }
-    };
-    // FP8 with local_direct: this rank's own rows (j in [own0, own1)) are cast here from the bf16 payload (no
-    // staging: one rank launches no cast), a warp per (row, pair of groups); the other rows are copied
-    const bool cast_own = use_fp8 && local_direct;
-    const int own0 = cast_own ? s_off[rank] : total, own1 = cast_own ? s_off[rank + 1] : total;
-    auto copy_src = [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); };
-    ep_lln_copy_rows<4>(own0, qvecs, copy_src, [&](int j) { return out4 + (int64_t)j * qvecs; });
     ep_lln_copy_rows<4>(
-        total - own1, qvecs, [&](int j) { return copy_src(own1 + j); },
-        [&](int j) { return out4 + (int64_t)(own1 + j) * qvecs; });
-    if (cast_own) {
-      const int lane = threadIdx.x & 31, half = lane >> 4, hl = lane & 15, pairs = (groups + 1) / 2;
-      for (int item = threadIdx.x >> 5; item < (own1 - own0) * pairs; item += blockDim.x >> 5) {
-        const int j = own0 + item / pairs, gg = 2 * (item % pairs) + half;
-        const bool ok = gg < groups;
-        const uint4* src = reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j - own0] * stride);
-        float sc;
-        const uint2 bits = ep_lln_cast8(ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0), ok, round_scale, &sc);
-        if (ok) {
-          reinterpret_cast<uint2*>(out4 + (int64_t)j * qvecs)[gg * 16 + hl] = bits;
-          if (hl == 0) put_scale(j, gg, sc);
-        }
-      }
-    }
+        total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); },
+        [&](int j) { return out4 + (int64_t)j * qvecs; });
     if (use_fp8) {
-      const int rest = total - (own1 - own0);  // the copied rows' scales, from their messages
-      for (int i = threadIdx.x; i < rest * groups; i += blockDim.x) {
-        const int g = i / rest, jr = i - g * rest;  // consecutive threads: consecutive rows
-        const int j = jr < own0 ? jr : jr + (own1 - own0);
-        put_scale(j, g, reinterpret_cast<const float*>(src_of(j) + hidden)[g]);
+      for (int i = threadIdx.x; i < total * groups; i += blockDim.x) {
+        const int g = i / total, j = i - g * total;  // consecutive threads: consecutive rows (column-major out)
+        const float s = reinterpret_cast<const float*>(src_of(j) + hidden)[g];
+        if (ue8m0) {
+          const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
+          static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
+        } else {
+          static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
+        }
       }
     }
     for (int j = total + threadIdx.x; j < slots; j += blockDim.x) {

@@ -214,7 +214,8 @@ def native_supported(inner: Any) -> bool:
         storage = rt.storage
     except Exception:  # a destroyed buffer
         return False
-    lsa = getattr(storage, "lsa_size", None)  # nccl: the peers outside the LSA team are not load/store reachable
+    # nccl: the peers outside NCCL's LSA team are not load/store reachable
+    lsa = getattr(storage, "lsa_size", None)
     if lsa is not None and lsa != int(rt.num_ranks):
         return False
     return hasattr(storage, "peer_bases") and getattr(storage, "array_device", "cuda") == "cuda"
@@ -310,11 +311,10 @@ def native_dispatch(
     t = int(x.shape[0])
     err = reg.own_base  # the region's front: the device error word
     groups = h // 128
-    # one rank with the local shortcut: no send, no cast (the receive lists this rank's rows and reads or casts
-    # them in x)
+    # one rank with the local shortcut: no send (the receive lists this rank's rows and reads them where they lie)
     sends = n > 1 or not local_direct
     payload, pstride = x, h * 2
-    if use_fp8 and sends:  # cast once per token (the send copies its FP8 row and scales to its experts)
+    if use_fp8:  # cast once per token (the send, and the receive for its own rows, copy them from there)
         stride = -(-(h + 4 * groups) // 16) * 16
         staging = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
         if t:
@@ -343,11 +343,9 @@ def native_dispatch(
     in_kernel = stats is not None and stats.dtype == torch.int32 and stats.is_contiguous() and stats.is_cuda
 
     def receive() -> None:
-        # the receive's payload is x (bf16): with the local shortcut it reads (or casts) this rank's own rows there
-        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), int(round_scale),
-                out, s_store, src_info, lanes, recv_count, layout_range, stats if in_kernel else None, x, h * 2,
-                topk, idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(),
-                mask]  # fmt: skip
+        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
+                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
+                idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
