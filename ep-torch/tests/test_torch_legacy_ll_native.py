@@ -179,14 +179,17 @@ def test_ll_native_loopback_gpu(n, e, local, monkeypatch):
 
 def _nccl_one(rank: int, n: int) -> None:
     """One rank over the nccl transport (NCCL's LSA window; the peer table read back by ``NcclStorage.peer_bases``):
-    the default ``ll_native=None`` takes the native kernels there, bitwise like on the loopback domain."""
+    ``ll_native=True`` takes the native kernels there (the default keeps the adapter on nccl until this passes),
+    bitwise like on the loopback domain."""
     import torch.distributed as dist
     from ep_torch.legacy import Buffer
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     e = 288
-    buf = Buffer(dist.group.WORLD, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True)
+    buf = Buffer(
+        dist.group.WORLD, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, ll_native=True
+    )
     x, idx, w = (a.to(dev) for a in _inputs(rank, e))
     outs = [buf.low_latency_dispatch(x, idx, M, e, use_fp8=False)]  # V1's default is FP8
     print(
