@@ -258,13 +258,16 @@ def _warm_bytecode(session: nox.Session, modules: list[str], env: dict[str, str]
     session.run("python", "-c", code, env=env, silent=True)
 
 
-def _has_serial(paths: tuple[str, ...]) -> bool:
-    """Whether any test file under `paths` (folders, files or test ids) marks a test `serial`."""
-    files: set[Path] = set()
+def _serial_paths(paths: tuple[str, ...]) -> list[str]:
+    """The test files under `paths` (folders, files or test ids; an id is kept as given) that mark a test `serial`:
+    the serial pass collects only these (collecting every module again costs a pytest-xdist worker's start-up)."""
+    found: list[str] = []
     for p in paths:
         path = ROOT / p.partition("::")[0]
-        files.update(path.rglob("test_*.py") if path.is_dir() else [path])
-    return any("pytest.mark.serial" in f.read_text() for f in files)
+        files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+        serial = [f for f in files if "pytest.mark.serial" in f.read_text()]
+        found += [p] if not path.is_dir() and serial else [f.relative_to(ROOT).as_posix() for f in serial]
+    return found
 
 
 def _pytest(session: nox.Session, *paths: str, workers: int = 0) -> None:
@@ -281,8 +284,9 @@ def _pytest(session: nox.Session, *paths: str, workers: int = 0) -> None:
         # whole files per worker: a module that shares one process group among its tests runs it once
         xdist = ["-n", str(workers), "--dist", "loadfile"]
         session.run("pytest", *args, "-m", "not gpu and not serial", *xdist, *session.posargs)
-        if _has_serial(paths):
-            session.run("pytest", *args, "-m", "not gpu and serial", *session.posargs)
+        serial = _serial_paths(paths)
+        if serial:
+            session.run("pytest", *serial, "-m", "not gpu and serial", *session.posargs)
     else:
         session.run("pytest", *args, "-m", "not gpu", *session.posargs)
 
