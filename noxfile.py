@@ -136,20 +136,25 @@ BUILDER = (
 
 
 def _builder(session: nox.Session) -> str:
-    """The python of BUILDER, made once (virtualenv, which nox itself runs on, then `pip install build`)."""
+    """The python of BUILDER, made once (virtualenv, which nox itself runs on, then `pip install build` and the
+    sdist backend, scikit-build-core)."""
     python = BUILDER / "bin" / "python"
-    if not (BUILDER / ".ready").exists():
+    ready = BUILDER / ".ready-sdist-backend"  # a builder made before it held scikit-build-core is made again
+    if not ready.exists():
         shutil.rmtree(BUILDER, ignore_errors=True)
         session.run(sys.executable, "-m", "virtualenv", "-q", str(BUILDER), external=True, silent=True)
-        session.run(str(python), "-m", "pip", "install", "-q", "build", external=True, silent=True)
-        (BUILDER / ".ready").touch()
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        session.run(*pip, "build", "scikit-build-core", external=True, silent=True)
+        ready.touch()
     return str(python)
 
 
 def _dists(session: nox.Session, name: str) -> tuple[Path, Path]:
-    """The sdist of internal package `name` and its wheel built from that sdist (`python -m build`: isolated, so
-    the sdist is proven complete), both built once per source state into WHEEL_CACHE; every later session installs
-    that wheel and `build` ships both (a C++ extension is compiled once per CI run)."""
+    """The sdist of internal package `name` and its wheel built from that sdist (`python -m build`; the wheel in an
+    isolated env, so the sdist and build-system.requires are proven complete), both built once per source state into
+    WHEEL_CACHE; every later session installs that wheel and `build` ships both (a C++ extension is compiled once
+    per CI run). The sdist is made by BUILDER's scikit-build-core: it compiles nothing, and an isolated env of
+    its own cost 2-4 CPU-s a package (ep-nccl-gin's with the NCCL wheel)."""
     folder = WHEEL_CACHE / f"{name}-{_source_key(name)}"
     found = sorted(folder.glob("*.whl")), sorted(folder.glob("*.tar.gz"))
     if any(len(f) != 1 for f in found):
@@ -159,17 +164,13 @@ def _dists(session: nox.Session, name: str) -> tuple[Path, Path]:
             f"building the {name} sdist and, from it, its wheel (cached in {folder.relative_to(ROOT)})"
         )
         builder = _builder(session)
+        out = ["--outdir", str(folder)]
+        # sdist: no isolation, and no check of the build requirements a wheel needs (pybind11, NCCL)
+        sdist = ["--sdist", "--no-isolation", "--skip-dependency-check", str(ROOT / PACKAGES[name].path)]
+        session.run(builder, "-m", "build", *out, *sdist, external=True, silent=True)
         # hundreds of lines of CMake and compiler output per native package: shown only if the build fails
-        session.run(
-            builder,
-            "-m",
-            "build",
-            "--outdir",
-            str(folder),
-            str(ROOT / PACKAGES[name].path),
-            external=True,
-            silent=True,
-        )
+        (built,) = folder.glob("*.tar.gz")
+        session.run(builder, "-m", "build", *out, "--wheel", str(built), external=True, silent=True)
         found = sorted(folder.glob("*.whl")), sorted(folder.glob("*.tar.gz"))
     return found[0][0], found[1][0]
 
