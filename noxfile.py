@@ -222,22 +222,27 @@ def _install(
     extras: dict[str, tuple[str, ...]],
     with_tests: bool = True,
     torch: str = TORCH_CPU,
+    also: tuple[str, ...] = (),
+    parallel: bool = False,
 ) -> None:
     """Install the internal packages `names` from the local tree (their wheels, built once: `_wheel`; one pip call,
-    so siblings resolve locally), with their `test` dependency groups and pytest-xdist unless `with_tests=False`;
-    `torch` is the requirement used for torch."""
+    so siblings resolve locally), with their `test` dependency groups and pytest-xdist unless `with_tests=False`,
+    and the requirements `also`; `torch` is the requirement used for torch. `parallel`: the session's first
+    processes start together (pytest-xdist workers), so their .pyc files are written beforehand (`_warm_bytecode`);
+    otherwise its first process writes them for the later ones."""
     if any(PACKAGES[n].needs_torch for n in names):
         _install_torch(session, torch)
     reqs = [_requirement(_wheel(session, n), extras.get(n, ())) for n in names]
     groups = sorted({r for n in names for r in _test_group(n)} | {"pytest-xdist"}) if with_tests else []
     # one pip call through a requirements file: a short log line instead of every wheel's path
     listing = Path(session.create_tmp()) / "requirements.txt"
-    listing.write_text("\n".join([*reqs, *groups]) + "\n")
-    extra = f" and {', '.join(groups)}" if groups else ""
+    listing.write_text("\n".join([*reqs, *groups, *also]) + "\n")
+    extra = f" and {', '.join([*groups, *also])}" if groups or also else ""
     session.log(f"installing {', '.join(names)} (wheels from {WHEEL_CACHE.relative_to(ROOT)}){extra}")
     session.install("-r", str(listing))
     _bytecode_in_venv(session)
-    _warm_bytecode(session, [*(["pytest"] if with_tests else []), "numpy", "torch", *names])
+    if parallel:
+        _warm_bytecode(session, [*(["pytest"] if with_tests else []), "numpy", "torch", *names])
 
 
 def _bytecode_in_venv(session: nox.Session) -> None:
@@ -350,8 +355,9 @@ def lint(session: nox.Session) -> None:
 
 def _make_package_session(name: str) -> None:
     def session_fn(session: nox.Session) -> None:
-        _install(session, _closure(name), extras={name: PACKAGES[name].extras})
-        _pytest(session, f"{PACKAGES[name].path}/tests", workers=PACKAGES[name].workers)
+        workers = PACKAGES[name].workers
+        _install(session, _closure(name), extras={name: PACKAGES[name].extras}, parallel=workers > 0)
+        _pytest(session, f"{PACKAGES[name].path}/tests", workers=workers)
 
     session_fn.__doc__ = f"CPU tests of {name} installed alone with only its declared dependencies."
     nox.session(name=f"tests-{name}", default=False, tags=["ci", "layering"])(session_fn)
@@ -366,8 +372,8 @@ def tests(session: nox.Session) -> None:
     """Cross-package tests/ and the package tests that skip alone (they need torch or ep-nccl-gin), in one venv
     with every package; the rest of each package's suite runs in its tests-<package> session."""
     names = list(PACKAGES)
-    _install(session, names, extras=ALL_EXTRAS)
-    session.install(NVDISASM)  # tests/test_sass_diff.py builds and disassembles
+    # nvdisasm: tests/test_sass_diff.py builds and disassembles
+    _install(session, names, extras=ALL_EXTRAS, also=(NVDISASM,), parallel=True)
     _pytest(session, "tests", *(i for n in names for i in _needs_more(n)), workers=2)
     # the host path's CPU benchmark (GPU calls mocked at the driver): a few seconds; the bound only catches a
     # call gone an order of magnitude slower, timings on shared CI machines vary too much for more
@@ -460,8 +466,8 @@ def wheel_demo(session: nox.Session) -> None:
     session.install(*(f"{w[0]}[demo]" if name == "ep-torch" else str(w[0]) for name, w in wheels.items()))
     # Out of the checkout's root, and without a PYTHONPATH (a dev shell points it at the sources): the wheels only.
     session.chdir(session.create_tmp())
+    # ep-demo imports torch before it starts its ranks: they read the .pyc files it wrote
     _bytecode_in_venv(session)
-    _warm_bytecode(session, ["numpy", "torch", *wheels], env={"PYTHONPATH": ""})
     session.run("ep-demo", "--ranks", "2", "--steps", "3", env={"PYTHONPATH": ""})
 
 
