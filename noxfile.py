@@ -136,20 +136,25 @@ BUILDER = (
 
 
 def _builder(session: nox.Session) -> str:
-    """The python of BUILDER, made once (virtualenv, which nox itself runs on, then `pip install build`)."""
+    """The python of BUILDER, made once (virtualenv, which nox itself runs on, then `pip install build` and the
+    sdist backend, scikit-build-core)."""
     python = BUILDER / "bin" / "python"
-    if not (BUILDER / ".ready").exists():
+    ready = BUILDER / ".ready-sdist-backend"  # a builder made before it held scikit-build-core is made again
+    if not ready.exists():
         shutil.rmtree(BUILDER, ignore_errors=True)
         session.run(sys.executable, "-m", "virtualenv", "-q", str(BUILDER), external=True, silent=True)
-        session.run(str(python), "-m", "pip", "install", "-q", "build", external=True, silent=True)
-        (BUILDER / ".ready").touch()
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        session.run(*pip, "build", "scikit-build-core", external=True, silent=True)
+        ready.touch()
     return str(python)
 
 
 def _dists(session: nox.Session, name: str) -> tuple[Path, Path]:
-    """The sdist of internal package `name` and its wheel built from that sdist (`python -m build`: isolated, so
-    the sdist is proven complete), both built once per source state into WHEEL_CACHE; every later session installs
-    that wheel and `build` ships both (a C++ extension is compiled once per CI run)."""
+    """The sdist of internal package `name` and its wheel built from that sdist (`python -m build`; the wheel in an
+    isolated env, so the sdist and build-system.requires are proven complete), both built once per source state into
+    WHEEL_CACHE; every later session installs that wheel and `build` ships both (a C++ extension is compiled once
+    per CI run). The sdist is made by BUILDER's scikit-build-core: it compiles nothing, and an isolated env of
+    its own cost 2-4 CPU-s a package (ep-nccl-gin's with the NCCL wheel)."""
     folder = WHEEL_CACHE / f"{name}-{_source_key(name)}"
     found = sorted(folder.glob("*.whl")), sorted(folder.glob("*.tar.gz"))
     if any(len(f) != 1 for f in found):
@@ -159,17 +164,13 @@ def _dists(session: nox.Session, name: str) -> tuple[Path, Path]:
             f"building the {name} sdist and, from it, its wheel (cached in {folder.relative_to(ROOT)})"
         )
         builder = _builder(session)
+        out = ["--outdir", str(folder)]
+        # sdist: no isolation, and no check of the build requirements a wheel needs (pybind11, NCCL)
+        sdist = ["--sdist", "--no-isolation", "--skip-dependency-check", str(ROOT / PACKAGES[name].path)]
+        session.run(builder, "-m", "build", *out, *sdist, external=True, silent=True)
         # hundreds of lines of CMake and compiler output per native package: shown only if the build fails
-        session.run(
-            builder,
-            "-m",
-            "build",
-            "--outdir",
-            str(folder),
-            str(ROOT / PACKAGES[name].path),
-            external=True,
-            silent=True,
-        )
+        (built,) = folder.glob("*.tar.gz")
+        session.run(builder, "-m", "build", *out, "--wheel", str(built), external=True, silent=True)
         found = sorted(folder.glob("*.whl")), sorted(folder.glob("*.tar.gz"))
     return found[0][0], found[1][0]
 
@@ -221,22 +222,27 @@ def _install(
     extras: dict[str, tuple[str, ...]],
     with_tests: bool = True,
     torch: str = TORCH_CPU,
+    also: tuple[str, ...] = (),
+    parallel: bool = False,
 ) -> None:
     """Install the internal packages `names` from the local tree (their wheels, built once: `_wheel`; one pip call,
-    so siblings resolve locally), with their `test` dependency groups and pytest-xdist unless `with_tests=False`;
-    `torch` is the requirement used for torch."""
+    so siblings resolve locally), with their `test` dependency groups and pytest-xdist unless `with_tests=False`,
+    and the requirements `also`; `torch` is the requirement used for torch. `parallel`: the session's first
+    processes start together (pytest-xdist workers), so their .pyc files are written beforehand (`_warm_bytecode`);
+    otherwise its first process writes them for the later ones."""
     if any(PACKAGES[n].needs_torch for n in names):
         _install_torch(session, torch)
     reqs = [_requirement(_wheel(session, n), extras.get(n, ())) for n in names]
     groups = sorted({r for n in names for r in _test_group(n)} | {"pytest-xdist"}) if with_tests else []
     # one pip call through a requirements file: a short log line instead of every wheel's path
     listing = Path(session.create_tmp()) / "requirements.txt"
-    listing.write_text("\n".join([*reqs, *groups]) + "\n")
-    extra = f" and {', '.join(groups)}" if groups else ""
+    listing.write_text("\n".join([*reqs, *groups, *also]) + "\n")
+    extra = f" and {', '.join([*groups, *also])}" if groups or also else ""
     session.log(f"installing {', '.join(names)} (wheels from {WHEEL_CACHE.relative_to(ROOT)}){extra}")
     session.install("-r", str(listing))
     _bytecode_in_venv(session)
-    _warm_bytecode(session, [*(["pytest"] if with_tests else []), "numpy", "torch", *names])
+    if parallel:
+        _warm_bytecode(session, [*(["pytest"] if with_tests else []), "numpy", "torch", *names])
 
 
 def _bytecode_in_venv(session: nox.Session) -> None:
@@ -258,13 +264,16 @@ def _warm_bytecode(session: nox.Session, modules: list[str], env: dict[str, str]
     session.run("python", "-c", code, env=env, silent=True)
 
 
-def _has_serial(paths: tuple[str, ...]) -> bool:
-    """Whether any test file under `paths` (folders, files or test ids) marks a test `serial`."""
-    files: set[Path] = set()
+def _serial_paths(paths: tuple[str, ...]) -> list[str]:
+    """The test files under `paths` (folders, files or test ids; an id is kept as given) that mark a test `serial`:
+    the serial pass collects only these (collecting every module again costs a pytest-xdist worker's start-up)."""
+    found: list[str] = []
     for p in paths:
         path = ROOT / p.partition("::")[0]
-        files.update(path.rglob("test_*.py") if path.is_dir() else [path])
-    return any("pytest.mark.serial" in f.read_text() for f in files)
+        files = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+        serial = [f for f in files if "pytest.mark.serial" in f.read_text()]
+        found += [p] if not path.is_dir() and serial else [f.relative_to(ROOT).as_posix() for f in serial]
+    return found
 
 
 def _pytest(session: nox.Session, *paths: str, workers: int = 0) -> None:
@@ -281,8 +290,9 @@ def _pytest(session: nox.Session, *paths: str, workers: int = 0) -> None:
         # whole files per worker: a module that shares one process group among its tests runs it once
         xdist = ["-n", str(workers), "--dist", "loadfile"]
         session.run("pytest", *args, "-m", "not gpu and not serial", *xdist, *session.posargs)
-        if _has_serial(paths):
-            session.run("pytest", *args, "-m", "not gpu and serial", *session.posargs)
+        serial = _serial_paths(paths)
+        if serial:
+            session.run("pytest", *serial, "-m", "not gpu and serial", *session.posargs)
     else:
         session.run("pytest", *args, "-m", "not gpu", *session.posargs)
 
@@ -345,8 +355,9 @@ def lint(session: nox.Session) -> None:
 
 def _make_package_session(name: str) -> None:
     def session_fn(session: nox.Session) -> None:
-        _install(session, _closure(name), extras={name: PACKAGES[name].extras})
-        _pytest(session, f"{PACKAGES[name].path}/tests", workers=PACKAGES[name].workers)
+        workers = PACKAGES[name].workers
+        _install(session, _closure(name), extras={name: PACKAGES[name].extras}, parallel=workers > 0)
+        _pytest(session, f"{PACKAGES[name].path}/tests", workers=workers)
 
     session_fn.__doc__ = f"CPU tests of {name} installed alone with only its declared dependencies."
     nox.session(name=f"tests-{name}", default=False, tags=["ci", "layering"])(session_fn)
@@ -361,8 +372,8 @@ def tests(session: nox.Session) -> None:
     """Cross-package tests/ and the package tests that skip alone (they need torch or ep-nccl-gin), in one venv
     with every package; the rest of each package's suite runs in its tests-<package> session."""
     names = list(PACKAGES)
-    _install(session, names, extras=ALL_EXTRAS)
-    session.install(NVDISASM)  # tests/test_sass_diff.py builds and disassembles
+    # nvdisasm: tests/test_sass_diff.py builds and disassembles
+    _install(session, names, extras=ALL_EXTRAS, also=(NVDISASM,), parallel=True)
     _pytest(session, "tests", *(i for n in names for i in _needs_more(n)), workers=2)
     # the host path's CPU benchmark (GPU calls mocked at the driver): a few seconds; the bound only catches a
     # call gone an order of magnitude slower, timings on shared CI machines vary too much for more
@@ -455,8 +466,8 @@ def wheel_demo(session: nox.Session) -> None:
     session.install(*(f"{w[0]}[demo]" if name == "ep-torch" else str(w[0]) for name, w in wheels.items()))
     # Out of the checkout's root, and without a PYTHONPATH (a dev shell points it at the sources): the wheels only.
     session.chdir(session.create_tmp())
+    # ep-demo imports torch before it starts its ranks: they read the .pyc files it wrote
     _bytecode_in_venv(session)
-    _warm_bytecode(session, ["numpy", "torch", *wheels], env={"PYTHONPATH": ""})
     session.run("ep-demo", "--ranks", "2", "--steps", "3", env={"PYTHONPATH": ""})
 
 

@@ -1,21 +1,27 @@
-"""pytest setup of the ep-core tests: one ep-jit cache per test process for the tests that only check what a kernel
+"""pytest setup of the ep-core tests: one ep-jit cache per test run for the tests that only check what a kernel
 compiles to (`shared_jit_cache`)."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 
 @pytest.fixture(scope="session")
 def _shared_jit_dir(tmp_path_factory) -> object:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist: one cache for the run's workers (their base temp dirs share this run's parent), so an
+        # instance two workers' files compile is built once; ep-jit locks each key's build across processes
+        return tmp_path_factory.getbasetemp().parent / "jit-shared"
     return tmp_path_factory.mktemp("jit")
 
 
 @pytest.fixture
 def shared_jit_cache(_shared_jit_dir, monkeypatch):
-    """EPKIT_JIT_CACHE_DIR for this test: one cache for every test that takes it in this process (pytest, or one
-    pytest-xdist worker). Only for tests that assert on the artifacts alone: an instance (config, switches, arch)
-    compiles once and the later tests load the same cubin (the default 8-rank instance was compiled five times).
+    """EPKIT_JIT_CACHE_DIR for this test: one cache for every test that takes it in this run (pytest, or every
+    pytest-xdist worker of it). Only for tests that assert on the artifacts alone: an instance (config, switches,
+    arch) compiles once and the later tests load the same cubin (the default 8-rank instance was compiled five times).
     ep-jit's cache keys keep instances apart; tests of caching itself keep a fresh cache of their own."""
     ep_jit = pytest.importorskip("ep_jit")
     monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(_shared_jit_dir))

@@ -34,11 +34,8 @@ def bench_v1_dry_run(*args: str) -> list[str]:
     """benchmarks/bench_v1.py on the CPU reference backend (`--dry-run-cpu`, tiny sizes) with `args`: checks that it
     exits 0 with no failed bitwise check and returns its output's lines."""
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_v1.py"
-    proc = subprocess.run(
-        [sys.executable, str(bench), "--dry-run-cpu", *args], capture_output=True, text=True, timeout=300
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    code, out = run_script(str(bench), ["--dry-run-cpu", *args], 300, what="bench_v1.py --dry-run-cpu: ")
+    assert code == 0, out[-3000:]
     assert "CHECK FAILED" not in out, out[-3000:]
     return out.splitlines()
 

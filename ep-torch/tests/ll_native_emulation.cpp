@@ -1,8 +1,8 @@
 // Host emulation of ep_core/ll_native.cuh for test_torch_legacy_ll_mask_native.py: the native low-latency kernels
 // (dispatch send/recv, combine send/recv and the LogFMT twins, ep_lln_clean) of N ranks whose regions are host
-// buffers, one std::thread per CUDA thread, std::barrier for __syncthreads and the warp collectives. Blocks and ranks
-// run one after another (every send of a step before its receives), except ep_lln_clean, whose device barriers need
-// the N ranks at once (one host thread per rank).
+// buffers, one std::thread per CUDA thread of a block (reused by the grid's blocks), std::barrier for __syncthreads and
+// the warp collectives. Blocks and ranks run one after another (every send of a step before its receives), except
+// ep_lln_clean, whose device barriers need the N ranks at once (one host thread per rank).
 #include <atomic>
 #include <barrier>
 #include <chrono>
@@ -73,9 +73,14 @@ inline unsigned exchange(unsigned v, unsigned src_lane) {
   warp_bar().arrive_and_wait();
   return r;
 }
-inline unsigned __ballot_sync(unsigned, bool pred) {
+inline unsigned __ballot_sync(unsigned, bool pred) {  // every lane's predicate in one exchange (3 barrier phases)
+  const unsigned base = threadIdx.x & ~31u;
+  warp_bar().arrive_and_wait();
+  g_b->vals[threadIdx.x] = pred ? 1u : 0u;
+  warp_bar().arrive_and_wait();
   unsigned r = 0;
-  for (unsigned l = 0; l < 32; ++l) r |= (exchange(pred ? 1u : 0u, l) & 1u) << l;
+  for (unsigned l = 0; l < 32; ++l) r |= (g_b->vals[base + l] & 1u) << l;
+  warp_bar().arrive_and_wait();
   return r;
 }
 inline bool __all_sync(unsigned m, bool pred) { return __ballot_sync(m, !pred) == 0u; }
@@ -95,26 +100,29 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {bf16_rn(
 
 #include <ep_core/ll_native.cuh>
 
+// One host thread per CUDA thread of a block, reused by the grid's blocks in turn: a block starts when every thread of
+// the one before has returned (`done`, apart from __syncthreads' barrier), as if each block had threads of its own.
 template <class F>
 void launch(unsigned grid, unsigned block, F body) {
-  for (unsigned bx = 0; bx < grid; ++bx) {
-    std::barrier<> bb(block);
-    BlockState st;
-    st.block = &bb;
-    for (unsigned w = 0; w < block / 32; ++w) st.warps.push_back(new std::barrier<>(32));
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < block; ++t)
-      ts.emplace_back([=, &st] {
-        threadIdx = {t, 0, 0};
+  std::barrier<> bb(block), done(block);
+  BlockState st;
+  st.block = &bb;
+  for (unsigned w = 0; w < block / 32; ++w) st.warps.push_back(new std::barrier<>(32));
+  std::vector<std::thread> ts;
+  for (unsigned t = 0; t < block; ++t)
+    ts.emplace_back([=, &st, &done] {
+      threadIdx = {t, 0, 0};
+      blockDim = {block, 1, 1};
+      gridDim = {grid, 1, 1};
+      g_b = &st;
+      for (unsigned bx = 0; bx < grid; ++bx) {
         blockIdx = {bx, 0, 0};
-        blockDim = {block, 1, 1};
-        gridDim = {grid, 1, 1};
-        g_b = &st;
         body();
-      });
-    for (auto& t : ts) t.join();
-    for (auto* b : st.warps) delete b;
-  }
+        done.arrive_and_wait();
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (auto* b : st.warps) delete b;
 }
 
 static std::string g_dir;

@@ -1,5 +1,6 @@
-// Host emulation of ep_core/ll_pack.cuh for test_torch_legacy_ll_kernels.py: one std::thread per CUDA thread, std::barrier
-// for __syncthreads and the warp collectives (every use in these kernels is reached by the whole block / warp).
+// Host emulation of ep_core/ll_pack.cuh for test_torch_legacy_ll_kernels.py: one std::thread per CUDA thread of a block
+// (reused by the grid's blocks), std::barrier for __syncthreads and the warp collectives (every use in these kernels is
+// reached by the whole block / warp).
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -72,19 +73,27 @@ template <class F>
 void launch(dim3e grid, unsigned block, F body) {
   gridDim = grid;
   blockDim = {block, 1, 1};
-  for (unsigned by = 0; by < grid.y; ++by)
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-      std::barrier<> bb(block);
-      std::vector<std::barrier<>*> wb;
-      for (unsigned w = 0; w < block / 32; ++w) wb.push_back(new std::barrier<>(32));
-      g_block = &bb;
-      g_warp = wb;
-      std::vector<std::thread> ts;
-      for (unsigned t = 0; t < block; ++t)
-        ts.emplace_back([=] { threadIdx = {t, 0, 0}; blockIdx = {bx, by, 0}; body(); });
-      for (auto& t : ts) t.join();
-      for (auto* b : wb) delete b;
-    }
+  // One host thread per CUDA thread of a block, reused by the grid's blocks in turn: a block starts when every thread
+  // of the one before has returned (`done`, apart from __syncthreads' barrier), as if each block had threads of its own
+  // (a thread a block was 145,000 thread starts a test run).
+  std::barrier<> bb(block), done(block);
+  std::vector<std::barrier<>*> wb;
+  for (unsigned w = 0; w < block / 32; ++w) wb.push_back(new std::barrier<>(32));
+  g_block = &bb;
+  g_warp = wb;
+  std::vector<std::thread> ts;
+  for (unsigned t = 0; t < block; ++t)
+    ts.emplace_back([=, &done] {
+      threadIdx = {t, 0, 0};
+      for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
+          blockIdx = {bx, by, 0};
+          body();
+          done.arrive_and_wait();
+        }
+    });
+  for (auto& t : ts) t.join();
+  for (auto* b : wb) delete b;
 }
 
 static std::string g_dir;

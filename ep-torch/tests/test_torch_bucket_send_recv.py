@@ -179,6 +179,6 @@ def test_signature() -> None:
 
 
 if __name__ == "__main__":
-    from ep_torch import launch
+    from ep_torch_testing import spawn_cpu
 
-    launch.spawn(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])
+    spawn_cpu(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])

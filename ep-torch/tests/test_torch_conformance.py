@@ -103,8 +103,14 @@ def test_hybrid_mode_on_cpu(four_ranks_hybrid):
 
 
 if __name__ == "__main__":
+    import importlib
+
     from ep_torch.testing import conformance
     from ep_torch_testing import spawn_cpu
 
+    # What every rank's autograd, compile and module scenarios import (torch.compile's stack, sympy with it),
+    # imported here once before the fork: about 2 CPU-s a rank otherwise
+    for name in ("torch._dynamo", "functorch.compile", "torch._inductor.lowering"):
+        importlib.import_module(name)
     # run_spawned's ranks (conformance._worker writes out_dir/rank{r}.json), forked: CPU only
     spawn_cpu(conformance._worker, int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3])

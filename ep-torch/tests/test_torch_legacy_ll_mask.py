@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from ep_core.errors import EPPeerError, EPStateError, EPValueError
 from ep_core.rank_mask import RankMaskedWarning
-from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer
 from ep_torch.legacy.reference import (
     bf16_to_f32,
@@ -333,4 +332,6 @@ def test_enable_shrink_refused_on_cuda_transports(transport, native, monkeypatch
 
 
 if __name__ == "__main__":
-    spawn(globals()[sys.argv[1]], int(sys.argv[2]), *sys.argv[3:])
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]), *sys.argv[3:])
