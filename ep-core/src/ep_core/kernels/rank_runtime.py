@@ -148,11 +148,16 @@ class RankRuntime:
         last = self._last_scratch
         return self.res.base + ep_layout.WorkspaceLayout.RESERVED_OFFSET if last is None else last
 
+    def drain(self, tag: str, message: str | None = None) -> None:
+        """Wait for this rank's stream up to the CPU timeout; past it raise EPTimeoutError (`tag`, `message`)."""
+        if not self.stream.synchronize(self.cpu_timeout_secs):
+            raise EPTimeoutError(self.rank, tag, "stream", "not drained", message)
+
     def check_errors(self, synchronize: bool = True) -> None:
         """Raise EPTimeoutError / EPDeviceError if a kernel of this rank recorded an error (an abort stays recorded,
         and raised again, until `reset_state`; an invalid-input report is cleared once raised)."""
-        if synchronize and not self.stream.synchronize(self.cpu_timeout_secs):
-            raise EPTimeoutError(self.rank, "cpu.synchronize", "stream", "not drained")
+        if synchronize:
+            self.drain("cpu.synchronize")
         rec, inp = self.read_error()
         published_abort, published_input = self._status.read()
 
@@ -245,14 +250,10 @@ class RankRuntime:
         """
         if self.res.base == 0:
             raise EPStateError("reset_state: the rank has no buffer")
-        if not self.stream.synchronize(self.cpu_timeout_secs):
-            raise EPTimeoutError(
-                self.rank,
-                "cpu.reset",
-                "stream",
-                "not drained",
-                f"rank {self.rank}: reset_state: the stream did not drain within {self.cpu_timeout_secs} s",
-            )
+        self.drain(
+            "cpu.reset",
+            f"rank {self.rank}: reset_state: the stream did not drain within {self.cpu_timeout_secs} s",
+        )
         self.fail_unconfirmed_handles()  # a reset follows a failure: in-flight handles may hold garbage
         self.state.new_generation()  # and every handle made before is stale (`check_owner`)
         if barrier is not None:
