@@ -71,6 +71,29 @@ def run_script(
 _zygote_wanted: list[bool] = []
 
 
+def survey_chain(
+    cases: list[str], tmp_path: Path, limit: float, env: dict | None = None, what: str = "chain: "
+) -> list[str]:
+    """Run ``collective_safety_survey.py chain`` over ``cases`` (two ranks, its own process group) and return one
+    line per case whose verdict is not "clear" (empty: every case clear)."""
+    import importlib.util
+    import json
+
+    survey_path = str(Path(__file__).with_name("collective_safety_survey.py"))
+    spec = importlib.util.spec_from_file_location("collective_safety_survey", survey_path)
+    survey = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(survey)
+    code, out = run_script(survey_path, ["chain", str(tmp_path), *cases], limit, what=what, env=env)
+    assert code == 0, out[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
+    bad = []
+    for case in cases:
+        v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
+        if v != "clear":
+            bad.append(f"{case}: {v}: {why}")
+    return bad
+
+
 def _use_zygote() -> bool:
     """No CUDA device here (asked once). Where there is one, every script starts afresh as before: a process forked
     from another cannot use a CUDA context that one made, and the GPU scripts are not worth the risk."""

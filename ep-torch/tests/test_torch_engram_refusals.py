@@ -5,16 +5,13 @@ runs collective_safety_survey.py's Engram cases on 2 processes sharing GPU 0 (ip
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from ep_core.rank_state import RankState
 
-SURVEY = str(Path(__file__).with_name("collective_safety_survey.py"))
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
@@ -51,21 +48,9 @@ def test_refusals_of_host_first_operations_are_announced_on_every_backend(transp
 @pytest.mark.gpu
 @gpu
 def test_engram_one_rank_errors_on_the_gpu(tmp_path):
-    import importlib.util
+    from ep_torch_testing import survey_chain  # loaded by conftest.py
 
-    from ep_torch_testing import run_script  # loaded by conftest.py
-
-    spec = importlib.util.spec_from_file_location("collective_safety_survey", SURVEY)
-    survey = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(survey)
     cases = ["engram.write_wrong_shape", "engram.set_config_mismatch", "engram.construct_bad_size"]
     env = {**os.environ, "EP_SURVEY_DEVICE": "cuda"}
-    code, out = run_script(SURVEY, ["chain", str(tmp_path), *cases], 300, what="engram gpu: ", env=env)
-    assert code == 0, out[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
-    bad = []
-    for case in cases:
-        v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
-        if v != "clear":
-            bad.append(f"{case}: {v}: {why}")
+    bad = survey_chain(cases, tmp_path, 300, env, what="engram gpu: ")
     assert not bad, "\n".join(bad)

@@ -9,7 +9,6 @@ processes sharing GPU 0, ipc transport)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,32 +18,13 @@ import torch
 from ep_core.errors import EPStateError
 from ep_core.rank_state import RankState
 
-SURVEY = str(Path(__file__).with_name("collective_safety_survey.py"))
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
 
-def _survey():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("collective_safety_survey", SURVEY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _chain(cases: list[str], tmp_path: Path, limit: float, env: dict | None = None) -> list[str]:
-    from ep_torch_testing import run_script  # loaded by conftest.py
+    from ep_torch_testing import survey_chain  # loaded by conftest.py
 
-    survey = _survey()
-    code, out = run_script(SURVEY, ["chain", str(tmp_path), *cases], limit, what="chain: ", env=env)
-    assert code == 0, out[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2))
-    bad = []
-    for case in cases:
-        v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
-        if v != "clear":
-            bad.append(f"{case}: {v}: {why}")
-    return bad
+    return survey_chain(cases, tmp_path, limit, env)
 
 
 # every one-rank refusal and disagreement of the native road, with a host step every call (peer_never_calls: in the
