@@ -33,6 +33,7 @@ import numpy as np
 from ep_core._env import knobs
 from ep_core.errors import (
     EPConfigError,
+    EPTimeoutError,
 )
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
@@ -489,10 +490,16 @@ class RankDriver(DispatchLaunch, CombineLaunch, RankRuntime):
     def _sync_counts(self, epr: int, a: int) -> tuple[int, int, list]:
         """Wait for a CPU-sync dispatch (CPU timeout), raise what its kernels reported, and read its counts:
         `(num_recv, num_expanded, aligned per-expert counts)`."""
-        self.drain(
-            "cpu.dispatch_wait",
-            f"rank {self.rank}: the dispatch did not finish within the CPU timeout ({self.cpu_timeout_secs} s)",
-        )
+        # inline, not RankRuntime.drain: a kept plan's CPU-sync call enters no further module (its guard test)
+        if not self.stream.synchronize(self.cpu_timeout_secs):
+            raise EPTimeoutError(
+                self.rank,
+                "cpu.dispatch_wait",
+                "stream",
+                "not drained",
+                f"rank {self.rank}: the dispatch did not finish within the CPU timeout "
+                f"({self.cpu_timeout_secs} s)",
+            )
         # drained: a kernel of this stream that failed (or found the abort flag raised) published its abort kind,
         # an invalid input its kind, into the mapped words; the record is read (two copies and a sync) only then.
         # (A peer's abort raised after this rank's kernels completed is raised by the next call, whose kernels find
