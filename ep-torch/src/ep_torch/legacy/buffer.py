@@ -19,7 +19,8 @@ graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for 
 By default (``ll_native=None``, ours: native unless an adapter-only ``ll_*`` option is given or
 ``EPKIT_LL_NATIVE=0``; ``True`` forces it, ``False`` keeps the adapter), on CUDA where the transport maps the peers'
 memory (ipc, the loopback domain), low-latency mode runs its own kernels (``legacy.ll_kernels.native_*``,
-``ep_core.ll_native``; other transports fall back to the adapter): one message per (token, expert)
+``ep_core.ll_native``; with ``ll_native=None`` other transports take the adapter, with ``True`` the first
+low-latency call raises ``EPValueError`` naming why the kernels cannot run): one message per (token, expert)
 written into the expert's slots on its rank, one per (expert, token) back, the weighted sum in the receive kernel,
 V1's double buffer (every low-latency call uses the other half). ``return_recv_hook=True`` then launches only the
 send on the current stream and returns; ``hook()`` launches the receive on the then-current stream (V1's split: no

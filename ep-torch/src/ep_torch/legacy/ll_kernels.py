@@ -205,20 +205,25 @@ def local_direct_enabled() -> bool:
     return _env.ll_local_direct()
 
 
-def native_supported(inner: Any, explicit: bool = False) -> bool:
-    """Whether ``inner``'s storage maps every peer's memory into this process (ipc and the loopback domain): the
-    native kernels write straight into the peers' regions. The nccl transport (``NcclStorage.peer_bases``: the
-    window's LSA pointers) only where NCCL's LSA team is the whole group, and only when asked for (``explicit``:
-    ``ll_native=True``): its road has not yet been checked bitwise on a GPU, so the default keeps the adapter there."""
+def native_refusal(inner: Any, explicit: bool = False) -> str:
+    """Why the native kernels cannot run on ``inner``'s storage ('' when they can). They write straight into the
+    peers' regions, so every peer's memory must be mapped in this process: ipc and the loopback domain; the nccl
+    transport (``NcclStorage.peer_bases``: the window's LSA pointers) only where NCCL's LSA team is the whole group,
+    and only when asked for (``explicit``: ``ll_native=True``): its road has not yet been checked bitwise on a GPU,
+    so the default keeps the adapter there. The reason is the same on every rank (the storage's kind and team)."""
     try:
         rt = inner._rt()
         storage = rt.storage
     except Exception:  # a destroyed buffer
-        return False
+        return "the inner buffer is destroyed"
     lsa = getattr(storage, "lsa_size", None)  # nccl: peers outside the LSA team are not load/store reachable
-    if lsa is not None and (not explicit or lsa != int(rt.num_ranks)):
-        return False
-    return hasattr(storage, "peer_bases") and getattr(storage, "array_device", "cuda") == "cuda"
+    if lsa is not None and lsa != int(rt.num_ranks):
+        return f"the nccl transport reaches {lsa} of the {int(rt.num_ranks)} ranks by load/store (NCCL's LSA team)"
+    if lsa is not None and not explicit:
+        return "the nccl transport is taken only with an explicit ll_native=True"
+    if not hasattr(storage, "peer_bases") or getattr(storage, "array_device", "cuda") != "cuda":
+        return f"the {type(storage).__name__} storage does not map the peers' GPU memory into this process"
+    return ""
 
 
 class NativeRegion:

@@ -145,7 +145,8 @@ class LowLatencyMode:
         self._ll_build = self._builds  # handles of the previous inner buffer are refused (_check_handle)
         self._ll_inner = self._new_inner(num_bytes=num_bytes, explicitly_destroy=True)
         self._ll_key = key
-        if ll_kernels.native_supported(self._ll_inner, explicit=self.ll_native is True):
+        refusal = ll_kernels.native_refusal(self._ll_inner, explicit=self.ll_native is True)
+        if not refusal:
             self._ll_region = ll_kernels.NativeRegion(
                 self._ll_inner, self.rank, n, num_experts, m, num_topk, hidden
             )
@@ -153,6 +154,12 @@ class LowLatencyMode:
             self._ll_region = None
             self._ll_inner.destroy()
             self._ll_inner, self._ll_key = None, None
+            # no silent fallback: the reason is the same on every rank, so every rank raises
+            if self.ll_native is True:
+                raise EPValueError(
+                    f"Buffer(ll_native=True) (rank {self.rank}): the native low-latency kernels cannot run here: "
+                    f"{refusal}; pass ll_native=None (the adapter where they cannot run) or False"
+                )
             if self._shrink is not None:  # no silent fallback: the adapter takes no mask
                 from .ll_shrink import shrink_unsupported
 
