@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from ep_core.buffer_base import NUM_ALLOCATION_ALIGN_BYTES, NUM_RDMA_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES
@@ -29,6 +30,7 @@ from ep_core.errors import EPConfigError, EPStateError, EPTypeError
 __all__ = [
     "BufferAllocator",
     "BufferBase",
+    "BufferContext",
     "get_num_allocation_alignment",
     "get_num_rdma_alignment",
     "get_num_tma_alignment",
@@ -59,6 +61,29 @@ class BufferBase(abc.ABC):
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release the buffer (a collective); only for buffers built with ``explicitly_destroy=True``."""
+
+
+class BufferContext:
+    """One communication group of a buffer (DeepEP's ``buffer.context``, ``buffer.contexts[i]`` and
+    ``main_context``): its group, this rank's index, the group's size and its domain sizes, as ``buffer`` (an ep
+    buffer over that group) sees them."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+        self.group = buffer.group
+        self.rank_idx = buffer.rank_idx
+        self.num_ranks = buffer.num_ranks
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """``(num_rdma_ranks, num_nvlink_ranks)`` of this group."""
+        return self._buffer.get_physical_domain_size()
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """``(num_scaleout_ranks, num_scaleup_ranks)`` of this group."""
+        return self._buffer.get_logical_domain_size()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank {self.rank_idx} of {self.num_ranks})"
 
 
 class BufferAllocator:

@@ -3,8 +3,8 @@
 - ``get_physical_domain_size(group_or_buffer)``: ``(num_rdma_ranks, num_nvlink_ranks)``;
 - ``get_logical_domain_size(group_or_buffer, allow_hybrid_mode=None)``: ``(num_scaleout_ranks,
   num_scaleup_ranks)``, hybrid mode allowed by default as DeepEP;
-- ``barrier(buffer, wait_comm_stream=True, with_cpu_sync=False, sequential=True, context_idx=None)`` and
-  ``get_comm_stream(buffer)``;
+- ``barrier(buffer, wait_comm_stream=True, with_cpu_sync=False, sequential=True, context_idx=None)``
+  (``context_idx``: a ``BucketBuffer``'s group index, 0 for the other buffers) and ``get_comm_stream(buffer)``;
 - ``destroy_all_managed_nccl_comm()``.
 
 A buffer answers from its own topology. A group is measured the way ep's buffers would see it, before any buffer
@@ -86,15 +86,21 @@ def barrier(
     sequential: bool = True,
     context_idx: int | None = None,
 ) -> None:
-    """A barrier over the buffer's ranks (ep's buffers have one communication context: ``context_idx`` 0 or None)."""
+    """A barrier over the ranks of one of the buffer's communication contexts (None: its main one). A
+    ``BucketBuffer`` has one context per group (``buffer.groups[context_idx]``); every other ep buffer has one (0)."""
+    groups = getattr(buffer, "groups", None)
+    if context_idx is not None and groups is not None:
+        if not 0 <= int(context_idx) < len(groups):
+            raise EPValueError(
+                f"barrier: context_idx must index the buffer's {len(groups)} groups, got {context_idx}"
+            )
+        buffer.barrier(wait_comm_stream, with_cpu_sync, sequential, group=groups[int(context_idx)])
+        return
     if context_idx not in (None, 0):
         raise EPValueError(
-            f"barrier: ep's buffers have one communication context (context_idx 0), got {context_idx}"
+            f"barrier: this buffer has one communication context (context_idx 0), got {context_idx}"
         )
     params = inspect.signature(buffer.barrier).parameters
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
-        buffer.barrier(wait_comm_stream, with_cpu_sync, sequential)  # forwards to ElasticBuffer.barrier
-        return
     kwargs: dict[str, bool] = {}
     for value, names in (
         (wait_comm_stream, ("wait_comm_stream", "use_comm_stream")),

@@ -39,7 +39,6 @@ bandwidth (``EPKIT_NVLINK_GBS`` or detection).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +58,8 @@ __all__ = ["LoadBalance"]
 
 
 class LoadBalance:
-    """The ``lb_*`` part of ``EPBuffer`` (a mixin before ``ElasticBuffer`` in its bases)."""
+    """The ``lb_*`` part of ``EPBuffer`` (a mixin before ``ElasticBuffer`` in its bases; the constructor's signature
+    is ``ep_torch.epbuffer_surface``'s)."""
 
     def __init__(
         self, *args: Any, lb_allocation_plan_or_num_bytes: BufferAllocator | int = 0, **kwargs: Any
@@ -68,30 +68,6 @@ class LoadBalance:
         num = _lb_num_bytes(lb_allocation_plan_or_num_bytes)
         super().__init__(*args, **kwargs)
         self._init_lb(lb_allocation_plan_or_num_bytes, num)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass without its own ``__init__`` gets one whose signature is the next base's plus the keyword-only
-        LB parameter (``inspect.signature(EPBuffer.__init__)`` reads like DeepEP's)."""
-        super().__init_subclass__(**kwargs)
-        if "__init__" in vars(cls):
-            return
-        mro = cls.__mro__
-        sig = inspect.signature(mro[mro.index(LoadBalance) + 1].__init__)
-        params = list(sig.parameters.values())
-        at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
-        lb = inspect.Parameter(
-            "lb_allocation_plan_or_num_bytes",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=0,
-            annotation="BufferAllocator | int",
-        )
-
-        def __init__(self: Any, *args: Any, **kw: Any) -> None:
-            LoadBalance.__init__(self, *args, **kw)
-
-        __init__.__signature__ = sig.replace(parameters=[*params[:at], lb, *params[at:]])  # type: ignore[attr-defined]
-        __init__.__doc__ = LoadBalance.__init__.__doc__
-        cls.__init__ = __init__  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------------------------------------------------------
     # the LB region
