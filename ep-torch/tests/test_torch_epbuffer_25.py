@@ -116,6 +116,8 @@ def _ranks(rank: int, n: int) -> None:
     assert buf.get_theoretical_num_sms(experts, topk) == buf.get_theoretical_num_sms(
         experts, topk, 0, 0, 0, 200, 50
     )
+    # 2.5's per-SM rates (180 read, 45 write): 400 GB/s -> ceil(max(400/180, 400/45)) = 9 -> 10 (V2's 200/50: 8)
+    assert buf.lb_get_theoretical_num_sms() == 10
     buf.barrier(False, True)
     comm.barrier(buf, context_idx=0)
     with pytest.raises(ValueError, match="context"):
@@ -215,6 +217,7 @@ def _ranks(rank: int, n: int) -> None:
 @pytest.mark.parametrize(("ranks", "scaleup"), [(2, None), (4, None), (4, "2")], ids=["2", "4", "4-2-nodes"])
 def test_epbuffer_25_calls_on_gloo_ranks(ranks, scaleup):
     env = {k: v for k, v in os.environ.items() if k != "EPKIT_SCALEUP_RANKS"}
+    env["EPKIT_NVLINK_GBS"] = "400"
     if scaleup is not None:
         env["EPKIT_SCALEUP_RANKS"] = scaleup
     from ep_torch_testing import run_script  # loaded by conftest.py

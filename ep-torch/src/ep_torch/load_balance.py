@@ -33,8 +33,8 @@ first, onto the least loaded rank that may host it; never a rank's own expert, n
 (``ep_core.envelope``): a rank whose arguments are refused announces it, its peers raise ``EPPeerError`` naming it;
 ranks that disagree on ``num_local_experts`` or ``num_redundant_experts`` all raise ``EPMismatchError``.
 
-``lb_get_theoretical_num_sms()`` is DeepEP's estimate (``ep_core.load_balance.lb_num_sms``) over ep's scale-up
-bandwidth (``EPKIT_NVLINK_GBS`` or detection).
+``lb_get_theoretical_num_sms()`` is DeepEP 2.5's estimate (``ep_core.load_balance.lb_num_sms`` with 2.5's per-SM
+rates, 180 GB/s read and 45 write) over ep's scale-up bandwidth (``EPKIT_NVLINK_GBS`` or detection).
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ from .buffer_base import BufferAllocator
 from .event import EventHandle, EventOverlap
 
 __all__ = ["LoadBalance"]
+
+_SM_READ_GBS_25, _SM_WRITE_GBS_25 = 180.0, 45.0
 
 
 class LoadBalance:
@@ -96,7 +98,9 @@ class LoadBalance:
         if cached is None:
             from ep_core.planner import detect_scaleup_gbs
 
-            cached = self._lb_num_sms = lb_num_sms(detect_scaleup_gbs(max(int(self.num_nvlink_ranks), 2))[0])
+            nvlink_gbs = detect_scaleup_gbs(max(int(self.num_nvlink_ranks), 2))[0]
+            # DeepEP 2.5's per-SM HBM rates (`deep_ep/utils/envs.py`: 180 read, 45 write), not V2's 200 / 50
+            cached = self._lb_num_sms = lb_num_sms(nvlink_gbs, _SM_READ_GBS_25, _SM_WRITE_GBS_25)
         return cached
 
     def lb_get_redundancy_mapping(
