@@ -188,6 +188,28 @@ def _ranks(rank: int, n: int) -> None:
     assert v2.num_max_tokens_per_rank == m
     v2.destroy()
 
+    # V1's internode_dispatch / internode_combine (DeepEP's parameters): dispatch / combine across nodes
+    v1 = ep_torch.Buffer(group, int(1e8), 0, explicitly_destroy=True)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    ntr, ntrr, nte, itr, _ = v1.get_dispatch_layout(idx, experts)
+    cfg = ep_torch.Buffer.get_dispatch_config(n)
+    if su < n:
+        got = v1.internode_dispatch(x, None, ntr, ntrr, itr, nte, idx, w, 1, cfg, None, False, False)
+        want = v1.dispatch(x, None, ntr, ntrr, itr, nte, idx, w, 1, 0, cfg)
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(
+            got[1], want[1]
+        )
+        assert torch.equal(got[2], want[2]) and got[3] == want[3] and len(got[4]) == 10
+        cx, cw, _ = v1.internode_combine(got[0], got[4], got[2], None, None, None, False, False)
+        wx, ww, _ = v1.combine(want[0], want[4], want[2])
+        assert torch.equal(cx.view(torch.int16), wx.view(torch.int16)) and torch.equal(cw, ww)
+    else:
+        with pytest.raises(ValueError, match="one NVLink domain"):
+            v1.internode_dispatch(x, None, ntr, ntrr, itr, nte, idx, w, 1, cfg)
+        with pytest.raises(ValueError, match="one NVLink domain"):
+            v1.internode_combine(x, None)
+    v1.destroy()
+
     # the BufferBase members of the other 2.5 buffers
     pp = ep_torch.PPBuffer(group, 1024, 2, explicitly_destroy=True)
     assert pp.main_context.num_ranks == n and pp.nccl_comm_handle is None
