@@ -79,6 +79,30 @@ def test_top_level_names_are_deepep_2_5s():
         assert name in ep_torch.__all__ and getattr(ep_torch, name) is getattr(ep_torch.comm, name), name
 
 
+def test_deterministic_sort_permutes_the_receive_views_row_indices():
+    """DeepEP 2.5's `EPHandle.deterministic_sort(..., channel_linked_list, recv_row_indices)`: the view's row
+    indices follow `recv_x` (ep_core.handle)."""
+    from ep_torch import EPHandle
+
+    assert list(inspect.signature(EPHandle.deterministic_sort).parameters)[1:] == [
+        "do_cpu_sync", "is_cached_dispatch", "recv_x", "recv_sf", "recv_topk_idx", "recv_topk_weights",
+        "channel_linked_list", "recv_row_indices",
+    ]  # fmt: skip
+    perm = torch.tensor([3, 0, 2, 1])
+    meta = torch.zeros(4, 4, dtype=torch.int32)
+    meta[:, 0] = perm.to(torch.int32)  # source ids out of order: the sort puts rows in source order
+    h = EPHandle(
+        False, 4, 1, 4, 2, torch.zeros(4, 2, dtype=torch.int64), 4, 4, [4],
+        torch.tensor([4], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), None, meta, None,
+    )  # fmt: skip
+    recv_x = perm.to(torch.float32).unsqueeze(1).repeat(1, 8)
+    rows = perm.clone().to(torch.int64)
+    h.deterministic_sort(True, False, recv_x, None, None, None, None, rows)
+    assert torch.equal(rows, torch.arange(4)) and torch.equal(
+        recv_x[:, 0], torch.arange(4, dtype=torch.float32)
+    )
+
+
 def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 
