@@ -103,6 +103,41 @@ def test_deterministic_sort_permutes_the_receive_views_row_indices():
     )
 
 
+def test_buffer_base_gives_a_subclass_deepeps_members(capsys):
+    from ep_torch import BufferBase
+
+    class Runtime:
+        main_context = "ctx"
+        destroyed = False
+
+        def print_memory_usage(self):
+            print("usage")
+
+        def destroy(self):
+            Runtime.destroyed = True
+
+    class Mine(BufferBase):
+        def __init__(self, explicitly_destroy):
+            super().__init__(explicitly_destroy)
+            self.runtime = Runtime()
+
+        def destroy(self):
+            super().destroy()
+
+    with pytest.raises(RuntimeError, match="explicitly_destroy"):
+        Mine(False).destroy()
+    b = Mine(True)
+    assert b.main_context == "ctx" and isinstance(b, BufferBase)
+    b.print_memory_usage()
+    assert capsys.readouterr().out == "usage\n"
+    b.destroy()
+    assert Runtime.destroyed and b.runtime is None and b.main_context is None
+    with pytest.raises(RuntimeError, match="no runtime"):
+        b.print_memory_usage()
+    with pytest.raises(TypeError):
+        BufferBase()  # abstract: destroy()
+
+
 def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 

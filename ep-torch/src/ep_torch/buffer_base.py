@@ -53,14 +53,38 @@ def get_num_tma_alignment() -> int:
 
 
 class BufferBase(abc.ABC):
-    """DeepEP's base class of communication buffers (lifecycle: ``explicitly_destroy``, ``destroy()``). ep's buffer
-    classes are registered as virtual subclasses (see the module docstring)."""
+    """DeepEP's base class of communication buffers. ep's buffer classes are registered as virtual subclasses (see
+    the module docstring) and carry these members themselves; a class of the caller's that subclasses it gets
+    DeepEP's: ``explicitly_destroy``, a ``runtime`` (None until set, and after ``destroy()``), ``main_context``
+    (the runtime's) and ``print_memory_usage()`` (the runtime's)."""
 
-    explicitly_destroy: bool
+    def __init__(self, explicitly_destroy: bool = False) -> None:
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.runtime: Any = None
+
+    @property
+    def main_context(self) -> Any:
+        """The runtime's first communication context; None after ``destroy()``."""
+        return None if self.runtime is None else self.runtime.main_context
+
+    def print_memory_usage(self) -> None:
+        """The runtime's report of this rank's memory."""
+        if self.runtime is None:
+            raise EPStateError(
+                f"{type(self).__name__}.print_memory_usage: the buffer has no runtime (destroyed?)"
+            )
+        self.runtime.print_memory_usage()
 
     @abc.abstractmethod
     def destroy(self) -> None:
-        """Release the buffer (a collective); only for buffers built with ``explicitly_destroy=True``."""
+        """Release the runtime (for buffers built with ``explicitly_destroy=True``); subclasses call it last."""
+        if not self.explicitly_destroy:
+            raise EPStateError(
+                f"{type(self).__name__}.destroy: build the buffer with explicitly_destroy=True to destroy it"
+            )
+        if self.runtime is not None:
+            self.runtime.destroy()
+            self.runtime = None
 
 
 class BufferContext:
