@@ -286,6 +286,9 @@ def _ranks(rank: int, n: int) -> None:
     if su == n:  # a BucketBuffer lives in one NVLink domain
         bk = ep_torch.BucketBuffer([group, pairs], 2 << 20, explicitly_destroy=True)
         assert bk.main_context is bk.contexts[0] and bk.nccl_comm_handles == [None, None]
+        session = bk.session()
+        assert session.collective_methods == ("all_gather", "reduce_scatter", "all_reduce")
+        assert session.alignment == 256 and session.buffer is bk  # DeepEP's sessions: 64
         comm.barrier(bk, context_idx=1)
         comm.barrier(bk, True, False, True, 0)
         with pytest.raises(ValueError, match="context_idx"):

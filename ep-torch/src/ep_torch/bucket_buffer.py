@@ -169,6 +169,9 @@ class BucketSession:
 
     def __init__(self, buffer: BucketBuffer) -> None:
         self.buffer = buffer
+        # DeepEP's attributes; its sessions align to get_num_rdma_alignment() (64), ep's to 256 bytes
+        self.alignment = _SESSION_ALIGN
+        self.collective_methods = self._METHODS
         self.num_allocated_bytes = 0
         self.context_idx: int | None = None  # the group every call of this session uses (DeepEP's rule)
 
