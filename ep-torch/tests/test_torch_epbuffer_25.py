@@ -198,6 +198,9 @@ def _ranks(rank: int, n: int) -> None:
         assert np.array_equal(recv_idx.numpy(), ref.recv_topk_idx)
         assert np.array_equal(recv_w.numpy(), ref.recv_topk_weights)
         assert handle.topk_idx is idx  # do_handle_copy=False by default, as 2.5
+        # an odd SM count is rounded up to even, as 2.5 (the handle keeps it); the rows are the same
+        odd = buf.dispatch(x, idx, w, None, experts, m, 1, 3)
+        assert odd[3].num_sms == 4 and torch.equal(odd[0].view(torch.int16), recv_x.view(torch.int16))
         y = recv_x.float().mul(1.5).to(torch.bfloat16)
         ys = [
             torch.from_numpy(o.recv_x.view(np.int16)).view(torch.bfloat16).float().mul(1.5).to(torch.bfloat16)

@@ -14,6 +14,7 @@ well as by name, so ``EPBuffer`` takes them in 2.5's order, with 2.5's defaults:
 - ``combine``: V2's parameters less ``previous_event_before_epilogue``, then ``defer_epilogue``; ep's
   ``previous_event_before_epilogue``, ``out_dtype`` and ``zero_copy`` keyword-only.
 - ``get_theoretical_num_sms``: the per-SM bandwidths default to 0, DeepEP's "the default" (ep's planner's).
+- an odd ``num_sms`` given to ``dispatch`` / ``combine`` is rounded up to even, as 2.5 does (``handle.num_sms`` too).
 - ``barrier(wait_comm_stream=True, with_cpu_sync=False, sequential=True, context_idx=None)`` (``deep_ep.comm``'s).
 - ``context`` / ``main_context`` (the group's rank, size and domain sizes; None after ``destroy()``) and
   ``print_memory_usage()``, DeepEP's ``BufferBase`` members.
@@ -116,6 +117,8 @@ class EPBufferSurface:
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap] | EventOverlap:
         """``ElasticBuffer.dispatch`` in DeepEP 2.5's parameter order (module doc); ``borrow_recv=True`` returns a
         :class:`~ep_torch.DispatchRecvView` in place of ``recv_x``."""
+        if type(num_sms) is int and num_sms & 1:
+            num_sms += 1  # DeepEP 2.5 rounds a given SM count up to even (the handle keeps the rounded count)
         if borrow_recv and (self.num_scaleout_ranks != 1 or self.num_rdma_ranks != 1):
             raise EPValueError(
                 f"borrow_recv=True: a receive view needs one NVLink domain (direct mode); this buffer has "
@@ -173,6 +176,8 @@ class EPBufferSurface:
         zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """``ElasticBuffer.combine`` in DeepEP 2.5's parameter order (module doc)."""
+        if type(num_sms) is int and num_sms & 1:
+            num_sms += 1  # as dispatch
         return super().combine(  # type: ignore[misc]
             x,
             handle,
