@@ -40,6 +40,7 @@ from .dispatch_combine import (  # noqa: F401 (_current_stream, _handle_tensors,
     _plain,
 )
 from .elastic_ops import ElasticOps
+from .epbuffer_surface import EPBufferSurface
 from .event import EventHandle
 from .load_balance import LoadBalance
 from .resize import resize as _resize
@@ -382,11 +383,11 @@ def _int(value: Any) -> Any:
         return value
 
 
-class EPBuffer(LoadBalance, ElasticBuffer):
-    """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s keywords, methods and return
-    tuples, with planner policy V2.5 (margin 1.3, multiples of 4 SMs), DeepEP 2.5's load balancing
-    (``lb_allocation_plan_or_num_bytes=``, ``lb_*``: ``ep_torch.load_balance``) and 2.6's ``resize``
-    (``ep_torch.resize``)."""
+class EPBuffer(EPBufferSurface, LoadBalance, ElasticBuffer):
+    """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s methods in DeepEP 2.5's
+    parameter order and defaults (``ep_torch.epbuffer_surface``), planner policy V2.5 (margin 1.3, multiples of 4
+    SMs), DeepEP 2.5's load balancing (``lb_allocation_plan_or_num_bytes=``, ``lb_*``: ``ep_torch.load_balance``)
+    and 2.6's ``resize`` (``ep_torch.resize``)."""
 
     policy: PlannerPolicy = PlannerPolicy.V2_5
     resize = _resize

@@ -18,11 +18,86 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ep_core.errors import EPConfigError
 
 from ..bootstrap import ProcessGroupBootstrap
 from ..transport_choice import data_device, ranks_per_host, scaleup_ranks
 
-__all__ = ["internode_handle_tensors", "predicted_nvl_ranks", "tokens_per_rdma_rank", "v1_row_order"]
+__all__ = [
+    "internode_combine",
+    "internode_dispatch",
+    "internode_handle_tensors",
+    "predicted_nvl_ranks",
+    "tokens_per_rdma_rank",
+    "v1_row_order",
+]
+
+
+def _spans_nodes(buffer: Any, op: str) -> None:
+    """DeepEP's ``internode_*`` run its internode kernels, for groups over several NVLink domains only (the same
+    answer on every rank: no peer is left waiting)."""
+    if buffer._domain()[0] <= 1:
+        raise EPConfigError(
+            f"{op}: the group is one NVLink domain ({buffer.group_size} ranks); call "
+            f"{op.removeprefix('internode_')}(), which runs the intranode path"
+        )
+
+
+def internode_dispatch(
+    self: Any,
+    x: Any,
+    handle: Any = None,
+    num_tokens_per_rank: torch.Tensor | None = None,
+    num_tokens_per_rdma_rank: torch.Tensor | None = None,
+    is_token_in_rank: torch.Tensor | None = None,
+    num_tokens_per_expert: torch.Tensor | None = None,
+    topk_idx: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    expert_alignment: int = 1,
+    config: Any = None,
+    previous_event: Any = None,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> Any:
+    """V1's ``Buffer.internode_dispatch`` (DeepEP's parameters: ``dispatch``'s without ``num_worst_tokens``):
+    ``dispatch`` on a group that spans nodes; ``config=None`` takes ``get_dispatch_config``'s (DeepEP requires
+    one)."""
+    _spans_nodes(self, "internode_dispatch")
+    return self.dispatch(
+        x,
+        handle,
+        num_tokens_per_rank,
+        num_tokens_per_rdma_rank,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        topk_idx,
+        topk_weights,
+        expert_alignment,
+        0,
+        config,
+        previous_event,
+        async_finish,
+        allocate_on_comm_stream,
+    )
+
+
+def internode_combine(
+    self: Any,
+    x: torch.Tensor,
+    handle: Any,
+    topk_weights: torch.Tensor | None = None,
+    bias: Any = None,
+    config: Any = None,
+    previous_event: Any = None,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> Any:
+    """V1's ``Buffer.internode_combine`` (DeepEP's parameters, ``combine``'s): ``combine`` on a group that spans
+    nodes."""
+    _spans_nodes(self, "internode_combine")
+    return self.combine(
+        x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+    )
 
 
 def predicted_nvl_ranks(group: dist.ProcessGroup, transport: str | None) -> int:
