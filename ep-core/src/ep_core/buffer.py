@@ -103,6 +103,14 @@ class _Announcing:
 _NESTED = contextlib.nullcontext()  # `announcing` nested in an outer block of the same buffer (reusable)
 
 
+_SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
+
+
+def _same(a: Any, b: Any) -> bool:
+    """A kept plan's scalar is a later call's: the same object, or equal ints (never `True` for `1`)."""
+    return a is b or (type(a) is int and type(b) is int and a == b)
+
+
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise EPTypeError(f"{name}: expected a bool, got {type(value).__name__}")
@@ -431,9 +439,10 @@ class EPBuffer(BufferBase):
         self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
     ) -> Any:
         """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`,
-        the caller's name for a kind of call (a kind holds the plan of its last call), and return it: the plan
-        itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or handle, topk_weights,
-        stream)`; None (and nothing kept for `kind`) where that call's plan cannot serve one (`DispatchPlan.keep`:
+        the caller's name for a kind of call (a kind holds the plan of its last call, whose `siblings` are up to
+        `_SIBLINGS` plans kept before it for the same `scalars` and other arrays: a call its arrays do not match
+        tries them), and return it: the plan itself (`ep_core.kernels.op_plan`), which the caller calls as
+        `plan(x, topk_idx or handle, topk_weights, stream)`; None (and nothing kept for `kind`) where that call's plan cannot serve one (`DispatchPlan.keep`:
         events, an empty routing, no repeat yet, an allocator without `batch`, `match` None). `match(x, ...)`
         compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx, topk_weights)`
         for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x, topk_weights)` for a
@@ -448,8 +457,16 @@ class EPBuffer(BufferBase):
             kept = None if token is None or plans is None else plans.get(token)
             if kept is not None and kept.op == op:
                 plan = kept.keep(self, x_dtype, allocator, match, handle)
+        front = self._lanes.get(kind)
         if plan is not None:
             plan.scalars = scalars
+            if plan is not front:  # the plans of the same scalars kept before it stay beside it
+                same = front is not None and all(map(_same, front.scalars, scalars))
+                plan.siblings = (
+                    [front, *[p for p in front.siblings if p is not plan]][:_SIBLINGS] if same else []
+                )
+                if same:
+                    front.siblings = []
         self._lanes[kind] = plan
         return plan
 
