@@ -319,20 +319,19 @@ class DispatchCombine:
                 zero_copy,
                 lambda: again(zero_copy=zero_copy),
             )
-        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of the last dispatch of its kind (no handle:
-        # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
-        # handle) without events, stats or comm-stream scope, every scalar the same object as that call's (so the
-        # same prepared entry), the arrays compared by the lane's `match`
-        plain = (
-            handle is None
-            and previous_event is None
+        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no handle: no-sync,
+        # CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of a handle of the same
+        # layout, no routing) without events, stats or comm-stream scope, every scalar the same object as that
+        # call's (so the same prepared entry), the arrays compared by the lane's `match`
+        quiet = (
+            previous_event is None
             and previous_event_before_epilogue is None
             and cumulative_local_expert_recv_stats is None
             and async_with_compute_stream is False
             and allocate_on_comm_stream is False
-            and do_handle_copy is True
         )
-        lane_scalars = (
+        plain = quiet and handle is None and do_handle_copy is True
+        lane_scalars: tuple = (
             num_experts,
             num_max_tokens_per_rank,
             expert_alignment,
@@ -350,45 +349,23 @@ class DispatchCombine:
             data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
         if handle is not None and zero_copy is False:
             kind = "dispatch_cached"
+            plain = quiet and topk_idx is None
+            lane_scalars = (*lane_scalars, do_handle_copy)
         lane = self._lanes.get(kind)
-        if kind == "dispatch_cached":
-            scalars = (
-                topk_idx,
-                cumulative_local_expert_recv_stats,
-                num_experts,
-                num_max_tokens_per_rank,
-                expert_alignment,
-                num_sms,
-                num_qps,
-                previous_event,
-                previous_event_before_epilogue,
-                async_with_compute_stream,
-                allocate_on_comm_stream,
-                do_handle_copy,
-                do_cpu_sync,
-                do_expand,
-                do_zero_padding,
-                use_tma_aligned_col_major_sf,
-            )
-            if lane is not None and _same(scalars, lane.scalars):
-                got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
-                if got is not None:
-                    return (
-                        got.recv_x,
-                        got.recv_topk_idx,
-                        got.recv_topk_weights,
-                        got.handle,
-                        EventOverlap(None),
-                    )
-        elif plain and lane is not None and _same(lane_scalars, lane.scalars):
-            if do_cpu_sync is not False:
+        if plain and lane is not None and _same(lane_scalars, lane.scalars):
+            if handle is None and do_cpu_sync is not False:
                 try:  # a CPU sync inside CUDA-graph capture: the caller's error
                     self._check_capture("dispatch", do_cpu_sync, None)
                 except Exception:
                     # refused before any launch: announced (the step given up) as on the ordinary road
                     with self._core.announcing("dispatch"):
                         raise
-            got = lane(x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+            got = lane(
+                x,
+                topk_idx if handle is None else handle,
+                topk_weights,
+                _current_stream(self._device_index) if self._cuda else 0,
+            )
             if got is not None:
                 if zero_copy is not False:
                     recv_x, recv_idx, recv_w = self._zero_copy_outputs(
@@ -461,21 +438,14 @@ class DispatchCombine:
                     )
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
-            lanes = scope is _NO_SCOPE and getattr(allocator, "batch", None) is not None
-            if lanes and plain:
-                if kind is not None:
-                    rt.keep_lane(kind, "dispatch", _match((x, topk_idx, topk_weights)), lane_scalars)
-            elif (
-                lanes
-                and zero_copy is False
-                and handle is not None
-                and topk_idx is None
-                and cumulative_local_expert_recv_stats is None
-                and previous_event is None
-                and previous_event_before_epilogue is None
-                and not async_with_compute_stream
+            if (
+                plain
+                and kind is not None
+                and scope is _NO_SCOPE
+                and getattr(allocator, "batch", None) is not None
             ):
-                rt.keep_lane(kind, "dispatch", _match((x, topk_weights)), scalars, handle)
+                arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
+                rt.keep_lane(kind, "dispatch", _match(arrays), lane_scalars, handle)
         if handle is None:
             if not do_handle_copy:
                 res.handle.topk_idx = (
