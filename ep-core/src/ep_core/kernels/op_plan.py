@@ -433,7 +433,7 @@ class DispatchPlan:
         elif type(x) is tuple and len(x) == 2:
             ptrs = self.match(x[0], x[1], b, topk_weights)
         else:
-            return None
+            ptrs = None  # (a plan of FP8 scales, a call without: a sibling's)
         buffer = self.buffer
         if ptrs is None or (self.cached and self.siblings and _idx_shape(b) != self._handle_key[1]):
             return _sibling(self, x, b, topk_weights, stream)
