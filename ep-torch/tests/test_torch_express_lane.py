@@ -811,6 +811,46 @@ def test_a_caller_alternating_between_shapes_is_served_by_the_plan_of_each(mocke
     assert seen[True] == seen[False]
 
 
+def test_an_async_repeat_is_served_and_returns_the_ordinary_roads_event(mocked):
+    """`async_with_compute_stream=True` is one of a kept plan's scalars, not a road of its own: the repeats of an
+    async dispatch, of the cached dispatch of its handle and of its combine are served by their plans, launch what
+    the ordinary road launches and return its event (on CPU tensors a completed `EventHandle`)."""
+    make, launches, _served, served_by = mocked
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        g = torch.Generator().manual_seed(5)  # the same calls on both roads
+        per_call = []
+        for step in range(3):
+            x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+            idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+            w = torch.rand(8, K, generator=g)
+            launches.clear()
+            before = dict(served_by)
+            out = buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_experts=EXPERTS,
+                num_sms=4,
+                do_cpu_sync=False,
+                async_with_compute_stream=True,
+            )
+            names = _pointer_names(x, idx, w, out)
+            cached = buf.dispatch(x, topk_weights=w, handle=out[3], num_sms=4, async_with_compute_stream=True)
+            names.update(zip([a.data_ptr() for a in cached[:3]], ("cached_x", "cached_idx", "cached_w")))
+            recv = torch.randn(out[3].num_recv_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+            combined = buf.combine(recv, out[3], num_sms=4, async_with_compute_stream=True)
+            names.update({recv.data_ptr(): "combine_x", combined[0].data_ptr(): "combined"})
+            events = [type(r[-1].event).__name__ for r in (out, cached, combined)]
+            per_call.append((_named_launches(launches, names), _handle_fields(out[3]), events))
+            assert events == ["EventHandle"] * 3
+            for kind in served_by:  # the first call of each makes its plan; its repeats take it
+                assert served_by[kind] == before[kind] + (lane and step > 0), (lane, step, kind)
+        seen[lane] = per_call
+    assert seen[True] == seen[False]
+
+
 def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_run(mocked):
     """Issue 45, the ordinary road (no kept plan: the lane off): a repeated call's prepared hit goes from the
     executor straight to the plan's `run()` (no stream-pair or pointer helper calls into `op_plan` first); on the way

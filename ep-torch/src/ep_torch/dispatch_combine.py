@@ -1,9 +1,9 @@
 """``ElasticBuffer.dispatch`` / ``combine``: the road of one call from DeepEP's signature to ep-core
 (:class:`DispatchCombine`, a part of :class:`~ep_torch.buffer.ElasticBuffer`).
 
-A call either takes the express lane of the last call of its kind (ep-core's plan of that call,
-``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar the
-recorded call's), or builds ep-core's argument
+A call either takes the express lane of its kind (ep-core's plan of its last call, or of an earlier one of other
+shapes, ``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar
+the recorded call's), or builds ep-core's argument
 record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine``, which announce
 an error of the call (a call on the comm stream runs inside a block of the buffer's own); the outputs come back as
 torch tensors in DeepEP's return tuples.
@@ -322,12 +322,12 @@ class DispatchCombine:
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no handle: no-sync,
         # CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of a handle of the same
         # layout, no routing) without events, stats or comm-stream scope, every scalar the same object as that
-        # call's (so the same prepared entry), the arrays compared by the lane's `match`
+        # call's (so the same prepared entry; `async_with_compute_stream` too), the arrays compared by the lane's
+        # `match`
         quiet = (
             previous_event is None
             and previous_event_before_epilogue is None
             and cumulative_local_expert_recv_stats is None
-            and async_with_compute_stream is False
             and allocate_on_comm_stream is False
         )
         plain = quiet and handle is None and do_handle_copy is True
@@ -341,6 +341,7 @@ class DispatchCombine:
             use_tma_aligned_col_major_sf,
             do_expand,
             do_zero_padding,
+            async_with_compute_stream,
         )
         if zero_copy is False:
             kind = "dispatch" if do_cpu_sync is False else "dispatch_sync"
@@ -367,13 +368,19 @@ class DispatchCombine:
                 _current_stream(self._device_index) if self._cuda else 0,
             )
             if got is not None:
-                if zero_copy is not False:
-                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(
-                        data, sf, got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights
+                outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
+                event = EventOverlap(None)
+                if (
+                    async_with_compute_stream
+                ):  # the ordinary road's event (every operand recorded on the streams)
+                    event = self._event(
+                        True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(got.handle))
                     )
-                    return recv_x, recv_idx, recv_w, got.handle, EventOverlap(None)
+                if zero_copy is not False:
+                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
+                    return recv_x, recv_idx, recv_w, got.handle, event
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
-                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
+                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, event
         # the ordinary road: ep-core's `run_dispatch` announces an error of the call (`announcing`); what may raise
         # here first is announced by a block of its own, and a call on the comm stream runs in one block whole
         scoped = previous_event is not None or allocate_on_comm_stream
@@ -649,7 +656,6 @@ class DispatchCombine:
             and bias is None
             and previous_event is None
             and previous_event_before_epilogue is None
-            and async_with_compute_stream is False
             and allocate_on_comm_stream is False
         ):
             if zero_copy is False:
@@ -657,10 +663,15 @@ class DispatchCombine:
             elif zero_copy is True:
                 kind = "combine_zero_copy"
             lane = self._lanes.get(kind)
-            if lane is not None and _same((num_sms, num_qps), lane.scalars):
+            if lane is not None and _same((num_sms, num_qps, async_with_compute_stream), lane.scalars):
                 got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
                 if got is not None:
-                    return got.combined_x, got.combined_topk_weights, EventOverlap(None)
+                    event = EventOverlap(None)
+                    if async_with_compute_stream:  # the ordinary road's event
+                        event = self._event(
+                            True, (x, topk_weights, None, got.combined_x, got.combined_topk_weights)
+                        )
+                    return got.combined_x, got.combined_topk_weights, event
         # the one record of this call (ep-core's `CombineArgs`): the FP32 and deferred roads and the ordinary one
         # read it; the allocator of a device's first call and a comm-stream scope's stream are filled in below
         px = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
@@ -736,5 +747,7 @@ class DispatchCombine:
                 event = self._event(True, outs)
         if keep is not None and getattr(a.allocator, "batch", None) is not None:
             match = _match((a.x, a.topk_weights)) if keep[1] else None
-            rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)
+            rt.keep_lane(
+                keep[0], "combine", match, (a.num_sms, a.num_qps, a.async_with_compute_stream), a.handle
+            )
         return res.combined_x, res.combined_topk_weights, event
