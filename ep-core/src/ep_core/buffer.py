@@ -30,7 +30,7 @@ from ep_core.executor import (
 )
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
-from ep_core.prepared import PreparedOps
+from ep_core.prepared import PreparedOps, _typed
 from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
@@ -104,11 +104,6 @@ _NESTED = contextlib.nullcontext()  # `announcing` nested in an outer block of t
 
 
 _SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
-
-
-def _same(a: Any, b: Any) -> bool:
-    """A kept plan's scalar is a later call's: the same object, or equal ints (never `True` for `1`)."""
-    return a is b or (type(a) is int and type(b) is int and a == b)
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -460,13 +455,13 @@ class EPBuffer(BufferBase):
         front = self._lanes.get(kind)
         if plan is not None:
             plan.scalars = scalars
-            if plan is not front:  # the plans of the same scalars kept before it stay beside it
-                same = front is not None and all(map(_same, front.scalars, scalars))
-                plan.siblings = (
-                    [front, *[p for p in front.siblings if p is not plan]][:_SIBLINGS] if same else []
-                )
-                if same:
-                    front.siblings = []
+            # the plans kept before it for the same scalars (values and types: one prepared key) stay beside it
+            kin = front is not None and front is not plan and _typed(front.scalars) == _typed(scalars)
+            if kin:
+                plan.siblings = [p for p in (front, *front.siblings) if p is not plan][:_SIBLINGS]
+                front.siblings = []
+            elif plan is not front:
+                plan.siblings = []
         self._lanes[kind] = plan
         return plan
 

@@ -203,6 +203,15 @@ class DispatchCombine:
                 "do_cpu_sync=False (worst-case shapes) or a cached handle"
             )
 
+    def _refuse_capture(self, do_cpu_sync: Any) -> None:
+        """`_check_capture` of a dispatch without a handle (a CPU sync inside CUDA-graph capture: the caller's
+        error), refused before any launch: announced (the step given up) as ep-core's block announces."""
+        try:
+            self._check_capture("dispatch", do_cpu_sync, None)
+        except Exception:
+            with self._core.announcing("dispatch"):
+                raise
+
     def _event(self, async_with_compute_stream: bool, keep: tuple[Any, ...]) -> EventOverlap:
         """The returned ``EventOverlap``: None unless async; on CUDA an event recorded on the stream the operation
         ended on, with every operand ``record_stream``-ed on both streams (or kept in the event with
@@ -355,12 +364,7 @@ class DispatchCombine:
         lane = self._lanes.get(kind)
         if plain and lane is not None and _same(lane_scalars, lane.scalars):
             if handle is None and do_cpu_sync is not False:
-                try:  # a CPU sync inside CUDA-graph capture: the caller's error
-                    self._check_capture("dispatch", do_cpu_sync, None)
-                except Exception:
-                    # refused before any launch: announced (the step given up) as on the ordinary road
-                    with self._core.announcing("dispatch"):
-                        raise
+                self._refuse_capture(do_cpu_sync)
             got = lane(
                 x,
                 topk_idx if handle is None else handle,
@@ -389,11 +393,7 @@ class DispatchCombine:
             if rt is None or rt._destroyed:  # (`_rt`'s test, inline: the field, no property call)
                 rt = self._announced("dispatch", self._rt)  # raises
             if handle is None and do_cpu_sync is not False:
-                try:
-                    self._check_capture("dispatch", do_cpu_sync, handle)
-                except Exception:
-                    with self._core.announcing("dispatch"):
-                        raise
+                self._refuse_capture(do_cpu_sync)
             if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
@@ -437,20 +437,17 @@ class DispatchCombine:
                 )
                 # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
                 # handle's tensors need recording on the streams
+                outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
                 event = EventOverlap(None)
                 if async_with_compute_stream:
-                    outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
                     event = self._event(
                         True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(res.handle))
                     )
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
             if (
-                plain
-                and kind is not None
-                and scope is _NO_SCOPE
-                and getattr(allocator, "batch", None) is not None
-            ):
+                plain and kind is not None and getattr(allocator, "batch", None) is not None
+            ):  # (`plain`: no scope)
                 arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
                 rt.keep_lane(kind, "dispatch", _match(arrays), lane_scalars, handle)
         if handle is None:
@@ -463,9 +460,7 @@ class DispatchCombine:
                 # empty one stays an alias, never the caller's tensor object
                 res.handle.topk_idx = topk_idx.detach()
         if zero_copy is not False:
-            recv_x, recv_idx, recv_w = self._zero_copy_outputs(
-                data, sf, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights
-            )
+            recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
             return recv_x, recv_idx, recv_w, res.handle, event
         recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
