@@ -433,17 +433,17 @@ class EPBuffer(BufferBase):
     def keep_lane(
         self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
     ) -> Any:
-        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`,
-        the caller's name for a kind of call (a kind holds the plan of its last call, whose `siblings` are up to
-        `_SIBLINGS` plans kept before it for the same `scalars` and other arrays: a call its arrays do not match
-        tries them), and return it: the plan itself (`ep_core.kernels.op_plan`), which the caller calls as
-        `plan(x, topk_idx or handle, topk_weights, stream)`; None (and nothing kept for `kind`) where that call's plan cannot serve one (`DispatchPlan.keep`:
-        events, an empty routing, no repeat yet, an allocator without `batch`, `match` None). `match(x, ...)`
-        compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx, topk_weights)`
-        for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x, topk_weights)` for a
-        cached dispatch of `handle` or a combine with `handle`. The caller made that call with no handle (unless
-        `handle`), events or comm-stream allocation, and compares every scalar of a later call with `scalars` (kept
-        on the plan: the same object, or an equal int) before calling the plan."""
+        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`
+        (the caller's name for a kind of call: it holds the plan of its last call, whose `siblings` are up to
+        `_SIBLINGS` plans kept before it for the same `scalars` and other arrays, tried when its own do not match),
+        and return it: the plan itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or
+        handle, topk_weights, stream)`; None (nothing kept for `kind`) where that call's plan cannot serve one
+        (`DispatchPlan.keep`: an empty routing, no repeat yet, an allocator without `batch`, `match` None).
+        `match(x, ...)` compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx,
+        topk_weights)` for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x,
+        topk_weights)` for a cached dispatch of `handle` or a combine with `handle`. The caller made that call with
+        no handle (unless `handle`), previous events or comm-stream allocation, and compares every scalar of a later
+        call with `scalars` (the same object, or an equal int) before calling the plan."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         plan = None
         if last is not None and not self._destroyed:

@@ -641,7 +641,7 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
+        # the express lane of a combine of its kind (ordinary, or zero-copy: ep-core's express combine over
         # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
         # error); `kind`: the lane this call keeps after its ordinary road (None: none)
         kind = None
