@@ -372,15 +372,14 @@ class DispatchCombine:
                 _current_stream(self._device_index) if self._cuda else 0,
             )
             if got is not None:
-                outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
                 event = EventOverlap(None)
-                if (
-                    async_with_compute_stream
-                ):  # the ordinary road's event (every operand recorded on the streams)
+                if async_with_compute_stream:  # the ordinary road's event: every operand on the streams
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
                     event = self._event(
                         True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(got.handle))
                     )
                 if zero_copy is not False:
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
                     recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
                     return recv_x, recv_idx, recv_w, got.handle, event
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)

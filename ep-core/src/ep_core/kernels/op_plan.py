@@ -435,7 +435,7 @@ class DispatchPlan:
         else:
             ptrs = None  # (a plan of FP8 scales, a call without: a sibling's)
         buffer = self.buffer
-        if ptrs is None or (self.cached and self.siblings and _idx_shape(b) != self._handle_key[1]):
+        if ptrs is None:
             return _sibling(self, x, b, topk_weights, stream)
         if buffer._destroyed:
             return None  # the ordinary road raises the caller's own error
@@ -443,17 +443,15 @@ class DispatchPlan:
         step = rank._num_collective_launches
         try:
             if self.cached:
-                if not check_handle_key(buffer.config, self._executor, b, self._handle_key):
-                    return _sibling(self, x, b, topk_weights, stream)  # (its error announced once)
+                # a handle of another layout: a sibling's (whose error is announced once)
+                ok = not self.siblings or _idx_shape(b) == self._handle_key[1]
+                if not (ok and check_handle_key(buffer.config, self._executor, b, self._handle_key)):
+                    return _sibling(self, x, b, topk_weights, stream)
                 wait, signal = _kept_pairs(self, stream)
                 return self.run(
                     ptrs[0], 0, 0, ptrs[1], 0, b, None, None, self._x_name, wait, signal, None, True
                 )
-            if self._sf_name is None:
-                x_ptr, idx_ptr, w_ptr = ptrs
-                sf_ptr = 0
-            else:
-                x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
+            x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs if self._sf_name else (ptrs[0], 0, ptrs[1], ptrs[2])
             wait, signal = _kept_pairs(self, stream)
             res = self.run(
                 x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_name, wait, signal, None, True
