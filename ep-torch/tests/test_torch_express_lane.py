@@ -700,6 +700,8 @@ def _road(fn) -> list[str]:
             back = frame.f_back
             if back is not None and back.f_code.co_name in ("recorded", "recorded_launch"):
                 return  # the fixture's launch recorder (it reads the patched words), not the road
+            if back is not None and back.f_code.co_name in ("counted", "counted_combine"):
+                back = back.f_back  # the fixture's counting wrappers of a plan's call: their caller's call
             if back is None or back.f_globals.get("__name__", "") != mod:
                 seq.append(mod)
 
@@ -751,6 +753,102 @@ def test_a_kept_plans_call_crosses_at_most_four_modules_to_its_launch(mocked):
         assert to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"], (name, road)
         assert len(set(to_launch)) <= 4, (name, road)
         assert len(entered) == len(set(entered)), (name, road)
+
+
+def test_a_caller_alternating_between_shapes_is_served_by_the_plan_of_each(mocked):
+    """Issue 45: a repeated call whose kind last kept another shape's plan (two token counts and an FP8 `x` taking
+    turns, and the combine of each one's handle) is served by its own plan, kept beside the last one
+    (`EPBuffer.keep_lane`'s siblings), on the kept-plan road (at most four modules to the launch, none entered twice
+    in the whole call), and launches what the ordinary road launches, with handles of the same fields."""
+    make, launches, _served, served_by = mocked
+    packs = 3
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        g = torch.Generator().manual_seed(11)  # the same calls on both roads
+        per_call = []
+        for step in range(3):
+            for tokens, fp8 in ((8, False), (5, False), (8, True)):
+                data = torch.randn(tokens, HIDDEN, generator=g)
+                x = (
+                    (data.to(torch.float8_e4m3fn), torch.rand(tokens, packs, generator=g))
+                    if fp8
+                    else data.to(torch.bfloat16)
+                )
+                idx = torch.rand(tokens, EXPERTS, generator=g).topk(K, dim=1).indices
+                w = torch.rand(tokens, K, generator=g)
+                got: list = []  # (the lambdas run at once, in this iteration)
+                kw = dict(topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+                for op in ("dispatch", "combine"):
+                    launches.clear()
+                    before = sum(served_by.values())
+                    if op == "dispatch":
+                        road = _road(lambda kw=kw: got.append(buf.dispatch(x, **kw)))  # noqa: B023
+                        out = got[-1]
+                        recv_x = out[0][0] if fp8 else out[0]
+                        names = _pointer_names(x[0] if fp8 else x, idx, w, (recv_x, *out[1:]))
+                        if fp8:
+                            names.update({x[1].data_ptr(): "x_sf", out[0][1].data_ptr(): "recv_sf"})
+                        per_call.append((_named_launches(launches, names), _handle_fields(out[3])))
+                    else:
+                        recv = torch.randn(out[3].num_recv_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+                        road = _road(lambda recv=recv: got.append(buf.combine(recv, out[3], num_sms=4)))  # noqa: B023
+                        names[recv.data_ptr()] = "x"
+                        names[got[-1][0].data_ptr()] = "combined"
+                        per_call.append((_named_launches(launches, names), None))
+                    if not lane or (step == 0 and (op == "dispatch" or not fp8)):
+                        # (the FP8 dispatch's handle has the layout of the first one's: its combine's plan)
+                        assert sum(served_by.values()) == before, (lane, step, tokens, fp8, op)
+                        continue
+                    assert sum(served_by.values()) > before, (step, tokens, fp8, op)  # a kept plan served it
+                    if step == 1:
+                        continue  # (a plan's first call reads its handles' fingerprint by value)
+                    to_launch = road[: road.index("LAUNCH")]
+                    entered = [m for m in road if m != "LAUNCH"]
+                    assert to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"], road
+                    assert len(set(to_launch)) <= 4 and len(entered) == len(set(entered)), road
+        seen[lane] = per_call
+    assert seen[True] == seen[False]
+
+
+def test_an_async_repeat_is_served_and_returns_the_ordinary_roads_event(mocked):
+    """`async_with_compute_stream=True` is one of a kept plan's scalars, not a road of its own: the repeats of an
+    async dispatch, of the cached dispatch of its handle and of its combine are served by their plans, launch what
+    the ordinary road launches and return its event (on CPU tensors a completed `EventHandle`)."""
+    make, launches, _served, served_by = mocked
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        g = torch.Generator().manual_seed(5)  # the same calls on both roads
+        per_call = []
+        for step in range(3):
+            x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+            idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+            w = torch.rand(8, K, generator=g)
+            launches.clear()
+            before = dict(served_by)
+            out = buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_experts=EXPERTS,
+                num_sms=4,
+                do_cpu_sync=False,
+                async_with_compute_stream=True,
+            )
+            names = _pointer_names(x, idx, w, out)
+            cached = buf.dispatch(x, topk_weights=w, handle=out[3], num_sms=4, async_with_compute_stream=True)
+            names.update(zip([a.data_ptr() for a in cached[:3]], ("cached_x", "cached_idx", "cached_w")))
+            recv = torch.randn(out[3].num_recv_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+            combined = buf.combine(recv, out[3], num_sms=4, async_with_compute_stream=True)
+            names.update({recv.data_ptr(): "combine_x", combined[0].data_ptr(): "combined"})
+            events = [type(r[-1].event).__name__ for r in (out, cached, combined)]
+            per_call.append((_named_launches(launches, names), _handle_fields(out[3]), events))
+            assert events == ["EventHandle"] * 3
+            for kind in served_by:  # the first call of each makes its plan; its repeats take it
+                assert served_by[kind] == before[kind] + (lane and step > 0), (lane, step, kind)
+        seen[lane] = per_call
+    assert seen[True] == seen[False]
 
 
 def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_run(mocked):

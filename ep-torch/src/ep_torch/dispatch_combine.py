@@ -1,9 +1,9 @@
 """``ElasticBuffer.dispatch`` / ``combine``: the road of one call from DeepEP's signature to ep-core
 (:class:`DispatchCombine`, a part of :class:`~ep_torch.buffer.ElasticBuffer`).
 
-A call either takes the express lane of the last call of its kind (ep-core's plan of that call,
-``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar the
-recorded call's), or builds ep-core's argument
+A call either takes the express lane of its kind (ep-core's plan of its last call, or of an earlier one of other
+shapes, ``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar
+the recorded call's), or builds ep-core's argument
 record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine``, which announce
 an error of the call (a call on the comm stream runs inside a block of the buffer's own); the outputs come back as
 torch tensors in DeepEP's return tuples.
@@ -203,6 +203,15 @@ class DispatchCombine:
                 "do_cpu_sync=False (worst-case shapes) or a cached handle"
             )
 
+    def _refuse_capture(self, do_cpu_sync: Any) -> None:
+        """`_check_capture` of a dispatch without a handle (a CPU sync inside CUDA-graph capture: the caller's
+        error), refused before any launch: announced (the step given up) as ep-core's block announces."""
+        try:
+            self._check_capture("dispatch", do_cpu_sync, None)
+        except Exception:
+            with self._core.announcing("dispatch"):
+                raise
+
     def _event(self, async_with_compute_stream: bool, keep: tuple[Any, ...]) -> EventOverlap:
         """The returned ``EventOverlap``: None unless async; on CUDA an event recorded on the stream the operation
         ended on, with every operand ``record_stream``-ed on both streams (or kept in the event with
@@ -319,20 +328,19 @@ class DispatchCombine:
                 zero_copy,
                 lambda: again(zero_copy=zero_copy),
             )
-        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of the last dispatch of its kind (no handle:
-        # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
-        # handle) without events, stats or comm-stream scope, every scalar the same object as that call's (so the
-        # same prepared entry), the arrays compared by the lane's `match`
-        plain = (
-            handle is None
-            and previous_event is None
+        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no handle: no-sync,
+        # CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of a handle of the same
+        # layout, no routing) without events, stats or comm-stream scope, every scalar the same object as that
+        # call's (so the same prepared entry; `async_with_compute_stream` too), the arrays compared by the lane's
+        # `match`
+        quiet = (
+            previous_event is None
             and previous_event_before_epilogue is None
             and cumulative_local_expert_recv_stats is None
-            and async_with_compute_stream is False
             and allocate_on_comm_stream is False
-            and do_handle_copy is True
         )
-        lane_scalars = (
+        plain = quiet and handle is None and do_handle_copy is True
+        lane_scalars: tuple = (
             num_experts,
             num_max_tokens_per_rank,
             expert_alignment,
@@ -342,6 +350,7 @@ class DispatchCombine:
             use_tma_aligned_col_major_sf,
             do_expand,
             do_zero_padding,
+            async_with_compute_stream,
         )
         if zero_copy is False:
             kind = "dispatch" if do_cpu_sync is False else "dispatch_sync"
@@ -350,53 +359,31 @@ class DispatchCombine:
             data, sf = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
         if handle is not None and zero_copy is False:
             kind = "dispatch_cached"
+            plain = quiet and topk_idx is None
+            lane_scalars = (*lane_scalars, do_handle_copy)
         lane = self._lanes.get(kind)
-        if kind == "dispatch_cached":
-            scalars = (
-                topk_idx,
-                cumulative_local_expert_recv_stats,
-                num_experts,
-                num_max_tokens_per_rank,
-                expert_alignment,
-                num_sms,
-                num_qps,
-                previous_event,
-                previous_event_before_epilogue,
-                async_with_compute_stream,
-                allocate_on_comm_stream,
-                do_handle_copy,
-                do_cpu_sync,
-                do_expand,
-                do_zero_padding,
-                use_tma_aligned_col_major_sf,
+        if plain and lane is not None and _same(lane_scalars, lane.scalars):
+            if handle is None and do_cpu_sync is not False:
+                self._refuse_capture(do_cpu_sync)
+            got = lane(
+                x,
+                topk_idx if handle is None else handle,
+                topk_weights,
+                _current_stream(self._device_index) if self._cuda else 0,
             )
-            if lane is not None and _same(scalars, lane.scalars):
-                got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
-                if got is not None:
-                    return (
-                        got.recv_x,
-                        got.recv_topk_idx,
-                        got.recv_topk_weights,
-                        got.handle,
-                        EventOverlap(None),
-                    )
-        elif plain and lane is not None and _same(lane_scalars, lane.scalars):
-            if do_cpu_sync is not False:
-                try:  # a CPU sync inside CUDA-graph capture: the caller's error
-                    self._check_capture("dispatch", do_cpu_sync, None)
-                except Exception:
-                    # refused before any launch: announced (the step given up) as on the ordinary road
-                    with self._core.announcing("dispatch"):
-                        raise
-            got = lane(x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
             if got is not None:
-                if zero_copy is not False:
-                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(
-                        data, sf, got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights
+                event = EventOverlap(None)
+                if async_with_compute_stream:  # the ordinary road's event: every operand on the streams
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
+                    event = self._event(
+                        True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(got.handle))
                     )
-                    return recv_x, recv_idx, recv_w, got.handle, EventOverlap(None)
+                if zero_copy is not False:
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
+                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
+                    return recv_x, recv_idx, recv_w, got.handle, event
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
-                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
+                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, event
         # the ordinary road: ep-core's `run_dispatch` announces an error of the call (`announcing`); what may raise
         # here first is announced by a block of its own, and a call on the comm stream runs in one block whole
         scoped = previous_event is not None or allocate_on_comm_stream
@@ -405,11 +392,7 @@ class DispatchCombine:
             if rt is None or rt._destroyed:  # (`_rt`'s test, inline: the field, no property call)
                 rt = self._announced("dispatch", self._rt)  # raises
             if handle is None and do_cpu_sync is not False:
-                try:
-                    self._check_capture("dispatch", do_cpu_sync, handle)
-                except Exception:
-                    with self._core.announcing("dispatch"):
-                        raise
+                self._refuse_capture(do_cpu_sync)
             if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
@@ -453,29 +436,19 @@ class DispatchCombine:
                 )
                 # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
                 # handle's tensors need recording on the streams
+                outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
                 event = EventOverlap(None)
                 if async_with_compute_stream:
-                    outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
                     event = self._event(
                         True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(res.handle))
                     )
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
-            lanes = scope is _NO_SCOPE and getattr(allocator, "batch", None) is not None
-            if lanes and plain:
-                if kind is not None:
-                    rt.keep_lane(kind, "dispatch", _match((x, topk_idx, topk_weights)), lane_scalars)
-            elif (
-                lanes
-                and zero_copy is False
-                and handle is not None
-                and topk_idx is None
-                and cumulative_local_expert_recv_stats is None
-                and previous_event is None
-                and previous_event_before_epilogue is None
-                and not async_with_compute_stream
-            ):
-                rt.keep_lane(kind, "dispatch", _match((x, topk_weights)), scalars, handle)
+            if (
+                plain and kind is not None and getattr(allocator, "batch", None) is not None
+            ):  # (`plain`: no scope)
+                arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
+                rt.keep_lane(kind, "dispatch", _match(arrays), lane_scalars, handle)
         if handle is None:
             if not do_handle_copy:
                 res.handle.topk_idx = (
@@ -486,9 +459,7 @@ class DispatchCombine:
                 # empty one stays an alias, never the caller's tensor object
                 res.handle.topk_idx = topk_idx.detach()
         if zero_copy is not False:
-            recv_x, recv_idx, recv_w = self._zero_copy_outputs(
-                data, sf, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights
-            )
+            recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
             return recv_x, recv_idx, recv_w, res.handle, event
         recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
@@ -669,7 +640,7 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
+        # the express lane of a combine of its kind (ordinary, or zero-copy: ep-core's express combine over
         # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
         # error); `kind`: the lane this call keeps after its ordinary road (None: none)
         kind = None
@@ -679,7 +650,6 @@ class DispatchCombine:
             and bias is None
             and previous_event is None
             and previous_event_before_epilogue is None
-            and async_with_compute_stream is False
             and allocate_on_comm_stream is False
         ):
             if zero_copy is False:
@@ -687,10 +657,15 @@ class DispatchCombine:
             elif zero_copy is True:
                 kind = "combine_zero_copy"
             lane = self._lanes.get(kind)
-            if lane is not None and _same((num_sms, num_qps), lane.scalars):
+            if lane is not None and _same((num_sms, num_qps, async_with_compute_stream), lane.scalars):
                 got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
                 if got is not None:
-                    return got.combined_x, got.combined_topk_weights, EventOverlap(None)
+                    event = EventOverlap(None)
+                    if async_with_compute_stream:  # the ordinary road's event
+                        event = self._event(
+                            True, (x, topk_weights, None, got.combined_x, got.combined_topk_weights)
+                        )
+                    return got.combined_x, got.combined_topk_weights, event
         # the one record of this call (ep-core's `CombineArgs`): the FP32 and deferred roads and the ordinary one
         # read it; the allocator of a device's first call and a comm-stream scope's stream are filled in below
         px = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
@@ -766,5 +741,7 @@ class DispatchCombine:
                 event = self._event(True, outs)
         if keep is not None and getattr(a.allocator, "batch", None) is not None:
             match = _match((a.x, a.topk_weights)) if keep[1] else None
-            rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)
+            rt.keep_lane(
+                keep[0], "combine", match, (a.num_sms, a.num_qps, a.async_with_compute_stream), a.handle
+            )
         return res.combined_x, res.combined_topk_weights, event
