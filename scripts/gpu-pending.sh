@@ -39,8 +39,10 @@ if [[ $what == main ]]; then
   # issue 45: the one-plan road on the GPU (repeats, the kept plan, the GPU suite's V2 file)
   step repeat 120 "${pt[@]}" ep-torch/tests/test_torch_repeat_gpu.py ep-torch/tests/test_torch_express_lane_gpu.py
   step torch_gpu 150 "${pt[@]}" ep-torch/tests/test_torch_gpu.py
-  # issues 42 and 44 over the nccl transport on one rank (PP/AGRS/Engram; the native V1 low-latency kernels)
-  step nccl 120 "${pt[@]}" ep-torch/tests/test_torch_elastic_gpu.py ep-torch/tests/test_torch_legacy_ll_native.py -k nccl
+  # issues 42 and 44 over the nccl transport on one rank (PP/AGRS/Engram, comm.get_nccl_comm_handle; the native
+  # V1 low-latency kernels)
+  step nccl 120 "${pt[@]}" ep-torch/tests/test_torch_elastic_gpu.py ep-torch/tests/test_torch_legacy_ll_native.py \
+    ep-torch/tests/test_torch_comm.py -k nccl
   step host_time 90 python3 benchmarks/bench_host_overhead.py --out "$out/logs" --rounds 3
 else
   # issue 44: the decode step (each loopback rank in turn: dispatch, work, combine) that failed in session 4
