@@ -33,7 +33,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run in $tree, log to logs/NAME.log, on
 export EP_GPU_PREFIX=/tmp/ep-pending-$what
 step install 90 bash scripts/gpu-suite.sh "$out/logs" install
 export PYTHONPATH=$EP_GPU_PREFIX EPKIT_JIT_CACHE_DIR=$EP_GPU_PREFIX-jit-cache PYTHONUNBUFFERED=1
-pt=(python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider)
+pt=(python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider -o faulthandler_timeout=100)  # a hang prints its stacks
 
 if [[ $what == main ]]; then
   # issue 45: the one-plan road on the GPU (repeats, the kept plan, the GPU suite's V2 file)
