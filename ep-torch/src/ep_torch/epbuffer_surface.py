@@ -40,6 +40,7 @@ from .event import EventHandle, EventOverlap
 __all__ = ["EPBufferSurface"]
 
 _LB_OPS = ("lb_prefetch_weights", "lb_reduce_grads")
+_VIEW_OPS = ("dispatch", "combine", "destroy", *_LB_OPS)  # refused while a receive view is out
 
 
 class EPBufferSurface:
@@ -117,14 +118,9 @@ class EPBufferSurface:
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap] | EventOverlap:
         """``ElasticBuffer.dispatch`` in DeepEP 2.5's parameter order (module doc); ``borrow_recv=True`` returns a
         :class:`~ep_torch.DispatchRecvView` in place of ``recv_x``."""
-        if type(num_sms) is int and num_sms & 1:
+        if type(num_sms) is int and num_sms > 0 and num_sms & 1:
             num_sms += 1  # DeepEP 2.5 rounds a given SM count up to even (the handle keeps the rounded count)
-        if borrow_recv and (self.num_scaleout_ranks != 1 or self.num_rdma_ranks != 1):
-            raise EPValueError(
-                f"borrow_recv=True: a receive view needs one NVLink domain (direct mode); this buffer has "
-                f"{self.num_scaleout_ranks} scale-out and {self.num_rdma_ranks} RDMA ranks"
-            )
-        out = super().dispatch(  # type: ignore[misc]
+        args = (
             x,
             topk_idx,
             topk_weights,
@@ -144,18 +140,30 @@ class EPBufferSurface:
             do_expand,
             do_zero_padding,
             use_tma_aligned_col_major_sf,
-            defer_epilogue=defer_epilogue,
-            borrow_recv=borrow_recv,
-            zero_copy=zero_copy,
         )
+        if defer_epilogue is False and borrow_recv is False:
+            return super().dispatch(*args, zero_copy=zero_copy)  # type: ignore[misc]
+        # their refusals (DeepEP's rules, ep's) come before the call's first step: announced to the peers waiting
+        # in it (issue 41); this block nests ep-core's own, which then leaves the announcing to this one
+        with self._core.announcing("dispatch"):  # type: ignore[attr-defined]
+            if borrow_recv and (self.num_scaleout_ranks != 1 or self.num_rdma_ranks != 1):
+                raise EPValueError(
+                    f"borrow_recv=True (rank {self.rank_idx}): a receive view needs one NVLink domain (direct "  # type: ignore[attr-defined]
+                    f"mode); this buffer has {self.num_scaleout_ranks} scale-out and {self.num_rdma_ranks} RDMA ranks"
+                )
+            out = super().dispatch(  # type: ignore[misc]
+                *args, defer_epilogue=defer_epilogue, borrow_recv=borrow_recv, zero_copy=zero_copy
+            )
         if borrow_recv:
-            for name in _LB_OPS:  # the view's rows must not move while it is out (DeepEP refuses these too)
-                self.__dict__[name] = _busy(name)
+            # while the view is out these refuse, announced to the peers waiting in the call's first step (the
+            # view's rows must not move: DeepEP refuses the lb_* calls too)
+            for name in _VIEW_OPS:
+                self.__dict__[name] = _busy(self, name)
         return out
 
     def _end_borrow(self) -> None:
         super()._end_borrow()  # type: ignore[misc]
-        for name in _LB_OPS:
+        for name in _VIEW_OPS:
             self.__dict__.pop(name, None)
 
     def combine(
@@ -176,9 +184,9 @@ class EPBufferSurface:
         zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """``ElasticBuffer.combine`` in DeepEP 2.5's parameter order (module doc)."""
-        if type(num_sms) is int and num_sms & 1:
+        if type(num_sms) is int and num_sms > 0 and num_sms & 1:
             num_sms += 1  # as dispatch
-        return super().combine(  # type: ignore[misc]
+        args = (
             x,
             handle,
             topk_weights,
@@ -187,9 +195,21 @@ class EPBufferSurface:
             num_qps,
             previous_event,
             previous_event_before_epilogue,
+        )
+        if defer_epilogue is not False:
+            with self._core.announcing("combine"):  # type: ignore[attr-defined]  # as dispatch's
+                return super().combine(  # type: ignore[misc]
+                    *args,
+                    async_with_compute_stream,
+                    allocate_on_comm_stream,
+                    defer_epilogue=defer_epilogue,
+                    out_dtype=out_dtype,
+                    zero_copy=zero_copy,
+                )
+        return super().combine(  # type: ignore[misc]
+            *args,
             async_with_compute_stream,
             allocate_on_comm_stream,
-            defer_epilogue=defer_epilogue,
             out_dtype=out_dtype,
             zero_copy=zero_copy,
         )
@@ -219,7 +239,11 @@ class EPBufferSurface:
     ) -> None:
         """A barrier over every rank of the buffer (``deep_ep.comm.barrier``'s parameters; one context: 0)."""
         if context_idx not in (None, 0):
-            raise EPValueError(f"barrier: an EPBuffer has one communication context (0), got {context_idx}")
+            with self._core.announcing("barrier"):  # type: ignore[attr-defined]  # the peers wait in theirs
+                raise EPValueError(
+                    f"barrier (rank {self.rank_idx}): an EPBuffer has one communication context (0), got "  # type: ignore[attr-defined]
+                    f"{context_idx}"
+                )
         super().barrier(wait_comm_stream, with_cpu_sync, sequential)  # type: ignore[misc]
 
     @property
@@ -241,10 +265,20 @@ class EPBufferSurface:
         )
 
 
-def _busy(name: str) -> Any:
+def _busy(buffer: Any, name: str) -> Any:
+    """``name`` refused while a receive view is out, announced where the peers' call waits: the LB collectives'
+    host step (their channel), else the buffer's own step."""
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise EPStateError(
-            f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); release() it first"
+        error = EPStateError(
+            f"{name}() (rank {buffer.rank_idx}): a DispatchRecvView of this buffer is out (dispatch(..., "
+            "borrow_recv=True)); release() it first"
         )
+        if name in _LB_OPS:
+            channel = buffer._lb_channel()
+            with channel.state.guard(name, channel.announce):
+                raise error
+        with buffer._core.announcing(name):
+            raise error
 
     return refuse
