@@ -40,7 +40,6 @@ from .event import EventHandle, EventOverlap
 __all__ = ["EPBufferSurface"]
 
 _LB_OPS = ("lb_prefetch_weights", "lb_reduce_grads")
-_VIEW_OPS = ("dispatch", "combine", "destroy", *_LB_OPS)  # refused while a receive view is out
 
 
 class EPBufferSurface:
@@ -120,7 +119,13 @@ class EPBufferSurface:
         :class:`~ep_torch.DispatchRecvView` in place of ``recv_x``."""
         if type(num_sms) is int and num_sms > 0 and num_sms & 1:
             num_sms += 1  # DeepEP 2.5 rounds a given SM count up to even (the handle keeps the rounded count)
-        args = (
+        if borrow_recv and (self.num_scaleout_ranks != 1 or self.num_rdma_ranks != 1):
+            with self._core.announcing("dispatch"):  # type: ignore[attr-defined]  # before the first step (issue 41)
+                raise EPValueError(
+                    f"borrow_recv=True (rank {self.rank_idx}): a receive view needs one NVLink domain (direct "  # type: ignore[attr-defined]
+                    f"mode); this buffer has {self.num_scaleout_ranks} scale-out and {self.num_rdma_ranks} RDMA ranks"
+                )
+        out = super().dispatch(  # type: ignore[misc]
             x,
             topk_idx,
             topk_weights,
@@ -140,30 +145,20 @@ class EPBufferSurface:
             do_expand,
             do_zero_padding,
             use_tma_aligned_col_major_sf,
+            defer_epilogue=defer_epilogue,
+            borrow_recv=borrow_recv,
+            zero_copy=zero_copy,
         )
-        if defer_epilogue is False and borrow_recv is False:
-            return super().dispatch(*args, zero_copy=zero_copy)  # type: ignore[misc]
-        # their refusals (DeepEP's rules, ep's) come before the call's first step: announced to the peers waiting
-        # in it (issue 41); this block nests ep-core's own, which then leaves the announcing to this one
-        with self._core.announcing("dispatch"):  # type: ignore[attr-defined]
-            if borrow_recv and (self.num_scaleout_ranks != 1 or self.num_rdma_ranks != 1):
-                raise EPValueError(
-                    f"borrow_recv=True (rank {self.rank_idx}): a receive view needs one NVLink domain (direct "  # type: ignore[attr-defined]
-                    f"mode); this buffer has {self.num_scaleout_ranks} scale-out and {self.num_rdma_ranks} RDMA ranks"
-                )
-            out = super().dispatch(  # type: ignore[misc]
-                *args, defer_epilogue=defer_epilogue, borrow_recv=borrow_recv, zero_copy=zero_copy
-            )
         if borrow_recv:
-            # while the view is out these refuse, announced to the peers waiting in the call's first step (the
-            # view's rows must not move: DeepEP refuses the lb_* calls too)
-            for name in _VIEW_OPS:
+            # the view's rows must not move while it is out: DeepEP refuses the lb_* calls too (ElasticBuffer's
+            # dispatch, combine and destroy refuse for themselves), announced in their host step (issue 41)
+            for name in _LB_OPS:
                 self.__dict__[name] = _busy(self, name)
         return out
 
     def _end_borrow(self) -> None:
         super()._end_borrow()  # type: ignore[misc]
-        for name in _VIEW_OPS:
+        for name in _LB_OPS:
             self.__dict__.pop(name, None)
 
     def combine(
@@ -186,7 +181,7 @@ class EPBufferSurface:
         """``ElasticBuffer.combine`` in DeepEP 2.5's parameter order (module doc)."""
         if type(num_sms) is int and num_sms > 0 and num_sms & 1:
             num_sms += 1  # as dispatch
-        args = (
+        return super().combine(  # type: ignore[misc]
             x,
             handle,
             topk_weights,
@@ -195,21 +190,9 @@ class EPBufferSurface:
             num_qps,
             previous_event,
             previous_event_before_epilogue,
-        )
-        if defer_epilogue is not False:
-            with self._core.announcing("combine"):  # type: ignore[attr-defined]  # as dispatch's
-                return super().combine(  # type: ignore[misc]
-                    *args,
-                    async_with_compute_stream,
-                    allocate_on_comm_stream,
-                    defer_epilogue=defer_epilogue,
-                    out_dtype=out_dtype,
-                    zero_copy=zero_copy,
-                )
-        return super().combine(  # type: ignore[misc]
-            *args,
             async_with_compute_stream,
             allocate_on_comm_stream,
+            defer_epilogue=defer_epilogue,
             out_dtype=out_dtype,
             zero_copy=zero_copy,
         )
@@ -266,19 +249,15 @@ class EPBufferSurface:
 
 
 def _busy(buffer: Any, name: str) -> Any:
-    """``name`` refused while a receive view is out, announced where the peers' call waits: the LB collectives'
-    host step (their channel), else the buffer's own step."""
+    """``name`` (an LB collective) refused while a receive view is out, announced in the LB collectives' host step
+    where the peers' call waits."""
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        error = EPStateError(
-            f"{name}() (rank {buffer.rank_idx}): a DispatchRecvView of this buffer is out (dispatch(..., "
-            "borrow_recv=True)); release() it first"
-        )
-        if name in _LB_OPS:
-            channel = buffer._lb_channel()
-            with channel.state.guard(name, channel.announce):
-                raise error
-        with buffer._core.announcing(name):
-            raise error
+        channel = buffer._lb_channel()
+        with channel.state.guard(name, channel.announce):
+            raise EPStateError(
+                f"{name}() (rank {buffer.rank_idx}): a DispatchRecvView of this buffer is out (dispatch(..., "
+                "borrow_recv=True)); release() it first"
+            )
 
     return refuse
