@@ -1113,6 +1113,31 @@ def _ep25_combine_one_rank(seed: int, **culprit_kw):
     return fault
 
 
+def _v2_kw_one_rank(seed: int, combine: bool = False, view_out: bool = False, **culprit_kw):
+    """ElasticBuffer (V2) with DeepEP 2.5's keywords on the culprit only: its dispatch's (``combine``: its
+    combine's) ``culprit_kw``, refused there; ``view_out``: the culprit holds a receive view while both dispatch."""
+
+    def fault(buf, rank, world):
+        x, idx, w = _inputs(seed, rank)
+        kw = culprit_kw if rank == CULPRIT else {}
+        view = None
+        if view_out:
+            out = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, borrow_recv=rank == CULPRIT)
+            view = out[0] if rank == CULPRIT else None
+            kw = {}
+        try:
+            recv_x, _, _, handle, _ = buf.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_experts=E, **({} if combine else kw)
+            )
+        finally:
+            if view is not None:
+                view.release()
+        ok = _ep25_rows_ok(recv_x, seed, rank, world)
+        return ok and buf.combine(recv_x, handle, **(kw if combine else {}))[0].shape == x.shape
+
+    return fault
+
+
 def _ep25_barrier_bad(buf, rank, world):
     """The culprit names a communication context the buffer does not have (refused there); the peer's barrier."""
     buf.barrier(True, False, True, 1 if rank == CULPRIT else None)
@@ -1331,6 +1356,15 @@ CASES = {
     "v2.combine_out_dtype_bad": ("v2", {}, _v2_out_dtype_bad, False),
     "pp.peer_killed": ("pp", {}, _killed(lambda b, r, w: _pp_round(b, 85, r, w)), None),
     # session 5: DeepEP 2.5's EPBuffer, positional (ep: EPBuffer; lb: EPBuffer with an LB region; v1n: EPKIT_SCALEUP_RANKS=1)
+    "v2.dispatch_defer_without_async": ("v2", {}, _v2_kw_one_rank(111, defer_epilogue=True), False),
+    "v2.dispatch_borrow_with_expand": (
+        "v2",
+        {},
+        _v2_kw_one_rank(112, borrow_recv=True, do_expand=True),
+        False,
+    ),
+    "v2.dispatch_while_view_out": ("v2", {}, _v2_kw_one_rank(113, view_out=True), False),
+    "v2.combine_defer_without_async": ("v2", {}, _v2_kw_one_rank(114, True, defer_epilogue=True), False),
     "ep.dispatch_defer_without_async": ("ep", {}, _ep25_dispatch_one_rank(100, defer_epilogue=True), False),
     "ep.dispatch_borrow_with_expand": (
         "ep",
@@ -1593,6 +1627,8 @@ CHAIN_ROUND3 = [
 # session 5's surfaces (DeepEP 2.5's EPBuffer refusals, comm.barrier, V1 internode_* on one domain): the cases that
 # were not clear before their fix (the emulated-nodes case last: it sets EPKIT_SCALEUP_RANKS for itself)
 CHAIN_SESSION5 = [
+    "v2.dispatch_while_view_out",
+    "v2.combine_defer_without_async",
     "ep.dispatch_defer_without_async",
     "ep.dispatch_borrow_with_expand",
     "ep.dispatch_negative_num_sms",
