@@ -444,7 +444,18 @@ class BucketBuffer:
     ):
         ctx = self._route(group)
         with _Guarded(ctx, "barrier"):
-            ctx._buf().barrier(with_cpu_sync=with_cpu_sync)
+            eb = ctx._buf()
+            if eb.transport == "reference":
+                # the agreement every other collective begins with here: a rank that skipped this barrier meets
+                # it with its next collective's, and both raise EPMismatchError (issue 41)
+                ctx._ops += 1
+                eb._agree("barrier", {"op": ctx._ops, "barrier": True})
+            eb.barrier(with_cpu_sync=with_cpu_sync)
+
+    def _refuse(self, op: str, error: Exception) -> None:
+        """Raise ``error`` of this rank's ``op`` inside the block of a collective (announced to the peers)."""
+        with _Guarded(self, op):
+            raise error
 
     def reset(self, group: Any = None) -> None:
         """(ours; DeepEP has none) Recover after a failure over ``group``: a collective of every rank of it. After

@@ -89,21 +89,33 @@ def barrier(
     context_idx: int | None = None,
 ) -> None:
     """A barrier over the ranks of one of the buffer's communication contexts (None: its main one). A
-    ``BucketBuffer`` has one context per group (``buffer.groups[context_idx]``); every other ep buffer has one (0)."""
+    ``BucketBuffer`` has one context per group (``buffer.groups[context_idx]``); every other ep buffer has one (0).
+    A refused ``context_idx`` is announced to the peers waiting in their barrier (issue 41: they raise
+    ``EPPeerError`` naming this rank instead of pairing it with this rank's next call)."""
     groups = getattr(buffer, "groups", None)
-    if context_idx is not None and groups is not None:
-        if not 0 <= int(context_idx) < len(groups):
-            raise EPValueError(
-                f"barrier: context_idx must index the buffer's {len(groups)} groups, got {context_idx}"
-            )
-        buffer.barrier(wait_comm_stream, with_cpu_sync, sequential, group=groups[int(context_idx)])
-        return
-    if context_idx not in (None, 0):
-        raise EPValueError(
-            f"barrier: this buffer has one communication context (context_idx 0), got {context_idx}"
-        )
     params = inspect.signature(buffer.barrier).parameters
-    kwargs: dict[str, bool] = {}
+    if context_idx is not None and groups is not None:
+        if not (type(context_idx) is int and 0 <= context_idx < len(groups)):
+            _refuse(
+                buffer,
+                EPValueError(
+                    f"barrier (rank {_rank(buffer)}): context_idx must index the buffer's {len(groups)} groups, got "
+                    f"{context_idx!r}"
+                ),
+            )
+        buffer.barrier(wait_comm_stream, with_cpu_sync, sequential, group=groups[context_idx])
+        return
+    kwargs: dict[str, Any] = {}
+    if "context_idx" in params:  # EPBuffer, EngramBuffer: theirs checks it (announced there)
+        kwargs["context_idx"] = context_idx
+    elif context_idx not in (None, 0):
+        _refuse(
+            buffer,
+            EPValueError(
+                f"barrier (rank {_rank(buffer)}): this buffer has one communication context (context_idx 0), got "
+                f"{context_idx!r}"
+            ),
+        )
     for value, names in (
         (wait_comm_stream, ("wait_comm_stream", "use_comm_stream")),
         (with_cpu_sync, ("with_cpu_sync",)),
@@ -113,6 +125,27 @@ def barrier(
         if name is not None:
             kwargs[name] = value
     buffer.barrier(**kwargs)
+
+
+def _rank(buffer: Any) -> Any:
+    return getattr(buffer, "rank_idx", getattr(buffer, "rank", "?"))
+
+
+def _refuse(buffer: Any, error: Exception) -> None:
+    """Raise ``error`` of this rank's barrier, announced where the peers' barrier waits: a ``BucketBuffer``'s
+    collective block, else the announcing block of the ep-core buffer underneath (``_core`` of the buffer or of
+    its ``_buffer``)."""
+    refuse = getattr(buffer, "_refuse", None)
+    if refuse is not None:
+        refuse("barrier", error)
+    core, inner = getattr(buffer, "_core", None), buffer
+    while core is None and getattr(inner, "_buffer", None) is not None:
+        inner = inner._buffer
+        core = getattr(inner, "_core", None)
+    if core is None:
+        raise error
+    with core.announcing("barrier"):
+        raise error
 
 
 def get_comm_stream(buffer: Any = None) -> torch.cuda.Stream | None:

@@ -485,39 +485,40 @@ class DispatchCombine:
         ordinary call, tested on 2 and 4 gloo ranks)."""
         if not defer_epilogue:
             return call()
-        if not async_with_compute_stream:
-            raise EPValueError(
-                f"defer_epilogue: a deferred {op} returns only its event, whose current_stream_wait() runs the "
-                "epilogue; pass async_with_compute_stream=True with it (DeepEP's rule)"
-            )
-        if do_handle_copy:
-            raise EPValueError(
-                "defer_epilogue: a deferred dispatch keeps the caller's topk_idx in its handle; pass "
-                "do_handle_copy=False with it (DeepEP's rule)"
-            )
-        if zero_copy is not False:
-            raise EPValueError(
-                f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
-                "defer_epilogue"
-            )
-        if self._cuda:
-            raise NotImplementedError(
-                f"defer_epilogue=True is not implemented for a {op} on CUDA tensors in ep: its GPU executor "
-                "launches the communication and the copy/reduce epilogue as one step; call without "
-                "defer_epilogue (async_with_compute_stream=True still returns before the comm stream is done)"
-            )
-        outputs = call()
-        event: EventOverlap = outputs[-1]
-        earlier = event.hook_after_wait
-        event.hook_after_wait = None
+        with self._core.announcing(op):  # a refusal here precedes the call's first step (issue 41)
+            if not async_with_compute_stream:
+                raise EPValueError(
+                    f"defer_epilogue: a deferred {op} returns only its event, whose current_stream_wait() runs the "
+                    "epilogue; pass async_with_compute_stream=True with it (DeepEP's rule)"
+                )
+            if do_handle_copy:
+                raise EPValueError(
+                    "defer_epilogue: a deferred dispatch keeps the caller's topk_idx in its handle; pass "
+                    "do_handle_copy=False with it (DeepEP's rule)"
+                )
+            if zero_copy is not False:
+                raise EPValueError(
+                    f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
+                    "defer_epilogue"
+                )
+            if self._cuda:
+                raise NotImplementedError(
+                    f"defer_epilogue=True is not implemented for a {op} on CUDA tensors in ep: its GPU executor "
+                    "launches the communication and the copy/reduce epilogue as one step; call without "
+                    "defer_epilogue (async_with_compute_stream=True still returns before the comm stream is done)"
+                )
+            outputs = call()
+            event: EventOverlap = outputs[-1]
+            earlier = event.hook_after_wait
+            event.hook_after_wait = None
 
-        def epilogue() -> tuple:
-            if earlier is not None:
-                earlier()
-            return outputs[:-1]
+            def epilogue() -> tuple:
+                if earlier is not None:
+                    earlier()
+                return outputs[:-1]
 
-        event.register_hook_after_wait(epilogue)
-        return event
+            event.register_hook_after_wait(epilogue)
+            return event
 
     def _borrow(
         self,
@@ -548,14 +549,15 @@ class DispatchCombine:
             (handle is not None, "a cached dispatch (handle=) is not supported"),
             (zero_copy is not False, "zero_copy is not supported"),
         )
-        for refused, why in refusals:
-            if refused:
-                raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
-        if self._cuda:
-            raise NotImplementedError(
-                "borrow_recv=True is not implemented for CUDA tensors in ep (the CPU reference backend only); "
-                "dispatch without borrow_recv"
-            )
+        with self._core.announcing("dispatch"):  # before the call's first step: announced (issue 41)
+            for refused, why in refusals:
+                if refused:
+                    raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
+            if self._cuda:
+                raise NotImplementedError(
+                    "borrow_recv=True is not implemented for CUDA tensors in ep (the CPU reference backend only); "
+                    "dispatch without borrow_recv"
+                )
         recv_x, recv_idx, recv_w, new_handle, event = call()
         view = DispatchRecvView(
             self, recv_x, torch.arange(recv_x.shape[0], dtype=torch.int64, device=recv_x.device)
@@ -574,10 +576,11 @@ class DispatchCombine:
 
         def busy(name: str) -> Any:
             def refuse(*args: Any, **kwargs: Any) -> Any:
-                raise EPStateError(
-                    f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
-                    "release() it first"
-                )
+                with self._core.announcing(name):  # the peers' call waits in its first step (issue 41)
+                    raise EPStateError(
+                        f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
+                        "release() it first"
+                    )
 
             return refuse
 

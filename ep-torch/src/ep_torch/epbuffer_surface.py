@@ -117,13 +117,14 @@ class EPBufferSurface:
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap] | EventOverlap:
         """``ElasticBuffer.dispatch`` in DeepEP 2.5's parameter order (module doc); ``borrow_recv=True`` returns a
         :class:`~ep_torch.DispatchRecvView` in place of ``recv_x``."""
-        if type(num_sms) is int and num_sms & 1:
+        if type(num_sms) is int and num_sms > 0 and num_sms & 1:
             num_sms += 1  # DeepEP 2.5 rounds a given SM count up to even (the handle keeps the rounded count)
         if borrow_recv and (self.num_scaleout_ranks != 1 or self.num_rdma_ranks != 1):
-            raise EPValueError(
-                f"borrow_recv=True: a receive view needs one NVLink domain (direct mode); this buffer has "
-                f"{self.num_scaleout_ranks} scale-out and {self.num_rdma_ranks} RDMA ranks"
-            )
+            with self._core.announcing("dispatch"):  # type: ignore[attr-defined]  # before the first step (issue 41)
+                raise EPValueError(
+                    f"borrow_recv=True (rank {self.rank_idx}): a receive view needs one NVLink domain (direct "  # type: ignore[attr-defined]
+                    f"mode); this buffer has {self.num_scaleout_ranks} scale-out and {self.num_rdma_ranks} RDMA ranks"
+                )
         out = super().dispatch(  # type: ignore[misc]
             x,
             topk_idx,
@@ -149,8 +150,10 @@ class EPBufferSurface:
             zero_copy=zero_copy,
         )
         if borrow_recv:
-            for name in _LB_OPS:  # the view's rows must not move while it is out (DeepEP refuses these too)
-                self.__dict__[name] = _busy(name)
+            # the view's rows must not move while it is out: DeepEP refuses the lb_* calls too (ElasticBuffer's
+            # dispatch, combine and destroy refuse for themselves), announced in their host step (issue 41)
+            for name in _LB_OPS:
+                self.__dict__[name] = _busy(self, name)
         return out
 
     def _end_borrow(self) -> None:
@@ -176,7 +179,7 @@ class EPBufferSurface:
         zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """``ElasticBuffer.combine`` in DeepEP 2.5's parameter order (module doc)."""
-        if type(num_sms) is int and num_sms & 1:
+        if type(num_sms) is int and num_sms > 0 and num_sms & 1:
             num_sms += 1  # as dispatch
         return super().combine(  # type: ignore[misc]
             x,
@@ -219,7 +222,11 @@ class EPBufferSurface:
     ) -> None:
         """A barrier over every rank of the buffer (``deep_ep.comm.barrier``'s parameters; one context: 0)."""
         if context_idx not in (None, 0):
-            raise EPValueError(f"barrier: an EPBuffer has one communication context (0), got {context_idx}")
+            with self._core.announcing("barrier"):  # type: ignore[attr-defined]  # the peers wait in theirs
+                raise EPValueError(
+                    f"barrier (rank {self.rank_idx}): an EPBuffer has one communication context (0), got "  # type: ignore[attr-defined]
+                    f"{context_idx}"
+                )
         super().barrier(wait_comm_stream, with_cpu_sync, sequential)  # type: ignore[misc]
 
     @property
@@ -241,10 +248,16 @@ class EPBufferSurface:
         )
 
 
-def _busy(name: str) -> Any:
+def _busy(buffer: Any, name: str) -> Any:
+    """``name`` (an LB collective) refused while a receive view is out, announced in the LB collectives' host step
+    where the peers' call waits."""
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise EPStateError(
-            f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); release() it first"
-        )
+        channel = buffer._lb_channel()
+        with channel.state.guard(name, channel.announce):
+            raise EPStateError(
+                f"{name}() (rank {buffer.rank_idx}): a DispatchRecvView of this buffer is out (dispatch(..., "
+                "borrow_recv=True)); release() it first"
+            )
 
     return refuse

@@ -22,6 +22,7 @@ from ep_core.errors import EPConfigError
 
 from ..bootstrap import ProcessGroupBootstrap
 from ..transport_choice import data_device, ranks_per_host, scaleup_ranks
+from .guard import _dispatch_target, _normal_target
 
 __all__ = [
     "internode_combine",
@@ -33,14 +34,17 @@ __all__ = [
 ]
 
 
-def _spans_nodes(buffer: Any, op: str) -> None:
-    """DeepEP's ``internode_*`` run its internode kernels, for groups over several NVLink domains only (the same
-    answer on every rank: no peer is left waiting)."""
+def _spans_nodes(buffer: Any, op: str, target: Any, args: tuple) -> None:
+    """DeepEP's ``internode_*`` run its internode kernels, for groups over several NVLink domains only. The answer
+    is the same on every rank, but a peer may have called the intranode method: the refusal is announced where
+    that call's first step waits (``target``: the V1 method's guard target, issue 41)."""
     if buffer._domain()[0] <= 1:
-        raise EPConfigError(
-            f"{op}: the group is one NVLink domain ({buffer.group_size} ranks); call "
-            f"{op.removeprefix('internode_')}(), which runs the intranode path"
-        )
+        inner, host = target(buffer, args, {})
+        with buffer._guard(op, inner, host):
+            raise EPConfigError(
+                f"{op} (rank {buffer.rank}): the group is one NVLink domain ({buffer.group_size} ranks); call "
+                f"{op.removeprefix('internode_')}(), which runs the intranode path"
+            )
 
 
 def internode_dispatch(
@@ -62,7 +66,7 @@ def internode_dispatch(
     """V1's ``Buffer.internode_dispatch`` (DeepEP's parameters: ``dispatch``'s without ``num_worst_tokens``):
     ``dispatch`` on a group that spans nodes; ``config=None`` takes ``get_dispatch_config``'s (DeepEP requires
     one)."""
-    _spans_nodes(self, "internode_dispatch")
+    _spans_nodes(self, "internode_dispatch", _dispatch_target, (x, handle))
     return self.dispatch(
         x,
         handle,
@@ -94,7 +98,7 @@ def internode_combine(
 ) -> Any:
     """V1's ``Buffer.internode_combine`` (DeepEP's parameters, ``combine``'s): ``combine`` on a group that spans
     nodes."""
-    _spans_nodes(self, "internode_combine")
+    _spans_nodes(self, "internode_combine", _normal_target, (x, handle))
     return self.combine(
         x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
     )
