@@ -924,3 +924,84 @@ def test_an_ordinary_repeat_launches_what_its_full_path_launched(mocked):
             seen
         )
     assert sum(served_by.values()) == 0
+
+
+@pytest.mark.parametrize(
+    ("dispatch_kw", "scope"),
+    [
+        ({}, dict(previous_event=True, allocate_on_comm_stream=True)),
+        ({}, dict(allocate_on_comm_stream=True)),
+        ({}, dict(previous_event=True, allocate_on_comm_stream=True, async_with_compute_stream=True)),
+        ({}, dict(async_with_compute_stream=True)),
+        (dict(do_handle_copy=False), {}),
+        (
+            dict(do_handle_copy=False),
+            dict(previous_event=True, allocate_on_comm_stream=True, async_with_compute_stream=True),
+        ),
+    ],
+    ids=["previous_event", "comm_stream", "overlap", "async", "no_handle_copy", "no_handle_copy_overlap"],
+)
+def test_an_overlapped_repeat_is_served_by_its_plan(mocked, dispatch_kw, scope):
+    """Issue 45 (road7): a comm-stream scope (`previous_event`, `allocate_on_comm_stream`: DeepEP's overlap pattern,
+    which Megatron's V1 calls pass every layer) and `do_handle_copy=False` (DeepEP 2.5's `EPBuffer` default) are
+    not roads of their own: the repeats of a no-sync, a CPU-sync and a cached dispatch and of a combine with them are
+    served by their kept plans, cross three modules to the launch and enter none twice in the whole call (an async
+    call's event module once), launch what the ordinary road launches and make handles of the same fields (without a
+    copy, the caller's routing itself)."""
+    make, launches, _served, _by = mocked
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        g = torch.Generator().manual_seed(17)  # the same calls on both roads
+        per_call = []
+        for step in range(4):
+            x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+            idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+            w = torch.rand(8, K, generator=g)
+            recv = torch.randn(8 * K, HIDDEN, generator=g).to(torch.bfloat16)
+            kw = dict(scope)
+            if kw.get("previous_event"):
+                kw["previous_event"] = buf.capture()
+            routed = dict(topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, **dispatch_kw, **kw)
+            got: dict = {}
+            ops = {
+                "dispatch": lambda: buf.dispatch(x, do_cpu_sync=False, **routed),  # noqa: B023
+                "sync": lambda: buf.dispatch(x, do_cpu_sync=True, **routed),  # noqa: B023
+                "cached": lambda: buf.dispatch(
+                    x,  # noqa: B023
+                    topk_weights=w,  # noqa: B023
+                    handle=got["dispatch"][3],  # noqa: B023
+                    num_sms=4,
+                    **dispatch_kw,
+                    **kw,  # noqa: B023
+                ),
+                "combine": lambda: buf.combine(
+                    recv[: got["dispatch"][3].num_recv_tokens], got["dispatch"][3], num_sms=4, **kw
+                ),  # noqa: B023, E501
+            }
+            for op, call in ops.items():
+                launches.clear()
+                road = _road(lambda op=op, call=call: got.__setitem__(op, call()))  # noqa: B023
+                out = got[op]
+                assert (type(out[-1].event).__name__ == "EventHandle") == bool(
+                    scope.get("async_with_compute_stream")
+                )
+                if op in ("dispatch", "sync"):
+                    names = _pointer_names(x, idx, w, out)
+                    assert (out[3].topk_idx is idx) == ("do_handle_copy" in dispatch_kw), op
+                    per_call.append((op, _named_launches(launches, names), _handle_fields(out[3])))
+                else:
+                    names = _pointer_names(x, idx, w, got["dispatch"])
+                    names[recv.data_ptr()] = "recv"
+                    names.update(
+                        {a.data_ptr(): f"out{i}" for i, a in enumerate(out[:3]) if torch.is_tensor(a)}
+                    )
+                    per_call.append((op, _named_launches(launches, names)))
+                to_launch = road[: road.index("LAUNCH")] if "LAUNCH" in road else road  # (full path: none)
+                kept = to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"]
+                assert kept == (lane and step > 0), (lane, step, op, road)  # the first call keeps its plan
+                if kept and step > 1:  # (a plan's first call reads its handles' fingerprint by value)
+                    entered = [m for m in road if m != "LAUNCH"]
+                    assert len(set(to_launch)) <= 3 and len(entered) == len(set(entered)), (op, str(road))
+        seen[lane] = per_call
+    assert seen[True] == seen[False]

@@ -276,6 +276,7 @@ class DispatchPlan:
     config: Any = None  # the kernel configuration (zero-copy: where the views lie)
 
     op = "dispatch"
+    handle_copy = True  # kept calls' handles hold a routing copy, else the caller's (`EPBuffer.keep_lane`)
     _KEEP = 16  # a kept plan's output batches by row count (a CPU-sync or cached dispatch's counts vary)
 
     def __post_init__(self) -> None:
@@ -354,7 +355,8 @@ class DispatchPlan:
                 return False  # what `run` declines
             # the outputs (a CPU-sync dispatch: none, they follow the counts), then the routing copy and the block
             specs = [] if self.cpu_sync else self._output_specs(rows, x_dtype)
-            specs.append(((self.num_tokens, self.topk), "int32" if self.idx32 else "int64"))
+            if self.handle_copy:
+                specs.append(((self.num_tokens, self.topk), "int32" if self.idx32 else "int64"))
             specs.append(((max(Int32Block.layout(self._int32_key)[2], 1),), "int32"))
             self._alloc = batch(tuple(specs))
             self._by_value: tuple | None = None  # the handles' fingerprint by value, read from the first
@@ -454,7 +456,7 @@ class DispatchPlan:
             x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs if self._sf_name else (ptrs[0], 0, ptrs[1], ptrs[2])
             wait, signal = _kept_pairs(self, stream)
             res = self.run(
-                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_name, wait, signal, None, True
+                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, b, None, self._x_name, wait, signal, None, True
             )
         except Exception as exc:
             # a call that launched nothing gives up its step; after a launch (a timeout, a kernel's error) there
@@ -465,7 +467,7 @@ class DispatchPlan:
             self._made = None  # the outputs are the caller's alone
         if res is not None:
             handle = res.handle
-            copy = handle.topk_idx
+            copy = handle.topk_idx  # (no copy: the caller's routing, of the layout `match` compared)
             note_handle_topk_idx(rank, handle, copy, self.idx32)
             if self.cpu_sync:  # its counts are its own
                 trust_handle(buffer.config, self._executor, handle)
@@ -594,7 +596,8 @@ class DispatchPlan:
             if kept:  # this call's one batch, after the guard: (the outputs,) the routing copy, the block
                 arrays, aptrs = self._made = self._alloc()
                 block = Int32Block.adopt(arrays[-1], self._int32_key, aptrs[-1])
-                topk_idx, copy_ptr = arrays[-2], aptrs[-2]
+                if self.handle_copy:  # (else `topk_idx`: the caller's routing)
+                    topk_idx, copy_ptr = arrays[-2], aptrs[-2]
                 if self.cpu_sync:
                     self._made = None  # its outputs follow the counts (`_kept_outputs`)
             else:
