@@ -964,24 +964,18 @@ def test_an_overlapped_repeat_is_served_by_its_plan(mocked, dispatch_kw, scope):
                 kw["previous_event"] = buf.capture()
             routed = dict(topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, **dispatch_kw, **kw)
             got: dict = {}
-            ops = {
-                "dispatch": lambda: buf.dispatch(x, do_cpu_sync=False, **routed),  # noqa: B023
-                "sync": lambda: buf.dispatch(x, do_cpu_sync=True, **routed),  # noqa: B023
-                "cached": lambda: buf.dispatch(
-                    x,  # noqa: B023
-                    topk_weights=w,  # noqa: B023
-                    handle=got["dispatch"][3],  # noqa: B023
-                    num_sms=4,
-                    **dispatch_kw,
-                    **kw,  # noqa: B023
-                ),
-                "combine": lambda: buf.combine(
-                    recv[: got["dispatch"][3].num_recv_tokens], got["dispatch"][3], num_sms=4, **kw
-                ),  # noqa: B023, E501
-            }
-            for op, call in ops.items():
+
+            def call(op, kw=kw, routed=routed, x=x, w=w, recv=recv, got=got):
+                if op in ("dispatch", "sync"):
+                    return buf.dispatch(x, do_cpu_sync=op == "sync", **routed)  # noqa: B023
+                h = got["dispatch"][3]
+                if op == "cached":
+                    return buf.dispatch(x, topk_weights=w, handle=h, num_sms=4, **dispatch_kw, **kw)  # noqa: B023
+                return buf.combine(recv[: h.num_recv_tokens], h, num_sms=4, **kw)  # noqa: B023
+
+            for op in ("dispatch", "sync", "cached", "combine"):
                 launches.clear()
-                road = _road(lambda op=op, call=call: got.__setitem__(op, call()))  # noqa: B023
+                road = _road(lambda op=op, got=got, call=call: got.__setitem__(op, call(op)))
                 out = got[op]
                 assert (type(out[-1].event).__name__ == "EventHandle") == bool(
                     scope.get("async_with_compute_stream")
@@ -1005,3 +999,39 @@ def test_an_overlapped_repeat_is_served_by_its_plan(mocked, dispatch_kw, scope):
                     assert len(set(to_launch)) <= 3 and len(entered) == len(set(entered)), (op, str(road))
         seen[lane] = per_call
     assert seen[True] == seen[False]
+
+
+def test_v1_normal_mode_repeats_reach_the_kept_plan(mocked, monkeypatch):
+    """V1's normal mode (`ep_torch.legacy.Buffer.dispatch` / `combine` with `previous_event`, `async_finish` and
+    `allocate_on_comm_stream`, Megatron's per-layer call) waits for the event on the caller's stream and calls its
+    inner `ElasticBuffer` without a scope: from the second call on, the inner call takes its kept plan (three modules
+    from `ElasticBuffer.dispatch` / `combine` to the launch)."""
+    import bench_host_cpu as b
+    from ep_torch.legacy import buffer as lbuf
+
+    monkeypatch.setattr(lbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
+    buf = lbuf.Buffer(None, num_nvl_bytes=1 << 24)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    w = torch.rand(8, K)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+    overlap = dict(async_finish=True, allocate_on_comm_stream=True)
+    for step in range(3):
+        got: list = []
+        kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        ev = buf.capture()
+        road = _road(
+            lambda ev=ev, kw=kw, got=got: got.append(
+                buf.dispatch(x, **kw, topk_idx=idx, topk_weights=w, previous_event=ev, **overlap)
+            )
+        )
+        recv = torch.ones_like(got[0][0])
+        ev = buf.capture()
+        combine_road = _road(
+            lambda ev=ev, r=recv, h=got[0][4]: buf.combine(r, h, previous_event=ev, **overlap)
+        )
+        for r in (road, combine_road):
+            to_launch = r[: r.index("LAUNCH")] if "LAUNCH" in r else r
+            inner = to_launch[len(to_launch) - to_launch[::-1].index("ep_torch.dispatch_combine") - 1 :]
+            assert (inner[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"]) == (step > 0), r
+            assert step == 0 or len(set(inner)) <= 3, inner
