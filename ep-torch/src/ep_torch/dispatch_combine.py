@@ -361,18 +361,20 @@ class DispatchCombine:
             )
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no handle: no-sync,
         # CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of a handle of the same
-        # layout, no routing) without stats or an epilogue event, every scalar the same object as that call's (so
-        # the same prepared entry), the arrays compared by the lane's `match`; in the call's comm-stream scope
-        # (`_scope`; a `previous_event` of the one type, with `allocate_on_comm_stream` as rule D15 asks)
+        # layout, no routing or stats) without an epilogue event, every scalar the same object as that call's (so
+        # the same prepared entry), the arrays (stats too) compared by the lane's `match`; in the call's comm-stream
+        # scope (`_scope`; a `previous_event` of the one type, with `allocate_on_comm_stream` as rule D15 asks)
         scoped = previous_event is not None or allocate_on_comm_stream
         plain = (
             previous_event_before_epilogue is None
-            and cumulative_local_expert_recv_stats is None
             and (
                 previous_event is None
                 or (allocate_on_comm_stream and isinstance(previous_event, EventHandle))
             )
-            and (handle is None or (topk_idx is None and zero_copy is False))
+            and (
+                handle is None
+                or (topk_idx is cumulative_local_expert_recv_stats is None and zero_copy is False)
+            )
         )
         lane_scalars: tuple = (
             num_experts,
@@ -404,6 +406,7 @@ class DispatchCombine:
                     topk_idx if handle is None else handle,
                     topk_weights,
                     _current_stream(self._device_index) if self._cuda else 0,
+                    cumulative_local_expert_recv_stats,
                 )
                 if got is not None:
                     outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
@@ -473,7 +476,8 @@ class DispatchCombine:
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
             if plain and kind is not None and getattr(allocator, "batch", None) is not None:
-                arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
+                stats = cumulative_local_expert_recv_stats
+                arrays = (x, topk_idx, topk_weights, stats) if handle is None else (x, topk_weights)
                 rt.keep_lane(kind, "dispatch", _match(arrays), lane_scalars, handle)
         if handle is None:
             if not do_handle_copy:

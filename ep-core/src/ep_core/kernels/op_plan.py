@@ -426,19 +426,20 @@ class DispatchPlan:
             words,
         )
 
-    def __call__(self, x: Any, b: Any, topk_weights: Any, stream: int) -> DispatchResult | None:
-        """The kept plan's call (module doc): `b` is the routing (no handle) or the handle (cached); the caller
-        compared every other argument with `scalars`. Returns the `DispatchResult` (`recv_sf`: None without FP8
-        scales; column-major ones as their storage; no event), or None (nothing done: take the ordinary road)."""
+    def __call__(self, x: Any, b: Any, topk_weights: Any, stream: int, *stats: Any) -> DispatchResult | None:
+        """The kept plan's call (module doc): `b` is the routing (no handle) or the handle (cached), `stats` the
+        stats array (or None) where the framework's `match` compares one; it compared every other argument with
+        `scalars`. Returns the `DispatchResult` (`recv_sf`: None without FP8 scales; column-major ones as their
+        storage; no event), or None (nothing done: take the ordinary road)."""
         if self._sf_name is None:
-            ptrs = self.match(x, b, topk_weights) if not self.cached else self.match(x, topk_weights)
+            ptrs = self.match(x, b, topk_weights, *stats) if not self.cached else self.match(x, topk_weights)
         elif type(x) is tuple and len(x) == 2:
-            ptrs = self.match(x[0], x[1], b, topk_weights)
+            ptrs = self.match(x[0], x[1], b, topk_weights, *stats)
         else:
             ptrs = None  # (a plan of FP8 scales, a call without: a sibling's)
         buffer = self.buffer
         if ptrs is None:
-            return _sibling(self, x, b, topk_weights, stream)
+            return _sibling(self, x, b, topk_weights, stream, *stats)
         if buffer._destroyed:
             return None  # the ordinary road raises the caller's own error
         rank = self.rank
@@ -448,16 +449,15 @@ class DispatchPlan:
                 # a handle of another layout: a sibling's (whose error is announced once)
                 ok = not self.siblings or _idx_shape(b) == self._handle_key[1]
                 if not (ok and check_handle_key(buffer.config, self._executor, b, self._handle_key)):
-                    return _sibling(self, x, b, topk_weights, stream)
+                    return _sibling(self, x, b, topk_weights, stream, *stats)
                 wait, signal = _kept_pairs(self, stream)
                 return self.run(
                     ptrs[0], 0, 0, ptrs[1], 0, b, None, None, self._x_name, wait, signal, None, True
                 )
-            x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs if self._sf_name else (ptrs[0], 0, ptrs[1], ptrs[2])
+            # (x, scales, routing, weights, stats), each 0 where absent
+            p = ((*ptrs, 0) if self._sf_name else (ptrs[0], 0, *ptrs[1:], 0))[:5]
             wait, signal = _kept_pairs(self, stream)
-            res = self.run(
-                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, b, None, self._x_name, wait, signal, None, True
-            )
+            res = self.run(*p, None, b, None, self._x_name, wait, signal, None, True)
         except Exception as exc:
             # a call that launched nothing gives up its step; after a launch (a timeout, a kernel's error) there
             # is none to give up
