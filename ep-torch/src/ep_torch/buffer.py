@@ -279,14 +279,6 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         """An event recorded on the current stream (a completed event without CUDA)."""
         return EventHandle()
 
-    def get_comm_stream(self) -> torch.cuda.Stream | None:
-        """The process-wide high-priority communication stream (None on the CPU reference backend)."""
-        if self.device.type != "cuda":
-            return None
-        from ._streams import comm_stream
-
-        return comm_stream(self.device)
-
     def reset(self) -> None:
         """Recover after a failed operation (ours; DeepEP has none): a collective, every rank calls it.
 

@@ -248,18 +248,21 @@ class DispatchCombine:
         tensors = [t for t in _flat(keep) if isinstance(t, torch.Tensor) and t.is_cuda]
         if _env.avoid_record_stream():
             return EventOverlap.recorded(stream, tensors)
-        comm = self._comm()
+        comm = self.get_comm_stream()
         for t in tensors:
             t.record_stream(stream)
             if comm is not None:
                 t.record_stream(comm)
         return EventOverlap.recorded(stream)
 
-    def _comm(self) -> Any:
-        """`get_comm_stream` (one per device and process), kept on the buffer at its first use."""
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """The process-wide high-priority communication stream (None on the CPU reference backend), kept on the
+        buffer at its first use (a repeat's comm-stream scope reads a field)."""
         comm = self.__dict__.get("_comm_stream")
-        if comm is None:
-            comm = self.__dict__["_comm_stream"] = self.get_comm_stream()
+        if comm is None and self.device.type == "cuda":
+            from ._streams import comm_stream
+
+            comm = self.__dict__["_comm_stream"] = comm_stream(self.device)
         return comm
 
     def _scope(self, op: str | None, previous_event: Any, async_with_compute_stream: Any) -> Any:
@@ -273,7 +276,7 @@ class DispatchCombine:
         if not self._cuda:
             return _NO_SCOPE
         try:
-            return _CommScope(self._comm(), previous_event, not async_with_compute_stream)
+            return _CommScope(self.get_comm_stream(), previous_event, not async_with_compute_stream)
         except Exception:
             with self._core.announcing(op) if op else _NO_SCOPE:
                 raise
