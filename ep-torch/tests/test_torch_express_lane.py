@@ -1053,3 +1053,34 @@ def test_v1_normal_mode_repeats_reach_the_kept_plan(mocked, monkeypatch):
             kept = inner[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"] and "LAUNCH" in r
             assert kept == (step > 0) or op == "combine", str(r)
             assert not kept or len(set(inner)) <= 3 or "ep_core.prepared" in inner, inner
+
+
+def test_an_overlapped_call_the_ordinary_road_refuses_is_refused_alike(mocked):
+    """With a kept plan of an overlapped dispatch and combine, a `previous_event` of another type and one without
+    `allocate_on_comm_stream` (rule D15) meet the ordinary road's errors, as without the kept plan."""
+    from ep_core.errors import EPError
+
+    make, _launches, _served, _by = mocked
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+        ov = dict(previous_event=buf.capture(), allocate_on_comm_stream=True)
+        for _ in range(3):
+            h = buf.dispatch(x, **kw, **ov)[3]
+            recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+            buf.combine(recv, h, num_sms=4, **ov)
+        errors = []
+        for bad in (dict(ov, previous_event=object()), dict(ov, allocate_on_comm_stream=False)):
+            for op in ("dispatch", "combine"):
+                with pytest.raises(EPError) as err:
+                    if op == "dispatch":
+                        buf.dispatch(x, **kw, **bad)
+                    else:
+                        buf.combine(recv, h, num_sms=4, **bad)
+                errors.append((type(err.value), str(err.value)))
+        seen[lane] = errors
+        assert (buf._lanes.get("dispatch") is not None) == lane
+    assert seen[True] == seen[False]

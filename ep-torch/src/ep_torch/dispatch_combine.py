@@ -238,21 +238,20 @@ class DispatchCombine:
             with self._core.announcing("dispatch"):
                 raise
 
-    def _event(self, keep: tuple[Any, ...]) -> EventOverlap:
+    def _event(self, keep: tuple[Any, ...], scoped: Any = False) -> EventOverlap:
         """An async call's ``EventOverlap`` (one call into :mod:`ep_torch.event`): on CUDA an event recorded on the
-        stream the operation ended on, with every operand ``record_stream``-ed on both streams (or kept in the
-        event with ``EPKIT_AVOID_RECORD_STREAM=1``)."""
+        stream the operation ended on (`scoped`: the comm stream, after its scope), with every operand
+        ``record_stream``-ed on both streams (or kept in the event with ``EPKIT_AVOID_RECORD_STREAM=1``)."""
         if not self._cuda:
             return EventOverlap.recorded(None)
-        stream = torch.cuda.current_stream()
+        stream = self.get_comm_stream() if scoped else torch.cuda.current_stream()
         tensors = [t for t in _flat(keep) if isinstance(t, torch.Tensor) and t.is_cuda]
         if _env.avoid_record_stream():
             return EventOverlap.recorded(stream, tensors)
         comm = self.get_comm_stream()
-        for t in tensors:
+        for t in tensors:  # (on CUDA the comm stream exists)
             t.record_stream(stream)
-            if comm is not None:
-                t.record_stream(comm)
+            t.record_stream(comm)
         return EventOverlap.recorded(stream)
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
@@ -391,6 +390,7 @@ class DispatchCombine:
             do_zero_padding,
             async_with_compute_stream,
             do_handle_copy,
+            cumulative_local_expert_recv_stats is None,  # (a plan kept with stats matches them too)
         )
         if zero_copy is False:
             kind = "dispatch" if do_cpu_sync is False else "dispatch_sync"
@@ -403,24 +403,20 @@ class DispatchCombine:
         if plain and lane is not None and _same(lane_scalars, lane.scalars):
             if handle is None and do_cpu_sync is not False:
                 self._refuse_capture(do_cpu_sync)
-            with self._scope("dispatch", previous_event, async_with_compute_stream) if scoped else _NO_SCOPE:
-                got = lane(
-                    x,
-                    topk_idx if handle is None else handle,
-                    topk_weights,
-                    _current_stream(self._device_index) if self._cuda else 0,
-                    cumulative_local_expert_recv_stats,
-                )
-                if got is not None:
-                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
-                    # the ordinary road's event: every operand on the streams
-                    event = (
-                        self._event((x, topk_idx, topk_weights, *outs, *_handle_tensors(got.handle)))
-                        if async_with_compute_stream
-                        else EventOverlap(None)
-                    )
+            b, w, s = topk_idx if handle is None else handle, topk_weights, cumulative_local_expert_recv_stats
+            if not scoped:
+                got = lane(x, b, w, _current_stream(self._device_index) if self._cuda else 0, s)
+            else:  # (in its scope the current stream is the comm stream)
+                with self._scope("dispatch", previous_event, async_with_compute_stream):
+                    got = lane(x, b, w, _current_stream(self._device_index) if self._cuda else 0, s)
             if got is not None:
+                if async_with_compute_stream:  # the ordinary road's event: every operand on the streams
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
+                    event = self._event((x, topk_idx, w, *outs, *_handle_tensors(got.handle)), scoped)
+                else:
+                    event = EventOverlap(None)
                 if zero_copy is not False:
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
                     recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
                     return recv_x, recv_idx, recv_w, got.handle, event
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
@@ -479,8 +475,9 @@ class DispatchCombine:
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
             if plain and kind is not None and getattr(allocator, "batch", None) is not None:
-                stats = cumulative_local_expert_recv_stats
-                arrays = (x, topk_idx, topk_weights, stats) if handle is None else (x, topk_weights)
+                arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
+                if cumulative_local_expert_recv_stats is not None:
+                    arrays += (cumulative_local_expert_recv_stats,)
                 rt.keep_lane(kind, "dispatch", _match(arrays), lane_scalars, handle)
         if handle is None:
             if not do_handle_copy:
@@ -695,16 +692,17 @@ class DispatchCombine:
                 kind = "combine_zero_copy"
             lane = self._lanes.get(kind)
             if lane is not None and _same((num_sms, num_qps, async_with_compute_stream), lane.scalars):
-                with (
-                    self._scope("combine", previous_event, async_with_compute_stream) if scoped else _NO_SCOPE
-                ):
-                    got = lane(
-                        x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0
-                    )
-                    if got is not None:
-                        outs = (x, topk_weights, None, got.combined_x, got.combined_topk_weights)
-                        event = self._event(outs) if async_with_compute_stream else EventOverlap(None)
+                w = topk_weights
+                if not scoped:
+                    got = lane(x, handle, w, _current_stream(self._device_index) if self._cuda else 0)
+                else:  # (in its scope the current stream is the comm stream)
+                    with self._scope("combine", previous_event, async_with_compute_stream):
+                        got = lane(x, handle, w, _current_stream(self._device_index) if self._cuda else 0)
                 if got is not None:
+                    if async_with_compute_stream:  # the ordinary road's event
+                        event = self._event((x, w, None, got.combined_x, got.combined_topk_weights), scoped)
+                    else:
+                        event = EventOverlap(None)
                     return got.combined_x, got.combined_topk_weights, event
         # the one record of this call (ep-core's `CombineArgs`): the FP32 and deferred roads and the ordinary one
         # read it; the allocator of a device's first call and a comm-stream scope's stream are filled in below
