@@ -122,9 +122,8 @@ def _same_scalar(a: Any, b: Any) -> bool:
 
 
 class _CommScope:
-    """The comm stream made current for one operation, after ``previous_event`` (a CPU one: nothing) or else the
-    compute stream; on a normal exit the compute stream waits for it unless ``wait_back`` is False (async: the
-    caller waits on the returned event). A class here, not a generator: a repeat enters no other ep module."""
+    """The comm stream made current for one operation, after ``previous_event`` (a CPU one: nothing) or the compute
+    stream, which waits back on a normal exit unless async (a class here: a repeat enters no other ep module)."""
 
     __slots__ = ("comm", "compute", "context", "wait_back")
 
@@ -219,11 +218,8 @@ class DispatchCombine:
     def _check_capture(self, do_cpu_sync: Any) -> None:
         """A CPU sync (a dispatch without a handle; never asked of `do_cpu_sync=False`, which pays no capture query:
         it costs a microsecond) is refused inside CUDA-graph capture."""
-        if (
-            self._cuda
-            and torch.cuda.is_current_stream_capturing()
-            and (do_cpu_sync is None or bool(do_cpu_sync))
-        ):
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and (do_cpu_sync is None or bool(do_cpu_sync)):
             raise EPValueError(
                 "do_cpu_sync: a dispatch inside CUDA-graph capture must not sync with the CPU; pass "
                 "do_cpu_sync=False (worst-case shapes) or a cached handle"
@@ -255,8 +251,7 @@ class DispatchCombine:
         return EventOverlap.recorded(stream)
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
-        """The process-wide high-priority communication stream (None on the CPU reference backend), kept on the
-        buffer at its first use (a repeat's comm-stream scope reads a field)."""
+        """The process-wide high-priority communication stream (None on the CPU reference backend), kept here."""
         comm = self.__dict__.get("_comm_stream")
         if comm is None and self.device.type == "cuda":
             from ._streams import comm_stream
@@ -265,9 +260,8 @@ class DispatchCombine:
         return comm
 
     def _scope(self, op: str | None, previous_event: Any, async_with_compute_stream: Any) -> Any:
-        """The comm-stream scope of a call with ``previous_event`` or on the comm stream (`_CommScope`; none on the
-        CPU reference backend), after ``previous_event``'s type check; a failure to build it (no launch yet) is
-        announced as `op`'s (None: the caller's block announces, or nothing does)."""
+        """A call's `_CommScope` (none on the CPU backend) after ``previous_event``'s type check; a failure to build it
+        (no launch yet) is announced as `op`'s (None: the caller's block announces, or nothing does)."""
         if previous_event is not None and not isinstance(previous_event, EventHandle):
             raise EPTypeError(
                 f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
@@ -434,7 +428,6 @@ class DispatchCombine:
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
             device = first.device if isinstance(first, torch.Tensor) else self.device
             allocator = self._allocators.get(device) or self._announced("dispatch", self._allocator, device)
-            # (the common case, no previous event and outputs on the compute stream, builds no scope)
             with self._scope(None, previous_event, async_with_compute_stream) if scoped else _NO_SCOPE:
                 res = rt.run_dispatch(
                     DispatchArgs(
@@ -670,10 +663,9 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        # the express lane of a combine of its kind (ordinary, or zero-copy: ep-core's express combine over
-        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
-        # error), in the call's comm-stream scope as `dispatch`'s; `kind`: the lane this call keeps after its
-        # ordinary road (None: none)
+        # the express lane of a combine of its kind (ordinary, or zero-copy: its plan declines an x that is not the
+        # combine buffer: then the road below names the error), in the call's comm-stream scope as `dispatch`'s;
+        # `kind`: the lane this call keeps after its ordinary road (None: none)
         kind = None
         scoped = previous_event is not None or allocate_on_comm_stream
         if (
@@ -761,7 +753,6 @@ class DispatchCombine:
         if a.allocator is None:  # this device's first call
             device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
             a = a._replace(allocator=self._announced("combine", self._allocator, device))
-        # (the common case, no previous event and outputs on the compute stream, builds no scope)
         with self._scope(None, a.previous_event, a.async_with_compute_stream) if scoped else _NO_SCOPE:
             if scoped and self._cuda:  # the comm stream is current now
                 a = a._replace(stream=_current_stream(self._device_index))

@@ -78,8 +78,7 @@ class EventOverlap:
 
     @classmethod
     def recorded(cls, stream: Any, extra_tensors: Sequence[Any] | None = None) -> EventOverlap:
-        """An ``EventOverlap`` of an :class:`EventHandle` recorded on ``stream`` (None: the CPU backend's completed
-        event), in one call (an async dispatch / combine's)."""
+        """``EventOverlap(EventHandle(stream))`` in one call (None: the CPU backend's completed event)."""
         return cls(EventHandle(stream) if stream is not None else EventHandle(device="cpu"), extra_tensors)
 
     def current_stream_wait(self, release_handle: bool = False) -> Any:
