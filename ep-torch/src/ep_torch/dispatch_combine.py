@@ -25,6 +25,7 @@ from ep_core.handle import EPHandle
 from ep_core.requests import CombineArgs, DispatchArgs
 
 from . import _env, host_extension
+from ._streams import comm_stream
 from .event import EventHandle, EventOverlap
 
 # ep-core's dtype names are torch's
@@ -216,8 +217,7 @@ class DispatchCombine:
             return fn(*args)
 
     def _check_capture(self, do_cpu_sync: Any) -> None:
-        """A CPU sync (a dispatch without a handle; never asked of `do_cpu_sync=False`, which pays no capture query:
-        it costs a microsecond) is refused inside CUDA-graph capture."""
+        """A CPU sync refused inside CUDA-graph capture (never asked of `do_cpu_sync=False`: no capture query)."""
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         if capturing and (do_cpu_sync is None or bool(do_cpu_sync)):
             raise EPValueError(
@@ -254,8 +254,6 @@ class DispatchCombine:
         """The process-wide high-priority communication stream (None on the CPU reference backend), kept here."""
         comm = self.__dict__.get("_comm_stream")
         if comm is None and self.device.type == "cuda":
-            from ._streams import comm_stream
-
             comm = self.__dict__["_comm_stream"] = comm_stream(self.device)
         return comm
 
@@ -355,11 +353,10 @@ class DispatchCombine:
                 zero_copy,
                 lambda: again(zero_copy=zero_copy),
             )
-        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no handle: no-sync,
-        # CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of a handle of the same
-        # layout, no routing or stats) without an epilogue event, every scalar the same object as that call's (so
-        # the same prepared entry), the arrays (stats too) compared by the lane's `match`; in the call's comm-stream
-        # scope (`_scope`; a `previous_event` of the one type, with `allocate_on_comm_stream` as rule D15 asks)
+        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no-sync, CPU-sync
+        # with the same `do_cpu_sync` object, zero-copy, or cached: a handle of the same layout, no routing or stats)
+        # without an epilogue event, every scalar the same object as that call's, the arrays (stats too) compared by
+        # `match`; in its comm-stream scope (a `previous_event` of the one type, with `allocate_on_comm_stream`: D15)
         scoped = previous_event is not None or allocate_on_comm_stream
         plain = (
             previous_event_before_epilogue is None
@@ -753,13 +750,17 @@ class DispatchCombine:
         if a.allocator is None:  # this device's first call
             device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
             a = a._replace(allocator=self._announced("combine", self._allocator, device))
-        with self._scope(None, a.previous_event, a.async_with_compute_stream) if scoped else _NO_SCOPE:
-            if scoped and self._cuda:  # the comm stream is current now
-                a = a._replace(stream=_current_stream(self._device_index))
+        if not scoped:
             res = rt.run_combine(a)
+        else:  # (in its scope the current stream is the comm stream)
+            with self._scope(None, a.previous_event, a.async_with_compute_stream):
+                stream = _current_stream(self._device_index) if self._cuda else 0
+                res = rt.run_combine(a._replace(stream=stream))
+        if a.async_with_compute_stream:  # on the stream the operation ended on
             outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
-            # (recorded inside the scope: on the stream the operation ended on)
-            event = self._event(outs) if a.async_with_compute_stream else EventOverlap(None)
+            event = self._event(outs, scoped)
+        else:
+            event = EventOverlap(None)
         if keep is not None and getattr(a.allocator, "batch", None) is not None:
             match = _match((a.x, a.topk_weights)) if keep[1] else None
             rt.keep_lane(
