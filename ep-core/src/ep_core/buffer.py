@@ -422,7 +422,7 @@ class EPBuffer(BufferBase):
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
         res = ex.dispatch(req)
-        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `keep_lane`'s
+        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
         # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
         # passes the handle checks by construction: recorded as validated, so that its combine does not check
         # every array again (`validation.trust_handle`)
@@ -447,10 +447,11 @@ class EPBuffer(BufferBase):
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         plan = None
         if last is not None and not self._destroyed:
-            token, x_dtype, allocator = last
+            token, x_dtype, allocator, copy = last
             plans = getattr(getattr(self._executor, "rank", None), "plans", None)  # a GPU rank's plan cache
             kept = None if token is None or plans is None else plans.get(token)
             if kept is not None and kept.op == op:
+                kept.handle_copy = copy  # a dispatch's `do_handle_copy` (a combine's True: unread)
                 plan = kept.keep(self, x_dtype, allocator, match, handle)
         front = self._lanes.get(kind)
         if plan is not None:
@@ -539,7 +540,7 @@ class EPBuffer(BufferBase):
         ex = self._executor
         req = self._prepared.combine(ex, args)
         res = ex.combine(req)
-        self._last_combine = (req.prepared, "bfloat16", req.allocator)  # `keep_lane`'s
+        self._last_combine = (req.prepared, "bfloat16", req.allocator, True)  # `keep_lane`'s
         return res
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------
