@@ -542,12 +542,6 @@ def test_bucket_buffer_collectives(n: int, tmp_path: Path) -> None:
         assert out["sms"][0] == 0 and "op: expected" in out["sms"][1]
 
 
-if __name__ == "__main__":
-    from ep_torch_testing import spawn_cpu
-
-    spawn_cpu(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])
-
-
 def test_nccl_buffers_take_the_copy_engine_within_one_lsa_team(monkeypatch):
     """PP, Engram and AGRS over nccl: the copy-engine backend where NCCL's LSA team is the whole group (the peers'
     windows through their LSA pointers); across nodes every rank raises naming the team and the rank."""
@@ -560,11 +554,16 @@ def test_nccl_buffers_take_the_copy_engine_within_one_lsa_team(monkeypatch):
     monkeypatch.setattr(
         elastic_copy_engine.CopyEngineBackend, "from_buffer", classmethod(lambda cls, buf: "ce")
     )
-
-    def buf(lsa: int):
-        rt = SimpleNamespace(storage=SimpleNamespace(lsa_size=lsa))
-        return SimpleNamespace(transport="nccl", num_ranks=4, rank_idx=1, _rt=lambda: rt)
-
-    assert ElasticOps._make_elastic_backend(buf(4)) == "ce"
+    rt = SimpleNamespace(storage=SimpleNamespace(lsa_size=4))
+    nccl = SimpleNamespace(transport="nccl", num_ranks=4, rank_idx=1, _rt=lambda: rt)
+    assert ElasticOps._make_elastic_backend(nccl) == "ce"
+    mapped = SimpleNamespace(lsa_size=4, peer_bases=lambda n: [8 * r for r in range(n)])
+    assert elastic_copy_engine._peer_bases(mapped, 4, 1) == [0, 8, 16, 24]
     with pytest.raises(EPConfigError, match=r"2 of the 4 ranks are \(rank 1\)"):
-        ElasticOps._make_elastic_backend(buf(2))
+        elastic_copy_engine._peer_bases(SimpleNamespace(lsa_size=2, peer_bases=mapped.peer_bases), 4, 1)
+
+
+if __name__ == "__main__":
+    from ep_torch_testing import spawn_cpu
+
+    spawn_cpu(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])

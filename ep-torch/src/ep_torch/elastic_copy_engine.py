@@ -60,8 +60,17 @@ def byte_view(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.utils.dlpack.from_dlpack(bytes_capsule(ptr, nbytes, kind, index))
 
 
-def _peer_bases(storage: Any, num_ranks: int) -> list[int]:
-    """Every rank's allocation base as mapped in this process (the ipc storage's peer mappings)."""
+def _peer_bases(storage: Any, num_ranks: int, rank: int) -> list[int]:
+    """Every rank's allocation base as mapped in this process: the ipc storage's peer mappings, or nccl's LSA
+    pointers where NCCL's LSA team is the whole group (one node). The same refusal on every rank, before any
+    collective step."""
+    lsa = getattr(storage, "lsa_size", None)
+    if lsa is not None and lsa != num_ranks:
+        raise EPConfigError(
+            f"transport: PP, Engram and AGRS over nccl need every rank in NCCL's LSA team (one NVLink "
+            f"domain); {lsa} of the {num_ranks} ranks are (rank {rank}); across nodes they "
+            "would need network puts, which ep does not implement for them: run them on a group of one node"
+        )
     if not hasattr(storage, "peer_bases"):
         raise EPConfigError(
             "transport: PP, Engram and AGRS on the GPU need the peers' memory mapped (ipc, or nccl's LSA team); this "
@@ -192,8 +201,8 @@ class CopyEngineBackend:
 
         rt = buf._rt()
         n = buf.num_ranks
+        data = [b + rt.num_workspace_bytes for b in _peer_bases(rt.storage, n, buf.rank_idx)]
         ops = DriverOps(buf.device, buf.rank_idx, rt.config.num_gpu_timeout_secs)
-        data = [b + rt.num_workspace_bytes for b in _peer_bases(rt.storage, n)]
         torch.cuda.synchronize()
         alloc, why = create_exchanged(
             buf.bootstrap, _SIGNAL_BYTES, device=torch.cuda.current_device(), zero=True

@@ -188,15 +188,7 @@ class ElasticOps:
             from .elastic_reference import ReferenceBackend
 
             return ReferenceBackend(self)
-        if self.transport == "nccl":
-            # the copy engine reaches a peer through NCCL's LSA pointers (NcclStorage.peer_bases): one NVLink domain
-            lsa = int(getattr(self._rt().storage, "lsa_size", 0))
-            if lsa != self.num_ranks:
-                raise EPConfigError(
-                    f"transport: PP, Engram and AGRS over nccl need every rank in NCCL's LSA team (one NVLink "
-                    f"domain); {lsa} of the {self.num_ranks} ranks are (rank {self.rank_idx}); across nodes they "
-                    "would need network puts, which ep does not implement for them: run them on a group of one node"
-                )
+        # nccl: the peers through NCCL's LSA pointers, one node only (elastic_copy_engine._peer_bases)
         if self.transport in ("ipc", "nccl"):
             from .elastic_copy_engine import CopyEngineBackend
 
