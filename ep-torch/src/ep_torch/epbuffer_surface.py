@@ -42,6 +42,12 @@ __all__ = ["EPBufferSurface"]
 _LB_OPS = ("lb_prefetch_weights", "lb_reduce_grads")
 
 
+def _even_sms(num_sms: Any) -> Any:
+    """DeepEP 2.5 rounds a given SM count up to even (the handle keeps the rounded count); anything else (0, a
+    refused value) goes on as given."""
+    return num_sms + 1 if type(num_sms) is int and num_sms > 0 and num_sms & 1 else num_sms
+
+
 class EPBufferSurface:
     """DeepEP 2.5's parameter order and defaults for ``EPBuffer`` (module doc); a mixin before ``ElasticBuffer``."""
 
@@ -117,8 +123,7 @@ class EPBufferSurface:
     ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap] | EventOverlap:
         """``ElasticBuffer.dispatch`` in DeepEP 2.5's parameter order (module doc); ``borrow_recv=True`` returns a
         :class:`~ep_torch.DispatchRecvView` in place of ``recv_x``."""
-        if type(num_sms) is int and num_sms > 0 and num_sms & 1:
-            num_sms += 1  # DeepEP 2.5 rounds a given SM count up to even (the handle keeps the rounded count)
+        num_sms = _even_sms(num_sms)
         if borrow_recv and (self.num_scaleout_ranks != 1 or self.num_rdma_ranks != 1):
             with self._core.announcing("dispatch"):  # type: ignore[attr-defined]  # before the first step (issue 41)
                 raise EPValueError(
@@ -179,8 +184,7 @@ class EPBufferSurface:
         zero_copy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """``ElasticBuffer.combine`` in DeepEP 2.5's parameter order (module doc)."""
-        if type(num_sms) is int and num_sms > 0 and num_sms & 1:
-            num_sms += 1  # as dispatch
+        num_sms = _even_sms(num_sms)
         return super().combine(  # type: ignore[misc]
             x,
             handle,
