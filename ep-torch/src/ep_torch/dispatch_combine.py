@@ -353,6 +353,7 @@ class DispatchCombine:
                 do_handle_copy,
                 zero_copy,
                 lambda: again(zero_copy=zero_copy),
+                call,
             )
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no-sync, CPU-sync
         # with the same `do_cpu_sync` object, zero-copy, or cached: a handle of the same layout, no routing or stats)
@@ -493,18 +494,19 @@ class DispatchCombine:
         do_handle_copy: Any,
         zero_copy: Any,
         call: Any,
+        args: dict | None = None,
     ) -> Any:
         """A ``dispatch`` / ``combine`` with ``defer_epilogue`` set (DeepEP 2.5): ``call()`` runs the operation
-        without it. A false value other than ``False`` (``0``) is the ordinary call. Otherwise DeepEP's rules
-        (``async_with_compute_stream=True``; ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``)
-        are checked before any launch, and the returned ``EventOverlap`` carries the outputs in its hook: the first
-        ``current_stream_wait()`` returns them.
+        without it (`args`: a dispatch's arguments by name). A false value other than ``False`` (``0``) is the
+        ordinary call. Otherwise DeepEP's rules (``async_with_compute_stream=True``; ``do_handle_copy=False`` for a
+        dispatch) and ep's (no ``zero_copy``) are checked before any launch, and the returned ``EventOverlap``'s
+        first ``current_stream_wait()`` returns the outputs.
 
-        The operation itself is the ordinary async one, epilogue included (CPU reference backend and CUDA alike):
-        deferring changes when the outputs are handed over, not the bytes, nor when the epilogue runs. On CUDA that
-        means no overlap gain yet, and a CPU-sync dispatch still waits for its counts in the call: ep-core's
-        executor runs the dispatch kernel and its copy epilogue (``RankDriver.launch_dispatch`` /
-        ``finish_dispatch``) in one host call (docs/deepep-2.5.md says what the split needs)."""
+        A dispatch on CUDA is split (:mod:`ep_torch.deferred_dispatch`): the call launches the dispatch kernel, the
+        wait does the CPU sync's count wait and launches the copy epilogue. Otherwise (a combine; the CPU reference
+        backend, where every operation has completed when the call returns) the operation is the ordinary async one,
+        epilogue included, whose outputs the event's hook hands over: the same bytes, no overlap gain (a combine's
+        reduce is not split off yet: docs/deepep-2.5.md)."""
         if not defer_epilogue:
             return call()
         with self._core.announcing(op):  # a refusal here precedes the call's first step (issue 41)
@@ -523,6 +525,10 @@ class DispatchCombine:
                     f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
                     "defer_epilogue"
                 )
+            if args is not None and self._cuda:
+                from .deferred_dispatch import deferred_dispatch
+
+                return deferred_dispatch(self, args)
             outputs = call()
             event: EventOverlap = outputs[-1]
             earlier = event.hook_after_wait

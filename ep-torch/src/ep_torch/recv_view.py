@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from ep_core.errors import EPStateError, EPValueError
 
+from .deferred_dispatch import comm_stream_of
+
 __all__ = ["DispatchRecvView", "lend"]
 
 
@@ -96,7 +98,7 @@ class DispatchRecvView:
                         f"DispatchRecvView.release: consumer_streams must be CUDA streams of the view's device "
                         f"{slab.device}, got {s!r}"
                     )
-            comm = _comm_stream(owner, slab.device)
+            comm = comm_stream_of(owner, slab.device)
             for s in streams:
                 s.wait_event(self._ready)
                 self._row_indices.record_stream(s)
@@ -108,16 +110,6 @@ class DispatchRecvView:
     def __repr__(self) -> str:
         state = "released" if self._released else ("pending" if self._ready is None else "ready")
         return f"DispatchRecvView({state})"
-
-
-def _comm_stream(owner: Any, device: torch.device) -> torch.cuda.Stream:
-    """The stream every GPU operation of `owner`'s rank runs on (ep-core's executor's comm stream: the dispatch and
-    combine kernels, which write the receive region), as a torch stream."""
-    stream = getattr(owner._core.executor, "stream", None)
-    handle = getattr(stream, "handle", None)
-    if handle is None:  # (a GPU executor always has one)
-        raise EPStateError("DispatchRecvView.release: the buffer's executor has no CUDA stream to order")
-    return torch.cuda.ExternalStream(int(handle), device=device)
 
 
 def lend(owner: Any, outputs: tuple, async_with_compute_stream: bool, scoped: bool) -> tuple:
