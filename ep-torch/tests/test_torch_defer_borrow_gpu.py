@@ -6,9 +6,11 @@ another stream too) bitwise what the ordinary call returns (a deterministic buff
 receive view holds the ordinary dispatch's rows (compared in source order), its ids and weights outlive it, the
 buffer refuses dispatch / combine / destroy / ``lb_*`` while it is out, a cached dispatch and a combine of its
 handle work after ``release()``, and (DeepEP's own test's pattern) ``release(*readers)`` keeps the next dispatch
-from overwriting rows that delayed readers on other streams still read. A loopback group of 2 ranks: deferred
-no-CPU-sync dispatches and deferred combines against the ordinary calls (through the combine: rows past the count
-are undefined without a CPU sync).
+from overwriting rows that delayed readers on other streams still read; the host time of a CPU-sync dispatch call
+behind queued compute, ordinary and deferred (printed; the deferred call must return sooner). A loopback group of 2
+ranks: deferred no-CPU-sync dispatches and deferred combines against the ordinary calls (through the combine: rows
+past the count are undefined without a CPU sync), and deferred CPU-sync dispatches (every rank launches before any
+waits for its counts).
 
 The same bodies run on the CPU reference backend (1 gloo rank; a CPU loopback group) without the ``gpu`` marker,
 which checks the tests themselves where no GPU is."""
@@ -53,6 +55,29 @@ def _count(handle) -> int:
     if handle.do_expand:
         return handle.num_expanded_tokens
     return int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+
+
+def _host_time(buf, x, idx, w, kw) -> None:
+    """The host time of a CPU-sync dispatch call behind 20-odd ms of queued compute: the ordinary call waits for the
+    counts, hence for the queued work; the deferred one returns after launching (it waits at the event's wait)."""
+    import time
+
+    times = {}
+    for deferred in (False, True, False, True):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)  # compute queued on the current stream before the call
+        t0 = time.perf_counter()
+        if deferred:
+            ev = buf.dispatch(x, idx, w, **kw, async_with_compute_stream=True, defer_epilogue=True)
+            t1 = time.perf_counter()
+            ev.current_stream_wait()
+        else:
+            buf.dispatch(x, idx, w, **kw)
+            t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        times["deferred" if deferred else "ordinary"] = (t1 - t0) * 1e3
+    print(f"CPU-sync dispatch call, host ms behind queued compute: {times}")
+    assert times["deferred"] < times["ordinary"], times
 
 
 def _one_rank() -> None:
@@ -113,6 +138,14 @@ def _one_rank() -> None:
             assert len(out) == 2 and _same(out[0], ref_c[0]) and _same(out[1], ref_c[1]), ("combine", extra)
     with pytest.raises(ValueError, match="async_with_compute_stream"):
         buf.dispatch(x, idx, w, **kw, defer_epilogue=True)
+    # until the wait the buffer refuses other calls (the pending dispatch owns the rank's count words)
+    ev = buf.dispatch(x, idx, w, **kw, async_with_compute_stream=True, defer_epilogue=True)
+    if cuda:
+        with pytest.raises(RuntimeError, match="deferred dispatch"):
+            buf.dispatch(x, idx, w, **kw)
+    ev.current_stream_wait()
+    if cuda:
+        _host_time(buf, x, idx, w, kw)
     buf.destroy()
 
     # ---- borrow_recv (deterministic and not): the ordinary rows, in source order
@@ -223,7 +256,7 @@ def _loopback(device: str) -> None:
 
     def dispatch(r, **extra):
         x, idx, w = data[r]
-        return bufs[r].dispatch(x, topk_idx=idx, topk_weights=w, **kw, **extra)
+        return bufs[r].dispatch(x, topk_idx=idx, topk_weights=w, **(kw | extra))
 
     ref = group.run(dispatch)
     evs = group.run(lambda r: dispatch(r, async_with_compute_stream=True, defer_epilogue=True))
@@ -237,6 +270,16 @@ def _loopback(device: str) -> None:
     for r in range(2):
         assert got[r][3].topk_idx is data[r][1]
         assert _same(c_ref[r][0], c_got[r][0]), f"rank {r}: deferred dispatch + combine differ"
+    # a CPU-sync dispatch, deferred: every rank launches before any waits for its counts (which a loopback group
+    # needs: an ordinary CPU-sync dispatch is not run there)
+    evs = group.run(
+        lambda r: dispatch(r, async_with_compute_stream=True, defer_epilogue=True, do_cpu_sync=True)
+    )
+    got = group.run(lambda r: evs[r].current_stream_wait())
+    c_got = group.run(lambda r: bufs[r].combine(got[r][0], got[r][3]))
+    for r in range(2):
+        assert got[r][0].shape[0] == got[r][3].num_recv_tokens, "exact rows after the CPU sync"
+        assert _same(c_ref[r][0], c_got[r][0]), f"rank {r}: deferred CPU-sync dispatch + combine differ"
     for b in bufs:
         b.destroy()
     group.close()
