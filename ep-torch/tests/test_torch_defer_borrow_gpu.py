@@ -1,16 +1,17 @@
 """DeepEP 2.5's ``defer_epilogue=True`` and ``borrow_recv=True`` on CUDA tensors (issue 42), marker ``gpu``.
 
 One rank over nccl (``EPBuffer``, a child process): a deferred dispatch (plain, expanded with alignment, no CPU
-sync, cached) and a deferred combine (with and without weights) hand over at ``current_stream_wait()`` (waited on
-another stream too) bitwise what the ordinary call returns (a deterministic buffer: the same row order); a borrowed
-receive view holds the ordinary dispatch's rows (compared in source order), its ids and weights outlive it, the
-buffer refuses dispatch / combine / destroy / ``lb_*`` while it is out, a cached dispatch and a combine of its
-handle work after ``release()``, and (DeepEP's own test's pattern) ``release(*readers)`` keeps the next dispatch
-from overwriting rows that delayed readers on other streams still read; the host time of a CPU-sync dispatch call
-behind queued compute, ordinary and deferred (printed; the deferred call must return sooner). A loopback group of 2
-ranks: deferred no-CPU-sync dispatches and deferred combines against the ordinary calls (through the combine: rows
-past the count are undefined without a CPU sync), and deferred CPU-sync dispatches (every rank launches before any
-waits for its counts).
+sync, cached; split: the call launches the dispatch kernel, the wait runs the rest) and a deferred combine (with and
+without weights) hand over at ``current_stream_wait()`` (waited on another stream too) bitwise what the ordinary
+call returns (a deterministic buffer: the same row order); the buffer refuses a call while a deferred dispatch
+waits; the host time of a CPU-sync dispatch call behind queued compute, ordinary and deferred (printed; the
+deferred call must return sooner). A borrowed receive view holds the ordinary dispatch's rows (compared in source
+order), its ids and weights outlive it, the buffer refuses dispatch / combine / destroy / ``lb_*`` while it is out,
+a cached dispatch and a combine of its handle work after ``release()``, and (DeepEP's own test's pattern)
+``release(*readers)`` keeps the rows alive for delayed readers on other streams while the next dispatch runs. A
+loopback group of 2 ranks: deferred no-CPU-sync dispatches and deferred combines against the ordinary calls
+(through the combine: rows past the count are undefined without a CPU sync), and deferred CPU-sync dispatches
+(every rank launches before any waits for its counts).
 
 The same bodies run on the CPU reference backend (1 gloo rank; a CPU loopback group) without the ``gpu`` marker,
 which checks the tests themselves where no GPU is."""

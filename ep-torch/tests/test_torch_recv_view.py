@@ -1,9 +1,9 @@
 """DeepEP 2.5's ``dispatch(..., borrow_recv=True)`` and ``ep_torch.DispatchRecvView`` on the CPU reference backend
 (issue 42), 2 and 4 gloo ranks: the view's rows (``slab.index_select(0, row_indices)``) are bitwise the ordinary
-dispatch's ``recv_x`` (ep serves the view with its zero-copy dispatch, whose rows the reference backend orders as
-the ordinary dispatch does); the other outputs equal, and outlive the view; the buffer refuses dispatch / combine /
-destroy while the view is out and serves again after ``release()``; an async dispatch's view is readable after its
-event's wait; DeepEP's refusals (``ValueError``) come before any launch. The CUDA runs: ``test_torch_defer_borrow_gpu.py``."""
+dispatch's ``recv_x`` (the view lends the ordinary dispatch's rows); the other outputs equal, and outlive the view;
+the buffer refuses dispatch / combine / destroy while the view is out and serves again after ``release()``; an
+async dispatch's view is readable after its event's wait; DeepEP's refusals (``ValueError``) come before any
+launch. The CUDA runs: ``test_torch_defer_borrow_gpu.py``."""
 
 from __future__ import annotations
 

@@ -343,7 +343,6 @@ class DispatchCombine:
                     bool(defer_epilogue),
                     zero_copy,
                     async_with_compute_stream,
-                    previous_event is not None or bool(allocate_on_comm_stream),
                     again,
                 )
             return self._deferred(
@@ -551,18 +550,14 @@ class DispatchCombine:
         defer_epilogue: bool,
         zero_copy: Any,
         async_with_compute_stream: Any,
-        scoped: bool,
         call: Any,
     ) -> tuple:
-        """A dispatch with ``borrow_recv=True`` (DeepEP 2.5): ``call(zero_copy=True)`` runs it without the keyword,
-        as ep's zero-copy dispatch (the rows stay where the dispatch kernel stored them, in this buffer's receive
-        region: no copy epilogue); returns ``(view, recv_topk_idx, recv_topk_weights, handle, event)``, ``view`` a
+        """A dispatch with ``borrow_recv=True`` (DeepEP 2.5): ``call()`` runs it without the keyword; returns
+        ``(view, recv_topk_idx, recv_topk_weights, handle, event)``, ``view`` a
         :class:`~ep_torch.recv_view.DispatchRecvView` of the received rows (:func:`~ep_torch.recv_view.lend`).
         DeepEP's refusals come first (``EPValueError``, before any launch): a bf16 tensor ``x`` only (no FP8
         tuple), no ``do_expand``, no ``defer_epilogue``, no ``do_cpu_sync=False``, no cached ``handle``; ep's: no
-        ``zero_copy`` of the caller's. As a zero-copy dispatch it is collective in kind: every rank of the call
-        passes ``borrow_recv`` alike (a mix is refused by the call's agreement, on every rank). `scoped`: the call
-        runs on the comm stream (``previous_event`` / ``allocate_on_comm_stream``)."""
+        ``zero_copy``. A rank's own choice, as DeepEP's: its peers may dispatch without it."""
         from .recv_view import lend
 
         refusals = (
@@ -577,7 +572,7 @@ class DispatchCombine:
             for refused, why in refusals:
                 if refused:
                     raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
-        return lend(self, call(zero_copy=True), bool(async_with_compute_stream), scoped)
+        return lend(self, call(), bool(async_with_compute_stream))
 
     def _end_borrow(self) -> None:
         """The view was released: the buffer's own methods again."""

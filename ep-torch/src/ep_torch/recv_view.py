@@ -2,32 +2,27 @@
 
 Logical row ``r`` of the received tokens is ``view.slab[view.row_indices[r]]``. While a view is out, its buffer
 refuses ``dispatch``, ``combine``, ``destroy`` and ``resize`` (``EPStateError``, a ``RuntimeError``) until
-``release()``; after ``release()`` the view's ``slab`` / ``row_indices`` raise, and a tensor taken from ``slab``
-before is invalid (the next dispatch writes over it). With ``async_with_compute_stream=True`` the view is readable
-once the dispatch's event has been waited on (``event.current_stream_wait()``).
+``release()``; after ``release()`` the view's ``slab`` / ``row_indices`` raise. With
+``async_with_compute_stream=True`` the view is readable once the dispatch's event has been waited on
+(``event.current_stream_wait()``). Borrowing is a rank's own choice, as DeepEP's: its peers may dispatch without it.
 
-ep serves it with its zero-copy dispatch (``DispatchCombine._borrow``, CPU reference backend and CUDA alike): the
-slab is the received rows where the dispatch stored them, in the buffer's receive region (no copy epilogue), rows in
-the deterministic order, and ``row_indices`` is ``arange(R)`` (int64), so ``slab.index_select(0, row_indices)``
-holds the ordinary dispatch's rows (bitwise its ``recv_x`` on the CPU reference backend, whose order is the
-deterministic one). ``recv_topk_idx`` / ``recv_topk_weights`` are the caller's own tensors (copied out of the
-region: they outlive the view, as DeepEP's).
+ep serves it on the CPU reference backend and on CUDA alike (``DispatchCombine._borrow``): the slab is the ordinary
+dispatch's ``recv_x`` (the copy epilogue's output) and ``row_indices`` is ``arange(R)`` (int64), so
+``slab.index_select(0, row_indices)`` is bitwise the ordinary dispatch's ``recv_x``. DeepEP lends its receive
+buffer itself (no copy epilogue for the rows); ep does not save that copy yet (docs/deepep-2.5.md says what it needs).
 
-On CUDA, as DeepEP's view: the view is ready on the stream that waited for the dispatch (an event recorded there;
-``slab`` / ``row_indices`` make the reading stream wait for it), and ``release(*consumer_streams)`` makes the buffer's
-communication stream (where this rank's next dispatch and combine run) wait for every consumer stream (default: the
-current one), so a reader still running on one of them is not overwritten.
+On CUDA, as DeepEP's view: the view is ready on the stream that waited for the dispatch (an event recorded there after
+the row indices are made; ``slab`` / ``row_indices`` make the reading stream wait for it), and
+``release(*consumer_streams)`` (default: the current stream) makes each consumer stream wait for that event and
+records the slab and indices on it, so their memory is not reused while a reader on one of them still runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from ep_core.errors import EPStateError, EPValueError
-
-from .deferred_dispatch import comm_stream_of
 
 __all__ = ["DispatchRecvView", "lend"]
 
@@ -85,8 +80,9 @@ class DispatchRecvView:
 
     def release(self, *consumer_streams: Any) -> None:
         """Give the rows back to the buffer, which serves dispatch / combine / destroy again. ``consumer_streams``:
-        the CUDA streams that read the view (default: the current stream); the buffer's next operation waits for
-        each. On the CPU reference backend every read has completed when it returns: nothing to wait for."""
+        the CUDA streams that read the view (default: the current stream); the view's memory is not reused before
+        each has done its reads. On the CPU reference backend every read has completed when it returns: nothing to
+        wait for."""
         self.wait()
         slab, owner = self._slab, self._owner
         assert slab is not None and self._row_indices is not None
@@ -98,11 +94,10 @@ class DispatchRecvView:
                         f"DispatchRecvView.release: consumer_streams must be CUDA streams of the view's device "
                         f"{slab.device}, got {s!r}"
                     )
-            comm = comm_stream_of(owner, slab.device)
             for s in streams:
                 s.wait_event(self._ready)
+                slab.record_stream(s)
                 self._row_indices.record_stream(s)
-                comm.wait_stream(s)
         self._released = True
         self._owner = self._slab = self._row_indices = self._ready = None
         owner._end_borrow()
@@ -112,29 +107,13 @@ class DispatchRecvView:
         return f"DispatchRecvView({state})"
 
 
-def lend(owner: Any, outputs: tuple, async_with_compute_stream: bool, scoped: bool) -> tuple:
-    """``(view, recv_topk_idx, recv_topk_weights, handle, event)`` of a borrowing dispatch from its zero-copy
-    dispatch's ``outputs`` (``DispatchCombine._borrow``), and `owner`'s dispatch / combine / destroy refused until
-    the view's release (instance attributes shadowing the methods: the calls of a buffer with no view out pay
-    nothing for it). The ids and weights are copied out of the receive region on the stream the operation ended on
-    (`scoped` and async: the comm stream), and an async call's event is recorded after the copies."""
+def lend(owner: Any, outputs: tuple, async_with_compute_stream: bool) -> tuple:
+    """``(view, recv_topk_idx, recv_topk_weights, handle, event)`` of a borrowing dispatch from its ordinary
+    ``outputs`` (``DispatchCombine._borrow``), and `owner`'s dispatch / combine / destroy refused until the view's
+    release (instance attributes shadowing the methods: the calls of a buffer with no view out pay nothing for it).
+    An async call's view is ready at its event's wait (a hook after any earlier one)."""
     recv_x, recv_idx, recv_w, handle, event = outputs
     view = DispatchRecvView(owner, recv_x)
-    if recv_x.is_cuda:
-        comm = owner.get_comm_stream() if (scoped and async_with_compute_stream) else None
-        with torch.cuda.stream(comm) if comm is not None else contextlib.nullcontext():
-            recv_idx = recv_idx.clone() if recv_idx is not None else None
-            recv_w = recv_w.clone() if recv_w is not None else None
-        if (
-            async_with_compute_stream
-        ):  # the call's event, recorded again after the copies (its kept tensors too)
-            old, event = event, owner._event((recv_idx, recv_w), scoped)
-            if old.extra_tensors is not None:
-                event.extra_tensors = (*old.extra_tensors, *(event.extra_tensors or ()))
-            event.hook_after_wait = old.hook_after_wait
-    else:
-        recv_idx = recv_idx.clone() if recv_idx is not None else None
-        recv_w = recv_w.clone() if recv_w is not None else None
     if async_with_compute_stream:
         earlier = event.hook_after_wait
         event.hook_after_wait = None
