@@ -4,7 +4,7 @@ One rank over nccl (``EPBuffer``, a child process): a deferred dispatch (plain, 
 sync, cached; split: the call launches the dispatch kernel, the wait runs the rest) and a deferred combine (with and
 without weights) hand over at ``current_stream_wait()`` (waited on another stream too) bitwise what the ordinary
 call returns (a deterministic buffer: the same row order); the buffer refuses a call while a deferred dispatch
-waits; the host time of a CPU-sync dispatch call behind queued compute, ordinary and deferred (printed; the
+waits (the CPU backend too); the host time of a CPU-sync dispatch call behind queued compute, ordinary and deferred (printed; the
 deferred call must return sooner). A borrowed receive view holds the ordinary dispatch's rows (compared in source
 order), its ids and weights outlive it, the buffer refuses dispatch / combine / destroy / ``lb_*`` while it is out,
 a cached dispatch and a combine of its handle work after ``release()``, and (DeepEP's own test's pattern)
@@ -141,9 +141,8 @@ def _one_rank() -> None:
         buf.dispatch(x, idx, w, **kw, defer_epilogue=True)
     # until the wait the buffer refuses other calls (the pending dispatch owns the rank's count words)
     ev = buf.dispatch(x, idx, w, **kw, async_with_compute_stream=True, defer_epilogue=True)
-    if cuda:
-        with pytest.raises(RuntimeError, match="deferred dispatch"):
-            buf.dispatch(x, idx, w, **kw)
+    with pytest.raises(RuntimeError, match="deferred dispatch"):
+        buf.dispatch(x, idx, w, **kw)
     ev.current_stream_wait()
     if cuda:
         _host_time(buf, x, idx, w, kw)

@@ -28,7 +28,7 @@ from ep_core.requests import DispatchArgs
 
 from .event import EventOverlap
 
-__all__ = ["comm_stream_of", "deferred_dispatch"]
+__all__ = ["comm_stream_of", "deferred_dispatch", "hold"]
 
 
 def comm_stream_of(buf: Any, device: torch.device) -> torch.cuda.Stream:
@@ -49,6 +49,33 @@ def _tensors(items: Any) -> list[torch.Tensor]:
         elif isinstance(a, torch.Tensor) and a.is_cuda:
             out.append(a)
     return out
+
+
+def hold(buf: Any) -> Any:
+    """`buf`'s dispatch / combine / destroy refused (``EPStateError``) while a deferred dispatch waits for its event's
+    wait (instance attributes shadowing the methods; "destroy" among them is also resize's marker of a call that
+    owns the buffer: ``ep_torch.resize``); returns the function that gives them back. The CPU reference backend
+    holds the buffer as CUDA does, so that code tried there meets the GPU's rule."""
+
+    def busy(name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            with buf._core.announcing(name):  # the peers' call waits in its first step (issue 41)
+                raise EPStateError(
+                    f"{name}(): a deferred dispatch of this buffer waits for its event's current_stream_wait() "
+                    "(defer_epilogue=True); wait on it first"
+                )
+
+        return refuse
+
+    names = ("dispatch", "combine", "destroy")
+    for name in names:
+        buf.__dict__[name] = busy(name)
+
+    def release() -> None:
+        for name in names:
+            buf.__dict__.pop(name, None)
+
+    return release
 
 
 def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
@@ -108,19 +135,7 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
         t.record_stream(comm)
     event = EventOverlap.recorded(torch.cuda.current_stream())
 
-    def busy(name: str) -> Any:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            with buf._core.announcing(name):  # the peers' call waits in its first step (issue 41)
-                raise EPStateError(
-                    f"{name}(): a deferred dispatch of this buffer waits for its event's current_stream_wait() "
-                    "(defer_epilogue=True); wait on it first"
-                )
-
-        return refuse
-
-    # ("destroy" in the instance's dict is also resize's marker of a call that owns the buffer: ep_torch.resize)
-    for name in ("dispatch", "combine", "destroy"):
-        buf.__dict__[name] = busy(name)
+    release = hold(buf)
 
     def epilogue() -> tuple:
         waiting = torch.cuda.current_stream(device)
@@ -128,8 +143,7 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
             with torch.cuda.stream(comm):  # the outputs from the comm stream's pool (module doc)
                 res = finish(waiting.cuda_stream)
         finally:
-            for name in ("dispatch", "combine", "destroy"):
-                buf.__dict__.pop(name, None)
+            release()
         outs = _tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights))
         held = _handle_tensors(res.handle)
         for t in outs:

@@ -532,8 +532,15 @@ class DispatchCombine:
             event: EventOverlap = outputs[-1]
             earlier = event.hook_after_wait
             event.hook_after_wait = None
+            release = None
+            if args is not None:  # held until the wait, as on CUDA (`deferred_dispatch.hold`)
+                from .deferred_dispatch import hold
+
+                release = hold(self)
 
             def epilogue() -> tuple:
+                if release is not None:
+                    release()
                 if earlier is not None:
                     earlier()
                 return outputs[:-1]
