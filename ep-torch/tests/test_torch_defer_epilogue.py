@@ -4,18 +4,16 @@
 first ``current_stream_wait()`` (or ``wait()``) returns the outputs, bitwise those of the ordinary call (CPU
 reference backend, 2 and 4 gloo ranks: plain, expanded, cached, FP32 weights, combine with weights). With
 ``do_handle_copy=False`` the handle keeps the caller's ``topk_idx`` tensor itself. DeepEP's rules are refused
-before any launch (no ``async_with_compute_stream``, ``do_handle_copy=True``), and so is ``zero_copy``; on CUDA
-ep refuses ``defer_epilogue`` (its GPU executor runs the send and the epilogue as one step)."""
+before any launch (no ``async_with_compute_stream``, ``do_handle_copy=True``), and so is ``zero_copy``. The CUDA
+runs (one rank over nccl, a loopback group): ``test_torch_defer_borrow_gpu.py``."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from ep_torch.launch import spawn
 
 
 def _bits(t):
@@ -152,41 +150,7 @@ def test_event_overlap_wait_returns_the_hook_result():
     assert ev.wait() is None
 
 
-def _gpu_rank(rank: int, n: int) -> None:
-    import ep_torch
-
-    torch.cuda.set_device(rank)
-    buf = ep_torch.EPBuffer(dist.group.WORLD, num_max_tokens_per_rank=16, hidden=64, explicitly_destroy=True)
-    x, idx, w, experts = _inputs(rank, n)
-    x, idx, w = x.cuda(), idx.cuda(), w.cuda()
-    _, _, _, handle, _ = buf.dispatch(x, idx, w, num_experts=experts, do_handle_copy=False)
-    assert handle.topk_idx is idx
-    with pytest.raises(NotImplementedError, match="defer_epilogue"):
-        buf.dispatch(
-            x, idx, w, num_experts=experts, async_with_compute_stream=True, do_handle_copy=False,
-            defer_epilogue=True,
-        )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="defer_epilogue"):
-        buf.combine(x, handle, async_with_compute_stream=True, defer_epilogue=True)
-    torch.cuda.synchronize()
-    buf.destroy()
-
-
-@pytest.mark.gpu
-def test_gpu_handle_keeps_topk_idx_and_defer_is_refused():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    proc = subprocess.run(
-        [sys.executable, __file__, "_gpu_rank", "1"], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-
-
 if __name__ == "__main__":
     from ep_torch_testing import spawn_cpu
 
-    name, n = sys.argv[1], int(sys.argv[2])
-    if name == "_gpu_rank":
-        spawn(globals()[name], n, backend="nccl")
-    else:
-        spawn_cpu(globals()[name], n)
+    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

@@ -1,8 +1,9 @@
 """DeepEP 2.5's ``dispatch(..., borrow_recv=True)`` and ``ep_torch.DispatchRecvView`` on the CPU reference backend
 (issue 42), 2 and 4 gloo ranks: the view's rows (``slab.index_select(0, row_indices)``) are bitwise the ordinary
-dispatch's ``recv_x``; the other outputs equal; the buffer refuses dispatch / combine / destroy while the view is
-out and serves again after ``release()``; an async dispatch's view is readable after its event's wait; DeepEP's
-refusals (``ValueError``) come before any launch."""
+dispatch's ``recv_x`` (the view lends the ordinary dispatch's rows); the other outputs equal, and outlive the view;
+the buffer refuses dispatch / combine / destroy while the view is out and serves again after ``release()``; an
+async dispatch's view is readable after its event's wait; DeepEP's refusals (``ValueError``) come before any
+launch. The CUDA runs: ``test_torch_defer_borrow_gpu.py``."""
 
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ def _ranks(rank: int, n: int) -> None:
             # the buffer serves again: a cached dispatch of the handle, a combine of the rows
             replay = buf.dispatch(x, handle=handle, topk_weights=weights)
             assert _same(replay[0], payload)
+            # the view's ids and weights are the caller's (copied out of the receive region): a later dispatch of
+            # other rows leaves them as they were
+            buf.dispatch((x.float() + 1).bfloat16(), **kw)
+            assert _same(r_idx, ref[1]) and _same(r_w, ref[2])
             combined = buf.combine(payload, handle)
             assert _same(combined[0], buf.combine(ref[0], ref[3])[0])
 

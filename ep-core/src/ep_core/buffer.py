@@ -430,6 +430,34 @@ class EPBuffer(BufferBase):
             trust_handle(self.config, ex, res.handle)
         return res
 
+    def launch_dispatch_deferred(self, args: DispatchArgs) -> Any:
+        """DeepEP 2.5's `defer_epilogue` on an executor that splits a dispatch (`launch_dispatch_deferred`, the
+        GPU's): `args` validated as `run_dispatch` does, the dispatch kernel launched, and `finish(stream)` returned,
+        which runs the rest on `stream`'s order and returns the `DispatchResult` (each step announced as the
+        dispatch's). No other operation of this buffer may start before `finish` (ep_torch refuses them)."""
+        with self.announcing("dispatch"):
+            if self._destroyed:
+                self._check_alive()  # raises
+            ex = self._executor
+            launch = getattr(ex, "launch_dispatch_deferred", None)
+            if launch is None or args.zero_copy:
+                raise EPConfigError(
+                    f"defer_epilogue: the executor {type(ex).__name__} runs a dispatch in one step (or zero_copy "
+                    "was asked); dispatch without defer_epilogue"
+                )
+            req = self._prepared.dispatch(ex, args)
+            finish = launch(req)
+        trusted = req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True
+
+        def done(stream: int) -> DispatchResult:
+            with self.announcing("dispatch"):
+                res = finish(stream)
+                if trusted:  # as `_dispatch` records a handle of the library's own allocator
+                    trust_handle(self.config, ex, res.handle)
+                return res
+
+        return done
+
     def keep_lane(
         self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
     ) -> Any:

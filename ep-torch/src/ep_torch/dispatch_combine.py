@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from ep_core import device_array
-from ep_core.errors import EPStateError, EPTypeError, EPValueError
+from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.requests import CombineArgs, DispatchArgs
 
@@ -352,6 +352,7 @@ class DispatchCombine:
                 do_handle_copy,
                 zero_copy,
                 lambda: again(zero_copy=zero_copy),
+                call,
             )
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no-sync, CPU-sync
         # with the same `do_cpu_sync` object, zero-copy, or cached: a handle of the same layout, no routing or stats)
@@ -492,17 +493,19 @@ class DispatchCombine:
         do_handle_copy: Any,
         zero_copy: Any,
         call: Any,
+        args: dict | None = None,
     ) -> Any:
         """A ``dispatch`` / ``combine`` with ``defer_epilogue`` set (DeepEP 2.5): ``call()`` runs the operation
-        without it. A false value other than ``False`` (``0``) is the ordinary call. Otherwise DeepEP's rules
-        (``async_with_compute_stream=True``; ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``;
-        the CPU reference backend only: the GPU executor launches the send and the copy/reduce epilogue as one step,
-        with no point between them to return at) are checked before any launch, and the returned ``EventOverlap``
-        carries the outputs in its hook: the first ``current_stream_wait()`` returns them.
+        without it (`args`: a dispatch's arguments by name). A false value other than ``False`` (``0``) is the
+        ordinary call. Otherwise DeepEP's rules (``async_with_compute_stream=True``; ``do_handle_copy=False`` for a
+        dispatch) and ep's (no ``zero_copy``) are checked before any launch, and the returned ``EventOverlap``'s
+        first ``current_stream_wait()`` returns the outputs.
 
-        On the CPU reference backend every operation has completed when the call returns (``event.py``), epilogue
-        included: deferring changes when the outputs are handed over, not the bytes (bitwise the same as the
-        ordinary call, tested on 2 and 4 gloo ranks)."""
+        A dispatch on CUDA is split (:mod:`ep_torch.deferred_dispatch`): the call launches the dispatch kernel, the
+        wait does the CPU sync's count wait and launches the copy epilogue. Otherwise (a combine; the CPU reference
+        backend, where every operation has completed when the call returns) the operation is the ordinary async one,
+        epilogue included, whose outputs the event's hook hands over: the same bytes, no overlap gain (a combine's
+        reduce is not split off yet: docs/deepep-2.5.md)."""
         if not defer_epilogue:
             return call()
         with self._core.announcing(op):  # a refusal here precedes the call's first step (issue 41)
@@ -521,18 +524,23 @@ class DispatchCombine:
                     f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
                     "defer_epilogue"
                 )
-            if self._cuda:
-                raise NotImplementedError(
-                    f"defer_epilogue=True is not implemented for a {op} on CUDA tensors in ep: its GPU executor "
-                    "launches the communication and the copy/reduce epilogue as one step; call without "
-                    "defer_epilogue (async_with_compute_stream=True still returns before the comm stream is done)"
-                )
+            if args is not None and self._cuda:
+                from .deferred_dispatch import deferred_dispatch
+
+                return deferred_dispatch(self, args)
             outputs = call()
             event: EventOverlap = outputs[-1]
             earlier = event.hook_after_wait
             event.hook_after_wait = None
+            release = None
+            if args is not None:  # held until the wait, as on CUDA (`deferred_dispatch.hold`)
+                from .deferred_dispatch import hold
+
+                release = hold(self)
 
             def epilogue() -> tuple:
+                if release is not None:
+                    release()
                 if earlier is not None:
                     earlier()
                 return outputs[:-1]
@@ -553,13 +561,11 @@ class DispatchCombine:
     ) -> tuple:
         """A dispatch with ``borrow_recv=True`` (DeepEP 2.5): ``call()`` runs it without the keyword; returns
         ``(view, recv_topk_idx, recv_topk_weights, handle, event)``, ``view`` a
-        :class:`~ep_torch.recv_view.DispatchRecvView` of the received rows. DeepEP's refusals come first
-        (``EPValueError``, before any launch): a bf16 tensor ``x`` only (no FP8 tuple), no ``do_expand``, no
-        ``defer_epilogue``, no ``do_cpu_sync=False``, no cached ``handle``; ep's: no ``zero_copy``, and the CPU
-        reference backend only (``NotImplementedError`` on CUDA). Until the view's ``release()`` this buffer's
-        ``dispatch``, ``combine`` and ``destroy`` raise ``EPStateError`` (instance attributes shadowing the methods:
-        the calls of a buffer with no view out pay nothing for it)."""
-        from .recv_view import DispatchRecvView
+        :class:`~ep_torch.recv_view.DispatchRecvView` of the received rows (:func:`~ep_torch.recv_view.lend`).
+        DeepEP's refusals come first (``EPValueError``, before any launch): a bf16 tensor ``x`` only (no FP8
+        tuple), no ``do_expand``, no ``defer_epilogue``, no ``do_cpu_sync=False``, no cached ``handle``; ep's: no
+        ``zero_copy``. A rank's own choice, as DeepEP's: its peers may dispatch without it."""
+        from .recv_view import lend
 
         refusals = (
             (type(x) is not torch.Tensor or x.dtype != torch.bfloat16, "x must be one bfloat16 tensor"),
@@ -573,40 +579,7 @@ class DispatchCombine:
             for refused, why in refusals:
                 if refused:
                     raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
-            if self._cuda:
-                raise NotImplementedError(
-                    "borrow_recv=True is not implemented for CUDA tensors in ep (the CPU reference backend only); "
-                    "dispatch without borrow_recv"
-                )
-        recv_x, recv_idx, recv_w, new_handle, event = call()
-        view = DispatchRecvView(
-            self, recv_x, torch.arange(recv_x.shape[0], dtype=torch.int64, device=recv_x.device)
-        )
-        if async_with_compute_stream:
-            earlier = event.hook_after_wait
-            event.hook_after_wait = None
-
-            def ready() -> Any:
-                view._mark_ready()
-                return None if earlier is None else earlier()
-
-            event.register_hook_after_wait(ready)
-        else:
-            view._mark_ready()
-
-        def busy(name: str) -> Any:
-            def refuse(*args: Any, **kwargs: Any) -> Any:
-                with self._core.announcing(name):  # the peers' call waits in its first step (issue 41)
-                    raise EPStateError(
-                        f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
-                        "release() it first"
-                    )
-
-            return refuse
-
-        for name in ("dispatch", "combine", "destroy"):
-            self.__dict__[name] = busy(name)
-        return view, recv_idx, recv_w, new_handle, event
+        return lend(self, call(), bool(async_with_compute_stream))
 
     def _end_borrow(self) -> None:
         """The view was released: the buffer's own methods again."""

@@ -305,11 +305,12 @@ class GpuExecutor:
         fills it (`RankDriver.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
         return req.allocator(idx.shape, idx.dtype)
 
-    def _dispatch(self, req: Any, record: bool, copy: Any = None) -> Any:
+    def _dispatch(self, req: Any, record: bool, copy: Any = None, launch_only: bool = False) -> Any:
         """The full path of `RankDriver.dispatch` (views of every argument, every check); `copy`: the new
         handle's copy of the routing, filled by the kernel. A zero-copy dispatch's outputs are the rank's views of its
-        receive region (the allocator makes the handle's arrays only)."""
-        return self.rank.dispatch(
+        receive region (the allocator makes the handle's arrays only). `launch_only`: `launch_dispatch` alone (its
+        pending call, for `finish_dispatch`)."""
+        return (self.rank.launch_dispatch if launch_only else self.rank.dispatch)(
             _view(req.x),
             _view(req.topk_idx),
             _view(req.topk_weights),
@@ -328,6 +329,39 @@ class GpuExecutor:
             topk_idx_copy=copy,
             zero_copy=req.zero_copy,
         )
+
+    def launch_dispatch_deferred(self, req: Any) -> Any:
+        """DeepEP 2.5's `defer_epilogue`: `req`'s dispatch kernel alone, on the full path (no kept plan; no routing
+        copy: DeepEP's rule there is `do_handle_copy=False`), after the request's stream. Returns `finish(stream)`,
+        which does the rest (`RankDriver.finish_dispatch`: a CPU sync's wait for the counts, the outputs from the
+        request's allocator, the copy epilogue) on the comm stream, orders `stream` after it and returns the
+        `DispatchResult`. Until `finish` this rank must start no other operation (its count words are the pending
+        call's): the caller refuses them."""
+        rank = self.rank
+        alloc = self._allocator(req, req.x.dtype)
+        wait, _, _ = self.stream_pairs(req.stream, False)
+        rank._allocator = alloc
+        try:
+            if wait is not None:
+                record_wait(wait[0], wait[1], self.stream.handle)
+            pending = self._dispatch(req, False, None, True)
+        finally:
+            rank._allocator = None
+
+        def finish(stream: int) -> Any:
+            _, signal, ev = self.stream_pairs(stream, True)
+            rank._allocator = alloc
+            try:
+                res = rank.finish_dispatch(pending)
+            finally:
+                rank._allocator = None
+            record_wait(signal[0], self.stream.handle, signal[1])
+            if res.handle is not req.handle and req.topk_idx is not None:
+                res.handle.topk_idx = req.topk_idx.obj
+            res.event = ev
+            return res
+
+        return finish
 
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
         """This rank's zero-copy combine buffer (`RankDriver.combine_buffer`)."""

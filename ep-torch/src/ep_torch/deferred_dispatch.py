@@ -1,0 +1,160 @@
+"""``dispatch(..., defer_epilogue=True)`` on CUDA: the dispatch kernel now, the rest at the event's wait (issue 42).
+
+DeepEP 2.5 defers "the CPU receive-count wait and copy epilogue until ``event.current_stream_wait()``". ep-core's GPU
+executor splits a dispatch there (``GpuExecutor.launch_dispatch_deferred``, ``ep_core.EPBuffer
+.launch_dispatch_deferred``): the call validates and launches the dispatch kernel (and queues a CPU sync's count
+copies) and returns the ``EventOverlap`` at once; its first ``current_stream_wait()`` waits for the counts (CPU sync),
+allocates the outputs, launches the copy epilogue on the comm stream, makes the current stream wait for it and
+returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``. Between the two the host is free: a CPU-sync
+dispatch no longer blocks in the call, and kernels queued on the compute stream before the wait run beside the
+dispatch kernel.
+
+Streams: the outputs are allocated on the executor's comm stream (the stream the epilogue writes them on: no wait for
+the compute stream's queued work, which would also hold the CPU sync back) and recorded on the waiting stream; the
+inputs and the handle's arrays are recorded on the comm stream (it reads them after the call returned). Until the
+wait the buffer refuses ``dispatch``, ``combine`` and ``destroy`` (``EPStateError``): the pending call owns the
+rank's count words. Refused inside CUDA-graph capture (``EPValueError``; the capture would hold a host wait).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from ep_core.errors import EPStateError, EPValueError
+from ep_core.handle import EPHandle
+from ep_core.requests import DispatchArgs
+
+from .event import EventOverlap
+
+__all__ = ["comm_stream_of", "deferred_dispatch", "hold"]
+
+
+def comm_stream_of(buf: Any, device: torch.device) -> torch.cuda.Stream:
+    """The stream every GPU operation of `buf`'s rank runs on (ep-core's executor's comm stream: the dispatch and
+    combine kernels), as a torch stream."""
+    stream = getattr(buf._core.executor, "stream", None)
+    handle = getattr(stream, "handle", None)
+    if handle is None:  # (a GPU executor always has one)
+        raise EPStateError(f"{type(buf).__name__}: the buffer's executor has no CUDA stream")
+    return torch.cuda.ExternalStream(int(handle), device=device)
+
+
+def _tensors(items: Any) -> list[torch.Tensor]:
+    out = []
+    for a in items:
+        if isinstance(a, tuple):
+            out.extend(_tensors(a))
+        elif isinstance(a, torch.Tensor) and a.is_cuda:
+            out.append(a)
+    return out
+
+
+def hold(buf: Any) -> Any:
+    """`buf`'s dispatch / combine / destroy refused (``EPStateError``) while a deferred dispatch waits for its event's
+    wait (instance attributes shadowing the methods; "destroy" among them is also resize's marker of a call that
+    owns the buffer: ``ep_torch.resize``); returns the function that gives them back. The CPU reference backend
+    holds the buffer as CUDA does, so that code tried there meets the GPU's rule."""
+
+    def busy(name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            with buf._core.announcing(name):  # the peers' call waits in its first step (issue 41)
+                raise EPStateError(
+                    f"{name}(): a deferred dispatch of this buffer waits for its event's current_stream_wait() "
+                    "(defer_epilogue=True); wait on it first"
+                )
+
+        return refuse
+
+    names = ("dispatch", "combine", "destroy")
+    for name in names:
+        buf.__dict__[name] = busy(name)
+
+    def release() -> None:
+        for name in names:
+            buf.__dict__.pop(name, None)
+
+    return release
+
+
+def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
+    """A deferred dispatch of `buf` on CUDA (module doc); `call`: the dispatch's arguments by name, DeepEP's and ep's
+    rules already checked, inside the call's announcing block (``DispatchCombine._deferred``: an error here is
+    announced to the peers as the dispatch's)."""
+    from .dispatch_combine import _current_stream, _handle_tensors, _plain, _received
+
+    x, topk_idx, handle = call["x"], call["topk_idx"], call["handle"]
+    do_cpu_sync, do_expand = call["do_cpu_sync"], call["do_expand"]
+    if torch.cuda.is_current_stream_capturing():
+        raise EPValueError(
+            "defer_epilogue: not inside CUDA-graph capture (the wait runs host work: the CPU sync, the epilogue's "
+            "launch); capture the dispatch without defer_epilogue"
+        )
+    if handle is not None and not do_expand and isinstance(handle, EPHandle):
+        do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
+    rt = buf._rt()
+    first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
+    device = first.device if isinstance(first, torch.Tensor) else buf.device
+    allocator = buf._allocators.get(device) if "_allocators" in buf.__dict__ else None
+    if allocator is None:
+        allocator = buf._announced("dispatch", buf._allocator, device)
+    previous_event = call["previous_event"]
+    scoped = previous_event is not None or bool(call["allocate_on_comm_stream"])
+    w, stats = call["topk_weights"], call["cumulative_local_expert_recv_stats"]
+    with buf._scope("dispatch", previous_event, True) if scoped else contextlib.nullcontext():
+        finish = rt.launch_dispatch_deferred(
+            DispatchArgs(
+                _plain(x),
+                _plain(topk_idx) if topk_idx is not None else None,
+                _plain(w) if w is not None else None,
+                _plain(stats) if stats is not None else None,
+                call["num_experts"],
+                call["num_max_tokens_per_rank"],
+                call["expert_alignment"],
+                call["num_sms"],
+                call["num_qps"],
+                previous_event,
+                call["previous_event_before_epilogue"],
+                True,
+                bool(call["allocate_on_comm_stream"]),
+                handle,
+                False,
+                None if do_cpu_sync is None else bool(do_cpu_sync),
+                bool(do_expand),
+                bool(call["do_zero_padding"]),
+                bool(call["use_tma_aligned_col_major_sf"]),
+                allocator,
+                _current_stream(buf._device_index),
+                False,
+            )
+        )
+    comm = comm_stream_of(buf, device)
+    inputs = _tensors((x, topk_idx, w, stats))
+    for t in inputs:  # the comm stream reads them after this call returned
+        t.record_stream(comm)
+    event = EventOverlap.recorded(torch.cuda.current_stream())
+
+    release = hold(buf)
+
+    def epilogue() -> tuple:
+        waiting = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.stream(comm):  # the outputs from the comm stream's pool (module doc)
+                res = finish(waiting.cuda_stream)
+        finally:
+            release()
+        outs = _tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights))
+        held = _handle_tensors(res.handle)
+        for t in outs:
+            t.record_stream(waiting)
+        for t in held:
+            t.record_stream(comm)
+            t.record_stream(waiting)
+        if handle is None:
+            res.handle.topk_idx = topk_idx  # the caller's tensor itself (do_handle_copy=False)
+        recv_x = _received(res.recv_x, res.recv_sf, call["use_tma_aligned_col_major_sf"])
+        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle
+
+    event.register_hook_after_wait(epilogue)
+    return event
