@@ -43,6 +43,8 @@ if [[ $what == main ]]; then
   # V1 low-latency kernels)
   step nccl 120 "${pt[@]}" ep-torch/tests/test_torch_elastic_gpu.py ep-torch/tests/test_torch_legacy_ll_native.py \
     ep-torch/tests/test_torch_comm.py -k nccl
+  # issue 42: defer_epilogue / borrow_recv on CUDA (one rank over nccl; a 2-rank loopback group)
+  step defer 90 "${pt[@]}" -s ep-torch/tests/test_torch_defer_borrow_gpu.py
   step host_time 90 python3 benchmarks/bench_host_overhead.py --out "$out/logs" --rounds 3
 else
   # issue 44: the decode step (each loopback rank in turn: dispatch, work, combine) that failed in session 4
