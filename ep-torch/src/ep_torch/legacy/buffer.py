@@ -32,7 +32,8 @@ Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps
 ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
 chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Options ep does not implement raise
 ``NotImplementedError`` naming the option (``enable_shrink`` on CUDA without ``ll_native=True`` or over nccl,
-``comm=``, the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). ``enable_shrink=True`` (rank masking,
+``comm=``, the ``*_wait_recv_cost_stats`` timers). ``get_local_buffer_tensor`` views the inner buffers' own memory
+(``legacy.local_tensor``). ``enable_shrink=True`` (rank masking,
 ``legacy.ll_shrink``) runs on the CPU backend, and on CUDA in the native kernels (``ll_native=True``, ipc or a
 loopback group; ``low_latency_clean_mask_buffer`` is then a collective; compiled and host-tested, not yet run on a
 GPU). ``low_latency_combine(use_logfmt=True)`` sends each expert output row LogFMT-10 encoded and adds its float32
@@ -827,9 +828,10 @@ class Buffer(LowLatencyMode):
         offset: int = 0,
         use_rdma_buffer: bool = False,
     ) -> torch.Tensor:
-        raise NotImplementedError(
-            "get_local_buffer_tensor: ep's symmetric storage is not exposed as a raw tensor"
-        )
+        """A view of this rank's own buffer memory (``legacy.local_tensor``: which region, ``offset`` in bytes)."""
+        from .local_tensor import local_buffer_tensor
+
+        return local_buffer_tensor(self, dtype, size, offset, use_rdma_buffer)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
