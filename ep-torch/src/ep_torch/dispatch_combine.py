@@ -27,6 +27,9 @@ from ep_core.requests import CombineArgs, DispatchArgs
 from . import _env, host_extension
 from ._streams import comm_stream
 from .event import EventHandle, EventOverlap
+from .handle_version import KEPT as _kept_versions
+from .handle_version import check_announced as _check_version
+from .handle_version import keep as _keep_version
 
 # ep-core's dtype names are torch's
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -353,6 +356,9 @@ class DispatchCombine:
                 zero_copy,
                 lambda: again(zero_copy=zero_copy),
             )
+        # DeepEP 2.5: a handle's kept topk_idx unchanged since its dispatch (ep_torch.handle_version)
+        if handle is not None and _kept_versions:
+            _check_version(self, handle, "dispatch")
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no-sync, CPU-sync
         # with the same `do_cpu_sync` object, zero-copy, or cached: a handle of the same layout, no routing or stats)
         # without an epilogue event, every scalar the same object as that call's, the arrays (stats too) compared by
@@ -401,6 +407,8 @@ class DispatchCombine:
                 with self._scope("dispatch", previous_event, async_with_compute_stream):
                     got = lane(x, b, w, _current_stream(self._device_index) if self._cuda else 0, s)
             if got is not None:
+                if handle is None and not do_handle_copy:
+                    _keep_version(got.handle, topk_idx)
                 if async_with_compute_stream:  # the ordinary road's event: every operand on the streams
                     outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
                     event = self._event((x, topk_idx, w, *outs, *_handle_tensors(got.handle)), scoped)
@@ -474,6 +482,7 @@ class DispatchCombine:
                 res.handle.topk_idx = (
                     topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
                 )
+                _keep_version(res.handle, topk_idx)
             elif res.handle.topk_idx is topk_idx:
                 # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
                 # empty one stays an alias, never the caller's tensor object
@@ -663,6 +672,8 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
+        if _kept_versions:  # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version)
+            _check_version(self, handle, "combine")
         # the express lane of a combine of its kind (ordinary, or zero-copy: its plan declines an x that is not the
         # combine buffer: then the road below names the error), in the call's comm-stream scope as `dispatch`'s;
         # `kind`: the lane this call keeps after its ordinary road (None: none)
