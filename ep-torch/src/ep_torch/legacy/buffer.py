@@ -770,14 +770,10 @@ class Buffer(LowLatencyMode):
         the step (every rank agreed on every size before it)."""
         recv, sent, tokens, num_tokens = splits
         n, k = self.group_size, int(w.shape[1])
-        host = dist.get_backend(self.group) != "nccl"  # gloo exchanges host tensors
+        # gloo exchanges host tensors; a loopback group's ranks (no ProcessGroup) exchange them on their channel
+        host = self.group is None or dist.get_backend(self.group) != "nccl"
         src = w.contiguous().cpu() if host else w.contiguous()
-        if self._channel is None:  # loopback ranks (threads): no host channel, the group's own collective
-            back = src.new_empty((sum(sent), k))
-            dist.all_to_all_single(
-                back, src, output_split_sizes=sent, input_split_sizes=recv, group=self.group
-            )
-            return self._add_weights(back.to(w.device), tokens, sent, num_tokens)
+        assert self._channel is not None  # (a GPU loopback group, which has none, refuses normal mode)
         mine: tuple = (recv, sent, None)
         if host:
             parts = torch.split(src, recv)
