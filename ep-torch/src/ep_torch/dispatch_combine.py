@@ -358,7 +358,9 @@ class DispatchCombine:
             )
         # DeepEP 2.5: a handle's kept topk_idx unchanged since its dispatch (ep_torch.handle_version)
         if handle is not None and _kept_versions:
-            _check_version(self, handle, "dispatch")
+            kept = _kept_versions.get(id(handle))  # inline: the kept-plan road enters no module for it
+            if kept is not None and kept[1]._version != kept[2]:
+                _check_version(self, handle, "dispatch")  # raises (unless another handle had this id)
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no-sync, CPU-sync
         # with the same `do_cpu_sync` object, zero-copy, or cached: a handle of the same layout, no routing or stats)
         # without an epilogue event, every scalar the same object as that call's, the arrays (stats too) compared by
@@ -672,8 +674,12 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        if _kept_versions:  # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version)
-            _check_version(self, handle, "combine")
+        if (
+            _kept_versions
+        ):  # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version; inline as dispatch's)
+            kept = _kept_versions.get(id(handle))
+            if kept is not None and kept[1]._version != kept[2]:
+                _check_version(self, handle, "combine")
         # the express lane of a combine of its kind (ordinary, or zero-copy: its plan declines an x that is not the
         # combine buffer: then the road below names the error), in the call's comm-stream scope as `dispatch`'s;
         # `kind`: the lane this call keeps after its ordinary road (None: none)
