@@ -674,9 +674,8 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        if (
-            _kept_versions
-        ):  # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version; inline as dispatch's)
+        # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version; inline as dispatch's)
+        if _kept_versions:
             kept = _kept_versions.get(id(handle))
             if kept is not None and kept[1]._version != kept[2]:
                 _check_version(self, handle, "combine")
