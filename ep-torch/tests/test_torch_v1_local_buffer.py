@@ -16,7 +16,7 @@ from ep_core.errors import EPStateError, EPTypeError, EPValueError
 from ep_torch.launch import spawn
 from ep_torch.legacy import Buffer
 
-T, H, K, E, M = 5, 128, 2, 8, 8
+T, H, K, E, M = 5, 512, 2, 8, 8  # H: low-latency mode's tested size
 
 
 def _ptr(region) -> int:
@@ -88,7 +88,8 @@ def _normal(rank: int, n: int, device: str) -> None:
 
 
 def _low_latency(rank: int, n: int, device: str) -> None:
-    buf = Buffer(None, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True)
+    transport = "ipc" if device == "cuda" else None
+    buf = Buffer(None, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, transport=transport)
     with pytest.raises(EPStateError, match="first low_latency_dispatch"):
         buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
     with pytest.raises(EPValueError, match="use_rdma_buffer=True"):  # no normal-mode buffer sized up front
@@ -132,10 +133,12 @@ def test_local_buffer_tensor_shared_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_local_buffer_tensor_loopback_gpu():
+def test_local_buffer_tensor_loopback_gpu(monkeypatch):
     """A loopback group's rank views its own region of the group's allocation (the low-latency buffer)."""
     from ep_torch.loopback import LoopbackGroup
 
+    monkeypatch.setenv("EPKIT_NVLINK_GBS", "450")  # the planner's figure for ranks on one GPU
+    torch.cuda.set_device(0)
     group = LoopbackGroup(2, device="cuda", gpu_timeout_secs=20.0)
     v1 = group.v1_buffers(0, int(1e8), low_latency_mode=True, explicitly_destroy=True)
     inp = [_inputs(r, "cuda") for r in range(2)]
