@@ -218,9 +218,8 @@ class LoopbackBuffer(Buffer):
         self.rank, self.group_size = self._rank, self._loopback.num_ranks
         self._nvl_ranks = self.group_size  # one domain
         boot = self._host_bootstrap
-        if (
-            boot is not None
-        ):  # CPU: this rank's own host steps, as a process group's buffer has (Buffer._bind_group)
+        # CPU: this rank's own host steps, as a process group's buffer has them (Buffer._bind_group)
+        if boot is not None:
             boot.device = torch.device("cpu")
             boot.rank_state = RankState(self.rank, "Buffer")
             self._channel = Channel(boot)
