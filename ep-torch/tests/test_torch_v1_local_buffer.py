@@ -1,7 +1,7 @@
 """V1 ``Buffer.get_local_buffer_tensor`` (issue 42, ``ep_torch.legacy.local_tensor``): a view of this rank's own
 buffer memory, DeepEP's shapes (``[:size.numel()].view(size)``, ``offset`` in bytes), refusals by name. CPU: 2 ranks
-over gloo (the reference backend's host storage); GPU (``gpu``): 2 processes sharing the GPU (ipc) and a loopback
-group's low-latency region."""
+over gloo (the reference backend's host storage); GPU (``gpu``): 2 processes sharing the GPU (ipc), one rank over
+nccl (the window's local memory) and a loopback group's low-latency region."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def _inputs(rank: int, device: str):
     return x.to(device), idx.to(device)
 
 
-def _normal(rank: int, n: int, device: str) -> None:
-    transport = "ipc" if device == "cuda" else None
+def _normal(rank: int, n: int, device: str, transport: str | None = None) -> None:
+    transport = transport or ("ipc" if device == "cuda" else None)
     buf = Buffer(
         None, int(1e8), 0, explicitly_destroy=True, num_max_tokens_per_rank=T, hidden=H, transport=transport
     )
@@ -115,6 +115,11 @@ def _ranks_shared_gpu(rank: int, n: int) -> None:
     _ranks(rank, n, "cuda")
 
 
+def _rank_gpu_nccl(rank: int, n: int) -> None:
+    torch.cuda.set_device(rank)
+    _normal(rank, n, "cuda", "nccl")  # the NCCL window's local memory
+
+
 def test_local_buffer_tensor_cpu():
     from ep_torch_testing import run_script  # loaded by conftest.py
 
@@ -127,6 +132,15 @@ def test_local_buffer_tensor_cpu():
 def test_local_buffer_tensor_shared_gpu():
     proc = subprocess.run(
         [sys.executable, __file__, "_ranks_shared_gpu", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_local_buffer_tensor_one_rank_over_nccl():
+    proc = subprocess.run(
+        [sys.executable, __file__, "_rank_gpu_nccl", "1"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
@@ -157,4 +171,7 @@ if __name__ == "__main__":
     from ep_torch_testing import spawn_cpu
 
     worker = sys.argv[1]  # the GPU ranks start afresh (a forked process cannot use CUDA)
-    (spawn if "gpu" in worker else spawn_cpu)(globals()[worker], int(sys.argv[2]))
+    if "gpu" in worker:
+        spawn(globals()[worker], int(sys.argv[2]), backend="nccl" if "nccl" in worker else "gloo")
+    else:
+        spawn_cpu(globals()[worker], int(sys.argv[2]))
