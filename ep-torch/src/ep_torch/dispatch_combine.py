@@ -27,6 +27,9 @@ from ep_core.requests import CombineArgs, DispatchArgs
 from . import _env, host_extension
 from ._streams import comm_stream
 from .event import EventHandle, EventOverlap
+from .handle_version import KEPT as _kept_versions
+from .handle_version import check_announced as _check_version
+from .handle_version import keep as _keep_version
 
 # ep-core's dtype names are torch's
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -354,6 +357,11 @@ class DispatchCombine:
                 lambda: again(zero_copy=zero_copy),
                 call,
             )
+        # DeepEP 2.5: a handle's kept topk_idx unchanged since its dispatch (ep_torch.handle_version)
+        if handle is not None and _kept_versions:
+            kept = _kept_versions.get(id(handle))  # inline: the kept-plan road enters no module for it
+            if kept is not None and kept[1]._version != kept[2]:
+                _check_version(self, handle, "dispatch")  # raises (unless another handle had this id)
         # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no-sync, CPU-sync
         # with the same `do_cpu_sync` object, zero-copy, or cached: a handle of the same layout, no routing or stats)
         # without an epilogue event, every scalar the same object as that call's, the arrays (stats too) compared by
@@ -402,6 +410,8 @@ class DispatchCombine:
                 with self._scope("dispatch", previous_event, async_with_compute_stream):
                     got = lane(x, b, w, _current_stream(self._device_index) if self._cuda else 0, s)
             if got is not None:
+                if handle is None and not do_handle_copy:
+                    _keep_version(got.handle, topk_idx)
                 if async_with_compute_stream:  # the ordinary road's event: every operand on the streams
                     outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
                     event = self._event((x, topk_idx, w, *outs, *_handle_tensors(got.handle)), scoped)
@@ -475,6 +485,7 @@ class DispatchCombine:
                 res.handle.topk_idx = (
                     topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
                 )
+                _keep_version(res.handle, topk_idx)
             elif res.handle.topk_idx is topk_idx:
                 # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
                 # empty one stays an alias, never the caller's tensor object
@@ -636,6 +647,11 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
+        # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version; inline as dispatch's)
+        if _kept_versions:
+            kept = _kept_versions.get(id(handle))
+            if kept is not None and kept[1]._version != kept[2]:
+                _check_version(self, handle, "combine")
         # the express lane of a combine of its kind (ordinary, or zero-copy: its plan declines an x that is not the
         # combine buffer: then the road below names the error), in the call's comm-stream scope as `dispatch`'s;
         # `kind`: the lane this call keeps after its ordinary road (None: none)

@@ -34,7 +34,12 @@ bootstraps, hidden from the caller: the first rank that needs a new inner buffer
 every rank's, the others take theirs; a destroyed buffer is released once every rank of its group destroyed it,
 and, when that happens inside a GPU ``run()``, after every rank's call was made (the destruction synchronizes the
 GPU, which inside the loop would wait for the kernels of the ranks launched so far, which wait for the rest).
-V1 normal mode needs host collectives per call and is refused here (use processes, ``ep_torch.launch.spawn``).
+V1 normal mode exchanges host data with the peers and waits on the host for its received counts (V1's CPU sync) in
+every call: on the CPU, where the ranks are threads, each rank's V1 buffer has a host channel of its own (a
+``ThreadGroup`` bootstrap: the enveloped steps, collective safety and ``reset()`` of a process group's) and normal
+mode runs as over gloo, ``num_max_tokens_per_rank``/``hidden`` sizing it up front as there. On the GPU, where
+``run()`` launches the ranks one after another in one thread, the first rank's host wait would wait for ranks not
+launched yet: normal mode is refused there (``_GPU_NORMAL`` says what to run instead).
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from typing import Any
 
 import torch
 from ep_core.bootstrap import ThreadGroup
+from ep_core.envelope import Channel
 from ep_core.errors import EPConfigError, EPStateError, EPValueError
+from ep_core.rank_state import RankState
 
 from .buffer import ElasticBuffer
 from .legacy import Buffer
@@ -177,42 +184,72 @@ class LoopbackElasticBuffer(ElasticBuffer):
         ElasticBuffer.destroy(self)
 
 
-class LoopbackBuffer(Buffer):
-    """One rank of a loopback group's V1 ``Buffer`` (low-latency mode): V1's code with the inner buffers built by
-    the group. Normal-mode ``dispatch``/``combine`` exchange host data per call and are refused."""
+_GPU_NORMAL = (
+    "LoopbackBuffer.{op}: V1 normal mode on a GPU loopback group: each call exchanges host data with the peers and "
+    "waits on the host for the received counts (V1's CPU sync), while run() launches the ranks one after another in "
+    "one thread, so the first rank would wait for ranks not launched yet. Run normal mode on a CPU loopback group "
+    "(LoopbackGroup(n, device='cpu'): the same numerics, the reference executor), or on the GPU as processes that "
+    "share it (ep_torch.launch.spawn(fn, n), each rank building Buffer(group, ..., transport='ipc') over gloo); "
+    "low-latency mode runs here"
+)
 
-    def __init__(self, loopback: LoopbackGroup, rank: int, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("num_max_tokens_per_rank") or kwargs.get("hidden"):
+
+class LoopbackBuffer(Buffer):
+    """One rank of a loopback group's V1 ``Buffer``: V1's code with the inner buffers built by the group. On the CPU
+    (rank threads) it has a host channel of its own and runs both modes; on the GPU low-latency mode only
+    (normal-mode ``dispatch``/``combine`` refused: ``_GPU_NORMAL``)."""
+
+    def __init__(
+        self, loopback: LoopbackGroup, rank: int, *args: Any, host_bootstrap: Any = None, **kwargs: Any
+    ) -> None:
+        if host_bootstrap is None and (kwargs.get("num_max_tokens_per_rank") or kwargs.get("hidden")):
             raise EPValueError(
-                "LoopbackBuffer: num_max_tokens_per_rank/hidden size normal mode, which a loopback group does not run"
+                "LoopbackBuffer: num_max_tokens_per_rank/hidden size normal mode, which a GPU loopback group does "
+                "not run (a CPU group does)"
             )
         if kwargs.get("transport") is not None:
             raise EPValueError("LoopbackBuffer: transport is the loopback group's (leave it None)")
         self._loopback, self._rank = loopback, int(rank)
+        self._host_bootstrap = host_bootstrap
         super().__init__(None, *args, **kwargs)
 
     def _bind_group(self, group: Any, transport: str | None) -> None:
         self.group = None
         self.rank, self.group_size = self._rank, self._loopback.num_ranks
         self._nvl_ranks = self.group_size  # one domain
+        boot = self._host_bootstrap
+        # CPU: this rank's own host steps, as a process group's buffer has them (Buffer._bind_group)
+        if boot is not None:
+            boot.device = torch.device("cpu")
+            boot.rank_state = RankState(self.rank, "Buffer")
+            self._channel = Channel(boot)
 
     def _new_inner(self, **kwargs: Any) -> ElasticBuffer:
         return self._loopback._inner(self.rank, kwargs)
+
+    def _make_shrink(self, transport: str | None, check_only: bool = False, ll_native: Any = None) -> Any:
+        """Rank masking on a loopback group: the native kernels' device mask on CUDA; a CPU group's host channel
+        (normal mode's) does not carry the CPU backend's masked exchange: refused as before it had one."""
+        if not check_only and self._channel is not None:
+            from .legacy.ll_shrink import shrink_unsupported
+
+            raise shrink_unsupported(
+                "Buffer", "a loopback group" + ("" if ll_native else " without ll_native=True")
+            )
+        return super()._make_shrink(transport, check_only, ll_native)
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
         return self._loopback.comm_streams[self.rank]
 
     def dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "LoopbackBuffer.dispatch: V1 normal mode over a loopback group (host collectives per call); run it in "
-            "processes (ep_torch.launch.spawn)"
-        )
+        if self._channel is None:
+            raise NotImplementedError(_GPU_NORMAL.format(op="dispatch"))
+        return super().dispatch(*args, **kwargs)
 
     def combine(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "LoopbackBuffer.combine: V1 normal mode over a loopback group (host collectives per call); run it in "
-            "processes (ep_torch.launch.spawn)"
-        )
+        if self._channel is None:
+            raise NotImplementedError(_GPU_NORMAL.format(op="combine"))
+        return super().combine(*args, **kwargs)
 
 
 def _reserve_queues(num_ranks: int, device: Any) -> None:
@@ -362,8 +399,14 @@ class LoopbackGroup:
         return list(members.buffers)
 
     def v1_buffers(self, *args: Any, **kwargs: Any) -> list[LoopbackBuffer]:
-        """N ranks of V1's ``Buffer`` (its arguments after ``group``); their inner buffers are built on first use."""
-        return [LoopbackBuffer(self, r, *args, **kwargs) for r in range(self.num_ranks)]
+        """N ranks of V1's ``Buffer`` (its arguments after ``group``); their inner buffers are built on first use
+        (or here, sized up front by ``num_max_tokens_per_rank`` and ``hidden``: CPU only). On the CPU each rank gets
+        a host channel of its own (one ``ThreadGroup``): normal mode's steps."""
+        n = self.num_ranks
+        boots: list[Any] = [None] * n
+        if self.device.type == "cpu":
+            boots = list(ThreadGroup(n, timeout_secs=self.timeout_secs).bootstraps())
+        return [LoopbackBuffer(self, r, *args, host_bootstrap=boots[r], **kwargs) for r in range(n)]
 
     def _build(self, members: _Members, kwargs: dict) -> None:
         kwargs = {k: v for k, v in kwargs.items() if k != "explicitly_destroy"}

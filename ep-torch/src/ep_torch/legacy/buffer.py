@@ -32,7 +32,8 @@ Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps
 ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
 chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Options ep does not implement raise
 ``NotImplementedError`` naming the option (``enable_shrink`` on CUDA without ``ll_native=True`` or over nccl,
-``comm=``, the ``*_wait_recv_cost_stats`` timers, ``get_local_buffer_tensor``). ``enable_shrink=True`` (rank masking,
+``comm=``, the ``*_wait_recv_cost_stats`` timers). ``get_local_buffer_tensor`` views the inner buffers' own memory
+(``legacy.local_tensor``). ``enable_shrink=True`` (rank masking,
 ``legacy.ll_shrink``) runs on the CPU backend, and on CUDA in the native kernels (``ll_native=True``, ipc or a
 loopback group; ``low_latency_clean_mask_buffer`` is then a collective; compiled and host-tested, not yet run on a
 GPU). ``low_latency_combine(use_logfmt=True)`` sends each expert output row LogFMT-10 encoded and adds its float32
@@ -769,14 +770,10 @@ class Buffer(LowLatencyMode):
         the step (every rank agreed on every size before it)."""
         recv, sent, tokens, num_tokens = splits
         n, k = self.group_size, int(w.shape[1])
-        host = dist.get_backend(self.group) != "nccl"  # gloo exchanges host tensors
+        # gloo exchanges host tensors; a loopback group's ranks (no ProcessGroup) exchange them on their channel
+        host = self.group is None or dist.get_backend(self.group) != "nccl"
         src = w.contiguous().cpu() if host else w.contiguous()
-        if self._channel is None:  # loopback ranks (threads): no host channel, the group's own collective
-            back = src.new_empty((sum(sent), k))
-            dist.all_to_all_single(
-                back, src, output_split_sizes=sent, input_split_sizes=recv, group=self.group
-            )
-            return self._add_weights(back.to(w.device), tokens, sent, num_tokens)
+        assert self._channel is not None  # (a GPU loopback group, which has none, refuses normal mode)
         mine: tuple = (recv, sent, None)
         if host:
             parts = torch.split(src, recv)
@@ -827,9 +824,10 @@ class Buffer(LowLatencyMode):
         offset: int = 0,
         use_rdma_buffer: bool = False,
     ) -> torch.Tensor:
-        raise NotImplementedError(
-            "get_local_buffer_tensor: ep's symmetric storage is not exposed as a raw tensor"
-        )
+        """A view of this rank's own buffer memory (``legacy.local_tensor``: which region, ``offset`` in bytes)."""
+        from .local_tensor import local_buffer_tensor
+
+        return local_buffer_tensor(self, dtype, size, offset, use_rdma_buffer)
 
     @staticmethod
     def is_sm90_compiled() -> bool:
