@@ -45,6 +45,8 @@ if [[ $what == main ]]; then
     ep-torch/tests/test_torch_comm.py -k nccl
   # issue 42: defer_epilogue / borrow_recv on CUDA (one rank over nccl; a 2-rank loopback group)
   step defer 90 "${pt[@]}" -s ep-torch/tests/test_torch_defer_borrow_gpu.py
+  # issue 42: V1 get_local_buffer_tensor (2 processes over ipc, one rank over nccl, a 2-rank loopback group)
+  step v1local 60 "${pt[@]}" ep-torch/tests/test_torch_v1_local_buffer.py
   step host_time 90 python3 benchmarks/bench_host_overhead.py --out "$out/logs" --rounds 3
 else
   # issue 44: the decode step (each loopback rank in turn: dispatch, work, combine) that failed in session 4
