@@ -16,6 +16,7 @@ import importlib
 from typing import Any
 
 from ep_core import elastic_memory, planner
+from ep_core._env import knobs
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.buffer_base import BufferBase
 from ep_core.envelope import Channel
@@ -400,15 +401,20 @@ class EPBuffer(BufferBase):
             )
         )
 
-    def run_dispatch(self, args: DispatchArgs) -> DispatchResult:
+    def run_dispatch(self, args: DispatchArgs, lane: tuple | None = None) -> DispatchResult:
         """`dispatch` of its argument record (ep_torch's road, and `dispatch`'s own): validated through the
         prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own), then
-        run by the executor."""
+        run by the executor; `lane`: `keep_lane`'s `(kind, match, scalars, handle)`, the framework's wish to keep
+        this call's plan (one call into this module per operation)."""
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
-            return self._dispatch(args)
-        with self.announcing("dispatch"):
-            return self._dispatch(args)
+            res = self._dispatch(args)
+        else:
+            with self.announcing("dispatch"):
+                res = self._dispatch(args)
+        if lane is not None:
+            self.keep_lane(lane[0], "dispatch", *lane[1:])
+        return res
 
     def _dispatch(self, args: DispatchArgs) -> DispatchResult:
         if self._destroyed:
@@ -446,7 +452,8 @@ class EPBuffer(BufferBase):
         call with `scalars` (the same object, or an equal int) before calling the plan."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         plan = None
-        if last is not None and not self._destroyed:
+        # (`EPKIT_EXPRESS_LANE=0` or no `match`: no plan to ask)
+        if last is not None and not self._destroyed and match is not None and knobs.express_lane:
             token, x_dtype, allocator, copy = last
             plans = getattr(getattr(self._executor, "rank", None), "plans", None)  # a GPU rank's plan cache
             kept = None if token is None or plans is None else plans.get(token)
@@ -519,15 +526,19 @@ class EPBuffer(BufferBase):
         check_zero_copy_args(h, hidden=hidden)
         return ex.combine_buffer(h, hidden)
 
-    def run_combine(self, args: CombineArgs) -> CombineResult:
+    def run_combine(self, args: CombineArgs, lane: tuple | None = None) -> CombineResult:
         """`combine` of its argument record (ep_torch's road; a zero-copy call, rule C7 too, under request-cache
         keys of its own, whose repeats launch the zero-copy kernel: the executor checks each call's `x` is its
-        combine buffer)."""
+        combine buffer); `lane` as `run_dispatch`'s."""
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
-            return self._combine(args)
-        with self.announcing("combine"):
-            return self._combine(args)
+            res = self._combine(args)
+        else:
+            with self.announcing("combine"):
+                res = self._combine(args)
+        if lane is not None:
+            self.keep_lane(lane[0], "combine", *lane[1:])
+        return res
 
     def _combine(self, args: CombineArgs) -> CombineResult:
         if self._destroyed:

@@ -33,7 +33,6 @@ import ep_layout
 import numpy as np
 
 from ep_core import device_array as _device_array
-from ep_core._env import knobs
 from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
@@ -325,9 +324,8 @@ class DispatchPlan:
     def keep(self, buffer: Any, x_dtype: str, allocator: Any, match: Any, handle: Any = None) -> Any:
         """This plan kept for `buffer`'s framework (`EPBuffer.keep_lane`, module doc), or None where it cannot
         serve one: another rank's plan, an untrusted allocator or one without `batch`, an empty routing (the handle
-        aliases it), a CPU-sync zero-copy dispatch, a cached dispatch with CPU sync or FP8 scales, or
-        `EPKIT_EXPRESS_LANE=0`. `match(x, ...)`: a later call's array pointers or None; `handle`: a cached
-        dispatch's, whose key part it keeps."""
+        aliases it), a CPU-sync zero-copy dispatch, a cached dispatch with CPU sync or FP8 scales. `match(x, ...)`:
+        a later call's array pointers or None; `handle`: a cached dispatch's, whose key part it keeps."""
         if (handle is None) is self.cached or (self.cached and (self.cpu_sync or self.sf_dtype is not None)):
             return None
         batch = _kept(self, buffer, allocator, match, handle)
@@ -733,10 +731,11 @@ class DispatchPlan:
 
 
 def _kept(plan: Any, buffer: Any, allocator: Any, match: Any, handle: Any) -> Any:
-    """`keep`'s common part: the allocator's `batch` after the checks every kept plan passes (the knob, `match`,
-    the rank, a trusted allocator, the handle's key part where there is a handle, kept on the plan), else None."""
-    executor = buffer.executor
-    if not knobs.express_lane or match is None or plan.rank is not getattr(executor, "rank", None):
+    """`keep`'s common part: the allocator's `batch` after the checks every kept plan passes (the rank, a trusted
+    allocator, the handle's key part where there is a handle, kept on the plan; `EPBuffer.keep_lane` checked the
+    knob and `match`), else None."""
+    executor = buffer._executor  # (the field: no call back into the buffer's module)
+    if plan.rank is not getattr(executor, "rank", None):
         return None
     batch = getattr(allocator, "batch", None)
     if batch is None or not is_trusted_allocator(allocator):
