@@ -38,6 +38,8 @@ from ep_core.topology import MAX_TOPK, Topology
 from ep_core.validation import (
     check_handle,
     check_zero_copy_args,
+    handle_fingerprint,
+    is_trusted_allocator,
     trust_handle,
 )
 
@@ -102,6 +104,12 @@ class _Announcing:
 
 
 _NESTED = contextlib.nullcontext()  # `announcing` nested in an outer block of the same buffer (reusable)
+
+
+def _plan_of(executor: Any, token: Any) -> Any:
+    """The plan of a prepared entry's token in a GPU rank's one plan cache (`RankDriver.plans`), or None."""
+    plans = getattr(getattr(executor, "rank", None), "plans", None)
+    return None if token is None or plans is None else plans.get(token)
 
 
 _SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
@@ -427,7 +435,12 @@ class EPBuffer(BufferBase):
             raise EPConfigError(
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
-        res = ex.dispatch(req)
+        # the plan of the request's prepared entry serves it (`DispatchPlan.serve`; None: declined), else the
+        # executor's full path, which records the plan
+        plan = _plan_of(ex, req.prepared)
+        res = None if plan is None else plan.serve(ex, req)
+        if res is None:
+            res = ex.dispatch(req)
         self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
         # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
         # passes the handle checks by construction: recorded as validated, so that its combine does not check
@@ -444,7 +457,7 @@ class EPBuffer(BufferBase):
         `_SIBLINGS` plans kept before it for the same `scalars` and other arrays, tried when its own do not match),
         and return it: the plan itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or
         handle, topk_weights, stream)`; None (nothing kept for `kind`) where that call's plan cannot serve one
-        (`DispatchPlan.keep`: an empty routing, no repeat yet, an allocator without `batch`, `match` None).
+        (`_keepable`: an empty routing, no repeat yet, an allocator without `batch`, `match` None).
         `match(x, ...)` compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx,
         topk_weights)` for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x,
         topk_weights)` for a cached dispatch of `handle` or a combine with `handle`. The caller made that call with
@@ -455,11 +468,10 @@ class EPBuffer(BufferBase):
         # (`EPKIT_EXPRESS_LANE=0` or no `match`: no plan to ask)
         if last is not None and not self._destroyed and match is not None and knobs.express_lane:
             token, x_dtype, allocator, copy = last
-            plans = getattr(getattr(self._executor, "rank", None), "plans", None)  # a GPU rank's plan cache
-            kept = None if token is None or plans is None else plans.get(token)
+            kept = _plan_of(self._executor, token)
             if kept is not None and kept.op == op:
                 kept.handle_copy = copy  # a dispatch's `do_handle_copy` (a combine's True: unread)
-                plan = kept.keep(self, x_dtype, allocator, match, handle)
+                plan = self._keepable(kept, x_dtype, allocator, match, handle)
         front = self._lanes.get(kind)
         if plan is not None:
             plan.scalars = scalars
@@ -472,6 +484,40 @@ class EPBuffer(BufferBase):
                 plan.siblings = []
         self._lanes[kind] = plan
         return plan
+
+    def _keepable(self, plan: Any, x_dtype: str, allocator: Any, match: Any, handle: Any) -> Any:
+        """`plan` set up to serve the framework's later calls (`keep_lane`; `match(x, ...)`: their pointers or
+        None; `handle`: a cached dispatch's or a combine's, whose key part it keeps), or None: another rank's plan,
+        an untrusted allocator or one without `batch`, a dispatch with a handle unlike its kind, a cached one with
+        CPU sync or FP8 scales, and what `batched` refuses (an empty routing, a CPU-sync zero-copy dispatch)."""
+        ex = self._executor
+        if plan.op == "combine":
+            refused = handle is None
+        else:  # a cached dispatch keeps its handle's key part, others have none; none with CPU sync or FP8 scales
+            refused = (handle is None) is plan.cached or (
+                plan.cached and (plan.cpu_sync or plan.sf_dtype is not None)
+            )
+        batch = getattr(allocator, "batch", None)
+        if (
+            refused
+            or plan.rank is not getattr(ex, "rank", None)
+            or batch is None
+            or not is_trusted_allocator(allocator)
+        ):
+            return None
+        if handle is not None:
+            try:  # the handle's part of the entry's key (`PreparedOps`: its scalar fields, `topk_idx`'s shape)
+                fp = handle_fingerprint(self.config, ex, handle)
+            except Exception:
+                return None
+            plan._handle_key = (fp[0][1], fp[0][2][0])
+            if plan._handle_key[1] is None:
+                return None
+        plan.buffer, plan._executor, plan.match = self, ex, match
+        plan._comm, plan._events = ex.stream.handle, ex.stream_events()
+        from ep_core.kernels.plan_batch import batched  # (a GPU rank's plan: its package is loaded)
+
+        return plan if batched(plan, allocator, x_dtype, batch) else None
 
     def combine(
         self,
@@ -550,7 +596,10 @@ class EPBuffer(BufferBase):
             )
         ex = self._executor
         req = self._prepared.combine(ex, args)
-        res = ex.combine(req)
+        plan = _plan_of(ex, req.prepared)  # (`_dispatch`'s)
+        res = None if plan is None else plan.serve(ex, req)
+        if res is None:
+            res = ex.combine(req)
         self._last_combine = (req.prepared, "bfloat16", req.allocator, True)  # `keep_lane`'s
         return res
 
