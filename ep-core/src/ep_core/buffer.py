@@ -38,8 +38,6 @@ from ep_core.topology import MAX_TOPK, Topology
 from ep_core.validation import (
     check_handle,
     check_zero_copy_args,
-    handle_fingerprint,
-    is_trusted_allocator,
     trust_handle,
 )
 
@@ -411,9 +409,9 @@ class EPBuffer(BufferBase):
 
     def run_dispatch(self, args: DispatchArgs, lane: tuple | None = None) -> DispatchResult:
         """`dispatch` of its argument record (ep_torch's road, and `dispatch`'s own): validated through the
-        prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own), then
-        run by the executor; `lane`: `keep_lane`'s `(kind, match, scalars, handle)`, the framework's wish to keep
-        this call's plan (one call into this module per operation)."""
+        prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own),
+        served by the entry's plan or the executor's full path; `lane`: `keep_lane`'s `(kind, match, scalars, handle)`
+        for this call's plan."""
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
             res = self._dispatch(args)
@@ -452,17 +450,13 @@ class EPBuffer(BufferBase):
     def keep_lane(
         self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
     ) -> Any:
-        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`
-        (the caller's name for a kind of call: it holds the plan of its last call, whose `siblings` are up to
-        `_SIBLINGS` plans kept before it for the same `scalars` and other arrays, tried when its own do not match),
-        and return it: the plan itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or
-        handle, topk_weights, stream)`; None (nothing kept for `kind`) where that call's plan cannot serve one
-        (`_keepable`: an empty routing, no repeat yet, an allocator without `batch`, `match` None).
-        `match(x, ...)` compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx,
-        topk_weights)` for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x,
-        topk_weights)` for a cached dispatch of `handle` or a combine with `handle`. The caller made that call with
-        no handle (unless `handle`), previous events or comm-stream allocation, and compares every scalar of a later
-        call with `scalars` (the same object, or an equal int) before calling the plan."""
+        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") as the framework's lane `kind` (its
+        `siblings`: up to `_SIBLINGS` plans kept before it for the same `scalars`, other arrays) and return it, or
+        None where it cannot serve (`ep_core.kernels.kept_plan.keep`). The caller made that call with no handle (unless `handle`), previous
+        events or comm-stream allocation; it calls the plan as `plan(x, topk_idx or handle, topk_weights, stream)`
+        once a later call's scalars are `scalars` (the same object, or an equal int); `match(x, ...)` compares the
+        arrays, `(x, topk_idx, topk_weights)` (FP8: `(data, scales, topk_idx, topk_weights)`) or `(x, topk_weights)`
+        with a handle, and returns their pointers or None."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         plan = None
         # (`EPKIT_EXPRESS_LANE=0` or no `match`: no plan to ask)
@@ -471,7 +465,9 @@ class EPBuffer(BufferBase):
             kept = _plan_of(self._executor, token)
             if kept is not None and kept.op == op:
                 kept.handle_copy = copy  # a dispatch's `do_handle_copy` (a combine's True: unread)
-                plan = self._keepable(kept, x_dtype, allocator, match, handle)
+                from ep_core.kernels.kept_plan import keep  # (a GPU rank's plan: its package is loaded)
+
+                plan = keep(kept, self, self._executor, x_dtype, allocator, match, handle)
         front = self._lanes.get(kind)
         if plan is not None:
             plan.scalars = scalars
@@ -484,40 +480,6 @@ class EPBuffer(BufferBase):
                 plan.siblings = []
         self._lanes[kind] = plan
         return plan
-
-    def _keepable(self, plan: Any, x_dtype: str, allocator: Any, match: Any, handle: Any) -> Any:
-        """`plan` set up to serve the framework's later calls (`keep_lane`; `match(x, ...)`: their pointers or
-        None; `handle`: a cached dispatch's or a combine's, whose key part it keeps), or None: another rank's plan,
-        an untrusted allocator or one without `batch`, a dispatch with a handle unlike its kind, a cached one with
-        CPU sync or FP8 scales, and what `batched` refuses (an empty routing, a CPU-sync zero-copy dispatch)."""
-        ex = self._executor
-        if plan.op == "combine":
-            refused = handle is None
-        else:  # a cached dispatch keeps its handle's key part, others have none; none with CPU sync or FP8 scales
-            refused = (handle is None) is plan.cached or (
-                plan.cached and (plan.cpu_sync or plan.sf_dtype is not None)
-            )
-        batch = getattr(allocator, "batch", None)
-        if (
-            refused
-            or plan.rank is not getattr(ex, "rank", None)
-            or batch is None
-            or not is_trusted_allocator(allocator)
-        ):
-            return None
-        if handle is not None:
-            try:  # the handle's part of the entry's key (`PreparedOps`: its scalar fields, `topk_idx`'s shape)
-                fp = handle_fingerprint(self.config, ex, handle)
-            except Exception:
-                return None
-            plan._handle_key = (fp[0][1], fp[0][2][0])
-            if plan._handle_key[1] is None:
-                return None
-        plan.buffer, plan._executor, plan.match = self, ex, match
-        plan._comm, plan._events = ex.stream.handle, ex.stream_events()
-        from ep_core.kernels.plan_batch import batched  # (a GPU rank's plan: its package is loaded)
-
-        return plan if batched(plan, allocator, x_dtype, batch) else None
 
     def combine(
         self,

@@ -112,7 +112,7 @@ class BufferContext:
     @staticmethod
     def refusal(context_idx: Any, buffer: str) -> EPValueError | None:
         """The error of a barrier's ``context_idx`` on a buffer of one context (None and 0 pass), its message
-        beginning with ``buffer`` (the call and the buffer's kind), or None; the caller raises it in its own block."""
+        beginning with ``buffer``, or None (the caller raises it in its own block)."""
         if context_idx in (None, 0):
             return None
         return EPValueError(f"{buffer} has one communication context (0), got {context_idx}")

@@ -226,34 +226,61 @@ class GpuExecutor:
         return self.enter_event, self.leave_event
 
     def dispatch(self, req: Any) -> Any:
-        """The full path of a request (`RankDriver.dispatch`), which records its plan under the request's token in
-        the rank's plan cache; `EPBuffer` has a later request of that token served by the plan (`DispatchPlan.serve`)."""
-        rank = self.rank
-        token = req.prepared
-        fresh = req.async_with_compute_stream
+        """The full path of a request (`RankDriver.dispatch`: views of every argument, every check; `_full`); a later
+        request of its token is served by the plan it records (`EPBuffer` -> `DispatchPlan.serve`). A zero-copy
+        dispatch's outputs are the rank's views of its receive region (the allocator makes the handle's arrays)."""
         idx = req.topk_idx
         # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
         # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`); none for an empty routing
-        alloc = self._allocator(req, req.x.dtype)
         want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
         copy = self._routing_copy(req, idx) if want_copy else None
-        wait, signal, ev = self.stream_pairs(req.stream, fresh)
+
+        def launch(record: bool) -> Any:
+            return self.rank.dispatch(
+                _view(req.x),
+                _view(idx),
+                _view(req.topk_weights),
+                sf=_view(req.sf),
+                num_experts=req.num_experts,
+                expert_alignment=req.expert_alignment,
+                do_expand=req.do_expand,
+                do_cpu_sync=req.do_cpu_sync,
+                deterministic=req.deterministic,
+                do_zero_padding=req.do_zero_padding,
+                use_tma_aligned_col_major_sf=req.use_tma_aligned_col_major_sf,
+                handle=req.handle,
+                num_sms=req.num_sms,
+                cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
+                record=record,
+                topk_idx_copy=copy,
+                zero_copy=req.zero_copy,
+            )
+
+        res, alloc, ev = self._full(req, req.x.dtype, launch)
+        if res.handle is not req.handle and idx is not None:
+            res.handle.topk_idx = idx.obj if copy is None else copy
+            if want_copy and alloc.trusted:
+                note_handle_topk_idx(self.rank, res.handle, copy, idx.dtype == "int32")
+        return dispatch_result(res, req, ev)
+
+    def _full(self, req: Any, dtype: str, launch: Any) -> tuple:
+        """`(launch(record), allocator wrapper, leave event)`: a full path with the request's allocator as the
+        rank's, the stream-order pairs around its launches, its plan kept under the request's token."""
+        rank, token = self.rank, req.prepared
+        alloc = self._allocator(req, dtype)
+        wait, signal, ev = self.stream_pairs(req.stream, req.async_with_compute_stream)
         rank._allocator = alloc
         try:
-            if wait is not None:  # the pairs around the full path's launches
+            if wait is not None:
                 record_wait(wait[0], wait[1], self.stream.handle)
-            res = self._dispatch(req, token is not None, copy)
+            res = launch(token is not None)
             if token is not None:
                 rank.plans.keep(token, rank.last_repeat)
             if signal is not None:
                 record_wait(signal[0], self.stream.handle, signal[1])
-            if res.handle is not req.handle and idx is not None:
-                res.handle.topk_idx = idx.obj if copy is None else copy
-                if want_copy and alloc.trusted:
-                    note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
         finally:
             rank._allocator = None
-        return dispatch_result(res, req, ev)
+        return res, alloc, ev
 
     def _routing_copy(self, req: Any, idx: Any) -> Any:
         """A new handle's array for its copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor
@@ -261,63 +288,28 @@ class GpuExecutor:
         fills it (`RankDriver.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
         return req.allocator(idx.shape, idx.dtype)
 
-    def _dispatch(self, req: Any, record: bool, copy: Any = None) -> Any:
-        """The full path of `RankDriver.dispatch` (views of every argument, every check); `copy`: the new
-        handle's copy of the routing, filled by the kernel. A zero-copy dispatch's outputs are the rank's views of its
-        receive region (the allocator makes the handle's arrays only)."""
-        return self.rank.dispatch(
-            _view(req.x),
-            _view(req.topk_idx),
-            _view(req.topk_weights),
-            sf=_view(req.sf),
-            num_experts=req.num_experts,
-            expert_alignment=req.expert_alignment,
-            do_expand=req.do_expand,
-            do_cpu_sync=req.do_cpu_sync,
-            deterministic=req.deterministic,
-            do_zero_padding=req.do_zero_padding,
-            use_tma_aligned_col_major_sf=req.use_tma_aligned_col_major_sf,
-            handle=req.handle,
-            num_sms=req.num_sms,
-            cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
-            record=record,
-            topk_idx_copy=copy,
-            zero_copy=req.zero_copy,
-        )
-
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
         """This rank's zero-copy combine buffer (`RankDriver.combine_buffer`)."""
         return self.rank.combine_buffer(handle, hidden)
 
     def combine(self, req: Any) -> Any:
         """The full path of a combine request (`RankDriver.combine`; `dispatch`'s, with `CombinePlan.serve`)."""
-        rank = self.rank
-        token = req.prepared
-        fresh = req.async_with_compute_stream
-        alloc = self._allocator(req, "bfloat16")
-        wait, signal, ev = self.stream_pairs(req.stream, fresh)
-        rank._allocator = alloc
-        try:
-            if wait is not None:  # the pairs around the full path's launches
-                record_wait(wait[0], wait[1], self.stream.handle)
-            bias = tuple(_view(b) for b in req.bias)
-            res = rank.combine(
+        bias = tuple(_view(b) for b in req.bias)
+
+        def launch(record: bool) -> Any:
+            return self.rank.combine(
                 _view(req.x),
                 req.handle,
                 topk_weights=_view(req.topk_weights),
                 bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
                 allow_multiple_reduction=req.allow_multiple_reduction,
                 num_sms=req.num_sms,
-                record=token is not None,
+                record=record,
                 zero_copy=req.zero_copy,
             )
-            if token is not None:
-                rank.plans.keep(token, rank.last_repeat)
-            if signal is not None:
-                record_wait(signal[0], self.stream.handle, signal[1])
-        finally:
-            rank._allocator = None
-        res.event = ev if fresh else None  # this call's own result object
+
+        res, _alloc, ev = self._full(req, "bfloat16", launch)
+        res.event = ev if req.async_with_compute_stream else None  # this call's own result object
         return res
 
     def barrier(self) -> None:

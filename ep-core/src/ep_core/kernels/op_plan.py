@@ -16,7 +16,7 @@ Two callers: `EPBuffer` with a request `PreparedOps` proved (`serve`: the execut
 fields, so the road enters no executor module), and a framework that proves the key itself (ep_torch: the host
 extension's native `Signature.match` returns the arrays' pointers or None; the scalars compared by identity with
 `scalars`), which calls the plans `EPBuffer.keep_lane` kept for it (`__call__`; the last of a kind, those of other
-shapes as its `siblings`): allocations from the allocator's `batch` (`ep_core.kernels.plan_batch`), the new handle
+shapes as its `siblings`): allocations from the allocator's `batch` (`ep_core.kernels.kept_plan`), the new handle
 recorded as validated, an error before the launch giving up the call's step; None for what it does not cover.
 """
 
@@ -36,7 +36,7 @@ from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
 from ep_core.kernels.array_block import Int32Block
-from ep_core.kernels.plan_batch import batched, output_specs
+from ep_core.kernels.kept_plan import batched, output_specs
 from ep_core.kernels.prepared_launch import _NO_PAIR, PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
 from ep_core.validation import (

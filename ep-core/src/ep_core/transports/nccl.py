@@ -236,10 +236,8 @@ class NcclStorage:
         self.closed = False
 
     def lsa_team_short(self: Any, num_ranks: int) -> bool:
-        """The one rule of load/store reach over nccl: whether NCCL's LSA team is smaller than the group of
-        `num_ranks` (several nodes), whose peers outside it are then not load/store reachable. Called unbound on any
-        storage by the copy engine and V1's native kernels (`NcclStorage.lsa_team_short(storage, n)`: False for a
-        storage with no LSA team, ipc's), each with its own refusal."""
+        """Whether NCCL's LSA team is smaller than the `num_ranks` of the group (its peers outside it are not load/store
+        reachable); called unbound on any storage (False without an LSA team: ipc's), each caller with its refusal."""
         lsa = getattr(self, "lsa_size", None)
         return lsa is not None and lsa != int(num_ranks)
 

@@ -219,9 +219,9 @@ def native_refusal(inner: Any, explicit: bool = False) -> str:
     from ep_core.transports.nccl import NcclStorage
 
     if NcclStorage.lsa_team_short(storage, rt.num_ranks):  # peers outside the LSA team: not reachable
+        n = int(rt.num_ranks)
         return (
-            f"the nccl transport reaches {storage.lsa_size} of the {int(rt.num_ranks)} ranks by load/store (NCCL's "
-            "LSA team)"
+            f"the nccl transport reaches {storage.lsa_size} of the {n} ranks by load/store (NCCL's LSA team)"
         )
     if getattr(storage, "lsa_size", None) is not None and not explicit:
         return "the nccl transport is taken only with an explicit ll_native=True"

@@ -1,15 +1,43 @@
-"""A plan's allocations by one call of a trusted allocator's `batch` (ep_torch's host extension: one C call for a
-call's outputs, the routing copy and the new handle's int32 block), set up once per plan and allocator: at
-`EPBuffer.keep_lane`, or at a plan's first `serve` with that allocator. The per-call side (`_alloc()`, the
-`_made` batch, `_kept_outputs`) is the plan's own (`ep_core.kernels.op_plan`)."""
+"""A plan (`ep_core.kernels.op_plan`) kept for a framework's repeats (`EPBuffer.keep_lane`): the checks that it can
+serve them, and its allocations by one call of a trusted allocator's `batch` (ep_torch's host extension: one C call
+for a call's outputs, the routing copy and the new handle's int32 block), set up once per plan and allocator (at
+`keep`, or at a plan's first `serve` with that allocator). The per-call side (`_alloc()`, `_made`, `_kept_outputs`)
+is the plan's own."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ep_core.kernels.array_block import Int32Block
+from ep_core.validation import handle_fingerprint, is_trusted_allocator
 
-__all__ = ["batched", "output_specs"]
+__all__ = ["batched", "keep", "output_specs"]
+
+
+def keep(plan: Any, buffer: Any, ex: Any, x_dtype: str, allocator: Any, match: Any, handle: Any) -> Any:
+    """`plan` set up to serve the framework of `buffer` on executor `ex` (`match(x, ...)`: a later call's pointers
+    or None; `handle`: a cached dispatch's or a combine's, whose key part it keeps), or None: another rank's plan,
+    an untrusted allocator or one without `batch`, a handle unlike the plan's kind, a cached dispatch with CPU sync
+    or FP8 scales, and what `batched` refuses."""
+    keyed = plan.op == "combine" or plan.cached  # (a plan keyed by its handle's layout)
+    if (handle is None) is keyed or (
+        keyed and plan.op == "dispatch" and (plan.cpu_sync or plan.sf_dtype is not None)
+    ):
+        return None
+    batch = getattr(allocator, "batch", None)
+    if batch is None or plan.rank is not getattr(ex, "rank", None) or not is_trusted_allocator(allocator):
+        return None
+    if handle is not None:
+        try:  # the handle's part of the entry's key (`PreparedOps`: its scalar fields, `topk_idx`'s shape)
+            fp = handle_fingerprint(buffer.config, ex, handle)
+        except Exception:
+            return None
+        plan._handle_key = (fp[0][1], fp[0][2][0])
+        if plan._handle_key[1] is None:
+            return None
+    plan.buffer, plan._executor, plan.match = buffer, ex, match
+    plan._comm, plan._events = ex.stream.handle, ex.stream_events()
+    return plan if batched(plan, allocator, x_dtype, batch) else None
 
 
 def batched(plan: Any, allocator: Any, x_dtype: str, batch: Any) -> bool:
