@@ -110,6 +110,14 @@ def _plan_of(executor: Any, token: Any) -> Any:
     return None if token is None or plans is None else plans.get(token)
 
 
+def _served(executor: Any, req: Any, full: Any) -> Any:
+    """A request's result: its entry's plan serves it (`DispatchPlan.serve` / `CombinePlan.serve`; None where it
+    declines), else `full(req)`, the executor's full path, which records the plan for the next call."""
+    plan = _plan_of(executor, req.prepared)
+    res = None if plan is None else plan.serve(executor, req)
+    return full(req) if res is None else res
+
+
 _SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
 
 
@@ -412,14 +420,17 @@ class EPBuffer(BufferBase):
         prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own),
         served by the entry's plan or the executor's full path; `lane`: `keep_lane`'s `(kind, match, scalars, handle)`
         for this call's plan."""
+        return self._run("dispatch", self._dispatch, args, lane)
+
+    def _run(self, op: str, run: Any, args: Any, lane: tuple | None) -> Any:
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
-            res = self._dispatch(args)
+            res = run(args)
         else:
-            with self.announcing("dispatch"):
-                res = self._dispatch(args)
+            with self.announcing(op):
+                res = run(args)
         if lane is not None:
-            self.keep_lane(lane[0], "dispatch", *lane[1:])
+            self.keep_lane(lane[0], op, *lane[1:])
         return res
 
     def _dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -433,12 +444,7 @@ class EPBuffer(BufferBase):
             raise EPConfigError(
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
-        # the plan of the request's prepared entry serves it (`DispatchPlan.serve`; None: declined), else the
-        # executor's full path, which records the plan
-        plan = _plan_of(ex, req.prepared)
-        res = None if plan is None else plan.serve(ex, req)
-        if res is None:
-            res = ex.dispatch(req)
+        res = _served(ex, req, ex.dispatch)
         self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
         # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
         # passes the handle checks by construction: recorded as validated, so that its combine does not check
@@ -538,15 +544,7 @@ class EPBuffer(BufferBase):
         """`combine` of its argument record (ep_torch's road; a zero-copy call, rule C7 too, under request-cache
         keys of its own, whose repeats launch the zero-copy kernel: the executor checks each call's `x` is its
         combine buffer); `lane` as `run_dispatch`'s."""
-        # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
-        if self._announcing_depth:
-            res = self._combine(args)
-        else:
-            with self.announcing("combine"):
-                res = self._combine(args)
-        if lane is not None:
-            self.keep_lane(lane[0], "combine", *lane[1:])
-        return res
+        return self._run("combine", self._combine, args, lane)
 
     def _combine(self, args: CombineArgs) -> CombineResult:
         if self._destroyed:
@@ -558,10 +556,7 @@ class EPBuffer(BufferBase):
             )
         ex = self._executor
         req = self._prepared.combine(ex, args)
-        plan = _plan_of(ex, req.prepared)  # (`_dispatch`'s)
-        res = None if plan is None else plan.serve(ex, req)
-        if res is None:
-            res = ex.combine(req)
+        res = _served(ex, req, ex.combine)
         self._last_combine = (req.prepared, "bfloat16", req.allocator, True)  # `keep_lane`'s
         return res
 

@@ -83,9 +83,8 @@ def _flat(items: Any) -> Iterator[Any]:
 
 def _match(arrays: tuple, allocator: Any) -> Any:
     """The host extension's native comparison of a later call's arrays with these (`ep_core.EPBuffer.keep_lane`'s
-    `match`; the extension's `signature`, kept on the allocator: one C call), or None: arrays a signature cannot
-    hold. An FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two tensors (the plan passes them apart):
-    `match` returns both pointers, then the others'."""
+    `match`, from the `signature` kept on the allocator), or None: arrays a signature cannot hold. An FP8 ``x``
+    (``(data, scales)``) is matched as its two tensors: `match` returns both pointers, then the others'."""
     signature = allocator.signature
     x = arrays[0]
     try:

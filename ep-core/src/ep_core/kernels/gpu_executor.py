@@ -226,14 +226,14 @@ class GpuExecutor:
         return self.enter_event, self.leave_event
 
     def dispatch(self, req: Any) -> Any:
-        """The full path of a request (`RankDriver.dispatch`: views of every argument, every check; `_full`); a later
-        request of its token is served by the plan it records (`EPBuffer` -> `DispatchPlan.serve`). A zero-copy
-        dispatch's outputs are the rank's views of its receive region (the allocator makes the handle's arrays)."""
+        """The full path of a request (`RankDriver.dispatch`: every check; `_full`), whose plan serves the later
+        requests of its token (`DispatchPlan.serve`); a zero-copy one's outputs are views of its receive region."""
         idx = req.topk_idx
-        # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
-        # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`); none for an empty routing
+        # the handle's own copy of the routing (`do_handle_copy`: the caller may overwrite its tensor), from the
+        # request's allocator: the dispatch kernel fills it as it reads the routing, so it costs no copy on the
+        # stream (`OpArgs::topk_idx_copy`); none for an empty routing
         want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
-        copy = self._routing_copy(req, idx) if want_copy else None
+        copy = req.allocator(idx.shape, idx.dtype) if want_copy else None
 
         def launch(record: bool) -> Any:
             return self.rank.dispatch(
@@ -281,12 +281,6 @@ class GpuExecutor:
         finally:
             rank._allocator = None
         return res, alloc, ev
-
-    def _routing_copy(self, req: Any, idx: Any) -> Any:
-        """A new handle's array for its copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor
-        after the call), from the request's allocator with the routing's shape and dtype; the dispatch kernel
-        fills it (`RankDriver.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
-        return req.allocator(idx.shape, idx.dtype)
 
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
         """This rank's zero-copy combine buffer (`RankDriver.combine_buffer`)."""

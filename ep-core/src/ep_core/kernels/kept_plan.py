@@ -15,10 +15,10 @@ __all__ = ["batched", "keep", "output_specs"]
 
 
 def keep(plan: Any, buffer: Any, ex: Any, x_dtype: str, allocator: Any, match: Any, handle: Any) -> Any:
-    """`plan` set up to serve the framework of `buffer` on executor `ex` (`match(x, ...)`: a later call's pointers
-    or None; `handle`: a cached dispatch's or a combine's, whose key part it keeps), or None: another rank's plan,
-    an untrusted allocator or one without `batch`, a handle unlike the plan's kind, a cached dispatch with CPU sync
-    or FP8 scales, and what `batched` refuses."""
+    """`plan` set up to serve `buffer`'s framework (`match(x, ...)`: a later call's pointers or None; `handle`: whose
+    key part a cached dispatch or a combine keeps), or None: another rank's plan, an untrusted allocator or one
+    without `batch`, a handle unlike the plan's kind, a cached dispatch with CPU sync or FP8 scales, what `batched`
+    refuses."""
     keyed = plan.op == "combine" or plan.cached  # (a plan keyed by its handle's layout)
     if (handle is None) is keyed or (
         keyed and plan.op == "dispatch" and (plan.cpu_sync or plan.sf_dtype is not None)

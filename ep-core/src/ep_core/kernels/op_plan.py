@@ -216,22 +216,17 @@ def run_launch(rank: Any, launch: Any, values: tuple, collective: bool, wait: An
     stream = rank.res.stream.handle
     native = launch.native
     if native is None:
-        launch.run(values, stream, wait, signal)
+        code = 1
+    elif wait is None and signal is None:
+        code = native(stream, values)
     else:
-        if wait is None and signal is None:
-            code = native(stream, values)
-        else:
-            w_ev, w_on = wait if wait is not None else _NO_PAIR
-            s_ev, s_to = signal if signal is not None else _NO_PAIR
-            code = native(stream, values, w_ev.handle, w_on, s_ev.handle, s_to)
-        if code < 0:  # launched; the signal pair failed: the Python pair raises the driver's error
-            record_wait(signal[0], stream, signal[1])
-        elif code > 0:  # nothing launched: the Python path, which raises the driver's error
-            if wait is not None:
-                record_wait(wait[0], wait[1], stream)
-            launch.launch(launch.patch(values), stream)
-            if signal is not None:
-                record_wait(signal[0], stream, signal[1])
+        w_ev, w_on = wait if wait is not None else _NO_PAIR
+        s_ev, s_to = signal if signal is not None else _NO_PAIR
+        code = native(stream, values, w_ev.handle, w_on, s_ev.handle, s_to)
+    if code > 0:  # no native path, or nothing launched: the Python path, which raises the driver's error
+        launch.run(values, stream, wait, signal)
+    elif code < 0:  # launched; the signal pair failed: the Python pair raises the driver's error
+        record_wait(signal[0], stream, signal[1])
     if collective:
         rank._num_collective_launches += 1
 
@@ -471,9 +466,8 @@ class DispatchPlan:
         return handle
 
     def serve(self, ex: Any, req: Any) -> DispatchResult | None:
-        """`GpuExecutor.dispatch` of a request of this plan's prepared entry (`EPBuffer` calls it itself: a
-        repeat's road enters no executor module): the routing copy (`do_handle_copy`; from the batch where the
-        allocator has one), the run with the stream pairs. None: nothing done but the copy (the full path)."""
+        """A request of this plan's prepared entry, from `EPBuffer` (no executor module on the road): the routing
+        copy (from the allocator's batch where it has one), the run. None: nothing done but the copy (full path)."""
         rank, idx, x_name = self.rank, req.topk_idx, req.x.dtype
         if rank is not ex.rank:
             return None
@@ -711,9 +705,8 @@ class DispatchPlan:
 
 
 def _served(plan: Any, ex: Any, req: Any, dtype: str) -> tuple:
-    """`GpuExecutor`'s part of a served call: `(allocator wrapper, wait, signal, leave event)`. The wrapper
-    (`GpuExecutor._allocator`) and the executor's stream events are kept on the plan at its first call with an
-    allocator; the pairs are a kept plan's (`_kept_pairs`), an async call's `GpuExecutor.stream_pairs` (new event)."""
+    """The executor's part of a served call, `(allocator wrapper, wait, signal, leave event)`: its wrapper and stream
+    events kept on the plan per allocator, a kept plan's pairs (`_kept_pairs`; async: `stream_pairs`, new event)."""
     if plan._wrapped[0] is not req.allocator:
         plan._wrapped = (req.allocator, ex._allocator(req, dtype))
         plan._comm, plan._events = ex.stream.handle, ex.stream_events()
