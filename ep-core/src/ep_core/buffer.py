@@ -16,6 +16,7 @@ import importlib
 from typing import Any
 
 from ep_core import elastic_memory, planner
+from ep_core._env import knobs
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.buffer_base import BufferBase
 from ep_core.envelope import Channel
@@ -101,6 +102,20 @@ class _Announcing:
 
 
 _NESTED = contextlib.nullcontext()  # `announcing` nested in an outer block of the same buffer (reusable)
+
+
+def _plan_of(executor: Any, token: Any) -> Any:
+    """The plan of a prepared entry's token in a GPU rank's one plan cache (`RankDriver.plans`), or None."""
+    plans = getattr(getattr(executor, "rank", None), "plans", None)
+    return None if token is None or plans is None else plans.get(token)
+
+
+def _served(executor: Any, req: Any, full: Any) -> Any:
+    """A request's result: its entry's plan serves it (`DispatchPlan.serve` / `CombinePlan.serve`; None where it
+    declines), else `full(req)`, the executor's full path, which records the plan for the next call."""
+    plan = _plan_of(executor, req.prepared)
+    res = None if plan is None else plan.serve(executor, req)
+    return full(req) if res is None else res
 
 
 _SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
@@ -400,15 +415,23 @@ class EPBuffer(BufferBase):
             )
         )
 
-    def run_dispatch(self, args: DispatchArgs) -> DispatchResult:
+    def run_dispatch(self, args: DispatchArgs, lane: tuple | None = None) -> DispatchResult:
         """`dispatch` of its argument record (ep_torch's road, and `dispatch`'s own): validated through the
-        prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own), then
-        run by the executor."""
+        prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own),
+        served by the entry's plan or the executor's full path; `lane`: `keep_lane`'s `(kind, match, scalars, handle)`
+        for this call's plan."""
+        return self._run("dispatch", self._dispatch, args, lane)
+
+    def _run(self, op: str, run: Any, args: Any, lane: tuple | None) -> Any:
         # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
         if self._announcing_depth:
-            return self._dispatch(args)
-        with self.announcing("dispatch"):
-            return self._dispatch(args)
+            res = run(args)
+        else:
+            with self.announcing(op):
+                res = run(args)
+        if lane is not None:
+            self.keep_lane(lane[0], op, *lane[1:])
+        return res
 
     def _dispatch(self, args: DispatchArgs) -> DispatchResult:
         if self._destroyed:
@@ -421,7 +444,7 @@ class EPBuffer(BufferBase):
             raise EPConfigError(
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
-        res = ex.dispatch(req)
+        res = _served(ex, req, ex.dispatch)
         self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
         # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
         # passes the handle checks by construction: recorded as validated, so that its combine does not check
@@ -461,26 +484,24 @@ class EPBuffer(BufferBase):
     def keep_lane(
         self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
     ) -> Any:
-        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`
-        (the caller's name for a kind of call: it holds the plan of its last call, whose `siblings` are up to
-        `_SIBLINGS` plans kept before it for the same `scalars` and other arrays, tried when its own do not match),
-        and return it: the plan itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or
-        handle, topk_weights, stream)`; None (nothing kept for `kind`) where that call's plan cannot serve one
-        (`DispatchPlan.keep`: an empty routing, no repeat yet, an allocator without `batch`, `match` None).
-        `match(x, ...)` compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx,
-        topk_weights)` for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x,
-        topk_weights)` for a cached dispatch of `handle` or a combine with `handle`. The caller made that call with
-        no handle (unless `handle`), previous events or comm-stream allocation, and compares every scalar of a later
-        call with `scalars` (the same object, or an equal int) before calling the plan."""
+        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") as the framework's lane `kind` (its
+        `siblings`: up to `_SIBLINGS` plans kept before it for the same `scalars`, other arrays) and return it, or
+        None where it cannot serve (`ep_core.kernels.kept_plan.keep`). The caller made that call with no handle (unless `handle`), previous
+        events or comm-stream allocation; it calls the plan as `plan(x, topk_idx or handle, topk_weights, stream)`
+        once a later call's scalars are `scalars` (the same object, or an equal int); `match(x, ...)` compares the
+        arrays, `(x, topk_idx, topk_weights)` (FP8: `(data, scales, topk_idx, topk_weights)`) or `(x, topk_weights)`
+        with a handle, and returns their pointers or None."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         plan = None
-        if last is not None and not self._destroyed:
+        # (`EPKIT_EXPRESS_LANE=0` or no `match`: no plan to ask)
+        if last is not None and not self._destroyed and match is not None and knobs.express_lane:
             token, x_dtype, allocator, copy = last
-            plans = getattr(getattr(self._executor, "rank", None), "plans", None)  # a GPU rank's plan cache
-            kept = None if token is None or plans is None else plans.get(token)
+            kept = _plan_of(self._executor, token)
             if kept is not None and kept.op == op:
                 kept.handle_copy = copy  # a dispatch's `do_handle_copy` (a combine's True: unread)
-                plan = kept.keep(self, x_dtype, allocator, match, handle)
+                from ep_core.kernels.kept_plan import keep  # (a GPU rank's plan: its package is loaded)
+
+                plan = keep(kept, self, self._executor, x_dtype, allocator, match, handle)
         front = self._lanes.get(kind)
         if plan is not None:
             plan.scalars = scalars
@@ -547,15 +568,11 @@ class EPBuffer(BufferBase):
         check_zero_copy_args(h, hidden=hidden)
         return ex.combine_buffer(h, hidden)
 
-    def run_combine(self, args: CombineArgs) -> CombineResult:
+    def run_combine(self, args: CombineArgs, lane: tuple | None = None) -> CombineResult:
         """`combine` of its argument record (ep_torch's road; a zero-copy call, rule C7 too, under request-cache
         keys of its own, whose repeats launch the zero-copy kernel: the executor checks each call's `x` is its
-        combine buffer)."""
-        # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
-        if self._announcing_depth:
-            return self._combine(args)
-        with self.announcing("combine"):
-            return self._combine(args)
+        combine buffer); `lane` as `run_dispatch`'s."""
+        return self._run("combine", self._combine, args, lane)
 
     def _combine(self, args: CombineArgs) -> CombineResult:
         if self._destroyed:
@@ -567,7 +584,7 @@ class EPBuffer(BufferBase):
             )
         ex = self._executor
         req = self._prepared.combine(ex, args)
-        res = ex.combine(req)
+        res = _served(ex, req, ex.combine)
         self._last_combine = (req.prepared, "bfloat16", req.allocator, True)  # `keep_lane`'s
         return res
 

@@ -382,27 +382,6 @@ _new_object = object.__new__
 _set_attr = object.__setattr__
 
 
-def _make_info(
-    ptr: int, shape: tuple, dtype: str, strides: tuple, device: str, device_id: int, obj: Any
-) -> ArrayInfo:
-    """`ArrayInfo(...)` without the frozen dataclass's per-field `object.__setattr__` (same fields, same object)."""
-    info = _new_object(ArrayInfo)
-    _set_attr(
-        info,
-        "__dict__",
-        {
-            "ptr": ptr,
-            "shape": shape,
-            "dtype": dtype,
-            "strides": strides,
-            "device": device,
-            "device_id": device_id,
-            "obj": obj,
-        },
-    )
-    return info
-
-
 def _torch_layout(t: Any, layouts: dict, size: Any, stride: tuple, name: str, via_cai: bool) -> tuple:
     """What `describe` reports for a torch tensor of this dtype, sizes and element strides, a pure function of
     them (torch's contiguity is too): `(shape, byte strides on the CPU, byte strides on CUDA, pointer read on
@@ -436,7 +415,7 @@ _torch_reader: Callable[[Any], tuple | None] | None = None
 
 def _from_torch(t: Any) -> ArrayInfo | None:
     """The fast path for a plain torch tensor, or None when the slow path must decide. Per dtype, the layout part
-    is looked up by (sizes, strides) (`_torch_layout`); the `ArrayInfo` is built inline (as `_make_info` does):
+    is looked up by (sizes, strides) (`_torch_layout`); the `ArrayInfo` is built inline (its frozen dataclass's `__dict__`, no per-field `__setattr__`):
     this runs for every array of every call."""
     reader = _torch_reader
     if reader is not None:

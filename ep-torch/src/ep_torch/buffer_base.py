@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from ep_core.buffer_base import NUM_ALLOCATION_ALIGN_BYTES, NUM_RDMA_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES
 from ep_core.buffer_base import BufferAllocator as _CorePlan
-from ep_core.errors import EPConfigError, EPStateError, EPTypeError
+from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
 
 __all__ = [
     "BufferAllocator",
@@ -108,6 +108,14 @@ class BufferContext:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank {self.rank_idx} of {self.num_ranks})"
+
+    @staticmethod
+    def refusal(context_idx: Any, buffer: str) -> EPValueError | None:
+        """The error of a barrier's ``context_idx`` on a buffer of one context (None and 0 pass), its message
+        beginning with ``buffer``, or None (the caller raises it in its own block)."""
+        if context_idx in (None, 0):
+            return None
+        return EPValueError(f"{buffer} has one communication context (0), got {context_idx}")
 
 
 class BufferAllocator:

@@ -84,21 +84,18 @@ def _flat(items: Any) -> Iterator[Any]:
             yield a
 
 
-def _match(arrays: tuple) -> Any:
+def _match(arrays: tuple, allocator: Any) -> Any:
     """The host extension's native comparison of a later call's arrays with these (`ep_core.EPBuffer.keep_lane`'s
-    `match`), or None: no host extension (the allocator offers no `batch`), or arrays a signature cannot hold. An
-    FP8 ``x`` (a ``(data, scales)`` tuple) is matched as its two tensors (the plan passes them apart): `match`
-    returns both pointers, then the others'."""
-    native = host_extension.module()
+    `match`, from the `signature` kept on the allocator), or None: arrays a signature cannot hold. An FP8 ``x``
+    (``(data, scales)``) is matched as its two tensors: `match` returns both pointers, then the others'."""
+    signature = allocator.signature
     x = arrays[0]
-    if native is None:
-        return None
     try:
         if type(x) is torch.Tensor:
-            return native.signature(*arrays).match
+            return signature(*arrays).match
         if type(x) is tuple and len(x) == 2 and type(x[0]) is type(x[1]) is torch.Tensor:
             # the plan passes an FP8 x's two tensors apart (`ep_core.kernels.op_plan.DispatchPlan.__call__`)
-            return native.signature(x[0], x[1], *arrays[1:]).match
+            return signature(x[0], x[1], *arrays[1:]).match
     except (TypeError, ValueError):  # a subclass, autograd, a layout describe reads itself
         pass
     return None
@@ -194,6 +191,7 @@ class DispatchCombine:
                     return functools.partial(native.empty_many, made, index)
 
                 allocate.batch = batch  # type: ignore[attr-defined]
+                allocate.signature = native.signature  # type: ignore[attr-defined]  # (`_match`'s)
 
             else:
 
@@ -436,6 +434,12 @@ class DispatchCombine:
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
             device = first.device if isinstance(first, torch.Tensor) else self.device
             allocator = self._allocators.get(device) or self._announced("dispatch", self._allocator, device)
+            lane = None  # this call's plan kept as the lane of its kind, for the next one (`batch`: host extension)
+            if plain and kind is not None and getattr(allocator, "batch", None) is not None:
+                arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
+                if cumulative_local_expert_recv_stats is not None:
+                    arrays += (cumulative_local_expert_recv_stats,)
+                lane = (kind, _match(arrays, allocator), lane_scalars, handle)
             with self._scope(None, previous_event, async_with_compute_stream) if scoped else _NO_SCOPE:
                 res = rt.run_dispatch(
                     DispatchArgs(
@@ -463,7 +467,8 @@ class DispatchCombine:
                         allocator,
                         _current_stream(self._device_index) if self._cuda else 0,
                         zero_copy,
-                    )
+                    ),
+                    lane,
                 )
                 # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
                 # handle's tensors need recording on the streams
@@ -473,13 +478,6 @@ class DispatchCombine:
                     if async_with_compute_stream
                     else EventOverlap(None)
                 )
-            # the express lane of this call, for the next one (the allocator offers `batch` where the host
-            # extension is loaded)
-            if plain and kind is not None and getattr(allocator, "batch", None) is not None:
-                arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
-                if cumulative_local_expert_recv_stats is not None:
-                    arrays += (cumulative_local_expert_recv_stats,)
-                rt.keep_lane(kind, "dispatch", _match(arrays), lane_scalars, handle)
         if handle is None:
             if not do_handle_copy:
                 res.handle.topk_idx = (
@@ -742,20 +740,19 @@ class DispatchCombine:
         if a.allocator is None:  # this device's first call
             device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
             a = a._replace(allocator=self._announced("combine", self._allocator, device))
+        lane = None
+        if keep is not None and getattr(a.allocator, "batch", None) is not None:
+            match = _match((a.x, a.topk_weights), a.allocator) if keep[1] else None
+            lane = (keep[0], match, (a.num_sms, a.num_qps, a.async_with_compute_stream), a.handle)
         if not scoped:
-            res = rt.run_combine(a)
+            res = rt.run_combine(a, lane)
         else:  # (in its scope the current stream is the comm stream)
             with self._scope(None, a.previous_event, a.async_with_compute_stream):
                 stream = _current_stream(self._device_index) if self._cuda else 0
-                res = rt.run_combine(a._replace(stream=stream))
+                res = rt.run_combine(a._replace(stream=stream), lane)
         if a.async_with_compute_stream:  # on the stream the operation ended on
             outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
             event = self._event(outs, scoped)
         else:
             event = EventOverlap(None)
-        if keep is not None and getattr(a.allocator, "batch", None) is not None:
-            match = _match((a.x, a.topk_weights)) if keep[1] else None
-            rt.keep_lane(
-                keep[0], "combine", match, (a.num_sms, a.num_qps, a.async_with_compute_stream), a.handle
-            )
         return res.combined_x, res.combined_topk_weights, event

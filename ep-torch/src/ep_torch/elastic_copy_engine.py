@@ -41,6 +41,7 @@ import torch.utils.dlpack
 from ep_core import engram, pp
 from ep_core.device_array import bytes_capsule
 from ep_core.errors import EPConfigError
+from ep_core.transports.nccl import NcclStorage
 
 __all__ = ["CopyEngineBackend"]
 
@@ -64,11 +65,10 @@ def _peer_bases(storage: Any, num_ranks: int, rank: int) -> list[int]:
     """Every rank's allocation base as mapped in this process: the ipc storage's peer mappings, or nccl's LSA
     pointers where NCCL's LSA team is the whole group (one node). The same refusal on every rank, before any
     collective step."""
-    lsa = getattr(storage, "lsa_size", None)
-    if lsa is not None and lsa != num_ranks:
+    if NcclStorage.lsa_team_short(storage, num_ranks):
         raise EPConfigError(
             f"transport: PP, Engram and AGRS over nccl need every rank in NCCL's LSA team (one NVLink "
-            f"domain); {lsa} of the {num_ranks} ranks are (rank {rank}); across nodes they "
+            f"domain); {storage.lsa_size} of the {num_ranks} ranks are (rank {rank}); across nodes they "
             "would need network puts, which ep does not implement for them: run them on a group of one node"
         )
     if not hasattr(storage, "peer_bases"):

@@ -492,10 +492,9 @@ class EngramBuffer:
     ) -> None:
         """A barrier over the group (``deep_ep.comm.barrier``'s parameters; one context: 0)."""
         with self._guard("barrier"):
-            if context_idx not in (None, 0):
-                raise EPValueError(
-                    f"barrier: an EngramBuffer has one communication context (0), got {context_idx}"
-                )
+            refused = BufferContext.refusal(context_idx, "barrier: an EngramBuffer")
+            if refused is not None:
+                raise refused
             self._buf().barrier(wait_comm_stream, with_cpu_sync, sequential)
 
     @property

@@ -225,12 +225,10 @@ class EPBufferSurface:
         context_idx: int | None = None,
     ) -> None:
         """A barrier over every rank of the buffer (``deep_ep.comm.barrier``'s parameters; one context: 0)."""
-        if context_idx not in (None, 0):
+        refused = BufferContext.refusal(context_idx, f"barrier (rank {self.rank_idx}): an EPBuffer")  # type: ignore[attr-defined]
+        if refused is not None:
             with self._core.announcing("barrier"):  # type: ignore[attr-defined]  # the peers wait in theirs
-                raise EPValueError(
-                    f"barrier (rank {self.rank_idx}): an EPBuffer has one communication context (0), got "  # type: ignore[attr-defined]
-                    f"{context_idx}"
-                )
+                raise refused
         super().barrier(wait_comm_stream, with_cpu_sync, sequential)  # type: ignore[misc]
 
     @property

@@ -24,7 +24,7 @@ from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
 from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
-from ep_core.kernels.op_plan import note_handle_topk_idx
+from ep_core.kernels.op_plan import dispatch_result, note_handle_topk_idx
 from ep_core.kernels.plan import epilogue_share, rank_sm_share
 from ep_core.kernels.prepared_launch import record_wait
 from ep_core.kernels.rank_driver import RankDriver, RankResources, count_ranks_on_device
@@ -226,109 +226,43 @@ class GpuExecutor:
         return self.enter_event, self.leave_event
 
     def dispatch(self, req: Any) -> Any:
-        rank = self.rank
-        token = req.prepared
-        plan = None if token is None else rank.plans.get(token)  # the entry's plan, in the rank's cache
-        if plan is not None and plan.rank is not rank:
-            plan = None
-        fresh = req.async_with_compute_stream
-        res = None
+        """The full path of a request (`RankDriver.dispatch`: every check; `_full`), whose plan serves the later
+        requests of its token (`DispatchPlan.serve`); a zero-copy one's outputs are views of its receive region."""
         idx = req.topk_idx
-        # the handle's own copy of the routing (`do_handle_copy`): the dispatch kernel fills it as it reads the
-        # routing, so it costs no copy on the stream (`OpArgs::topk_idx_copy`); none for an empty routing
-        alloc = self._allocator(req, req.x.dtype)
+        # the handle's own copy of the routing (`do_handle_copy`: the caller may overwrite its tensor), from the
+        # request's allocator: the dispatch kernel fills it as it reads the routing, so it costs no copy on the
+        # stream (`OpArgs::topk_idx_copy`); none for an empty routing
         want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
-        # a plan whose allocations are one call of the allocator's `batch` (`DispatchPlan.batched`; the copy in it)
-        batched = (
-            plan is not None
-            and alloc.batch is not None
-            and want_copy is not plan.cached
-            and _batched(plan, req.allocator, req.x.dtype, alloc.batch)
-        )
-        copy = self._routing_copy(req, idx) if want_copy and not batched else None
-        trusted = want_copy and alloc.trusted
-        wait, signal, ev = self.stream_pairs(req.stream, fresh)
+        copy = req.allocator(idx.shape, idx.dtype) if want_copy else None
+
+        def launch(record: bool) -> Any:
+            return _rank_dispatch(self.rank.dispatch, req, record, copy)
+
+        res, alloc, ev = self._full(req, req.x.dtype, launch)
+        if res.handle is not req.handle and idx is not None:
+            res.handle.topk_idx = idx.obj if copy is None else copy
+            if want_copy and alloc.trusted:
+                note_handle_topk_idx(self.rank, res.handle, copy, idx.dtype == "int32")
+        return dispatch_result(res, req, ev)
+
+    def _full(self, req: Any, dtype: str, launch: Any) -> tuple:
+        """`(launch(record), allocator wrapper, leave event)`: a full path with the request's allocator as the
+        rank's, the stream-order pairs around its launches, its plan kept under the request's token."""
+        rank, token = self.rank, req.prepared
+        alloc = self._allocator(req, dtype)
+        wait, signal, ev = self.stream_pairs(req.stream, req.async_with_compute_stream)
         rank._allocator = alloc
         try:
-            # the plan of a prepared entry (ep_core.kernels.op_plan): its run makes the new handle with its routing
-            # (the copy) itself; None from it (nothing done): the full path. A zero-copy request has its own
-            # entries (`zero_copy` is in the request cache's key), so its plan is one
-            if plan is not None:
-                sf, w = req.sf, req.topk_weights
-                stats = req.cumulative_local_expert_recv_stats
-                res = plan.run(
-                    req.x.ptr,
-                    0 if sf is None else sf.ptr,
-                    0 if idx is None else idx.ptr,
-                    0 if w is None else w.ptr,
-                    0 if stats is None else stats.ptr,
-                    req.handle,
-                    None if idx is None else idx.obj,
-                    req.allocator,
-                    req.x.dtype,
-                    wait,
-                    signal,
-                    copy,
-                    batched,
-                    trusted,
-                )
-            if res is None:
-                if want_copy and copy is None:  # declined before its batch
-                    copy = self._routing_copy(req, idx)
-                if wait is not None:  # the pairs around the full path's launches
-                    record_wait(wait[0], wait[1], self.stream.handle)
-                res = self._dispatch(req, token is not None, copy)
-                if token is not None:
-                    rank.plans.keep(token, rank.last_repeat)
-                if signal is not None:
-                    record_wait(signal[0], self.stream.handle, signal[1])
-                if res.handle is not req.handle and idx is not None:
-                    res.handle.topk_idx = idx.obj if copy is None else copy
-                    if trusted:
-                        note_handle_topk_idx(rank, res.handle, copy, idx.dtype == "int32")
+            if wait is not None:
+                record_wait(wait[0], wait[1], self.stream.handle)
+            res = launch(token is not None)
+            if token is not None:
+                rank.plans.keep(token, rank.last_repeat)
+            if signal is not None:
+                record_wait(signal[0], self.stream.handle, signal[1])
         finally:
             rank._allocator = None
-            if batched:
-                plan._made = None  # the outputs are the caller's alone
-        if req.zero_copy:
-            # the rank's views name numpy's dtypes (bf16 data reads as uint16): the request's, as the allocator's
-            # arrays of an ordinary dispatch carry (so recv_x passes rule C1 of a combine, for one)
-            res.recv_x.dtype = req.x.dtype
-            if res.recv_sf is not None:
-                res.recv_sf.dtype = req.sf.dtype
-        res.event = ev if fresh else None  # this call's own result object
-        return res
-
-    def _routing_copy(self, req: Any, idx: Any) -> Any:
-        """A new handle's array for its copy of `topk_idx` (`do_handle_copy`: the caller may overwrite its tensor
-        after the call), from the request's allocator with the routing's shape and dtype; the dispatch kernel
-        fills it (`RankDriver.launch_dispatch`'s `topk_idx_copy`), in stream order like every output."""
-        return req.allocator(idx.shape, idx.dtype)
-
-    def _dispatch(self, req: Any, record: bool, copy: Any = None, launch_only: bool = False) -> Any:
-        """The full path of `RankDriver.dispatch` (views of every argument, every check); `copy`: the new
-        handle's copy of the routing, filled by the kernel. A zero-copy dispatch's outputs are the rank's views of its
-        receive region (the allocator makes the handle's arrays only). `launch_only`: `launch_dispatch` alone (its
-        pending call, for `finish_dispatch`)."""
-        return (self.rank.launch_dispatch if launch_only else self.rank.dispatch)(
-            _view(req.x),
-            _view(req.topk_idx),
-            _view(req.topk_weights),
-            sf=_view(req.sf),
-            num_experts=req.num_experts,
-            expert_alignment=req.expert_alignment,
-            do_expand=req.do_expand,
-            do_cpu_sync=req.do_cpu_sync,
-            deterministic=req.deterministic,
-            do_zero_padding=req.do_zero_padding,
-            use_tma_aligned_col_major_sf=req.use_tma_aligned_col_major_sf,
-            handle=req.handle,
-            num_sms=req.num_sms,
-            cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
-            record=record,
-            topk_idx_copy=copy,
-            zero_copy=req.zero_copy,
-        )
+        return res, alloc, ev
 
     def launch_dispatch_deferred(self, req: Any) -> Any:
         """DeepEP 2.5's `defer_epilogue`: `req`'s dispatch kernel alone, on the full path (no kept plan; no routing
@@ -344,7 +278,7 @@ class GpuExecutor:
         try:
             if wait is not None:
                 record_wait(wait[0], wait[1], self.stream.handle)
-            pending = self._dispatch(req, False, None, True)
+            pending = _rank_dispatch(rank.launch_dispatch, req, False, None)
         finally:
             rank._allocator = None
 
@@ -368,45 +302,23 @@ class GpuExecutor:
         return self.rank.combine_buffer(handle, hidden)
 
     def combine(self, req: Any) -> Any:
-        rank = self.rank
-        token = req.prepared
-        plan = None if token is None else rank.plans.get(token)  # the entry's plan, in the rank's cache
-        fresh = req.async_with_compute_stream
-        res = None
-        alloc = self._allocator(req, "bfloat16")
-        wait, signal, ev = self.stream_pairs(req.stream, fresh)
-        rank._allocator = alloc
-        try:
-            # the plan of a prepared entry (ep_core.kernels.op_plan); None from its run: the full path
-            if plan is not None and plan.rank is rank:  # zero-copy: its own entries, so its plan is one
-                w = 0 if req.topk_weights is None else req.topk_weights.ptr
-                bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
-                # (the outputs from the allocator's `batch` where it has one)
-                batched = alloc.batch is not None and _batched(plan, req.allocator, "bfloat16", alloc.batch)
-                res = plan.run(
-                    req.x.ptr, w, bias[0], bias[1], req.handle, req.allocator, wait, signal, batched
-                )
-            if res is None:
-                if wait is not None:  # the pairs around the full path's launches
-                    record_wait(wait[0], wait[1], self.stream.handle)
-                bias = tuple(_view(b) for b in req.bias)
-                res = rank.combine(
-                    _view(req.x),
-                    req.handle,
-                    topk_weights=_view(req.topk_weights),
-                    bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
-                    allow_multiple_reduction=req.allow_multiple_reduction,
-                    num_sms=req.num_sms,
-                    record=token is not None,
-                    zero_copy=req.zero_copy,
-                )
-                if token is not None:
-                    rank.plans.keep(token, rank.last_repeat)
-                if signal is not None:
-                    record_wait(signal[0], self.stream.handle, signal[1])
-        finally:
-            rank._allocator = None
-        res.event = ev if fresh else None  # this call's own result object
+        """The full path of a combine request (`RankDriver.combine`; `dispatch`'s, with `CombinePlan.serve`)."""
+        bias = tuple(_view(b) for b in req.bias)
+
+        def launch(record: bool) -> Any:
+            return self.rank.combine(
+                _view(req.x),
+                req.handle,
+                topk_weights=_view(req.topk_weights),
+                bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
+                allow_multiple_reduction=req.allow_multiple_reduction,
+                num_sms=req.num_sms,
+                record=record,
+                zero_copy=req.zero_copy,
+            )
+
+        res, _alloc, ev = self._full(req, "bfloat16", launch)
+        res.event = ev if req.async_with_compute_stream else None  # this call's own result object
         return res
 
     def barrier(self) -> None:
@@ -429,15 +341,33 @@ class GpuExecutor:
             self._destroyed = True
 
 
-def _batched(plan: Any, allocator: Any, x_dtype: str, batch: Any) -> bool:
-    """`plan.batched(...)`, read as the plan's field for a known allocator (no call into op_plan before the run)."""
-    known = plan.batching
-    return known[1] if known[0] is allocator else plan.batched(allocator, x_dtype, batch)
-
-
 def _c_strides(shape: tuple) -> tuple:
     out, acc = [], 1
     for d in reversed(shape):
         out.append(acc)
         acc *= d
     return tuple(reversed(out))
+
+
+def _rank_dispatch(call: Any, req: Any, record: bool, copy: Any) -> Any:
+    """`call` (`RankDriver.dispatch`, or `launch_dispatch` for a deferred epilogue) on views of `req`'s arrays, every
+    check on; `copy`: the new handle's copy of the routing, filled by the kernel."""
+    return call(
+        _view(req.x),
+        _view(req.topk_idx),
+        _view(req.topk_weights),
+        sf=_view(req.sf),
+        num_experts=req.num_experts,
+        expert_alignment=req.expert_alignment,
+        do_expand=req.do_expand,
+        do_cpu_sync=req.do_cpu_sync,
+        deterministic=req.deterministic,
+        do_zero_padding=req.do_zero_padding,
+        use_tma_aligned_col_major_sf=req.use_tma_aligned_col_major_sf,
+        handle=req.handle,
+        num_sms=req.num_sms,
+        cumulative_local_expert_recv_stats=_view(req.cumulative_local_expert_recv_stats),
+        record=record,
+        topk_idx_copy=copy,
+        zero_copy=req.zero_copy,
+    )

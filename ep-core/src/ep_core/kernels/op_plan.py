@@ -4,21 +4,20 @@ as the first call of that signature resolved it, and the one per-call code of ev
 The signature is the key of a prepared-operation entry (`ep_core.prepared`), whose request passed the full
 validation; so everything `RankDriver` derives from it (kernel configuration, regions, SM count, flags, launch
 shape, prepared launches, output shapes, envelope fields) is what the first call derived. Its full path
-(`record=True`) leaves a `DispatchPlan` / `CombinePlan` in `RankDriver.last_repeat`, and the rank's plan cache
-(`RankDriver.plans`) keeps it under the entry's token. `run()` does only what changes per call: the guard and the handle's
-state, the pointers, the allocations, the envelope's sequence number, the launches (their per-call words built
-here: `dispatch_words`, `combine_words`, `epilogue_outputs`), the new handle, the error report. What the key does
-not cover (the last operation's scratch, `debug_skip_scaleout_signal`, the handle's `topk_idx` layout, a hybrid
-handle's forward metadata, a missing prepared epilogue) is checked per call: `run()` then returns None having done
-nothing, and the caller takes the full path, which raises what an uncached call raises.
+(`record=True`) leaves a `DispatchPlan` / `CombinePlan` in `RankDriver.last_repeat`, which the rank's plan cache
+(`RankDriver.plans`) keeps under the entry's token. `run()` does only what changes per call: the guard and the
+handle's state, the pointers, the allocations, the envelope's sequence number, the launches (their per-call words:
+`dispatch_words`, `combine_words`, `epilogue_outputs`), the new handle, the error report. What the key does not cover
+(the last operation's scratch, `debug_skip_scaleout_signal`, the handle's `topk_idx` layout, a hybrid handle's
+forward metadata, a missing prepared epilogue) is checked per call: `run()` then returns None having done nothing,
+and the caller takes the full path, which raises what an uncached call raises.
 
-`GpuExecutor` calls `run()` after `PreparedOps` proved the key. A framework that proves it itself (ep_torch: the
-host extension's native `Signature.match` returns the arrays' pointers or None; the scalars compared by identity
-with `scalars`) keeps the plans of its calls of a kind (`EPBuffer.keep_lane` -> `keep`: the last, with those of
-other shapes as its `siblings`) and calls the plan (`__call__`): stream pairs issued with the launches, allocations
-from the allocator's `batch` (one C call for the outputs, the routing copy and the handle's int32 block; a CPU-sync
-or cached dispatch's outputs one batch per row count), the new handle recorded as validated. An error before the
-launch gives up the call's step (`EPBuffer.announcing`); `__call__` returns None for what it does not cover.
+Two callers: `EPBuffer` with a request `PreparedOps` proved (`serve`: the executor's part of the call read from its
+fields, so the road enters no executor module), and a framework that proves the key itself (ep_torch: the host
+extension's native `Signature.match` returns the arrays' pointers or None; the scalars compared by identity with
+`scalars`), which calls the plans `EPBuffer.keep_lane` kept for it (`__call__`; the last of a kind, those of other
+shapes as its `siblings`): allocations from the allocator's `batch` (`ep_core.kernels.kept_plan`), the new handle
+recorded as validated, an error before the launch giving up the call's step; None for what it does not cover.
 """
 
 from __future__ import annotations
@@ -33,17 +32,16 @@ import ep_layout
 import numpy as np
 
 from ep_core import device_array as _device_array
-from ep_core._env import knobs
 from ep_core.handle import BLOCK_PARTS, MISSING, EPHandle
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE, OP_DISPATCH
 from ep_core.kernels.array_block import Int32Block
+from ep_core.kernels.kept_plan import batched, output_specs
 from ep_core.kernels.prepared_launch import _NO_PAIR, PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
 from ep_core.validation import (
     check_handle_key,
     handle_fingerprint,
-    is_trusted_allocator,
     trust_fingerprint,
     trust_handle,
 )
@@ -218,22 +216,17 @@ def run_launch(rank: Any, launch: Any, values: tuple, collective: bool, wait: An
     stream = rank.res.stream.handle
     native = launch.native
     if native is None:
-        launch.run(values, stream, wait, signal)
+        code = 1
+    elif wait is None and signal is None:
+        code = native(stream, values)
     else:
-        if wait is None and signal is None:
-            code = native(stream, values)
-        else:
-            w_ev, w_on = wait if wait is not None else _NO_PAIR
-            s_ev, s_to = signal if signal is not None else _NO_PAIR
-            code = native(stream, values, w_ev.handle, w_on, s_ev.handle, s_to)
-        if code < 0:  # launched; the signal pair failed: the Python pair raises the driver's error
-            record_wait(signal[0], stream, signal[1])
-        elif code > 0:  # nothing launched: the Python path, which raises the driver's error
-            if wait is not None:
-                record_wait(wait[0], wait[1], stream)
-            launch.launch(launch.patch(values), stream)
-            if signal is not None:
-                record_wait(signal[0], stream, signal[1])
+        w_ev, w_on = wait if wait is not None else _NO_PAIR
+        s_ev, s_to = signal if signal is not None else _NO_PAIR
+        code = native(stream, values, w_ev.handle, w_on, s_ev.handle, s_to)
+    if code > 0:  # no native path, or nothing launched: the Python path, which raises the driver's error
+        launch.run(values, stream, wait, signal)
+    elif code < 0:  # launched; the signal pair failed: the Python pair raises the driver's error
+        record_wait(signal[0], stream, signal[1])
     if collective:
         rank._num_collective_launches += 1
 
@@ -318,72 +311,11 @@ class DispatchPlan:
         self.match: Any = None
         self.scalars: tuple | None = None
         self.siblings: list = []  # the plans kept beside this one (`_sibling`)
-        # (the allocator whose calls `batched` answered, its answer): read by `GpuExecutor` on every call
+        # (the allocator whose calls `batched` answered, its answer): read by `serve` on every call
         self.batching: tuple = (None, False)
+        self._wrapped: tuple = (None, None)  # (allocator, `GpuExecutor`'s wrapper of it): `_served`
 
     # ------------------------------------------------------------------------------ kept by a framework
-    def keep(self, buffer: Any, x_dtype: str, allocator: Any, match: Any, handle: Any = None) -> Any:
-        """This plan kept for `buffer`'s framework (`EPBuffer.keep_lane`, module doc), or None where it cannot
-        serve one: another rank's plan, an untrusted allocator or one without `batch`, an empty routing (the handle
-        aliases it), a CPU-sync zero-copy dispatch, a cached dispatch with CPU sync or FP8 scales, or
-        `EPKIT_EXPRESS_LANE=0`. `match(x, ...)`: a later call's array pointers or None; `handle`: a cached
-        dispatch's, whose key part it keeps."""
-        if (handle is None) is self.cached or (self.cached and (self.cpu_sync or self.sf_dtype is not None)):
-            return None
-        batch = _kept(self, buffer, allocator, match, handle)
-        return self if batch is not None and self.batched(allocator, x_dtype, batch) else None
-
-    def batched(self, allocator: Any, x_dtype: str, batch: Any) -> bool:
-        """Whether this plan's calls with a trusted `allocator` allocate by one call of its `batch`, set up here (at
-        `keep` or an ordinary call's `GpuExecutor`; other allocators: one by one). Not for a cached dispatch with CPU
-        sync or FP8 scales, an empty routing, a CPU-sync zero-copy dispatch, or a call `run` declines."""
-        self.batching = (allocator, False)
-        if self.cached and (self.cpu_sync or self.sf_dtype is not None):
-            return False
-        if not self.cached:
-            if not self.int32_shapes or self.num_tokens == 0 or self.topk == 0:
-                return False
-            # a CPU-sync dispatch's metadata is allocated once its rows are known (`run`), else it is in the block
-            if ("src_metadata" in self.int32_shapes) is self.cpu_sync:
-                return False
-            rows = self.num_expanded if self.expand else self.num_recv
-            epilogue = self.prepared.epilogue_pdl if self.epilogue_pdl else self.prepared.epilogue
-            if self.zero_copy and self.cpu_sync:  # (one launch, no epilogue) a CPU-sync one is never recorded
-                return False
-            if not self.zero_copy and epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
-                return False  # what `run` declines
-            # the outputs (CPU sync: none, they follow the counts), the routing copy (`handle_copy`), the block
-            specs = [] if self.cpu_sync else self._output_specs(rows, x_dtype)
-            specs += [((self.num_tokens, self.topk), "int32" if self.idx32 else "int64")] * self.handle_copy
-            specs.append(((max(Int32Block.layout(self._int32_key)[2], 1),), "int32"))
-            self._alloc = batch(tuple(specs))
-            self._by_value: tuple | None = None  # the handles' fingerprint by value, read from the first
-        sf = self._sf_name is not None
-        has_idx = not self.expand
-        # the outputs' places in a batch (0: absent; recv_x is first): scales, recv_topk_idx, recv_topk_weights
-        self._at = (1 if sf else 0, 1 + sf if has_idx else 0, 1 + sf + has_idx if self.has_weights else 0)
-        self._made: tuple | None = None  # this call's batch (no-sync: outputs, routing copy, block)
-        self._by_rows: dict = {}
-        self._batch = batch
-        self._x_name = x_dtype
-        self.batching = (allocator, True)
-        return True
-
-    def _output_specs(self, rows: int, x_name: str) -> list:
-        """What `run` allocates for `rows` rows, in its order: recv_x, the scales (column-major: the storage
-        `[packs, align(rows, 4)]`), recv_topk_idx (not expanded), recv_topk_weights; none when zero-copy."""
-        if self.zero_copy:
-            return []
-        k = self.topk
-        specs: list = [((rows, self.hidden), x_name)]
-        if self._sf_name is not None:
-            specs.append((self.sf_layout(rows)[0], self._sf_name))
-        if not self.expand:
-            specs.append(((rows, k), "int64"))
-        if self.has_weights:
-            specs.append(((rows,) if self.expand else (rows, k), "float32"))
-        return specs
-
     def _kept_outputs(self, rows: int, num_recv: int, meta_ptr: int | None) -> tuple:
         """A kept plan's `(recv_x, recv_sf, recv_topk_idx, recv_topk_weights, metadata, epilogue words)`: a
         no-sync dispatch's from this call's batch (the metadata in the block: None); a CPU-sync dispatch's with its
@@ -397,7 +329,7 @@ class DispatchPlan:
             if made is None:
                 if len(self._by_rows) >= self._KEEP:
                     self._by_rows.clear()
-                specs = self._output_specs(rows, self._x_name)
+                specs = output_specs(self, rows, self._x_name)
                 if meta_ptr is None:
                     specs.append(((num_recv, self.topk + 2), "int32"))
                 made = self._by_rows[key] = self._batch(tuple(specs))
@@ -532,6 +464,46 @@ class DispatchPlan:
             d["recv_src_metadata"] = meta
         d[BLOCK_PARTS] = (block, self._fields, len(d) + 1, self._shapes_in_block)
         return handle
+
+    def serve(self, ex: Any, req: Any) -> DispatchResult | None:
+        """A request of this plan's prepared entry, from `EPBuffer` (no executor module on the road): the routing
+        copy (from the allocator's batch where it has one), the run. None: nothing done but the copy (full path)."""
+        rank, idx, x_name = self.rank, req.topk_idx, req.x.dtype
+        if rank is not ex.rank:
+            return None
+        alloc, wait, signal, ev = _served(self, ex, req, x_name)
+        want_copy = req.do_handle_copy and idx is not None and 0 not in idx.shape
+        known = self.batching  # (the plan's answer for a known allocator, read as a field)
+        by_batch = (
+            alloc.batch is not None
+            and want_copy is not self.cached
+            and (known[1] if known[0] is req.allocator else batched(self, req.allocator, x_name, alloc.batch))
+        )
+        copy = req.allocator(idx.shape, idx.dtype) if want_copy and not by_batch else None
+        sf, w, stats = req.sf, req.topk_weights, req.cumulative_local_expert_recv_stats
+        rank._allocator = alloc
+        try:
+            res = self.run(
+                req.x.ptr,
+                0 if sf is None else sf.ptr,
+                0 if idx is None else idx.ptr,
+                0 if w is None else w.ptr,
+                0 if stats is None else stats.ptr,
+                req.handle,
+                None if idx is None else idx.obj,
+                req.allocator,
+                x_name,
+                wait,
+                signal,
+                copy,
+                by_batch,
+                want_copy and alloc.trusted,
+            )
+        finally:
+            rank._allocator = None
+            if by_batch:
+                self._made = None  # the outputs are the caller's alone
+        return None if res is None else dispatch_result(res, req, ev)
 
     def run(
         self,
@@ -732,26 +704,26 @@ class DispatchPlan:
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
 
-def _kept(plan: Any, buffer: Any, allocator: Any, match: Any, handle: Any) -> Any:
-    """`keep`'s common part: the allocator's `batch` after the checks every kept plan passes (the knob, `match`,
-    the rank, a trusted allocator, the handle's key part where there is a handle, kept on the plan), else None."""
-    executor = buffer.executor
-    if not knobs.express_lane or match is None or plan.rank is not getattr(executor, "rank", None):
-        return None
-    batch = getattr(allocator, "batch", None)
-    if batch is None or not is_trusted_allocator(allocator):
-        return None
-    if handle is not None:
-        try:  # the handle's part of the entry's key (`PreparedOps`: its scalar fields, `topk_idx`'s shape)
-            fp = handle_fingerprint(buffer.config, executor, handle)
-        except Exception:
-            return None
-        plan._handle_key = (fp[0][1], fp[0][2][0])
-        if plan._handle_key[1] is None:
-            return None
-    plan.buffer, plan._executor, plan.match = buffer, executor, match
-    plan._comm, plan._events = executor.stream.handle, executor.stream_events()
-    return batch
+def _served(plan: Any, ex: Any, req: Any, dtype: str) -> tuple:
+    """The executor's part of a served call, `(allocator wrapper, wait, signal, leave event)`: its wrapper and stream
+    events kept on the plan per allocator, a kept plan's pairs (`_kept_pairs`; async: `stream_pairs`, new event)."""
+    if plan._wrapped[0] is not req.allocator:
+        plan._wrapped = (req.allocator, ex._allocator(req, dtype))
+        plan._comm, plan._events = ex.stream.handle, ex.stream_events()
+    if req.async_with_compute_stream or ex._destroyed:
+        return (plan._wrapped[1], *ex.stream_pairs(req.stream, req.async_with_compute_stream))
+    return (plan._wrapped[1], *_kept_pairs(plan, req.stream), None)
+
+
+def dispatch_result(res: DispatchResult, req: Any, ev: Any) -> DispatchResult:
+    """A dispatch's result: a zero-copy request's views named with its dtypes (the rank's name numpy's, bf16 reads
+    as uint16; so that recv_x passes rule C1 of a combine), an async call's leave event."""
+    if req.zero_copy:
+        res.recv_x.dtype = req.x.dtype
+        if res.recv_sf is not None:
+            res.recv_sf.dtype = req.sf.dtype
+    res.event = ev if req.async_with_compute_stream else None  # this call's own result object
+    return res
 
 
 def _sibling(plan: Any, *call: Any) -> Any:
@@ -770,7 +742,7 @@ def _idx_shape(handle: Any) -> Any:
 
 
 def _kept_pairs(plan: Any, stream: int) -> tuple:
-    """A kept plan's `(wait, signal)`: `GpuExecutor.stream_pairs(stream, False)` over the events taken at `keep`."""
+    """A plan's `(wait, signal)`: `GpuExecutor.stream_pairs(stream, False)` over the events taken at `keep` (`_served`)."""
     if stream == plan._comm:
         return None, None
     enter, leave = plan._events
@@ -804,18 +776,28 @@ class CombinePlan:
         self.match: Any = None
         self.scalars: tuple | None = None
         self.siblings: list = []  # `DispatchPlan.siblings`
+        self._wrapped: tuple = (None, None)  # `DispatchPlan._wrapped`
 
-    def keep(self, buffer: Any, x_dtype: str, allocator: Any, match: Any, handle: Any = None) -> Any:
-        """This plan kept for `buffer`'s framework (`DispatchPlan.keep`): the outputs from one `batch` call each."""
-        batch = None if handle is None else _kept(self, buffer, allocator, match, handle)
-        return None if batch is None else self if self.batched(allocator, x_dtype, batch) else None
-
-    def batched(self, allocator: Any, x_dtype: str, batch: Any) -> bool:
-        """`DispatchPlan.batched`: the outputs from one `batch` call."""
-        t, k = self.num_tokens, self.topk
-        specs = (((t, self.hidden), "bfloat16"),) + ((((t, k), "float32"),) if self.has_weights else ())
-        self._alloc, self.batching = batch(specs), (allocator, True)
-        return True
+    def serve(self, ex: Any, req: Any) -> CombineResult | None:
+        """`DispatchPlan.serve` of a combine: its outputs from the allocator's `batch` where it has one."""
+        rank = self.rank
+        if rank is not ex.rank:
+            return None
+        alloc, wait, signal, ev = _served(self, ex, req, "bfloat16")
+        w = 0 if req.topk_weights is None else req.topk_weights.ptr
+        bias = [b.ptr for b in req.bias if b is not None] + [0, 0]
+        known = self.batching
+        by_batch = alloc.batch is not None and (
+            known[1] if known[0] is req.allocator else batched(self, req.allocator, "bfloat16", alloc.batch)
+        )
+        rank._allocator = alloc
+        try:
+            res = self.run(req.x.ptr, w, bias[0], bias[1], req.handle, req.allocator, wait, signal, by_batch)
+        finally:
+            rank._allocator = None
+        if res is not None:
+            res.event = ev if req.async_with_compute_stream else None
+        return res
 
     def __call__(self, x: Any, handle: Any, weights: Any, stream: int) -> CombineResult | None:
         """The kept plan's call: the `CombineResult`, or None (nothing done: the ordinary road)."""

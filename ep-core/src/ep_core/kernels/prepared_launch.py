@@ -122,24 +122,10 @@ class PreparedLaunch:
         return out
 
     def run(self, values: tuple, stream: int, wait: Any = None, signal: Any = None) -> None:
-        """Launch the kept words with the per-call fields set to `values` (a tuple, in `dynamic` order).
-
-        `wait = (event, other)`: the launch first waits for everything queued on stream `other`; `signal =
-        (event, other)`: stream `other` then waits for the launch (`_cuda.Event`s; both in the same native call)."""
-        native = self.native
-        if native is not None:
-            if wait is None and signal is None:
-                code = native(stream, values)
-            else:
-                w_ev, w_on = wait if wait is not None else _NO_PAIR
-                s_ev, s_to = signal if signal is not None else _NO_PAIR
-                code = native(stream, values, w_ev.handle, w_on, s_ev.handle, s_to)
-            if code == 0:
-                return
-            if code < 0:  # launched; the signal pair failed: the Python pair raises the driver's error
-                record_wait(signal[0], stream, signal[1])
-                return
-        # no native path, or the native call failed before launching: the Python path (it raises the error)
+        """The Python path of a launch (`op_plan.run_launch` takes the native one, and this where it has none or
+        it launched nothing: this raises the driver's error): the kept words with the per-call fields set to `values`
+        (in `dynamic` order). `wait = (event, other)`: the launch first waits for everything queued on stream
+        `other`; `signal = (event, other)`: stream `other` then waits for the launch (`_cuda.Event`s)."""
         if wait is not None:
             record_wait(wait[0], wait[1], stream)
         self.launch(self.patch(values), stream)

@@ -235,11 +235,17 @@ class NcclStorage:
         self._peer_bases: list[int] | None = None
         self.closed = False
 
+    def lsa_team_short(self: Any, num_ranks: int) -> bool:
+        """Whether NCCL's LSA team is smaller than the `num_ranks` of the group (its peers outside it are not load/store
+        reachable); called unbound on any storage (False without an LSA team: ipc's), each caller with its refusal."""
+        lsa = getattr(self, "lsa_size", None)
+        return lsa is not None and lsa != int(num_ranks)
+
     def peer_bases(self, num_ranks: int) -> list[int]:
         """Every rank's storage base as mapped in this process (rank order), for kernels that take a table of peer
         bases (V1 low-latency mode's own kernels): the window's LSA pointers, read once (`nccl_peer_bases`). Only
         where the LSA team is the whole group (one NVLink domain: direct mode)."""
-        if self.lsa_size != int(num_ranks):
+        if self.lsa_team_short(num_ranks):
             raise EPConfigError(
                 f"peer_bases: NCCL's LSA team has {self.lsa_size} of the {int(num_ranks)} ranks (several nodes); "
                 "the peers outside it are not load/store reachable"
@@ -627,7 +633,7 @@ class NcclRank(RankDriver):
         self.bootstrap = bootstrap
         self.transport = NcclTransport(comm_ptr, lsa_barrier_count=lsa_barrier_count)
         self.storage = self.transport.allocate(bootstrap, ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES + data)
-        if self.storage.lsa_size != size:
+        if self.storage.lsa_team_short(size):
             self.storage.close()
             raise EPConfigError(
                 f"NcclRank: direct mode within one NVLink domain only, but NCCL's LSA team has "

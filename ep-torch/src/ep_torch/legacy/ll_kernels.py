@@ -216,10 +216,14 @@ def native_refusal(inner: Any, explicit: bool = False) -> str:
         storage = rt.storage
     except Exception:  # a destroyed buffer
         return "the inner buffer is destroyed"
-    lsa = getattr(storage, "lsa_size", None)  # nccl: peers outside the LSA team are not load/store reachable
-    if lsa is not None and lsa != int(rt.num_ranks):
-        return f"the nccl transport reaches {lsa} of the {int(rt.num_ranks)} ranks by load/store (NCCL's LSA team)"
-    if lsa is not None and not explicit:
+    from ep_core.transports.nccl import NcclStorage
+
+    if NcclStorage.lsa_team_short(storage, rt.num_ranks):  # peers outside the LSA team: not reachable
+        n = int(rt.num_ranks)
+        return (
+            f"the nccl transport reaches {storage.lsa_size} of the {n} ranks by load/store (NCCL's LSA team)"
+        )
+    if getattr(storage, "lsa_size", None) is not None and not explicit:
         return "the nccl transport is taken only with an explicit ll_native=True"
     if not hasattr(storage, "peer_bases") or getattr(storage, "array_device", "cuda") != "cuda":
         return f"the {type(storage).__name__} storage does not map the peers' GPU memory into this process"
