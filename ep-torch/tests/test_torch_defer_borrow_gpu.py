@@ -115,9 +115,12 @@ def _one_rank() -> None:
             assert _same(getattr(ref[3], name), getattr(got[3], name)), (name, extra)
         handle = got[3]
         # a cached dispatch, deferred, waited on another stream
-        cached = buf.dispatch(x, handle=handle, topk_weights=w)
+        # (an expanded dispatch's padding rows are defined only with do_zero_padding: the cached calls ask for it
+        # as the first did, else the two calls' fresh outputs differ there)
+        pad = {"do_zero_padding": True} if extra.get("do_zero_padding") else {}
+        cached = buf.dispatch(x, handle=handle, topk_weights=w, **pad)
         ev = buf.dispatch(
-            x, handle=handle, topk_weights=w, async_with_compute_stream=True, defer_epilogue=True
+            x, handle=handle, topk_weights=w, **pad, async_with_compute_stream=True, defer_epilogue=True
         )
         if cuda:
             with torch.cuda.stream(side):

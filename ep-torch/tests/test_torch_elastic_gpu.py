@@ -299,10 +299,11 @@ def test_bucket_on_shared_gpu(n: int, tmp_path: Path) -> None:
     _run("bucket", n, tmp_path)
 
 
-@pytest.mark.parametrize("mode", ["pp", "agrs", "engram"])
+@pytest.mark.parametrize("mode", ["pp", "engram"])
 def test_one_rank_over_nccl(mode: str, tmp_path: Path) -> None:
     """The same primitives over the nccl transport (one rank on an nccl process group: NCCL's LSA team is the whole
-    group), through the window's LSA pointers."""
+    group), through the window's LSA pointers. Not AGRS: its sessions need 2 ranks (a clear refusal at one, seen on
+    the H100 on 2026-12-07), which NCCL gives only with a GPU each (a multi-GPU machine)."""
     _run(mode, 1, tmp_path, transport="nccl")
 
 
