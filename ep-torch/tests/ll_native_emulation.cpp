@@ -38,7 +38,7 @@ inline uint64_t ep_ll_host_now_ns() {
 #define __host__
 #define __forceinline__
 #define __shared__ static
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 struct int4 { int x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
@@ -83,6 +83,7 @@ inline unsigned __ballot_sync(unsigned, bool pred) {  // every lane's predicate 
   warp_bar().arrive_and_wait();
   return r;
 }
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) { warp_bar().arrive_and_wait(); }
 inline bool __all_sync(unsigned m, bool pred) { return __ballot_sync(m, !pred) == 0u; }
 inline bool __any_sync(unsigned m, bool pred) { return __ballot_sync(m, pred) != 0u; }
 inline unsigned __shfl_xor_sync(unsigned, unsigned v, int d) { return exchange(v, (threadIdx.x & 31u) ^ (unsigned)d); }
@@ -178,7 +179,8 @@ int main(int argc, char** argv) {
     std::vector<std::vector<uint16_t>> comb(n, std::vector<uint16_t>((size_t)nt * h + 8));
     auto step = [&](const std::vector<int>& group) {
       // a step uses half 0 for the dispatch, half 1 for the combine (the host's toggle; clean restarts at half 0)
-      for (int r : group) {
+      for (int r : group) {  // one rank with the local shortcut: no send (ll_kernels.native_dispatch)
+        if (n == 1 && direct) continue;
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(ne, block, [&] {
@@ -193,7 +195,7 @@ int main(int argc, char** argv) {
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
                                lanes[r].data(), count[r].data(), range[r].data(), nullptr,
-                               reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, timeout_ms, err(r),
+                               reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, lane_pos[r].data(), timeout_ms, err(r),
                                herr[r].data(), mp(r));
         });
       }
@@ -212,7 +214,7 @@ int main(int argc, char** argv) {
             n, r, m, peers.data(), base(r), base(r) + front + L.half_bytes, direct && !logfmt, err(r), herr[r].data(),
             mp(r));
         };
-        launch(epr, block, body);
+        if (n > 1 || !direct || logfmt) launch(epr, block, body);
       }
       for (int r : group) {
         const int chunks = (h / 8 + block - 1) / block, items = nt * chunks;
