@@ -74,11 +74,14 @@ def _profile(torch, n: int, args: argparse.Namespace) -> None:
     group.run(lambda r: bufs[r].destroy())
 
 
-def _step(torch, n: int, args: argparse.Namespace, recv_blocks: int, with_gemm: bool) -> str:
-    """The decode step each rank in turn (dispatch, a stand-in GEMM, combine: every rank's receive spins on the
-    GPU the ranks share while later ranks still run their GEMMs) against the same calls unstepped (every dispatch,
-    then every combine); ``recv_blocks`` > 0 overrides the receives' grid cap (``NativeRegion.recv_blocks``). A
-    short GPU timeout (3 s) turns a starved wait into an error here instead of a hang. One line: verdict, us."""
+def _step(torch, n: int, args: argparse.Namespace, recv_blocks: int, work: str) -> str:
+    """The decode step each rank in turn (dispatch, stand-in expert work, combine: every rank's receive spins on
+    the GPU the ranks share while later ranks still run their work) against the same calls unstepped (every
+    dispatch, then every combine). ``work``: "none", "ew" (elementwise kernels: any CTA may run whenever an SM has
+    room) or "gemm" (cuBLAS: its persistent / split-K kernels may expect all their CTAs resident at once, which
+    spinning receives of other ranks can prevent). ``recv_blocks`` > 0 overrides the receives' grid cap
+    (``NativeRegion.recv_blocks``). A short GPU timeout (3 s) turns a starved wait into an error here instead of a
+    hang. One line: verdict, us."""
     import time
 
     from ep_torch.legacy import Buffer
@@ -107,10 +110,14 @@ def _step(torch, n: int, args: argparse.Namespace, recv_blocks: int, with_gemm: 
         recv, _, handle, _, _ = state[r]
         return bufs[r].low_latency_combine(recv, idx, w, handle)[0]
 
+    big = torch.ones(16 << 20, device="cuda")
+
     def step(r):
         disp(r)
-        if with_gemm:
+        if work == "gemm":
             inp[r][0] @ wmat
+        elif work == "ew":
+            big.mul(1.0001).add_(1.0)
         return comb(r)
 
     verdict = "ok"
@@ -140,7 +147,7 @@ def _step(torch, n: int, args: argparse.Namespace, recv_blocks: int, with_gemm: 
     except Exception as exc:
         verdict += f" (destroy: {type(exc).__name__})"
     blocks = recv_blocks or "default"
-    return f"EP{n} step gemm={with_gemm} recv_blocks={blocks}: {verdict}, {us:.1f} us a step (eager)"
+    return f"EP{n} step work={work} recv_blocks={blocks}: {verdict}, {us:.1f} us a step (eager)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             _profile(torch, n, args)
             continue
         for blocks in args.recv_blocks:
-            for with_gemm in (False, True):
-                print(_step(torch, n, args, blocks, with_gemm), flush=True)
+            for work in ("none", "ew", "gemm"):
+                print(_step(torch, n, args, blocks, work), flush=True)
     return 0
 
 
