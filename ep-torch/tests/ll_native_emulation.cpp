@@ -4,6 +4,10 @@
 // the warp collectives. Blocks and ranks run one after another (every send of a step before its receives), except
 // ep_lln_clean, whose device barriers need the N ranks at once (one host thread per rank).
 #include <atomic>
+#include <random>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -140,11 +144,114 @@ template <class T> void wr(const std::string& name, const std::vector<T>& v) {
   std::fclose(f);
 }
 
+// The concurrent mode (argv: concurrent dir N E T K H M local_direct rounds seed): each rank a process of its own
+// (the N regions in one shared mapping, so every rank's peer table holds the same addresses), running its own
+// stream's sequence of calls the way the host issues them (every call the other half; a round is D, C or, every
+// third round, D, D, C with the combine on the second dispatch's handle), with random pauses before each kernel
+// (the stand-in for other work on the stream, a GEMM, a late host): the ranks' kernels interleave as on a GPU shared
+// by the ranks. Inputs x{q}, idx{q}, w{q} as below; outputs c{q}_{count,range,src,recv,comb}_{rank}, err_{rank}.
+int run_concurrent(char** argv) {
+  g_dir = argv[2];
+  const int n = atoi(argv[3]), ne = atoi(argv[4]), nt = atoi(argv[5]), nk = atoi(argv[6]), h = atoi(argv[7]);
+  const int m = atoi(argv[8]), direct = atoi(argv[9]), rounds = atoi(argv[10]), seed = atoi(argv[11]);
+  const int epr = ne / n, slots = n * m, block = 64, timeout_ms = 20000;
+  const ep_lln::Layout L(epr, n, ne, m, nk, h);
+  const int64_t front = ep_lln::header_bytes(n), per = (front + 2 * L.half_bytes + 255) / 256 * 256;
+  void* mem = mmap(nullptr, (size_t)(per * n), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED) return 3;
+  auto base = [&](int r) { return static_cast<uint8_t*>(mem) + per * r; };
+  std::vector<uint64_t> peers(n);
+  for (int r = 0; r < n; ++r) {
+    peers[r] = (uint64_t)(uintptr_t)base(r);
+    for (int hf = 0; hf < 2; ++hf)  // stale bytes in every slot (only the flags start at 0)
+      std::memset(base(r) + front + hf * L.half_bytes + L.ddata, 0x5A, L.half_bytes - L.ddata);
+  }
+  std::vector<pid_t> kids;
+  for (int r = 0; r < n; ++r) {
+    const pid_t pid = fork();
+    if (pid < 0) return 4;
+    if (pid > 0) {
+      kids.push_back(pid);
+      continue;
+    }
+    std::mt19937 rng(seed * 131 + r);
+    auto pause = [&] { std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000)); };
+    int* err = reinterpret_cast<int*>(base(r));
+    std::vector<int> herr(4 + n, 0);
+    int half = 0;  // the host's toggle: every call takes the other half
+    std::vector<int> lane_pos((size_t)nt * nk + 1), count(epr);
+    std::vector<uint16_t> recv((size_t)epr * slots * h), y((size_t)epr * slots * h), comb((size_t)nt * h);
+    std::vector<int> src((size_t)epr * slots), lanes((size_t)epr * slots);
+    std::vector<int64_t> range((size_t)epr * n);
+    for (int q = 1; q <= rounds; ++q) {
+      auto x = rd<uint16_t>("x" + std::to_string(q), (size_t)n * nt * h);
+      auto idx = rd<int64_t>("idx" + std::to_string(q), (size_t)n * nt * nk);
+      auto w = rd<float>("w" + std::to_string(q), (size_t)n * nt * nk);
+      const uint16_t* xr = x.data() + (size_t)r * nt * h;
+      const int64_t* ir = idx.data() + (size_t)r * nt * nk;
+      const float* wr_ = w.data() + (size_t)r * nt * nk;
+      for (int d = 0; d < (q % 3 == 0 ? 2 : 1); ++d) {  // the dispatch (twice every third round)
+        uint8_t* own = base(r) + front + half * L.half_bytes;
+        half ^= 1;
+        pause();
+        if (n > 1 || !direct)
+          launch(ne, block, [&] {
+            ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
+                                 peers.data(), base(r), own, 0, direct, lane_pos.data(), err, herr.data(), nullptr);
+          });
+        pause();
+        launch(epr, block, [&] {
+          ep_lln_dispatch_recv(nk, h, ne, n, r, m, own, 0, 0, recv.data(), nullptr, src.data(), lanes.data(),
+                               count.data(), range.data(), nullptr, reinterpret_cast<const uint8_t*>(xr), h * 2, ir,
+                               1, nt, direct, lane_pos.data(), timeout_ms, err, herr.data(), nullptr);
+        });
+      }
+      for (int e = 0; e < epr; ++e)  // the experts: y = bf16(fp32(row) * (1 + g / 8))
+        for (int j = 0; j < count[e]; ++j)
+          for (int c = 0; c < h; ++c) {
+            const size_t i = ((size_t)e * slots + j) * h + c;
+            y[i] = bf16_rn(ep_ll::mul_rn(__uint_as_float((uint32_t)recv[i] << 16), 1.0f + (r * epr + e) / 8.0f));
+          }
+      uint8_t* own = base(r) + front + half * L.half_bytes;
+      half ^= 1;
+      pause();
+      if (n > 1 || !direct)
+        launch(epr, block, [&] {
+          ep_lln_combine_send(reinterpret_cast<const uint4*>(y.data()), src.data(), lanes.data(), range.data(), nk,
+                              h, ne, n, r, m, peers.data(), base(r), own, direct, err, herr.data(), nullptr);
+        });
+      pause();
+      launch(2, 64, [&] {
+        ep_lln_combine_recv(ir, 1, wr_, nt, nk, h, ne, n, r, m, own, reinterpret_cast<uint4*>(comb.data()),
+                            reinterpret_cast<const uint4*>(y.data()), range.data(), lane_pos.data(), direct,
+                            timeout_ms, err, herr.data(), nullptr);
+      });
+      const std::string p = "c" + std::to_string(q) + "_";
+      wr(p + "count_" + std::to_string(r), count);
+      wr(p + "range_" + std::to_string(r), range);
+      wr(p + "src_" + std::to_string(r), src);
+      wr(p + "recv_" + std::to_string(r), recv);
+      wr(p + "comb_" + std::to_string(r), comb);
+    }
+    wr("err_" + std::to_string(r), std::vector<int>{*err, herr[0], herr[1], herr[2], herr[3]});
+    std::_Exit(0);
+  }
+  int bad = 0;
+  for (pid_t pid : kids) {
+    int st = 0;
+    waitpid(pid, &st, 0);
+    bad |= !WIFEXITED(st) || WEXITSTATUS(st) != 0;
+  }
+  munmap(mem, (size_t)(per * n));
+  return bad ? 5 : 0;
+}
+
 // argv: dir N E T K H M use_mask lost local_direct logfmt timeout_ms rounds late
 // inputs (per round q = 1, 2): x{q} bf16 [N][T][H], idx{q} int64 [N][T][K], w{q} f32 [N][T][K]; umask int32 [N][N]
 // (round 1's user masks; `lost` sits out round 1, or with `late` runs it after the others' whole step). Round 2 (rounds == 2) follows ep_lln_clean on every rank, with
 // every rank and no mask. Outputs r{q}_{count,range,src,recv,comb}_{rank}, then mask_{rank}, herr_{rank}, err_{rank}.
 int main(int argc, char** argv) {
+  if (argc == 12 && std::string(argv[1]) == "concurrent") return run_concurrent(argv);
   if (argc != 15) return 1;
   g_dir = argv[1];
   const int n = atoi(argv[2]), ne = atoi(argv[3]), nt = atoi(argv[4]), nk = atoi(argv[5]), h = atoi(argv[6]);

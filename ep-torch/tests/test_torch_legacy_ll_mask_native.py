@@ -466,6 +466,53 @@ def emulation(tmp_path_factory):
     return exe
 
 
+def _write_round(path, n: int, q: int, seed: int) -> None:
+    """Round q's inputs of every rank for the emulation (x{q}, idx{q}, w{q}), padded to T rows selecting nothing."""
+    xs, idxs, ws = [], [], []
+    for r in range(n):
+        x, idx, w = _inputs(r, seed)
+        pad = T - len(x)
+        xs.append(torch.cat([x, torch.zeros(pad, H, dtype=torch.bfloat16)]))
+        idxs.append(torch.cat([idx, torch.full((pad, K), -1)]))
+        ws.append(torch.cat([w, torch.zeros(pad, K)]))
+    _bits(torch.stack(xs)).tofile(path / f"x{q}")
+    torch.stack(idxs).numpy().astype(np.int64).tofile(path / f"idx{q}")
+    torch.stack(ws).numpy().astype(np.float32).tofile(path / f"w{q}")
+
+
+@pytest.mark.parametrize("direct", [0, 1])
+def test_kernels_of_ranks_running_at_once(emulation, tmp_path, direct):
+    """The kernels' protocol with the ranks' streams interleaving as on a GPU they share (the EP8 loopback decode
+    step's shape: each rank's dispatch, other work, combine, while the other ranks are anywhere in theirs): each
+    rank a process of its own over one shared mapping, random pauses before every kernel, every call the other
+    half, a second dispatch every third round (so both ops use both halves); every round bitwise."""
+    import subprocess
+
+    n, rounds = 4, 6
+    seeds = {q: 20 + q if q != 4 else 7 for q in range(1, rounds + 1)}  # round 4: rank 0 without tokens
+    for q, seed in seeds.items():
+        _write_round(tmp_path, n, q, seed)
+    args = [str(emulation), "concurrent", str(tmp_path), *map(str, (n, E, T, K, H, M, direct, rounds, 5))]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epr = E // n
+    for r in range(n):
+        assert np.fromfile(tmp_path / f"err_{r}", np.int32).tolist() == [0] * 5, f"rank {r}: a wait expired"
+        for q, seed in seeds.items():
+            what = f"direct={direct} round {q} rank {r}"
+            cnt = np.fromfile(tmp_path / f"c{q}_count_{r}", np.int32)
+            recv = np.fromfile(tmp_path / f"c{q}_recv_{r}", np.uint16).reshape(epr, n * M, H)
+            for e, rows in enumerate(_want_rows(r, n, seed, set())):
+                assert cnt[e] == len(rows), f"{what}: recv_count[{e}]={cnt[e]}, want {len(rows)}"
+                if rows:
+                    ref = np.stack([_bits(_inputs(s, seed)[0][t]) for s, t in rows])
+                    assert np.array_equal(recv[e, : len(rows)], ref), f"{what}: rows of expert {e}"
+            t = len(_inputs(r, seed)[0])
+            comb = np.fromfile(tmp_path / f"c{q}_comb_{r}", np.uint16).reshape(T, H)[:t]
+            bad = np.argwhere(comb != _combine_ref(r, n, seed, set(), False))
+            assert not bad.size, f"{what}: combine differs from the reference at {tuple(bad[0])}"
+
+
 @pytest.mark.parametrize(
     "case,direct,logfmt",
     [
@@ -496,16 +543,7 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
         umask[:, lost] = 1  # every rank masks it (it sits out)
     seeds = {1: 3, 2: 7}  # round 2: rank 0 without tokens (padded to T rows selecting nothing)
     for q, seed in seeds.items():
-        xs, idxs, ws = [], [], []
-        for r in range(n):
-            x, idx, w = _inputs(r, seed)
-            pad = T - len(x)
-            xs.append(torch.cat([x, torch.zeros(pad, H, dtype=torch.bfloat16)]))
-            idxs.append(torch.cat([idx, torch.full((pad, K), -1)]))
-            ws.append(torch.cat([w, torch.zeros(pad, K)]))
-        _bits(torch.stack(xs)).tofile(tmp_path / f"x{q}")
-        torch.stack(idxs).numpy().astype(np.int64).tofile(tmp_path / f"idx{q}")
-        torch.stack(ws).numpy().astype(np.float32).tofile(tmp_path / f"w{q}")
+        _write_round(tmp_path, n, q, seed)
     umask.tofile(tmp_path / "umask")
     args = [
         str(emulation),
