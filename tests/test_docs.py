@@ -264,3 +264,15 @@ def test_every_error_class_is_documented():
     }
     missing = sorted(n for n in names if f"`{n}`" not in text)
     assert len(names) > 20 and not missing, missing
+
+
+def test_ci_runs_the_readmes_test_command():
+    """`.ci/run` runs the README's Quick start lines for the tests verbatim (the venv line and `nox -t ci`)."""
+    readme = (ROOT / "README.md").read_text()
+    quick = readme[readme.index("## Quick start") :]
+    lines = [ln.split("#")[0].strip() for ln in quick.split("```")[1].splitlines()[1:]]
+    wanted = [ln for ln in lines if ("venv" in ln and "pip install" in ln) or "nox -t ci" in ln]
+    assert len(wanted) == 2, lines
+    ci = [ln.strip() for ln in (ROOT / ".ci" / "run").read_text().splitlines()]
+    for line in wanted:
+        assert line in ci, f"{line!r} is not in .ci/run"

@@ -1,5 +1,6 @@
 """Issue 41 on 2 gloo processes: one-rank errors on every surface (V1 normal and low-latency, V2, construction,
-AGRS, PP, BucketBuffer, EngramBuffer, resize, the LB collectives) raise on every rank naming the culprit, nothing pairs silently, nothing waits unbounded, and a random
+AGRS, PP, BucketBuffer, EngramBuffer, resize, the LB collectives, DeepEP 2.5's EPBuffer, comm.barrier, V1
+internode_*) raise on every rank naming the culprit, nothing pairs silently, nothing waits unbounded, and a random
 interleaving of valid calls with one-rank errors keeps every valid result exact.
 
 The cases and their verdicts are collective_safety_survey.py's (run as a script in its own process group, under a
@@ -52,6 +53,24 @@ def test_round3_surfaces_one_rank_errors_and_disagreements_are_clear(tmp_path):
         v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
         if v != "clear":
             bad.append(f"{case}: {v}: {why}")
+    assert not bad, "\n".join(bad)
+
+
+def test_session5_surfaces_one_rank_refusals_are_announced(tmp_path):
+    """DeepEP 2.5's EPBuffer (defer_epilogue / borrow_recv refusals, a negative num_sms, calls while a receive view
+    is out, barrier(context_idx)), comm.barrier over EngramBuffer / BucketBuffer (a bad context, a skipped
+    barrier) and V1 internode_* on one NVLink domain: the peer raises naming the culprit, the rounds after are
+    exact."""
+    survey = _survey()
+    r0, r1 = _run(["chain", *survey.CHAIN_SESSION5], tmp_path, 120)
+    bad = []
+    for case in survey.CHAIN_SESSION5:
+        v, why = survey.verdict(case, [r0.get(case, {}), r1.get(case, {})])
+        if v != "clear":
+            bad.append(f"{case}: {v}: {why}")
+        peer = (r1 if survey.CULPRIT == 0 else r0).get(case, {})
+        if v == "clear" and peer.get("fault_secs", 0) > 1.0:
+            bad.append(f"{case}: the peer raised after {peer['fault_secs']:.1f} s")
     assert not bad, "\n".join(bad)
 
 

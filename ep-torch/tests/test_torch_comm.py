@@ -27,6 +27,8 @@ def test_exports_match_deepep_2_5():
         "get_logical_domain_size",
         "destroy_all_managed_nccl_comm",
         "barrier",
+        "get_nccl_comm_handle",
+        "NCCLCommHandle",
     ):
         assert callable(getattr(comm, name))
     from ep_torch.bucket_buffer import BucketSession
@@ -105,6 +107,11 @@ def _ranks(rank: int, n: int) -> None:
     comm.barrier(buf, wait_comm_stream=False, with_cpu_sync=True)
     with pytest.raises(ValueError, match="context"):
         comm.barrier(buf, context_idx=1)
+    # no NCCL communicator on a gloo group (every rank refuses alike: no collective started)
+    with pytest.raises(ValueError, match="nccl backend"):
+        comm.get_nccl_comm_handle(group)
+    handle = comm.NCCLCommHandle(1234, False)
+    assert handle.get() == 1234 and not handle.managed
     assert comm.get_comm_stream(buf) is None  # the CPU backend
     v1 = ep_torch.Buffer(group, int(1e8), 0, explicitly_destroy=True)
     assert comm.get_physical_domain_size(v1) == (n // su, su)
@@ -123,7 +130,37 @@ def test_domain_sizes_of_groups_and_buffers(ranks, scaleup):
     assert code == 0, out[-4000:]
 
 
-if __name__ == "__main__":
-    from ep_torch_testing import spawn_cpu
+def _nccl_one(rank: int, n: int) -> None:
+    """One rank over nccl: the group's communicator borrowed (or a managed one), cached; force_new_comm a managed
+    one; destroy_all_managed_nccl_comm empties the cache."""
+    torch.cuda.set_device(0)
+    group = dist.group.WORLD
+    torch.ones(1, device="cuda").sum()
+    dist.all_reduce(torch.ones(1, device="cuda"))  # torch makes the group's communicator now
+    h = comm.get_nccl_comm_handle(group)
+    assert h.get() != 0 and comm.get_nccl_comm_handle(group) is h
+    fresh = comm.get_nccl_comm_handle(group, force_new_comm=True)
+    assert fresh.managed and fresh.get() not in (0, h.get())
+    comm.destroy_all_managed_nccl_comm()
+    assert comm.get_nccl_comm_handle(group) is not h
 
-    spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))
+
+@pytest.mark.gpu
+def test_gpu_nccl_comm_handle_one_rank():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from ep_torch_testing import run_script
+
+    code, out = run_script(__file__, ["_nccl_one", "1"], 180, what="nccl: ")
+    assert code == 0, out[-4000:]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "_nccl_one":
+        from ep_torch.launch import spawn
+
+        spawn(_nccl_one, 1, backend="nccl")
+    else:
+        from ep_torch_testing import spawn_cpu
+
+        spawn_cpu(globals()[sys.argv[1]], int(sys.argv[2]))

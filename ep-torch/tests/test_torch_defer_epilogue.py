@@ -104,13 +104,23 @@ def _ranks(rank: int, n: int) -> None:
 
     # defer_epilogue=0 is the ordinary call
     assert len(buf.dispatch(x, idx, w, num_experts=experts, defer_epilogue=0)) == 5
-    # do_handle_copy=True (ElasticBuffer's default) copies
-    assert buf.dispatch(x, idx, w, num_experts=experts)[3].topk_idx is not idx
+    # EPBuffer's default is DeepEP 2.5's do_handle_copy=False (the caller's tensor); True (ElasticBuffer's
+    # default) copies
+    assert buf.dispatch(x, idx, w, num_experts=experts)[3].topk_idx is idx
+    assert buf.dispatch(x, idx, w, num_experts=experts, do_handle_copy=True)[3].topk_idx is not idx
     # DeepEP's rules and ep's, refused before any launch (every rank refuses alike: no collective started)
     with pytest.raises(EPValueError, match="async_with_compute_stream"):
         buf.dispatch(x, idx, w, num_experts=experts, do_handle_copy=False, defer_epilogue=True)
     with pytest.raises(EPValueError, match="do_handle_copy=False"):
-        buf.dispatch(x, idx, w, num_experts=experts, async_with_compute_stream=True, defer_epilogue=True)
+        buf.dispatch(
+            x,
+            idx,
+            w,
+            num_experts=experts,
+            async_with_compute_stream=True,
+            do_handle_copy=True,
+            defer_epilogue=True,
+        )
     with pytest.raises(EPValueError, match="zero_copy"):
         buf.dispatch(
             x, idx, w, num_experts=experts, async_with_compute_stream=True, do_handle_copy=False,

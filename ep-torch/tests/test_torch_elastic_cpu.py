@@ -546,3 +546,25 @@ if __name__ == "__main__":
     from ep_torch_testing import spawn_cpu
 
     spawn_cpu(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])
+
+
+def test_nccl_buffers_take_the_copy_engine_within_one_lsa_team(monkeypatch):
+    """PP, Engram and AGRS over nccl: the copy-engine backend where NCCL's LSA team is the whole group (the peers'
+    windows through their LSA pointers); across nodes every rank raises naming the team and the rank."""
+    from types import SimpleNamespace
+
+    from ep_core.errors import EPConfigError
+    from ep_torch import elastic_copy_engine
+    from ep_torch.elastic_ops import ElasticOps
+
+    monkeypatch.setattr(
+        elastic_copy_engine.CopyEngineBackend, "from_buffer", classmethod(lambda cls, buf: "ce")
+    )
+
+    def buf(lsa: int):
+        rt = SimpleNamespace(storage=SimpleNamespace(lsa_size=lsa))
+        return SimpleNamespace(transport="nccl", num_ranks=4, rank_idx=1, _rt=lambda: rt)
+
+    assert ElasticOps._make_elastic_backend(buf(4)) == "ce"
+    with pytest.raises(EPConfigError, match=r"2 of the 4 ranks are \(rank 1\)"):
+        ElasticOps._make_elastic_backend(buf(2))

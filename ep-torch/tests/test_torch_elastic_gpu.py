@@ -26,12 +26,14 @@ pytestmark = [
 MiB = 1 << 20
 
 
-def _run(mode: str, n: int, tmp_path: Path, limit: float = 180.0, wait: str = "kernel") -> list[list]:
+def _run(
+    mode: str, n: int, tmp_path: Path, limit: float = 180.0, wait: str = "kernel", transport: str = "ipc"
+) -> list[list]:
     from ep_torch_testing import run_script  # loaded by conftest.py
 
-    env = dict(
-        os.environ, EPKIT_ELASTIC_WAIT=wait
-    )  # the bounded wait kernel, or stream waits + host watchdog
+    # the bounded wait kernel, or stream waits + host watchdog; the transport (nccl: an nccl process group)
+    env = dict(os.environ, EPKIT_ELASTIC_WAIT=wait, EP_TEST_ELASTIC_TRANSPORT=transport)
+    env.pop("EPKIT_TORCH_TRANSPORT", None)
     code, out = run_script(__file__, [mode, str(n), str(tmp_path)], limit, env=env, what=f"{mode}: ")
     assert code == 0, out[-3000:]
     per_rank = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(n)]
@@ -56,7 +58,7 @@ def _buffer(num_bytes: int = 8 * MiB, num_cpu_bytes: int = 0, num_gpu_timeout_se
         num_bytes=num_bytes,
         num_cpu_bytes=num_cpu_bytes,
         num_gpu_timeout_secs=num_gpu_timeout_secs,
-        transport="ipc",
+        transport=os.environ.get("EP_TEST_ELASTIC_TRANSPORT", "ipc"),
     )
 
 
@@ -297,7 +299,15 @@ def test_bucket_on_shared_gpu(n: int, tmp_path: Path) -> None:
     _run("bucket", n, tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["pp", "agrs", "engram"])
+def test_one_rank_over_nccl(mode: str, tmp_path: Path) -> None:
+    """The same primitives over the nccl transport (one rank on an nccl process group: NCCL's LSA team is the whole
+    group), through the window's LSA pointers."""
+    _run(mode, 1, tmp_path, transport="nccl")
+
+
 if __name__ == "__main__":
     from ep_torch import launch
 
-    launch.spawn(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3])
+    nccl = os.environ.get("EP_TEST_ELASTIC_TRANSPORT") == "nccl"
+    launch.spawn(_worker, int(sys.argv[2]), sys.argv[1], sys.argv[3], backend="nccl" if nccl else "gloo")

@@ -700,6 +700,8 @@ def _road(fn) -> list[str]:
             back = frame.f_back
             if back is not None and back.f_code.co_name in ("recorded", "recorded_launch"):
                 return  # the fixture's launch recorder (it reads the patched words), not the road
+            if back is not None and back.f_code.co_name in ("counted", "counted_combine"):
+                back = back.f_back  # the fixture's counting wrappers of a plan's call: their caller's call
             if back is None or back.f_globals.get("__name__", "") != mod:
                 seq.append(mod)
 
@@ -751,6 +753,102 @@ def test_a_kept_plans_call_crosses_at_most_four_modules_to_its_launch(mocked):
         assert to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"], (name, road)
         assert len(set(to_launch)) <= 4, (name, road)
         assert len(entered) == len(set(entered)), (name, road)
+
+
+def test_a_caller_alternating_between_shapes_is_served_by_the_plan_of_each(mocked):
+    """Issue 45: a repeated call whose kind last kept another shape's plan (two token counts and an FP8 `x` taking
+    turns, and the combine of each one's handle) is served by its own plan, kept beside the last one
+    (`EPBuffer.keep_lane`'s siblings), on the kept-plan road (at most four modules to the launch, none entered twice
+    in the whole call), and launches what the ordinary road launches, with handles of the same fields."""
+    make, launches, _served, served_by = mocked
+    packs = 3
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        g = torch.Generator().manual_seed(11)  # the same calls on both roads
+        per_call = []
+        for step in range(3):
+            for tokens, fp8 in ((8, False), (5, False), (8, True)):
+                data = torch.randn(tokens, HIDDEN, generator=g)
+                x = (
+                    (data.to(torch.float8_e4m3fn), torch.rand(tokens, packs, generator=g))
+                    if fp8
+                    else data.to(torch.bfloat16)
+                )
+                idx = torch.rand(tokens, EXPERTS, generator=g).topk(K, dim=1).indices
+                w = torch.rand(tokens, K, generator=g)
+                got: list = []  # (the lambdas run at once, in this iteration)
+                kw = dict(topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+                for op in ("dispatch", "combine"):
+                    launches.clear()
+                    before = sum(served_by.values())
+                    if op == "dispatch":
+                        road = _road(lambda kw=kw: got.append(buf.dispatch(x, **kw)))  # noqa: B023
+                        out = got[-1]
+                        recv_x = out[0][0] if fp8 else out[0]
+                        names = _pointer_names(x[0] if fp8 else x, idx, w, (recv_x, *out[1:]))
+                        if fp8:
+                            names.update({x[1].data_ptr(): "x_sf", out[0][1].data_ptr(): "recv_sf"})
+                        per_call.append((_named_launches(launches, names), _handle_fields(out[3])))
+                    else:
+                        recv = torch.randn(out[3].num_recv_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+                        road = _road(lambda recv=recv: got.append(buf.combine(recv, out[3], num_sms=4)))  # noqa: B023
+                        names[recv.data_ptr()] = "x"
+                        names[got[-1][0].data_ptr()] = "combined"
+                        per_call.append((_named_launches(launches, names), None))
+                    if not lane or (step == 0 and (op == "dispatch" or not fp8)):
+                        # (the FP8 dispatch's handle has the layout of the first one's: its combine's plan)
+                        assert sum(served_by.values()) == before, (lane, step, tokens, fp8, op)
+                        continue
+                    assert sum(served_by.values()) > before, (step, tokens, fp8, op)  # a kept plan served it
+                    if step == 1:
+                        continue  # (a plan's first call reads its handles' fingerprint by value)
+                    to_launch = road[: road.index("LAUNCH")]
+                    entered = [m for m in road if m != "LAUNCH"]
+                    assert to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"], road
+                    assert len(set(to_launch)) <= 4 and len(entered) == len(set(entered)), road
+        seen[lane] = per_call
+    assert seen[True] == seen[False]
+
+
+def test_an_async_repeat_is_served_and_returns_the_ordinary_roads_event(mocked):
+    """`async_with_compute_stream=True` is one of a kept plan's scalars, not a road of its own: the repeats of an
+    async dispatch, of the cached dispatch of its handle and of its combine are served by their plans, launch what
+    the ordinary road launches and return its event (on CPU tensors a completed `EventHandle`)."""
+    make, launches, _served, served_by = mocked
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        g = torch.Generator().manual_seed(5)  # the same calls on both roads
+        per_call = []
+        for step in range(3):
+            x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+            idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+            w = torch.rand(8, K, generator=g)
+            launches.clear()
+            before = dict(served_by)
+            out = buf.dispatch(
+                x,
+                topk_idx=idx,
+                topk_weights=w,
+                num_experts=EXPERTS,
+                num_sms=4,
+                do_cpu_sync=False,
+                async_with_compute_stream=True,
+            )
+            names = _pointer_names(x, idx, w, out)
+            cached = buf.dispatch(x, topk_weights=w, handle=out[3], num_sms=4, async_with_compute_stream=True)
+            names.update(zip([a.data_ptr() for a in cached[:3]], ("cached_x", "cached_idx", "cached_w")))
+            recv = torch.randn(out[3].num_recv_tokens, HIDDEN, generator=g).to(torch.bfloat16)
+            combined = buf.combine(recv, out[3], num_sms=4, async_with_compute_stream=True)
+            names.update({recv.data_ptr(): "combine_x", combined[0].data_ptr(): "combined"})
+            events = [type(r[-1].event).__name__ for r in (out, cached, combined)]
+            per_call.append((_named_launches(launches, names), _handle_fields(out[3]), events))
+            assert events == ["EventHandle"] * 3
+            for kind in served_by:  # the first call of each makes its plan; its repeats take it
+                assert served_by[kind] == before[kind] + (lane and step > 0), (lane, step, kind)
+        seen[lane] = per_call
+    assert seen[True] == seen[False]
 
 
 def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_run(mocked):
@@ -826,3 +924,163 @@ def test_an_ordinary_repeat_launches_what_its_full_path_launched(mocked):
             seen
         )
     assert sum(served_by.values()) == 0
+
+
+@pytest.mark.parametrize(
+    ("dispatch_kw", "scope"),
+    [
+        ({}, dict(previous_event=True, allocate_on_comm_stream=True)),
+        (dict(cumulative_local_expert_recv_stats=True), {}),
+        ({}, dict(allocate_on_comm_stream=True)),
+        ({}, dict(previous_event=True, allocate_on_comm_stream=True, async_with_compute_stream=True)),
+        ({}, dict(async_with_compute_stream=True)),
+        (dict(do_handle_copy=False), {}),
+        (
+            dict(do_handle_copy=False),
+            dict(previous_event=True, allocate_on_comm_stream=True, async_with_compute_stream=True),
+        ),
+    ],
+    ids=[
+        "previous_event",
+        "stats",
+        "comm_stream",
+        "overlap",
+        "async",
+        "no_handle_copy",
+        "no_handle_copy_overlap",
+    ],
+)
+def test_an_overlapped_repeat_is_served_by_its_plan(mocked, dispatch_kw, scope):
+    """Issue 45 (road7): a comm-stream scope (`previous_event`, `allocate_on_comm_stream`: DeepEP's overlap pattern,
+    which Megatron's V1 calls pass every layer) and `do_handle_copy=False` (DeepEP 2.5's `EPBuffer` default) are
+    not roads of their own: the repeats of a no-sync, a CPU-sync and a cached dispatch and of a combine with them are
+    served by their kept plans, cross three modules to the launch and enter none twice in the whole call (an async
+    call's event module once), launch what the ordinary road launches and make handles of the same fields (without a
+    copy, the caller's routing itself)."""
+    make, launches, _served, _by = mocked
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        g = torch.Generator().manual_seed(17)  # the same calls on both roads
+        per_call = []
+        for step in range(4):
+            x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16)
+            idx = torch.rand(8, EXPERTS, generator=g).topk(K, dim=1).indices
+            w = torch.rand(8, K, generator=g)
+            recv = torch.randn(8 * K, HIDDEN, generator=g).to(torch.bfloat16)
+            kw = dict(scope)
+            if kw.get("previous_event"):
+                kw["previous_event"] = buf.capture()
+            routed = dict(topk_idx=idx, topk_weights=w, num_experts=EXPERTS, num_sms=4, **dispatch_kw, **kw)
+            stats = routed.pop("cumulative_local_expert_recv_stats", None)  # (not a cached dispatch's)
+            if stats:  # a new tensor of the same layout on each call
+                routed["cumulative_local_expert_recv_stats"] = stats = torch.zeros(EXPERTS, dtype=torch.int32)
+            handle_kw = {k: v for k, v in dispatch_kw.items() if k != "cumulative_local_expert_recv_stats"}
+            got: dict = {}
+
+            def call(op, kw=kw, routed=routed, x=x, w=w, recv=recv, got=got):
+                if op in ("dispatch", "sync"):
+                    return buf.dispatch(x, do_cpu_sync=op == "sync", **routed)  # noqa: B023
+                h = got["dispatch"][3]
+                if op == "cached":
+                    return buf.dispatch(x, topk_weights=w, handle=h, num_sms=4, **handle_kw, **kw)  # noqa: B023
+                return buf.combine(recv[: h.num_recv_tokens], h, num_sms=4, **kw)  # noqa: B023
+
+            for op in ("dispatch", "sync", "cached", "combine"):
+                launches.clear()
+                road = _road(lambda op=op, got=got, call=call: got.__setitem__(op, call(op)))
+                out = got[op]
+                assert (type(out[-1].event).__name__ == "EventHandle") == bool(
+                    scope.get("async_with_compute_stream")
+                )
+                if op in ("dispatch", "sync"):
+                    names = _pointer_names(x, idx, w, out)
+                    if stats is not None:
+                        names[stats.data_ptr()] = "stats"
+                    assert (out[3].topk_idx is idx) == ("do_handle_copy" in dispatch_kw), op
+                    per_call.append((op, _named_launches(launches, names), _handle_fields(out[3])))
+                else:
+                    names = _pointer_names(x, idx, w, got["dispatch"])
+                    names[recv.data_ptr()] = "recv"
+                    names.update(
+                        {a.data_ptr(): f"out{i}" for i, a in enumerate(out[:3]) if torch.is_tensor(a)}
+                    )
+                    per_call.append((op, _named_launches(launches, names)))
+                to_launch = road[: road.index("LAUNCH")] if "LAUNCH" in road else road  # (full path: none)
+                kept = to_launch[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"]
+                assert kept == (lane and step > 0), (lane, step, op, road)  # the first call keeps its plan
+                if kept and step > 1:  # (a plan's first call reads its handles' fingerprint by value)
+                    entered = [m for m in road if m != "LAUNCH"]
+                    assert len(set(to_launch)) <= 3 and len(entered) == len(set(entered)), (op, str(road))
+        seen[lane] = per_call
+    assert seen[True] == seen[False]
+
+
+def test_v1_normal_mode_repeats_reach_the_kept_plan(mocked, monkeypatch):
+    """V1's normal mode (`ep_torch.legacy.Buffer.dispatch` / `combine` with `previous_event`, `async_finish` and
+    `allocate_on_comm_stream`, Megatron's per-layer call) waits for the event on the caller's stream and calls its
+    inner `ElasticBuffer` without a scope: from the second call on, the inner call takes its kept plan (three modules
+    from `ElasticBuffer.dispatch` / `combine` to the launch)."""
+    import bench_host_cpu as b
+    from ep_torch.legacy import buffer as lbuf
+
+    monkeypatch.setattr(lbuf, "make_core_transport", lambda choice: b._CpuMockedTransport())
+    buf = lbuf.Buffer(None, num_nvl_bytes=1 << 24)
+    x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+    idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+    w = torch.rand(8, K)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+    overlap = dict(async_finish=True, allocate_on_comm_stream=True)
+    for step in range(3):
+        got: list = []
+        kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        ev = buf.capture()
+        road = _road(
+            lambda ev=ev, kw=kw, got=got: got.append(
+                buf.dispatch(x, **kw, topk_idx=idx, topk_weights=w, previous_event=ev, **overlap)
+            )
+        )
+        recv = torch.ones_like(got[0][0])
+        ev = buf.capture()
+        combine_road = _road(
+            lambda ev=ev, r=recv, h=got[0][4]: buf.combine(r, h, previous_event=ev, **overlap)
+        )
+        # (the combine of a CPU-sync handle: the mocked kernels write no counts, so its handle's layout is whatever
+        # its block held and may be another plan's; its road is checked where its plan serves it)
+        for r, op in ((road, "dispatch"), (combine_road, "combine")):
+            to_launch = r[: r.index("LAUNCH")] if "LAUNCH" in r else r
+            inner = to_launch[len(to_launch) - to_launch[::-1].index("ep_torch.dispatch_combine") - 1 :]
+            kept = inner[:2] == ["ep_torch.dispatch_combine", "ep_core.kernels.op_plan"] and "LAUNCH" in r
+            assert kept == (step > 0) or op == "combine", str(r)
+            assert not kept or len(set(inner)) <= 3 or "ep_core.prepared" in inner, inner
+
+
+def test_an_overlapped_call_the_ordinary_road_refuses_is_refused_alike(mocked):
+    """With a kept plan of an overlapped dispatch and combine, a `previous_event` of another type and one without
+    `allocate_on_comm_stream` (rule D15) meet the ordinary road's errors, as without the kept plan."""
+    from ep_core.errors import EPError
+
+    make, _launches, _served, _by = mocked
+    seen = {}
+    for lane in (False, True):
+        buf = make(lane)
+        x = torch.ones(8, HIDDEN, dtype=torch.bfloat16)
+        idx = torch.arange(16, dtype=torch.int64).reshape(8, 2) % EXPERTS
+        kw = dict(topk_idx=idx, num_experts=EXPERTS, num_sms=4, do_cpu_sync=False)
+        ov = dict(previous_event=buf.capture(), allocate_on_comm_stream=True)
+        for _ in range(3):
+            h = buf.dispatch(x, **kw, **ov)[3]
+            recv = torch.ones(h.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)
+            buf.combine(recv, h, num_sms=4, **ov)
+        errors = []
+        for bad in (dict(ov, previous_event=object()), dict(ov, allocate_on_comm_stream=False)):
+            for op in ("dispatch", "combine"):
+                with pytest.raises(EPError) as err:
+                    if op == "dispatch":
+                        buf.dispatch(x, **kw, **bad)
+                    else:
+                        buf.combine(recv, h, num_sms=4, **bad)
+                errors.append((type(err.value), str(err.value)))
+        seen[lane] = errors
+        assert (buf._lanes.get("dispatch") is not None) == lane
+    assert seen[True] == seen[False]

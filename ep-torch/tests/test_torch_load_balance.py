@@ -52,7 +52,9 @@ def _ranks(rank: int, n: int) -> None:
     )
     assert buf.num_lb_bytes == plan.num_bytes == 3 * ep_torch.get_num_allocation_alignment()
     assert r1.device.type == "cpu" and r1.data_ptr() == buf.lb_storage.data_ptr()
-    assert buf.lb_get_theoretical_num_sms() == 10  # 450 GB/s: ceil(max(450/200, 450/50)) -> even
+    assert (
+        buf.lb_get_theoretical_num_sms() == 10
+    )  # 450 GB/s: ceil(max(450/180, 450/45)) -> even (2.5's rates)
     nvl = buf.num_nvlink_ranks
     node, me = rank // nvl, rank % nvl
     mapping = _mapping(nvl, node)

@@ -30,7 +30,7 @@ from ep_core.executor import (
 )
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
-from ep_core.prepared import PreparedOps
+from ep_core.prepared import PreparedOps, _typed
 from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
@@ -101,6 +101,9 @@ class _Announcing:
 
 
 _NESTED = contextlib.nullcontext()  # `announcing` nested in an outer block of the same buffer (reusable)
+
+
+_SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -419,7 +422,7 @@ class EPBuffer(BufferBase):
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
         res = ex.dispatch(req)
-        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator)  # `keep_lane`'s
+        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
         # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
         # passes the handle checks by construction: recorded as validated, so that its combine does not check
         # every array again (`validation.trust_handle`)
@@ -430,26 +433,36 @@ class EPBuffer(BufferBase):
     def keep_lane(
         self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
     ) -> Any:
-        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`,
-        the caller's name for a kind of call (a kind holds the plan of its last call), and return it: the plan
-        itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or handle, topk_weights,
-        stream)`; None (and nothing kept for `kind`) where that call's plan cannot serve one (`DispatchPlan.keep`:
-        events, an empty routing, no repeat yet, an allocator without `batch`, `match` None). `match(x, ...)`
-        compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx, topk_weights)`
-        for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x, topk_weights)` for a
-        cached dispatch of `handle` or a combine with `handle`. The caller made that call with no handle (unless
-        `handle`), events or comm-stream allocation, and compares every scalar of a later call with `scalars` (kept
-        on the plan: the same object, or an equal int) before calling the plan."""
+        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") for the framework layer under `kind`
+        (the caller's name for a kind of call: it holds the plan of its last call, whose `siblings` are up to
+        `_SIBLINGS` plans kept before it for the same `scalars` and other arrays, tried when its own do not match),
+        and return it: the plan itself (`ep_core.kernels.op_plan`), which the caller calls as `plan(x, topk_idx or
+        handle, topk_weights, stream)`; None (nothing kept for `kind`) where that call's plan cannot serve one
+        (`DispatchPlan.keep`: an empty routing, no repeat yet, an allocator without `batch`, `match` None).
+        `match(x, ...)` compares a later call's arrays with that call's and returns their pointers: `(x, topk_idx,
+        topk_weights)` for a dispatch without a handle (FP8 x: `(data, scales, topk_idx, topk_weights)`); `(x,
+        topk_weights)` for a cached dispatch of `handle` or a combine with `handle`. The caller made that call with
+        no handle (unless `handle`), previous events or comm-stream allocation, and compares every scalar of a later
+        call with `scalars` (the same object, or an equal int) before calling the plan."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         plan = None
         if last is not None and not self._destroyed:
-            token, x_dtype, allocator = last
+            token, x_dtype, allocator, copy = last
             plans = getattr(getattr(self._executor, "rank", None), "plans", None)  # a GPU rank's plan cache
             kept = None if token is None or plans is None else plans.get(token)
             if kept is not None and kept.op == op:
+                kept.handle_copy = copy  # a dispatch's `do_handle_copy` (a combine's True: unread)
                 plan = kept.keep(self, x_dtype, allocator, match, handle)
+        front = self._lanes.get(kind)
         if plan is not None:
             plan.scalars = scalars
+            # the plans kept before it for the same scalars (values and types: one prepared key) stay beside it
+            kin = front is not None and front is not plan and _typed(front.scalars) == _typed(scalars)
+            if kin:
+                plan.siblings = [p for p in (front, *front.siblings) if p is not plan][:_SIBLINGS]
+                front.siblings = []
+            elif plan is not front:
+                plan.siblings = []
         self._lanes[kind] = plan
         return plan
 
@@ -527,7 +540,7 @@ class EPBuffer(BufferBase):
         ex = self._executor
         req = self._prepared.combine(ex, args)
         res = ex.combine(req)
-        self._last_combine = (req.prepared, "bfloat16", req.allocator)  # `keep_lane`'s
+        self._last_combine = (req.prepared, "bfloat16", req.allocator, True)  # `keep_lane`'s
         return res
 
     # collective safety (ep_core.envelope) --------------------------------------------------------------------

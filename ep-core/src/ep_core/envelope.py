@@ -43,10 +43,6 @@ class Envelope:
     abort: str | None = None  # the rank's own error message when it rejected its call before the exchange
 
 
-def _describe(envs: list[Envelope], get: Any) -> str:
-    return ", ".join(f"rank {r}: {get(e)!r}" for r, e in enumerate(envs))
-
-
 def check_envelopes(envs: list[Envelope], rank: int) -> None:
     """Raise on every rank alike when a peer aborted or the envelopes disagree (a rank's own abort is not
     raised here: that rank raises its own error)."""

@@ -150,8 +150,10 @@ class EPHandle:
         recv_topk_idx: Any,
         recv_topk_weights: Any,
         channel_linked_list: Any = None,
+        recv_row_indices: Any = None,
     ) -> None:
-        """Sort a dispatch's received rows into the deterministic order, in place (DeepEP's `EPHandle` method).
+        """Sort a dispatch's received rows into the deterministic order, in place (DeepEP's `EPHandle` method;
+        `recv_row_indices`: DeepEP 2.5's receive view's row indices, permuted with `recv_x`).
 
         Non-expand: `recv_x`, `recv_sf`, `recv_topk_weights`, `recv_topk_idx` (and, on a non-cached dispatch, this
         handle's `recv_src_metadata` and the hybrid `channel_linked_list`) are permuted so that rows are ordered by
@@ -183,6 +185,7 @@ class EPHandle:
         if not self.do_expand:
             for name, a in (
                 ("recv_x", recv_x),
+                ("recv_row_indices", recv_row_indices),
                 ("recv_sf", recv_sf),
                 ("recv_topk_weights", recv_topk_weights),
                 ("recv_topk_idx", recv_topk_idx),

@@ -17,11 +17,13 @@ from .buffer import ElasticBuffer, EPBuffer, topk_idx_t
 from .buffer_base import (
     BufferAllocator,
     BufferBase,
+    BufferContext,
     get_num_allocation_alignment,
     get_num_rdma_alignment,
     get_num_tma_alignment,
     register_buffers,
 )
+from .comm import destroy_all_managed_nccl_comm, get_logical_domain_size, get_physical_domain_size
 from .engram_buffer import EngramBuffer
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config
@@ -38,6 +40,7 @@ __all__ = [
     "Buffer",
     "BufferAllocator",
     "BufferBase",
+    "BufferContext",
     "Config",
     "DispatchRecvView",
     "EPBuffer",
@@ -49,8 +52,11 @@ __all__ = [
     "PPBuffer",
     "__version__",
     "comm",
+    "destroy_all_managed_nccl_comm",
+    "get_logical_domain_size",
     "get_num_allocation_alignment",
     "get_num_rdma_alignment",
     "get_num_tma_alignment",
+    "get_physical_domain_size",
     "topk_idx_t",
 ]

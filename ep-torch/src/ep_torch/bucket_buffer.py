@@ -56,6 +56,7 @@ from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueErro
 from ep_core.rank_state import breaks_step
 
 from .buffer import ElasticBuffer
+from .buffer_base import BufferContext
 from .event import EventHandle, EventOverlap
 
 __all__ = ["BucketBuffer", "BucketContext", "BucketSession", "bf16_stochastic_round"]
@@ -168,6 +169,9 @@ class BucketSession:
 
     def __init__(self, buffer: BucketBuffer) -> None:
         self.buffer = buffer
+        # DeepEP's attributes; its sessions align to get_num_rdma_alignment() (64), ep's to 256 bytes
+        self.alignment = _SESSION_ALIGN
+        self.collective_methods = self._METHODS
         self.num_allocated_bytes = 0
         self.context_idx: int | None = None  # the group every call of this session uses (DeepEP's rule)
 
@@ -283,25 +287,8 @@ class BucketSession:
         return tuple(out) if batched else out[0]
 
 
-class BucketContext:
+class BucketContext(BufferContext):
     """One group of a ``BucketBuffer`` (DeepEP's ``buffer.contexts[i]``): its rank, size and domain sizes."""
-
-    def __init__(self, buffer: ElasticBuffer) -> None:
-        self._buffer = buffer
-        self.group = buffer.group
-        self.rank_idx = buffer.rank_idx
-        self.num_ranks = buffer.num_ranks
-
-    def get_physical_domain_size(self) -> tuple[int, int]:
-        """``(num_rdma_ranks, num_nvlink_ranks)`` of this group."""
-        return self._buffer.get_physical_domain_size()
-
-    def get_logical_domain_size(self) -> tuple[int, int]:
-        """``(num_scaleout_ranks, num_scaleup_ranks)`` of this group."""
-        return self._buffer.get_logical_domain_size()
-
-    def __repr__(self) -> str:
-        return f"BucketContext(rank {self.rank_idx} of {self.num_ranks})"
 
 
 class BucketBuffer:
@@ -457,7 +444,18 @@ class BucketBuffer:
     ):
         ctx = self._route(group)
         with _Guarded(ctx, "barrier"):
-            ctx._buf().barrier(with_cpu_sync=with_cpu_sync)
+            eb = ctx._buf()
+            if eb.transport == "reference":
+                # the agreement every other collective begins with here: a rank that skipped this barrier meets
+                # it with its next collective's, and both raise EPMismatchError (issue 41)
+                ctx._ops += 1
+                eb._agree("barrier", {"op": ctx._ops, "barrier": True})
+            eb.barrier(with_cpu_sync=with_cpu_sync)
+
+    def _refuse(self, op: str, error: Exception) -> None:
+        """Raise ``error`` of this rank's ``op`` inside the block of a collective (announced to the peers)."""
+        with _Guarded(self, op):
+            raise error
 
     def reset(self, group: Any = None) -> None:
         """(ours; DeepEP has none) Recover after a failure over ``group``: a collective of every rank of it. After
@@ -483,6 +481,19 @@ class BucketBuffer:
         self._buffer = None
         self._backend = None  # closed by the buffer's destroy()
         self.contexts = None
+
+    @property
+    def main_context(self) -> BucketContext | None:
+        """The first group's context (DeepEP's ``BufferBase.main_context``); None after ``destroy()``."""
+        return None if not self.contexts else self.contexts[0]
+
+    @property
+    def nccl_comm_handles(self) -> list[Any] | None:
+        """Each group's NCCL communicator (None entries on the reference and ipc transports); None after
+        ``destroy()``."""
+        if self.contexts is None:
+            return None
+        return [ctx._buffer.nccl_comm_handle for ctx in self.contexts]
 
     def _inside(self, t: torch.Tensor) -> bool:
         off = t.data_ptr() - self.storage.data_ptr()

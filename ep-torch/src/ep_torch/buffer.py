@@ -18,7 +18,6 @@ when the nccl transport borrows the group's communicator, are :mod:`ep_torch.tra
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import ep_core
@@ -40,6 +39,7 @@ from .dispatch_combine import (  # noqa: F401 (_current_stream, _handle_tensors,
     _plain,
 )
 from .elastic_ops import ElasticOps
+from .epbuffer_surface import EPBufferSurface
 from .event import EventHandle
 from .load_balance import LoadBalance
 from .resize import resize as _resize
@@ -279,14 +279,6 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         """An event recorded on the current stream (a completed event without CUDA)."""
         return EventHandle()
 
-    def get_comm_stream(self) -> torch.cuda.Stream | None:
-        """The process-wide high-priority communication stream (None on the CPU reference backend)."""
-        if self.device.type != "cuda":
-            return None
-        from ._streams import comm_stream
-
-        return comm_stream(self.device)
-
     def reset(self) -> None:
         """Recover after a failed operation (ours; DeepEP has none): a collective, every rank calls it.
 
@@ -310,32 +302,10 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         cuda = self.device.type == "cuda"
         if cuda and with_cpu_sync:
             torch.cuda.synchronize()
-        with self._on_comm_stream(use_comm_stream and cuda, None, wait_back=True):
+        with self._scope(None, None, False) if use_comm_stream else contextlib.nullcontext():
             rt.barrier()
         if cuda and with_cpu_sync:
             torch.cuda.synchronize()
-
-    @contextlib.contextmanager
-    def _on_comm_stream(
-        self, enabled: bool, previous_event: EventHandle | None, *, wait_back: bool
-    ) -> Iterator[None]:
-        """Make the comm stream current for the body (allocations and the operation are ordered on it): it first
-        waits for ``previous_event``, or else for the compute stream; afterwards the compute stream waits for it
-        unless ``wait_back`` is False (the async case: the caller waits on the returned event)."""
-        if not enabled:
-            yield
-            return
-        compute = torch.cuda.current_stream()
-        comm = self.get_comm_stream()
-        assert comm is not None
-        if previous_event is not None:
-            previous_event.stream_wait(comm)
-        else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
-            yield
-        if wait_back:
-            compute.wait_stream(comm)
 
     def _own_tensor(self, arr: Any, dtype: torch.dtype) -> torch.Tensor | None:
         """An array of the buffer's own memory (a zero-copy output, the combine buffer) as a tensor of ``dtype``:
@@ -382,11 +352,11 @@ def _int(value: Any) -> Any:
         return value
 
 
-class EPBuffer(LoadBalance, ElasticBuffer):
-    """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s keywords, methods and return
-    tuples, with planner policy V2.5 (margin 1.3, multiples of 4 SMs), DeepEP 2.5's load balancing
-    (``lb_allocation_plan_or_num_bytes=``, ``lb_*``: ``ep_torch.load_balance``) and 2.6's ``resize``
-    (``ep_torch.resize``)."""
+class EPBuffer(EPBufferSurface, LoadBalance, ElasticBuffer):
+    """The newer EP surface (EP buffer on a shared buffer base): ``ElasticBuffer``'s methods in DeepEP 2.5's
+    parameter order and defaults (``ep_torch.epbuffer_surface``), planner policy V2.5 (margin 1.3, multiples of 4
+    SMs), DeepEP 2.5's load balancing (``lb_allocation_plan_or_num_bytes=``, ``lb_*``: ``ep_torch.load_balance``)
+    and 2.6's ``resize`` (``ep_torch.resize``)."""
 
     policy: PlannerPolicy = PlannerPolicy.V2_5
     resize = _resize

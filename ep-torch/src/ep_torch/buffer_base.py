@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from ep_core.buffer_base import NUM_ALLOCATION_ALIGN_BYTES, NUM_RDMA_ALIGN_BYTES, NUM_TMA_ALIGN_BYTES
@@ -29,6 +30,7 @@ from ep_core.errors import EPConfigError, EPStateError, EPTypeError
 __all__ = [
     "BufferAllocator",
     "BufferBase",
+    "BufferContext",
     "get_num_allocation_alignment",
     "get_num_rdma_alignment",
     "get_num_tma_alignment",
@@ -51,14 +53,61 @@ def get_num_tma_alignment() -> int:
 
 
 class BufferBase(abc.ABC):
-    """DeepEP's base class of communication buffers (lifecycle: ``explicitly_destroy``, ``destroy()``). ep's buffer
-    classes are registered as virtual subclasses (see the module docstring)."""
+    """DeepEP's base class of communication buffers. ep's buffer classes are registered as virtual subclasses (see
+    the module docstring) and carry these members themselves; a class of the caller's that subclasses it gets
+    DeepEP's: ``explicitly_destroy``, a ``runtime`` (None until set, and after ``destroy()``), ``main_context``
+    (the runtime's) and ``print_memory_usage()`` (the runtime's)."""
 
-    explicitly_destroy: bool
+    def __init__(self, explicitly_destroy: bool = False) -> None:
+        self.explicitly_destroy = bool(explicitly_destroy)
+        self.runtime: Any = None
+
+    @property
+    def main_context(self) -> Any:
+        """The runtime's first communication context; None after ``destroy()``."""
+        return None if self.runtime is None else self.runtime.main_context
+
+    def print_memory_usage(self) -> None:
+        """The runtime's report of this rank's memory."""
+        if self.runtime is None:
+            raise EPStateError(
+                f"{type(self).__name__}.print_memory_usage: the buffer has no runtime (destroyed?)"
+            )
+        self.runtime.print_memory_usage()
 
     @abc.abstractmethod
     def destroy(self) -> None:
-        """Release the buffer (a collective); only for buffers built with ``explicitly_destroy=True``."""
+        """Release the runtime (for buffers built with ``explicitly_destroy=True``); subclasses call it last."""
+        if not self.explicitly_destroy:
+            raise EPStateError(
+                f"{type(self).__name__}.destroy: build the buffer with explicitly_destroy=True to destroy it"
+            )
+        if self.runtime is not None:
+            self.runtime.destroy()
+            self.runtime = None
+
+
+class BufferContext:
+    """One communication group of a buffer (DeepEP's ``buffer.context``, ``buffer.contexts[i]`` and
+    ``main_context``): its group, this rank's index, the group's size and its domain sizes, as ``buffer`` (an ep
+    buffer over that group) sees them."""
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+        self.group = buffer.group
+        self.rank_idx = buffer.rank_idx
+        self.num_ranks = buffer.num_ranks
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """``(num_rdma_ranks, num_nvlink_ranks)`` of this group."""
+        return self._buffer.get_physical_domain_size()
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """``(num_scaleout_ranks, num_scaleup_ranks)`` of this group."""
+        return self._buffer.get_logical_domain_size()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank {self.rank_idx} of {self.num_ranks})"
 
 
 class BufferAllocator:

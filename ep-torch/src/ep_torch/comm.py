@@ -3,8 +3,8 @@
 - ``get_physical_domain_size(group_or_buffer)``: ``(num_rdma_ranks, num_nvlink_ranks)``;
 - ``get_logical_domain_size(group_or_buffer, allow_hybrid_mode=None)``: ``(num_scaleout_ranks,
   num_scaleup_ranks)``, hybrid mode allowed by default as DeepEP;
-- ``barrier(buffer, wait_comm_stream=True, with_cpu_sync=False, sequential=True, context_idx=None)`` and
-  ``get_comm_stream(buffer)``;
+- ``barrier(buffer, wait_comm_stream=True, with_cpu_sync=False, sequential=True, context_idx=None)``
+  (``context_idx``: a ``BucketBuffer``'s group index, 0 for the other buffers) and ``get_comm_stream(buffer)``;
 - ``destroy_all_managed_nccl_comm()``.
 
 A buffer answers from its own topology. A group is measured the way ep's buffers would see it, before any buffer
@@ -13,10 +13,10 @@ backend, else the ranks sharing a host (a host-name all-gather over the group: a
 builds an NCCL communicator there). Both then go through ``ep_core.topology.Topology``, the rule every ep buffer
 uses.
 
-ep keeps no cache of NCCL communicators: each buffer owns its communicator (or borrows the group's) and releases it
-in ``destroy()``. ``destroy_all_managed_nccl_comm()`` therefore has nothing to free; it exists so that code calling
-it runs unchanged. DeepEP's ``get_nccl_comm_handle``/``NCCLCommHandle`` are not provided (a buffer's communicator
-is ``buffer.nccl_comm_handle``).
+``get_nccl_comm_handle(group, force_new_comm=False)`` returns an ``NCCLCommHandle`` over an NCCL group (the group's
+own communicator when every rank has one, else a new one; cached per group) and ``destroy_all_managed_nccl_comm()``
+drops that cache. ep's buffers do not use it: each owns or borrows its communicator (``buffer.nccl_comm_handle``)
+and releases it in ``destroy()``. On the CPU reference backend (gloo) there is no NCCL communicator: refused.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from ep_core.errors import EPValueError
 from ep_core.topology import Topology
 
 __all__ = [
+    "NCCLCommHandle",
     "barrier",
     "destroy_all_managed_nccl_comm",
     "get_comm_stream",
     "get_logical_domain_size",
+    "get_nccl_comm_handle",
     "get_physical_domain_size",
 ]
 
@@ -86,16 +88,34 @@ def barrier(
     sequential: bool = True,
     context_idx: int | None = None,
 ) -> None:
-    """A barrier over the buffer's ranks (ep's buffers have one communication context: ``context_idx`` 0 or None)."""
-    if context_idx not in (None, 0):
-        raise EPValueError(
-            f"barrier: ep's buffers have one communication context (context_idx 0), got {context_idx}"
-        )
+    """A barrier over the ranks of one of the buffer's communication contexts (None: its main one). A
+    ``BucketBuffer`` has one context per group (``buffer.groups[context_idx]``); every other ep buffer has one (0).
+    A refused ``context_idx`` is announced to the peers waiting in their barrier (issue 41: they raise
+    ``EPPeerError`` naming this rank instead of pairing it with this rank's next call)."""
+    groups = getattr(buffer, "groups", None)
     params = inspect.signature(buffer.barrier).parameters
-    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
-        buffer.barrier(wait_comm_stream, with_cpu_sync, sequential)  # forwards to ElasticBuffer.barrier
+    if context_idx is not None and groups is not None:
+        if not (type(context_idx) is int and 0 <= context_idx < len(groups)):
+            _refuse(
+                buffer,
+                EPValueError(
+                    f"barrier (rank {_rank(buffer)}): context_idx must index the buffer's {len(groups)} groups, got "
+                    f"{context_idx!r}"
+                ),
+            )
+        buffer.barrier(wait_comm_stream, with_cpu_sync, sequential, group=groups[context_idx])
         return
-    kwargs: dict[str, bool] = {}
+    kwargs: dict[str, Any] = {}
+    if "context_idx" in params:  # EPBuffer, EngramBuffer: theirs checks it (announced there)
+        kwargs["context_idx"] = context_idx
+    elif context_idx not in (None, 0):
+        _refuse(
+            buffer,
+            EPValueError(
+                f"barrier (rank {_rank(buffer)}): this buffer has one communication context (context_idx 0), got "
+                f"{context_idx!r}"
+            ),
+        )
     for value, names in (
         (wait_comm_stream, ("wait_comm_stream", "use_comm_stream")),
         (with_cpu_sync, ("with_cpu_sync",)),
@@ -105,6 +125,27 @@ def barrier(
         if name is not None:
             kwargs[name] = value
     buffer.barrier(**kwargs)
+
+
+def _rank(buffer: Any) -> Any:
+    return getattr(buffer, "rank_idx", getattr(buffer, "rank", "?"))
+
+
+def _refuse(buffer: Any, error: Exception) -> None:
+    """Raise ``error`` of this rank's barrier, announced where the peers' barrier waits: a ``BucketBuffer``'s
+    collective block, else the announcing block of the ep-core buffer underneath (``_core`` of the buffer or of
+    its ``_buffer``)."""
+    refuse = getattr(buffer, "_refuse", None)
+    if refuse is not None:
+        refuse("barrier", error)
+    core, inner = getattr(buffer, "_core", None), buffer
+    while core is None and getattr(inner, "_buffer", None) is not None:
+        inner = inner._buffer
+        core = getattr(inner, "_core", None)
+    if core is None:
+        raise error
+    with core.announcing("barrier"):
+        raise error
 
 
 def get_comm_stream(buffer: Any = None) -> torch.cuda.Stream | None:
@@ -118,5 +159,64 @@ def get_comm_stream(buffer: Any = None) -> torch.cuda.Stream | None:
     return comm_stream(torch.cuda.current_device())
 
 
+class NCCLCommHandle:
+    """A raw NCCL communicator (``get()``: the ``ncclComm_t`` as an int): borrowed from the group (``managed``
+    False) or created by :func:`get_nccl_comm_handle` (``managed`` True: destroyed when the handle goes)."""
+
+    def __init__(self, nccl_comm: int, managed: bool, communicator: Any = None) -> None:
+        self.nccl_comm = int(nccl_comm)
+        self.managed = bool(managed)
+        self._communicator = communicator  # ep_nccl_gin.Communicator of a managed handle (it owns the comm)
+
+    def get(self) -> int:
+        return self.nccl_comm
+
+    def __del__(self) -> None:
+        comm, self._communicator = getattr(self, "_communicator", None), None
+        if comm is not None:
+            comm.destroy()
+
+
+_handles: dict[Any, NCCLCommHandle] = {}
+
+
+def get_nccl_comm_handle(
+    group: dist.ProcessGroup | None = None, force_new_comm: bool = False
+) -> NCCLCommHandle:
+    """An NCCL communicator over ``group`` (a collective; cached per group unless ``force_new_comm``): the group's
+    own when every rank has one ep-nccl-gin can borrow, else one created here (``managed``). Needs a group with an
+    NCCL backend (CUDA); the CPU reference backend has no NCCL communicator. ep's buffers do not use this cache:
+    each owns or borrows its communicator (``buffer.nccl_comm_handle``)."""
+    group = dist.group.WORLD if group is None else group
+    if not force_new_comm and group in _handles:
+        return _handles[group]
+    if "nccl" not in str(dist.get_backend(group)).lower():
+        raise EPValueError(
+            f"get_nccl_comm_handle: the group's backend is {dist.get_backend(group)!r}; an NCCL communicator needs "
+            "a process group with the nccl backend (CUDA)"
+        )
+    from .transport_choice import _group_comm
+
+    ptr = 0 if force_new_comm else _group_comm(group)[0]
+    have = [None] * dist.get_world_size(group)
+    dist.all_gather_object(have, ptr != 0, group)  # every rank takes the same branch
+    if all(have):
+        handle = NCCLCommHandle(ptr, False)
+    else:
+        from ep_core.transports.nccl import load_nccl_gin  # ep-nccl-gin through ep-core (its `nccl` extra)
+
+        ep_nccl_gin = load_nccl_gin()
+        ids = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ids, ep_nccl_gin.get_unique_id() if dist.get_rank(group) == 0 else None, group)
+        comm = ep_nccl_gin.Communicator(
+            ids[0], dist.get_world_size(group), dist.get_rank(group), device=torch.cuda.current_device()
+        )
+        handle = NCCLCommHandle(comm.ptr, True, comm)
+    _handles[object() if force_new_comm else group] = handle
+    return handle
+
+
 def destroy_all_managed_nccl_comm() -> None:
-    """Nothing to free: ep caches no NCCL communicators (each buffer releases its own in ``destroy()``)."""
+    """Drop :func:`get_nccl_comm_handle`'s cache (its managed communicators are destroyed with their handles).
+    ep's buffers keep none there: each releases its own in ``destroy()``."""
+    _handles.clear()

@@ -1,9 +1,9 @@
 """``ElasticBuffer.dispatch`` / ``combine``: the road of one call from DeepEP's signature to ep-core
 (:class:`DispatchCombine`, a part of :class:`~ep_torch.buffer.ElasticBuffer`).
 
-A call either takes the express lane of the last call of its kind (ep-core's plan of that call,
-``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar the
-recorded call's), or builds ep-core's argument
+A call either takes the express lane of its kind (ep-core's plan of its last call, or of an earlier one of other
+shapes, ``ep_core.EPBuffer.keep_lane``: the arrays matched by the host extension's native signature, every scalar
+the recorded call's), or builds ep-core's argument
 record (``DispatchArgs`` / ``CombineArgs``) once and hands it to ``run_dispatch`` / ``run_combine``, which announce
 an error of the call (a call on the comm stream runs inside a block of the buffer's own); the outputs come back as
 torch tensors in DeepEP's return tuples.
@@ -25,6 +25,7 @@ from ep_core.handle import EPHandle
 from ep_core.requests import CombineArgs, DispatchArgs
 
 from . import _env, host_extension
+from ._streams import comm_stream
 from .event import EventHandle, EventOverlap
 
 # ep-core's dtype names are torch's
@@ -121,6 +122,29 @@ def _same_scalar(a: Any, b: Any) -> bool:
     return a is b or (type(a) is int and type(b) is int and a == b)
 
 
+class _CommScope:
+    """The comm stream made current for one operation, after ``previous_event`` (a CPU one: nothing) or the compute
+    stream, which waits back on a normal exit unless async (a class here: a repeat enters no other ep module)."""
+
+    __slots__ = ("comm", "compute", "context", "wait_back")
+
+    def __init__(self, comm: Any, previous_event: EventHandle | None, wait_back: bool) -> None:
+        self.compute, self.comm, self.wait_back = torch.cuda.current_stream(), comm, wait_back
+        if previous_event is None:
+            comm.wait_stream(self.compute)
+        elif previous_event.event is not None:  # (`EventHandle.stream_wait`, read as a field)
+            comm.wait_event(previous_event.event)
+        self.context = torch.cuda.stream(comm)
+
+    def __enter__(self) -> None:
+        self.context.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.context.__exit__(exc_type, exc, tb)
+        if exc_type is None and self.wait_back:
+            self.compute.wait_stream(self.comm)
+
+
 class DispatchCombine:
     """The dispatch / combine methods of :class:`~ep_torch.buffer.ElasticBuffer` (module doc)."""
 
@@ -192,51 +216,61 @@ class DispatchCombine:
         with self._core.announcing(op):
             return fn(*args)
 
-    def _check_capture(self, op: str, do_cpu_sync: bool | None, handle: Any) -> None:
-        if op != "dispatch" or handle is not None or do_cpu_sync is False:
-            return  # nothing this check refuses (and no capture query: it costs a microsecond per call)
-        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            return
-        if do_cpu_sync is None or bool(do_cpu_sync):
+    def _check_capture(self, do_cpu_sync: Any) -> None:
+        """A CPU sync refused inside CUDA-graph capture (never asked of `do_cpu_sync=False`: no capture query)."""
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and (do_cpu_sync is None or bool(do_cpu_sync)):
             raise EPValueError(
                 "do_cpu_sync: a dispatch inside CUDA-graph capture must not sync with the CPU; pass "
                 "do_cpu_sync=False (worst-case shapes) or a cached handle"
             )
 
-    def _event(self, async_with_compute_stream: bool, keep: tuple[Any, ...]) -> EventOverlap:
-        """The returned ``EventOverlap``: None unless async; on CUDA an event recorded on the stream the operation
-        ended on, with every operand ``record_stream``-ed on both streams (or kept in the event with
-        ``EPKIT_AVOID_RECORD_STREAM=1``)."""
-        if not async_with_compute_stream:
-            return EventOverlap(None)
-        if self.device.type != "cuda":
-            return EventOverlap(EventHandle(device="cpu"))
-        event = EventHandle(torch.cuda.current_stream())
+    def _refuse_capture(self, do_cpu_sync: Any) -> None:
+        """`_check_capture` of a dispatch without a handle (a CPU sync inside CUDA-graph capture: the caller's
+        error), refused before any launch: announced (the step given up) as ep-core's block announces."""
+        try:
+            self._check_capture(do_cpu_sync)
+        except Exception:
+            with self._core.announcing("dispatch"):
+                raise
+
+    def _event(self, keep: tuple[Any, ...], scoped: Any = False) -> EventOverlap:
+        """An async call's ``EventOverlap`` (one call into :mod:`ep_torch.event`): on CUDA an event recorded on the
+        stream the operation ended on (`scoped`: the comm stream, after its scope), with every operand
+        ``record_stream``-ed on both streams (or kept in the event with ``EPKIT_AVOID_RECORD_STREAM=1``)."""
+        if not self._cuda:
+            return EventOverlap.recorded(None)
+        stream = self.get_comm_stream() if scoped else torch.cuda.current_stream()
         tensors = [t for t in _flat(keep) if isinstance(t, torch.Tensor) and t.is_cuda]
         if _env.avoid_record_stream():
-            return EventOverlap(event, extra_tensors=tensors)
+            return EventOverlap.recorded(stream, tensors)
         comm = self.get_comm_stream()
-        for t in tensors:
-            t.record_stream(torch.cuda.current_stream())
-            if comm is not None:
-                t.record_stream(comm)
-        return EventOverlap(event)
+        for t in tensors:  # (on CUDA the comm stream exists)
+            t.record_stream(stream)
+            t.record_stream(comm)
+        return EventOverlap.recorded(stream)
 
-    def _streams(
-        self, allocate_on_comm_stream: Any, previous_event: Any, async_with_compute_stream: Any
-    ) -> tuple[Any, bool]:
-        """What one operation runs in: the comm-stream context (a null context unless it allocates on the comm
-        stream or waits on ``previous_event``), and whether it is a CUDA operation (ordered after the stream that is
-        current inside that context)."""
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """The process-wide high-priority communication stream (None on the CPU reference backend), kept here."""
+        comm = self.__dict__.get("_comm_stream")
+        if comm is None and self.device.type == "cuda":
+            comm = self.__dict__["_comm_stream"] = comm_stream(self.device)
+        return comm
+
+    def _scope(self, op: str | None, previous_event: Any, async_with_compute_stream: Any) -> Any:
+        """A call's `_CommScope` (none on the CPU backend) after ``previous_event``'s type check; a failure to build it
+        (no launch yet) is announced as `op`'s (None: the caller's block announces, or nothing does)."""
         if previous_event is not None and not isinstance(previous_event, EventHandle):
             raise EPTypeError(
                 f"previous_event: expected an EventHandle (buffer.capture()), got {type(previous_event).__name__}"
             )
-        if self.device.type != "cuda":
-            return contextlib.nullcontext(), False
-        if allocate_on_comm_stream or previous_event is not None:
-            return self._on_comm_stream(True, previous_event, wait_back=not async_with_compute_stream), True
-        return contextlib.nullcontext(), True
+        if not self._cuda:
+            return _NO_SCOPE
+        try:
+            return _CommScope(self.get_comm_stream(), previous_event, not async_with_compute_stream)
+        except Exception:
+            with self._core.announcing(op) if op else _NO_SCOPE:
+                raise
 
     def dispatch(
         self,
@@ -319,20 +353,23 @@ class DispatchCombine:
                 zero_copy,
                 lambda: again(zero_copy=zero_copy),
             )
-        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of the last dispatch of its kind (no handle:
-        # no-sync, CPU-sync with the same `do_cpu_sync` object, or zero-copy; or a cached dispatch of the same
-        # handle) without events, stats or comm-stream scope, every scalar the same object as that call's (so the
-        # same prepared entry), the arrays compared by the lane's `match`
+        # the express lanes (`ep_core.EPBuffer.keep_lane`): a repeat of a dispatch of its kind (no-sync, CPU-sync
+        # with the same `do_cpu_sync` object, zero-copy, or cached: a handle of the same layout, no routing or stats)
+        # without an epilogue event, every scalar the same object as that call's, the arrays (stats too) compared by
+        # `match`; in its comm-stream scope (a `previous_event` of the one type, with `allocate_on_comm_stream`: D15)
+        scoped = previous_event is not None or allocate_on_comm_stream
         plain = (
-            handle is None
-            and previous_event is None
-            and previous_event_before_epilogue is None
-            and cumulative_local_expert_recv_stats is None
-            and async_with_compute_stream is False
-            and allocate_on_comm_stream is False
-            and do_handle_copy is True
+            previous_event_before_epilogue is None
+            and (
+                previous_event is None
+                or (allocate_on_comm_stream and isinstance(previous_event, EventHandle))
+            )
+            and (
+                handle is None
+                or (topk_idx is cumulative_local_expert_recv_stats is None and zero_copy is False)
+            )
         )
-        lane_scalars = (
+        lane_scalars: tuple = (
             num_experts,
             num_max_tokens_per_rank,
             expert_alignment,
@@ -342,6 +379,9 @@ class DispatchCombine:
             use_tma_aligned_col_major_sf,
             do_expand,
             do_zero_padding,
+            async_with_compute_stream,
+            do_handle_copy,
+            cumulative_local_expert_recv_stats is None,  # (a plan kept with stats matches them too)
         )
         if zero_copy is False:
             kind = "dispatch" if do_cpu_sync is False else "dispatch_sync"
@@ -351,78 +391,41 @@ class DispatchCombine:
         if handle is not None and zero_copy is False:
             kind = "dispatch_cached"
         lane = self._lanes.get(kind)
-        if kind == "dispatch_cached":
-            scalars = (
-                topk_idx,
-                cumulative_local_expert_recv_stats,
-                num_experts,
-                num_max_tokens_per_rank,
-                expert_alignment,
-                num_sms,
-                num_qps,
-                previous_event,
-                previous_event_before_epilogue,
-                async_with_compute_stream,
-                allocate_on_comm_stream,
-                do_handle_copy,
-                do_cpu_sync,
-                do_expand,
-                do_zero_padding,
-                use_tma_aligned_col_major_sf,
-            )
-            if lane is not None and _same(scalars, lane.scalars):
-                got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
-                if got is not None:
-                    return (
-                        got.recv_x,
-                        got.recv_topk_idx,
-                        got.recv_topk_weights,
-                        got.handle,
-                        EventOverlap(None),
-                    )
-        elif plain and lane is not None and _same(lane_scalars, lane.scalars):
-            if do_cpu_sync is not False:
-                try:  # a CPU sync inside CUDA-graph capture: the caller's error
-                    self._check_capture("dispatch", do_cpu_sync, None)
-                except Exception:
-                    # refused before any launch: announced (the step given up) as on the ordinary road
-                    with self._core.announcing("dispatch"):
-                        raise
-            got = lane(x, topk_idx, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+        if plain and lane is not None and _same(lane_scalars, lane.scalars):
+            if handle is None and do_cpu_sync is not False:
+                self._refuse_capture(do_cpu_sync)
+            b, w, s = topk_idx if handle is None else handle, topk_weights, cumulative_local_expert_recv_stats
+            if not scoped:
+                got = lane(x, b, w, _current_stream(self._device_index) if self._cuda else 0, s)
+            else:  # (in its scope the current stream is the comm stream)
+                with self._scope("dispatch", previous_event, async_with_compute_stream):
+                    got = lane(x, b, w, _current_stream(self._device_index) if self._cuda else 0, s)
             if got is not None:
+                if async_with_compute_stream:  # the ordinary road's event: every operand on the streams
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
+                    event = self._event((x, topk_idx, w, *outs, *_handle_tensors(got.handle)), scoped)
+                else:
+                    event = EventOverlap(None)
                 if zero_copy is not False:
-                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(
-                        data, sf, got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights
-                    )
-                    return recv_x, recv_idx, recv_w, got.handle, EventOverlap(None)
+                    outs = (got.recv_x, got.recv_sf, got.recv_topk_idx, got.recv_topk_weights)
+                    recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
+                    return recv_x, recv_idx, recv_w, got.handle, event
                 recv_x = _received(got.recv_x, got.recv_sf, use_tma_aligned_col_major_sf)
-                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, EventOverlap(None)
+                return recv_x, got.recv_topk_idx, got.recv_topk_weights, got.handle, event
         # the ordinary road: ep-core's `run_dispatch` announces an error of the call (`announcing`); what may raise
         # here first is announced by a block of its own, and a call on the comm stream runs in one block whole
-        scoped = previous_event is not None or allocate_on_comm_stream
         with self._core.announcing("dispatch") if scoped else _NO_SCOPE:
             rt = self.runtime
             if rt is None or rt._destroyed:  # (`_rt`'s test, inline: the field, no property call)
                 rt = self._announced("dispatch", self._rt)  # raises
             if handle is None and do_cpu_sync is not False:
-                try:
-                    self._check_capture("dispatch", do_cpu_sync, handle)
-                except Exception:
-                    with self._core.announcing("dispatch"):
-                        raise
+                self._refuse_capture(do_cpu_sync)
             if handle is not None and not do_expand and isinstance(handle, EPHandle) and zero_copy is False:
                 do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
             first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
             device = first.device if isinstance(first, torch.Tensor) else self.device
             allocator = self._allocators.get(device) or self._announced("dispatch", self._allocator, device)
-            # the common case (no previous event, outputs on the compute stream): no comm-stream scope to build
-            if scoped:
-                scope, cuda = self._streams(
-                    allocate_on_comm_stream, previous_event, async_with_compute_stream
-                )
-            else:
-                scope, cuda = _NO_SCOPE, self._cuda
-            with scope:
+            with self._scope(None, previous_event, async_with_compute_stream) if scoped else _NO_SCOPE:
                 res = rt.run_dispatch(
                     DispatchArgs(
                         x if type(x) is torch.Tensor and not x.requires_grad else _plain(x),
@@ -447,35 +450,25 @@ class DispatchCombine:
                         bool(do_zero_padding),
                         bool(use_tma_aligned_col_major_sf),
                         allocator,
-                        _current_stream(self._device_index) if cuda else 0,
+                        _current_stream(self._device_index) if self._cuda else 0,
                         zero_copy,
                     )
                 )
                 # a zero-copy dispatch's outputs are the buffer's memory, not the caching allocator's: only the
                 # handle's tensors need recording on the streams
-                event = EventOverlap(None)
-                if async_with_compute_stream:
-                    outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
-                    event = self._event(
-                        True, (x, topk_idx, topk_weights, *outs, *_handle_tensors(res.handle))
-                    )
+                outs = (res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)
+                event = (
+                    self._event((x, topk_idx, topk_weights, *outs, *_handle_tensors(res.handle)))
+                    if async_with_compute_stream
+                    else EventOverlap(None)
+                )
             # the express lane of this call, for the next one (the allocator offers `batch` where the host
             # extension is loaded)
-            lanes = scope is _NO_SCOPE and getattr(allocator, "batch", None) is not None
-            if lanes and plain:
-                if kind is not None:
-                    rt.keep_lane(kind, "dispatch", _match((x, topk_idx, topk_weights)), lane_scalars)
-            elif (
-                lanes
-                and zero_copy is False
-                and handle is not None
-                and topk_idx is None
-                and cumulative_local_expert_recv_stats is None
-                and previous_event is None
-                and previous_event_before_epilogue is None
-                and not async_with_compute_stream
-            ):
-                rt.keep_lane(kind, "dispatch", _match((x, topk_weights)), scalars, handle)
+            if plain and kind is not None and getattr(allocator, "batch", None) is not None:
+                arrays = (x, topk_idx, topk_weights) if handle is None else (x, topk_weights)
+                if cumulative_local_expert_recv_stats is not None:
+                    arrays += (cumulative_local_expert_recv_stats,)
+                rt.keep_lane(kind, "dispatch", _match(arrays), lane_scalars, handle)
         if handle is None:
             if not do_handle_copy:
                 res.handle.topk_idx = (
@@ -486,9 +479,7 @@ class DispatchCombine:
                 # empty one stays an alias, never the caller's tensor object
                 res.handle.topk_idx = topk_idx.detach()
         if zero_copy is not False:
-            recv_x, recv_idx, recv_w = self._zero_copy_outputs(
-                data, sf, res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights
-            )
+            recv_x, recv_idx, recv_w = self._zero_copy_outputs(data, sf, *outs)
             return recv_x, recv_idx, recv_w, res.handle, event
         recv_x = _received(res.recv_x, res.recv_sf, use_tma_aligned_col_major_sf)
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle, event
@@ -514,39 +505,40 @@ class DispatchCombine:
         ordinary call, tested on 2 and 4 gloo ranks)."""
         if not defer_epilogue:
             return call()
-        if not async_with_compute_stream:
-            raise EPValueError(
-                f"defer_epilogue: a deferred {op} returns only its event, whose current_stream_wait() runs the "
-                "epilogue; pass async_with_compute_stream=True with it (DeepEP's rule)"
-            )
-        if do_handle_copy:
-            raise EPValueError(
-                "defer_epilogue: a deferred dispatch keeps the caller's topk_idx in its handle; pass "
-                "do_handle_copy=False with it (DeepEP's rule)"
-            )
-        if zero_copy is not False:
-            raise EPValueError(
-                f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
-                "defer_epilogue"
-            )
-        if self._cuda:
-            raise NotImplementedError(
-                f"defer_epilogue=True is not implemented for a {op} on CUDA tensors in ep: its GPU executor "
-                "launches the communication and the copy/reduce epilogue as one step; call without "
-                "defer_epilogue (async_with_compute_stream=True still returns before the comm stream is done)"
-            )
-        outputs = call()
-        event: EventOverlap = outputs[-1]
-        earlier = event.hook_after_wait
-        event.hook_after_wait = None
+        with self._core.announcing(op):  # a refusal here precedes the call's first step (issue 41)
+            if not async_with_compute_stream:
+                raise EPValueError(
+                    f"defer_epilogue: a deferred {op} returns only its event, whose current_stream_wait() runs the "
+                    "epilogue; pass async_with_compute_stream=True with it (DeepEP's rule)"
+                )
+            if do_handle_copy:
+                raise EPValueError(
+                    "defer_epilogue: a deferred dispatch keeps the caller's topk_idx in its handle; pass "
+                    "do_handle_copy=False with it (DeepEP's rule)"
+                )
+            if zero_copy is not False:
+                raise EPValueError(
+                    f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
+                    "defer_epilogue"
+                )
+            if self._cuda:
+                raise NotImplementedError(
+                    f"defer_epilogue=True is not implemented for a {op} on CUDA tensors in ep: its GPU executor "
+                    "launches the communication and the copy/reduce epilogue as one step; call without "
+                    "defer_epilogue (async_with_compute_stream=True still returns before the comm stream is done)"
+                )
+            outputs = call()
+            event: EventOverlap = outputs[-1]
+            earlier = event.hook_after_wait
+            event.hook_after_wait = None
 
-        def epilogue() -> tuple:
-            if earlier is not None:
-                earlier()
-            return outputs[:-1]
+            def epilogue() -> tuple:
+                if earlier is not None:
+                    earlier()
+                return outputs[:-1]
 
-        event.register_hook_after_wait(epilogue)
-        return event
+            event.register_hook_after_wait(epilogue)
+            return event
 
     def _borrow(
         self,
@@ -577,14 +569,15 @@ class DispatchCombine:
             (handle is not None, "a cached dispatch (handle=) is not supported"),
             (zero_copy is not False, "zero_copy is not supported"),
         )
-        for refused, why in refusals:
-            if refused:
-                raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
-        if self._cuda:
-            raise NotImplementedError(
-                "borrow_recv=True is not implemented for CUDA tensors in ep (the CPU reference backend only); "
-                "dispatch without borrow_recv"
-            )
+        with self._core.announcing("dispatch"):  # before the call's first step: announced (issue 41)
+            for refused, why in refusals:
+                if refused:
+                    raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
+            if self._cuda:
+                raise NotImplementedError(
+                    "borrow_recv=True is not implemented for CUDA tensors in ep (the CPU reference backend only); "
+                    "dispatch without borrow_recv"
+                )
         recv_x, recv_idx, recv_w, new_handle, event = call()
         view = DispatchRecvView(
             self, recv_x, torch.arange(recv_x.shape[0], dtype=torch.int64, device=recv_x.device)
@@ -603,10 +596,11 @@ class DispatchCombine:
 
         def busy(name: str) -> Any:
             def refuse(*args: Any, **kwargs: Any) -> Any:
-                raise EPStateError(
-                    f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
-                    "release() it first"
-                )
+                with self._core.announcing(name):  # the peers' call waits in its first step (issue 41)
+                    raise EPStateError(
+                        f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
+                        "release() it first"
+                    )
 
             return refuse
 
@@ -669,28 +663,39 @@ class DispatchCombine:
         ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
         float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
         """
-        # the express lane of the last combine of its kind (ordinary, or zero-copy: ep-core's express combine over
-        # its zero-copy repeat, which declines an x that is not the combine buffer: then the road below names the
-        # error); `kind`: the lane this call keeps after its ordinary road (None: none)
+        # the express lane of a combine of its kind (ordinary, or zero-copy: its plan declines an x that is not the
+        # combine buffer: then the road below names the error), in the call's comm-stream scope as `dispatch`'s;
+        # `kind`: the lane this call keeps after its ordinary road (None: none)
         kind = None
+        scoped = previous_event is not None or allocate_on_comm_stream
         if (
             (out_dtype is None or out_dtype is torch.bfloat16)
             and (defer_epilogue is False or not defer_epilogue)
             and bias is None
-            and previous_event is None
             and previous_event_before_epilogue is None
-            and async_with_compute_stream is False
-            and allocate_on_comm_stream is False
+            and (
+                previous_event is None
+                or (allocate_on_comm_stream and isinstance(previous_event, EventHandle))
+            )
         ):
             if zero_copy is False:
                 kind = "combine"
             elif zero_copy is True:
                 kind = "combine_zero_copy"
             lane = self._lanes.get(kind)
-            if lane is not None and _same((num_sms, num_qps), lane.scalars):
-                got = lane(x, handle, topk_weights, _current_stream(self._device_index) if self._cuda else 0)
+            if lane is not None and _same((num_sms, num_qps, async_with_compute_stream), lane.scalars):
+                w = topk_weights
+                if not scoped:
+                    got = lane(x, handle, w, _current_stream(self._device_index) if self._cuda else 0)
+                else:  # (in its scope the current stream is the comm stream)
+                    with self._scope("combine", previous_event, async_with_compute_stream):
+                        got = lane(x, handle, w, _current_stream(self._device_index) if self._cuda else 0)
                 if got is not None:
-                    return got.combined_x, got.combined_topk_weights, EventOverlap(None)
+                    if async_with_compute_stream:  # the ordinary road's event
+                        event = self._event((x, w, None, got.combined_x, got.combined_topk_weights), scoped)
+                    else:
+                        event = EventOverlap(None)
+                    return got.combined_x, got.combined_topk_weights, event
         # the one record of this call (ep-core's `CombineArgs`): the FP32 and deferred roads and the ordinary one
         # read it; the allocator of a device's first call and a comm-stream scope's stream are filled in below
         px = x if type(x) is torch.Tensor and not x.requires_grad else _plain(x)
@@ -748,23 +753,20 @@ class DispatchCombine:
         if a.allocator is None:  # this device's first call
             device = a.x.device if isinstance(a.x, torch.Tensor) else self.device
             a = a._replace(allocator=self._announced("combine", self._allocator, device))
-        if scoped:  # (the common case, no previous event and outputs on the compute stream, builds no scope)
-            scope, cuda = self._streams(
-                a.allocate_on_comm_stream, a.previous_event, a.async_with_compute_stream
-            )
-            with scope:  # the event is recorded inside: on the stream the operation ended on
-                if cuda:  # the comm stream is current now
-                    a = a._replace(stream=_current_stream(self._device_index))
-                res = rt.run_combine(a)
-                outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
-                event = self._event(a.async_with_compute_stream, outs)
-        else:
+        if not scoped:
             res = rt.run_combine(a)
+        else:  # (in its scope the current stream is the comm stream)
+            with self._scope(None, a.previous_event, a.async_with_compute_stream):
+                stream = _current_stream(self._device_index) if self._cuda else 0
+                res = rt.run_combine(a._replace(stream=stream))
+        if a.async_with_compute_stream:  # on the stream the operation ended on
+            outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
+            event = self._event(outs, scoped)
+        else:
             event = EventOverlap(None)
-            if a.async_with_compute_stream:
-                outs = (a.x, a.topk_weights, a.bias, res.combined_x, res.combined_topk_weights)
-                event = self._event(True, outs)
         if keep is not None and getattr(a.allocator, "batch", None) is not None:
             match = _match((a.x, a.topk_weights)) if keep[1] else None
-            rt.keep_lane(keep[0], "combine", match, (a.num_sms, a.num_qps), a.handle)
+            rt.keep_lane(
+                keep[0], "combine", match, (a.num_sms, a.num_qps, a.async_with_compute_stream), a.handle
+            )
         return res.combined_x, res.combined_topk_weights, event

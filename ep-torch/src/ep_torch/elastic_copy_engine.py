@@ -1,5 +1,6 @@
-"""The GPU backend of PP, Engram and AGRS on the ipc transport: copy-engine transfers between the ranks' symmetric
-buffers, ordered by stream memory operations, so PP and all-gather use no SM.
+"""The GPU backend of PP, Engram and AGRS on the ipc transport, and on nccl where NCCL's LSA team is the whole group
+(the peers' windows through their LSA pointers): copy-engine transfers between the ranks' symmetric buffers, ordered
+by stream memory operations, so PP and all-gather use no SM.
 
 - PP: a send copies the tensor (``cuMemcpyDtoDAsync``, peer to peer) straight into the receiver's slot, then
   writes the FIFO's arrival count into the receiver's signal word (``cuStreamWriteValue64``, which fences the copy);
@@ -63,7 +64,7 @@ def _peer_bases(storage: Any, num_ranks: int) -> list[int]:
     """Every rank's allocation base as mapped in this process (the ipc storage's peer mappings)."""
     if not hasattr(storage, "peer_bases"):
         raise EPConfigError(
-            "transport: PP, Engram and AGRS on the GPU need the ipc transport's memory (peer mappings); this "
+            "transport: PP, Engram and AGRS on the GPU need the peers' memory mapped (ipc, or nccl's LSA team); this "
             f"buffer's storage ({type(storage).__name__}) has none"
         )
     return storage.peer_bases(num_ranks)

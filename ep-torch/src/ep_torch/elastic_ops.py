@@ -188,13 +188,22 @@ class ElasticOps:
             from .elastic_reference import ReferenceBackend
 
             return ReferenceBackend(self)
-        if self.transport == "ipc":
+        if self.transport == "nccl":
+            # the copy engine reaches a peer through NCCL's LSA pointers (NcclStorage.peer_bases): one NVLink domain
+            lsa = int(getattr(self._rt().storage, "lsa_size", 0))
+            if lsa != self.num_ranks:
+                raise EPConfigError(
+                    f"transport: PP, Engram and AGRS over nccl need every rank in NCCL's LSA team (one NVLink "
+                    f"domain); {lsa} of the {self.num_ranks} ranks are (rank {self.rank_idx}); across nodes they "
+                    "would need network puts, which ep does not implement for them: run them on a group of one node"
+                )
+        if self.transport in ("ipc", "nccl"):
             from .elastic_copy_engine import CopyEngineBackend
 
             return CopyEngineBackend.from_buffer(self)
         raise EPConfigError(
-            f"transport: PP, Engram and AGRS run on the 'reference' (CPU) and 'ipc' (GPU, one node) transports; this "
-            f"buffer uses {self.transport!r} (rank {self.rank_idx}); build it with transport='ipc'"
+            f"transport: PP, Engram and AGRS run on the 'reference' (CPU), 'ipc' and 'nccl' (GPU, one node) "
+            f"transports; this buffer uses {self.transport!r} (rank {self.rank_idx})"
         )
 
     @property

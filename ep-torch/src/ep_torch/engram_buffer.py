@@ -28,6 +28,7 @@ from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
 from .bootstrap import ProcessGroupBootstrap
 from .buffer import ElasticBuffer
+from .buffer_base import BufferContext
 
 __all__ = ["EngramBuffer"]
 
@@ -482,9 +483,35 @@ class EngramBuffer:
             f"{self.num_rdma_storage_bytes} bytes ({where})"
         )
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(
+        self,
+        wait_comm_stream: bool = True,
+        with_cpu_sync: bool = False,
+        sequential: bool = True,
+        context_idx: int | None = None,
+    ) -> None:
+        """A barrier over the group (``deep_ep.comm.barrier``'s parameters; one context: 0)."""
         with self._guard("barrier"):
-            self._buf().barrier(*args, **kwargs)
+            if context_idx not in (None, 0):
+                raise EPValueError(
+                    f"barrier: an EngramBuffer has one communication context (0), got {context_idx}"
+                )
+            self._buf().barrier(wait_comm_stream, with_cpu_sync, sequential)
+
+    @property
+    def context(self) -> BufferContext | None:
+        """The group's rank, size and domain sizes (DeepEP's ``buffer.context``); None after ``destroy()``."""
+        return None if self._buffer is None else BufferContext(self._buffer)
+
+    @property
+    def main_context(self) -> BufferContext | None:
+        """DeepEP's ``BufferBase.main_context``: ``context``."""
+        return self.context
+
+    @property
+    def nccl_comm_handle(self) -> Any:
+        """The NCCL communicator underneath (None on the reference and ipc transports and after ``destroy()``)."""
+        return None if self._buffer is None else self._buffer.nccl_comm_handle
 
     def get_comm_stream(self) -> Any:
         return self._buf().get_comm_stream()

@@ -76,6 +76,11 @@ class EventOverlap:
         self.hook_after_wait: Callable[[], Any] | None = None
         self._release_on_exit = False
 
+    @classmethod
+    def recorded(cls, stream: Any, extra_tensors: Sequence[Any] | None = None) -> EventOverlap:
+        """``EventOverlap(EventHandle(stream))`` in one call (None: the CPU backend's completed event)."""
+        return cls(EventHandle(stream) if stream is not None else EventHandle(device="cpu"), extra_tensors)
+
     def current_stream_wait(self, release_handle: bool = False) -> Any:
         """Wait on the event (which must exist), run and clear the hook, and drop the event if asked. Returns what
         the hook returned (a deferred epilogue's outputs: ``defer_epilogue=True``), None when no hook was pending."""

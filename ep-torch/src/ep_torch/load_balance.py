@@ -33,13 +33,12 @@ first, onto the least loaded rank that may host it; never a rank's own expert, n
 (``ep_core.envelope``): a rank whose arguments are refused announces it, its peers raise ``EPPeerError`` naming it;
 ranks that disagree on ``num_local_experts`` or ``num_redundant_experts`` all raise ``EPMismatchError``.
 
-``lb_get_theoretical_num_sms()`` is DeepEP's estimate (``ep_core.load_balance.lb_num_sms``) over ep's scale-up
-bandwidth (``EPKIT_NVLINK_GBS`` or detection).
+``lb_get_theoretical_num_sms()`` is DeepEP 2.5's estimate (``ep_core.load_balance.lb_num_sms`` with 2.5's per-SM
+rates, 180 GB/s read and 45 write) over ep's scale-up bandwidth (``EPKIT_NVLINK_GBS`` or detection).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,9 +56,12 @@ from .event import EventHandle, EventOverlap
 
 __all__ = ["LoadBalance"]
 
+_SM_READ_GBS_25, _SM_WRITE_GBS_25 = 180.0, 45.0
+
 
 class LoadBalance:
-    """The ``lb_*`` part of ``EPBuffer`` (a mixin before ``ElasticBuffer`` in its bases)."""
+    """The ``lb_*`` part of ``EPBuffer`` (a mixin before ``ElasticBuffer`` in its bases; the constructor's signature
+    is ``ep_torch.epbuffer_surface``'s)."""
 
     def __init__(
         self, *args: Any, lb_allocation_plan_or_num_bytes: BufferAllocator | int = 0, **kwargs: Any
@@ -68,30 +70,6 @@ class LoadBalance:
         num = _lb_num_bytes(lb_allocation_plan_or_num_bytes)
         super().__init__(*args, **kwargs)
         self._init_lb(lb_allocation_plan_or_num_bytes, num)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass without its own ``__init__`` gets one whose signature is the next base's plus the keyword-only
-        LB parameter (``inspect.signature(EPBuffer.__init__)`` reads like DeepEP's)."""
-        super().__init_subclass__(**kwargs)
-        if "__init__" in vars(cls):
-            return
-        mro = cls.__mro__
-        sig = inspect.signature(mro[mro.index(LoadBalance) + 1].__init__)
-        params = list(sig.parameters.values())
-        at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
-        lb = inspect.Parameter(
-            "lb_allocation_plan_or_num_bytes",
-            inspect.Parameter.KEYWORD_ONLY,
-            default=0,
-            annotation="BufferAllocator | int",
-        )
-
-        def __init__(self: Any, *args: Any, **kw: Any) -> None:
-            LoadBalance.__init__(self, *args, **kw)
-
-        __init__.__signature__ = sig.replace(parameters=[*params[:at], lb, *params[at:]])  # type: ignore[attr-defined]
-        __init__.__doc__ = LoadBalance.__init__.__doc__
-        cls.__init__ = __init__  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------------------------------------------------------
     # the LB region
@@ -120,7 +98,9 @@ class LoadBalance:
         if cached is None:
             from ep_core.planner import detect_scaleup_gbs
 
-            cached = self._lb_num_sms = lb_num_sms(detect_scaleup_gbs(max(int(self.num_nvlink_ranks), 2))[0])
+            nvlink_gbs = detect_scaleup_gbs(max(int(self.num_nvlink_ranks), 2))[0]
+            # DeepEP 2.5's per-SM HBM rates (`deep_ep/utils/envs.py`: 180 read, 45 write), not V2's 200 / 50
+            cached = self._lb_num_sms = lb_num_sms(nvlink_gbs, _SM_READ_GBS_25, _SM_WRITE_GBS_25)
         return cached
 
     def lb_get_redundancy_mapping(

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .buffer import ElasticBuffer
+from .buffer_base import BufferContext
 
 __all__ = ["PPBuffer"]
 
@@ -63,6 +64,17 @@ class PPBuffer:
     def runtime(self) -> Any:
         """The ep-core buffer underneath (None after ``destroy()``)."""
         return None if self._buffer is None else self._buffer.runtime
+
+    @property
+    def main_context(self) -> BufferContext | None:
+        """The group's rank, size and domain sizes (DeepEP's ``BufferBase.main_context``); None after
+        ``destroy()``."""
+        return None if self._buffer is None else BufferContext(self._buffer)
+
+    @property
+    def nccl_comm_handle(self) -> Any:
+        """The NCCL communicator underneath (None on the reference and ipc transports and after ``destroy()``)."""
+        return None if self._buffer is None else self._buffer.nccl_comm_handle
 
     def send(self, x: torch.Tensor, dst_rank_idx: int, num_sms: int | None = None) -> None:
         """Send ``x`` (contiguous, at most ``num_max_tensor_bytes``) to the prev or next rank of the ring."""

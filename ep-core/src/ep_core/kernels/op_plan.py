@@ -14,11 +14,11 @@ nothing, and the caller takes the full path, which raises what an uncached call 
 
 `GpuExecutor` calls `run()` after `PreparedOps` proved the key. A framework that proves it itself (ep_torch: the
 host extension's native `Signature.match` returns the arrays' pointers or None; the scalars compared by identity
-with `scalars`) keeps the plan of its last call of a kind (`EPBuffer.keep_lane` -> `keep`) and calls the plan
-(`__call__`): stream pairs issued with the launches, allocations from the allocator's `batch` (one C call for the
-outputs, the routing copy and the handle's int32 block; a CPU-sync or cached dispatch's outputs one batch per row
-count), the new handle recorded as validated. An error before the launch gives up the call's device sequence
-number (`EPBuffer.announcing`); `__call__` returns None for what it does not cover (the ordinary road then).
+with `scalars`) keeps the plans of its calls of a kind (`EPBuffer.keep_lane` -> `keep`: the last, with those of
+other shapes as its `siblings`) and calls the plan (`__call__`): stream pairs issued with the launches, allocations
+from the allocator's `batch` (one C call for the outputs, the routing copy and the handle's int32 block; a CPU-sync
+or cached dispatch's outputs one batch per row count), the new handle recorded as validated. An error before the
+launch gives up the call's step (`EPBuffer.announcing`); `__call__` returns None for what it does not cover.
 """
 
 from __future__ import annotations
@@ -105,9 +105,8 @@ def epilogue_outputs(
 
 
 class _Envelopes:
-    """The envelope words of one plan by the handle's launch number, bit for bit `pack_envelope(kind, seq,
-    fields + (launch,))`: a CRC-32 continues over appended bytes, so the fields' CRC is computed once and each
-    launch number only appends its eight bytes."""
+    """The envelope words of one plan by the handle's launch number, bit for bit `pack_envelope(kind, seq, fields
+    + (launch,))`: a CRC-32 continues over appended bytes (the fields' CRC once, then each launch's 8 bytes)."""
 
     __slots__ = ("crc", "kind", "top")
 
@@ -160,13 +159,7 @@ def _handle_ptrs(handle: EPHandle, names: tuple) -> list[int]:
 
 
 # the handle arrays a cached dispatch / a combine reads (the forward metadata in hybrid mode only)
-_DISPATCH_FIELDS = (
-    "dst_buffer_slot_idx",
-    "psum_num_recv_tokens_per_scaleup_rank",
-    "psum_num_recv_tokens_per_expert",
-    "num_unaligned_recv_tokens_per_expert",
-    "recv_src_metadata",
-)
+_DISPATCH_FIELDS = tuple(field for name, field in _HANDLE_FIELD.items() if name != "fwd")
 _COMBINE_FIELDS = ("psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata")
 _FWD = ("token_metadata_at_forward",)
 
@@ -283,6 +276,7 @@ class DispatchPlan:
     config: Any = None  # the kernel configuration (zero-copy: where the views lie)
 
     op = "dispatch"
+    handle_copy = True  # kept calls' handles hold a routing copy, else the caller's (`EPBuffer.keep_lane`)
     _KEEP = 16  # a kept plan's output batches by row count (a CPU-sync or cached dispatch's counts vary)
 
     def __post_init__(self) -> None:
@@ -323,6 +317,7 @@ class DispatchPlan:
         self.buffer: Any = None
         self.match: Any = None
         self.scalars: tuple | None = None
+        self.siblings: list = []  # the plans kept beside this one (`_sibling`)
         # (the allocator whose calls `batched` answered, its answer): read by `GpuExecutor` on every call
         self.batching: tuple = (None, False)
 
@@ -339,10 +334,9 @@ class DispatchPlan:
         return self if batch is not None and self.batched(allocator, x_dtype, batch) else None
 
     def batched(self, allocator: Any, x_dtype: str, batch: Any) -> bool:
-        """Whether this plan's calls with `allocator` (trusted) take their allocations from its `batch` (one C
-        call: the outputs, the routing copy, the block), set up here at the first (`keep`, or an ordinary call,
-        `GpuExecutor`); another allocator's calls allocate one by one. Not for a cached dispatch with CPU sync or
-        FP8 scales, an empty routing, a CPU-sync zero-copy dispatch, or a call `run` declines."""
+        """Whether this plan's calls with a trusted `allocator` allocate by one call of its `batch`, set up here (at
+        `keep` or an ordinary call's `GpuExecutor`; other allocators: one by one). Not for a cached dispatch with CPU
+        sync or FP8 scales, an empty routing, a CPU-sync zero-copy dispatch, or a call `run` declines."""
         self.batching = (allocator, False)
         if self.cached and (self.cpu_sync or self.sf_dtype is not None):
             return False
@@ -358,9 +352,9 @@ class DispatchPlan:
                 return False
             if not self.zero_copy and epilogue is None and (rows > 0 or self.zero_padding or self.cpu_sync):
                 return False  # what `run` declines
-            # the outputs (a CPU-sync dispatch: none, they follow the counts), then the routing copy and the block
+            # the outputs (CPU sync: none, they follow the counts), the routing copy (`handle_copy`), the block
             specs = [] if self.cpu_sync else self._output_specs(rows, x_dtype)
-            specs.append(((self.num_tokens, self.topk), "int32" if self.idx32 else "int64"))
+            specs += [((self.num_tokens, self.topk), "int32" if self.idx32 else "int64")] * self.handle_copy
             specs.append(((max(Int32Block.layout(self._int32_key)[2], 1),), "int32"))
             self._alloc = batch(tuple(specs))
             self._by_value: tuple | None = None  # the handles' fingerprint by value, read from the first
@@ -430,37 +424,40 @@ class DispatchPlan:
             words,
         )
 
-    def __call__(self, x: Any, b: Any, topk_weights: Any, stream: int) -> DispatchResult | None:
-        """The kept plan's call (module doc): `b` is the routing (no handle) or the handle (cached); the caller
-        compared every other argument with `scalars`. Returns the `DispatchResult` (`recv_sf`: None without FP8
-        scales; column-major ones as their storage; no event), or None (nothing done: take the ordinary road)."""
-        if self._sf_name is None:
-            ptrs = self.match(x, b, topk_weights) if not self.cached else self.match(x, topk_weights)
+    def __call__(self, x: Any, b: Any, w: Any, stream: int, stats: Any = None) -> DispatchResult | None:
+        """The kept plan's call (module doc): `b` the routing or (cached) the handle, `stats` a plan's kept with stats
+        (`match` compares them too); the caller compared the rest with `scalars`. Returns the `DispatchResult`
+        (`recv_sf`: None without FP8 scales; column-major as storage; no event), or None (take the ordinary road)."""
+        if self.cached:  # (never one of FP8 scales, `keep`)
+            ptrs = self.match(x, w)
+        elif self._sf_name is None:
+            ptrs = self.match(x, b, w) if stats is None else self.match(x, b, w, stats)
         elif type(x) is tuple and len(x) == 2:
-            ptrs = self.match(x[0], x[1], b, topk_weights)
+            ptrs = self.match(x[0], x[1], b, w) if stats is None else self.match(x[0], x[1], b, w, stats)
         else:
-            return None
+            ptrs = None  # (a plan of FP8 scales, a call without: a sibling's)
         buffer = self.buffer
-        if ptrs is None or buffer._destroyed:
+        if ptrs is None:
+            return _sibling(self, x, b, w, stream, stats)
+        if buffer._destroyed:
             return None  # the ordinary road raises the caller's own error
         rank = self.rank
         step = rank._num_collective_launches
         try:
             if self.cached:
-                if not check_handle_key(buffer.config, self._executor, b, self._handle_key):
-                    return None
+                # a handle of another layout: a sibling's (whose error is announced once)
+                ok = not self.siblings or _idx_shape(b) == self._handle_key[1]
+                if not (ok and check_handle_key(buffer.config, self._executor, b, self._handle_key)):
+                    return _sibling(self, x, b, w, stream, stats)
                 wait, signal = _kept_pairs(self, stream)
                 return self.run(
                     ptrs[0], 0, 0, ptrs[1], 0, b, None, None, self._x_name, wait, signal, None, True
                 )
-            if self._sf_name is None:
-                x_ptr, idx_ptr, w_ptr = ptrs
-                sf_ptr = 0
-            else:
-                x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs
+            x_ptr, sf_ptr, idx_ptr, w_ptr = ptrs[:4] if self._sf_name else (ptrs[0], 0, ptrs[1], ptrs[2])
+            s_ptr = 0 if stats is None else ptrs[-1]
             wait, signal = _kept_pairs(self, stream)
             res = self.run(
-                x_ptr, sf_ptr, idx_ptr, w_ptr, 0, None, None, None, self._x_name, wait, signal, None, True
+                x_ptr, sf_ptr, idx_ptr, w_ptr, s_ptr, None, b, None, self._x_name, wait, signal, None, True
             )
         except Exception as exc:
             # a call that launched nothing gives up its step; after a launch (a timeout, a kernel's error) there
@@ -471,7 +468,7 @@ class DispatchPlan:
             self._made = None  # the outputs are the caller's alone
         if res is not None:
             handle = res.handle
-            copy = handle.topk_idx
+            copy = handle.topk_idx  # (no copy: the caller's routing, of the layout `match` compared)
             note_handle_topk_idx(rank, handle, copy, self.idx32)
             if self.cpu_sync:  # its counts are its own
                 trust_handle(buffer.config, self._executor, handle)
@@ -600,7 +597,7 @@ class DispatchPlan:
             if kept:  # this call's one batch, after the guard: (the outputs,) the routing copy, the block
                 arrays, aptrs = self._made = self._alloc()
                 block = Int32Block.adopt(arrays[-1], self._int32_key, aptrs[-1])
-                topk_idx, copy_ptr = arrays[-2], aptrs[-2]
+                topk_idx, copy_ptr = (arrays[-2], aptrs[-2]) if self.handle_copy else (topk_idx, 0)
                 if self.cpu_sync:
                     self._made = None  # its outputs follow the counts (`_kept_outputs`)
             else:
@@ -757,6 +754,21 @@ def _kept(plan: Any, buffer: Any, allocator: Any, match: Any, handle: Any) -> An
     return batch
 
 
+def _sibling(plan: Any, *call: Any) -> Any:
+    """The call of the first of `plan.siblings` (kept before it for the same scalars, other arrays or handle:
+    `EPBuffer.keep_lane`) that serves it, or None: a caller alternating between shapes keeps a plan for each."""
+    for other in plan.siblings:
+        got = other(*call)
+        if got is not None:
+            return got
+    return None
+
+
+def _idx_shape(handle: Any) -> Any:
+    """The shape of a handle's `topk_idx` (a handle-keyed plan's key part, which picks among its siblings)."""
+    return getattr(getattr(handle, "topk_idx", None), "shape", None)
+
+
 def _kept_pairs(plan: Any, stream: int) -> tuple:
     """A kept plan's `(wait, signal)`: `GpuExecutor.stream_pairs(stream, False)` over the events taken at `keep`."""
     if stream == plan._comm:
@@ -791,6 +803,7 @@ class CombinePlan:
         self.buffer: Any = None
         self.match: Any = None
         self.scalars: tuple | None = None
+        self.siblings: list = []  # `DispatchPlan.siblings`
 
     def keep(self, buffer: Any, x_dtype: str, allocator: Any, match: Any, handle: Any = None) -> Any:
         """This plan kept for `buffer`'s framework (`DispatchPlan.keep`): the outputs from one `batch` call each."""
@@ -808,12 +821,14 @@ class CombinePlan:
         """The kept plan's call: the `CombineResult`, or None (nothing done: the ordinary road)."""
         ptrs = self.match(x, weights)
         buffer = self.buffer
-        if ptrs is None or buffer._destroyed:
+        if ptrs is None or (self.siblings and _idx_shape(handle) != self._handle_key[1]):
+            return _sibling(self, x, handle, weights, stream)
+        if buffer._destroyed:
             return None
         step = self.rank._num_collective_launches
         try:
             if not check_handle_key(buffer.config, self._executor, handle, self._handle_key):
-                return None
+                return _sibling(self, x, handle, weights, stream)
             wait, signal = _kept_pairs(self, stream)
             return self.run(ptrs[0], ptrs[1], 0, 0, handle, None, wait, signal, True)
         except Exception as exc:

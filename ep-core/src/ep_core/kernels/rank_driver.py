@@ -67,7 +67,6 @@ _ONE_COPY_BYTES = 16384
 __all__ = [
     "TAG_NAMES",
     "CombineResult",
-    "DirectRank",
     "DispatchResult",
     "RankDriver",
     "RankResources",
@@ -544,6 +543,3 @@ class RankDriver(DispatchLaunch, CombineLaunch, RankRuntime):
         if dev is None:
             dev = self._device_id = _cuda.current_device()
         return dev
-
-
-DirectRank = RankDriver  # the former name (its module `kernels.direct_rank` is gone)

@@ -76,6 +76,7 @@ from ..bootstrap import ProcessGroupBootstrap
 from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap
 from ..transport_choice import choose_transport, make_core_transport
+from . import internode
 from .checks import _check_topk
 from .config import Config, _align, default_combine_config, default_dispatch_config
 from .fp8 import per_token_cast_to_fp8
@@ -816,15 +817,8 @@ class Buffer(LowLatencyMode):
                 start += cnt
         return out
 
-    def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "internode_dispatch: call dispatch(), which returns V1's internode handle when the ranks span nodes"
-        )
-
-    def internode_combine(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "internode_combine: call combine() with dispatch's handle (intranode or internode)"
-        )
+    internode_dispatch = internode.internode_dispatch
+    internode_combine = internode.internode_combine
 
     def get_local_buffer_tensor(
         self,

@@ -18,11 +18,90 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ep_core.errors import EPConfigError
 
 from ..bootstrap import ProcessGroupBootstrap
 from ..transport_choice import data_device, ranks_per_host, scaleup_ranks
+from .guard import _dispatch_target, _normal_target
 
-__all__ = ["internode_handle_tensors", "predicted_nvl_ranks", "tokens_per_rdma_rank", "v1_row_order"]
+__all__ = [
+    "internode_combine",
+    "internode_dispatch",
+    "internode_handle_tensors",
+    "predicted_nvl_ranks",
+    "tokens_per_rdma_rank",
+    "v1_row_order",
+]
+
+
+def _spans_nodes(buffer: Any, op: str, target: Any, args: tuple) -> None:
+    """DeepEP's ``internode_*`` run its internode kernels, for groups over several NVLink domains only. The answer
+    is the same on every rank, but a peer may have called the intranode method: the refusal is announced where
+    that call's first step waits (``target``: the V1 method's guard target, issue 41)."""
+    if buffer._domain()[0] <= 1:
+        inner, host = target(buffer, args, {})
+        with buffer._guard(op, inner, host):
+            raise EPConfigError(
+                f"{op} (rank {buffer.rank}): the group is one NVLink domain ({buffer.group_size} ranks); call "
+                f"{op.removeprefix('internode_')}(), which runs the intranode path"
+            )
+
+
+def internode_dispatch(
+    self: Any,
+    x: Any,
+    handle: Any = None,
+    num_tokens_per_rank: torch.Tensor | None = None,
+    num_tokens_per_rdma_rank: torch.Tensor | None = None,
+    is_token_in_rank: torch.Tensor | None = None,
+    num_tokens_per_expert: torch.Tensor | None = None,
+    topk_idx: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    expert_alignment: int = 1,
+    config: Any = None,
+    previous_event: Any = None,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> Any:
+    """V1's ``Buffer.internode_dispatch`` (DeepEP's parameters: ``dispatch``'s without ``num_worst_tokens``):
+    ``dispatch`` on a group that spans nodes; ``config=None`` takes ``get_dispatch_config``'s (DeepEP requires
+    one)."""
+    _spans_nodes(self, "internode_dispatch", _dispatch_target, (x, handle))
+    return self.dispatch(
+        x,
+        handle,
+        num_tokens_per_rank,
+        num_tokens_per_rdma_rank,
+        is_token_in_rank,
+        num_tokens_per_expert,
+        topk_idx,
+        topk_weights,
+        expert_alignment,
+        0,
+        config,
+        previous_event,
+        async_finish,
+        allocate_on_comm_stream,
+    )
+
+
+def internode_combine(
+    self: Any,
+    x: torch.Tensor,
+    handle: Any,
+    topk_weights: torch.Tensor | None = None,
+    bias: Any = None,
+    config: Any = None,
+    previous_event: Any = None,
+    async_finish: bool = False,
+    allocate_on_comm_stream: bool = False,
+) -> Any:
+    """V1's ``Buffer.internode_combine`` (DeepEP's parameters, ``combine``'s): ``combine`` on a group that spans
+    nodes."""
+    _spans_nodes(self, "internode_combine", _normal_target, (x, handle))
+    return self.combine(
+        x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+    )
 
 
 def predicted_nvl_ranks(group: dist.ProcessGroup, transport: str | None) -> int:

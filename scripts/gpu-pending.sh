@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU checks that work on the CPU-only machine left owing (benchmarks/RESULTS.md names them per session), in
+# one device call each, every step under its own time limit so one hang costs only its step:
+#
+#   scripts/gpu-pending.sh OUTDIR main    # this tree: the GPU tests not yet run, then host time (<= 9.5 min)
+#   scripts/gpu-pending.sh OUTDIR ll44    # the tree in .gl/ll44 (a copy of branch wt-ll44, carried by the device
+#                                         # call: `git worktree add .gl/ll44 wt-ll44`, carry [".gl/ll44"]): the
+#                                         # decode-step diagnosis, its V1 low-latency GPU tests, bench_v1 (<= 9.5 min)
+#
+# Logs land in OUTDIR (summary.txt first: one line per step with its exit status and seconds), the rest in
+# OUTDIR/logs.tgz (the device tool brings back at most 8 files).
+set -uo pipefail
+out=${1:?usage: scripts/gpu-pending.sh OUTDIR main|ll44}
+what=${2:?usage: scripts/gpu-pending.sh OUTDIR main|ll44}
+root=$(cd "$(dirname "$0")/.." && pwd)
+tree=$root
+[[ $what == ll44 ]] && tree=$root/.gl/ll44
+[[ -d $tree/ep-core ]] || { echo "no tree at $tree"; exit 2; }
+mkdir -p "$out/logs"
+summary=$out/summary.txt
+: >"$summary"
+
+step() {  # step NAME LIMIT_S COMMAND...: run in $tree, log to logs/NAME.log, one summary line
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  (cd "$tree" && timeout "$limit" "$@") >"$out/logs/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(($(date +%s) - t0))s" | tee -a "$summary"
+  tail -3 "$out/logs/$name.log" | sed 's/^/    /' >>"$summary"
+}
+
+export EP_GPU_PREFIX=/tmp/ep-pending-$what
+step install 90 bash scripts/gpu-suite.sh "$out/logs" install
+export PYTHONPATH=$EP_GPU_PREFIX EPKIT_JIT_CACHE_DIR=$EP_GPU_PREFIX-jit-cache PYTHONUNBUFFERED=1
+pt=(python3 -m pytest -m gpu -v --tb=short -p no:cacheprovider -o faulthandler_timeout=100)  # a hang prints its stacks
+
+if [[ $what == main ]]; then
+  # issue 45: the one-plan road on the GPU (repeats, the kept plan, the GPU suite's V2 file)
+  step repeat 120 "${pt[@]}" ep-torch/tests/test_torch_repeat_gpu.py ep-torch/tests/test_torch_express_lane_gpu.py
+  step torch_gpu 150 "${pt[@]}" ep-torch/tests/test_torch_gpu.py
+  # issues 42 and 44 over the nccl transport on one rank (PP/AGRS/Engram, comm.get_nccl_comm_handle; the native
+  # V1 low-latency kernels)
+  step nccl 120 "${pt[@]}" ep-torch/tests/test_torch_elastic_gpu.py ep-torch/tests/test_torch_legacy_ll_native.py \
+    ep-torch/tests/test_torch_comm.py -k nccl
+  step host_time 90 python3 benchmarks/bench_host_overhead.py --out "$out/logs" --rounds 3
+else
+  # issue 44: the decode step (each loopback rank in turn: dispatch, work, combine) that failed in session 4
+  step step_diag 180 python3 benchmarks/profile_ll_native.py --step --ranks 8 --recv-blocks 0 8 4 --iters 5
+  step ll_tests 120 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py
+  step bench_v1 180 python3 benchmarks/bench_v1.py --ranks 8 1 --quick --iters 20
+fi
+tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
+cat "$summary"
