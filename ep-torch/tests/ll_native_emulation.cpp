@@ -42,7 +42,7 @@ inline uint64_t ep_ll_host_now_ns() {
 #define __host__
 #define __forceinline__
 #define __shared__ static
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 struct int4 { int x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
@@ -87,6 +87,7 @@ inline unsigned __ballot_sync(unsigned, bool pred) {  // every lane's predicate 
   warp_bar().arrive_and_wait();
   return r;
 }
+inline void __syncwarp(unsigned = 0xFFFFFFFFu) { warp_bar().arrive_and_wait(); }
 inline bool __all_sync(unsigned m, bool pred) { return __ballot_sync(m, !pred) == 0u; }
 inline bool __any_sync(unsigned m, bool pred) { return __ballot_sync(m, pred) != 0u; }
 inline unsigned __shfl_xor_sync(unsigned, unsigned v, int d) { return exchange(v, (threadIdx.x & 31u) ^ (unsigned)d); }
@@ -147,7 +148,7 @@ template <class T> void wr(const std::string& name, const std::vector<T>& v) {
 // (the N regions in one shared mapping, so every rank's peer table holds the same addresses), running its own
 // stream's sequence of calls the way the host issues them (every call the other half; a round is D, C or, every
 // third round, D, D, C with the combine on the second dispatch's handle), with random pauses before each kernel
-// (the stand-in for other work on the stream, a GEMM, a late host; the host's launches as ll_kernels issues them): the ranks' kernels interleave as on a GPU shared
+// (the stand-in for other work on the stream, a GEMM, a late host): the ranks' kernels interleave as on a GPU shared
 // by the ranks. Inputs x{q}, idx{q}, w{q} as below; outputs c{q}_{count,range,src,recv,comb}_{rank}, err_{rank}.
 int run_concurrent(char** argv) {
   g_dir = argv[2];
@@ -193,15 +194,16 @@ int run_concurrent(char** argv) {
         uint8_t* own = base(r) + front + half * L.half_bytes;
         half ^= 1;
         pause();
-        launch(ne, block, [&] {
-          ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
-                               peers.data(), base(r), own, 0, direct, lane_pos.data(), err, herr.data(), nullptr);
-        });
+        if (n > 1 || !direct)
+          launch(ne, block, [&] {
+            ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
+                                 peers.data(), base(r), own, 0, direct, lane_pos.data(), err, herr.data(), nullptr);
+          });
         pause();
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, own, 0, 0, recv.data(), nullptr, src.data(), lanes.data(),
                                count.data(), range.data(), nullptr, reinterpret_cast<const uint8_t*>(xr), h * 2, ir,
-                               1, nt, direct, timeout_ms, err, herr.data(), nullptr);
+                               1, nt, direct, lane_pos.data(), timeout_ms, err, herr.data(), nullptr);
         });
       }
       for (int e = 0; e < epr; ++e)  // the experts: y = bf16(fp32(row) * (1 + g / 8))
@@ -213,13 +215,13 @@ int run_concurrent(char** argv) {
       uint8_t* own = base(r) + front + half * L.half_bytes;
       half ^= 1;
       pause();
-      launch(epr, block, [&] {
-        ep_lln_combine_send(reinterpret_cast<const uint4*>(y.data()), src.data(), lanes.data(), range.data(), nk, h,
-                            ne, n, r, m, peers.data(), base(r), own, direct, err, herr.data(), nullptr);
-      });
+      if (n > 1 || !direct)
+        launch(epr, block, [&] {
+          ep_lln_combine_send(reinterpret_cast<const uint4*>(y.data()), src.data(), lanes.data(), range.data(), nk,
+                              h, ne, n, r, m, peers.data(), base(r), own, direct, err, herr.data(), nullptr);
+        });
       pause();
-      const int chunks = (h / 8 + block - 1) / block;
-      launch(nt * chunks > 0 ? nt * chunks : 1, block, [&] {
+      launch(2, 64, [&] {
         ep_lln_combine_recv(ir, 1, wr_, nt, nk, h, ne, n, r, m, own, reinterpret_cast<uint4*>(comb.data()),
                             reinterpret_cast<const uint4*>(y.data()), range.data(), lane_pos.data(), direct,
                             timeout_ms, err, herr.data(), nullptr);
@@ -284,7 +286,8 @@ int main(int argc, char** argv) {
     std::vector<std::vector<uint16_t>> comb(n, std::vector<uint16_t>((size_t)nt * h + 8));
     auto step = [&](const std::vector<int>& group) {
       // a step uses half 0 for the dispatch, half 1 for the combine (the host's toggle; clean restarts at half 0)
-      for (int r : group) {
+      for (int r : group) {  // one rank with the local shortcut: no send (ll_kernels.native_dispatch)
+        if (n == 1 && direct) continue;
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(ne, block, [&] {
@@ -299,7 +302,7 @@ int main(int argc, char** argv) {
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
                                lanes[r].data(), count[r].data(), range[r].data(), nullptr,
-                               reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, timeout_ms, err(r),
+                               reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, lane_pos[r].data(), timeout_ms, err(r),
                                herr[r].data(), mp(r));
         });
       }
@@ -318,7 +321,7 @@ int main(int argc, char** argv) {
             n, r, m, peers.data(), base(r), base(r) + front + L.half_bytes, direct && !logfmt, err(r), herr[r].data(),
             mp(r));
         };
-        launch(epr, block, body);
+        if (n > 1 || !direct || logfmt) launch(epr, block, body);
       }
       for (int r : group) {
         const int chunks = (h / 8 + block - 1) / block, items = nt * chunks;

@@ -525,12 +525,16 @@ def test_kernels_of_ranks_running_at_once(emulation, tmp_path, direct):
         ("lost", 0, 1),
         ("late", 1, 0),
         ("late", 0, 1),
+        ("one", 1, 0),  # one rank with the local shortcut: the host launches no send (ll_kernels)
+        ("one", 0, 0),
     ],
 )
 def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfmt):
     import subprocess
 
-    n, lost = 4, 3
+    n, lost = (1, -1) if case == "one" else (4, 3)
+    if case == "one":
+        case = "nomask"
     epr = E // n
     use_mask = int(case != "nomask")
     rounds = 1 if case == "nomask" else 2

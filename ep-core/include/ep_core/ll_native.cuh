@@ -257,25 +257,54 @@ __device__ inline int ep_lln_list_tokens(const void* topk, int idx64, int num_to
   return running;
 }
 
-// Copy `rows` rows of `vecs` 16-byte vectors with the whole block, four loads in flight per thread:
-// dst(j)[c] = src(j)[c]. `src_row(j)` / `dst_row(j)` give the rows' first vectors.
-template <typename Src, typename Dst>
+// Copy `rows` rows of `vecs` 16-byte vectors with the whole block: dst(j)[c] = src(j)[c]. A warp per (row, part)
+// item, a row cut into as many parts as keep every warp busy (at least 32 vectors a part), so `src_row(j)` /
+// `dst_row(j)` (the rows' first vectors; a lookup each) run once per item, not per vector; eight 16-byte loads in
+// flight per lane. All threads.
+template <int kUnroll = 8, typename Src, typename Dst>
 __device__ __forceinline__ void ep_lln_copy_rows(int rows, int vecs, Src src_row, Dst dst_row) {
-  const int total = rows * vecs;
-  const int step = blockDim.x;
-  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
-    uint4 v[4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (rows <= 0 || vecs <= 0) return;
+  int parts = nwarps / rows;
+  parts = parts < 1 ? 1 : parts;
+  const int most = (vecs + 31) / 32;
+  parts = parts > most ? most : parts;
+  const int per = (vecs + parts - 1) / parts;
+  for (int item = warp; item < rows * parts; item += nwarps) {
+    const int j = item / parts, c0 = (item - j * parts) * per;
+    const int c1 = c0 + per < vecs ? c0 + per : vecs;
+    const uint4* src = src_row(j);
+    uint4* dst = dst_row(j);
+    for (int c = c0 + lane; c < c1; c += 32 * kUnroll) {
+      uint4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int i = i0 + u * step;
-      if (i < total) v[u] = src_row(i / vecs)[i % vecs];
-    }
+      for (int u = 0; u < kUnroll; ++u)
+        if (c + 32 * u < c1) v[u] = src[c + 32 * u];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int i = i0 + u * step;
-      if (i < total) dst_row(i / vecs)[i % vecs] = v[u];
+      for (int u = 0; u < kUnroll; ++u)
+        if (c + 32 * u < c1) dst[c + 32 * u] = v[u];
     }
   }
+}
+
+// FP8 cast of eight channels `v` (bf16) of a 128-channel group held by a half warp (`ok`: the group exists; every
+// lane of the warp calls it: the group's amax is a half-warp reduction). Returns the e4m3 bytes, the scale in *scale.
+__device__ __forceinline__ uint2 ep_lln_cast8(uint4 v, bool ok, int round_scale, float* scale) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float f[8];
+  for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(w[i]), f[2 * i + 1] = ep_ll::bf16_hi(w[i]);
+  float amax = fabsf(f[0]);
+  for (int i = 1; i < 8; ++i) amax = ep_ll::nan_max(amax, fabsf(f[i]));
+  for (int d = 8; d > 0; d >>= 1) amax = ep_ll::nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+  uint32_t lo = 0, hi = 0;
+  *scale = 1.0f;
+  if (ok) {
+    const float sc = ep_ll::fp8_scale(amax, round_scale != 0);
+    for (int i = 0; i < 4; ++i) lo |= ep_ll::e4m3_bits(ep_ll::div_rn(f[i], sc)) << (8 * i);
+    for (int i = 0; i < 4; ++i) hi |= ep_ll::e4m3_bits(ep_ll::div_rn(f[4 + i], sc)) << (8 * i);
+    *scale = sc;
+  }
+  return make_uint2(lo, hi);
 }
 
 // FP8 cast of every token once (before the send): staging row t = e4m3 bytes [hidden] then fp32 scales
@@ -295,19 +324,10 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int pidx = warp; pidx < pairs; pidx += nwarps) {
     const int gg = 2 * pidx + half;
     const bool ok = gg < groups;
-    const uint4 v = ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0);
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    float f[8];
-    for (int i = 0; i < 4; ++i) f[2 * i] = ep_ll::bf16_lo(w[i]), f[2 * i + 1] = ep_ll::bf16_hi(w[i]);
-    float amax = fabsf(f[0]);
-    for (int i = 1; i < 8; ++i) amax = ep_ll::nan_max(amax, fabsf(f[i]));
-    for (int d = 8; d > 0; d >>= 1) amax = ep_ll::nan_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, d));
+    float scale;
+    const uint2 bits = ep_lln_cast8(ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0), ok, round_scale, &scale);
     if (ok) {
-      const float scale = ep_ll::fp8_scale(amax, round_scale != 0);
-      uint32_t lo = 0, hi = 0;
-      for (int i = 0; i < 4; ++i) lo |= ep_ll::e4m3_bits(ep_ll::div_rn(f[i], scale)) << (8 * i);
-      for (int i = 0; i < 4; ++i) hi |= ep_ll::e4m3_bits(ep_ll::div_rn(f[4 + i], scale)) << (8 * i);
-      q[gg * 16 + hl] = make_uint2(lo, hi);
+      q[gg * 16 + hl] = bits;
       if (hl == 0) sc[gg] = scale;
     }
   }
@@ -316,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(256)
 // Dispatch send. Payload rows: bf16 x [T, hidden], or the FP8 staging of `ep_lln_cast_fp8` (`use_fp8`, row stride
 // `stride` bytes); topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
 // tokens to rank g / E_local, then the count (nothing to a masked rank). Dynamic shared memory: 8 * M bytes.
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
                          int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
@@ -364,15 +384,16 @@ extern "C" __global__ void __launch_bounds__(512)
 // rows. Outputs: bf16 out [E_local, N*M, hidden], or FP8 q [E_local, N*M, hidden] with scales float32
 // [E_local, G, N*M] (ue8m0: int32 [E_local, G/4, N*M], exponent byte of group g at byte g % 4); src_info and lanes
 // int32 [E_local, N*M] (-1 past the count); recv_count int32 [E_local]; layout_range int64 [E_local, N]; stats
-// int32 [E_local] (added to; may be null).
-extern "C" __global__ void __launch_bounds__(512)
+// int32 [E_local] (added to; may be null). local_direct: this rank's own block takes its rows from `payload` (the
+// send's: x, or the FP8 staging; row stride `stride`).
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_recv(int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
                          const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
-                         int num_tokens, int local_direct, int timeout_ms, int* err, volatile int* herr,
-                         int* mask) {
+                         int num_tokens, int local_direct, int* __restrict__ lane_pos, int timeout_ms, int* err,
+                         volatile int* herr, int* mask) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
   __shared__ int warp_sums[32];
@@ -387,8 +408,19 @@ extern "C" __global__ void __launch_bounds__(512)
   if (threadIdx.x == 0) s_fail = 0;
   __syncthreads();
   for (int e = blockIdx.x; e < epr; e += gridDim.x) {
+    // local_direct: this rank's own block is listed here (its count and rows need no message; the host may skip
+    // the send altogether at one rank), and each (token, first lane)'s position goes to lane_pos for the combine
+    const int own = local_direct ? ep_lln_list_tokens(topk, idx64, num_tokens, num_topk, (int64_t)rank * epr + e,
+                                                      m, s_list, warp_sums)
+                                 : 0;
+    if (local_direct && lane_pos != nullptr)
+      for (int j = threadIdx.x; j < own; j += blockDim.x) lane_pos[s_list[j] * num_topk + s_list[m + j]] = j;
     const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks;
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      if (local_direct && r == rank) {
+        s_off[r] = ep_lln::masked(mask, r) ? 0 : own;
+        continue;
+      }
       int64_t v = 0;
       const int res = ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
       if (res == ep_lln::kFailed) s_fail = 1;
@@ -403,7 +435,6 @@ extern "C" __global__ void __launch_bounds__(512)
     }
     __syncthreads();
     const int total = s_off[num_ranks];
-    if (local_direct) ep_lln_list_tokens(topk, idx64, num_tokens, num_topk, (int64_t)rank * epr + e, m, s_list, warp_sums);
     // packed row j: source rank r by a binary search over the block offsets; its payload is the message's, or with
     // local_direct for this rank's own block the payload row of its token
     auto rank_of = [&](int j) {
@@ -435,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(512)
     }
     const int qvecs = use_fp8 ? hidden / 16 : row_vecs;
     uint4* out4 = static_cast<uint4*>(out) + (int64_t)e * slots * qvecs;
-    ep_lln_copy_rows(
+    ep_lln_copy_rows<4>(
         total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); },
         [&](int j) { return out4 + (int64_t)j * qvecs; });
     if (use_fp8) {
@@ -559,11 +590,13 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
   }
 }
 
-// Combine receive: work item (token t, chunk of 8 * blockDim.x channels), grid stride. Waits for the flags of t's
-// experts, then the weighted sum in ascending lane order into out [T, hidden] bf16 (lanes repeating an earlier
-// lane's expert read that lane's slot: one message per (token, expert)). kLogFMT: the slots hold LogFMT-10 rows,
-// decoded to float32 for the same sum (ep_lln_combine_recv_logfmt; every row came through the slots: local_direct
-// is ignored, as by the LogFMT send).
+// Combine receive: a warp per work item (token t, a part of its hidden vectors; a token is cut into as many parts as
+// keep every warp of the grid busy, at least 32 vectors a part), grid stride, no block-wide step per item. The
+// warp's lanes read t's lanes (expert ids, weights) and wait for the flags of t's experts, then each lane sums its
+// vectors in ascending lane order into out [T, hidden] bf16 (lanes repeating an earlier lane's expert read that
+// lane's slot: one message per (token, expert)). kLogFMT: the slots hold LogFMT-10 rows, decoded to float32 for the
+// same sum (ep_lln_combine_recv_logfmt; every row came through the slots: local_direct is ignored, as by the LogFMT
+// send). Dynamic shared memory: (blockDim.x / 32) * num_topk * 20 bytes (each warp's lanes of its token).
 template <bool kLogFMT>
 __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ topk, int idx64,
                                                       const float* __restrict__ w, int num_tokens, int num_topk,
@@ -573,10 +606,7 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
                                                       const int64_t* __restrict__ layout_range,
                                                       const int* __restrict__ lane_pos, int local_direct,
                                                       int timeout_ms, int* err, volatile int* herr, int* mask) {
-  __shared__ int s_src[EP_LL_MAX_TOPK];  // per lane: the lane whose slot holds its expert's output, -1 none
-  __shared__ int s_dead[EP_LL_MAX_TOPK];  // per first lane of an expert: its rank is masked (zero contribution)
-  __shared__ int64_t s_row[EP_LL_MAX_TOPK];  // local_direct: the packed row of x holding a local lane's output
-  __shared__ float s_w[EP_LL_MAX_TOPK];
+  EP_LL_DYNAMIC_SMEM(int64_t, s_lanes);
   __shared__ int s_fail;
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
@@ -584,14 +614,26 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
   int* ctrl = reinterpret_cast<int*>(own_half + L.ctrl);
   const int64_t epoch = (int64_t)ctrl[1] + 1;
   const int vecs = hidden / 8;
-  const int chunks = (vecs + blockDim.x - 1) / blockDim.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+  const int all_warps = gridDim.x * wpb;
+  int parts = num_tokens > 0 ? all_warps / num_tokens : 1;
+  const int most = vecs / 32 > 1 ? vecs / 32 : 1;
+  parts = parts < 1 ? 1 : (parts > most ? most : parts);
+  const int per = (vecs + parts - 1) / parts;
   const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.cflag);
   const uint4* slots = reinterpret_cast<const uint4*>(own_half + L.cdata);
+  // each warp's lanes of its token: row of x (local_direct) int64 [K], then (src, dead) int32 [K][2], then weights
+  int64_t* s_row = s_lanes + (int64_t)warp * num_topk;
+  int* s_src = reinterpret_cast<int*>(s_lanes + (int64_t)wpb * num_topk) + (int64_t)warp * num_topk * 2;
+  float* s_w = reinterpret_cast<float*>(reinterpret_cast<int*>(s_lanes + (int64_t)wpb * num_topk) +
+                                        (int64_t)wpb * num_topk * 2) + (int64_t)warp * num_topk;
   if (threadIdx.x == 0) s_fail = 0;
-  for (int item = blockIdx.x; item < num_tokens * chunks; item += gridDim.x) {
-    const int t = item / chunks, chunk = item - t * chunks;
-    __syncthreads();
-    for (int k = threadIdx.x; k < num_topk; k += blockDim.x) {
+  __syncthreads();
+  int failed = 0, warp_failed = 0;
+  for (int item = blockIdx.x * wpb + warp; item < num_tokens * parts; item += all_warps) {
+    const int t = item / parts, c0 = (item - t * parts) * per;
+    const int c1 = c0 + per < vecs ? c0 + per : vecs;
+    for (int k = lane; k < num_topk; k += 32) {
       const int64_t g = ep_ll::load_idx(topk, (int64_t)t * num_topk + k, idx64);
       int src = -1, dead = 0;
       if (g >= 0 && g < num_experts) {
@@ -602,15 +644,17 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
             break;
           }
         int64_t v;
-        if (src == k) {
+        if (src == k && local_direct && g / epr == rank) {  // its rows are read in x: no message, no flag
+          dead = ep_lln::masked(mask, rank);
+        } else if (src == k) {
           const int res =
               ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v, mask, num_ranks);
-          if (res == ep_lln::kFailed) s_fail = 1;
+          failed |= res == ep_lln::kFailed;
           dead = res == ep_lln::kMasked;
         }
       }
-      s_dead[k] = dead;
-      s_src[k] = src;
+      s_src[2 * k] = src;
+      s_src[2 * k + 1] = dead;
       s_w[k] = w[(int64_t)t * num_topk + k];
       s_row[k] = -1;
       if (local_direct && src >= 0 && g / epr == rank) {
@@ -619,20 +663,24 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
         s_row[k] = (int64_t)e * num_ranks * m + off + lane_pos[(int64_t)t * num_topk + src];
       }
     }
-    __syncthreads();
-    if (s_fail) return;
+    warp_failed = __any_sync(0xFFFFFFFFu, failed);
+    if (warp_failed) break;  // warp-uniform
+    __syncwarp();
     if (mask != nullptr) {  // lanes repeating a dropped lane's expert are dropped with it
-      for (int k = threadIdx.x; k < num_topk; k += blockDim.x)
-        s_src[k] = ep_lln::lane_source(s_src[k], s_dead);
-      __syncthreads();
+      int src[4];  // read every lane's first, then write (the warp's lanes share the array)
+      for (int k = lane, u = 0; k < num_topk; k += 32, ++u)
+        if (u < 4) src[u] = s_src[2 * k] >= 0 && s_src[2 * s_src[2 * k] + 1] ? -1 : s_src[2 * k];
+      __syncwarp();
+      for (int k = lane, u = 0; k < num_topk; k += 32, ++u)
+        if (u < 4) s_src[2 * k] = src[u];
+      __syncwarp();
     }
-    const int c = chunk * blockDim.x + threadIdx.x;
-    if (c < vecs) {
+    for (int c = c0 + lane; c < c1; c += 32) {
       float a[8];
       for (int i = 0; i < 8; ++i) a[i] = 0.0f;
       if constexpr (kLogFMT) {
         for (int k = 0; k < num_topk; ++k) {
-          const int src = s_src[k];
+          const int src = s_src[2 * k];
           if (src < 0) continue;
           float f[8];
           const int64_t slot = (int64_t)t * num_topk + src;
@@ -642,21 +690,21 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
           for (int i = 0; i < 8; ++i) a[i] = ep_ll::add_rn(a[i], ep_ll::mul_rn(f[i], wk));
         }
       } else
-      for (int k0 = 0; k0 < num_topk; k0 += 8) {  // eight lanes' loads in flight, then their sum in lane order
-        uint4 v[8];
+      for (int k0 = 0; k0 < num_topk; k0 += 4) {  // four lanes' loads in flight, then their sum in lane order
+        uint4 v[4];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < 4; ++u) {
           const int k = k0 + u;
-          const int src = k < num_topk ? s_src[k] : -1;
+          const int src = k < num_topk ? s_src[2 * k] : -1;
           if (src >= 0) {
             const int64_t row = s_row[k];
             v[u] = row >= 0 ? x[row * vecs + c] : slots[((int64_t)t * num_topk + src) * vecs + c];
           }
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < 4; ++u) {
           const int k = k0 + u;
-          if (k >= num_topk || s_src[k] < 0) continue;
+          if (k >= num_topk || s_src[2 * k] < 0) continue;
           const float wk = s_w[k];
           const uint32_t words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
           for (int i = 0; i < 4; ++i) {
@@ -672,13 +720,17 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
       }
       out[(int64_t)t * vecs + c] = make_uint4(o[0], o[1], o[2], o[3]);
     }
+    __syncwarp();  // the next item rewrites the warp's lanes
   }
+  if (warp_failed && lane == 0) s_fail = 1;
+  __syncthreads();
+  if (s_fail) return;
   if (blockIdx.x == 0) {
     // every expert's flag of this call, whether or not this rank's tokens use it: the kernel completes only after
     // every rank's combine send, hence after every rank's dispatch receive (V1's rule; the double buffer relies on
     // it: the next dispatch into a peer's half must not overtake that peer's reading of it)
-    __syncthreads();
     for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
+      if (local_direct && g / epr == rank) continue;  // this rank's own send came first on this stream
       int64_t v;  // a masked rank's flags are not waited for
       if (ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, g / epr, 2, &v, mask, num_ranks) ==
           ep_lln::kFailed)
@@ -688,7 +740,7 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
   ep_lln::finish_epoch(ctrl, 1);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_combine_send(const uint4* __restrict__ x, const int* __restrict__ src_info,
                         const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                         int hidden, int num_experts, int num_ranks, int rank, int m,
@@ -698,7 +750,7 @@ extern "C" __global__ void __launch_bounds__(512)
                                peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
+extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_combine_send_logfmt(const uint4* __restrict__ x, const int* __restrict__ src_info,
                                const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                                int hidden, int num_experts, int num_ranks, int rank, int m,
@@ -708,7 +760,7 @@ extern "C" __global__ void __launch_bounds__(512)
                               peers, own_base, own_half, local_direct, err, herr, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 4)
     ep_lln_combine_recv(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                         uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
@@ -718,7 +770,7 @@ extern "C" __global__ void __launch_bounds__(256)
                                own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(256, 4)
     ep_lln_combine_recv_logfmt(const void* __restrict__ topk, int idx64, const float* __restrict__ w, int num_tokens,
                                int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                                uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,

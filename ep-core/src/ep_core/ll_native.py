@@ -43,7 +43,7 @@ def header_bytes(num_ranks: int) -> int:
 SIGNATURES: dict[str, str] = {
     "ep_lln_cast_fp8": "piipi",
     "ep_lln_dispatch_send": "pipiiiiiiiipppiipppp",
-    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiiippp",
+    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiipippp",
     "ep_lln_combine_send": "ppppiiiiiipppippp",
     "ep_lln_combine_recv": "pipiiiiiiipppppiippp",
     "ep_lln_combine_send_logfmt": "ppppiiiiiipppippp",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)

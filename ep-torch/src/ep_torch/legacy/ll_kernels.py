@@ -320,18 +320,20 @@ def native_dispatch(
     t = int(x.shape[0])
     err = reg.own_base  # the region's front: the device error word
     groups = h // 128
-    if use_fp8:  # cast once per token (the send then copies each token's FP8 row and scales to its experts)
+    # one rank with the local shortcut: no send (the receive lists this rank's rows and reads them where they lie)
+    sends = n > 1 or not local_direct
+    payload, pstride = x, h * 2
+    if use_fp8:  # cast once per token (the send, and the receive for its own rows, copy them from there)
         stride = -(-(h + 4 * groups) // 16) * 16
         staging = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
         if t:
             run("ep_lln_cast_fp8", t, 256, [x, h, int(round_scale), staging, stride])
         payload, pstride = staging, stride
-    else:
-        payload, pstride = x, h * 2
     lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
     send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
             own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask]  # fmt: skip
-    run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
+    if sends:
+        run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     if use_fp8:
         q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
         if use_ue8m0:
@@ -352,7 +354,7 @@ def native_dispatch(
     def receive() -> None:
         args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
                 src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
-                idx64, t, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
+                idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
@@ -391,7 +393,8 @@ def native_combine(
     local_direct = bool(local_direct) and lane_pos is not None
     send = [x, src_info, lanes, layout_range, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
             own_half, int(local_direct), err, reg.herr.data_ptr(), mask]  # fmt: skip
-    run("ep_lln_combine_send" + suffix, min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
+    if n > 1 or not local_direct:  # one rank with the local shortcut: every row stays in x for the receive
+        run("ep_lln_combine_send" + suffix, min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
     t = int(topk_idx.shape[0])
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
     dest = out if direct else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
@@ -400,16 +403,16 @@ def native_combine(
     idx64 = _idx64(topk, "low_latency_combine: topk_idx")
 
     def receive() -> None:
-        chunks = -(-(h // 8) // 256)
-        items = t * chunks
-        if items:
-            args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
-                    lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
-            _NativeLaunch()("ep_lln_combine_recv" + suffix, min(items, reg.recv_blocks), 256, args)
-        else:  # no token: the kernel still has to see every flag of this call (its epoch)
-            args = [topk, idx64, w, 0, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
-                    lane_pos, 0, reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
-            _NativeLaunch()("ep_lln_combine_recv" + suffix, 1, 256, args)
+        # a warp per (token, part of at least 32 vectors: a vector a lane); 16 warps a block, each with its
+        # token's lanes in shared memory (20 bytes a lane)
+        warps = t * max(1, (h // 8) // 32)
+        # 256 threads of at most 64 registers: a spinning receive block leaves room on its SM for a GEMM CTA of
+        # another rank sharing the GPU (512 threads did not: the EP8 loopback decode step timed out, session 4)
+        grid = max(1, min(-(-warps // 8), reg.recv_blocks))
+        args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
+                lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
+        # no token: the kernel still has to see every flag of this call (its epoch)
+        _NativeLaunch()("ep_lln_combine_recv" + suffix, grid, 256, args, shared_mem=20 * 8 * k)
         if out is not None and not direct:
             out.copy_(dest)
 
