@@ -62,15 +62,17 @@ def test_bf16_round_to_nearest_even(u):
 # a naive model: per token, per lane loops written straight from SPEC §2-3
 
 
-def naive_dispatch(idxs, m, e, su, alignment, expand):
-    """Per destination: ordered list of (src, tok, master, local ids), per-expert row lists."""
+def naive_dispatch(idxs, m, e, su, alignment, expand, deterministic=False):
+    """Per destination: ordered list of (src, tok, master, local ids), per-expert row lists. Sources walked region
+    by region, or (deterministic) in rank order: rows by the source token's global index."""
     n = len(idxs)
     epr = e // n
     out = []
     for d in range(n):
         recv = []
-        for region in range(su):
-            for s in range(region, n, su):
+        walk = [[*range(n)]] if deterministic else [range(region, n, su) for region in range(su)]
+        for sources in walk:
+            for s in sources:
                 for t, row in enumerate(idxs[s]):
                     lanes = [k for k, x in enumerate(row) if x >= 0 and x // epr == d]
                     if lanes:
@@ -205,7 +207,8 @@ def _inputs(case, seed=0, fp8=False):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("alignment", [1, 4])
-def test_dispatch_matches_naive(case, expand, alignment):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dispatch_matches_naive(case, expand, alignment, deterministic):
     inp, e, su = _inputs(case, seed=3)
     n = len(inp.xs)
     outs = ref.dispatch(
@@ -217,8 +220,9 @@ def test_dispatch_matches_naive(case, expand, alignment):
         expert_alignment=alignment,
         do_expand=expand,
         num_scaleup_ranks=su,
+        deterministic=deterministic,
     )
-    naive = naive_dispatch(inp.topk_idxs, M, e, su, alignment, expand)
+    naive = naive_dispatch(inp.topk_idxs, M, e, su, alignment, expand, deterministic)
     for o, (recv, experts) in zip(outs, naive):
         h = o.handle
         assert h.num_recv_tokens == len(recv)
@@ -300,12 +304,18 @@ def test_every_valid_token_rank_pair_received_once(case):
 @pytest.mark.parametrize("case", ["uniform", "masked", "hybrid4x2", "empty_src"])
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_cached_dispatch_and_no_cpu_sync(case, expand, fp8):
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cached_dispatch_and_no_cpu_sync(case, expand, fp8, deterministic):
     inp, e, su = _inputs(case, seed=7, fp8=fp8)
     n = len(inp.xs)
     k = inp.topk_idxs[0].shape[1]
     kw = dict(
-        num_experts=e, num_max_tokens_per_rank=M, expert_alignment=4, do_expand=expand, num_scaleup_ranks=su
+        num_experts=e,
+        num_max_tokens_per_rank=M,
+        expert_alignment=4,
+        do_expand=expand,
+        num_scaleup_ranks=su,
+        deterministic=deterministic,
     )
     outs = ref.dispatch(inp.x_args, inp.topk_idxs, inp.topk_weights, **kw)
     cached = ref.dispatch(
@@ -385,6 +395,7 @@ def test_combine_matches_naive(case, expand, amr, num_bias):
         do_expand=expand,
         num_scaleup_ranks=su,
         do_zero_padding=expand,
+        deterministic=num_bias == 1,  # the combine reads any row order through the handles
     )
     part = Partial(HIDDEN, seed=13)
     xs = _expert_outputs(outs, part, expand)

@@ -1,8 +1,9 @@
 """Emulated nodes through ``ep_torch.ElasticBuffer`` on the CPU reference backend (issue 15, item 3).
 
-``EPKIT_SCALEUP_RANKS=2`` on 4 gloo processes makes 2 nodes of 2 ranks: dispatch and combine must equal
-``ep_core.reference`` with ``num_scaleup_ranks=2`` (rows grouped by scale-up region, the per-node level-2 reduction),
-and differ from direct mode on these inputs (so the test can fail). The domain sizes, the size hint, the old name
+``EPKIT_SCALEUP_RANKS=2`` on 4 gloo processes makes 2 nodes of 2 ranks: dispatch and combine of a deterministic
+buffer must equal ``ep_core.reference`` with ``num_scaleup_ranks=2`` and ``deterministic=True`` (rows sorted by the
+source token's global index, as DeepEP's deterministic mode sorts them (issue 42); S_u region prefix sums, the
+per-node level-2 reduction), and differ from direct mode on these inputs (so the test can fail). The domain sizes, the size hint, the old name
 ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` and a bad value are checked in the same processes. The ranks run in a child
 process group started by this file as a script, under a wall-clock limit; each writes what it saw to a JSON file.
 """
@@ -61,8 +62,10 @@ def _case(rank: int, do_expand: bool, seen: dict) -> None:
         x, topk_idx=i, topk_weights=w, num_experts=E, do_expand=do_expand
     )
     kw = dict(num_experts=E, num_max_tokens_per_rank=M, do_expand=do_expand)
-    ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_scaleup_ranks=SU, **kw)
-    direct = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, **kw)
+    ref = reference.dispatch(
+        inp.xs, inp.topk_idxs, inp.topk_weights, num_scaleup_ranks=SU, deterministic=True, **kw
+    )
+    direct = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, deterministic=True, **kw)
     want = ref[rank]
     got_x = to_numpy(recv_x)
     seen[f"{tag}.recv_x"] = got_x.shape == want.recv_x.shape and _bits(got_x) == _bits(want.recv_x)
@@ -74,7 +77,7 @@ def _case(rank: int, do_expand: bool, seen: dict) -> None:
         seen[f"{tag}.recv_topk_idx"] = _bits(to_numpy(recv_i)) == _bits(want.recv_topk_idx)
     seen[f"{tag}.recv_topk_weights"] = _bits(to_numpy(recv_w)) == _bits(want.recv_topk_weights)
     d = direct[rank]
-    # rows grouped by scale-up region (non-expand); expand rows follow the experts, only the regions differ
+    # the rows are direct mode's (deterministic: by global index); the S_u region prefix sums differ
     seen[f"{tag}.dispatch_differs_from_direct"] = (
         got_x.shape != d.recv_x.shape
         or _bits(got_x) != _bits(d.recv_x)

@@ -12,7 +12,10 @@
 /// It may be launched with programmatic dependent launch after the dispatch (the dispatch releases it when its
 /// blocks are done sending); it then waits for the dispatch to complete before reading anything.
 /// Hybrid mode (`kNumScaleupRanks < kNumRanks`): the regions are the same, walked in region order (source rank
-/// s = j * S_u + g for g = 0..S_u-1, then j), through the per-source prefix the dispatch left in the scratch.
+/// s = j * S_u + g for g = 0..S_u-1, then j), through the per-source prefix the dispatch left in the scratch; a
+/// deterministic dispatch walks them in rank order instead, so that its rows are sorted by the source token's global
+/// index `s * M + t` (DeepEP's deterministic order, as direct mode's), and a cached dispatch walks them in the order
+/// of its handle's rows (`hybrid_rows_by_source`).
 #pragma once
 
 #include "dispatch.cuh"
@@ -25,6 +28,39 @@ EP_CORE_DEVICE const int32_t* epilogue_psum_src(const Scratch& sc) {
                                             static_cast<int64_t>(sc.num_ranks + sc.num_experts) * sc.num_words);
 }
 
+/// Hybrid: whether this epilogue walks the sources in rank order, and `by_rank` = the per-source inclusive prefix in
+/// rank order (from `psum`, the region-order one). One thread. A new handle's order is the call's (deterministic:
+/// rank order). A cached dispatch must repeat its handle's order (the combine reads row i through the handle's
+/// metadata row i), which the call's flags do not tell (a kernel-level caller may pass `deterministic` to one and not
+/// the other), so it is read from the handle: both orders keep each source's rows together, in slot order, so they
+/// differ first at the first nonempty source s (in rank order) whose rank-order start p differs from its region-order
+/// start; the handle is in rank order iff its row p comes from s and row p - 1 does not (in region order, a row p of s
+/// is past s's first row, so row p - 1 is s's too).
+template <int kNumRanks, int kNumScaleupRanks, int kMetaCols>
+EP_CORE_DEVICE bool hybrid_rows_by_source(const OpArgs& args, const int* psum, int* by_rank, bool cached, bool det,
+                                          int64_t M) {
+    constexpr int kNodes = kNumRanks / kNumScaleupRanks;
+    int acc = 0, probe_src = -1, probe_row = 0;
+    for (int s = 0; s < kNumRanks; ++s) {
+        const int w = (s % kNumScaleupRanks) * kNodes + s / kNumScaleupRanks;  // s's position in region order
+        const int count = psum[w] - (w > 0 ? psum[w - 1] : 0);
+        if (probe_src < 0 && count > 0 && psum[w] - count != acc) {
+            probe_src = s;
+            probe_row = acc;
+        }
+        acc += count;
+        by_rank[s] = acc;
+    }
+    if (!cached)
+        return det;
+    if (probe_src < 0)
+        return false;  // the two orders place every row alike
+    const int32_t* meta = args.src_metadata;
+    const bool first = static_cast<int>(meta[static_cast<int64_t>(probe_row) * kMetaCols] / M) == probe_src;
+    return first && (probe_row == 0 ||
+                     static_cast<int>(meta[static_cast<int64_t>(probe_row - 1) * kMetaCols] / M) != probe_src);
+}
+
 /// `kOwnRowsFromX`: rows this rank sent to itself hold only their tail in the region (dispatch.cuh
 /// `kDirectOwnRowsTailOnly`); their hidden part is read from `args.x` at the source token the tail names.
 template <int kNumRanks, int kNumTopk, int kHiddenBytes, int kNumSfPacks, int kNumWarps, typename Transport,
@@ -33,6 +69,8 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
     using Tok = TokenShape<kHiddenBytes, kNumSfPacks, kNumTopk, true>;
     __shared__ int s_abort;
     __shared__ int s_psum[kNumRanks];
+    __shared__ int s_by_rank[kNumRanks];  // hybrid: the rank-order prefix
+    __shared__ int s_rank_order;          // hybrid: the sources are walked in rank order
     __shared__ int s_start[256];
     __shared__ int s_count[256];
     __shared__ int s_scan[kWarpSize];
@@ -80,6 +118,17 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         block_exclusive_scan(s_start, epr, s_scan);
     }
     __syncthreads();
+    if constexpr (kHybrid) {
+        if (threadIdx.x == 0)
+            s_rank_order = hybrid_rows_by_source<kNumRanks, kNumScaleupRanks, kMetaCols>(args, s_psum, s_by_rank,
+                                                                                       cached, det, M) ? 1 : 0;
+        __syncthreads();
+        if (s_rank_order != 0) {
+            for (int i = threadIdx.x; i < kNumRanks; i += blockDim.x)
+                s_psum[i] = s_by_rank[i];
+            __syncthreads();
+        }
+    }
     EP_PHASE_MARK(kPhaseEpilogue, kEpSetup);
     const int64_t R = s_psum[kNumRanks - 1];
     const int global_warp = work_warp_index(warp, kNumWarps);
@@ -98,7 +147,7 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
             else
                 lo = mid + 1;
         }
-        const int src_rank = kHybrid ? (lo % kNodes) * kNumScaleupRanks + lo / kNodes : lo;
+        const int src_rank = kHybrid && s_rank_order == 0 ? (lo % kNodes) * kNumScaleupRanks + lo / kNodes : lo;
         const int64_t slot = i - (lo > 0 ? s_psum[lo - 1] : 0);
         const uint8_t* gtok = region + (src_rank * M + slot) * static_cast<int64_t>(Tok::kNumBytes);
         // the whole token into this warp's shared slot (free once the previous row's stores have read it); a row

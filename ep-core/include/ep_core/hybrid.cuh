@@ -6,7 +6,8 @@
 /// local index `rank % S_u`), as one scale-out message; that rail peer (the forwarder) fans it out over load/store
 /// inside its node. The final landing layout is direct mode's: destination d's receive region `[src rank][slot]`
 /// with the slot chosen by the source (atomic / deterministic prefix / cached), so the copy epilogue is direct
-/// mode's walking the sources in region order (`s % S_u`, then `s`), and the handle is direct mode's with S_u
+/// mode's walking the sources in region order (`s % S_u`, then `s`; deterministic: in rank order, DeepEP's order
+/// by the source token's global index; cached: in its handle's order), and the handle is direct mode's with S_u
 /// region prefix sums (`psum_rank`).
 ///
 /// Dispatch roles (grid barriers between phases):

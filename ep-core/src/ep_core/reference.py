@@ -9,12 +9,16 @@ Semantics (SPEC §2-3, behaviour doc §1.5-1.7):
 
 - A token goes once to each distinct destination rank among its valid top-k lanes; the master lane of a
   (token, rank) pair is the highest lane that targets that rank. Negative ids select nothing.
-- Row order. Non-expand: grouped by scale-up region `s % S_u` of the source rank `s` (direct mode: by source
-  rank), inside a region ordered by (source rank, source token). Expand: grouped by local expert, inside an expert
-  ordered by (source rank, source token). This is exactly the order `deterministic=True` must produce; the default
-  (non-deterministic) kernels may order rows differently inside a region / expert, so kernel tests either run
-  deterministic mode or compare through `canonical_order` (sorts rows by source inside each region and expert and
-  remaps the expanded-row indices), i.e. compare per region as sets.
+- Row order. Received tokens (non-expand rows; the handle's metadata rows in both layouts), `deterministic=True`:
+  ordered by the source token's global index `s*M + t` (source rank `s`, then source token `t`), DeepEP's
+  deterministic order (`EPHandle.deterministic_sort`) in every mode. Default: grouped by scale-up region `s % S_u`
+  of the source rank (direct mode: by source rank, so the same order), inside a region ordered by (source rank,
+  source token). Expand rows: grouped by local expert, inside an expert ordered by (source rank, source token),
+  either way. The default (non-deterministic) kernels may order
+  rows differently inside a region / expert, so kernel tests either run deterministic mode (compared with this
+  reference's `deterministic=True` order) or compare through `canonical_order` (sorts rows by source inside each
+  region and expert and remaps the expanded-row indices), i.e. compare per region as sets. A cached dispatch keeps
+  the order of the handles it is given.
 - Rows past the true count (no-CPU-sync worst-case shapes) and expand padding rows are zero here. The kernels
   leave slack rows unspecified, and padding rows unspecified unless `do_zero_padding=True`: compare only valid
   rows (`DispatchOutput.num_valid_rows`, `DispatchOutput.valid_expanded_rows`) unless zero padding was asked for.
@@ -208,8 +212,11 @@ def _plan(
     do_expand: bool,
     do_cpu_sync: bool,
     num_sms: int,
+    by_source: bool = False,
 ) -> list[EPHandle]:
-    """Compute every rank's handle (the layout) from the routing, in the deterministic order."""
+    """Compute every rank's handle (the layout) from the routing. Rows of a source rank are in token order; the
+    sources are walked region by region (`s % S_u`, then `s`), or in rank order with `by_source` (the
+    deterministic order; the same walk in direct mode)."""
     n = len(idxs)
     epr = num_experts // n
     k = idxs[0].shape[1]
@@ -227,16 +234,16 @@ def _plan(
             sent[(s, d)] = (tokens, master)
     handles = []
     for d in range(n):
-        src_parts, tok_parts, master_parts, region_counts = [], [], [], []
-        for region in range(num_scaleup):
-            count = 0
-            for s in range(region, n, num_scaleup):
-                tokens, master = sent[(s, d)]
-                src_parts.append(np.full(tokens.size, s, dtype=np.int64))
-                tok_parts.append(tokens.astype(np.int64))
-                master_parts.append(master)
-                count += tokens.size
-            region_counts.append(count)
+        src_parts, tok_parts, master_parts = [], [], []
+        region_counts = [
+            sum(sent[(s, d)][0].size for s in range(g, n, num_scaleup)) for g in range(num_scaleup)
+        ]
+        walk = range(n) if by_source else [s for g in range(num_scaleup) for s in range(g, n, num_scaleup)]
+        for s in walk:
+            tokens, master = sent[(s, d)]
+            src_parts.append(np.full(tokens.size, s, dtype=np.int64))
+            tok_parts.append(tokens.astype(np.int64))
+            master_parts.append(master)
         src = np.concatenate(src_parts)
         tok = np.concatenate(tok_parts)
         master = np.concatenate(master_parts)
@@ -378,15 +385,18 @@ def dispatch(
     `topk_weights[r]`: `[T_r, K]` float32 or None (all ranks alike). With `handles` (one per rank, from a previous
     dispatch) this is a cached dispatch: `topk_idxs` must be None, the routing, sizes and row order come from the
     handles, and new `topk_weights` may be given; the returned handles are the given ones.
-    `deterministic` does not change the reference (its order is the deterministic one) and `do_zero_padding` only
-    documents intent (padding rows are always zero here); both are validated like the real API.
+    `deterministic=True` orders the rows by the source token's global index (module doc, "Row order"; it changes
+    only hybrid mode's non-expanded rows: elsewhere the default order is that one); a cached dispatch keeps its
+    handles' order. `do_zero_padding` only documents intent (padding rows are always zero here); both are validated
+    like the real API.
     """
     n = len(xs)
     if n == 0:
         raise ValueError("xs: expected one input per rank, got an empty list")
     if do_zero_padding and not (do_expand if do_expand is not None else (handles and handles[0].do_expand)):
         raise ValueError("do_zero_padding: only valid together with do_expand=True")
-    del deterministic
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     if handles is not None:
         if topk_idxs is not None:
             raise ValueError("topk_idxs: must be None for a cached dispatch (the handle holds the routing)")
@@ -438,6 +448,7 @@ def dispatch(
             do_expand=bool(do_expand),
             do_cpu_sync=do_cpu_sync is not False,
             num_sms=num_sms,
+            by_source=bool(deterministic),
         )
     data, sfs = [], []
     for r in range(n):

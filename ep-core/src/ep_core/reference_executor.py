@@ -187,6 +187,7 @@ class ReferenceExecutor:
                     use_tma_aligned_col_major_sf=False,
                     num_scaleup_ranks=cfg.topology.num_scaleup_ranks,
                     num_sms=req.num_sms,
+                    deterministic=req.deterministic,
                 )
             else:
                 outs = reference.dispatch(xs, None, weights_arg, handles=[e["handle"] for e in everyone])

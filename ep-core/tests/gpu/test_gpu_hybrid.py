@@ -8,7 +8,10 @@ with the same local index, which forwards it inside its node; combine reduces pe
 - the whole direct-mode matrix per topology (nodes x ranks per node: 2x2, 2x4, 4x2, and 2x8 at <= 8 SMs):
   {expand, non-expand} x {A = 1, 128} x {bf16, FP8} x {sync, no sync, cached} x {deterministic or not}, with
   0/1/2 biases and multiple reduction on/off spread over the cases, bitwise equal to the reference (deterministic:
-  the exact row order; otherwise through `reference.canonical_order`);
+  the exact row order, the reference's `deterministic=True` one: rows sorted by the source token's global index, as
+  DeepEP's deterministic mode sorts them; otherwise through `reference.canonical_order`); the cached dispatch is
+  called without `deterministic`, so it repeats its handle's order (the copy epilogue reads it from the handle);
+- a cached dispatch with `deterministic=True` over a default-order handle keeps the handle's (region) order;
 - prefer_overlap_with_compute=False (each rank's copy epilogue on device SMs // N blocks, wider than the op's 1 or
   2 SMs; the combine stays one launch): 5 cases of the matrix per topology, together every value of each axis,
   bitwise equal to the reference;
@@ -298,6 +301,7 @@ def _run_case(dom: LoopbackDomain, n: int, su: int, case: int, num_sms: int) -> 
         num_max_tokens_per_rank=M,
         do_cpu_sync=mode != "nosync",
         num_scaleup_ranks=su,
+        deterministic=det,
         **common,
     )
     outs = dom.dispatch(
@@ -402,6 +406,57 @@ def test_hybrid_level2_differs_from_direct_order() -> None:
     assert differs, "the hybrid and direct references agree on this input: the level-2 check is vacuous"
 
 
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("first_det", [True, False])
+@pytest.mark.parametrize("topo", ((4, 2), (8, 2), (8, 4)), ids=_topo_id)
+def test_cached_dispatch_repeats_its_handle_order(
+    topo: tuple[int, int], first_det: bool, expand: bool
+) -> None:
+    """Issue 42: a deterministic hybrid dispatch's rows are sorted by the source token's global index, a default
+    one's are not (grouped by region); a cached dispatch whose `deterministic` differs from that of the dispatch that
+    made its handles (the kernel layer takes it per call) repeats the handles' rows bit for bit (the copy epilogue
+    reads their order from the handle), and the combine through those handles equals the reference."""
+    n, su = topo
+    dom = domain(n, su)
+    rng = np.random.default_rng(4200 + 10 * n + su + 2 * first_det + expand)
+    counts = [int(c) for c in rng.integers(M // 2, M + 1, size=n)]
+    counts[-1] = 0  # a source without tokens
+    inp = routing.make_inputs(n, counts, HIDDEN, E, K, seed=int(rng.integers(1 << 30)), masked_ratio=0.25)
+    kw = dict(num_experts=E, do_expand=expand, expert_alignment=4 if expand else 1)
+    outs = dom.dispatch(inp.x_args, inp.topk_idxs, inp.topk_weights, deterministic=first_det, num_sms=2, **kw)
+    ref = reference.dispatch(inp.x_args, inp.topk_idxs, inp.topk_weights, num_max_tokens_per_rank=M,
+                             num_scaleup_ranks=su, deterministic=first_det, **kw)  # fmt: skip
+    first = [o.to_reference() for o in outs]
+    unsorted = False
+    for r in range(n):
+        compare_dispatch(first[r], ref[r], det=first_det, zero_pad=False, sync=True, rank=r)
+        meta = np.asarray(first[r].handle.recv_src_metadata)[: ref[r].num_valid_rows, 0].astype(np.int64)
+        unsorted |= not bool((np.diff(meta) > 0).all())
+    assert unsorted != first_det, (
+        "deterministic rows are sorted by global index, this routing's default ones not"
+    )
+    handles = [o.handle for o in outs]
+    cached = dom.dispatch(inp.x_args, None, inp.topk_weights, handles=handles, deterministic=not first_det)
+    for r in range(n):
+        kc, kf = cached[r].to_reference(), first[r]
+        rows = kf.valid_expanded_rows if expand else np.arange(kf.recv_x.shape[0]) < ref[r].num_valid_rows
+        _eq(f"r{r} cached recv_x == first", kc.recv_x[rows], kf.recv_x[rows])
+        _eq(
+            f"r{r} cached weights == first",
+            bits(kc.recv_topk_weights[rows]),
+            bits(kf.recv_topk_weights[rows]),
+        )
+        if not expand:
+            _eq(f"r{r} cached recv_topk_idx == first", kc.recv_topk_idx[rows], kf.recv_topk_idx[rows])
+    xs = [routing.random_bf16((o.recv_x.shape[0], HIDDEN), rng) for o in cached]
+    comb = dom.combine(xs, handles, allow_multiple_reduction=True)
+    k_handles = [f.handle for f in first]
+    ref_c = reference.combine(xs, k_handles, allow_multiple_reduction=True, num_scaleup_ranks=su)
+    for r in range(n):
+        _eq(f"r{r} combined_x", comb[r].to_reference().combined_x, ref_c[r].combined_x)
+    dom.synchronize()
+
+
 def test_node_that_never_sends_times_out() -> None:
     """Node 0's ranks skip their scale-out signals: every forwarder waits for node 0 until its GPU timeout, the
     error names the waiting rank and the signal counter, nothing hangs, and reset() recovers."""
@@ -443,6 +498,7 @@ def test_node_that_never_sends_times_out() -> None:
             num_experts=E,
             num_max_tokens_per_rank=M,
             num_scaleup_ranks=su,
+            deterministic=True,
         )
         for r in range(n):
             compare_dispatch(outs[r].to_reference(), ref[r], det=True, zero_pad=False, sync=True, rank=r)
@@ -468,7 +524,7 @@ for it, (det, expand, amr) in enumerate([(True, False, True), (False, False, Fal
     inp = routing.make_inputs(size, [M, M // 2, 0, 17][:size], H, E, K, seed=7 + it, masked_ratio=0.2)
     kw = dict(num_experts=E, do_expand=expand, expert_alignment=4 if expand else 1)
     ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_max_tokens_per_rank=M,
-                             num_scaleup_ranks=SU, **kw)
+                             num_scaleup_ranks=SU, deterministic=det, **kw)
     up = lambda a: DeviceArray.from_numpy(a, pr.stream)
     out = pr.dispatch(up(inp.xs[rank]), up(inp.topk_idxs[rank]), up(inp.topk_weights[rank]), deterministic=det,
                       num_sms=4, **kw)
@@ -548,7 +604,7 @@ def down(a):
 
 inp = routing.make_inputs(size, [M, 40, 0, 17][:size], H, E, K, seed=21, masked_ratio=0.2)
 ref = reference.dispatch(inp.xs, inp.topk_idxs, inp.topk_weights, num_experts=E, num_max_tokens_per_rank=M,
-                         num_scaleup_ranks=SU)
+                         num_scaleup_ranks=SU, deterministic=True)
 res = buf.dispatch(up(inp.xs[rank], "bfloat16"), up(inp.topk_idxs[rank], "int64"),
                    up(inp.topk_weights[rank], "float32"), num_experts=E, num_sms=4)
 _cuda.driver().cuCtxSynchronize()
@@ -561,6 +617,10 @@ nv = r.num_valid_rows
 assert np.array_equal(psum, r.handle.psum_num_recv_tokens_per_scaleup_rank), f"psum {psum}"
 assert np.array_equal(meta[:nv], np.asarray(r.handle.recv_src_metadata)[:nv]), "recv_src_metadata"
 assert np.array_equal(recv_x[:nv], r.recv_x[:nv]), "recv_x"
+assert (np.diff(meta[:nv, 0].astype(np.int64)) > 0).all(), "rows sorted by the source token's global index"
+res_c = buf.dispatch(up(inp.xs[rank], "bfloat16"), handle=h, num_sms=4)
+_cuda.driver().cuCtxSynchronize()
+assert np.array_equal(down(res_c.recv_x)[:nv], r.recv_x[:nv]), "cached recv_x"
 comb = buf.combine(res.recv_x, h, res.recv_topk_weights, num_sms=4)
 _cuda.driver().cuCtxSynchronize()
 w = down(comb.combined_topk_weights)

@@ -63,6 +63,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
             do_cpu_sync=sync,
             use_tma_aligned_col_major_sf=col_major,
             num_scaleup_ranks=buf.num_scaleup_ranks,
+            deterministic=buf.deterministic,
             **common,
         )
         ref = refs[rank]
