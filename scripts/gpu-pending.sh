@@ -3,6 +3,8 @@
 # one device call each, every step under its own time limit so one hang costs only its step:
 #
 #   scripts/gpu-pending.sh OUTDIR main    # this tree: the GPU tests not yet run, then host time (<= 9.5 min)
+#   scripts/gpu-pending.sh OUTDIR verify  # this tree, after a session's merges: the V1 low-latency tests and bench_v1 at
+#                                         # EP8, the deferred epilogue over nccl, hybrid's deterministic order (<= 7 min)
 #   scripts/gpu-pending.sh OUTDIR ll44    # the tree in .gl/ll44 (a copy of branch wt-ll44, carried by the device
 #                                         # call: `git worktree add .gl/ll44 wt-ll44`, carry [".gl/ll44"]): the
 #                                         # decode-step diagnosis, its V1 low-latency GPU tests, bench_v1 (<= 9.5 min)
@@ -10,8 +12,8 @@
 # Logs land in OUTDIR (summary.txt first: one line per step with its exit status and seconds), the rest in
 # OUTDIR/logs.tgz (the device tool brings back at most 8 files).
 set -uo pipefail
-out=${1:?usage: scripts/gpu-pending.sh OUTDIR main|ll44}
-what=${2:?usage: scripts/gpu-pending.sh OUTDIR main|ll44}
+out=${1:?usage: scripts/gpu-pending.sh OUTDIR main|verify|ll44}
+what=${2:?usage: scripts/gpu-pending.sh OUTDIR main|verify|ll44}
 root=$(cd "$(dirname "$0")/.." && pwd)
 tree=$root
 [[ $what == ll44 ]] && tree=$root/.gl/ll44
@@ -28,6 +30,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run in $tree, log to logs/NAME.log, on
   rc=$?
   echo "$name rc=$rc $(($(date +%s) - t0))s" | tee -a "$summary"
   tail -3 "$out/logs/$name.log" | sed 's/^/    /' >>"$summary"
+  tar -czf "$out/logs.tgz" -C "$out" logs  # after every step: a call cut short still brings its logs back
 }
 
 export EP_GPU_PREFIX=/tmp/ep-pending-$what
@@ -48,11 +51,19 @@ if [[ $what == main ]]; then
   # issue 42: V1 get_local_buffer_tensor (2 processes over ipc, one rank over nccl, a 2-rank loopback group)
   step v1local 60 "${pt[@]}" ep-torch/tests/test_torch_v1_local_buffer.py
   step host_time 90 python3 benchmarks/bench_host_overhead.py --out "$out/logs" --rounds 3
+elif [[ $what == verify ]]; then
+  # issue 44: the rework and the receive cap merged (the EP8 decode step checked inside bench_v1); issue 42: the
+  # deferred cached dispatch over nccl, hybrid's deterministic order
+  step ll_tests 60 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py
+  step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
+  step defer 60 "${pt[@]}" ep-torch/tests/test_torch_defer_borrow_gpu.py -k nccl
+  step hybrid 90 "${pt[@]}" ep-torch/tests/test_torch_hybrid_gpu.py ep-core/tests/gpu/test_gpu_hybrid.py \
+    -k "handle_order or two_nodes or processes"
 else
   # issue 44: the decode step (each loopback rank in turn: dispatch, work, combine) that failed in session 4
   step step_diag 180 python3 benchmarks/profile_ll_native.py --step --ranks 8 --recv-blocks 0 8 4 --iters 5
   step ll_tests 120 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py
   step bench_v1 180 python3 benchmarks/bench_v1.py --ranks 8 1 --quick --iters 20
 fi
-tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
+rm -rf "$out/logs"
 cat "$summary"

@@ -263,8 +263,11 @@ class NativeRegion:
         sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
         devices = getattr(rt.storage, "rank_devices", None) or []
         here = sum(1 for d in devices if d == devices[self.rank]) if len(devices) > self.rank else 1
-        # ranks sharing the GPU: every rank's spinning receive fits at once with room left for the sends it waits for
-        self.recv_blocks = 2 * sms if here <= 1 else max(1, sms // here)
+        # ranks sharing the GPU: all their spinning receives together hold at most a quarter of the SMs, leaving the
+        # rest to the sends they wait for and to the ranks' own work. Measured on the H100 (EP8 loopback decode step,
+        # `profile_ll_native.py --step`, 2026-12-07): sms // here = 16 blocks a rank timed out beside elementwise
+        # work; 8 and 4 passed with and without a GEMM, 4 the fastest
+        self.recv_blocks = 2 * sms if here <= 1 else max(1, sms // (4 * here))
         self.send_blocks = 2 * sms
         self.next_half = 0
 
