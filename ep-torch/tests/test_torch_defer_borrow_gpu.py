@@ -2,9 +2,10 @@
 
 One rank over nccl (``EPBuffer``, a child process): a deferred dispatch (plain, expanded with alignment, no CPU
 sync, cached; split: the call launches the dispatch kernel, the wait runs the rest) and a deferred combine (with and
-without weights) hand over at ``current_stream_wait()`` (waited on another stream too) bitwise what the ordinary
-call returns (a deterministic buffer: the same row order); the buffer refuses a call while a deferred dispatch
-waits (the CPU backend too); the host time of a CPU-sync dispatch call behind queued compute, ordinary and deferred (printed; the
+without weights, with a bias and a pair; split: the call launches the send part, the wait the reduce) hand over at
+``current_stream_wait()`` (waited on another stream too; a combine's ``x`` dropped before the wait) bitwise what the
+ordinary call returns (a deterministic buffer: the same row order); the buffer refuses a call while a deferred
+dispatch or combine waits (the CPU backend too); the host time of a CPU-sync dispatch call behind queued compute, ordinary and deferred (printed; the
 deferred call must return sooner). A borrowed receive view holds the ordinary dispatch's rows (compared in source
 order), its ids and weights outlive it, the buffer refuses dispatch / combine / destroy / ``lb_*`` while it is out,
 a cached dispatch and a combine of its handle work after ``release()``, and (DeepEP's own test's pattern)
@@ -81,6 +82,36 @@ def _host_time(buf, x, idx, w, kw) -> None:
     assert times["deferred"] < times["ordinary"], times
 
 
+def _deferred_combine(buf, handle, y, weights, side, cuda: bool) -> None:
+    """A deferred combine (split on CUDA: the send part at the call, the reduce at the wait) against the ordinary
+    one: with a bias and a pair of them; waited on another stream behind queued work; its `x` dropped by the caller
+    and its memory offered to new tensors before the wait (the pending reduce still reads it: kept)."""
+    t = handle.num_tokens
+    g = torch.Generator().manual_seed(7)
+    bias = (torch.randn(t, H, generator=g) * 2).bfloat16().to(y.device)
+    for b in (bias, (bias, (bias.float() * -0.5).bfloat16())):
+        ref = buf.combine(y, handle, topk_weights=weights, bias=b)
+        ev = buf.combine(
+            y, handle, topk_weights=weights, bias=b, async_with_compute_stream=True, defer_epilogue=True
+        )
+        out = ev.current_stream_wait()
+        assert _same(out[0], ref[0]) and _same(out[1], ref[1]), "deferred combine with bias"
+    ref = buf.combine(y, handle, topk_weights=weights)
+    mine = y.clone()
+    ev = buf.combine(mine, handle, topk_weights=weights, async_with_compute_stream=True, defer_epilogue=True)
+    del mine
+    junk = [torch.full_like(y, 7.0) for _ in range(4)]  # would take the memory of a freed `mine`
+    if cuda:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(2_000_000)  # the reduce follows the waiting stream's work
+            out = ev.wait()
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        out = ev.wait()
+    assert _same(out[0], ref[0]) and _same(out[1], ref[1]), "deferred combine waited on another stream"
+    del junk
+
+
 def _one_rank() -> None:
     """The one-rank body (module doc), on this process's default group: CUDA (nccl) or the CPU reference (gloo)."""
     import ep_torch
@@ -140,12 +171,18 @@ def _one_rank() -> None:
             )
             out = ev.current_stream_wait()
             assert len(out) == 2 and _same(out[0], ref_c[0]) and _same(out[1], ref_c[1]), ("combine", extra)
+        _deferred_combine(buf, handle, y, got[2] if not extra else None, side, cuda)
     with pytest.raises(ValueError, match="async_with_compute_stream"):
         buf.dispatch(x, idx, w, **kw, defer_epilogue=True)
     # until the wait the buffer refuses other calls (the pending dispatch owns the rank's count words)
     ev = buf.dispatch(x, idx, w, **kw, async_with_compute_stream=True, defer_epilogue=True)
     with pytest.raises(RuntimeError, match="deferred dispatch"):
         buf.dispatch(x, idx, w, **kw)
+    ev.current_stream_wait()
+    ev = buf.combine(y, handle, async_with_compute_stream=True, defer_epilogue=True)
+    for call in (lambda: buf.dispatch(x, idx, w, **kw), lambda: buf.combine(y, handle), buf.destroy):
+        with pytest.raises(RuntimeError, match="deferred combine"):
+            call()
     ev.current_stream_wait()
     if cuda:
         _host_time(buf, x, idx, w, kw)

@@ -458,25 +458,45 @@ class EPBuffer(BufferBase):
         GPU's): `args` validated as `run_dispatch` does, the dispatch kernel launched, and `finish(stream)` returned,
         which runs the rest on `stream`'s order and returns the `DispatchResult` (each step announced as the
         dispatch's). No other operation of this buffer may start before `finish` (ep_torch refuses them)."""
-        with self.announcing("dispatch"):
+
+        def trust(req: Any, res: DispatchResult) -> None:
+            # as `_dispatch` records a new handle of the library's own allocator
+            if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
+                trust_handle(self.config, self._executor, res.handle)
+
+        return self._launch_deferred("dispatch", self._prepared.dispatch, args, trust)
+
+    def launch_combine_deferred(self, args: CombineArgs) -> Any:
+        """`launch_dispatch_deferred` of a combine (`GpuExecutor.launch_combine_deferred`): `args` validated as
+        `run_combine` does (`defer_epilogue`, the reason of this call, aside), the send part launched, and
+        `finish(stream)` returned, which launches the reduce in `stream`'s order and returns the `CombineResult`."""
+        return self._launch_deferred("combine", self._prepared.combine, args._replace(defer_epilogue=False))
+
+    def _launch_deferred(self, op: str, prepare: Any, args: Any, after: Any = None) -> Any:
+        """The deferred `op`: its request (`prepare`), the executor's `launch_<op>_deferred`, and the `finish` of
+        both halves in `op`'s announcing blocks; `after(request, result)` at the finish."""
+        with self.announcing(op):
             if self._destroyed:
                 self._check_alive()  # raises
             ex = self._executor
-            launch = getattr(ex, "launch_dispatch_deferred", None)
+            launch = getattr(ex, f"launch_{op}_deferred", None)
             if launch is None or args.zero_copy:
                 raise EPConfigError(
-                    f"defer_epilogue: the executor {type(ex).__name__} runs a dispatch in one step (or zero_copy "
-                    "was asked); dispatch without defer_epilogue"
+                    f"defer_epilogue: the executor {type(ex).__name__} runs a {op} in one step (or zero_copy "
+                    f"was asked); {op} without defer_epilogue"
                 )
-            req = self._prepared.dispatch(ex, args)
+            if getattr(args, "out_dtype", None) is not None:
+                raise EPValueError(
+                    "out_dtype: not with defer_epilogue (ep_torch's combine refuses the pair too)"
+                )
+            req = prepare(ex, args)
             finish = launch(req)
-        trusted = req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True
 
-        def done(stream: int) -> DispatchResult:
-            with self.announcing("dispatch"):
+        def done(stream: int) -> Any:
+            with self.announcing(op):
                 res = finish(stream)
-                if trusted:  # as `_dispatch` records a handle of the library's own allocator
-                    trust_handle(self.config, ex, res.handle)
+                if after is not None:
+                    after(req, res)
                 return res
 
         return done

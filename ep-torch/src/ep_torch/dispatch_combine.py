@@ -502,19 +502,19 @@ class DispatchCombine:
         do_handle_copy: Any,
         zero_copy: Any,
         call: Any,
-        args: dict | None = None,
+        args: Any,
     ) -> Any:
         """A ``dispatch`` / ``combine`` with ``defer_epilogue`` set (DeepEP 2.5): ``call()`` runs the operation
-        without it (`args`: a dispatch's arguments by name). A false value other than ``False`` (``0``) is the
-        ordinary call. Otherwise DeepEP's rules (``async_with_compute_stream=True``; ``do_handle_copy=False`` for a
-        dispatch) and ep's (no ``zero_copy``) are checked before any launch, and the returned ``EventOverlap``'s
-        first ``current_stream_wait()`` returns the outputs.
+        without it (`args`: a dispatch's arguments by name, a combine's ``CombineArgs``). A false value other than
+        ``False`` (``0``) is the ordinary call. Otherwise DeepEP's rules (``async_with_compute_stream=True``;
+        ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``) are checked before any launch, and the
+        returned ``EventOverlap``'s first ``current_stream_wait()`` returns the outputs.
 
-        A dispatch on CUDA is split (:mod:`ep_torch.deferred_dispatch`): the call launches the dispatch kernel, the
-        wait does the CPU sync's count wait and launches the copy epilogue. Otherwise (a combine; the CPU reference
-        backend, where every operation has completed when the call returns) the operation is the ordinary async one,
-        epilogue included, whose outputs the event's hook hands over: the same bytes, no overlap gain (a combine's
-        reduce is not split off yet: docs/deepep-2.5.md)."""
+        On CUDA the operation is split (:mod:`ep_torch.deferred`): a dispatch's call launches the dispatch kernel,
+        its wait does the CPU sync's count wait and launches the copy epilogue; a combine's call launches the send
+        part, its wait the reduce. On the CPU reference backend, where every operation has completed when the call
+        returns, the operation is the ordinary async one, whose outputs the event's hook hands over (the buffer held
+        until then all the same)."""
         if not defer_epilogue:
             return call()
         with self._core.announcing(op):  # a refusal here precedes the call's first step (issue 41)
@@ -533,23 +533,20 @@ class DispatchCombine:
                     f"defer_epilogue: a zero-copy {op} has no epilogue to defer; pass one of zero_copy and "
                     "defer_epilogue"
                 )
-            if args is not None and self._cuda:
-                from .deferred_dispatch import deferred_dispatch
+            from . import deferred
 
-                return deferred_dispatch(self, args)
+            if self._cuda:
+                return (deferred.deferred_dispatch if op == "dispatch" else deferred.deferred_combine)(
+                    self, args
+                )
             outputs = call()
             event: EventOverlap = outputs[-1]
             earlier = event.hook_after_wait
             event.hook_after_wait = None
-            release = None
-            if args is not None:  # held until the wait, as on CUDA (`deferred_dispatch.hold`)
-                from .deferred_dispatch import hold
-
-                release = hold(self)
+            release = deferred.hold(self, op)  # held until the wait, as on CUDA
 
             def epilogue() -> tuple:
-                if release is not None:
-                    release()
+                release()
                 if earlier is not None:
                     earlier()
                 return outputs[:-1]
@@ -728,6 +725,7 @@ class DispatchCombine:
                 False,
                 a.zero_copy,
                 lambda: self._run_combine(a._replace(defer_epilogue=False), keep),
+                a,
             )
         # the ordinary road, announced as a dispatch's (`dispatch`): a call on the comm stream in one block whole
         scoped = a.previous_event is not None or a.allocate_on_comm_stream

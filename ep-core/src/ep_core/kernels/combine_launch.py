@@ -1,6 +1,6 @@
 """A rank's combine (`CombineLaunch`, a part of `RankDriver`: direct, hybrid and cross-node mode alike): one
-launch (two for a split combine: the reduce follows), and the zero-copy combine's buffer and checks. The rank's
-state, guard and launches: `rank_driver`."""
+launch (two for a split combine: the reduce follows; a deferred one launches its reduce when its `finish()` is
+called), and the zero-copy combine's buffer and checks. The rank's state, guard and launches: `rank_driver`."""
 
 from __future__ import annotations
 
@@ -89,12 +89,23 @@ class CombineLaunch:
         report_input_error: bool = True,
         record: bool = False,
         zero_copy: bool = False,
-    ) -> CombineResult:
-        """Launch the combine kernel. `report_input_error=False` leaves `_report_input_error` to a caller that
-        launches several ranks (the loopback domain reports once every rank has launched). `record`: leave the
-        call's `CombinePlan` in `last_repeat` (ep_core.kernels.op_plan). `zero_copy`: `x` is this rank's
-        `combine_buffer(handle, hidden)`, which every rank's kernel reads in place (module doc of combine.cuh);
-        every rank of the call passes it alike (the envelope checks)."""
+        defer: bool = False,
+    ) -> Any:
+        """Launch the combine kernel; returns the `CombineResult`. `report_input_error=False` leaves
+        `_report_input_error` to a caller that launches several ranks (the loopback domain reports once every rank
+        has launched). `record`: leave the call's `CombinePlan` in `last_repeat` (ep_core.kernels.op_plan).
+        `zero_copy`: `x` is this rank's `combine_buffer(handle, hidden)`, which every rank's kernel reads in place
+        (module doc of combine.cuh); every rank of the call passes it alike (the envelope checks).
+
+        `defer` (DeepEP 2.5's `defer_epilogue`; records no plan): returns `finish()` instead, which
+        allocates the outputs, launches the reduce on the rank's stream and returns the `CombineResult`. A direct
+        combine is then always split (`combine_split`'s two launches, whatever the grids): the call launches the
+        send-only kernel (entry, send, exit: the collective part, with no output), `finish` the reduce-only one
+        with the words of the same call and the outputs it allocates: the bits of the ordinary combine. Until
+        `finish` the rank starts no other operation (the receive region holds the rows the reduce reads; its
+        caller refuses them), and `x` stays unchanged (the reduce reads this rank's own rows in place,
+        `EPKIT_COMBINE_LOCAL_REF`). Hybrid, cross-node and zero-copy combines have no separate reduce: the whole
+        combine runs at the call and `finish` hands its outputs over."""
         self.last_repeat = None
         self.guard()
         if handle is None:
@@ -166,13 +177,19 @@ class CombineLaunch:
             flags |= FLAGS["topk_idx32"]
         if zero_copy:
             flags |= FLAGS["combine_zero_copy"]
-        key = ("combine", cfg, handle.num_experts, t, flags, self._shape_key(plan, scratch, num_sms))
+        # a deferred direct combine: always the two launches, the reduce at `finish` (its own launch entry)
+        deferred = bool(defer) and not zero_copy and not (cfg.is_hybrid or cfg.is_direct_xnode)
+        shape = self._shape_key(plan, scratch, num_sms)
+        key = ("combine", cfg, handle.num_experts, t, flags, shape, deferred)
         prepared = self.plans.get(key)
         if prepared is None:
             geo = launch_geometry(cfg, num_sms, self.device_sms)
             kernels = self._kernels(cfg)
-        combined = self._alloc((t, hidden), np.uint16)
-        combined_w = self._alloc((t, k), np.float32) if wv is not None else None
+        if deferred:  # allocated at `finish`, as DeepEP's at its wait (the send part writes none)
+            combined = combined_w = None
+        else:
+            combined = self._alloc((t, hidden), np.uint16)
+            combined_w = self._alloc((t, k), np.float32) if wv is not None else None
         # ranks that differ in zero_copy would read buffers nobody filled, or fill slots nobody reads
         env_mask = (
             FLAGS["expand"] | FLAGS["multiple_reduction"] | FLAGS["rank_layout"] | FLAGS["combine_zero_copy"]
@@ -187,7 +204,7 @@ class CombineLaunch:
             wv.ptr if wv is not None else 0,
             bias_views[0].ptr if len(bias_views) > 0 else 0,
             bias_views[1].ptr if len(bias_views) > 1 else 0,
-            view_ptr(combined, "combined_x"),
+            view_ptr(combined, "combined_x") if combined is not None else 0,
             view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
             self._envelope(OP_COMBINE, (*env_fields, self._handle_launch.get(handle, -1))),
             # a zero-copy combine reads the dispatch's slots
@@ -197,7 +214,7 @@ class CombineLaunch:
         if prepared is None:  # a new launch shape: every field packed afresh (pack_op_args), then kept
             args = self._common(plan, scratch, handle.num_experts)
             # zero-copy: one launch (nothing is sent, the reduce is the whole kernel)
-            split = not zero_copy and self.combine_split(cfg, geo, t)
+            split = deferred or (not zero_copy and self.combine_split(cfg, geo, t))
             args.update(num_tokens=t, flags=flags | (FLAGS["combine_send_only"] if split else 0))
             args.update(zip(names, dynamic))
             main = self._prepare(
@@ -228,9 +245,13 @@ class CombineLaunch:
         else:
             fresh = False
         self._launch_prepared(prepared.main, dynamic, fresh, bool(dynamic[-1]))
+        if deferred:
+            if report_input_error:
+                self._report_input_error()
+            return self._reduce_later(prepared.epilogue, dynamic, t, hidden, k, wv is not None)
         if prepared.epilogue is not None:
             self._launch_prepared(prepared.epilogue, (*dynamic[:-1], 0), fresh, False)
-        if record:
+        if record and not defer:
             self.last_repeat = CombinePlan(
                 rank=self,
                 prepared=prepared,
@@ -247,6 +268,25 @@ class CombineLaunch:
             )
         if report_input_error:
             self._report_input_error()
-        return CombineResult(combined, combined_w)
+        res = CombineResult(combined, combined_w)
+        return (lambda: res) if defer else res  # (hybrid, cross-node: handed over at `finish`)
+
+    def _reduce_later(self, reduce: Any, dynamic: tuple, t: int, hidden: int, k: int, weights: bool) -> Any:
+        """A deferred combine's `finish()` (`combine(defer=True)`): its outputs from the rank's allocator of that
+        moment, then the reduce launch with the call's words, the outputs set and no envelope (not collective), as
+        a split combine launches it right after the send part."""
+
+        def finish() -> CombineResult:
+            combined = self._alloc((t, hidden), np.uint16)
+            combined_w = self._alloc((t, k), np.float32) if weights else None
+            outputs = (
+                view_ptr(combined, "combined_x"),
+                view_ptr(combined_w, "combined_w") if combined_w is not None else 0,
+            )
+            # (`_COMBINE_DYNAMIC` order: the outputs after the eight inputs, the envelope last)
+            self._launch_prepared(reduce, (*dynamic[:8], *outputs, *dynamic[10:-1], 0), False, False)
+            return CombineResult(combined, combined_w)
+
+        return finish
 
     # ------------------------------------------------------------------ errors

@@ -303,23 +303,42 @@ class GpuExecutor:
 
     def combine(self, req: Any) -> Any:
         """The full path of a combine request (`RankDriver.combine`; `dispatch`'s, with `CombinePlan.serve`)."""
-        bias = tuple(_view(b) for b in req.bias)
-
-        def launch(record: bool) -> Any:
-            return self.rank.combine(
-                _view(req.x),
-                req.handle,
-                topk_weights=_view(req.topk_weights),
-                bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
-                allow_multiple_reduction=req.allow_multiple_reduction,
-                num_sms=req.num_sms,
-                record=record,
-                zero_copy=req.zero_copy,
-            )
-
-        res, _alloc, ev = self._full(req, "bfloat16", launch)
+        res, _alloc, ev = self._full(req, "bfloat16", lambda record: _rank_combine(self.rank, req, record))
         res.event = ev if req.async_with_compute_stream else None  # this call's own result object
         return res
+
+    def launch_combine_deferred(self, req: Any) -> Any:
+        """DeepEP 2.5's `defer_epilogue` of a combine: `req`'s send part alone (`RankDriver.combine(defer=True)`: the
+        send-only launch of a split combine), on the full path (no kept plan), after the request's stream. Returns
+        `finish(stream)`, which first orders the comm stream after `stream` (DeepEP launches the reduce on the
+        waiting stream: it follows that stream's work), allocates the outputs from the request's allocator, launches
+        the reduce, orders `stream` after it and returns the `CombineResult`. Until `finish` this rank must start no
+        other operation (the receive region holds the rows the reduce reads): the caller refuses them."""
+        rank = self.rank
+        alloc = self._allocator(req, "bfloat16")
+        wait, _, _ = self.stream_pairs(req.stream, False)
+        rank._allocator = alloc
+        try:
+            if wait is not None:
+                record_wait(wait[0], wait[1], self.stream.handle)
+            reduce = _rank_combine(rank, req, False, defer=True)
+        finally:
+            rank._allocator = None
+
+        def finish(stream: int) -> Any:
+            wait, signal, ev = self.stream_pairs(stream, True)
+            rank._allocator = alloc
+            try:
+                if wait is not None:
+                    record_wait(wait[0], wait[1], self.stream.handle)
+                res = reduce()
+            finally:
+                rank._allocator = None
+            record_wait(signal[0], self.stream.handle, signal[1])
+            res.event = ev
+            return res
+
+        return finish
 
     def barrier(self) -> None:
         self.stream.synchronize()
@@ -347,6 +366,22 @@ def _c_strides(shape: tuple) -> tuple:
         out.append(acc)
         acc *= d
     return tuple(reversed(out))
+
+
+def _rank_combine(rank: RankDriver, req: Any, record: bool, defer: bool = False) -> Any:
+    """`RankDriver.combine` on views of `req`'s arrays, every check on (`defer`: its send part, `finish` returned)."""
+    bias = tuple(_view(b) for b in req.bias)
+    return rank.combine(
+        _view(req.x),
+        req.handle,
+        topk_weights=_view(req.topk_weights),
+        bias=None if not bias else (bias[0] if len(bias) == 1 else bias),
+        allow_multiple_reduction=req.allow_multiple_reduction,
+        num_sms=req.num_sms,
+        record=record,
+        zero_copy=req.zero_copy,
+        defer=defer,
+    )
 
 
 def _rank_dispatch(call: Any, req: Any, record: bool, copy: Any) -> Any:

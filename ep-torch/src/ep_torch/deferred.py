@@ -1,7 +1,8 @@
-"""``dispatch(..., defer_epilogue=True)`` on CUDA: the dispatch kernel now, the rest at the event's wait (issue 42).
+"""``dispatch(..., defer_epilogue=True)`` and ``combine(..., defer_epilogue=True)`` on CUDA: the communication now,
+the epilogue at the event's wait (issue 42).
 
-DeepEP 2.5 defers "the CPU receive-count wait and copy epilogue until ``event.current_stream_wait()``". ep-core's GPU
-executor splits a dispatch there (``GpuExecutor.launch_dispatch_deferred``, ``ep_core.EPBuffer
+Dispatch. DeepEP 2.5 defers "the CPU receive-count wait and copy epilogue until ``event.current_stream_wait()``".
+ep-core's GPU executor splits a dispatch there (``GpuExecutor.launch_dispatch_deferred``, ``ep_core.EPBuffer
 .launch_dispatch_deferred``): the call validates and launches the dispatch kernel (and queues a CPU sync's count
 copies) and returns the ``EventOverlap`` at once; its first ``current_stream_wait()`` waits for the counts (CPU sync),
 allocates the outputs, launches the copy epilogue on the comm stream, makes the current stream wait for it and
@@ -9,11 +10,22 @@ returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``. Between the two 
 dispatch no longer blocks in the call, and kernels queued on the compute stream before the wait run beside the
 dispatch kernel.
 
+Combine. DeepEP 2.5 defers "the reduce epilogue": its call launches the combine kernel (the rows pushed to their
+source ranks), its wait allocates the outputs and launches the reduce on the waiting stream. ep's direct combine
+splits the same way (``GpuExecutor.launch_combine_deferred``, ``ep_core.EPBuffer.launch_combine_deferred``: the
+send-only and reduce-only launches of a split combine, ``ep_core.kernels.combine_launch``): the call launches the send
+part; the wait orders the comm stream after the waiting stream (the reduce follows its work, as DeepEP's runs on
+it), allocates ``(combined_x, combined_topk_weights)``, launches the reduce and makes the waiting stream wait for
+it. The bits are the ordinary combine's. ``x`` is read until the reduce (a rank's own rows in place): keep it
+unchanged until the wait. Hybrid and cross-node combines have no separate reduce: they run whole at the call and
+the wait hands the outputs over.
+
 Streams: the outputs are allocated on the executor's comm stream (the stream the epilogue writes them on: no wait for
 the compute stream's queued work, which would also hold the CPU sync back) and recorded on the waiting stream; the
-inputs and the handle's arrays are recorded on the comm stream (it reads them after the call returned). Until the
-wait the buffer refuses ``dispatch``, ``combine`` and ``destroy`` (``EPStateError``): the pending call owns the
-rank's count words. Refused inside CUDA-graph capture (``EPValueError``; the capture would hold a host wait).
+inputs and the handle's arrays are recorded on the comm stream (it reads them after the call returned; the closure
+keeps them until the epilogue is queued). Until the wait the buffer refuses ``dispatch``, ``combine`` and
+``destroy`` (``EPStateError``): the pending call owns the rank's count words and receive region. Refused inside
+CUDA-graph capture (``EPValueError``; the wait runs host work).
 """
 
 from __future__ import annotations
@@ -24,11 +36,11 @@ from typing import Any
 import torch
 from ep_core.errors import EPStateError, EPValueError
 from ep_core.handle import EPHandle
-from ep_core.requests import DispatchArgs
+from ep_core.requests import CombineArgs, DispatchArgs
 
 from .event import EventOverlap
 
-__all__ = ["comm_stream_of", "deferred_dispatch", "hold"]
+__all__ = ["comm_stream_of", "deferred_combine", "deferred_dispatch", "hold"]
 
 
 def comm_stream_of(buf: Any, device: torch.device) -> torch.cuda.Stream:
@@ -51,8 +63,8 @@ def _tensors(items: Any) -> list[torch.Tensor]:
     return out
 
 
-def hold(buf: Any) -> Any:
-    """`buf`'s dispatch / combine / destroy refused (``EPStateError``) while a deferred dispatch waits for its event's
+def hold(buf: Any, op: str = "dispatch") -> Any:
+    """`buf`'s dispatch / combine / destroy refused (``EPStateError``) while a deferred `op` waits for its event's
     wait (instance attributes shadowing the methods; "destroy" among them is also resize's marker of a call that
     owns the buffer: ``ep_torch.resize``); returns the function that gives them back. The CPU reference backend
     holds the buffer as CUDA does, so that code tried there meets the GPU's rule."""
@@ -61,7 +73,7 @@ def hold(buf: Any) -> Any:
         def refuse(*args: Any, **kwargs: Any) -> Any:
             with buf._core.announcing(name):  # the peers' call waits in its first step (issue 41)
                 raise EPStateError(
-                    f"{name}(): a deferred dispatch of this buffer waits for its event's current_stream_wait() "
+                    f"{name}(): a deferred {op} of this buffer waits for its event's current_stream_wait() "
                     "(defer_epilogue=True); wait on it first"
                 )
 
@@ -86,11 +98,7 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
 
     x, topk_idx, handle = call["x"], call["topk_idx"], call["handle"]
     do_cpu_sync, do_expand = call["do_cpu_sync"], call["do_expand"]
-    if torch.cuda.is_current_stream_capturing():
-        raise EPValueError(
-            "defer_epilogue: not inside CUDA-graph capture (the wait runs host work: the CPU sync, the epilogue's "
-            "launch); capture the dispatch without defer_epilogue"
-        )
+    _not_captured("dispatch", "the CPU sync, the epilogue's launch")
     if handle is not None and not do_expand and isinstance(handle, EPHandle):
         do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
     rt = buf._rt()
@@ -155,6 +163,54 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
             res.handle.topk_idx = topk_idx  # the caller's tensor itself (do_handle_copy=False)
         recv_x = _received(res.recv_x, res.recv_sf, call["use_tma_aligned_col_major_sf"])
         return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle
+
+    event.register_hook_after_wait(epilogue)
+    return event
+
+
+def _not_captured(op: str, work: str) -> None:
+    if torch.cuda.is_current_stream_capturing():
+        raise EPValueError(
+            f"defer_epilogue: not inside CUDA-graph capture (the wait runs host work: {work}); capture the {op} "
+            "without defer_epilogue"
+        )
+
+
+def deferred_combine(buf: Any, a: CombineArgs) -> EventOverlap:
+    """A deferred combine of `buf` on CUDA (module doc); `a`: the combine's record, DeepEP's and ep's rules already
+    checked, inside the call's announcing block (``DispatchCombine._deferred``)."""
+    from .dispatch_combine import _current_stream, _handle_tensors
+
+    _not_captured("combine", "the outputs' allocation, the reduce's launch")
+    rt = buf._rt()
+    device = a.x.device if isinstance(a.x, torch.Tensor) else buf.device
+    allocator = a.allocator
+    if allocator is None:  # this device's first call
+        allocator = buf._announced("combine", buf._allocator, device)
+    scoped = a.previous_event is not None or bool(a.allocate_on_comm_stream)
+    with buf._scope("combine", a.previous_event, True) if scoped else contextlib.nullcontext():
+        stream = _current_stream(buf._device_index)  # (in a comm-stream scope: that stream)
+        finish = rt.launch_combine_deferred(a._replace(allocator=allocator, stream=stream))
+    comm = comm_stream_of(buf, device)
+    handle = a.handle
+    inputs = _tensors((a.x, a.topk_weights, a.bias, handle.topk_idx, *_handle_tensors(handle)))
+    for t in inputs:  # the comm stream reads them after this call returned (the reduce at the wait)
+        t.record_stream(comm)
+    event = EventOverlap.recorded(torch.cuda.current_stream())
+
+    release = hold(buf, "combine")
+
+    def epilogue() -> tuple:
+        waiting = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.stream(comm):  # the outputs from the comm stream's pool (module doc)
+                res = finish(waiting.cuda_stream)
+        finally:
+            release()
+        for t in _tensors((res.combined_x, res.combined_topk_weights)):
+            t.record_stream(waiting)
+        del inputs[:]  # (held until the reduce was queued: their frees wait for it, `record_stream`)
+        return res.combined_x, res.combined_topk_weights
 
     event.register_hook_after_wait(epilogue)
     return event
