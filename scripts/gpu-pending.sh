@@ -56,7 +56,7 @@ elif [[ $what == verify ]]; then
   # deferred cached dispatch over nccl, hybrid's deterministic order
   step ll_tests 60 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py
   step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
-  step defer 60 "${pt[@]}" ep-torch/tests/test_torch_defer_borrow_gpu.py -k nccl
+  step defer 60 "${pt[@]}" ep-torch/tests/test_torch_defer_borrow_gpu.py
   step hybrid 90 "${pt[@]}" ep-torch/tests/test_torch_hybrid_gpu.py ep-core/tests/gpu/test_gpu_hybrid.py \
     -k "handle_order or two_nodes or processes"
 else
