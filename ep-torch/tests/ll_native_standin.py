@@ -43,7 +43,7 @@ def install(directory: str | os.PathLike, timeout: float = 3.0) -> None:
         torch.cuda.is_current_stream_capturing = lambda: False
     LowLatencyMode._ll_native_on_cpu = True
     ll_kernels.preload = lambda: None
-    ll_kernels.native_refusal = lambda inner, explicit=False: ""
+    ll_kernels.native_refusal = lambda inner: ""
     ll_kernels.NativeRegion = HostRegion
     ll_kernels.native_dispatch = host_dispatch
     ll_kernels.native_combine = host_combine

@@ -31,9 +31,8 @@ class _Nccl(_Mapped):
 
 def test_native_refusal_names_the_reason():
     assert ll_kernels.native_refusal(_inner(_Mapped())) == ""
-    assert ll_kernels.native_refusal(_inner(_Nccl(4)), explicit=True) == ""
-    assert "explicit ll_native=True" in ll_kernels.native_refusal(_inner(_Nccl(4)))
-    assert "reaches 2 of the 4 ranks" in ll_kernels.native_refusal(_inner(_Nccl(2)), explicit=True)
+    assert ll_kernels.native_refusal(_inner(_Nccl(4))) == ""  # nccl within one LSA team: the native kernels
+    assert "reaches 2 of the 4 ranks" in ll_kernels.native_refusal(_inner(_Nccl(2)))
     cpu = SimpleNamespace(array_device="cpu", peer_bases=lambda n: [])
     assert "does not map the peers' GPU memory" in ll_kernels.native_refusal(_inner(cpu))
     assert "does not map" in ll_kernels.native_refusal(_inner(SimpleNamespace()))
@@ -68,6 +67,6 @@ def test_explicit_ll_native_raises_where_the_kernels_cannot_run(monkeypatch, sto
 
 def test_auto_takes_the_adapter_where_the_kernels_cannot_run(monkeypatch):
     monkeypatch.setattr(ll_kernels, "preload", lambda: None)
-    buf, destroyed = _stand_in("auto", _Nccl(4))
+    buf, destroyed = _stand_in("auto", _Nccl(2))  # an LSA team short of the group: across nodes
     LowLatencyMode._build_native(buf, 8, 128, 2, 8, ("key",))
     assert destroyed and buf.ll_native is False and buf._ll_region is None

@@ -18,8 +18,9 @@ graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for 
   ``acc = acc + fp32(y[t, k]) * w[t, k]`` as a separate fp32 multiply and add (no FMA), one bf16 rounding.
 By default (``ll_native=None``, ours: native unless an adapter-only ``ll_*`` option is given or
 ``EPKIT_LL_NATIVE=0``; ``True`` forces it, ``False`` keeps the adapter), on CUDA where the transport maps the peers'
-memory (ipc, the loopback domain), low-latency mode runs its own kernels (``legacy.ll_kernels.native_*``,
-``ep_core.ll_native``; with ``ll_native=None`` other transports take the adapter, with ``True`` the first
+memory (ipc, the loopback domain, nccl within one LSA team), low-latency mode runs its own kernels
+(``legacy.ll_kernels.native_*``, ``ep_core.ll_native``; with ``ll_native=None`` other transports take the adapter, with
+``True`` the first
 low-latency call raises ``EPValueError`` naming why the kernels cannot run): one message per (token, expert)
 written into the expert's slots on its rank, one per (expert, token) back, the weighted sum in the receive kernel,
 V1's double buffer (every low-latency call uses the other half). ``return_recv_hook=True`` then launches only the

@@ -205,12 +205,12 @@ def local_direct_enabled() -> bool:
     return _env.ll_local_direct()
 
 
-def native_refusal(inner: Any, explicit: bool = False) -> str:
+def native_refusal(inner: Any) -> str:
     """Why the native kernels cannot run on ``inner``'s storage ('' when they can). They write straight into the
-    peers' regions, so every peer's memory must be mapped in this process: ipc and the loopback domain; the nccl
-    transport (``NcclStorage.peer_bases``: the window's LSA pointers) only where NCCL's LSA team is the whole group,
-    and only when asked for (``explicit``: ``ll_native=True``): its road has not yet been checked bitwise on a GPU,
-    so the default keeps the adapter there. The reason is the same on every rank (the storage's kind and team)."""
+    peers' regions, so every peer's memory must be mapped in this process: ipc, the loopback domain, and the nccl
+    transport (``NcclStorage.peer_bases``: the window's LSA pointers) where NCCL's LSA team is the whole group
+    (checked bitwise over nccl on one rank on an H100, 2026-12-07). The reason is the same on every rank (the
+    storage's kind and team)."""
     try:
         rt = inner._rt()
         storage = rt.storage
@@ -223,8 +223,6 @@ def native_refusal(inner: Any, explicit: bool = False) -> str:
         return (
             f"the nccl transport reaches {storage.lsa_size} of the {n} ranks by load/store (NCCL's LSA team)"
         )
-    if getattr(storage, "lsa_size", None) is not None and not explicit:
-        return "the nccl transport is taken only with an explicit ll_native=True"
     if not hasattr(storage, "peer_bases") or getattr(storage, "array_device", "cuda") != "cuda":
         return f"the {type(storage).__name__} storage does not map the peers' GPU memory into this process"
     return ""

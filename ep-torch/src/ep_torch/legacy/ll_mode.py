@@ -145,7 +145,7 @@ class LowLatencyMode:
         self._ll_build = self._builds  # handles of the previous inner buffer are refused (_check_handle)
         self._ll_inner = self._new_inner(num_bytes=num_bytes, explicitly_destroy=True)
         self._ll_key = key
-        refusal = ll_kernels.native_refusal(self._ll_inner, explicit=self.ll_native is True)
+        refusal = ll_kernels.native_refusal(self._ll_inner)
         if not refusal:
             self._ll_region = ll_kernels.NativeRegion(
                 self._ll_inner, self.rank, n, num_experts, m, num_topk, hidden
