@@ -52,13 +52,13 @@ if [[ $what == main ]]; then
   step v1local 60 "${pt[@]}" ep-torch/tests/test_torch_v1_local_buffer.py
   step host_time 90 python3 benchmarks/bench_host_overhead.py --out "$out/logs" --rounds 3
 elif [[ $what == verify ]]; then
-  # issue 44: the rework and the receive cap merged (the EP8 decode step checked inside bench_v1); issue 42: the
-  # deferred cached dispatch over nccl, hybrid's deterministic order
-  step ll_tests 60 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py
-  step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
+  # the session's merged GPU changes, most needed first (a call cut short still brings back the steps it ran):
+  # issue 42's deferred dispatch / combine and hybrid's deterministic order; issue 44's rework with the receive cap
+  # (the EP8 decode step is checked inside bench_v1), then its GPU tests
   step defer 60 "${pt[@]}" ep-torch/tests/test_torch_defer_borrow_gpu.py
-  step hybrid 90 "${pt[@]}" ep-torch/tests/test_torch_hybrid_gpu.py ep-core/tests/gpu/test_gpu_hybrid.py \
-    -k "handle_order or two_nodes or processes"
+  step hybrid 60 "${pt[@]}" ep-core/tests/gpu/test_gpu_hybrid.py -k "handle_order or two_nodes"
+  step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
+  step ll_tests 60 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py ep-torch/tests/test_torch_hybrid_gpu.py
 else
   # issue 44: the decode step (each loopback rank in turn: dispatch, work, combine) that failed in session 4
   step step_diag 180 python3 benchmarks/profile_ll_native.py --step --ranks 8 --recv-blocks 0 8 4 --iters 5
