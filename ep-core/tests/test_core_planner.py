@@ -22,21 +22,38 @@ def sms(n, nvl=8, policy=PlannerPolicy.V2_5, **kw):
     return planner.get_theoretical_num_sms(Topology(n, nvl), 256, 8, policy=policy, **kw)
 
 
+# V2: DeepEP V2's published table. V2_5: DeepEP 2.5's `EPBuffer.get_theoretical_num_sms` (`deep_ep/buffers/ep.py`,
+# `utils/envs.py`): per-SM rates 180 / 45 GB/s and the combine's two terms (the seeds' 16, 12, 8 used V2's 200 / 50
+# and the dispatch's terms alone; the 2x8 hybrid row is the one that moves, its combine term (read + nvl) / write
+# rate being the largest)
 @pytest.mark.parametrize(
-    ("policy", "want"), [(PlannerPolicy.V2, [14, 12, 6]), (PlannerPolicy.V2_5, [16, 12, 8])]
+    ("policy", "want"), [(PlannerPolicy.V2, [14, 12, 6]), (PlannerPolicy.V2_5, [16, 16, 8])]
 )
 def test_published_sm_counts(policy, want):
     assert [sms(n, policy=policy) for n in (8, 16, 32)] == want
 
 
-def test_published_raw_values():
+@pytest.mark.parametrize(
+    ("policy", "want"), [(PlannerPolicy.V2, [9.84, 8.55, 3.38]), (PlannerPolicy.V2_5, [11.63, 9.7, 4.5])]
+)
+def test_published_raw_values(policy, want):
     raw = [
         planner.explain(
-            Topology(n, 8), 256, 8, num_device_sms=132, nvlink_gbs=NVLINK, rdma_gbs=RDMA
+            Topology(n, 8), 256, 8, num_device_sms=132, nvlink_gbs=NVLINK, rdma_gbs=RDMA, policy=policy
         ).raw_num_sms
         for n in (8, 16, 32)
     ]
-    assert [round(r, 2) for r in raw] == [9.84, 8.55, 3.38]
+    assert [round(r, 2) for r in raw] == want
+
+
+def test_a_zero_per_sm_rate_is_the_policys():
+    for policy in PlannerPolicy:
+        read, write = policy.sm_gbs
+        assert sms(8, policy=policy) == sms(8, policy=policy, sm_read_gbs=read, sm_write_gbs=write)
+        assert sms(8, policy=policy, sm_read_gbs=0) == sms(8, policy=policy)
+    assert PlannerPolicy.V2.sm_gbs == (200.0, 50.0) and PlannerPolicy.V2_5.sm_gbs == (180.0, 45.0)
+    with pytest.raises(EPConfigError, match="sm_read_gbs"):
+        sms(8, sm_read_gbs=-1)
 
 
 def test_explain_intermediates():

@@ -173,8 +173,8 @@ def _ranks(rank: int, n: int) -> None:
     assert buf.context.get_physical_domain_size() == buf.get_physical_domain_size() == (n // su, su)
     assert comm.get_logical_domain_size(buf) == buf.get_logical_domain_size()
     assert buf.get_theoretical_num_sms(experts, topk) == buf.get_theoretical_num_sms(
-        experts, topk, 0, 0, 0, 200, 50
-    )
+        experts, topk, 0, 0, 0, 180, 45
+    )  # DeepEP 2.5's per-SM rates
     # 2.5's per-SM rates (180 read, 45 write): 400 GB/s -> ceil(max(400/180, 400/45)) = 9 -> 10 (V2's 200/50: 8)
     assert buf.lb_get_theoretical_num_sms() == 10
     buf.barrier(False, True)

@@ -334,10 +334,11 @@ class EPBuffer(BufferBase):
         num_scaleout_topk: int = 0,
         rdma_gbs: float = 0,
         nvlink_gbs: float = 0,
-        sm_read_gbs: float = 200,
-        sm_write_gbs: float = 50,
+        sm_read_gbs: float = 0,
+        sm_write_gbs: float = 0,
     ) -> int:
-        """The planner's SM count for this buffer (policy, topology, device SMs; 0 GB/s = detect)."""
+        """The planner's SM count for this buffer (policy, topology, device SMs; 0 GB/s = detect, or for the per-SM
+        rates the policy's)."""
         ex = self._executor
         return planner.get_theoretical_num_sms(
             self.topology,

@@ -9,11 +9,13 @@ SM model (`explain` returns every intermediate):
    `nvl = 1 - 1/S_u`; direct: `write = [num_rdma_ranks > 1]/ekt + nvl_ranks/N`,
    `nvl = (nvl_ranks/N)(1 - 1/nvl_ranks)`, `rdma = (N - nvl_ranks)/N` (never the bound in direct mode).
 3. Bound link: RDMA if hybrid and `rdma/rdma_gbs > nvl/nvlink_gbs`, else NVLink.
-4. `raw = max(B/T * read / sm_read_gbs, B/T * write / sm_write_gbs)` (B, T: bound bandwidth and traffic);
-   device SMs when the bound traffic is 0.
+4. `raw = max(B/T * read / sm_read_gbs, B/T * write / sm_write_gbs)` (B, T: bound bandwidth and traffic; the
+   dispatch); `PlannerPolicy.V2_5` adds the combine's `B/T * (write - nvl) / sm_read_gbs` and
+   `B/T * (read + nvl) / sm_write_gbs` (DeepEP 2.5's `EPBuffer`); device SMs when the bound traffic is 0.
 5. `n = align(max(4, ceil(margin * raw)), a)`; at least 64 unless `prefer_overlap_with_compute`; at most the cap.
-   `PlannerPolicy.V2`: margin 1.25, a = 2, cap = device SMs. `PlannerPolicy.V2_5`: margin 1.3, a = 4,
-   cap = device SMs rounded down to even.
+   `PlannerPolicy.V2`: margin 1.25, a = 2, cap = device SMs, per-SM rates 200 / 50 GB/s (read / write).
+   `PlannerPolicy.V2_5`: margin 1.3, a = 4, cap = device SMs rounded down to even, per-SM rates 180 / 45 GB/s
+   (DeepEP 2.5's `get_sm_read_gbs` / `get_sm_write_gbs`). A rate of 0 (the default) means the policy's.
 
 Bandwidths: an explicit argument wins, then `EPKIT_NVLINK_GBS` / `EPKIT_RDMA_GBS`, then detection (NVLink: sum of
 the link speeds that `nvidia-smi nvlink -s` reports for the first GPU x 0.9; RDMA: the NIC rate / 8, from sysfs or
@@ -76,8 +78,9 @@ FAST_ATOMICS_CA_TYPE = "MT4131"
 class PlannerPolicy(enum.Enum):
     """Margin and rounding of the SM count: the two designs of the seeds."""
 
-    V2 = (1.25, 2, False)  # DeepEP V2 (ElasticBuffer): margin 1.25, even, cap = device SMs
-    V2_5 = (1.3, 4, True)  # ep's EPBuffer: margin 1.3, multiple of 4, cap = device SMs rounded down to even
+    # (margin, SM alignment, cap rounded down to even, per-SM read / write GB/s, the combine's terms counted)
+    V2 = (1.25, 2, False, 200.0, 50.0, False)  # DeepEP V2 (ElasticBuffer)
+    V2_5 = (1.3, 4, True, 180.0, 45.0, True)  # DeepEP 2.5 (EPBuffer)
 
     @property
     def margin(self) -> float:
@@ -89,6 +92,16 @@ class PlannerPolicy(enum.Enum):
 
     def cap(self, num_device_sms: int) -> int:
         return num_device_sms // 2 * 2 if self.value[2] else num_device_sms
+
+    @property
+    def sm_gbs(self) -> tuple[float, float]:
+        """The default per-SM HBM (read, write) GB/s."""
+        return self.value[3], self.value[4]
+
+    @property
+    def counts_combine(self) -> bool:
+        """Whether the SM count also covers the combine's traffic (step 4)."""
+        return self.value[5]
 
 
 @dataclass(frozen=True)
@@ -147,8 +160,8 @@ def explain(
     num_device_sms: int,
     nvlink_gbs: float | None = None,
     rdma_gbs: float | None = None,
-    sm_read_gbs: float = 200,
-    sm_write_gbs: float = 50,
+    sm_read_gbs: float = 0,
+    sm_write_gbs: float = 0,
     prefer_overlap_with_compute: bool = True,
     num_scaleout_topk: int = 0,
     policy: PlannerPolicy = PlannerPolicy.V2_5,
@@ -163,8 +176,12 @@ def explain(
     if num_topk > MAX_TOPK:
         raise EPConfigError(f"num_topk: expected at most {MAX_TOPK}, got {num_topk}")
     topology.check_num_experts(num_experts)
-    if sm_read_gbs <= 0 or sm_write_gbs <= 0:
-        raise EPConfigError(f"sm_read_gbs/sm_write_gbs: expected > 0, got {sm_read_gbs}/{sm_write_gbs}")
+    if sm_read_gbs < 0 or sm_write_gbs < 0:
+        raise EPConfigError(
+            f"sm_read_gbs/sm_write_gbs: expected > 0 (0 = the policy's), got {sm_read_gbs}/{sm_write_gbs}"
+        )
+    sm_read_gbs = sm_read_gbs or policy.sm_gbs[0]
+    sm_write_gbs = sm_write_gbs or policy.sm_gbs[1]
     n = topology.num_ranks
     so, su = topology.logical_domain_size
     rdma_ranks, nvl_ranks = topology.physical_domain_size
@@ -201,6 +218,10 @@ def explain(
         bw = nvl_bw
     if traffic > 0:
         raw = max(bw / traffic * read / sm_read_gbs, bw / traffic * write / sm_write_gbs)
+        if policy.counts_combine:
+            raw = max(
+                raw, bw / traffic * (write - nvl) / sm_read_gbs, bw / traffic * (read + nvl) / sm_write_gbs
+            )
     else:
         bound, raw = "none", float(num_device_sms)
     a = policy.sm_alignment
@@ -246,8 +267,8 @@ def get_theoretical_num_sms(
     num_device_sms: int,
     nvlink_gbs: float | None = None,
     rdma_gbs: float | None = None,
-    sm_read_gbs: float = 200,
-    sm_write_gbs: float = 50,
+    sm_read_gbs: float = 0,
+    sm_write_gbs: float = 0,
     prefer_overlap_with_compute: bool = True,
     num_scaleout_topk: int = 0,
     policy: PlannerPolicy = PlannerPolicy.V2_5,

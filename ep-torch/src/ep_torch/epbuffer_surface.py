@@ -211,10 +211,10 @@ class EPBufferSurface:
         sm_read_gbs: float = 0,
         sm_write_gbs: float = 0,
     ) -> int:
-        """SMs the bandwidth model asks for; 0 bandwidths mean the defaults (detected links, ep's per-SM rates)."""
-        kwargs = {k: v for k, v in (("sm_read_gbs", sm_read_gbs), ("sm_write_gbs", sm_write_gbs)) if v}
+        """SMs the bandwidth model asks for; 0 bandwidths mean the defaults (detected links; DeepEP 2.5's per-SM rates,
+        180 / 45 GB/s: `ep_core.planner.PlannerPolicy.V2_5`)."""
         return super().get_theoretical_num_sms(  # type: ignore[misc]
-            num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, **kwargs
+            num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs, sm_write_gbs
         )
 
     def barrier(  # type: ignore[override]
