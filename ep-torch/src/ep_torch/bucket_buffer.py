@@ -157,9 +157,6 @@ class _Handle(EventOverlap):
             self.extra_tensors = None
         return result
 
-    def wait(self) -> Any:
-        return self.current_stream_wait()
-
 
 class BucketSession:
     """``with buffer.session() as s:`` a bump allocator over the storage (``s.allocate(shapes, dtype)``); the caller
