@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from ep_core.buffer_base import align
 from ep_core.envelope import Channel
 from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
 from ep_core.rank_state import breaks_step
@@ -120,10 +121,6 @@ class _Abort:
 
     def __call__(self, op: str, exc: BaseException) -> None:
         self.bootstrap.abort(f"{op}: {type(exc).__name__}: {exc}")
-
-
-def _align(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 class _Handle(EventOverlap):
@@ -279,7 +276,7 @@ class BucketSession:
                     f"allocate: the session needs {start + nbytes} bytes, the BucketBuffer has {self.buffer.num_bytes} "
                     f"(rank {self.buffer.rank_idx})"
                 )
-            self.num_allocated_bytes = _align(start + nbytes, _SESSION_ALIGN)
+            self.num_allocated_bytes = align(start + nbytes, _SESSION_ALIGN)
             out.append(self.buffer.storage[start : start + nbytes].view(dtype).view(tuple(shape)))
         return tuple(out) if batched else out[0]
 
@@ -313,7 +310,7 @@ class BucketBuffer:
             raise EPValueError(f"allocation_plan_or_num_bytes: expected a positive size, got {num_bytes}")
         self._buffer: ElasticBuffer | None = ElasticBuffer(
             group,
-            num_bytes=_align(num_bytes, _ALIGN),
+            num_bytes=align(num_bytes, _ALIGN),
             sl_idx=3 if sl_idx is None else sl_idx,
             num_gpu_timeout_secs=num_gpu_timeout_secs,
             num_cpu_timeout_secs=num_cpu_timeout_secs,
@@ -514,7 +511,7 @@ class BucketBuffer:
         nvl, _ = planner.detect_scaleup_gbs(self.num_ranks)
         dst = nvl / self.num_ranks
         sms = max(dst / 200, dst / 50)  # the planner's SM read / write GB/s
-        return _align(max(6 if op == "reduce_scatter" else 4, math.ceil(sms)), 2)
+        return align(max(6 if op == "reduce_scatter" else 4, math.ceil(sms)), 2)
 
     def print_memory_usage(self) -> None:
         """This rank's storage bytes."""

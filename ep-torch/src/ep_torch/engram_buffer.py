@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core import engram
+from ep_core.buffer_base import align
 from ep_core.envelope import Channel
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
@@ -39,10 +40,6 @@ _DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 # operations whose first collective step is the host agreement (`ElasticOps._collective`) on every backend
 _HOST_FIRST = ("set_config", "write")
-
-
-def _align(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 def _entries(name: str, value: Any) -> list[int]:
@@ -103,8 +100,8 @@ def _layout(
     offsets, end = [], 0
     for n in num_entries_per_layer:
         offsets.append(end)
-        end = _align(end + n * hidden * itemsize, _LAYER_ALIGN)
-    stride = _align(num_max_tokens * k * hidden * itemsize, _LAYER_ALIGN)
+        end = align(end + n * hidden * itemsize, _LAYER_ALIGN)
+    stride = align(num_max_tokens * k * hidden * itemsize, _LAYER_ALIGN)
     return offsets, end, stride, stride * len(num_entries_per_layer)
 
 
@@ -227,7 +224,7 @@ class EngramBuffer:
             _positive("num_max_tokens", num_max_tokens),
             _positive("num_entries_per_token", num_entries_per_token),
         )
-        return _align(fetch, _ALIGN), _align(storage, _ALIGN)
+        return align(fetch, _ALIGN), align(storage, _ALIGN)
 
     @staticmethod
     def get_theoretical_config(
