@@ -16,7 +16,7 @@ from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap
 from .checks import _check_ll_limits, _check_topk
 from .guard import _guarded, _ll_target
-from .low_latency import LowLatencyHandle, ll_combine_weighted, ll_dispatch
+from .low_latency import LowLatencyHandle, into, ll_combine_weighted, ll_dispatch
 
 __all__ = ["LowLatencyMode"]
 
@@ -365,7 +365,7 @@ class LowLatencyMode:
             masked = getattr(handle, "ll_cpu", None) or self._shrink_step("low_latency_combine", x)
 
             def run_masked() -> torch.Tensor:
-                return _into(masked.combine(x, topk_idx, topk_weights, handle, bool(use_logfmt)), out)
+                return into(masked.combine(x, topk_idx, topk_weights, handle, bool(use_logfmt)), out)
 
             return self._on_comm(False, async_finish, return_recv_hook, (), run_masked)
         if handle.native is not None:
@@ -703,13 +703,6 @@ def _logfmt_envelope(inner: Any, use_logfmt: bool) -> contextlib.AbstractContext
     if not use_logfmt or channel is None:
         return contextlib.nullcontext()
     return channel.tagged(use_logfmt=True)
-
-
-def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
 
 
 def _data_complete() -> None:
