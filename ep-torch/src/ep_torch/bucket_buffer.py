@@ -57,7 +57,7 @@ from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueErro
 from ep_core.rank_state import breaks_step
 
 from .buffer import ElasticBuffer
-from .buffer_base import BufferContext
+from .buffer_base import BufferContext, ElasticBacked
 from .event import EventHandle, EventOverlap
 
 __all__ = ["BucketBuffer", "BucketContext", "BucketSession", "bf16_stochastic_round"]
@@ -285,7 +285,7 @@ class BucketContext(BufferContext):
     """One group of a ``BucketBuffer`` (DeepEP's ``buffer.contexts[i]``): its rank, size and domain sizes."""
 
 
-class BucketBuffer:
+class BucketBuffer(ElasticBacked):
     """Symmetric storage for collectives over ``group`` (a collective to build)."""
 
     def __init__(
@@ -343,11 +343,6 @@ class BucketBuffer:
             self._add_contexts(extra_groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _buf(self) -> ElasticBuffer:
-        if self._buffer is None:
-            raise EPStateError("BucketBuffer: used after destroy(); create a new buffer")
-        return self._buffer
-
     def _add_contexts(
         self, groups: list[Any], num_gpu_timeout_secs: int, num_cpu_timeout_secs: int, transport: str | None
     ) -> None:
@@ -425,10 +420,6 @@ class BucketBuffer:
         if self._context_buffers is None:  # a context's own view: its one group
             return self
         return self._context_buffers[self.get_context_idx(group)]
-
-    @property
-    def runtime(self) -> Any:
-        return None if self._buffer is None else self._buffer.runtime
 
     def session(self) -> BucketSession:
         return BucketSession(self)

@@ -29,7 +29,7 @@ from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
 from .bootstrap import ProcessGroupBootstrap
 from .buffer import ElasticBuffer
-from .buffer_base import BufferContext
+from .buffer_base import BufferContext, ElasticBacked
 
 __all__ = ["EngramBuffer"]
 
@@ -105,7 +105,7 @@ def _layout(
     return offsets, end, stride, stride * len(num_entries_per_layer)
 
 
-class EngramBuffer:
+class EngramBuffer(ElasticBacked):
     """Engram storage shards and a GPU fetch area over ``group`` (a collective to build)."""
 
     def __init__(
@@ -250,11 +250,6 @@ class EngramBuffer:
 
     # ---------------------------------------------------------------------------------------------------------
     # configuration, write, fetch
-
-    def _buf(self) -> ElasticBuffer:
-        if self._buffer is None:
-            raise EPStateError("EngramBuffer: used after destroy(); create a new buffer")
-        return self._buffer
 
     def _guard(self, op: str, collective: bool = True, raw: bool = False) -> Any:
         """The block of one operation (issue 41): inside the buffer's ``ep_core.rank_state`` guard, refused at once
@@ -465,11 +460,6 @@ class EngramBuffer:
 
     # ---------------------------------------------------------------------------------------------------------
     # lifecycle, domains
-
-    @property
-    def runtime(self) -> Any:
-        """The ep-core buffer underneath (None after ``destroy()``)."""
-        return None if self._buffer is None else self._buffer.runtime
 
     def print_memory_usage(self) -> None:
         """This rank's fetch area and storage bytes (DeepEP's BufferBase method)."""
