@@ -120,7 +120,7 @@ class BufferContext:
 
 class ElasticBacked:
     """The members of a buffer built over one ``ElasticBuffer`` (``_buffer``, None after ``destroy()``):
-    ``PPBuffer``, ``EngramBuffer`` and ``BucketBuffer``."""
+    ``PPBuffer``, ``EngramBuffer`` and ``BucketBuffer`` (whose main context is its first group's)."""
 
     _buffer: Any
 
@@ -133,6 +133,12 @@ class ElasticBacked:
     def runtime(self) -> Any:
         """The ep-core buffer underneath (None after ``destroy()``)."""
         return None if self._buffer is None else self._buffer.runtime
+
+    @property
+    def main_context(self) -> BufferContext | None:
+        """The group's rank, size and domain sizes (DeepEP's ``BufferBase.main_context``); None after
+        ``destroy()``."""
+        return None if self._buffer is None else BufferContext(self._buffer)
 
 
 class BufferAllocator:

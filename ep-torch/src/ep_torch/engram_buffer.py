@@ -490,11 +490,6 @@ class EngramBuffer(ElasticBacked):
         return None if self._buffer is None else BufferContext(self._buffer)
 
     @property
-    def main_context(self) -> BufferContext | None:
-        """DeepEP's ``BufferBase.main_context``: ``context``."""
-        return self.context
-
-    @property
     def nccl_comm_handle(self) -> Any:
         """The NCCL communicator underneath (None on the reference and ipc transports and after ``destroy()``)."""
         return None if self._buffer is None else self._buffer.nccl_comm_handle

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .buffer import ElasticBuffer
-from .buffer_base import BufferContext, ElasticBacked
+from .buffer_base import ElasticBacked
 
 __all__ = ["PPBuffer"]
 
@@ -52,12 +52,6 @@ class PPBuffer(ElasticBacked):
         self.rank_idx, self.num_ranks = self._buffer.rank_idx, self._buffer.num_ranks
         self.num_bytes = num_bytes
         self.explicitly_destroy = bool(explicitly_destroy)
-
-    @property
-    def main_context(self) -> BufferContext | None:
-        """The group's rank, size and domain sizes (DeepEP's ``BufferBase.main_context``); None after
-        ``destroy()``."""
-        return None if self._buffer is None else BufferContext(self._buffer)
 
     @property
     def nccl_comm_handle(self) -> Any:
