@@ -253,17 +253,16 @@ class LowLatencyMode:
             raise EPValueError(
                 f"cumulative_local_expert_recv_stats (rank {self.rank}): must be [{num_experts // self.group_size}]"
             )
+        # the call as the roads below take it (`_shrink_dispatch`, `_native_dispatch`)
+        call = (
+            x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+            async_finish, return_recv_hook,
+        )  # fmt: skip
         if self._shrink is not None and not self._native_shrink(x, "low_latency_dispatch"):
-            return self._shrink_dispatch(
-                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook,
-            )  # fmt: skip
+            return self._shrink_dispatch(*call)
         native = bool(self.ll_native) and (x.is_cuda or self._ll_native_on_cpu)
         if not native and self._cpu_road(x, int(num_experts), int(topk_idx.shape[1])):
-            return self._shrink_dispatch(
-                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook, self._ll_cpu,
-            )  # fmt: skip
+            return self._shrink_dispatch(*call, self._ll_cpu)
         # agreed before the build: ranks that disagree on the sizes never build regions of different layouts
         if native:
             k = int(topk_idx.shape[1])
@@ -271,10 +270,7 @@ class LowLatencyMode:
             self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
         inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), native)
         if self._ll_region is not None:
-            return self._native_dispatch(
-                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook,
-            )  # fmt: skip
+            return self._native_dispatch(*call)
 
         zero_copy = self.ll_zero_copy
         if zero_copy is None:  # where the inner buffer offers it: its rows are read before its next operation
