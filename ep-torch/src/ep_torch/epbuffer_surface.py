@@ -19,8 +19,9 @@ well as by name, so ``EPBuffer`` takes them in 2.5's order, with 2.5's defaults:
 - ``context`` / ``main_context`` (the group's rank, size and domain sizes; None after ``destroy()``) and
   ``print_memory_usage()``, DeepEP's ``BufferBase`` members.
 
-Each method forwards, by name (``_by_name``), to ``ElasticBuffer``'s, which does the work. DeepEP's receive-view rules added
-here: ``borrow_recv=True`` is refused (``ValueError``, before any launch) outside one NVLink domain (hybrid mode or
+Each method forwards to ``ElasticBuffer``'s, which does the work: the constructor by name (``_by_name``),
+``dispatch`` / ``combine`` positionally (their per-call path). DeepEP's receive-view rules added here:
+``borrow_recv=True`` is refused (``ValueError``, before any launch) outside one NVLink domain (hybrid mode or
 several physical RDMA ranks), and ``lb_prefetch_weights`` / ``lb_reduce_grads`` refuse while a view is out, as
 ``dispatch`` / ``combine`` / ``destroy`` do.
 """
@@ -44,7 +45,8 @@ _LB_OPS = ("lb_prefetch_weights", "lb_reduce_grads")
 
 def _by_name(params: dict) -> dict:
     """A surface method's parameters (its ``locals()`` before any other local is bound), by name, for
-    ``ElasticBuffer``'s method of the same name: 2.5's order needs no second list in V2's order."""
+    ``ElasticBuffer``'s method of the same name: 2.5's order needs no second list in V2's order (off the per-call
+    path: building the dict costs microseconds)."""
     return {k: v for k, v in params.items() if k not in ("self", "__class__")}
 
 
@@ -119,7 +121,31 @@ class EPBufferSurface:
                     f"borrow_recv=True (rank {self.rank_idx}): a receive view needs one NVLink domain (direct "  # type: ignore[attr-defined]
                     f"mode); this buffer has {self.num_scaleout_ranks} scale-out and {self.num_rdma_ranks} RDMA ranks"
                 )
-        out = super().dispatch(**_by_name(locals()))  # type: ignore[misc]
+        # positionally (V2's order): by name (`_by_name`) costs a few microseconds per call on this hot path
+        out = super().dispatch(  # type: ignore[misc]
+            x,
+            topk_idx,
+            topk_weights,
+            cumulative_local_expert_recv_stats,
+            num_experts,
+            num_max_tokens_per_rank,
+            expert_alignment,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            handle,
+            do_handle_copy,
+            do_cpu_sync,
+            do_expand,
+            do_zero_padding,
+            use_tma_aligned_col_major_sf,
+            defer_epilogue=defer_epilogue,
+            borrow_recv=borrow_recv,
+            zero_copy=zero_copy,
+        )
         if borrow_recv:
             # the view's rows must not move while it is out: DeepEP refuses the lb_* calls too (ElasticBuffer's
             # dispatch, combine and destroy refuse for themselves), announced in their host step (issue 41)
@@ -151,7 +177,21 @@ class EPBufferSurface:
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """``ElasticBuffer.combine`` in DeepEP 2.5's parameter order (module doc)."""
         num_sms = _even_sms(num_sms)
-        return super().combine(**_by_name(locals()))  # type: ignore[misc]
+        return super().combine(  # type: ignore[misc]
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms,
+            num_qps,
+            previous_event,
+            previous_event_before_epilogue,
+            async_with_compute_stream,
+            allocate_on_comm_stream,
+            defer_epilogue=defer_epilogue,
+            out_dtype=out_dtype,
+            zero_copy=zero_copy,
+        )
 
     def get_theoretical_num_sms(
         self,
