@@ -136,42 +136,21 @@ def read(name: str) -> tuple[str, str]:
     return used, (raw or "").strip()
 
 
+def _knob(name: str) -> property:
+    """A `_Knobs` attribute: the value of knob `name`, read at each access."""
+    return property(lambda _: KNOBS[name].get())
+
+
 class _Knobs:
-    @property
-    def nvlink_gbs(self) -> float:
-        return KNOBS["EPKIT_NVLINK_GBS"].get()
-
-    @property
-    def rdma_gbs(self) -> float:
-        return KNOBS["EPKIT_RDMA_GBS"].get()
-
-    @property
-    def nic_name(self) -> str:
-        return KNOBS["EPKIT_NIC_NAME"].get()
-
-    @property
-    def buffer_debug(self) -> bool:
-        return KNOBS["EPKIT_BUFFER_DEBUG"].get()
-
-    @property
-    def scaleup_ranks(self) -> int:
-        return KNOBS["EPKIT_SCALEUP_RANKS"].get()
-
-    @property
-    def express_lane(self) -> bool:
-        return KNOBS["EPKIT_EXPRESS_LANE"].get()
-
-    @property
-    def native_launch(self) -> bool:
-        return KNOBS["EPKIT_NATIVE_LAUNCH"].get()
-
-    @property
-    def epilogue_pdl(self) -> bool:
-        return KNOBS["EPKIT_EPILOGUE_PDL"].get()
-
-    @property
-    def handle_block(self) -> str:
-        return KNOBS["EPKIT_HANDLE_BLOCK"].get()
+    nvlink_gbs = _knob("EPKIT_NVLINK_GBS")
+    rdma_gbs = _knob("EPKIT_RDMA_GBS")
+    nic_name = _knob("EPKIT_NIC_NAME")
+    buffer_debug = _knob("EPKIT_BUFFER_DEBUG")
+    scaleup_ranks = _knob("EPKIT_SCALEUP_RANKS")
+    express_lane = _knob("EPKIT_EXPRESS_LANE")
+    native_launch = _knob("EPKIT_NATIVE_LAUNCH")
+    epilogue_pdl = _knob("EPKIT_EPILOGUE_PDL")
+    handle_block = _knob("EPKIT_HANDLE_BLOCK")
 
 
 knobs = _Knobs()

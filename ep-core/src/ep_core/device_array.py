@@ -35,25 +35,8 @@ __all__ = [
     "to_numpy",
 ]
 
-DTYPE_SIZES: dict[str, int] = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int16": 2,
-    "uint16": 2,
-    "float16": 2,
-    "bfloat16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "float32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float64": 8,
-}
-
-# numpy storage of each dtype for host views (bit patterns for the types numpy lacks)
+# every dtype ep_core knows, with its numpy storage for host views (the bit pattern for the types numpy lacks:
+# bf16 as uint16, FP8 as uint8); the sizes and the array-interface type strings derive from it
 _NUMPY_STORAGE = {
     "bool": np.bool_,
     "int8": np.int8,
@@ -71,37 +54,12 @@ _NUMPY_STORAGE = {
     "uint64": np.uint64,
     "float64": np.float64,
 }
-
+DTYPE_SIZES: dict[str, int] = {name: np.dtype(st).itemsize for name, st in _NUMPY_STORAGE.items()}
+# the array interface's type string of each dtype: bf16 and FP8 are exported as their bits ('<u2', '|u1')
+_DTYPE_TO_TYPESTR = {name: np.dtype(st).newbyteorder("<").str for name, st in _NUMPY_STORAGE.items()}
+# a type string (without its byte order) -> the dtype it names: the dtypes numpy has (no bf16, no FP8)
 _TYPESTR_TO_DTYPE = {
-    "b1": "bool",
-    "i1": "int8",
-    "u1": "uint8",
-    "i2": "int16",
-    "u2": "uint16",
-    "f2": "float16",
-    "i4": "int32",
-    "u4": "uint32",
-    "f4": "float32",
-    "i8": "int64",
-    "u8": "uint64",
-    "f8": "float64",
-}
-_DTYPE_TO_TYPESTR = {
-    "bool": "|b1",
-    "int8": "|i1",
-    "uint8": "|u1",
-    "float8_e4m3fn": "|u1",
-    "float8_e5m2": "|u1",
-    "int16": "<i2",
-    "uint16": "<u2",
-    "float16": "<f2",
-    "bfloat16": "<u2",
-    "int32": "<i4",
-    "uint32": "<u4",
-    "float32": "<f4",
-    "int64": "<i8",
-    "uint64": "<u8",
-    "float64": "<f8",
+    _DTYPE_TO_TYPESTR[name][1:]: name for name, st in _NUMPY_STORAGE.items() if np.dtype(st).name == name
 }
 
 
@@ -340,21 +298,8 @@ _torch_strided: Any = None
 _torch_dtypes: dict[Any, tuple[str, bool, dict]] = {}
 # dtypes whose CUDA tensors torch exports through __cuda_array_interface__ (a typestr the table names); bf16 ('<V2')
 # and FP8 (no typestr) go through DLPack
-_TORCH_CAI_DTYPES = (
-    "bool",
-    "int8",
-    "uint8",
-    "int16",
-    "uint16",
-    "float16",
-    "int32",
-    "uint32",
-    "float32",
-    "int64",
-    "uint64",
-    "float64",
-)
-_TORCH_DLPACK_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
+_TORCH_CAI_DTYPES = tuple(_TYPESTR_TO_DTYPE.values())
+_TORCH_DLPACK_DTYPES = tuple(name for name in _NUMPY_STORAGE if name not in _TORCH_CAI_DTYPES)
 
 
 def _arm_torch(cls: type) -> bool:

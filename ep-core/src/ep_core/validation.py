@@ -381,42 +381,17 @@ def _check_handle_arrays(config: BufferConfig, target: Any, handle: EPHandle) ->
     epr = handle.num_experts // config.num_ranks
     idx = check_array("handle.topk_idx", handle.topk_idx, target, dtypes=_INT_IDS, ndim=2)
     k = idx.shape[1]
-    check_array(
-        "handle.psum_num_recv_tokens_per_scaleup_rank",
-        handle.psum_num_recv_tokens_per_scaleup_rank,
-        target,
-        dtypes=("int32",),
-        shape=(su,),
-    )
-    check_array(
-        "handle.psum_num_recv_tokens_per_expert",
-        handle.psum_num_recv_tokens_per_expert,
-        target,
-        dtypes=("int32",),
-        shape=(epr,),
-    )
-    check_array(
-        "handle.num_unaligned_recv_tokens_per_expert",
-        handle.num_unaligned_recv_tokens_per_expert,
-        target,
-        dtypes=("int32",),
-        shape=(epr,),
-    )
-    check_array(
-        "handle.recv_src_metadata",
-        handle.recv_src_metadata,
-        target,
-        dtypes=("int32",),
-        shape=(handle.num_recv_tokens, k + 2),
-    )
+    # the int32 arrays and their shapes (SPEC §2); the slot index is checked in direct mode only
+    int32_shapes = [
+        ("psum_num_recv_tokens_per_scaleup_rank", (su,)),
+        ("psum_num_recv_tokens_per_expert", (epr,)),
+        ("num_unaligned_recv_tokens_per_expert", (epr,)),
+        ("recv_src_metadata", (handle.num_recv_tokens, k + 2)),
+    ]
     if not config.topology.is_hybrid:
-        check_array(
-            "handle.dst_buffer_slot_idx",
-            handle.dst_buffer_slot_idx,
-            target,
-            dtypes=("int32",),
-            shape=(idx.shape[0], k),
-        )
+        int32_shapes.append(("dst_buffer_slot_idx", (idx.shape[0], k)))
+    for name, shape in int32_shapes:
+        check_array(f"handle.{name}", getattr(handle, name), target, dtypes=("int32",), shape=shape)
 
 
 @functools.lru_cache(maxsize=512)

@@ -22,11 +22,6 @@ _BITS_VIEW: dict[torch.dtype, tuple[torch.dtype, np.dtype]] = {
 }
 
 
-def is_fp8(dtype: torch.dtype) -> bool:
-    """True for torch's 8-bit float dtypes."""
-    return dtype in _FP8_DTYPES
-
-
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy array with the tensor's bits: bf16 -> uint16, fp8 -> uint8, other dtypes as themselves."""
     t = t.detach()
@@ -75,8 +70,3 @@ def torch_to_numpy_dtype(dtype: torch.dtype) -> np.dtype:
         return np.dtype(_NP_OF_TORCH[dtype])
     except KeyError:
         raise TypeError(f"no numpy value dtype for {dtype}; use to_numpy/from_numpy for raw bits") from None
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """Widen bf16 bits (uint16) to float32 exactly."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -33,7 +33,6 @@ __all__ = [
     "ll_native_choice",
     "reference_num_sms",
     "reference_nvlink_gbs",
-    "reference_nvlink_ranks",
     "scaleup_ranks",
     "transport",
 ]
@@ -186,14 +185,6 @@ def reference_num_sms() -> int:
 def reference_nvlink_gbs() -> float:
     """``EPKIT_TORCH_REFERENCE_NVLINK_GBS``."""
     return float(_number("EPKIT_TORCH_REFERENCE_NVLINK_GBS", float))
-
-
-def reference_nvlink_ranks() -> int:
-    """``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` (0 = every rank in one domain)."""
-    value = int(_number("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", int))
-    if value < 0:
-        raise ValueError(f"EPKIT_TORCH_REFERENCE_NVLINK_RANKS={value}: expected >= 0")
-    return value
 
 
 def scaleup_ranks(*, reference: bool) -> tuple[str, int]:

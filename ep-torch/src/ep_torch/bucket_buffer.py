@@ -51,12 +51,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from ep_core.buffer_base import align
 from ep_core.envelope import Channel
 from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
 from ep_core.rank_state import breaks_step
 
 from .buffer import ElasticBuffer
-from .buffer_base import BufferContext
+from .buffer_base import BufferContext, ElasticBacked
 from .event import EventHandle, EventOverlap
 
 __all__ = ["BucketBuffer", "BucketContext", "BucketSession", "bf16_stochastic_round"]
@@ -122,10 +123,6 @@ class _Abort:
         self.bootstrap.abort(f"{op}: {type(exc).__name__}: {exc}")
 
 
-def _align(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
 class _Handle(EventOverlap):
     """An ``EventOverlap`` whose ``wait()`` and ``current_stream_wait(release_handle=...)`` return the operation's
     result (DeepEP's handles return their hook's value), with DeepEP's ``num_sms`` (the SM count the operation was
@@ -156,9 +153,6 @@ class _Handle(EventOverlap):
             self.event = None
             self.extra_tensors = None
         return result
-
-    def wait(self) -> Any:
-        return self.current_stream_wait()
 
 
 class BucketSession:
@@ -282,7 +276,7 @@ class BucketSession:
                     f"allocate: the session needs {start + nbytes} bytes, the BucketBuffer has {self.buffer.num_bytes} "
                     f"(rank {self.buffer.rank_idx})"
                 )
-            self.num_allocated_bytes = _align(start + nbytes, _SESSION_ALIGN)
+            self.num_allocated_bytes = align(start + nbytes, _SESSION_ALIGN)
             out.append(self.buffer.storage[start : start + nbytes].view(dtype).view(tuple(shape)))
         return tuple(out) if batched else out[0]
 
@@ -291,7 +285,7 @@ class BucketContext(BufferContext):
     """One group of a ``BucketBuffer`` (DeepEP's ``buffer.contexts[i]``): its rank, size and domain sizes."""
 
 
-class BucketBuffer:
+class BucketBuffer(ElasticBacked):
     """Symmetric storage for collectives over ``group`` (a collective to build)."""
 
     def __init__(
@@ -316,7 +310,7 @@ class BucketBuffer:
             raise EPValueError(f"allocation_plan_or_num_bytes: expected a positive size, got {num_bytes}")
         self._buffer: ElasticBuffer | None = ElasticBuffer(
             group,
-            num_bytes=_align(num_bytes, _ALIGN),
+            num_bytes=align(num_bytes, _ALIGN),
             sl_idx=3 if sl_idx is None else sl_idx,
             num_gpu_timeout_secs=num_gpu_timeout_secs,
             num_cpu_timeout_secs=num_cpu_timeout_secs,
@@ -349,11 +343,6 @@ class BucketBuffer:
             self._add_contexts(extra_groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _buf(self) -> ElasticBuffer:
-        if self._buffer is None:
-            raise EPStateError("BucketBuffer: used after destroy(); create a new buffer")
-        return self._buffer
-
     def _add_contexts(
         self, groups: list[Any], num_gpu_timeout_secs: int, num_cpu_timeout_secs: int, transport: str | None
     ) -> None:
@@ -431,10 +420,6 @@ class BucketBuffer:
         if self._context_buffers is None:  # a context's own view: its one group
             return self
         return self._context_buffers[self.get_context_idx(group)]
-
-    @property
-    def runtime(self) -> Any:
-        return None if self._buffer is None else self._buffer.runtime
 
     def session(self) -> BucketSession:
         return BucketSession(self)
@@ -517,7 +502,7 @@ class BucketBuffer:
         nvl, _ = planner.detect_scaleup_gbs(self.num_ranks)
         dst = nvl / self.num_ranks
         sms = max(dst / 200, dst / 50)  # the planner's SM read / write GB/s
-        return _align(max(6 if op == "reduce_scatter" else 4, math.ceil(sms)), 2)
+        return align(max(6 if op == "reduce_scatter" else 4, math.ceil(sms)), 2)
 
     def print_memory_usage(self) -> None:
         """This rank's storage bytes."""

@@ -118,33 +118,19 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         self.prefer_overlap_with_compute = bool(prefer_overlap_with_compute)
         self.deterministic = bool(deterministic)
         self.explicitly_destroy = bool(explicitly_destroy)
-        self.runtime: ep_core.EPBuffer | None = ep_core.EPBuffer(
-            self.bootstrap,
-            transport=core_transport,
+        rt = self._new_runtime(
+            core_transport,
             num_bytes=num_bytes,
             num_cpu_bytes=_int(num_cpu_bytes),
             num_max_tokens_per_rank=_int(num_max_tokens_per_rank),
             hidden=_int(hidden),
             num_topk=_int(num_topk),
             use_fp8_dispatch=bool(use_fp8_dispatch),
-            deterministic=self.deterministic,
-            allow_hybrid_mode=self.allow_hybrid_mode,
-            allow_multiple_reduction=self.allow_multiple_reduction,
-            prefer_overlap_with_compute=self.prefer_overlap_with_compute,
             sl_idx=_int(sl_idx),
             num_allocated_qps=_int(num_allocated_qps),
             num_cpu_timeout_secs=num_cpu_timeout_secs,
             num_gpu_timeout_secs=num_gpu_timeout_secs,
-            explicitly_destroy=self.explicitly_destroy,
-            policy=self.policy,
-            # EPKIT_SCALEUP_RANKS: emulated nodes of S_u ranks (hybrid mode); None = the transport's NVLink domain
-            num_nvlink_ranks=self.transport_choice.scaleup_ranks,
         )
-        rt = self.runtime
-        self._core = rt  # kept after destroy(): a call on a destroyed buffer is still announced to the peers
-        self.num_bytes = rt.num_bytes
-        self.num_cpu_bytes = rt.config.num_cpu_bytes
-        self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
         self.num_allocated_qps = rt.num_allocated_qps
         self.sl_idx = rt.config.sl_idx
         self.num_scaleout_ranks, self.num_scaleup_ranks = rt.get_logical_domain_size()
@@ -154,6 +140,30 @@ class ElasticBuffer(DispatchCombine, ElasticOps):
         self._functional_id: int | None = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _new_runtime(self, core_transport: Any, **sizes: Any) -> ep_core.EPBuffer:
+        """ep-core's buffer for ``sizes`` (the constructor's, or ``resize``'s new ones) and this buffer's settings,
+        made ``runtime``, with the sizes it resolved read back (``num_bytes``, ``num_cpu_bytes``,
+        ``num_max_tokens_per_rank``)."""
+        rt = ep_core.EPBuffer(
+            self.bootstrap,
+            transport=core_transport,
+            deterministic=self.deterministic,
+            allow_hybrid_mode=self.allow_hybrid_mode,
+            allow_multiple_reduction=self.allow_multiple_reduction,
+            prefer_overlap_with_compute=self.prefer_overlap_with_compute,
+            explicitly_destroy=self.explicitly_destroy,
+            policy=self.policy,
+            # EPKIT_SCALEUP_RANKS: emulated nodes of S_u ranks (hybrid mode); None = the transport's NVLink domain
+            num_nvlink_ranks=self.transport_choice.scaleup_ranks,
+            **sizes,
+        )
+        self.runtime: ep_core.EPBuffer | None = rt
+        self._core = rt  # kept after destroy(): a call on a destroyed buffer is still announced to the peers
+        self.num_bytes = rt.num_bytes
+        self.num_cpu_bytes = rt.config.num_cpu_bytes
+        self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
+        return rt
 
     def _connect(
         self, group: dist.ProcessGroup | None, transport: str | None, explicitly_destroy: bool

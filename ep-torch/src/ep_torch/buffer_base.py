@@ -118,6 +118,29 @@ class BufferContext:
         return EPValueError(f"{buffer} has one communication context (0), got {context_idx}")
 
 
+class ElasticBacked:
+    """The members of a buffer built over one ``ElasticBuffer`` (``_buffer``, None after ``destroy()``):
+    ``PPBuffer``, ``EngramBuffer`` and ``BucketBuffer`` (whose main context is its first group's)."""
+
+    _buffer: Any
+
+    def _buf(self) -> Any:
+        if self._buffer is None:
+            raise EPStateError(f"{type(self).__name__}: used after destroy(); create a new buffer")
+        return self._buffer
+
+    @property
+    def runtime(self) -> Any:
+        """The ep-core buffer underneath (None after ``destroy()``)."""
+        return None if self._buffer is None else self._buffer.runtime
+
+    @property
+    def main_context(self) -> BufferContext | None:
+        """The group's rank, size and domain sizes (DeepEP's ``BufferBase.main_context``); None after
+        ``destroy()``."""
+        return None if self._buffer is None else BufferContext(self._buffer)
+
+
 class BufferAllocator:
     """Plan aligned tensors before their storage exists (DeepEP's ``BufferAllocator``)."""
 

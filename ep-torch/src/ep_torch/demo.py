@@ -517,22 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks else "cpu"
+    # the options named after a field of DemoConfig go there as they are; these three are resolved or renamed
+    same = {k: v for k, v in vars(args).items() if k in DemoConfig.__dataclass_fields__}
     cfg = DemoConfig(
-        ranks=args.ranks,
-        tokens=args.tokens,
-        hidden=args.hidden,
-        ffn=args.ffn,
-        experts=args.experts,
-        topk=args.topk,
-        steps=args.steps,
-        lr=args.lr,
-        backend=backend,
-        buffer=args.buffer,
-        seed=args.seed,
-        tolerance=args.tolerance,
-        progress=not args.no_progress,
-        threads=args.threads,
-        result_path=args.json,
+        **{**same, "backend": backend, "progress": not args.no_progress, "result_path": args.json}
     )
     try:
         summary = run(cfg)

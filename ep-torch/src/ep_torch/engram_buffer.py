@@ -23,12 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ep_core import engram
+from ep_core.buffer_base import align
 from ep_core.envelope import Channel
 from ep_core.errors import EPStateError, EPTypeError, EPValueError
 
 from .bootstrap import ProcessGroupBootstrap
 from .buffer import ElasticBuffer
-from .buffer_base import BufferContext
+from .buffer_base import BufferContext, ElasticBacked
 
 __all__ = ["EngramBuffer"]
 
@@ -39,10 +40,6 @@ _DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 # operations whose first collective step is the host agreement (`ElasticOps._collective`) on every backend
 _HOST_FIRST = ("set_config", "write")
-
-
-def _align(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 def _entries(name: str, value: Any) -> list[int]:
@@ -103,12 +100,12 @@ def _layout(
     offsets, end = [], 0
     for n in num_entries_per_layer:
         offsets.append(end)
-        end = _align(end + n * hidden * itemsize, _LAYER_ALIGN)
-    stride = _align(num_max_tokens * k * hidden * itemsize, _LAYER_ALIGN)
+        end = align(end + n * hidden * itemsize, _LAYER_ALIGN)
+    stride = align(num_max_tokens * k * hidden * itemsize, _LAYER_ALIGN)
     return offsets, end, stride, stride * len(num_entries_per_layer)
 
 
-class EngramBuffer:
+class EngramBuffer(ElasticBacked):
     """Engram storage shards and a GPU fetch area over ``group`` (a collective to build)."""
 
     def __init__(
@@ -227,7 +224,7 @@ class EngramBuffer:
             _positive("num_max_tokens", num_max_tokens),
             _positive("num_entries_per_token", num_entries_per_token),
         )
-        return _align(fetch, _ALIGN), _align(storage, _ALIGN)
+        return align(fetch, _ALIGN), align(storage, _ALIGN)
 
     @staticmethod
     def get_theoretical_config(
@@ -253,11 +250,6 @@ class EngramBuffer:
 
     # ---------------------------------------------------------------------------------------------------------
     # configuration, write, fetch
-
-    def _buf(self) -> ElasticBuffer:
-        if self._buffer is None:
-            raise EPStateError("EngramBuffer: used after destroy(); create a new buffer")
-        return self._buffer
 
     def _guard(self, op: str, collective: bool = True, raw: bool = False) -> Any:
         """The block of one operation (issue 41): inside the buffer's ``ep_core.rank_state`` guard, refused at once
@@ -469,11 +461,6 @@ class EngramBuffer:
     # ---------------------------------------------------------------------------------------------------------
     # lifecycle, domains
 
-    @property
-    def runtime(self) -> Any:
-        """The ep-core buffer underneath (None after ``destroy()``)."""
-        return None if self._buffer is None else self._buffer.runtime
-
     def print_memory_usage(self) -> None:
         """This rank's fetch area and storage bytes (DeepEP's BufferBase method)."""
         self._buf()
@@ -501,11 +488,6 @@ class EngramBuffer:
     def context(self) -> BufferContext | None:
         """The group's rank, size and domain sizes (DeepEP's ``buffer.context``); None after ``destroy()``."""
         return None if self._buffer is None else BufferContext(self._buffer)
-
-    @property
-    def main_context(self) -> BufferContext | None:
-        """DeepEP's ``BufferBase.main_context``: ``context``."""
-        return self.context
 
     @property
     def nccl_comm_handle(self) -> Any:

@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 
 from .buffer import ElasticBuffer
-from .buffer_base import BufferContext
+from .buffer_base import ElasticBacked
 
 __all__ = ["PPBuffer"]
 
 
-class PPBuffer:
+class PPBuffer(ElasticBacked):
     """Symmetric storage for pipeline-parallel send/recv over ``group``'s ring (a collective to build)."""
 
     def __init__(
@@ -52,24 +52,6 @@ class PPBuffer:
         self.rank_idx, self.num_ranks = self._buffer.rank_idx, self._buffer.num_ranks
         self.num_bytes = num_bytes
         self.explicitly_destroy = bool(explicitly_destroy)
-
-    def _buf(self) -> ElasticBuffer:
-        if self._buffer is None:
-            from ep_core.errors import EPStateError
-
-            raise EPStateError("PPBuffer: used after destroy(); create a new buffer")
-        return self._buffer
-
-    @property
-    def runtime(self) -> Any:
-        """The ep-core buffer underneath (None after ``destroy()``)."""
-        return None if self._buffer is None else self._buffer.runtime
-
-    @property
-    def main_context(self) -> BufferContext | None:
-        """The group's rank, size and domain sizes (DeepEP's ``BufferBase.main_context``); None after
-        ``destroy()``."""
-        return None if self._buffer is None else BufferContext(self._buffer)
 
     @property
     def nccl_comm_handle(self) -> Any:

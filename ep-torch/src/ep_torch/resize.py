@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ep_core
 import torch
 from ep_core.buffer import SYMMETRIC_ALIGN_BYTES
 from ep_core.envelope import Channel
@@ -102,31 +101,16 @@ def _rebuild(self: Any, old: Any, sizes: dict[str, Any], use_fp8_dispatch: bool)
     old.destroy()  # a collective barrier first
     self.runtime = None
     self._release_elastic()
-    rt = ep_core.EPBuffer(
-        self.bootstrap,
-        transport=make_core_transport(self.transport_choice),
-        num_bytes=sizes["num_bytes"],
+    rt = self._new_runtime(
+        make_core_transport(self.transport_choice),
+        **sizes,
         num_cpu_bytes=cfg.num_cpu_bytes,
-        num_max_tokens_per_rank=sizes["num_max_tokens_per_rank"],
-        hidden=sizes["hidden"],
-        num_topk=sizes["num_topk"],
         use_fp8_dispatch=use_fp8_dispatch,
-        deterministic=self.deterministic,
-        allow_hybrid_mode=self.allow_hybrid_mode,
-        allow_multiple_reduction=self.allow_multiple_reduction,
-        prefer_overlap_with_compute=self.prefer_overlap_with_compute,
         sl_idx=cfg.sl_idx,
         num_allocated_qps=cfg.num_allocated_qps,
         num_cpu_timeout_secs=cfg.num_cpu_timeout_secs,
         num_gpu_timeout_secs=cfg.num_gpu_timeout_secs,
-        explicitly_destroy=self.explicitly_destroy,
-        policy=self.policy,
-        num_nvlink_ranks=self.transport_choice.scaleup_ranks,
     )
-    self.runtime = self._core = rt
-    self.num_bytes = rt.num_bytes
-    self.num_cpu_bytes = rt.config.num_cpu_bytes
-    self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
     state = getattr(self.bootstrap, "rank_state", None)
     if state is not None:  # handles made before carry the old generation: refused as stale
         state.new_generation()

@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ep_core.buffer_base import align
 from ep_core.envelope import Channel
 from ep_core.errors import EPMismatchError, EPPeerError, EPStateError, EPTypeError, EPValueError
 from ep_core.rank_state import Guard, RankState
@@ -80,7 +81,7 @@ from ..event import EventHandle, EventOverlap
 from ..transport_choice import choose_transport, make_core_transport
 from . import internode
 from .checks import _check_topk
-from .config import Config, _align, default_combine_config, default_dispatch_config
+from .config import Config, default_combine_config, default_dispatch_config
 from .fp8 import per_token_cast_to_fp8
 from .guard import _dispatch_target, _guarded, _normal_target
 from .handle import V1Handle, V1InternodeHandle
@@ -455,7 +456,7 @@ class Buffer(LowLatencyMode):
         """V1's formula shape (send + recv buffers, double-buffered, 128-byte aligned); ep sizes its own buffer."""
         msg = hidden * 2 + 16
         per = num_max_dispatch_tokens_per_rank * msg * (num_experts + num_ranks)
-        return _align(2 * per, 128)
+        return align(2 * per, 128)
 
     # ----------------------------------------------------------------------------------------------------------------
     # normal mode
@@ -662,7 +663,7 @@ class Buffer(LowLatencyMode):
         (carried by the dispatch's host step) summed, this rank's experts, each aligned up to ``expert_alignment``."""
         total = [sum(col) for col in zip(*(e[3] for e in every))]
         epr = len(total) // len(every)
-        return [_align(int(c), expert_alignment) for c in total[rank * epr : (rank + 1) * epr]]
+        return [align(int(c), expert_alignment) for c in total[rank * epr : (rank + 1) * epr]]
 
     def _handle_tensors(
         self, ep_handle: Any, is_token_in_rank: Any, topk_idx: torch.Tensor, every: list | None = None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ep_core.buffer_base import align
 from ep_core.errors import EPValueError
 
 __all__ = ["Config", "default_combine_config", "default_dispatch_config"]
@@ -31,7 +32,7 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """V1's formula shape: channels x ranks x recv tokens x token bytes, 128-byte aligned."""
         channels = self.num_sms // 2
-        return _align(channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * (hidden_bytes + 256), 128)
+        return align(channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * (hidden_bytes + 256), 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         return 0  # ep has no separate RDMA buffer (no NVSHMEM)
@@ -65,10 +66,6 @@ def _table(table: dict, num_ranks: int) -> tuple:
             f"num_ranks: unsupported number of EP ranks {num_ranks} (V1's table: {sorted(table)})"
         )
     return table[num_ranks]
-
-
-def _align(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
 
 
 def default_dispatch_config(num_sms: int, num_ranks: int) -> Config:

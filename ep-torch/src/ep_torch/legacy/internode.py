@@ -67,22 +67,8 @@ def internode_dispatch(
     ``dispatch`` on a group that spans nodes; ``config=None`` takes ``get_dispatch_config``'s (DeepEP requires
     one)."""
     _spans_nodes(self, "internode_dispatch", _dispatch_target, (x, handle))
-    return self.dispatch(
-        x,
-        handle,
-        num_tokens_per_rank,
-        num_tokens_per_rdma_rank,
-        is_token_in_rank,
-        num_tokens_per_expert,
-        topk_idx,
-        topk_weights,
-        expert_alignment,
-        0,
-        config,
-        previous_event,
-        async_finish,
-        allocate_on_comm_stream,
-    )
+    # by name: every parameter is dispatch's (num_worst_tokens keeps its default, 0)
+    return self.dispatch(**{k: v for k, v in locals().items() if k != "self"})
 
 
 def internode_combine(
@@ -99,9 +85,7 @@ def internode_combine(
     """V1's ``Buffer.internode_combine`` (DeepEP's parameters, ``combine``'s): ``combine`` on a group that spans
     nodes."""
     _spans_nodes(self, "internode_combine", _normal_target, (x, handle))
-    return self.combine(
-        x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
-    )
+    return self.combine(**{k: v for k, v in locals().items() if k != "self"})  # by name: combine's parameters
 
 
 def predicted_nvl_ranks(group: dist.ProcessGroup, transport: str | None) -> int:

@@ -16,7 +16,7 @@ from ..buffer import ElasticBuffer
 from ..event import EventHandle, EventOverlap
 from .checks import _check_ll_limits, _check_topk
 from .guard import _guarded, _ll_target
-from .low_latency import LowLatencyHandle, ll_combine_weighted, ll_dispatch
+from .low_latency import LowLatencyHandle, into, ll_combine_weighted, ll_dispatch
 
 __all__ = ["LowLatencyMode"]
 
@@ -253,17 +253,16 @@ class LowLatencyMode:
             raise EPValueError(
                 f"cumulative_local_expert_recv_stats (rank {self.rank}): must be [{num_experts // self.group_size}]"
             )
+        # the call as the roads below take it (`_shrink_dispatch`, `_native_dispatch`)
+        call = (
+            x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+            async_finish, return_recv_hook,
+        )  # fmt: skip
         if self._shrink is not None and not self._native_shrink(x, "low_latency_dispatch"):
-            return self._shrink_dispatch(
-                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook,
-            )  # fmt: skip
+            return self._shrink_dispatch(*call)
         native = bool(self.ll_native) and (x.is_cuda or self._ll_native_on_cpu)
         if not native and self._cpu_road(x, int(num_experts), int(topk_idx.shape[1])):
-            return self._shrink_dispatch(
-                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook, self._ll_cpu,
-            )  # fmt: skip
+            return self._shrink_dispatch(*call, self._ll_cpu)
         # agreed before the build: ranks that disagree on the sizes never build regions of different layouts
         if native:
             k = int(topk_idx.shape[1])
@@ -271,10 +270,7 @@ class LowLatencyMode:
             self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
         inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), native)
         if self._ll_region is not None:
-            return self._native_dispatch(
-                x, topk_idx, m, int(num_experts), cumulative_local_expert_recv_stats, use_fp8, round_scale,
-                use_ue8m0, async_finish, return_recv_hook,
-            )  # fmt: skip
+            return self._native_dispatch(*call)
 
         zero_copy = self.ll_zero_copy
         if zero_copy is None:  # where the inner buffer offers it: its rows are read before its next operation
@@ -365,7 +361,7 @@ class LowLatencyMode:
             masked = getattr(handle, "ll_cpu", None) or self._shrink_step("low_latency_combine", x)
 
             def run_masked() -> torch.Tensor:
-                return _into(masked.combine(x, topk_idx, topk_weights, handle, bool(use_logfmt)), out)
+                return into(masked.combine(x, topk_idx, topk_weights, handle, bool(use_logfmt)), out)
 
             return self._on_comm(False, async_finish, return_recv_hook, (), run_masked)
         if handle.native is not None:
@@ -703,13 +699,6 @@ def _logfmt_envelope(inner: Any, use_logfmt: bool) -> contextlib.AbstractContext
     if not use_logfmt or channel is None:
         return contextlib.nullcontext()
     return channel.tagged(use_logfmt=True)
-
-
-def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
 
 
 def _data_complete() -> None:

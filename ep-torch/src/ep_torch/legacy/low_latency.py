@@ -32,6 +32,7 @@ from .fp8 import per_token_cast_to_fp8
 
 __all__ = [
     "LowLatencyHandle",
+    "into",
     "lanes_per_combine",
     "ll_combine",
     "ll_combine_weighted",
@@ -255,6 +256,14 @@ def weighted_lane_sum(y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     return acc.to(torch.bfloat16)
 
 
+def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, or ``out`` with ``result`` copied into it when the caller gave one."""
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
 def ll_combine_weighted(
     inner: Any,
     x: torch.Tensor,
@@ -275,21 +284,13 @@ def ll_combine_weighted(
     (``legacy.logfmt.roundtrip_torch``, float32) before the weighted sum, on the torch path: the adapter moves the
     bf16 rows and applies the round trip at the receiver (the numbers of V1's encoded transfer, not its bytes)."""
     t = int(topk_idx.shape[0])
-    if use_logfmt:
-        from .logfmt import roundtrip_torch
+    if use_logfmt or not _kernels(x, use_kernels, "low_latency_combine"):
+        y = ll_combine(inner, x, handle, t, group, num_sms)
+        if use_logfmt:
+            from .logfmt import roundtrip_torch
 
-        y = roundtrip_torch(ll_combine(inner, x, handle, t, group, num_sms))
-        combined = weighted_lane_sum(y, topk_idx, topk_weights)
-        if out is None:
-            return combined
-        out.copy_(combined)
-        return out
-    if not _kernels(x, use_kernels, "low_latency_combine"):
-        combined = weighted_lane_sum(ll_combine(inner, x, handle, t, group, num_sms), topk_idx, topk_weights)
-        if out is None:
-            return combined
-        out.copy_(combined)
-        return out
+            y = roundtrip_torch(y)
+        return into(weighted_lane_sum(y, topk_idx, topk_weights), out)
     from . import ll_kernels as legacy_ll_kernels
 
     h = int(x.shape[2])
@@ -306,7 +307,4 @@ def ll_combine_weighted(
         wide = legacy_ll_kernels.gather_lanes(x, handle.lane_slot, handle.lane_ok, num_valid, g0, g1 - g0)
         y, _, _ = inner.combine(wide, handle.ep_handle, num_sms=num_sms)
         legacy_ll_kernels.weighted_sum(y, topk_idx, topk_weights, g0, g1 - g0, acc, dest)
-    if out is not None and dest is not out:
-        out.copy_(dest)
-        return out
-    return dest
+    return dest if dest is out else into(dest, out)

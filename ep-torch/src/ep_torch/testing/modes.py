@@ -71,18 +71,19 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
         x = _torch_x(inputs, rank, device)
         idx = torch.from_numpy(inputs.topk_idxs[rank]).to(device)
         w = torch.from_numpy(inputs.topk_weights[rank]).to(device)
+        # the arguments of this mode's dispatches (the ordinary one, then the zero-copy one below)
+        call = {
+            "topk_idx": idx,
+            "topk_weights": w,
+            "do_cpu_sync": sync,
+            "allocate_on_comm_stream": alloc_comm,
+            "async_with_compute_stream": async_,
+            "do_handle_copy": bool(seed % 2),
+            **common,
+        }
         prev = buf.capture() if with_prev else None
         recv_x, recv_idx, recv_w, handle, event = buf.dispatch(
-            x,
-            topk_idx=idx,
-            topk_weights=w,
-            do_cpu_sync=sync,
-            use_tma_aligned_col_major_sf=col_major,
-            previous_event=prev,
-            allocate_on_comm_stream=alloc_comm,
-            async_with_compute_stream=async_,
-            do_handle_copy=bool(seed % 2),
-            **common,
+            x, use_tma_aligned_col_major_sf=col_major, previous_event=prev, **call
         )
 
         def check_dispatch(
@@ -181,16 +182,7 @@ def check_modes(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[st
         if not expand and buf.get_physical_domain_size()[0] == 1:
             z_prev = buf.capture() if with_prev else None
             z_x, z_idx, z_w, z_handle, z_event = buf.dispatch(
-                x,
-                topk_idx=idx,
-                topk_weights=w,
-                do_cpu_sync=sync,
-                previous_event=z_prev,
-                allocate_on_comm_stream=alloc_comm,
-                async_with_compute_stream=async_,
-                do_handle_copy=bool(seed % 2),
-                zero_copy=True,
-                **common,
+                x, previous_event=z_prev, zero_copy=True, **call
             )
             if async_:
                 z_event.current_stream_wait()
