@@ -8,9 +8,9 @@ same offsets on every rank:
 - ``all_gather(srcs, dsts=None)``: without ``dsts`` each src is the ``rank``-th shard of the gathered tensor that
   surrounds it (gathered in place); with ``dsts`` (in the buffer, ``N * src.nbytes``) a src can be any tensor;
 - ``reduce_scatter(srcs, comm_precision="fp32", scale=1.0)``: shard ``rank`` of each src (split into N) becomes
-  ``scale * sum over ranks`` of that shard, in place; ``comm_precision="bf16"`` (float32 srcs, CPU reference
-  backend) sends the other ranks' shards as stochastically rounded bfloat16 and sums in float32 as DeepEP's RDMA
-  bf16 kernel does (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``);
+  ``scale * sum over ranks`` of that shard, in place; ``comm_precision="bf16"`` (float32 srcs) sends the other
+  ranks' shards as stochastically rounded bfloat16 and sums in float32 as DeepEP's RDMA bf16 kernel does
+  (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``; the GPU's results equal the CPU's bit for bit);
 - ``all_reduce(srcs, scale=1.0)``: each src becomes ``scale * sum over ranks``, in place;
 - ``send_recv(srcs, dsts, dst_rank_idx, src_rank_idx)``: point-to-point into registered ``dsts`` (DeepEP 2.6's name,
   ep's semantics; CPU reference backend and ipc): ``ep_torch.bucket_send_recv``.
@@ -48,7 +48,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core.buffer_base import align
@@ -656,12 +655,9 @@ class BucketBuffer(ElasticBacked):
         (cyclic), then multiplies by ``scale`` (when not 1). Float32 srcs whose shards are multiples of 8 elements
         (DeepEP's 32-byte rule). The other shards of each src are left unchanged (DeepEP overwrites them with the
         packed bf16 values: treat them as undefined). Ours: DeepEP runs this on RDMA-only groups; ep on its
-        NVLink-domain groups, on the CPU reference backend (the GPU path refuses it)."""
-        if self.storage.is_cuda:
-            raise EPConfigError(
-                f"comm_precision: 'bf16' runs on the CPU reference backend only (ours); use 'fp32' on the GPU "
-                f"(rank {self.rank_idx})"
-            )
+        NVLink-domain groups. On the GPU the owner reads the peers' float32 shards and rounds them itself
+        (``CopyEngineBackend.bucket_reduce_scatter_bf16``: the same bits, so the results equal the CPU
+        reference's bit for bit; NVLink carries float32, so it moves the bytes of 'fp32')."""
         packed, xs = self._pack(srcs)
         xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
         n, r = self.num_ranks, self.rank_idx
@@ -676,6 +672,11 @@ class BucketBuffer(ElasticBacked):
                 )
         plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
         self._ops += 1
+        if self.storage.is_cuda:
+            outs = self._backend.bucket_reduce_scatter_bf16(
+                plan, self._ops, float(scale), bf16_stochastic_rounded
+            )
+            return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
         self._buf()._agree(
             "reduce_scatter",
             {
@@ -706,41 +707,70 @@ class BucketBuffer(ElasticBacked):
 
 
 _HASH_IN = (0x5671D42B, 0x9995E499, 0xACE1B8A5, 0xE153538D)
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2**32`` for int64 ``h`` in ``[0, 2**32)``, in 16-bit halves of ``c``: no product leaves int64
+    (a wrapped signed product would be undefined), so the CPU and the GPU compute the same bits."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _f32_bits(v: torch.Tensor) -> torch.Tensor:
+    """The float32 bits of ``v`` (1-D) as int64 in ``[0, 2**32)``."""
+    return v.contiguous().view(torch.int32).to(torch.int64) & _M32
+
+
+def _bf16_from_bits(b: torch.Tensor) -> torch.Tensor:
+    """bfloat16 values of bit patterns in ``[0, 2**16)`` (int64)."""
+    return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
+
+
+def _stochastic_bits(bits: torch.Tensor, first_quad: int) -> torch.Tensor:
+    """The bf16 patterns (int64) of the stochastic rounding of float32 ``bits`` (``_f32_bits``, a multiple of 4
+    elements), its float4 groups numbered from ``first_quad`` (``bf16_stochastic_round``'s doc)."""
+    quads = bits.view(-1, 4)
+    h = torch.arange(first_quad, first_quad + quads.shape[0], dtype=torch.int64, device=bits.device)
+    for k in range(4):
+        h = (h + _mul32(quads[:, k], _HASH_IN[k])) & _M32
+    h ^= h >> 23
+    h = _mul32(h, 0x7FEB352D)
+    h ^= h >> 16
+    h1 = _mul32(h, 0x846CA68B)
+    h1 ^= h1 >> 11
+    h2 = _mul32(h, 0xD35A2D97)
+    h2 ^= h2 >> 11
+    rnd = torch.stack([h1 & 0xFFFF, h1 >> 16, h2 & 0xFFFF, h2 >> 16], dim=1).view(-1)
+    out = ((bits + rnd) >> 16) & 0xFFFF
+    return torch.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, out)  # NaN: the canonical 0x7FFF
+
+
+def bf16_stochastic_rounded(v: torch.Tensor, first_quad: int) -> torch.Tensor:
+    """The stochastically rounded bfloat16 values of the float32 elements ``v`` (1-D, a multiple of 4), where
+    ``v[0]`` is element ``4 * first_quad`` of the tensor being sent: what an owner receives for a peer's shard.
+    Torch integer ops on ``v``'s device (the GPU path computes the CPU's bits)."""
+    return _bf16_from_bits(_stochastic_bits(_f32_bits(v), first_quad))
 
 
 def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
-    """The bfloat16 values (``torch.bfloat16``, ``x``'s size) that DeepEP's bf16 reduce-scatter sends for the
-    float32 tensor ``x`` (1-D, ``num_ranks`` equal shards of a multiple of 4 elements), with shard ``rank`` (kept
-    in float32 by the sender) rounded to nearest like the rest: use its float32 values, not these.
+    """The bfloat16 values (``torch.bfloat16``, ``x``'s size, on ``x``'s device) that DeepEP's bf16 reduce-scatter
+    sends for the float32 tensor ``x`` (1-D, ``num_ranks`` equal shards of a multiple of 4 elements), with shard
+    ``rank`` (kept in float32 by the sender) rounded to nearest even instead: use its float32 values, not these.
 
     Elements go in groups of 4 (a float4, index ``i`` from the start of ``x``); a 32-bit hash of the 4 values'
     bits and ``i`` gives two words of random bits, the first for elements 0-1 and the second for 2-3, the low
     16 bits for the even element and the high 16 for the odd one. Stochastic rounding adds the element's 16
     random bits to its float32 bits and keeps the top 16 (so ``|v|`` rounds up with probability its distance
-    from the bf16 below it, in units of the last place); NaN gives the canonical NaN 0x7FFF; a value that
-    carries past the largest finite bf16 becomes infinity (no saturation)."""
-    v = x.detach().reshape(-1).to(torch.float32).cpu().numpy()
-    if v.size % (4 * num_ranks):
-        raise EPValueError(f"x: {v.size} elements do not split into {num_ranks} shards of a multiple of 4")
-    bits = v.view(np.uint32)
-    quads = bits.reshape(-1, 4)
-    u32 = np.uint32
-    h = np.arange(quads.shape[0], dtype=u32)
-    for k in range(4):
-        h = h + quads[:, k] * u32(_HASH_IN[k])
-    h ^= h >> u32(23)
-    h = h * u32(0x7FEB352D)
-    h ^= h >> u32(16)
-    h1 = h * u32(0x846CA68B)
-    h1 ^= h1 >> u32(11)
-    h2 = h * u32(0xD35A2D97)
-    h2 ^= h2 >> u32(11)
-    mask = u32(0xFFFF)
-    rbits = np.stack([h1 & mask, h1 >> u32(16), h2 & mask, h2 >> u32(16)], axis=1).reshape(-1)
-    out = ((bits.astype(np.uint64) + rbits.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
-    out[np.isnan(v)] = 0x7FFF
-    nearest = torch.from_numpy(v).to(torch.bfloat16)
-    res = torch.from_numpy(out.view(np.int16).copy()).view(torch.bfloat16)
-    m = v.size // num_ranks
-    res[rank * m : (rank + 1) * m] = nearest[rank * m : (rank + 1) * m]
-    return res
+    from the bf16 below it, in units of the last place); NaN gives the canonical NaN 0x7FFF (in shard ``rank``
+    too); a value that carries past the largest finite bf16 becomes infinity (no saturation). Integer torch ops:
+    the same bits on the CPU and the GPU."""
+    v = x.detach().reshape(-1).to(torch.float32)
+    if v.numel() % (4 * num_ranks):
+        raise EPValueError(f"x: {v.numel()} elements do not split into {num_ranks} shards of a multiple of 4")
+    bits = _f32_bits(v)
+    out = _stochastic_bits(bits, 0)
+    m = v.numel() // num_ranks
+    own = bits[rank * m : (rank + 1) * m]
+    nearest = ((own + 0x7FFF + ((own >> 16) & 1)) >> 16) & 0xFFFF  # round to nearest even
+    out[rank * m : (rank + 1) * m] = torch.where((own & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, nearest)
+    return _bf16_from_bits(out)
