@@ -20,14 +20,14 @@ makes the current stream wait and returns the result tensor(s) (1-D views with t
 tensor argument); ``handle.num_sms`` is the SM count (0 for the all-gather; the caller's ``num_sms`` or
 ``get_theoretical_num_sms(op)`` for the reductions). Sums accumulate in float32 in rank order (fp32 precision).
 
-Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``, CPU reference backend): one storage, one context per
-group (``buffer.groups``, ``buffer.contexts``: rank, size, domain sizes); each collective, ``barrier`` and
-``get_theoretical_num_sms`` take ``group=`` (required when there are several), a session keeps to one group.
+Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``): one storage, one context per group (``buffer.groups``,
+``buffer.contexts``: rank, size, domain sizes); each collective, ``barrier`` and ``get_theoretical_num_sms`` take
+``group=`` (required when there are several), a session keeps to one group.
 
-Transports as ``ElasticBuffer``'s. On the GPU (ipc) the all-gather and ``send_recv`` are copy-engine copies into the
+Transports as ``ElasticBuffer``'s. On the GPU (ipc, and nccl within one LSA team) the all-gather and ``send_recv`` are copy-engine copies into the
 peers' storage (no SM); the reductions read the peers' shards over NVLink with torch kernels, between two stream
 barriers (every src written before anyone reads; every read done before anyone overwrites). Ours, not DeepEP's:
-one group and ``comm_precision="fp32"`` only on the GPU, no hybrid (RDMA) path.
+no hybrid (RDMA) path; on the GPU the ranks of a further group must be ranks of the first (``_add_contexts``).
 
 ``with buffer.session() as s:`` (DeepEP's ``BucketSession``): ``s.allocate(shapes, dtype)`` hands out storage front
 to back, and inside the session the three collectives also accept tensors outside the storage: each is staged in
@@ -280,6 +280,13 @@ class BucketSession:
         return tuple(out) if batched else out[0]
 
 
+def _global_ranks(group: Any, size: int) -> list[int]:
+    """The global rank of each rank of ``group``, in group rank order."""
+    if group is None or group is dist.group.WORLD:
+        return list(range(size))
+    return [dist.get_global_rank(group, i) for i in range(size)]
+
+
 class BucketContext(BufferContext):
     """One group of a ``BucketBuffer`` (DeepEP's ``buffer.contexts[i]``): its rank, size and domain sizes."""
 
@@ -338,7 +345,7 @@ class BucketBuffer(ElasticBacked):
                 )
         self._context_buffers: list[BucketBuffer] = [self]
         self.contexts: list[BucketContext] | None = [BucketContext(eb)]
-        if extra_groups:
+        if extra_groups or self.storage.is_cuda:  # on the GPU every rank takes part (_add_contexts)
             self._add_contexts(extra_groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -346,17 +353,41 @@ class BucketBuffer(ElasticBacked):
         self, groups: list[Any], num_gpu_timeout_secs: int, num_cpu_timeout_secs: int, transport: str | None
     ) -> None:
         """One context per further group over the same storage (DeepEP's ``BucketBuffer([g0, g1])``): each has its
-        own collective state (an ``ElasticBuffer`` over that group, a minimal region of its own) whose collectives
-        run on this buffer's storage. Ours: the CPU reference backend only (the GPU path's peers map one region,
-        exchanged over one group)."""
-        if self.storage.is_cuda:
-            raise EPConfigError(
-                f"group: ep's BucketBuffer takes several groups on the CPU reference backend only (ours); on the GPU "
-                f"build one BucketBuffer per group (rank {self.rank_idx})"
-            )
+        own collective state (an ``ElasticBuffer`` over that group, a minimal region of its own: its own operation
+        count, rank state and, on the GPU, signal words) whose collectives run on this buffer's storage.
+
+        On the GPU the peers' storage is mapped through the first group's exchange, so every rank of a further
+        group must be a rank of the first (ours); its context addresses a peer's storage by that peer's rank in
+        the first group. There every rank of the first group takes part in one more exchange, further groups or
+        none: a rank whose groups are refused announces it there, and its peers raise ``EPPeerError`` naming it
+        (no rank is left with a buffer whose peers have none)."""
+        if not self.storage.is_cuda:
+            self._build_contexts(groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
+            return
+        boot = self._buf().bootstrap
+        try:
+            self._build_contexts(groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
+        except Exception as exc:  # (no destroy of the contexts built: a collective their peers may not reach)
+            boot.abort(f"BucketBuffer groups: {type(exc).__name__}: {exc}")
+            raise
+        boot.allgather(b"groups built")  # a peer's refusal raises EPPeerError here
+
+    def _build_contexts(
+        self, groups: list[Any], num_gpu_timeout_secs: int, num_cpu_timeout_secs: int, transport: str | None
+    ) -> None:
+        cuda = self.storage.is_cuda
+        first = _global_ranks(self.group, self.num_ranks) if cuda else []
         for k, g in enumerate(groups, start=1):
             if any(g is c.group for c in self._context_buffers):
                 raise EPConfigError(f"group[{k}]: the same group twice (rank {self.rank_idx})")
+            if cuda:  # the same verdict on every rank of g: refused before any collective over it
+                outside = [r for r in _global_ranks(g, dist.get_world_size(g)) if r not in first]
+                if outside:
+                    raise EPConfigError(
+                        f"group[{k}]: on the GPU every rank of a further group must be a rank of group[0] (ours: "
+                        f"the storage is mapped through group[0]'s exchange); global ranks {outside} are not "
+                        f"(rank {self.rank_idx})"
+                    )
             eb = ElasticBuffer(
                 g,
                 num_bytes=_ALIGN,
@@ -379,6 +410,11 @@ class BucketBuffer(ElasticBacked):
                 )
             backend = eb._elastic(collective=True).backend
             backend._region = self._backend._region  # its collectives work on this buffer's storage
+            if cuda:  # and address the peers' storage (the main backend's data regions, by group[0] rank)
+                backend.data = [
+                    self._backend.data[first.index(r)] for r in _global_ranks(eb.group, eb.num_ranks)
+                ]
+                backend.__dict__.pop("_peer_regions", None)
             ctx = object.__new__(BucketBuffer)
             ctx.__dict__.update(
                 _buffer=eb,
