@@ -59,7 +59,13 @@ from .buffer import ElasticBuffer
 from .buffer_base import BufferContext, ElasticBacked
 from .event import EventHandle, EventOverlap
 
-__all__ = ["BucketBuffer", "BucketContext", "BucketSession", "bf16_stochastic_round"]
+__all__ = [
+    "BucketBuffer",
+    "BucketContext",
+    "BucketSession",
+    "bf16_stochastic_round",
+    "bf16_stochastic_rounded",
+]
 
 _ALIGN = 2 << 20
 _SESSION_ALIGN = 256
