@@ -322,7 +322,7 @@ def test_reduce_scatter_bf16_matches_the_model(n: int, tmp_path: Path) -> None:
 
 def test_stochastic_rounding_properties() -> None:
     """Each element rounds to one of its two bf16 neighbours, up about as often as its distance says; exact bf16
-    values, infinities and NaN as the model says; the torch code equals the pure-Python model bit for bit."""
+    values, infinities and NaN as the model says; the numpy code equals the pure-Python model bit for bit."""
     import numpy as np
     import torch
     from ep_torch.bucket_buffer import bf16_stochastic_round
@@ -372,15 +372,24 @@ def _special_values(n: int, seed: int):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_stochastic_rounding_equals_the_model_bit_for_bit(n: int) -> None:
-    """``bf16_stochastic_round`` (torch integer ops, the code the GPU runs) equals the pure-Python model on every
-    shard but the sender's own, which rounds to nearest even (torch's conversion; NaN the canonical 0x7FFF);
-    ``bf16_stochastic_rounded`` of a shard (what the GPU owner computes from a peer's float32 values) equals the
-    sender's slice."""
+    """``bf16_stochastic_round`` (numpy on the CPU) equals the pure-Python model on every shard but the sender's
+    own, which rounds to nearest even (torch's conversion; NaN the canonical 0x7FFF); the torch integer code the GPU
+    runs (``_stochastic_bits``, here on the CPU) equals it on the whole tensor, and ``bf16_stochastic_rounded`` of a
+    shard (what the GPU owner computes from a peer's float32 values) equals the sender's slice."""
     import torch
-    from ep_torch.bucket_buffer import bf16_stochastic_round, bf16_stochastic_rounded
+    from ep_torch.bucket_buffer import (
+        _bf16_from_bits,
+        _f32_bits,
+        _stochastic_bits,
+        bf16_stochastic_round,
+        bf16_stochastic_rounded,
+    )
 
     x = _special_values(n, n)
     model = _model_bf16_bits(x.tolist())
+    assert [
+        b & 0xFFFF for b in _bf16_from_bits(_stochastic_bits(_f32_bits(x), 0)).view(torch.int16).tolist()
+    ] == model
     m = 512
     for r in range(n):
         got = bf16_stochastic_round(x, r, n)

@@ -48,6 +48,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from ep_core.buffer_base import align
@@ -790,8 +791,31 @@ def _stochastic_bits(bits: torch.Tensor, first_quad: int) -> torch.Tensor:
 def bf16_stochastic_rounded(v: torch.Tensor, first_quad: int) -> torch.Tensor:
     """The stochastically rounded bfloat16 values of the float32 elements ``v`` (1-D, a multiple of 4), where
     ``v[0]`` is element ``4 * first_quad`` of the tensor being sent: what an owner receives for a peer's shard.
-    Torch integer ops on ``v``'s device (the GPU path computes the CPU's bits)."""
+    Torch integer ops on ``v``'s device (on the CPU too: the tests compare them with the numpy code)."""
     return _bf16_from_bits(_stochastic_bits(_f32_bits(v), first_quad))
+
+
+def _stochastic_bits_np(v: np.ndarray) -> np.ndarray:
+    """``_stochastic_bits`` in numpy uint32 arithmetic (the CPU's implementation, and the GPU's reference): the bf16
+    patterns (uint16) of the float32 array ``v``, its float4 groups numbered from 0."""
+    bits = v.view(np.uint32)
+    quads = bits.reshape(-1, 4)
+    u32 = np.uint32
+    h = np.arange(quads.shape[0], dtype=u32)
+    for k in range(4):
+        h = h + quads[:, k] * u32(_HASH_IN[k])
+    h ^= h >> u32(23)
+    h = h * u32(0x7FEB352D)
+    h ^= h >> u32(16)
+    h1 = h * u32(0x846CA68B)
+    h1 ^= h1 >> u32(11)
+    h2 = h * u32(0xD35A2D97)
+    h2 ^= h2 >> u32(11)
+    mask = u32(0xFFFF)
+    rbits = np.stack([h1 & mask, h1 >> u32(16), h2 & mask, h2 >> u32(16)], axis=1).reshape(-1)
+    out = ((bits.astype(np.uint64) + rbits.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
+    out[np.isnan(v)] = 0x7FFF
+    return out
 
 
 def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
@@ -804,15 +828,17 @@ def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.T
     16 bits for the even element and the high 16 for the odd one. Stochastic rounding adds the element's 16
     random bits to its float32 bits and keeps the top 16 (so ``|v|`` rounds up with probability its distance
     from the bf16 below it, in units of the last place); NaN gives the canonical NaN 0x7FFF (in shard ``rank``
-    too); a value that carries past the largest finite bf16 becomes infinity (no saturation). Integer torch ops:
-    the same bits on the CPU and the GPU."""
+    too); a value that carries past the largest finite bf16 becomes infinity (no saturation). numpy on the CPU,
+    torch integer ops on the GPU (``_stochastic_bits``): the same bits."""
     v = x.detach().reshape(-1).to(torch.float32)
     if v.numel() % (4 * num_ranks):
         raise EPValueError(f"x: {v.numel()} elements do not split into {num_ranks} shards of a multiple of 4")
-    bits = _f32_bits(v)
-    out = _stochastic_bits(bits, 0)
+    if v.device.type == "cpu":
+        out = torch.from_numpy(_stochastic_bits_np(v.contiguous().numpy()).astype(np.int64))
+    else:
+        out = _stochastic_bits(_f32_bits(v), 0)
     m = v.numel() // num_ranks
-    own = bits[rank * m : (rank + 1) * m]
+    own = _f32_bits(v[rank * m : (rank + 1) * m])
     nearest = ((own + 0x7FFF + ((own >> 16) & 1)) >> 16) & 0xFFFF  # round to nearest even
     out[rank * m : (rank + 1) * m] = torch.where((own & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, nearest)
     return _bf16_from_bits(out)
