@@ -1,10 +1,10 @@
 """Issue 42's BucketBuffer rows on the GPU (marker gpu): several groups (``BucketBuffer([world, sub])``) and
 ``reduce_scatter(comm_precision="bf16")`` over the ipc transport with several processes sharing GPU 0 (a gloo
 bootstrap), each result compared bit for bit with a CPU reference ``BucketBuffer`` (``transport="reference"``) over
-the same gloo group fed the same inputs; the rounding function on the GPU (torch integer ops) against the CPU (numpy); the refusals
-of groups the GPU path cannot map (announced to the peers). Skipped without a GPU.
+the same gloo group fed the same inputs; the rounding function on the GPU (torch integer ops) against the CPU
+(numpy); the refusals of groups the GPU path cannot map (announced to the peers). Skipped without a GPU.
 
-Run: ``/work/bin/eptest ep-torch/tests/test_torch_bucket_gpu.py -q -m gpu`` (about a minute on one H100).
+Run: ``/work/bin/eptest ep-torch/tests/test_torch_bucket_gpu.py -q -m gpu`` (written 2026-12-08 without a GPU).
 """
 
 from __future__ import annotations

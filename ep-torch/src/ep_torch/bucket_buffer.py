@@ -24,10 +24,11 @@ Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``): one storage, one cont
 ``buffer.contexts``: rank, size, domain sizes); each collective, ``barrier`` and ``get_theoretical_num_sms`` take
 ``group=`` (required when there are several), a session keeps to one group.
 
-Transports as ``ElasticBuffer``'s. On the GPU (ipc, and nccl within one LSA team) the all-gather and ``send_recv`` are copy-engine copies into the
-peers' storage (no SM); the reductions read the peers' shards over NVLink with torch kernels, between two stream
-barriers (every src written before anyone reads; every read done before anyone overwrites). Ours, not DeepEP's:
-no hybrid (RDMA) path; on the GPU the ranks of a further group must be ranks of the first (``_add_contexts``).
+Transports as ``ElasticBuffer``'s. On the GPU (ipc, and nccl within one LSA team) the all-gather and ``send_recv``
+are copy-engine copies into the peers' storage (no SM); the reductions read the peers' shards over NVLink with torch
+kernels, between two stream barriers (every src written before anyone reads; every read done before anyone
+overwrites). Ours, not DeepEP's: no hybrid (RDMA) path; on the GPU the ranks of a further group must be ranks of the
+first (``_add_contexts``).
 
 ``with buffer.session() as s:`` (DeepEP's ``BucketSession``): ``s.allocate(shapes, dtype)`` hands out storage front
 to back, and inside the session the three collectives also accept tensors outside the storage: each is staged in
