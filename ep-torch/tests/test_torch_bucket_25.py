@@ -347,6 +347,66 @@ def test_stochastic_rounding_properties() -> None:
     assert 0.2 < up < 0.3, up
 
 
+def _special_values(n: int, seed: int):
+    """`n * 512` float32 values: random ones, and in every shard the edge cases (zeros, infinities, the largest
+    finite, subnormals, NaNs of both signs, values that carry past the largest finite) and random bit patterns."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n * 512, generator=g) * 10
+    spec = torch.tensor(
+        [
+            *(0.0, -0.0, float("inf"), -float("inf"), 3.3961514e38, -3.3961514e38, 1e-45, -1e-45, 1e-40),
+            *(float("nan"), -float("nan"), 1.0, 2**-130, 65504.0, -7.0, 0.1),
+        ]
+    )
+    for r in range(n):
+        x[r * 512 : r * 512 + 16] = spec
+        x[r * 512 + 16 : r * 512 + 48] = (
+            torch.randint(-(2**31), 2**31, (32,), generator=g, dtype=torch.int64)
+            .to(torch.int32)
+            .view(torch.float32)
+        )
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_stochastic_rounding_equals_the_model_bit_for_bit(n: int) -> None:
+    """``bf16_stochastic_round`` (numpy on the CPU) equals the pure-Python model on every shard but the sender's
+    own, which rounds to nearest even (torch's conversion; NaN the canonical 0x7FFF); the torch integer code the GPU
+    runs (``_stochastic_bits``, here on the CPU) equals it on the whole tensor, and ``bf16_stochastic_rounded`` of a
+    shard (what the GPU owner computes from a peer's float32 values) equals the sender's slice."""
+    import torch
+    from ep_torch.bucket_buffer import (
+        _bf16_from_bits,
+        _f32_bits,
+        _stochastic_bits,
+        bf16_stochastic_round,
+        bf16_stochastic_rounded,
+    )
+
+    x = _special_values(n, n)
+    model = _model_bf16_bits(x.tolist())
+    assert [
+        b & 0xFFFF for b in _bf16_from_bits(_stochastic_bits(_f32_bits(x), 0)).view(torch.int16).tolist()
+    ] == model
+    m = 512
+    for r in range(n):
+        got = bf16_stochastic_round(x, r, n)
+        bits = [b & 0xFFFF for b in got.view(torch.int16).tolist()]
+        for q in range(n):
+            part = slice(q * m, (q + 1) * m)
+            if q == r:
+                own = x[part]
+                want = own.to(torch.bfloat16).view(torch.int16).tolist()
+                want = [0x7FFF if v != v else w & 0xFFFF for v, w in zip(own.tolist(), want, strict=True)]
+                assert bits[part] == want, (r, q)
+            else:
+                assert bits[part] == model[part], (r, q)
+                peer = bf16_stochastic_rounded(x[part], q * m // 4)
+                assert torch.equal(peer.view(torch.int16), got[part].view(torch.int16)), (r, q)
+
+
 if __name__ == "__main__":
     from ep_torch_testing import spawn_cpu
 

@@ -8,9 +8,9 @@ same offsets on every rank:
 - ``all_gather(srcs, dsts=None)``: without ``dsts`` each src is the ``rank``-th shard of the gathered tensor that
   surrounds it (gathered in place); with ``dsts`` (in the buffer, ``N * src.nbytes``) a src can be any tensor;
 - ``reduce_scatter(srcs, comm_precision="fp32", scale=1.0)``: shard ``rank`` of each src (split into N) becomes
-  ``scale * sum over ranks`` of that shard, in place; ``comm_precision="bf16"`` (float32 srcs, CPU reference
-  backend) sends the other ranks' shards as stochastically rounded bfloat16 and sums in float32 as DeepEP's RDMA
-  bf16 kernel does (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``);
+  ``scale * sum over ranks`` of that shard, in place; ``comm_precision="bf16"`` (float32 srcs) sends the other
+  ranks' shards as stochastically rounded bfloat16 and sums in float32 as DeepEP's RDMA bf16 kernel does
+  (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``; the GPU's results equal the CPU's bit for bit);
 - ``all_reduce(srcs, scale=1.0)``: each src becomes ``scale * sum over ranks``, in place;
 - ``send_recv(srcs, dsts, dst_rank_idx, src_rank_idx)``: point-to-point into registered ``dsts`` (DeepEP 2.6's name,
   ep's semantics; CPU reference backend and ipc): ``ep_torch.bucket_send_recv``.
@@ -20,14 +20,15 @@ makes the current stream wait and returns the result tensor(s) (1-D views with t
 tensor argument); ``handle.num_sms`` is the SM count (0 for the all-gather; the caller's ``num_sms`` or
 ``get_theoretical_num_sms(op)`` for the reductions). Sums accumulate in float32 in rank order (fp32 precision).
 
-Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``, CPU reference backend): one storage, one context per
-group (``buffer.groups``, ``buffer.contexts``: rank, size, domain sizes); each collective, ``barrier`` and
-``get_theoretical_num_sms`` take ``group=`` (required when there are several), a session keeps to one group.
+Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``): one storage, one context per group (``buffer.groups``,
+``buffer.contexts``: rank, size, domain sizes); each collective, ``barrier`` and ``get_theoretical_num_sms`` take
+``group=`` (required when there are several), a session keeps to one group.
 
-Transports as ``ElasticBuffer``'s. On the GPU (ipc) the all-gather and ``send_recv`` are copy-engine copies into the
-peers' storage (no SM); the reductions read the peers' shards over NVLink with torch kernels, between two stream
-barriers (every src written before anyone reads; every read done before anyone overwrites). Ours, not DeepEP's:
-one group and ``comm_precision="fp32"`` only on the GPU, no hybrid (RDMA) path.
+Transports as ``ElasticBuffer``'s. On the GPU (ipc, and nccl within one LSA team) the all-gather and ``send_recv``
+are copy-engine copies into the peers' storage (no SM); the reductions read the peers' shards over NVLink with torch
+kernels, between two stream barriers (every src written before anyone reads; every read done before anyone
+overwrites). Ours, not DeepEP's: no hybrid (RDMA) path; on the GPU the ranks of a further group must be ranks of the
+first (``_add_contexts``).
 
 ``with buffer.session() as s:`` (DeepEP's ``BucketSession``): ``s.allocate(shapes, dtype)`` hands out storage front
 to back, and inside the session the three collectives also accept tensors outside the storage: each is staged in
@@ -60,7 +61,13 @@ from .buffer import ElasticBuffer
 from .buffer_base import BufferContext, ElasticBacked
 from .event import EventHandle, EventOverlap
 
-__all__ = ["BucketBuffer", "BucketContext", "BucketSession", "bf16_stochastic_round"]
+__all__ = [
+    "BucketBuffer",
+    "BucketContext",
+    "BucketSession",
+    "bf16_stochastic_round",
+    "bf16_stochastic_rounded",
+]
 
 _ALIGN = 2 << 20
 _SESSION_ALIGN = 256
@@ -281,6 +288,13 @@ class BucketSession:
         return tuple(out) if batched else out[0]
 
 
+def _global_ranks(group: Any, size: int) -> list[int]:
+    """The global rank of each rank of ``group``, in group rank order."""
+    if group is None or group is dist.group.WORLD:
+        return list(range(size))
+    return [dist.get_global_rank(group, i) for i in range(size)]
+
+
 class BucketContext(BufferContext):
     """One group of a ``BucketBuffer`` (DeepEP's ``buffer.contexts[i]``): its rank, size and domain sizes."""
 
@@ -339,7 +353,7 @@ class BucketBuffer(ElasticBacked):
                 )
         self._context_buffers: list[BucketBuffer] = [self]
         self.contexts: list[BucketContext] | None = [BucketContext(eb)]
-        if extra_groups:
+        if extra_groups or self.storage.is_cuda:  # on the GPU every rank takes part (_add_contexts)
             self._add_contexts(extra_groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -347,17 +361,41 @@ class BucketBuffer(ElasticBacked):
         self, groups: list[Any], num_gpu_timeout_secs: int, num_cpu_timeout_secs: int, transport: str | None
     ) -> None:
         """One context per further group over the same storage (DeepEP's ``BucketBuffer([g0, g1])``): each has its
-        own collective state (an ``ElasticBuffer`` over that group, a minimal region of its own) whose collectives
-        run on this buffer's storage. Ours: the CPU reference backend only (the GPU path's peers map one region,
-        exchanged over one group)."""
-        if self.storage.is_cuda:
-            raise EPConfigError(
-                f"group: ep's BucketBuffer takes several groups on the CPU reference backend only (ours); on the GPU "
-                f"build one BucketBuffer per group (rank {self.rank_idx})"
-            )
+        own collective state (an ``ElasticBuffer`` over that group, a minimal region of its own: its own operation
+        count, rank state and, on the GPU, signal words) whose collectives run on this buffer's storage.
+
+        On the GPU the peers' storage is mapped through the first group's exchange, so every rank of a further
+        group must be a rank of the first (ours); its context addresses a peer's storage by that peer's rank in
+        the first group. There every rank of the first group takes part in one more exchange, further groups or
+        none: a rank whose groups are refused announces it there, and its peers raise ``EPPeerError`` naming it
+        (no rank is left with a buffer whose peers have none)."""
+        if not self.storage.is_cuda:
+            self._build_contexts(groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
+            return
+        boot = self._buf().bootstrap
+        try:
+            self._build_contexts(groups, num_gpu_timeout_secs, num_cpu_timeout_secs, transport)
+        except Exception as exc:  # (no destroy of the contexts built: a collective their peers may not reach)
+            boot.abort(f"BucketBuffer groups: {type(exc).__name__}: {exc}")
+            raise
+        boot.allgather(b"groups built")  # a peer's refusal raises EPPeerError here
+
+    def _build_contexts(
+        self, groups: list[Any], num_gpu_timeout_secs: int, num_cpu_timeout_secs: int, transport: str | None
+    ) -> None:
+        cuda = self.storage.is_cuda
+        first = _global_ranks(self.group, self.num_ranks) if cuda else []
         for k, g in enumerate(groups, start=1):
             if any(g is c.group for c in self._context_buffers):
                 raise EPConfigError(f"group[{k}]: the same group twice (rank {self.rank_idx})")
+            if cuda:  # the same verdict on every rank of g: refused before any collective over it
+                outside = [r for r in _global_ranks(g, dist.get_world_size(g)) if r not in first]
+                if outside:
+                    raise EPConfigError(
+                        f"group[{k}]: on the GPU every rank of a further group must be a rank of group[0] (ours: "
+                        f"the storage is mapped through group[0]'s exchange); global ranks {outside} are not "
+                        f"(rank {self.rank_idx})"
+                    )
             eb = ElasticBuffer(
                 g,
                 num_bytes=_ALIGN,
@@ -380,6 +418,11 @@ class BucketBuffer(ElasticBacked):
                 )
             backend = eb._elastic(collective=True).backend
             backend._region = self._backend._region  # its collectives work on this buffer's storage
+            if cuda:  # and address the peers' storage (the main backend's data regions, by group[0] rank)
+                backend.data = [
+                    self._backend.data[first.index(r)] for r in _global_ranks(eb.group, eb.num_ranks)
+                ]
+                backend.__dict__.pop("_peer_regions", None)
             ctx = object.__new__(BucketBuffer)
             ctx.__dict__.update(
                 _buffer=eb,
@@ -656,12 +699,9 @@ class BucketBuffer(ElasticBacked):
         (cyclic), then multiplies by ``scale`` (when not 1). Float32 srcs whose shards are multiples of 8 elements
         (DeepEP's 32-byte rule). The other shards of each src are left unchanged (DeepEP overwrites them with the
         packed bf16 values: treat them as undefined). Ours: DeepEP runs this on RDMA-only groups; ep on its
-        NVLink-domain groups, on the CPU reference backend (the GPU path refuses it)."""
-        if self.storage.is_cuda:
-            raise EPConfigError(
-                f"comm_precision: 'bf16' runs on the CPU reference backend only (ours); use 'fp32' on the GPU "
-                f"(rank {self.rank_idx})"
-            )
+        NVLink-domain groups. On the GPU the owner reads the peers' float32 shards and rounds them itself
+        (``CopyEngineBackend.bucket_reduce_scatter_bf16``: the same bits, so the results equal the CPU
+        reference's bit for bit; NVLink carries float32, so it moves the bytes of 'fp32')."""
         packed, xs = self._pack(srcs)
         xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
         n, r = self.num_ranks, self.rank_idx
@@ -676,6 +716,11 @@ class BucketBuffer(ElasticBacked):
                 )
         plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
         self._ops += 1
+        if self.storage.is_cuda:
+            outs = self._backend.bucket_reduce_scatter_bf16(
+                plan, self._ops, float(scale), bf16_stochastic_rounded
+            )
+            return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
         self._buf()._agree(
             "reduce_scatter",
             {
@@ -706,22 +751,54 @@ class BucketBuffer(ElasticBacked):
 
 
 _HASH_IN = (0x5671D42B, 0x9995E499, 0xACE1B8A5, 0xE153538D)
+_M32 = 0xFFFFFFFF
 
 
-def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
-    """The bfloat16 values (``torch.bfloat16``, ``x``'s size) that DeepEP's bf16 reduce-scatter sends for the
-    float32 tensor ``x`` (1-D, ``num_ranks`` equal shards of a multiple of 4 elements), with shard ``rank`` (kept
-    in float32 by the sender) rounded to nearest like the rest: use its float32 values, not these.
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2**32`` for int64 ``h`` in ``[0, 2**32)``, in 16-bit halves of ``c``: no product leaves int64
+    (a wrapped signed product would be undefined), so the CPU and the GPU compute the same bits."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
-    Elements go in groups of 4 (a float4, index ``i`` from the start of ``x``); a 32-bit hash of the 4 values'
-    bits and ``i`` gives two words of random bits, the first for elements 0-1 and the second for 2-3, the low
-    16 bits for the even element and the high 16 for the odd one. Stochastic rounding adds the element's 16
-    random bits to its float32 bits and keeps the top 16 (so ``|v|`` rounds up with probability its distance
-    from the bf16 below it, in units of the last place); NaN gives the canonical NaN 0x7FFF; a value that
-    carries past the largest finite bf16 becomes infinity (no saturation)."""
-    v = x.detach().reshape(-1).to(torch.float32).cpu().numpy()
-    if v.size % (4 * num_ranks):
-        raise EPValueError(f"x: {v.size} elements do not split into {num_ranks} shards of a multiple of 4")
+
+def _f32_bits(v: torch.Tensor) -> torch.Tensor:
+    """The float32 bits of ``v`` (1-D) as int64 in ``[0, 2**32)``."""
+    return v.contiguous().view(torch.int32).to(torch.int64) & _M32
+
+
+def _bf16_from_bits(b: torch.Tensor) -> torch.Tensor:
+    """bfloat16 values of bit patterns in ``[0, 2**16)`` (int64)."""
+    return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
+
+
+def _stochastic_bits(bits: torch.Tensor, first_quad: int) -> torch.Tensor:
+    """The bf16 patterns (int64) of the stochastic rounding of float32 ``bits`` (``_f32_bits``, a multiple of 4
+    elements), its float4 groups numbered from ``first_quad`` (``bf16_stochastic_round``'s doc)."""
+    quads = bits.view(-1, 4)
+    h = torch.arange(first_quad, first_quad + quads.shape[0], dtype=torch.int64, device=bits.device)
+    for k in range(4):
+        h = (h + _mul32(quads[:, k], _HASH_IN[k])) & _M32
+    h ^= h >> 23
+    h = _mul32(h, 0x7FEB352D)
+    h ^= h >> 16
+    h1 = _mul32(h, 0x846CA68B)
+    h1 ^= h1 >> 11
+    h2 = _mul32(h, 0xD35A2D97)
+    h2 ^= h2 >> 11
+    rnd = torch.stack([h1 & 0xFFFF, h1 >> 16, h2 & 0xFFFF, h2 >> 16], dim=1).view(-1)
+    out = ((bits + rnd) >> 16) & 0xFFFF
+    return torch.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, out)  # NaN: the canonical 0x7FFF
+
+
+def bf16_stochastic_rounded(v: torch.Tensor, first_quad: int) -> torch.Tensor:
+    """The stochastically rounded bfloat16 values of the float32 elements ``v`` (1-D, a multiple of 4), where
+    ``v[0]`` is element ``4 * first_quad`` of the tensor being sent: what an owner receives for a peer's shard.
+    Torch integer ops on ``v``'s device (on the CPU too: the tests compare them with the numpy code)."""
+    return _bf16_from_bits(_stochastic_bits(_f32_bits(v), first_quad))
+
+
+def _stochastic_bits_np(v: np.ndarray) -> np.ndarray:
+    """``_stochastic_bits`` in numpy uint32 arithmetic (the CPU's implementation, and the GPU's reference): the bf16
+    patterns (uint16) of the float32 array ``v``, its float4 groups numbered from 0."""
     bits = v.view(np.uint32)
     quads = bits.reshape(-1, 4)
     u32 = np.uint32
@@ -739,8 +816,30 @@ def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.T
     rbits = np.stack([h1 & mask, h1 >> u32(16), h2 & mask, h2 >> u32(16)], axis=1).reshape(-1)
     out = ((bits.astype(np.uint64) + rbits.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
     out[np.isnan(v)] = 0x7FFF
-    nearest = torch.from_numpy(v).to(torch.bfloat16)
-    res = torch.from_numpy(out.view(np.int16).copy()).view(torch.bfloat16)
-    m = v.size // num_ranks
-    res[rank * m : (rank + 1) * m] = nearest[rank * m : (rank + 1) * m]
-    return res
+    return out
+
+
+def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
+    """The bfloat16 values (``torch.bfloat16``, ``x``'s size, on ``x``'s device) that DeepEP's bf16 reduce-scatter
+    sends for the float32 tensor ``x`` (1-D, ``num_ranks`` equal shards of a multiple of 4 elements), with shard
+    ``rank`` (kept in float32 by the sender) rounded to nearest even instead: use its float32 values, not these.
+
+    Elements go in groups of 4 (a float4, index ``i`` from the start of ``x``); a 32-bit hash of the 4 values'
+    bits and ``i`` gives two words of random bits, the first for elements 0-1 and the second for 2-3, the low
+    16 bits for the even element and the high 16 for the odd one. Stochastic rounding adds the element's 16
+    random bits to its float32 bits and keeps the top 16 (so ``|v|`` rounds up with probability its distance
+    from the bf16 below it, in units of the last place); NaN gives the canonical NaN 0x7FFF (in shard ``rank``
+    too); a value that carries past the largest finite bf16 becomes infinity (no saturation). numpy on the CPU,
+    torch integer ops on the GPU (``_stochastic_bits``): the same bits."""
+    v = x.detach().reshape(-1).to(torch.float32)
+    if v.numel() % (4 * num_ranks):
+        raise EPValueError(f"x: {v.numel()} elements do not split into {num_ranks} shards of a multiple of 4")
+    if v.device.type == "cpu":
+        out = torch.from_numpy(_stochastic_bits_np(v.contiguous().numpy()).astype(np.int64))
+    else:
+        out = _stochastic_bits(_f32_bits(v), 0)
+    m = v.numel() // num_ranks
+    own = _f32_bits(v[rank * m : (rank + 1) * m])
+    nearest = ((own + 0x7FFF + ((own >> 16) & 1)) >> 16) & 0xFFFF  # round to nearest even
+    out[rank * m : (rank + 1) * m] = torch.where((own & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, nearest)
+    return _bf16_from_bits(out)

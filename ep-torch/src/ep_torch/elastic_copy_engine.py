@@ -542,3 +542,38 @@ class CopyEngineBackend:
             outs.append(self._region[at : at + nbytes].view(value.dtype))
         self._keep_bucket = [v for v, _, _ in results]  # until the next operation (the copies read them)
         return outs
+
+    def bucket_reduce_scatter_bf16(
+        self, plan: list[tuple[torch.Tensor, int]], op: int, scale: float, rounded: Any
+    ) -> list[torch.Tensor]:
+        """``reduce_scatter(comm_precision="bf16")``: the owner of shard ``rank`` reads each peer's float32 shard
+        over NVLink (one copy into local memory) and rounds it itself with ``rounded(values, first_quad)`` (the
+        sender's stochastic rounding is a function of the values and their place, so these are the bits the
+        sender would send), then adds them in float32 to its own unrounded shard, peers ``rank-1, rank-2, ...``
+        (cyclic), times ``scale`` when not 1; the result goes into shard ``rank`` once every rank has read (two
+        stream barriers, as ``bucket_reduce``). The other shards stay unchanged."""
+        self.ops.check()
+        s = self.ops.current_stream()
+        if not getattr(self, "_peer_regions", None):
+            self._peer_regions = [self.ops.view(d, self._region.numel()) for d in self.data]
+        self._signal_all(_BUCKET_READY, op, s, f"BucketBuffer reduction {op}: the sources written")
+        results = []
+        for x, off in plan:
+            m = x.numel() // self.n
+            nbytes = m * 4
+            at = off + self.rank * nbytes
+            acc = self._region[at : at + nbytes].view(torch.float32).clone()
+            for p in range(1, self.n):
+                q = (self.rank - p) % self.n
+                peer = self._peer_regions[q][at : at + nbytes].view(torch.float32).clone()  # one NVLink read
+                acc.add_(rounded(peer, self.rank * m // 4).float())
+            if scale != 1.0:
+                acc.mul_(torch.tensor(scale, dtype=torch.float32, device=acc.device))
+            results.append((acc, at, nbytes))
+        self._signal_all(_BUCKET_DONE, op, s, f"BucketBuffer reduction {op}: the sources read")
+        outs = []
+        for value, at, nbytes in results:
+            self.ops.copy(self.data[self.rank] + at, value.data_ptr(), nbytes, s)
+            outs.append(self._region[at : at + nbytes].view(torch.float32))
+        self._keep_bucket = [v for v, _, _ in results]
+        return outs
