@@ -360,6 +360,8 @@ class ProcessRank(RankDriver):
     """One rank per process: a symmetric buffer exchanged with the other processes through ep_symmem
     (`memory="symmem"`, the default) or through CUDA IPC handles (`memory="cuda_ipc"`)."""
 
+    check_routing = True  # (`DispatchLaunch.check_routing`)
+
     def __init__(
         self,
         bootstrap: Any,
@@ -405,11 +407,6 @@ class ProcessRank(RankDriver):
             num_scaleup_ranks=su,
             num_nvlink_ranks=nvl,
         )
-
-    def launch_dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, **kwargs: Any) -> Any:
-        """`RankDriver.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
-        validate_rank_routing(x, topk_idx, kwargs.get("handle"))
-        return super().launch_dispatch(x, topk_idx, topk_weights, **kwargs)
 
     def reset(self) -> None:
         """Clear the error state, workspace and scratch of every rank after a failure: a collective (every process
