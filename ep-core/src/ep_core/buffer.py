@@ -439,9 +439,8 @@ class EPBuffer(BufferBase):
             self._check_alive()  # raises
         ex = self._executor
         req = self._prepared.dispatch(ex, args)
-        if (
-            req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True
-        ):  # no silent ordinary dispatch
+        # no silent ordinary dispatch
+        if req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True:
             raise EPConfigError(
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
@@ -664,9 +663,8 @@ class EPBuffer(BufferBase):
         if reset is None:
             raise EPStateError(f"reset: the executor {type(self._executor).__name__} cannot be reset")
         channel = getattr(self._executor, "channel", None)
-        if (
-            channel is not None
-        ):  # resynchronise the host steps first (ep_core.rank_state): every rank, any step
+        # resynchronise the host steps first (ep_core.rank_state): every rank, any step
+        if channel is not None:
             channel.reset()
         reset()
 

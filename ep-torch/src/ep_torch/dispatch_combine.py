@@ -480,9 +480,8 @@ class DispatchCombine:
                 )
         if handle is None:
             if not do_handle_copy:
-                res.handle.topk_idx = (
-                    topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
-                )
+                # the caller's tensor itself (ep-core saw a detached alias of it)
+                res.handle.topk_idx = topk_idx
                 _keep_version(res.handle, topk_idx)
             elif res.handle.topk_idx is topk_idx:
                 # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
@@ -711,9 +710,8 @@ class DispatchCombine:
         """`combine` of its record: the FP32 output (:mod:`ep_torch.combine_out_dtype`), the deferred epilogue
         (:meth:`_deferred`) or the ordinary road, which then keeps its plan as the lane ``keep[0]`` (``keep[1]``:
         the record's arrays are the caller's; autograd ones, detached here, are never matched: no lane)."""
-        if (
-            a.out_dtype is not None and a.out_dtype is not torch.bfloat16
-        ):  # 2.6's FP32 output: a road of its own
+        # 2.6's FP32 output: a road of its own
+        if a.out_dtype is not None and a.out_dtype is not torch.bfloat16:
             from .combine_out_dtype import combine_out_dtype
 
             return combine_out_dtype(self, a)

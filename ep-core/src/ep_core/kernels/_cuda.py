@@ -111,9 +111,8 @@ def driver() -> Any:
     return _drv
 
 
-MAX_CONNECTIONS = (
-    32  # the most hardware work queues CUDA_DEVICE_MAX_CONNECTIONS may ask for (CUDA's default: 8)
-)
+# the most hardware work queues CUDA_DEVICE_MAX_CONNECTIONS may ask for (CUDA's default: 8)
+MAX_CONNECTIONS = 32
 
 
 def reserve_connections(num_streams: int, device: int = 0) -> int:
@@ -138,9 +137,8 @@ def reserve_connections(num_streams: int, device: int = 0) -> int:
         ctx = _check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
         dev = _check(drv, drv.cuDeviceGet(int(device)), "cuDeviceGet")
         _flags, active = _check(drv, drv.cuDevicePrimaryCtxGetState(dev), "cuDevicePrimaryCtxGetState")
-    except (
-        Exception
-    ):  # no driver or no such device: nothing to reserve (the caller's own GPU work fails clearly)
+    except Exception:
+        # no driver or no such device: nothing to reserve (the caller's own GPU work fails clearly)
         return have
     if int(ctx) != 0 or active:
         return have

@@ -194,9 +194,8 @@ class GpuExecutor:
             alloc.int32_block = lambda shapes: int32_block(allocate, shapes)
             alloc.handle_block = lambda shapes: carve(allocate, shapes)
         if key is not None:
-            if (
-                len(self._allocators) >= 16
-            ):  # callers that make a new allocator per call: keep only recent ones
+            # callers that make a new allocator per call: keep only recent ones
+            if len(self._allocators) >= 16:
                 self._allocators.clear()
             self._allocators[key] = alloc
         return alloc
