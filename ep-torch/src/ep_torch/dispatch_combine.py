@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -76,12 +76,15 @@ def _handle_tensors(handle: Any) -> tuple:
     return tuple([v for v in handle.held() if isinstance(v, torch.Tensor)])
 
 
-def _flat(items: Any) -> Iterator[Any]:
+def _cuda_tensors(items: Any) -> list[torch.Tensor]:
+    """The CUDA tensors among ``items``, tuples (an FP8 ``x``, a bias pair) opened."""
+    out = []
     for a in items:
         if isinstance(a, tuple):
-            yield from _flat(a)
-        else:
-            yield a
+            out.extend(_cuda_tensors(a))
+        elif isinstance(a, torch.Tensor) and a.is_cuda:
+            out.append(a)
+    return out
 
 
 def _match(arrays: tuple, allocator: Any) -> Any:
@@ -242,7 +245,7 @@ class DispatchCombine:
         if not self._cuda:
             return EventOverlap.recorded(None)
         stream = self.get_comm_stream() if scoped else torch.cuda.current_stream()
-        tensors = [t for t in _flat(keep) if isinstance(t, torch.Tensor) and t.is_cuda]
+        tensors = _cuda_tensors(keep)
         if _env.avoid_record_stream():
             return EventOverlap.recorded(stream, tensors)
         comm = self.get_comm_stream()
@@ -542,7 +545,7 @@ class DispatchCombine:
             event: EventOverlap = outputs[-1]
             earlier = event.hook_after_wait
             event.hook_after_wait = None
-            release = deferred.hold(self, op)  # held until the wait, as on CUDA
+            release = deferred.hold(self, deferred.WAITING.format(op))  # held until the wait, as on CUDA
 
             def epilogue() -> tuple:
                 release()
