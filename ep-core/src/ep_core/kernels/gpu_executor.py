@@ -16,6 +16,8 @@ Errors: a failed kernel makes every later call raise until `reset()`, which ever
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -273,21 +275,13 @@ class GpuExecutor:
         rank = self.rank
         alloc = self._allocator(req, req.x.dtype)
         wait, _, _ = self.stream_pairs(req.stream, False)
-        rank._allocator = alloc
-        try:
-            if wait is not None:
-                record_wait(wait[0], wait[1], self.stream.handle)
+        with self._serving(alloc, wait):
             pending = _rank_dispatch(rank.launch_dispatch, req, False, None)
-        finally:
-            rank._allocator = None
 
         def finish(stream: int) -> Any:
             _, signal, ev = self.stream_pairs(stream, True)
-            rank._allocator = alloc
-            try:
+            with self._serving(alloc, None):
                 res = rank.finish_dispatch(pending)
-            finally:
-                rank._allocator = None
             record_wait(signal[0], self.stream.handle, signal[1])
             if res.handle is not req.handle and req.topk_idx is not None:
                 res.handle.topk_idx = req.topk_idx.obj
@@ -295,6 +289,18 @@ class GpuExecutor:
             return res
 
         return finish
+
+    @contextlib.contextmanager
+    def _serving(self, alloc: Any, wait: Any) -> Iterator[None]:
+        """A deferred operation's step: `alloc` (`_allocator`) as the rank's allocator, the comm stream first
+        ordered after `wait` (`stream_pairs`; None: no wait)."""
+        self.rank._allocator = alloc
+        try:
+            if wait is not None:
+                record_wait(wait[0], wait[1], self.stream.handle)
+            yield
+        finally:
+            self.rank._allocator = None
 
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
         """This rank's zero-copy combine buffer (`RankDriver.combine_buffer`)."""
@@ -313,26 +319,15 @@ class GpuExecutor:
         waiting stream: it follows that stream's work), allocates the outputs from the request's allocator, launches
         the reduce, orders `stream` after it and returns the `CombineResult`. Until `finish` this rank must start no
         other operation (the receive region holds the rows the reduce reads): the caller refuses them."""
-        rank = self.rank
         alloc = self._allocator(req, "bfloat16")
         wait, _, _ = self.stream_pairs(req.stream, False)
-        rank._allocator = alloc
-        try:
-            if wait is not None:
-                record_wait(wait[0], wait[1], self.stream.handle)
-            reduce = _rank_combine(rank, req, False, defer=True)
-        finally:
-            rank._allocator = None
+        with self._serving(alloc, wait):
+            reduce = _rank_combine(self.rank, req, False, defer=True)
 
         def finish(stream: int) -> Any:
             wait, signal, ev = self.stream_pairs(stream, True)
-            rank._allocator = alloc
-            try:
-                if wait is not None:
-                    record_wait(wait[0], wait[1], self.stream.handle)
+            with self._serving(alloc, wait):
                 res = reduce()
-            finally:
-                rank._allocator = None
             record_wait(signal[0], self.stream.handle, signal[1])
             res.event = ev
             return res
