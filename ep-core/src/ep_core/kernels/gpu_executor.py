@@ -25,7 +25,7 @@ import numpy as np
 from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
-from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
+from ep_core.kernels.array_block import c_strides, carve, int32_block, use_block, use_offered
 from ep_core.kernels.op_plan import dispatch_result, note_handle_topk_idx
 from ep_core.kernels.plan import epilogue_share, rank_sm_share
 from ep_core.kernels.prepared_launch import record_wait
@@ -171,7 +171,7 @@ class GpuExecutor:
             if name is None:
                 dt = np.dtype(dtype)
                 name = names.get(dt) or dt.name
-            if strides is not None and tuple(strides) != tuple(_c_strides(shape)):
+            if strides is not None and tuple(strides) != c_strides(shape):
                 # column-major scales: the storage array [P, ld] (EPBuffer's contract), kernels get its pointer
                 _rows, packs = shape
                 return allocate((packs, strides[1]), name)
@@ -352,14 +352,6 @@ class GpuExecutor:
         if not self._destroyed:
             self.stream.synchronize()
             self._destroyed = True
-
-
-def _c_strides(shape: tuple) -> tuple:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
 
 
 def _rank_combine(rank: RankDriver, req: Any, record: bool, defer: bool = False) -> Any:
