@@ -446,25 +446,22 @@ class EPBuffer(BufferBase):
             )
         res = _served(ex, req, ex.dispatch)
         self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
-        # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
-        # passes the handle checks by construction: recorded as validated, so that its combine does not check
-        # every array again (`validation.trust_handle`)
-        if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
-            trust_handle(self.config, ex, res.handle)
+        self._trust_new(req, res)
         return res
+
+    def _trust_new(self, req: Any, res: DispatchResult) -> None:
+        """A new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
+        passes the handle checks by construction: recorded as validated, so that its combine does not check every
+        array again (`validation.trust_handle`)."""
+        if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
+            trust_handle(self.config, self._executor, res.handle)
 
     def launch_dispatch_deferred(self, args: DispatchArgs) -> Any:
         """DeepEP 2.5's `defer_epilogue` on an executor that splits a dispatch (`launch_dispatch_deferred`, the
         GPU's): `args` validated as `run_dispatch` does, the dispatch kernel launched, and `finish(stream)` returned,
         which runs the rest on `stream`'s order and returns the `DispatchResult` (each step announced as the
         dispatch's). No other operation of this buffer may start before `finish` (ep_torch refuses them)."""
-
-        def trust(req: Any, res: DispatchResult) -> None:
-            # as `_dispatch` records a new handle of the library's own allocator
-            if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
-                trust_handle(self.config, self._executor, res.handle)
-
-        return self._launch_deferred("dispatch", self._prepared.dispatch, args, trust)
+        return self._launch_deferred("dispatch", self._prepared.dispatch, args, self._trust_new)
 
     def launch_combine_deferred(self, args: CombineArgs) -> Any:
         """`launch_dispatch_deferred` of a combine (`GpuExecutor.launch_combine_deferred`): `args` validated as
