@@ -36,6 +36,7 @@ from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
 from ep_core.validation import (
+    _check_flag,
     check_handle,
     check_zero_copy_args,
     trust_handle,
@@ -121,12 +122,6 @@ def _served(executor: Any, req: Any, full: Any) -> Any:
 _SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
 
 
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise EPTypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return value
-
-
 class EPBuffer(BufferBase):
     """An expert-parallel communication buffer of one rank (constructor keywords as DeepEP's ElasticBuffer, plus
     `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`)."""
@@ -177,7 +172,7 @@ class EPBuffer(BufferBase):
                 ("prefer_overlap_with_compute", prefer_overlap_with_compute),
                 ("explicitly_destroy", explicitly_destroy),
             ):
-                _flag(name, v)
+                _check_flag(name, v)
             m = _nonneg_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
             h = _nonneg_int("hidden", hidden)
             k = _nonneg_int("num_topk", num_topk, MAX_TOPK)
