@@ -36,6 +36,7 @@ from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
 from ep_core.validation import (
+    _check_flag,
     check_handle,
     check_zero_copy_args,
     trust_handle,
@@ -121,12 +122,6 @@ def _served(executor: Any, req: Any, full: Any) -> Any:
 _SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
 
 
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise EPTypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return value
-
-
 class EPBuffer(BufferBase):
     """An expert-parallel communication buffer of one rank (constructor keywords as DeepEP's ElasticBuffer, plus
     `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`)."""
@@ -177,7 +172,7 @@ class EPBuffer(BufferBase):
                 ("prefer_overlap_with_compute", prefer_overlap_with_compute),
                 ("explicitly_destroy", explicitly_destroy),
             ):
-                _flag(name, v)
+                _check_flag(name, v)
             m = _nonneg_int("num_max_tokens_per_rank", num_max_tokens_per_rank)
             h = _nonneg_int("hidden", hidden)
             k = _nonneg_int("num_topk", num_topk, MAX_TOPK)
@@ -439,33 +434,29 @@ class EPBuffer(BufferBase):
             self._check_alive()  # raises
         ex = self._executor
         req = self._prepared.dispatch(ex, args)
-        if (
-            req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True
-        ):  # no silent ordinary dispatch
+        # no silent ordinary dispatch
+        if req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True:
             raise EPConfigError(
                 f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
             )
         res = _served(ex, req, ex.dispatch)
         self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
-        # a new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
-        # passes the handle checks by construction: recorded as validated, so that its combine does not check
-        # every array again (`validation.trust_handle`)
-        if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
-            trust_handle(self.config, ex, res.handle)
+        self._trust_new(req, res)
         return res
+
+    def _trust_new(self, req: Any, res: DispatchResult) -> None:
+        """A new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
+        passes the handle checks by construction: recorded as validated, so that its combine does not check every
+        array again (`validation.trust_handle`)."""
+        if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
+            trust_handle(self.config, self._executor, res.handle)
 
     def launch_dispatch_deferred(self, args: DispatchArgs) -> Any:
         """DeepEP 2.5's `defer_epilogue` on an executor that splits a dispatch (`launch_dispatch_deferred`, the
         GPU's): `args` validated as `run_dispatch` does, the dispatch kernel launched, and `finish(stream)` returned,
         which runs the rest on `stream`'s order and returns the `DispatchResult` (each step announced as the
         dispatch's). No other operation of this buffer may start before `finish` (ep_torch refuses them)."""
-
-        def trust(req: Any, res: DispatchResult) -> None:
-            # as `_dispatch` records a new handle of the library's own allocator
-            if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
-                trust_handle(self.config, self._executor, res.handle)
-
-        return self._launch_deferred("dispatch", self._prepared.dispatch, args, trust)
+        return self._launch_deferred("dispatch", self._prepared.dispatch, args, self._trust_new)
 
     def launch_combine_deferred(self, args: CombineArgs) -> Any:
         """`launch_dispatch_deferred` of a combine (`GpuExecutor.launch_combine_deferred`): `args` validated as
@@ -664,9 +655,8 @@ class EPBuffer(BufferBase):
         if reset is None:
             raise EPStateError(f"reset: the executor {type(self._executor).__name__} cannot be reset")
         channel = getattr(self._executor, "channel", None)
-        if (
-            channel is not None
-        ):  # resynchronise the host steps first (ep_core.rank_state): every rank, any step
+        # resynchronise the host steps first (ep_core.rank_state): every rank, any step
+        if channel is not None:
             channel.reset()
         reset()
 

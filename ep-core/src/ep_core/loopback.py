@@ -212,10 +212,7 @@ class LoopbackDomain:
         """Dispatch on every rank (same keywords as `ep_core.reference.dispatch`). `zero_copy`: each rank's outputs
         are views of its receive region, stored there by the dispatch kernel (no copy epilogue; deterministic row
         order; `RankDriver.launch_dispatch`), valid until the next operation on the domain."""
-        if self._closed:
-            raise EPStateError("dispatch: the domain is closed")
-        hs = self._check("handles", handles)
-        self._guard(hs)
+        hs = self._handles("dispatch", handles)
         xs = self._check("xs", xs)
         idxs = self._check("topk_idxs", topk_idxs)
         ws = self._check("topk_weights", topk_weights)
@@ -270,10 +267,7 @@ class LoopbackDomain:
         """Combine on every rank (same keywords as `ep_core.reference.combine`). `zero_copy`: each `xs[r]` is rank
         r's `combine_buffers(handles, hidden)[r]` with its rows written in place; the kernels read them there
         (one pass less; `RankDriver.combine_buffer`)."""
-        if self._closed:
-            raise EPStateError("combine: the domain is closed")
-        hs = self._check("handles", handles)
-        self._guard(hs)
+        hs = self._handles("combine", handles)
         xs = self._check("xs", xs)
         ws = self._check("topk_weights", topk_weights)
         bs = self._check("bias", bias)
@@ -305,17 +299,21 @@ class LoopbackDomain:
     def combine_buffers(self, handles: Sequence[Any], hidden: int) -> list[Any]:
         """Every rank's zero-copy combine buffer for its handle (`RankDriver.combine_buffer`): bf16 [received rows,
         hidden] device arrays to write the expert outputs into, then `combine(buffers, handles, zero_copy=True)`."""
-        if self._closed:
-            raise EPStateError("combine_buffers: the domain is closed")
-        hs = self._check("handles", handles)
+        hs = self._handles("combine_buffers", handles, guard=False)
         return [rank.combine_buffer(h, hidden) for rank, h in zip(self.ranks, hs)]
 
-    def _guard(self, handles: list) -> None:
-        """Every rank's failure check (and its handle's) before any rank launches (a rank that raised would leave
-        its peers' kernels waiting for it until their timeout)."""
-        for rank, handle in zip(self.ranks, handles):
-            rank.guard()
-            rank._check_handle(handle)
+    def _handles(self, op: str, handles: Any, guard: bool = True) -> list:
+        """`op`'s handles, one per rank (`_check`), on an open domain; `guard`: every rank's failure check (and its
+        handle's) before any rank launches (a rank that raised would leave its peers' kernels waiting for it until
+        their timeout)."""
+        if self._closed:
+            raise EPStateError(f"{op}: the domain is closed")
+        hs = self._check("handles", handles)
+        if guard:
+            for rank, handle in zip(self.ranks, hs):
+                rank.guard()
+                rank._check_handle(handle)
+        return hs
 
     def _drain(self, strict: bool = False) -> None:
         # a rank's kernel may legitimately run until its GPU timeout: wait as long as the host timeout allows
@@ -359,6 +357,8 @@ class LoopbackDomain:
 class ProcessRank(RankDriver):
     """One rank per process: a symmetric buffer exchanged with the other processes through ep_symmem
     (`memory="symmem"`, the default) or through CUDA IPC handles (`memory="cuda_ipc"`)."""
+
+    check_routing = True  # (`DispatchLaunch.check_routing`)
 
     def __init__(
         self,
@@ -405,11 +405,6 @@ class ProcessRank(RankDriver):
             num_scaleup_ranks=su,
             num_nvlink_ranks=nvl,
         )
-
-    def launch_dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, **kwargs: Any) -> Any:
-        """`RankDriver.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
-        validate_rank_routing(x, topk_idx, kwargs.get("handle"))
-        return super().launch_dispatch(x, topk_idx, topk_weights, **kwargs)
 
     def reset(self) -> None:
         """Clear the error state, workspace and scratch of every rank after a failure: a collective (every process

@@ -40,7 +40,7 @@ from ep_core.requests import CombineArgs, DispatchArgs
 
 from .event import EventOverlap
 
-__all__ = ["comm_stream_of", "deferred_combine", "deferred_dispatch", "hold"]
+__all__ = ["WAITING", "comm_stream_of", "deferred_combine", "deferred_dispatch", "hold"]
 
 
 def comm_stream_of(buf: Any, device: torch.device) -> torch.cuda.Stream:
@@ -53,29 +53,25 @@ def comm_stream_of(buf: Any, device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.ExternalStream(int(handle), device=device)
 
 
-def _tensors(items: Any) -> list[torch.Tensor]:
-    out = []
-    for a in items:
-        if isinstance(a, tuple):
-            out.extend(_tensors(a))
-        elif isinstance(a, torch.Tensor) and a.is_cuda:
-            out.append(a)
-    return out
+# a deferred operation's refusal of the buffer's other calls until its wait (`hold`)
+WAITING = (
+    "a deferred {} of this buffer waits for its event's current_stream_wait() (defer_epilogue=True); "
+    "wait on it first"
+)
 
 
-def hold(buf: Any, op: str = "dispatch") -> Any:
-    """`buf`'s dispatch / combine / destroy refused (``EPStateError``) while a deferred `op` waits for its event's
-    wait (instance attributes shadowing the methods; "destroy" among them is also resize's marker of a call that
-    owns the buffer: ``ep_torch.resize``); returns the function that gives them back. The CPU reference backend
-    holds the buffer as CUDA does, so that code tried there meets the GPU's rule."""
+def hold(buf: Any, why: str) -> Any:
+    """`buf`'s dispatch / combine / destroy refused (``EPStateError``: ``"name(): why"``) while a deferred operation
+    waits for its event's wait (`WAITING`) or a receive view is out (``ep_torch.recv_view.lend``): instance
+    attributes shadowing the methods (the calls of a buffer holding nothing pay nothing for it; "destroy" among them
+    is also resize's marker of a call that owns the buffer: ``ep_torch.resize``); returns the function that gives
+    them back. The CPU reference backend holds the buffer as CUDA does, so that code tried there meets the GPU's
+    rule."""
 
     def busy(name: str) -> Any:
         def refuse(*args: Any, **kwargs: Any) -> Any:
             with buf._core.announcing(name):  # the peers' call waits in its first step (issue 41)
-                raise EPStateError(
-                    f"{name}(): a deferred {op} of this buffer waits for its event's current_stream_wait() "
-                    "(defer_epilogue=True); wait on it first"
-                )
+                raise EPStateError(f"{name}(): {why}")
 
         return refuse
 
@@ -94,7 +90,7 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
     """A deferred dispatch of `buf` on CUDA (module doc); `call`: the dispatch's arguments by name, DeepEP's and ep's
     rules already checked, inside the call's announcing block (``DispatchCombine._deferred``: an error here is
     announced to the peers as the dispatch's)."""
-    from .dispatch_combine import _current_stream, _handle_tensors, _plain, _received
+    from .dispatch_combine import _cuda_tensors, _current_stream, _handle_tensors, _plain, _received
 
     x, topk_idx, handle = call["x"], call["topk_idx"], call["handle"]
     do_cpu_sync, do_expand = call["do_cpu_sync"], call["do_expand"]
@@ -138,12 +134,12 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
             )
         )
     comm = comm_stream_of(buf, device)
-    inputs = _tensors((x, topk_idx, w, stats))
+    inputs = _cuda_tensors((x, topk_idx, w, stats))
     for t in inputs:  # the comm stream reads them after this call returned
         t.record_stream(comm)
     event = EventOverlap.recorded(torch.cuda.current_stream())
 
-    release = hold(buf)
+    release = hold(buf, WAITING.format("dispatch"))
 
     def epilogue() -> tuple:
         waiting = torch.cuda.current_stream(device)
@@ -152,7 +148,7 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
                 res = finish(waiting.cuda_stream)
         finally:
             release()
-        outs = _tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights))
+        outs = _cuda_tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights))
         held = _handle_tensors(res.handle)
         for t in outs:
             t.record_stream(waiting)
@@ -179,7 +175,7 @@ def _not_captured(op: str, work: str) -> None:
 def deferred_combine(buf: Any, a: CombineArgs) -> EventOverlap:
     """A deferred combine of `buf` on CUDA (module doc); `a`: the combine's record, DeepEP's and ep's rules already
     checked, inside the call's announcing block (``DispatchCombine._deferred``)."""
-    from .dispatch_combine import _current_stream, _handle_tensors
+    from .dispatch_combine import _cuda_tensors, _current_stream, _handle_tensors
 
     _not_captured("combine", "the outputs' allocation, the reduce's launch")
     rt = buf._rt()
@@ -193,12 +189,12 @@ def deferred_combine(buf: Any, a: CombineArgs) -> EventOverlap:
         finish = rt.launch_combine_deferred(a._replace(allocator=allocator, stream=stream))
     comm = comm_stream_of(buf, device)
     handle = a.handle
-    inputs = _tensors((a.x, a.topk_weights, a.bias, handle.topk_idx, *_handle_tensors(handle)))
+    inputs = _cuda_tensors((a.x, a.topk_weights, a.bias, handle.topk_idx, *_handle_tensors(handle)))
     for t in inputs:  # the comm stream reads them after this call returned (the reduce at the wait)
         t.record_stream(comm)
     event = EventOverlap.recorded(torch.cuda.current_stream())
 
-    release = hold(buf, "combine")
+    release = hold(buf, WAITING.format("combine"))
 
     def epilogue() -> tuple:
         waiting = torch.cuda.current_stream(device)
@@ -207,7 +203,7 @@ def deferred_combine(buf: Any, a: CombineArgs) -> EventOverlap:
                 res = finish(waiting.cuda_stream)
         finally:
             release()
-        for t in _tensors((res.combined_x, res.combined_topk_weights)):
+        for t in _cuda_tensors((res.combined_x, res.combined_topk_weights)):
             t.record_stream(waiting)
         del inputs[:]  # (held until the reduce was queued: their frees wait for it, `record_stream`)
         return res.combined_x, res.combined_topk_weights

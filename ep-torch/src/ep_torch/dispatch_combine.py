@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -76,12 +76,15 @@ def _handle_tensors(handle: Any) -> tuple:
     return tuple([v for v in handle.held() if isinstance(v, torch.Tensor)])
 
 
-def _flat(items: Any) -> Iterator[Any]:
+def _cuda_tensors(items: Any) -> list[torch.Tensor]:
+    """The CUDA tensors among ``items``, tuples (an FP8 ``x``, a bias pair) opened."""
+    out = []
     for a in items:
         if isinstance(a, tuple):
-            yield from _flat(a)
-        else:
-            yield a
+            out.extend(_cuda_tensors(a))
+        elif isinstance(a, torch.Tensor) and a.is_cuda:
+            out.append(a)
+    return out
 
 
 def _match(arrays: tuple, allocator: Any) -> Any:
@@ -242,7 +245,7 @@ class DispatchCombine:
         if not self._cuda:
             return EventOverlap.recorded(None)
         stream = self.get_comm_stream() if scoped else torch.cuda.current_stream()
-        tensors = [t for t in _flat(keep) if isinstance(t, torch.Tensor) and t.is_cuda]
+        tensors = _cuda_tensors(keep)
         if _env.avoid_record_stream():
             return EventOverlap.recorded(stream, tensors)
         comm = self.get_comm_stream()
@@ -480,9 +483,8 @@ class DispatchCombine:
                 )
         if handle is None:
             if not do_handle_copy:
-                res.handle.topk_idx = (
-                    topk_idx  # the caller's tensor itself (ep-core saw a detached alias of it)
-                )
+                # the caller's tensor itself (ep-core saw a detached alias of it)
+                res.handle.topk_idx = topk_idx
                 _keep_version(res.handle, topk_idx)
             elif res.handle.topk_idx is topk_idx:
                 # ep-core copies every non-empty routing into the handle (the dispatch kernel fills the copy); an
@@ -543,7 +545,7 @@ class DispatchCombine:
             event: EventOverlap = outputs[-1]
             earlier = event.hook_after_wait
             event.hook_after_wait = None
-            release = deferred.hold(self, op)  # held until the wait, as on CUDA
+            release = deferred.hold(self, deferred.WAITING.format(op))  # held until the wait, as on CUDA
 
             def epilogue() -> tuple:
                 release()
@@ -711,9 +713,8 @@ class DispatchCombine:
         """`combine` of its record: the FP32 output (:mod:`ep_torch.combine_out_dtype`), the deferred epilogue
         (:meth:`_deferred`) or the ordinary road, which then keeps its plan as the lane ``keep[0]`` (``keep[1]``:
         the record's arrays are the caller's; autograd ones, detached here, are never matched: no lane)."""
-        if (
-            a.out_dtype is not None and a.out_dtype is not torch.bfloat16
-        ):  # 2.6's FP32 output: a road of its own
+        # 2.6's FP32 output: a road of its own
+        if a.out_dtype is not None and a.out_dtype is not torch.bfloat16:
             from .combine_out_dtype import combine_out_dtype
 
             return combine_out_dtype(self, a)

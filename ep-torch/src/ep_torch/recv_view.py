@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from ep_core.errors import EPStateError, EPValueError
 
+from .deferred import hold
+
 __all__ = ["DispatchRecvView", "lend"]
 
 
@@ -126,17 +128,9 @@ def lend(owner: Any, outputs: tuple, async_with_compute_stream: bool) -> tuple:
     else:
         view._mark_ready()
 
-    def busy(name: str) -> Any:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            with owner._core.announcing(name):  # the peers' call waits in its first step (issue 41)
-                raise EPStateError(
-                    f"{name}(): a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); "
-                    "release() it first"
-                )
-
-        return refuse
-
-    # ("destroy" in the instance's dict is also resize's marker of a view that is out: ep_torch.resize)
-    for name in ("dispatch", "combine", "destroy"):
-        owner.__dict__[name] = busy(name)
+    # (`_end_borrow` gives the calls back at the view's release)
+    hold(
+        owner,
+        "a DispatchRecvView of this buffer is out (dispatch(..., borrow_recv=True)); release() it first",
+    )
     return view, recv_idx, recv_w, handle, event

@@ -111,9 +111,8 @@ def driver() -> Any:
     return _drv
 
 
-MAX_CONNECTIONS = (
-    32  # the most hardware work queues CUDA_DEVICE_MAX_CONNECTIONS may ask for (CUDA's default: 8)
-)
+# the most hardware work queues CUDA_DEVICE_MAX_CONNECTIONS may ask for (CUDA's default: 8)
+MAX_CONNECTIONS = 32
 
 
 def reserve_connections(num_streams: int, device: int = 0) -> int:
@@ -138,9 +137,8 @@ def reserve_connections(num_streams: int, device: int = 0) -> int:
         ctx = _check(drv, drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
         dev = _check(drv, drv.cuDeviceGet(int(device)), "cuDeviceGet")
         _flags, active = _check(drv, drv.cuDevicePrimaryCtxGetState(dev), "cuDevicePrimaryCtxGetState")
-    except (
-        Exception
-    ):  # no driver or no such device: nothing to reserve (the caller's own GPU work fails clearly)
+    except Exception:
+        # no driver or no such device: nothing to reserve (the caller's own GPU work fails clearly)
         return have
     if int(ctx) != 0 or active:
         return have
@@ -476,10 +474,6 @@ class DeviceArray:
         )
 
 
-def _typestr_dtype(typestr: str) -> np.dtype:
-    return np.dtype(typestr)
-
-
 # numpy storage of a torch-like tensor's dtype, by its name (bf16 as uint16 bits, FP8 as uint8), else by element size
 _TORCH_NAMES = {
     "torch.bfloat16": np.uint16,
@@ -521,7 +515,7 @@ def as_view(obj: Any, what: str) -> DeviceView:
     torch_like = hasattr(obj, "data_ptr")
     cai = getattr(obj, "__cuda_array_interface__", None) if not torch_like else None
     if cai is not None:
-        dtype = _typestr_dtype(cai["typestr"])
+        dtype = np.dtype(cai["typestr"])
         shape = tuple(int(s) for s in cai["shape"])
         strides = cai.get("strides")
         el = None if strides is None else tuple(int(s) // dtype.itemsize for s in strides)
@@ -581,30 +575,28 @@ def copy_to_device(ptr: int, host: np.ndarray, stream: Stream | int) -> None:
 
 
 class PinnedBuffer:
-    """Page-locked host memory as a numpy byte array (for small device-to-host reads)."""
+    """Page-locked host memory as a numpy byte array (for small device-to-host reads); `flags`: cuMemHostAlloc's."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, flags: int = 0) -> None:
         drv = driver()
-        self._ptr = int(check(drv.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc"))
+        self._ptr = int(check(drv.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
         self.nbytes = nbytes
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self._ptr))
 
     def __del__(self) -> None:
-        if self._ptr and _drv is not None:
+        if getattr(self, "_ptr", 0) and _drv is not None:
             with contextlib.suppress(Exception):
                 _free_now_or_later(_drv.cuMemFreeHost, self._ptr)
             self._ptr = 0
 
 
-class MappedWords:
+class MappedWords(PinnedBuffer):
     """`count` int32 words of page-locked host memory mapped into the device (zero-copy, zeroed): kernels store to
     `device_ptr`, the host reads `array` without any synchronization."""
 
     def __init__(self, count: int) -> None:
         drv = driver()
-        self.nbytes = 4 * int(count)
-        flags = drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE
-        self._ptr = int(check(drv.cuMemHostAlloc(self.nbytes, flags), "cuMemHostAlloc"))
+        super().__init__(4 * int(count), drv.CU_MEMHOSTALLOC_DEVICEMAP | drv.CU_MEMHOSTALLOC_PORTABLE)
         self.device_ptr = int(check(drv.cuMemHostGetDevicePointer(self._ptr, 0), "cuMemHostGetDevicePointer"))
         self.array = np.ctypeslib.as_array((ctypes.c_int32 * int(count)).from_address(self._ptr))
         self.array[:] = 0
@@ -614,12 +606,6 @@ class MappedWords:
 
     def clear(self) -> None:
         self.array[:] = 0
-
-    def __del__(self) -> None:
-        if getattr(self, "_ptr", 0) and _drv is not None:
-            with contextlib.suppress(Exception):
-                _free_now_or_later(_drv.cuMemFreeHost, self._ptr)
-            self._ptr = 0
 
 
 class DeviceBuffer:

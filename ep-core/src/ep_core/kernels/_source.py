@@ -95,9 +95,8 @@ instance (`_lr0`). Same bits either way."""
 
 
 def _on_off(env: str) -> bool:
-    used, text = _env.read(
-        env
-    )  # the deprecated EP_CORE_ name too (named in the error when it is the one set)
+    # the deprecated EP_CORE_ name too (named in the error when it is the one set)
+    used, text = _env.read(env)
     if text not in ("", "0", "1"):
         raise EPConfigError(f"{used}: expected 0 or 1, got {text!r}")
     return text != "0"

@@ -57,8 +57,9 @@ def _offsets(shapes: Sequence[tuple]) -> tuple[list[int], list[int], int]:
     return offsets, sizes, total
 
 
-def _byte_strides(shape: tuple) -> tuple:
-    out, acc = [], 4
+def c_strides(shape: tuple, itemsize: int = 1) -> tuple:
+    """The C-contiguous strides of `shape`, in units of `itemsize` (elements by default)."""
+    out, acc = [], itemsize
     for d in reversed(shape):
         out.append(acc)
         acc *= d
@@ -72,7 +73,7 @@ def _core_view(block: CoreArray, off: int, shape: tuple) -> CoreArray:
     a.ptr = block.ptr + 4 * off
     a.shape = tuple([int(d) for d in shape])
     a.dtype = "int32"
-    a.strides = _byte_strides(a.shape)
+    a.strides = c_strides(a.shape, 4)
     a.device = block.device
     a.device_id = block.device_id
     a.owner = block
@@ -91,12 +92,7 @@ def _layout(shapes: Sequence[tuple]) -> tuple:
         if len(_layouts) >= 64:
             _layouts.clear()
         offsets, sizes, total = _offsets(key)
-        strided = tuple(
-            [
-                (shape, tuple([st // 4 for st in _byte_strides(shape)]), off)
-                for shape, off in zip(key, offsets)
-            ]
-        )
+        strided = tuple([(shape, c_strides(shape), off) for shape, off in zip(key, offsets)])
         got = _layouts[key] = (offsets, sizes, total, strided)
     return got
 

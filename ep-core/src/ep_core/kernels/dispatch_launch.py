@@ -40,7 +40,7 @@ from ep_core.kernels.prepared_launch import (
 )
 from ep_core.kernels.zero_copy_rows import ZeroCopyRows
 from ep_core.requests import DispatchResult
-from ep_core.validation import check_zero_copy_dispatch_args
+from ep_core.validation import check_zero_copy_dispatch_args, validate_rank_routing
 
 
 @dataclass
@@ -111,6 +111,9 @@ def _check_2d(view: DeviceView, what: str) -> None:
 class DispatchLaunch:
     """The dispatch side of `RankDriver` (module doc)."""
 
+    # `ProcessRank`, `NcclRank`: the routing checked here first (rule D7); the others' callers check it before
+    check_routing = False
+
     def launch_dispatch(
         self,
         x: Any,
@@ -140,6 +143,8 @@ class DispatchLaunch:
         stores the outputs in their final form in this rank's receive region and `recv_x`, its scales, ids and
         weights are views of it (no copy epilogue; rows in deterministic order; `zero_copy_rows`); every rank of
         the call passes it alike (the envelope checks)."""
+        if self.check_routing:
+            validate_rank_routing(x, topk_idx, handle)
         self.last_repeat = None
         self.guard()
         self._check_handle(handle)

@@ -16,6 +16,8 @@ Errors: a failed kernel makes every later call raise until `reset()`, which ever
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ import numpy as np
 from ep_core.errors import EPStateError
 from ep_core.kernels import _cuda
 from ep_core.kernels._cuda import DeviceView, Event, Stream
-from ep_core.kernels.array_block import carve, int32_block, use_block, use_offered
+from ep_core.kernels.array_block import c_strides, carve, int32_block, use_block, use_offered
 from ep_core.kernels.op_plan import dispatch_result, note_handle_topk_idx
 from ep_core.kernels.plan import epilogue_share, rank_sm_share
 from ep_core.kernels.prepared_launch import record_wait
@@ -169,7 +171,7 @@ class GpuExecutor:
             if name is None:
                 dt = np.dtype(dtype)
                 name = names.get(dt) or dt.name
-            if strides is not None and tuple(strides) != tuple(_c_strides(shape)):
+            if strides is not None and tuple(strides) != c_strides(shape):
                 # column-major scales: the storage array [P, ld] (EPBuffer's contract), kernels get its pointer
                 _rows, packs = shape
                 return allocate((packs, strides[1]), name)
@@ -194,9 +196,8 @@ class GpuExecutor:
             alloc.int32_block = lambda shapes: int32_block(allocate, shapes)
             alloc.handle_block = lambda shapes: carve(allocate, shapes)
         if key is not None:
-            if (
-                len(self._allocators) >= 16
-            ):  # callers that make a new allocator per call: keep only recent ones
+            # callers that make a new allocator per call: keep only recent ones
+            if len(self._allocators) >= 16:
                 self._allocators.clear()
             self._allocators[key] = alloc
         return alloc
@@ -274,21 +275,13 @@ class GpuExecutor:
         rank = self.rank
         alloc = self._allocator(req, req.x.dtype)
         wait, _, _ = self.stream_pairs(req.stream, False)
-        rank._allocator = alloc
-        try:
-            if wait is not None:
-                record_wait(wait[0], wait[1], self.stream.handle)
+        with self._serving(alloc, wait):
             pending = _rank_dispatch(rank.launch_dispatch, req, False, None)
-        finally:
-            rank._allocator = None
 
         def finish(stream: int) -> Any:
             _, signal, ev = self.stream_pairs(stream, True)
-            rank._allocator = alloc
-            try:
+            with self._serving(alloc, None):
                 res = rank.finish_dispatch(pending)
-            finally:
-                rank._allocator = None
             record_wait(signal[0], self.stream.handle, signal[1])
             if res.handle is not req.handle and req.topk_idx is not None:
                 res.handle.topk_idx = req.topk_idx.obj
@@ -296,6 +289,18 @@ class GpuExecutor:
             return res
 
         return finish
+
+    @contextlib.contextmanager
+    def _serving(self, alloc: Any, wait: Any) -> Iterator[None]:
+        """A deferred operation's step: `alloc` (`_allocator`) as the rank's allocator, the comm stream first
+        ordered after `wait` (`stream_pairs`; None: no wait)."""
+        self.rank._allocator = alloc
+        try:
+            if wait is not None:
+                record_wait(wait[0], wait[1], self.stream.handle)
+            yield
+        finally:
+            self.rank._allocator = None
 
     def combine_buffer(self, handle: Any, hidden: int) -> Any:
         """This rank's zero-copy combine buffer (`RankDriver.combine_buffer`)."""
@@ -314,26 +319,15 @@ class GpuExecutor:
         waiting stream: it follows that stream's work), allocates the outputs from the request's allocator, launches
         the reduce, orders `stream` after it and returns the `CombineResult`. Until `finish` this rank must start no
         other operation (the receive region holds the rows the reduce reads): the caller refuses them."""
-        rank = self.rank
         alloc = self._allocator(req, "bfloat16")
         wait, _, _ = self.stream_pairs(req.stream, False)
-        rank._allocator = alloc
-        try:
-            if wait is not None:
-                record_wait(wait[0], wait[1], self.stream.handle)
-            reduce = _rank_combine(rank, req, False, defer=True)
-        finally:
-            rank._allocator = None
+        with self._serving(alloc, wait):
+            reduce = _rank_combine(self.rank, req, False, defer=True)
 
         def finish(stream: int) -> Any:
             wait, signal, ev = self.stream_pairs(stream, True)
-            rank._allocator = alloc
-            try:
-                if wait is not None:
-                    record_wait(wait[0], wait[1], self.stream.handle)
+            with self._serving(alloc, wait):
                 res = reduce()
-            finally:
-                rank._allocator = None
             record_wait(signal[0], self.stream.handle, signal[1])
             res.event = ev
             return res
@@ -358,14 +352,6 @@ class GpuExecutor:
         if not self._destroyed:
             self.stream.synchronize()
             self._destroyed = True
-
-
-def _c_strides(shape: tuple) -> tuple:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= d
-    return tuple(reversed(out))
 
 
 def _rank_combine(rank: RankDriver, req: Any, record: bool, defer: bool = False) -> Any:

@@ -198,19 +198,15 @@ class KernelConfig:
         """The -D constants of the generated source."""
         transport = "ep_core::IpcTransport" if self.transport == "ipc" else "ep_core::NcclTransport"
         out: dict[str, object] = {}
-        if self.is_hybrid:
-            out["EP_CORE_NUM_SCALEUP_RANKS"] = self.num_scaleup_ranks
+        if self.is_hybrid or self.is_direct_xnode:  # several nodes: the ranks of one node, the scale-out
+            if self.is_hybrid:
+                node = out["EP_CORE_NUM_SCALEUP_RANKS"] = self.num_scaleup_ranks
+            else:
+                node = out["EP_CORE_NUM_NODE_RANKS"] = self.num_nvlink_ranks
             if self.scaleout == "gin":
                 out["EP_CORE_SCALEOUT"] = "ep_core::GinScaleout"
                 # NCCL's LSA team is one node: its load/store peers are indexed by the local rank
-                transport = f"ep_core::NodeLsaTransport<{self.num_scaleup_ranks}>"
-            else:
-                out["EP_CORE_SCALEOUT"] = "ep_core::EmulatedScaleout"
-        elif self.is_direct_xnode:
-            out["EP_CORE_NUM_NODE_RANKS"] = self.num_nvlink_ranks
-            if self.scaleout == "gin":
-                out["EP_CORE_SCALEOUT"] = "ep_core::GinScaleout"
-                transport = f"ep_core::NodeLsaTransport<{self.num_nvlink_ranks}>"
+                transport = f"ep_core::NodeLsaTransport<{node}>"
             else:
                 out["EP_CORE_SCALEOUT"] = "ep_core::EmulatedScaleout"
         return out | {

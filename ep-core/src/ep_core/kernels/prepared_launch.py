@@ -90,9 +90,8 @@ class PreparedLaunch:
         self.block = block
         self.shared_mem = shared_mem
         self.cooperative = bool(cooperative)
-        self.pdl = bool(
-            pdl
-        )  # programmatic dependent launch (it may start before the stream's previous kernel ends)
+        # programmatic dependent launch (it may start before the stream's previous kernel ends)
+        self.pdl = bool(pdl)
         self.words = words
         self.dynamic = tuple(dynamic)
         self.slots = field_slots(self.dynamic)
@@ -174,9 +173,8 @@ def _native_launch(launch: PreparedLaunch) -> Any:
     if module is None:
         return None
     opt_in = getattr(launch.kernel, "_opt_in_smem", None)
-    if (
-        opt_in is not None
-    ):  # the Python launch opts in above 48 KiB on every call; the native one relies on this
+    # the Python launch opts in above 48 KiB on every call; the native one relies on this
+    if opt_in is not None:
         opt_in(launch.shared_mem)
     return module.Launch(
         int(func),

@@ -516,25 +516,10 @@ class RankDriver(DispatchLaunch, CombineLaunch, RankRuntime):
         return num_recv, sum(aligned), aligned
 
     def _shape_key(self, plan: RegionPlan, scratch: int, num_sms: int) -> tuple:
-        """The rank's words of a launch shape (every field of `_common` but the op's num_experts) and its grid."""
-        res = self.res
-        return (
-            res.base + plan.workspace_offset,
-            res.base + plan.recv_offset,
-            scratch,
-            res.peer_table,
-            res.base,
-            res.nccl_window,
-            res.nccl_devcomm,
-            self.rank,
-            self.num_max_tokens,
-            self.timeout_cycles,
-            self._status.device_ptr,
-            num_sms,
-            self.device_sms,
-            self.num_ranks_on_device,
-            self.cooperative,
-        )
+        """The rank's words of a launch shape (every field of `_common`, the op's num_experts left 0: the key holds
+        it apart) and its grid. The full path's (a plan's run keeps its key)."""
+        words = self._common(plan, scratch, 0).values()
+        return (*words, num_sms, self.device_sms, self.num_ranks_on_device, self.cooperative)
 
     @property
     def device_id(self) -> int:

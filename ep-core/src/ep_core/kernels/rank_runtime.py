@@ -266,9 +266,8 @@ class RankRuntime:
 
     def _zero_state(self) -> None:
         """Stream-ordered memsets of the workspace and of every separate scratch (the caller drains and orders)."""
-        self._num_collective_launches = (
-            0  # the envelopes' sequence: every rank starts counting again together
-        )
+        # the envelopes' sequence: every rank starts counting again together
+        self._num_collective_launches = 0
         _cuda.memset(self.res.base, ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES, self.stream)
         for buf in self.res.scratch_buffers.values():
             _cuda.memset(buf.ptr, buf.nbytes, self.stream)

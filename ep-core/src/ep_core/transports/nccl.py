@@ -40,7 +40,6 @@ from typing import Any
 
 from ep_core.errors import EPConfigError, EPDeviceError
 from ep_core.kernels.rank_driver import RankDriver, RankResources
-from ep_core.validation import validate_rank_routing
 
 __all__ = [
     "GIN_QUEUE_DEPTH",
@@ -609,6 +608,8 @@ class NcclRank(RankDriver):
     """One rank per process over the nccl transport (the `ProcessRank` of ipc): RankDriver's two-phase dispatch
     and combine on an NCCL window. Tests and benchmarks drive the kernels through it without `EPBuffer`."""
 
+    check_routing = True  # (`DispatchLaunch.check_routing`)
+
     def __init__(
         self,
         bootstrap: Any,
@@ -657,11 +658,6 @@ class NcclRank(RankDriver):
             cpu_timeout_secs=cpu_timeout_secs,
             num_warps=num_warps,
         )
-
-    def launch_dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, **kwargs: Any) -> Any:
-        """`RankDriver.launch_dispatch` after the validator's routing check (rule D7, `validate_rank_routing`)."""
-        validate_rank_routing(x, topk_idx, kwargs.get("handle"))
-        return super().launch_dispatch(x, topk_idx, topk_weights, **kwargs)
 
     def close(self) -> None:
         """Collective: drain, barrier, release the window, memory and (owned) communicator."""
