@@ -3,20 +3,18 @@
 # one device call each, every step under its own time limit so one hang costs only its step:
 #
 #   scripts/gpu-pending.sh OUTDIR main    # this tree: the GPU tests not yet run, then host time (<= 9.5 min)
-#   scripts/gpu-pending.sh OUTDIR verify  # this tree, after a session's merges: the V1 low-latency tests and bench_v1 at
-#                                         # EP8, the deferred epilogue over nccl, hybrid's deterministic order (<= 7 min)
-#   scripts/gpu-pending.sh OUTDIR ll44    # the tree in .gl/ll44 (a copy of branch wt-ll44, carried by the device
-#                                         # call: `git worktree add .gl/ll44 wt-ll44`, carry [".gl/ll44"]): the
-#                                         # decode-step diagnosis, its V1 low-latency GPU tests, bench_v1 (<= 9.5 min)
+#   scripts/gpu-pending.sh OUTDIR verify  # this tree, after a session's merges: the deferred epilogue, hybrid's
+#                                         # deterministic order, bench_v1 at EP8 with the LL receive cap, the LL and
+#                                         # bucket GPU tests, ep-core's GPU tests (<= 9.5 min)
 #
 # Logs land in OUTDIR (summary.txt first: one line per step with its exit status and seconds), the rest in
 # OUTDIR/logs.tgz (the device tool brings back at most 8 files).
 set -uo pipefail
-out=${1:?usage: scripts/gpu-pending.sh OUTDIR main|verify|ll44}
-what=${2:?usage: scripts/gpu-pending.sh OUTDIR main|verify|ll44}
+out=${1:?usage: scripts/gpu-pending.sh OUTDIR main|verify}
+what=${2:?usage: scripts/gpu-pending.sh OUTDIR main|verify}
 root=$(cd "$(dirname "$0")/.." && pwd)
 tree=$root
-[[ $what == ll44 ]] && tree=$root/.gl/ll44
+[[ $what == main || $what == verify ]] || { echo "unknown set $what (main or verify)"; exit 2; }
 [[ -d $tree/ep-core ]] || { echo "no tree at $tree"; exit 2; }
 mkdir -p "$out/logs"
 summary=$out/summary.txt
@@ -59,11 +57,10 @@ elif [[ $what == verify ]]; then
   step hybrid 60 "${pt[@]}" ep-core/tests/gpu/test_gpu_hybrid.py -k "handle_order or two_nodes"
   step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
   step ll_tests 60 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py ep-torch/tests/test_torch_hybrid_gpu.py
-else
-  # issue 44: the decode step (each loopback rank in turn: dispatch, work, combine) that failed in session 4
-  step step_diag 180 python3 benchmarks/profile_ll_native.py --step --ranks 8 --recv-blocks 0 8 4 --iters 5
-  step ll_tests 120 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py
-  step bench_v1 180 python3 benchmarks/bench_v1.py --ranks 8 1 --quick --iters 20
+  # issue 42: the bucket buffers' several groups and bf16 reduce_scatter on the GPU (bucket10); issue 45: trim10's
+  # consolidated GPU-only host code (LoopbackDomain, ProcessRank / NcclRank, MappedWords) under ep-core's GPU tests
+  step bucket 90 "${pt[@]}" ep-torch/tests/test_torch_bucket_gpu.py
+  step core_gpu 120 "${pt[@]}" -x ep-core/tests/gpu
 fi
 rm -rf "$out/logs"
 cat "$summary"
