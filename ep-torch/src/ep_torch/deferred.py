@@ -16,8 +16,8 @@ splits the same way (``GpuExecutor.launch_combine_deferred``, ``ep_core.EPBuffer
 send-only and reduce-only launches of a split combine, ``ep_core.kernels.combine_launch``): the call launches the send
 part; the wait orders the comm stream after the waiting stream (the reduce follows its work, as DeepEP's runs on
 it), allocates ``(combined_x, combined_topk_weights)``, launches the reduce and makes the waiting stream wait for
-it. The bits are the ordinary combine's. ``x`` is read until the reduce (a rank's own rows in place): keep it
-unchanged until the wait. Hybrid and cross-node combines have no separate reduce: they run whole at the call and
+it. The bits are the ordinary combine's. ``x`` is read until the epilogue (a dispatch's own rows come from ``x``,
+a combine's reduce reads its own rows in place): keep it unchanged until the wait. Hybrid and cross-node combines have no separate reduce: they run whole at the call and
 the wait hands the outputs over.
 
 Streams: the outputs are allocated on the executor's comm stream (the stream the epilogue writes them on: no wait for
@@ -133,32 +133,42 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
                 False,
             )
         )
-    comm = comm_stream_of(buf, device)
-    inputs = _cuda_tensors((x, topk_idx, w, stats))
-    for t in inputs:  # the comm stream reads them after this call returned
-        t.record_stream(comm)
-    event = EventOverlap.recorded(torch.cuda.current_stream())
+    tma = call["use_tma_aligned_col_major_sf"]
 
-    release = hold(buf, WAITING.format("dispatch"))
-
-    def epilogue() -> tuple:
-        waiting = torch.cuda.current_stream(device)
-        try:
-            with torch.cuda.stream(comm):  # the outputs from the comm stream's pool (module doc)
-                res = finish(waiting.cuda_stream)
-        finally:
-            release()
-        outs = _cuda_tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights))
-        held = _handle_tensors(res.handle)
-        for t in outs:
+    def done(res: Any, waiting: torch.cuda.Stream, comm: torch.cuda.Stream) -> tuple:
+        for t in _cuda_tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)):
             t.record_stream(waiting)
-        for t in held:
+        for t in _handle_tensors(res.handle):
             t.record_stream(comm)
             t.record_stream(waiting)
         if handle is None:
             res.handle.topk_idx = topk_idx  # the caller's tensor itself (do_handle_copy=False)
-        recv_x = _received(res.recv_x, res.recv_sf, call["use_tma_aligned_col_major_sf"])
-        return recv_x, res.recv_topk_idx, res.recv_topk_weights, res.handle
+        return _received(res.recv_x, res.recv_sf, tma), res.recv_topk_idx, res.recv_topk_weights, res.handle
+
+    return _deferred(buf, "dispatch", device, _cuda_tensors((x, topk_idx, w, stats)), finish, done)
+
+
+def _deferred(buf: Any, op: str, device: torch.device, inputs: list, finish: Any, done: Any) -> EventOverlap:
+    """The deferred call's event, after its launch: `inputs` (its CUDA tensors) recorded on the comm stream and kept
+    until the epilogue is queued (the epilogue reads them too: a dispatch's own rows from `x`, a combine's reduce its
+    own rows in place), the buffer held until the wait (`hold`); the first wait runs `finish(waiting stream)` on the
+    comm stream (the outputs from its pool, module doc), gives the buffer back and returns `done(result, waiting
+    stream, comm stream)`."""
+    comm = comm_stream_of(buf, device)
+    for t in inputs:  # the comm stream reads them after this call returned
+        t.record_stream(comm)
+    event = EventOverlap.recorded(torch.cuda.current_stream())
+    release = hold(buf, WAITING.format(op))
+
+    def epilogue() -> tuple:
+        waiting = torch.cuda.current_stream(device)
+        try:
+            with torch.cuda.stream(comm):
+                res = finish(waiting.cuda_stream)
+        finally:
+            release()
+        del inputs[:]  # (held until the epilogue was queued: their frees wait for it, `record_stream`)
+        return done(res, waiting, comm)
 
     event.register_hook_after_wait(epilogue)
     return event
@@ -187,26 +197,12 @@ def deferred_combine(buf: Any, a: CombineArgs) -> EventOverlap:
     with buf._scope("combine", a.previous_event, True) if scoped else contextlib.nullcontext():
         stream = _current_stream(buf._device_index)  # (in a comm-stream scope: that stream)
         finish = rt.launch_combine_deferred(a._replace(allocator=allocator, stream=stream))
-    comm = comm_stream_of(buf, device)
     handle = a.handle
-    inputs = _cuda_tensors((a.x, a.topk_weights, a.bias, handle.topk_idx, *_handle_tensors(handle)))
-    for t in inputs:  # the comm stream reads them after this call returned (the reduce at the wait)
-        t.record_stream(comm)
-    event = EventOverlap.recorded(torch.cuda.current_stream())
 
-    release = hold(buf, WAITING.format("combine"))
-
-    def epilogue() -> tuple:
-        waiting = torch.cuda.current_stream(device)
-        try:
-            with torch.cuda.stream(comm):  # the outputs from the comm stream's pool (module doc)
-                res = finish(waiting.cuda_stream)
-        finally:
-            release()
+    def done(res: Any, waiting: torch.cuda.Stream, comm: torch.cuda.Stream) -> tuple:
         for t in _cuda_tensors((res.combined_x, res.combined_topk_weights)):
             t.record_stream(waiting)
-        del inputs[:]  # (held until the reduce was queued: their frees wait for it, `record_stream`)
         return res.combined_x, res.combined_topk_weights
 
-    event.register_hook_after_wait(epilogue)
-    return event
+    inputs = _cuda_tensors((a.x, a.topk_weights, a.bias, handle.topk_idx, *_handle_tensors(handle)))
+    return _deferred(buf, "combine", device, inputs, finish, done)
