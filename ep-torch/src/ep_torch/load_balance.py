@@ -50,13 +50,12 @@ from ep_core.buffer_base import BufferAllocator as _CorePlan
 from ep_core.envelope import Channel
 from ep_core.errors import EPMismatchError, EPStateError, EPTypeError, EPValueError
 from ep_core.load_balance import check_redundancy_mapping, lb_num_sms, lb_routes, plan_redundancy_mapping
+from ep_core.planner import PlannerPolicy
 
 from .buffer_base import BufferAllocator
 from .event import EventHandle, EventOverlap
 
 __all__ = ["LoadBalance"]
-
-_SM_READ_GBS_25, _SM_WRITE_GBS_25 = 180.0, 45.0
 
 
 class LoadBalance:
@@ -99,8 +98,8 @@ class LoadBalance:
             from ep_core.planner import detect_scaleup_gbs
 
             nvlink_gbs = detect_scaleup_gbs(max(int(self.num_nvlink_ranks), 2))[0]
-            # DeepEP 2.5's per-SM HBM rates (`deep_ep/utils/envs.py`: 180 read, 45 write), not V2's 200 / 50
-            cached = self._lb_num_sms = lb_num_sms(nvlink_gbs, _SM_READ_GBS_25, _SM_WRITE_GBS_25)
+            # DeepEP 2.5's per-SM HBM rates (the planner's V2_5 policy: 180 read, 45 write), not V2's 200 / 50
+            cached = self._lb_num_sms = lb_num_sms(nvlink_gbs, *PlannerPolicy.V2_5.sm_gbs)
         return cached
 
     def lb_get_redundancy_mapping(
