@@ -17,14 +17,17 @@ from ep_core.kernels._args import OP_ARGS_FIELDS
 from ep_core.kernels.plan import plan_regions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_core_deferred import E, H, K, T, _args, mocked  # noqa: E402,F401  (the fixture)
+from test_core_deferred import E, H, K, T, _args
+from test_core_deferred import mocked as mocked  # (the fixture, found by name)
 
 _RECV_X = OP_ARGS_FIELDS.index("recv_x")
 
 
 def _epilogue_recv_x(launched) -> int:
     """The `recv_x` word of the last copy-epilogue launch."""
-    words = [w for launch, *w in launched.raw if getattr(launch, "name", "") == "ep_dispatch_copy_epilogue_impl"]
+    words = [
+        w for launch, *w in launched.raw if getattr(launch, "name", "") == "ep_dispatch_copy_epilogue_impl"
+    ]
     return int(words[-1][0][_RECV_X])
 
 
