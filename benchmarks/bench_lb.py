@@ -16,8 +16,19 @@ not a full ``EPBuffer``: they read nothing else of the buffer.
 Rates are the bytes read plus written per second (GB/s, 1e9), best of ``--runs`` timed repetitions (CUDA events).
 
     python benchmarks/bench_lb.py --out OUTDIR [--slots 4] [--runs 10]
+    python benchmarks/bench_lb.py --out OUTDIR --nprocs 2 [--share-gpu] [--scale 4]
 
 Writes OUTDIR/bench_lb.json. Without a GPU it prints "skipped" (``--device cpu`` runs it on the host).
+
+``--nprocs 2``: the cross-rank bytes. Two processes, each one rank of a full ``EPBuffer`` with the LB region planned
+as above, every slot of a rank holding one of the *peer's* experts (so every byte crosses ranks: ep's
+``all_to_all_single`` path). ``--share-gpu`` (or fewer GPUs than ranks): both on GPU 0, a gloo group, the ipc
+transport (the all-to-all then goes through host memory: gloo); else one GPU each over nccl. Each rank checks what it
+received against the peer's experts (regenerated from the peer's seed) before timing; both ranks run each timed
+repetition together (a barrier before each); rank 0's CUDA-event times are reported. ``*_gbs``: the bytes every rank
+wrote, read plus written, over the time (both ranks' bytes: on one shared GPU they share its HBM); the ceiling is one
+``Tensor.copy_`` of the same total bytes on one GPU (``copy_gbs``), so ``prefetch_vs_copy`` is the issue's 80%
+target for the cross-rank path. Writes OUTDIR/bench_lb_n2[_shared].json.
 """
 
 from __future__ import annotations
@@ -54,6 +65,122 @@ def _timer(device: str):
     return run
 
 
+def _multi(rank: int, n: int, args_d: dict) -> None:
+    """One rank of the ``--nprocs`` run (module doc)."""
+    import ep_torch
+    import torch
+    import torch.distributed as dist
+
+    shared = args_d["shared"]
+    torch.cuda.set_device(0 if shared else rank)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    r, num_local, scale, runs = args_d["slots"], args_d["experts"], args_d["scale"], args_d["runs"]
+    shapes = [(4096 // scale, 7168), (7168 // scale, 2048)]
+    hidden = 8 * 1024 * 1024 // scale
+    plan = ep_torch.BufferAllocator()
+    dst = [plan.allocate((r, *s), torch.bfloat16) for s in shapes]
+    red_grads = plan.allocate((r, hidden), torch.float32)
+    buf = ep_torch.EPBuffer(
+        dist.group.WORLD, num_max_tokens_per_rank=128, hidden=1024, num_topk=8,
+        lb_allocation_plan_or_num_bytes=plan, explicitly_destroy=True, **({"transport": "ipc"} if shared else {}),
+    )  # fmt: skip
+
+    def experts(of: int) -> list:
+        g = torch.Generator().manual_seed(1000 + of)
+        return [torch.randn(num_local, *s, generator=g).to(torch.bfloat16).to(dev) for s in shapes]
+
+    src = experts(rank)
+    # every slot of rank q holds an expert of the next rank: all bytes cross ranks
+    mapping = torch.tensor(
+        [[((q + 1) % n) * num_local + c % num_local for c in range(r)] for q in range(n)], dtype=torch.int32
+    ).to(dev)
+    grads = torch.zeros(num_local, hidden, device=dev)
+
+    def slot_grads(of: int):
+        return torch.randn(r, hidden, generator=torch.Generator().manual_seed(2000 + of)).to(dev)
+
+    red_grads.copy_(slot_grads(rank))
+
+    def timed(fn) -> float:
+        fn()  # warm-up (and the checked run)
+        best = float("inf")
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            dist.barrier()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+        return best
+
+    t_prefetch = timed(lambda: buf.lb_prefetch_weights(dst, src, mapping))
+    peer = experts((rank + 1) % n)
+    for d, s in zip(dst, peer, strict=True):
+        want = s[torch.arange(r, device=dev) % num_local]
+        assert torch.equal(d, want), f"rank {rank}: the prefetched slots are not the peer's experts"
+    del peer
+    # checked: each expert gains the slots that hold it on the previous rank, in ascending slot order
+    buf.lb_reduce_grads(red_grads, grads, mapping)
+    want = torch.zeros_like(grads)
+    theirs = slot_grads((rank - 1) % n)
+    for c in range(r):
+        want[c % num_local] += theirs[c]
+    assert torch.equal(grads, want), f"rank {rank}: the reduced gradients"
+    del want, theirs
+    torch.cuda.synchronize()
+    dist.barrier()
+    t_reduce = timed(lambda: buf.lb_reduce_grads(red_grads, grads, mapping))
+    moved = sum(d.nbytes for d in dst) * n  # every rank's slots
+    grad_bytes = red_grads.nbytes * n
+    rows = None
+    if rank == 0:
+        flat_src = torch.empty(moved, dtype=torch.uint8, device=dev)
+        flat_dst = torch.empty_like(flat_src)
+        t_copy = min(_copy_time(flat_dst, flat_src) for _ in range(runs))
+        del flat_src, flat_dst
+        rows = {
+            "device": torch.cuda.get_device_name(dev),
+            "setup": "shared" if shared else "gpus",
+            "nprocs": n,
+            "transport": buf.transport,
+            "group_backend": dist.get_backend(),
+            "slots": r,
+            "experts": num_local,
+            "prefetch_bytes": moved,
+            "prefetch_s": t_prefetch,
+            "copy_s": t_copy,
+            "prefetch_gbs": 2 * moved / t_prefetch / 1e9,
+            "copy_gbs": 2 * moved / t_copy / 1e9,
+            "prefetch_vs_copy": t_copy / t_prefetch,
+            "reduce_bytes": grad_bytes,
+            "reduce_s": t_reduce,
+            "reduce_gbs": 3 * grad_bytes / t_reduce / 1e9,
+            "reduce_vs_copy": (2 * grad_bytes / (2 * moved / t_copy)) / t_reduce,
+        }
+        out = Path(args_d["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"bench_lb_n{n}{'_shared' if shared else ''}.json"
+        (out / name).write_text(json.dumps(rows, indent=1))
+        print(json.dumps(rows, indent=1))
+    torch.cuda.synchronize()
+    dist.barrier()
+    buf.destroy()
+
+
+def _copy_time(dst, src) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    dst.copy_(src)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -62,11 +189,25 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--scale", type=int, default=1, help="divide the expert sizes (a quick CPU run)")
+    ap.add_argument("--nprocs", type=int, default=1, help="2: the cross-rank bytes (module doc)")
+    ap.add_argument(
+        "--share-gpu", action="store_true", help="--nprocs: every rank on GPU 0 (ipc, gloo group)"
+    )
     args = ap.parse_args()
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no GPU")
+        return 0
+    if args.nprocs > 1:
+        if args.device != "cuda":
+            raise SystemExit("--nprocs: a GPU run (--device cuda)")
+        from ep_torch.launch import spawn
+
+        shared = args.share_gpu or torch.cuda.device_count() < args.nprocs
+        opts = {"shared": shared, "slots": args.slots, "experts": args.experts, "scale": args.scale}
+        opts |= {"runs": args.runs, "out": args.out}
+        spawn(_multi, args.nprocs, opts, backend="gloo" if shared else "nccl")
         return 0
     from ep_core.bootstrap import LocalBootstrap
     from ep_torch import BufferAllocator

@@ -12,9 +12,12 @@ a cached dispatch and a combine of its handle work after ``release()``, and (Dee
 ``release(*readers)`` keeps the rows alive for delayed readers on other streams while the next dispatch runs. A
 loopback group of 2 ranks: deferred no-CPU-sync dispatches and deferred combines against the ordinary calls
 (through the combine: rows past the count are undefined without a CPU sync), and deferred CPU-sync dispatches
-(every rank launches before any waits for its counts).
+(every rank launches before any waits for its counts). On CUDA the borrowed view is the receive region lent in place
+(``view.in_place``; one rank: every row its own, put into the region from ``x``); 2 processes sharing the GPU over
+ipc: the view's rows (the peer's where its kernel put them, this rank's own from ``x``) bitwise the ordinary
+dispatch's, a delayed reader passed to ``release`` keeps them while every rank dispatches again, a combine of them.
 
-The same bodies run on the CPU reference backend (1 gloo rank; a CPU loopback group) without the ``gpu`` marker,
+The same bodies run on the CPU reference backend (1 gloo rank; a CPU loopback group; 2 gloo ranks) without the ``gpu`` marker,
 which checks the tests themselves where no GPU is."""
 
 from __future__ import annotations
@@ -199,7 +202,14 @@ def _one_rank() -> None:
             ref = buf.dispatch(x, **bkw)
             view, r_idx, r_w, handle, _ = buf.dispatch(x, borrow_recv=True, **bkw)
             assert isinstance(view, ep_torch.DispatchRecvView)
+            # CUDA lends the receive region (no copy epilogue for the rows); one rank: every row is its own, put
+            # into the region from x
+            assert view.in_place == cuda, view.copy_reason
             payload = view.slab.index_select(0, view.row_indices)
+            if cuda:
+                assert view.copied_rows == payload.shape[0] and view.slab.stride()[0] > H
+            if deterministic:  # the same row order: bitwise as it stands
+                assert _same(payload, ref[0])
             mine = handle.recv_src_metadata[:, 0].long().argsort()
             theirs = ref[3].recv_src_metadata[:, 0].long().argsort()
             assert _same(payload[mine], ref[0][theirs]) and _same(r_idx[mine], ref[1][theirs])
@@ -326,6 +336,69 @@ def _loopback(device: str) -> None:
     print("loopback ok")
 
 
+def _two(rank: int, n: int, device: str = "cpu") -> None:
+    """2 processes (sharing the GPU over ipc; gloo ranks of the CPU reference): a borrowed view in place holds the
+    ordinary dispatch's rows, the peer's (read where the peer's kernel put them) and this rank's own (put there from
+    x: ``copied_rows``); a delayed reader on another stream passed to ``release`` keeps its rows while every rank
+    dispatches again (the peer's next dispatch waits at its entry barrier for this rank's, which waits for the
+    reader); a combine of the rows after the release is the ordinary one."""
+    import ep_torch
+    import torch.distributed as dist
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)  # every process on the one GPU: ipc (NCCL refuses two ranks on one GPU)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    x, idx, w = _inputs(3, T - 5 * rank, dev, rank)
+    kw = dict(topk_idx=idx, topk_weights=w, num_experts=E)
+    for deterministic in (False, True):
+        buf = ep_torch.EPBuffer(
+            dist.group.WORLD, num_max_tokens_per_rank=M, hidden=H, num_topk=K, deterministic=deterministic,
+            explicitly_destroy=True, transport="ipc" if cuda else "reference",
+        )  # fmt: skip
+        ref = buf.dispatch(x, **kw)
+        view, r_idx, r_w, handle, _ = buf.dispatch(x, borrow_recv=True, **kw)
+        assert view.in_place == cuda, view.copy_reason
+        payload = view.slab.index_select(0, view.row_indices)
+        mine = handle.recv_src_metadata[:, 0].long().argsort()
+        theirs = ref[3].recv_src_metadata[:, 0].long().argsort()
+        assert _same(payload[mine], ref[0][theirs]), f"rank {rank}: the view's rows"
+        assert _same(r_idx[mine], ref[1][theirs]) and _same(r_w[mine], ref[2][theirs])
+        if deterministic:
+            assert _same(payload, ref[0]), f"rank {rank}: deterministic rows in order"
+        own = int((handle.recv_src_metadata[:, 0] // M == rank).sum())
+        assert view.copied_rows == (own if cuda else payload.shape[0])
+        assert 0 < own < payload.shape[0], "rows from both ranks (the test's routing)"
+        if cuda:
+            reader = torch.cuda.Stream(dev)
+            with torch.cuda.stream(reader):
+                torch.cuda._sleep(50_000_000)
+                late = view.slab.index_select(0, view.row_indices)
+            view.release(reader)
+        else:
+            late = view.slab.index_select(0, view.row_indices)
+            view.release()
+        buf.dispatch((x.float() + 1).bfloat16(), **kw)  # overwrites the region (every rank)
+        if cuda:
+            reader.synchronize()
+        assert _same(late, payload), f"rank {rank}: a delayed reader saw the next dispatch's rows"
+        want = buf.combine(ref[0], ref[3])[0]
+        assert _same(buf.combine(payload, handle)[0], want), f"rank {rank}: combine of the view's rows"
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        buf.destroy()
+    print(f"rank {rank}: two ok")
+
+
+def _two_cpu(rank: int, n: int) -> None:
+    _two(rank, n, "cpu")
+
+
+def _two_cuda(rank: int, n: int) -> None:
+    _two(rank, n, "cuda")
+
+
 def _script(args: list[str], limit: float) -> None:
     from ep_torch_testing import run_script  # loaded by conftest.py
 
@@ -337,6 +410,13 @@ def _script(args: list[str], limit: float) -> None:
 def test_bodies_on_cpu_reference():
     _script(["one", "gloo"], 240)
     _script(["loopback", "cpu"], 240)
+    _script(["two", "cpu"], 240)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_gpu_ipc_two_processes_borrow():
+    _script(["two", "cuda"], 180)
 
 
 @pytest.mark.gpu
@@ -355,6 +435,10 @@ if __name__ == "__main__":
     what, how = sys.argv[1], sys.argv[2]
     if what == "loopback":
         _loopback(how)
+    elif what == "two":
+        from ep_torch.launch import spawn
+
+        spawn(_two_cuda if how == "cuda" else _two_cpu, 2)
     else:
         import torch.distributed as dist
         from ep_torch.launch import free_port, init_rank

@@ -40,6 +40,9 @@ def _ranks(rank: int, n: int) -> None:
             ref = buf.dispatch(x, **kw)
             view, r_idx, r_w, handle, event = buf.dispatch(x, borrow_recv=True, **kw)
             assert isinstance(view, ep_torch.DispatchRecvView)
+            # the CPU backend copies, and says so (in place: CUDA, test_torch_defer_borrow_gpu.py)
+            assert not view.in_place and "CPU reference" in view.copy_reason
+            assert view.copied_rows == ref[0].shape[0] and "copied" in repr(view)
             assert _same(view.slab.index_select(0, view.row_indices), ref[0])
             assert _same(r_idx, ref[1]) and _same(r_w, ref[2])
             assert _same(handle.recv_src_metadata, ref[3].recv_src_metadata)
@@ -94,6 +97,58 @@ def test_borrowed_receive_view(ranks):
 
     code, out = run_script(__file__, ["_ranks", str(ranks)], 300, what=f"{ranks} ranks: ")
     assert code == 0, out[-4000:]
+
+
+def test_region_rows():
+    """The slot of each received row in the ordinary dispatch's order: sources in rank order, slots in order."""
+    from ep_torch.recv_view import region_rows
+
+    psum = torch.tensor([2, 2, 5], dtype=torch.int32)
+    assert region_rows(psum, 5, 4).tolist() == [0, 1, 8, 9, 10]
+    assert region_rows(torch.tensor([3], dtype=torch.int32), 3, 7).tolist() == [0, 1, 2]
+    assert region_rows(torch.tensor([0, 0], dtype=torch.int32), 0, 7).tolist() == []
+    assert region_rows(psum, 5, 4).dtype == torch.int64
+
+
+def test_in_place_slab_reads_the_ordinary_rows():
+    """A lent region (rows of whole tokens: the hidden part, then the tail) read through the strided bf16 slab and
+    `region_rows` gives the ordinary dispatch's rows bit for bit, as `_borrow_cuda` builds it (here on the CPU: the
+    region filled as the dispatch and the lending epilogue leave it)."""
+    from ep_torch.recv_view import DispatchRecvView, region_rows
+
+    n, m, hidden, tail = 3, 4, 8, 48
+    g = torch.Generator().manual_seed(3)
+    counts = [2, 0, 3]
+    psum = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    recv_x = torch.randn(sum(counts), hidden, generator=g).bfloat16()
+    # junk where no row lies
+    region = torch.randint(0, 255, (n * m, 2 * hidden + tail), generator=g, dtype=torch.uint8)
+    row = 0
+    for src, count in enumerate(counts):
+        for slot in range(count):
+            region[src * m + slot, : 2 * hidden] = recv_x[row].view(torch.uint8)
+            row += 1
+    slab = region.view(torch.bfloat16)[:, :hidden]
+    assert slab.stride() == ((2 * hidden + tail) // 2, 1)
+    indices = region_rows(psum, sum(counts), m)
+    assert torch.equal(slab.index_select(0, indices).view(torch.int16), recv_x.view(torch.int16))
+
+    class Owner:
+        def _end_borrow(self):
+            self.ended = True
+
+    owner = Owner()
+    own = psum[1] - psum[0]  # rank 1's own rows (none here)
+    view = DispatchRecvView(owner, slab, indices, copied_rows=own)
+    assert view.in_place and view.copy_reason is None and "pending" in repr(view)
+    with pytest.raises(RuntimeError, match="wait"):
+        view.copied_rows  # noqa: B018
+    view._mark_ready()
+    assert view.copied_rows == 0 and view.row_indices is indices
+    view.release()
+    assert owner.ended and "released" in repr(view)
+    with pytest.raises(RuntimeError, match="released"):
+        view.slab  # noqa: B018
 
 
 def test_export():

@@ -9,6 +9,10 @@
 /// Zero padding rows are written after the data rows. The true row count is always read on the device
 /// (psum_rank[N-1]), so the same launch serves CPU-sync and no-sync calls. A block that finds this rank's abort
 /// flag raised (the dispatch before it failed: its counts are not valid) leaves at once (timeout.cuh, failure rule).
+/// A null `recv_x` (non-expanded, no scales, not cached, direct mode: `DispatchLaunch.finish_dispatch`'s lending
+/// epilogue) copies no row: it reads only the tails of the peers' rows and writes this rank's own rows' hidden part
+/// into their region slots from x, so that the region holds every received row whole (ep_torch lends it).
+/// Every other output is written as usual.
 /// It may be launched with programmatic dependent launch after the dispatch (the dispatch releases it when its
 /// blocks are done sending); it then waits for the dispatch to complete before reading anything.
 /// Hybrid mode (`kNumScaleupRanks < kNumRanks`): the regions are the same, walked in region order (source rank
@@ -204,6 +208,11 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
                 ptx::mbarrier_arrive_expect_tx(bar, Tok::kHiddenBytes);
                 ptx::bulk_load(buf, static_cast<const uint8_t*>(args.x) + t * args.x_stride, Tok::kHiddenBytes, bar);
             }
+        } else if (lane == 0 && recv_x == nullptr) {
+            // a lending epilogue (below): the hidden part stays where it is, only the tail is read
+            constexpr int kTail = Tok::kNumBytes - Tok::kHiddenBytes;
+            ptx::mbarrier_arrive_expect_tx(bar, kTail);
+            ptx::bulk_load(buf + Tok::kHiddenBytes, gtok + Tok::kHiddenBytes, kTail, bar);
         } else if (lane == 0) {
             ptx::mbarrier_arrive_expect_tx(bar, Tok::kNumBytes);
             ptx::bulk_load(buf, gtok, Tok::kNumBytes, bar);
@@ -227,8 +236,13 @@ EP_CORE_DEVICE void dispatch_epilogue_impl(const OpArgs& args) {
         int32_t* meta = args.src_metadata + i * kMetaCols;
 
         if (!expand) {
-            if (lane == 0) {
-                ptx::bulk_store(recv_x + i * static_cast<int64_t>(Tok::kHiddenBytes), buf, Tok::kHiddenBytes);
+            // `recv_x` null: a lending epilogue (ep_torch's `borrow_recv`; non-expanded bf16, no scales, direct mode,
+            // not cached): the rows stay in the region, where a rank's own row gets its hidden part from x
+            uint8_t* const dst = recv_x != nullptr ? recv_x + i * static_cast<int64_t>(Tok::kHiddenBytes)
+                                 : (kOwnRowsFromX && src_rank == rank) ? const_cast<uint8_t*>(gtok)
+                                                                       : nullptr;
+            if (lane == 0 && dst != nullptr) {
+                ptx::bulk_store(dst, buf, Tok::kHiddenBytes);
                 ptx::bulk_commit();
             }
             if constexpr (Tok::kNumSfPacks > 0) {

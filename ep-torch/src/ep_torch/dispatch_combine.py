@@ -348,6 +348,7 @@ class DispatchCombine:
                     zero_copy,
                     async_with_compute_stream,
                     again,
+                    call,
                 )
             return self._deferred(
                 "dispatch",
@@ -566,14 +567,16 @@ class DispatchCombine:
         zero_copy: Any,
         async_with_compute_stream: Any,
         call: Any,
+        args: dict,
     ) -> tuple:
         """A dispatch with ``borrow_recv=True`` (DeepEP 2.5): ``call()`` runs it without the keyword; returns
         ``(view, recv_topk_idx, recv_topk_weights, handle, event)``, ``view`` a
-        :class:`~ep_torch.recv_view.DispatchRecvView` of the received rows (:func:`~ep_torch.recv_view.lend`).
+        :class:`~ep_torch.recv_view.DispatchRecvView` of the received rows (:func:`~ep_torch.recv_view.borrow`;
+        `args`: the call's arguments by name).
         DeepEP's refusals come first (``EPValueError``, before any launch): a bf16 tensor ``x`` only (no FP8
         tuple), no ``do_expand``, no ``defer_epilogue``, no ``do_cpu_sync=False``, no cached ``handle``; ep's: no
         ``zero_copy``. A rank's own choice, as DeepEP's: its peers may dispatch without it."""
-        from .recv_view import lend
+        from .recv_view import borrow
 
         refusals = (
             (type(x) is not torch.Tensor or x.dtype != torch.bfloat16, "x must be one bfloat16 tensor"),
@@ -587,7 +590,7 @@ class DispatchCombine:
             for refused, why in refusals:
                 if refused:
                     raise EPValueError(f"borrow_recv=True: {why} (a receive view holds compact bf16 rows)")
-        return lend(self, call(), bool(async_with_compute_stream))
+        return borrow(self, args, call)
 
     def _end_borrow(self) -> None:
         """The view was released: the buffer's own methods again."""

@@ -9,6 +9,15 @@ any launch, as ``EPValueError`` naming ``topk_idx``. What a version counter miss
 ``.data`` or raw pointers). A handle whose ``topk_idx`` is ep's own copy (``do_handle_copy=True``) is not recorded:
 no caller holds that tensor.
 
+A direct read of ``handle.topk_idx`` is not checked (DeepEP's property asserts there too), by choice: the field is
+ep-core's plain attribute, which ep-core reads on every call that takes the handle (``num_topk``, ``num_tokens``,
+the validation's fingerprint, the kept plans' match), and ep-core's fast paths test the handle's exact type
+(``type(handle) is EPHandle``); a checking property on ``EPHandle`` would add a version read to each of those reads
+(ep-core keeps a field read at a plain attribute's cost: ``ep_core.handle._InBlock``), and a checking subclass would
+leave the fast paths. What the check guards against, a handle used with a routing it was not made from, is caught at
+the use, before any launch. The read itself returns the caller's own tensor (``handle.topk_idx is topk_idx``), so it
+can only show the caller what the caller wrote; ``check(handle, op)`` checks explicitly where a caller wants it.
+
 The records are keyed by the handle's id and dropped with the handle (a weak reference's callback); a lookup of a
 handle never recorded is one dict miss.
 """

@@ -113,6 +113,9 @@ class DispatchLaunch:
 
     # `ProcessRank`, `NcclRank`: the routing checked here first (rule D7); the others' callers check it before
     check_routing = False
+    # set by ep_torch's `borrow_recv` road just before a `finish_dispatch`, which clears it: that finish lends the
+    # receive region (`lends_region`) instead of copying the rows out, where the call allows it
+    borrow_recv_next = False
 
     def launch_dispatch(
         self,
@@ -423,11 +426,15 @@ class DispatchLaunch:
             expert_list = []
         rows = num_expanded if p.expand else num_recv
         hidden = p.x.shape[1]
+        lend = False
+        if self.borrow_recv_next:  # (read only: the calls that do not borrow write nothing)
+            self.borrow_recv_next = False
+            lend = self.lends_region(p)
         if p.zero_copy:
             recv_x, recv_sf, recv_idx, recv_w, meta = self._zero_copy_outputs(p, num_recv)
             pdl = False
         else:
-            recv_x, recv_sf, recv_idx, recv_w, meta, pdl = self._copy_epilogue(p, rows, num_recv)
+            recv_x, recv_sf, recv_idx, recv_w, meta, pdl = self._copy_epilogue(p, rows, num_recv, lend)
         if p.cached:
             handle = p.handle
         else:
@@ -461,6 +468,8 @@ class DispatchLaunch:
         # metadata, which the repeat's handle block does not make)
         if p.zero_copy:
             repeatable = not p.do_cpu_sync
+        elif lend:  # (never replayed: a kept plan would copy)
+            repeatable = False
         else:
             repeatable = kept is not None or not (rows > 0 or p.zero_padding or p.do_cpu_sync)
         if p.repeat is not None and repeatable:
@@ -491,11 +500,33 @@ class DispatchLaunch:
         self._report_input_error()
         return DispatchResult(recv_x, recv_sf, recv_idx, recv_w, handle)
 
-    def _copy_epilogue(self, p: _PendingDispatch, rows: int, num_recv: int) -> tuple:
+    def lends_region(self, p: _PendingDispatch) -> bool:
+        """Whether `p`'s finish can lend its receive region (`borrow_recv_next`): a new handle's non-expanded bf16
+        rows without scales after a CPU sync, in direct mode within one NVLink domain, where every received row
+        lies whole in the region once the epilogue has put this rank's own rows' hidden part there."""
+        cfg = p.config
+        return not (
+            p.zero_copy or p.cached or p.expand or p.sf is not None or not p.do_cpu_sync
+            or cfg.is_hybrid or cfg.is_direct_xnode or np.dtype(p.x.dtype).itemsize != 2
+        )  # fmt: skip
+
+    def region_rows(self, p: _PendingDispatch) -> RegionView:
+        """This rank's dispatch receive region as `[N * M, token bytes]` uint8 (row `s * M + slot`: the token rank `s`
+        put in `slot`; its hidden part first): what a lending finish returns as `recv_x`."""
+        cfg, m = p.config, self.num_max_tokens
+        plan = plan_regions(cfg, p.num_experts, m, self.res.data_bytes, op="dispatch")
+        shape = (self.num_ranks * m, cfg.dispatch_token.get_num_bytes())
+        return RegionView(
+            self.res.base + plan.recv_offset, shape, np.dtype(np.uint8), self.stream, self, self.device_id
+        )
+
+    def _copy_epilogue(self, p: _PendingDispatch, rows: int, num_recv: int, lend: bool = False) -> tuple:
         """`finish_dispatch`'s outputs, allocated, and the copy epilogue that fills them: `(recv_x, recv_sf,
-        recv_topk_idx, recv_topk_weights, recv_src_metadata, whether the epilogue was a programmatic dependent)`."""
+        recv_topk_idx, recv_topk_weights, recv_src_metadata, whether the epilogue was a programmatic dependent)`.
+        `lend` (`lends_region`): no `recv_x` allocated, the epilogue told so by a null pointer (it copies no row and
+        puts this rank's own rows whole into the region: dispatch_epilogue.cuh), `region_rows` returned for it."""
         hidden, k = p.x.shape[1], p.config.num_topk
-        recv_x = self._alloc((rows, hidden), p.x.dtype)
+        recv_x = self.region_rows(p) if lend else self._alloc((rows, hidden), p.x.dtype)
         recv_sf = None
         sf_strides = (0, 0)
         if p.sf is not None:
@@ -518,6 +549,8 @@ class DispatchLaunch:
         outputs = epilogue_outputs(
             view_ptr, view_ptr(meta, "recv_src_metadata"), recv_x, recv_sf, sf_strides, recv_idx, recv_w, rows
         )
+        if lend:
+            outputs = (*outputs[:2], 0, *outputs[3:])  # recv_x null (`epilogue_outputs`' order)
         pdl = self._epilogue_pdl(p)
         if rows > 0 or p.zero_padding:
             # no grid barrier in the epilogue: a plain launch (or a programmatic dependent one)
