@@ -41,19 +41,18 @@ if [[ $what == main ]]; then
   # ratio moved between sessions), then the GPU suite's V2 file (its 11 tests need about 4 minutes)
   step repeat 120 "${pt[@]}" ep-torch/tests/test_torch_repeat_gpu.py ep-torch/tests/test_torch_express_lane_gpu.py
   step host_time 120 python3 benchmarks/bench_host_overhead.py --out "$out/logs" --rounds 5
-  step torch_gpu 260 "${pt[@]}" ep-torch/tests/test_torch_gpu.py
+  step core_gpu 120 "${pt[@]}" -x ep-core/tests/gpu  # trim10's consolidated GPU-only host code among them
+  step torch_gpu 200 "${pt[@]}" ep-torch/tests/test_torch_gpu.py
 elif [[ $what == verify ]]; then
-  # the session's merged GPU changes, most needed first (a call cut short still brings back the steps it ran):
-  # issue 42's deferred dispatch / combine and hybrid's deterministic order; issue 44's rework with the receive cap
-  # (the EP8 decode step is checked inside bench_v1), then its GPU tests
-  step defer 60 "${pt[@]}" ep-torch/tests/test_torch_defer_borrow_gpu.py
+  # the merged GPU changes, most needed first (a call cut short still brings back the steps it ran): issue 42's
+  # deferred dispatch / combine and in-place borrow_recv, hybrid's deterministic order, the overlap defer_epilogue
+  # buys; issue 44's LL tests, then bench_v1 at EP8 with the LL receive cap (the EP8 decode step is checked inside)
+  step defer 75 "${pt[@]}" ep-torch/tests/test_torch_defer_borrow_gpu.py
   step hybrid 60 "${pt[@]}" ep-core/tests/gpu/test_gpu_hybrid.py -k "handle_order or two_nodes"
-  step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
+  step bench_defer 100 python3 benchmarks/bench_defer.py --quick --out "$out/logs/defer"
   step ll_tests 60 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py ep-torch/tests/test_torch_hybrid_gpu.py
-  # issue 42: the bucket buffers' several groups and bf16 reduce_scatter on the GPU (bucket10); issue 45: trim10's
-  # consolidated GPU-only host code (LoopbackDomain, ProcessRank / NcclRank, MappedWords) under ep-core's GPU tests
-  step bucket 90 "${pt[@]}" ep-torch/tests/test_torch_bucket_gpu.py
-  step core_gpu 120 "${pt[@]}" -x ep-core/tests/gpu
+  step bucket 60 "${pt[@]}" ep-torch/tests/test_torch_bucket_gpu.py
+  step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
 fi
 rm -rf "$out/logs"
 cat "$summary"
