@@ -1,17 +1,11 @@
-"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `RankDriver` (direct mode, one rank per
-process). The transports that allocate its symmetric storage live in `ep_core.transports` (ipc, nccl); the executor
-imports none of them. It serves the nccl transport too: a storage with a non-zero `nccl_window` selects the kernels' `NcclTransport` (LSA pointers).
+"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `RankDriver` (one rank per process; the
+transports that allocate its storage, `ep_core.transports`, are not imported here). A storage with a non-zero
+`nccl_window` selects the kernels' `NcclTransport`.
 
-Streams: every operation runs on the rank's high-priority comm stream; it first waits for the caller's stream
-(`req.stream`, inputs ready), and the caller's stream then waits for the comm stream (outputs ready), so callers
-need no extra synchronization. Outputs are allocated through `req.allocator(shape, dtype_name)`.
-
-Ranks per GPU: the executor learns which ranks drive its GPU from the device identities exchanged at allocation
-(ipc) or through the bootstrap (nccl). `num_device_sms` is the SM budget of this rank, the device's SMs divided by
-the ranks sharing it, so the planner's count and the validation's bound keep every rank's grid resident together.
-
-Errors: a failed kernel makes every later call raise until `reset()`, which every rank calls together
-(`ep_core.kernels.rank_driver`, "Failures").
+Every operation runs on the rank's high-priority comm stream after the caller's stream (`req.stream`), and the
+caller's stream then waits for it, so callers need no extra synchronization. `num_device_sms` is the device's SMs
+divided by the ranks that drive it (learnt from the device identities exchanged at allocation, or through the
+bootstrap), so every rank's grid stays resident. Failures: `ep_core.kernels.rank_runtime`.
 """
 
 from __future__ import annotations
