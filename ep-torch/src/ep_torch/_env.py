@@ -34,65 +34,21 @@ class Knob:
         return os.environ.get(self.name, self.default)
 
 
-knobs: dict[str, Knob] = {
+knobs: dict[str, Knob] = {  # (name, default, meaning; ep-torch's README says each at length)
     k.name: k
     for k in (
-        Knob(
-            "EPKIT_AVOID_RECORD_STREAM",
-            "0",
-            "keep async operands alive in the EventOverlap, not record_stream",
-        ),
+        Knob("EPKIT_AVOID_RECORD_STREAM", "0", "keep async operands in the EventOverlap, not record_stream"),
         Knob("EPKIT_TORCH_TRANSPORT", "", "force the backend: reference, ipc or nccl (empty: automatic)"),
-        Knob(
-            "EPKIT_TORCH_NCCL_COMM",
-            "auto",
-            "nccl transport: borrow the group's communicator (group), create one (own) or decide (auto)",
-        ),
-        Knob(
-            "EPKIT_TORCH_REFERENCE_NUM_SMS",
-            "132",
-            "device SMs assumed by the planner on the CPU reference backend",
-        ),
-        Knob(
-            "EPKIT_TORCH_REFERENCE_NVLINK_GBS",
-            "430.3",
-            "NVLink GB/s assumed by the planner on the CPU backend",
-        ),
-        Knob(
-            "EPKIT_SCALEUP_RANKS",
-            "0",
-            "ranks per (emulated) node; a divisor of N below N runs hybrid mode (0 = one node)",
-        ),
-        Knob(
-            "EPKIT_TORCH_REFERENCE_NVLINK_RANKS",
-            "0",
-            "old name of EPKIT_SCALEUP_RANKS, on the CPU reference backend only",
-        ),
-        Knob(
-            "EPKIT_TORCH_HOST_EXTENSION",
-            "auto",
-            "host extension (torch.empty and describe in C++): auto (fall back with a warning), 0 off, 1 required",
-        ),
-        Knob(
-            "EPKIT_CPU_TIMEOUT_SECS",
-            "300",
-            "bound (s) of host waits on peers where no num_cpu_timeout_secs applies (V1 Buffer, construction)",
-        ),
-        Knob(
-            "EPKIT_LL_NATIVE",
-            "1",
-            "V1 low-latency mode on CUDA: ll_native=None runs ep's own kernels where it can; 0 keeps the adapter",
-        ),
-        Knob(
-            "EPKIT_LL_LOCAL_DIRECT",
-            "1",
-            "V1 low-latency native kernels: 0 sends a rank's own experts' rows through the buffer like a peer's",
-        ),
-        Knob(
-            "EPKIT_ELASTIC_WAIT",
-            "kernel",
-            "GPU waits of PP/AGRS/BucketBuffer: kernel (bounded wait kernel) or stream (stream wait + host watchdog)",
-        ),
+        Knob("EPKIT_TORCH_NCCL_COMM", "auto", "nccl's communicator: group (borrow), own, or auto"),
+        Knob("EPKIT_TORCH_REFERENCE_NUM_SMS", "132", "device SMs the planner assumes on the CPU backend"),
+        Knob("EPKIT_TORCH_REFERENCE_NVLINK_GBS", "430.3", "NVLink GB/s assumed on the CPU backend"),
+        Knob("EPKIT_SCALEUP_RANKS", "0", "ranks per (emulated) node; below N: hybrid mode (0 = one node)"),
+        Knob("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", "0", "old name of EPKIT_SCALEUP_RANKS (CPU backend only)"),
+        Knob("EPKIT_TORCH_HOST_EXTENSION", "auto", "C++ host extension: auto, 0 off, 1 required"),
+        Knob("EPKIT_CPU_TIMEOUT_SECS", "300", "host waits' bound (s) without num_cpu_timeout_secs"),
+        Knob("EPKIT_LL_NATIVE", "1", "V1 low-latency: ep's own kernels where they can; 0: adapter"),
+        Knob("EPKIT_LL_LOCAL_DIRECT", "1", "V1 native kernels: 0 sends own experts' rows via the buffer"),
+        Knob("EPKIT_ELASTIC_WAIT", "kernel", "GPU waits of PP/AGRS/BucketBuffer: kernel or stream"),
     )
 }
 
