@@ -1,10 +1,6 @@
-"""A rank's dispatch (`DispatchLaunch`, a part of `RankDriver`: direct, hybrid and cross-node mode alike).
-
-A dispatch is two phases so that several ranks of one process (the loopback domain) can be driven together:
-`launch_dispatch` checks, allocates the handle arrays and launches the dispatch kernel (it returns at once);
-`finish_dispatch` waits for the received counts when a CPU sync is asked for (stream poll with the CPU timeout),
-sizes and allocates the outputs and launches the copy epilogue. A zero-copy dispatch leaves its outputs where the
-kernel stored them (`RegionView`s of the receive region). The rank's state, guard and launches: `rank_driver`.
+"""A rank's dispatch (`DispatchLaunch`, a part of `RankDriver`: direct, hybrid and cross-node mode alike): the two
+phases `launch_dispatch` / `finish_dispatch` (`ep_core.kernels.rank_driver`'s module doc). A zero-copy dispatch
+leaves its outputs where the kernel stored them (`RegionView`s of the receive region).
 """
 
 from __future__ import annotations
