@@ -35,12 +35,7 @@ from ep_core.prepared import PreparedOps, _typed
 from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
-from ep_core.validation import (
-    _check_flag,
-    check_handle,
-    check_zero_copy_args,
-    trust_handle,
-)
+from ep_core.validation import _check_flag, check_handle, check_zero_copy_args, trust_handle
 
 __all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
 

@@ -130,10 +130,7 @@ def planned_num_sms(
 
 
 def prebuild(
-    instances: list[PlannedInstance],
-    *,
-    arch: str = DEFAULT_ARCH,
-    on_built: Any = None,
+    instances: list[PlannedInstance], *, arch: str = DEFAULT_ARCH, on_built: Any = None
 ) -> list[BuiltInstance]:
     """Compile (or find in the cache) every instance; `on_built(BuiltInstance)` is called after each one.
     Raises what the compiler raises (ep_jit.CompileError, EPConfigError for missing headers)."""

@@ -56,11 +56,7 @@ def combine_out_dtype(buf: Any, a: CombineArgs) -> tuple[torch.Tensor, torch.Ten
                 "reduction the float32 road does not follow (the CPU reference backend has it)"
             )
         # every argument checked before any launch, on every backend (the executor's own outputs)
-        req = validate_combine(
-            rt.config,
-            ex,
-            a._replace(allocator=ex.default_allocator, stream=0),
-        )
+        req = validate_combine(rt.config, ex, a._replace(allocator=ex.default_allocator, stream=0))
         if not buf._cuda:
             out = ex.combine(req, fp32_output=True)
     if buf._cuda:  # outside the block: each combine below is announced by its own

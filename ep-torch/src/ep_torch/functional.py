@@ -284,10 +284,7 @@ def dispatch(
 
 
 def combine(
-    buffer: ElasticBuffer,
-    x: torch.Tensor,
-    handle: torch.Tensor,
-    topk_weights: torch.Tensor | None = None,
+    buffer: ElasticBuffer, x: torch.Tensor, handle: torch.Tensor, topk_weights: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``buffer.combine`` of expert outputs ``x`` (already weighted) through ``handle``.
 

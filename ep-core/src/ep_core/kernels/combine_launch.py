@@ -10,19 +10,14 @@ import ep_layout
 import numpy as np
 
 from ep_core.device_array import DeviceArray as CoreArray
-from ep_core.errors import (
-    EPTypeError,
-    EPValueError,
-)
+from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.kernels._args import FLAGS
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE
 from ep_core.kernels.dispatch_launch import _check_2d
 from ep_core.kernels.op_plan import CombinePlan, combine_words
-from ep_core.kernels.plan import (
-    launch_geometry,
-)
+from ep_core.kernels.plan import launch_geometry
 from ep_core.kernels.prepared_launch import _COMBINE_DYNAMIC, _COMBINE_ZERO_COPY_DYNAMIC, PreparedOp
 from ep_core.requests import CombineResult
 from ep_core.validation import check_zero_copy_args

@@ -12,21 +12,14 @@ import ep_layout
 import numpy as np
 
 from ep_core.device_array import DeviceArray as CoreArray
-from ep_core.errors import (
-    EPTypeError,
-    EPValueError,
-)
+from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, OP_ARGS_FIELDS
 from ep_core.kernels._cuda import DeviceView, PinnedBuffer, Stream, as_view, view_ptr
 from ep_core.kernels._envelope import OP_DISPATCH
 from ep_core.kernels.op_plan import DispatchPlan, dispatch_words, epilogue_outputs
-from ep_core.kernels.plan import (
-    KernelConfig,
-    launch_geometry,
-    plan_regions,
-)
+from ep_core.kernels.plan import KernelConfig, launch_geometry, plan_regions
 from ep_core.kernels.prepared_launch import (
     _DISPATCH_DYNAMIC,
     _DISPATCH_ZERO_COPY_DYNAMIC,

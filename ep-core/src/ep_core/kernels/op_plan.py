@@ -35,12 +35,7 @@ from ep_core.kernels.array_block import Int32Block
 from ep_core.kernels.kept_plan import batched, output_specs
 from ep_core.kernels.prepared_launch import _NO_PAIR, PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
-from ep_core.validation import (
-    check_handle_key,
-    handle_fingerprint,
-    trust_fingerprint,
-    trust_handle,
-)
+from ep_core.validation import check_handle_key, handle_fingerprint, trust_fingerprint, trust_handle
 
 __all__ = [
     "CombinePlan",

@@ -18,14 +18,7 @@ from typing import Any
 
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 
-__all__ = [
-    "OP_ARGS_STRUCT",
-    "PlanCache",
-    "PreparedLaunch",
-    "PreparedOp",
-    "field_slots",
-    "record_wait",
-]
+__all__ = ["OP_ARGS_STRUCT", "PlanCache", "PreparedLaunch", "PreparedOp", "field_slots", "record_wait"]
 
 OP_ARGS_STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))
 _INDEX = {name: i for i, name in enumerate(OP_ARGS_FIELDS)}

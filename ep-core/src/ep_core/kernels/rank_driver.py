@@ -24,10 +24,7 @@ import ep_layout
 import numpy as np
 
 from ep_core._env import knobs
-from ep_core.errors import (
-    EPConfigError,
-    EPTimeoutError,
-)
+from ep_core.errors import EPConfigError, EPTimeoutError
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
 from ep_core.kernels._args import pack_op_args

@@ -48,10 +48,7 @@ def exchange_devices(bootstrap: Any) -> list[str]:
 
 
 def peer_access_problems(
-    identities: list[str],
-    rank: int,
-    visible: dict[str, int],
-    p2p: Callable[[int, int], tuple[bool, bool]],
+    identities: list[str], rank: int, visible: dict[str, int], p2p: Callable[[int, int], tuple[bool, bool]]
 ) -> list[str]:
     """What keeps `rank` from loading, storing and atomically updating every peer's buffer directly: peers on another
     host, peers' GPUs this process does not see, device pairs without peer access or without native peer atomics.

@@ -46,12 +46,7 @@ from .config import Config, default_combine_config, default_dispatch_config
 from .fp8 import per_token_cast_to_fp8
 from .guard import _dispatch_target, _guarded, _normal_target
 from .handle import V1Handle, V1InternodeHandle
-from .internode import (
-    internode_handle_tensors,
-    predicted_nvl_ranks,
-    tokens_per_rdma_rank,
-    v1_row_order,
-)
+from .internode import internode_handle_tensors, predicted_nvl_ranks, tokens_per_rdma_rank, v1_row_order
 from .ll_mode import LowLatencyMode
 from .low_latency import LowLatencyHandle
 

@@ -9,9 +9,7 @@ import torch
 
 from .. import functional
 from ..buffer import ElasticBuffer
-from ._common import (
-    _Checks,
-)
+from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
 # autograd, compile, module: exact arithmetic (small integers, dyadic weights and scales)

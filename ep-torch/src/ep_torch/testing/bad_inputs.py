@@ -12,9 +12,7 @@ from ep_core.errors import EPError
 from .. import functional
 from ..buffer import ElasticBuffer
 from ..event import EventHandle
-from ._common import (
-    _Checks,
-)
+from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
 # bad inputs

@@ -7,13 +7,7 @@ from typing import Any
 import torch
 
 from ..buffer import ElasticBuffer
-from ._common import (
-    _bits,
-    _Checks,
-    _inputs,
-    _same,
-    _torch_x,
-)
+from ._common import _bits, _Checks, _inputs, _same, _torch_x
 
 # --------------------------------------------------------------------------------------------------------------------
 # CUDA only: streams, events, CUDA-graph capture

@@ -7,9 +7,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..buffer import ElasticBuffer, EPBuffer
-from ._common import (
-    _Checks,
-)
+from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
 # planner and domains: the buffers answer with ep-core's planner under their policy
