@@ -309,22 +309,11 @@ class DispatchCombine:
         ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
         returned handle is the one given.
 
-        ``zero_copy=True`` (an ep extension): the dispatch stores every output in its final place in the buffer's own
-        memory (the receive region on the GPU) and ``recv_x``, its scales, ``recv_topk_idx`` and
-        ``recv_topk_weights`` are views of it, rows in the deterministic order, with no copy epilogue. They are valid
-        until the next dispatch or combine on this buffer; bf16 ``recv_x`` is the memory of
-        :meth:`get_combine_buffer` for the returned handle, so the expert computation may write its outputs over the
-        rows it has read, then ``combine(..., zero_copy=True)``. Non-expanded layout, no ``handle`` (not cached),
-        row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
-        call passes it alike. The handle is an ordinary one (combine, cached dispatch).
-
-        ``defer_epilogue=True`` (DeepEP 2.5; keyword-only here, as ep's positional parameters are V2's): returns
-        only the ``EventOverlap``; its ``current_stream_wait()``
-        (or ``wait()``) returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``, once. Requires
-        ``async_with_compute_stream=True`` and ``do_handle_copy=False`` (:meth:`_deferred`).
-
-        ``borrow_recv=True`` (DeepEP 2.5, keyword-only): ``recv_x`` is a :class:`~ep_torch.DispatchRecvView`
-        (:meth:`_borrow`).
+        Ours and DeepEP 2.5's, keyword-only (ep-torch's README, "Zero-copy dispatch" and the API table):
+        ``zero_copy=True``: the outputs are views of the buffer's own memory (valid until its next dispatch or
+        combine; bf16 ``recv_x`` is :meth:`get_combine_buffer`'s memory); ``defer_epilogue=True``: only the
+        ``EventOverlap`` is returned, whose first ``current_stream_wait()`` returns the other four (:meth:`_deferred`);
+        ``borrow_recv=True``: ``recv_x`` is a :class:`~ep_torch.DispatchRecvView` (:meth:`_borrow`).
         """
         if defer_epilogue is not False or borrow_recv is not False:  # the one test the calls without them pay
             # this call without the deferral / the borrow, its arguments by name (the parameters are the only
@@ -631,18 +620,11 @@ class DispatchCombine:
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """Send expert outputs back and sum them per token, unweighted (SPEC §3).
 
-        Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
-        ``zero_copy=True`` (an ep extension): ``x`` is :meth:`get_combine_buffer`'s tensor with the expert outputs
-        written into it, read in place (one pass over the rows instead of two; non-expanded handles, no
-        ``topk_weights``, direct mode). Every rank of the call passes it alike.
-
-        ``defer_epilogue=True`` (DeepEP 2.5; keyword-only here, as ep's positional parameters are V2's): returns
-        only the ``EventOverlap``; its ``current_stream_wait()``
-        (or ``wait()``) returns ``(combined_x, combined_topk_weights)``, once. Requires
-        ``async_with_compute_stream=True`` (:meth:`_deferred`).
-
-        ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
-        float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
+        Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``. Keyword-only:
+        ``zero_copy=True`` (ours): ``x`` is :meth:`get_combine_buffer`'s tensor, read in place;
+        ``defer_epilogue=True`` (DeepEP 2.5): only the ``EventOverlap``, whose first ``current_stream_wait()``
+        returns the outputs (:meth:`_deferred`); ``out_dtype=torch.float32`` (DeepEP 2.6): ``combined_x`` in
+        float32, unrounded (:mod:`ep_torch.combine_out_dtype`).
         """
         # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version; inline as dispatch's)
         if _kept_versions:
