@@ -35,9 +35,8 @@ from ep_core.validation import (
 
 __all__ = ["PreparedOps"]
 
-_MAX_ENTRIES = (
-    256  # distinct shapes of one buffer; a workload cycling through more is cleared and re-validated
-)
+# distinct shapes of one buffer; a workload cycling through more is cleared and re-validated
+_MAX_ENTRIES = 256
 
 # request fields that change from call to call (everything else comes from the entry)
 _DISPATCH_PER_CALL = frozenset(

@@ -218,9 +218,8 @@ class NcclStorage:
         self.nccl_window = int(window.handle)
         self.lsa_size = int(dev_comm.lsa_size)
         self.lsa_rank = int(dev_comm.lsa_rank)
-        self.nccl_devcomm = (
-            0  # device copy of a GIN ncclDevComm (several nodes, `NcclTransport.create_executor`)
-        )
+        # device copy of a GIN ncclDevComm (several nodes, `NcclTransport.create_executor`)
+        self.nccl_devcomm = 0
         self._devcomm_copy: Any = None
         self._peer_bases: list[int] | None = None
         self.closed = False

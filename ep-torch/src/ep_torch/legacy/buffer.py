@@ -136,9 +136,8 @@ class Buffer(LowLatencyMode):
                 f"num_cpu_timeout_secs: expected a positive number of seconds, got {num_cpu_timeout_secs!r}"
             )
         self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
-        self._channel: Channel | None = (
-            None  # the host steps of a process group (`_bind_group`); None: loopback
-        )
+        # the host steps of a process group (`_bind_group`); None: loopback
+        self._channel: Channel | None = None
         self._builds = 0  # inner buffers built so far (handles record which one made them)
         if group is None and comm is not None:
             raise NotImplementedError(
