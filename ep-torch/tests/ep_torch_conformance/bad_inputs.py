@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 from ep_core.errors import EPError
+from ep_torch import functional
+from ep_torch.buffer import ElasticBuffer
+from ep_torch.event import EventHandle
 
-from .. import functional
-from ..buffer import ElasticBuffer
-from ..event import EventHandle
 from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------

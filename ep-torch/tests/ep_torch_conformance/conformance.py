@@ -8,7 +8,8 @@ it: ``modes`` (SPEC §9's modes on the torch surface, events, stats, zero-copy i
 choice with a collectively destroyed buffer); ``_common`` holds the shared helpers.
 
 ``run_all(...)`` returns ``[(name, ok, detail)]``; a check's failure never skips the collectives of the others, so
-ranks stay in step. Command line: ``python -m ep_torch.testing.conformance --ranks 4 [--backend cuda]``.
+ranks stay in step. Command line, from ``ep-torch/tests`` of a checkout (not in the wheel):
+``python -m ep_torch_conformance.conformance --ranks 4 [--backend cuda]``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ep_torch.buffer import ElasticBuffer, EPBuffer
 
-from ..buffer import ElasticBuffer, EPBuffer
 from ._common import Result, _Checks
 from .autograd import check_autograd, check_compile, check_module
 from .bad_inputs import check_errors
@@ -145,8 +146,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], out_dir: str) -> None:
 
 def run_spawned(ranks: int, cfg: dict[str, Any]) -> list[list[Result]]:
     """Spawn ``ranks`` processes (gloo, or nccl with ``cfg["backend"] == "cuda"``) and return every rank's results."""
-    from ..launch import spawn
+    from ep_torch.launch import spawn
 
+    # the fresh interpreters import this package by name (`_worker`): its folder on the path they inherit
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     with tempfile.TemporaryDirectory(prefix="ep-torch-conformance-") as out_dir:
         spawn(_worker, ranks, cfg, out_dir, backend="nccl" if cfg.get("backend") == "cuda" else "gloo")
         # "cuda-shared": a gloo group whose ranks all use this machine's current GPU (NCCL refuses two ranks on
@@ -160,7 +165,7 @@ def run_spawned(ranks: int, cfg: dict[str, Any]) -> list[list[Result]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ep_torch.testing.conformance", description=__doc__.split("\n\n")[0]
+        prog="python -m ep_torch_conformance.conformance", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument(

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_torch import functional
+from ep_torch.buffer import ElasticBuffer
 
-from .. import functional
-from ..buffer import ElasticBuffer
 from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def check_compile(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> N
 
 
 def check_module(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> None:
-    from ..nn import MoEDispatcher
+    from ep_torch.nn import MoEDispatcher
 
     rank, device = cfg["rank"], cfg["device"]
     e, n = cfg["experts"], cfg["world"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from ep_torch.buffer import ElasticBuffer, EPBuffer
 
-from ..buffer import ElasticBuffer, EPBuffer
 from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
