@@ -496,16 +496,12 @@ class DispatchCombine:
         args: Any,
     ) -> Any:
         """A ``dispatch`` / ``combine`` with ``defer_epilogue`` set (DeepEP 2.5): ``call()`` runs the operation
-        without it (`args`: a dispatch's arguments by name, a combine's ``CombineArgs``). A false value other than
-        ``False`` (``0``) is the ordinary call. Otherwise DeepEP's rules (``async_with_compute_stream=True``;
-        ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``) are checked before any launch, and the
-        returned ``EventOverlap``'s first ``current_stream_wait()`` returns the outputs.
-
-        On CUDA the operation is split (:mod:`ep_torch.deferred`): a dispatch's call launches the dispatch kernel,
-        its wait does the CPU sync's count wait and launches the copy epilogue; a combine's call launches the send
-        part, its wait the reduce. On the CPU reference backend, where every operation has completed when the call
-        returns, the operation is the ordinary async one, whose outputs the event's hook hands over (the buffer held
-        until then all the same)."""
+        without it (`args`: a dispatch's arguments by name, a combine's ``CombineArgs``); a false value other than
+        ``False`` (``0``) is the ordinary call. DeepEP's rules (``async_with_compute_stream=True``;
+        ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``) are checked before any launch; the
+        returned ``EventOverlap``'s first ``current_stream_wait()`` returns the outputs. On CUDA the operation is
+        split (:mod:`ep_torch.deferred`: the wait runs the epilogue or the reduce); on the CPU reference backend it
+        is the ordinary async one, whose outputs the event's hook hands over."""
         if not defer_epilogue:
             return call()
         with self._core.announcing(op):  # a refusal here precedes the call's first step (issue 41)

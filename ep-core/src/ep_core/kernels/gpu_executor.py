@@ -262,10 +262,8 @@ class GpuExecutor:
     def launch_dispatch_deferred(self, req: Any) -> Any:
         """DeepEP 2.5's `defer_epilogue`: `req`'s dispatch kernel alone, on the full path (no kept plan; no routing
         copy: DeepEP's rule there is `do_handle_copy=False`), after the request's stream. Returns `finish(stream)`,
-        which does the rest (`RankDriver.finish_dispatch`: a CPU sync's wait for the counts, the outputs from the
-        request's allocator, the copy epilogue) on the comm stream, orders `stream` after it and returns the
-        `DispatchResult`. Until `finish` this rank must start no other operation (its count words are the pending
-        call's): the caller refuses them."""
+        which does the rest (`RankDriver.finish_dispatch`) on the comm stream, orders `stream` after it and returns
+        the `DispatchResult`. Until `finish` this rank must start no other operation: the caller refuses them."""
         rank = self.rank
         alloc = self._allocator(req, req.x.dtype)
         wait, _, _ = self.stream_pairs(req.stream, False)
@@ -307,12 +305,11 @@ class GpuExecutor:
         return res
 
     def launch_combine_deferred(self, req: Any) -> Any:
-        """DeepEP 2.5's `defer_epilogue` of a combine: `req`'s send part alone (`RankDriver.combine(defer=True)`: the
-        send-only launch of a split combine), on the full path (no kept plan), after the request's stream. Returns
-        `finish(stream)`, which first orders the comm stream after `stream` (DeepEP launches the reduce on the
-        waiting stream: it follows that stream's work), allocates the outputs from the request's allocator, launches
-        the reduce, orders `stream` after it and returns the `CombineResult`. Until `finish` this rank must start no
-        other operation (the receive region holds the rows the reduce reads): the caller refuses them."""
+        """`launch_dispatch_deferred` of a combine: `req`'s send part alone (`RankDriver.combine(defer=True)`).
+        `finish(stream)` first orders the comm stream after `stream` (DeepEP launches the reduce on the waiting
+        stream), allocates the outputs, launches the reduce, orders `stream` after it and returns the
+        `CombineResult`. Until then the receive region holds the rows the reduce reads: the caller refuses other
+        operations."""
         alloc = self._allocator(req, "bfloat16")
         wait, _, _ = self.stream_pairs(req.stream, False)
         with self._serving(alloc, wait):
