@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from ep_torch.testing.conformance import run_spawned
+from ep_torch_conformance.conformance import run_spawned
 
 
 def _spawned(
     ranks: int, cfg: dict, folder: Path, env: dict | None = None
 ) -> list[list[tuple[str, bool, str]]]:
-    """ep_torch.testing.conformance.run_spawned(ranks, cfg), its ranks forked from this file run as a script under
+    """ep_torch_conformance.conformance.run_spawned(ranks, cfg), its ranks forked from this file run as a script under
     a wall-clock limit (a hang fails the test): a fresh interpreter per rank would import torch again."""
     from ep_torch_testing import run_script  # loaded by conftest.py
 
@@ -105,7 +105,7 @@ def test_hybrid_mode_on_cpu(four_ranks_hybrid):
 if __name__ == "__main__":
     import importlib
 
-    from ep_torch.testing import conformance
+    from ep_torch_conformance import conformance
     from ep_torch_testing import spawn_cpu
 
     # What every rank's autograd, compile and module scenarios import (torch.compile's stack, sympy with it),

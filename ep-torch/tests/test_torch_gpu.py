@@ -92,7 +92,7 @@ CONFORMANCE = [
     ],
 )
 def test_conformance_on_gpu(backend, ranks, extra):
-    from ep_torch.testing.conformance import run_spawned
+    from ep_torch_conformance.conformance import run_spawned
 
     if backend == "cuda" and torch.cuda.device_count() < ranks:
         pytest.skip("one GPU per rank needed")

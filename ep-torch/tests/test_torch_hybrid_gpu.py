@@ -210,7 +210,7 @@ def test_conformance_modes_on_emulated_nodes(monkeypatch):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    from ep_torch.testing.conformance import run_spawned
+    from ep_torch_conformance.conformance import run_spawned
 
     monkeypatch.setenv("EPKIT_SCALEUP_RANKS", str(SU))
     monkeypatch.setenv("EPKIT_RDMA_GBS", os.environ.get("EPKIT_RDMA_GBS", "50"))

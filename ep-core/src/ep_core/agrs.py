@@ -1,15 +1,12 @@
 """All-gather sessions (DeepEP V2's AGRS: `agrs_*`, `all_gather`): sizes, configuration, the session state machine
 and a numpy reference.
 
-A session is a stretch of the buffer's data region, filled front to back: each `all_gather` of a tensor of `b`
-bytes takes the next `align(N * b, 32)` bytes; rank r's part sits at `offset + r * b`, and every rank copies its
-tensor into that place on every peer, so the gathered `[N, *shape]` result is a view of the buffer itself (no
-output allocation). `agrs_get_inplace_tensor` hands out rank r's part of the next all-gather ahead of time, so that
-a producer can write there directly and the all-gather skips the local copy. The results stay valid until the
-session ends; `destroy_agrs_session` waits for every peer to end it too before the space can be reused.
-
-Limits (`agrs_set_config`): `N > 1`, every rank in one NVLink domain, `num_max_session_bytes` (aligned to 32) of
-the data region, at most `num_max_all_gathers_per_session <= 32` all-gathers per session (one signal slot each).
+A session fills a stretch of the data region front to back: an `all_gather` of `b` bytes takes the next
+`align(N * b, 32)`, rank r's part at `offset + r * b`, copied there on every peer, so the `[N, *shape]` result is a
+view of the buffer. `agrs_get_inplace_tensor` hands out rank r's part of the next all-gather ahead of time (the
+producer writes there, the local copy is skipped). Results stay valid until the session ends; ending waits for
+every peer. Limits (`agrs_set_config`): `N > 1`, one NVLink domain, `num_max_session_bytes` of the data region, at
+most 32 all-gathers per session (one signal slot each).
 """
 
 from __future__ import annotations

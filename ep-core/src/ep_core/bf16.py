@@ -1,11 +1,6 @@
-"""Exact bfloat16 arithmetic helpers for numpy.
-
-numpy has no bfloat16 dtype, so ep_core stores bf16 values as their raw bit patterns in `uint16` arrays. These
-helpers convert between those bit patterns and float32 exactly as the GPU does:
-
-- `float32_to_bf16` rounds to nearest, ties to even (`__float2bfloat16_rn`), keeps the sign of zero, maps
-  infinities to infinities and every NaN to a quiet NaN of the same sign.
-- `bf16_to_float32` is exact (a bf16 value is a float32 with the low 16 mantissa bits zero).
+"""Exact bfloat16 arithmetic for numpy, which has no bfloat16 dtype: ep_core stores bf16 values as their bits in
+`uint16` arrays. `float32_to_bf16` rounds to nearest even (`__float2bfloat16_rn`: the sign of zero and infinities
+kept, every NaN a quiet NaN of its sign); `bf16_to_float32` is exact.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The bootstrap protocol (host-side exchange among the ranks of an EP group) and two in-process bootstraps.
 
-A bootstrap is anything with `rank`, `size`, `allgather(bytes) -> list[bytes]` (every rank's bytes, in rank
-order) and `barrier()`. ep_torch implements it with a ProcessGroup; a custom framework with MPI or a TCP store.
-A bootstrap may also offer `set_timeout(secs)`: the reference executor then bounds its waits by the buffer's
-`num_cpu_timeout_secs` (ep_torch's does; a `ThreadGroup` keeps its own `timeout_secs`). `LocalBootstrap` is the
-one-rank group; `ThreadGroup(n).bootstraps()` gives n bootstraps for n threads of one
-process (CPU tests and the loopback domain), and `ThreadGroup(n).run(fn)` runs `fn(rank, bootstrap)` in those
-threads.
+A bootstrap has `rank`, `size`, `allgather(bytes) -> list[bytes]` (rank order) and `barrier()`, optionally
+`set_timeout(secs)` (the reference executor then bounds its waits by `num_cpu_timeout_secs`). `LocalBootstrap` is
+the one-rank group; `ThreadGroup(n).bootstraps()` gives n bootstraps for n threads of one process and
+`ThreadGroup(n).run(fn)` runs `fn(rank, bootstrap)` in them.
 """
 
 from __future__ import annotations

@@ -35,12 +35,7 @@ from ep_core.prepared import PreparedOps, _typed
 from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
-from ep_core.validation import (
-    _check_flag,
-    check_handle,
-    check_zero_copy_args,
-    trust_handle,
-)
+from ep_core.validation import _check_flag, check_handle, check_zero_copy_args, trust_handle
 
 __all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
 
@@ -380,10 +375,8 @@ class EPBuffer(BufferBase):
         zero_copy: bool = False,
     ) -> DispatchResult:
         """Validate (SPEC §6) and run a dispatch; returns the executor's `DispatchResult`. `zero_copy=True`: the
-        outputs are views of this buffer's own memory where the dispatch stored them: `recv_x`, `recv_sf`,
-        `recv_topk_idx` and `recv_topk_weights` are views of this rank's receive region (the executor's memory, in
-        the deterministic row order), valid until the next dispatch or combine on this buffer; bf16 `recv_x` is the
-        memory of `combine_buffer(handle)`. The handle is an ordinary one."""
+        four outputs are views of this rank's receive region (deterministic row order, valid until the next dispatch
+        or combine on this buffer; bf16 `recv_x` is `combine_buffer(handle)`'s memory), the handle an ordinary one."""
         return self.run_dispatch(
             DispatchArgs(
                 x,
@@ -565,11 +558,9 @@ class EPBuffer(BufferBase):
         )
 
     def combine_buffer(self, handle: EPHandle, hidden: int | None = None) -> Any:
-        """This rank's combine buffer for `handle`: bf16 `[received rows, hidden]` (default hidden: the buffer's)
-        where the caller writes its expert outputs, then `combine(buffer, handle, zero_copy=True)` reads them in
-        place (one pass over the rows instead of two; direct mode, non-expanded handles). Valid from the end of the
-        dispatch until the next dispatch or combine on this buffer. The array type is the executor's
-        (`DeviceArray` on the GPU, numpy on the reference backend)."""
+        """This rank's combine buffer for `handle`: bf16 `[received rows, hidden]` (default hidden: the buffer's),
+        the executor's array type, where the caller writes its expert outputs for `combine(buffer, handle,
+        zero_copy=True)` (direct mode, non-expanded handles; valid until the next dispatch or combine)."""
         self._check_alive()
         if hidden is None:
             hidden = self.config.hidden

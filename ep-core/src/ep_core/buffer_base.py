@@ -1,11 +1,9 @@
 """`BufferBase` (the lifecycle every communication buffer shares) and `BufferAllocator` (named symmetric tensors).
 
-Storage: any object with `ptr` (int base address) and `num_bytes`; optionally `close()`, `device` (int ordinal)
-and `array_device` ("cuda", the default, or "cpu"). `ep_symmem.SymmetricAllocation` qualifies; `HostStorage` is a
-host-memory storage for CPU tests and the reference executor. A buffer's storage is `[workspace | data]`.
-
-Every rank of an NVLink domain must plan the same tensors (name, shape, dtype, alignment, in the same order)
-because peers address each other's tensors by offset; `BufferAllocator.check` compares the plans through the
+Storage: any object with `ptr` and `num_bytes` (optionally `close()`, `device`, `array_device`: "cuda", the
+default, or "cpu"), laid out `[workspace | data]`: `ep_symmem.SymmetricAllocation`, or `HostStorage` (host memory,
+for CPU tests and the reference executor). Peers address each other's tensors by offset, so every rank of an NVLink
+domain must plan the same tensors in the same order: `BufferAllocator.check` compares the plans through the
 bootstrap and raises `EPPlanMismatchError` naming the first differing tensor and the ranks.
 """
 

@@ -1,15 +1,9 @@
 """Elastic memory of an EP buffer (issue 20): `num_cpu_bytes` of host NUMA memory behind the GPU part, in one VA
-range (`ep_symmem` builds `[GPU | host NUMA]`), where dispatch/combine receive regions that do not fit the GPU
-part continue (they spill instead of being refused).
-
-The kernels address the receive regions by offset from the rank's data region, so a region that runs past the GPU
-part needs no kernel change: its tail rows simply live in host memory (slower: the host link's bandwidth instead of
-HBM's; `ep_core.planner.explain_memory` says how many bytes and what that costs).
-
-- `allocate_storage`: the transport's storage, with the host part where the transport can map one (the ipc
-  transport over ep_symmem); otherwise the whole buffer is GPU memory (reference storage, nccl) and the
-  `num_cpu_bytes` part is simply the back of the GPU data region.
-- `host_bytes(storage)`: how many bytes at the back of the data region really are host memory.
+range (`ep_symmem`'s `[GPU | host NUMA]`), where receive regions that do not fit the GPU part continue instead of
+being refused. The kernels address the regions by offset, so a region's tail rows simply live in host memory (at
+the host link's bandwidth: `ep_core.planner.explain_memory`). `allocate_storage` maps the host part where the
+transport can (ipc over ep_symmem), else the whole buffer is GPU memory; `host_bytes(storage)` says how many bytes
+at the back of the data region really are host memory.
 """
 
 from __future__ import annotations

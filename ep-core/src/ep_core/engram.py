@@ -1,14 +1,11 @@
 """Engram (DeepEP V2's `engram_*`): a table of cached entries sharded over the ranks, fetched by global index.
 
-`engram_write(storage [n, hidden])` is a collective: every rank writes its `n` entries (the same `n` and `hidden`
-on every rank) into the storage part of its buffer (the host part of the elastic buffer in DeepEP). Entry `g` of
-the global table lives on rank `g // n` at local row `g % n`. `engram_fetch(indices [T, k] int32)` is one-sided:
-it reads the `T * k` entries from their owners into the front of this rank's GPU buffer and returns a hook; the
-hook waits for the reads and returns `(data [T * k, hidden], sf)`; row `t * k + j` is entry `indices[t, j]`.
-
-FP8 storage carries per-entry scaling factors `sf [N * n, num_sf_packs]` (4-byte packs, replicated on every rank,
-given to `engram_write`); the fetch gathers them to `[T, k * num_sf_packs]` (row-major, or the TMA-aligned
-column-major layout: storage `[k * packs, align(T, 4)]`, viewed transposed).
+`engram_write(storage [n, hidden])`, a collective: every rank writes its `n` entries (the same `n` and `hidden` on
+every rank) into its buffer's storage part; entry `g` lives on rank `g // n`, row `g % n`. `engram_fetch(indices
+[T, k] int32)` is one-sided: it reads the `T * k` entries into the front of this rank's GPU buffer and returns a
+hook, which waits and returns `(data [T * k, hidden], sf)`, row `t * k + j` being entry `indices[t, j]`. FP8
+storage carries replicated per-entry scales `sf [N * n, num_sf_packs]`, gathered to `[T, k * num_sf_packs]`
+(row-major, or TMA-aligned column-major: storage `[k * packs, align(T, 4)]`, viewed transposed).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The Engram fetch kernel on one node (host side of ``include/ep_core/engram_gather.cuh``).
-
-`EngramGather.launch` gathers `rows` entries from their owners' storage (every rank's storage base as mapped in
-this process: host NUMA memory of the elastic buffer, or GPU memory) into a contiguous output, one warp per row
-with several 16-byte loads in flight per lane (the vector width is the widest that divides the entry size and
-every address). `plan_launch` (no GPU) picks the kernel and the grid: `num_sms` blocks of 512 threads, at most one
-warp per row.
+"""The Engram fetch kernel on one node (host side of ``include/ep_core/engram_gather.cuh``): `EngramGather.launch`
+gathers `rows` entries from their owners' storage into a contiguous output, one warp per row, several 16-byte loads
+in flight per lane; `plan_launch` (no GPU) picks the kernel and the grid (`num_sms` blocks of 512 threads).
 """
 
 from __future__ import annotations

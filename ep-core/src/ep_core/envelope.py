@@ -1,22 +1,14 @@
 """The operation envelope: every host-side collective step of a buffer is checked against its peers.
 
-Each step (a dispatch's or combine's exchange, a barrier, a reset) sends, with its payload, an envelope: the
-step's sequence number, the operation kind and the configuration that must agree across ranks (num_experts, M,
-hidden, top-k, dtypes, expand, alignment, the handle's step, whether scales / weights / bias are present). After
-the exchange every rank compares all envelopes the same way, so a disagreement makes *every* rank raise the same
-`EPMismatchError`, naming the ranks and the fields that differ, instead of pairing different calls.
-
-A rank that rejects its own call before the exchange (a bad argument, a call after `destroy()`, the capture
-check) takes part in the step with an *abort note* instead (`Channel.announce`), then raises its own error; its
-peers raise `EPPeerError` naming that rank and its message. The ranks stay in step: the buffer stays usable.
-
-Once a step fails in a way that leaves the ranks out of step (they disagree, a wait expired, a peer died), the
-channel's `RankState` (`ep_core.rank_state`) refuses every later step at once on this rank, until `reset()`: the
-one collective that resynchronises the ranks whatever step each one was at (through the bootstrap's `resync` when it
-has one, which meets the peers outside the possibly desynchronised collectives).
-
-Waits are bounded by the bootstrap (`ThreadGroup(timeout_secs=)`, ep_torch's `ProcessGroupBootstrap` with the
-buffer's `num_cpu_timeout_secs`), which raise `EPTimeoutError` / `EPPeerError` naming the peer rank.
+Each step (a dispatch's or combine's exchange, a barrier, a reset) sends with its payload an envelope: the step's
+sequence number, the operation kind and the configuration that must agree across ranks. Every rank compares all
+envelopes the same way, so a disagreement makes *every* rank raise the same `EPMismatchError` (naming the ranks and
+fields) instead of pairing different calls. A rank that rejects its own call before the exchange takes part in the
+step with an *abort note* (`Channel.announce`) and raises its own error; its peers raise `EPPeerError` naming it,
+and the buffer stays usable. A failure that leaves the ranks out of step (a disagreement, an expired wait, a dead
+peer) makes the channel's `RankState` (`ep_core.rank_state`) refuse every later step until `reset()`, the one
+collective that resynchronises the ranks (through the bootstrap's `resync` when it has one). Waits are bounded by
+the bootstrap (`EPTimeoutError` / `EPPeerError` naming the peer).
 """
 
 from __future__ import annotations

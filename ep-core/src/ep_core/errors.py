@@ -1,18 +1,8 @@
 """ep_core's exception hierarchy.
 
-Every message says what was expected, what was got, and what to do. Input validation raises `EPValueError` /
-`EPTypeError`, which are also the builtin `ValueError` / `TypeError`, so callers that catch the builtins keep working.
-
-Each error is also the builtin DeepEP raises for the same check, so code written for DeepEP that catches it keeps
-working: DeepEP checks arguments and configuration with Python `assert` (`AssertionError`), and its C++ runtime's
-`EP_HOST_ASSERT`, state checks and timeouts throw `RuntimeError`. Hence:
-
-| ep error | also | DeepEP's check |
-|---|---|---|
-| `EPValueError` (+ `EPConfigError`, `EPPlanMismatchError`, `EPMismatchError`) | `ValueError`, `AssertionError` | Python `assert` on an argument / configuration |
-| `EPTypeError` | `TypeError`, `AssertionError` | Python `assert` on a type / dtype |
-| `EPStateError` (+ `EPPeerError`), `EPDeviceError` | `RuntimeError` | C++ `EP_HOST_ASSERT` / device error word |
-| `EPTimeoutError` | `TimeoutError`, `RuntimeError` | C++ timeout (`RuntimeError`) |
+Every message says what was expected, what was got, and what to do. Each error is also the builtin DeepEP raises
+for the same check, so code that catches the builtins keeps working: DeepEP checks arguments with Python `assert`
+(`AssertionError`), and its C++ runtime's `EP_HOST_ASSERT`, state checks and timeouts throw `RuntimeError`.
 
     EPError
     ├── EPValueError (ValueError, AssertionError)   bad argument value or shape; the message names the argument
@@ -20,7 +10,7 @@ working: DeepEP checks arguments and configuration with Python `assert` (`Assert
     │   │   └── EPPlanMismatchError        ranks of one domain planned different symmetric tensors
     │   └── EPMismatchError                ranks of one collective step disagree (operation envelope)
     ├── EPTypeError (TypeError, AssertionError)     bad argument type or dtype
-    ├── EPStateError (RuntimeError)        call on a destroyed buffer, or out of order
+    ├── EPStateError (RuntimeError)        call on a destroyed buffer, or out of order (C++ `EP_HOST_ASSERT`)
     │   └── EPPeerError                    a peer rank raised (named) or died in this collective step
     ├── EPDeviceError (RuntimeError)       an error word set by a kernel (bad expert id, duplicate expert, ...)
     └── EPTimeoutError (TimeoutError, RuntimeError)  a wait on peers expired (GPU record or CPU-side wait)

@@ -1,22 +1,16 @@
 """Redundant-expert load balancing (DeepEP 2.5's ``EPBuffer.lb_*``): the routes and the numpy reference.
 
 A redundancy mapping is ``[num_nvlink_ranks, num_redundant_experts]`` int32, the same on every rank of an NVLink
-(LSA) domain: entry ``[r, c]`` is the expert held in redundant slot ``c`` of LSA rank ``r``, or -1 (empty). Expert
-ids are local to the domain: expert ``e`` belongs to LSA rank ``e // num_local_experts``, as its local expert
-``e % num_local_experts``.
+(LSA) domain: ``[r, c]`` is the expert in redundant slot ``c`` of LSA rank ``r``, or -1. Expert ``e`` (ids local to
+the domain) belongs to LSA rank ``e // num_local_experts``. Prefetch: every filled slot receives a copy of its
+expert's weights from the owner. Reduce: every owner adds the redundant gradients of every slot holding its expert,
+in ascending (LSA rank, slot) order, one fp32 add each (DeepEP adds with unordered atomics: the same sum up to
+order). ``LBRoutes`` is what one rank sends and receives (the bytes move in ``ep_torch.load_balance``);
+``prefetch_reference`` / ``reduce_grads_reference`` are the oracles.
 
-- prefetch: every filled slot ``(r, c)`` receives a copy of its expert's weights from the expert's owner;
-- reduce: every owner adds, into each of its experts' gradients, the redundant gradients of every slot holding that
-  expert. ep adds them in ascending (LSA rank, slot) order, one fp32 add each (DeepEP's kernel adds with
-  unordered atomics: the same sum up to the order of the additions).
-
-``LBRoutes`` is what one rank sends and receives; the transport (torch collectives in ``ep_torch.load_balance``)
-moves the bytes. ``prefetch_reference`` and ``reduce_grads_reference`` are the oracles of the tests.
-
-``plan_redundancy_mapping`` (ep's answer to DeepEP 2.6's ``lb_get_redundancy_mapping``, whose source ep has not
-seen) builds a mapping from the domain's per-expert loads: a greedy that gives the next free slot to the expert with
-the largest load per instance, on the least loaded rank that may take it (exact rational arithmetic, so every rank
-computes the same mapping).
+``plan_redundancy_mapping`` (ep's answer to DeepEP 2.6's ``lb_get_redundancy_mapping``, unseen) gives the next free
+slot to the expert with the largest load per instance, on the least loaded rank that may take it (exact rational
+arithmetic, so every rank computes the same mapping).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The loopback domain: N ranks in one process on one GPU, each with its own symmetric buffer, workspace and stream.
 
 The kernels and the protocol are the production ones (ipc transport): every rank's peer table points at the other
-ranks' buffers, and the ranks' kernels wait on each other exactly as across GPUs. All blocks of all ranks must be
-resident at once, so `num_ranks * num_sms` may not exceed the device's SMs (checked). The N grids are launched
-plainly, not cooperatively: a cooperative launch guarantees the residency of one grid, not of N grids waiting for
-each other, and N concurrent cooperative grids on one device are not known to be scheduled together; the plain
-launches that fit the device together are what runs verified (RankDriver: `num_ranks_on_device = N`).
+ranks' buffers. All blocks of all ranks must be resident at once, so `num_ranks * num_sms` may not exceed the
+device's SMs (checked); the N grids are launched plainly (a cooperative launch guarantees one grid's residency,
+not N grids'), RankDriver with `num_ranks_on_device = N`.
 
-Errors: after a failed wait every rank refuses to launch until `reset()` (all ranks at once: drain every stream,
-zero every rank's workspace and scratch, drain again); `dispatch`/`combine` check every rank before launching any,
-so no rank's kernel waits for a peer that was refused. A free that waits for the whole device (`cuMemFree` of an
-earlier domain the cycle collector finds, say) would wait, between two ranks' launches, for kernels that wait for the
-ranks not launched yet: `dispatch`/`combine` hold such frees until every rank has launched (`_cuda.frees_deferred`).
+Errors: after a failed wait every rank refuses to launch until `reset()` (all ranks at once); `dispatch`/`combine`
+check every rank before launching any, and hold frees that wait for the whole device until every rank has launched
+(`_cuda.frees_deferred`).
 
 The calls mirror `ep_core.reference.dispatch/combine` (lists indexed by rank), so tests compare the two directly:
 
@@ -19,16 +15,10 @@ The calls mirror `ep_core.reference.dispatch/combine` (lists indexed by rank), s
 >>> outs = dom.dispatch(xs, topk_idxs, topk_weights, num_experts=256)
 >>> comb = dom.combine([o.recv_x for o in outs], [o.handle for o in outs])
 
-Emulated nodes: `num_scaleup_ranks=S_u < N` groups ranks `r // S_u` into nodes. With `allow_hybrid_mode=True` (the
-default) they run hybrid mode (include/ep_core/hybrid.cuh); with `allow_hybrid_mode=False` direct mode across nodes
-(include/ep_core/direct_xnode.cuh: every rank of another node through the emulated scale-out put), whose results are
-direct mode's (`ep_core.reference` without `num_scaleup_ranks`).
-
-Inputs may be device arrays or numpy arrays (uploaded on the rank's stream). Outputs are `DeviceArray`s;
-`DispatchResult.to_reference()` converts to the reference's numpy form.
-
-`ProcessRank` is the same rank object for one process of a multi-process group sharing the GPU (or one GPU per
-process): buffers are exchanged through ep_symmem with any bootstrap (`ep_symmem.FileBootstrap`).
+Emulated nodes: `num_scaleup_ranks=S_u < N` groups ranks `r // S_u` into nodes: hybrid mode (include/ep_core/
+hybrid.cuh), or with `allow_hybrid_mode=False` direct mode across nodes (include/ep_core/direct_xnode.cuh).
+Inputs may be device or numpy arrays; outputs are `DeviceArray`s (`DispatchResult.to_reference()`: numpy).
+`ProcessRank` is the same rank for one process of a multi-process group (buffers exchanged through ep_symmem).
 """
 
 from __future__ import annotations

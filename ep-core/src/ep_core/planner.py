@@ -17,15 +17,12 @@ SM model (`explain` returns every intermediate):
    `PlannerPolicy.V2_5`: margin 1.3, a = 4, cap = device SMs rounded down to even, per-SM rates 180 / 45 GB/s
    (DeepEP 2.5's `get_sm_read_gbs` / `get_sm_write_gbs`). A rate of 0 (the default) means the policy's.
 
-Bandwidths: an explicit argument wins, then `EPKIT_NVLINK_GBS` / `EPKIT_RDMA_GBS`, then detection (NVLink: sum of
-the link speeds that `nvidia-smi nvlink -s` reports for the first GPU x 0.9; RDMA: the NIC rate / 8, from sysfs or
-`ibstat`). A bandwidth is only looked up when the model needs it; failure is an `EPConfigError` naming the variable.
-
-Without NVLink the scale-up peers still have a path, and its bandwidth stands in for `nvlink_gbs`
-(`detect_scaleup_gbs`): ranks sharing one GPU (nvidia-smi lists one GPU) copy through device memory (the device
-copy bandwidth: memory clock x bus width, read plus write, x 0.9); GPUs on PCIe use the link (per-lane rate of the
-PCIe generation x width x 0.9, from `nvidia-smi --query-gpu=pcie.link.gen.max,pcie.link.width.max`). The plan's
-`scaleup_path` says which one was used ("argument", "env", "nvlink", "same_gpu", "pcie"; "" when not needed).
+Bandwidths (looked up only when the model needs them; a failure is an `EPConfigError` naming the variable): an
+explicit argument, then `EPKIT_NVLINK_GBS` / `EPKIT_RDMA_GBS`, then detection: NVLink, the sum of the first GPU's
+link speeds (`nvidia-smi nvlink -s`) x 0.9; RDMA, the NIC rate / 8 (sysfs or `ibstat`). Without NVLink the
+scale-up path stands in (`detect_scaleup_gbs`): ranks sharing one GPU, the device copy bandwidth (memory clock x
+bus width, read plus write, x 0.9); GPUs on PCIe, the link (the generation's per-lane rate x width x 0.9). The
+plan's `scaleup_path` says which ("argument", "env", "nvlink", "same_gpu", "pcie"; "" when not needed).
 """
 
 from __future__ import annotations

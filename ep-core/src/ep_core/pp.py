@@ -1,17 +1,14 @@
 """Pipeline-parallel send/recv on a ring (DeepEP V2's `pp_*`): sizes, configuration, slot layout, checks, and a
 numpy reference of the protocol.
 
-Every rank talks only to its ring neighbours `prev = (rank - 1) % N` and `next = (rank + 1) % N`. Between a sender
-and a receiver there is one FIFO of `num_max_inflight_tensors` slots of `num_max_tensor_bytes` (aligned to 32) each:
-the k-th tensor sent on that FIFO goes to slot `k % inflight`; a send waits until the receiver has released the
-slot of tensor `k - inflight` (so at most `inflight` tensors are in flight), a receive waits until tensor k has
-arrived, copies it out and releases the slot. Messages are matched by order, never by tag.
-
-The data region holds four slot arrays of `inflight` slots: `[recv from side 0 | recv from side 1 | send staging to
-side 0 | send staging to side 1]`; side 0 is the ring's prev neighbour and side 1 its next (with two ranks prev and
-next are one rank, and the sides then follow DeepEP's rule: a sender always uses its "next" side, the receiver its
-"prev" side). That is why the size hint is `align(align(bytes, 32) * inflight * 2 * 2, 2 MiB)`. The copy-engine
-path writes straight into the receiver's slot and leaves the staging half unused.
+A rank talks only to its ring neighbours `prev = (rank - 1) % N` and `next = (rank + 1) % N`. Between a sender and
+a receiver there is one FIFO of `num_max_inflight_tensors` slots of `num_max_tensor_bytes` (aligned to 32): the
+k-th tensor goes to slot `k % inflight`; a send waits until the receiver released the slot of tensor
+`k - inflight`, a receive until tensor k arrived, then copies it out and releases the slot. Matched by order, never
+by tag. The data region holds four slot arrays: `[recv from side 0 | recv from side 1 | send staging to side 0 |
+send staging to side 1]`, side 0 the prev neighbour, side 1 the next (with two ranks, DeepEP's rule: a sender uses
+its "next" side, the receiver its "prev"); hence the size hint `align(align(bytes, 32) * inflight * 2 * 2, 2 MiB)`.
+The copy-engine path writes straight into the receiver's slot and leaves the staging half unused.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Prebuild the JIT cache for one EP configuration (`python -m ep_core compile ...`), with or without a GPU.
 
 What the runtime compiles is decided by `KernelConfig` alone (`kernels/plan.py`): ranks, top-k, hidden, element
-size, FP8 scale packs, warps per block and transport. One instance holds all three kernels (dispatch, copy
-epilogue, combine). Everything else a call varies (do_expand, deterministic, cached or CPU-sync dispatch,
-expert_alignment, biases, allow_multiple_reduction, num_experts, num_sms) is a kernel argument or launch parameter:
-one instance serves them all, so the enumeration below is exactly the instances the executor can ask for.
-
-The runtime compiles for the current GPU's arch (`sm_90a` on an H200): prebuild with the same `arch` or the cache
-entries are never hit. The issue-17 JIT switches (`EPKIT_COMBINE_LOCAL_REF`, `EPKIT_WARP_MAJOR`,
-`EPKIT_COMBINE_REDUCE_PARTS`, kernels/_source.py) are read from the environment by the same `compile_kernels`:
-prebuild under the values the runtime will see (unset: the defaults, all on). Hybrid configurations
-(`num_scaleup_ranks < num_ranks`) build the hybrid kernels (include/ep_core/hybrid.cuh) with the scale-out put of
-the transport: `emulated` (load/store) over ipc, `gin` (NCCL GIN, against NCCL's device headers) over nccl; with
-`allow_hybrid_mode=False` they build direct mode across nodes (include/ep_core/direct_xnode.cuh) with the same
-scale-out put.
+size, FP8 scale packs, warps per block and transport; one instance holds all three kernels. Everything else a call
+varies is a kernel argument or launch parameter, so the enumeration below is exactly the instances the executor
+can ask for. Prebuild for the runtime's arch (`sm_90a` on an H200) and under the JIT switches it will see
+(`EPKIT_COMBINE_LOCAL_REF`, `EPKIT_WARP_MAJOR`, `EPKIT_COMBINE_REDUCE_PARTS`), or the entries are never hit.
+Hybrid configurations build the hybrid kernels (or, with `allow_hybrid_mode=False`, direct mode across nodes) with
+the transport's scale-out put (`emulated` over ipc, `gin` over nccl).
 """
 
 from __future__ import annotations
@@ -137,10 +130,7 @@ def planned_num_sms(
 
 
 def prebuild(
-    instances: list[PlannedInstance],
-    *,
-    arch: str = DEFAULT_ARCH,
-    on_built: Any = None,
+    instances: list[PlannedInstance], *, arch: str = DEFAULT_ARCH, on_built: Any = None
 ) -> list[BuiltInstance]:
     """Compile (or find in the cache) every instance; `on_built(BuiltInstance)` is called after each one.
     Raises what the compiler raises (ep_jit.CompileError, EPConfigError for missing headers)."""

@@ -1,17 +1,13 @@
 """The prepared-operation cache: a repeated dispatch / combine of the same shapes reuses its validated request.
 
-The road of one call is validate (`ep_core.validation`) -> plan (`ep_core.planner`, `ep_core.kernels.plan`) ->
-launch (the executor). Validation and planning depend only on what shapes the launch: every array's dtype, shape,
-byte strides and device, the scalar arguments and flags (with their types: `True` is not `1` here), the handle's
-layout fields, and the device attributes of the executor. `PreparedOps` keys its entries by exactly those, so a call
-whose key was seen before passed the very same checks and resolved the very same SM / QP counts; it then only does
-the per-call work: read each array's pointer (`describe`, which also re-derives every keyed attribute), check the
-handle (`validation.check_handle`, itself cached by fingerprint), the allocator and the stream, and build the request.
-
-A key never seen, or any argument the key cannot describe (a list, an odd object, an error), goes through the full
-validation, which raises exactly what an uncached call raises. Entries are only added after the full validation
-succeeded, so an error is never cached. One `PreparedOps` belongs to one buffer (its frozen `BufferConfig`); the
-executor's device attributes are part of every key.
+Validation and planning depend only on what shapes the launch: every array's dtype, shape, byte strides and device,
+the scalars and flags (with their types: `True` is not `1` here), the handle's layout fields and the executor's
+device attributes. `PreparedOps` keys its entries by exactly those, so a hit passed the very same checks and
+resolved the very same SM / QP counts; it only reads the pointers (`describe`), checks the handle
+(`validation.check_handle`, cached by fingerprint), the allocator and the stream, and builds the request. A key
+never seen, or an argument the key cannot describe, goes through the full validation, which raises exactly what an
+uncached call raises; entries are added only after it succeeded, so an error is never cached. One `PreparedOps`
+belongs to one buffer.
 """
 
 from __future__ import annotations
@@ -39,9 +35,8 @@ from ep_core.validation import (
 
 __all__ = ["PreparedOps"]
 
-_MAX_ENTRIES = (
-    256  # distinct shapes of one buffer; a workload cycling through more is cleared and re-validated
-)
+# distinct shapes of one buffer; a workload cycling through more is cleared and re-validated
+_MAX_ENTRIES = 256
 
 # request fields that change from call to call (everything else comes from the entry)
 _DISPATCH_PER_CALL = frozenset(

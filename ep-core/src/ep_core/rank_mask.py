@@ -1,37 +1,25 @@
 """Rank masking: which peers a rank has given up on, and the exchange that skips them (DeepEP V1's ``enable_shrink``).
 
-A *masked* rank is neither sent to nor waited for. Tokens routed to its experts are dropped: a dispatch receives
-nothing from it (its blocks count 0) and sends nothing to it; a combine takes no contribution from its experts (the
-lane counts as if its expert id were -1). A rank masks a peer for one of three reasons:
+A *masked* rank is neither sent to nor waited for: tokens routed to its experts are dropped (a dispatch receives
+nothing from it and sends nothing to it; in a combine its lanes count as expert id -1). Reasons: ``user``
+(``RankMask.update(peer, True)``, V1's ``low_latency_update_mask_buffer``); ``timeout`` (the peer's message of a
+step did not arrive in time: masked with a ``RankMaskedWarning``, the step finishes without it); ``peer`` (the peer
+gave up waiting on this rank). The state is per rank and local, as DeepEP's mask buffer: ranks may disagree for a
+while. ``clean()`` and ``update(peer, False)`` resume traffic; call them on every rank between the same two
+operations.
 
-- ``user``: ``RankMask.update(peer, True)`` (V1's ``low_latency_update_mask_buffer``);
-- ``timeout``: the peer's message of a step did not arrive within the wait's bound: this rank masks it, warns
-  (``RankMaskedWarning`` naming the peer, the operation and the bound) and finishes the step without it, instead of
-  failing the whole group;
-- ``peer``: the peer gave up waiting on this rank's message (it masked this rank after its timeout).
+``MaskedExchange`` is the host transport of one masked step over a key-value store (``set``, ``get``,
+``compare_set``, ``wait(keys, timedelta)``, ``delete_key``, as torch's ``TCPStore``): per ordered pair one mailbox
+of numbered messages, each slot settled once by both sides (read and deleted by its receiver, or claimed at the
+deadline, which a late sender learns: it masks the receiver, reason ``peer``), so the counters stay equal and a
+late message is never read at a later step; messages carry their operation and configuration (``EPMismatchError``
+when ranks come back in different operations).
 
-The state is per rank and local (DeepEP's mask buffer: one int per rank in each rank's memory): ranks may disagree
-for a while (each one that waited on a lost peer masks it at its own pace). ``clean()`` and ``update(peer, False)``
-resume traffic with a peer; call them on every rank between the same two operations. ``MaskedExchange`` keeps the
-pairwise message counters equal whatever happened meanwhile (every message slot is settled once by both sides), so
-a late message is never paired with a later step, and messages carry their operation and configuration, compared on
-arrival (``EPMismatchError`` when ranks come back in different operations).
-
-``MaskedExchange`` is the host-side transport of one masked step over a key-value store (``set``, ``get``,
-``compare_set``, ``wait(keys, timedelta)``, ``delete_key``: torch.distributed's ``TCPStore`` has them; any store
-with these five works): per ordered pair (sender, receiver) one mailbox of numbered messages, so a masked pair
-skips messages on both sides and the counters stay equal. Each message slot is settled once by both sides: read
-and deleted by its receiver, or given up by it at the deadline (an atomic claim), which its sender learns when it
-writes late (it masks the receiver, reason ``peer``); so a late message is never read at a later step.
-
-The seam for V2 (high-throughput mode): ``RankMask`` knows nothing of V1. A V2 dispatch/combine takes a
-``RankMask`` the same way: its CPU executor exchanges through ``MaskedExchange`` (the reference computation then runs
-over the ranks that arrived, with ``drop_lanes`` applied to the routing), and its GPU kernels take ``flags`` (int32,
-one per rank, 1 = masked) mirrored into a device array, skip the puts and the waits of masked ranks, and on a
-wait's timeout set the flag there instead of trapping; the host reads it back into ``RankMask`` with
-``merge(flags, "timeout")`` to report and warn. V1's native low-latency kernels do exactly this
-(``include/ep_core/ll_native.cuh``, ``ep_torch.legacy.ll_shrink.NativeShrink``; records stamped with a generation
-so that one from before a clean is not merged after it).
+``RankMask`` knows nothing of V1: GPU kernels take ``flags`` (int32 per rank, 1 = masked) in a device array, skip
+masked ranks' puts and waits, set the flag on a wait's timeout, and the host merges them back with
+``merge(flags, "timeout")`` (V1's native kernels: ``include/ep_core/ll_native.cuh``,
+``ep_torch.legacy.ll_shrink.NativeShrink``; records stamped with a generation, so one from before a clean is not
+merged after it).
 """
 
 from __future__ import annotations

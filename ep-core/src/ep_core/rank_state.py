@@ -3,19 +3,14 @@
 A buffer's host steps (`ep_core.envelope.Channel`) and the guards of surfaces with steps of their own (V1's
 `Buffer`, PP, AGRS) share one `RankState`:
 
-- `seq`: the step counter every rank compares in the envelope (one counter for every channel of a buffer: V1's
-  inner buffers and its own exchange share it). A step that a rank aborted does not count on any rank (every rank
-  takes its counter back), so an abort note pairs with whatever step its peers are in, of this buffer or another
-  one on the same group, and leaves every buffer's counters in step; `taken` counts the steps a rank took part in,
-  aborted ones included (whether a failing call still has to announce itself);
-- `failure`: the error that put the ranks out of step (a disagreement `EPMismatchError`, a wait that expired
-  `EPTimeoutError`, a peer that died). Once set, every operation of the buffer is refused at once on this rank
-  (`refuse`: `EPStateError` naming the cause) instead of pairing with a peer's different call or waiting another
-  full timeout; `reset()`, a collective of every rank, is the one call that resynchronises (`Channel.reset`).
-  An error a rank *announced* (an abort note, `EPPeerError.announced`) leaves the ranks in step: no failure.
-- `generation`: how many resets this state went through; handles record `owner` = `(ident, generation)` when
-  their dispatch makes them, and `check_owner` refuses, by name, a handle from before a reset or from another
-  buffer instead of letting it index another layout (the reference executor and the GPU rank runtime alike).
+- `seq`: the step counter every rank compares in the envelope (one per buffer: V1's inner buffers and its own
+  exchange share it). A step a rank aborted counts on no rank (every rank takes its counter back), so an abort note
+  pairs with whatever step its peers are in; `taken` counts the steps a rank took part in, aborted ones included;
+- `failure`: the error that put the ranks out of step (`EPMismatchError`, `EPTimeoutError`, a dead peer). Once set,
+  every operation is refused at once (`refuse`: `EPStateError` naming the cause) until `reset()`, a collective
+  (`Channel.reset`). An *announced* error (`EPPeerError.announced`) leaves the ranks in step: no failure;
+- `generation`: the resets this state went through; handles record `owner` = `(ident, generation)`, and
+  `check_owner` refuses, by name, a handle from before a reset or from another buffer.
 """
 
 from __future__ import annotations

@@ -1,42 +1,36 @@
 """Exact numpy reference of dispatch and combine: the oracle for every kernel test.
 
-Everything here works on lists indexed by rank (`xs[r]` is rank r's input) and returns one output per rank. Data
-is moved bit-exactly (rows are copied, never converted); bf16 is stored as uint16 bit patterns (see
-`ep_core.bf16`), FP8 data as uint8 (or any 1-byte dtype) and scale packs as 4-byte values (float32 / int32 /
-uint32) copied as bits.
+Lists indexed by rank in (`xs[r]` is rank r's input), one output per rank out. Data moves bit-exactly (rows copied,
+never converted); bf16 is stored as uint16 bits (`ep_core.bf16`), FP8 data as uint8 (or any 1-byte dtype), scale
+packs as 4-byte values copied as bits.
 
 Semantics (SPEC §2-3, behaviour doc §1.5-1.7):
 
 - A token goes once to each distinct destination rank among its valid top-k lanes; the master lane of a
   (token, rank) pair is the highest lane that targets that rank. Negative ids select nothing.
 - Row order. Received tokens (non-expand rows; the handle's metadata rows in both layouts), `deterministic=True`:
-  ordered by the source token's global index `s*M + t` (source rank `s`, then source token `t`), DeepEP's
-  deterministic order (`EPHandle.deterministic_sort`) in every mode. Default: grouped by scale-up region `s % S_u`
-  of the source rank (direct mode: by source rank, so the same order), inside a region ordered by (source rank,
-  source token). Expand rows: grouped by local expert, inside an expert ordered by (source rank, source token),
-  either way. The default (non-deterministic) kernels may order
-  rows differently inside a region / expert, so kernel tests either run deterministic mode (compared with this
-  reference's `deterministic=True` order) or compare through `canonical_order` (sorts rows by source inside each
-  region and expert and remaps the expanded-row indices), i.e. compare per region as sets. A cached dispatch keeps
-  the order of the handles it is given.
-- Rows past the true count (no-CPU-sync worst-case shapes) and expand padding rows are zero here. The kernels
-  leave slack rows unspecified, and padding rows unspecified unless `do_zero_padding=True`: compare only valid
-  rows (`DispatchOutput.num_valid_rows`, `DispatchOutput.valid_expanded_rows`) unless zero padding was asked for.
+  by the source token's global index `s*M + t` (`EPHandle.deterministic_sort`) in every mode. Default: grouped by
+  scale-up region `s % S_u` of the source rank (direct mode: by source rank), inside a region by (source rank,
+  source token). Expand rows: grouped by local expert, inside an expert by (source rank, source token). The
+  non-deterministic kernels may order rows differently inside a region / expert: kernel tests run deterministic
+  mode or compare through `canonical_order`. A cached dispatch keeps the order of its handles.
+- Rows past the true count (worst-case shapes) and expand padding rows are zero here; the kernels leave them
+  unspecified (padding zeroed with `do_zero_padding=True`): compare valid rows only
+  (`DispatchOutput.num_valid_rows`, `DispatchOutput.valid_expanded_rows`).
 - `dst_buffer_slot_idx[t, master lane of (t, d)] = src_rank*M + slot`, slot = position of t among the tokens this
-  rank sends to d, in token order (the deterministic slot assignment).
-- Combine: unweighted; fp32 accumulation, bf16 rounding (round to nearest even) once per reduction level; operands
-  of a level are added in ascending order of their representative lane (the highest lane of the group); the final
-  level starts from float(bias0) (+ float(bias1)), otherwise from the first operand (so the sum of a single
-  operand is that operand bit for bit, -0.0 included); a token with no operand and no bias is +0.0.
-  Levels: (1) per rank: the caller's row (non-expand) or the local sum of the token's expanded rows (expand with
-  multiple reduction); (2) hybrid mode with multiple reduction only: per scale-out domain; (3) at the source.
-  Expand without multiple reduction: every lane is one operand of the single final level.
-- `combined_topk_weights[t, k]` is lane k's value of the weight row sent back by the rank that owns lane k's
-  expert (a gather), 0.0 for negative lanes.
+  rank sends to d, in token order.
+- Combine: unweighted; fp32 accumulation, bf16 rounding (nearest even) once per reduction level; a level adds its
+  operands in ascending order of their representative lane (the highest of the group), the final level from
+  float(bias0) (+ float(bias1)), else from the first operand (one operand is returned bit for bit, -0.0 included);
+  no operand and no bias is +0.0. Levels: (1) per rank: the caller's row (non-expand) or the local sum of the
+  token's expanded rows (expand with multiple reduction); (2) hybrid mode with multiple reduction only: per
+  scale-out domain; (3) at the source. Expand without multiple reduction: every lane is one operand of the final one.
+- `combined_topk_weights[t, k]`: lane k's weight as sent back by the rank that owns lane k's expert, 0.0 for
+  negative lanes.
 
-Only direct-mode fields are produced in hybrid mode (`num_scaleup_ranks < num_ranks`): the region grouping, the
-psums and the reduction levels follow the hybrid rules; `token_metadata_at_forward`/`channel_linked_list` are None
-and column 1 of `recv_src_metadata` stays `src_rank*K + master_lane`.
+Hybrid mode (`num_scaleup_ranks < num_ranks`) produces direct-mode fields only, with the hybrid grouping, psums and
+reduction levels; `token_metadata_at_forward` / `channel_linked_list` are None and column 1 of
+`recv_src_metadata` stays `src_rank*K + master_lane`.
 """
 
 from __future__ import annotations

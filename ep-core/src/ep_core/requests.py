@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ep_core.device_array import ArrayInfo, host_copy
-from ep_core.handle import EPHandle
+from ep_core.handle import ARRAY_FIELDS, EPHandle
 from ep_core.planner import PlannerPolicy
 from ep_core.topology import Topology
 
@@ -24,6 +24,9 @@ __all__ = [
     "DispatchResult",
     "PreparedToken",
 ]
+
+# EPHandle's leading scalars, in its positional order (`DispatchResult.to_reference`)
+_HANDLE_SCALARS = ("do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank", "num_sms")
 
 Allocator = Callable[[tuple[int, ...], str], Any]
 """`allocator(shape, dtype) -> array`: a new (contiguous, row-major) array on the executor's device."""
@@ -178,20 +181,12 @@ class DispatchResult:
 
         h = self.handle
         handle = EPHandle(
-            h.do_expand,
-            h.num_experts,
-            h.expert_alignment,
-            h.num_max_tokens_per_rank,
-            h.num_sms,
+            *(getattr(h, f) for f in _HANDLE_SCALARS),
             host_copy(h.topk_idx),
             h.num_recv_tokens,
             h.num_expanded_tokens,
             list(h.num_recv_tokens_per_expert_list),
-            host_copy(h.psum_num_recv_tokens_per_scaleup_rank),
-            host_copy(h.psum_num_recv_tokens_per_expert),
-            host_copy(h.num_unaligned_recv_tokens_per_expert),
-            host_copy(h.recv_src_metadata),
-            host_copy(h.dst_buffer_slot_idx),
+            *(host_copy(getattr(h, f)) for f in ARRAY_FIELDS[1:]),
             num_ranks=h.num_ranks,
             rank=h.rank,
         )

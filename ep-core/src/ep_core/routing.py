@@ -1,14 +1,6 @@
-"""Synthetic routings and inputs for tests and benchmarks (numpy, seeded).
-
-Routings are `(topk_idx [T, K] int64, topk_weights [T, K] float32)` with distinct experts per token:
-
-- `uniform_routing`: every token picks K distinct experts uniformly (optionally from allowed experts only,
-  e.g. to leave some ranks without any received token);
-- `unbalanced_routing`: one hot rank's experts are picked about `ratio` times as often as the others';
-- `one_expert_routing`: every token routes to the same expert (one lane; the other lanes are -1);
-- `mask_lanes`: sets a random fraction of lanes to -1 (weight 0);
-- `make_inputs`: a full multi-rank input set (bf16 or FP8 data, routings, weights), per-rank token counts
-  included (0 = a rank with no tokens).
+"""Synthetic routings and inputs for tests and benchmarks (numpy, seeded): `(topk_idx [T, K] int64, topk_weights
+[T, K] float32)` with distinct experts per token (uniform, unbalanced, one expert, lanes masked to -1), and
+`make_inputs`, a full multi-rank input set (bf16 or FP8 data, per-rank token counts, 0 included).
 """
 
 from __future__ import annotations

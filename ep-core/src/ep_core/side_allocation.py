@@ -1,9 +1,6 @@
 """A symmetric allocation beside a buffer's storage: ep_symmem's `[GPU | host NUMA]` memory, created on every rank,
-zeroed and exchanged over the buffer's bootstrap, as one collective.
-
-ep_torch's copy-engine primitives (PP, AGRS, Engram, BucketBuffer on the ipc transport) keep their signal words and,
-where the buffer has no host part of its own, their Engram host storage in such allocations. ep-torch depends on
-ep-core only (DESIGN.md §1), so it reaches ep_symmem through this module.
+zeroed and exchanged over the buffer's bootstrap, as one collective: the signal words and Engram host storage of
+ep_torch's copy-engine primitives (ep-torch reaches ep_symmem only through ep-core, DESIGN.md §1).
 """
 
 from __future__ import annotations

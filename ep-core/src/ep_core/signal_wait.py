@@ -1,13 +1,10 @@
 """Bounded stream waits on signal words (the host side of ``include/ep_core/signal_wait.cuh``).
 
-A copy-engine protocol orders a stream after a peer's signal (a 64-bit word the peer writes with
-``cuStreamWriteValue64``). ``cuStreamWaitValue64`` would do it with no SM but has no timeout; `SignalWaiter.wait`
-launches instead a one-thread kernel that polls the word with a deadline (``num_gpu_timeout_secs``). A wait that
-times out records itself in host-mapped memory and every later wait of the waiter returns at once (the streams drain;
-what they copy is then undefined); the next host call's `SignalWaiter.check` raises `EPTimeoutError` naming the rank,
-the peer and what it waited for, and keeps raising it (the waiter is broken: build a new buffer).
-
-The record decoding (`decode_timeout`) and the wait names (`WaitLog`) need no GPU.
+``cuStreamWaitValue64`` has no timeout, so `SignalWaiter.wait` launches a one-thread kernel that polls a peer's
+signal word with a deadline (``num_gpu_timeout_secs``). A timed-out wait records itself in host-mapped memory,
+every later wait returns at once (what the streams copy is then undefined), and `SignalWaiter.check` raises
+`EPTimeoutError` naming the rank, the peer and the wait, at every call (build a new buffer). `decode_timeout` and
+`WaitLog` need no GPU.
 """
 
 from __future__ import annotations

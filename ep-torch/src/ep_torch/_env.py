@@ -1,19 +1,5 @@
-"""Every environment knob of ep_torch, read here only (prefix ``EPKIT_``).
-
-| variable | type | default | meaning |
-|---|---|---|---|
-| ``EPKIT_AVOID_RECORD_STREAM`` | bool | ``0`` | keep async operands alive in the returned ``EventOverlap`` instead of calling ``record_stream`` (needed inside CUDA graphs) |
-| ``EPKIT_TORCH_TRANSPORT`` | str | ``""`` | force the backend of new buffers: ``reference`` (CPU, torch.distributed collectives), ``ipc`` or ``nccl``; empty = automatic |
-| ``EPKIT_TORCH_NCCL_COMM`` | str | ``auto`` | nccl transport's communicator: ``group`` (borrow the ProcessGroupNCCL's), ``own`` (create one per buffer group) or ``auto`` (borrow when allowed, see ``ep_torch.transport_choice``) |
-| ``EPKIT_TORCH_REFERENCE_NUM_SMS`` | int | ``132`` | device SM count the planner assumes on the CPU reference backend (an H200 by default) |
-| ``EPKIT_TORCH_REFERENCE_NVLINK_GBS`` | float | ``430.3`` | NVLink bandwidth (GB/s) the planner assumes on the CPU reference backend |
-| ``EPKIT_SCALEUP_RANKS`` | int | ``0`` | ranks per (emulated) node, S_u: a divisor of N below N runs hybrid mode with ranks ``r // S_u`` forming a node, on the reference backend and over ``ipc`` (emulated nodes on one host: processes sharing a GPU or one per GPU); across hosts it overrides NCCL's LSA team size; 0 = the transport's own NVLink domain. Shared with ep-core |
-| ``EPKIT_TORCH_REFERENCE_NVLINK_RANKS`` | int | ``0`` | the old name of ``EPKIT_SCALEUP_RANKS``, read on the CPU reference backend only |
-| ``EPKIT_TORCH_HOST_EXTENSION`` | str | ``auto`` | the host extension (``ep_torch.host_extension``: ``torch.empty`` and describe through torch's C++ API): ``auto`` builds it at first CUDA use and warns once and keeps the Python calls if it cannot, ``0`` off, ``1`` required (an error if it cannot be built) |
-| ``EPKIT_CPU_TIMEOUT_SECS`` | float | ``300`` | bound (seconds) of every host-side wait on peers of buffers that take no ``num_cpu_timeout_secs`` keyword: V1's ``Buffer`` (its host exchanges and its low-latency wait) and the host exchanges before a buffer's own timeout applies (the construction); a peer that does not arrive raises ``EPTimeoutError`` naming it |
-| ``EPKIT_LL_NATIVE`` | bool | ``1`` | V1 low-latency mode on CUDA: ``Buffer(ll_native=None)`` (the default) runs ep's own low-latency kernels where they can (a transport that maps the peers' memory, no adapter-only ``ll_*`` option); ``0`` keeps the adapter on V2's kernels unless ``ll_native=True`` |
-| ``EPKIT_LL_LOCAL_DIRECT`` | bool | ``1`` | V1 low-latency mode's own kernels (``ll_native=True``): without a hook, a rank's own experts read their rows where they lie (one pass); ``0`` sends them through the buffer like a peer's |
-| ``EPKIT_ELASTIC_WAIT`` | str | ``kernel`` | how PP/AGRS/BucketBuffer streams wait for a peer's signal on the GPU: ``kernel`` (a bounded one-thread wait kernel) or ``stream`` (``cuStreamWaitValue64`` bounded by a host watchdog, nothing spinning on the GPU); read when a buffer's elastic backend is made |
+"""Every environment knob of ep_torch, read here only (prefix ``EPKIT_``): ``knobs`` below (name, default, meaning;
+ep-torch's README, "Environment variables", says the same at length).
 """
 
 from __future__ import annotations
@@ -48,65 +34,21 @@ class Knob:
         return os.environ.get(self.name, self.default)
 
 
-knobs: dict[str, Knob] = {
+knobs: dict[str, Knob] = {  # (name, default, meaning; ep-torch's README says each at length)
     k.name: k
     for k in (
-        Knob(
-            "EPKIT_AVOID_RECORD_STREAM",
-            "0",
-            "keep async operands alive in the EventOverlap, not record_stream",
-        ),
+        Knob("EPKIT_AVOID_RECORD_STREAM", "0", "keep async operands in the EventOverlap, not record_stream"),
         Knob("EPKIT_TORCH_TRANSPORT", "", "force the backend: reference, ipc or nccl (empty: automatic)"),
-        Knob(
-            "EPKIT_TORCH_NCCL_COMM",
-            "auto",
-            "nccl transport: borrow the group's communicator (group), create one (own) or decide (auto)",
-        ),
-        Knob(
-            "EPKIT_TORCH_REFERENCE_NUM_SMS",
-            "132",
-            "device SMs assumed by the planner on the CPU reference backend",
-        ),
-        Knob(
-            "EPKIT_TORCH_REFERENCE_NVLINK_GBS",
-            "430.3",
-            "NVLink GB/s assumed by the planner on the CPU backend",
-        ),
-        Knob(
-            "EPKIT_SCALEUP_RANKS",
-            "0",
-            "ranks per (emulated) node; a divisor of N below N runs hybrid mode (0 = one node)",
-        ),
-        Knob(
-            "EPKIT_TORCH_REFERENCE_NVLINK_RANKS",
-            "0",
-            "old name of EPKIT_SCALEUP_RANKS, on the CPU reference backend only",
-        ),
-        Knob(
-            "EPKIT_TORCH_HOST_EXTENSION",
-            "auto",
-            "host extension (torch.empty and describe in C++): auto (fall back with a warning), 0 off, 1 required",
-        ),
-        Knob(
-            "EPKIT_CPU_TIMEOUT_SECS",
-            "300",
-            "bound (s) of host waits on peers where no num_cpu_timeout_secs applies (V1 Buffer, construction)",
-        ),
-        Knob(
-            "EPKIT_LL_NATIVE",
-            "1",
-            "V1 low-latency mode on CUDA: ll_native=None runs ep's own kernels where it can; 0 keeps the adapter",
-        ),
-        Knob(
-            "EPKIT_LL_LOCAL_DIRECT",
-            "1",
-            "V1 low-latency native kernels: 0 sends a rank's own experts' rows through the buffer like a peer's",
-        ),
-        Knob(
-            "EPKIT_ELASTIC_WAIT",
-            "kernel",
-            "GPU waits of PP/AGRS/BucketBuffer: kernel (bounded wait kernel) or stream (stream wait + host watchdog)",
-        ),
+        Knob("EPKIT_TORCH_NCCL_COMM", "auto", "nccl's communicator: group (borrow), own, or auto"),
+        Knob("EPKIT_TORCH_REFERENCE_NUM_SMS", "132", "device SMs the planner assumes on the CPU backend"),
+        Knob("EPKIT_TORCH_REFERENCE_NVLINK_GBS", "430.3", "NVLink GB/s assumed on the CPU backend"),
+        Knob("EPKIT_SCALEUP_RANKS", "0", "ranks per (emulated) node; below N: hybrid mode (0 = one node)"),
+        Knob("EPKIT_TORCH_REFERENCE_NVLINK_RANKS", "0", "old name of EPKIT_SCALEUP_RANKS (CPU backend only)"),
+        Knob("EPKIT_TORCH_HOST_EXTENSION", "auto", "C++ host extension: auto, 0 off, 1 required"),
+        Knob("EPKIT_CPU_TIMEOUT_SECS", "300", "host waits' bound (s) without num_cpu_timeout_secs"),
+        Knob("EPKIT_LL_NATIVE", "1", "V1 low-latency: ep's own kernels where they can; 0: adapter"),
+        Knob("EPKIT_LL_LOCAL_DIRECT", "1", "V1 native kernels: 0 sends own experts' rows via the buffer"),
+        Knob("EPKIT_ELASTIC_WAIT", "kernel", "GPU waits of PP/AGRS/BucketBuffer: kernel or stream"),
     )
 }
 

@@ -242,9 +242,8 @@ class ProcessGroupBootstrap:
         self._allgather(_ABORT + message.encode())
 
     def _allgather(self, data: bytes) -> list[bytes]:
-        self.rank_state.taken += (
-            1  # a step this rank took part in (ep_core.rank_state.Guard: no announcing after)
-        )
+        # a step this rank took part in (ep_core.rank_state.Guard: no announcing after)
+        self.rank_state.taken += 1
         if self._via_store is not None:
             return self._allgather_via_store(data)
         self.num_allgathers += 1

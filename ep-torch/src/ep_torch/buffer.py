@@ -1,18 +1,9 @@
 """``ElasticBuffer`` (DeepEP V2's surface, planner policy V2) and ``EPBuffer`` (the newer surface, policy V2.5).
 
-A user switches from DeepEP by changing one import. Both classes are thin layers on ``ep_core.EPBuffer`` (kept as
-``self.runtime``, like DeepEP's C++ runtime): ep-core validates every call (SPEC §6), plans SMs and QPs, and runs
-the operation on its executor; this layer adds what is torch-specific:
-
-- the bootstrap over the ProcessGroup (:class:`~ep_torch.bootstrap.ProcessGroupBootstrap`);
-- outputs allocated as torch tensors (on the comm stream with ``allocate_on_comm_stream=True``);
-- DeepEP's return tuples, the column-major scale view, ``EventOverlap`` objects and the stream rules of behaviour
-  doc §1.8.
-
-Backends (``transport``): ``"reference"`` for CPU tensors on a gloo group (ep-core's reference executor: the
-operations are all-gathers plus ``ep_core.reference``, bit-identical to the oracle the kernels are tested
-against); ``"ipc"`` / ``"nccl"`` for CUDA tensors (ep-core's GPU transports and kernels). The automatic choice, and
-when the nccl transport borrows the group's communicator, are :mod:`ep_torch.transport_choice`'s rules.
+Both are thin layers on ``ep_core.EPBuffer`` (kept as ``self.runtime``, like DeepEP's C++ runtime), which validates
+every call, plans and runs it on its executor; this layer adds the bootstrap over the ProcessGroup, torch tensors as
+outputs, DeepEP's return tuples and the stream rules of behaviour doc §1.8. The backend (``transport``:
+``"reference"`` on a gloo group, ``"ipc"`` / ``"nccl"`` for CUDA tensors) is :mod:`ep_torch.transport_choice`'s.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """DeepEP 2.5's shared buffer pieces: ``BufferBase``, ``BufferAllocator`` and the alignment queries.
 
-``BufferAllocator().allocate(shape, dtype)`` plans a tensor and returns a ``meta`` tensor of that shape and dtype at
-once; a buffer that owns the storage (``EPBuffer(lb_allocation_plan_or_num_bytes=plan)``) later ``materialize``\\ s
-the plan: every planned tensor object becomes, in place (``torch.utils.swap_tensors``), a view of its bytes in the
-storage, so references taken before materialisation see the storage. Each tensor starts on a 2 MiB boundary and
-``num_bytes`` is a multiple of 2 MiB (``get_num_allocation_alignment()``), as DeepEP lays its plans out. The plan
-itself is ep-core's ``BufferAllocator`` (offsets, the cross-rank plan check); this class adds torch dtypes and the
-meta tensors.
+``BufferAllocator().allocate(shape, dtype)`` plans a tensor and returns a ``meta`` tensor at once; the buffer that
+owns the storage (``EPBuffer(lb_allocation_plan_or_num_bytes=plan)``) later ``materialize``\\ s the plan: every
+planned tensor becomes, in place (``torch.utils.swap_tensors``), a view of its bytes in the storage (2 MiB aligned,
+as DeepEP lays plans out). The plan itself is ep-core's ``BufferAllocator``; this class adds torch dtypes.
 
-``BufferBase`` is DeepEP's common base class. ep's buffers keep their own classes (``ElasticBuffer``, ``EPBuffer``,
-``PPBuffer``, ``EngramBuffer``, ``BucketBuffer``, V1's ``Buffer``): they are registered as its virtual subclasses, so
-``isinstance(buffer, BufferBase)`` holds as with DeepEP; each has ``destroy()`` and ``explicitly_destroy``.
-
-``get_num_allocation_alignment()`` (2 MiB), ``get_num_rdma_alignment()`` (64) and ``get_num_tma_alignment()`` (32)
-return DeepEP's values, which are ep's (``ep_core.buffer_base``).
+``BufferBase`` is DeepEP's common base class: ep's buffers are registered as its virtual subclasses, so
+``isinstance(buffer, BufferBase)`` holds. The alignment queries return DeepEP's values, which are ep's
+(``ep_core.buffer_base``).
 """
 
 from __future__ import annotations

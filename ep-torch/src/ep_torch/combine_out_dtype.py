@@ -1,35 +1,24 @@
-"""``combine(..., out_dtype=torch.float32)``: the combined tokens in float32 (DeepEP 2.6 added an optional FP32
-combine output; its source, and so its argument's name, was not available to ep: ``out_dtype`` is ep's name).
+"""``combine(..., out_dtype=torch.float32)``: the combined tokens in float32 (DeepEP 2.6's optional FP32 combine
+output; ``out_dtype`` is ep's name).
 
 The float32 output is the home rank's final float32 sum itself (biases first, then the operands in ascending order
-of their representative lane, SPEC §3), not rounded to bf16; every earlier reduction level still rounds to bf16 as
-before. So the ordinary bf16 output is exactly this output rounded to nearest even. ``out_dtype=None`` (the default)
-or ``torch.bfloat16`` is the ordinary combine; other dtypes are refused (``EPTypeError`` naming ``out_dtype``).
-Refused with ``defer_epilogue`` and ``zero_copy`` (ours). The arguments go through ep-core's one validator
-(``validate_combine``) before anything runs, on every backend.
+of their representative lane, SPEC §3); earlier reduction levels still round to bf16, so the ordinary output is this
+one rounded to nearest even. ``None`` / ``torch.bfloat16`` is the ordinary combine; other dtypes, and
+``defer_epilogue`` / ``zero_copy``, are refused. The arguments go through ep-core's ``validate_combine`` first.
 
-CPU reference backend: the step is the reference executor's combine (``fp32_output``: ``out_dtype`` in its
-envelope's configuration, so ranks that mix a float32 and a bf16 combine all raise ``EPMismatchError``), the sum
-through ``ep_core.reference.combine(fp32_output=True)``.
+CPU reference backend: the reference executor's combine with ``fp32_output`` (in its envelope, so ranks that mix a
+float32 and a bf16 combine all raise ``EPMismatchError``).
 
-CUDA (ipc, nccl, the loopback domain; direct mode): :func:`combine_fp32_by_lanes`, ordinary combines plus torch ops,
-no kernel of its own. Every operand of a token's final sum is one row that one rank sends back, and the operands of
-a token have distinct representative lanes; so the rows are laid out side by side, one column block per lane
-(``[rows, K * hidden]``: block ``k`` holds the row where its representative lane is ``k``, elsewhere -0.0), and
-combined: block ``k`` of a token's result is then its lane-``k`` operand exactly (-0.0 is the identity of IEEE
-addition, signs of zero included, and the kernel starts from its first term, as the reference does). A float32 sum
-over the blocks in lane order, after the biases, is the reference's sum. The wide rows go as combines of width
-``hidden - 16`` (``32`` for hidden 16), each pass built from ``x`` just before its combine and its result added in
-as it comes (the wide rows are never held): never more bytes per row than the buffer was sized for, and never the
-ordinary combine's width, so a peer that runs an ordinary combine against these meets a different envelope and
-every rank raises instead of pairing (the kernels' envelope check). Cost: ``ceil(K * hidden / width)`` combines
-(about ``K + 1``) instead of one, each with a masked copy of ``x`` before it and a float32 add of its output after
-it; temporaries: one pass's rows and output (bf16) and the float32 sum. A path for float32 accuracy, not speed. The stream arguments: the work runs in
-order on the current stream (after ``previous_event``); with ``async_with_compute_stream`` the returned event is
-recorded there. Hybrid mode (several scale-up domains, or emulated nodes) is refused on CUDA
-(``NotImplementedError``: its second reduction level rounds per domain, which the lane blocks do not follow).
-In a loopback group, run one float32 combine of the same shapes in the process first (e.g. on a ``LoopbackGroup(1)``):
-its torch kernels then are loaded (``ep_torch.loopback``'s rule on torch work after a communication kernel).
+CUDA (direct mode): :func:`combine_fp32_by_lanes`, ordinary combines plus torch ops. A token's operands have
+distinct representative lanes, so the rows are laid out one column block per lane (``[rows, K * hidden]``, -0.0
+elsewhere, the identity of IEEE addition) and combined: block ``k`` of a result is its lane-``k`` operand exactly,
+and a float32 sum over the blocks in lane order, after the biases, is the reference's. The wide rows go as combines
+of width ``hidden - 16`` (``32`` for hidden 16), each built just before its combine and added in as it comes: never
+more bytes per row than the buffer holds, never the ordinary combine's width (a peer running an ordinary combine
+meets another envelope and every rank raises). Cost: about ``K + 1`` combines instead of one; for accuracy, not
+speed. It runs on the current stream after ``previous_event``; an async call's event is recorded there. Hybrid mode
+is refused on CUDA (``NotImplementedError``: its second level rounds per domain). In a loopback group run one
+float32 combine of the same shapes first (``ep_torch.loopback``'s rule on torch work after a communication kernel).
 """
 
 from __future__ import annotations
@@ -67,11 +56,7 @@ def combine_out_dtype(buf: Any, a: CombineArgs) -> tuple[torch.Tensor, torch.Ten
                 "reduction the float32 road does not follow (the CPU reference backend has it)"
             )
         # every argument checked before any launch, on every backend (the executor's own outputs)
-        req = validate_combine(
-            rt.config,
-            ex,
-            a._replace(allocator=ex.default_allocator, stream=0),
-        )
+        req = validate_combine(rt.config, ex, a._replace(allocator=ex.default_allocator, stream=0))
         if not buf._cuda:
             out = ex.combine(req, fp32_output=True)
     if buf._cuda:  # outside the block: each combine below is announced by its own

@@ -1,22 +1,15 @@
 """DeepEP's ``deep_ep.comm`` functions on ep: ``from ep_torch import comm`` replaces ``from deep_ep import comm``.
 
-- ``get_physical_domain_size(group_or_buffer)``: ``(num_rdma_ranks, num_nvlink_ranks)``;
-- ``get_logical_domain_size(group_or_buffer, allow_hybrid_mode=None)``: ``(num_scaleout_ranks,
-  num_scaleup_ranks)``, hybrid mode allowed by default as DeepEP;
-- ``barrier(buffer, wait_comm_stream=True, with_cpu_sync=False, sequential=True, context_idx=None)``
-  (``context_idx``: a ``BucketBuffer``'s group index, 0 for the other buffers) and ``get_comm_stream(buffer)``;
-- ``destroy_all_managed_nccl_comm()``.
-
-A buffer answers from its own topology. A group is measured the way ep's buffers would see it, before any buffer
-exists: the ranks per NVLink domain are ``EPKIT_SCALEUP_RANKS`` where set, all ranks on the CPU (reference)
-backend, else the ranks sharing a host (a host-name all-gather over the group: a collective, as DeepEP's, which
-builds an NCCL communicator there). Both then go through ``ep_core.topology.Topology``, the rule every ep buffer
-uses.
+A buffer answers the domain sizes from its own topology. A group is measured the way ep's buffers would see it,
+before any buffer exists: the ranks per NVLink domain are ``EPKIT_SCALEUP_RANKS`` where set, all ranks on the CPU
+(reference) backend, else the ranks sharing a host (a host-name all-gather: a collective, as DeepEP's); both go
+through ``ep_core.topology.Topology``. ``barrier``'s ``context_idx`` is a ``BucketBuffer``'s group index (0 for the
+other buffers).
 
 ``get_nccl_comm_handle(group, force_new_comm=False)`` returns an ``NCCLCommHandle`` over an NCCL group (the group's
-own communicator when every rank has one, else a new one; cached per group) and ``destroy_all_managed_nccl_comm()``
-drops that cache. ep's buffers do not use it: each owns or borrows its communicator (``buffer.nccl_comm_handle``)
-and releases it in ``destroy()``. On the CPU reference backend (gloo) there is no NCCL communicator: refused.
+own communicator when every rank has one, else a new one; cached per group; refused on gloo) and
+``destroy_all_managed_nccl_comm()`` drops that cache. ep's buffers do not use it: each owns or borrows its
+communicator (``buffer.nccl_comm_handle``) and releases it in ``destroy()``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """ep-demo: train a small MoE layer over N ranks through dispatch/combine and check it against a dense computation.
 
-Every rank holds a replicated router and E/N experts (a SiLU MLP each) and one batch of tokens, the same every step,
-with a regression target (a fixed random teacher map of the tokens). A step: route this rank's tokens (top-k of a
-softmax-free score, softmax over the chosen k), dispatch them to the ranks of their experts, run the local
-experts, weight and combine the outputs back, take the squared error against the target, backward through combine
-and dispatch, all-reduce the router gradient, and take an SGD step: the loss goes down from step to step (the layer
-fits the batch; the verdict fails if it does not). Rank 0 also recomputes the same layer densely in float64 on all
-ranks' tokens and parameters (same routing) and compares the output and every gradient.
-
-Defaults run on CPU processes with gloo (the reference backend) in well under a minute on two cores; ``--backend
-cuda`` puts one rank per GPU on nccl and uses the GPU kernels.
+Every rank holds a replicated router, E/N SiLU-MLP experts and one fixed batch with a regression target. A step
+routes the tokens (top-k, softmax over the chosen k), dispatches them, runs the local experts, combines the weighted
+outputs back, and takes an SGD step after backward through combine and dispatch (router gradient all-reduced): the
+loss must go down. Rank 0 recomputes the layer densely in float64 and compares the output and every gradient.
+Defaults run on CPU processes with gloo in well under a minute; ``--backend cuda`` runs one rank per GPU on nccl.
 """
 
 from __future__ import annotations

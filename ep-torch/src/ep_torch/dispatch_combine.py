@@ -309,22 +309,11 @@ class DispatchCombine:
         ``async_with_compute_stream=True``. With ``handle=`` this is a cached dispatch: same rows, same order, and the
         returned handle is the one given.
 
-        ``zero_copy=True`` (an ep extension): the dispatch stores every output in its final place in the buffer's own
-        memory (the receive region on the GPU) and ``recv_x``, its scales, ``recv_topk_idx`` and
-        ``recv_topk_weights`` are views of it, rows in the deterministic order, with no copy epilogue. They are valid
-        until the next dispatch or combine on this buffer; bf16 ``recv_x`` is the memory of
-        :meth:`get_combine_buffer` for the returned handle, so the expert computation may write its outputs over the
-        rows it has read, then ``combine(..., zero_copy=True)``. Non-expanded layout, no ``handle`` (not cached),
-        row-major scales (no ``use_tma_aligned_col_major_sf``), direct mode in one NVLink domain; every rank of the
-        call passes it alike. The handle is an ordinary one (combine, cached dispatch).
-
-        ``defer_epilogue=True`` (DeepEP 2.5; keyword-only here, as ep's positional parameters are V2's): returns
-        only the ``EventOverlap``; its ``current_stream_wait()``
-        (or ``wait()``) returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``, once. Requires
-        ``async_with_compute_stream=True`` and ``do_handle_copy=False`` (:meth:`_deferred`).
-
-        ``borrow_recv=True`` (DeepEP 2.5, keyword-only): ``recv_x`` is a :class:`~ep_torch.DispatchRecvView`
-        (:meth:`_borrow`).
+        Ours and DeepEP 2.5's, keyword-only (ep-torch's README, "Zero-copy dispatch" and the API table):
+        ``zero_copy=True``: the outputs are views of the buffer's own memory (valid until its next dispatch or
+        combine; bf16 ``recv_x`` is :meth:`get_combine_buffer`'s memory); ``defer_epilogue=True``: only the
+        ``EventOverlap`` is returned, whose first ``current_stream_wait()`` returns the other four (:meth:`_deferred`);
+        ``borrow_recv=True``: ``recv_x`` is a :class:`~ep_torch.DispatchRecvView` (:meth:`_borrow`).
         """
         if defer_epilogue is not False or borrow_recv is not False:  # the one test the calls without them pay
             # this call without the deferral / the borrow, its arguments by name (the parameters are the only
@@ -508,16 +497,12 @@ class DispatchCombine:
         args: Any,
     ) -> Any:
         """A ``dispatch`` / ``combine`` with ``defer_epilogue`` set (DeepEP 2.5): ``call()`` runs the operation
-        without it (`args`: a dispatch's arguments by name, a combine's ``CombineArgs``). A false value other than
-        ``False`` (``0``) is the ordinary call. Otherwise DeepEP's rules (``async_with_compute_stream=True``;
-        ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``) are checked before any launch, and the
-        returned ``EventOverlap``'s first ``current_stream_wait()`` returns the outputs.
-
-        On CUDA the operation is split (:mod:`ep_torch.deferred`): a dispatch's call launches the dispatch kernel,
-        its wait does the CPU sync's count wait and launches the copy epilogue; a combine's call launches the send
-        part, its wait the reduce. On the CPU reference backend, where every operation has completed when the call
-        returns, the operation is the ordinary async one, whose outputs the event's hook hands over (the buffer held
-        until then all the same)."""
+        without it (`args`: a dispatch's arguments by name, a combine's ``CombineArgs``); a false value other than
+        ``False`` (``0``) is the ordinary call. DeepEP's rules (``async_with_compute_stream=True``;
+        ``do_handle_copy=False`` for a dispatch) and ep's (no ``zero_copy``) are checked before any launch; the
+        returned ``EventOverlap``'s first ``current_stream_wait()`` returns the outputs. On CUDA the operation is
+        split (:mod:`ep_torch.deferred`: the wait runs the epilogue or the reduce); on the CPU reference backend it
+        is the ordinary async one, whose outputs the event's hook hands over."""
         if not defer_epilogue:
             return call()
         with self._core.announcing(op):  # a refusal here precedes the call's first step (issue 41)
@@ -634,18 +619,11 @@ class DispatchCombine:
     ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap] | EventOverlap:
         """Send expert outputs back and sum them per token, unweighted (SPEC §3).
 
-        Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``.
-        ``zero_copy=True`` (an ep extension): ``x`` is :meth:`get_combine_buffer`'s tensor with the expert outputs
-        written into it, read in place (one pass over the rows instead of two; non-expanded handles, no
-        ``topk_weights``, direct mode). Every rank of the call passes it alike.
-
-        ``defer_epilogue=True`` (DeepEP 2.5; keyword-only here, as ep's positional parameters are V2's): returns
-        only the ``EventOverlap``; its ``current_stream_wait()``
-        (or ``wait()``) returns ``(combined_x, combined_topk_weights)``, once. Requires
-        ``async_with_compute_stream=True`` (:meth:`_deferred`).
-
-        ``out_dtype=torch.float32`` (DeepEP 2.6's optional FP32 output; keyword-only, ep's name): ``combined_x`` in
-        float32, unrounded (:mod:`ep_torch.combine_out_dtype`; the CPU reference backend, and CUDA in direct mode).
+        Returns ``(combined_x [T, hidden] bf16, combined_topk_weights [T, K] float32 | None, event)``. Keyword-only:
+        ``zero_copy=True`` (ours): ``x`` is :meth:`get_combine_buffer`'s tensor, read in place;
+        ``defer_epilogue=True`` (DeepEP 2.5): only the ``EventOverlap``, whose first ``current_stream_wait()``
+        returns the outputs (:meth:`_deferred`); ``out_dtype=torch.float32`` (DeepEP 2.6): ``combined_x`` in
+        float32, unrounded (:mod:`ep_torch.combine_out_dtype`).
         """
         # DeepEP 2.5: the kept topk_idx unchanged (ep_torch.handle_version; inline as dispatch's)
         if _kept_versions:

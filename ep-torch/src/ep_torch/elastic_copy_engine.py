@@ -1,35 +1,22 @@
 """The GPU backend of PP, Engram and AGRS on the ipc transport, and on nccl where NCCL's LSA team is the whole group
 (the peers' windows through their LSA pointers): copy-engine transfers between the ranks' symmetric buffers, ordered
-by stream memory operations, so PP and all-gather use no SM.
+by stream memory operations, so PP and all-gather use no SM (ep-torch's README, "Elastic ops").
 
-- PP: a send copies the tensor (``cuMemcpyDtoDAsync``, peer to peer) straight into the receiver's slot, then
-  writes the FIFO's arrival count into the receiver's signal word (``cuStreamWriteValue64``, which fences the copy);
-  a receive waits for that count (a bounded wait, below), copies the slot out and writes the release count
-  into the sender's signal word; a sender whose FIFO is full first waits for the release of the oldest slot. All of
-  it is queued on the current stream: the host never blocks.
-- AGRS: an all-gather copies each tensor into its place on every peer on the comm stream (after the compute
-  stream), then signals the slot to every peer and waits for theirs; the handle makes the current stream wait.
-  Ending a session signals and waits the same way, so the next session's copies never overwrite live results.
-- Engram: the storage lives in host NUMA memory: the host part of the buffer itself (the back ``num_cpu_bytes`` of
-  the data region, ``[GPU | host NUMA]`` in one VA range, mapped by every rank of the node) when the transport built
-  one, else a ``[2 MiB GPU | num_cpu_bytes host]`` symmetric allocation of its own (``ep_core.side_allocation``);
-  when a rank cannot map host memory at all, at the back of each rank's GPU data region. ``engram_write`` copies
-  into it with the copy engine; a fetch is one gather kernel (``ep_core.engram_gather``: a warp per row, 16-byte
-  loads, several in flight per lane, on up to the rank's share of the SMs) from the owners' storage into the front
-  of the data region.
+- PP: a send copies the tensor peer to peer into the receiver's slot, then writes the FIFO's arrival count into the
+  receiver's signal word (``cuStreamWriteValue64``, which fences the copy); a receive waits for it, copies the slot
+  out and writes the release count back; a full FIFO first waits for its oldest release. All on the current stream.
+- AGRS: an all-gather copies each tensor to every peer on the comm stream, then signals and waits; ending a session
+  signals and waits the same way, so the next session never overwrites live results.
+- Engram: the storage lives in host NUMA memory (the buffer's own host part, else a side allocation,
+  ``ep_core.side_allocation``; the GPU data region when a rank cannot map host memory); ``engram_write`` copies into
+  it with the copy engine, a fetch is one gather kernel (``ep_core.engram_gather``) into the data region's front.
 
-The signal words live in a separate 2 MiB symmetric allocation (``ep_core.side_allocation``), exchanged when the
-first collective of these primitives runs: the workspace has no region for them yet.
-
-Every stream wait on a peer's signal is bounded by the buffer's ``num_gpu_timeout_secs``: a one-thread kernel
-polls the word with a deadline (``ep_core.signal_wait``; ``cuStreamWaitValue64`` has no timeout). A wait that
-times out records itself in host-mapped memory, later waits return at once, and the next call of any of these
-primitives on the buffer raises ``EPTimeoutError`` naming the rank, the peer and what it waited for (and keeps
-raising it). The cost: one thread block on one SM while a wait spins (a stream wait holds none).
-
-``EPKIT_ELASTIC_WAIT=stream`` (ours) queues ``cuStreamWaitValue64`` instead, bounded by a host watchdog
-(``elastic_stream_wait``): no SM and, between processes time-sliced on one GPU, no spinning kernel that keeps its
-context on the GPU until its slice ends. Default ``kernel``.
+The signal words live in a separate 2 MiB symmetric allocation (``ep_core.side_allocation``), exchanged at the first
+collective of these primitives. Every stream wait on a peer's signal is bounded by ``num_gpu_timeout_secs``: a
+one-thread kernel polls the word with a deadline (``ep_core.signal_wait``); a timed-out wait records itself in
+host-mapped memory and the next call on the buffer raises ``EPTimeoutError`` naming the rank, the peer and what it
+waited for. ``EPKIT_ELASTIC_WAIT=stream`` queues ``cuStreamWaitValue64`` instead, bounded by a host watchdog
+(``elastic_stream_wait``): no SM held while waiting. Default ``kernel``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """ElasticBuffer's methods beyond EP (issue 20): pipeline send/recv, Engram fetch, all-gather sessions.
 
-A mixin so that these primitives live apart from dispatch/combine; `ElasticBuffer` inherits it. Names, arguments
-and semantics are DeepEP V2's (`deep_ep/buffers/elastic.py`); the protocol, sizes and checks are ep-core's
-(`ep_core.pp`, `ep_core.engram`, `ep_core.agrs`), and the bytes move on a backend picked by the buffer's transport:
-
-- ``reference`` (CPU tensors on gloo): :mod:`ep_torch.elastic_reference`, torch.distributed point-to-point and
-  all-gathers with the same results, bounded by ``num_cpu_timeout_secs``;
-- ``ipc`` (CUDA): :mod:`ep_torch.elastic_copy_engine`, copy-engine transfers between the ranks' symmetric buffers
-  (no SM) ordered by stream memory operations.
-
-The user documentation is ``ep-torch/docs/elastic-ops.md``.
+A mixin of `ElasticBuffer`. Names, arguments and semantics are DeepEP V2's (`deep_ep/buffers/elastic.py`); the
+protocol, sizes and checks ep-core's (`ep_core.pp`, `ep_core.engram`, `ep_core.agrs`); the bytes move on
+:mod:`ep_torch.elastic_reference` (CPU tensors on gloo) or :mod:`ep_torch.elastic_copy_engine` (CUDA). User
+documentation: ``ep-torch/docs/elastic-ops.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""The CPU backend of PP, Engram and AGRS (transport ``reference``, CPU tensors on a gloo group).
+"""The CPU backend of PP, Engram and AGRS (transport ``reference``, CPU tensors on a gloo group): the GPU path's
+results, with torch.distributed doing what the copy engine and the signals do there.
 
-Same results as the GPU path, with torch.distributed doing what the copy engine and the signals do there:
+- PP: per ring direction one FIFO of ``isend`` messages (a header, then the bytes), each answered by a release once
+  copied out; a sender with ``num_max_inflight_tensors`` unreleased waits for the oldest. One rank: a local queue.
+- Engram: ``engram_write`` all-gathers the tables, so a fetch reads a local replica (one-sided, as RDMA gets).
+- AGRS: gloo all-gathers into the session region of the data region (results are views of it); ending is a barrier.
 
-- PP: per ring direction one FIFO; a tensor is a header (size, sequence number) and its bytes, sent with
-  ``isend``; the receiver answers each tensor with a release message once it copied it out, and a sender with
-  ``num_max_inflight_tensors`` unreleased tensors waits for the oldest release, as the GPU sender waits for the
-  slot. A rank that is its own neighbour (one rank) uses a local queue.
-- Engram: ``engram_write`` all-gathers the tables, so a fetch reads a local replica and stays one-sided (no peer
-  takes part, as with RDMA gets); the fetched rows land in the front of the buffer's data region.
-- AGRS: each all-gather is a gloo all-gather into the session region of the buffer's data region (the gathered
-  results are views of it, as on the GPU); ending a session is a barrier.
-
-Every wait is bounded by the buffer's ``num_cpu_timeout_secs`` and raises ``EPTimeoutError`` naming the rank and
-what it waited for.
+Every wait is bounded by ``num_cpu_timeout_secs`` (``EPTimeoutError`` naming the rank and what it waited for).
 """
 
 from __future__ import annotations

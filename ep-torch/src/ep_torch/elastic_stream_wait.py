@@ -1,18 +1,13 @@
 """Bounded stream waits without a kernel: ``cuStreamWaitValue64`` plus a host watchdog (``EPKIT_ELASTIC_WAIT=stream``).
 
-The default wait of the copy-engine backend (``ep_core.signal_wait``) is a one-thread kernel that polls the signal
-word with a deadline. Between processes time-sliced on one GPU that kernel keeps its context busy, so a hand-off
-costs up to a time slice. This waiter queues a stream memory wait instead (no SM, nothing on the GPU spins) and
-bounds it from the host: a watchdog thread reads the words of the pending waits (an 8-byte device-to-host copy per
-distinct word, on its own non-blocking stream), drops the satisfied ones and, when one past its deadline is still
-short of its value, records the
-timeout exactly as the kernel would (`TimeoutRecord`: the next host call raises ``EPTimeoutError`` naming the rank,
-the peer and the signal, and keeps raising it) and releases every pending wait by writing its value into its word
-(the streams drain; the data in flight is undefined, as after a kernel timeout). Later waits are not queued.
-
-Differences from the kernel: the bound counts from when the wait is queued (a wait whose peer signalled in time
-never times out, even when its stream reaches it late), and the watchdog looks every ``min(50 ms, bound / 20)``.
-`WaitWatch` is the bookkeeping without CUDA (unit tested); `StreamWaiter` binds it to the driver.
+The default wait (``ep_core.signal_wait``) is a one-thread kernel polling the signal word with a deadline, which
+keeps its context busy between processes time-sliced on one GPU. This waiter queues a stream memory wait (no SM)
+and bounds it from the host: a watchdog thread reads the pending waits' words (an 8-byte copy per distinct word, on
+its own stream), drops the satisfied ones and, when one past its deadline is still short, records the timeout as the
+kernel would (`TimeoutRecord`: the next host call raises ``EPTimeoutError``) and releases every pending wait by
+writing its value (the data in flight is undefined, as after a kernel timeout); later waits are not queued. The
+bound counts from when the wait is queued; the watchdog looks every ``min(50 ms, bound / 20)``. `WaitWatch` is the
+bookkeeping without CUDA (unit tested); `StreamWaiter` binds it to the driver.
 """
 
 from __future__ import annotations

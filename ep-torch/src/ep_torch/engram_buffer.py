@@ -1,17 +1,12 @@
 """``EngramBuffer``: V2.5's buffer for Engram alone (DeepEP's ``deep_ep.EngramBuffer`` surface), several layers.
 
-Each layer ``l`` is a table of ``N * num_entries_per_layer[l]`` entries sharded over the ranks: rank ``r`` writes
-entries ``[r * n_l, (r + 1) * n_l)`` (``write``, a collective); any rank fetches any entries of every layer by
-global index (``fetch``: one hook per layer, one-sided). The storage is ``num_rdma_storage_bytes`` per rank, in host
-NUMA memory with ``use_cpu_rdma_storage=True`` (the host part of the elastic buffer, ``[GPU | host]`` in one VA
-range) or at the back of the GPU buffer otherwise; the fetched rows of layer ``l`` land in the GPU part at
-``l * align(T * k * entry_bytes, 256)`` (``num_gpu_bytes``, the fetch area).
-
-The storage, its lifecycle (bootstrap, barrier, destroy) and the bytes' path are an ``ElasticBuffer``'s (its
-``engram_*`` machinery): transports ``reference`` (CPU tensors on gloo) and ``ipc`` (the GPU, one node: a gather
-kernel reading the owners' storage, ``ep_core.engram_gather``). Ours, not DeepEP's: no RDMA path (QPs are checked
-and otherwise unused, ``get_theoretical_config`` returns the direct default), and the FP8 scaling factors are kept
-replicated in a GPU tensor beside the buffer.
+Layer ``l`` is a table of ``N * num_entries_per_layer[l]`` entries sharded over the ranks: rank ``r`` writes entries
+``[r * n_l, (r + 1) * n_l)`` (``write``, a collective); any rank fetches any entries by global index (``fetch``: one
+hook per layer, one-sided). The storage (``num_rdma_storage_bytes`` per rank) is in host NUMA memory with
+``use_cpu_rdma_storage=True``, else at the back of the GPU buffer; layer ``l``'s fetched rows land in the GPU part at
+``l * align(T * k * entry_bytes, 256)``. Storage, lifecycle and the bytes' path are an ``ElasticBuffer``'s
+(transports ``reference`` and ``ipc``). Ours: no RDMA path (QPs checked, unused), FP8 scales replicated in a GPU
+tensor beside the buffer.
 """
 
 from __future__ import annotations

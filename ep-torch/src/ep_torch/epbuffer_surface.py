@@ -1,29 +1,16 @@
 """DeepEP 2.5's ``EPBuffer`` call surface on ep's ``ElasticBuffer`` (issue 42).
 
 DeepEP 2.5 (``deep_ep/buffers/ep.py``) reordered V2's parameters; code written for it passes them positionally as
-well as by name, so ``EPBuffer`` takes them in 2.5's order, with 2.5's defaults:
+well as by name, so ``EPBuffer`` takes them in 2.5's order with 2.5's defaults (the signatures below). ep's own
+parameters that 2.5 lacks are keyword-only: V2's ``num_cpu_bytes`` (2.5 moved the Engram host part to
+``EngramBuffer``) and ``transport``; ``previous_event_before_epilogue``, ``zero_copy`` and (combine) ``out_dtype``.
+``sl_idx=None`` is ep's traffic class 3; ``do_handle_copy=False`` by default (2.5 refuses True; ep still copies when
+asked); an odd ``num_sms`` is rounded up to even, as 2.5 does (``handle.num_sms`` too).
 
-- constructor: ``(group, num_bytes=None, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False,
-  lb_allocation_plan_or_num_bytes=0, deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True,
-  prefer_overlap_with_compute=True, sl_idx=None, num_allocated_qps=0, num_cpu_timeout_secs=300,
-  num_gpu_timeout_secs=100, explicitly_destroy=False)``. V2's ``num_cpu_bytes`` (the Engram host part, which 2.5
-  moved to ``EngramBuffer``) is keyword-only here, as ep's ``transport``; ``sl_idx=None`` is ep's traffic class 3.
-- ``dispatch``: V2's parameters less ``previous_event_before_epilogue``, then ``defer_epilogue``, ``borrow_recv``;
-  ``do_handle_copy=False`` by default (DeepEP 2.5 refuses True; ep still copies ``topk_idx`` into the handle when
-  asked). ep's ``previous_event_before_epilogue`` and ``zero_copy`` are keyword-only.
-- ``combine``: V2's parameters less ``previous_event_before_epilogue``, then ``defer_epilogue``; ep's
-  ``previous_event_before_epilogue``, ``out_dtype`` and ``zero_copy`` keyword-only.
-- ``get_theoretical_num_sms``: the per-SM bandwidths default to 0, DeepEP's "the default" (ep's planner's).
-- an odd ``num_sms`` given to ``dispatch`` / ``combine`` is rounded up to even, as 2.5 does (``handle.num_sms`` too).
-- ``barrier(wait_comm_stream=True, with_cpu_sync=False, sequential=True, context_idx=None)`` (``deep_ep.comm``'s).
-- ``context`` / ``main_context`` (the group's rank, size and domain sizes; None after ``destroy()``) and
-  ``print_memory_usage()``, DeepEP's ``BufferBase`` members.
-
-Each method forwards to ``ElasticBuffer``'s, which does the work: the constructor by name (``_by_name``),
-``dispatch`` / ``combine`` positionally (their per-call path). DeepEP's receive-view rules added here:
-``borrow_recv=True`` is refused (``ValueError``, before any launch) outside one NVLink domain (hybrid mode or
-several physical RDMA ranks), and ``lb_prefetch_weights`` / ``lb_reduce_grads`` refuse while a view is out, as
-``dispatch`` / ``combine`` / ``destroy`` do.
+Each method forwards to ``ElasticBuffer``'s: the constructor by name (``_by_name``), ``dispatch`` / ``combine``
+positionally (their per-call path). DeepEP's receive-view rules added here: ``borrow_recv=True`` is refused
+(``ValueError``, before any launch) outside one NVLink domain, and ``lb_prefetch_weights`` / ``lb_reduce_grads``
+refuse while a view is out, as ``dispatch`` / ``combine`` / ``destroy`` do.
 """
 
 from __future__ import annotations

@@ -1,22 +1,19 @@
-"""Differentiable dispatch and combine, registered as ``torch.library`` custom ops.
+"""Differentiable dispatch and combine, registered as ``torch.library`` custom ops (opaque operators inside
+``torch.compile``: ``torch.ops.ep_torch.dispatch`` / ``combine`` / ``cached_dispatch``).
 
-``dispatch(buffer, x, topk_idx, topk_weights, num_experts=...)`` returns
-``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` and ``combine(buffer, y, handle)`` returns ``combined_y``.
-Both work in eager mode and inside ``torch.compile`` graphs, where they are opaque operators
-(``torch.ops.ep_torch.dispatch`` / ``combine`` / ``cached_dispatch``).
+``dispatch(buffer, x, topk_idx, topk_weights, num_experts=...)`` returns ``(recv_x, recv_topk_idx,
+recv_topk_weights, handle)`` and ``combine(buffer, y, handle)`` returns ``combined_y``. Gradients (DeepEP's recipe,
+the handle reused so nothing is recomputed):
 
-Gradients (DeepEP's recipe, with the handle reused so nothing is recomputed):
+- dispatch backward = combine of ``grad_recv_x`` with ``topk_weights = grad_recv_topk_weights`` masked to the lanes
+  that live on the receiving rank (a lane's weight is owned by the rank of its expert; uses of a non-local lane's
+  weight are not differentiated); the combined top-k weights are the gradient of ``topk_weights``;
+- combine backward = cached dispatch of ``grad_combined``; the gradient of combine's ``topk_weights`` is the cached
+  dispatch's weights at the owner lanes.
 
-- dispatch backward = combine of ``grad_recv_x`` (the copies of a token sum back to it) with
-  ``topk_weights = grad_recv_topk_weights`` masked to the lanes that live on the receiving rank (the weight of lane
-  ``k`` is owned by the rank that holds expert ``topk_idx[t, k]``; uses of a non-local lane's weight are not
-  differentiated). The combined top-k weights are the gradient of ``topk_weights``.
-- combine backward = cached dispatch of ``grad_combined`` (every received row is a copy of its token's gradient);
-  the gradient of combine's ``topk_weights`` is the cached dispatch's weights at the owner lanes.
-
-The ``handle`` here is a small int64 host tensor of shape ``[1 + do_expand, num_tokens + 1, num_topk]`` (a *handle
-token*): its ``[0, 0, 0]`` element names the :class:`~ep_torch.EPHandle` kept in a registry for as long as the token tensor lives,
-and its shape carries the sizes that ``torch.compile`` needs. :func:`get_handle` returns the ``EPHandle``.
+The ``handle`` here is a small int64 host tensor ``[1 + do_expand, num_tokens + 1, num_topk]`` (a *handle token*):
+its ``[0, 0, 0]`` element names the :class:`~ep_torch.EPHandle` kept in a registry while the token lives, and its
+shape carries the sizes ``torch.compile`` needs; :func:`get_handle` returns the ``EPHandle``.
 """
 
 from __future__ import annotations
@@ -284,10 +281,7 @@ def dispatch(
 
 
 def combine(
-    buffer: ElasticBuffer,
-    x: torch.Tensor,
-    handle: torch.Tensor,
-    topk_weights: torch.Tensor | None = None,
+    buffer: ElasticBuffer, x: torch.Tensor, handle: torch.Tensor, topk_weights: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``buffer.combine`` of expert outputs ``x`` (already weighted) through ``handle``.
 

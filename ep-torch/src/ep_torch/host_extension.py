@@ -1,15 +1,11 @@
 """ep_torch's host extension: `torch.empty` and a tensor's facts through torch's C++ API (issue 18).
 
-A dispatch allocates up to five outputs and describes three inputs per call. Through torch's Python argument parser
-an allocation costs 2-6 us on the H200's host and the ten attribute reads of a describe 1-3 us; the extension
-(`csrc/host_extension.cpp`) makes each a single C call. It is built at first use, with the host's C++ compiler,
-against the torch this process imported (torch's headers ship in its wheel), so it always matches that torch's ABI;
-the build (about 15 s on two cores) happens once per torch version and source and is cached under the ep-jit cache
-(`EPKIT_JIT_CACHE_DIR`, `host/`). `python -m ep_torch.host_extension` builds it ahead of time (container images).
-
-`EPKIT_TORCH_HOST_EXTENSION`: ``auto`` (default) builds or loads it and, if that fails, warns once (a
-RuntimeWarning naming the reason and the build log) and keeps the Python calls, which give the same tensors; ``0``
-uses the Python calls silently; ``1`` raises when it cannot be had. `status()` says which path runs and why.
+Through torch's Python argument parser an allocation costs 2-6 us on the H200's host and a describe 1-3 us; the
+extension (`csrc/host_extension.cpp`) makes each a single C call. It is built at first use with the host's C++
+compiler against the imported torch (so it matches its ABI), once per torch version and source, cached under the
+ep-jit cache (`host/`); `python -m ep_torch.host_extension` builds it ahead of time. `EPKIT_TORCH_HOST_EXTENSION`:
+``auto`` (builds or loads it, else warns once and keeps the Python calls, which give the same tensors), ``0``,
+``1`` (raises when it cannot be had). `status()` says which path runs and why.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Start N ranks on one machine for CPU (gloo) or GPU (nccl) runs: ``spawn(fn, nprocs, *args)``.
-
-Each rank gets ``MASTER_ADDR``/``MASTER_PORT`` for a free local port, initializes ``torch.distributed`` with the
-chosen backend and calls ``fn(rank, world_size, *args)``; the process group is destroyed afterwards. Used by the
-demo and the tests; a convenient way to try the CPU reference backend in a script.
+"""Start N ranks on one machine for CPU (gloo) or GPU (nccl) runs: ``spawn(fn, nprocs, *args)`` gives each rank a
+free local ``MASTER_PORT``, initializes ``torch.distributed`` and calls ``fn(rank, world_size, *args)``.
 """
 
 from __future__ import annotations

@@ -1,45 +1,31 @@
-"""N ranks of ep_torch's buffers in one process: ep-core's loopback domain (DESIGN §4) under the torch surfaces.
-
-``LoopbackGroup(n)`` builds ``n`` ranks of ``ElasticBuffer`` (V2) or of V1's ``Buffer`` in this process: on a GPU
-every rank is a real ``ep_core.EPBuffer`` with its own symmetric buffer (one ``IpcBuffer.create_loopback`` per
-group of buffers, the peer table listing them), its own GPU executor (comm stream, ``DirectRank``) and its own torch
-stream, so the calls run exactly the kernels and host code a user of the ipc transport gets, only with the N ranks
-sharing one GPU (their executors see N ranks on the device: each gets its share of the SMs, every grid fits at
-once). On the CPU the ranks run ep-core's reference executor (bit-identical to the kernels' oracle).
+"""N ranks of ep_torch's buffers in one process: ep-core's loopback domain (DESIGN §4) under the torch surfaces
+(ep-torch's README: "Several ranks in one process").
 
     group = LoopbackGroup(8)
     v1 = group.v1_buffers(low_latency_mode=True)
     outs = group.run(lambda r: v1[r].low_latency_dispatch(xs[r], idxs[r], 128, 256, use_fp8=False))
 
+On a GPU every rank is a real ``ep_core.EPBuffer`` (one ``IpcBuffer.create_loopback`` per group of buffers, its
+own GPU executor and torch stream, the device's SMs shared); on the CPU the ranks run ep-core's reference executor.
 ``run(fn)`` calls ``fn(rank)`` for every rank: on the GPU one after another in this thread, each on its rank's
-stream (forked from the current stream and joined back to it, so ``torch.cuda.graph`` captures all ranks' work
-in one graph); on the CPU in one thread per rank (the reference executor's exchanges are host collectives).
-Nothing a rank does on the host may wait for its GPU work while later ranks have not launched theirs (that work
-waits for them): low-latency mode and ``do_cpu_sync=False`` dispatches qualify, a CPU-synced dispatch does not. Nor
-may it load GPU code there: CUDA loads a kernel lazily at its first launch, and the load can wait for the running
-kernels. ep-core's kernels are loaded before their first launch and V1's (``ep_core.ll_pack``) when the group
-builds V1's inner buffers; torch kernels that a rank's work runs after its communication kernel (V1's
-``ll_use_kernels=False`` composition, ``cumulative_local_expert_recv_stats``, the caller's own ops) must have run
-once before in the process. Frees that wait for the whole device (``cuMemFree``, ``cuMemFreeHost``, what the cycle
-collector finds) are held until every rank has launched (``ep_core.kernels._cuda.frees_deferred``).
+stream (forked from the current stream and joined back, so one graph captures all ranks); on the CPU in one thread
+per rank.
 
-The ranks' streams need hardware work queues of their own: CUDA maps streams onto ``CUDA_DEVICE_MAX_CONNECTIONS``
-in-order queues (default 8), and two ranks' streams sharing one are falsely ordered (a rank's dispatch queued behind
-another rank's epilogue, which waits for that rank's dispatch, which waits for this one: a deadlock, seen at 8
-ranks). A GPU group raises the variable to 32 when it is created before CUDA starts, and refuses (``EPConfigError``)
-a context created with fewer queues than its ranks' 2N streams.
+On the GPU, nothing a rank does on the host may wait for its GPU work while later ranks have not launched theirs
+(low-latency mode and ``do_cpu_sync=False`` dispatches qualify, a CPU-synced dispatch does not), nor load GPU code
+(a lazy kernel load can wait for the running kernels): ep-core's kernels are loaded before their first launch, V1's
+(``ep_core.ll_pack``) when the group builds V1's inner buffers, torch kernels run after a rank's communication
+kernel must have run once before; frees that wait for the whole device are held until every rank has launched
+(``ep_core.kernels._cuda.frees_deferred``). Two ranks' streams sharing one of ``CUDA_DEVICE_MAX_CONNECTIONS``'
+hardware queues deadlock: a group raises it to 32 before CUDA starts, and refuses (``EPConfigError``) a context
+with fewer queues than its ranks' 2N streams.
 
 Host collectives (building and destroying buffers) run in one thread per rank over ``ep_core.ThreadGroup``
-bootstraps, hidden from the caller: the first rank that needs a new inner buffer (V1 builds them lazily) builds
-every rank's, the others take theirs; a destroyed buffer is released once every rank of its group destroyed it,
-and, when that happens inside a GPU ``run()``, after every rank's call was made (the destruction synchronizes the
-GPU, which inside the loop would wait for the kernels of the ranks launched so far, which wait for the rest).
-V1 normal mode exchanges host data with the peers and waits on the host for its received counts (V1's CPU sync) in
-every call: on the CPU, where the ranks are threads, each rank's V1 buffer has a host channel of its own (a
-``ThreadGroup`` bootstrap: the enveloped steps, collective safety and ``reset()`` of a process group's) and normal
-mode runs as over gloo, ``num_max_tokens_per_rank``/``hidden`` sizing it up front as there. On the GPU, where
-``run()`` launches the ranks one after another in one thread, the first rank's host wait would wait for ranks not
-launched yet: normal mode is refused there (``_GPU_NORMAL`` says what to run instead).
+bootstraps, hidden from the caller: the first rank that needs a new inner buffer builds every rank's; a destroyed
+buffer is released once every rank of its group destroyed it (inside a GPU ``run()``, after every rank's call was
+made). V1 normal mode syncs the host in every call: on the CPU each rank's V1 buffer has a host channel of its own
+(a ``ThreadGroup`` bootstrap) and normal mode runs as over gloo; on the GPU it is refused (``_GPU_NORMAL`` says what
+to run instead).
 """
 
 from __future__ import annotations

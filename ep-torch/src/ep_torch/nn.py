@@ -1,13 +1,10 @@
-"""``MoEDispatcher``: the intended use of dispatch/combine inside a model, with any expert computation.
-
-::
+"""``MoEDispatcher``: the intended use of dispatch/combine inside a model, with any expert computation::
 
     dispatcher = MoEDispatcher(buffer, num_experts=E)
     y = dispatcher(x, topk_idx, topk_weights, experts)   # experts: this rank's E / N expert modules
 
-``forward`` dispatches the tokens (differentiably), runs each local expert on the rows routed to it, weights each
-expert output by its top-k weight, sums per received row and combines the rows back to their tokens. Gradients
-reach ``x``, ``topk_weights`` and the experts' parameters.
+``forward`` dispatches the tokens (differentiably), runs each local expert on its rows, weights each output by its
+top-k weight, sums per received row and combines back. Gradients reach ``x``, ``topk_weights`` and the experts.
 """
 
 from __future__ import annotations

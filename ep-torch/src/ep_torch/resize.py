@@ -1,31 +1,19 @@
-"""``EPBuffer.resize``: give the buffer a new size in place (DeepEP 2.6 added a method of this name to ``EPBuffer``;
-its source was not available to ep, so the signature and semantics here are ep's).
+"""``EPBuffer.resize``: give the buffer a new size in place (DeepEP 2.6's method name; its source was not available
+to ep, so the signature and semantics are ep's: ep-torch's README, API table).
 
 ``resize(num_bytes=None, num_max_tokens_per_rank=0, hidden=0, num_topk=0, use_fp8_dispatch=False)`` takes the
-constructor's sizing arguments with their meaning (``num_bytes``, a multiple of 2 MiB, wins; else the size hint of
-the MoE settings) and rebuilds the buffer's storage for them; every other setting stays (group, transport,
-deterministic, hybrid and reduction modes, timeouts, QPs, ``num_cpu_bytes``, the LB region and its tensors). A
-collective: every rank calls it with the same arguments.
+constructor's sizing arguments and rebuilds the storage for them; every other setting stays (the LB region and its
+tensors included). A collective, with the same arguments on every rank:
 
-- The arguments are checked and agreed first (``ep_core.envelope``): a rank that refuses its call announces it (its
-  peers raise ``EPPeerError`` naming it), ranks that disagree all raise ``EPMismatchError`` (the buffer then refuses
-  every call until ``reset()``); in both cases nothing was released and the buffer works as before.
-- Then the old storage is released (a collective barrier) and the new one built (the constructor's collective
-  steps). Should the rebuild itself fail, the buffer is left destroyed (``EPStateError`` on use) and the error is
-  raised.
-- Handles of dispatches before the resize belong to the old storage: refused afterwards (``EPStateError``, "stale",
-  through the buffer's rank-state generation: ``ep_core.rank_state.check_owner``, which the reference executor and
-  the GPU rank runtime both call). PP, Engram and AGRS configurations are dropped (they live in the storage):
-  configure them again. A ``DispatchRecvView`` that is out refuses the resize.
+- the arguments are checked and agreed first (``ep_core.envelope``: ``EPPeerError`` / ``EPMismatchError``, nothing
+  released, the buffer works as before);
+- then the old storage is released (a barrier; on CUDA after a device sync) and the new one built by the
+  constructor's collective steps (a new ipc mapping exchange, or a new NCCL window); should that fail, the buffer
+  is left destroyed (``EPStateError`` on use) and the error raised.
 
-Backends: every transport of ``EPBuffer``. On the CPU reference backend the executor's host memory is rebuilt; on
-CUDA tensors (``ipc``: processes sharing a GPU or one per GPU; ``nccl``) the device is synchronized, the old
-symmetric storage and its GPU executor are released (a barrier first), and the transport builds new ones through
-the constructor's collective steps (a new ipc mapping exchange, or a new NCCL window on the same communicator when
-it is borrowed). The new GPU rank runtime keeps the old one's identity one generation on, so a handle from before
-is refused as stale (not as another buffer's). Tensors that viewed the old storage (zero-copy outputs,
-``get_combine_buffer``) and CUDA graphs captured before are invalid afterwards. The loopback domain builds
-``ElasticBuffer`` ranks, which have no ``resize``.
+Handles from before are refused as stale (``EPStateError``, through the rank-state generation:
+``ep_core.rank_state.check_owner``); PP, Engram and AGRS configurations are dropped; tensors that viewed the old
+storage and CUDA graphs captured before are invalid; an outstanding ``DispatchRecvView`` refuses the resize.
 """
 
 from __future__ import annotations

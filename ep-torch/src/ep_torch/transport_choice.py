@@ -1,36 +1,22 @@
 """Which ep-core transport a buffer runs on, decided the same way on every rank of the group.
 
-Rules (``transport=`` or ``EPKIT_TORCH_TRANSPORT`` override the automatic choice):
+Rules (``transport=`` or ``EPKIT_TORCH_TRANSPORT`` override them): a CPU group (gloo): ``"reference"``; a CUDA group:
+``"nccl"`` (LSA through ep-nccl-gin) when every rank has its own GPU and can load NCCL >= 2.28.7 with its device
+headers, ``"ipc"`` (ep-symmem) otherwise. The reason is kept in :attr:`TransportChoice.reason` (the buffer's
+``repr``).
 
-- a CPU group (gloo): ``"reference"``, ep-core's reference executor over torch.distributed collectives;
-- a CUDA group (nccl): ``"nccl"`` (LSA through ep-nccl-gin) when every rank has its own GPU and every rank can
-  load NCCL >= 2.28.7 with its device headers; ``"ipc"`` (ep-symmem) otherwise. The reason is kept in
-  :attr:`TransportChoice.reason` and shown by the buffer's ``repr``; the choice never changes silently mid-run.
+With ``"nccl"`` the buffer borrows the group's NCCL communicator (``ProcessGroupNCCL._comm_ptr()``) when, on every
+rank, torch and ep-nccl-gin load one and the same ``libnccl.so``, the group's communicator exists, and the buffer
+is released collectively (``explicitly_destroy=True``: a borrowed communicator's window can only be deregistered
+collectively). ``EPKIT_TORCH_NCCL_COMM``: ``auto`` (that rule), ``group`` (borrow or fail with the reason), ``own``.
 
-With ``"nccl"`` the buffer borrows the group's own NCCL communicator (``ProcessGroupNCCL._comm_ptr()``) instead of
-creating a second one when all of these hold on every rank (``EPKIT_TORCH_NCCL_COMM``: ``auto``):
+Nodes: ``EPKIT_SCALEUP_RANKS=S_u`` (a divisor of the group size) makes ranks ``r // S_u`` one node (hybrid mode,
+ep-core's ``num_nvlink_ranks``). On one host they are emulated (the reference backend, or ``ipc``; ``nccl`` is
+refused below the group size: its nodes are NCCL's LSA teams); across hosts the nccl transport requires ``S_u`` to
+equal the LSA team size. ``TransportChoice.scaleup_ranks`` keeps it (None: not set).
 
-- torch and ep-nccl-gin use one and the same ``libnccl.so`` of the same version (a communicator is a pointer
-  into one library's state; a second copy of NCCL cannot use it);
-- the group's communicator exists (our first exchange over the group creates it when torch initializes lazily);
-- the buffer is released by a collective call (``explicitly_destroy=True``). A borrowed communicator outlives the
-  buffer, and its window can only be deregistered collectively: a buffer left to the garbage collector would leave
-  it registered. An owned communicator is simply aborted then, which releases everything locally.
-
-``EPKIT_TORCH_NCCL_COMM=group`` asks for the borrowed communicator and fails with the reason when it cannot be had;
-``own`` always creates one.
-
-Nodes: ``EPKIT_SCALEUP_RANKS=S_u`` (a divisor of the group size) makes ranks ``r // S_u`` one node and the buffer
-runs hybrid mode across them (ep-core gets it as ``num_nvlink_ranks``). On one host these are emulated nodes: the
-reference backend (ep-core's hybrid reference), or ``ipc`` (the hybrid kernels with the emulated scale-out put;
-processes sharing a GPU or one per GPU): with ``S_u`` below the group size the automatic choice is ``ipc`` and
-``nccl`` is refused (its scale-out put is GIN, and its nodes are NCCL's LSA teams). Across hosts the knob only
-overrides what NCCL reports: the choice is made as without it and ep-core's nccl transport requires ``S_u`` to equal
-the LSA team size. The value and the host name are exchanged facts, so ranks that disagree fail together.
-``TransportChoice.scaleup_ranks`` keeps it (None: not set, the transport's own NVLink domain).
-
-Every local fact is exchanged (two small all-gathers) before anything is decided, so all ranks agree; a rank that
-would pick differently from its peers would hang them in NCCL's communicator setup.
+Every local fact is exchanged (two small all-gathers) before anything is decided, so all ranks agree: a rank that
+picked differently would hang its peers in NCCL's communicator setup.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""Tensors over a buffer's own GPU memory: the outputs of a zero-copy dispatch and the combine buffer.
-
-Those arrays always lie at the same few places (per configuration: `recv_x`, its scales, the ids, the weights; the
-combine buffer is `recv_x`'s memory), with only the row count changing between calls. Turning ep-core's array into
-a tensor through the CUDA array interface costs tens of microseconds of host time per tensor, more than the GPU time a
-zero-copy decode step saves, so each place becomes a tensor once, with the most rows seen there, and each call gets
-a new tensor object over its rows (an alias or a slice, as an ordinary dispatch returns new tensors: autograd state
-never carries from one call's tensor to the next one's).
+"""Tensors over a buffer's own GPU memory: the outputs of a zero-copy dispatch and the combine buffer. They lie at
+the same few places with only the row count changing, and a tensor through the CUDA array interface costs tens of
+microseconds, so each place becomes a tensor once (with the most rows seen) and each call gets a new tensor object
+over its rows (no autograd state carried from one call's tensor to the next).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The kernel-side operation envelope (`OpArgs::envelope`, checked in barrier.cuh `cross_rank_barrier`).
-
-Every dispatch and combine launch carries one 64-bit word: the operation kind, this rank's sequence number of
-collective launches and a digest of the configuration that every rank must share. The entry barrier of each kernel
-leaves the word in every peer's workspace and compares; a peer in another operation, at another step or with another
-shape is recorded as `ErrorKind.ENVELOPE_MISMATCH` naming that peer, so the launch stops at once instead of pairing
-data of different calls or waiting for its timeout.
-
-Layout: `(kind << 56) | (seq & 0xffffff) << 32 | digest32`; kind is never 0, so a word is never 0.
+"""The kernel-side operation envelope (`OpArgs::envelope`, checked in barrier.cuh `cross_rank_barrier`): one 64-bit
+word per dispatch / combine launch, `(kind << 56) | (seq & 0xffffff) << 32 | digest32` (the operation kind, never 0;
+this rank's sequence number of collective launches; a digest of the configuration every rank must share). The entry
+barrier leaves it in every peer's workspace and compares: a peer in another operation, step or shape is recorded as
+`ErrorKind.ENVELOPE_MISMATCH` naming it, so the launch stops at once instead of pairing data of different calls.
 """
 
 from __future__ import annotations

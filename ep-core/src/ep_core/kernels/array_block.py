@@ -1,17 +1,13 @@
-"""The int32 arrays of one new handle in one allocation: a dispatch makes five (slots, two prefix sums, counts,
-source metadata; six in hybrid mode), and each allocation through the caller's allocator (torch's caching allocator,
-ep_core's stream-ordered one) costs microseconds of host time.
+"""The int32 arrays of one new handle in one allocation: a dispatch makes five (six in hybrid mode), and each
+allocation through the caller's allocator costs microseconds of host time.
 
 `carve(allocate, shapes)` allocates one int32 array through `allocate(shape, dtype_name)` and lays it out for
-`shapes`, each part starting on a 256-byte boundary (the alignment of a separate allocation, which the kernels' loads
-may assume): an `Int32Block`, which knows every part's pointer at once and makes a part's view on first use, as the
-block's array type: ep_core `DeviceArray`s over the block's memory (owning it), torch views, or slices of an array
-that slices and reshapes (CuPy and numpy arrays: `block[a:b].reshape`). A new handle keeps its block so
-(`ep_core.handle`): the kernels read only the pointers, and a view is made when the caller reads the field.
-`int32_block(allocate, shapes)` is the same block with every view made at once. The parts are disjoint, so they
-are as independent as separate allocations: every one belongs to the one handle that is returned to the caller
-and none is reused by a later call. Another block type gives None (the caller then allocates each array
-separately). `EPKIT_HANDLE_BLOCK` picks the allocators that use it (`use_block`).
+`shapes`, each part on a 256-byte boundary (what the kernels may assume of a separate allocation): an `Int32Block`,
+which knows every part's pointer at once and makes a part's view (a `DeviceArray`, a torch view, or a slice of an
+array that slices and reshapes) on first use; a new handle keeps its block (`ep_core.handle`). `int32_block` makes
+every view at once. The parts are disjoint and all belong to the one handle returned, none reused by a later call.
+Another block type gives None (the caller allocates each array). `EPKIT_HANDLE_BLOCK` picks the allocators that use
+it (`use_block`).
 """
 
 from __future__ import annotations

@@ -10,19 +10,14 @@ import ep_layout
 import numpy as np
 
 from ep_core.device_array import DeviceArray as CoreArray
-from ep_core.errors import (
-    EPTypeError,
-    EPValueError,
-)
+from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.kernels._args import FLAGS
 from ep_core.kernels._cuda import as_view, view_ptr
 from ep_core.kernels._envelope import OP_COMBINE
 from ep_core.kernels.dispatch_launch import _check_2d
 from ep_core.kernels.op_plan import CombinePlan, combine_words
-from ep_core.kernels.plan import (
-    launch_geometry,
-)
+from ep_core.kernels.plan import launch_geometry
 from ep_core.kernels.prepared_launch import _COMBINE_DYNAMIC, _COMBINE_ZERO_COPY_DYNAMIC, PreparedOp
 from ep_core.requests import CombineResult
 from ep_core.validation import check_zero_copy_args
@@ -92,20 +87,16 @@ class CombineLaunch:
         defer: bool = False,
     ) -> Any:
         """Launch the combine kernel; returns the `CombineResult`. `report_input_error=False` leaves
-        `_report_input_error` to a caller that launches several ranks (the loopback domain reports once every rank
-        has launched). `record`: leave the call's `CombinePlan` in `last_repeat` (ep_core.kernels.op_plan).
-        `zero_copy`: `x` is this rank's `combine_buffer(handle, hidden)`, which every rank's kernel reads in place
-        (module doc of combine.cuh); every rank of the call passes it alike (the envelope checks).
+        `_report_input_error` to a caller that launches several ranks (the loopback domain). `record`: leave the
+        call's `CombinePlan` in `last_repeat`. `zero_copy`: `x` is this rank's `combine_buffer(handle, hidden)`, read
+        in place by every rank's kernel (every rank of the call passes it alike: the envelope checks).
 
-        `defer` (DeepEP 2.5's `defer_epilogue`; records no plan): returns `finish()` instead, which
-        allocates the outputs, launches the reduce on the rank's stream and returns the `CombineResult`. A direct
-        combine is then always split (`combine_split`'s two launches, whatever the grids): the call launches the
-        send-only kernel (entry, send, exit: the collective part, with no output), `finish` the reduce-only one
-        with the words of the same call and the outputs it allocates: the bits of the ordinary combine. Until
-        `finish` the rank starts no other operation (the receive region holds the rows the reduce reads; its
-        caller refuses them), and `x` stays unchanged (the reduce reads this rank's own rows in place,
-        `EPKIT_COMBINE_LOCAL_REF`). Hybrid, cross-node and zero-copy combines have no separate reduce: the whole
-        combine runs at the call and `finish` hands its outputs over."""
+        `defer` (DeepEP 2.5's `defer_epilogue`; records no plan): returns `finish()` instead, which allocates the
+        outputs, launches the reduce and returns the `CombineResult`. A direct combine is then always split
+        (`combine_split`): the call launches the send-only kernel (the collective part), `finish` the reduce-only one
+        with the same words: the ordinary combine's bits. Until `finish` the rank starts no other operation and `x`
+        stays unchanged (the reduce reads this rank's own rows in place). Hybrid, cross-node and zero-copy combines
+        run whole at the call and `finish` hands their outputs over."""
         self.last_repeat = None
         self.guard()
         if handle is None:

@@ -1,10 +1,6 @@
-"""A rank's dispatch (`DispatchLaunch`, a part of `RankDriver`: direct, hybrid and cross-node mode alike).
-
-A dispatch is two phases so that several ranks of one process (the loopback domain) can be driven together:
-`launch_dispatch` checks, allocates the handle arrays and launches the dispatch kernel (it returns at once);
-`finish_dispatch` waits for the received counts when a CPU sync is asked for (stream poll with the CPU timeout),
-sizes and allocates the outputs and launches the copy epilogue. A zero-copy dispatch leaves its outputs where the
-kernel stored them (`RegionView`s of the receive region). The rank's state, guard and launches: `rank_driver`.
+"""A rank's dispatch (`DispatchLaunch`, a part of `RankDriver`: direct, hybrid and cross-node mode alike): the two
+phases `launch_dispatch` / `finish_dispatch` (`ep_core.kernels.rank_driver`'s module doc). A zero-copy dispatch
+leaves its outputs where the kernel stored them (`RegionView`s of the receive region).
 """
 
 from __future__ import annotations
@@ -16,21 +12,14 @@ import ep_layout
 import numpy as np
 
 from ep_core.device_array import DeviceArray as CoreArray
-from ep_core.errors import (
-    EPTypeError,
-    EPValueError,
-)
+from ep_core.errors import EPTypeError, EPValueError
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
 from ep_core.kernels._args import FLAGS, OP_ARGS_FIELDS
 from ep_core.kernels._cuda import DeviceView, PinnedBuffer, Stream, as_view, view_ptr
 from ep_core.kernels._envelope import OP_DISPATCH
 from ep_core.kernels.op_plan import DispatchPlan, dispatch_words, epilogue_outputs
-from ep_core.kernels.plan import (
-    KernelConfig,
-    launch_geometry,
-    plan_regions,
-)
+from ep_core.kernels.plan import KernelConfig, launch_geometry, plan_regions
 from ep_core.kernels.prepared_launch import (
     _DISPATCH_DYNAMIC,
     _DISPATCH_ZERO_COPY_DYNAMIC,

@@ -1,17 +1,11 @@
-"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `RankDriver` (direct mode, one rank per
-process). The transports that allocate its symmetric storage live in `ep_core.transports` (ipc, nccl); the executor
-imports none of them. It serves the nccl transport too: a storage with a non-zero `nccl_window` selects the kernels' `NcclTransport` (LSA pointers).
+"""`EPBuffer`'s GPU executor: the `ep_core.executor.Executor` protocol over `RankDriver` (one rank per process; the
+transports that allocate its storage, `ep_core.transports`, are not imported here). A storage with a non-zero
+`nccl_window` selects the kernels' `NcclTransport`.
 
-Streams: every operation runs on the rank's high-priority comm stream; it first waits for the caller's stream
-(`req.stream`, inputs ready), and the caller's stream then waits for the comm stream (outputs ready), so callers
-need no extra synchronization. Outputs are allocated through `req.allocator(shape, dtype_name)`.
-
-Ranks per GPU: the executor learns which ranks drive its GPU from the device identities exchanged at allocation
-(ipc) or through the bootstrap (nccl). `num_device_sms` is the SM budget of this rank, the device's SMs divided by
-the ranks sharing it, so the planner's count and the validation's bound keep every rank's grid resident together.
-
-Errors: a failed kernel makes every later call raise until `reset()`, which every rank calls together
-(`ep_core.kernels.rank_driver`, "Failures").
+Every operation runs on the rank's high-priority comm stream after the caller's stream (`req.stream`), and the
+caller's stream then waits for it, so callers need no extra synchronization. `num_device_sms` is the device's SMs
+divided by the ranks that drive it (learnt from the device identities exchanged at allocation, or through the
+bootstrap), so every rank's grid stays resident. Failures: `ep_core.kernels.rank_runtime`.
 """
 
 from __future__ import annotations
@@ -268,10 +262,8 @@ class GpuExecutor:
     def launch_dispatch_deferred(self, req: Any) -> Any:
         """DeepEP 2.5's `defer_epilogue`: `req`'s dispatch kernel alone, on the full path (no kept plan; no routing
         copy: DeepEP's rule there is `do_handle_copy=False`), after the request's stream. Returns `finish(stream)`,
-        which does the rest (`RankDriver.finish_dispatch`: a CPU sync's wait for the counts, the outputs from the
-        request's allocator, the copy epilogue) on the comm stream, orders `stream` after it and returns the
-        `DispatchResult`. Until `finish` this rank must start no other operation (its count words are the pending
-        call's): the caller refuses them."""
+        which does the rest (`RankDriver.finish_dispatch`) on the comm stream, orders `stream` after it and returns
+        the `DispatchResult`. Until `finish` this rank must start no other operation: the caller refuses them."""
         rank = self.rank
         alloc = self._allocator(req, req.x.dtype)
         wait, _, _ = self.stream_pairs(req.stream, False)
@@ -313,12 +305,11 @@ class GpuExecutor:
         return res
 
     def launch_combine_deferred(self, req: Any) -> Any:
-        """DeepEP 2.5's `defer_epilogue` of a combine: `req`'s send part alone (`RankDriver.combine(defer=True)`: the
-        send-only launch of a split combine), on the full path (no kept plan), after the request's stream. Returns
-        `finish(stream)`, which first orders the comm stream after `stream` (DeepEP launches the reduce on the
-        waiting stream: it follows that stream's work), allocates the outputs from the request's allocator, launches
-        the reduce, orders `stream` after it and returns the `CombineResult`. Until `finish` this rank must start no
-        other operation (the receive region holds the rows the reduce reads): the caller refuses them."""
+        """`launch_dispatch_deferred` of a combine: `req`'s send part alone (`RankDriver.combine(defer=True)`).
+        `finish(stream)` first orders the comm stream after `stream` (DeepEP launches the reduce on the waiting
+        stream), allocates the outputs, launches the reduce, orders `stream` after it and returns the
+        `CombineResult`. Until then the receive region holds the rows the reduce reads: the caller refuses other
+        operations."""
         alloc = self._allocator(req, "bfloat16")
         wait, _, _ = self.stream_pairs(req.stream, False)
         with self._serving(alloc, wait):

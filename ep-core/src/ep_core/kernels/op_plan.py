@@ -1,23 +1,19 @@
 """The plan of one call signature and its run: a dispatch (no-sync, CPU-sync, cached, zero-copy, FP8) or a combine
-as the first call of that signature resolved it, and the one per-call code of every later call.
+as the first call of that signature resolved it, and the one per-call code of every later call (ep-core's README,
+"The road of one call").
 
 The signature is the key of a prepared-operation entry (`ep_core.prepared`), whose request passed the full
-validation; so everything `RankDriver` derives from it (kernel configuration, regions, SM count, flags, launch
-shape, prepared launches, output shapes, envelope fields) is what the first call derived. Its full path
-(`record=True`) leaves a `DispatchPlan` / `CombinePlan` in `RankDriver.last_repeat`, which the rank's plan cache
-(`RankDriver.plans`) keeps under the entry's token. `run()` does only what changes per call: the guard and the
-handle's state, the pointers, the allocations, the envelope's sequence number, the launches (their per-call words:
-`dispatch_words`, `combine_words`, `epilogue_outputs`), the new handle, the error report. What the key does not cover
-(the last operation's scratch, `debug_skip_scaleout_signal`, the handle's `topk_idx` layout, a hybrid handle's
-forward metadata, a missing prepared epilogue) is checked per call: `run()` then returns None having done nothing,
-and the caller takes the full path, which raises what an uncached call raises.
+validation, so everything `RankDriver`'s full path derived from it is reused: that path (`record=True`) leaves a
+`DispatchPlan` / `CombinePlan` in `RankDriver.last_repeat`, kept in the rank's plan cache (`RankDriver.plans`) under
+the entry's token. `run()` does only what changes per call (guard and handle state, pointers, allocations, the
+envelope's sequence number, the launches' words: `dispatch_words`, `combine_words`, `epilogue_outputs`, the new
+handle, the error report). What the key does not cover (the last operation's scratch, `debug_skip_scaleout_signal`,
+the handle's `topk_idx` layout, a hybrid handle's forward metadata, a missing prepared epilogue) is checked per
+call: `run()` then returns None having done nothing, and the caller takes the full path.
 
-Two callers: `EPBuffer` with a request `PreparedOps` proved (`serve`: the executor's part of the call read from its
-fields, so the road enters no executor module), and a framework that proves the key itself (ep_torch: the host
-extension's native `Signature.match` returns the arrays' pointers or None; the scalars compared by identity with
-`scalars`), which calls the plans `EPBuffer.keep_lane` kept for it (`__call__`; the last of a kind, those of other
-shapes as its `siblings`): allocations from the allocator's `batch` (`ep_core.kernels.kept_plan`), the new handle
-recorded as validated, an error before the launch giving up the call's step; None for what it does not cover.
+Two callers: `EPBuffer` with a request `PreparedOps` proved (`serve`), and a framework that proves the key itself
+(ep_torch: the host extension's `Signature.match`, the scalars by identity), which calls the plans
+`EPBuffer.keep_lane` kept for it (`__call__`; allocations from the allocator's `batch`, `ep_core.kernels.kept_plan`).
 """
 
 from __future__ import annotations
@@ -39,12 +35,7 @@ from ep_core.kernels.array_block import Int32Block
 from ep_core.kernels.kept_plan import batched, output_specs
 from ep_core.kernels.prepared_launch import _NO_PAIR, PreparedOp, record_wait
 from ep_core.requests import CombineResult, DispatchResult
-from ep_core.validation import (
-    check_handle_key,
-    handle_fingerprint,
-    trust_fingerprint,
-    trust_handle,
-)
+from ep_core.validation import check_handle_key, handle_fingerprint, trust_fingerprint, trust_handle
 
 __all__ = [
     "CombinePlan",

@@ -1,20 +1,13 @@
 """Prepared launches of `RankDriver`: per launch shape, the resolved kernel, its launch configuration, the occupancy
 verdict and the packed `OpArgs` words, so that a repeated call only patches its per-call words and launches.
 
-A launch shape is everything that shapes the launch: the kernel configuration, the op's flags, SM count (grid,
-block, shared memory), token and expert counts, strides, the buffer regions and scratch, and the rank's own words
-(base, peer table, timeouts, error word). `RankDriver` builds the key from values it computed for this call, so a
-change of any of them misses; the checks whose inputs can change per call (views, dtypes, shapes, handles, the SM
-count's co-residency) stay in `RankDriver` and run on every call. A miss packs every field through
-`pack_op_args` exactly as an unprepared launch did and keeps those words; a hit copies them and overwrites the
-per-call fields (pointers, counts that vary, the envelope), so its bytes are those a fresh pack would give.
-
-A hit launches through `ep_launch` when it is usable (`_cuda.native_launch`): the C++ `Launch` keeps the same
-words and slots and does the copy, the patch and `cuLaunchKernelEx` in one call; a failed native launch (nothing
-was launched) is retried through the Python path, which raises the driver's error with ep_jit's message.
-
-The per-call slots' names are here (`_DISPATCH_DYNAMIC` and the others); the words themselves are built in
-`ep_core.kernels.op_plan`, each tuple in one place in its launch's order.
+A launch shape is everything that shapes the launch (kernel configuration, flags, grid, counts, strides, regions,
+the rank's own words); `RankDriver` builds the key from values it computed for this call, and the checks whose
+inputs can change per call stay in `RankDriver`. A miss packs every field through `pack_op_args` and keeps the
+words; a hit copies them and overwrites the per-call slots (`_DISPATCH_DYNAMIC` and the others; the words
+themselves are built in `ep_core.kernels.op_plan`), so its bytes are those a fresh pack would give. A hit launches
+through `ep_launch` when usable (`_cuda.native_launch`: copy, patch and `cuLaunchKernelEx` in one C++ call); a
+failed native launch (nothing launched) is retried through the Python path, which raises the driver's error.
 """
 
 from __future__ import annotations
@@ -25,14 +18,7 @@ from typing import Any
 
 from ep_core.kernels._args import OP_ARGS_FIELDS, pack_op_args
 
-__all__ = [
-    "OP_ARGS_STRUCT",
-    "PlanCache",
-    "PreparedLaunch",
-    "PreparedOp",
-    "field_slots",
-    "record_wait",
-]
+__all__ = ["OP_ARGS_STRUCT", "PlanCache", "PreparedLaunch", "PreparedOp", "field_slots", "record_wait"]
 
 OP_ARGS_STRUCT = struct.Struct("<" + "q" * len(OP_ARGS_FIELDS))
 _INDEX = {name: i for i, name in enumerate(OP_ARGS_FIELDS)}

@@ -1,23 +1,16 @@
 """The rank driver: one `RankDriver` per rank drives ep_core's kernels in every mode (direct, hybrid, cross-node;
-`GpuExecutor`, `ep_core.kernels.gpu_executor`, is the executor `EPBuffer` calls; it drives a `RankDriver`).
+`GpuExecutor`, the executor `EPBuffer` calls, drives one).
 
 A dispatch is two phases so that several ranks of one process (the loopback domain) can be driven together:
-`launch_dispatch` validates, allocates the handle arrays and launches the dispatch kernel (it returns at once);
-`finish_dispatch` waits for the received counts when a CPU sync is asked for (stream poll with the CPU timeout),
-sizes and allocates the outputs and launches the copy epilogue. A combine is one launch. A process that holds one
-rank (multi-process, or a real multi-GPU job) simply calls both phases in turn.
+`launch_dispatch` validates, allocates the handle arrays and launches the dispatch kernel; `finish_dispatch` waits
+for the received counts when a CPU sync is asked for, allocates the outputs and launches the copy epilogue. A
+combine is one launch. Arrays are `DeviceArray`s allocated on the rank's stream, or caller arrays by pointer
+(`as_view`); bf16 is uint16 storage, FP8 uint8. Failures: `ep_core.kernels.rank_runtime`.
 
-Arrays are `DeviceArray`s allocated stream-ordered on the rank's stream, or caller arrays taken by pointer
-(`as_view`). bf16 is uint16 storage; FP8 data is uint8.
-
-Failures: `ep_core.kernels.rank_runtime` (the guard, the error record, the reset; `RankRuntime`).
-
-SM counts and launches. `RankResources.num_ranks_on_device` says how many ranks of the domain drive this rank's
-GPU (all N in the loopback domain, processes sharing a GPU, 1 with a GPU per rank). Ranks that share a GPU wait on
-each other inside their kernels, so the default SM count splits the device between them and every grid must fit
-next to the others; a rank alone on its GPU takes the planner's count and launches its grid-synchronizing kernels
-(dispatch, combine) cooperatively, so that all their blocks are resident even while compute kernels of other
-streams occupy SMs.
+SM counts: `RankResources.num_ranks_on_device` ranks drive this rank's GPU (all N in the loopback domain, 1 with a
+GPU per rank). Ranks that share a GPU wait on each other inside their kernels, so the default SM count splits the
+device and every grid must fit next to the others; a rank alone on its GPU takes the planner's count and launches
+its grid-synchronizing kernels cooperatively (all blocks resident while other streams' kernels occupy SMs).
 """
 
 from __future__ import annotations
@@ -31,10 +24,7 @@ import ep_layout
 import numpy as np
 
 from ep_core._env import knobs
-from ep_core.errors import (
-    EPConfigError,
-    EPTimeoutError,
-)
+from ep_core.errors import EPConfigError, EPTimeoutError
 from ep_core.handle import EPHandle
 from ep_core.kernels import _cuda
 from ep_core.kernels._args import pack_op_args

@@ -1,15 +1,12 @@
 """The ipc transport, host side: symmetric buffers from ep_symmem (VMM + POSIX-fd exchange) and the device table of
-peer base pointers that `ep_core::IpcTransport::sym_ptr` reads.
+peer base pointers that `ep_core::IpcTransport::sym_ptr` reads. Each rank's allocation is `[workspace | GPU data]`,
+zeroed: `IpcBuffer.create_loopback(n, data_bytes)` makes n buffers in this process (the loopback domain),
+`IpcBuffer.create_exchanged(bootstrap, data_bytes)` one per process.
 
-Each rank's allocation is `[workspace (ep_layout.WorkspaceLayout.NUM_ALIGNED_BYTES) | GPU data buffer]`, zeroed.
-- `IpcBuffer.create_loopback(n, data_bytes)`: n buffers in this process (the loopback domain); the table lists them.
-- `IpcBuffer.create_exchanged(bootstrap, data_bytes)`: one buffer per process, exchanged with `ep_symmem.exchange`.
-
-Before exchanging, the ranks exchange their device identities (host and GPU UUID, `rank_devices`): ranks on one GPU
-need nothing more; ranks on different GPUs must be on one host, see each other's GPU, and have peer access with
-native peer atomics (the kernels' barriers and counters are system-scope atomics on peer memory; PCIe peers often
-lack them). A pair that does not is refused on every rank (`EPConfigError` naming the devices), before any kernel
-could hang on it.
+The ranks first exchange their device identities (`rank_devices`): ranks on one GPU need nothing more; ranks on
+different GPUs must be on one host with peer access and native peer atomics (the kernels' barriers and counters are
+system-scope atomics on peer memory), else every rank refuses (`EPConfigError` naming the devices) before any
+kernel could hang.
 """
 
 from __future__ import annotations
@@ -48,10 +45,7 @@ def exchange_devices(bootstrap: Any) -> list[str]:
 
 
 def peer_access_problems(
-    identities: list[str],
-    rank: int,
-    visible: dict[str, int],
-    p2p: Callable[[int, int], tuple[bool, bool]],
+    identities: list[str], rank: int, visible: dict[str, int], p2p: Callable[[int, int], tuple[bool, bool]]
 ) -> list[str]:
     """What keeps `rank` from loading, storing and atomically updating every peer's buffer directly: peers on another
     host, peers' GPUs this process does not see, device pairs without peer access or without native peer atomics.

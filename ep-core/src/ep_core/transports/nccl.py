@@ -1,35 +1,26 @@
 """The nccl transport, host side: direct mode (one LSA / NVLink domain) over an NCCL window (ep-nccl-gin).
 
 The kernels are the ipc ones with `ep_core::NcclTransport` switched in at JIT time (`KernelConfig(transport=
-"nccl")`): `sym_ptr(p, peer)` is `ncclGetLsaPointer(window, p - own_base, peer)`. What they need from the host is
-the `ncclWindow_t` (a device pointer; `OpArgs::nccl_window`) and this rank's base of the window (`own_base`).
+"nccl")`): `sym_ptr(p, peer)` is `ncclGetLsaPointer(window, p - own_base, peer)`; the host gives them the
+`ncclWindow_t` (`OpArgs::nccl_window`) and this rank's base of the window.
 
 Setup (`NcclTransport.allocate`, every rank in the same order):
-1. an NCCL communicator: owned (rank 0's `ncclUniqueId` shared through `bootstrap.allgather`, then
-   `ncclCommInitRank` on the current device) or borrowed (`NcclTransport(comm_ptr=...)`, e.g. torch's
-   ProcessGroupNCCL communicator; its rank and size must equal the bootstrap's);
-2. the version gate (NCCL >= 2.28.7, library and headers: ep-nccl-gin's "gin" gate) and NCCL's header/library
-   rule for the JIT headers; then the LSA check: NCCL's LSA team (one NVLink domain, a "node") is either all `n`
-   ranks (direct mode) or `S_u` consecutive ranks with `S_u` dividing `n` (ranks `r // S_u` form a node, as the
-   hybrid kernels assume); anything else is an `EPConfigError`;
-3. the symmetric storage `[workspace | data]` (sizes as for ipc) from `ncclMemAlloc`, zeroed, registered as a
-   window (`ncclCommWindowRegister`, symmetric, strict ordering), and a device communicator (`ncclDevCommCreate`
-   with `lsa_barrier_count`, no GIN) whose bytes (`NcclStorage.dev_comm_bytes`, `.context_bytes`) are kept for
-   kernels that use NCCL's own barriers.
-4. several nodes (`create_executor`, when the buffer's topology is known): hybrid mode (`allow_hybrid_mode=True`)
-   and direct mode across nodes (`allow_hybrid_mode=False`: include/ep_core/direct_xnode.cuh, a put to every rank
-   of another node) need GIN. Every rank checks `gin_support(hybrid=...)` (EPKIT_DISABLE_GIN, NCCL version, an RDMA
-   NIC; hybrid mode also the RAIL connection options), the traffic-class gate and the window's strict ordering, the
-   outcome is exchanged (no rank enters a collective that another refused), then the device communicator is
-   replaced by one with `gin_requirements(...)` and a device copy of its `ncclDevComm` goes to the kernels
-   (`OpArgs::nccl_devcomm`, the `gin` scale-out put of include/ep_core/scaleout.cuh). The GIN path is compiled and
-   wired but has never run (no RDMA NIC on the machines this was built on).
+1. a communicator: owned (`ncclCommInitRank` from rank 0's id) or borrowed (`NcclTransport(comm_ptr=...)`, e.g.
+   torch's; its rank and size must equal the bootstrap's);
+2. the version gate (NCCL >= 2.28.7, library and headers); NCCL's LSA team must be all `n` ranks (direct mode) or
+   `S_u` consecutive ranks with `S_u` dividing `n` (the hybrid nodes), else `EPConfigError`;
+3. the storage `[workspace | data]` from `ncclMemAlloc`, zeroed, registered as a symmetric, strictly ordered window,
+   and a device communicator (`ncclDevCommCreate`, LSA barriers, no GIN);
+4. several nodes (`create_executor`): hybrid mode and direct mode across nodes need GIN. Every rank checks
+   `gin_support(hybrid=...)`, the traffic-class gate and the window's ordering, the outcome is exchanged (no rank
+   enters a collective another refused), then the device communicator is replaced by one with
+   `gin_requirements(...)` for the `gin` scale-out put (include/ep_core/scaleout.cuh). Compiled and wired, never
+   run (no RDMA NIC on the machines this was built on).
 
-Teardown (`NcclStorage.close()`, called by `EPBuffer.destroy()` after its barrier): device communicator destroy,
-window deregister (both collective), `ncclMemFree`, then the communicator (owned only, once its last storage is
-gone). When a buffer is garbage collected instead (no collective call may run then), the release is local: an
-owned communicator is aborted (`ncclCommAbort` frees its windows) and the memory freed; with a borrowed
-communicator the window and memory are left registered (a `ResourceWarning` says so).
+Teardown (`NcclStorage.close()`, after `EPBuffer.destroy()`'s barrier): device communicator, window (both
+collective), `ncclMemFree`, then an owned communicator once its last storage is gone. Garbage collected instead,
+the release is local: an owned communicator is aborted, a borrowed one's window and memory are left registered (a
+`ResourceWarning` says so).
 """
 
 from __future__ import annotations
@@ -227,9 +218,8 @@ class NcclStorage:
         self.nccl_window = int(window.handle)
         self.lsa_size = int(dev_comm.lsa_size)
         self.lsa_rank = int(dev_comm.lsa_rank)
-        self.nccl_devcomm = (
-            0  # device copy of a GIN ncclDevComm (several nodes, `NcclTransport.create_executor`)
-        )
+        # device copy of a GIN ncclDevComm (several nodes, `NcclTransport.create_executor`)
+        self.nccl_devcomm = 0
         self._devcomm_copy: Any = None
         self._peer_bases: list[int] | None = None
         self.closed = False

@@ -1,10 +1,7 @@
-"""Every LSA peer's base of an NCCL window as an address in this process, read once on the host.
-
-ep's kernels reach a peer's byte through ``ncclGetLsaPointer`` (``transport.cuh``); kernels that take a table of
-peer bases instead (V1 low-latency mode's own kernels, ``include/ep_core/ll_native.cuh``) get it from
-`lsa_peer_bases`: a one-block kernel writes ``ncclGetLsaPointer(window, 0, p)`` for every peer ``p`` of the LSA team
-and the host reads the table back. The LSA mapping of a window is fixed for its lifetime, so the addresses stay valid
-until it is deregistered. A synchronizing call: not under CUDA-graph capture (like `IpcStorage.peer_bases`).
+"""Every LSA peer's base of an NCCL window as an address in this process, for kernels that take a table of peer
+bases (V1 low-latency mode's own, ``include/ep_core/ll_native.cuh``) instead of ``ncclGetLsaPointer``: a one-block
+kernel writes ``ncclGetLsaPointer(window, 0, p)`` for every peer and the host reads the table back (valid until the
+window is deregistered; a synchronizing call, not under CUDA-graph capture, like `IpcStorage.peer_bases`).
 """
 
 from __future__ import annotations

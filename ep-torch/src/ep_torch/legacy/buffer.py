@@ -1,64 +1,25 @@
 """DeepEP V1's ``Buffer`` and ``Config`` on ep's V2 runtime: ``from ep_torch import Buffer`` replaces
-``from deep_ep import Buffer``.
+``from deep_ep import Buffer``. What matches V1, what differs, the keywords of ours and low-latency mode's numerics
+are ep-torch's README ("DeepEP V1 `Buffer`").
 
 Normal mode (``get_dispatch_layout``, ``dispatch``, ``combine``) runs one deterministic non-expand dispatch of an
 inner ``ElasticBuffer``: its rows are already V1's (one per (source token, this rank), source rank then token order;
 ``recv_topk_idx`` local with -1). V1 differences translated here: ``recv_topk_weights`` is 0 on lanes whose expert is
 not on this rank, the handle is V1's 6-tuple (with ep's handle inside for combine), ``num_worst_tokens`` pads rows.
-Ranks on several nodes (``EPKIT_SCALEUP_RANKS`` emulates them): rows in V1's internode order and V1's internode
-10-tuple handle (``legacy.internode``), ``num_tokens_per_rdma_rank`` filled.
-It runs on the caller's stream (after ``previous_event``); ``async_finish`` returns an event recorded there.
+Ranks on several nodes: V1's internode order and 10-tuple handle (``legacy.internode``). It runs on the caller's
+stream (after ``previous_event``); ``async_finish`` returns an event recorded there.
 
-Low-latency mode (``legacy.low_latency``) has fixed shapes and no host sync, so dispatch + combine can be captured in a CUDA
-graph. Its numerics are defined by ``legacy.reference`` (numpy) and met bit for bit on CPU and GPU:
-- dispatch: ``recv_x[e, :recv_count[e]]`` are expert e's rows in (source rank, source token) order, exact copies;
-  FP8 per 128 channels ``scale = amax / 448`` (fp32, ``amax >= 1e-4``; ``round_scale``: up to a power of two by its
-  bits), ``q = e4m3(x / scale)`` round to nearest even;
-- combine: ``combined[t] = bf16(acc)``, ``acc`` = +0.0 then, for each lane k ascending with an expert,
-  ``acc = acc + fp32(y[t, k]) * w[t, k]`` as a separate fp32 multiply and add (no FMA), one bf16 rounding.
-By default (``ll_native=None``, ours: native unless an adapter-only ``ll_*`` option is given or
-``EPKIT_LL_NATIVE=0``; ``True`` forces it, ``False`` keeps the adapter), on CUDA where the transport maps the peers'
-memory (ipc, the loopback domain, nccl within one LSA team), low-latency mode runs its own kernels
-(``legacy.ll_kernels.native_*``, ``ep_core.ll_native``; with ``ll_native=None`` other transports take the adapter, with
-``True`` the first
-low-latency call raises ``EPValueError`` naming why the kernels cannot run): one message per (token, expert)
-written into the expert's slots on its rank, one per (expert, token) back, the weighted sum in the receive kernel,
-V1's double buffer (every low-latency call uses the other half). ``return_recv_hook=True`` then launches only the
-send on the current stream and returns; ``hook()`` launches the receive on the then-current stream (V1's split: no
-SM waits in between). On the adapter (``ll_native=False``, other transports, the CPU backend)
-``return_recv_hook=True`` issues the work at once on the communication stream and ``hook()`` makes the then-current
-stream wait for it (no data is promised before).
-
-Keywords without meaning in ep (``num_nvl_bytes``, ``num_rdma_bytes``, ``num_qps_per_rank``,
-``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``use_fabric``, ``allocate_on_comm_stream``, ``config``'s
-chunk sizes) are accepted and ignored: ep sizes and schedules its own buffer. Options ep does not implement raise
-``NotImplementedError`` naming the option (``enable_shrink`` on CUDA without ``ll_native=True`` or over nccl,
-``comm=``, the ``*_wait_recv_cost_stats`` timers). ``get_local_buffer_tensor`` views the inner buffers' own memory
-(``legacy.local_tensor``). ``enable_shrink=True`` (rank masking,
-``legacy.ll_shrink``) runs on the CPU backend, and on CUDA in the native kernels (``ll_native=True``, ipc or a
-loopback group; ``low_latency_clean_mask_buffer`` is then a collective; compiled and host-tested, not yet run on a
-GPU). ``low_latency_combine(use_logfmt=True)`` sends each expert output row LogFMT-10 encoded and adds its float32
-decoding (``legacy.logfmt``'s model, bitwise; the adapter and the CPU backend move bf16 and apply the round trip at the
-receiver; hidden % 512 == 0). Ours, keyword only: ``num_max_tokens_per_rank``
-and ``hidden`` size the normal-mode buffer up front; without them each non-cached normal dispatch all-reduces
-(tokens, hidden) to size it (one small collective); ``ll_lanes_per_combine`` (0 = automatic) sets how many top-k
-lanes one low-latency combine carries (``legacy.low_latency.lanes_per_combine``); ``ll_use_kernels`` (None = on CUDA) runs
-low-latency mode's packing, gather and weighted sum as CUDA kernels (``legacy.ll_kernels``) instead of torch ops
-(the same bits; False keeps the torch composition, the tests' reference); ``ll_deterministic=False`` runs ep's
-non-deterministic dispatch underneath (no count/prefix phases) and orders the packed rows by their source key
-instead (the same results); ``ll_combine_num_sms`` (0 = ep's choice) sets the SMs of the low-latency combine (its
-wide rows leave few warps per block); ``ll_zero_copy`` (None = on CUDA within one NVLink domain) runs the dispatch
-underneath with ``zero_copy=True``: the packing reads the received rows where they arrived instead of a copy of them
-(the same results; rows in the deterministic order whatever ``ll_deterministic``).
-``num_cpu_timeout_secs`` (default ``EPKIT_CPU_TIMEOUT_SECS``) bounds every host wait on peers.
+Low-latency mode (``legacy.low_latency``; numerics: ``legacy.reference``) runs the native kernels
+(``legacy.ll_kernels.native_*``, ``ep_core.ll_native``) where the transport maps the peers' memory and
+``ll_native`` allows (None: unless an adapter-only ``ll_*`` option is given or ``EPKIT_LL_NATIVE=0``), else the
+adapter over an inner ``ElasticBuffer``; the adapter's keywords (``ll_lanes_per_combine``, ``ll_use_kernels``,
+``ll_deterministic``, ``ll_combine_num_sms``, ``ll_zero_copy``) do not apply to the native kernels. Rank masking:
+``legacy.ll_shrink``; LogFMT: ``legacy.logfmt``; ``get_local_buffer_tensor``: ``legacy.local_tensor``.
 
 Collective safety (``ep_core.rank_state``): every operation checks its arguments first; a rank that refuses its call
 tells its peers in their pending step (they raise ``EPPeerError`` naming it), a normal dispatch's one host exchange
 carries an envelope (ranks that disagree all raise ``EPMismatchError``), and after a disagreement, a timeout or a
 lost peer every operation is refused until ``reset()`` (ours, a collective) on every rank.
-
-The adapter's keywords (``ll_lanes_per_combine``, ``ll_use_kernels``, ``ll_deterministic``, ``ll_combine_num_sms``,
-``ll_zero_copy``) do not apply to the native kernels.
 """
 
 from __future__ import annotations
@@ -85,12 +46,7 @@ from .config import Config, default_combine_config, default_dispatch_config
 from .fp8 import per_token_cast_to_fp8
 from .guard import _dispatch_target, _guarded, _normal_target
 from .handle import V1Handle, V1InternodeHandle
-from .internode import (
-    internode_handle_tensors,
-    predicted_nvl_ranks,
-    tokens_per_rdma_rank,
-    v1_row_order,
-)
+from .internode import internode_handle_tensors, predicted_nvl_ranks, tokens_per_rdma_rank, v1_row_order
 from .ll_mode import LowLatencyMode
 from .low_latency import LowLatencyHandle
 
@@ -180,9 +136,8 @@ class Buffer(LowLatencyMode):
                 f"num_cpu_timeout_secs: expected a positive number of seconds, got {num_cpu_timeout_secs!r}"
             )
         self.num_cpu_timeout_secs = float(num_cpu_timeout_secs)
-        self._channel: Channel | None = (
-            None  # the host steps of a process group (`_bind_group`); None: loopback
-        )
+        # the host steps of a process group (`_bind_group`); None: loopback
+        self._channel: Channel | None = None
         self._builds = 0  # inner buffers built so far (handles record which one made them)
         if group is None and comm is not None:
             raise NotImplementedError(

@@ -1,15 +1,12 @@
 """DeepEP V1's internode handle for ``legacy.Buffer`` when the ranks span several nodes (physical domain
-``(num_rdma_ranks > 1, S_u)``; ``EPKIT_SCALEUP_RANKS`` emulates nodes on one host).
+``(num_rdma_ranks > 1, S_u)``; ``EPKIT_SCALEUP_RANKS`` emulates nodes on one host; ep-torch's README says what is
+filled).
 
-V1 then returns a 10-tuple ``(is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
-recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
-recv_src_meta, send_rdma_head, send_nvl_head)`` and its rows are ordered by global source rank, then source token.
-ep's hybrid rows are grouped by scale-up region first, so the V1 layer permutes them to V1's order (and back before
-combine). Node r holds ranks ``r*S_u .. r*S_u+S_u-1``; a token for node r goes over RDMA to the rank of node r with
-the sender's local index (the forwarder), which passes it on over NVLink: V1's two-level route, used to define the
-fields. ep has no channels: every channel matrix is one channel covering all tokens (``[X, 1]``, the counts), and
-the heads are slot positions in that one channel. ep's kernels do not read any of these tensors (combine and cached
-dispatch use ep's own handle); they describe the same routing for callers that read them.
+V1 returns a 10-tuple handle and orders rows by global source rank, then source token; ep's hybrid rows are grouped
+by scale-up region first, so the V1 layer permutes them to V1's order (and back before combine). The fields follow
+V1's two-level route (RDMA to the rank of node r with the sender's local index, then NVLink). ep has no channels:
+every channel matrix is one channel (``[X, 1]``, the counts), the heads slot positions in it. ep's kernels read none
+of these tensors (combine and cached dispatch use ep's own handle).
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """V1's ``Buffer.get_local_buffer_tensor``: a tensor over this rank's own symmetric memory (issue 42).
 
-DeepEP V1 (``csrc/deep_ep.cpp``) returns ``from_blob(base + offset, num_bytes // itemsize)`` over the NVLink buffer
-(``use_rdma_buffer=False``) or the RDMA buffer, and ``buffer.py`` then takes ``[:size.numel()].view(size)``. ``offset``
-is in bytes there (its docstring says elements; the C++ adds it to a byte pointer), and that count ignores the offset,
-so the view runs ``offset`` bytes past the region. Here:
+DeepEP V1 returns ``from_blob(base + offset, num_bytes // itemsize)[:size.numel()].view(size)`` over its NVLink or
+RDMA buffer, ``offset`` in bytes (its docstring says elements), and the count ignores the offset, so its view runs
+``offset`` bytes past the region. Here:
 
-- ``use_rdma_buffer=False``: the data region (past the workspace of flags and counters, as DeepEP's NVLink buffer
-  excludes its barrier signals) of the normal-mode inner buffer. ep builds that buffer lazily and rebuilds it for a
-  larger dispatch, which would free the memory under a view, so only a buffer sized up front
-  (``num_max_tokens_per_rank`` and ``hidden``: built in the constructor, never rebuilt) gives one.
-- ``use_rdma_buffer=True``: DeepEP's low-latency mode lives in the RDMA buffer; here the low-latency inner buffer's
-  data region, built by the first ``low_latency_dispatch`` and rebuilt only by a call with other sizes (V1's contract
-  keeps them fixed). ep's normal mode has no separate RDMA region (one buffer carries NVLink and RDMA traffic).
+- ``use_rdma_buffer=False``: the data region of the normal-mode inner buffer, only when sized up front
+  (``num_max_tokens_per_rank`` and ``hidden``: built in the constructor, never rebuilt under a view);
+- ``use_rdma_buffer=True``: the low-latency inner buffer's data region, built by the first ``low_latency_dispatch``;
 - ``offset``: bytes, a multiple of ``dtype``'s item size, at most the region's size; the view holds
-  ``(num_bytes - offset) // itemsize`` elements (never past the region).
-- the memory: the GPU's (ipc, nccl: the window's local pointer, a loopback group's rank region) or, on the CPU
-  backend, the reference executor's host storage; the view shares it (writes are seen by the buffer, as in DeepEP,
-  where the caller owns what it writes there). Valid until ``destroy()``, or ``reset()`` after a failure.
+  ``(num_bytes - offset) // itemsize`` elements (never past the region);
+- the memory is the GPU's or, on the CPU backend, the reference executor's host storage, shared with the buffer.
+  Valid until ``destroy()``, or ``reset()`` after a failure.
 """
 
 from __future__ import annotations

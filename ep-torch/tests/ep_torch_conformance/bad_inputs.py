@@ -8,13 +8,11 @@ from typing import Any
 
 import torch
 from ep_core.errors import EPError
+from ep_torch import functional
+from ep_torch.buffer import ElasticBuffer
+from ep_torch.event import EventHandle
 
-from .. import functional
-from ..buffer import ElasticBuffer
-from ..event import EventHandle
-from ._common import (
-    _Checks,
-)
+from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
 # bad inputs

@@ -1,28 +1,15 @@
 """Conformance checks of the torch API against ``ep_core.reference``, runnable on any backend.
 
 Every rank regenerates all ranks' inputs from one seed (``ep_core.routing.make_inputs``), runs the reference over
-them locally, calls the torch API with its own slice and compares bit for bit. Scenarios:
-
-- ``modes``: SPEC §9 on the torch surface: {non-expand, expand} x {A = 1, 128} x {bf16, FP8} x {0, 1, 2 biases} x
-  {CPU sync, no sync, cached} x {deterministic or not, multiple reduction or not}, over routings with -1 lanes,
-  unequal and zero token counts, ``num_tokens == M``, unbalanced load and ranks that receive nothing; plus events
-  (``async_with_compute_stream``, ``previous_event``) and ``cumulative_local_expert_recv_stats``; in one NVLink
-  domain every non-expanded mode also runs the zero-copy dispatch (against the reference's deterministic order),
-  the zero-copy combine, and the round trip dispatch -> expert in place -> combine through the buffer's memory;
-- ``errors``: the bad-input table of SPEC §6 (type, message fragment), and a bad input on one rank only;
-- ``autograd``: ``ep_torch.functional`` forward and gradients against a dense float64 computation on data whose
-  arithmetic is exact in bf16, so equality is exact (non-expand and expand layouts);
-- ``compile``: the same step inside ``torch.compile`` (``aot_eager``) equals eager mode;
-- ``module``: ``ep_torch.nn.MoEDispatcher`` against the dense computation;
-- ``planner``, ``cuda`` (CUDA only), ``transport``: the planner's answers, streams/events/graph capture, and the
-  transport choice with a collectively destroyed buffer.
-
-This module is the driver (``run_all``, ``run_spawned``, the command line, the ``transport`` check); the checks live
-in modules named for what they check: ``modes``, ``bad_inputs`` (``errors``), ``autograd`` (``autograd``,
-``compile``, ``module``), ``planner``, ``cuda``; ``_common`` holds the shared comparison and input helpers.
+them locally, calls the torch API with its own slice and compares bit for bit. Checks, each in the module named for
+it: ``modes`` (SPEC §9's modes on the torch surface, events, stats, zero-copy in one NVLink domain), ``errors``
+(``bad_inputs``: SPEC §6's table, a bad input on one rank only), ``autograd`` / ``compile`` / ``module``
+(``autograd``: exact against a dense computation), ``planner``, ``cuda`` (CUDA only), and ``transport`` (here: the
+choice with a collectively destroyed buffer); ``_common`` holds the shared helpers.
 
 ``run_all(...)`` returns ``[(name, ok, detail)]``; a check's failure never skips the collectives of the others, so
-ranks stay in step. Command line: ``python -m ep_torch.testing.conformance --ranks 4 [--backend cuda]``.
+ranks stay in step. Command line, from ``ep-torch/tests`` of a checkout (not in the wheel):
+``python -m ep_torch_conformance.conformance --ranks 4 [--backend cuda]``.
 """
 
 from __future__ import annotations
@@ -36,8 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ep_torch.buffer import ElasticBuffer, EPBuffer
 
-from ..buffer import ElasticBuffer, EPBuffer
 from ._common import Result, _Checks
 from .autograd import check_autograd, check_compile, check_module
 from .bad_inputs import check_errors
@@ -159,8 +146,12 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], out_dir: str) -> None:
 
 def run_spawned(ranks: int, cfg: dict[str, Any]) -> list[list[Result]]:
     """Spawn ``ranks`` processes (gloo, or nccl with ``cfg["backend"] == "cuda"``) and return every rank's results."""
-    from ..launch import spawn
+    from ep_torch.launch import spawn
 
+    # the fresh interpreters import this package by name (`_worker`): its folder on the path they inherit
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     with tempfile.TemporaryDirectory(prefix="ep-torch-conformance-") as out_dir:
         spawn(_worker, ranks, cfg, out_dir, backend="nccl" if cfg.get("backend") == "cuda" else "gloo")
         # "cuda-shared": a gloo group whose ranks all use this machine's current GPU (NCCL refuses two ranks on
@@ -174,7 +165,7 @@ def run_spawned(ranks: int, cfg: dict[str, Any]) -> list[list[Result]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ep_torch.testing.conformance", description=__doc__.split("\n\n")[0]
+        prog="python -m ep_torch_conformance.conformance", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument(

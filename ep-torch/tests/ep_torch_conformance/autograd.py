@@ -6,12 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_torch import functional
+from ep_torch.buffer import ElasticBuffer
 
-from .. import functional
-from ..buffer import ElasticBuffer
-from ._common import (
-    _Checks,
-)
+from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
 # autograd, compile, module: exact arithmetic (small integers, dyadic weights and scales)
@@ -162,7 +160,7 @@ def check_compile(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> N
 
 
 def check_module(checks: _Checks, buf: ElasticBuffer, cfg: dict[str, Any]) -> None:
-    from ..nn import MoEDispatcher
+    from ep_torch.nn import MoEDispatcher
 
     rank, device = cfg["rank"], cfg["device"]
     e, n = cfg["experts"], cfg["world"]

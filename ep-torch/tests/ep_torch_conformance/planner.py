@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from ep_torch.buffer import ElasticBuffer, EPBuffer
 
-from ..buffer import ElasticBuffer, EPBuffer
-from ._common import (
-    _Checks,
-)
+from ._common import _Checks
 
 # --------------------------------------------------------------------------------------------------------------------
 # planner and domains: the buffers answer with ep-core's planner under their policy

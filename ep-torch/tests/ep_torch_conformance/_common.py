@@ -13,8 +13,7 @@ import torch
 from ep_core import reference
 from ep_core.handle import ARRAY_FIELDS, EPHandle
 from ep_core.routing import make_inputs
-
-from .._convert import from_numpy, to_numpy
+from ep_torch._convert import from_numpy, to_numpy
 
 Result = tuple[str, bool, str]
 

@@ -5,22 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_torch.buffer import ElasticBuffer
 
-from ..buffer import ElasticBuffer
-from ._common import (
-    _bits,
-    _Checks,
-    _inputs,
-    _same,
-    _torch_x,
-)
+from ._common import _bits, _Checks, _inputs, _same, _torch_x
 
 # --------------------------------------------------------------------------------------------------------------------
 # CUDA only: streams, events, CUDA-graph capture
 
 
 def check_cuda(checks: _Checks, buffers: dict[str, ElasticBuffer], cfg: dict[str, Any]) -> None:
-    from ..cuda_graph import CapturedStep
+    from ep_torch.cuda_graph import CapturedStep
 
     rank, n, device = cfg["rank"], cfg["world"], cfg["device"]
     m, hidden, e, k = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["topk"]

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 from ep_core import reference
+from ep_torch._convert import from_numpy
+from ep_torch.buffer import ElasticBuffer
+from ep_torch.event import EventOverlap
 
-from .._convert import from_numpy
-from ..buffer import ElasticBuffer
-from ..event import EventOverlap
 from ._common import (
     ROUTINGS,
     _as_output,
