@@ -10,8 +10,9 @@ ids are local to the domain: expert ``e`` belongs to LSA rank ``e // num_local_e
   expert. ep adds them in ascending (LSA rank, slot) order, one fp32 add each (DeepEP's kernel adds with
   unordered atomics: the same sum up to the order of the additions).
 
-``LBRoutes`` is what one rank sends and receives; the transport (torch collectives in ``ep_torch.load_balance``)
-moves the bytes. ``prefetch_reference`` and ``reduce_grads_reference`` are the oracles of the tests.
+``LBRoutes`` is what one rank sends and receives; ``ep_torch.load_balance`` moves the bytes, by
+``ep_core.lb_copy``'s kernels over symmetric memory (the routes become address tables) where the transport maps the
+peers, else by torch collectives. ``prefetch_reference`` and ``reduce_grads_reference`` are the oracles of the tests.
 
 ``plan_redundancy_mapping`` (ep's answer to DeepEP 2.6's ``lb_get_redundancy_mapping``, whose source ep has not
 seen) builds a mapping from the domain's per-expert loads: a greedy that gives the next free slot to the expert with

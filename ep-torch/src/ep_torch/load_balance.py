@@ -19,10 +19,29 @@ Both return an ``EventOverlap`` recorded on the current stream after the work, r
 ``previous_event``, and are collectives: every rank of the buffer's group calls them (DeepEP: every rank of the
 NVLink domain). Semantics and the oracle are ``ep_core.load_balance``.
 
-How the bytes move: a slot filled from this rank's own expert is one device copy (``Tensor.copy_``); the others go
-through one ``all_to_all_single`` of the group per tensor (NCCL on CUDA; gloo through host memory) and a copy into
-place. DeepEP's kernels instead store into the peers' LB regions over NVLink with ``num_sms`` SMs; here ``num_sms``
-is validated and otherwise unused, and the LB region is this rank's own memory (not a symmetric window).
+How the bytes move: two roads, chosen at construction, the same on every rank (``buffer.lb_path``;
+``buffer.lb_path_reason`` says why not the first):
+
+- ``"symmetric"``, where the buffer's transport gives the peers load/store access (``ipc``: processes sharing a GPU
+  or one node; ``nccl`` where NCCL's LSA team is the whole group) and the group is one LSA domain: the LB region is a
+  symmetric allocation of its own (``ep_core.side_allocation``, ``[region | sync words]``, every rank's mapped here),
+  and ``ep_core.lb_copy``'s kernels move the bytes on the current stream, on ``num_sms`` blocks (0:
+  ``lb_get_theoretical_num_sms()``; at most the device's SMs). A prefetch is a push, as DeepEP's (its
+  ``expert_weights`` may be any device memory): the owner copies each of its experts' rows into every slot that holds
+  it, its own and the peers' (16-byte vectors). A reduce is a pull: each owner reads the gradients of every slot
+  that holds one of its experts from the peers' regions and adds them in ascending (LSA rank, slot) order, one fp32
+  add each (bitwise the other road). Both sit between two barriers of the domain (one block each): no rank writes
+  or reads a slot before every peer's stream reached the call, none leaves (and reuses its slots) before every
+  peer's copies and reads are done. Every wait is bounded by the buffer's ``num_gpu_timeout_secs``; one that
+  expires is recorded in host-mapped memory, the kernels of later calls do nothing, and the next call raises
+  ``EPTimeoutError`` naming the peer (sticky: rebuild the buffer). The address tables (``lb_copy.prefetch_tasks``,
+  ``lb_copy.reduce_table``) go to the GPU once per distinct call (the last one per kind is kept).
+- ``"all_to_all"`` elsewhere (the CPU backend, hybrid mode, nccl across LSA teams): a slot filled from this rank's own
+  expert is one device copy (``Tensor.copy_``); the others go through one ``all_to_all_single`` of the group per
+  tensor (NCCL on CUDA; gloo through host memory) and a copy into place; the LB region is this rank's own memory and
+  ``num_sms`` is validated only. Where load/store was expected but the symmetric allocation failed on some rank,
+  every rank takes this road with a warning naming the reason.
+
 ``lb_get_redundancy_mapping(num_recv_tokens_per_expert, num_redundant_experts)`` (DeepEP 2.6's name; its source was
 not available to ep, so the signature and the algorithm are ep's): a collective of the group that gathers every
 rank's per-local-expert token counts (``[num_local_experts]`` int32/int64, e.g. the ``cumulative_local_expert_recv_stats``
