@@ -45,12 +45,12 @@ int main() {
   std::mt19937 g(42);
   int bad = 0;
   bad |= copy_case(16 * 1000, 0, 64, g);      // vectors, unrolled and tail
-  bad |= copy_case(16 * 4 * 64 * 3, 0, 64, g);  // exactly unrolled
+  bad |= copy_case(16 * 8 * 64 * 3, 0, 64, g);  // exactly unrolled
   bad |= copy_case(48, 0, 1024, g);           // fewer vectors than threads
   bad |= copy_case(16 * 77, 4, 96, g);        // unaligned: byte by byte
   bad |= copy_case(7, 0, 32, g);
   bad |= reduce_case(1024, 3, 0, 64, g);
-  bad |= reduce_case(4 * 4 * 64 * 2 + 12, 1, 0, 64, g);
+  bad |= reduce_case(4 * 8 * 64 * 2 + 12, 1, 0, 64, g);
   bad |= reduce_case(256, 4, 1, 96, g);       // one source 4-byte aligned only: fp32 by fp32
   bad |= reduce_case(6, 2, 0, 32, g);         // hidden not a multiple of 4
   printf(bad ? "FAILED\n" : "ok\n");

@@ -15,7 +15,7 @@
 ///    reads one, before every peer's stream reached the call) and after it (no rank leaves, and so reuses its
 ///    slots, before every peer's reads and writes landed). Values grow by call (the host's generation counter).
 ///
-/// Bytes move in 16-byte vectors, four in flight per thread, grid-stride within each task (a task's bytes are
+/// Bytes move in 16-byte vectors, eight in flight per thread, grid-stride within each task (a task's bytes are
 /// spread over the whole grid); a task whose addresses or size are not 16-byte multiples moves byte by byte (fp32
 /// by fp32 for a reduce). The waits are bounded by `timeout_ms` (%globaltimer); the first that expires records
 /// (1, rank, peer, tag) in the host-mapped word `herr [4]`; every kernel checks `herr[0]` at entry and does
@@ -33,7 +33,7 @@
 namespace ep_core::lb {
 
 constexpr int kBlockThreads = 512;
-constexpr int kUnroll = 4;
+constexpr int kUnroll = 8;  // 16-byte vectors in flight per thread: 64 KiB a block of 512 threads
 
 /// Copy `nbytes` from `src` to `dst`: thread `tid` of `nthreads` takes vectors tid, tid + nthreads, ...
 EP_LB_DEVICE void copy_span(uint8_t* dst, const uint8_t* src, int64_t nbytes, int64_t tid, int64_t nthreads) {
