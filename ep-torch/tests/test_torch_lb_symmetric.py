@@ -2,7 +2,8 @@
 road a buffer takes (``_symmetric_refusal``: the same verdict on every rank), and ``_SymmetricLB``'s calls for every
 rank of a domain in one process, with host tensors as the ranks' LB regions and ``ep_core.lb_copy.launch`` replaced
 by a model of the kernels that follows the tables' real addresses (ctypes): bitwise ``ep_core.load_balance``'s
-oracles, the barriers' generations, the table cache. The kernels themselves: ep-core's test_core_lb_copy.py (host
+oracles, the barriers' generations, the table cache; and one rank through ``LoadBalance``'s calls with the
+allocation modelled too (the region, the grid, a recorded timeout, ``destroy``). The kernels themselves: ep-core's test_core_lb_copy.py (host
 emulation, compile) and test_torch_lb_symmetric_gpu.py (GPU)."""
 
 from __future__ import annotations
@@ -125,3 +126,76 @@ def test_the_road_a_buffer_takes():
     short = SimpleNamespace(peer_bases=lambda n: [0] * n, lsa_size=2)
     assert NcclStorage.lsa_team_short(short, 4)
     assert "LSA team" in load_balance._symmetric_refusal(buf(storage=short, n=4, nvl=4))
+
+
+def test_one_rank_end_to_end_with_a_modelled_allocation(monkeypatch):
+    """``LoadBalance`` of one rank (the benchmark's stand-in for ``EPBuffer``) on the symmetric road, its allocation a
+    host tensor and its kernels the model: the region is the allocation's, the calls give the oracles, a recorded
+    timeout raises ``EPTimeoutError`` naming the peer at the next call, ``destroy`` closes the allocation."""
+    from ep_core import side_allocation
+    from ep_core.bootstrap import LocalBootstrap
+    from ep_core.errors import EPTimeoutError
+    from ep_torch import BufferAllocator
+    from ep_torch.load_balance import LoadBalance
+
+    num = 2 << 20
+    memory = torch.zeros(num + 2 * num, dtype=torch.uint8)
+    closed = []
+    alloc = SimpleNamespace(peer_ptr=lambda r: memory.data_ptr(), close=lambda: closed.append(1))
+    monkeypatch.setattr(side_allocation, "create_exchanged", lambda boot, n, **kw: (alloc, ""))
+    monkeypatch.setattr(lb_copy, "launch", _model_launch)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132)
+    )
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(load_balance, "_symmetric_refusal", lambda buf: "")
+    monkeypatch.setenv("EPKIT_NVLINK_GBS", "450")
+    calls.clear()
+
+    class Runtime:  # the buffer below LoadBalance: its own destroy
+        def destroy(self) -> None:
+            pass
+
+    class OneRank(LoadBalance, Runtime):
+        def __init__(self, plan: BufferAllocator) -> None:
+            self.bootstrap = LocalBootstrap()
+            self.device, self.rank_idx, self.num_ranks, self.num_nvlink_ranks, self.group = (
+                torch.device("cpu"), 0, 1, 1, None,
+            )  # fmt: skip
+            self._init_lb(plan, plan.num_bytes)
+
+        def _rt(self):
+            return SimpleNamespace(config=SimpleNamespace(num_gpu_timeout_secs=100), destroyed=False)
+
+    plan = BufferAllocator()
+    slots = plan.allocate((R, PER // 4), torch.float32)
+    rg = plan.allocate((R, H), torch.float32)
+    lb = OneRank(plan)
+    assert lb.lb_path == "symmetric" and lb.lb_path_reason == ""
+    assert lb.lb_storage.data_ptr() == memory.data_ptr() == slots.data_ptr()
+    experts = torch.randn(L, PER // 4)
+    mapping = torch.tensor([[2, 0, -1, 2]], dtype=torch.int32)
+    slots.fill_(7.0)
+    lb.lb_prefetch_weights(slots, experts, mapping)
+    want = prefetch_reference([np.full((R, PER // 4), 7.0, np.float32)], [experts.numpy()], mapping.numpy())[
+        0
+    ]
+    assert np.array_equal(slots.numpy(), want)
+    grads, red = torch.randn(L, H), torch.randn(R, H)
+    rg.copy_(red)
+    want_g = reduce_grads_reference([red.numpy()], [grads.numpy().copy()], mapping.numpy())[0]
+    lb.lb_reduce_grads(rg, grads, mapping, num_sms=500)
+    assert np.array_equal(grads.numpy().view(np.uint32), want_g.view(np.uint32))
+    assert calls == [
+        ("copy", 1, lb.lb_get_theoretical_num_sms()),
+        ("reduce", 2, 132),
+    ]  # 500 SMs: the device's
+    lb._lb_sym.herr[:] = torch.tensor([1, 0, 3, 1])
+    with pytest.raises(EPTimeoutError, match="waiting for rank 3"):
+        lb.lb_prefetch_weights(slots, experts, mapping)
+    sym = lb._lb_sym
+    lb.destroy()
+    assert closed == [1] and lb.lb_storage is None and lb._lb_sym is None and sym.alloc is None
