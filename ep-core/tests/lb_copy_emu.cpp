@@ -41,6 +41,33 @@ static int reduce_case(int64_t hidden, int count, int shift, int64_t nthreads, s
   return 0;
 }
 
+// Two entries in one table (the layout the host builds: [E][3] then the sources, `first` indexing them) and two
+// copy tasks: every task and entry is reached.
+static int table_case(std::mt19937& g) {
+  const int64_t hidden = 64;
+  std::vector<float> a(hidden), b(hidden), s0(hidden), s1(hidden), s2(hidden);
+  for (auto* v : {&a, &b, &s0, &s1, &s2}) for (auto& x : *v) x = (float)(g() % 1000) / 7.f;
+  std::vector<float> wa = a, wb = b;
+  for (int64_t i = 0; i < hidden; ++i) { wa[i] = wa[i] + s0[i]; wb[i] = (wb[i] + s1[i]) + s2[i]; }
+  std::vector<int64_t> table = {(int64_t)a.data(), 0, 1, (int64_t)b.data(), 1, 2,
+                                (int64_t)s0.data(), (int64_t)s1.data(), (int64_t)s2.data()};
+  for (int64_t t = 0; t < 40; ++t) ep_core::lb::reduce_table(table.data(), 2, hidden, t, 40);
+  if (std::memcmp(a.data(), wa.data(), hidden * 4) || std::memcmp(b.data(), wb.data(), hidden * 4)) {
+    printf("FAIL reduce table\n");
+    return 1;
+  }
+  std::vector<uint8_t> x(256), y(256), z(512, 0);
+  for (auto& v : x) v = g() & 0xff;
+  for (auto& v : y) v = g() & 0xff;
+  int64_t tasks[6] = {(int64_t)z.data(), (int64_t)x.data(), 256, (int64_t)(z.data() + 256), (int64_t)y.data(), 256};
+  for (int64_t t = 0; t < 7; ++t) ep_core::lb::copy_tasks(tasks, 2, t, 7);
+  if (std::memcmp(z.data(), x.data(), 256) || std::memcmp(z.data() + 256, y.data(), 256)) {
+    printf("FAIL copy tasks\n");
+    return 1;
+  }
+  return 0;
+}
+
 int main() {
   std::mt19937 g(42);
   int bad = 0;
@@ -53,6 +80,7 @@ int main() {
   bad |= reduce_case(4 * 8 * 64 * 2 + 12, 1, 0, 64, g);
   bad |= reduce_case(256, 4, 1, 96, g);       // one source 4-byte aligned only: fp32 by fp32
   bad |= reduce_case(6, 2, 0, 32, g);         // hidden not a multiple of 4
+  bad |= table_case(g);
   printf(bad ? "FAILED\n" : "ok\n");
   return bad;
 }
