@@ -52,6 +52,8 @@ def _ranks(rank: int, n: int) -> None:
     )
     assert buf.num_lb_bytes == plan.num_bytes == 3 * ep_torch.get_num_allocation_alignment()
     assert r1.device.type == "cpu" and r1.data_ptr() == buf.lb_storage.data_ptr()
+    # the CPU backend moves the bytes through all_to_all_single, and says so
+    assert buf.lb_path == "all_to_all" and "CPU backend" in buf.lb_path_reason, buf.lb_path_reason
     assert (
         buf.lb_get_theoretical_num_sms() == 10
     )  # 450 GB/s: ceil(max(450/180, 450/45)) -> even (2.5's rates)

@@ -6,7 +6,8 @@ the domain) belongs to LSA rank ``e // num_local_experts``. Prefetch: every fill
 expert's weights from the owner. Reduce: every owner adds the redundant gradients of every slot holding its expert,
 in ascending (LSA rank, slot) order, one fp32 add each (DeepEP adds with unordered atomics: the same sum up to
 order). ``LBRoutes`` is what one rank sends and receives (the bytes move in ``ep_torch.load_balance``);
-``prefetch_reference`` / ``reduce_grads_reference`` are the oracles.
+``prefetch_reference`` / ``reduce_grads_reference`` are the oracles; ``ep_core.lb_copy``'s kernels move the bytes
+over symmetric memory where the transport maps the peers.
 
 ``plan_redundancy_mapping`` (ep's answer to DeepEP 2.6's ``lb_get_redundancy_mapping``, unseen) gives the next free
 slot to the expert with the largest load per instance, on the least loaded rank that may take it (exact rational

@@ -19,10 +19,29 @@ Both return an ``EventOverlap`` recorded on the current stream after the work, r
 ``previous_event``, and are collectives: every rank of the buffer's group calls them (DeepEP: every rank of the
 NVLink domain). Semantics and the oracle are ``ep_core.load_balance``.
 
-How the bytes move: a slot filled from this rank's own expert is one device copy (``Tensor.copy_``); the others go
-through one ``all_to_all_single`` of the group per tensor (NCCL on CUDA; gloo through host memory) and a copy into
-place. DeepEP's kernels instead store into the peers' LB regions over NVLink with ``num_sms`` SMs; here ``num_sms``
-is validated and otherwise unused, and the LB region is this rank's own memory (not a symmetric window).
+How the bytes move: two roads, chosen at construction, the same on every rank (``buffer.lb_path``;
+``buffer.lb_path_reason`` says why not the first):
+
+- ``"symmetric"``, where the buffer's transport gives the peers load/store access (``ipc``: processes sharing a GPU
+  or one node; ``nccl`` where NCCL's LSA team is the whole group) and the group is one LSA domain: the LB region is a
+  symmetric allocation of its own (``ep_core.side_allocation``, ``[region | sync words]``, every rank's mapped here),
+  and ``ep_core.lb_copy``'s kernels move the bytes on the current stream, on ``num_sms`` blocks (0:
+  ``lb_get_theoretical_num_sms()``; at most the device's SMs). A prefetch is a push, as DeepEP's (its
+  ``expert_weights`` may be any device memory): the owner copies each of its experts' rows into every slot that holds
+  it, its own and the peers' (16-byte vectors). A reduce is a pull: each owner reads the gradients of every slot
+  that holds one of its experts from the peers' regions and adds them in ascending (LSA rank, slot) order, one fp32
+  add each (bitwise the other road). Both sit between two barriers of the domain (one block each): no rank writes
+  or reads a slot before every peer's stream reached the call, none leaves (and reuses its slots) before every
+  peer's copies and reads are done. Every wait is bounded by the buffer's ``num_gpu_timeout_secs``; one that
+  expires is recorded in host-mapped memory, the kernels of later calls do nothing, and the next call raises
+  ``EPTimeoutError`` naming the peer (sticky: rebuild the buffer). The address tables (``lb_copy.prefetch_tasks``,
+  ``lb_copy.reduce_table``) go to the GPU once per distinct call (the last one per kind is kept).
+- ``"all_to_all"`` elsewhere (the CPU backend, hybrid mode, nccl across LSA teams): a slot filled from this rank's own
+  expert is one device copy (``Tensor.copy_``); the others go through one ``all_to_all_single`` of the group per
+  tensor (NCCL on CUDA; gloo through host memory) and a copy into place; the LB region is this rank's own memory and
+  ``num_sms`` is validated only. Where load/store was expected but the symmetric allocation failed on some rank,
+  every rank takes this road with a warning naming the reason.
+
 ``lb_get_redundancy_mapping(num_recv_tokens_per_expert, num_redundant_experts)`` (DeepEP 2.6's name; its source was
 not available to ep, so the signature and the algorithm are ep's): a collective of the group that gathers every
 rank's per-local-expert token counts (``[num_local_experts]`` int32/int64, e.g. the ``cumulative_local_expert_recv_stats``
@@ -39,6 +58,7 @@ rates, 180 GB/s read and 45 write) over ep's scale-up bandwidth (``EPKIT_NVLINK_
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,15 +101,38 @@ class LoadBalance:
             core.tensor("lb", (num,), "uint8")
         core.check(self.bootstrap)
         self.num_lb_bytes = num
-        self.lb_storage: torch.Tensor | None = (
-            torch.zeros(num, dtype=torch.uint8, device=self.device) if num else None
-        )
+        self._lb_sym: _SymmetricLB | None = None
+        # which road the bytes take (module docstring): "symmetric" (the kernels) or "all_to_all", and why not the
+        # kernels ("" on the symmetric road)
+        self.lb_path, self.lb_path_reason = "all_to_all", "no LB region"
+        if num:
+            why = _symmetric_refusal(self)
+            if not why:  # a collective: every rank reaches this alike (the refusal is the same on every rank)
+                self._lb_sym, why = _SymmetricLB.create(self, num)
+                if self._lb_sym is None:  # load/store was expected: not silently
+                    warnings.warn(
+                        f"lb_prefetch_weights / lb_reduce_grads go through all_to_all_single (rank {self.rank_idx}): "
+                        f"the LB region's symmetric allocation failed ({why})",
+                        stacklevel=3,
+                    )
+            if self._lb_sym is not None:
+                self.lb_path, self.lb_path_reason = "symmetric", ""
+            else:
+                self.lb_path_reason = why
+        self.lb_storage: torch.Tensor | None = None
+        if self._lb_sym is not None:
+            self.lb_storage = self._lb_sym.storage
+        elif num:
+            self.lb_storage = torch.zeros(num, dtype=torch.uint8, device=self.device)
         if plan is not None and self.lb_storage is not None:
             plan.materialize(self.lb_storage)
 
     def destroy(self) -> None:
         super().destroy()  # type: ignore[misc]
         self.lb_storage = None
+        sym, self._lb_sym = getattr(self, "_lb_sym", None), None
+        if sym is not None:
+            sym.close()  # after the runtime's destroy: synchronized, and a barrier (no peer copies any more)
 
     def lb_get_theoretical_num_sms(self) -> int:
         """SMs that keep up with the scale-up bandwidth reading expert weights and writing them to a peer (even)."""
@@ -159,9 +202,15 @@ class LoadBalance:
                 redundant_expert_weights, expert_weights, redundancy_mapping, num_sms
             )
             _wait(previous_event)
+            if self._lb_sym is not None:
+                self._lb_sym.check(op)
             self._lb_agree(
                 channel, op, mapping, [int(src[0].nbytes) if src.shape[0] else 0 for _, src in pairs]
             )
+        if self._lb_sym is not None:
+            grid = self._lb_grid(num_sms)
+            self._lb_sym.prefetch(routes, pairs, grid)
+            return EventOverlap(EventHandle(device=self.device))
         me = routes.lsa_rank
         for dst, src in pairs:
             for local, slot in routes.send[me]:  # this rank's own experts into its own slots
@@ -240,8 +289,13 @@ class LoadBalance:
                 redundant_expert_grads, expert_grads, redundancy_mapping, num_sms
             )
             _wait(previous_event)
+            if self._lb_sym is not None:
+                self._lb_sym.check(op)
             self._lb_agree(channel, op, mapping, [int(expert_grads.shape[1]) * 4])
         red, grads = redundant_expert_grads, expert_grads
+        if self._lb_sym is not None:
+            self._lb_sym.reduce(routes, red, grads, self._lb_grid(num_sms))
+            return EventOverlap(EventHandle(device=self.device))
         me = routes.lsa_rank
         chunks: dict[int, torch.Tensor] = {}
         if self.num_ranks > 1:  # this rank's slots go back to their experts' owners
@@ -355,6 +409,11 @@ class LoadBalance:
             )
         return num_sms + num_sms % 2
 
+    def _lb_grid(self, num_sms: int) -> int:
+        """The kernels' blocks: ``num_sms`` (0: ``lb_get_theoretical_num_sms()``), at most the device's SMs."""
+        sms = int(num_sms) or self.lb_get_theoretical_num_sms()
+        return max(1, min(sms, self._lb_sym.device_sms if self._lb_sym is not None else sms))
+
     def _lb_exchange(self, rows: torch.Tensor, send: list[list[int]], recv_counts: list[int]) -> torch.Tensor:
         """One ``all_to_all_single`` over the group: rows ``send[s]`` of ``rows`` to LSA rank ``s`` of this rank's
         NVLink domain; returns the ``sum(recv_counts)`` rows received, by source LSA rank."""
@@ -407,3 +466,126 @@ def _wait(previous_event: Any) -> None:
     handle = getattr(previous_event, "event", previous_event)
     if isinstance(handle, EventHandle):
         handle.current_stream_wait()
+
+
+def _symmetric_refusal(buf: Any) -> str:
+    """Why the LB region cannot be symmetric memory moved by the kernels ('' when it can); the same on every rank
+    (the device type, the storage's kind and team, the domains)."""
+    if buf.device.type != "cuda":
+        return "the CPU backend (tensors in host memory)"
+    from ep_core.transports.nccl import NcclStorage
+
+    rt = buf._rt()
+    storage, n = rt.storage, int(buf.num_ranks)
+    if NcclStorage.lsa_team_short(storage, n):
+        return f"the nccl transport reaches {storage.lsa_size} of the {n} ranks by load/store (its LSA team)"
+    if not hasattr(storage, "peer_bases") or getattr(storage, "array_device", "cuda") != "cuda":
+        return f"the {type(storage).__name__} storage does not map the peers' GPU memory into this process"
+    if int(buf.num_nvlink_ranks) != n:
+        return (
+            f"the LSA domains hold {int(buf.num_nvlink_ranks)} of the {n} ranks (hybrid mode, several nodes)"
+        )
+    return ""
+
+
+class _SymmetricLB:
+    """The LB region as symmetric memory (``[region | sync words]``, ``ep_core.side_allocation``: every rank's
+    mapped here) and the calls that move its bytes with ``ep_core.lb_copy``'s kernels on the current stream."""
+
+    def __init__(self, buf: Any, alloc: Any, num: int) -> None:
+        from ep_core import lb_copy
+
+        from .elastic_copy_engine import byte_view
+
+        n = int(buf.num_ranks)
+        self.alloc, self.num = alloc, num
+        self.rank, self.num_ranks = int(buf.rank_idx), n
+        self.device = buf.device
+        self.ordinal = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.bases = [int(alloc.peer_ptr(r)) for r in range(n)]
+        self.storage = byte_view(self.bases[self.rank], num, self.device)
+        off = lb_copy.sync_offset(num)
+        self.sync = torch.tensor([b + off for b in self.bases], dtype=torch.int64, device=self.device)
+        # host mapped, read without a sync: (raised, rank, peer, tag) of a barrier that timed out
+        self.herr = torch.zeros(4, dtype=torch.int32).pin_memory()
+        secs = float(buf._rt().config.num_gpu_timeout_secs)
+        self.timeout_ms = max(1, min(int(secs * 1000), (1 << 31) - 1))
+        self.device_sms = int(torch.cuda.get_device_properties(self.device).multi_processor_count)
+        self.generation = 0
+        self._tables: dict[str, tuple[bytes, torch.Tensor]] = {}
+        # the last call's (kind, blocks, tasks or entries): what the benchmark reports
+        self.last_launch: tuple[str, int, int] | None = None
+
+    @classmethod
+    def create(cls, buf: Any, num: int) -> tuple[_SymmetricLB | None, str]:
+        """A collective: the allocation on every rank (zeroed), exchanged; ``(None, reason)`` on every rank when any
+        rank could not make it."""
+        from ep_core.lb_copy import SYNC_BYTES
+        from ep_core.side_allocation import create_exchanged
+
+        torch.cuda.synchronize()
+        extra = -(-SYNC_BYTES // NUM_ALLOCATION_ALIGN_BYTES) * NUM_ALLOCATION_ALIGN_BYTES
+        alloc, why = create_exchanged(
+            buf.bootstrap, num + extra, device=torch.cuda.current_device(), zero=True
+        )
+        return (cls(buf, alloc, num), "") if alloc is not None else (None, why)
+
+    def check(self, op: str) -> None:
+        """Raise the timeout a barrier recorded (host-mapped words, no sync); sticky."""
+        if int(self.herr[0]) != 0:
+            from ep_core.errors import EPTimeoutError
+
+            rank, peer, tag = (int(v) for v in self.herr[1:4])
+            what = "the entry barrier" if tag == 1 else "the exit barrier"
+            raise EPTimeoutError(
+                rank, f"lb.{what.split()[1]}", peer, None,
+                f"{op} (rank {rank}): timed out in {what} of lb_prefetch_weights / lb_reduce_grads waiting for rank "
+                f"{peer}; every rank must call them alike. The LB region is unusable until the buffer is rebuilt",
+            )  # fmt: skip
+
+    def _table(self, kind: str, rows: np.ndarray) -> torch.Tensor:
+        """The table on the device; the last one per kind is kept and reused while its bytes are the same."""
+        key = rows.tobytes()
+        last = self._tables.get(kind)
+        if last is not None and last[0] == key:
+            return last[1]
+        host = torch.from_numpy(np.ascontiguousarray(rows).reshape(-1)).pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        self._tables[kind] = (key, dev)
+        return dev
+
+    def _launch(self, kind: str, rows: np.ndarray, count: int, grid: int, hidden: int = 0) -> None:
+        from ep_core import lb_copy
+
+        table = self._table(kind, rows) if count else None
+        self.generation += 1
+        lb_copy.launch(
+            kind, table.data_ptr() if table is not None else 0, count, hidden=hidden,
+            sync_table=self.sync.data_ptr(), rank=self.rank, num_ranks=self.num_ranks, generation=self.generation,
+            timeout_ms=self.timeout_ms, herr=self.herr.data_ptr(), num_sms=grid, device=self.ordinal,
+            stream=torch.cuda.current_stream(self.device).cuda_stream,
+        )  # fmt: skip
+        self.last_launch = (kind, grid, count)
+
+    def prefetch(self, routes: Any, pairs: list, grid: int) -> None:
+        from ep_core import lb_copy
+
+        spec = [(dst.data_ptr(), src.data_ptr(), int(src.shape[1])) for dst, src in pairs if src.shape[0]]
+        tasks = lb_copy.prefetch_tasks(routes, spec, self.bases)
+        self._launch("copy", tasks, int(tasks.shape[0]), grid)
+
+    def reduce(self, routes: Any, red: torch.Tensor, grads: torch.Tensor, grid: int) -> None:
+        from ep_core import lb_copy
+
+        hidden = int(grads.shape[1])
+        flat, entries = lb_copy.reduce_table(
+            routes, grads.data_ptr(), red.data_ptr(), hidden * 4, int(grads.shape[0]), self.bases
+        )
+        self._launch("reduce", flat, entries, grid, hidden)
+
+    def close(self) -> None:
+        self._tables = {}
+        self.storage = None
+        alloc, self.alloc = self.alloc, None
+        if alloc is not None:
+            alloc.close()
