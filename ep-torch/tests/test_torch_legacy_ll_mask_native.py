@@ -383,8 +383,9 @@ def test_enable_shrink_where_refused():
 
 
 def test_native_launch_arguments_match_the_signatures(monkeypatch):
-    """The launchers' argument lists (mask last, ep_lln_clean) against ``ep_core.ll_native.SIGNATURES`` on the CPU:
-    the kernels themselves need a GPU, their parameter lists do not."""
+    """The launchers' argument lists (the mask, then the signature word; ep_lln_clean: the mask last; ep_lln_abort)
+    against ``ep_core.ll_native.SIGNATURES`` on the CPU: the kernels themselves need a GPU, their parameter lists do
+    not."""
     pytest.importorskip("ep_jit")
     from ep_core import ll_native
     from ep_torch.legacy import ll_kernels
@@ -405,8 +406,10 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
     reg = SimpleNamespace(
         num_ranks=n, epr=epr, m=m, hidden=h, num_topk=k, num_experts=n * epr, rank=0, own_base=4096,
         timeout_ms=1000, recv_blocks=4, send_blocks=4, next_half=0, peers=torch.zeros(n, dtype=torch.int64),
-        herr=torch.zeros(4 + n, dtype=torch.int32), take_half=lambda: 0, half_ptr=lambda half: 8192,
+        herr=torch.zeros(ll_native.herr_words(n), dtype=torch.int32), take_half=lambda dispatch=False: 0,
+        half_ptr=lambda half: 8192, seen=0,
     )  # fmt: skip
+    reg.words = reg.herr.numpy()
     mask = torch.zeros(n + 1, dtype=torch.int32)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     idx = torch.zeros(3, k, dtype=torch.int64)
@@ -421,11 +424,14 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
         )
         receive()
     ll_kernels.native_clean(reg, mask, 1)
+    for op in ("low_latency_dispatch", "low_latency_combine"):
+        ll_kernels.native_abort(reg, op, ValueError("refused"))
     names = [name for name, _ in seen]
     assert set(names) == set(ll_native.KERNEL_NAMES), names
     for name, args in seen:
-        if name != "ep_lln_cast_fp8":
-            assert int(args[-1].value if hasattr(args[-1], "value") else args[-1]) == mask.data_ptr(), name
+        if name not in ("ep_lln_cast_fp8", "ep_lln_abort"):
+            at = -1 if name == "ep_lln_clean" else -2  # the exchanges: the signature word last
+            assert int(args[at].value if hasattr(args[at], "value") else args[at]) == mask.data_ptr(), name
 
 
 if __name__ == "__main__":

@@ -50,6 +50,28 @@ def test_native_road_refusals_and_disagreements_are_clear_on_the_cpu_stand_in(tm
     assert not bad, "\n".join(bad)
 
 
+# the default mode ("change"): no host step per call; a refusal's abort word and the flags' signature words make every
+# rank raise naming the culprit (the stand-in's receive runs inside the call: raised at the call itself)
+DEFAULT_CASES = [
+    "lln.x_dtype",
+    "lln.too_many_tokens",
+    "lln.expert_id_out_of_range",
+    "lln.stats_shape",
+    "lln.combine_x_shape",
+    "lln.combine_weights_dtype",
+    "lln.combine_foreign_handle",
+    "lln.combine_logfmt_bad_hidden",
+    "lln.combine_logfmt_one_rank_alone",
+    "lln.dispatch_fp8_one_rank_alone",
+    "lln.combine_other_dispatch_one_rank",
+]
+
+
+def test_default_mode_refusals_and_disagreements_are_clear_on_the_cpu_stand_in(tmp_path):
+    bad = _chain(DEFAULT_CASES, tmp_path, 180)
+    assert not bad, "\n".join(bad)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # _agree_native's host logic alone (a recording channel, no ranks)
 
@@ -132,12 +154,16 @@ def test_no_step_without_a_host_channel_or_with_rank_masking():
 def test_refusals_on_the_native_road_are_announced_where_the_peers_wait():
     from ep_torch.legacy import guard
 
-    buf = SimpleNamespace(_ll_region=None, _ll_inner="adapter", ll_native_agree="change")
-    assert guard._ll_target(buf, (), {}) == ("adapter", False)  # the adapter: its inner buffer's step
-    buf._ll_region = object()
-    assert guard._ll_target(buf, (), {}) == (guard._SILENT, False)  # the peers' kernels wait on the device
+    inner = SimpleNamespace(runtime=object())
+    buf = SimpleNamespace(_ll_region=None, _ll_inner=inner, ll_native_agree="change", _destroyed=False)
+    assert guard._ll_target(buf, (), {}) == (inner, False)  # the adapter: its inner buffer's step
+    buf._ll_region = SimpleNamespace(inner=inner)
+    # the peers' kernels wait on the device: the refusal's abort word ends their call (guard._native_abort)
+    assert guard._ll_target(buf, (), {}) == (guard._SILENT, False)
     buf.ll_native_agree = "call"
     assert guard._ll_target(buf, (), {}) == (None, True)  # the peers wait in this buffer's host step
+    buf._ll_inner = None  # reset() dropped the region's inner buffer: no region the peers could wait in
+    assert guard._ll_target(buf, (), {}) == (None, False)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -428,8 +428,8 @@ def native_abort(reg: NativeRegion, op: str, exc: BaseException) -> None:
     from .. import _streams
 
     which = 0 if op == "low_latency_dispatch" else 1
-    comm = _streams._streams.get(torch.cuda.current_device())  # none yet: no call ran on it
-    if comm is not None and comm != torch.cuda.current_stream():
+    comm = _streams._streams.get(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if comm is not None and comm != torch.cuda.current_stream():  # none: no call ran on the comm stream yet
         torch.cuda.current_stream().wait_stream(comm)
     half = reg.take_half(dispatch=which == 0)
     args = [reg.peers, reg.own_base, reg.half_ptr(half), reg.num_topk, reg.hidden, reg.num_experts, reg.num_ranks,
