@@ -61,6 +61,9 @@ class HostRegion:
 
     directory = ""
     timeout = 3.0
+    # EP_STANDIN_DEFERRED=1: a record is read only at the next call (the GPU's timing: its receive kernel rarely
+    # finishes before its call returns), not right after the receive
+    deferred = os.environ.get("EP_STANDIN_DEFERRED") == "1"
 
     def __init__(
         self, inner: Any, rank: int, n: int, num_experts: int, m: int, num_topk: int, hidden: int
@@ -81,6 +84,8 @@ class HostRegion:
         self.calls = self.dispatches = self.seen = 0
 
     def check(self, op: str, at_call: bool = False) -> None:
+        if at_call and self.deferred:  # as on the GPU: the receive has not run yet when its call returns
+            return
         _CHECK(self, op, at_call)
 
     def take_half(self, dispatch: bool = False) -> int:

@@ -72,6 +72,15 @@ def test_default_mode_refusals_and_disagreements_are_clear_on_the_cpu_stand_in(t
     assert not bad, "\n".join(bad)
 
 
+def test_default_mode_raised_at_the_next_call_as_on_the_gpu(tmp_path):
+    """The GPU's timing on the stand-in (``EP_STANDIN_DEFERRED=1``: a record is read only at the rank's next call):
+    the faulty call returns undefined results on the peer, its next call raises naming the culprit and refuses until
+    reset() (so no result pairs), every rank's reset() recovers and the rounds after are exact (``llnd.*``)."""
+    cases = [c.replace("lln.", "llnd.") for c in DEFAULT_CASES]
+    bad = _chain(cases, tmp_path, 180, env={**os.environ, "EP_STANDIN_DEFERRED": "1"})
+    assert not bad, "\n".join(bad)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # _agree_native's host logic alone (a recording channel, no ranks)
 
@@ -183,4 +192,21 @@ def test_native_road_disagreements_on_the_gpu(tmp_path):
         "lln.combine_logfmt_one_rank",
     ]
     bad = _chain(cases, tmp_path, 420, env={**os.environ, "EP_SURVEY_DEVICE": "cuda"})
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+@gpu
+def test_default_mode_kernels_envelope_on_the_gpu(tmp_path):
+    """The default mode on the real kernels (2 processes sharing GPU 0, ipc): a one-rank refusal posts ep_lln_abort,
+    a disagreement shows in the flags' signature words; the peer raises naming the culprit at the call or at its
+    next call (``llnd``: a synchronize, then one more call), reset() recovers, the two rounds after are exact."""
+    cases = [
+        "llnd.x_dtype",
+        "llnd.combine_weights_dtype",
+        "llnd.combine_logfmt_one_rank_alone",
+        "llnd.dispatch_fp8_one_rank_alone",
+        "llnd.combine_other_dispatch_one_rank",
+    ]
+    bad = _chain(cases, tmp_path, 170, env={**os.environ, "EP_SURVEY_DEVICE": "cuda"})
     assert not bad, "\n".join(bad)
