@@ -210,3 +210,110 @@ def test_default_mode_kernels_envelope_on_the_gpu(tmp_path):
     ]
     bad = _chain(cases, tmp_path, 170, env={**os.environ, "EP_SURVEY_DEVICE": "cuda"})
     assert not bad, "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the kernels' signature words, their record and the abort rule: host logic alone (no ranks)
+
+
+def _region(rank: int = 1, n: int = 2):
+    import numpy as np
+    from ep_core.ll_native import herr_words
+
+    return SimpleNamespace(rank=rank, num_ranks=n, m=8, num_experts=8, hidden=32, num_topk=2, seen=0, calls=0,
+                           words=np.zeros(herr_words(n), np.int32))  # fmt: skip
+
+
+def test_signature_words():
+    from ep_torch.legacy import ll_kernels
+
+    reg = _region()
+    d = ll_kernels.dispatch_sig(reg, False, False, False)
+    assert d >> 31 == 0 and d & 0xFFFF == 0  # the abort bit clear, the count's bits free
+    assert ll_kernels.dispatch_sig(reg, True, False, False) ^ d == 1 << 16
+    assert ll_kernels.dispatch_sig(reg, True, True, True) ^ d == 7 << 16
+    c = ll_kernels.combine_sig(reg, False, 5)
+    assert c >> 31 == 0 and ll_kernels.combine_sig(reg, True, 5) ^ c == 1 << 18
+    assert ll_kernels.combine_sig(reg, False, 5 + (1 << 18)) == c  # the dispatch's count, mod 2^18
+    other = _region()
+    other.m = 16
+    assert ll_kernels.dispatch_sig(other, False, False, False) != d  # the sizes' digest
+    w = ll_kernels.abort_word(ValueError("x"))
+    assert -(1 << 31) <= w < 0 and w & 0xFF == 1  # bit 31 set, as a signed int32 for the launch
+
+
+def _record(reg, peer: int, tag: int, theirs: int, mine: int, token: int) -> None:
+    base = 4 + reg.num_ranks
+    reg.words[base + 1 : base + 5] = [peer, tag, theirs - (1 << 32) * (theirs >> 31), mine]
+    reg.words[base] = token
+
+
+def test_a_record_is_raised_once_naming_the_rank():
+    from ep_core.errors import EPMismatchError, EPPeerError, EPTimeoutError
+    from ep_torch.legacy import ll_kernels
+
+    reg = _region()
+    ll_kernels.check_region(reg, "low_latency_dispatch", True)  # nothing recorded
+    _record(reg, 0, 1, ll_kernels.ABORT_BIT | 1, 0, token=4)
+    with pytest.raises(
+        EPPeerError, match=r"rank 0 refused its low_latency_dispatch .*an argument error"
+    ) as info:
+        ll_kernels.check_region(reg, "low_latency_dispatch", True)
+    assert info.value.ranks == (0,) and info.value.announced  # at the call: every rank raised there, in step
+    ll_kernels.check_region(reg, "low_latency_combine", False)  # raised once
+    _record(reg, 0, 2, ll_kernels.ABORT_BIT | 3, 0, token=7)
+    with pytest.raises(EPPeerError, match="refused until reset") as info:
+        ll_kernels.check_region(reg, "low_latency_dispatch", False)
+    assert not info.value.announced  # read at a later call: out of step until reset()
+    d = ll_kernels.dispatch_sig(reg, False, False, False)
+    _record(reg, 0, 1, ll_kernels.dispatch_sig(reg, True, False, False) | 5, d, token=8)  # a count below
+    with pytest.raises(EPMismatchError, match=r"use_fp8 differs \(rank 0: True, rank 1: False\)") as info:
+        ll_kernels.check_region(reg, "low_latency_dispatch", True)
+    assert set(info.value.fields) == {"use_fp8"}
+    c = ll_kernels.combine_sig(reg, False, 3)
+    _record(reg, 0, 2, ll_kernels.combine_sig(reg, True, 2), c, token=11)
+    with pytest.raises(EPMismatchError, match="use_logfmt differs") as info:
+        ll_kernels.check_region(reg, "low_latency_combine", True)
+    assert set(info.value.fields) == {"use_logfmt", "handle"}
+    reg.words[:4] = [1, 1, 0, 2]  # a timeout comes first, and stays
+    for _ in range(2):
+        with pytest.raises(EPTimeoutError, match="timed out waiting for rank 0"):
+            ll_kernels.check_region(reg, "low_latency_combine", True)
+
+
+def test_a_refused_call_posts_its_abort_only_where_its_kernels_did_not_run(monkeypatch):
+    from ep_core.errors import EPTimeoutError
+    from ep_torch.legacy import guard, ll_kernels
+
+    posted = []
+    monkeypatch.setattr(
+        ll_kernels, "native_abort", lambda reg, op, exc: posted.append((op, type(exc).__name__))
+    )
+    inner = SimpleNamespace(runtime=object())
+    reg = _region()
+    reg.inner = inner
+    buf = SimpleNamespace(_ll_region=reg, _ll_inner=inner, _destroyed=False, _shrink=None)
+    mark = guard._native_mark(buf)
+    guard._native_abort(buf, "low_latency_dispatch", ValueError(), mark)
+    assert posted == [("low_latency_dispatch", "ValueError")]
+    reg.calls += 1  # the call took its half: its kernels ran, the peers read their words
+    guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
+    mark = guard._native_mark(buf)
+    guard._native_abort(
+        buf, "low_latency_combine", EPTimeoutError(1, "x", 0, None, "t"), mark
+    )  # a wait expired
+    reg.words[0] = 1  # the region's error word: its kernels return at once
+    guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
+    reg.words[0] = 0
+    buf._shrink = object()  # rank masking: a rank that does not arrive is masked
+    assert guard._native_mark(buf) is None
+    buf._shrink, buf._ll_inner = None, None  # reset() dropped the region
+    guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
+    assert len(posted) == 1
+    rebuilt = (
+        _region()
+    )  # a new region built by this call (every rank's collective build): its first call's abort
+    rebuilt.inner = buf._ll_inner = SimpleNamespace(runtime=object())
+    buf._ll_region = rebuilt
+    guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
+    assert posted[1:] == [("low_latency_combine", "ValueError")]

@@ -64,14 +64,9 @@ def _live_region(self: Buffer) -> Any:
 
 def _native_mark(self: Buffer) -> Any:
     """Where a native call starts: ``(region, its call count)``, or None where no abort could be posted (no live
-    region, rank masking: a rank that does not arrive is masked instead, or CUDA-graph capture: no refusal is
-    captured)."""
+    region, or rank masking: a rank that does not arrive is masked instead). A few attribute reads: the hot path."""
     reg = _live_region(self)
     if reg is None or getattr(self, "_shrink", None) is not None:
-        return None
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
     return reg, reg.calls
 
@@ -80,8 +75,8 @@ def _native_abort(self: Buffer, op: str, exc: BaseException, mark: tuple) -> Non
     """Post the abort word of this refused call (``ll_kernels.native_abort``; issue 41) unless the call took its half
     of the region (its kernels ran, or the region it started in is gone). Every native call thus either runs its
     kernels or posts its abort: the peers' receives of it end at once naming this rank, and the epochs stay in step.
-    Not after a wait expired (the region is unusable until rebuilt: its kernels return at once). Best effort: a
-    failure to post never hides ``exc``."""
+    Not after a wait expired (the region is unusable until rebuilt: its kernels return at once), nor under CUDA-graph
+    capture. Best effort: a failure to post never hides ``exc``."""
     from ep_core.errors import EPTimeoutError
 
     reg = _live_region(self)
@@ -89,6 +84,10 @@ def _native_abort(self: Buffer, op: str, exc: BaseException, mark: tuple) -> Non
         return
     if reg.calls != (mark[1] if reg is mark[0] else 0):
         return
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # no refusal is captured into a graph (a replay runs every kernel of the capture)
     from . import ll_kernels
 
     try:

@@ -317,10 +317,14 @@ def _count_calls(reg: Any) -> None:
 
 
 def _sizes_digest(reg: Any) -> int:
-    import zlib
+    """Bits 19-30 of both words: a digest of the region's sizes (computed once per region)."""
+    digest = reg.__dict__.get("_sizes_digest")
+    if digest is None:
+        import zlib
 
-    key = f"{reg.m},{reg.num_experts},{reg.hidden},{reg.num_topk}".encode()
-    return (zlib.crc32(key) & 0xFFF) << 19
+        key = f"{reg.m},{reg.num_experts},{reg.hidden},{reg.num_topk}".encode()
+        digest = reg._sizes_digest = (zlib.crc32(key) & 0xFFF) << 19
+    return digest
 
 
 def dispatch_sig(reg: Any, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> int:
