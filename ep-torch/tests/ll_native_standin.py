@@ -81,9 +81,9 @@ class HostRegion:
         self.words = self.herr.numpy()
         self.next_half = 0
         self.epochs = [0, 0]
-        self.calls = self.dispatches = self.seen = 0
+        self.calls = self.dispatches = self.seen = self.token = 0
 
-    def check(self, op: str, at_call: bool = False) -> None:
+    def check(self, op: str, at_call: int = 0) -> None:
         if at_call and self.deferred:  # as on the GPU: the receive has not run yet when its call returns
             return
         _CHECK(self, op, at_call)
@@ -93,6 +93,9 @@ class HostRegion:
         self.next_half ^= 1
         self.calls += 1
         self.dispatches += int(dispatch)
+        which = 0 if dispatch else 1
+        # its record's token (`gather`): post() then takes the epoch
+        self.token = 2 * (self.epochs[which] + 1) + which
         return h
 
     def post(self, kind: str, obj: Any) -> int:

@@ -253,32 +253,32 @@ def test_a_record_is_raised_once_naming_the_rank():
     from ep_torch.legacy import ll_kernels
 
     reg = _region()
-    ll_kernels.check_region(reg, "low_latency_dispatch", True)  # nothing recorded
+    ll_kernels.check_region(reg, "low_latency_dispatch", 4)  # nothing recorded
     _record(reg, 0, 1, ll_kernels.ABORT_BIT | 1, 0, token=4)
     with pytest.raises(
         EPPeerError, match=r"rank 0 refused its low_latency_dispatch .*an argument error"
     ) as info:
-        ll_kernels.check_region(reg, "low_latency_dispatch", True)
+        ll_kernels.check_region(reg, "low_latency_dispatch", 4)
     assert info.value.ranks == (0,) and info.value.announced  # at the call: every rank raised there, in step
-    ll_kernels.check_region(reg, "low_latency_combine", False)  # raised once
+    ll_kernels.check_region(reg, "low_latency_combine", 0)  # raised once
     _record(reg, 0, 2, ll_kernels.ABORT_BIT | 3, 0, token=7)
     with pytest.raises(EPPeerError, match="refused until reset") as info:
-        ll_kernels.check_region(reg, "low_latency_dispatch", False)
-    assert not info.value.announced  # read at a later call: out of step until reset()
+        ll_kernels.check_region(reg, "low_latency_dispatch", 4)
+    assert not info.value.announced  # another call's record (read at a later call): out of step until reset()
     d = ll_kernels.dispatch_sig(reg, False, False, False)
     _record(reg, 0, 1, ll_kernels.dispatch_sig(reg, True, False, False) | 5, d, token=8)  # a count below
     with pytest.raises(EPMismatchError, match=r"use_fp8 differs \(rank 0: True, rank 1: False\)") as info:
-        ll_kernels.check_region(reg, "low_latency_dispatch", True)
+        ll_kernels.check_region(reg, "low_latency_dispatch", 8)
     assert set(info.value.fields) == {"use_fp8"}
     c = ll_kernels.combine_sig(reg, False, 3)
     _record(reg, 0, 2, ll_kernels.combine_sig(reg, True, 2), c, token=11)
     with pytest.raises(EPMismatchError, match="use_logfmt differs") as info:
-        ll_kernels.check_region(reg, "low_latency_combine", True)
+        ll_kernels.check_region(reg, "low_latency_combine", 11)
     assert set(info.value.fields) == {"use_logfmt", "handle"}
     reg.words[:4] = [1, 1, 0, 2]  # a timeout comes first, and stays
     for _ in range(2):
         with pytest.raises(EPTimeoutError, match="timed out waiting for rank 0"):
-            ll_kernels.check_region(reg, "low_latency_combine", True)
+            ll_kernels.check_region(reg, "low_latency_combine", 0)
 
 
 def test_a_refused_call_posts_its_abort_only_where_its_kernels_did_not_run(monkeypatch):

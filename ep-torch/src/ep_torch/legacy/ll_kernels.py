@@ -275,20 +275,25 @@ class NativeRegion:
 
     def take_half(self, dispatch: bool = False) -> int:
         """The half this call uses (every call toggles it, refused ones too: ``native_abort``); counts the calls and
-        the dispatches (a combine's signature names its dispatch by this count, equal on every rank)."""
+        the dispatches (a combine's signature names its dispatch by this count, equal on every rank) and keeps the
+        call's record token (the kernels' ``envelope_token``: the receive advances the half's epoch of the op)."""
         h = self.next_half
         self.next_half ^= 1
         self.calls += 1
         self.dispatches += int(dispatch)
+        op = 0 if dispatch else 1
+        self.epochs[h][op] += 1
+        self.token = (self.epochs[h][op] * 2 + h) * 2 + op
         return h
 
     def half_ptr(self, half: int) -> int:
         return self.own_base + self.layout.half_offset(half)
 
-    def check(self, op: str, at_call: bool = False) -> None:
+    def check(self, op: str, at_call: int = 0) -> None:
         """Raise what the receive kernels recorded (host-mapped words, no sync): a timeout (sticky: the region is
-        unusable until rebuilt) or a new signature record (`raise_record`). ``at_call``: read right after this call's
-        receive was issued (the CPU stand-in's receive has run by then; a GPU kernel rarely has)."""
+        unusable until rebuilt) or a new signature record (`raise_record`). ``at_call``: the token of the call whose
+        receive was just issued (the CPU stand-in's receive has run by then; a GPU kernel rarely has): a record of that
+        call is raised as at the call itself, any other as recorded by an earlier call."""
         check_region(self, op, at_call)
 
 
@@ -313,6 +318,8 @@ _REASONS = {
 
 def _count_calls(reg: Any) -> None:
     reg.calls = reg.dispatches = 0
+    reg.epochs = [[0, 0], [0, 0]]  # per half: the dispatches and the combines (the kernels' ctrl epochs)
+    reg.token = 0  # the last call's record token (`take_half`)
     reg.seen = 0  # the last signature record raised (its token)
 
 
@@ -358,8 +365,9 @@ def abort_word(exc: BaseException) -> int:
     return (ABORT_BIT | reason) - (1 << 32)
 
 
-def check_region(reg: Any, op: str, at_call: bool) -> None:
-    """``NativeRegion.check`` (and the CPU stand-in's): the sticky timeout record, then a new signature record."""
+def check_region(reg: Any, op: str, at_call: int) -> None:
+    """``NativeRegion.check`` (and the CPU stand-in's): the sticky timeout record, then a new signature record
+    (raised as at the call when its token is ``at_call``)."""
     words = reg.words
     if words[0] != 0:
         from ep_core.errors import EPTimeoutError
@@ -375,7 +383,7 @@ def check_region(reg: Any, op: str, at_call: bool) -> None:
     token = int(words[base])
     if token != 0 and token != reg.seen:
         reg.seen = token
-        raise_record(reg, op, [int(v) for v in words[base + 1 : base + 5]], at_call)
+        raise_record(reg, op, [int(v) for v in words[base + 1 : base + 5]], token == at_call)
 
 
 def raise_record(reg: Any, op: str, rec: list[int], at_call: bool) -> None:
@@ -583,6 +591,7 @@ def native_clean(reg: NativeRegion, mask: torch.Tensor, gen: int) -> None:
     reg.next_half = 0
     reg.words[4 + reg.num_ranks :] = 0  # the kernel restarts the epochs (the record's tokens) and its err[1]
     reg.seen = 0
+    reg.epochs = [[0, 0], [0, 0]]
 
 
 class _NativeLaunch(_Launch):

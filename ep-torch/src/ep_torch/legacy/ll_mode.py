@@ -118,12 +118,13 @@ class LowLatencyMode:
         memo[1][key] = sig
         memo[2].add((op, sig))
 
-    def _check_at_call(self, reg: Any, op: str) -> None:
-        """Raise what the kernels recorded, right after this call's receive was issued (``NativeRegion.check``: on the
-        CPU stand-in that receive has run; on the GPU the record is raised at the next call instead). Also from a
-        hook, outside the call's guard: a step-breaking error is recorded in the rank state there too."""
+    def _check_at_call(self, reg: Any, op: str, token: int) -> None:
+        """Raise what the kernels recorded, right after the receive of the call of record ``token`` was issued
+        (``NativeRegion.check``: on the CPU stand-in that receive has run; on the GPU the record is usually raised at
+        the next call instead). Also from a hook, outside the call's guard: a step-breaking error is recorded in the
+        rank state there too."""
         try:
-            reg.check(op, at_call=True)
+            reg.check(op, at_call=token)
         except Exception as exc:
             state = getattr(self, "_state", None)
             if state is not None:
@@ -435,10 +436,11 @@ class LowLatencyMode:
             recv, count, src_info, layout_range, lanes, lane_pos, issue = ll_kernels.native_dispatch(
                 reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask, sig
             )
+            token = reg.token
 
             def receive() -> None:
                 issue()
-                self._check_at_call(reg, "low_latency_dispatch")
+                self._check_at_call(reg, "low_latency_dispatch", token)
 
             handle = LowLatencyHandle(
                 (src_info, layout_range, m, h, num_experts), None, None, None,
@@ -498,10 +500,11 @@ class LowLatencyMode:
                 reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct,
                 use_logfmt, mask, sig,
             )  # fmt: skip
+            token = reg.token
 
             def receive() -> None:
                 issue()
-                self._check_at_call(reg, "low_latency_combine")
+                self._check_at_call(reg, "low_latency_combine", token)
 
             return combined, receive
 
