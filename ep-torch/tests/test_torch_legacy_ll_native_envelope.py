@@ -299,10 +299,7 @@ def test_a_refused_call_posts_its_abort_only_where_its_kernels_did_not_run(monke
     reg.calls += 1  # the call took its half: its kernels ran, the peers read their words
     guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
     mark = guard._native_mark(buf)
-    guard._native_abort(
-        buf, "low_latency_combine", EPTimeoutError(1, "x", 0, None, "t"), mark
-    )  # a wait expired
-    reg.words[0] = 1  # the region's error word: its kernels return at once
+    reg.words[0] = 1  # a kernel's wait expired (the region's error word): its kernels return at once
     guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
     reg.words[0] = 0
     buf._shrink = object()  # rank masking: a rank that does not arrive is masked
@@ -310,10 +307,13 @@ def test_a_refused_call_posts_its_abort_only_where_its_kernels_did_not_run(monke
     buf._shrink, buf._ll_inner = None, None  # reset() dropped the region
     guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
     assert len(posted) == 1
-    rebuilt = (
-        _region()
-    )  # a new region built by this call (every rank's collective build): its first call's abort
+    # a new region built by this call (every rank's collective build): its first call's abort
+    rebuilt = _region()
     rebuilt.inner = buf._ll_inner = SimpleNamespace(runtime=object())
     buf._ll_region = rebuilt
     guard._native_abort(buf, "low_latency_combine", ValueError(), mark)
     assert posted[1:] == [("low_latency_combine", "ValueError")]
+    # a host wait that expired (a lone size change's step): its abort ends the peers' call
+    mark = guard._native_mark(buf)
+    guard._native_abort(buf, "low_latency_dispatch", EPTimeoutError(1, "x", 0, None, "t"), mark)
+    assert posted[2:] == [("low_latency_dispatch", "EPTimeoutError")]

@@ -74,13 +74,12 @@ def _native_mark(self: Buffer) -> Any:
 def _native_abort(self: Buffer, op: str, exc: BaseException, mark: tuple) -> None:
     """Post the abort word of this refused call (``ll_kernels.native_abort``; issue 41) unless the call took its half
     of the region (its kernels ran, or the region it started in is gone). Every native call thus either runs its
-    kernels or posts its abort: the peers' receives of it end at once naming this rank, and the epochs stay in step.
-    Not after a wait expired (the region is unusable until rebuilt: its kernels return at once), nor under CUDA-graph
+    kernels or posts its abort: the peers' receives of it end at once naming this rank, and the epochs stay in step
+    (a host wait that expired included: a lone size change's host step ends its peers' call that way). Not after a
+    kernel's wait expired (the region is unusable until rebuilt: its kernels return at once), nor under CUDA-graph
     capture. Best effort: a failure to post never hides ``exc``."""
-    from ep_core.errors import EPTimeoutError
-
     reg = _live_region(self)
-    if reg is None or isinstance(exc, EPTimeoutError) or reg.words[0] != 0:
+    if reg is None or reg.words[0] != 0:
         return
     if reg.calls != (mark[1] if reg is mark[0] else 0):
         return
