@@ -1,11 +1,13 @@
-"""Issue 41 on V1 low-latency mode's native road (``ll_native=True``): its kernels carry no envelope, so the host
-agrees what every rank must share (``LowLatencyMode._agree_native``): once per signature change by default, every
-call with ``ll_native_agree="call"``.
+"""Issue 41 on V1 low-latency mode's native road (``ll_native=True``). Default (``ll_native_agree="change"``): the
+host agrees a new region's sizes once per change (``LowLatencyMode._agree_native``); everything else rides in the
+kernels' flags (signature words), and a refused call posts an abort word in place of its kernels, so every rank
+raises naming the rank with no host step per call. ``"call"``: a host step every call.
 
 On the CPU the kernels are replaced by ``ll_native_standin.py`` (an exchange through files with the kernels'
-semantics: no envelope, bounded waits, a timeout reported at the next call); the cases are
-collective_safety_survey.py's ``lln.*`` / ``llnc.*``. The GPU test runs some of them on the real kernels (2
-processes sharing GPU 0, ipc transport)."""
+semantics: the signature words and the abort, bounded waits, the records); the cases are
+collective_safety_survey.py's ``lln.*`` / ``llnc.*`` / ``llnd.*``. The GPU tests run some of them on the real kernels
+(2 processes sharing GPU 0, ipc transport); test_torch_legacy_ll_mask_native.py runs the kernels' own code for the
+signature words and the abort on host threads."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ CALL_CASES = [
     "llnc.dispatch_fp8_one_rank_alone",
     "llnc.dispatch_m_one_rank_alone",
     "llnc.combine_other_dispatch_one_rank",
-    # the default mode: ranks whose signatures all change (hidden 512) meet in the host step and all raise
+    # the default mode: the ranks agree the new sizes (hidden 512) in the host step, the kernels catch the LogFMT one
     "lln.combine_logfmt_one_rank",
 ]
 
@@ -189,7 +191,8 @@ def test_native_road_disagreements_on_the_gpu(tmp_path):
         "llnc.combine_logfmt_one_rank_alone",
         "llnc.dispatch_fp8_one_rank_alone",
         "llnc.combine_other_dispatch_one_rank",
-        "lln.combine_logfmt_one_rank",
+        # the default mode's LogFMT disagreement is the kernels' (issue 41): on the GPU raised at the next call
+        "llnd.combine_logfmt_one_rank",
     ]
     bad = _chain(cases, tmp_path, 420, env={**os.environ, "EP_SURVEY_DEVICE": "cuda"})
     assert not bad, "\n".join(bad)
