@@ -151,7 +151,9 @@ def _ll_round(buf, seed: int, rank: int, world: int) -> bool:
 
 # V1 low-latency mode's native road (issue 41, session 3): the CPU stand-in of its kernels (ll_native_standin.py;
 # EP_SURVEY_DEVICE=cuda: the real kernels over ipc). Surfaces "lln" (the default host envelope, agreed once per
-# signature change) and "llnc" (ll_native_agree="call": a host step every call).
+# signature change) and "llnc" (ll_native_agree="call": a host step every call); "llnd": the default mode's cases
+# followed by one more valid call where the faulty one returned, then reset() (on the GPU the kernels' record of a
+# fault is raised at the rank's next call: the CPU stand-in's receive runs inside the call, so it raises there).
 _STANDIN_DIR: str | None = None
 
 
@@ -843,7 +845,7 @@ def _lb_round(buf, seed: int, rank: int, world: int) -> bool:
     return ok and bool(np.array_equal(grads.numpy(), want[rank]))
 
 
-ROUNDS.update(ep=_v2_round, epn=_v2_round, lb=_lb_round, lln=_ll_round, llnc=_ll_round)
+ROUNDS.update(ep=_v2_round, epn=_v2_round, lb=_lb_round, lln=_ll_round, llnc=_ll_round, llnd=_ll_round)
 
 
 def _lb_mapping_bad(buf, rank, world):
@@ -1461,11 +1463,32 @@ _NATIVE_CASES = {
 for _surface in ("lln", "llnc"):
     for _name, (_fault, _reset) in _NATIVE_CASES.items():
         CASES[f"{_surface}.{_name}"] = (_surface, {}, _fault, _reset)
-NATIVE = [c for c in CASES if c.startswith(("lln.", "llnc."))]
+
+
+def _then_next_call(fault):
+    """``llnd``: the fault, then, where it returned, a synchronize and one more valid call (where the GPU raises what
+    the kernels recorded of the fault); every such case then calls reset()."""
+
+    def run(buf, rank, world):
+        value = fault(buf, rank, world)
+        if DEV == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        _ll_round(buf, 83, rank, world)
+        return value
+
+    return run
+
+
+for _name, (_fault, _reset) in _NATIVE_CASES.items():
+    if _reset is not None:
+        CASES[f"llnd.{_name}"] = ("llnd", {}, _then_next_call(_fault), True)
+NATIVE = [c for c in CASES if c.startswith(("lln.", "llnc.", "llnd."))]
 
 
 # cases whose every rank's call is valid on its own but the ranks disagree: all must raise (EPMismatchError)
-_DISAGREE_SURFACES = ("ll", "ll_shrink", "v2", "lln", "llnc")
+_DISAGREE_SURFACES = ("ll", "ll_shrink", "v2", "lln", "llnc", "llnd")
 DISAGREE = {c for c in CASES if "one_rank" in c and c.split(".")[0] in _DISAGREE_SURFACES} | {
     c for c in CASES if "disagreeing" in c or "different_mappings" in c
 }
@@ -1495,7 +1518,7 @@ def _build(surface: str, kw: dict):
         buf = _v1(low_latency=True, **kw)
         _ll_foreign_buffer = _v1(low_latency=True)
         return buf
-    if surface in ("lln", "llnc"):
+    if surface in ("lln", "llnc", "llnd"):
         _standin()
         buf, _ll_foreign_buffer = _v1_native(**kw), _v1_native()
         if surface == "llnc":
@@ -1662,6 +1685,9 @@ def _chain_worker(rank: int, world: int, out: str, names: list[str]) -> None:
         try:
             buf = _build(surface, kw)
             round_fn = ROUNDS[surface]
+            # as `_worker`: the native region exists when the fault comes
+            if surface in ("lln", "llnc", "llnd"):
+                seen["warmup"] = _outcome(lambda f=round_fn, b=buf: f(b, 1, rank, world))[1]
             t0 = time.monotonic()
             seen["fault"], seen["fault_value"] = _outcome(lambda f=fault, b=buf: f(b, rank, world))
             seen["fault_secs"] = time.monotonic() - t0

@@ -177,7 +177,7 @@ int run_concurrent(char** argv) {
     std::mt19937 rng(seed * 131 + r);
     auto pause = [&] { std::this_thread::sleep_for(std::chrono::microseconds(rng() % 3000)); };
     int* err = reinterpret_cast<int*>(base(r));
-    std::vector<int> herr(4 + n, 0);
+    std::vector<int> herr(4 + n + 5, 0);
     int half = 0;  // the host's toggle: every call takes the other half
     std::vector<int> lane_pos((size_t)nt * nk + 1), count(epr);
     std::vector<uint16_t> recv((size_t)epr * slots * h), y((size_t)epr * slots * h), comb((size_t)nt * h);
@@ -197,13 +197,13 @@ int run_concurrent(char** argv) {
         if (n > 1 || !direct)
           launch(ne, block, [&] {
             ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
-                                 peers.data(), base(r), own, 0, direct, lane_pos.data(), err, herr.data(), nullptr);
+                                 peers.data(), base(r), own, 0, direct, lane_pos.data(), err, herr.data(), nullptr, 0);
           });
         pause();
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, own, 0, 0, recv.data(), nullptr, src.data(), lanes.data(),
                                count.data(), range.data(), nullptr, reinterpret_cast<const uint8_t*>(xr), h * 2, ir,
-                               1, nt, direct, lane_pos.data(), timeout_ms, err, herr.data(), nullptr);
+                               1, nt, direct, lane_pos.data(), timeout_ms, err, herr.data(), nullptr, 0);
         });
       }
       for (int e = 0; e < epr; ++e)  // the experts: y = bf16(fp32(row) * (1 + g / 8))
@@ -218,13 +218,13 @@ int run_concurrent(char** argv) {
       if (n > 1 || !direct)
         launch(epr, block, [&] {
           ep_lln_combine_send(reinterpret_cast<const uint4*>(y.data()), src.data(), lanes.data(), range.data(), nk,
-                              h, ne, n, r, m, peers.data(), base(r), own, direct, err, herr.data(), nullptr);
+                              h, ne, n, r, m, peers.data(), base(r), own, direct, err, herr.data(), nullptr, 0);
         });
       pause();
       launch(2, 64, [&] {
         ep_lln_combine_recv(ir, 1, wr_, nt, nk, h, ne, n, r, m, own, reinterpret_cast<uint4*>(comb.data()),
                             reinterpret_cast<const uint4*>(y.data()), range.data(), lane_pos.data(), direct,
-                            timeout_ms, err, herr.data(), nullptr);
+                            timeout_ms, err, herr.data(), nullptr, 0);
       });
       const std::string p = "c" + std::to_string(q) + "_";
       wr(p + "count_" + std::to_string(r), count);
@@ -246,12 +246,27 @@ int run_concurrent(char** argv) {
   return bad ? 5 : 0;
 }
 
+// The envelope mode (issue 41; argv: envelope dir N E T K H M local_direct culprit fault): three rounds of every rank
+// with no ep_lln_clean between them; in round 1 `culprit` makes the fault: 1 its dispatch with another signature word
+// (the FP8 bit), 2 ep_lln_abort instead of its dispatch (then no rank combines: every host raised at the dispatch),
+// 3 its combine with another signature word (the LogFMT bit), 4 ep_lln_abort instead of its combine. Outputs as below.
+static int g_culprit = -1, g_fault = 0, g_no_clean = 0;
+
 // argv: dir N E T K H M use_mask lost local_direct logfmt timeout_ms rounds late
 // inputs (per round q = 1, 2): x{q} bf16 [N][T][H], idx{q} int64 [N][T][K], w{q} f32 [N][T][K]; umask int32 [N][N]
 // (round 1's user masks; `lost` sits out round 1, or with `late` runs it after the others' whole step). Round 2 (rounds == 2) follows ep_lln_clean on every rank, with
 // every rank and no mask. Outputs r{q}_{count,range,src,recv,comb}_{rank}, then mask_{rank}, herr_{rank}, err_{rank}.
 int main(int argc, char** argv) {
   if (argc == 12 && std::string(argv[1]) == "concurrent") return run_concurrent(argv);
+  if (argc == 12 && std::string(argv[1]) == "envelope") {
+    g_culprit = atoi(argv[10]);
+    g_fault = atoi(argv[11]);
+    g_no_clean = 1;
+    std::string dir = argv[2], d = argv[9];
+    const char* args[] = {argv[0], dir.c_str(), argv[3], argv[4], argv[5], argv[6], argv[7], argv[8], "0", "-1",
+                          d.c_str(), "0", "2000", "3", "0"};
+    return main(15, const_cast<char**>(args));
+  }
   if (argc != 15) return 1;
   g_dir = argv[1];
   const int n = atoi(argv[2]), ne = atoi(argv[3]), nt = atoi(argv[4]), nk = atoi(argv[5]), h = atoi(argv[6]);
@@ -267,7 +282,7 @@ int main(int argc, char** argv) {
   for (int r = 0; r < n; ++r)  // stale bytes in every slot (only the flags start at 0): a lane read by mistake shows
     for (int hf = 0; hf < 2; ++hf)
       std::memset(base(r) + front + hf * L.half_bytes + L.ddata, 0x5A, L.half_bytes - L.ddata);
-  std::vector<std::vector<int>> mask(n, std::vector<int>(n + 1, 0)), herr(n, std::vector<int>(4 + n, 0));
+  std::vector<std::vector<int>> mask(n, std::vector<int>(n + 1, 0)), herr(n, std::vector<int>(4 + n + 5, 0));
   auto umask = rd<int32_t>("umask", (size_t)n * n);
   for (int r = 0; r < n; ++r)
     for (int p = 0; p < n; ++p) mask[r][p] = umask[r * n + p];
@@ -284,28 +299,41 @@ int main(int argc, char** argv) {
     std::vector<std::vector<int64_t>> range(n, std::vector<int64_t>((size_t)epr * n));
     std::vector<std::vector<uint16_t>> y(n, std::vector<uint16_t>((size_t)epr * slots * h, 0));
     std::vector<std::vector<uint16_t>> comb(n, std::vector<uint16_t>((size_t)nt * h + 8));
+    // the envelope mode's fault of round 1 (`g_fault`): the culprit's signature words, its aborts
+    auto fault = [&](int r, int f) { return q == 1 && r == g_culprit && g_fault == f; };
+    auto abort_call = [&](int r, int which, uint8_t* half) {
+      launch(1, block, [&] {
+        ep_lln_abort(peers.data(), base(r), half, nk, h, ne, n, r, m, which, (int)0x80000001u, err(r));
+      });
+    };
     auto step = [&](const std::vector<int>& group) {
       // a step uses half 0 for the dispatch, half 1 for the combine (the host's toggle; clean restarts at half 0)
       for (int r : group) {  // one rank with the local shortcut: no send (ll_kernels.native_dispatch)
+        if (fault(r, 2)) {
+          abort_call(r, 0, base(r) + front);
+          continue;
+        }
         if (n == 1 && direct) continue;
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(ne, block, [&] {
           ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
                                peers.data(), base(r), base(r) + front, 0, direct, lane_pos[r].data(), err(r),
-                               herr[r].data(), mp(r));
+                               herr[r].data(), mp(r), fault(r, 1) ? 1 << 16 : 0);
         });
       }
       for (int r : group) {
+        if (fault(r, 2)) continue;  // its receive does not run
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
                                lanes[r].data(), count[r].data(), range[r].data(), nullptr,
                                reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, lane_pos[r].data(), timeout_ms, err(r),
-                               herr[r].data(), mp(r));
+                               herr[r].data(), mp(r), fault(r, 1) ? 1 << 16 : 0);
         });
       }
+      if (g_fault == 2 && q == 1) return;  // every rank raised at the dispatch: no combine
       // the experts: y = bf16(fp32(row) * (1 + g / 8))
       for (int r : group)
         for (int e = 0; e < epr; ++e)
@@ -315,15 +343,20 @@ int main(int argc, char** argv) {
               y[r][i] = bf16_rn(ep_ll::mul_rn(__uint_as_float((uint32_t)recv[r][i] << 16), 1.0f + (r * epr + e) / 8.0f));
             }
       for (int r : group) {
+        if (fault(r, 4)) {
+          abort_call(r, 1, base(r) + front + L.half_bytes);
+          continue;
+        }
         auto body = [&] {
           auto f = logfmt ? ep_lln_combine_send_logfmt : ep_lln_combine_send;
           f(reinterpret_cast<const uint4*>(y[r].data()), src[r].data(), lanes[r].data(), range[r].data(), nk, h, ne,
             n, r, m, peers.data(), base(r), base(r) + front + L.half_bytes, direct && !logfmt, err(r), herr[r].data(),
-            mp(r));
+            mp(r), fault(r, 3) ? 1 << 18 : 0);
         };
         if (n > 1 || !direct || logfmt) launch(epr, block, body);
       }
       for (int r : group) {
+        if (fault(r, 4)) continue;
         const int chunks = (h / 8 + block - 1) / block, items = nt * chunks;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         const float* wr_ = w.data() + (size_t)r * nt * nk;
@@ -331,7 +364,8 @@ int main(int argc, char** argv) {
           auto f = logfmt ? ep_lln_combine_recv_logfmt : ep_lln_combine_recv;
           f(ir, 1, wr_, nt, nk, h, ne, n, r, m, base(r) + front + L.half_bytes,
             reinterpret_cast<uint4*>(comb[r].data()), reinterpret_cast<const uint4*>(y[r].data()), range[r].data(),
-            lane_pos[r].data(), direct && !logfmt, timeout_ms, err(r), herr[r].data(), mp(r));
+            lane_pos[r].data(), direct && !logfmt, timeout_ms, err(r), herr[r].data(), mp(r),
+            fault(r, 3) ? 1 << 18 : 0);
         });
       }
     };
@@ -359,7 +393,7 @@ int main(int argc, char** argv) {
       wr("herr" + std::to_string(q) + "_" + std::to_string(r), herr[r]);
       wr("err" + std::to_string(q) + "_" + std::to_string(r), std::vector<int>{*err(r)});
     }
-    if (q < rounds) {  // rejoin: ep_lln_clean on every rank at once (its barriers; a generous bound: host threads), gen 1
+    if (q < rounds && !g_no_clean) {  // rejoin: ep_lln_clean on every rank at once (its barriers; a generous bound: host threads), gen 1
       std::vector<std::thread> ranks;
       for (int r = 0; r < n; ++r)
         ranks.emplace_back([&, r] {

@@ -383,8 +383,9 @@ def test_enable_shrink_where_refused():
 
 
 def test_native_launch_arguments_match_the_signatures(monkeypatch):
-    """The launchers' argument lists (mask last, ep_lln_clean) against ``ep_core.ll_native.SIGNATURES`` on the CPU:
-    the kernels themselves need a GPU, their parameter lists do not."""
+    """The launchers' argument lists (the mask, then the signature word; ep_lln_clean: the mask last; ep_lln_abort)
+    against ``ep_core.ll_native.SIGNATURES`` on the CPU: the kernels themselves need a GPU, their parameter lists do
+    not."""
     pytest.importorskip("ep_jit")
     from ep_core import ll_native
     from ep_torch.legacy import ll_kernels
@@ -405,8 +406,10 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
     reg = SimpleNamespace(
         num_ranks=n, epr=epr, m=m, hidden=h, num_topk=k, num_experts=n * epr, rank=0, own_base=4096,
         timeout_ms=1000, recv_blocks=4, send_blocks=4, next_half=0, peers=torch.zeros(n, dtype=torch.int64),
-        herr=torch.zeros(4 + n, dtype=torch.int32), take_half=lambda: 0, half_ptr=lambda half: 8192,
+        herr=torch.zeros(ll_native.herr_words(n), dtype=torch.int32), take_half=lambda dispatch=False: 0,
+        half_ptr=lambda half: 8192, seen=0,
     )  # fmt: skip
+    reg.words = reg.herr.numpy()
     mask = torch.zeros(n + 1, dtype=torch.int32)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     idx = torch.zeros(3, k, dtype=torch.int64)
@@ -421,11 +424,14 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
         )
         receive()
     ll_kernels.native_clean(reg, mask, 1)
+    for op in ("low_latency_dispatch", "low_latency_combine"):
+        ll_kernels.native_abort(reg, op, ValueError("refused"))
     names = [name for name, _ in seen]
     assert set(names) == set(ll_native.KERNEL_NAMES), names
     for name, args in seen:
-        if name != "ep_lln_cast_fp8":
-            assert int(args[-1].value if hasattr(args[-1], "value") else args[-1]) == mask.data_ptr(), name
+        if name not in ("ep_lln_cast_fp8", "ep_lln_abort"):
+            at = -1 if name == "ep_lln_clean" else -2  # the exchanges: the signature word last
+            assert int(args[at].value if hasattr(args[at], "value") else args[at]) == mask.data_ptr(), name
 
 
 if __name__ == "__main__":
@@ -599,3 +605,69 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
                 assert all(herr[4 + p] == 1 for p in timed_out), f"{what}: records generation 0 + 1"
             else:  # after ep_lln_clean: every rank unmasked, generation 1, and nothing timed out since
                 assert mask.tolist() == [0] * n + [1], f"{what}: mask after clean {mask}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the kernels' signature words and abort (issue 41) on host threads: round 1 has one rank's fault, rounds 2 and 3
+# follow with no ep_lln_clean, so the epochs must have stayed in step
+
+
+@pytest.mark.parametrize(
+    "fault,direct",
+    [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (4, 0), (4, 1)],
+    ids=["dispatch_sig", "dispatch_sig_direct", "dispatch_abort", "dispatch_abort_direct", "combine_sig",
+         "combine_sig_direct", "combine_abort", "combine_abort_direct"],
+)  # fmt: skip
+def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, direct):
+    """Fault 1 / 3: the culprit's dispatch / combine carries another signature word (its FP8 / LogFMT bit); 2 / 4:
+    it runs ep_lln_abort instead of its dispatch / combine. Every peer records (token, culprit, tag, its word, theirs)
+    in herr's signature record without a timeout, the culprit records a peer where its own kernels ran, and the two
+    rounds after it are bitwise exact with no record and no clean between."""
+    import subprocess
+
+    n, culprit = 4, 1
+    seeds = {1: 3, 2: 7, 3: 5}
+    for q, seed in seeds.items():
+        _write_round(tmp_path, n, q, seed)
+    np.zeros((n, n), np.int32).tofile(tmp_path / "umask")
+    args = [str(emulation), "envelope", str(tmp_path), *map(str, (n, E, T, K, H, M, direct, culprit, fault))]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epr, base = E // n, 4 + n
+    tag = 1 if fault in (1, 2) else 2
+    # (epoch 1 * 2 + half) * 2 + op: the dispatch on half 0, the combine on half 1
+    token = 4 if tag == 1 else 7
+    theirs = {1: 1 << 16, 2: 0x80000001, 3: 1 << 18, 4: 0x80000001}[fault]
+    for r in range(n):
+        what = f"fault {fault} direct={direct} rank {r}"
+        rec = [np.fromfile(tmp_path / f"herr{q}_{r}", np.int32)[base:].tolist() for q in (1, 2, 3)]
+        for q in (1, 2, 3):
+            herr = np.fromfile(tmp_path / f"herr{q}_{r}", np.int32)
+            assert herr[:4].tolist() == [0, 0, 0, 0], f"{what}: a wait expired in round {q}: {herr}"
+            assert np.fromfile(tmp_path / f"err{q}_{r}", np.int32)[0] == 0, f"{what}: err raised in round {q}"
+        assert rec[1] == rec[0] and rec[2] == rec[0], f"{what}: a record after round 1: {rec}"
+        if r != culprit:
+            got = rec[0]
+            assert got[:3] == [token, culprit, tag], f"{what}: record {got}"
+            bits = 0xFFFF0000 if tag == 1 else 0xFFFFFFFF  # a dispatch's count is below its signature bits
+            assert got[3] & bits == theirs & bits, f"{what}: their word {got}"
+            assert got[4] == 0, f"{what}: this rank's word {got}"
+        elif fault in (1, 3):  # its kernels ran: it sees the peers' words differ from its own
+            assert rec[0][0] == token and rec[0][1] != culprit and rec[0][2] == tag, (
+                f"{what}: record {rec[0]}"
+            )
+        else:  # it refused the call: no kernel of it ran, no record
+            assert rec[0] == [0] * 5, f"{what}: record {rec[0]}"
+        for q in (2, 3):
+            seed = seeds[q]
+            cnt = np.fromfile(tmp_path / f"r{q}_count_{r}", np.int32)
+            recv = np.fromfile(tmp_path / f"r{q}_recv_{r}", np.uint16).reshape(epr, n * M, H)
+            for e, rows in enumerate(_want_rows(r, n, seed, set())):
+                assert cnt[e] == len(rows), f"{what} round {q}: recv_count[{e}]={cnt[e]}, want {len(rows)}"
+                if rows:
+                    ref = np.stack([_bits(_inputs(s, seed)[0][t]) for s, t in rows])
+                    assert np.array_equal(recv[e, : len(rows)], ref), f"{what} round {q}: rows of expert {e}"
+            t = len(_inputs(r, seed)[0])
+            comb = np.fromfile(tmp_path / f"r{q}_comb_{r}", np.uint16).reshape(T, H)[:t]
+            bad = np.argwhere(comb != _combine_ref(r, n, seed, set(), False))
+            assert not bad.size, f"{what} round {q}: combine differs from the reference at {tuple(bad[0])}"

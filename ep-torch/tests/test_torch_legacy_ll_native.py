@@ -220,6 +220,62 @@ def test_ll_native_nccl_one_rank_gpu():
     assert "transport nccl, native True" in out, out[-2000:]
 
 
+def _nccl_one_refusals(rank: int, n: int) -> None:
+    """One rank over nccl, every row through the buffer (``EPKIT_LL_LOCAL_DIRECT=0``: each receive waits for its own
+    send's flags of its epoch): a refused dispatch and a refused combine launch ``ep_lln_abort`` in their place
+    (issue 41), which advances the half's epoch as the call would have, so the valid calls after them are bitwise
+    and record nothing."""
+    import torch.distributed as dist
+    from ep_core.errors import EPValueError
+    from ep_torch.legacy import Buffer
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    e = 288
+    buf = Buffer(
+        dist.group.WORLD, 0, int(1e8), low_latency_mode=True, explicitly_destroy=True, ll_native=True
+    )
+    x, idx, w = (a.to(dev) for a in _inputs(rank, e))
+    buf.low_latency_dispatch(x, idx, M, e, use_fp8=False)  # builds the region
+    for i in range(3):
+        try:
+            buf.low_latency_dispatch(x.float(), idx, M, e, use_fp8=False)
+            raise AssertionError("a float32 x was not refused")
+        except EPValueError:
+            pass
+        outs = [buf.low_latency_dispatch(x, idx, M, e, use_fp8=False)]
+        _check(outs, n, e, 0, what=f"nccl EP1 after an aborted dispatch ({i})")
+        recv, _, handle, _, _ = outs[0]
+        try:
+            buf.low_latency_combine(_expert(recv, rank, e), idx, w.to(torch.bfloat16), handle)
+            raise AssertionError("bfloat16 weights were not refused")
+        except EPValueError:
+            pass
+        c, _, _ = buf.low_latency_combine(_expert(recv, rank, e), idx, w, handle)
+        bad = np.argwhere(_bits(c) != _combine_ref(*_inputs(rank, e)))
+        assert not bad.size, f"nccl EP1 combine after an aborted combine ({i}) differs at {tuple(bad[0])}"
+    torch.cuda.synchronize()
+    reg = buf._ll_region
+    assert reg.calls == 1 + 3 * 4 and not reg.words.any(), f"records: {reg.words.tolist()}"
+    print(f"rank {rank}: refusals aborted, native {reg is not None}", flush=True)
+    buf.destroy()
+
+
+@pytest.mark.gpu
+@gpu
+def test_ll_native_nccl_one_rank_refusals_gpu():
+    import os
+
+    from ep_torch_testing import run_script  # loaded by conftest.py
+
+    env = {**os.environ, "EPKIT_LL_LOCAL_DIRECT": "0"}
+    code, out = run_script(
+        os.path.abspath(__file__), ["_nccl_one_refusals", "1"], 180, what="nccl one rank refusals", env=env
+    )
+    assert code == 0, out[-3000:]
+    assert "refusals aborted, native True" in out, out[-2000:]
+
+
 if __name__ == "__main__":
     import sys
 

@@ -12,9 +12,9 @@
 //           [E_local][N][M] x msg | combine slots [M][K] x hidden bf16 | LogFMT meta [M][K][hidden / 128] uint32]
 //   msg = 16-byte header (source token, lane) + payload (bf16 row, or FP8 row then fp32 scales [hidden / 128])
 //   ctrl: int32 [0] dispatch epoch, [1] combine epoch, [2] dispatch done blocks, [3] combine done blocks
-// A flag carries the epoch of the call that wrote it: a receiver waits for `epoch + 1` (dispatch: in the high 32
-// bits, the count in the low 32), so no flag is ever cleaned; the receive kernel's last block advances the local
-// epoch. All ranks run the same sequence of calls, so their epochs agree. Fixed shapes, counts read on the GPU:
+// A flag carries the epoch of the call that wrote it in its high 32 bits: a receiver waits for `epoch + 1`, so no
+// flag is ever cleaned; the receive kernel's last block advances the local epoch. The low 32 bits are the call's
+// signature word (below), the dispatch's with the count in its low 16 bits. All ranks run the same sequence of calls, so their epochs agree. Fixed shapes, counts read on the GPU:
 // capturable in a CUDA graph.
 //
 // Dispatch: send (one block per global expert, grid-stride): the source tokens selecting the expert (first lane
@@ -30,6 +30,15 @@
 //   The `_logfmt` twins (template kLogFMT): the send writes each row LogFMT-10 encoded (ll_logfmt.cuh: a warp per
 //   chunk, the group words into the slot's meta, each chunk at its bf16 offset, 10 bits a value when encoded) and
 //   the receive decodes it to float32 for the same sum (legacy.logfmt's model, bitwise); no local shortcut.
+// Signature (issue 41): `sig` is the host's word of what every rank must agree on for the call (ll_kernels.dispatch_sig
+// / combine_sig: FP8 / round_scale / ue8m0 or LogFMT, a digest of the sizes, the combine's dispatch), bit 31 clear;
+// the sends write it into their flags, each receive compares every arrived flag's word with its own (`envelope_bad`).
+// A rank that refuses a call on the host runs `ep_lln_abort` instead of its kernels: its flags of that call get the
+// abort word (bit 31 set, the reason below) and its epoch advances as if the call had run. A receive that sees a
+// word of another signature or an abort records it (`envelope_record`: the first block of the call writes (token,
+// peer, tag, their word, this one) into herr [4 + N, 9 + N)) and goes on as for a source without rows: the call's
+// outputs are undefined, every flag of the call is still consumed and the epochs stay in step on every rank (no
+// early exit, no later pairing); the host raises the record after the receive or at its next call.
 // Waits are bounded by `timeout_ms` (%globaltimer): a wait that expires raises the device word `err[0]` (every
 // later kernel that sees it returns at once, outputs left undefined) and writes (1, rank, peer, tag) to the host
 // mapped `herr` words (the host raises EPTimeoutError at its next call, without a sync).
@@ -150,6 +159,41 @@ __host__ __device__ inline int expire(int* mask, int num_ranks, int* err, volati
   return kFailed;
 }
 
+// The signature bits a receive compares (ll_kernels mirrors them): the dispatch's word is above its count.
+constexpr uint32_t kDispatchSigBits = 0xFFFF0000u, kCombineSigBits = 0xFFFFFFFFu, kAbortBit = 0x80000000u;
+
+// Whether an arrived flag's word differs from this call's `sig` (within `bits`), an abort included.
+__host__ __device__ __forceinline__ bool envelope_bad(int64_t flag, int sig, uint32_t bits) {
+  return (((uint32_t)flag ^ (uint32_t)sig) & bits) != 0u;
+}
+
+// This call's token in the record: unique per (epoch, half, op) of a region's life (epoch >= 1, so never 0).
+__host__ __device__ __forceinline__ int envelope_token(int64_t epoch, const uint8_t* own_half, const int* err,
+                                                       int num_ranks, int64_t half_bytes, int op) {
+  const int64_t half = ((own_half - reinterpret_cast<const uint8_t*>(err)) - header_bytes(num_ranks)) / half_bytes;
+  return (int)((epoch * 2 + half) * 2 + op);
+}
+
+// Record that `peer`'s word `theirs` differs from this call's `mine` (the first block of the call to see one: err[1]
+// holds the token of the call that recorded last). herr [4 + N, 9 + N): token (written last), peer, tag, theirs, mine.
+__host__ __device__ inline void envelope_record(int* err, volatile int* herr, int num_ranks, int token, int peer,
+                                                int tag, int64_t theirs, int mine) {
+#ifdef __CUDA_ARCH__
+  const int old = atomicExch(err + 1, token);
+#else
+  const int old = __atomic_exchange_n(err + 1, token, __ATOMIC_SEQ_CST);
+#endif
+  if (old == token || herr == nullptr) return;
+  volatile int* rec = herr + 4 + num_ranks;
+  rec[1] = peer;
+  rec[2] = tag;
+  rec[3] = (int)(uint32_t)theirs;
+  rec[4] = mine;
+  fence_system();
+  rec[0] = token;
+  fence_system();
+}
+
 // The combine receive's lane: the lane whose slot holds its expert's output (`src`, -1 none), or -1 when that
 // lane's expert is on a masked rank (`dead[src]`): zero contribution, as an expert id of -1.
 __host__ __device__ __forceinline__ int lane_source(int src, const int* dead) {
@@ -170,9 +214,10 @@ __host__ __device__ inline int block_layout(int* s_off, int num_ranks, int64_t* 
   return off;
 }
 
-// The dispatch receive's count of source `peer`'s block: the flag's low half when it arrived, else 0 (masked).
+// The dispatch receive's count of source `peer`'s block: the flag's low 16 bits when it arrived, else 0 (masked, or a
+// word of another signature: `envelope_bad`).
 __host__ __device__ __forceinline__ int source_count(int result, int64_t flag) {
-  return result == kArrived ? (int)(flag & 0xFFFFFFFFll) : 0;
+  return result == kArrived ? (int)(flag & 0xFFFFll) : 0;
 }
 
 // Spin until (*flag >> shift) >= want (shift 32: dispatch, the epoch in the high half). One thread. kArrived (the
@@ -341,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
                          int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
                          int use_fp8, int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr,
-                         int* mask) {
+                         int* mask, int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
   __shared__ int warp_sums[32];
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -375,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
       int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks + rank;
       ep_lln::st_release_sys(reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, dst, own_base,
                                                                           reinterpret_cast<uint8_t*>(flag))),
-                             (epoch << 32) | (int64_t)count);
+                             (epoch << 32) | (int64_t)(uint32_t)(sig & (int)ep_lln::kDispatchSigBits) | (int64_t)count);
     }
   }
 }
@@ -393,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
                          const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
                          int num_tokens, int local_direct, int* __restrict__ lane_pos, int timeout_ms, int* err,
-                         volatile int* herr, int* mask) {
+                         volatile int* herr, int* mask, int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
   __shared__ int warp_sums[32];
@@ -422,7 +467,12 @@ extern "C" __global__ void __launch_bounds__(512, 2)
         continue;
       }
       int64_t v = 0;
-      const int res = ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
+      int res = ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
+      if (res == ep_lln::kArrived && ep_lln::envelope_bad(v, sig, ep_lln::kDispatchSigBits)) {
+        ep_lln::envelope_record(err, herr, num_ranks, ep_lln::envelope_token(epoch, own_half, err, num_ranks,
+                                                                             L.half_bytes, 0), r, 1, v, sig);
+        res = ep_lln::kMasked;  // no rows of it: the call's outputs are undefined, its flags all consumed
+      }
       if (res == ep_lln::kFailed) s_fail = 1;
       s_off[r] = ep_lln::source_count(res, v);  // a masked source's block counts 0
     }
@@ -525,7 +575,7 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
                                                       int hidden, int num_experts, int num_ranks, int rank, int m,
                                                       const uint64_t* __restrict__ peers, const uint8_t* own_base,
                                                       uint8_t* own_half, int local_direct, int* err,
-                                                      volatile int* herr, const int* mask) {
+                                                      volatile int* herr, const int* mask, int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
@@ -582,9 +632,10 @@ __device__ __forceinline__ void ep_lln_combine_send_t(const uint4* __restrict__ 
       if (ep_lln::masked(mask, r)) continue;
       __threadfence_system();
       int64_t* flag = reinterpret_cast<int64_t*>(own_half + L.cflag) + (int64_t)rank * epr + e;
+      // the LogFMT send reads its epoch again here (held across its encode loop, it could make ptxas spill)
       ep_lln::st_release_sys(
           reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, r, own_base, reinterpret_cast<uint8_t*>(flag))),
-          epoch);
+          ((kLogFMT ? (int64_t)ctrl[1] + 1 : epoch) << 32) | (int64_t)(uint32_t)sig);
     }
     __syncthreads();
   }
@@ -605,7 +656,8 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
                                                       uint4* __restrict__ out, const uint4* __restrict__ x,
                                                       const int64_t* __restrict__ layout_range,
                                                       const int* __restrict__ lane_pos, int local_direct,
-                                                      int timeout_ms, int* err, volatile int* herr, int* mask) {
+                                                      int timeout_ms, int* err, volatile int* herr, int* mask,
+                                                      int sig) {
   EP_LL_DYNAMIC_SMEM(int64_t, s_lanes);
   __shared__ int s_fail;
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -648,7 +700,11 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
           dead = ep_lln::masked(mask, rank);
         } else if (src == k) {
           const int res =
-              ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v, mask, num_ranks);
+              ep_lln::wait_flag(flags + g, epoch, 32, timeout_ms, err, herr, rank, (int)(g / epr), 2, &v, mask, num_ranks);
+          if (res == ep_lln::kArrived && ep_lln::envelope_bad(v, sig, ep_lln::kCombineSigBits))
+            ep_lln::envelope_record(err, herr, num_ranks,
+                                    ep_lln::envelope_token(epoch, own_half, err, num_ranks, L.half_bytes, 1),
+                                    (int)(g / epr), 2, v, sig);  // its rows are summed: undefined output, raised
           failed |= res == ep_lln::kFailed;
           dead = res == ep_lln::kMasked;
         }
@@ -732,9 +788,13 @@ __device__ __forceinline__ void ep_lln_combine_recv_t(const void* __restrict__ t
     for (int g = threadIdx.x; g < num_experts; g += blockDim.x) {
       if (local_direct && g / epr == rank) continue;  // this rank's own send came first on this stream
       int64_t v;  // a masked rank's flags are not waited for
-      if (ep_lln::wait_flag(flags + g, epoch, 0, timeout_ms, err, herr, rank, g / epr, 2, &v, mask, num_ranks) ==
-          ep_lln::kFailed)
-        break;
+      const int res = ep_lln::wait_flag(flags + g, epoch, 32, timeout_ms, err, herr, rank, g / epr, 2, &v, mask,
+                                        num_ranks);
+      if (res == ep_lln::kFailed) break;
+      if (res == ep_lln::kArrived && ep_lln::envelope_bad(v, sig, ep_lln::kCombineSigBits))
+        ep_lln::envelope_record(err, herr, num_ranks,
+                                ep_lln::envelope_token(epoch, own_half, err, num_ranks, L.half_bytes, 1), g / epr,
+                                2, v, sig);
     }
   }
   ep_lln::finish_epoch(ctrl, 1);
@@ -745,9 +805,9 @@ extern "C" __global__ void __launch_bounds__(512, 2)
                         const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                         int hidden, int num_experts, int num_ranks, int rank, int m,
                         const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                        int local_direct, int* err, volatile int* herr, const int* mask) {
+                        int local_direct, int* err, volatile int* herr, const int* mask, int sig) {
   ep_lln_combine_send_t<false>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
-                               peers, own_base, own_half, local_direct, err, herr, mask);
+                               peers, own_base, own_half, local_direct, err, herr, mask, sig);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2)
@@ -755,9 +815,9 @@ extern "C" __global__ void __launch_bounds__(512, 2)
                                const int* __restrict__ lanes, const int64_t* __restrict__ layout_range, int num_topk,
                                int hidden, int num_experts, int num_ranks, int rank, int m,
                                const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                               int local_direct, int* err, volatile int* herr, const int* mask) {
+                               int local_direct, int* err, volatile int* herr, const int* mask, int sig) {
   ep_lln_combine_send_t<true>(x, src_info, lanes, layout_range, num_topk, hidden, num_experts, num_ranks, rank, m,
-                              peers, own_base, own_half, local_direct, err, herr, mask);
+                              peers, own_base, own_half, local_direct, err, herr, mask, sig);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 4)
@@ -765,9 +825,10 @@ extern "C" __global__ void __launch_bounds__(256, 4)
                         int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                         uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
                         const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
-                        int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask) {
+                        int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask, int sig) {
   ep_lln_combine_recv_t<false>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
-                               own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
+                               own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask,
+                               sig);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 4)
@@ -775,9 +836,10 @@ extern "C" __global__ void __launch_bounds__(256, 4)
                                int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                                uint8_t* own_half, uint4* __restrict__ out, const uint4* __restrict__ x,
                                const int64_t* __restrict__ layout_range, const int* __restrict__ lane_pos,
-                               int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask) {
+                               int local_direct, int timeout_ms, int* err, volatile int* herr, int* mask, int sig) {
   ep_lln_combine_recv_t<true>(topk, idx64, w, num_tokens, num_topk, hidden, num_experts, num_ranks, rank, m,
-                              own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask);
+                              own_half, out, x, layout_range, lane_pos, local_direct, timeout_ms, err, herr, mask,
+                              sig);
 }
 
 // Rank masking's rejoin (V1's low_latency_clean_mask_buffer under ep's epoch flags): a collective of every rank, one
@@ -797,6 +859,7 @@ extern "C" __global__ void __launch_bounds__(256)
   int64_t* sync = reinterpret_cast<int64_t*>(own_base + 64);
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) mask[r] = 0;
   if (threadIdx.x == 0) mask[num_ranks] = gen;
+  if (threadIdx.x == 0) err[1] = 0;  // the envelope record's last token: the epochs (its tokens) restart
   __threadfence();
   __syncthreads();
   for (int phase = 1; phase >= 0; --phase) {
@@ -822,5 +885,37 @@ extern "C" __global__ void __launch_bounds__(256)
       __threadfence_system();
       __syncthreads();
     }
+  }
+}
+
+// A refused call (issue 41): the host refused this rank's dispatch (`which` 0) or combine (1) before its kernels ran
+// and launches this instead, on the stream its kernels would have run on. One block: every flag this rank's send
+// would have written for that call (dispatch: [e][rank] of each peer's local experts; combine: each peer's flags of
+// this rank's experts) gets this call's epoch and `word` (kAbortBit | the reason), then this half's epoch advances as
+// the receive's last block would have advanced it. The peers' receives of the call record the abort
+// (`envelope_record`) and end with every flag consumed; the epochs stay in step. Nothing when the error word is
+// raised (a wait expired: the region is unusable until rebuilt).
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_abort(const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half, int num_topk,
+                 int hidden, int num_experts, int num_ranks, int rank, int m, int which, int word, int* err) {
+  if (*reinterpret_cast<volatile int*>(err) != 0) return;
+  const int epr = num_experts / num_ranks;
+  const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
+  int* ctrl = reinterpret_cast<int*>(own_half + L.ctrl);
+  const int64_t epoch = (int64_t)ctrl[which] + 1;
+  const int64_t value = (epoch << 32) | (int64_t)(uint32_t)word;
+  for (int i = threadIdx.x; i < num_ranks * epr; i += blockDim.x) {
+    const int p = i / epr, e = i - p * epr;
+    if (p == rank) continue;  // this rank's own receive of the call does not run
+    const int64_t slot = which == 0 ? (int64_t)e * num_ranks + rank : (int64_t)rank * epr + e;
+    int64_t* flag = reinterpret_cast<int64_t*>(own_half + (which == 0 ? L.dflag : L.cflag)) + slot;
+    __threadfence_system();
+    ep_lln::st_release_sys(
+        reinterpret_cast<int64_t*>(ep_lln::peer_addr(peers, p, own_base, reinterpret_cast<uint8_t*>(flag))), value);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ctrl[which] = (int)epoch;
+    __threadfence();
   }
 }

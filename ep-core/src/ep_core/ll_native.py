@@ -19,11 +19,13 @@ __all__ = [
     "HEADER_BYTES",
     "KERNEL_NAMES",
     "MAX_TOPK",
+    "RECORD_WORDS",
     "SIGNATURES",
     "SYNC_OFFSET",
     "RegionLayout",
     "compile_ll_native",
     "header_bytes",
+    "herr_words",
     "launch",
     "load",
     "region_layout",
@@ -39,17 +41,29 @@ def header_bytes(num_ranks: int) -> int:
     return (SYNC_OFFSET + 8 * num_ranks + 255) // 256 * 256
 
 
-# the last parameter of the four exchanges (and their LogFMT twins): the rank mask, int32 [N + 1] (0 = none)
+# the last two parameters of the four exchanges (and their LogFMT twins): the rank mask, int32 [N + 1] (0 = none),
+# and the call's signature word (issue 41; ep_torch.legacy.ll_kernels.dispatch_sig / combine_sig)
 SIGNATURES: dict[str, str] = {
     "ep_lln_cast_fp8": "piipi",
-    "ep_lln_dispatch_send": "pipiiiiiiiipppiipppp",
-    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiipippp",
-    "ep_lln_combine_send": "ppppiiiiiipppippp",
-    "ep_lln_combine_recv": "pipiiiiiiipppppiippp",
-    "ep_lln_combine_send_logfmt": "ppppiiiiiipppippp",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)
-    "ep_lln_combine_recv_logfmt": "pipiiiiiiipppppiippp",
+    "ep_lln_dispatch_send": "pipiiiiiiiipppiippppi",
+    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiipipppi",
+    "ep_lln_combine_send": "ppppiiiiiipppipppi",
+    "ep_lln_combine_recv": "pipiiiiiiipppppiipppi",
+    "ep_lln_combine_send_logfmt": "ppppiiiiiipppipppi",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)
+    "ep_lln_combine_recv_logfmt": "pipiiiiiiipppppiipppi",
     "ep_lln_clean": "ppiiiiiiiippp",  # rank masking's rejoin: a collective of every rank (see the header)
+    "ep_lln_abort": "pppiiiiiiiip",  # a call this rank refused on the host: its flags get the abort word
 }
+# the host-mapped error words (`herr`, int32): [0, 4) a timeout's record, [4, 4 + N) the rank mask's, then the
+# signature record (token, peer, tag, their word, this rank's word; ``envelope_record`` in the header)
+RECORD_WORDS = 5
+
+
+def herr_words(num_ranks: int) -> int:
+    """The length of the host-mapped error words for ``num_ranks`` ranks."""
+    return 4 + num_ranks + RECORD_WORDS
+
+
 KERNEL_NAMES = tuple(SIGNATURES)
 SOURCE = "// ep_core V1 low-latency native kernels\n#include <ep_core/ll_native.cuh>\n"
 

@@ -88,6 +88,10 @@ def _drop(inner: ElasticBuffer | None) -> None:
     rt = getattr(inner, "runtime", None)
     if rt is None or rt.destroyed:
         return
+    if torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+        # a kernel of this rank still in flight (a receive waiting, bounded by its GPU timeout, or an abort just
+        # posted) must end before its region is unmapped
+        torch.cuda.synchronize()
     try:
         rt._destroyed = True
         rt._release(collective=False)

@@ -255,8 +255,11 @@ class NativeRegion:
         dev = torch.device("cuda", torch.cuda.current_device())
         self.peers = torch.tensor(bases, dtype=torch.int64, device=dev)
         # host mapped, read without a sync: [0..4) the timeout record, [4 + r] the mask generation + 1 when a
-        # kernel masked rank r after a timeout (rank masking; ll_shrink.NativeShrink merges it)
-        self.herr = torch.zeros(4 + self.num_ranks, dtype=torch.int32).pin_memory()
+        # kernel masked rank r after a timeout (rank masking; ll_shrink.NativeShrink merges it), then the signature
+        # record (issue 41; `check`)
+        self.herr = torch.zeros(ll_native.herr_words(self.num_ranks), dtype=torch.int32).pin_memory()
+        # the same memory: a numpy read costs less than a tensor's on the hot path
+        self.words = self.herr.numpy()
         self.timeout_ms = max(1, min(int(float(rt.config.num_gpu_timeout_secs) * 1000), (1 << 31) - 1))
         sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
         devices = getattr(rt.storage, "rank_devices", None) or []
@@ -268,27 +271,182 @@ class NativeRegion:
         self.recv_blocks = 2 * sms if here <= 1 else max(1, sms // (4 * here))
         self.send_blocks = 2 * sms
         self.next_half = 0
+        _count_calls(self)
 
-    def take_half(self) -> int:
+    def take_half(self, dispatch: bool = False) -> int:
+        """The half this call uses (every call toggles it, refused ones too: ``native_abort``); counts the calls and
+        the dispatches (a combine's signature names its dispatch by this count, equal on every rank) and keeps the
+        call's record token (the kernels' ``envelope_token``: the receive advances the half's epoch of the op)."""
         h = self.next_half
         self.next_half ^= 1
+        self.calls += 1
+        self.dispatches += int(dispatch)
+        op = 0 if dispatch else 1
+        self.epochs[h][op] += 1
+        self.token = (self.epochs[h][op] * 2 + h) * 2 + op
         return h
 
     def half_ptr(self, half: int) -> int:
         return self.own_base + self.layout.half_offset(half)
 
-    def check(self, op: str) -> None:
-        """Raise the timeout a receive kernel recorded (host-mapped words, no sync); sticky."""
-        if int(self.herr[0]) != 0:
-            from ep_core.errors import EPTimeoutError
+    def check(self, op: str, at_call: int = 0) -> None:
+        """Raise what the receive kernels recorded (host-mapped words, no sync): a timeout (sticky: the region is
+        unusable until rebuilt) or a new signature record (`raise_record`). ``at_call``: the token of the call whose
+        receive was just issued (the CPU stand-in's receive has run by then; a GPU kernel rarely has): a record of that
+        call is raised as at the call itself, any other as recorded by an earlier call."""
+        check_region(self, op, at_call)
 
-            rank, peer, tag = (int(v) for v in self.herr[1:4])
-            what = "low_latency_dispatch counts" if tag == 1 else "low_latency_combine flags"
-            raise EPTimeoutError(
-                rank, what, peer, None,
-                f"{op} (rank {rank}): timed out waiting for rank {peer} ({what}); the low-latency region is "
-                "unusable until the buffer is rebuilt",
-            )  # fmt: skip
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the kernels' signature words (issue 41; ``ep_lln::envelope_bad`` compares them): what every rank must agree on for a
+# call rides in its flags, so the default envelope (``ll_native_agree="change"``) needs no host step per call
+
+ABORT_BIT = 1 << 31
+_DISPATCH_BITS = {16: "use_fp8", 17: "round_scale", 18: "use_ue8m0"}  # bits 19-30: the sizes' digest
+_COMBINE_BITS = {18: "use_logfmt"}  # bits 0-17: the handle's dispatch (its count mod 2^18), 19-30: the sizes
+_SIZES = "sizes (num_max_dispatch_tokens_per_rank, num_experts, hidden, num_topk)"
+# why a rank refused its call on the host (the abort word's low byte)
+_REASONS = {
+    1: "an argument error",
+    2: "a type error",
+    3: "a state error (a destroyed or rebuilt buffer, a stale handle, a refusal until reset())",
+    4: "an unsupported argument",
+    5: "a disagreement in a host step",
+    6: "a host wait that expired",
+}
+
+
+def _count_calls(reg: Any) -> None:
+    reg.calls = reg.dispatches = 0
+    reg.epochs = [[0, 0], [0, 0]]  # per half: the dispatches and the combines (the kernels' ctrl epochs)
+    reg.token = 0  # the last call's record token (`take_half`)
+    reg.seen = 0  # the last signature record raised (its token)
+
+
+def _sizes_digest(reg: Any) -> int:
+    """Bits 19-30 of both words: a digest of the region's sizes (computed once per region)."""
+    digest = reg.__dict__.get("_sizes_digest")
+    if digest is None:
+        import zlib
+
+        key = f"{reg.m},{reg.num_experts},{reg.hidden},{reg.num_topk}".encode()
+        digest = reg._sizes_digest = (zlib.crc32(key) & 0xFFF) << 19
+    return digest
+
+
+def dispatch_sig(reg: Any, use_fp8: bool, round_scale: bool, use_ue8m0: bool) -> int:
+    """The dispatch's signature word (bit 31 clear; the kernels put the count below bit 16)."""
+    return _sizes_digest(reg) | int(use_fp8) << 16 | int(round_scale) << 17 | int(use_ue8m0) << 18
+
+
+def combine_sig(reg: Any, use_logfmt: bool, dispatch: int) -> int:
+    """The combine's signature word: LogFMT, the sizes and which dispatch's handle (its ``reg.dispatches``)."""
+    return _sizes_digest(reg) | int(use_logfmt) << 18 | (int(dispatch) & 0x3FFFF)
+
+
+def abort_word(exc: BaseException) -> int:
+    """The abort word of a call refused with ``exc`` (as a signed int32, for the launch)."""
+    from ep_core.errors import EPMismatchError, EPStateError, EPTimeoutError
+
+    if isinstance(exc, EPMismatchError):
+        reason = 5
+    elif isinstance(exc, EPTimeoutError):
+        reason = 6
+    elif isinstance(exc, EPStateError):
+        reason = 3
+    elif isinstance(exc, NotImplementedError):
+        reason = 4
+    elif isinstance(exc, TypeError):
+        reason = 2
+    elif isinstance(exc, ValueError):
+        reason = 1
+    else:
+        reason = 0
+    return (ABORT_BIT | reason) - (1 << 32)
+
+
+def check_region(reg: Any, op: str, at_call: int) -> None:
+    """``NativeRegion.check`` (and the CPU stand-in's): the sticky timeout record, then a new signature record
+    (raised as at the call when its token is ``at_call``)."""
+    words = reg.words
+    if words[0] != 0:
+        from ep_core.errors import EPTimeoutError
+
+        rank, peer, tag = (int(v) for v in words[1:4])
+        what = "low_latency_dispatch counts" if tag == 1 else "low_latency_combine flags"
+        raise EPTimeoutError(
+            rank, what, peer, None,
+            f"{op} (rank {rank}): timed out waiting for rank {peer} ({what}); the low-latency region is "
+            "unusable until the buffer is rebuilt",
+        )  # fmt: skip
+    base = 4 + reg.num_ranks
+    token = int(words[base])
+    if token != 0 and token != reg.seen:
+        reg.seen = token
+        raise_record(reg, op, [int(v) for v in words[base + 1 : base + 5]], token == at_call)
+
+
+def raise_record(reg: Any, op: str, rec: list[int], at_call: bool) -> None:
+    """Raise a signature record ``[peer, tag, their word, this rank's word]``: ``EPPeerError`` naming the rank that
+    refused the call (announced when read at the call itself: every rank raised at that call, the ranks stay in step),
+    ``EPMismatchError`` naming the differing field. Read at a later call (the kernels ran after their call returned
+    undefined results), the error puts the buffer out of step: every operation is refused until ``reset()``."""
+    from ep_core.errors import EPMismatchError, EPPeerError
+
+    peer, tag, theirs, mine = rec
+    theirs &= 0xFFFFFFFF
+    mine &= 0xFFFFFFFF
+    call = "low_latency_dispatch" if tag == 1 else "low_latency_combine"
+    when = (
+        ""
+        if at_call
+        else f" (recorded by the kernels of an earlier {call}, whose results were undefined; raised at this rank's next "
+        "call: every operation is refused until reset() is called on every rank)"
+    )
+    if theirs & ABORT_BIT:
+        reason = _REASONS.get(theirs & 0xFF, "an error")
+        raise EPPeerError(
+            f"{op} (rank {reg.rank}): rank {peer} refused its {call} before its kernels ran ({reason}; it raised the "
+            f"error there); nothing was paired{when}",
+            ranks=(peer,),
+            announced=at_call,
+        )
+    bits = _DISPATCH_BITS if tag == 1 else _COMBINE_BITS
+    diff = (theirs ^ mine) & (0x7FFF0000 if tag == 1 else 0x7FFFFFFF)
+    fields: dict = {}
+    for bit, name in bits.items():
+        if diff >> bit & 1:
+            fields[name] = {peer: bool(theirs >> bit & 1), reg.rank: bool(mine >> bit & 1)}
+    if diff & 0x7FF80000:
+        fields["sizes"] = {peer: "other", reg.rank: "these"}
+    if tag != 1 and diff & 0x3FFFF:
+        fields["handle"] = {peer: "another dispatch's", reg.rank: "this rank's"}
+    said = "; ".join(
+        f"{_SIZES if k == 'sizes' else k} differs (rank {peer}: {v[peer]}, rank {reg.rank}: {v[reg.rank]})"
+        for k, v in fields.items()
+    )
+    raise EPMismatchError(
+        f"{op} (rank {reg.rank}): the ranks disagree on the {call}: {said} (the kernels' signature words); nothing "
+        f"returned by it is valid; every rank raises; call reset() on every rank to go on{when}",
+        fields=fields,
+    )
+
+
+def native_abort(reg: NativeRegion, op: str, exc: BaseException) -> None:
+    """This rank refused its ``op`` call on the host before its kernels ran: launch ``ep_lln_abort`` on the stream
+    its kernels would have run on (the current one, after the communication stream's work: the abort reads the half's
+    epoch the calls before it advanced), so that the peers' receives of that call end at once and raise naming this
+    rank, and the epochs stay in step."""
+    from .. import _streams
+
+    which = 0 if op == "low_latency_dispatch" else 1
+    comm = _streams._streams.get(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if comm is not None and comm != torch.cuda.current_stream():  # none: no call ran on the comm stream yet
+        torch.cuda.current_stream().wait_stream(comm)
+    half = reg.take_half(dispatch=which == 0)
+    args = [reg.peers, reg.own_base, reg.half_ptr(half), reg.num_topk, reg.hidden, reg.num_experts, reg.num_ranks,
+            reg.rank, reg.m, which, abort_word(exc), reg.own_base]  # fmt: skip
+    _NativeLaunch()("ep_lln_abort", 1, 256, args)
 
 
 def native_dispatch(
@@ -301,6 +459,7 @@ def native_dispatch(
     stats: torch.Tensor | None,
     local_direct: bool = False,
     mask: torch.Tensor | None = None,
+    sig: int = 0,
 ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """Launch the dispatch send now; returns ``(recv, recv_count, src_info, layout_range, lanes, lane_pos,
     receive)`` where ``receive()`` launches the receive (on the then-current stream) that fills the outputs.
@@ -308,16 +467,16 @@ def native_dispatch(
     (the combine's local shortcut reads it). ``local_direct``: the receive follows the send at once (no hook), so
     this rank's own experts take their rows from ``x`` (or the FP8 staging) in the receive instead of a message
     through the buffer: one pass instead of two for the local share. ``mask``: the rank mask (int32 [N + 1] on the
-    device, ``ll_shrink.NativeShrink``), None = no masking."""
+    device, ``ll_shrink.NativeShrink``), None = no masking. ``sig``: the call's signature word (`dispatch_sig`)."""
     run = _NativeLaunch()
     dev = x.device
     n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
     slots = n * m
-    half = reg.take_half()
+    topk = topk_idx.contiguous()
+    idx64 = _idx64(topk, "low_latency_dispatch: topk_idx")  # refused before the half is taken (no launch yet)
+    half = reg.take_half(dispatch=True)
     own_half = reg.half_ptr(half)
     x = _vec(x)
-    topk = topk_idx.contiguous()
-    idx64 = _idx64(topk, "low_latency_dispatch: topk_idx")
     t = int(x.shape[0])
     err = reg.own_base  # the region's front: the device error word
     groups = h // 128
@@ -332,7 +491,7 @@ def native_dispatch(
         payload, pstride = staging, stride
     lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
     send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask]  # fmt: skip
+            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask, sig]  # fmt: skip
     if sends:
         run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     if use_fp8:
@@ -355,7 +514,8 @@ def native_dispatch(
     def receive() -> None:
         args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
                 src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
-                idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
+                idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask,
+                sig]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
@@ -377,31 +537,32 @@ def native_combine(
     local_direct: bool = False,
     use_logfmt: bool = False,
     mask: torch.Tensor | None = None,
+    sig: int = 0,
 ) -> tuple[torch.Tensor, Any]:
     """Launch the combine send now; returns ``(combined, receive)``, ``receive()`` launching the weighted reduction
     into ``combined`` ([T, hidden] bf16; ``out`` when it is contiguous and 16-byte aligned, else copied into it).
     ``use_logfmt``: the ``_logfmt`` kernels (rows LogFMT-10 encoded by the send, decoded by the receive; every row
-    through the buffer, so ``local_direct`` is off)."""
+    through the buffer, so ``local_direct`` is off). ``sig``: the call's signature word (`combine_sig`)."""
     suffix = "_logfmt" if use_logfmt else ""
     if use_logfmt:
         local_direct = False
     run = _NativeLaunch()
     n, epr, m, h, k = reg.num_ranks, reg.epr, reg.m, reg.hidden, reg.num_topk
+    topk = topk_idx.contiguous()
+    idx64 = _idx64(topk, "low_latency_combine: topk_idx")  # refused before the half is taken (no launch yet)
     half = reg.take_half()
     own_half = reg.half_ptr(half)
     x = _vec(x)
     err = reg.own_base
     local_direct = bool(local_direct) and lane_pos is not None
     send = [x, src_info, lanes, layout_range, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(local_direct), err, reg.herr.data_ptr(), mask]  # fmt: skip
+            own_half, int(local_direct), err, reg.herr.data_ptr(), mask, sig]  # fmt: skip
     if n > 1 or not local_direct:  # one rank with the local shortcut: every row stays in x for the receive
         run("ep_lln_combine_send" + suffix, min(epr, reg.send_blocks), 512, send, shared_mem=4 * (n + 1))
     t = int(topk_idx.shape[0])
     direct = out is not None and out.is_contiguous() and out.data_ptr() % 16 == 0
     dest = out if direct else torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
-    topk = topk_idx.contiguous()
     w = topk_weights.contiguous()
-    idx64 = _idx64(topk, "low_latency_combine: topk_idx")
 
     def receive() -> None:
         # a warp per (token, part of at least 32 vectors: a vector a lane); 16 warps a block, each with its
@@ -411,7 +572,7 @@ def native_combine(
         # another rank sharing the GPU (512 threads did not: the EP8 loopback decode step timed out, session 4)
         grid = max(1, min(-(-warps // 8), reg.recv_blocks))
         args = [topk, idx64, w, t, k, h, reg.num_experts, n, reg.rank, m, own_half, dest, x, layout_range,
-                lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask]  # fmt: skip
+                lane_pos, int(local_direct), reg.timeout_ms, err, reg.herr.data_ptr(), mask, sig]  # fmt: skip
         # no token: the kernel still has to see every flag of this call (its epoch)
         _NativeLaunch()("ep_lln_combine_recv" + suffix, grid, 256, args, shared_mem=20 * 8 * k)
         if out is not None and not direct:
@@ -428,6 +589,9 @@ def native_clean(reg: NativeRegion, mask: torch.Tensor, gen: int) -> None:
             int(gen), reg.timeout_ms, reg.own_base, reg.herr.data_ptr(), mask]  # fmt: skip
     _NativeLaunch()("ep_lln_clean", 1, 256, args)
     reg.next_half = 0
+    reg.words[4 + reg.num_ranks :] = 0  # the kernel restarts the epochs (the record's tokens) and its err[1]
+    reg.seen = 0
+    reg.epochs = [[0, 0], [0, 0]]
 
 
 class _NativeLaunch(_Launch):

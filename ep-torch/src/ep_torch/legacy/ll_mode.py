@@ -24,10 +24,11 @@ __all__ = ["LowLatencyMode"]
 class LowLatencyMode:
     """The low-latency methods of V1's ``Buffer`` (its state is ``Buffer.__init__``'s ``_ll_*`` fields)."""
 
-    # The native kernels' host envelope (issue 41, ``_agree_native``): "change" (default) takes a host step only when
-    # this rank's signature of the operation changes (the hot path pays a tuple compare); "call" takes one every call
-    # (the adapter's guarantee on the CPU backend: every one-rank refusal or disagreement is raised on every rank,
-    # at the cost of one host exchange per call).
+    # The native kernels' envelope (issue 41): "change" (default) takes a host step only when this rank's sizes change
+    # (``_agree_native``: a new region's layout; the hot path pays a tuple compare) and leaves the rest to the kernels:
+    # each flag carries the call's signature word, a rank that refuses a call posts an abort word instead of its
+    # kernels (``guard._guarded``), and every rank raises naming the rank (``ll_kernels.raise_record``) with no host
+    # step; "call" takes a host step every call (raised there, before any launch, at one host exchange per call).
     ll_native_agree: str = "change"
     _ll_native_on_cpu = False  # the native road on CPU tensors: the CPU tests' stand-in of the kernels only
 
@@ -75,16 +76,17 @@ class LowLatencyMode:
         return self._ll_inner
 
     def _agree_native(self, op: str, names: tuple[str, ...], sig: tuple, cuda: bool, key: Any = None) -> None:
-        """The native road's envelope (its kernels carry none; issue 41). ``sig``: what every rank must agree on for
-        ``op``. Agreed once per signature change and cached (``ll_native_agree="change"``): a host step (this buffer's
-        ``Channel``, so ranks that disagree all raise ``EPMismatchError``, before any build or launch) when this
-        rank's signature differs from the one last agreed for ``key`` (default ``op``; the combine's is per handle
-        age, so that two batches in flight, combined in turn, take no step); every call with ``"call"``. Under CUDA-graph
-        capture no step is taken (a replay runs no Python): a signature agreed before is accepted, a new one refused.
-        Not covered by "change": one rank alone changing its signature takes the step alone (its host wait and its
-        peers' kernels time out, bounded, then every rank refuses until ``reset()``); a call that only one rank
-        skips or refuses is met by the peers' kernels (their GPU timeout). No step with rank masking (a masked rank
-        sits out) or on a loopback group (no host channel)."""
+        """The native road's host envelope (issue 41). ``sig``: what every rank must agree on for ``op``. With
+        ``ll_native_agree="change"`` (default) the callers pass only the dispatch's sizes (a new region's layout, whose
+        build is a collective) and the step is taken once per change, cached; the rest (FP8 / LogFMT, the combine's
+        handle, a call one rank refuses) is the kernels' signature words' (``ll_kernels.dispatch_sig``), raised on
+        every rank with no host step. With ``"call"`` the whole signature is agreed every call. The step: this
+        buffer's ``Channel``, so ranks that disagree all raise ``EPMismatchError`` before any build or launch; ``key``
+        (default ``op``) keys the cache (the combine's is per handle age, so that two batches in flight, combined in
+        turn, take no step). Under CUDA-graph capture no step is taken (a replay runs no Python): a signature agreed
+        before is accepted, a new one refused. Not covered: one rank alone changing its sizes takes the step alone
+        (its host wait expires, bounded, and its abort word ends its peers' call; then every rank refuses until
+        ``reset()``). No step with rank masking (a masked rank sits out) or on a loopback group (no host channel)."""
         key = op if key is None else key
         memo = self.__dict__.get(
             "_ll_agreed"
@@ -115,6 +117,19 @@ class LowLatencyMode:
         channel.exchange(op + ".native", dict(zip(names, sig)))
         memo[1][key] = sig
         memo[2].add((op, sig))
+
+    def _check_at_call(self, reg: Any, op: str, token: int) -> None:
+        """Raise what the kernels recorded, right after the receive of the call of record ``token`` was issued
+        (``NativeRegion.check``: on the CPU stand-in that receive has run; on the GPU the record is usually raised at
+        the next call instead). Also from a hook, outside the call's guard: a step-breaking error is recorded in the
+        rank state there too."""
+        try:
+            reg.check(op, at_call=token)
+        except Exception as exc:
+            state = getattr(self, "_state", None)
+            if state is not None:
+                state.record(op, exc)
+            raise
 
     def _build_native(self, m: int, hidden: int, num_topk: int, num_experts: int, key: tuple) -> None:
         """A new inner buffer sized for the native low-latency region (a collective), and the region over it."""
@@ -265,9 +280,16 @@ class LowLatencyMode:
             return self._shrink_dispatch(*call, self._ll_cpu)
         # agreed before the build: ranks that disagree on the sizes never build regions of different layouts
         if native:
+            reg = self._ll_region
+            # what the kernels recorded, before a new signature rebuilds the region
+            if reg is not None and reg.inner is self._ll_inner:
+                reg.check("low_latency_dispatch")
             k = int(topk_idx.shape[1])
             sig = (m, int(num_experts), h, k, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
-            self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
+            if self.ll_native_agree == "call":
+                self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS, sig, x.is_cuda)
+            else:  # the sizes (a new region's layout); the flags are the kernels' signature words'
+                self._agree_native("low_latency_dispatch", _DISPATCH_FIELDS[:4], sig[:4], x.is_cuda)
         inner = self._ensure_ll(m, h, int(topk_idx.shape[1]), int(num_experts), native)
         if self._ll_region is not None:
             return self._native_dispatch(*call)
@@ -368,7 +390,8 @@ class LowLatencyMode:
             reg = handle.native[0]
             lag = self.__dict__.get("_ll_dispatches", 0) - getattr(handle, "ll_call", 0)
             sig = (reg.m, reg.num_experts, hidden, handle.num_topk, bool(use_logfmt), lag)
-            self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda, ("combine", lag))
+            if self.ll_native_agree == "call":  # "change": all of it in the kernels' signature words
+                self._agree_native("low_latency_combine", _COMBINE_FIELDS, sig, x.is_cuda, ("combine", lag))
             return self._native_combine(
                 x, topk_idx, topk_weights, handle, out, async_finish, return_recv_hook, bool(use_logfmt)
             )
@@ -407,16 +430,26 @@ class LowLatencyMode:
         local_direct = not return_recv_hook and ll_kernels.local_direct_enabled()
         calls = self._ll_dispatches = self.__dict__.get("_ll_dispatches", 0) + 1
 
+        sig = ll_kernels.dispatch_sig(reg, use_fp8, round_scale, use_ue8m0)
+
         def send() -> tuple:
-            recv, count, src_info, layout_range, lanes, lane_pos, receive = ll_kernels.native_dispatch(
-                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask
+            recv, count, src_info, layout_range, lanes, lane_pos, issue = ll_kernels.native_dispatch(
+                reg, x, topk_idx, use_fp8, round_scale, use_ue8m0, stats, local_direct, mask, sig
             )
+            token = reg.token
+
+            def receive() -> None:
+                issue()
+                self._check_at_call(reg, "low_latency_dispatch", token)
+
             handle = LowLatencyHandle(
                 (src_info, layout_range, m, h, num_experts), None, None, None,
                 native=(reg, lanes, lane_pos), num_topk=int(topk_idx.shape[1]), num_tokens=int(x.shape[0]),
             )  # fmt: skip
             handle.mask_gen = gen  # a clean restarts the epochs: this dispatch's combine must come before it
             handle.ll_call = calls  # the combine's envelope: how many dispatches ago it ran (_agree_native)
+            # the kernels' envelope: which dispatch of the region (its count, equal on every rank)
+            handle.ll_dispatch = reg.dispatches
             return (recv, count, self._stamp(handle, self._ll_build)), receive
 
         if return_recv_hook:
@@ -460,11 +493,20 @@ class LowLatencyMode:
         # LogFMT sends every row through the buffer (the receive decodes what the send encoded)
         local_direct = not return_recv_hook and not use_logfmt and ll_kernels.local_direct_enabled()
 
+        sig = ll_kernels.combine_sig(reg, use_logfmt, getattr(handle, "ll_dispatch", 0))
+
         def send() -> tuple:
-            return ll_kernels.native_combine(
+            combined, issue = ll_kernels.native_combine(
                 reg, x, src_info, lanes, layout_range, topk_idx, topk_weights, out, lane_pos, local_direct,
-                use_logfmt, mask,
+                use_logfmt, mask, sig,
             )  # fmt: skip
+            token = reg.token
+
+            def receive() -> None:
+                issue()
+                self._check_at_call(reg, "low_latency_combine", token)
+
+            return combined, receive
 
         if return_recv_hook:
             combined, receive = send()
