@@ -3,18 +3,18 @@
 # one device call each, every step under its own time limit so one hang costs only its step:
 #
 #   scripts/gpu-pending.sh OUTDIR main    # this tree: the road's GPU tests, host time, the V2 GPU file (<= 10 min)
-#   scripts/gpu-pending.sh OUTDIR verify  # this tree, after a session's merges: the deferred epilogue, hybrid's
-#                                         # deterministic order, bench_v1 at EP8 with the LL receive cap, the LL and
-#                                         # bucket GPU tests, ep-core's GPU tests (<= 9.5 min)
+#   scripts/gpu-pending.sh OUTDIR verify  # the merged GPU code not yet run: defer / borrow_recv, hybrid order, the LL
+#                                         # kernels' signature words, LB over symmetric memory, bucket, conformance
+#   scripts/gpu-pending.sh OUTDIR bench   # bench_defer's overlap row, bench_lb, bench_v1 at EP8 and EP1 (<= 7 min)
 #
 # Logs land in OUTDIR (summary.txt first: one line per step with its exit status and seconds), the rest in
 # OUTDIR/logs.tgz (the device tool brings back at most 8 files).
 set -uo pipefail
-out=${1:?usage: scripts/gpu-pending.sh OUTDIR main|verify}
-what=${2:?usage: scripts/gpu-pending.sh OUTDIR main|verify}
+out=${1:?usage: scripts/gpu-pending.sh OUTDIR main|verify|bench}
+what=${2:?usage: scripts/gpu-pending.sh OUTDIR main|verify|bench}
 root=$(cd "$(dirname "$0")/.." && pwd)
 tree=$root
-[[ $what == main || $what == verify ]] || { echo "unknown set $what (main or verify)"; exit 2; }
+[[ $what == main || $what == verify || $what == bench ]] || { echo "unknown set $what (main, verify or bench)"; exit 2; }
 [[ -d $tree/ep-core ]] || { echo "no tree at $tree"; exit 2; }
 mkdir -p "$out/logs"
 summary=$out/summary.txt
@@ -44,15 +44,25 @@ if [[ $what == main ]]; then
   step core_gpu 120 "${pt[@]}" -x ep-core/tests/gpu  # trim10's consolidated GPU-only host code among them
   step torch_gpu 200 "${pt[@]}" ep-torch/tests/test_torch_gpu.py
 elif [[ $what == verify ]]; then
-  # the merged GPU changes, most needed first (a call cut short still brings back the steps it ran): issue 42's
-  # deferred dispatch / combine and in-place borrow_recv, hybrid's deterministic order, the overlap defer_epilogue
-  # buys; issue 44's LL tests, then bench_v1 at EP8 with the LL receive cap (the EP8 decode step is checked inside)
+  # correctness of the merged GPU code no GPU has run yet, most needed first (a call cut short still brings back the
+  # steps it ran): issue 42's deferred dispatch / combine and in-place borrow_recv, hybrid's deterministic order;
+  # issue 41's signature words and abort on the native LL kernels (the envelope chains on 2 processes, nccl one
+  # rank, the masked kernels); issue 42's LB over symmetric memory and the bucket buffers; issue 45's moved harness
   step defer 75 "${pt[@]}" ep-torch/tests/test_torch_defer_borrow_gpu.py
   step hybrid 60 "${pt[@]}" ep-core/tests/gpu/test_gpu_hybrid.py -k "handle_order or two_nodes"
-  step bench_defer 100 python3 benchmarks/bench_defer.py --quick --out "$out/logs/defer"
-  step ll_tests 60 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py ep-torch/tests/test_torch_hybrid_gpu.py
+  step ll_tests 150 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native_envelope.py \
+    ep-torch/tests/test_torch_legacy_ll_native.py ep-torch/tests/test_torch_legacy_ll_mask_native.py
+  step lb 75 "${pt[@]}" ep-torch/tests/test_torch_lb_symmetric_gpu.py
   step bucket 60 "${pt[@]}" ep-torch/tests/test_torch_bucket_gpu.py
-  step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 --quick --iters 20
+  step conformance 90 "${pt[@]}" ep-torch/tests/test_torch_gpu.py -k "conformance_on_gpu and cuda-1-auto" \
+    ep-torch/tests/test_torch_hybrid_gpu.py
+elif [[ $what == bench ]]; then
+  # issue 42: the overlap defer_epilogue buys, LB bytes against a copy of the same bytes (one rank; 2 processes
+  # sharing the GPU: not NVLink rates); issue 44: bench_v1 at EP8 with the LL receive cap (the decode step inside)
+  step bench_defer 100 python3 benchmarks/bench_defer.py --quick --out "$out/logs/defer"
+  step lb_one 60 python3 benchmarks/bench_lb.py --out "$out/logs/lb1" --runs 5 --num-sms 132
+  step lb_shared 90 python3 benchmarks/bench_lb.py --out "$out/logs/lbs" --nprocs 2 --share-gpu --scale 4 --runs 5
+  step bench_v1 150 python3 benchmarks/bench_v1.py --ranks 8 1 --quick --iters 20
 fi
 rm -rf "$out/logs"
 cat "$summary"
