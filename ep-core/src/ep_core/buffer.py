@@ -74,8 +74,7 @@ def _nonneg_int(name: str, value: Any, hi: int | None = None) -> int:
 
 class EPBuffer(BufferBase, Operations):
     """An expert-parallel communication buffer of one rank (constructor keywords as DeepEP's ElasticBuffer, plus
-    `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`; its operations' road:
-    `ep_core.prepared.Operations`)."""
+    `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`; the calls' road: its base `Operations`)."""
 
     def __init__(
         self,

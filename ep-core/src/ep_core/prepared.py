@@ -7,7 +7,8 @@ resolved the very same SM / QP counts; it only reads the pointers (`describe`), 
 (`validation.check_handle`, cached by fingerprint), the allocator and the stream, and builds the request. A key
 never seen, or an argument the key cannot describe, goes through the full validation, which raises exactly what an
 uncached call raises; entries are added only after it succeeded, so an error is never cached. One `PreparedOps`
-belongs to one buffer.
+belongs to one buffer. `Operations`, `EPBuffer`'s base class, is the road of one call through it: argument record ->
+key -> entry -> the entry's plan (`op_plan`) or the executor's full path (ep-core's README, "The road of one call").
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ _set = object.__setattr__
 
 # What the checks read from an array (everything but the pointer and the object).
 _layout = operator.attrgetter("dtype", "shape", "strides", "device", "device_id")
-_device_attrs = operator.attrgetter("array_device", "device_id", "num_device_sms", "nvlink_gbs", "rdma_gbs")
+# the executor attributes the rules and the SM planner read, with the defaults of an executor that lacks one
+_DEVICE = {"array_device": "cuda", "device_id": 0, "num_device_sms": 0, "nvlink_gbs": None, "rdma_gbs": None}
+_device_attrs = operator.attrgetter(*_DEVICE)
 
 
 def _handle_key(fingerprint: tuple) -> tuple:
@@ -138,18 +141,10 @@ class PreparedOps:
 
     @staticmethod
     def _device(target: Any) -> tuple:
-        """The executor attributes the rules and the SM planner read."""
-        try:  # an executor with all five (GpuExecutor): one attrgetter
+        try:  # an executor with all five (GpuExecutor): one attrgetter (`_DEVICE`)
             return _device_attrs(target)
         except AttributeError:
-            pass
-        return (
-            getattr(target, "array_device", "cuda"),
-            getattr(target, "device_id", 0),
-            getattr(target, "num_device_sms", 0),
-            getattr(target, "nvlink_gbs", None),
-            getattr(target, "rdma_gbs", None),
-        )
+            return tuple([getattr(target, name, default) for name, default in _DEVICE.items()])
 
     def _store(self, table: dict, key: tuple, req: Any, per_call: frozenset) -> None:
         """Keep a validated request's fields under its key, with a new `PreparedToken` that this request and
@@ -157,8 +152,7 @@ class PreparedOps:
         if len(table) >= _MAX_ENTRIES:
             table.clear()
             self._last_dispatch = self._last_combine = (None, None)
-        token = PreparedToken()
-        _set(req, "prepared", token)
+        _set(req, "prepared", PreparedToken())
         table[key] = {k: v for k, v in req.__dict__.items() if k not in per_call}
 
     # ------------------------------------------------------------------------------------------------- dispatch
@@ -342,17 +336,15 @@ _SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller
 
 
 class Operations:
-    """`EPBuffer`'s operations (its base class; the state is the buffer's): the road of one call from its
-    argument record through its prepared entry (`PreparedOps`) to the entry's plan, the plan kept for the
-    framework (`keep_lane`), and the announcement of a call's error to the peers (`announcing`)."""
+    """`EPBuffer`'s base class (the state is the buffer's): one call's road, record -> entry (`PreparedOps`) ->
+    the entry's plan, the plan kept for the framework (`keep_lane`), the error announced to the peers."""
 
     _announcing_depth = 0  # nesting of `announcing` blocks (only the outermost announces)
 
     def run_dispatch(self, args: DispatchArgs, lane: tuple | None = None) -> DispatchResult:
-        """`dispatch` of its argument record (ep_torch's road, and `dispatch`'s own): validated through the
-        prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own),
-        served by the entry's plan or the executor's full path; `lane`: `keep_lane`'s `(kind, match, scalars, handle)`
-        for this call's plan."""
+        """`dispatch` of its argument record (ep_torch's road, and `dispatch`'s own): its request (`PreparedOps`; a
+        zero-copy call, rule D18 too, under keys of its own), served by the entry's plan or the executor's full path;
+        `lane`: `keep_lane`'s `(kind, match, scalars, handle)` for this call's plan."""
         return self._run("dispatch", self._dispatch, args, lane)
 
     def _run(self, op: str, run: Any, args: Any, lane: tuple | None) -> Any:
@@ -382,9 +374,8 @@ class Operations:
         return res
 
     def _trust_new(self, req: Any, res: DispatchResult) -> None:
-        """A new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
-        passes the handle checks by construction: recorded as validated, so that its combine does not check every
-        array again (`validation.trust_handle`)."""
+        """A new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark) passes the
+        handle checks by construction: recorded as validated (`validation.trust_handle`) for its combine."""
         if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
             trust_handle(self.config, self._executor, res.handle)
 
@@ -393,11 +384,11 @@ class Operations:
     ) -> Any:
         """Keep the plan of this buffer's last `op` ("dispatch" or "combine") as the framework's lane `kind` (its
         `siblings`: up to `_SIBLINGS` plans kept before it for the same `scalars`, other arrays) and return it, or
-        None where it cannot serve (`ep_core.kernels.kept_plan.keep`). The caller made that call with no handle (unless `handle`), previous
-        events or comm-stream allocation; it calls the plan as `plan(x, topk_idx or handle, topk_weights, stream)`
-        once a later call's scalars are `scalars` (the same object, or an equal int); `match(x, ...)` compares the
-        arrays, `(x, topk_idx, topk_weights)` (FP8: `(data, scales, topk_idx, topk_weights)`) or `(x, topk_weights)`
-        with a handle, and returns their pointers or None."""
+        None where it cannot serve (`ep_core.kernels.kept_plan.keep`). The caller made that call with no handle
+        (unless `handle`), previous events or comm-stream allocation; it calls the plan as `plan(x, topk_idx or
+        handle, topk_weights, stream)` once a later call's scalars are `scalars` (the same object, or an equal int);
+        `match(x, ...)` compares the arrays, `(x, topk_idx, topk_weights)` (FP8: `(data, scales, topk_idx,
+        topk_weights)`) or `(x, topk_weights)` with a handle, and returns their pointers or None."""
         last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
         plan = None
         # (`EPKIT_EXPRESS_LANE=0` or no `match`: no plan to ask)
@@ -470,9 +461,7 @@ class Operations:
         instead, so the kernels' envelopes make every rank raise at this rank's next launch."""
         executor = getattr(self, "_executor", None)
         channel = getattr(executor, "channel", None)
-        if channel is None:
-            # GPU executors: nothing to send, the peers' kernels wait on the device. A call that launched nothing
-            # gives up its sequence number, so that the kernels' envelopes tell its peers (`abandon_step`).
+        if channel is None:  # a GPU executor's (`abandon_step`)
             if step is not None and getattr(executor, "launch_step", None) == step:
                 executor.abandon_step()
             return
