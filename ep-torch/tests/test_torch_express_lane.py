@@ -857,7 +857,8 @@ def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_r
     to the first launch `ep_core.prepared`, the executor and `op_plan` are each entered once, validation not at all
     for a call without a handle, and the whole road to the launch crosses at most eight modules (ep_torch's
     allocator and `array_block`'s carve, called back from the run, are two of them; `device_array.describe` reads
-    the arrays, `buffer_base.destroyed` the buffer's state). Issue 45's target of four is not met here yet."""
+    the arrays, `buffer_base.destroyed` the buffer's state). Issue 45's target of four is not met here yet: five
+    (`device_array` stands between the call and its plan, which this road keys by the described arrays)."""
     make, _launches, _served, served_by = mocked
     buf = make(False)
     ops = _repeat_ops(buf)
@@ -883,6 +884,11 @@ def test_an_ordinary_repeat_goes_from_its_prepared_entry_straight_to_the_plans_r
         # announces the call), the executor once (the launch counter is a field)
         assert len(set(to_launch)) <= 7 and len(to_launch) == len(set(to_launch)), (name, road)
         assert to_launch[0] == "ep_torch.dispatch_combine", (name, road)
+        # issue 45: `EPBuffer`'s road is `ep_core.prepared.Operations` (its base class), so `ep_core.buffer` is not
+        # entered: dispatch_combine -> prepared -> device_array (the arrays' descriptions) -> op_plan, and
+        # array_block (a new handle's block) or validation (a handle's check), five modules
+        assert to_launch[1] == "ep_core.prepared" and "ep_core.buffer" not in road, (name, road)
+        assert len(set(to_launch)) <= 5, (name, road)
 
 
 def test_an_ordinary_repeat_launches_what_its_full_path_launched(mocked):

@@ -16,7 +16,6 @@ import importlib
 from typing import Any
 
 from ep_core import elastic_memory, planner
-from ep_core._env import knobs
 from ep_core.bootstrap import Bootstrap, check_bootstrap
 from ep_core.buffer_base import BufferBase
 from ep_core.envelope import Channel
@@ -31,11 +30,11 @@ from ep_core.executor import (
 )
 from ep_core.handle import EPHandle
 from ep_core.planner import PlannerPolicy
-from ep_core.prepared import PreparedOps, _typed
+from ep_core.prepared import Operations, PreparedOps
 from ep_core.rank_state import breaks_step
 from ep_core.requests import CombineArgs, DispatchArgs
 from ep_core.topology import MAX_TOPK, Topology
-from ep_core.validation import _check_flag, check_handle, check_zero_copy_args, trust_handle
+from ep_core.validation import _check_flag, check_handle, check_zero_copy_args
 
 __all__ = ["SYMMETRIC_ALIGN_BYTES", "EPBuffer", "resolve_transport"]
 
@@ -73,55 +72,9 @@ def _nonneg_int(name: str, value: Any, hi: int | None = None) -> int:
     return value
 
 
-class _Announcing:
-    """`EPBuffer.announcing`'s context (a plain class: a generator-based context manager costs more per call)."""
-
-    __slots__ = ("buffer", "op", "outer", "step")
-
-    def __init__(self, buffer: EPBuffer, op: str) -> None:
-        self.buffer = buffer
-        self.op = op
-
-    def __enter__(self) -> None:
-        buf = self.buffer
-        self.outer = not buf._announcing_depth
-        buf._announcing_depth += 1
-        if self.outer:
-            self.step = buf._step()
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        buf = self.buffer
-        buf._announcing_depth -= 1
-        if self.outer and isinstance(exc, Exception):
-            buf.announce_error(self.op, exc, self.step)
-        return False
-
-
-_NESTED = contextlib.nullcontext()  # `announcing` nested in an outer block of the same buffer (reusable)
-
-
-def _plan_of(executor: Any, token: Any) -> Any:
-    """The plan of a prepared entry's token in a GPU rank's one plan cache (`RankDriver.plans`), or None."""
-    plans = getattr(getattr(executor, "rank", None), "plans", None)
-    return None if token is None or plans is None else plans.get(token)
-
-
-def _served(executor: Any, req: Any, full: Any) -> Any:
-    """A request's result: its entry's plan serves it (`DispatchPlan.serve` / `CombinePlan.serve`; None where it
-    declines), else `full(req)`, the executor's full path, which records the plan for the next call."""
-    plan = _plan_of(executor, req.prepared)
-    res = None if plan is None else plan.serve(executor, req)
-    return full(req) if res is None else res
-
-
-_SIBLINGS = 8  # the plans kept beside a kind's last one (`keep_lane`): a caller alternating between shapes
-
-
-class EPBuffer(BufferBase):
+class EPBuffer(BufferBase, Operations):
     """An expert-parallel communication buffer of one rank (constructor keywords as DeepEP's ElasticBuffer, plus
-    `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`)."""
-
-    _announcing_depth = 0  # nesting of `announcing` blocks (only the outermost announces)
+    `transport`, `num_experts`, `num_nvlink_ranks`, `policy` and `executor`; the calls' road: its base `Operations`)."""
 
     def __init__(
         self,
@@ -404,46 +357,6 @@ class EPBuffer(BufferBase):
             )
         )
 
-    def run_dispatch(self, args: DispatchArgs, lane: tuple | None = None) -> DispatchResult:
-        """`dispatch` of its argument record (ep_torch's road, and `dispatch`'s own): validated through the
-        prepared-operation cache (`ep_core.prepared`; a zero-copy call, rule D18 too, under keys of its own),
-        served by the entry's plan or the executor's full path; `lane`: `keep_lane`'s `(kind, match, scalars, handle)`
-        for this call's plan."""
-        return self._run("dispatch", self._dispatch, args, lane)
-
-    def _run(self, op: str, run: Any, args: Any, lane: tuple | None) -> Any:
-        # inside another block of this buffer (ep_torch's), which announces: no block of its own (`announcing`)
-        if self._announcing_depth:
-            res = run(args)
-        else:
-            with self.announcing(op):
-                res = run(args)
-        if lane is not None:
-            self.keep_lane(lane[0], op, *lane[1:])
-        return res
-
-    def _dispatch(self, args: DispatchArgs) -> DispatchResult:
-        if self._destroyed:
-            self._check_alive()  # raises
-        ex = self._executor
-        req = self._prepared.dispatch(ex, args)
-        # no silent ordinary dispatch
-        if req.zero_copy and getattr(ex, "zero_copy_dispatch", False) is not True:
-            raise EPConfigError(
-                f"zero_copy: the executor {type(ex).__name__} has no zero-copy dispatch; dispatch without zero_copy"
-            )
-        res = _served(ex, req, ex.dispatch)
-        self._last_dispatch = (req.prepared, req.x.dtype, req.allocator, req.do_handle_copy)  # `keep_lane`'s
-        self._trust_new(req, res)
-        return res
-
-    def _trust_new(self, req: Any, res: DispatchResult) -> None:
-        """A new handle from the library's own allocator (`validation.is_trusted_allocator`'s mark, read here)
-        passes the handle checks by construction: recorded as validated, so that its combine does not check every
-        array again (`validation.trust_handle`)."""
-        if req.handle is None and getattr(req.allocator, "ep_core_trusted", False) is True:
-            trust_handle(self.config, self._executor, res.handle)
-
     def launch_dispatch_deferred(self, args: DispatchArgs) -> Any:
         """DeepEP 2.5's `defer_epilogue` on an executor that splits a dispatch (`launch_dispatch_deferred`, the
         GPU's): `args` validated as `run_dispatch` does, the dispatch kernel launched, and `finish(stream)` returned,
@@ -485,40 +398,6 @@ class EPBuffer(BufferBase):
                 return res
 
         return done
-
-    def keep_lane(
-        self, kind: str, op: str, match: Any, scalars: tuple, handle: EPHandle | None = None
-    ) -> Any:
-        """Keep the plan of this buffer's last `op` ("dispatch" or "combine") as the framework's lane `kind` (its
-        `siblings`: up to `_SIBLINGS` plans kept before it for the same `scalars`, other arrays) and return it, or
-        None where it cannot serve (`ep_core.kernels.kept_plan.keep`). The caller made that call with no handle (unless `handle`), previous
-        events or comm-stream allocation; it calls the plan as `plan(x, topk_idx or handle, topk_weights, stream)`
-        once a later call's scalars are `scalars` (the same object, or an equal int); `match(x, ...)` compares the
-        arrays, `(x, topk_idx, topk_weights)` (FP8: `(data, scales, topk_idx, topk_weights)`) or `(x, topk_weights)`
-        with a handle, and returns their pointers or None."""
-        last = getattr(self, "_last_combine" if op == "combine" else "_last_dispatch", None)
-        plan = None
-        # (`EPKIT_EXPRESS_LANE=0` or no `match`: no plan to ask)
-        if last is not None and not self._destroyed and match is not None and knobs.express_lane:
-            token, x_dtype, allocator, copy = last
-            kept = _plan_of(self._executor, token)
-            if kept is not None and kept.op == op:
-                kept.handle_copy = copy  # a dispatch's `do_handle_copy` (a combine's True: unread)
-                from ep_core.kernels.kept_plan import keep  # (a GPU rank's plan: its package is loaded)
-
-                plan = keep(kept, self, self._executor, x_dtype, allocator, match, handle)
-        front = self._lanes.get(kind)
-        if plan is not None:
-            plan.scalars = scalars
-            # the plans kept before it for the same scalars (values and types: one prepared key) stay beside it
-            kin = front is not None and front is not plan and _typed(front.scalars) == _typed(scalars)
-            if kin:
-                plan.siblings = [p for p in (front, *front.siblings) if p is not plan][:_SIBLINGS]
-                front.siblings = []
-            elif plan is not front:
-                plan.siblings = []
-        self._lanes[kind] = plan
-        return plan
 
     def combine(
         self,
@@ -570,68 +449,6 @@ class EPBuffer(BufferBase):
         h = check_handle(self.config, ex, handle)
         check_zero_copy_args(h, hidden=hidden)
         return ex.combine_buffer(h, hidden)
-
-    def run_combine(self, args: CombineArgs, lane: tuple | None = None) -> CombineResult:
-        """`combine` of its argument record (ep_torch's road; a zero-copy call, rule C7 too, under request-cache
-        keys of its own, whose repeats launch the zero-copy kernel: the executor checks each call's `x` is its
-        combine buffer); `lane` as `run_dispatch`'s."""
-        return self._run("combine", self._combine, args, lane)
-
-    def _combine(self, args: CombineArgs) -> CombineResult:
-        if self._destroyed:
-            self._check_alive()  # raises
-        if args.out_dtype is not None or args.defer_epilogue is not False:
-            raise EPValueError(
-                "out_dtype / defer_epilogue: the framework layer's fields of the combine record (ep_torch's "
-                "ElasticBuffer.combine runs them); ep_core's combine takes None / False there"
-            )
-        ex = self._executor
-        req = self._prepared.combine(ex, args)
-        res = _served(ex, req, ex.combine)
-        self._last_combine = (req.prepared, "bfloat16", req.allocator, True)  # `keep_lane`'s
-        return res
-
-    # collective safety (ep_core.envelope) --------------------------------------------------------------------
-    def announcing(self, op: str) -> _Announcing:
-        """`with buf.announcing(op): ...`: an exception leaving the block is announced to the peers
-        (`announce_error`, with the step counter read on entry). The one layer of announcement: a block nested in
-        another one of the same buffer (ep_torch's call around this buffer's own `dispatch`) passes its exception
-        on to the outermost, which announces it once."""
-        if self._announcing_depth:  # inside another block of this buffer: that one announces, this is a no-op
-            return _NESTED
-        return _Announcing(self, op)
-
-    def _step(self) -> int | None:
-        """The host channel's step counter; for the GPU executors, whose kernels meet their peers on the device,
-        the device-side launch counter (`launch_step`); None for an executor with neither."""
-        executor = getattr(self, "_executor", None)
-        channel = getattr(executor, "channel", None)
-        if channel is not None:
-            return channel.taken
-        counter = getattr(executor, "launch_counter", None)  # (object, field): no call into the executor
-        return getattr(executor, "launch_step", None) if counter is None else getattr(*counter)
-
-    def announce_error(self, op: str, error: BaseException, step: int | None) -> None:
-        """Announce `error` (about to be raised by this rank's `op`) to the peers, unless the call already took
-        part in its exchange (`step` is the channel's counter when the call began): the peers waiting in that
-        exchange raise `EPPeerError` naming this rank instead of pairing this rank's next call with theirs.
-        Best effort: a failure of the announcement itself (a dead peer, a timeout) never hides `error`.
-        GPU executors have no host exchange: a call that launched nothing gives up its device sequence number
-        instead, so the kernels' envelopes make every rank raise at this rank's next launch."""
-        executor = getattr(self, "_executor", None)
-        channel = getattr(executor, "channel", None)
-        if channel is None:
-            # GPU executors: nothing to send, the peers' kernels wait on the device. A call that launched nothing
-            # gives up its sequence number, so that the kernels' envelopes tell its peers (`abandon_step`).
-            if step is not None and getattr(executor, "launch_step", None) == step:
-                executor.abandon_step()
-            return
-        if step is None or channel.taken != step:
-            return
-        try:
-            channel.announce(op, error)
-        except Exception as exc:  # the caller raises the original error
-            error.__context__ = exc
 
     # lifecycle -----------------------------------------------------------------------------------------------
     def reset(self) -> None:
