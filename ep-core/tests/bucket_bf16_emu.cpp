@@ -25,14 +25,14 @@ static void pack_kernel(const int64_t* entries, int E, uint8_t* base, int rank, 
       uint32_t* x = reinterpret_cast<uint32_t*>(base + off);
       const bool vec = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
       for (int64_t s = start; s < end; s += kStep) {
-        std::vector<uint16_t> bits(kStep);
+        std::vector<uint4> bits(kBlockThreads);  // 16-byte aligned, 4 words a thread
         for (int th = 0; th < kBlockThreads; ++th) {
           const int64_t j = s + th * kGroup;
-          if (j < end) pack_load(x, q, m, j, vec, &bits[th * kGroup]);
+          if (j < end) pack_load(x, q, m, j, vec, &bits[th].x);
         }
         for (int th = 0; th < kBlockThreads; ++th) {  // __syncthreads()
           const int64_t j = s + th * kGroup;
-          if (j < end) pack_store(x, q, m, j, tile, vec, &bits[th * kGroup]);
+          if (j < end) pack_store(x, q, m, j, tile, vec, &bits[th].x);
         }
       }
     }

@@ -41,20 +41,20 @@ namespace ep_core::bucket_bf16 {
 constexpr int kBlockThreads = 512;
 constexpr int kGroup = 8;  // elements a thread a step: two float4 in, one 16-byte bf16 vector out
 constexpr int kPeerBatch = 8;  // peers whose loads a thread keeps in flight at once
-constexpr uint32_t kNaN = 0x7FFFu;
 
-/// The bf16 bits of float4 `quad` (its fp32 bits `b`) of the tensor, stochastically rounded (file doc).
-EP_BF16_DEVICE void round_quad(const uint32_t* b, uint32_t quad, uint16_t* out) {
+/// Float4 `quad` of the tensor (fp32 bits `b`) stochastically rounded (file doc): bf16 pairs, element 2k low.
+EP_BF16_DEVICE void round_quad(const uint32_t* b, uint32_t quad, uint32_t* pairs) {
     uint32_t h = quad + b[0] * 0x5671D42Bu + b[1] * 0x9995E499u + b[2] * 0xACE1B8A5u + b[3] * 0xE153538Du;
     h ^= h >> 23;
     h *= 0x7FEB352Du;
     h ^= h >> 16;
-    uint32_t h1 = h * 0x846CA68Bu, h2 = h * 0xD35A2D97u;
-    h1 ^= h1 >> 11;
-    h2 ^= h2 >> 11;
-    const uint32_t rnd[4] = {h1 & 0xFFFFu, h1 >> 16, h2 & 0xFFFFu, h2 >> 16};
-    for (int k = 0; k < 4; ++k)  // a non-NaN's bits + 0xFFFF stay below 2^32 (-inf is 0xFF800000)
-        out[k] = static_cast<uint16_t>((b[k] & 0x7FFFFFFFu) > 0x7F800000u ? kNaN : (b[k] + rnd[k]) >> 16);
+    uint32_t rnd[2] = {h * 0x846CA68Bu, h * 0xD35A2D97u};
+    uint32_t out[4];
+    for (int k = 0; k < 4; ++k) {  // a non-NaN's bits + 0xFFFF stay below 2^32 (-inf is 0xFF800000)
+        const uint32_t r = ((rnd[k / 2] ^ (rnd[k / 2] >> 11)) >> (16 * (k & 1))) & 0xFFFFu;
+        out[k] = (b[k] & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FFFu : (b[k] + r) >> 16;
+    }
+    pairs[0] = out[0] | (out[1] << 16), pairs[1] = out[2] | (out[3] << 16);
 }
 
 /// Where element `j` of a shard sits in its packed bf16 (in bf16 units from the shard's start).
@@ -62,49 +62,15 @@ EP_BF16_DEVICE int64_t packed_slot(int64_t j, int64_t tile) {
     return (j / tile) * 2 * tile + j % tile;
 }
 
-EP_BF16_DEVICE void load8(const uint32_t* p, bool vec, uint32_t* v) {
+/// `kWords` 4-byte words from `src` to `dst`: 16-byte vectors when `vec` (both 16-byte aligned), else one by one.
+template <int kWords>
+EP_BF16_DEVICE void copy_words(uint32_t* dst, const uint32_t* src, bool vec) {
     if (vec) {
-        const uint4 a = reinterpret_cast<const uint4*>(p)[0], b = reinterpret_cast<const uint4*>(p)[1];
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        for (int i = 0; i < kWords / 4; ++i)
+            reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
     } else {
-        for (int k = 0; k < kGroup; ++k)
-            v[k] = p[k];
-    }
-}
-
-EP_BF16_DEVICE void store8(uint32_t* p, bool vec, const uint32_t* v) {
-    if (vec) {
-        reinterpret_cast<uint4*>(p)[0] = uint4{v[0], v[1], v[2], v[3]};
-        reinterpret_cast<uint4*>(p)[1] = uint4{v[4], v[5], v[6], v[7]};
-    } else {
-        for (int k = 0; k < kGroup; ++k)
-            p[k] = v[k];
-    }
-}
-
-/// 8 bf16 at `p` (16 bytes): as one vector, or as four 4-byte words (a 4-byte aligned tensor).
-EP_BF16_DEVICE void load8_bf16(const uint16_t* p, bool vec, uint16_t* v) {
-    uint32_t w[4];
-    if (vec) {
-        const uint4 a = *reinterpret_cast<const uint4*>(p);
-        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
-    } else {
-        for (int k = 0; k < 4; ++k)
-            w[k] = reinterpret_cast<const uint32_t*>(p)[k];
-    }
-    for (int k = 0; k < 4; ++k)
-        v[2 * k] = static_cast<uint16_t>(w[k] & 0xFFFFu), v[2 * k + 1] = static_cast<uint16_t>(w[k] >> 16);
-}
-
-EP_BF16_DEVICE void store8_bf16(uint16_t* p, bool vec, const uint16_t* v) {
-    uint32_t w[4];
-    for (int k = 0; k < 4; ++k)
-        w[k] = static_cast<uint32_t>(v[2 * k]) | (static_cast<uint32_t>(v[2 * k + 1]) << 16);
-    if (vec) {
-        *reinterpret_cast<uint4*>(p) = uint4{w[0], w[1], w[2], w[3]};
-    } else {
-        for (int k = 0; k < 4; ++k)
-            reinterpret_cast<uint32_t*>(p)[k] = w[k];
+        for (int i = 0; i < kWords; ++i)
+            dst[i] = src[i];
     }
 }
 
@@ -128,48 +94,48 @@ EP_BF16_DEVICE uint32_t as_bits(float f) {
 #endif
 }
 
-/// Pack, the load half: the 8 elements at `j` of shard `q` (of `m`) of the tensor at `x`, rounded.
-EP_BF16_DEVICE void pack_load(const uint32_t* x, int64_t q, int64_t m, int64_t j, bool vec, uint16_t* out) {
-    uint32_t v[kGroup];
-    load8(x + q * m + j, vec, v);
+/// Pack, the load half: the 8 elements at `j` of shard `q` (of `m`) of the tensor at `x`, rounded (4 bf16 pairs).
+EP_BF16_DEVICE void pack_load(const uint32_t* x, int64_t q, int64_t m, int64_t j, bool vec, uint32_t* pairs) {
+    alignas(16) uint32_t v[kGroup];
+    copy_words<kGroup>(v, x + q * m + j, vec);
     const uint32_t quad = static_cast<uint32_t>((q * m + j) >> 2);  // DeepEP's index: uint32 (wraps past 2^34)
-    round_quad(v, quad, out);
-    round_quad(v + 4, quad + 1, out + 4);
+    round_quad(v, quad, pairs);
+    round_quad(v + 4, quad + 1, pairs + 2);
 }
 
 /// Pack, the store half: those 8 bf16 into their packed slot of the shard.
 EP_BF16_DEVICE void pack_store(uint32_t* x, int64_t q, int64_t m, int64_t j, int64_t tile, bool vec,
-                               const uint16_t* bits) {
-    store8_bf16(reinterpret_cast<uint16_t*>(x + q * m) + packed_slot(j, tile), vec, bits);
+                               const uint32_t* pairs) {
+    copy_words<kGroup / 2>(x + q * m + packed_slot(j, tile) / 2, pairs, vec);
 }
 
 /// Reduce: the 8 elements at `j` of shard `rank` of the entry at `off` (`bases[q] + off` on rank q) += the packed
 /// bf16 of ranks `rank-1, rank-2, ...` (cyclic), in that order, then times `scale` when `with_scale`.
 EP_BF16_DEVICE void reduce_group(const int64_t* bases, int64_t off, int64_t m, int rank, int num_ranks, int64_t j,
                                  int64_t tile, bool vec, bool with_scale, float scale) {
-    uint32_t* own = reinterpret_cast<uint32_t*>(bases[rank] + off) + rank * m;
-    uint32_t v[kGroup];
-    load8(own + j, vec, v);
+    uint32_t* own = reinterpret_cast<uint32_t*>(bases[rank] + off) + rank * m + j;
+    alignas(16) uint32_t v[kGroup];
+    copy_words<kGroup>(v, own, vec);
     float acc[kGroup];
     for (int k = 0; k < kGroup; ++k)
         acc[k] = as_float(v[k]);
     for (int p0 = 1; p0 < num_ranks; p0 += kPeerBatch) {  // a batch's loads in flight together, added in order
-        uint16_t b[kPeerBatch][kGroup];
+        alignas(16) uint32_t pairs[kPeerBatch][kGroup / 2];
 #pragma unroll
         for (int i = 0; i < kPeerBatch; ++i) {
             const int q = (rank - p0 - i + 2 * num_ranks) % num_ranks;
-            const uint16_t* peer = reinterpret_cast<const uint16_t*>(bases[q] + off) + 2 * rank * m;
+            const uint32_t* peer = reinterpret_cast<const uint32_t*>(bases[q] + off) + rank * m;
             if (p0 + i < num_ranks)
-                load8_bf16(peer + packed_slot(j, tile), vec, b[i]);
+                copy_words<kGroup / 2>(pairs[i], peer + packed_slot(j, tile) / 2, vec);
         }
 #pragma unroll
         for (int i = 0; i < kPeerBatch; ++i)
             for (int k = 0; k < kGroup && p0 + i < num_ranks; ++k)
-                acc[k] = acc[k] + as_float(static_cast<uint32_t>(b[i][k]) << 16);
+                acc[k] = acc[k] + as_float(k & 1 ? pairs[i][k / 2] & 0xFFFF0000u : pairs[i][k / 2] << 16);
     }
     for (int k = 0; k < kGroup; ++k)
         v[k] = as_bits(with_scale ? acc[k] * scale : acc[k]);
-    store8(own + j, vec, v);
+    copy_words<kGroup>(own, v, vec);
 }
 
 /// Tile `t` of the pack's numbering (entry by entry, shards `rank+1, rank+2, ...`, tiles): its entry (or
@@ -208,12 +174,12 @@ extern "C" __global__ void __launch_bounds__(ep_core::bucket_bf16::kBlockThreads
         const bool vec = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
         for (int64_t s = start; s < end; s += kStep) {
             const int64_t j = s + threadIdx.x * kGroup;
-            uint16_t bits[kGroup];
+            alignas(16) uint32_t pairs[kGroup / 2];
             if (j < end)
-                pack_load(x, q, m, j, vec, bits);
+                pack_load(x, q, m, j, vec, pairs);
             __syncthreads();  // every load of this step before any store (a step's stores overwrite read bytes)
             if (j < end)
-                pack_store(x, q, m, j, tile, vec, bits);
+                pack_store(x, q, m, j, tile, vec, pairs);
         }
     }
 }

@@ -18,7 +18,17 @@ import numpy as np
 from ep_core.bf16 import bf16_to_float32, stochastic_bits
 from ep_core.kernel_set import KernelSet
 
-__all__ = ["BLOCK_THREADS", "KERNEL_NAMES", "SIGNATURES", "launch", "pack", "packed", "reduce", "tile_elems"]
+__all__ = [
+    "BLOCK_THREADS",
+    "KERNEL_NAMES",
+    "SIGNATURES",
+    "compile_bucket_bf16",
+    "launch",
+    "pack",
+    "packed",
+    "reduce",
+    "tile_elems",
+]
 
 BLOCK_THREADS = 512  # ep_core::bucket_bf16::kBlockThreads
 SIGNATURES: dict[str, str] = {

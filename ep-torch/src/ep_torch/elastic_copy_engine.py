@@ -120,43 +120,23 @@ class DriverOps:
     def view(self, ptr: int, nbytes: int) -> torch.Tensor:
         return byte_view(ptr, nbytes, self.device)
 
-    def bucket_bf16(
-        self,
-        kind: str,
-        entries: list,
-        bases: list[int],
-        rank: int,
-        scale: float,
-        num_sms: int | None,
-        stream: int,
-    ) -> None:
+    def bucket_bf16(self, kind: str, entries: list, bases: list[int], rank: int, scale: float, num_sms: Any,
+                    stream: int) -> None:  # fmt: skip
         """Queue `ep_core.bucket_bf16`'s `kind` kernel over `entries` ((offset, elements a shard) per src)."""
         from ep_core import bucket_bf16
 
         dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
         key = (tuple(bases), tuple(entries))
-        cache = self.__dict__.setdefault("_bf16_tables", {})  # freed in stream order when dropped
+        cache = self.__dict__.setdefault("_bf16_tables", {})  # [bases | entries]; freed in stream order
         if key not in cache:
             if len(cache) >= 64:
                 cache.clear()
-            cache[key] = torch.tensor(
-                [*bases, *(v for e in entries for v in e)], dtype=torch.int64, device=dev
-            )
+            flat = [*bases, *(v for e in entries for v in e)]
+            cache[key] = torch.tensor(flat, dtype=torch.int64, device=dev)
         sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
         ptr, n = cache[key].data_ptr(), len(bases)
-        bucket_bf16.launch(
-            kind,
-            ptr + 8 * n,
-            len(entries),
-            ptr,
-            bases[rank],
-            rank,
-            n,
-            scale,
-            num_sms=sms,
-            device=dev,
-            stream=stream,
-        )
+        bucket_bf16.launch(kind, ptr + 8 * n, len(entries), ptr, bases[rank], rank, n, scale, num_sms=sms,
+                           device=dev, stream=stream)  # fmt: skip
 
     def comm_stream(self) -> int:
         """The comm stream, ordered after the work queued so far on the current stream."""
