@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <vector>
-struct uint4 { unsigned x, y, z, w; };
 #include <ep_core/bucket_bf16.cuh>
 
 using namespace ep_core::bucket_bf16;
@@ -25,7 +24,7 @@ static void pack_kernel(const int64_t* entries, int E, uint8_t* base, int rank, 
       uint32_t* x = reinterpret_cast<uint32_t*>(base + off);
       const bool vec = (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
       for (int64_t s = start; s < end; s += kStep) {
-        std::vector<uint4> bits(kBlockThreads);  // 16-byte aligned, 4 words a thread
+        std::vector<Words4> bits(kBlockThreads);  // 16-byte aligned, 4 words a thread
         for (int th = 0; th < kBlockThreads; ++th) {
           const int64_t j = s + th * kGroup;
           if (j < end) pack_load(x, q, m, j, vec, &bits[th].x);
@@ -61,7 +60,7 @@ int main() {
   if (fread(entries.data(), 8, 2 * E, stdin) != size_t(2 * E)) return 2;
   int64_t bytes = 0;
   for (int e = 0; e < E; ++e) bytes = std::max<int64_t>(bytes, entries[2 * e] + 4 * n * entries[2 * e + 1]);
-  std::vector<std::vector<uint4>> regions(n, std::vector<uint4>(bytes / 16 + 1));  // 16-byte aligned bases
+  std::vector<std::vector<Words4>> regions(n, std::vector<Words4>(bytes / 16 + 1));  // 16-byte aligned bases
   std::vector<int64_t> bases(n);
   for (int r = 0; r < n; ++r) bases[r] = int64_t(regions[r].data());
   for (int r = 0; r < n; ++r)

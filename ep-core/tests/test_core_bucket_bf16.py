@@ -180,3 +180,19 @@ def test_the_kernels_compile_for_sm_90a(tmp_path, monkeypatch):
     art = bucket_bf16.compile_bucket_bf16(arch="sm_90a")
     assert art.cubin_path.read_bytes()[:4] == b"\x7fELF"
     assert set(bucket_bf16.KERNEL_NAMES) <= set(art.kernel_names)
+
+
+def test_launch_passes_the_signatures(monkeypatch):
+    """`launch`'s argument lists pass `KernelSet.args`' checks (what reaches the driver), the scale as its fp32 bits."""
+    calls = []
+    kernels = bucket_bf16._KERNELS
+    monkeypatch.setattr(
+        kernels, "launch", lambda name, grid, block, values, **kw: calls.append((name, grid, values))
+    )
+    pytest.importorskip("ep_jit")
+    for kind in ("pack", "reduce"):
+        bucket_bf16.launch(kind, 1 << 40, 2, 1 << 41, 1 << 42, 3, 9, 0.1, num_sms=0, device=0, stream=0)
+    for name, grid, values in calls:
+        assert grid == 1 and len(kernels.args(name, values)) == len(bucket_bf16.SIGNATURES[name])
+    assert calls[0][2] == [1 << 40, 2, 1 << 42, 3, 9, 16384]
+    assert calls[1][2] == [1 << 40, 2, 1 << 41, 3, 9, 16384, struct.unpack("<i", struct.pack("<f", 0.1))[0]]

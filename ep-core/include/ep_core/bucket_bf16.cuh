@@ -5,7 +5,7 @@
 /// DeepEP 2.5's bf16 reduce-scatter: each sender rounds the float32 shards other ranks own to bf16 in place, so the
 /// wire carries bf16; each owner adds the peers' bf16 to its own float32 shard. Two kernels, queued between the
 /// copy-engine backend's two stream barriers (every src packed before anyone reads; every read done before anyone
-/// overwrites), so neither waits on anything:
+/// overwrites: bounded waits of `ep_core.signal_wait`), so neither kernel waits on anything itself:
 ///  - `ep_bucket_bf16_pack` (sender, local memory): every shard `q != rank` of every entry becomes its stochastically
 ///    rounded bf16, packed tile by tile: element `j` of the shard goes to bf16 slot `(j / tile) * 2 * tile + j % tile`
 ///    (the front half of its tile's bytes; DeepEP's chunk layout, `tile` fp32 elements a chunk). One block a tile,
@@ -22,7 +22,8 @@
 /// Entries (`int64 [E][2]`): the tensor's byte offset in the data region and `m`, its elements a shard (a multiple of
 /// 8). `bases[q]`: rank q's data region as mapped here. Every thread moves 8 elements a step: 16-byte vectors where
 /// the tensor is 16-byte aligned (a shard of 8k fp32 keeps that alignment, and so does its packed bf16), else one
-/// element at a time.
+/// 4-byte word at a time. Every rank's base is assumed 16-byte aligned (allocations are), so one test on this
+/// rank's address decides for the peers too.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +38,14 @@
 #endif
 
 namespace ep_core::bucket_bf16 {
+
+#if defined(__CUDACC__)
+using Words4 = uint4;  // a 16-byte vector
+#else
+struct alignas(16) Words4 {
+    uint32_t x, y, z, w;
+};
+#endif
 
 constexpr int kBlockThreads = 512;
 constexpr int kGroup = 8;  // elements a thread a step: two float4 in, one 16-byte bf16 vector out
@@ -67,7 +76,7 @@ template <int kWords>
 EP_BF16_DEVICE void copy_words(uint32_t* dst, const uint32_t* src, bool vec) {
     if (vec) {
         for (int i = 0; i < kWords / 4; ++i)
-            reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+            reinterpret_cast<Words4*>(dst)[i] = reinterpret_cast<const Words4*>(src)[i];
     } else {
         for (int i = 0; i < kWords; ++i)
             dst[i] = src[i];
