@@ -77,28 +77,14 @@ def reduce(own: np.ndarray, peers: Sequence[np.ndarray], scale: float) -> np.nda
     return acc
 
 
-def launch(
-    kind: str,
-    entries: int,
-    num_entries: int,
-    bases: int,
-    base: int,
-    rank: int,
-    num_ranks: int,
-    scale: float,
-    *,
-    num_sms: int,
-    device: int,
-    stream: int,
-) -> None:
+def launch(kind: str, entries: int, num_entries: int, bases: int, base: int, rank: int, num_ranks: int,
+           scale: float, *, num_sms: int, device: int, stream: int) -> None:  # fmt: skip
     """Queue ``ep_bucket_bf16_pack`` (``kind`` "pack") or ``ep_bucket_bf16_reduce`` ("reduce") on ``stream``:
     ``entries`` a device int64 ``[num_entries][2]`` (byte offset in the data region, elements a shard), ``bases``
     a device int64 ``[num_ranks]`` (every rank's data region as mapped here), ``base`` this rank's."""
-    tile = tile_elems(num_ranks)
-    if kind == "pack":
-        values = [entries, num_entries, base, rank, num_ranks, tile]
-    else:
-        bits = int(np.float32(scale).view(np.int32))
-        values = [entries, num_entries, bases, rank, num_ranks, tile, bits]
-    name = f"ep_bucket_bf16_{kind}"
-    _KERNELS.launch(name, max(1, num_sms), BLOCK_THREADS, values, device=device, stream=stream)
+    values = [entries, num_entries, base if kind == "pack" else bases, rank, num_ranks, tile_elems(num_ranks)]
+    if kind != "pack":
+        values.append(int(np.float32(scale).view(np.int32)))
+    _KERNELS.launch(
+        f"ep_bucket_bf16_{kind}", max(1, num_sms), BLOCK_THREADS, values, device=device, stream=stream
+    )
