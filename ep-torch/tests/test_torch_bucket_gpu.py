@@ -1,8 +1,8 @@
 """Issue 42's BucketBuffer rows on the GPU (marker gpu): several groups (``BucketBuffer([world, sub])``) and
 ``reduce_scatter(comm_precision="bf16")`` over the ipc transport with several processes sharing GPU 0 (a gloo
 bootstrap), each result compared bit for bit with a CPU reference ``BucketBuffer`` (``transport="reference"``) over
-the same gloo group fed the same inputs; the rounding function on the GPU (torch integer ops) against the CPU
-(numpy); the refusals of groups the GPU path cannot map (announced to the peers). Skipped without a GPU.
+the same gloo group fed the same inputs (the bf16 reduce-scatter: ``ep_core.bucket_bf16``'s kernels against its
+numpy steps, the packed shards included); the refusals of groups the GPU path cannot map (announced to the peers). Skipped without a GPU.
 
 Run: ``/work/bin/eptest ep-torch/tests/test_torch_bucket_gpu.py -q -m gpu`` (written 2026-12-08 without a GPU).
 """
@@ -85,38 +85,27 @@ def _buffers(groups, plan, res: list):
     return gpu, cpu
 
 
-def _rounding(rank: int, n: int, res: list) -> None:
-    """The pure function: ``bf16_stochastic_round`` / ``bf16_stochastic_rounded`` on the GPU against the CPU."""
-    from ep_torch.bucket_buffer import bf16_stochastic_round, bf16_stochastic_rounded
-
-    for count in (n * 8, n * 4096, n * (1 << 18)):
-        x = _val(rank + count, count)
-        k = min(64, count)  # random bit patterns at the back
-        x[-k:] = torch.randint(-(2**31), 2**31, (k,), dtype=torch.int64).to(torch.int32).view(torch.float32)
-        m = count // n
-        for r in range(n):
-            got = bf16_stochastic_round(x.cuda(), r, n)
-            res.append(
-                (f"round/{count}/rank {r}", got.is_cuda and _same(got, bf16_stochastic_round(x, r, n)), "")
-            )
-        q = (rank + 1) % n
-        part = x[q * m : (q + 1) * m]
-        got = bf16_stochastic_rounded(part.cuda(), q * m // 4)
-        res.append((f"rounded/{count}", _same(got, bf16_stochastic_rounded(part, q * m // 4)), ""))
-
-
 def _bf16(rank: int, n: int, res: list) -> None:
     """``reduce_scatter(comm_precision="bf16")``: registered tensors, a list, a scale, a session; the whole tensors
-    after (the other shards unchanged on both); the refusals."""
+    after (the other shards packed alike on both); partial tiles, a 4-byte aligned tensor; the refusals."""
     from ep_core import BufferAllocator
 
-    _rounding(rank, n, res)
     plan = BufferAllocator()
     plan.tensor("a", (n * 1024,), "float32")
     plan.tensor("b", (n * 8 * 37,), "float32")
     plan.tensor("half", (n * 64,), "float16")
+    plan.tensor("big", (n * (32768 + 4104),), "float32")  # a shard of one tile and a part
     plan.tensor("spare", (1 << 16,), "float32")
     gpu, cpu = _buffers(None, plan, res)
+    for name, get in (
+        ("partial tiles", lambda b: b.tensors["big"]),
+        ("4-byte aligned", lambda b: b.tensors["spare"][1 : 1 + n * 64]),  # the kernels' element-wise loads
+    ):
+        outs = []
+        for buf in (gpu, cpu):
+            get(buf).copy_(_val(rank + 40, get(buf).numel()))
+            outs.append(buf.reduce_scatter(get(buf), comm_precision="bf16", scale=0.5).wait())
+        res.append((f"bf16/{name}", _same(outs[0], outs[1]) and _same(get(gpu), get(cpu)), ""))
     for step, (scale, names) in enumerate(((0.25, ["a"]), (1.0, ["a", "b"]), (3.0, ["b"]))):
         outs = []
         for buf in (gpu, cpu):
@@ -126,6 +115,9 @@ def _bf16(rank: int, n: int, res: list) -> None:
             outs.append(
                 buf.reduce_scatter(ts if len(ts) > 1 else ts[0], comm_precision="bf16", scale=scale).wait()
             )
+        res.append(
+            (f"bf16/step {step}: the paths", (gpu.bf16_path, cpu.bf16_path) == ("kernel", "reference"), "")
+        )
         g, c = (o if isinstance(o, list) else [o] for o in outs)
         res.append((f"bf16/step {step}", all(_same(a, b) for a, b in zip(g, c, strict=True)), str(names)))
         whole = all(_same(gpu.tensors[k], cpu.tensors[k]) for k in names)

@@ -61,6 +61,8 @@ class _Streams:
                         ctypes.memmove(op[1], op[2], op[3])
                     elif op[0] == "write":
                         _u64(op[1]).value = op[2]
+                    elif op[0] == "call":  # a kernel's model
+                        op[1]()
 
     def idle(self) -> bool:
         return not any(self.queues)

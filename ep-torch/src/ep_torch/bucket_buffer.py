@@ -9,8 +9,9 @@ same offsets on every rank:
   surrounds it (gathered in place); with ``dsts`` (in the buffer, ``N * src.nbytes``) a src can be any tensor;
 - ``reduce_scatter(srcs, comm_precision="fp32", scale=1.0)``: shard ``rank`` of each src (split into N) becomes
   ``scale * sum over ranks`` of that shard, in place; ``comm_precision="bf16"`` (float32 srcs) sends the other
-  ranks' shards as stochastically rounded bfloat16 and sums in float32 as DeepEP's RDMA bf16 kernel does
-  (``BucketBuffer._reduce_scatter_bf16``, ``bf16_stochastic_round``; the GPU's results equal the CPU's bit for bit);
+  ranks' shards as stochastically rounded bfloat16, packed in place, and sums in float32 as DeepEP's RDMA bf16
+  kernel does (``BucketBuffer._reduce_scatter_bf16``, ``ep_core.bucket_bf16``; the GPU's results equal the CPU's
+  bit for bit);
 - ``all_reduce(srcs, scale=1.0)``: each src becomes ``scale * sum over ranks``, in place;
 - ``send_recv(srcs, dsts, dst_rank_idx, src_rank_idx)``: point-to-point into registered ``dsts`` (DeepEP 2.6's name,
   ep's semantics; CPU reference backend and ipc): ``ep_torch.bucket_send_recv``.
@@ -26,7 +27,7 @@ Several groups (DeepEP's ``BucketBuffer([g0, g1], ...)``): one storage, one cont
 
 Transports as ``ElasticBuffer``'s. On the GPU (ipc, and nccl within one LSA team) the all-gather and ``send_recv``
 are copy-engine copies into the peers' storage (no SM); the reductions read the peers' shards over NVLink with torch
-kernels, between two stream barriers (every src written before anyone reads; every read done before anyone
+kernels (the bf16 reduce-scatter with ``ep_core.bucket_bf16``'s), between two stream barriers (every src written before anyone reads; every read done before anyone
 overwrites). Ours, not DeepEP's: no hybrid (RDMA) path; on the GPU the ranks of a further group must be ranks of the
 first (``_add_contexts``).
 
@@ -38,8 +39,9 @@ src is not registered), the collective runs on the staged tensor, and ``wait()``
 staging offsets are then the same everywhere). Sessions do not nest.
 
 ``get_theoretical_num_sms(op)``: DeepEP's NVLink model (all-gather 0; reduce-scatter / all-reduce from the NVLink
-bandwidth per rank and the SM read/write rates). Ours: the reductions are torch kernels, which take no SM count
-(``num_sms`` is accepted and ignored), so the number is what DeepEP's kernels would use, not what ours do.
+bandwidth per rank and the SM read/write rates). Ours: the fp32 reductions are torch kernels, which take no SM count
+(``num_sms`` is accepted and ignored), so the number is what DeepEP's kernels would use, not what ours do; the bf16
+reduce-scatter's kernels run on the caller's ``num_sms`` blocks (default: every SM).
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from ep_core import bucket_bf16
 from ep_core.buffer_base import align
 from ep_core.envelope import Channel
 from ep_core.errors import EPConfigError, EPStateError, EPTypeError, EPValueError
@@ -65,8 +67,6 @@ __all__ = [
     "BucketBuffer",
     "BucketContext",
     "BucketSession",
-    "bf16_stochastic_round",
-    "bf16_stochastic_rounded",
 ]
 
 _ALIGN = 2 << 20
@@ -301,6 +301,8 @@ class BucketContext(BufferContext):
 
 class BucketBuffer(ElasticBacked):
     """Symmetric storage for collectives over ``group`` (a collective to build)."""
+
+    bf16_path: str | None = None  # what the last bf16 reduce-scatter ran: "kernel" or "reference"
 
     def __init__(
         self,
@@ -692,16 +694,15 @@ class BucketBuffer(ElasticBacked):
         return cache[op]
 
     def _reduce_scatter_bf16(self, srcs: Any, scale: float, num_sms: int | None) -> _Handle:
-        """``reduce_scatter(comm_precision="bf16")``, DeepEP's RDMA bf16 reduce-scatter arithmetic: each rank sends
-        the shards of its float32 src that other ranks own rounded to bfloat16 by ``bf16_stochastic_round``
-        (stochastic rounding, the random bits a hash of the values and their place: the same on every run);
-        the owner adds them in float32 to its own unrounded shard, peers in the order ``rank-1, rank-2, ...``
-        (cyclic), then multiplies by ``scale`` (when not 1). Float32 srcs whose shards are multiples of 8 elements
-        (DeepEP's 32-byte rule). The other shards of each src are left unchanged (DeepEP overwrites them with the
-        packed bf16 values: treat them as undefined). Ours: DeepEP runs this on RDMA-only groups; ep on its
-        NVLink-domain groups. On the GPU the owner reads the peers' float32 shards and rounds them itself
-        (``CopyEngineBackend.bucket_reduce_scatter_bf16``: the same bits, so the results equal the CPU
-        reference's bit for bit; NVLink carries float32, so it moves the bytes of 'fp32')."""
+        """``reduce_scatter(comm_precision="bf16")``, DeepEP's bf16 reduce-scatter (``ep_core.bucket_bf16``): each
+        rank rounds the shards of its float32 src that other ranks own to bf16 (stochastic rounding, the random
+        bits a hash of the values and their place: the same on every run) and packs them in place, the owner adds
+        them in float32 to its own unrounded shard, peers ``rank-1, rank-2, ...`` (cyclic), then multiplies by
+        ``scale`` (when not 1). Float32 srcs whose shards are multiples of 8 elements (DeepEP's 32-byte rule). The
+        other shards of each src hold the packed bf16 afterwards (DeepEP's chunk layout; treat them as undefined).
+        Ours: DeepEP runs this on RDMA-only groups; ep on its NVLink-domain groups, where the peers read the
+        packed bf16 (NVLink carries bf16). ``buffer.bf16_path`` says what ran: "kernel" (the GPU: two kernels,
+        ``CopyEngineBackend.bucket_reduce_scatter_bf16``) or "reference" (the CPU: numpy, bit for bit the same)."""
         packed, xs = self._pack(srcs)
         xs = [self._check(f"srcs[{i}]", x, reduce=True) for i, x in enumerate(xs)]
         n, r = self.num_ranks, self.rank_idx
@@ -716,11 +717,12 @@ class BucketBuffer(ElasticBacked):
                 )
         plan = [(x, self._offset(f"srcs[{i}]", x)) for i, x in enumerate(xs)]
         self._ops += 1
+        sms = self._num_sms("reduce_scatter", num_sms)
         if self.storage.is_cuda:
-            outs = self._backend.bucket_reduce_scatter_bf16(
-                plan, self._ops, float(scale), bf16_stochastic_rounded
-            )
-            return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
+            self.bf16_path = "kernel"
+            outs = self._backend.bucket_reduce_scatter_bf16(plan, self._ops, float(scale), num_sms)
+            return self._handle(packed, outs, sms)
+        self.bf16_path = "reference"
         self._buf()._agree(
             "reduce_scatter",
             {
@@ -729,117 +731,17 @@ class BucketBuffer(ElasticBacked):
                 "t": [(tuple(x.shape), str(x.dtype), o) for x, o in plan],
             },
         )
-        factor = torch.tensor(float(scale), dtype=torch.float32)
         outs = []
         for x, _ in plan:
             flat = x.detach().reshape(-1)
             m = flat.numel() // n
-            wire = bf16_stochastic_round(flat, r, n).view(torch.uint8)  # the bf16 bits each rank sends
-            every = [torch.empty_like(wire) for _ in range(n)]
-            work = dist.all_gather(every, wire, group=self.group, async_op=True)
+            bucket_bf16.pack(flat.numpy(), r, n)  # what this rank sends, in place
+            every = [torch.empty_like(flat) for _ in range(n)]
+            work = dist.all_gather(every, flat, group=self.group, async_op=True)
             self._backend._wait(work, "reduce_scatter", "every rank's bf16 shards", self._ops)
-            acc = flat[r * m : (r + 1) * m].clone()
-            for p in range(1, n):
-                q = (r - p) % n
-                acc += every[q].view(torch.bfloat16)[r * m : (r + 1) * m].float()
-            if float(scale) != 1.0:
-                acc.mul_(factor)
+            peers = [every[(r - p) % n][r * m : (r + 1) * m].numpy() for p in range(1, n)]
             view = flat[r * m : (r + 1) * m]
-            view.copy_(acc)
+            sent = [bucket_bf16.packed(b, m, n) for b in peers]
+            view.copy_(torch.from_numpy(bucket_bf16.reduce(view.numpy(), sent, scale)))
             outs.append(view)
-        return self._handle(packed, outs, self._num_sms("reduce_scatter", num_sms))
-
-
-_HASH_IN = (0x5671D42B, 0x9995E499, 0xACE1B8A5, 0xE153538D)
-_M32 = 0xFFFFFFFF
-
-
-def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
-    """``h * c mod 2**32`` for int64 ``h`` in ``[0, 2**32)``, in 16-bit halves of ``c``: no product leaves int64
-    (a wrapped signed product would be undefined), so the CPU and the GPU compute the same bits."""
-    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
-
-
-def _f32_bits(v: torch.Tensor) -> torch.Tensor:
-    """The float32 bits of ``v`` (1-D) as int64 in ``[0, 2**32)``."""
-    return v.contiguous().view(torch.int32).to(torch.int64) & _M32
-
-
-def _bf16_from_bits(b: torch.Tensor) -> torch.Tensor:
-    """bfloat16 values of bit patterns in ``[0, 2**16)`` (int64)."""
-    return torch.where(b >= 0x8000, b - 0x10000, b).to(torch.int16).view(torch.bfloat16)
-
-
-def _stochastic_bits(bits: torch.Tensor, first_quad: int) -> torch.Tensor:
-    """The bf16 patterns (int64) of the stochastic rounding of float32 ``bits`` (``_f32_bits``, a multiple of 4
-    elements), its float4 groups numbered from ``first_quad`` (``bf16_stochastic_round``'s doc)."""
-    quads = bits.view(-1, 4)
-    h = torch.arange(first_quad, first_quad + quads.shape[0], dtype=torch.int64, device=bits.device)
-    for k in range(4):
-        h = (h + _mul32(quads[:, k], _HASH_IN[k])) & _M32
-    h ^= h >> 23
-    h = _mul32(h, 0x7FEB352D)
-    h ^= h >> 16
-    h1 = _mul32(h, 0x846CA68B)
-    h1 ^= h1 >> 11
-    h2 = _mul32(h, 0xD35A2D97)
-    h2 ^= h2 >> 11
-    rnd = torch.stack([h1 & 0xFFFF, h1 >> 16, h2 & 0xFFFF, h2 >> 16], dim=1).view(-1)
-    out = ((bits + rnd) >> 16) & 0xFFFF
-    return torch.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, out)  # NaN: the canonical 0x7FFF
-
-
-def bf16_stochastic_rounded(v: torch.Tensor, first_quad: int) -> torch.Tensor:
-    """The stochastically rounded bfloat16 values of the float32 elements ``v`` (1-D, a multiple of 4), where
-    ``v[0]`` is element ``4 * first_quad`` of the tensor being sent: what an owner receives for a peer's shard.
-    Torch integer ops on ``v``'s device (on the CPU too: the tests compare them with the numpy code)."""
-    return _bf16_from_bits(_stochastic_bits(_f32_bits(v), first_quad))
-
-
-def _stochastic_bits_np(v: np.ndarray) -> np.ndarray:
-    """``_stochastic_bits`` in numpy uint32 arithmetic (the CPU's implementation, and the GPU's reference): the bf16
-    patterns (uint16) of the float32 array ``v``, its float4 groups numbered from 0."""
-    bits = v.view(np.uint32)
-    quads = bits.reshape(-1, 4)
-    u32 = np.uint32
-    h = np.arange(quads.shape[0], dtype=u32)
-    for k in range(4):
-        h = h + quads[:, k] * u32(_HASH_IN[k])
-    h ^= h >> u32(23)
-    h = h * u32(0x7FEB352D)
-    h ^= h >> u32(16)
-    h1 = h * u32(0x846CA68B)
-    h1 ^= h1 >> u32(11)
-    h2 = h * u32(0xD35A2D97)
-    h2 ^= h2 >> u32(11)
-    mask = u32(0xFFFF)
-    rbits = np.stack([h1 & mask, h1 >> u32(16), h2 & mask, h2 >> u32(16)], axis=1).reshape(-1)
-    out = ((bits.astype(np.uint64) + rbits.astype(np.uint64)) >> np.uint64(16)).astype(np.uint16)
-    out[np.isnan(v)] = 0x7FFF
-    return out
-
-
-def bf16_stochastic_round(x: torch.Tensor, rank: int, num_ranks: int) -> torch.Tensor:
-    """The bfloat16 values (``torch.bfloat16``, ``x``'s size, on ``x``'s device) that DeepEP's bf16 reduce-scatter
-    sends for the float32 tensor ``x`` (1-D, ``num_ranks`` equal shards of a multiple of 4 elements), with shard
-    ``rank`` (kept in float32 by the sender) rounded to nearest even instead: use its float32 values, not these.
-
-    Elements go in groups of 4 (a float4, index ``i`` from the start of ``x``); a 32-bit hash of the 4 values'
-    bits and ``i`` gives two words of random bits, the first for elements 0-1 and the second for 2-3, the low
-    16 bits for the even element and the high 16 for the odd one. Stochastic rounding adds the element's 16
-    random bits to its float32 bits and keeps the top 16 (so ``|v|`` rounds up with probability its distance
-    from the bf16 below it, in units of the last place); NaN gives the canonical NaN 0x7FFF (in shard ``rank``
-    too); a value that carries past the largest finite bf16 becomes infinity (no saturation). numpy on the CPU,
-    torch integer ops on the GPU (``_stochastic_bits``): the same bits."""
-    v = x.detach().reshape(-1).to(torch.float32)
-    if v.numel() % (4 * num_ranks):
-        raise EPValueError(f"x: {v.numel()} elements do not split into {num_ranks} shards of a multiple of 4")
-    if v.device.type == "cpu":
-        out = torch.from_numpy(_stochastic_bits_np(v.contiguous().numpy()).astype(np.int64))
-    else:
-        out = _stochastic_bits(_f32_bits(v), 0)
-    m = v.numel() // num_ranks
-    own = _f32_bits(v[rank * m : (rank + 1) * m])
-    nearest = ((own + 0x7FFF + ((own >> 16) & 1)) >> 16) & 0xFFFF  # round to nearest even
-    out[rank * m : (rank + 1) * m] = torch.where((own & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, nearest)
-    return _bf16_from_bits(out)
+        return self._handle(packed, outs, sms)

@@ -120,6 +120,24 @@ class DriverOps:
     def view(self, ptr: int, nbytes: int) -> torch.Tensor:
         return byte_view(ptr, nbytes, self.device)
 
+    def bucket_bf16(self, kind: str, entries: list, bases: list[int], rank: int, scale: float, num_sms: Any,
+                    stream: int) -> None:  # fmt: skip
+        """Queue `ep_core.bucket_bf16`'s `kind` kernel over `entries` ((offset, elements a shard) per src)."""
+        from ep_core import bucket_bf16
+
+        dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        key = (tuple(bases), tuple(entries))
+        cache = self.__dict__.setdefault("_bf16_tables", {})  # [bases | entries]; freed in stream order
+        if key not in cache:
+            if len(cache) >= 64:
+                cache.clear()
+            flat = [*bases, *(v for e in entries for v in e)]
+            cache[key] = torch.tensor(flat, dtype=torch.int64, device=dev)
+        sms = num_sms or torch.cuda.get_device_properties(dev).multi_processor_count
+        ptr, n = cache[key].data_ptr(), len(bases)
+        bucket_bf16.launch(kind, ptr + 8 * n, len(entries), ptr, bases[rank], rank, n, scale, num_sms=sms,
+                           device=dev, stream=stream)  # fmt: skip
+
     def comm_stream(self) -> int:
         """The comm stream, ordered after the work queued so far on the current stream."""
         from ._streams import comm_stream
@@ -531,36 +549,21 @@ class CopyEngineBackend:
         return outs
 
     def bucket_reduce_scatter_bf16(
-        self, plan: list[tuple[torch.Tensor, int]], op: int, scale: float, rounded: Any
+        self, plan: list[tuple[torch.Tensor, int]], op: int, scale: float, num_sms: int | None
     ) -> list[torch.Tensor]:
-        """``reduce_scatter(comm_precision="bf16")``: the owner of shard ``rank`` reads each peer's float32 shard
-        over NVLink (one copy into local memory) and rounds it itself with ``rounded(values, first_quad)`` (the
-        sender's stochastic rounding is a function of the values and their place, so these are the bits the
-        sender would send), then adds them in float32 to its own unrounded shard, peers ``rank-1, rank-2, ...``
-        (cyclic), times ``scale`` when not 1; the result goes into shard ``rank`` once every rank has read (two
-        stream barriers, as ``bucket_reduce``). The other shards stay unchanged."""
+        """``reduce_scatter(comm_precision="bf16")`` (``ep_core.bucket_bf16``): this rank packs the bf16 it sends
+        into the other shards of each src (`pack`), every src packed on every rank (a stream barrier), the owner
+        reads the peers' packed bf16 of shard ``rank`` over NVLink and adds it to its own float32 shard in place
+        (`reduce`), every read done (a second barrier) before the srcs may be overwritten. `ops.bucket_bf16`
+        queues the two kernels on ``num_sms`` blocks (None: the device's SMs)."""
         self.ops.check()
         s = self.ops.current_stream()
-        if not getattr(self, "_peer_regions", None):
-            self._peer_regions = [self.ops.view(d, self._region.numel()) for d in self.data]
+        entries = [(off, x.numel() // self.n) for x, off in plan]
+        self.ops.bucket_bf16("pack", entries, self.data, self.rank, scale, num_sms, s)
         self._signal_all(_BUCKET_READY, op, s, f"BucketBuffer reduction {op}: the sources written")
-        results = []
-        for x, off in plan:
-            m = x.numel() // self.n
-            nbytes = m * 4
-            at = off + self.rank * nbytes
-            acc = self._region[at : at + nbytes].view(torch.float32).clone()
-            for p in range(1, self.n):
-                q = (self.rank - p) % self.n
-                peer = self._peer_regions[q][at : at + nbytes].view(torch.float32).clone()  # one NVLink read
-                acc.add_(rounded(peer, self.rank * m // 4).float())
-            if scale != 1.0:
-                acc.mul_(torch.tensor(scale, dtype=torch.float32, device=acc.device))
-            results.append((acc, at, nbytes))
+        self.ops.bucket_bf16("reduce", entries, self.data, self.rank, scale, num_sms, s)
         self._signal_all(_BUCKET_DONE, op, s, f"BucketBuffer reduction {op}: the sources read")
-        outs = []
-        for value, at, nbytes in results:
-            self.ops.copy(self.data[self.rank] + at, value.data_ptr(), nbytes, s)
-            outs.append(self._region[at : at + nbytes].view(torch.float32))
-        self._keep_bucket = [v for v, _, _ in results]
-        return outs
+        return [
+            x.detach().reshape(-1)[self.rank * m : (self.rank + 1) * m]
+            for (x, _), (_, m) in zip(plan, entries)
+        ]
