@@ -44,8 +44,8 @@ def header_bytes(num_ranks: int) -> int:
 # the last two parameters of the four exchanges (and their LogFMT twins): the rank mask, int32 [N + 1] (0 = none),
 # and the call's signature word (issue 41; ep_torch.legacy.ll_kernels.dispatch_sig / combine_sig)
 SIGNATURES: dict[str, str] = {
-    "ep_lln_cast_fp8": "piipi",
-    "ep_lln_dispatch_send": "pipiiiiiiiipppiippppi",
+    "ep_lln_dispatch_send": "pipiiiiiiiipppippppi",
+    "ep_lln_dispatch_send_fp8": "pipiiiiiiiipppippppi",  # the same, each message cast to FP8 as it is written
     "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiipipppi",
     "ep_lln_combine_send": "ppppiiiiiipppipppi",
     "ep_lln_combine_recv": "pipiiiiiiipppppiipppi",

@@ -465,7 +465,7 @@ def native_dispatch(
     receive)`` where ``receive()`` launches the receive (on the then-current stream) that fills the outputs.
     ``lane_pos`` [T, K] int32: each (token, first lane of its expert)'s position in this rank's block of the expert
     (the combine's local shortcut reads it). ``local_direct``: the receive follows the send at once (no hook), so
-    this rank's own experts take their rows from ``x`` (or the FP8 staging) in the receive instead of a message
+    this rank's own experts take their rows from ``x`` (cast there for FP8) in the receive instead of a message
     through the buffer: one pass instead of two for the local share. ``mask``: the rank mask (int32 [N + 1] on the
     device, ``ll_shrink.NativeShrink``), None = no masking. ``sig``: the call's signature word (`dispatch_sig`)."""
     run = _NativeLaunch()
@@ -480,20 +480,15 @@ def native_dispatch(
     t = int(x.shape[0])
     err = reg.own_base  # the region's front: the device error word
     groups = h // 128
-    # one rank with the local shortcut: no send (the receive lists this rank's rows and reads them where they lie)
+    # one rank with the local shortcut: no send (the receive lists this rank's rows and reads them where they lie);
+    # FP8: the send casts each message, the receive this rank's own rows (no cast kernel, no staging)
     sends = n > 1 or not local_direct
-    payload, pstride = x, h * 2
-    if use_fp8:  # cast once per token (the send, and the receive for its own rows, copy them from there)
-        stride = -(-(h + 4 * groups) // 16) * 16
-        staging = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
-        if t:
-            run("ep_lln_cast_fp8", t, 256, [x, h, int(round_scale), staging, stride])
-        payload, pstride = staging, stride
     lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
-    send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask, sig]  # fmt: skip
+    send = [x, int(round_scale), topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
+            own_half, int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask, sig]  # fmt: skip
     if sends:
-        run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
+        name = "ep_lln_dispatch_send_fp8" if use_fp8 else "ep_lln_dispatch_send"
+        run(name, min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     if use_fp8:
         q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
         if use_ue8m0:
@@ -513,7 +508,7 @@ def native_dispatch(
 
     def receive() -> None:
         args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
-                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
+                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, x, int(round_scale), topk,
                 idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask,
                 sig]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
