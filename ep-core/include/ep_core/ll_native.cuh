@@ -304,34 +304,27 @@ __device__ inline int ep_lln_list_tokens(const void* topk, int idx64, int num_to
   return running;
 }
 
-// Copy `rows` rows of `vecs` 16-byte vectors with the whole block: dst(j)[c] = src(j)[c]. A warp per (row, part)
-// item, a row cut into as many parts as keep every warp busy (at least 32 vectors a part), so `src_row(j)` /
-// `dst_row(j)` (the rows' first vectors; a lookup each) run once per item, not per vector; eight 16-byte loads in
-// flight per lane; a row whose src_row is null is skipped. All threads.
+// Copy `rows` rows of `vecs` 16-byte vectors with the whole block: dst(j)[c] = src(j)[c]. A warp per (row, chunk of
+// 32 * kUnroll vectors) item, items round-robin over the warps: one round of kUnroll loads in flight per lane an item,
+// `src_row(j)` / `dst_row(j)` (the rows' first vectors; a lookup each) once an item. (Cutting each row into
+// nwarps / rows parts instead left warps idle when rows does not divide nwarps: 9 rows of 896 vectors took 9 of 16
+// warps, 7 rounds each at kUnroll 4; chunks take 4.) A row whose src_row is null is skipped. All threads.
 template <int kUnroll = 8, typename Src, typename Dst>
 __device__ __forceinline__ void ep_lln_copy_rows(int rows, int vecs, Src src_row, Dst dst_row) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (rows <= 0 || vecs <= 0) return;
-  int parts = nwarps / rows;
-  parts = parts < 1 ? 1 : parts;
-  const int most = (vecs + 31) / 32;
-  parts = parts > most ? most : parts;
-  const int per = (vecs + parts - 1) / parts;
+  const int parts = (vecs + 32 * kUnroll - 1) / (32 * kUnroll);
   for (int item = warp; item < rows * parts; item += nwarps) {
-    const int j = item / parts, c0 = (item - j * parts) * per;
-    const int c1 = c0 + per < vecs ? c0 + per : vecs;
+    const int j = item / parts, c = (item - j * parts) * 32 * kUnroll + lane;
     const uint4* src = src_row(j);
     if (src == nullptr) continue;  // a row the caller writes otherwise
     uint4* dst = dst_row(j);
-    for (int c = c0 + lane; c < c1; c += 32 * kUnroll) {
-      uint4 v[kUnroll];
+    uint4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c + 32 * u < c1) v[u] = src[c + 32 * u];
+    for (int u = 0; u < kUnroll; ++u)
+      if (c + 32 * u < vecs) v[u] = src[c + 32 * u];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c + 32 * u < c1) dst[c + 32 * u] = v[u];
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (c + 32 * u < vecs) dst[c + 32 * u] = v[u];
   }
 }
 
@@ -357,39 +350,30 @@ __device__ __forceinline__ uint2 ep_lln_cast8(uint4 v, bool ok, int round_scale,
 
 // FP8 cast of `rows` bf16 rows of `groups` 128-channel groups as they are moved, with the whole block: row j read
 // at src_row(j) (uint4: eight bf16), its e4m3 bytes written to q_row(j) (uint2: eight), the scale of its group g
-// given to put_scale(j, g, scale) (one lane). A warp per (row, part of its group pairs), a half warp per group
-// (ep_lln_cast8: the bytes of ep_ll_pack_fp8 and legacy.reference), four groups' loads in flight. All threads.
+// given to put_scale(j, g, scale) (one lane). A warp per (row, chunk of 8 groups) item as in ep_lln_copy_rows, a half
+// warp per group (ep_lln_cast8: the bytes of ep_ll_pack_fp8 and legacy.reference), four groups' loads in flight per
+// half warp. All threads.
 template <typename Src, typename Dst, typename Put>
 __device__ __forceinline__ void ep_lln_cast_rows(int rows, int groups, int round_scale, Src src_row, Dst q_row,
                                                  Put put_scale) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int half = lane >> 4, hl = lane & 15, pairs = (groups + 1) / 2;
-  if (rows <= 0) return;
-  int parts = nwarps / rows;
-  parts = parts < 1 ? 1 : (parts > pairs ? pairs : parts);
-  const int per = (pairs + parts - 1) / parts;
+  const int half = lane >> 4, hl = lane & 15, parts = (groups + 7) / 8;
   for (int item = warp; item < rows * parts; item += nwarps) {
-    const int j = item / parts, p0 = (item - j * parts) * per;
-    const int p1 = p0 + per < pairs ? p0 + per : pairs;
+    const int j = item / parts, g0 = (item - j * parts) * 8 + half;  // this half warp's groups: g0, g0 + 2, ...
     const uint4* src = src_row(j);
     uint2* q = q_row(j);
-    for (int p = p0; p < p1; p += 4) {
-      uint4 v[4];
+    uint4 v[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int g = 2 * (p + u) + half;
-        v[u] = p + u < p1 && g < groups ? src[g * 16 + hl] : make_uint4(0, 0, 0, 0);
-      }
+    for (int u = 0; u < 4; ++u) v[u] = g0 + 2 * u < groups ? src[(g0 + 2 * u) * 16 + hl] : make_uint4(0, 0, 0, 0);
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int g = 2 * (p + u) + half;
-        if (p + u >= p1) break;  // warp-uniform (the cast's amax is a half-warp shuffle)
-        float scale;
-        const uint2 bits = ep_lln_cast8(v[u], g < groups, round_scale, &scale);
-        if (g < groups) {
-          q[g * 16 + hl] = bits;
-          if (hl == 0) put_scale(j, g, scale);
-        }
+    for (int u = 0; u < 4; ++u) {
+      const int g = g0 + 2 * u;
+      if (g - half >= groups) break;  // warp-uniform (the cast's amax is a half-warp shuffle)
+      float scale;
+      const uint2 bits = ep_lln_cast8(v[u], g < groups, round_scale, &scale);
+      if (g < groups) {
+        q[g * 16 + hl] = bits;
+        if (hl == 0) put_scale(j, g, scale);
       }
     }
   }
