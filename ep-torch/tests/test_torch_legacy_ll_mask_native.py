@@ -413,7 +413,8 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
     mask = torch.zeros(n + 1, dtype=torch.int32)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     idx = torch.zeros(3, k, dtype=torch.int64)
-    for fp8 in (False, True):
+    for fp8, fused in ((False, "0"), (True, "0"), (True, "1")):  # EPKIT_LL_FP8_FUSED=1: the FP8 send kernel
+        monkeypatch.setenv("EPKIT_LL_FP8_FUSED", fused)
         out = ll_kernels.native_dispatch(reg, x, idx, fp8, fp8, False, None, False, mask)
         out[-1]()
     src_info, layout_range, lanes, lane_pos = out[2], out[3], out[4], out[5]
@@ -429,7 +430,7 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
     names = [name for name, _ in seen]
     assert set(names) == set(ll_native.KERNEL_NAMES), names
     for name, args in seen:
-        if name != "ep_lln_abort":
+        if name not in ("ep_lln_cast_fp8", "ep_lln_abort"):
             at = -1 if name == "ep_lln_clean" else -2  # the exchanges: the signature word last
             assert int(args[at].value if hasattr(args[at], "value") else args[at]) == mask.data_ptr(), name
 
@@ -674,8 +675,9 @@ def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, d
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the FP8 dispatch on host threads: the send casts each message as it writes it, the receive this rank's own rows
-# (local_direct) as it packs them; both bitwise legacy.reference's cast (no staging kernel)
+# the FP8 dispatch on host threads, both ways (EPKIT_LL_FP8_FUSED): each token cast once into a staging buffer that
+# the send and the receive copy, or the send casting each message and the receive this rank's own rows (local_direct);
+# both bitwise legacy.reference's cast
 
 
 def _fp8_inputs(n: int, t: int, h: int, e: int, k: int, seed: int):
@@ -701,28 +703,35 @@ def _fp8_inputs(n: int, t: int, h: int, e: int, k: int, seed: int):
     return xs, idxs
 
 
+@pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize(
     "n,h,direct,round_scale,ue8m0",
     [(1, 7168, 1, 1, 1), (2, 7168, 0, 0, 0), (2, 7168, 1, 1, 0), (4, 384, 1, 0, 0), (4, 384, 0, 1, 0),
      (3, 512, 1, 0, 1), (2, 128, 1, 1, 0), (1, 256, 0, 0, 0)],
 )  # fmt: skip
-def test_fp8_dispatch_on_host_threads(emulation, tmp_path, n, h, direct, round_scale, ue8m0):
-    """``ep_lln_dispatch_send_fp8`` and ``ep_lln_dispatch_recv`` with ``use_fp8``: every rank's q bytes and scales
-    (float32, or ue8m0's packed exponents) bitwise ``fp8_cast_reference`` of its rows, in V1's packed order; hidden
-    7168 (56 groups), an odd group count (384), one group (128); with and without the local shortcut (at one rank
-    with it no send runs: the receive casts every row)."""
+def test_fp8_dispatch_on_host_threads(emulation, tmp_path, n, h, direct, round_scale, ue8m0, fused):
+    """The FP8 dispatch (``fused`` 0: ``ep_lln_cast_fp8``, ``ep_lln_dispatch_send``, ``ep_lln_dispatch_recv`` copying
+    the staged rows; 1: ``ep_lln_dispatch_send_fp8``, the receive casting its own rows): every rank's q bytes and
+    scales (float32, or ue8m0's packed exponents) bitwise ``fp8_cast_reference`` of its rows, in V1's packed order;
+    hidden 7168 (56 groups), an odd group count (384), one group (128); with and without the local shortcut (at one
+    rank with it no send runs)."""
     import subprocess
 
     t, k, m, e = (4, 3, 4, 12) if h == 7168 else (6, 3, 8, 12)
     xs, idxs = _fp8_inputs(n, t, h, e, k, 97 + h + n)
     np.stack([_bits(x) for x in xs]).tofile(tmp_path / "x1")
     torch.stack(idxs).numpy().astype(np.int64).tofile(tmp_path / "idx1")
-    args = [str(emulation), "fp8", str(tmp_path), *map(str, (n, e, t, k, h, m, direct, round_scale, ue8m0))]
+    args = [
+        str(emulation),
+        "fp8",
+        str(tmp_path),
+        *map(str, (n, e, t, k, h, m, direct, round_scale, ue8m0, fused)),
+    ]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     epr, slots, groups = e // n, n * m, h // 128
     for r in range(n):
-        what = f"n={n} h={h} direct={direct} round_scale={round_scale} ue8m0={ue8m0} rank {r}"
+        what = f"n={n} h={h} direct={direct} round_scale={round_scale} ue8m0={ue8m0} fused={fused} rank {r}"
         assert np.fromfile(tmp_path / f"f_err_{r}", np.int32).tolist() == [0, 0, 0], f"{what}: an error"
         cnt = np.fromfile(tmp_path / f"f_count_{r}", np.int32)
         q = np.fromfile(tmp_path / f"f_q_{r}", np.uint8).reshape(epr, slots, h)

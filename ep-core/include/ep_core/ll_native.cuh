@@ -19,12 +19,13 @@
 //
 // Dispatch: send (one block per global expert, grid-stride): the source tokens selecting the expert (first lane
 //   with it; duplicates are one message) in ascending token order, each message written straight into its slot
-//   (expert, this rank, position) on the expert's rank, FP8 cast as it is written (`ep_lln_cast_rows`); then the
-//   count flag with release semantics. Receive (one block per local expert): waits for the N counts, packs the rows
-//   contiguously in source rank order (V1's `recv_x[e, :recv_count[e]]`), fills src_info, the lanes (for combine),
-//   layout_range, recv_count and cumulative stats. local_direct: this rank's own rows come from x (cast there for
-//   FP8), no message. FP8 is one send and one receive like bf16: a token of several experts is cast once per
-//   message or own row (ALU work on L2-resident rows, cheaper than a cast launch and a staging round trip).
+//   (expert, this rank, position) on the expert's rank; then the count flag with release semantics. Receive (one
+//   block per local expert): waits for the N counts, packs the rows contiguously in source rank order (V1's
+//   `recv_x[e, :recv_count[e]]`), fills src_info, the lanes (for combine), layout_range, recv_count and cumulative
+//   stats. local_direct: this rank's own rows come from the send's payload, no message. FP8: `ep_lln_cast_fp8` casts
+//   each token once into a staging buffer, the payload of both; or (EPKIT_LL_FP8_FUSED, under evaluation) the send
+//   casts each message as it writes it and the receive this rank's own rows from x: no launch, no staging, but a
+//   token of k experts cast k times (ep_lln_cast8 is ~36 instructions a channel: at EP1 top-8 ~8x the cast's ALU).
 // Combine: send (one block per local expert): each packed row written straight into its token's lane slot on the
 //   token's home rank, then the expert's flag there. Receive (per token and channel chunk): waits for the flags of
 //   the token's experts, then acc = +0, acc = acc + fp32(y_k) * w_k for each lane k ascending with an expert
@@ -379,16 +380,30 @@ __device__ __forceinline__ void ep_lln_cast_rows(int rows, int groups, int round
   }
 }
 
-// Dispatch send. x [T, hidden] bf16 (kFP8, ep_lln_dispatch_send_fp8: cast into each message, `round_scale` as
-// legacy.reference; a kernel of its own: one with both paths spilled registers); topk [T, K] (int32 or int64 by
-// idx64). Block g (grid stride over num_experts) sends expert g's tokens to rank g / E_local, then the count (nothing
-// to a masked rank). Dynamic shared memory: 8 * M bytes.
+// FP8 cast of every token once (EPKIT_LL_FP8_FUSED off; before the send): staging row t = e4m3 bytes [hidden] then
+// fp32 scales [hidden / 128], row stride `stride` bytes (16-byte multiple); blockIdx.x = token.
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_cast_fp8(const uint4* __restrict__ x, int hidden, int round_scale, uint8_t* __restrict__ staging,
+                    int stride) {
+  uint8_t* row = staging + (int64_t)blockIdx.x * stride;
+  ep_lln_cast_rows(
+      1, hidden / 128, round_scale, [&](int) { return x + (int64_t)blockIdx.x * (hidden / 8); },
+      [&](int) { return reinterpret_cast<uint2*>(row); },
+      [&](int, int g, float sc) { reinterpret_cast<float*>(row + hidden)[g] = sc; });
+}
+
+// Dispatch send. Payload rows (row stride `stride` bytes): ep_lln_dispatch_send copies them (bf16 x, or with
+// `use_fp8` the FP8 staging of ep_lln_cast_fp8); ep_lln_dispatch_send_fp8 (kFP8; EPKIT_LL_FP8_FUSED) reads bf16 x
+// and casts each message as it writes it (`round_scale` as legacy.reference; a kernel of its own: one with both paths
+// spilled registers). topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
+// tokens to rank g / E_local, then the count (nothing to a masked rank). Dynamic shared memory: 8 * M bytes.
 template <bool kFP8>
-__device__ __forceinline__ void ep_lln_dispatch_send_t(const uint4* __restrict__ x, int round_scale,
-                                                       const void* __restrict__ topk, int idx64, int num_tokens,
-                                                       int num_topk, int hidden, int num_experts, int num_ranks,
-                                                       int rank, int m, const uint64_t* __restrict__ peers,
-                                                       const uint8_t* own_base, uint8_t* own_half, int local_direct,
+__device__ __forceinline__ void ep_lln_dispatch_send_t(const uint8_t* __restrict__ payload, int stride,
+                                                       int round_scale, const void* __restrict__ topk, int idx64,
+                                                       int num_tokens, int num_topk, int hidden, int num_experts,
+                                                       int num_ranks, int rank, int m,
+                                                       const uint64_t* __restrict__ peers, const uint8_t* own_base,
+                                                       uint8_t* own_half, int use_fp8, int local_direct,
                                                        int* __restrict__ lane_pos, int* err, volatile int* herr,
                                                        int* mask, int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
@@ -398,7 +413,8 @@ __device__ __forceinline__ void ep_lln_dispatch_send_t(const uint4* __restrict__
   const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
   const int* ctrl = reinterpret_cast<const int*>(own_half + L.ctrl);
   const int64_t epoch = (int64_t)ctrl[0] + 1;
-  const int vecs = hidden / 8;
+  const int groups = hidden / 128;
+  const int vecs = !kFP8 && use_fp8 ? (hidden + groups * 4 + 15) / 16 : hidden / 8;
   for (int g = blockIdx.x; g < num_experts; g += gridDim.x) {
     const int dst = g / epr, e = g - dst * epr;
     // block-uniform (another block's timeout may flip the word meanwhile)
@@ -408,15 +424,15 @@ __device__ __forceinline__ void ep_lln_dispatch_send_t(const uint4* __restrict__
     uint8_t* slots = ep_lln::peer_addr(peers, dst, own_base, local_slots);
     if (lane_pos != nullptr)  // each (token, first lane)'s position in this rank's block of its expert (combine)
       for (int j = threadIdx.x; j < count; j += blockDim.x) lane_pos[s_list[j] * num_topk + s_list[m + j]] = j;
-    // local_direct: this rank's own experts read their rows from x in the receive (no message)
+    // local_direct: this rank's own experts read their rows from the payload in the receive (no message)
     const int sent = local_direct && dst == rank ? 0 : count;
     for (int j = threadIdx.x; j < sent; j += blockDim.x)
       *reinterpret_cast<int4*>(slots + (int64_t)j * L.msg) = make_int4(s_list[j], s_list[m + j], 0, 0);
     const int64_t msg = L.msg;
-    auto row = [&](int j) { return x + (int64_t)s_list[j] * vecs; };
+    auto row = [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); };
     if constexpr (kFP8)  // the message's payload: e4m3 bytes [hidden], then fp32 scales [hidden / 128]
       ep_lln_cast_rows(
-          sent, hidden / 128, round_scale, row,
+          sent, groups, round_scale, row,
           [&](int j) { return reinterpret_cast<uint2*>(slots + (int64_t)j * msg + 16); },
           [&](int j, int gr, float sc) { reinterpret_cast<float*>(slots + (int64_t)j * msg + 16 + hidden)[gr] = sc; });
     else
@@ -433,38 +449,41 @@ __device__ __forceinline__ void ep_lln_dispatch_send_t(const uint4* __restrict__
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2)
-    ep_lln_dispatch_send(const uint4* __restrict__ x, int round_scale, const void* __restrict__ topk, int idx64,
-                         int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
-                         const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                         int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask,
-                         int sig) {
-  ep_lln_dispatch_send_t<false>(x, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts, num_ranks,
-                                rank, m, peers, own_base, own_half, local_direct, lane_pos, err, herr, mask, sig);
+    ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, int round_scale,
+                         const void* __restrict__ topk, int idx64, int num_tokens, int num_topk, int hidden,
+                         int num_experts, int num_ranks, int rank, int m, const uint64_t* __restrict__ peers,
+                         const uint8_t* own_base, uint8_t* own_half, int use_fp8, int local_direct,
+                         int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask, int sig) {
+  ep_lln_dispatch_send_t<false>(payload, stride, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts,
+                                num_ranks, rank, m, peers, own_base, own_half, use_fp8, local_direct, lane_pos, err,
+                                herr, mask, sig);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2)
-    ep_lln_dispatch_send_fp8(const uint4* __restrict__ x, int round_scale, const void* __restrict__ topk, int idx64,
-                             int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank,
-                             int m, const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                             int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask,
-                             int sig) {
-  ep_lln_dispatch_send_t<true>(x, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts, num_ranks,
-                               rank, m, peers, own_base, own_half, local_direct, lane_pos, err, herr, mask, sig);
+    ep_lln_dispatch_send_fp8(const uint8_t* __restrict__ payload, int stride, int round_scale,
+                             const void* __restrict__ topk, int idx64, int num_tokens, int num_topk, int hidden,
+                             int num_experts, int num_ranks, int rank, int m, const uint64_t* __restrict__ peers,
+                             const uint8_t* own_base, uint8_t* own_half, int use_fp8, int local_direct,
+                             int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask, int sig) {
+  ep_lln_dispatch_send_t<true>(payload, stride, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts,
+                               num_ranks, rank, m, peers, own_base, own_half, use_fp8, local_direct, lane_pos, err,
+                               herr, mask, sig);
 }
 
 // Dispatch receive. Block e (grid stride over E_local): waits for the counts of the N source ranks, then packs the
 // rows. Outputs: bf16 out [E_local, N*M, hidden], or FP8 q [E_local, N*M, hidden] with scales float32
 // [E_local, G, N*M] (ue8m0: int32 [E_local, G/4, N*M], exponent byte of group g at byte g % 4); src_info and lanes
 // int32 [E_local, N*M] (-1 past the count); recv_count int32 [E_local]; layout_range int64 [E_local, N]; stats
-// int32 [E_local] (added to; may be null). local_direct: this rank's own block takes its rows from x [T, hidden]
-// bf16 (the send's; `use_fp8`: cast here with `round_scale`, bitwise the send's cast).
+// int32 [E_local] (added to; may be null). use_fp8: 0 bf16, 1 FP8, 2 FP8 with the cast fused (EPKIT_LL_FP8_FUSED).
+// local_direct: this rank's own block takes its rows from `payload` (the send's, row stride `stride` bytes: bf16 x,
+// the FP8 staging, or with use_fp8 2 bf16 x cast here with `round_scale`, bitwise the send's cast).
 extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_recv(int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
-                         const uint4* __restrict__ x, int round_scale, const void* __restrict__ topk, int idx64,
-                         int num_tokens, int local_direct, int* __restrict__ lane_pos, int timeout_ms, int* err,
+                         const uint8_t* __restrict__ payload, int stride, int round_scale,
+                         const void* __restrict__ topk, int idx64, int num_tokens, int local_direct, int* __restrict__ lane_pos, int timeout_ms, int* err,
                          volatile int* herr, int* mask, int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
@@ -513,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     __syncthreads();
     const int total = s_off[num_ranks];
     // packed row j: source rank r by a binary search over the block offsets; its payload is the message's, or with
-    // local_direct for this rank's own block its token's row of x (null for FP8: cast below, not copied)
+    // local_direct for this rank's own block its token's payload row (null when fused: cast below, not copied)
     auto rank_of = [&](int j) {
       int lo = 0, hi = num_ranks - 1;
       while (lo < hi) {
@@ -525,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     auto src_of = [&](int j) -> const uint8_t* {
       const int r = rank_of(j);
       if (local_direct && r == rank)
-        return use_fp8 ? nullptr : reinterpret_cast<const uint8_t*>(x + (int64_t)s_list[j - s_off[r]] * row_vecs);
+        return use_fp8 == 2 ? nullptr : payload + (int64_t)s_list[j - s_off[r]] * stride;
       return own_half + L.ddata + (((int64_t)e * num_ranks + r) * m + (j - s_off[r])) * L.msg + 16;
     };
     for (int j = threadIdx.x; j < total; j += blockDim.x) {
@@ -561,10 +580,11 @@ extern "C" __global__ void __launch_bounds__(512, 2)
         const uint8_t* src = src_of(j);
         if (src != nullptr) put_scale(j, g, reinterpret_cast<const float*>(src + hidden)[g]);
       }
-      if (local_direct) {  // this rank's own rows [s_off[rank], s_off[rank + 1]): cast from x
+      if (local_direct && use_fp8 == 2) {  // this rank's own rows [s_off[rank], s_off[rank + 1]): cast from x
         const int own0 = s_off[rank];
+        auto row = [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); };
         ep_lln_cast_rows(
-            s_off[rank + 1] - own0, groups, round_scale, [&](int j) { return x + (int64_t)s_list[j] * row_vecs; },
+            s_off[rank + 1] - own0, groups, round_scale, row,
             [&](int j) { return reinterpret_cast<uint2*>(out4 + (int64_t)(own0 + j) * qvecs); },
             [&](int j, int g, float s) { put_scale(own0 + j, g, s); });
       }
