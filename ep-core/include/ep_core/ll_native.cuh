@@ -483,8 +483,9 @@ extern "C" __global__ void __launch_bounds__(512, 2)
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
                          const uint8_t* __restrict__ payload, int stride, int round_scale,
-                         const void* __restrict__ topk, int idx64, int num_tokens, int local_direct, int* __restrict__ lane_pos, int timeout_ms, int* err,
-                         volatile int* herr, int* mask, int sig) {
+                         const void* __restrict__ topk, int idx64, int num_tokens, int local_direct,
+                         int* __restrict__ lane_pos, int timeout_ms, int* err, volatile int* herr, int* mask,
+                         int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
   __shared__ int warp_sums[32];
