@@ -36,8 +36,10 @@ Per EP size N, T tokens per rank, hidden 7168, top-8 of 256 experts (uniform ran
 Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters`` times back to back between two CUDA
 events; the reported time is the mean per replay (processes: the max over ranks). Checks on every rank, before the
 op's row: each V1 combine bitwise against ``legacy.reference.ll_combine_reference``, each V1 dispatch's
-``recv_count`` against the routing (``CHECK FAILED`` lines). ``--dry-run-cpu`` runs the same harness on the CPU
-reference backend (tiny sizes, host timer; the loopback group in one thread per rank). Exit status 0 (also
+``recv_count`` against the routing, the native FP8 dispatch bitwise against ``fp8_cast_reference`` on the first rank
+(``CHECK FAILED`` lines). ``v1 ll_dispatch fp8 native fused``: the same with ``EPKIT_LL_FP8_FUSED=1`` (the cast in the
+send and receive kernels instead of a staging kernel; issue 44's A/B). ``--dry-run-cpu`` runs the same harness on the
+CPU reference backend (tiny sizes, host timer; the loopback group in one thread per rank). Exit status 0 (also
 "skipped" without a GPU), 1 if a check failed.
 """
 
@@ -413,6 +415,22 @@ def _measure(torch, ctx, cfg: dict) -> tuple[list[dict], list[str]]:
     return rows, failures
 
 
+def _fp8_bitwise(torch, cfg: dict, n: int, rank: int, recv) -> bool:
+    """``rank``'s FP8 dispatch output (the cast fused into the native kernels) equals legacy.reference's cast of its
+    rows in V1's packed order, bytes and scales."""
+    import numpy as np
+    from ep_torch.legacy.reference import fp8_cast_reference, ll_expected_rows
+
+    ins = [_inputs(torch, s, cfg, "cpu") for s in range(n)]
+    xs = [i[0].view(torch.int16).numpy().view(np.uint16) for i in ins]
+    want = ll_expected_rows([i[1].numpy() for i in ins], rank, cfg["experts"])
+    q, s = recv[0].cpu().view(torch.uint8).numpy(), recv[1].cpu().numpy()
+    rq, rs = fp8_cast_reference(np.stack([xs[src][t] for rows in want for src, t in rows]))
+    got_q = np.concatenate([q[le, : len(rows)] for le, rows in enumerate(want)])
+    got_s = np.concatenate([s[le, : len(rows)] for le, rows in enumerate(want)])
+    return np.array_equal(got_q, rq) and np.array_equal(got_s.view(np.int32), rs.view(np.int32))
+
+
 def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: str) -> None:
     """V1 low-latency mode on its own kernels (``ll_native=True``, ``legacy.ll_kernels.native_*``): dispatch bf16 /
     FP8, the combine (bitwise against ll_combine_reference), the decode step, and the step with the hook split
@@ -439,7 +457,19 @@ def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: 
             for r, out in zip(R, outs):
                 if not torch.equal(out[1].cpu(), want_counts[r * epr : (r + 1) * epr]):
                     failures.append(f"rank {r}: v1 ll_dispatch native fp8={fp8}: recv_count is wrong")
+            if fp8 and not _fp8_bitwise(torch, cfg, n, R[0], outs[0][0]):
+                failures.append(f"rank {R[0]}: v1 ll_dispatch native fp8 differs from fp8_cast_reference")
             row(f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} native", lambda r, fp8=fp8: disp(r, fp8))
+        # issue 44's A/B: the FP8 cast in the send (each message) and the receive (own rows), no staging launch
+        os.environ["EPKIT_LL_FP8_FUSED"] = "1"
+        try:
+            if not _fp8_bitwise(torch, cfg, n, R[0], ctx.each(lambda r: disp(r, True))[0][0]):
+                failures.append(
+                    f"rank {R[0]}: v1 ll_dispatch native fp8 fused differs from fp8_cast_reference"
+                )
+            row("v1 ll_dispatch fp8 native fused", lambda r: disp(r, True))
+        finally:
+            os.environ.pop("EPKIT_LL_FP8_FUSED", None)
         state, refs = {}, {}
         for r, out in zip(R, ctx.each(disp)):
             state[r] = (out[0].clone(), out[2])

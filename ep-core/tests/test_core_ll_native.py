@@ -47,7 +47,7 @@ def test_bad_arguments_are_refused():
     pytest.importorskip("ep_jit")
     with pytest.raises(EPValueError, match="expected one of"):
         ll_native._args("ep_lln_nope", [])
-    with pytest.raises(EPValueError, match="expected 21 arguments"):
+    with pytest.raises(EPValueError, match="expected 22 arguments"):
         ll_native._args("ep_lln_dispatch_send", [0])
     sig = ll_native.SIGNATURES["ep_lln_combine_recv"]
     vals = [1 << 40 if c == "i" else 0 for c in sig]

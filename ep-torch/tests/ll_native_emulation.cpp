@@ -1,8 +1,8 @@
 // Host emulation of ep_core/ll_native.cuh for test_torch_legacy_ll_mask_native.py: the native low-latency kernels
-// (dispatch send/recv, combine send/recv and the LogFMT twins, ep_lln_clean) of N ranks whose regions are host
-// buffers, one std::thread per CUDA thread of a block (reused by the grid's blocks), std::barrier for __syncthreads and
-// the warp collectives. Blocks and ranks run one after another (every send of a step before its receives), except
-// ep_lln_clean, whose device barriers need the N ranks at once (one host thread per rank).
+// (dispatch send (bf16, FP8) and receive, combine send/recv and the LogFMT twins, ep_lln_clean) of N ranks whose
+// regions are host buffers, one std::thread per CUDA thread of a block (reused by the grid's blocks), std::barrier for
+// __syncthreads and the warp collectives. Blocks and ranks run one after another (every send of a step before its
+// receives), except ep_lln_clean, whose device barriers need the N ranks at once (one host thread per rank).
 #include <atomic>
 #include <random>
 #include <sys/mman.h>
@@ -196,14 +196,14 @@ int run_concurrent(char** argv) {
         pause();
         if (n > 1 || !direct)
           launch(ne, block, [&] {
-            ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
+            ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, 0, ir, 1, nt, nk, h, ne, n, r, m,
                                  peers.data(), base(r), own, 0, direct, lane_pos.data(), err, herr.data(), nullptr, 0);
           });
         pause();
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, own, 0, 0, recv.data(), nullptr, src.data(), lanes.data(),
-                               count.data(), range.data(), nullptr, reinterpret_cast<const uint8_t*>(xr), h * 2, ir,
-                               1, nt, direct, lane_pos.data(), timeout_ms, err, herr.data(), nullptr, 0);
+                               count.data(), range.data(), nullptr, reinterpret_cast<const uint8_t*>(xr), h * 2, 0,
+                               ir, 1, nt, direct, lane_pos.data(), timeout_ms, err, herr.data(), nullptr, 0);
         });
       }
       for (int e = 0; e < epr; ++e)  // the experts: y = bf16(fp32(row) * (1 + g / 8))
@@ -246,6 +246,64 @@ int run_concurrent(char** argv) {
   return bad ? 5 : 0;
 }
 
+// The FP8 mode (argv: fp8 dir N E T K H M local_direct round_scale ue8m0 fused): one dispatch of every rank with
+// use_fp8: fused 0: ep_lln_cast_fp8 into a staging buffer, ep_lln_dispatch_send copying it, ep_lln_dispatch_recv
+// (use_fp8 1); fused 1: ep_lln_dispatch_send_fp8 casting each message, ep_lln_dispatch_recv (use_fp8 2) casting this
+// rank's own rows from x with local_direct. Inputs x1, idx1 as below; outputs f_count_{rank}, f_q_{rank} (uint8
+// [E_local][N*M][H]), f_s_{rank} (float32 [E_local][H/128][N*M], ue8m0: int32 [E_local][H/512][N*M]), f_err_{rank}.
+int run_fp8(char** argv) {
+  g_dir = argv[2];
+  const int n = atoi(argv[3]), ne = atoi(argv[4]), nt = atoi(argv[5]), nk = atoi(argv[6]), h = atoi(argv[7]);
+  const int m = atoi(argv[8]), direct = atoi(argv[9]), rs = atoi(argv[10]), ue = atoi(argv[11]);
+  const int fused = atoi(argv[12]), epr = ne / n, slots = n * m, block = 64, sig = 1 << 16 | rs << 17 | ue << 18;
+  const int stride = fused ? h * 2 : (h + 4 * (h / 128) + 15) / 16 * 16;
+  const ep_lln::Layout L(epr, n, ne, m, nk, h);
+  const int64_t front = ep_lln::header_bytes(n);
+  std::vector<std::vector<uint64_t>> region(n, std::vector<uint64_t>((front + 2 * L.half_bytes) / 8 + 2, 0));
+  std::vector<uint64_t> peers(n);
+  auto base = [&](int r) { return reinterpret_cast<uint8_t*>(region[r].data()); };
+  for (int r = 0; r < n; ++r) {
+    peers[r] = (uint64_t)(uintptr_t)base(r);
+    std::memset(base(r) + front + L.ddata, 0x5A, L.half_bytes - L.ddata);  // stale message bytes
+  }
+  auto x = rd<uint16_t>("x1", (size_t)n * nt * h);
+  auto idx = rd<int64_t>("idx1", (size_t)n * nt * nk);
+  std::vector<std::vector<uint64_t>> staging(n, std::vector<uint64_t>((size_t)nt * stride / 8 + 1, ~0ull));
+  auto payload = [&](int r) {
+    return fused ? reinterpret_cast<const uint8_t*>(x.data() + (size_t)r * nt * h)
+                 : reinterpret_cast<const uint8_t*>(staging[r].data());
+  };
+  std::vector<std::vector<int>> lane_pos(n, std::vector<int>((size_t)nt * nk + 1)), herr(n, std::vector<int>(9 + n));
+  for (int r = 0; r < n && !fused; ++r)
+    launch(nt, block, [&] {
+      ep_lln_cast_fp8(reinterpret_cast<const uint4*>(x.data() + (size_t)r * nt * h), h, rs,
+                      reinterpret_cast<uint8_t*>(staging[r].data()), stride);
+    });
+  for (int r = 0; r < n && (n > 1 || !direct); ++r)
+    launch(ne, block, [&] {
+      (fused ? ep_lln_dispatch_send_fp8 : ep_lln_dispatch_send)(
+          payload(r), stride, rs, idx.data() + (size_t)r * nt * nk, 1, nt, nk, h, ne, n, r, m, peers.data(), base(r),
+          base(r) + front, 1, direct, lane_pos[r].data(), reinterpret_cast<int*>(base(r)), herr[r].data(), nullptr,
+          sig);
+    });
+  for (int r = 0; r < n; ++r) {
+    std::vector<uint8_t> q((size_t)epr * slots * h, 0xEE), sc((size_t)epr * slots * (h / 128) * (ue ? 1 : 4), 0xEE);
+    std::vector<int> count(epr), src((size_t)epr * slots), lanes(src);
+    std::vector<int64_t> range((size_t)epr * n);
+    launch(epr, block, [&] {
+      ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 1 + fused, ue, q.data(), sc.data(), src.data(),
+                           lanes.data(), count.data(), range.data(), nullptr, payload(r), stride, rs,
+                           idx.data() + (size_t)r * nt * nk, 1, nt, direct, lane_pos[r].data(), 2000,
+                           reinterpret_cast<int*>(base(r)), herr[r].data(), nullptr, sig);
+    });
+    wr("f_count_" + std::to_string(r), count);
+    wr("f_q_" + std::to_string(r), q);
+    wr("f_s_" + std::to_string(r), sc);
+    wr("f_err_" + std::to_string(r), std::vector<int>{*reinterpret_cast<int*>(base(r)), herr[r][0], herr[r][4 + n]});
+  }
+  return 0;
+}
+
 // The envelope mode (issue 41; argv: envelope dir N E T K H M local_direct culprit fault): three rounds of every rank
 // with no ep_lln_clean between them; in round 1 `culprit` makes the fault: 1 its dispatch with another signature word
 // (the FP8 bit), 2 ep_lln_abort instead of its dispatch (then no rank combines: every host raised at the dispatch),
@@ -258,6 +316,7 @@ static int g_culprit = -1, g_fault = 0, g_no_clean = 0;
 // every rank and no mask. Outputs r{q}_{count,range,src,recv,comb}_{rank}, then mask_{rank}, herr_{rank}, err_{rank}.
 int main(int argc, char** argv) {
   if (argc == 12 && std::string(argv[1]) == "concurrent") return run_concurrent(argv);
+  if (argc == 13 && std::string(argv[1]) == "fp8") return run_fp8(argv);
   if (argc == 12 && std::string(argv[1]) == "envelope") {
     g_culprit = atoi(argv[10]);
     g_fault = atoi(argv[11]);
@@ -317,7 +376,7 @@ int main(int argc, char** argv) {
         const uint16_t* xr = x.data() + (size_t)r * nt * h;
         const int64_t* ir = idx.data() + (size_t)r * nt * nk;
         launch(ne, block, [&] {
-          ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, nk, h, ne, n, r, m,
+          ep_lln_dispatch_send(reinterpret_cast<const uint8_t*>(xr), h * 2, 0, ir, 1, nt, nk, h, ne, n, r, m,
                                peers.data(), base(r), base(r) + front, 0, direct, lane_pos[r].data(), err(r),
                                herr[r].data(), mp(r), fault(r, 1) ? 1 << 16 : 0);
         });
@@ -329,8 +388,8 @@ int main(int argc, char** argv) {
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
                                lanes[r].data(), count[r].data(), range[r].data(), nullptr,
-                               reinterpret_cast<const uint8_t*>(xr), h * 2, ir, 1, nt, direct, lane_pos[r].data(), timeout_ms, err(r),
-                               herr[r].data(), mp(r), fault(r, 1) ? 1 << 16 : 0);
+                               reinterpret_cast<const uint8_t*>(xr), h * 2, 0, ir, 1, nt, direct, lane_pos[r].data(),
+                               timeout_ms, err(r), herr[r].data(), mp(r), fault(r, 1) ? 1 << 16 : 0);
         });
       }
       if (g_fault == 2 && q == 1) return;  // every rank raised at the dispatch: no combine

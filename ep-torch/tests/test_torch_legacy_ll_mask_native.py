@@ -413,7 +413,8 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
     mask = torch.zeros(n + 1, dtype=torch.int32)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     idx = torch.zeros(3, k, dtype=torch.int64)
-    for fp8 in (False, True):
+    for fp8, fused in ((False, "0"), (True, "0"), (True, "1")):  # EPKIT_LL_FP8_FUSED=1: the FP8 send kernel
+        monkeypatch.setenv("EPKIT_LL_FP8_FUSED", fused)
         out = ll_kernels.native_dispatch(reg, x, idx, fp8, fp8, False, None, False, mask)
         out[-1]()
     src_info, layout_range, lanes, lane_pos = out[2], out[3], out[4], out[5]
@@ -671,3 +672,78 @@ def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, d
             comb = np.fromfile(tmp_path / f"r{q}_comb_{r}", np.uint16).reshape(T, H)[:t]
             bad = np.argwhere(comb != _combine_ref(r, n, seed, set(), False))
             assert not bad.size, f"{what} round {q}: combine differs from the reference at {tuple(bad[0])}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the FP8 dispatch on host threads, both ways (EPKIT_LL_FP8_FUSED): each token cast once into a staging buffer that
+# the send and the receive copy, or the send casting each message and the receive this rank's own rows (local_direct);
+# both bitwise legacy.reference's cast
+
+
+def _fp8_inputs(n: int, t: int, h: int, e: int, k: int, seed: int):
+    """Per rank: bf16 x [t, h] whose 128-channel groups span zeros, bf16 subnormals, tiny, unit, large and near-max
+    values (a group of one non-zero among zeros, a token all zeros), top-k ids with a -1 lane, a repeated expert and
+    a token selecting nothing."""
+    g = torch.Generator().manual_seed(seed)
+    mags = torch.tensor([0.0, 1e-40, 1e-30, 1.0, 37.0, 3e4, 1e38, 3e38])
+    xs, idxs = [], []
+    for _ in range(n):
+        pick = torch.randint(len(mags), (t, h // 128), generator=g)
+        x = (torch.rand(t, h, generator=g) * 2 - 1) * mags[pick].repeat_interleave(128, dim=1)
+        x[0] = 0.0
+        x[1, :128] = 0.0
+        x[1, 5] = -2.5
+        x = x.to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        idx[0, k - 1] = -1
+        idx[2, 1] = idx[2, 0]
+        idx[t - 1] = -1
+        xs.append(x)
+        idxs.append(idx)
+    return xs, idxs
+
+
+@pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize(
+    "n,h,direct,round_scale,ue8m0",
+    [(1, 7168, 1, 1, 1), (2, 7168, 0, 0, 0), (2, 7168, 1, 1, 0), (4, 384, 1, 0, 0), (4, 384, 0, 1, 0),
+     (3, 512, 1, 0, 1), (2, 128, 1, 1, 0), (1, 256, 0, 0, 0)],
+)  # fmt: skip
+def test_fp8_dispatch_on_host_threads(emulation, tmp_path, n, h, direct, round_scale, ue8m0, fused):
+    """The FP8 dispatch (``fused`` 0: ``ep_lln_cast_fp8``, ``ep_lln_dispatch_send``, ``ep_lln_dispatch_recv`` copying
+    the staged rows; 1: ``ep_lln_dispatch_send_fp8``, the receive casting its own rows): every rank's q bytes and
+    scales (float32, or ue8m0's packed exponents) bitwise ``fp8_cast_reference`` of its rows, in V1's packed order;
+    hidden 7168 (56 groups), an odd group count (384), one group (128); with and without the local shortcut (at one
+    rank with it no send runs)."""
+    import subprocess
+
+    t, k, m, e = (4, 3, 4, 12) if h == 7168 else (6, 3, 8, 12)
+    xs, idxs = _fp8_inputs(n, t, h, e, k, 97 + h + n)
+    np.stack([_bits(x) for x in xs]).tofile(tmp_path / "x1")
+    torch.stack(idxs).numpy().astype(np.int64).tofile(tmp_path / "idx1")
+    args = [
+        str(emulation),
+        "fp8",
+        str(tmp_path),
+        *map(str, (n, e, t, k, h, m, direct, round_scale, ue8m0, fused)),
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    epr, slots, groups = e // n, n * m, h // 128
+    for r in range(n):
+        what = f"n={n} h={h} direct={direct} round_scale={round_scale} ue8m0={ue8m0} fused={fused} rank {r}"
+        assert np.fromfile(tmp_path / f"f_err_{r}", np.int32).tolist() == [0, 0, 0], f"{what}: an error"
+        cnt = np.fromfile(tmp_path / f"f_count_{r}", np.int32)
+        q = np.fromfile(tmp_path / f"f_q_{r}", np.uint8).reshape(epr, slots, h)
+        dt, cols = (np.int32, groups // 4) if ue8m0 else (np.float32, groups)
+        s = np.fromfile(tmp_path / f"f_s_{r}", dt)[: epr * cols * slots].reshape(epr, cols, slots)
+        for le, rows in enumerate(ll_expected_rows([i.numpy() for i in idxs], r, e)):
+            c = len(rows)
+            assert cnt[le] == c, f"{what}: recv_count[{le}]={cnt[le]}, want {c}"
+            if not c:
+                continue
+            rq, rs = fp8_cast_reference(np.stack([_bits(xs[sr][tok]) for sr, tok in rows]), bool(round_scale),
+                                        bool(ue8m0))  # fmt: skip
+            bad = np.argwhere(q[le, :c] != rq)
+            assert not bad.size, f"{what}: e4m3 bytes of expert {le} differ at {tuple(bad[0])}"
+            assert np.array_equal(s[le, :, :c].T.view(np.int32), rs.view(np.int32)), f"{what}: scales of {le}"

@@ -19,10 +19,13 @@
 //
 // Dispatch: send (one block per global expert, grid-stride): the source tokens selecting the expert (first lane
 //   with it; duplicates are one message) in ascending token order, each message written straight into its slot
-//   (expert, this rank, position) on the expert's rank, FP8 cast in the kernel; then the count flag with release
-//   semantics. Receive (one block per local expert): waits for the N counts, packs the rows contiguously in source
-//   rank order (V1's `recv_x[e, :recv_count[e]]`), fills src_info, the lanes (for combine), layout_range,
-//   recv_count and cumulative stats.
+//   (expert, this rank, position) on the expert's rank; then the count flag with release semantics. Receive (one
+//   block per local expert): waits for the N counts, packs the rows contiguously in source rank order (V1's
+//   `recv_x[e, :recv_count[e]]`), fills src_info, the lanes (for combine), layout_range, recv_count and cumulative
+//   stats. local_direct: this rank's own rows come from the send's payload, no message. FP8: `ep_lln_cast_fp8` casts
+//   each token once into a staging buffer, the payload of both; or (EPKIT_LL_FP8_FUSED, under evaluation) the send
+//   casts each message as it writes it and the receive this rank's own rows from x: no launch, no staging, but a
+//   token of k experts cast k times (ep_lln_cast8 is ~36 instructions a channel: at EP1 top-8 ~8x the cast's ALU).
 // Combine: send (one block per local expert): each packed row written straight into its token's lane slot on the
 //   token's home rank, then the expert's flag there. Receive (per token and channel chunk): waits for the flags of
 //   the token's experts, then acc = +0, acc = acc + fp32(y_k) * w_k for each lane k ascending with an expert
@@ -302,33 +305,27 @@ __device__ inline int ep_lln_list_tokens(const void* topk, int idx64, int num_to
   return running;
 }
 
-// Copy `rows` rows of `vecs` 16-byte vectors with the whole block: dst(j)[c] = src(j)[c]. A warp per (row, part)
-// item, a row cut into as many parts as keep every warp busy (at least 32 vectors a part), so `src_row(j)` /
-// `dst_row(j)` (the rows' first vectors; a lookup each) run once per item, not per vector; eight 16-byte loads in
-// flight per lane. All threads.
+// Copy `rows` rows of `vecs` 16-byte vectors with the whole block: dst(j)[c] = src(j)[c]. A warp per (row, chunk of
+// 32 * kUnroll vectors) item, items round-robin over the warps: one round of kUnroll loads in flight per lane an item,
+// `src_row(j)` / `dst_row(j)` (the rows' first vectors; a lookup each) once an item. (Cutting each row into
+// nwarps / rows parts instead left warps idle when rows does not divide nwarps: 9 rows of 896 vectors took 9 of 16
+// warps, 7 rounds each at kUnroll 4; chunks take 4.) A row whose src_row is null is skipped. All threads.
 template <int kUnroll = 8, typename Src, typename Dst>
 __device__ __forceinline__ void ep_lln_copy_rows(int rows, int vecs, Src src_row, Dst dst_row) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if (rows <= 0 || vecs <= 0) return;
-  int parts = nwarps / rows;
-  parts = parts < 1 ? 1 : parts;
-  const int most = (vecs + 31) / 32;
-  parts = parts > most ? most : parts;
-  const int per = (vecs + parts - 1) / parts;
+  const int parts = (vecs + 32 * kUnroll - 1) / (32 * kUnroll);
   for (int item = warp; item < rows * parts; item += nwarps) {
-    const int j = item / parts, c0 = (item - j * parts) * per;
-    const int c1 = c0 + per < vecs ? c0 + per : vecs;
+    const int j = item / parts, c = (item - j * parts) * 32 * kUnroll + lane;
     const uint4* src = src_row(j);
+    if (src == nullptr) continue;  // a row the caller writes otherwise
     uint4* dst = dst_row(j);
-    for (int c = c0 + lane; c < c1; c += 32 * kUnroll) {
-      uint4 v[kUnroll];
+    uint4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c + 32 * u < c1) v[u] = src[c + 32 * u];
+    for (int u = 0; u < kUnroll; ++u)
+      if (c + 32 * u < vecs) v[u] = src[c + 32 * u];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c + 32 * u < c1) dst[c + 32 * u] = v[u];
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (c + 32 * u < vecs) dst[c + 32 * u] = v[u];
   }
 }
 
@@ -352,41 +349,63 @@ __device__ __forceinline__ uint2 ep_lln_cast8(uint4 v, bool ok, int round_scale,
   return make_uint2(lo, hi);
 }
 
-// FP8 cast of every token once (before the send): staging row t = e4m3 bytes [hidden] then fp32 scales
-// [hidden / 128], row stride `stride` bytes (16-byte multiple). A half warp per 128-channel group, eight channels
-// per lane; blockIdx.x = token.
-extern "C" __global__ void __launch_bounds__(256)
-    ep_lln_cast_fp8(const uint4* __restrict__ x, int hidden, int round_scale, uint8_t* __restrict__ staging,
-                    int stride) {
-  const int t = blockIdx.x;
-  const int groups = hidden / 128;
+// FP8 cast of `rows` bf16 rows of `groups` 128-channel groups as they are moved, with the whole block: row j read
+// at src_row(j) (uint4: eight bf16), its e4m3 bytes written to q_row(j) (uint2: eight), the scale of its group g
+// given to put_scale(j, g, scale) (one lane). A warp per (row, chunk of 8 groups) item as in ep_lln_copy_rows, a half
+// warp per group (ep_lln_cast8: the bytes of ep_ll_pack_fp8 and legacy.reference), four groups' loads in flight per
+// half warp. All threads.
+template <typename Src, typename Dst, typename Put>
+__device__ __forceinline__ void ep_lln_cast_rows(int rows, int groups, int round_scale, Src src_row, Dst q_row,
+                                                 Put put_scale) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int half = lane >> 4, hl = lane & 15;
-  const uint4* src = x + (int64_t)t * (hidden / 8);
-  uint2* q = reinterpret_cast<uint2*>(staging + (int64_t)t * stride);
-  float* sc = reinterpret_cast<float*>(staging + (int64_t)t * stride + hidden);
-  const int pairs = (groups + 1) / 2;
-  for (int pidx = warp; pidx < pairs; pidx += nwarps) {
-    const int gg = 2 * pidx + half;
-    const bool ok = gg < groups;
-    float scale;
-    const uint2 bits = ep_lln_cast8(ok ? src[gg * 16 + hl] : make_uint4(0, 0, 0, 0), ok, round_scale, &scale);
-    if (ok) {
-      q[gg * 16 + hl] = bits;
-      if (hl == 0) sc[gg] = scale;
+  const int half = lane >> 4, hl = lane & 15, parts = (groups + 7) / 8;
+  for (int item = warp; item < rows * parts; item += nwarps) {
+    const int j = item / parts, g0 = (item - j * parts) * 8 + half;  // this half warp's groups: g0, g0 + 2, ...
+    const uint4* src = src_row(j);
+    uint2* q = q_row(j);
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = g0 + 2 * u < groups ? src[(g0 + 2 * u) * 16 + hl] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int g = g0 + 2 * u;
+      if (g - half >= groups) break;  // warp-uniform (the cast's amax is a half-warp shuffle)
+      float scale;
+      const uint2 bits = ep_lln_cast8(v[u], g < groups, round_scale, &scale);
+      if (g < groups) {
+        q[g * 16 + hl] = bits;
+        if (hl == 0) put_scale(j, g, scale);
+      }
     }
   }
 }
 
-// Dispatch send. Payload rows: bf16 x [T, hidden], or the FP8 staging of `ep_lln_cast_fp8` (`use_fp8`, row stride
-// `stride` bytes); topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
+// FP8 cast of every token once (EPKIT_LL_FP8_FUSED off; before the send): staging row t = e4m3 bytes [hidden] then
+// fp32 scales [hidden / 128], row stride `stride` bytes (16-byte multiple); blockIdx.x = token.
+extern "C" __global__ void __launch_bounds__(256)
+    ep_lln_cast_fp8(const uint4* __restrict__ x, int hidden, int round_scale, uint8_t* __restrict__ staging,
+                    int stride) {
+  uint8_t* row = staging + (int64_t)blockIdx.x * stride;
+  ep_lln_cast_rows(
+      1, hidden / 128, round_scale, [&](int) { return x + (int64_t)blockIdx.x * (hidden / 8); },
+      [&](int) { return reinterpret_cast<uint2*>(row); },
+      [&](int, int g, float sc) { reinterpret_cast<float*>(row + hidden)[g] = sc; });
+}
+
+// Dispatch send. Payload rows (row stride `stride` bytes): ep_lln_dispatch_send copies them (bf16 x, or with
+// `use_fp8` the FP8 staging of ep_lln_cast_fp8); ep_lln_dispatch_send_fp8 (kFP8; EPKIT_LL_FP8_FUSED) reads bf16 x
+// and casts each message as it writes it (`round_scale` as legacy.reference; a kernel of its own: one with both paths
+// spilled registers). topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
 // tokens to rank g / E_local, then the count (nothing to a masked rank). Dynamic shared memory: 8 * M bytes.
-extern "C" __global__ void __launch_bounds__(512, 2)
-    ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
-                         int num_tokens, int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
-                         const uint64_t* __restrict__ peers, const uint8_t* own_base, uint8_t* own_half,
-                         int use_fp8, int local_direct, int* __restrict__ lane_pos, int* err, volatile int* herr,
-                         int* mask, int sig) {
+template <bool kFP8>
+__device__ __forceinline__ void ep_lln_dispatch_send_t(const uint8_t* __restrict__ payload, int stride,
+                                                       int round_scale, const void* __restrict__ topk, int idx64,
+                                                       int num_tokens, int num_topk, int hidden, int num_experts,
+                                                       int num_ranks, int rank, int m,
+                                                       const uint64_t* __restrict__ peers, const uint8_t* own_base,
+                                                       uint8_t* own_half, int use_fp8, int local_direct,
+                                                       int* __restrict__ lane_pos, int* err, volatile int* herr,
+                                                       int* mask, int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
   __shared__ int warp_sums[32];
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -395,7 +414,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
   const int* ctrl = reinterpret_cast<const int*>(own_half + L.ctrl);
   const int64_t epoch = (int64_t)ctrl[0] + 1;
   const int groups = hidden / 128;
-  const int vecs = use_fp8 ? (hidden + groups * 4 + 15) / 16 : hidden * 2 / 16;
+  const int vecs = !kFP8 && use_fp8 ? (hidden + groups * 4 + 15) / 16 : hidden / 8;
   for (int g = blockIdx.x; g < num_experts; g += gridDim.x) {
     const int dst = g / epr, e = g - dst * epr;
     // block-uniform (another block's timeout may flip the word meanwhile)
@@ -410,10 +429,14 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     for (int j = threadIdx.x; j < sent; j += blockDim.x)
       *reinterpret_cast<int4*>(slots + (int64_t)j * L.msg) = make_int4(s_list[j], s_list[m + j], 0, 0);
     const int64_t msg = L.msg;
-    ep_lln_copy_rows(
-        sent, vecs,
-        [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); },
-        [&](int j) { return reinterpret_cast<uint4*>(slots + (int64_t)j * msg + 16); });
+    auto row = [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); };
+    if constexpr (kFP8)  // the message's payload: e4m3 bytes [hidden], then fp32 scales [hidden / 128]
+      ep_lln_cast_rows(
+          sent, groups, round_scale, row,
+          [&](int j) { return reinterpret_cast<uint2*>(slots + (int64_t)j * msg + 16); },
+          [&](int j, int gr, float sc) { reinterpret_cast<float*>(slots + (int64_t)j * msg + 16 + hidden)[gr] = sc; });
+    else
+      ep_lln_copy_rows(sent, vecs, row, [&](int j) { return reinterpret_cast<uint4*>(slots + (int64_t)j * msg + 16); });
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
@@ -425,20 +448,44 @@ extern "C" __global__ void __launch_bounds__(512, 2)
   }
 }
 
+extern "C" __global__ void __launch_bounds__(512, 2)
+    ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, int round_scale,
+                         const void* __restrict__ topk, int idx64, int num_tokens, int num_topk, int hidden,
+                         int num_experts, int num_ranks, int rank, int m, const uint64_t* __restrict__ peers,
+                         const uint8_t* own_base, uint8_t* own_half, int use_fp8, int local_direct,
+                         int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask, int sig) {
+  ep_lln_dispatch_send_t<false>(payload, stride, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts,
+                                num_ranks, rank, m, peers, own_base, own_half, use_fp8, local_direct, lane_pos, err,
+                                herr, mask, sig);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 2)
+    ep_lln_dispatch_send_fp8(const uint8_t* __restrict__ payload, int stride, int round_scale,
+                             const void* __restrict__ topk, int idx64, int num_tokens, int num_topk, int hidden,
+                             int num_experts, int num_ranks, int rank, int m, const uint64_t* __restrict__ peers,
+                             const uint8_t* own_base, uint8_t* own_half, int use_fp8, int local_direct,
+                             int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask, int sig) {
+  ep_lln_dispatch_send_t<true>(payload, stride, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts,
+                               num_ranks, rank, m, peers, own_base, own_half, use_fp8, local_direct, lane_pos, err,
+                               herr, mask, sig);
+}
+
 // Dispatch receive. Block e (grid stride over E_local): waits for the counts of the N source ranks, then packs the
 // rows. Outputs: bf16 out [E_local, N*M, hidden], or FP8 q [E_local, N*M, hidden] with scales float32
 // [E_local, G, N*M] (ue8m0: int32 [E_local, G/4, N*M], exponent byte of group g at byte g % 4); src_info and lanes
 // int32 [E_local, N*M] (-1 past the count); recv_count int32 [E_local]; layout_range int64 [E_local, N]; stats
-// int32 [E_local] (added to; may be null). local_direct: this rank's own block takes its rows from `payload` (the
-// send's: x, or the FP8 staging; row stride `stride`).
+// int32 [E_local] (added to; may be null). use_fp8: 0 bf16, 1 FP8, 2 FP8 with the cast fused (EPKIT_LL_FP8_FUSED).
+// local_direct: this rank's own block takes its rows from `payload` (the send's, row stride `stride` bytes: bf16 x,
+// the FP8 staging, or with use_fp8 2 bf16 x cast here with `round_scale`, bitwise the send's cast).
 extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_recv(int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
                          void* __restrict__ scales, int* __restrict__ src_info, int* __restrict__ lanes,
                          int* __restrict__ recv_count, int64_t* __restrict__ layout_range, int* __restrict__ stats,
-                         const uint8_t* __restrict__ payload, int stride, const void* __restrict__ topk, int idx64,
-                         int num_tokens, int local_direct, int* __restrict__ lane_pos, int timeout_ms, int* err,
-                         volatile int* herr, int* mask, int sig) {
+                         const uint8_t* __restrict__ payload, int stride, int round_scale,
+                         const void* __restrict__ topk, int idx64, int num_tokens, int local_direct,
+                         int* __restrict__ lane_pos, int timeout_ms, int* err, volatile int* herr, int* mask,
+                         int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
   __shared__ int s_fail;
   __shared__ int warp_sums[32];
@@ -486,7 +533,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     __syncthreads();
     const int total = s_off[num_ranks];
     // packed row j: source rank r by a binary search over the block offsets; its payload is the message's, or with
-    // local_direct for this rank's own block the payload row of its token
+    // local_direct for this rank's own block its token's payload row (null when fused: cast below, not copied)
     auto rank_of = [&](int j) {
       int lo = 0, hi = num_ranks - 1;
       while (lo < hi) {
@@ -497,7 +544,8 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     };
     auto src_of = [&](int j) -> const uint8_t* {
       const int r = rank_of(j);
-      if (local_direct && r == rank) return payload + (int64_t)s_list[j - s_off[r]] * stride;
+      if (local_direct && r == rank)
+        return use_fp8 == 2 ? nullptr : payload + (int64_t)s_list[j - s_off[r]] * stride;
       return own_half + L.ddata + (((int64_t)e * num_ranks + r) * m + (j - s_off[r])) * L.msg + 16;
     };
     for (int j = threadIdx.x; j < total; j += blockDim.x) {
@@ -519,16 +567,27 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_copy_rows<4>(
         total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); },
         [&](int j) { return out4 + (int64_t)j * qvecs; });
+    auto put_scale = [&](int j, int g, float s) {
+      if (ue8m0) {
+        const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
+        static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
+      } else {
+        static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
+      }
+    };
     if (use_fp8) {
       for (int i = threadIdx.x; i < total * groups; i += blockDim.x) {
         const int g = i / total, j = i - g * total;  // consecutive threads: consecutive rows (column-major out)
-        const float s = reinterpret_cast<const float*>(src_of(j) + hidden)[g];
-        if (ue8m0) {
-          const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
-          static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
-        } else {
-          static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
-        }
+        const uint8_t* src = src_of(j);
+        if (src != nullptr) put_scale(j, g, reinterpret_cast<const float*>(src + hidden)[g]);
+      }
+      if (local_direct && use_fp8 == 2) {  // this rank's own rows [s_off[rank], s_off[rank + 1]): cast from x
+        const int own0 = s_off[rank];
+        auto row = [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); };
+        ep_lln_cast_rows(
+            s_off[rank + 1] - own0, groups, round_scale, row,
+            [&](int j) { return reinterpret_cast<uint2*>(out4 + (int64_t)(own0 + j) * qvecs); },
+            [&](int j, int g, float s) { put_scale(own0 + j, g, s); });
       }
     }
     for (int j = total + threadIdx.x; j < slots; j += blockDim.x) {

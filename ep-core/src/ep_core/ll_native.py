@@ -45,8 +45,9 @@ def header_bytes(num_ranks: int) -> int:
 # and the call's signature word (issue 41; ep_torch.legacy.ll_kernels.dispatch_sig / combine_sig)
 SIGNATURES: dict[str, str] = {
     "ep_lln_cast_fp8": "piipi",
-    "ep_lln_dispatch_send": "pipiiiiiiiipppiippppi",
-    "ep_lln_dispatch_recv": "iiiiiipiippppppppipiiipipppi",
+    "ep_lln_dispatch_send": "piipiiiiiiiipppiippppi",
+    "ep_lln_dispatch_send_fp8": "piipiiiiiiiipppiippppi",  # the same, each message cast to FP8 as it is written
+    "ep_lln_dispatch_recv": "iiiiiipiippppppppiipiiipipppi",
     "ep_lln_combine_send": "ppppiiiiiipppipppi",
     "ep_lln_combine_recv": "pipiiiiiiipppppiipppi",
     "ep_lln_combine_send_logfmt": "ppppiiiiiipppipppi",  # the two above with LogFMT-10 rows (ll_logfmt.cuh)

@@ -16,6 +16,8 @@ from ep_core import ll_pack
 from ep_core.errors import EPValueError
 from ep_core.ll_pack import KERNEL_NAMES, MAX_TOPK, compile_ll_kernels
 
+from .. import _env
+
 __all__ = [
     "KERNEL_NAMES",
     "MAX_TOPK",
@@ -124,29 +126,20 @@ def pack(
             args = [recv_x, vecs, lane_slot, lane_ok, k, num_valid, out]
             run("ep_ll_pack_bf16", (rows, -(-vecs // 256)), 256, args)
         return out, recv_count, src_info, layout_range, lane_slot, lane_ok
-    groups = h // 128
-    q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
-    if use_ue8m0:
-        s_store = torch.empty(epr, groups // 4, slots, dtype=torch.int32, device=dev)
-    else:
-        s_store = torch.empty(epr, groups, slots, dtype=torch.float32, device=dev)
+    q, s_store = _fp8_outputs(epr, slots, h, use_ue8m0, dev)
     if rows:
-        args = [
-            recv_x,
-            h,
-            lane_slot,
-            lane_ok,
-            k,
-            num_valid,
-            q,
-            s_store,
-            slots,
-            int(round_scale),
-            int(use_ue8m0),
-        ]
-        run("ep_ll_pack_fp8", (rows, -(-groups // 8)), 256, args)
-    # V1: the scales' last two dimensions are column-major
+        args = [recv_x, h, lane_slot, lane_ok, k, num_valid, q, s_store, slots, int(round_scale),
+                int(use_ue8m0)]  # fmt: skip
+        run("ep_ll_pack_fp8", (rows, -(-h // 1024)), 256, args)
     return (q, s_store.transpose(1, 2)), recv_count, src_info, layout_range, lane_slot, lane_ok
+
+
+def _fp8_outputs(epr: int, slots: int, h: int, use_ue8m0: bool, dev: Any) -> tuple[Any, Any]:
+    """A dispatch's FP8 rows [epr, slots, h] and their scales' storage [epr, G, slots] float32 (ue8m0: int32
+    [epr, G / 4, slots], four exponent bytes a word); V1 returns it transposed (the last two dimensions column-major)."""
+    g = h // 128 // (4 if use_ue8m0 else 1)
+    s = torch.empty(epr, g, slots, dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev)
+    return torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev), s
 
 
 def gather_lanes(
@@ -200,8 +193,6 @@ def weighted_sum(
 def local_direct_enabled() -> bool:
     """``EPKIT_LL_LOCAL_DIRECT`` (ours, default 1): the native kernels' local shortcut without a hook (a rank's own
     experts read their rows where they lie: one pass instead of two); 0 sends them through the buffer like a peer's."""
-    from .. import _env
-
     return _env.ll_local_direct()
 
 
@@ -482,29 +473,27 @@ def native_dispatch(
     groups = h // 128
     # one rank with the local shortcut: no send (the receive lists this rank's rows and reads them where they lie)
     sends = n > 1 or not local_direct
+    # FP8: cast once per token into a staging buffer, the send's and the local rows' payload; or (EPKIT_LL_FP8_FUSED,
+    # under evaluation) cast in the send (each message) and the receive (this rank's own rows): one launch fewer
+    fused = 2 if use_fp8 and _env.ll_fp8_fused() else 0
     payload, pstride = x, h * 2
-    if use_fp8:  # cast once per token (the send, and the receive for its own rows, copy them from there)
+    if use_fp8 and not fused:
         stride = -(-(h + 4 * groups) // 16) * 16
-        staging = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
+        payload = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
         if t:
-            run("ep_lln_cast_fp8", t, 256, [x, h, int(round_scale), staging, stride])
-        payload, pstride = staging, stride
+            run("ep_lln_cast_fp8", t, 256, [x, h, int(round_scale), payload, stride])
+        pstride = stride
     lane_pos = torch.empty(max(t, 1), k, dtype=torch.int32, device=dev)
-    send = [payload, pstride, topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers, reg.own_base,
-            own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask, sig]  # fmt: skip
+    send = [payload, pstride, int(round_scale), topk, idx64, t, k, h, reg.num_experts, n, reg.rank, m, reg.peers,
+            reg.own_base, own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask,
+            sig]  # fmt: skip
     if sends:
-        run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
-    if use_fp8:
-        q = torch.empty(epr, slots, h, dtype=torch.float8_e4m3fn, device=dev)
-        if use_ue8m0:
-            s_store = torch.empty(epr, groups // 4, slots, dtype=torch.int32, device=dev)
-        else:
-            s_store = torch.empty(epr, groups, slots, dtype=torch.float32, device=dev)
-        out: Any = q
-        recv: Any = (q, s_store.transpose(1, 2))
-    else:
-        out = s_store = None
-        recv = out = torch.empty(epr, slots, h, dtype=torch.bfloat16, device=dev)
+        name = "ep_lln_dispatch_send_fp8" if fused else "ep_lln_dispatch_send"
+        run(name, min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
+    out, s_store = _fp8_outputs(epr, slots, h, use_ue8m0, dev) if use_fp8 else (None, None)
+    if not use_fp8:
+        out = torch.empty(epr, slots, h, dtype=torch.bfloat16, device=dev)
+    recv: Any = (out, s_store.transpose(1, 2)) if use_fp8 else out
     src_info = torch.empty(epr, slots, dtype=torch.int32, device=dev)
     lanes = torch.empty(epr, slots, dtype=torch.int32, device=dev)
     recv_count = torch.empty(epr, dtype=torch.int32, device=dev)
@@ -512,10 +501,10 @@ def native_dispatch(
     in_kernel = stats is not None and stats.dtype == torch.int32 and stats.is_contiguous() and stats.is_cuda
 
     def receive() -> None:
-        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
-                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride, topk,
-                idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask,
-                sig]  # fmt: skip
+        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, fused or int(use_fp8), int(use_ue8m0), out, s_store,
+                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride,
+                int(round_scale), topk, idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err,
+                reg.herr.data_ptr(), mask, sig]  # fmt: skip
         smem = 4 * (n + 1) + (8 * m if local_direct else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
