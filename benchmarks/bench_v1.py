@@ -37,8 +37,8 @@ Each op is captured alone in a CUDA graph (after warm-up) and replayed ``iters``
 events; the reported time is the mean per replay (processes: the max over ranks). Checks on every rank, before the
 op's row: each V1 combine bitwise against ``legacy.reference.ll_combine_reference``, each V1 dispatch's
 ``recv_count`` against the routing, the native FP8 dispatch bitwise against ``fp8_cast_reference`` on the first rank
-(``CHECK FAILED`` lines). ``v1 ll_dispatch fp8 native fused``: the same with ``EPKIT_LL_FP8_FUSED=1`` (the cast in the
-send and receive kernels instead of a staging kernel; issue 44's A/B). ``--dry-run-cpu`` runs the same harness on the
+(``CHECK FAILED`` lines). ``v1 ll_dispatch bf16|fp8 native own by token``: the same with ``EPKIT_LL_OWN_BY_TOKEN=1``
+(a rank's own rows written token by token, FP8 cast once a token, instead of one block per expert; issue 44's A/B). ``--dry-run-cpu`` runs the same harness on the
 CPU reference backend (tiny sizes, host timer; the loopback group in one thread per rank). Exit status 0 (also
 "skipped" without a GPU), 1 if a check failed.
 """
@@ -452,24 +452,20 @@ def _measure_native(torch, ctx, cfg: dict, inp: dict, row, failures: list, who: 
         return v1[r].low_latency_dispatch(x, idx, t, e, use_fp8=fp8, return_recv_hook=hook)
 
     try:
-        for fp8 in (False, True):
-            outs = ctx.each(lambda r, fp8=fp8: disp(r, fp8))
-            for r, out in zip(R, outs):
-                if not torch.equal(out[1].cpu(), want_counts[r * epr : (r + 1) * epr]):
-                    failures.append(f"rank {r}: v1 ll_dispatch native fp8={fp8}: recv_count is wrong")
-            if fp8 and not _fp8_bitwise(torch, cfg, n, R[0], outs[0][0]):
-                failures.append(f"rank {R[0]}: v1 ll_dispatch native fp8 differs from fp8_cast_reference")
-            row(f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} native", lambda r, fp8=fp8: disp(r, fp8))
-        # issue 44's A/B: the FP8 cast in the send (each message) and the receive (own rows), no staging launch
-        os.environ["EPKIT_LL_FP8_FUSED"] = "1"
-        try:
-            if not _fp8_bitwise(torch, cfg, n, R[0], ctx.each(lambda r: disp(r, True))[0][0]):
-                failures.append(
-                    f"rank {R[0]}: v1 ll_dispatch native fp8 fused differs from fp8_cast_reference"
-                )
-            row("v1 ll_dispatch fp8 native fused", lambda r: disp(r, True))
-        finally:
-            os.environ.pop("EPKIT_LL_FP8_FUSED", None)
+        # issue 44's A/B (EPKIT_LL_OWN_BY_TOKEN=1): a rank's own rows token by token in the receive
+        for fp8, by_token in ((False, ""), (True, ""), (False, " own by token"), (True, " own by token")):
+            os.environ["EPKIT_LL_OWN_BY_TOKEN"] = "1" if by_token else "0"
+            try:
+                what = f"v1 ll_dispatch {'fp8' if fp8 else 'bf16'} native{by_token}"
+                outs = ctx.each(lambda r, fp8=fp8: disp(r, fp8))
+                for r, out in zip(R, outs):
+                    if not torch.equal(out[1].cpu(), want_counts[r * epr : (r + 1) * epr]):
+                        failures.append(f"rank {r}: {what}: recv_count is wrong")
+                if fp8 and not _fp8_bitwise(torch, cfg, n, R[0], outs[0][0]):
+                    failures.append(f"rank {R[0]}: {what} differs from fp8_cast_reference")
+                row(what, lambda r, fp8=fp8: disp(r, fp8))
+            finally:
+                os.environ.pop("EPKIT_LL_OWN_BY_TOKEN", None)
         state, refs = {}, {}
         for r, out in zip(R, ctx.each(disp)):
             state[r] = (out[0].clone(), out[2])

@@ -52,7 +52,7 @@ elif [[ $what == verify ]]; then
   step hybrid 60 "${pt[@]}" ep-core/tests/gpu/test_gpu_hybrid.py -k "handle_order or two_nodes"
   step ll_tests 150 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native_envelope.py \
     ep-torch/tests/test_torch_legacy_ll_native.py ep-torch/tests/test_torch_legacy_ll_mask_native.py
-  step ll_fused 60 env EPKIT_LL_FP8_FUSED=1 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py  # issue 44's A/B
+  step ll_by_token 60 env EPKIT_LL_OWN_BY_TOKEN=1 "${pt[@]}" ep-torch/tests/test_torch_legacy_ll_native.py  # issue 44's A/B
   step lb 75 "${pt[@]}" ep-torch/tests/test_torch_lb_symmetric_gpu.py
   step bucket 60 "${pt[@]}" ep-torch/tests/test_torch_bucket_gpu.py
   step conformance 90 "${pt[@]}" ep-torch/tests/test_torch_gpu.py -k "conformance_on_gpu and cuda-1-auto" \
@@ -60,7 +60,7 @@ elif [[ $what == verify ]]; then
 elif [[ $what == bench ]]; then
   # issue 42: the overlap defer_epilogue buys, LB bytes against a copy of the same bytes (one rank; 2 processes
   # sharing the GPU: not NVLink rates); issue 44: bench_v1 at EP8 with the LL receive cap (the decode step inside)
-  # and EP1, its FP8 rows staged and fused (EPKIT_LL_FP8_FUSED: keep the faster, delete the other)
+  # and EP1, own rows per expert and by token (EPKIT_LL_OWN_BY_TOKEN: keep the faster, delete the other)
   step bench_defer 100 python3 benchmarks/bench_defer.py --quick --out "$out/logs/defer"
   step lb_one 60 python3 benchmarks/bench_lb.py --out "$out/logs/lb1" --runs 5 --num-sms 132
   step lb_shared 90 python3 benchmarks/bench_lb.py --out "$out/logs/lbs" --nprocs 2 --share-gpu --scale 4 --runs 5

@@ -131,6 +131,11 @@ void launch(unsigned grid, unsigned block, F body) {
 }
 
 static std::string g_dir;
+// EP_EMU_OWN_BY_TOKEN=1: every receive with local_direct runs it as 2 (own rows by token; EPKIT_LL_OWN_BY_TOKEN)
+static int recv_direct(int direct) {
+  const char* v = std::getenv("EP_EMU_OWN_BY_TOKEN");
+  return direct && v != nullptr && v[0] == '1' ? 2 : direct;
+}
 template <class T> std::vector<T> rd(const std::string& name, size_t n) {
   std::vector<T> v(n);
   FILE* f = std::fopen((g_dir + "/" + name).c_str(), "rb");
@@ -203,7 +208,8 @@ int run_concurrent(char** argv) {
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, own, 0, 0, recv.data(), nullptr, src.data(), lanes.data(),
                                count.data(), range.data(), nullptr, reinterpret_cast<const uint8_t*>(xr), h * 2, 0,
-                               ir, 1, nt, direct, lane_pos.data(), timeout_ms, err, herr.data(), nullptr, 0);
+                               ir, 1, nt, recv_direct(direct), lane_pos.data(), timeout_ms, err, herr.data(), nullptr,
+                               0);
         });
       }
       for (int e = 0; e < epr; ++e)  // the experts: y = bf16(fp32(row) * (1 + g / 8))
@@ -246,17 +252,19 @@ int run_concurrent(char** argv) {
   return bad ? 5 : 0;
 }
 
-// The FP8 mode (argv: fp8 dir N E T K H M local_direct round_scale ue8m0 fused): one dispatch of every rank with
-// use_fp8: fused 0: ep_lln_cast_fp8 into a staging buffer, ep_lln_dispatch_send copying it, ep_lln_dispatch_recv
-// (use_fp8 1); fused 1: ep_lln_dispatch_send_fp8 casting each message, ep_lln_dispatch_recv (use_fp8 2) casting this
-// rank's own rows from x with local_direct. Inputs x1, idx1 as below; outputs f_count_{rank}, f_q_{rank} (uint8
-// [E_local][N*M][H]), f_s_{rank} (float32 [E_local][H/128][N*M], ue8m0: int32 [E_local][H/512][N*M]), f_err_{rank}.
-int run_fp8(char** argv) {
+// The dispatch mode (argv: dispatch dir N E T K H M local_direct round_scale ue8m0 by_token fp8): one dispatch of
+// every rank, FP8: ep_lln_cast_fp8 into a staging buffer, ep_lln_dispatch_send copying it, ep_lln_dispatch_recv
+// copying the messages and (by_token 0) this rank's staged rows or (by_token 1, with local_direct: local_direct 2)
+// casting them from x token by token; bf16 (fp8 0): the same with x for the staging. Inputs x1, idx1 as below;
+// outputs f_count_{rank}, f_q_{rank} (uint8 [E_local][N*M][H], bf16: uint16), f_s_{rank} (float32
+// [E_local][H/128][N*M], ue8m0: int32 [E_local][H/512][N*M]), f_src_{rank}, f_lanes_{rank}, f_range_{rank},
+// f_pos_{rank} (lane_pos), f_err_{rank}.
+int run_dispatch(char** argv) {
   g_dir = argv[2];
   const int n = atoi(argv[3]), ne = atoi(argv[4]), nt = atoi(argv[5]), nk = atoi(argv[6]), h = atoi(argv[7]);
   const int m = atoi(argv[8]), direct = atoi(argv[9]), rs = atoi(argv[10]), ue = atoi(argv[11]);
-  const int fused = atoi(argv[12]), epr = ne / n, slots = n * m, block = 64, sig = 1 << 16 | rs << 17 | ue << 18;
-  const int stride = fused ? h * 2 : (h + 4 * (h / 128) + 15) / 16 * 16;
+  const int by_token = atoi(argv[12]) && direct, fp8 = atoi(argv[13]), epr = ne / n, slots = n * m, block = 64;
+  const int sig = fp8 << 16 | rs << 17 | ue << 18, stride = fp8 ? (h + 4 * (h / 128) + 15) / 16 * 16 : h * 2;
   const ep_lln::Layout L(epr, n, ne, m, nk, h);
   const int64_t front = ep_lln::header_bytes(n);
   std::vector<std::vector<uint64_t>> region(n, std::vector<uint64_t>((front + 2 * L.half_bytes) / 8 + 2, 0));
@@ -269,36 +277,40 @@ int run_fp8(char** argv) {
   auto x = rd<uint16_t>("x1", (size_t)n * nt * h);
   auto idx = rd<int64_t>("idx1", (size_t)n * nt * nk);
   std::vector<std::vector<uint64_t>> staging(n, std::vector<uint64_t>((size_t)nt * stride / 8 + 1, ~0ull));
-  auto payload = [&](int r) {
-    return fused ? reinterpret_cast<const uint8_t*>(x.data() + (size_t)r * nt * h)
-                 : reinterpret_cast<const uint8_t*>(staging[r].data());
-  };
-  std::vector<std::vector<int>> lane_pos(n, std::vector<int>((size_t)nt * nk + 1)), herr(n, std::vector<int>(9 + n));
-  for (int r = 0; r < n && !fused; ++r)
+  auto xr = [&](int r) { return reinterpret_cast<const uint8_t*>(x.data() + (size_t)r * nt * h); };
+  auto staged = [&](int r) { return fp8 ? reinterpret_cast<const uint8_t*>(staging[r].data()) : xr(r); };
+  std::vector<std::vector<int>> lane_pos(n, std::vector<int>((size_t)nt * nk + 1, -7));
+  std::vector<std::vector<int>> herr(n, std::vector<int>(9 + n));
+  for (int r = 0; r < n && fp8; ++r)
     launch(nt, block, [&] {
       ep_lln_cast_fp8(reinterpret_cast<const uint4*>(x.data() + (size_t)r * nt * h), h, rs,
                       reinterpret_cast<uint8_t*>(staging[r].data()), stride);
     });
   for (int r = 0; r < n && (n > 1 || !direct); ++r)
     launch(ne, block, [&] {
-      (fused ? ep_lln_dispatch_send_fp8 : ep_lln_dispatch_send)(
-          payload(r), stride, rs, idx.data() + (size_t)r * nt * nk, 1, nt, nk, h, ne, n, r, m, peers.data(), base(r),
-          base(r) + front, 1, direct, lane_pos[r].data(), reinterpret_cast<int*>(base(r)), herr[r].data(), nullptr,
-          sig);
+      ep_lln_dispatch_send(staged(r), stride, rs, idx.data() + (size_t)r * nt * nk, 1, nt, nk, h, ne, n, r, m,
+                           peers.data(), base(r), base(r) + front, fp8, direct, lane_pos[r].data(),
+                           reinterpret_cast<int*>(base(r)), herr[r].data(), nullptr, sig);
     });
   for (int r = 0; r < n; ++r) {
-    std::vector<uint8_t> q((size_t)epr * slots * h, 0xEE), sc((size_t)epr * slots * (h / 128) * (ue ? 1 : 4), 0xEE);
+    std::vector<uint8_t> q((size_t)epr * slots * h * (fp8 ? 1 : 2), 0xEE);
+    std::vector<uint8_t> sc((size_t)epr * slots * (h / 128) * (ue ? 1 : 4), 0xEE);
     std::vector<int> count(epr), src((size_t)epr * slots), lanes(src);
     std::vector<int64_t> range((size_t)epr * n);
     launch(epr, block, [&] {
-      ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 1 + fused, ue, q.data(), sc.data(), src.data(),
-                           lanes.data(), count.data(), range.data(), nullptr, payload(r), stride, rs,
-                           idx.data() + (size_t)r * nt * nk, 1, nt, direct, lane_pos[r].data(), 2000,
+      ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, fp8, ue, q.data(), fp8 ? sc.data() : nullptr,
+                           src.data(), lanes.data(), count.data(), range.data(), nullptr, by_token ? xr(r) : staged(r),
+                           by_token ? h * 2 : stride, rs,
+                           idx.data() + (size_t)r * nt * nk, 1, nt, by_token ? 2 : direct, lane_pos[r].data(), 2000,
                            reinterpret_cast<int*>(base(r)), herr[r].data(), nullptr, sig);
     });
     wr("f_count_" + std::to_string(r), count);
     wr("f_q_" + std::to_string(r), q);
     wr("f_s_" + std::to_string(r), sc);
+    wr("f_src_" + std::to_string(r), src);
+    wr("f_lanes_" + std::to_string(r), lanes);
+    wr("f_range_" + std::to_string(r), range);
+    wr("f_pos_" + std::to_string(r), lane_pos[r]);
     wr("f_err_" + std::to_string(r), std::vector<int>{*reinterpret_cast<int*>(base(r)), herr[r][0], herr[r][4 + n]});
   }
   return 0;
@@ -316,7 +328,7 @@ static int g_culprit = -1, g_fault = 0, g_no_clean = 0;
 // every rank and no mask. Outputs r{q}_{count,range,src,recv,comb}_{rank}, then mask_{rank}, herr_{rank}, err_{rank}.
 int main(int argc, char** argv) {
   if (argc == 12 && std::string(argv[1]) == "concurrent") return run_concurrent(argv);
-  if (argc == 13 && std::string(argv[1]) == "fp8") return run_fp8(argv);
+  if (argc == 14 && std::string(argv[1]) == "dispatch") return run_dispatch(argv);
   if (argc == 12 && std::string(argv[1]) == "envelope") {
     g_culprit = atoi(argv[10]);
     g_fault = atoi(argv[11]);
@@ -388,8 +400,8 @@ int main(int argc, char** argv) {
         launch(epr, block, [&] {
           ep_lln_dispatch_recv(nk, h, ne, n, r, m, base(r) + front, 0, 0, recv[r].data(), nullptr, src[r].data(),
                                lanes[r].data(), count[r].data(), range[r].data(), nullptr,
-                               reinterpret_cast<const uint8_t*>(xr), h * 2, 0, ir, 1, nt, direct, lane_pos[r].data(),
-                               timeout_ms, err(r), herr[r].data(), mp(r), fault(r, 1) ? 1 << 16 : 0);
+                               reinterpret_cast<const uint8_t*>(xr), h * 2, 0, ir, 1, nt, recv_direct(direct),
+                               lane_pos[r].data(), timeout_ms, err(r), herr[r].data(), mp(r), fault(r, 1) ? 1 << 16 : 0);
         });
       }
       if (g_fault == 2 && q == 1) return;  // every rank raised at the dispatch: no combine

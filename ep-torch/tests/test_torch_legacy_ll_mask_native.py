@@ -413,9 +413,9 @@ def test_native_launch_arguments_match_the_signatures(monkeypatch):
     mask = torch.zeros(n + 1, dtype=torch.int32)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     idx = torch.zeros(3, k, dtype=torch.int64)
-    for fp8, fused in ((False, "0"), (True, "0"), (True, "1")):  # EPKIT_LL_FP8_FUSED=1: the FP8 send kernel
-        monkeypatch.setenv("EPKIT_LL_FP8_FUSED", fused)
-        out = ll_kernels.native_dispatch(reg, x, idx, fp8, fp8, False, None, False, mask)
+    for fp8, by_token in ((False, "0"), (True, "0"), (True, "1")):  # EPKIT_LL_OWN_BY_TOKEN=1: local_direct 2
+        monkeypatch.setenv("EPKIT_LL_OWN_BY_TOKEN", by_token)
+        out = ll_kernels.native_dispatch(reg, x, idx, fp8, fp8, False, None, by_token == "1", mask)
         out[-1]()
     src_info, layout_range, lanes, lane_pos = out[2], out[3], out[4], out[5]
     y = torch.zeros(epr, n * m, h, dtype=torch.bfloat16)
@@ -487,8 +487,16 @@ def _write_round(path, n: int, q: int, seed: int) -> None:
     torch.stack(ws).numpy().astype(np.float32).tofile(path / f"w{q}")
 
 
-@pytest.mark.parametrize("direct", [0, 1])
-def test_kernels_of_ranks_running_at_once(emulation, tmp_path, direct):
+def _env(by_token: int) -> dict:
+    """The emulation's environment: EP_EMU_OWN_BY_TOKEN=1 runs each receive with local_direct as 2 (own rows by
+    token, EPKIT_LL_OWN_BY_TOKEN)."""
+    import os
+
+    return {**os.environ, "EP_EMU_OWN_BY_TOKEN": str(by_token)}
+
+
+@pytest.mark.parametrize("direct,by_token", [(0, 0), (1, 0), (1, 1)])
+def test_kernels_of_ranks_running_at_once(emulation, tmp_path, direct, by_token):
     """The kernels' protocol with the ranks' streams interleaving as on a GPU they share (the EP8 loopback decode
     step's shape: each rank's dispatch, other work, combine, while the other ranks are anywhere in theirs): each
     rank a process of its own over one shared mapping, random pauses before every kernel, every call the other
@@ -500,13 +508,13 @@ def test_kernels_of_ranks_running_at_once(emulation, tmp_path, direct):
     for q, seed in seeds.items():
         _write_round(tmp_path, n, q, seed)
     args = [str(emulation), "concurrent", str(tmp_path), *map(str, (n, E, T, K, H, M, direct, rounds, 5))]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=_env(by_token))
     assert proc.returncode == 0, proc.stderr[-3000:]
     epr = E // n
     for r in range(n):
         assert np.fromfile(tmp_path / f"err_{r}", np.int32).tolist() == [0] * 5, f"rank {r}: a wait expired"
         for q, seed in seeds.items():
-            what = f"direct={direct} round {q} rank {r}"
+            what = f"direct={direct} by_token={by_token} round {q} rank {r}"
             cnt = np.fromfile(tmp_path / f"c{q}_count_{r}", np.int32)
             recv = np.fromfile(tmp_path / f"c{q}_recv_{r}", np.uint16).reshape(epr, n * M, H)
             for e, rows in enumerate(_want_rows(r, n, seed, set())):
@@ -521,22 +529,27 @@ def test_kernels_of_ranks_running_at_once(emulation, tmp_path, direct):
 
 
 @pytest.mark.parametrize(
-    "case,direct,logfmt",
+    "case,direct,logfmt,by_token",
     [
-        ("nomask", 0, 0),
-        ("nomask", 1, 0),
-        ("user", 0, 0),
-        ("user", 1, 0),
-        ("user", 0, 1),
-        ("lost", 1, 0),
-        ("lost", 0, 1),
-        ("late", 1, 0),
-        ("late", 0, 1),
-        ("one", 1, 0),  # one rank with the local shortcut: the host launches no send (ll_kernels)
-        ("one", 0, 0),
+        ("nomask", 0, 0, 0),
+        ("nomask", 1, 0, 0),
+        ("nomask", 1, 0, 1),
+        ("user", 0, 0, 0),
+        ("user", 1, 0, 0),
+        ("user", 1, 0, 1),
+        ("user", 0, 1, 0),
+        ("lost", 1, 0, 0),
+        ("lost", 1, 0, 1),
+        ("lost", 0, 1, 0),
+        ("late", 1, 0, 0),
+        ("late", 1, 0, 1),
+        ("late", 0, 1, 0),
+        ("one", 1, 0, 0),  # one rank with the local shortcut: the host launches no send (ll_kernels)
+        ("one", 1, 0, 1),
+        ("one", 0, 0, 0),
     ],
 )
-def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfmt):
+def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfmt, by_token):
     import subprocess
 
     n, lost = (1, -1) if case == "one" else (4, 3)
@@ -558,7 +571,7 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
         *map(str, (n, E, T, K, H, M, use_mask, lost if case != "nomask" else -1)),
     ]
     args += [str(direct), str(logfmt), "40", str(rounds), str(int(case == "late"))]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=_env(by_token))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     def load(name, dtype):
@@ -574,7 +587,7 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
                     continue
                 # late: the others sent to it before they masked it; their combines skip it, so it masks them
                 sent, kept = set(), set(range(n)) - {lost}
-            what = f"{case} direct={direct} logfmt={logfmt} round {q} rank {r}"
+            what = f"{case} direct={direct} logfmt={logfmt} by_token={by_token} round {q} rank {r}"
             cnt = load(f"r{q}_count_{r}", np.int32)
             rng_ = load(f"r{q}_range_{r}", np.int64).reshape(epr, n)
             src = load(f"r{q}_src_{r}", np.int32).reshape(epr, n * M)
@@ -614,12 +627,14 @@ def test_masked_kernels_on_host_threads(emulation, tmp_path, case, direct, logfm
 
 
 @pytest.mark.parametrize(
-    "fault,direct",
-    [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (4, 0), (4, 1)],
-    ids=["dispatch_sig", "dispatch_sig_direct", "dispatch_abort", "dispatch_abort_direct", "combine_sig",
-         "combine_sig_direct", "combine_abort", "combine_abort_direct"],
+    "fault,direct,by_token",
+    [(1, 0, 0), (1, 1, 0), (1, 1, 1), (2, 0, 0), (2, 1, 0), (2, 1, 1), (3, 0, 0), (3, 1, 0), (3, 1, 1), (4, 0, 0),
+     (4, 1, 0)],
+    ids=["dispatch_sig", "dispatch_sig_direct", "dispatch_sig_by_token", "dispatch_abort", "dispatch_abort_direct",
+         "dispatch_abort_by_token", "combine_sig", "combine_sig_direct", "combine_sig_by_token", "combine_abort",
+         "combine_abort_direct"],
 )  # fmt: skip
-def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, direct):
+def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, direct, by_token):
     """Fault 1 / 3: the culprit's dispatch / combine carries another signature word (its FP8 / LogFMT bit); 2 / 4:
     it runs ep_lln_abort instead of its dispatch / combine. Every peer records (token, culprit, tag, its word, theirs)
     in herr's signature record without a timeout, the culprit records a peer where its own kernels ran, and the two
@@ -632,7 +647,7 @@ def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, d
         _write_round(tmp_path, n, q, seed)
     np.zeros((n, n), np.int32).tofile(tmp_path / "umask")
     args = [str(emulation), "envelope", str(tmp_path), *map(str, (n, E, T, K, H, M, direct, culprit, fault))]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600, env=_env(by_token))
     assert proc.returncode == 0, proc.stderr[-3000:]
     epr, base = E // n, 4 + n
     tag = 1 if fault in (1, 2) else 2
@@ -640,7 +655,7 @@ def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, d
     token = 4 if tag == 1 else 7
     theirs = {1: 1 << 16, 2: 0x80000001, 3: 1 << 18, 4: 0x80000001}[fault]
     for r in range(n):
-        what = f"fault {fault} direct={direct} rank {r}"
+        what = f"fault {fault} direct={direct} by_token={by_token} rank {r}"
         rec = [np.fromfile(tmp_path / f"herr{q}_{r}", np.int32)[base:].tolist() for q in (1, 2, 3)]
         for q in (1, 2, 3):
             herr = np.fromfile(tmp_path / f"herr{q}_{r}", np.int32)
@@ -675,75 +690,137 @@ def test_signature_words_and_abort_on_host_threads(emulation, tmp_path, fault, d
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the FP8 dispatch on host threads, both ways (EPKIT_LL_FP8_FUSED): each token cast once into a staging buffer that
-# the send and the receive copy, or the send casting each message and the receive this rank's own rows (local_direct);
-# both bitwise legacy.reference's cast
+# the dispatch on host threads, both ways (EPKIT_LL_OWN_BY_TOKEN): this rank's own rows copied (FP8: from the staging
+# buffer ep_lln_cast_fp8 fills) per expert, or per token from x (FP8: cast once a token) into each of its experts'
+# slots; every output bitwise the same both ways and legacy.reference's (FP8: its cast)
 
 
-def _fp8_inputs(n: int, t: int, h: int, e: int, k: int, seed: int):
+def _fp8_inputs(n: int, t: int, h: int, e: int, k: int, seed: int, routing: str = "mixed"):
     """Per rank: bf16 x [t, h] whose 128-channel groups span zeros, bf16 subnormals, tiny, unit, large and near-max
     values (a group of one non-zero among zeros, a token all zeros), top-k ids with a -1 lane, a repeated expert and
-    a token selecting nothing."""
+    a token selecting nothing; ``routing`` "one": every token selects expert 1 only (twice: one row)."""
     g = torch.Generator().manual_seed(seed)
     mags = torch.tensor([0.0, 1e-40, 1e-30, 1.0, 37.0, 3e4, 1e38, 3e38])
     xs, idxs = [], []
     for _ in range(n):
         pick = torch.randint(len(mags), (t, h // 128), generator=g)
         x = (torch.rand(t, h, generator=g) * 2 - 1) * mags[pick].repeat_interleave(128, dim=1)
-        x[0] = 0.0
-        x[1, :128] = 0.0
-        x[1, 5] = -2.5
-        x = x.to(torch.bfloat16)
-        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-        idx[0, k - 1] = -1
-        idx[2, 1] = idx[2, 0]
-        idx[t - 1] = -1
-        xs.append(x)
-        idxs.append(idx)
+        idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+        if t >= 3 and routing == "mixed":
+            x[0] = 0.0
+            x[1, :128] = 0.0
+            x[1, 5] = -2.5
+            idx[0, k - 1] = -1
+            idx[2, 1] = idx[2, 0]
+            idx[t - 1] = -1
+        if routing == "one":
+            idx[:] = -1
+            idx[:, 0] = idx[:, k - 1] = 1
+        xs.append(x.to(torch.bfloat16))
+        idxs.append(idx.long())
     return xs, idxs
 
 
-@pytest.mark.parametrize("fused", [0, 1])
+def _dispatch(emulation, path, n, e, t, k, h, m, direct, round_scale, ue8m0, by_token, fp8, xs, idxs):
+    """One dispatch of every rank on host threads (ll_native_emulation.cpp's dispatch mode): {name: bytes} per rank."""
+    import subprocess
+
+    path.mkdir()
+    np.stack([_bits(x) for x in xs]).tofile(path / "x1")
+    torch.stack(idxs).numpy().astype(np.int64).tofile(path / "idx1")
+    args = [str(emulation), "dispatch", str(path), *map(str, (n, e, t, k, h, m, direct, round_scale, ue8m0))]
+    proc = subprocess.run([*args, str(by_token), str(fp8)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = ("count", "q", "s", "src", "lanes", "range", "pos", "err")
+    return [{w: (path / f"f_{w}_{r}").read_bytes() for w in names} for r in range(n)]
+
+
+def _check_dispatch(out, what, n, e, t, k, h, m, round_scale, ue8m0, fp8, xs, idxs):
+    """Every rank's outputs against legacy.reference: counts, rows (FP8: bytes and scales of its cast), src_info,
+    lanes, layout_range, lane_pos (each (token, first lane of an expert)'s position among the rank's tokens of it)."""
+    epr, slots, groups = e // n, n * m, h // 128
+    ids = [i.numpy() for i in idxs]
+    for r in range(n):
+        got = out[r]
+        assert np.frombuffer(got["err"], np.int32).tolist() == [0, 0, 0], f"{what} rank {r}: an error"
+        cnt = np.frombuffer(got["count"], np.int32)
+        q = np.frombuffer(got["q"], np.uint8 if fp8 else np.uint16).reshape(epr, slots, h)
+        dt, cols = (np.int32, groups // 4) if ue8m0 else (np.float32, groups)
+        s = np.frombuffer(got["s"], dt)[: epr * cols * slots].reshape(epr, cols, slots)
+        src = np.frombuffer(got["src"], np.int32).reshape(epr, slots)
+        lanes = np.frombuffer(got["lanes"], np.int32).reshape(epr, slots)
+        rng_ = np.frombuffer(got["range"], np.int64).reshape(epr, n)
+        for le, rows in enumerate(ll_expected_rows(ids, r, e)):
+            c, g = len(rows), r * epr + le
+            assert cnt[le] == c, f"{what} rank {r}: recv_count[{le}]={cnt[le]}, want {c}"
+            assert src[le].tolist() == [tok for _, tok in rows] + [-1] * (slots - c), f"{what}: src_info {le}"
+            first = [list(ids[sr][tok]).index(g) for sr, tok in rows]
+            assert lanes[le].tolist() == first + [-1] * (slots - c), f"{what} rank {r}: lanes of {le}"
+            for sr in range(n):
+                v, want = int(rng_[le, sr]), (sum(a < sr for a, _ in rows), sum(a == sr for a, _ in rows))
+                assert (v >> 32, v & 0xFFFFFFFF) == want, f"{what}: range {le}"
+            if not c:
+                continue
+            rows_x = np.stack([_bits(xs[sr][tok]) for sr, tok in rows])
+            if not fp8:
+                assert np.array_equal(q[le, :c], rows_x), f"{what} rank {r}: rows of expert {le}"
+                continue
+            rq, rs = fp8_cast_reference(rows_x, bool(round_scale), bool(ue8m0))
+            bad = np.argwhere(q[le, :c] != rq)
+            assert not bad.size, f"{what} rank {r}: e4m3 bytes of expert {le} differ at {tuple(bad[0])}"
+            assert np.array_equal(s[le, :, :c].T.view(np.int32), rs.view(np.int32)), f"{what}: scales of {le}"
+        pos = np.frombuffer(got["pos"], np.int32)[: t * k].reshape(t, k)
+        seen: dict[int, int] = {}
+        for tok in range(t):
+            row = [int(v) for v in ids[r][tok]]
+            for lane, g in enumerate(row):
+                if 0 <= g < e and row.index(g) == lane:
+                    assert pos[tok, lane] == seen.get(g, 0), f"{what} rank {r}: lane_pos[{tok}, {lane}]"
+                    seen[g] = seen.get(g, 0) + 1
+
+
+@pytest.mark.parametrize("by_token", [0, 1])
 @pytest.mark.parametrize(
     "n,h,direct,round_scale,ue8m0",
     [(1, 7168, 1, 1, 1), (2, 7168, 0, 0, 0), (2, 7168, 1, 1, 0), (4, 384, 1, 0, 0), (4, 384, 0, 1, 0),
      (3, 512, 1, 0, 1), (2, 128, 1, 1, 0), (1, 256, 0, 0, 0)],
 )  # fmt: skip
-def test_fp8_dispatch_on_host_threads(emulation, tmp_path, n, h, direct, round_scale, ue8m0, fused):
-    """The FP8 dispatch (``fused`` 0: ``ep_lln_cast_fp8``, ``ep_lln_dispatch_send``, ``ep_lln_dispatch_recv`` copying
-    the staged rows; 1: ``ep_lln_dispatch_send_fp8``, the receive casting its own rows): every rank's q bytes and
-    scales (float32, or ue8m0's packed exponents) bitwise ``fp8_cast_reference`` of its rows, in V1's packed order;
-    hidden 7168 (56 groups), an odd group count (384), one group (128); with and without the local shortcut (at one
-    rank with it no send runs)."""
-    import subprocess
-
+def test_fp8_dispatch_on_host_threads(emulation, tmp_path, n, h, direct, round_scale, ue8m0, by_token):
+    """The FP8 dispatch (``ep_lln_cast_fp8``, ``ep_lln_dispatch_send`` copying the staged rows, the receive copying
+    the messages and this rank's own rows: staged (``by_token`` 0) or cast from x token by token (1, with the local
+    shortcut)): every rank's q bytes and scales (float32, or ue8m0's packed exponents) bitwise ``fp8_cast_reference``
+    of its rows, in V1's packed order, and the layout outputs legacy.reference's; hidden 7168 (56 groups), an odd
+    group count (384), one group (128); with and without the local shortcut (at one rank with it no send runs)."""
     t, k, m, e = (4, 3, 4, 12) if h == 7168 else (6, 3, 8, 12)
     xs, idxs = _fp8_inputs(n, t, h, e, k, 97 + h + n)
-    np.stack([_bits(x) for x in xs]).tofile(tmp_path / "x1")
-    torch.stack(idxs).numpy().astype(np.int64).tofile(tmp_path / "idx1")
-    args = [
-        str(emulation),
-        "fp8",
-        str(tmp_path),
-        *map(str, (n, e, t, k, h, m, direct, round_scale, ue8m0, fused)),
-    ]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    epr, slots, groups = e // n, n * m, h // 128
+    args = (n, e, t, k, h, m, direct, round_scale, ue8m0)
+    out = _dispatch(emulation, tmp_path / "d", *args, by_token, 1, xs, idxs)
+    what = f"n={n} h={h} direct={direct} round_scale={round_scale} ue8m0={ue8m0} by_token={by_token}"
+    _check_dispatch(out, what, n, e, t, k, h, m, round_scale, ue8m0, 1, xs, idxs)
+
+
+@pytest.mark.parametrize(
+    "n,h,direct,fp8,round_scale,ue8m0,route,t",
+    [(1, 7168, 1, 0, 0, 0, "mixed", 5), (1, 7168, 1, 1, 0, 0, "mixed", 5), (1, 384, 1, 1, 1, 0, "one", 7),
+     (1, 128, 1, 0, 0, 0, "empty", 0), (2, 7168, 1, 1, 0, 1, "mixed", 4), (2, 384, 1, 0, 0, 0, "one", 6),
+     (2, 512, 0, 1, 1, 1, "mixed", 6), (3, 384, 1, 1, 1, 0, "mixed", 7), (3, 128, 1, 1, 0, 0, "empty", 0),
+     (4, 128, 1, 0, 0, 0, "mixed", 6), (4, 512, 1, 1, 0, 1, "one", 5), (4, 384, 1, 1, 1, 0, "mixed", 40)],
+)  # fmt: skip
+def test_own_rows_by_token_on_host_threads(
+    emulation, tmp_path, n, h, direct, fp8, round_scale, ue8m0, route, t
+):
+    """EPKIT_LL_OWN_BY_TOKEN's receive (local_direct 2: this rank's rows written token by token) against the
+    expert-major one: every output byte the same (rows, scales, counts, src_info, lanes, layout_range, lane_pos,
+    error words), and legacy.reference's; bf16 and FP8 (round_scale, ue8m0), EP1..EP4, hidden 7168 / 384 / 128, -1
+    ids, a repeated expert in a token, a token selecting nothing, no tokens, every token to one expert, more tokens
+    than a warp (40: the ballot count over several warps)."""
+    k, m, e = 3, max(t, 1), 12
+    xs, idxs = _fp8_inputs(n, t, h, e, k, 11 + h + n + t, route)
+    args = (n, e, t, k, h, m, direct, round_scale, ue8m0)
+    off = _dispatch(emulation, tmp_path / "off", *args, 0, fp8, xs, idxs)
+    on = _dispatch(emulation, tmp_path / "on", *args, 1, fp8, xs, idxs)
+    what = f"n={n} h={h} fp8={fp8} round_scale={round_scale} ue8m0={ue8m0} {route} t={t}"
     for r in range(n):
-        what = f"n={n} h={h} direct={direct} round_scale={round_scale} ue8m0={ue8m0} fused={fused} rank {r}"
-        assert np.fromfile(tmp_path / f"f_err_{r}", np.int32).tolist() == [0, 0, 0], f"{what}: an error"
-        cnt = np.fromfile(tmp_path / f"f_count_{r}", np.int32)
-        q = np.fromfile(tmp_path / f"f_q_{r}", np.uint8).reshape(epr, slots, h)
-        dt, cols = (np.int32, groups // 4) if ue8m0 else (np.float32, groups)
-        s = np.fromfile(tmp_path / f"f_s_{r}", dt)[: epr * cols * slots].reshape(epr, cols, slots)
-        for le, rows in enumerate(ll_expected_rows([i.numpy() for i in idxs], r, e)):
-            c = len(rows)
-            assert cnt[le] == c, f"{what}: recv_count[{le}]={cnt[le]}, want {c}"
-            if not c:
-                continue
-            rq, rs = fp8_cast_reference(np.stack([_bits(xs[sr][tok]) for sr, tok in rows]), bool(round_scale),
-                                        bool(ue8m0))  # fmt: skip
-            bad = np.argwhere(q[le, :c] != rq)
-            assert not bad.size, f"{what}: e4m3 bytes of expert {le} differ at {tuple(bad[0])}"
-            assert np.array_equal(s[le, :, :c].T.view(np.int32), rs.view(np.int32)), f"{what}: scales of {le}"
+        for name, b in off[r].items():
+            assert on[r][name] == b, f"{what} rank {r}: {name} differs with the own rows by token"
+    _check_dispatch(on, what, n, e, t, k, h, m, round_scale, ue8m0, fp8, xs, idxs)

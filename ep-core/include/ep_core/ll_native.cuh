@@ -23,9 +23,13 @@
 //   block per local expert): waits for the N counts, packs the rows contiguously in source rank order (V1's
 //   `recv_x[e, :recv_count[e]]`), fills src_info, the lanes (for combine), layout_range, recv_count and cumulative
 //   stats. local_direct: this rank's own rows come from the send's payload, no message. FP8: `ep_lln_cast_fp8` casts
-//   each token once into a staging buffer, the payload of both; or (EPKIT_LL_FP8_FUSED, under evaluation) the send
-//   casts each message as it writes it and the receive this rank's own rows from x: no launch, no staging, but a
-//   token of k experts cast k times (ep_lln_cast8 is ~36 instructions a channel: at EP1 top-8 ~8x the cast's ALU).
+//   each token once into a staging buffer, the payload of both. Own rows by token (local_direct 2, the receive only;
+//   EPKIT_LL_OWN_BY_TOKEN, under evaluation): each receive block takes a contiguous share of this rank's tokens (or
+//   of their channel groups, when there are more blocks than tokens), each row read from bf16 x once (FP8: cast
+//   once) and written to the packed slot of each of its local experts (the counts of the sources before this rank
+//   plus the tokens before it selecting the expert: a per-block count of the tokens before its share, then a running
+//   one), instead of one block per expert copying its rows (at EP1 the busiest expert bounded the kernel; no staging
+//   launch when nothing is sent). The expert blocks still list the tokens for the counts, src_info, lanes, lane_pos.
 // Combine: send (one block per local expert): each packed row written straight into its token's lane slot on the
 //   token's home rank, then the expert's flag there. Receive (per token and channel chunk): waits for the flags of
 //   the token's experts, then acc = +0, acc = acc + fp32(y_k) * w_k for each lane k ascending with an expert
@@ -350,19 +354,17 @@ __device__ __forceinline__ uint2 ep_lln_cast8(uint4 v, bool ok, int round_scale,
 }
 
 // FP8 cast of `rows` bf16 rows of `groups` 128-channel groups as they are moved, with the whole block: row j read
-// at src_row(j) (uint4: eight bf16), its e4m3 bytes written to q_row(j) (uint2: eight), the scale of its group g
-// given to put_scale(j, g, scale) (one lane). A warp per (row, chunk of 8 groups) item as in ep_lln_copy_rows, a half
-// warp per group (ep_lln_cast8: the bytes of ep_ll_pack_fp8 and legacy.reference), four groups' loads in flight per
-// half warp. All threads.
-template <typename Src, typename Dst, typename Put>
-__device__ __forceinline__ void ep_lln_cast_rows(int rows, int groups, int round_scale, Src src_row, Dst q_row,
-                                                 Put put_scale) {
+// at src_row(j) (uint4: eight bf16), put(j, g, hl, bits, scale) given the e4m3 bytes (uint2: eight) of vector hl of
+// its group g (16 a group; each lane its own, the scale alike on every lane). A warp per (row, chunk of 8 groups)
+// item as in ep_lln_copy_rows, a half warp per group (ep_lln_cast8: the bytes of ep_ll_pack_fp8 and
+// legacy.reference), four groups' loads in flight per half warp. All threads.
+template <typename Src, typename Put>
+__device__ __forceinline__ void ep_lln_cast_rows(int rows, int groups, int round_scale, Src src_row, Put put) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int half = lane >> 4, hl = lane & 15, parts = (groups + 7) / 8;
   for (int item = warp; item < rows * parts; item += nwarps) {
     const int j = item / parts, g0 = (item - j * parts) * 8 + half;  // this half warp's groups: g0, g0 + 2, ...
     const uint4* src = src_row(j);
-    uint2* q = q_row(j);
     uint4 v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) v[u] = g0 + 2 * u < groups ? src[(g0 + 2 * u) * 16 + hl] : make_uint4(0, 0, 0, 0);
@@ -372,40 +374,34 @@ __device__ __forceinline__ void ep_lln_cast_rows(int rows, int groups, int round
       if (g - half >= groups) break;  // warp-uniform (the cast's amax is a half-warp shuffle)
       float scale;
       const uint2 bits = ep_lln_cast8(v[u], g < groups, round_scale, &scale);
-      if (g < groups) {
-        q[g * 16 + hl] = bits;
-        if (hl == 0) put_scale(j, g, scale);
-      }
+      if (g < groups) put(j, g, hl, bits, scale);
     }
   }
 }
 
-// FP8 cast of every token once (EPKIT_LL_FP8_FUSED off; before the send): staging row t = e4m3 bytes [hidden] then
+// FP8 cast of every token once (before the send): staging row t = e4m3 bytes [hidden] then
 // fp32 scales [hidden / 128], row stride `stride` bytes (16-byte multiple); blockIdx.x = token.
 extern "C" __global__ void __launch_bounds__(256)
     ep_lln_cast_fp8(const uint4* __restrict__ x, int hidden, int round_scale, uint8_t* __restrict__ staging,
                     int stride) {
   uint8_t* row = staging + (int64_t)blockIdx.x * stride;
-  ep_lln_cast_rows(
-      1, hidden / 128, round_scale, [&](int) { return x + (int64_t)blockIdx.x * (hidden / 8); },
-      [&](int) { return reinterpret_cast<uint2*>(row); },
-      [&](int, int g, float sc) { reinterpret_cast<float*>(row + hidden)[g] = sc; });
+  ep_lln_cast_rows(1, hidden / 128, round_scale, [&](int) { return x + (int64_t)blockIdx.x * (hidden / 8); },
+                   [&](int, int g, int hl, uint2 bits, float sc) {
+                     reinterpret_cast<uint2*>(row)[g * 16 + hl] = bits;
+                     if (hl == 0) reinterpret_cast<float*>(row + hidden)[g] = sc;
+                   });
 }
 
-// Dispatch send. Payload rows (row stride `stride` bytes): ep_lln_dispatch_send copies them (bf16 x, or with
-// `use_fp8` the FP8 staging of ep_lln_cast_fp8); ep_lln_dispatch_send_fp8 (kFP8; EPKIT_LL_FP8_FUSED) reads bf16 x
-// and casts each message as it writes it (`round_scale` as legacy.reference; a kernel of its own: one with both paths
-// spilled registers). topk [T, K] (int32 or int64 by idx64). Block g (grid stride over num_experts) sends expert g's
-// tokens to rank g / E_local, then the count (nothing to a masked rank). Dynamic shared memory: 8 * M bytes.
-template <bool kFP8>
-__device__ __forceinline__ void ep_lln_dispatch_send_t(const uint8_t* __restrict__ payload, int stride,
-                                                       int round_scale, const void* __restrict__ topk, int idx64,
-                                                       int num_tokens, int num_topk, int hidden, int num_experts,
-                                                       int num_ranks, int rank, int m,
-                                                       const uint64_t* __restrict__ peers, const uint8_t* own_base,
-                                                       uint8_t* own_half, int use_fp8, int local_direct,
-                                                       int* __restrict__ lane_pos, int* err, volatile int* herr,
-                                                       int* mask, int sig) {
+// Dispatch send. Payload rows (row stride `stride` bytes): bf16 x, or with `use_fp8` the FP8 staging of
+// ep_lln_cast_fp8 (`round_scale`: unused, the staging's). topk [T, K] (int32 or int64 by idx64). Block g (grid stride
+// over num_experts) sends expert g's tokens to rank g / E_local, then the count (nothing to a masked rank). Dynamic
+// shared memory: 8 * M bytes.
+extern "C" __global__ void __launch_bounds__(512, 2)
+    ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, int round_scale,
+                         const void* __restrict__ topk, int idx64, int num_tokens, int num_topk, int hidden,
+                         int num_experts, int num_ranks, int rank, int m, const uint64_t* __restrict__ peers,
+                         const uint8_t* own_base, uint8_t* own_half, int use_fp8, int local_direct,
+                         int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask, int sig) {
   EP_LL_DYNAMIC_SMEM(int, s_list);  // [M] token, [M] lane
   __shared__ int warp_sums[32];
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
@@ -413,8 +409,7 @@ __device__ __forceinline__ void ep_lln_dispatch_send_t(const uint8_t* __restrict
   const ep_lln::Layout L(epr, num_ranks, num_experts, m, num_topk, hidden);
   const int* ctrl = reinterpret_cast<const int*>(own_half + L.ctrl);
   const int64_t epoch = (int64_t)ctrl[0] + 1;
-  const int groups = hidden / 128;
-  const int vecs = !kFP8 && use_fp8 ? (hidden + groups * 4 + 15) / 16 : hidden / 8;
+  const int vecs = use_fp8 ? (hidden + hidden / 128 * 4 + 15) / 16 : hidden / 8;
   for (int g = blockIdx.x; g < num_experts; g += gridDim.x) {
     const int dst = g / epr, e = g - dst * epr;
     // block-uniform (another block's timeout may flip the word meanwhile)
@@ -429,14 +424,9 @@ __device__ __forceinline__ void ep_lln_dispatch_send_t(const uint8_t* __restrict
     for (int j = threadIdx.x; j < sent; j += blockDim.x)
       *reinterpret_cast<int4*>(slots + (int64_t)j * L.msg) = make_int4(s_list[j], s_list[m + j], 0, 0);
     const int64_t msg = L.msg;
-    auto row = [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); };
-    if constexpr (kFP8)  // the message's payload: e4m3 bytes [hidden], then fp32 scales [hidden / 128]
-      ep_lln_cast_rows(
-          sent, groups, round_scale, row,
-          [&](int j) { return reinterpret_cast<uint2*>(slots + (int64_t)j * msg + 16); },
-          [&](int j, int gr, float sc) { reinterpret_cast<float*>(slots + (int64_t)j * msg + 16 + hidden)[gr] = sc; });
-    else
-      ep_lln_copy_rows(sent, vecs, row, [&](int j) { return reinterpret_cast<uint4*>(slots + (int64_t)j * msg + 16); });
+    ep_lln_copy_rows(
+        sent, vecs, [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); },
+        [&](int j) { return reinterpret_cast<uint4*>(slots + (int64_t)j * msg + 16); });
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
@@ -448,35 +438,13 @@ __device__ __forceinline__ void ep_lln_dispatch_send_t(const uint8_t* __restrict
   }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 2)
-    ep_lln_dispatch_send(const uint8_t* __restrict__ payload, int stride, int round_scale,
-                         const void* __restrict__ topk, int idx64, int num_tokens, int num_topk, int hidden,
-                         int num_experts, int num_ranks, int rank, int m, const uint64_t* __restrict__ peers,
-                         const uint8_t* own_base, uint8_t* own_half, int use_fp8, int local_direct,
-                         int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask, int sig) {
-  ep_lln_dispatch_send_t<false>(payload, stride, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts,
-                                num_ranks, rank, m, peers, own_base, own_half, use_fp8, local_direct, lane_pos, err,
-                                herr, mask, sig);
-}
-
-extern "C" __global__ void __launch_bounds__(512, 2)
-    ep_lln_dispatch_send_fp8(const uint8_t* __restrict__ payload, int stride, int round_scale,
-                             const void* __restrict__ topk, int idx64, int num_tokens, int num_topk, int hidden,
-                             int num_experts, int num_ranks, int rank, int m, const uint64_t* __restrict__ peers,
-                             const uint8_t* own_base, uint8_t* own_half, int use_fp8, int local_direct,
-                             int* __restrict__ lane_pos, int* err, volatile int* herr, int* mask, int sig) {
-  ep_lln_dispatch_send_t<true>(payload, stride, round_scale, topk, idx64, num_tokens, num_topk, hidden, num_experts,
-                               num_ranks, rank, m, peers, own_base, own_half, use_fp8, local_direct, lane_pos, err,
-                               herr, mask, sig);
-}
-
 // Dispatch receive. Block e (grid stride over E_local): waits for the counts of the N source ranks, then packs the
 // rows. Outputs: bf16 out [E_local, N*M, hidden], or FP8 q [E_local, N*M, hidden] with scales float32
 // [E_local, G, N*M] (ue8m0: int32 [E_local, G/4, N*M], exponent byte of group g at byte g % 4); src_info and lanes
 // int32 [E_local, N*M] (-1 past the count); recv_count int32 [E_local]; layout_range int64 [E_local, N]; stats
-// int32 [E_local] (added to; may be null). use_fp8: 0 bf16, 1 FP8, 2 FP8 with the cast fused (EPKIT_LL_FP8_FUSED).
-// local_direct: this rank's own block takes its rows from `payload` (the send's, row stride `stride` bytes: bf16 x,
-// the FP8 staging, or with use_fp8 2 bf16 x cast here with `round_scale`, bitwise the send's cast).
+// int32 [E_local] (added to; may be null). local_direct: this rank's own block takes its rows from `payload` (the
+// send's, row stride `stride` bytes: bf16 x or the FP8 staging); 2 (own rows by token): `payload` is bf16 x, each
+// own token's row written by the token pass below (FP8: cast here with `round_scale`, bitwise ep_lln_cast_fp8).
 extern "C" __global__ void __launch_bounds__(512, 2)
     ep_lln_dispatch_recv(int num_topk, int hidden, int num_experts, int num_ranks, int rank, int m,
                          uint8_t* own_half, int use_fp8, int ue8m0, void* __restrict__ out,
@@ -486,9 +454,10 @@ extern "C" __global__ void __launch_bounds__(512, 2)
                          const void* __restrict__ topk, int idx64, int num_tokens, int local_direct,
                          int* __restrict__ lane_pos, int timeout_ms, int* err, volatile int* herr, int* mask,
                          int sig) {
-  EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; then [2M]
+  EP_LL_DYNAMIC_SMEM(int, s_off);  // [N + 1]: offsets of the source ranks' blocks, then the total; [2M]; [E_local]
   __shared__ int s_fail;
   __shared__ int warp_sums[32];
+  __shared__ int s_dst[2 * EP_LL_MAX_TOPK];  // the token pass: each lane's local expert (or -1), then its packed row
   int* s_list = s_off + num_ranks + 1;  // local_direct: this rank's tokens of the expert, then their lanes
   if (*reinterpret_cast<volatile int*>(err) != 0) return;
   const int epr = num_experts / num_ranks;
@@ -497,6 +466,28 @@ extern "C" __global__ void __launch_bounds__(512, 2)
   const int64_t epoch = (int64_t)ctrl[0] + 1;
   const int slots = num_ranks * m;
   const int row_vecs = hidden * 2 / 16, groups = hidden / 128;
+  // source r's count of local expert e (its flag's wait; -1: failed), 0 when masked or of another signature (no rows
+  // of it: the call's outputs are undefined, its flags all consumed)
+  auto count_of = [&](int e, int r) {
+    int64_t v = 0;
+    const int64_t* flag = reinterpret_cast<const int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks + r;
+    int res = ep_lln::wait_flag(flag, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
+    if (res == ep_lln::kArrived && ep_lln::envelope_bad(v, sig, ep_lln::kDispatchSigBits)) {
+      ep_lln::envelope_record(err, herr, num_ranks, ep_lln::envelope_token(epoch, own_half, err, num_ranks,
+                                                                           L.half_bytes, 0), r, 1, v, sig);
+      res = ep_lln::kMasked;
+    }
+    return res == ep_lln::kFailed ? -1 : ep_lln::source_count(res, v);
+  };
+  const int qvecs = use_fp8 ? hidden / 16 : row_vecs;
+  auto put_scale = [&](int64_t e, int j, int g, float s) {  // row j of local expert e
+    if (ue8m0) {
+      const int64_t word = (e * (groups / 4) + g / 4) * slots + j;
+      static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
+    } else {
+      static_cast<float*>(scales)[(e * groups + g) * slots + j] = s;
+    }
+  };
   if (threadIdx.x == 0) s_fail = 0;
   __syncthreads();
   for (int e = blockIdx.x; e < epr; e += gridDim.x) {
@@ -507,21 +498,10 @@ extern "C" __global__ void __launch_bounds__(512, 2)
                                  : 0;
     if (local_direct && lane_pos != nullptr)
       for (int j = threadIdx.x; j < own; j += blockDim.x) lane_pos[s_list[j] * num_topk + s_list[m + j]] = j;
-    const int64_t* flags = reinterpret_cast<const int64_t*>(own_half + L.dflag) + (int64_t)e * num_ranks;
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-      if (local_direct && r == rank) {
-        s_off[r] = ep_lln::masked(mask, r) ? 0 : own;
-        continue;
-      }
-      int64_t v = 0;
-      int res = ep_lln::wait_flag(flags + r, epoch, 32, timeout_ms, err, herr, rank, r, 1, &v, mask, num_ranks);
-      if (res == ep_lln::kArrived && ep_lln::envelope_bad(v, sig, ep_lln::kDispatchSigBits)) {
-        ep_lln::envelope_record(err, herr, num_ranks, ep_lln::envelope_token(epoch, own_half, err, num_ranks,
-                                                                             L.half_bytes, 0), r, 1, v, sig);
-        res = ep_lln::kMasked;  // no rows of it: the call's outputs are undefined, its flags all consumed
-      }
-      if (res == ep_lln::kFailed) s_fail = 1;
-      s_off[r] = ep_lln::source_count(res, v);  // a masked source's block counts 0
+      const int c = local_direct && r == rank ? (ep_lln::masked(mask, r) ? 0 : own) : count_of(e, r);
+      if (c < 0) s_fail = 1;
+      s_off[r] = c < 0 ? 0 : c;
     }
     __syncthreads();
     if (s_fail) return;
@@ -533,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     __syncthreads();
     const int total = s_off[num_ranks];
     // packed row j: source rank r by a binary search over the block offsets; its payload is the message's, or with
-    // local_direct for this rank's own block its token's payload row (null when fused: cast below, not copied)
+    // local_direct for this rank's own block its token's payload row (null by token: the token pass writes it)
     auto rank_of = [&](int j) {
       int lo = 0, hi = num_ranks - 1;
       while (lo < hi) {
@@ -545,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(512, 2)
     auto src_of = [&](int j) -> const uint8_t* {
       const int r = rank_of(j);
       if (local_direct && r == rank)
-        return use_fp8 == 2 ? nullptr : payload + (int64_t)s_list[j - s_off[r]] * stride;
+        return local_direct == 2 ? nullptr : payload + (int64_t)s_list[j - s_off[r]] * stride;
       return own_half + L.ddata + (((int64_t)e * num_ranks + r) * m + (j - s_off[r])) * L.msg + 16;
     };
     for (int j = threadIdx.x; j < total; j += blockDim.x) {
@@ -562,39 +542,89 @@ extern "C" __global__ void __launch_bounds__(512, 2)
       src_info[(int64_t)e * slots + j] = tok;
       lanes[(int64_t)e * slots + j] = lane;
     }
-    const int qvecs = use_fp8 ? hidden / 16 : row_vecs;
     uint4* out4 = static_cast<uint4*>(out) + (int64_t)e * slots * qvecs;
     ep_lln_copy_rows<4>(
         total, qvecs, [&](int j) { return reinterpret_cast<const uint4*>(src_of(j)); },
         [&](int j) { return out4 + (int64_t)j * qvecs; });
-    auto put_scale = [&](int j, int g, float s) {
-      if (ue8m0) {
-        const int64_t word = ((int64_t)e * (groups / 4) + g / 4) * slots + j;
-        static_cast<uint8_t*>(scales)[word * 4 + (g % 4)] = (uint8_t)((ep_ll::f2u(s) >> 23) & 0xFFu);
-      } else {
-        static_cast<float*>(scales)[((int64_t)e * groups + g) * slots + j] = s;
-      }
-    };
-    if (use_fp8) {
-      for (int i = threadIdx.x; i < total * groups; i += blockDim.x) {
-        const int g = i / total, j = i - g * total;  // consecutive threads: consecutive rows (column-major out)
-        const uint8_t* src = src_of(j);
-        if (src != nullptr) put_scale(j, g, reinterpret_cast<const float*>(src + hidden)[g]);
-      }
-      if (local_direct && use_fp8 == 2) {  // this rank's own rows [s_off[rank], s_off[rank + 1]): cast from x
-        const int own0 = s_off[rank];
-        auto row = [&](int j) { return reinterpret_cast<const uint4*>(payload + (int64_t)s_list[j] * stride); };
-        ep_lln_cast_rows(
-            s_off[rank + 1] - own0, groups, round_scale, row,
-            [&](int j) { return reinterpret_cast<uint2*>(out4 + (int64_t)(own0 + j) * qvecs); },
-            [&](int j, int g, float s) { put_scale(own0 + j, g, s); });
-      }
+    for (int i = threadIdx.x; use_fp8 && i < total * groups; i += blockDim.x) {
+      const int g = i / total, j = i - g * total;  // consecutive threads: consecutive rows (column-major out)
+      const uint8_t* src = src_of(j);
+      if (src != nullptr) put_scale(e, j, g, reinterpret_cast<const float*>(src + hidden)[g]);
     }
     for (int j = total + threadIdx.x; j < slots; j += blockDim.x) {
       src_info[(int64_t)e * slots + j] = -1;
       lanes[(int64_t)e * slots + j] = -1;
     }
     __syncthreads();  // s_off is rewritten by the next expert
+  }
+  // own rows by token (local_direct 2): block b takes a contiguous share [i0, i1) of the (token, part) items (a part:
+  // groups / parts channel groups; parts = blocks per token, the blocks a token would leave idle); token t's part
+  // goes to packed row s_next[e] of each local expert e it selects (its first lane with e), s_next[e] = the counts of
+  // the sources before this rank plus the tokens before t selecting e (the order of ep_lln_list_tokens in the expert
+  // blocks above, which write src_info and lanes): the tokens before the share counted once, then a token at a time
+  const int64_t g0 = (int64_t)rank * epr;
+  auto first_local = [&](int u, int k) {  // lane k of token u: its local expert where the lane is its first, or -1
+    const int64_t g = ep_ll::load_idx(topk, (int64_t)u * num_topk + k, idx64);
+    bool first = g >= g0 && g < g0 + epr;
+    for (int j = 0; j < k && first; ++j) first = ep_ll::load_idx(topk, (int64_t)u * num_topk + j, idx64) != g;
+    return first ? (int)(g - g0) : -1;
+  };
+  int parts = num_tokens > 0 ? (int)gridDim.x / num_tokens : 1;
+  parts = parts < 1 ? 1 : (parts > groups ? groups : parts);
+  const int items = num_tokens * parts, per = (items + gridDim.x - 1) / gridDim.x, i0 = blockIdx.x * per;
+  const int i1 = i0 + per < items ? i0 + per : items, t0 = i0 / parts;
+  if (local_direct != 2 || ep_lln::masked(mask, rank) || i0 >= i1) {
+    ep_lln::finish_epoch(ctrl, 0);
+    return;
+  }
+  int* s_next = s_list + 2 * m;  // [E_local]
+  for (int e = threadIdx.x; e < epr; e += blockDim.x) {
+    int own0 = 0;
+    for (int r = 0; r < rank; ++r) {
+      const int c = count_of(e, r);
+      if (c < 0) s_fail = 1;
+      own0 += c < 0 ? 0 : c;
+    }
+    s_next[e] = own0;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < t0 * num_topk; i += blockDim.x) {
+    const int e = first_local(i / num_topk, i % num_topk);
+    if (e >= 0) atomicAdd(&s_next[e], 1);
+  }
+  __syncthreads();
+  if (s_fail) return;
+  uint4* out4 = static_cast<uint4*>(out);
+  auto dst_row = [&](int k) { return ((int64_t)s_dst[k] * slots + s_dst[EP_LL_MAX_TOPK + k]) * qvecs; };
+  for (int t = t0; t * parts < i1; ++t) {
+    const int pa = i0 - t * parts > 0 ? i0 - t * parts : 0, pb = i1 - t * parts < parts ? i1 - t * parts : parts;
+    const int ga = pa * groups / parts, gb = pb * groups / parts;  // this share's groups of the token
+    for (int k = threadIdx.x; k < num_topk; k += blockDim.x) {
+      const int e = first_local(t, k);
+      s_dst[k] = e;
+      s_dst[EP_LL_MAX_TOPK + k] = e < 0 ? -1 : s_next[e];
+    }
+    __syncthreads();
+    const uint4* row = reinterpret_cast<const uint4*>(payload + (int64_t)t * stride);
+    auto put = [&](int, int g, int hl, uint2 bits, float sc) {  // the token's cast, once, to each of its experts
+      g += ga;
+      for (int k = 0; k < num_topk; ++k) {
+        if (s_dst[k] < 0) continue;
+        reinterpret_cast<uint2*>(out4 + dst_row(k))[g * 16 + hl] = bits;
+        if (hl == 0) put_scale(s_dst[k], s_dst[EP_LL_MAX_TOPK + k], g, sc);
+      }
+    };
+    if (use_fp8)
+      ep_lln_cast_rows(1, gb - ga, round_scale, [&](int) { return row + ga * 16; }, put);
+    else
+      for (int c = ga * 16 + threadIdx.x; c < gb * 16; c += blockDim.x) {
+        const uint4 v = row[c];
+        for (int k = 0; k < num_topk; ++k)
+          if (s_dst[k] >= 0) out4[dst_row(k) + c] = v;
+      }
+    for (int k = threadIdx.x; k < num_topk; k += blockDim.x)
+      if (s_dst[k] >= 0) ++s_next[s_dst[k]];  // a lane each expert (first lanes)
+    __syncthreads();  // s_dst is rewritten by the next token
   }
   ep_lln::finish_epoch(ctrl, 0);
 }

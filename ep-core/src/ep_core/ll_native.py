@@ -46,7 +46,6 @@ def header_bytes(num_ranks: int) -> int:
 SIGNATURES: dict[str, str] = {
     "ep_lln_cast_fp8": "piipi",
     "ep_lln_dispatch_send": "piipiiiiiiiipppiippppi",
-    "ep_lln_dispatch_send_fp8": "piipiiiiiiiipppiippppi",  # the same, each message cast to FP8 as it is written
     "ep_lln_dispatch_recv": "iiiiiipiippppppppiipiiipipppi",
     "ep_lln_combine_send": "ppppiiiiiipppipppi",
     "ep_lln_combine_recv": "pipiiiiiiipppppiipppi",

@@ -14,10 +14,10 @@ __all__ = [
     "elastic_wait",
     "host_extension",
     "knobs",
-    "ll_fp8_fused",
     "ll_local_direct",
     "ll_native",
     "ll_native_choice",
+    "ll_own_by_token",
     "reference_num_sms",
     "reference_nvlink_gbs",
     "scaleup_ranks",
@@ -49,7 +49,7 @@ knobs: dict[str, Knob] = {  # (name, default, meaning; ep-torch's README says ea
         Knob("EPKIT_CPU_TIMEOUT_SECS", "300", "host waits' bound (s) without num_cpu_timeout_secs"),
         Knob("EPKIT_LL_NATIVE", "1", "V1 low-latency: ep's own kernels where they can; 0: adapter"),
         Knob("EPKIT_LL_LOCAL_DIRECT", "1", "V1 native kernels: 0 sends own experts' rows via the buffer"),
-        Knob("EPKIT_LL_FP8_FUSED", "0", "V1 native FP8 dispatch: 1 casts in the send/receive, no staging"),
+        Knob("EPKIT_LL_OWN_BY_TOKEN", "0", "V1 native dispatch: 1 own rows token-major (FP8 cast once)"),
         Knob("EPKIT_ELASTIC_WAIT", "kernel", "GPU waits of PP/AGRS/BucketBuffer: kernel or stream"),
     )
 }
@@ -100,9 +100,9 @@ def ll_local_direct() -> bool:
     return _flag("EPKIT_LL_LOCAL_DIRECT")
 
 
-def ll_fp8_fused() -> bool:
-    """``EPKIT_LL_FP8_FUSED`` (default off; an A/B knob of issue 44)."""
-    return _flag("EPKIT_LL_FP8_FUSED")
+def ll_own_by_token() -> bool:
+    """``EPKIT_LL_OWN_BY_TOKEN`` (default off; an A/B knob of issue 44)."""
+    return _flag("EPKIT_LL_OWN_BY_TOKEN")
 
 
 def avoid_record_stream() -> bool:

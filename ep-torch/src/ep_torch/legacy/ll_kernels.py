@@ -473,11 +473,12 @@ def native_dispatch(
     groups = h // 128
     # one rank with the local shortcut: no send (the receive lists this rank's rows and reads them where they lie)
     sends = n > 1 or not local_direct
-    # FP8: cast once per token into a staging buffer, the send's and the local rows' payload; or (EPKIT_LL_FP8_FUSED,
-    # under evaluation) cast in the send (each message) and the receive (this rank's own rows): one launch fewer
-    fused = 2 if use_fp8 and _env.ll_fp8_fused() else 0
+    # FP8: cast once per token into a staging buffer, the send's and the local rows' payload; by token
+    # (EPKIT_LL_OWN_BY_TOKEN, under evaluation; receive local_direct 2) the receive writes this rank's own rows from x
+    # token by token (FP8: cast there), so only messages need the staging
+    by_token = local_direct and _env.ll_own_by_token()
     payload, pstride = x, h * 2
-    if use_fp8 and not fused:
+    if use_fp8 and (sends or not by_token):
         stride = -(-(h + 4 * groups) // 16) * 16
         payload = torch.empty(max(t, 1), stride, dtype=torch.uint8, device=dev)
         if t:
@@ -488,8 +489,7 @@ def native_dispatch(
             reg.own_base, own_half, int(use_fp8), int(local_direct), lane_pos, err, reg.herr.data_ptr(), mask,
             sig]  # fmt: skip
     if sends:
-        name = "ep_lln_dispatch_send_fp8" if fused else "ep_lln_dispatch_send"
-        run(name, min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
+        run("ep_lln_dispatch_send", min(reg.num_experts, reg.send_blocks), 512, send, shared_mem=8 * m)
     out, s_store = _fp8_outputs(epr, slots, h, use_ue8m0, dev) if use_fp8 else (None, None)
     if not use_fp8:
         out = torch.empty(epr, slots, h, dtype=torch.bfloat16, device=dev)
@@ -501,11 +501,11 @@ def native_dispatch(
     in_kernel = stats is not None and stats.dtype == torch.int32 and stats.is_contiguous() and stats.is_cuda
 
     def receive() -> None:
-        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, fused or int(use_fp8), int(use_ue8m0), out, s_store,
-                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, payload, pstride,
-                int(round_scale), topk, idx64, t, int(local_direct), lane_pos, reg.timeout_ms, err,
-                reg.herr.data_ptr(), mask, sig]  # fmt: skip
-        smem = 4 * (n + 1) + (8 * m if local_direct else 0)
+        args = [k, h, reg.num_experts, n, reg.rank, m, own_half, int(use_fp8), int(use_ue8m0), out, s_store,
+                src_info, lanes, recv_count, layout_range, stats if in_kernel else None, x if by_token else payload,
+                h * 2 if by_token else pstride, int(round_scale), topk, idx64, t, 2 if by_token else int(local_direct),
+                lane_pos, reg.timeout_ms, err, reg.herr.data_ptr(), mask, sig]  # fmt: skip
+        smem = 4 * (n + 1) + (8 * m if local_direct else 0) + (4 * epr if by_token else 0)
         _NativeLaunch()("ep_lln_dispatch_recv", min(epr, reg.recv_blocks), 512, args, shared_mem=smem)
         if stats is not None and not in_kernel:
             stats.add_(recv_count.to(stats.dtype))
