@@ -25,14 +25,7 @@ def _guarded(op: str, target: Any = None) -> Any:
         @functools.wraps(fn)
         def call(self: Buffer, *args: Any, **kwargs: Any) -> Any:
             inner, host = target(self, args, kwargs) if target is not None else (None, True)
-            if target is not _ll_target:
-                with self._guard(op, inner, host):
-                    if self._destroyed:
-                        raise EPStateError(
-                            f"{op} (rank {self.rank}): Buffer used after destroy(); create a new buffer"
-                        )
-                    return fn(self, *args, **kwargs)
-            mark = _native_mark(self)
+            mark = _native_mark(self) if target is _ll_target else None
             try:
                 with self._guard(op, inner, host):
                     if self._destroyed:
