@@ -69,11 +69,7 @@ def prefetch_tasks(
     ``pairs``: per tensor pair, (address of the redundant tensor here, address of the expert tensor, bytes per
     expert); the redundant tensor lies in this rank's LB region, whose base on LSA rank ``s`` is ``lb_bases[s]``.
     Tasks go pair by pair, then by destination rank and slot."""
-    me = routes.lsa_rank
-    if len(lb_bases) != len(routes.send):
-        raise EPValueError(
-            f"lb_bases: expected {len(routes.send)} bases (one per LSA rank), got {len(lb_bases)}"
-        )
+    me = _check_bases(routes, lb_bases)
     rows = []
     for red, experts, per in pairs:
         offset = int(red) - int(lb_bases[me])
@@ -95,12 +91,7 @@ def reduce_table(
     sources (flattened, one int64 array) and ``E``. Entry per local expert with at least one slot: ``dst`` its row
     of ``grads``, the sources every slot (LSA rank ``s``, slot ``c``) holding it, ascending (s, c); ``red`` is the
     address of the redundant gradients in this rank's LB region."""
-    me = routes.lsa_rank
-    if len(lb_bases) != len(routes.send):
-        raise EPValueError(
-            f"lb_bases: expected {len(routes.send)} bases (one per LSA rank), got {len(lb_bases)}"
-        )
-    offset = int(red) - int(lb_bases[me])
+    offset = int(red) - int(lb_bases[_check_bases(routes, lb_bases)])
     srcs: list[list[int]] = [[] for _ in range(num_local_experts)]
     for s, sends in enumerate(routes.send):  # ascending rank, each rank's pairs in slot order
         for local, slot in sends:
@@ -112,6 +103,15 @@ def reduce_table(
             flat.extend(rows)
     table = np.asarray(entries, dtype=np.int64).reshape(-1, 3)
     return np.concatenate([table.reshape(-1), np.asarray(flat, dtype=np.int64)]), len(entries)
+
+
+def _check_bases(routes: LBRoutes, lb_bases: Sequence[int]) -> int:
+    """This rank's LSA rank, after checking that ``lb_bases`` has a base per LSA rank."""
+    if len(lb_bases) != len(routes.send):
+        raise EPValueError(
+            f"lb_bases: expected {len(routes.send)} bases (one per LSA rank), got {len(lb_bases)}"
+        )
+    return routes.lsa_rank
 
 
 def launch(
