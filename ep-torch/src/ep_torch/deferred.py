@@ -90,24 +90,49 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
     """A deferred dispatch of `buf` on CUDA (module doc); `call`: the dispatch's arguments by name, DeepEP's and ep's
     rules already checked, inside the call's announcing block (``DispatchCombine._deferred``: an error here is
     announced to the peers as the dispatch's)."""
-    from .dispatch_combine import _cuda_tensors, _current_stream, _handle_tensors, _plain, _received
+    from .dispatch_combine import _cuda_tensors, _handle_tensors, _received
 
-    x, topk_idx, handle = call["x"], call["topk_idx"], call["handle"]
-    do_cpu_sync, do_expand = call["do_cpu_sync"], call["do_expand"]
+    x, topk_idx, handle, do_expand = call["x"], call["topk_idx"], call["handle"], call["do_expand"]
     _not_captured("dispatch", "the CPU sync, the epilogue's launch")
     if handle is not None and not do_expand and isinstance(handle, EPHandle):
         do_expand = handle.do_expand  # DeepEP: a cached dispatch takes its layout from the handle
-    rt = buf._rt()
     first = x[0] if isinstance(x, tuple) and len(x) == 2 else x
     device = first.device if isinstance(first, torch.Tensor) else buf.device
+    tma = call["use_tma_aligned_col_major_sf"]
+    finish = launch_split_dispatch(buf, call, device, handle, do_expand, tma)
+    w, stats = call["topk_weights"], call["cumulative_local_expert_recv_stats"]
+
+    def done(res: Any, waiting: torch.cuda.Stream, comm: torch.cuda.Stream) -> tuple:
+        for t in _cuda_tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)):
+            t.record_stream(waiting)
+        for t in _handle_tensors(res.handle):
+            t.record_stream(comm)
+            t.record_stream(waiting)
+        if handle is None:
+            res.handle.topk_idx = topk_idx  # the caller's tensor itself (do_handle_copy=False)
+        return _received(res.recv_x, res.recv_sf, tma), res.recv_topk_idx, res.recv_topk_weights, res.handle
+
+    return _deferred(buf, "dispatch", device, _cuda_tensors((x, topk_idx, w, stats)), finish, done)
+
+
+def launch_split_dispatch(
+    buf: Any, call: dict, device: torch.device, handle: Any, do_expand: bool, tma: bool
+) -> Any:
+    """ep-core's split dispatch of `call` (its arguments by name, inside the call's announcing block) on `device`:
+    the dispatch kernel launched, its ``finish(stream)`` returned (the CPU sync, the outputs, the epilogue). Shared
+    by the deferred dispatch and ``borrow_recv`` (``recv_view.borrow``)."""
+    from .dispatch_combine import _current_stream, _plain
+
+    rt = buf._rt()
     allocator = buf._allocators.get(device) if "_allocators" in buf.__dict__ else None
     if allocator is None:
         allocator = buf._announced("dispatch", buf._allocator, device)
     previous_event = call["previous_event"]
     scoped = previous_event is not None or bool(call["allocate_on_comm_stream"])
+    x, topk_idx, do_cpu_sync = call["x"], call["topk_idx"], call["do_cpu_sync"]
     w, stats = call["topk_weights"], call["cumulative_local_expert_recv_stats"]
     with buf._scope("dispatch", previous_event, True) if scoped else contextlib.nullcontext():
-        finish = rt.launch_dispatch_deferred(
+        return rt.launch_dispatch_deferred(
             DispatchArgs(
                 _plain(x),
                 _plain(topk_idx) if topk_idx is not None else None,
@@ -127,25 +152,12 @@ def deferred_dispatch(buf: Any, call: dict) -> EventOverlap:
                 None if do_cpu_sync is None else bool(do_cpu_sync),
                 bool(do_expand),
                 bool(call["do_zero_padding"]),
-                bool(call["use_tma_aligned_col_major_sf"]),
+                bool(tma),
                 allocator,
                 _current_stream(buf._device_index),
                 False,
             )
         )
-    tma = call["use_tma_aligned_col_major_sf"]
-
-    def done(res: Any, waiting: torch.cuda.Stream, comm: torch.cuda.Stream) -> tuple:
-        for t in _cuda_tensors((res.recv_x, res.recv_sf, res.recv_topk_idx, res.recv_topk_weights)):
-            t.record_stream(waiting)
-        for t in _handle_tensors(res.handle):
-            t.record_stream(comm)
-            t.record_stream(waiting)
-        if handle is None:
-            res.handle.topk_idx = topk_idx  # the caller's tensor itself (do_handle_copy=False)
-        return _received(res.recv_x, res.recv_sf, tma), res.recv_topk_idx, res.recv_topk_weights, res.handle
-
-    return _deferred(buf, "dispatch", device, _cuda_tensors((x, topk_idx, w, stats)), finish, done)
 
 
 def _deferred(buf: Any, op: str, device: torch.device, inputs: list, finish: Any, done: Any) -> EventOverlap:

@@ -219,34 +219,16 @@ def borrow(buf: Any, call: dict, again: Any) -> tuple:
 
 def _borrow_cuda(buf: Any, call: dict, async_: bool) -> tuple:
     """`borrow` on CUDA, inside the call's announcing block."""
-    from ep_core.requests import DispatchArgs
-
-    from .deferred import comm_stream_of
-    from .dispatch_combine import _cuda_tensors, _current_stream, _handle_tensors, _plain
+    from .deferred import comm_stream_of, launch_split_dispatch
+    from .dispatch_combine import _cuda_tensors, _handle_tensors
     from .event import EventOverlap
     from .handle_version import keep
 
     x, topk_idx, w = call["x"], call["topk_idx"], call["topk_weights"]
-    stats, do_cpu_sync = call["cumulative_local_expert_recv_stats"], call["do_cpu_sync"]
-    buf._check_capture(do_cpu_sync)  # (a CPU sync: refused inside CUDA-graph capture)
-    rt = buf._rt()
+    stats = call["cumulative_local_expert_recv_stats"]
+    buf._check_capture(call["do_cpu_sync"])  # (a CPU sync: refused inside CUDA-graph capture)
     device = x.device
-    allocator = buf._allocators.get(device) if "_allocators" in buf.__dict__ else None
-    if allocator is None:
-        allocator = buf._allocator(device)
-    previous_event = call["previous_event"]
-    scoped = previous_event is not None or bool(call["allocate_on_comm_stream"])
-    with buf._scope("dispatch", previous_event, True) if scoped else contextlib.nullcontext():
-        finish = rt.launch_dispatch_deferred(
-            DispatchArgs(
-                _plain(x), _plain(topk_idx), _plain(w) if w is not None else None,
-                _plain(stats) if stats is not None else None, call["num_experts"], call["num_max_tokens_per_rank"],
-                call["expert_alignment"], call["num_sms"], call["num_qps"], previous_event,
-                call["previous_event_before_epilogue"], True, bool(call["allocate_on_comm_stream"]), None, False,
-                None if do_cpu_sync is None else bool(do_cpu_sync), False, bool(call["do_zero_padding"]), False,
-                allocator, _current_stream(buf._device_index), False,
-            )
-        )  # fmt: skip
+    finish = launch_split_dispatch(buf, call, device, None, False, False)  # (not cached, expanded or FP8)
     comm = comm_stream_of(buf, device)
     for t in _cuda_tensors((x, topk_idx, w, stats)):  # (read by the epilogue on the comm stream)
         t.record_stream(comm)
