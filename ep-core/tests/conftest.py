@@ -1,9 +1,12 @@
 """pytest setup of the ep-core tests: one ep-jit cache per test run for the tests that only check what a kernel
-compiles to (`shared_jit_cache`)."""
+compiles to (`shared_jit_cache`); the extern "C" kernels of a header, to hold a host module's parameter table
+against (`header_signatures`)."""
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +30,22 @@ def shared_jit_cache(_shared_jit_dir, monkeypatch):
     monkeypatch.setenv("EPKIT_JIT_CACHE_DIR", str(_shared_jit_dir))
     ep_jit.clear_memo()
     return ep_jit
+
+
+@pytest.fixture
+def header_signatures():
+    """``read(file)`` -> ``(text, {kernel: parameters})``: an ``ep_core/`` header's text and its extern "C" kernels'
+    parameters spelled as the host modules' ``SIGNATURES`` spell them (``p`` a pointer, ``i`` an int32)."""
+
+    def read(name: str) -> tuple[str, dict[str, str]]:
+        from ep_core.kernels._source import get_include
+
+        text = (Path(get_include()) / "ep_core" / name).read_text()
+        pattern = r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(([^)]*)\)'
+        found = {
+            m.group(1): "".join("p" if "*" in p else "i" for p in m.group(2).split(","))
+            for m in re.finditer(pattern, text)
+        }
+        return text, found
+
+    return read

@@ -7,7 +7,6 @@ test_torch_bucket_gpu.py."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import struct
 import subprocess
@@ -19,20 +18,10 @@ from ep_core import bucket_bf16
 from ep_core.bf16 import stochastic_bits
 
 
-def _header() -> str:
-    from ep_core.kernels._source import get_include
-
-    return (Path(get_include()) / "ep_core" / "bucket_bf16.cuh").read_text()
-
-
-def test_signatures_match_the_header():
-    found = {}
-    for m in re.finditer(
-        r'extern "C" __global__ void __launch_bounds__\([\w:]+\)\s+(\w+)\(([^)]*)\)', _header()
-    ):
-        found[m.group(1)] = "".join("p" if "*" in p else "i" for p in m.group(2).split(","))
+def test_signatures_match_the_header(header_signatures):
+    text, found = header_signatures("bucket_bf16.cuh")
     assert found == bucket_bf16.SIGNATURES
-    assert f"kBlockThreads = {bucket_bf16.BLOCK_THREADS};" in _header()
+    assert f"kBlockThreads = {bucket_bf16.BLOCK_THREADS};" in text
 
 
 def _model_bits(values: np.ndarray, first_quad: int) -> list[int]:

@@ -6,7 +6,6 @@ sm_90a (nvcc). On the GPU: ep-torch's test_torch_lb_symmetric_gpu.py."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,20 +22,10 @@ from ep_core.load_balance import (
 )
 
 
-def _header() -> str:
-    from ep_core.kernels._source import get_include
-
-    return (Path(get_include()) / "ep_core" / "lb_copy.cuh").read_text()
-
-
-def test_signatures_match_the_header():
-    found = {}
-    for m in re.finditer(
-        r'extern "C" __global__ void __launch_bounds__\([\w:]+\)\s+(\w+)\(([^)]*)\)', _header()
-    ):
-        found[m.group(1)] = "".join("p" if "*" in p else "i" for p in m.group(2).split(","))
+def test_signatures_match_the_header(header_signatures):
+    text, found = header_signatures("lb_copy.cuh")
     assert found == lb_copy.SIGNATURES
-    assert f"kBlockThreads = {lb_copy.BLOCK_THREADS};" in _header()
+    assert f"kBlockThreads = {lb_copy.BLOCK_THREADS};" in text
 
 
 class _Memory:
